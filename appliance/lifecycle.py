@@ -1,0 +1,246 @@
+"""up, down and status: the appliance's processes as one unit under supervisord."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+from appliance.errors import StartError
+from appliance.home import Home
+from appliance.orphans import end_leftovers
+from appliance.programs import Program, discover_programs
+from appliance.secrets import secret
+from appliance.settings import Settings
+from appliance.supervisor import (
+    FAILED_STATES,
+    ProcessInfo,
+    ProcessState,
+    Supervisor,
+    log_file,
+    render_config,
+    socket_path,
+)
+
+Progress = Callable[[str], None]
+
+
+def _no_progress(_: str) -> None:
+    pass
+
+
+def server_url(home: Home) -> str:
+    """SUPERVISOR_SERVER_URL as supervisord sets it in its children's environment."""
+    return f"unix://{socket_path(home)}"
+
+
+def _programs_file(home: Home) -> Path:
+    """The programs `up` started, so status describes what runs rather than current settings."""
+    return home.run / "programs.json"
+
+
+@dataclass
+class UpReport:
+    already_up: bool
+    programs: list[Program]
+    startup_s: dict[str, float] = field(default_factory=dict)
+
+
+def up(settings: Settings, home: Home, progress: Progress = _no_progress) -> UpReport:
+    """Start supervisord with every program and wait until each answers its health check.
+
+    A failed start stops whatever it started, so the appliance is either up or down.
+    """
+    home.ensure()
+    supervisor = Supervisor(home)
+    if supervisor.is_running():
+        return UpReport(already_up=True, programs=_started_programs(home))
+    programs = discover_programs(settings, home)
+    _check_startable(programs, home)
+    # Leftovers of an earlier run that died hard would hold ports, memory and cores.
+    end_leftovers(server_url(home))
+    wrapped = [_wrap(program, home) for program in programs]
+    _programs_file(home).write_text(json.dumps([p.model_dump(mode="json") for p in programs]))
+    progress("starting supervisord")
+    supervisor.start(render_config(home, wrapped, secret(home, "supervisor-password")))
+    try:
+        startup = _wait_ready(supervisor, programs, home, progress)
+    except BaseException:
+        progress("start failed: stopping what was started")
+        _stop(supervisor, home)
+        raise
+    return UpReport(already_up=False, programs=programs, startup_s=startup)
+
+
+def _wrap(program: Program, home: Home) -> Program:
+    """Run the program through appliance.orphans, which ends a dead predecessor's workers."""
+    command = [sys.executable, "-m", "appliance.orphans", program.name, server_url(home), "--",
+               *program.command]
+    return program.model_copy(update={"command": command})
+
+
+def _check_startable(programs: list[Program], home: Home) -> None:
+    for program in programs:
+        if program.missing:
+            raise StartError(f"{program.name}: {program.missing}", log=appliance_log(home))
+        if program.port is not None and not _port_free(program.port):
+            raise StartError(
+                f"{program.name}: port {program.port} is already in use{_port_owner(program.port)}",
+                log=appliance_log(home),
+                hint="stop that process or choose another port in settings",
+            )
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _port_owner(port: int) -> str:
+    try:
+        for conn in psutil.net_connections(kind="tcp"):
+            if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN and conn.pid:
+                return f" (by pid {conn.pid}, {psutil.Process(conn.pid).name()})"
+    except (psutil.Error, OSError):
+        pass
+    return ""
+
+
+def appliance_log(home: Home) -> Path:
+    """Where the CLI records the errors it reports."""
+    return home.logs / "appliance.log"
+
+
+def _wait_ready(
+    supervisor: Supervisor, programs: list[Program], home: Home, progress: Progress
+) -> dict[str, float]:
+    """Wait for every program's health URL; fail fast if its process exits meanwhile."""
+    started = time.monotonic()
+    waiting = {p.name: p for p in programs if p.health_url}
+    first_pid: dict[str, int] = {}
+    ready: dict[str, float] = {}
+    with httpx.Client(timeout=2.0) as client:
+        while waiting:
+            infos = {info.name: info for info in supervisor.processes()}
+            for name, program in list(waiting.items()):
+                info = infos[name]
+                if info.pid:
+                    first_pid.setdefault(name, info.pid)
+                restarted = info.pid and info.pid != first_pid[name]
+                if info.state in FAILED_STATES or restarted:
+                    raise StartError(
+                        f"{name} exited during start: {failure_reason(log_file(home, name))}",
+                        log=log_file(home, name),
+                    )
+                elapsed = time.monotonic() - started
+                if info.state == ProcessState.RUNNING and _healthy(client, program.health_url):
+                    ready[name] = round(elapsed, 1)
+                    del waiting[name]
+                    progress(f"{name} ready after {elapsed:.0f}s")
+                elif elapsed > program.start_timeout_s:
+                    raise StartError(
+                        f"{name} did not answer {program.health_url} within {program.start_timeout_s}s",
+                        log=log_file(home, name),
+                    )
+                else:
+                    progress(f"waiting for {name} ({info.state.name.lower()}, {elapsed:.0f}s)")
+            time.sleep(0.5)
+    return ready
+
+
+def _healthy(client: httpx.Client, url: str | None) -> bool:
+    if url is None:
+        return True
+    try:
+        return client.get(url).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def failure_reason(log: Path, tail_bytes: int = 64_000) -> str:
+    """The most telling line at the end of a program's log: the last error, else the last line."""
+    try:
+        with log.open("rb") as handle:
+            handle.seek(max(0, log.stat().st_size - tail_bytes))
+            lines = [line.strip() for line in handle.read().decode(errors="replace").splitlines()]
+    except OSError:
+        return "no log written"
+    lines = [line for line in lines if line]
+    for line in reversed(lines):
+        if "Error" in line or "error" in line.split(":", 1)[0].lower():
+            return line[:300]
+    return lines[-1][:300] if lines else "log is empty"
+
+
+@dataclass
+class DownReport:
+    was_running: bool
+    ended_leftovers: list[int]
+
+
+def down(home: Home) -> DownReport:
+    """Stop every program and supervisord; end any process they left behind."""
+    supervisor = Supervisor(home)
+    if not supervisor.is_running():
+        return DownReport(was_running=False, ended_leftovers=end_leftovers(server_url(home)))
+    return DownReport(was_running=True, ended_leftovers=_stop(supervisor, home))
+
+
+def _stop(supervisor: Supervisor, home: Home) -> list[int]:
+    supervisor.shutdown()
+    return end_leftovers(server_url(home))
+
+
+def _started_programs(home: Home) -> list[Program]:
+    try:
+        return [Program.model_validate(p) for p in json.loads(_programs_file(home).read_text())]
+    except (OSError, ValueError):
+        return []
+
+
+def status(home: Home) -> dict[str, Any]:
+    """supervisord's view of every program, plus each program's own health answer."""
+    supervisor = Supervisor(home)
+    running = supervisor.is_running()
+    infos: dict[str, ProcessInfo] = {}
+    if running:
+        infos = {info.name: info for info in supervisor.processes()}
+    programs = []
+    with httpx.Client(timeout=2.0) as client:
+        for program in _started_programs(home) if running else []:
+            info = infos.get(program.name)
+            programs.append({
+                "name": program.name,
+                "pool": program.pool,
+                "state": info.state.name if info else "UNKNOWN",
+                "pid": info.pid if info else 0,
+                "uptime_s": info.uptime_s if info else 0,
+                "model": program.model,
+                "port": program.port,
+                "healthy": bool(info and info.state == ProcessState.RUNNING
+                                and _healthy(client, program.health_url)),
+                "urls": program.urls,
+                "log": str(log_file(home, program.name)),
+            })
+    return {
+        "home": str(home.root),
+        "supervisord": {
+            "running": running,
+            "pid": supervisor.daemon_pid() if running else None,
+            "socket": str(socket_path(home)),
+        },
+        "programs": programs,
+    }
+

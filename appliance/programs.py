@@ -1,0 +1,54 @@
+"""What supervisord runs: program specs, contributed by packages through entry points.
+
+`appliance up` asks every `appliance.programs` entry point for its programs, so the core never
+imports the packages that build on it. Each entry point is a callable
+`(settings, home) -> list[Program]`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from importlib.metadata import entry_points
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from appliance.home import Home
+from appliance.settings import Settings
+
+PROGRAMS_GROUP = "appliance.programs"
+
+
+class Program(BaseModel):
+    """One supervised process and how to tell that it is ready."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str = Field(pattern=r"^[a-z][a-z0-9-]*$")
+    command: list[str] = Field(min_length=1)
+    environment: dict[str, str] = Field(default_factory=dict)
+    directory: Path | None = None
+    port: int | None = Field(None, description="Loopback port it listens on; checked free before start.")
+    health_url: str | None = Field(None, description="Answers 200 once the program is ready.")
+    urls: dict[str, str] = Field(default_factory=dict, description="What it serves, for status.")
+    model: str | None = Field(None, description="Model name it serves, if any.")
+    pool: str | None = Field(None, description="The engine pool it belongs to, if any.")
+    priority: int = Field(100, description="Lower starts first.")
+    startsecs: int = Field(5, ge=0, description="Seconds up before supervisord counts it started.")
+    stopwaitsecs: int = Field(30, ge=1, description="Grace period between SIGTERM and SIGKILL.")
+    start_timeout_s: int = Field(120, gt=0, description="How long `up` waits for health.")
+    missing: str | None = Field(
+        None, description="Why it cannot start (e.g. model not prepared), checked before start."
+    )
+
+
+ProgramSource = Callable[[Settings, Home], list[Program]]
+
+
+def discover_programs(settings: Settings, home: Home) -> list[Program]:
+    """All programs every installed package contributes, in start order."""
+    programs: list[Program] = []
+    for ep in entry_points(group=PROGRAMS_GROUP):
+        source: ProgramSource = ep.load()
+        programs.extend(source(settings, home))
+    return sorted(programs, key=lambda p: (p.priority, p.name))

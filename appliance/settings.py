@@ -1,0 +1,267 @@
+"""Typed settings: a TOML file in the state directory, then APPLIANCE_* environment overrides.
+
+Every field has a default, a constraint and a one-line description; `appliance settings defaults`
+prints them as a commented TOML file. Loading does no I/O beyond reading the file and the
+environment. Errors name the source (file and line, or the environment variable), the field and
+the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from appliance.errors import SettingsError
+
+ENV_PREFIX = "APPLIANCE_"
+# Not settings: APPLIANCE_HOME picks the state directory itself (appliance.home).
+_ENV_NOT_SETTINGS = {"APPLIANCE_HOME"}
+
+DEMO_MODEL = "demo"
+Port = Annotated[int, Field(ge=1024, le=65535)]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class NetworkSettings(_Section):
+    """Where the appliance's processes listen."""
+
+    bind: str = Field(
+        "127.0.0.1",
+        description="Address the engines listen on. Engines are internal: keep this on loopback.",
+    )
+
+    @model_validator(mode="after")
+    def _loopback_only(self) -> NetworkSettings:
+        if self.bind not in ("127.0.0.1", "::1", "localhost"):
+            raise ValueError(
+                "engines listen on loopback only; the gateway is the public endpoint "
+                "(use 127.0.0.1)"
+            )
+        return self
+
+
+class EngineSettings(_Section):
+    """Defaults for every vLLM pool."""
+
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="cuda if an NVIDIA driver is present (auto), or force cpu/cuda."
+    )
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "bfloat16", description="Weight and activation dtype passed to vLLM --dtype."
+    )
+    max_model_len: int = Field(2048, gt=0, description="Longest sequence (prompt + output) in tokens.")
+    gpu_memory_utilization: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="Fraction of accelerator memory for vLLM (unset: 0.9 on cuda; on cpu 0.3 "
+        "of the NUMA node's RAM, vLLM's default refuses to start on small hosts).",
+    )
+    cpu_kvcache_gib: int = Field(1, gt=0, description="KV-cache size on the CPU engine, GiB.")
+    enforce_eager: bool | None = Field(
+        None,
+        description="Skip graph capture / torch.compile (unset: on for cpu, where it halves "
+        "start-up; off for cuda).",
+    )
+    start_timeout_s: int = Field(
+        600, gt=0, description="How long `appliance up` waits for an engine to answer."
+    )
+
+
+class PoolSettings(_Section):
+    """One vLLM server: a model served under a name on a loopback port."""
+
+    name: str = Field(
+        pattern=r"^[a-z][a-z0-9-]{0,30}$",
+        description="Pool name; its supervised program is vllm-<name>.",
+    )
+    model: str = Field(
+        DEMO_MODEL,
+        description="'demo' (the bundled SmolLM2-135M-Instruct) or a path to an HF-format "
+        "checkpoint directory.",
+    )
+    served_model_name: str | None = Field(
+        None, description="Name clients use in 'model' (unset: the model directory's name)."
+    )
+    port: Port = Field(8100, description="Loopback port of this pool's vLLM server.")
+    tensor_parallel_size: int = Field(1, ge=1, description="vLLM --tensor-parallel-size.")
+    pipeline_parallel_size: int = Field(1, ge=1, description="vLLM --pipeline-parallel-size.")
+    data_parallel_size: int = Field(1, ge=1, description="vLLM --data-parallel-size.")
+    enable_expert_parallel: bool = Field(False, description="vLLM --enable-expert-parallel.")
+    enable_lora: bool = Field(False, description="Serve LoRA adapters (runtime loading on).")
+    max_lora_rank: int = Field(16, ge=1, description="Largest adapter rank accepted.")
+    max_loras: int = Field(4, ge=1, description="Adapters resident at once.")
+    max_model_len: int | None = Field(None, gt=0, description="Overrides engine.max_model_len.")
+    extra_args: list[str] = Field(
+        default_factory=list, description="Further vLLM arguments, appended verbatim."
+    )
+
+
+class Settings(_Section):
+    """All settings, composed from one section per concern."""
+
+    network: NetworkSettings = Field(default_factory=NetworkSettings)
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    pools: list[PoolSettings] = Field(
+        default_factory=lambda: [PoolSettings(name="main")],
+        min_length=1,
+        description="vLLM pools; each is one supervised vllm-<name> program.",
+    )
+
+    @model_validator(mode="after")
+    def _pools_distinct(self) -> Settings:
+        for attr in ("name", "port"):
+            seen: set[object] = set()
+            for pool in self.pools:
+                value = getattr(pool, attr)
+                if value in seen:
+                    raise ValueError(f"two pools share {attr} {value!r}; give each its own")
+                seen.add(value)
+        return self
+
+    def pool(self, name: str) -> PoolSettings:
+        """The pool called `name`."""
+        for pool in self.pools:
+            if pool.name == name:
+                return pool
+        raise SettingsError(f"no pool named {name!r}", hint=f"pools: {[p.name for p in self.pools]}")
+
+
+def load_settings(path: Path, environ: Mapping[str, str] | None = None) -> Settings:
+    """Read `path` (missing means all defaults), apply APPLIANCE_* overrides, validate."""
+    environ = os.environ if environ is None else environ
+    text = ""
+    data: dict[str, Any] = {}
+    if path.exists():
+        text = path.read_text()
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise SettingsError(f"{path}: not valid TOML: {exc}") from exc
+    overrides = _apply_env(data, environ)
+    try:
+        return Settings.model_validate(data)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        field = _dotted(error["loc"], data)
+        source = overrides.get(field) or _locate(path, text, error["loc"], data)
+        more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+        raise SettingsError(f"{source}: {field or 'settings'}: {error['msg']}{more}") from exc
+
+
+def _apply_env(data: dict[str, Any], environ: Mapping[str, str]) -> dict[str, str]:
+    """Fold APPLIANCE_SECTION__FIELD (or APPLIANCE_POOLS__<NAME>__FIELD) into `data`.
+
+    Returns {dotted field: variable name} so errors can point at the variable.
+    """
+    applied: dict[str, str] = {}
+    for var in sorted(environ):
+        if not var.startswith(ENV_PREFIX) or var in _ENV_NOT_SETTINGS:
+            continue
+        path = [part.lower() for part in var[len(ENV_PREFIX):].split("__")]
+        value = _parse_env_value(environ[var])
+        if path[0] == "pools":
+            if len(path) != 3:
+                raise SettingsError(f"{var}: pool overrides look like APPLIANCE_POOLS__<NAME>__<FIELD>")
+            pools = data.setdefault("pools", [{"name": "main"}])
+            pool = next((p for p in pools if isinstance(p, dict) and p.get("name") == path[1]), None)
+            if pool is None:
+                raise SettingsError(f"{var}: no pool named {path[1]!r} in the settings file")
+            pool[path[2]] = value
+            applied[f"pools.{path[1]}.{path[2]}"] = var
+            continue
+        if len(path) != 2 or path[0] not in Settings.model_fields:
+            raise SettingsError(
+                f"{var}: unknown setting", hint="overrides look like APPLIANCE_<SECTION>__<FIELD>"
+            )
+        section = data.setdefault(path[0], {})
+        section[path[1]] = value
+        applied[".".join(path)] = var
+    return applied
+
+
+def _parse_env_value(raw: str) -> Any:
+    """A TOML value if it parses as one (numbers, booleans, arrays), else the raw string."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def _dotted(loc: tuple[int | str, ...], data: dict[str, Any]) -> str:
+    """('pools', 0, 'port') -> 'pools.main.port' (pools are named by name, not index)."""
+    parts: list[str] = []
+    for i, part in enumerate(loc):
+        if isinstance(part, int) and loc[:i] == ("pools",):
+            pools = data.get("pools") or []
+            name = pools[part].get("name") if part < len(pools) and isinstance(pools[part], dict) else None
+            parts.append(str(name) if name else str(part))
+        else:
+            parts.append(str(part))
+    return ".".join(parts)
+
+
+def _locate(path: Path, text: str, loc: tuple[int | str, ...], data: dict[str, Any]) -> str:
+    """'FILE:LINE' of the key the error is about, or 'FILE' (or 'defaults') if it has no line."""
+    if not text:
+        return "defaults" if not path.exists() else str(path)
+    table = [str(p) for p in loc[:-1] if not isinstance(p, int)]
+    key = str(loc[-1]) if loc and not isinstance(loc[-1], int) else None
+    index = next((p for p in loc if isinstance(p, int)), None)
+    current: list[str] = []
+    array_seen = -1
+    for number, line in enumerate(text.splitlines(), start=1):
+        header = re.match(r"^\s*(\[\[?)\s*([\w.-]+)\s*\]\]?", line)
+        if header:
+            current = header.group(2).split(".")
+            if header.group(1) == "[[" and current == table:
+                array_seen += 1
+            continue
+        if key and current == table and (index is None or index == array_seen):
+            if re.match(rf"^\s*{re.escape(key)}\s*=", line):
+                return f"{path}:{number}"
+    return str(path)
+
+
+def render_defaults() -> str:
+    """A commented settings.toml holding every default: the settings' documentation."""
+    lines = ["# Appliance settings. Every key is optional; shown with its default.",
+             "# Environment overrides: APPLIANCE_<SECTION>__<FIELD>, APPLIANCE_POOLS__<NAME>__<FIELD>.", ""]
+    defaults = Settings()
+    for section in ("network", "engine"):
+        model = getattr(defaults, section)
+        lines.append(f"[{section}]")
+        lines += _render_fields(model)
+        lines.append("")
+    for pool in defaults.pools:
+        lines.append("[[pools]]")
+        lines += _render_fields(pool)
+    return "\n".join(lines) + "\n"
+
+
+def _render_fields(model: BaseModel) -> list[str]:
+    out = []
+    for name, info in type(model).model_fields.items():
+        value = getattr(model, name)
+        out.append(f"# {info.description}")
+        out.append(f"# {name} = (unset)" if value is None else f"{name} = {_toml_value(value)}")
+    return out
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f'"{value}"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return str(value)

@@ -1,0 +1,241 @@
+"""supervisord: its config file, the daemon, and a client over its XML-RPC unix socket."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+import time
+import xmlrpc.client
+from dataclasses import dataclass
+from enum import IntEnum
+from pathlib import Path
+from typing import Any
+
+from supervisor.xmlrpc import SupervisorTransport
+
+from appliance.errors import SupervisorError
+from appliance.home import Home
+from appliance.programs import Program
+from appliance.secrets import secret
+
+RPC_USER = "appliance"
+# Unix socket paths are limited to 107 bytes on Linux.
+_MAX_SOCKET_PATH = 107
+
+
+class ProcessState(IntEnum):
+    """supervisord's process states (supervisor/states.py)."""
+
+    STOPPED = 0
+    STARTING = 10
+    RUNNING = 20
+    BACKOFF = 30
+    STOPPING = 40
+    EXITED = 100
+    FATAL = 200
+    UNKNOWN = 1000
+
+
+FAILED_STATES = {ProcessState.BACKOFF, ProcessState.EXITED, ProcessState.FATAL}
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    """One program as supervisord reports it."""
+
+    name: str
+    state: ProcessState
+    pid: int
+    uptime_s: int
+    log: Path
+    description: str
+
+    @classmethod
+    def from_rpc(cls, info: dict[str, Any]) -> ProcessInfo:
+        running = info["state"] == ProcessState.RUNNING
+        return cls(
+            name=info["name"],
+            state=ProcessState(info["state"]),
+            pid=info["pid"],
+            uptime_s=(info["now"] - info["start"]) if running else 0,
+            log=Path(info["stdout_logfile"]),
+            description=info["description"],
+        )
+
+
+def _escape(value: str) -> str:
+    """supervisord expands %(name)s in its config; a literal % must be doubled."""
+    return value.replace("%", "%%")
+
+
+def render_config(home: Home, programs: list[Program], password: str) -> str:
+    """The supervisord.conf text for these programs: private socket, logs under the state dir."""
+    sock = socket_path(home)
+    lines = [
+        "[unix_http_server]",
+        f"file={sock}",
+        "chmod=0700",
+        f"username={RPC_USER}",
+        f"password={password}",
+        "",
+        "[supervisord]",
+        f"logfile={home.logs / 'supervisord.log'}",
+        f"pidfile={pid_file(home)}",
+        f"childlogdir={home.logs}",
+        f"directory={home.root}",
+        "identifier=appliance",
+        "nodaemon=false",
+        "",
+        "[rpcinterface:supervisor]",
+        "supervisor.rpcinterface_factory = supervisor.rpcinterface:make_main_rpcinterface",
+        "",
+        "[supervisorctl]",
+        f"serverurl=unix://{sock}",
+        f"username={RPC_USER}",
+        f"password={password}",
+    ]
+    for program in programs:
+        env = ",".join(f'{key}="{_escape(value)}"' for key, value in sorted(program.environment.items()))
+        lines += [
+            "",
+            f"[program:{program.name}]",
+            f"command={_escape(shlex.join(program.command))}",
+            *([f"environment={env}"] if env else []),
+            *([f"directory={program.directory}"] if program.directory else []),
+            f"priority={program.priority}",
+            "autostart=true",
+            "autorestart=true",
+            f"startsecs={program.startsecs}",
+            "startretries=3",
+            # Engines fork workers: signal the whole process group so none outlive the server.
+            "stopasgroup=true",
+            "killasgroup=true",
+            f"stopwaitsecs={program.stopwaitsecs}",
+            "redirect_stderr=true",
+            f"stdout_logfile={log_file(home, program.name)}",
+            "stdout_logfile_maxbytes=50MB",
+            "stdout_logfile_backups=3",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def socket_path(home: Home) -> Path:
+    return home.run / "supervisor.sock"
+
+
+def pid_file(home: Home) -> Path:
+    return home.run / "supervisord.pid"
+
+
+def config_file(home: Home) -> Path:
+    return home.run / "supervisord.conf"
+
+
+def log_file(home: Home, program: str) -> Path:
+    return home.logs / f"{program}.log"
+
+
+class Supervisor:
+    """A client for the appliance's supervisord, which it can also start."""
+
+    def __init__(self, home: Home) -> None:
+        self.home = home
+        sock = socket_path(home)
+        if len(str(sock)) > _MAX_SOCKET_PATH:
+            raise SupervisorError(
+                f"supervisor socket path {sock} is longer than {_MAX_SOCKET_PATH} bytes",
+                hint="use a shorter APPLIANCE_HOME",
+            )
+        self._sock = sock
+
+    def _proxy(self) -> Any:
+        password = secret(self.home, "supervisor-password")
+        transport = SupervisorTransport(RPC_USER, password, f"unix://{self._sock}")
+        return xmlrpc.client.ServerProxy("http://127.0.0.1", transport=transport)
+
+    def call(self, method: str, *args: Any) -> Any:
+        """Call supervisor.<method>; unreachable or failing calls raise SupervisorError."""
+        try:
+            return getattr(self._proxy().supervisor, method)(*args)
+        except xmlrpc.client.Fault as exc:
+            raise SupervisorError(f"supervisord refused {method}: {exc.faultString}") from exc
+        except OSError as exc:
+            raise SupervisorError(
+                f"supervisord is not reachable at {self._sock}: {exc}",
+                log=self.home.logs / "supervisord.log",
+            ) from exc
+
+    def is_running(self) -> bool:
+        """True if supervisord answers on its socket."""
+        if not self._sock.exists():
+            return False
+        try:
+            return self.call("getState")["statename"] == "RUNNING"
+        except SupervisorError:
+            return False
+
+    def daemon_pid(self) -> int | None:
+        """supervisord's own pid, from its pid file."""
+        try:
+            return int(pid_file(self.home).read_text().strip())
+        except (OSError, ValueError):
+            return None
+
+    def start(self, config_text: str, timeout_s: float = 30.0) -> None:
+        """Write the config (0600: it holds the RPC password) and start the daemon."""
+        conf = config_file(self.home)
+        tmp = conf.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(config_text)
+        os.replace(tmp, conf)
+        supervisord = Path(sys.executable).with_name("supervisord")
+        result = subprocess.run(
+            [str(supervisord), "-c", str(conf)], capture_output=True, text=True, check=False
+        )
+        if result.returncode != 0:
+            reason = (result.stderr or result.stdout).strip().splitlines()
+            raise SupervisorError(
+                f"supervisord did not start: {reason[-1] if reason else result.returncode}",
+                log=self.home.logs / "supervisord.log",
+            )
+        deadline = time.monotonic() + timeout_s
+        while not self.is_running():
+            if time.monotonic() > deadline:
+                raise SupervisorError(
+                    f"supervisord did not answer within {timeout_s:.0f}s",
+                    log=self.home.logs / "supervisord.log",
+                )
+            time.sleep(0.1)
+
+    def processes(self) -> list[ProcessInfo]:
+        """Every program supervisord knows, with its state."""
+        return [ProcessInfo.from_rpc(info) for info in self.call("getAllProcessInfo")]
+
+    def shutdown(self, timeout_s: float = 120.0) -> None:
+        """Stop every program (process groups included), then supervisord itself, and wait."""
+        pid = self.daemon_pid()
+        self.call("stopAllProcesses", True)
+        self.call("shutdown")
+        deadline = time.monotonic() + timeout_s
+        while pid is not None and _alive(pid):
+            if time.monotonic() > deadline:
+                raise SupervisorError(f"supervisord (pid {pid}) did not exit within {timeout_s:.0f}s")
+            time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie still answers kill(0); it is gone for our purposes.
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False

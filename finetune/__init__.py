@@ -1,0 +1,1 @@
+"""LoRA/QLoRA post-training (issue 7)."""

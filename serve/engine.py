@@ -1,0 +1,138 @@
+"""The engine launcher: a vLLM OpenAI server's command line and environment, from settings.
+
+Later issues (planner, LoRA, staging) change only the inputs: settings and the model directory.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from appliance.home import Home
+from appliance.programs import Program
+from appliance.secrets import secret
+from appliance.settings import DEMO_MODEL, EngineSettings, PoolSettings, Settings
+
+ENGINE_KEY_SECRET = "engine-api-key"
+# /dev/nvidiactl exists wherever the NVIDIA kernel driver is loaded.
+NVIDIA_DEVICE = Path("/dev/nvidiactl")
+
+
+@dataclass(frozen=True)
+class EngineLaunch:
+    """What supervisord needs to run one pool's vLLM server."""
+
+    argv: list[str]
+    environment: dict[str, str]
+    model_dir: Path
+    served_name: str
+    device: str
+
+
+def resolve_device(engine: EngineSettings) -> str:
+    """'cuda' or 'cpu': the setting, or (auto) whether an NVIDIA driver is loaded."""
+    if engine.device != "auto":
+        return engine.device
+    return "cuda" if NVIDIA_DEVICE.exists() else "cpu"
+
+
+def model_dir(pool: PoolSettings, home: Home) -> Path:
+    """The checkpoint directory a pool serves."""
+    if pool.model == DEMO_MODEL:
+        return home.demo_model
+    return Path(pool.model).expanduser()
+
+
+def build_launch(pool: PoolSettings, settings: Settings, home: Home, api_key: str) -> EngineLaunch:
+    """vLLM's argv and environment for `pool`; no I/O."""
+    engine = settings.engine
+    device = resolve_device(engine)
+    path = model_dir(pool, home)
+    served = pool.served_model_name or path.name
+    on_cpu = device == "cpu"
+    utilization = engine.gpu_memory_utilization or (0.3 if on_cpu else 0.9)
+    eager = engine.enforce_eager if engine.enforce_eager is not None else on_cpu
+    argv = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(path),
+        "--served-model-name", served,
+        "--host", settings.network.bind,
+        "--port", str(pool.port),
+        "--dtype", engine.dtype,
+        "--max-model-len", str(pool.max_model_len or engine.max_model_len),
+        "--gpu-memory-utilization", str(utilization),
+        "--tensor-parallel-size", str(pool.tensor_parallel_size),
+        "--pipeline-parallel-size", str(pool.pipeline_parallel_size),
+        "--data-parallel-size", str(pool.data_parallel_size),
+        "--disable-uvicorn-access-log",
+    ]
+    if eager:
+        argv.append("--enforce-eager")
+    if pool.enable_expert_parallel:
+        argv.append("--enable-expert-parallel")
+    if pool.enable_lora:
+        argv += ["--enable-lora", "--max-lora-rank", str(pool.max_lora_rank),
+                 "--max-loras", str(pool.max_loras)]
+    argv += pool.extra_args
+
+    # The key travels in the environment (the config file is 0600), never on the command line.
+    env = {"VLLM_API_KEY": api_key, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    if pool.enable_lora:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    if on_cpu:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(engine.cpu_kvcache_gib)
+        ranks = pool.tensor_parallel_size * pool.pipeline_parallel_size
+        if ranks > 1:
+            # One OpenMP core set per rank, else vLLM refuses: "Not enough allowed NUMA nodes".
+            env["VLLM_CPU_OMP_THREADS_BIND"] = _split_cores(ranks)
+    return EngineLaunch(argv=argv, environment=env, model_dir=path, served_name=served, device=device)
+
+
+def _split_cores(ranks: int) -> str:
+    """'0|1' style core lists, one per rank, from the cores this process may use."""
+    cores = sorted(os.sched_getaffinity(0))
+    per = max(1, len(cores) // ranks)
+    groups = [cores[i * per:(i + 1) * per] or [cores[-1]] for i in range(ranks)]
+    return "|".join(",".join(str(c) for c in group) for group in groups)
+
+
+def missing_model(path: Path) -> str | None:
+    """Why `path` is not a servable checkpoint, or None."""
+    if not (path / "config.json").is_file():
+        return f"model not found: {path} has no config.json"
+    if not any(path.glob("*.safetensors")):
+        return f"model not found: {path} has no *.safetensors weights"
+    return None
+
+
+def engine_programs(settings: Settings, home: Home) -> list[Program]:
+    """One supervised vllm-<pool> program per pool (the `appliance.programs` entry point)."""
+    api_key = secret(home, ENGINE_KEY_SECRET)
+    programs = []
+    for pool in settings.pools:
+        launch = build_launch(pool, settings, home, api_key)
+        base = f"http://{settings.network.bind}:{pool.port}"
+        problem = missing_model(launch.model_dir)
+        if problem and pool.model == DEMO_MODEL:
+            problem += " (run ./bootstrap.sh, or `appliance model prepare-demo`)"
+        programs.append(
+            Program(
+                name=f"vllm-{pool.name}",
+                command=launch.argv,
+                environment=launch.environment,
+                port=pool.port,
+                health_url=f"{base}/health",
+                urls={"openai": f"{base}/v1"},
+                model=launch.served_name,
+                pool=pool.name,
+                priority=50,
+                startsecs=10,
+                stopwaitsecs=60,
+                start_timeout_s=settings.engine.start_timeout_s,
+                missing=problem,
+            )
+        )
+    return programs

@@ -1,0 +1,1 @@
+"""The Textual admin app (issue 8)."""
