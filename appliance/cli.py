@@ -8,10 +8,9 @@ import traceback
 from importlib.metadata import entry_points
 from typing import Annotated
 
-import click
 import typer
 from rich.console import Console
-from rich.table import Table
+from rich.table import Column, Table
 
 from appliance import lifecycle
 from appliance.errors import ApplianceError
@@ -85,7 +84,8 @@ def status(
 
 
 def _print_programs(report: dict) -> None:
-    table = Table("program", "pool", "state", "pid", "uptime", "model", "serves", "health")
+    table = Table(*(Column(name, overflow="fold") for name in
+                    ("program", "pool", "state", "pid", "uptime", "model", "serves", "health")))
     for p in report["programs"]:
         table.add_row(p["name"], p["pool"] or "-", p["state"], str(p["pid"] or "-"),
                       time.strftime("%H:%M:%S", time.gmtime(p["uptime_s"])), p["model"] or "-",
@@ -122,7 +122,7 @@ def main() -> None:
     """Console-script entry: run the app; an ApplianceError becomes one line and exit code 1."""
     _register_package_commands()
     try:
-        code = app(standalone_mode=False)
+        app()  # standalone: usage errors, --help and exit codes are handled by Typer
     except ApplianceError as exc:
         line = exc.one_line()
         _record(line)
@@ -130,13 +130,6 @@ def main() -> None:
         if _state["verbose"]:
             err.print(traceback.format_exc())
         raise SystemExit(1) from None
-    except click.ClickException as exc:
-        exc.show()
-        raise SystemExit(exc.exit_code) from None
-    except (click.Abort, KeyboardInterrupt):
-        err.print("aborted")
-        raise SystemExit(130) from None
-    raise SystemExit(code if isinstance(code, int) else 0)
 
 
 def _record(line: str) -> None:

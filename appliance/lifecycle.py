@@ -37,11 +37,6 @@ def _no_progress(_: str) -> None:
     pass
 
 
-def server_url(home: Home) -> str:
-    """SUPERVISOR_SERVER_URL as supervisord sets it in its children's environment."""
-    return f"unix://{socket_path(home)}"
-
-
 def _programs_file(home: Home) -> Path:
     """The programs `up` started, so status describes what runs rather than current settings."""
     return home.run / "programs.json"
@@ -63,10 +58,10 @@ def up(settings: Settings, home: Home, progress: Progress = _no_progress) -> UpR
     supervisor = Supervisor(home)
     if supervisor.is_running():
         return UpReport(already_up=True, programs=_started_programs(home))
+    # Leftovers of an earlier run that died hard would hold ports, memory and cores.
+    end_leftovers(home.run)
     programs = discover_programs(settings, home)
     _check_startable(programs, home)
-    # Leftovers of an earlier run that died hard would hold ports, memory and cores.
-    end_leftovers(server_url(home))
     wrapped = [_wrap(program, home) for program in programs]
     _programs_file(home).write_text(json.dumps([p.model_dump(mode="json") for p in programs]))
     progress("starting supervisord")
@@ -82,7 +77,7 @@ def up(settings: Settings, home: Home, progress: Progress = _no_progress) -> UpR
 
 def _wrap(program: Program, home: Home) -> Program:
     """Run the program through appliance.orphans, which ends a dead predecessor's workers."""
-    command = [sys.executable, "-m", "appliance.orphans", program.name, server_url(home), "--",
+    command = [sys.executable, "-m", "appliance.orphans", program.name, str(home.run), "--",
                *program.command]
     return program.model_copy(update={"command": command})
 
@@ -194,13 +189,13 @@ def down(home: Home) -> DownReport:
     """Stop every program and supervisord; end any process they left behind."""
     supervisor = Supervisor(home)
     if not supervisor.is_running():
-        return DownReport(was_running=False, ended_leftovers=end_leftovers(server_url(home)))
+        return DownReport(was_running=False, ended_leftovers=end_leftovers(home.run))
     return DownReport(was_running=True, ended_leftovers=_stop(supervisor, home))
 
 
 def _stop(supervisor: Supervisor, home: Home) -> list[int]:
     supervisor.shutdown()
-    return end_leftovers(server_url(home))
+    return end_leftovers(home.run)
 
 
 def _started_programs(home: Home) -> list[Program]:

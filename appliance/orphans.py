@@ -1,12 +1,15 @@
-"""Find and end processes a supervised program left behind.
+"""End the processes a supervised program left behind when it died hard.
 
-supervisord puts SUPERVISOR_SERVER_URL and SUPERVISOR_PROCESS_NAME into every child's
-environment, and children of children inherit them. When a program's main process dies hard
-(kill -9, OOM), its workers (vLLM's EngineCore and Worker processes) are re-parented and keep
-their memory and cores; supervisord's stopasgroup never reaches them. Every supervised program is
-therefore started through `python -m appliance.orphans NAME SOCKET -- COMMAND...`, which ends the
-previous instance's leftovers and then execs COMMAND, so the pid supervisord sees is COMMAND's own.
-`appliance down` calls `end_leftovers` once more for whatever remains.
+supervisord makes each program the leader of its own process group, and workers inherit it.
+When a program's main process dies hard (kill -9, OOM), its workers (vLLM's EngineCore and
+Worker processes) are re-parented and keep their memory and cores; supervisord's stopasgroup
+never reaches them, because it signals the new instance's group. vLLM renames its workers
+(setproctitle), which overwrites their /proc environ, so the group id is the reliable mark.
+
+Every supervised program is started through `python -m appliance.orphans NAME RUN_DIR --
+COMMAND...`: it ends the previous instance's group, records its own group id in
+RUN_DIR/NAME.pgid, then execs COMMAND, so the pid supervisord sees is COMMAND's own.
+`appliance up` and `down` end whatever groups remain recorded.
 """
 
 from __future__ import annotations
@@ -14,33 +17,30 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
 
 import psutil
 
 
-def leftovers(server_url: str, program: str | None = None) -> list[psutil.Process]:
-    """Live processes started by the supervisord at `server_url` (for `program`, or any)."""
-    found = []
+def pgid_file(run_dir: Path, program: str) -> Path:
+    return run_dir / f"{program}.pgid"
+
+
+def _members(pgid: int) -> list[psutil.Process]:
     me = os.getpid()
+    members = []
     for proc in psutil.process_iter():
-        if proc.pid == me:
-            continue
         try:
-            env = proc.environ()
-            if proc.status() == psutil.STATUS_ZOMBIE:
-                continue
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            if proc.pid != me and os.getpgid(proc.pid) == pgid and proc.uids().real == os.getuid():
+                members.append(proc)
+        except (ProcessLookupError, psutil.Error):
             continue
-        if env.get("SUPERVISOR_SERVER_URL") != server_url:
-            continue
-        if program is None or env.get("SUPERVISOR_PROCESS_NAME") == program:
-            found.append(proc)
-    return found
+    return members
 
 
-def end_leftovers(server_url: str, program: str | None = None, grace_s: float = 5.0) -> list[int]:
-    """SIGTERM, then SIGKILL after `grace_s`, every leftover process; return their pids."""
-    procs = leftovers(server_url, program)
+def end_group(pgid: int, grace_s: float = 5.0) -> list[int]:
+    """SIGTERM every member of process group `pgid`, SIGKILL survivors after `grace_s`."""
+    procs = _members(pgid)
     for proc in procs:
         try:
             proc.terminate()
@@ -56,15 +56,31 @@ def end_leftovers(server_url: str, program: str | None = None, grace_s: float = 
     return [proc.pid for proc in procs]
 
 
+def end_leftovers(run_dir: Path, program: str | None = None) -> list[int]:
+    """End the recorded process group of `program` (or of every program); return ended pids."""
+    files = [pgid_file(run_dir, program)] if program else sorted(run_dir.glob("*.pgid"))
+    ended: list[int] = []
+    for path in files:
+        try:
+            pgid = int(path.read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if pgid != os.getpgrp():
+            ended += end_group(pgid)
+        path.unlink(missing_ok=True)
+    return ended
+
+
 def main(argv: list[str]) -> None:
-    """`NAME SERVER_URL -- COMMAND...`: end NAME's leftovers, then exec COMMAND."""
+    """`NAME RUN_DIR -- COMMAND...`: end NAME's leftovers, record this group, exec COMMAND."""
     if len(argv) < 4 or argv[2] != "--":
-        sys.exit("usage: python -m appliance.orphans NAME SERVER_URL -- COMMAND...")
-    name, server_url, command = argv[0], argv[1], argv[3:]
-    ended = end_leftovers(server_url, name)
+        sys.exit("usage: python -m appliance.orphans NAME RUN_DIR -- COMMAND...")
+    name, run_dir, command = argv[0], Path(argv[1]), argv[3:]
+    ended = end_leftovers(run_dir, name)
     if ended:
-        print(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} ended leftovers of a previous {name}: {ended}",
-              flush=True)
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
+        print(f"{stamp} ended leftovers of a previous {name}: pids {ended}", flush=True)
+    pgid_file(run_dir, name).write_text(f"{os.getpgrp()}\n")
     os.execvp(command[0], command)
 
 

@@ -70,6 +70,19 @@ def _escape(value: str) -> str:
     return value.replace("%", "%%")
 
 
+def _env_pair(key: str, value: str) -> str:
+    """KEY="value" as supervisord's (non-POSIX shlex) parser reads it back unchanged.
+
+    That parser has no escapes: a value is quoted with whichever quote it does not contain, and
+    values it cannot carry are refused rather than silently altered.
+    """
+    quote = "'" if '"' in value else '"'
+    if quote in value or value[:1] in ("'", '"') or value[-1:] in ("'", '"'):
+        raise SupervisorError(f"environment variable {key} has a value supervisord cannot carry "
+                              "(a quote at either end, or quotes of both kinds)")
+    return f"{key}={quote}{_escape(value)}{quote}"
+
+
 def render_config(home: Home, programs: list[Program], password: str) -> str:
     """The supervisord.conf text for these programs: private socket, logs under the state dir."""
     sock = socket_path(home)
@@ -97,7 +110,7 @@ def render_config(home: Home, programs: list[Program], password: str) -> str:
         f"password={password}",
     ]
     for program in programs:
-        env = ",".join(f'{key}="{_escape(value)}"' for key, value in sorted(program.environment.items()))
+        env = ",".join(_env_pair(key, value) for key, value in sorted(program.environment.items()))
         lines += [
             "",
             f"[program:{program.name}]",

