@@ -51,6 +51,8 @@ def up() -> None:
         out.print("already up; nothing changed (`appliance down` first to apply new settings)")
     else:
         out.print(f"up in {max(report.startup_s.values(), default=0):.0f}s")
+    for notice in report.notices:
+        out.print(notice, highlight=False)
     _print_programs(lifecycle.status(home))
 
 

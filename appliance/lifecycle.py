@@ -17,7 +17,7 @@ import psutil
 from appliance.errors import StartError
 from appliance.home import Home
 from appliance.orphans import end_leftovers
-from appliance.programs import Program, discover_programs
+from appliance.programs import Program, discover_programs, run_provisioners
 from appliance.secrets import secret
 from appliance.settings import Settings
 from appliance.supervisor import (
@@ -47,6 +47,7 @@ class UpReport:
     already_up: bool
     programs: list[Program]
     startup_s: dict[str, float] = field(default_factory=dict)
+    notices: list[str] = field(default_factory=list)
 
 
 def up(settings: Settings, home: Home, progress: Progress = _no_progress) -> UpReport:
@@ -68,11 +69,13 @@ def up(settings: Settings, home: Home, progress: Progress = _no_progress) -> UpR
     supervisor.start(render_config(home, wrapped, secret(home, "supervisor-password")))
     try:
         startup = _wait_ready(supervisor, programs, home, progress)
+        progress("provisioning")
+        notices = run_provisioners(settings, home)
     except BaseException:
         progress("start failed: stopping what was started")
         _stop(supervisor, home)
         raise
-    return UpReport(already_up=False, programs=programs, startup_s=startup)
+    return UpReport(already_up=False, programs=programs, startup_s=startup, notices=notices)
 
 
 def _wrap(program: Program, home: Home) -> Program:

@@ -43,12 +43,24 @@ class Program(BaseModel):
 
 
 ProgramSource = Callable[[Settings, Home], list[Program]]
+# Runs after every program is ready (e.g. Keycloak realm provisioning); returns lines to print.
+Provisioner = Callable[[Settings, Home], list[str]]
+PROVISIONERS_GROUP = "appliance.provisioners"
 
 
 def discover_programs(settings: Settings, home: Home) -> list[Program]:
     """All programs every installed package contributes, in start order."""
     programs: list[Program] = []
-    for ep in entry_points(group=PROGRAMS_GROUP):
+    for ep in sorted(entry_points(group=PROGRAMS_GROUP), key=lambda ep: ep.name):
         source: ProgramSource = ep.load()
         programs.extend(source(settings, home))
     return sorted(programs, key=lambda p: (p.priority, p.name))
+
+
+def run_provisioners(settings: Settings, home: Home) -> list[str]:
+    """Run every `appliance.provisioners` entry point; collect what they want printed."""
+    lines: list[str] = []
+    for ep in sorted(entry_points(group=PROVISIONERS_GROUP), key=lambda ep: ep.name):
+        provisioner: Provisioner = ep.load()
+        lines.extend(provisioner(settings, home))
+    return lines

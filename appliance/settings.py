@@ -106,11 +106,75 @@ class PoolSettings(_Section):
     )
 
 
+class KeycloakSettings(_Section):
+    """The identity provider: the appliance's own Keycloak, or the organisation's."""
+
+    mode: Literal["embedded", "external"] = Field(
+        "embedded",
+        description="embedded: the appliance runs and provisions Keycloak; external: use url.",
+    )
+    url: str | None = Field(
+        None, description="Base URL of an external Keycloak (external mode), e.g. https://idp:8443."
+    )
+    realm: str = Field("appliance", description="Realm whose tokens the gateway accepts.")
+    port: Port = Field(8180, description="Loopback HTTP port of the embedded Keycloak.")
+    management_port: Port = Field(9180, description="Health endpoints of the embedded Keycloak.")
+    java_home: str | None = Field(
+        None, description="JDK for the embedded Keycloak (unset: Temurin 25 if present, else 17)."
+    )
+    gateway_client_id: str = Field("appliance-gateway", description="Confidential client of the gateway.")
+    gateway_client_secret: str | None = Field(
+        None,
+        description="External mode: the gateway client's secret (embedded mode generates one).",
+    )
+    cli_client_id: str = Field("appliance-cli", description="Public client (device grant) for the CLI/TUI.")
+    start_timeout_s: int = Field(300, gt=0, description="How long `up` waits for Keycloak.")
+
+    @model_validator(mode="after")
+    def _external_needs_url(self) -> KeycloakSettings:
+        if self.mode == "external" and not (self.url and self.gateway_client_secret):
+            raise ValueError("external mode needs url and gateway_client_secret")
+        return self
+
+
+class RoleLimits(_Section):
+    """Per-user limits for users whose best role is this one."""
+
+    requests_per_minute: int = Field(600, gt=0, description="Requests a user may make per minute.")
+    tokens_per_minute: int = Field(
+        200_000, gt=0, description="Prompt + completion tokens a user may use per minute."
+    )
+
+
+class GatewaySettings(_Section):
+    """The public, authenticated OpenAI-compatible endpoint."""
+
+    bind: str = Field(
+        "127.0.0.1", description="Address the gateway listens on; set 0.0.0.0 to serve the network."
+    )
+    port: Port = Field(8080, description="Gateway port.")
+    max_body_bytes: int = Field(1_048_576, gt=0, description="Largest request body accepted.")
+    leeway_s: int = Field(30, ge=0, le=300, description="Clock skew allowed on exp/nbf.")
+    jwks_refetch_interval_s: int = Field(
+        30, ge=1, description="Least time between JWKS refetches on an unknown key id."
+    )
+    upstream_connect_timeout_s: float = Field(
+        1.0, gt=0, description="Engine connect timeout; a down engine is a fast 503."
+    )
+    limits: dict[str, RoleLimits] = Field(
+        default_factory=lambda: {"user": RoleLimits(), "admin": RoleLimits(requests_per_minute=6000,
+                                                                           tokens_per_minute=2_000_000)},
+        description="Rate limits by role (the most generous role a user holds applies).",
+    )
+
+
 class Settings(_Section):
     """All settings, composed from one section per concern."""
 
     network: NetworkSettings = Field(default_factory=NetworkSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)
+    keycloak: KeycloakSettings = Field(default_factory=KeycloakSettings)
+    gateway: GatewaySettings = Field(default_factory=GatewaySettings)
     pools: list[PoolSettings] = Field(
         default_factory=lambda: [PoolSettings(name="main")],
         min_length=1,
@@ -237,7 +301,7 @@ def render_defaults() -> str:
     lines = ["# Appliance settings. Every key is optional; shown with its default.",
              "# Environment overrides: APPLIANCE_<SECTION>__<FIELD>, APPLIANCE_POOLS__<NAME>__<FIELD>.", ""]
     defaults = Settings()
-    for section in ("network", "engine"):
+    for section in ("network", "engine", "keycloak", "gateway"):
         model = getattr(defaults, section)
         lines.append(f"[{section}]")
         lines += _render_fields(model)
@@ -264,4 +328,8 @@ def _toml_value(value: Any) -> str:
         return f'"{value}"'
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, BaseModel):
+        value = value.model_dump()
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
     return str(value)

@@ -6,7 +6,8 @@ import typer
 from rich.console import Console
 
 from appliance.home import Home
-from installer import demo_model
+from appliance.settings import load_settings
+from installer import demo_model, keycloak
 
 model_app = typer.Typer(help="Models on this host.", no_args_is_help=True)
 out = Console()
@@ -27,6 +28,21 @@ def verify_demo() -> None:
     out.print(f"verified: {path}")
 
 
+keycloak_app = typer.Typer(help="The embedded Keycloak.", no_args_is_help=True)
+
+
+@keycloak_app.command("install")
+def keycloak_install() -> None:
+    """Fetch the pinned Keycloak distribution (SHA-256 checked) and unpack it into the state dir."""
+    home = Home.from_env().ensure()
+    path, made = keycloak.install(home)
+    settings = load_settings(home.settings_file)
+    java = keycloak.java_home(settings.keycloak)
+    out.print(f"keycloak {keycloak.VERSION} {'installed' if made else 'already installed'}: {path}")
+    out.print(f"java: {java} ({keycloak.java_version(java)})")
+
+
 def register(app: typer.Typer) -> None:
     """The `appliance.commands` entry point."""
     app.add_typer(model_app, name="model")
+    app.add_typer(keycloak_app, name="keycloak")

