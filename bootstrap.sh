@@ -41,6 +41,9 @@ uv install --no-deps -e .
 step "demo model (SmolLM2-135M-Instruct, bf16 safetensors)"
 .venv/bin/appliance model prepare-demo
 
+step "Keycloak (pinned distribution, SHA-256 checked)"
+.venv/bin/appliance keycloak install
+
 if [ "$start" = 1 ]; then
   step "appliance up"
   .venv/bin/appliance up

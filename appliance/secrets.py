@@ -8,6 +8,7 @@ import stat
 
 from appliance.errors import StateError
 from appliance.home import Home
+from appliance.settings import Settings
 
 
 def secret(home: Home, name: str) -> str:
@@ -34,3 +35,11 @@ def secret(home: Home, name: str) -> str:
         out.flush()
         os.fsync(out.fileno())
     return value
+
+
+GATEWAY_CLIENT_SECRET = "gateway-client-secret"
+
+
+def gateway_client_secret(settings: Settings, home: Home) -> str:
+    """The gateway client's secret: from settings (external Keycloak) or generated (embedded)."""
+    return settings.keycloak.gateway_client_secret or secret(home, GATEWAY_CLIENT_SECRET)

@@ -130,6 +130,18 @@ class KeycloakSettings(_Section):
     cli_client_id: str = Field("appliance-cli", description="Public client (device grant) for the CLI/TUI.")
     start_timeout_s: int = Field(300, gt=0, description="How long `up` waits for Keycloak.")
 
+    @property
+    def base_url(self) -> str:
+        """Keycloak's base URL: the external one, or the embedded one on loopback."""
+        if self.mode == "external" and self.url:
+            return self.url.rstrip("/")
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def issuer(self) -> str:
+        """The realm's `iss`, exactly as it appears in its tokens."""
+        return f"{self.base_url}/realms/{self.realm}"
+
     @model_validator(mode="after")
     def _external_needs_url(self) -> KeycloakSettings:
         if self.mode == "external" and not (self.url and self.gateway_client_secret):
@@ -160,6 +172,11 @@ class GatewaySettings(_Section):
     )
     upstream_connect_timeout_s: float = Field(
         1.0, gt=0, description="Engine connect timeout; a down engine is a fast 503."
+    )
+    introspect_ttl_s: float = Field(
+        10.0, ge=0,
+        description="Re-check each token with Keycloak's introspection this often (0: never), "
+        "so a disabled user's unexpired token stops working within this time.",
     )
     limits: dict[str, RoleLimits] = Field(
         default_factory=lambda: {"user": RoleLimits(), "admin": RoleLimits(requests_per_minute=6000,

@@ -41,18 +41,6 @@ def install_dir(home: Home) -> Path:
     return home.root / "keycloak" / f"keycloak-{VERSION}"
 
 
-def issuer(settings: Settings) -> str:
-    """The `iss` of the realm's tokens, exactly."""
-    return f"{base_url(settings.keycloak)}/realms/{settings.keycloak.realm}"
-
-
-def base_url(keycloak: KeycloakSettings) -> str:
-    if keycloak.mode == "external":
-        assert keycloak.url is not None  # settings validation guarantees it
-        return keycloak.url.rstrip("/")
-    return f"http://127.0.0.1:{keycloak.port}"
-
-
 def install(home: Home) -> tuple[Path, bool]:
     """Fetch (SHA-256 checked) and unpack the distribution once; return (its dir, whether made)."""
     target = install_dir(home)
@@ -140,7 +128,7 @@ def keycloak_programs(settings: Settings, home: Home) -> list[Program]:
         jdk = str(java_home(keycloak))
     except KeycloakError as exc:
         jdk, missing = "", missing or exc.message
-    base = base_url(keycloak)
+    base = keycloak.base_url
     command = [
         str(kc_dir / "bin" / "kc.sh"), "start-dev",
         "--http-host=127.0.0.1", f"--http-port={keycloak.port}",
@@ -161,7 +149,7 @@ def keycloak_programs(settings: Settings, home: Home) -> list[Program]:
     return [Program(
         name="keycloak", command=command, environment=env, directory=kc_dir,
         port=keycloak.port, health_url=f"http://127.0.0.1:{keycloak.management_port}/health/ready",
-        urls={"issuer": issuer(settings), "admin": f"{base}/admin/"},
+        urls={"issuer": keycloak.issuer, "admin": f"{base}/admin/"},
         priority=10, startsecs=5, stopwaitsecs=30, start_timeout_s=keycloak.start_timeout_s,
         missing=missing,
     )]

@@ -15,12 +15,11 @@ from keycloak.exceptions import KeycloakError as KcError
 
 from appliance.errors import ApplianceError
 from appliance.home import Home
-from appliance.secrets import secret
+from appliance.secrets import gateway_client_secret, secret
 from appliance.settings import Settings
-from installer.keycloak import ADMIN_SECRET, ADMIN_USER, base_url
+from installer.keycloak import ADMIN_SECRET, ADMIN_USER
 
 ROLES = ("admin", "user", "trainer", "auditor")
-GATEWAY_SECRET = "gateway-client-secret"
 BOOTSTRAP_USER = "admin"
 BOOTSTRAP_SECRET = "bootstrap-admin-password"
 # What the gateway's service account may do in realm-management: list and manage users.
@@ -41,7 +40,7 @@ class ProvisionReport:
 def master_admin(settings: Settings, home: Home) -> KeycloakAdmin:
     """An admin client for the realm, authenticated as the embedded Keycloak's master admin."""
     connection = KeycloakOpenIDConnection(
-        server_url=base_url(settings.keycloak), username=ADMIN_USER,
+        server_url=settings.keycloak.base_url, username=ADMIN_USER,
         password=secret(home, ADMIN_SECRET), realm_name=settings.keycloak.realm,
         user_realm_name="master", client_id="admin-cli", timeout=30,
     )
@@ -81,7 +80,7 @@ def _gateway_client(admin: KeycloakAdmin, settings: Settings, home: Home, report
     if admin.get_client_id(client_id) is None:
         admin.create_client({
             "clientId": client_id, "protocol": "openid-connect", "publicClient": False,
-            "secret": secret(home, GATEWAY_SECRET), "serviceAccountsEnabled": True,
+            "secret": gateway_client_secret(settings, home), "serviceAccountsEnabled": True,
             "standardFlowEnabled": False, "directAccessGrantsEnabled": False,
         }, skip_exists=True)
         report.created.append(f"client {client_id}")

@@ -15,8 +15,12 @@ from pathlib import Path
 import pytest
 
 from appliance.home import HOME_ENV, Home
+from installer.keycloak import install_dir
 
 APPLIANCE = str(Path(sys.executable).with_name("appliance"))
+# Settings that keep a test appliance from needing Keycloak at all.
+NO_KEYCLOAK = {"APPLIANCE_KEYCLOAK__MODE": "external", "APPLIANCE_KEYCLOAK__URL": "http://127.0.0.1:9",
+               "APPLIANCE_KEYCLOAK__GATEWAY_CLIENT_SECRET": "unused"}
 
 
 def free_port() -> int:
@@ -32,9 +36,12 @@ class Appliance:
     home: Home
     env: dict[str, str] = field(default_factory=dict)
 
-    def run(self, *args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    def run(self, *args: str, timeout: float = 900, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
         return subprocess.run([APPLIANCE, *args], env=self.env, capture_output=True, text=True,
-                              timeout=timeout, check=False)
+                              timeout=timeout, check=False, input=stdin)
+
+    def port(self, name: str) -> int:
+        return int(self.env[name])
 
 
 @pytest.fixture(scope="session")
@@ -46,15 +53,35 @@ def demo_model() -> Path:
     return path
 
 
-def make_appliance(demo: Path | None, **overrides: str) -> Iterator[Appliance]:
+@pytest.fixture(scope="session")
+def keycloak_dist() -> Path:
+    """The Keycloak distribution the set-up step installed in the default state directory."""
+    path = install_dir(Home.from_env())
+    if not (path / "bin" / "kc.sh").is_file():
+        pytest.fail(f"Keycloak missing at {path}: run ./bootstrap.sh --no-start first")
+    return path
+
+
+def make_appliance(demo: Path | None, keycloak: Path | None = None, **overrides: str) -> Iterator[Appliance]:
+    """A fresh state directory on free ports; with the demo model and a private copy of Keycloak
+    (its database lives in its directory) if given, else configured not to need Keycloak."""
     # Short path: supervisord's unix socket lives inside it (107-byte limit).
     root = Path(tempfile.mkdtemp(prefix="ap-", dir="/tmp"))
     home = Home(root / "h").ensure()
     if demo is not None:
         home.demo_model.symlink_to(demo, target_is_directory=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("APPLIANCE_")}
-    env.update({HOME_ENV: str(home.root), "APPLIANCE_POOLS__MAIN__PORT": str(free_port()),
-                "COLUMNS": "200", **overrides})
+    env.update({HOME_ENV: str(home.root), "COLUMNS": "200",
+                "APPLIANCE_POOLS__MAIN__PORT": str(free_port()),
+                "APPLIANCE_GATEWAY__PORT": str(free_port())})
+    if keycloak is not None:
+        target = install_dir(home)
+        shutil.copytree(keycloak, target, symlinks=True, ignore=shutil.ignore_patterns("h2", "tmp"))
+        env.update({"APPLIANCE_KEYCLOAK__PORT": str(free_port()),
+                    "APPLIANCE_KEYCLOAK__MANAGEMENT_PORT": str(free_port())})
+    else:
+        env.update(NO_KEYCLOAK)
+    env.update(overrides)
     appliance = Appliance(home=home, env=env)
     try:
         yield appliance

@@ -1,4 +1,5 @@
-"""A real supervisord running a real vLLM serving the demo model: started once per session."""
+"""The whole appliance, for real: supervisord running Keycloak, vLLM serving the demo model and
+the gateway, started once per session and shared by the integration tests."""
 
 from __future__ import annotations
 
@@ -11,6 +12,16 @@ import pytest
 
 from tests.conftest import Appliance, make_appliance
 
+# Session settings the gateway tests rely on: a small per-user budget for role `user` (the
+# rate-limit test), little clock leeway (the expiry test) and quick re-introspection (the
+# disabled-user test).
+SESSION_SETTINGS = {
+    "APPLIANCE_GATEWAY__LIMITS": "{ user = { requests_per_minute = 60, tokens_per_minute = 100000 }, "
+                                 "admin = { requests_per_minute = 100000, tokens_per_minute = 10000000 } }",
+    "APPLIANCE_GATEWAY__LEEWAY_S": "1",
+    "APPLIANCE_GATEWAY__INTROSPECT_TTL_S": "1",
+}
+
 
 @dataclass
 class Running:
@@ -20,8 +31,8 @@ class Running:
 
 
 @pytest.fixture(scope="session")
-def running(demo_model: Path) -> Iterator[Running]:
-    for appliance in make_appliance(demo_model):
+def running(demo_model: Path, keycloak_dist: Path) -> Iterator[Running]:
+    for appliance in make_appliance(demo_model, keycloak_dist, **SESSION_SETTINGS):
         started = time.monotonic()
         result = appliance.run("up")
         assert result.returncode == 0, result.stdout + result.stderr

@@ -12,6 +12,7 @@ import psutil
 
 from appliance.secrets import secret
 from tests.integration.conftest import Running
+from tests.integration.realm import Realm
 
 
 def status(running: Running) -> dict:
@@ -77,10 +78,24 @@ def test_status_json_has_every_program_and_its_urls(running: Running) -> None:
 
 
 def test_engine_killed_with_sigkill_is_restarted_and_serves(running: Running) -> None:
+    """Also issue 3: while the engine is down the gateway answers 503 at once, never hangs."""
+    realm = Realm(running)
+    token = realm.admin_token()
+    through_gateway = {"url": f"{realm.gateway}/v1/chat/completions",
+                       "headers": {"Authorization": f"Bearer {token}"}, "timeout": 60,
+                       "json": {"model": "SmolLM2-135M-Instruct", "max_tokens": 4,
+                                "messages": [{"role": "user", "content": "Hi"}]}}
     old = engine(running)["pid"]
     workers = [p.pid for p in psutil.Process(old).children(recursive=True)]
     assert workers, "vLLM runs its engine core in child processes"
     os.kill(old, signal.SIGKILL)
+    time.sleep(0.5)
+    asked = time.monotonic()
+    down = httpx.post(**through_gateway)
+    answered_s = time.monotonic() - asked
+    assert down.status_code == 503 and down.headers["retry-after"]
+    assert down.json()["error"]["code"] == "engine_unavailable"
+    assert answered_s < 1.0, f"503 took {answered_s:.2f}s"
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         program = engine(running)
@@ -90,6 +105,7 @@ def test_engine_killed_with_sigkill_is_restarted_and_serves(running: Running) ->
     else:
         raise AssertionError(f"engine not back after kill -9: {program}")
     assert chat(running, "Say hello.").strip()
+    assert httpx.post(**through_gateway).status_code == 200
     # The dead server's workers were re-parented; they must have been ended, not left running.
     assert not [pid for pid in workers if psutil.pid_exists(pid) and
                 psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]

@@ -1,0 +1,43 @@
+"""Errors the gateway answers with, in OpenAI's error shape.
+
+GatewayError          root: status, OpenAI error type and code, extra headers
+ +-- AuthError        401 with WWW-Authenticate (bad or missing token) or 403 (missing role)
+"""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+
+
+class GatewayError(Exception):
+    """An error with an HTTP status that the client caused or should retry."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.code = code
+        self.headers = headers or {}
+
+    def response(self) -> JSONResponse:
+        """{"error": {"message", "type", "param", "code"}} with this error's status and headers."""
+        body = {"error": {"message": self.message, "type": self.type, "param": None, "code": self.code}}
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+class AuthError(GatewayError):
+    """A token was missing, invalid (401) or lacked a role (403); `reason` labels the metric."""
+
+    def __init__(self, reason: str, message: str, *, status: int = 401) -> None:
+        headers = {}
+        if status == 401:
+            # RFC 6750 section 3: no error code when the request carried no token at all.
+            error = "" if reason == "missing_token" else ' error="invalid_token",'
+            headers["WWW-Authenticate"] = f'Bearer realm="appliance",{error} error_description="{message}"'
+        kind = {401: "authentication_error", 403: "permission_error"}.get(status, "service_unavailable")
+        if status == 503:
+            headers["Retry-After"] = "5"
+        super().__init__(status, message, type=kind, code=reason, headers=headers)
+        self.reason = reason

@@ -1,0 +1,312 @@
+"""The gateway: an authenticated, rate-limited, metered OpenAI-compatible front for the engines.
+
+`create_app(settings, home)` builds it; supervisord runs `app_from_env` under uvicorn.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import httpx
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict
+
+from appliance.home import Home
+from appliance.secrets import gateway_client_secret, secret
+from appliance.settings import Settings, load_settings
+from serve.auth import Introspector, Principal, TokenValidator
+from serve.engine import ENGINE_KEY_SECRET
+from serve.errors import AuthError, GatewayError
+from serve.limits import RateLimiter
+from serve.metrics import Metrics
+from serve.upstream import Upstreams, pools_from_settings, relay_stream, usage_of
+
+CHAT_ROLES = frozenset({"user", "admin"})
+ROLE_ORDER = ("admin", "trainer", "auditor", "user")
+bearer = HTTPBearer(auto_error=False, description="A Keycloak access token of realm `appliance`.")
+
+
+@dataclass
+class Gateway:
+    """Everything a request handler needs; owned by the app's lifespan."""
+
+    settings: Settings
+    http: httpx.AsyncClient
+    validator: TokenValidator
+    upstreams: Upstreams
+    limiter: RateLimiter
+    metrics: Metrics
+
+
+def best_role(roles: frozenset[str]) -> str:
+    return next((role for role in ROLE_ORDER if role in roles), "none")
+
+
+class ChatRequest(BaseModel):
+    """An OpenAI chat completion request; fields beyond `model` pass through to the engine."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str
+    messages: list[dict[str, Any]]
+    stream: bool = False
+
+
+class CompletionRequest(BaseModel):
+    """An OpenAI completion request; fields beyond `model` pass through to the engine."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str
+    prompt: str | list[str] | list[int] | list[list[int]]
+    stream: bool = False
+
+
+class Health(BaseModel):
+    status: str
+    checks: dict[str, bool] = {}
+
+
+async def principal(
+    request: Request,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
+) -> Principal:
+    """The caller of a /v1 route: a valid token holding role `user` or `admin`.
+
+    `credentials` is declared only so the OpenAPI document shows the bearer scheme; the raw
+    header is validated, so a malformed one gets a precise reason.
+    """
+    gateway: Gateway = request.app.state.gateway
+    try:
+        who = await gateway.validator.validate(request.headers.get("authorization"))
+    except AuthError as exc:
+        gateway.metrics.auth_failures.labels(exc.reason).inc()
+        raise
+    request.state.role = best_role(who.roles)
+    if not who.roles & CHAT_ROLES:
+        gateway.metrics.auth_failures.labels("missing_role").inc()
+        raise AuthError("missing_role", "the 'user' role is required", status=403)
+    return who
+
+
+User = Annotated[Principal, Depends(principal)]
+
+
+def create_app(settings: Settings, home: Home) -> FastAPI:
+    """The gateway app for these settings; HTTP clients live as long as the app."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        limits = httpx.Limits(max_connections=512, max_keepalive_connections=128)
+        timeout = httpx.Timeout(connect=settings.gateway.upstream_connect_timeout_s, read=None,
+                                write=30.0, pool=10.0)
+        async with httpx.AsyncClient(limits=limits, timeout=timeout) as http:
+            keycloak = settings.keycloak
+            introspect = None
+            if settings.gateway.introspect_ttl_s > 0:
+                introspect = Introspector(issuer=keycloak.issuer, client_id=keycloak.gateway_client_id,
+                                          client_secret=gateway_client_secret(settings, home),
+                                          http=http, ttl_s=settings.gateway.introspect_ttl_s)
+            validator = TokenValidator(issuer=keycloak.issuer, audience=keycloak.gateway_client_id,
+                                       http=http, leeway_s=settings.gateway.leeway_s,
+                                       refetch_interval_s=settings.gateway.jwks_refetch_interval_s,
+                                       introspect=introspect)
+            app.state.gateway = Gateway(
+                settings=settings, http=http, validator=validator,
+                upstreams=Upstreams(pools_from_settings(settings, home), http,
+                                    secret(home, ENGINE_KEY_SECRET)),
+                limiter=RateLimiter(settings.gateway.limits), metrics=metrics)
+            try:
+                await validator.refresh_keys()
+            except httpx.HTTPError:
+                pass  # Keycloak may still be starting; /readyz says so, tokens refetch on demand.
+            yield
+
+    metrics = Metrics()
+    app = FastAPI(title="appliance gateway", version="1", lifespan=lifespan)
+    app.add_middleware(BodyLimitMiddleware, limit=settings.gateway.max_body_bytes)
+    app.add_middleware(MeterMiddleware, metrics=metrics)  # outermost: counts 413s too
+
+    @app.exception_handler(GatewayError)
+    async def gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
+        return exc.response()
+
+    @app.get("/healthz", response_model=Health, tags=["health"])
+    async def healthz() -> Health:
+        """The gateway process is alive."""
+        return Health(status="ok")
+
+    @app.get("/readyz", response_model=Health, tags=["health"],
+             responses={503: {"model": Health, "description": "An engine or the JWKS is unreachable."}})
+    async def readyz(request: Request) -> Any:
+        """Ready when every engine answers its health check and the realm's JWKS can be fetched."""
+        gateway: Gateway = request.app.state.gateway
+        checks = {f"engine:{p.name}": await gateway.upstreams.healthy(p) for p in gateway.upstreams.pools}
+        try:
+            await gateway.validator.refresh_keys()
+            checks["jwks"] = True
+        except httpx.HTTPError:
+            checks["jwks"] = False
+        ok = all(checks.values())
+        body = Health(status="ready" if ok else "not ready", checks=checks)
+        return JSONResponse(body.model_dump(), status_code=200 if ok else 503)
+
+    @app.get("/metrics", tags=["health"], response_class=Response)
+    async def prometheus(request: Request) -> Response:
+        """Prometheus metrics of the gateway."""
+        return Response(generate_latest(request.app.state.gateway.metrics.registry),
+                        media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", tags=["openai"])
+    async def list_models(request: Request, who: User) -> dict[str, Any]:
+        """The models the engine pools serve."""
+        gateway: Gateway = request.app.state.gateway
+        gateway.limiter.admit(who.subject, who.roles)
+        data = await gateway.upstreams.models()
+        if not data:
+            raise GatewayError(503, "no engine pool is reachable; retry shortly",
+                               type="service_unavailable", code="engine_unavailable",
+                               headers={"Retry-After": "5"})
+        return {"object": "list", "data": data}
+
+    @app.post("/v1/chat/completions", tags=["openai"])
+    async def chat_completions(request: Request, who: User, body: ChatRequest) -> Response:
+        """Chat completion, streamed (SSE) or not, relayed to the pool serving `model`."""
+        return await relay(request, who, "/v1/chat/completions", body)
+
+    @app.post("/v1/completions", tags=["openai"])
+    async def completions(request: Request, who: User, body: CompletionRequest) -> Response:
+        """Text completion, streamed (SSE) or not, relayed to the pool serving `model`."""
+        return await relay(request, who, "/v1/completions", body)
+
+    return app
+
+
+async def relay(request: Request, who: Principal, path: str, body: BaseModel) -> Response:
+    """Route, admit, forward; stream back as it arrives; account tokens and time to first token."""
+    gateway: Gateway = request.app.state.gateway
+    payload = body.model_dump(exclude_unset=True)
+    pool = gateway.upstreams.route(payload.get("model"))
+    gateway.limiter.admit(who.subject, who.roles)
+    stream = bool(payload.get("stream"))
+    if stream:
+        # Ask for the final usage chunk so tokens can be counted and charged.
+        payload["stream_options"] = {**(payload.get("stream_options") or {}), "include_usage": True}
+    request_id = request.state.request_id
+    started = time.monotonic()
+    try:
+        response = await gateway.upstreams.send(pool, path, json.dumps(payload).encode(), request_id)
+    except GatewayError as exc:
+        gateway.metrics.upstream_errors.labels(pool.name, exc.code or "error").inc()
+        raise
+
+    def account(prompt: int, completion: int) -> None:
+        gateway.metrics.tokens.labels("in", pool.model).inc(prompt)
+        gateway.metrics.tokens.labels("out", pool.model).inc(completion)
+        gateway.limiter.charge(who.subject, prompt + completion)
+
+    if not stream or response.status_code != 200:
+        content = await response.aread()
+        await response.aclose()
+        if response.status_code >= 500:
+            gateway.metrics.upstream_errors.labels(pool.name, str(response.status_code)).inc()
+        account(*usage_of(content))
+        return Response(content, status_code=response.status_code,
+                        media_type=response.headers.get("content-type", "application/json"))
+
+    def first_token() -> None:
+        gateway.metrics.ttft.labels(pool.model).observe(time.monotonic() - started)
+
+    return StreamingResponse(relay_stream(response, first_token, account),
+                             media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+class MeterMiddleware:
+    """Pure ASGI: a request id for every request; count and time every response by route,
+    status and the caller's role (streaming responses are timed to their last byte)."""
+
+    def __init__(self, app: Any, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state = scope.setdefault("state", {})
+        state["request_id"] = request_id = uuid.uuid4().hex
+        started = time.monotonic()
+        status = 500
+
+        async def send_with_id(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            route = getattr(scope.get("route"), "path", "unmatched")
+            self.metrics.requests.labels(route, str(status), state.get("role", "none")).inc()
+            self.metrics.latency.labels(route).observe(time.monotonic() - started)
+
+
+class BodyLimitMiddleware:
+    """Pure ASGI: refuse bodies over `limit` bytes with 413, by header or while reading."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers", [])).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            await self._refuse(send)
+            return
+        seen = 0
+
+        async def limited_receive() -> dict:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise _TooLarge
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send)
+        except _TooLarge:
+            await self._refuse(send)
+
+    async def _refuse(self, send: Any) -> None:
+        error = GatewayError(413, f"request body is larger than {self.limit} bytes",
+                             code="request_too_large")
+        await error.response()({"type": "http"}, _empty_receive, send)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+async def _empty_receive() -> dict:
+    return {"type": "http.disconnect"}
+
+
+def app_from_env() -> FastAPI:
+    """The supervised gateway's factory: settings and secrets from APPLIANCE_HOME."""
+    home = Home.from_env()
+    settings = load_settings(home.settings_file)
+    return create_app(settings, home)

@@ -1,0 +1,222 @@
+"""The gateway against real Keycloak, real vLLM and real supervisord (issue 3)."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+from cryptography.hazmat.primitives.asymmetric import rsa
+from jwcrypto import jwk
+
+from tests.integration.conftest import Running
+from tests.integration.realm import Realm, b64, parts
+
+MODEL = "SmolLM2-135M-Instruct"
+PASSWORD = "Test-password-1"
+
+
+@pytest.fixture(scope="module")
+def realm(running: Running) -> Realm:
+    realm = Realm(running)
+    realm.ensure_user("alice", PASSWORD, ["user"])
+    realm.ensure_user("bob", PASSWORD, [])
+    realm.ensure_user("mallory", PASSWORD, ["trainer"])
+    realm.ensure_user("limited", PASSWORD, ["user"])
+    # A client whose tokens do not name the gateway in `aud`.
+    realm.ensure_client("other-app")
+    # A client whose tokens live one second: real expired tokens.
+    realm.ensure_client("short-lived", attributes={"access.token.lifespan": "1"},
+                        protocolMappers=[{"name": "gateway-audience", "protocol": "openid-connect",
+                                          "protocolMapper": "oidc-audience-mapper",
+                                          "config": {"included.client.audience": "appliance-gateway",
+                                                     "access.token.claim": "true"}}])
+    return realm
+
+
+@pytest.fixture(scope="module")
+def alice(realm: Realm) -> str:
+    return realm.token("alice", PASSWORD)
+
+
+def client(realm: Realm, token: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{realm.gateway}/v1", api_key=token, max_retries=0, timeout=120)
+
+
+def test_openai_client_lists_models_and_chats(realm: Realm, alice: str) -> None:
+    api = client(realm, alice)
+    assert [m.id for m in api.models.list()] == [MODEL]
+    reply = api.chat.completions.create(model=MODEL, temperature=0, max_tokens=16,
+                                        messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert "Paris" in reply.choices[0].message.content
+    assert reply.usage.completion_tokens > 0
+
+
+def test_openai_client_streams_token_by_token(realm: Realm, alice: str) -> None:
+    api = client(realm, alice)
+    pieces = [chunk.choices[0].delta.content for chunk in api.chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=16, stream=True,
+        messages=[{"role": "user", "content": "What is the capital of France?"}]) if chunk.choices]
+    text = "".join(p for p in pieces if p)
+    assert len([p for p in pieces if p]) > 3 and "Paris" in text
+
+
+def test_completions_route(realm: Realm, alice: str) -> None:
+    api = client(realm, alice)
+    out = api.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0)
+    assert out.choices[0].text.strip()
+
+
+def bad_tokens(realm: Realm, alice: str) -> dict[str, tuple[str | None, int, str]]:
+    """name -> (Authorization header, expected status, expected error code)."""
+    head, body, sig = alice.split(".")
+    claims = parts(alice)[1]
+    other_key = jwk.JWK.from_pyca(rsa.generate_private_key(public_exponent=65537, key_size=2048))
+    realm_kid = parts(alice)[0]["kid"]
+    public_pem = jwk.JWKSet.from_json(httpx.get(f"{realm.issuer}/protocol/openid-connect/certs").text
+                                      ).get_key(realm_kid).export_to_pem()
+    hs = jwk.JWK(kty="oct", k=b64(public_pem))
+    tokens = realm.token_response("alice", PASSWORD, scope="openid")
+    master = realm.token_response("kcadmin", _kcadmin_password(realm), client_id="admin-cli",
+                                  realm_issuer=realm.issuer.rsplit("/realms/", 1)[0] + "/realms/master")
+    short = realm.token("alice", PASSWORD, client_id="short-lived")
+    time.sleep(2.5)  # past exp (1 s lifetime) plus the session's 1 s leeway
+    return {
+        "no token": (None, 401, "missing_token"),
+        "empty bearer": ("Bearer ", 401, "malformed"),
+        "basic scheme": ("Basic YWxpY2U6cHc=", 401, "malformed"),
+        "garbage": ("Bearer not-a-jwt", 401, "malformed"),
+        "two parts": (f"Bearer {head}.{body}", 401, "malformed"),
+        "alg none": (f"Bearer {b64({'alg': 'none', 'typ': 'JWT', 'kid': realm_kid})}.{body}.", 401, "bad_algorithm"),
+        "hs256 with realm public key": (f"Bearer {realm.craft(claims, key=hs, kid=realm_kid, alg='HS256')}", 401, "bad_algorithm"),
+        "payload altered": (f"Bearer {head}.{b64({**claims, 'realm_access': {'roles': ['admin', 'user']}})}.{sig}", 401, "bad_signature"),
+        "signature stripped": (f"Bearer {head}.{body}.", 401, "bad_signature"),
+        "header alg swapped": (f"Bearer {b64({**parts(alice)[0], 'alg': 'RS512'})}.{body}.{sig}", 401, "bad_signature"),
+        "another key, realm kid": (f"Bearer {realm.craft(claims, key=other_key, kid=realm_kid)}", 401, "bad_signature"),
+        "unknown kid": (f"Bearer {realm.craft(claims, key=other_key, kid='no-such-key')}", 401, "unknown_key"),
+        "no kid": (f"Bearer {b64({'alg': 'RS256', 'typ': 'JWT'})}.{body}.{sig}", 401, "unknown_key"),
+        "expired (real, 1 s lifetime)": (f"Bearer {short}", 401, "expired"),
+        "expired (crafted)": (f"Bearer {realm.craft(realm.good_claims(exp=int(time.time()) - 60))}", 401, "expired"),
+        "not yet valid": (f"Bearer {realm.craft(realm.good_claims(nbf=int(time.time()) + 600))}", 401, "not_yet_valid"),
+        "realm master token": (f"Bearer {master['access_token']}", 401, "unknown_key"),
+        "wrong issuer (trusted key)": (f"Bearer {realm.craft(realm.good_claims(iss=realm.issuer.replace('appliance', 'master')))}", 401, "bad_issuer"),
+        "wrong audience": (f"Bearer {realm.token('alice', PASSWORD, client_id='other-app')}", 401, "bad_audience"),
+        "id token": (f"Bearer {tokens['id_token']}", 401, "bad_audience"),
+        "id token typ (trusted key)": (f"Bearer {realm.craft(realm.good_claims(typ='ID'))}", 401, "bad_type"),
+        "refresh token": (f"Bearer {tokens['refresh_token']}", 401, "bad_algorithm"),
+        "no subject": (f"Bearer {realm.craft(realm.good_claims(sub=None))}", 401, "malformed"),
+        "no expiry": (f"Bearer {realm.craft(realm.good_claims(exp=None))}", 401, "malformed"),
+        "valid claims, unknown session": (f"Bearer {realm.craft(realm.good_claims())}", 401, "inactive"),
+        "user without any role": (f"Bearer {realm.token('bob', PASSWORD)}", 403, "missing_role"),
+        "user with another role": (f"Bearer {realm.token('mallory', PASSWORD)}", 403, "missing_role"),
+    }
+
+
+def _kcadmin_password(realm: Realm) -> str:
+    from appliance.secrets import secret
+    from installer.keycloak import ADMIN_SECRET
+
+    return secret(realm.running.appliance.home, ADMIN_SECRET)
+
+
+def test_bad_tokens_are_rejected(realm: Realm, alice: str) -> None:
+    cases = bad_tokens(realm, alice)
+    assert len(cases) >= 20
+    failures = []
+    for name, (authorization, status, code) in cases.items():
+        headers = {"Authorization": authorization} if authorization is not None else {}
+        response = httpx.get(f"{realm.gateway}/v1/models", headers=headers, timeout=30)
+        error = response.json().get("error", {})
+        if (response.status_code, error.get("code")) != (status, code):
+            failures.append(f"{name}: {response.status_code} {error}")
+        if status == 401 and not response.headers.get("www-authenticate", "").startswith("Bearer"):
+            failures.append(f"{name}: no WWW-Authenticate")
+    assert not failures, "\n".join(failures)
+    metrics = httpx.get(f"{realm.gateway}/metrics").text
+    assert 'gateway_auth_failures_total{reason="bad_signature"}' in metrics
+
+
+def test_disabled_users_fresh_token_stops_working(realm: Realm) -> None:
+    user_id = realm.ensure_user("carol", PASSWORD, ["user"])
+    token = realm.token("carol", PASSWORD)
+    assert httpx.get(f"{realm.gateway}/v1/models", headers={"Authorization": f"Bearer {token}"}).status_code == 200
+    realm.admin.update_user(user_id, {"enabled": False})
+    time.sleep(1.5)  # the session's introspection cache lives 1 s
+    response = httpx.get(f"{realm.gateway}/v1/models", headers={"Authorization": f"Bearer {token}"})
+    assert response.status_code == 401 and response.json()["error"]["code"] == "inactive"
+
+
+def test_openai_error_shapes(realm: Realm, alice: str) -> None:
+    headers = {"Authorization": f"Bearer {alice}"}
+    unknown = httpx.post(f"{realm.gateway}/v1/chat/completions", headers=headers,
+                         json={"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]})
+    assert unknown.status_code == 404
+    assert unknown.json()["error"] == {"message": "model 'no-such-model' does not exist",
+                                       "type": "invalid_request_error", "param": None,
+                                       "code": "model_not_found"}
+    big = httpx.post(f"{realm.gateway}/v1/chat/completions", headers=headers,
+                     content=b'{"model": "' + b"x" * 2_000_000 + b'"}')
+    assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+    assert big.headers.get("x-request-id")
+
+
+def test_rate_limit_answers_429_then_recovers(realm: Realm) -> None:
+    headers = {"Authorization": f"Bearer {realm.token('limited', PASSWORD)}"}
+    statuses = []
+    for _ in range(70):  # the session allows role `user` 60 requests per minute
+        response = httpx.get(f"{realm.gateway}/v1/models", headers=headers)
+        statuses.append(response.status_code)
+        if response.status_code == 429:
+            break
+    assert statuses[-1] == 429, statuses
+    retry_after = int(response.headers["retry-after"])
+    assert 1 <= retry_after <= 60
+    assert response.json()["error"]["type"] == "rate_limit_error"
+    time.sleep(retry_after)
+    assert httpx.get(f"{realm.gateway}/v1/models", headers=headers).status_code == 200
+
+
+def running_requests(running: Running) -> float:
+    port = running.appliance.port("APPLIANCE_POOLS__MAIN__PORT")
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:num_requests_running"))
+
+
+def test_client_disconnect_mid_stream_frees_the_engine(realm: Realm, alice: str, running: Running) -> None:
+    body = {"model": MODEL, "stream": True, "max_tokens": 1500, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "Tell me a very long story."}]}
+    with httpx.stream("POST", f"{realm.gateway}/v1/chat/completions", json=body, timeout=120,
+                      headers={"Authorization": f"Bearer {alice}"}) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        for _ in range(5):
+            next(lines)
+        assert running_requests(running) == 1
+    deadline = time.monotonic() + 30
+    while running_requests(running) != 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert running_requests(running) == 0
+
+
+def test_health_and_readiness(realm: Realm) -> None:
+    assert httpx.get(f"{realm.gateway}/healthz").json() == {"status": "ok", "checks": {}}
+    ready = httpx.get(f"{realm.gateway}/readyz")
+    assert ready.status_code == 200 and ready.json()["checks"] == {"engine:main": True, "jwks": True}
+    metrics = httpx.get(f"{realm.gateway}/metrics").text
+    for name in ("gateway_requests_total", "gateway_request_seconds_bucket",
+                 "gateway_time_to_first_token_seconds_bucket", "gateway_tokens_total",
+                 "gateway_auth_failures_total"):
+        assert name in metrics
+    assert 'route="/v1/chat/completions",status="200"' in metrics
+
+
+def test_status_json_names_gateway_and_issuer(running: Running, realm: Realm) -> None:
+    import json
+
+    report = json.loads(running.appliance.run("status", "--json").stdout)
+    [gateway] = [p for p in report["programs"] if p["name"] == "gateway"]
+    assert gateway["urls"]["openai"] == f"{realm.gateway}/v1"
+    assert gateway["urls"]["issuer"] == realm.issuer
+    assert {p["name"] for p in report["programs"]} == {"keycloak", "vllm-main", "gateway"}
