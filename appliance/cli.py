@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Column, Table
 
-from appliance import lifecycle
+from appliance import cli_access, lifecycle
 from appliance.errors import ApplianceError
 from appliance.home import Home
 from appliance.settings import load_settings, render_defaults
@@ -27,6 +27,7 @@ app = typer.Typer(
 settings_app = typer.Typer(help="Show the settings file, its defaults and the values in effect.",
                            no_args_is_help=True)
 app.add_typer(settings_app, name="settings")
+cli_access.register(app)
 
 out = Console()
 err = Console(stderr=True)

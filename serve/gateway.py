@@ -11,28 +11,26 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Any
 
 import httpx
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict
 
 from appliance.home import Home
 from appliance.secrets import gateway_client_secret, secret
 from appliance.settings import Settings, load_settings
+from serve.admin import Admin, admin_router
 from serve.auth import Introspector, Principal, TokenValidator
+from serve.deps import ChatUser
 from serve.engine import ENGINE_KEY_SECRET
-from serve.errors import AuthError, GatewayError
+from serve.errors import GatewayError
 from serve.limits import RateLimiter
 from serve.metrics import Metrics
 from serve.upstream import Upstreams, pools_from_settings, relay_stream, usage_of
 
-CHAT_ROLES = frozenset({"user", "admin"})
-ROLE_ORDER = ("admin", "trainer", "auditor", "user")
-bearer = HTTPBearer(auto_error=False, description="A Keycloak access token of realm `appliance`.")
 
 
 @dataclass
@@ -45,10 +43,6 @@ class Gateway:
     upstreams: Upstreams
     limiter: RateLimiter
     metrics: Metrics
-
-
-def best_role(roles: frozenset[str]) -> str:
-    return next((role for role in ROLE_ORDER if role in roles), "none")
 
 
 class ChatRequest(BaseModel):
@@ -72,31 +66,6 @@ class CompletionRequest(BaseModel):
 class Health(BaseModel):
     status: str
     checks: dict[str, bool] = {}
-
-
-async def principal(
-    request: Request,
-    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
-) -> Principal:
-    """The caller of a /v1 route: a valid token holding role `user` or `admin`.
-
-    `credentials` is declared only so the OpenAPI document shows the bearer scheme; the raw
-    header is validated, so a malformed one gets a precise reason.
-    """
-    gateway: Gateway = request.app.state.gateway
-    try:
-        who = await gateway.validator.validate(request.headers.get("authorization"))
-    except AuthError as exc:
-        gateway.metrics.auth_failures.labels(exc.reason).inc()
-        raise
-    request.state.role = best_role(who.roles)
-    if not who.roles & CHAT_ROLES:
-        gateway.metrics.auth_failures.labels("missing_role").inc()
-        raise AuthError("missing_role", "the 'user' role is required", status=403)
-    return who
-
-
-User = Annotated[Principal, Depends(principal)]
 
 
 def create_app(settings: Settings, home: Home) -> FastAPI:
@@ -138,6 +107,8 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
     async def gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
         return exc.response()
 
+    app.include_router(admin_router(Admin(settings, home)))
+
     @app.get("/healthz", response_model=Health, tags=["health"])
     async def healthz() -> Health:
         """The gateway process is alive."""
@@ -165,7 +136,7 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
                         media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", tags=["openai"])
-    async def list_models(request: Request, who: User) -> dict[str, Any]:
+    async def list_models(request: Request, who: ChatUser) -> dict[str, Any]:
         """The models the engine pools serve."""
         gateway: Gateway = request.app.state.gateway
         gateway.limiter.admit(who.subject, who.roles)
@@ -177,12 +148,12 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
         return {"object": "list", "data": data}
 
     @app.post("/v1/chat/completions", tags=["openai"])
-    async def chat_completions(request: Request, who: User, body: ChatRequest) -> Response:
+    async def chat_completions(request: Request, who: ChatUser, body: ChatRequest) -> Response:
         """Chat completion, streamed (SSE) or not, relayed to the pool serving `model`."""
         return await relay(request, who, "/v1/chat/completions", body)
 
     @app.post("/v1/completions", tags=["openai"])
-    async def completions(request: Request, who: User, body: CompletionRequest) -> Response:
+    async def completions(request: Request, who: ChatUser, body: CompletionRequest) -> Response:
         """Text completion, streamed (SSE) or not, relayed to the pool serving `model`."""
         return await relay(request, who, "/v1/completions", body)
 

@@ -16,12 +16,11 @@ class Bucket:
 
     capacity: float
     per_second: float
-    level: float = field(default=-1.0)
-    stamp: float = field(default_factory=time.monotonic)
+    stamp: float
+    level: float = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.level < 0:
-            self.level = self.capacity
+        self.level = self.capacity
 
     def refill(self, now: float) -> None:
         self.level = min(self.capacity, self.level + (now - self.stamp) * self.per_second)
@@ -46,8 +45,9 @@ class RateLimiter:
             if not mine:
                 return None
             best = max(mine, key=lambda limit: (limit.requests_per_minute, limit.tokens_per_minute))
-            buckets = (Bucket(best.requests_per_minute, best.requests_per_minute / 60),
-                       Bucket(best.tokens_per_minute, best.tokens_per_minute / 60))
+            now = time.monotonic()
+            buckets = (Bucket(best.requests_per_minute, best.requests_per_minute / 60, now),
+                       Bucket(best.tokens_per_minute, best.tokens_per_minute / 60, now))
             self._buckets[user] = buckets
         return buckets
 

@@ -84,7 +84,7 @@ def bad_tokens(realm: Realm, alice: str) -> dict[str, tuple[str | None, int, str
     time.sleep(2.5)  # past exp (1 s lifetime) plus the session's 1 s leeway
     return {
         "no token": (None, 401, "missing_token"),
-        "empty bearer": ("Bearer ", 401, "malformed"),
+        "bearer without token": ("Bearer", 401, "malformed"),
         "basic scheme": ("Basic YWxpY2U6cHc=", 401, "malformed"),
         "garbage": ("Bearer not-a-jwt", 401, "malformed"),
         "two parts": (f"Bearer {head}.{body}", 401, "malformed"),
@@ -123,6 +123,9 @@ def _kcadmin_password(realm: Realm) -> str:
 def test_bad_tokens_are_rejected(realm: Realm, alice: str) -> None:
     cases = bad_tokens(realm, alice)
     assert len(cases) >= 20
+    # The test's realm key is newer than the gateway's cached JWKS; /readyz refetches it, as the
+    # next unknown-kid miss would after the refetch interval.
+    assert httpx.get(f"{realm.gateway}/readyz").status_code == 200
     failures = []
     for name, (authorization, status, code) in cases.items():
         headers = {"Authorization": authorization} if authorization is not None else {}

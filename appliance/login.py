@@ -1,0 +1,139 @@
+"""Tokens for the CLI: device-code or password login against the realm, cached 0600, refreshed."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+from appliance.errors import ApplianceError
+from appliance.home import Home
+from appliance.settings import Settings
+
+CACHE = "cli-token.json"
+# Refresh when less than this is left, so a command never starts with a token about to expire.
+MARGIN_S = 30
+
+
+class LoginError(ApplianceError):
+    """Keycloak refused a login or a refresh."""
+
+
+@dataclass
+class CachedToken:
+    username: str
+    access_token: str
+    refresh_token: str
+    expires_at: float
+    refresh_expires_at: float
+
+    @classmethod
+    def from_response(cls, username: str, body: dict) -> CachedToken:
+        now = time.time()
+        return cls(username=username, access_token=body["access_token"],
+                   refresh_token=body.get("refresh_token", ""),
+                   expires_at=now + float(body.get("expires_in", 0)),
+                   refresh_expires_at=now + float(body.get("refresh_expires_in", 0)))
+
+
+def _cache_path(home: Home) -> Path:
+    return home.secrets / CACHE
+
+
+def save(home: Home, token: CachedToken) -> None:
+    path = _cache_path(home)
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        json.dump(asdict(token), out)
+    os.replace(tmp, path)
+
+
+def _endpoint(settings: Settings, name: str) -> str:
+    return f"{settings.keycloak.issuer}/protocol/openid-connect/{name}"
+
+
+def _post(settings: Settings, name: str, data: dict[str, str]) -> httpx.Response:
+    try:
+        return httpx.post(_endpoint(settings, name), data={"client_id": settings.keycloak.cli_client_id, **data},
+                          timeout=30)
+    except httpx.HTTPError as exc:
+        raise LoginError(f"Keycloak at {settings.keycloak.base_url} is not reachable: {exc}",
+                         hint="is the appliance up? (`appliance status`)") from exc
+
+
+def _refused(response: httpx.Response) -> LoginError:
+    try:
+        body = response.json()
+        reason = body.get("error_description") or body.get("error") or response.text
+    except ValueError:
+        reason = response.text[:200]
+    return LoginError(f"Keycloak refused the login: {reason}")
+
+
+def password_login(settings: Settings, home: Home, username: str, password: str) -> CachedToken:
+    """Log in with a password (for scripts); the token is cached."""
+    response = _post(settings, "token", {"grant_type": "password", "username": username, "password": password})
+    if response.status_code != 200:
+        raise _refused(response)
+    token = CachedToken.from_response(username, response.json())
+    save(home, token)
+    return token
+
+
+def device_login(settings: Settings, home: Home, show: Callable[[str, str], None]) -> CachedToken:
+    """The device authorization grant: `show(url, code)` tells the person where to approve."""
+    response = _post(settings, "auth/device", {})
+    if response.status_code != 200:
+        raise _refused(response)
+    grant = response.json()
+    show(grant.get("verification_uri_complete") or grant["verification_uri"], grant["user_code"])
+    interval = float(grant.get("interval", 5))
+    deadline = time.monotonic() + float(grant.get("expires_in", 600))
+    while time.monotonic() < deadline:
+        time.sleep(interval)
+        response = _post(settings, "token", {"grant_type": "urn:ietf:params:oauth:grant-type:device_code",
+                                             "device_code": grant["device_code"]})
+        if response.status_code == 200:
+            body = response.json()
+            token = CachedToken.from_response(_username(body["access_token"]), body)
+            save(home, token)
+            return token
+        error = response.json().get("error") if response.headers.get("content-type", "").startswith(
+            "application/json") else None
+        if error == "slow_down":
+            interval += 5
+        elif error != "authorization_pending":
+            raise _refused(response)
+    raise LoginError("the device code expired before it was approved", hint="run `appliance token` again")
+
+
+def _username(access_token: str) -> str:
+    payload = access_token.split(".")[1]
+    claims = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+    return str(claims.get("preferred_username") or claims.get("sub"))
+
+
+def current_token(settings: Settings, home: Home) -> CachedToken:
+    """The cached token, refreshed if it is about to expire."""
+    try:
+        token = CachedToken(**json.loads(_cache_path(home).read_text()))
+    except (OSError, ValueError, TypeError) as exc:
+        raise LoginError("not logged in", hint="run `appliance token` first") from exc
+    now = time.time()
+    if token.expires_at - now > MARGIN_S:
+        return token
+    if not token.refresh_token or token.refresh_expires_at <= now:
+        raise LoginError("the cached login has expired", hint="run `appliance token` again")
+    response = _post(settings, "token", {"grant_type": "refresh_token", "refresh_token": token.refresh_token})
+    if response.status_code != 200:
+        raise _refused(response)
+    token = CachedToken.from_response(token.username, response.json())
+    save(home, token)
+    return token

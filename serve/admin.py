@@ -1,0 +1,189 @@
+"""The admin API under /admin (role `admin`): services under supervisord, effective settings with
+secrets masked, engine pools, and users and roles through Keycloak's admin API.
+
+Handlers are plain functions: FastAPI runs them in its thread pool, since the supervisor
+(XML-RPC) and Keycloak admin clients block.
+"""
+
+from __future__ import annotations
+
+import secrets as token_source
+from typing import Literal
+
+from fastapi import APIRouter, Depends, Request
+from keycloak import KeycloakAdmin, KeycloakOpenIDConnection
+from keycloak.exceptions import KeycloakError
+from pydantic import BaseModel, Field
+
+from appliance.errors import SupervisorError
+from appliance.home import Home
+from appliance.secrets import gateway_client_secret
+from appliance.settings import Settings
+from appliance.supervisor import ProcessInfo, Supervisor
+from serve.deps import requires
+from serve.errors import GatewayError
+
+REALM_ROLES = ("admin", "user", "trainer", "auditor")
+MASK = "********"
+
+
+class Service(BaseModel):
+    name: str
+    state: str
+    pid: int
+    uptime_s: int
+    log: str
+
+
+class Pool(BaseModel):
+    name: str
+    model: str
+    url: str
+    healthy: bool
+
+
+class User(BaseModel):
+    username: str
+    enabled: bool
+    roles: list[str]
+
+
+class NewUser(BaseModel):
+    username: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]{1,63}$")
+    roles: list[Literal["admin", "user", "trainer", "auditor"]] = Field(min_length=1)
+    password: str | None = Field(None, min_length=8, description="Unset: one is generated.")
+
+
+class CreatedUser(User):
+    password: str | None = Field(None, description="The generated password, shown only here.")
+
+
+class Admin:
+    """What the admin routes act on."""
+
+    def __init__(self, settings: Settings, home: Home) -> None:
+        self.settings = settings
+        self.home = home
+
+    def supervisor(self) -> Supervisor:
+        return Supervisor(self.home)
+
+    def keycloak(self) -> KeycloakAdmin:
+        keycloak = self.settings.keycloak
+        connection = KeycloakOpenIDConnection(
+            server_url=keycloak.base_url, realm_name=keycloak.realm, client_id=keycloak.gateway_client_id,
+            client_secret_key=gateway_client_secret(self.settings, self.home), timeout=15)
+        return KeycloakAdmin(connection=connection)
+
+
+def _service(info: ProcessInfo) -> Service:
+    return Service(name=info.name, state=info.state.name, pid=info.pid, uptime_s=info.uptime_s,
+                   log=str(info.log))
+
+
+def _user(admin: KeycloakAdmin, raw: dict) -> User:
+    roles = sorted(r["name"] for r in admin.get_realm_roles_of_user(raw["id"]) if r["name"] in REALM_ROLES)
+    return User(username=raw["username"], enabled=raw.get("enabled", False), roles=roles)
+
+
+def _keycloak_error(exc: KeycloakError) -> GatewayError:
+    status = getattr(exc, "response_code", None)
+    if status == 409:
+        return GatewayError(409, "a user with that name exists", code="conflict")
+    return GatewayError(502, f"Keycloak refused: {exc}", type="upstream_error", code="keycloak_error")
+
+
+def admin_router(admin: Admin) -> APIRouter:
+    """Routes under /admin; every one requires a valid token with role `admin`."""
+    router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(requires("admin"))])
+
+    def process(name: str) -> ProcessInfo:
+        for info in admin.supervisor().processes():
+            if info.name == name:
+                return info
+        raise GatewayError(404, f"no service named {name!r}", code="not_found")
+
+    @router.get("/services", response_model=list[Service])
+    def services() -> list[Service]:
+        """Every supervised program and its state."""
+        try:
+            return [_service(info) for info in admin.supervisor().processes()]
+        except SupervisorError as exc:
+            raise GatewayError(503, exc.message, type="service_unavailable", code="supervisor") from exc
+
+    @router.post("/services/{name}/{action}", response_model=Service)
+    def control(name: str, action: Literal["start", "stop", "restart"]) -> Service:
+        """Start, stop or restart one supervised program (not the gateway itself)."""
+        process(name)
+        if name == "gateway":
+            raise GatewayError(409, "the gateway cannot stop itself; use `appliance down`", code="conflict")
+        supervisor = admin.supervisor()
+        try:
+            if action in ("stop", "restart") and process(name).state.name in ("RUNNING", "STARTING"):
+                supervisor.call("stopProcess", name, True)
+            if action in ("start", "restart"):
+                supervisor.call("startProcess", name, False)
+        except SupervisorError as exc:
+            raise GatewayError(409, exc.message, code="conflict") from exc
+        return _service(process(name))
+
+    @router.get("/settings")
+    def settings() -> dict:
+        """The settings in effect, secrets masked."""
+        data = admin.settings.model_dump(mode="json")
+        if data["keycloak"].get("gateway_client_secret"):
+            data["keycloak"]["gateway_client_secret"] = MASK
+        return data
+
+    @router.get("/pools", response_model=list[Pool])
+    async def pools(request: Request) -> list[Pool]:
+        """Engine pools, the model each serves, and whether it answers."""
+        upstreams = request.app.state.gateway.upstreams
+        return [Pool(name=p.name, model=p.model, url=f"{p.base_url}/v1", healthy=await upstreams.healthy(p))
+                for p in upstreams.pools]
+
+    @router.get("/roles", response_model=list[str])
+    def roles() -> list[str]:
+        """The realm roles the appliance uses."""
+        return list(REALM_ROLES)
+
+    @router.get("/users", response_model=list[User])
+    def users() -> list[User]:
+        """Users of the realm with their appliance roles."""
+        try:
+            kc = admin.keycloak()
+            return [_user(kc, raw) for raw in kc.get_users({"briefRepresentation": True})
+                    if not raw["username"].startswith("service-account-")]
+        except KeycloakError as exc:
+            raise _keycloak_error(exc) from exc
+
+    @router.post("/users", response_model=CreatedUser, status_code=201)
+    def add_user(new: NewUser) -> CreatedUser:
+        """Create an enabled user with roles; without a password, one is generated and returned once."""
+        password = new.password or token_source.token_urlsafe(18)
+        try:
+            kc = admin.keycloak()
+            user_id = kc.create_user({
+                "username": new.username, "enabled": True, "emailVerified": True,
+                "firstName": new.username, "lastName": "-", "email": f"{new.username}@appliance.local",
+                "credentials": [{"type": "password", "value": password, "temporary": False}]})
+            kc.assign_realm_roles(user_id, [kc.get_realm_role(r) for r in new.roles])
+        except KeycloakError as exc:
+            raise _keycloak_error(exc) from exc
+        return CreatedUser(username=new.username, enabled=True, roles=sorted(new.roles),
+                           password=None if new.password else password)
+
+    @router.post("/users/{username}/disable", response_model=User)
+    def disable_user(username: str) -> User:
+        """Disable a user: new logins fail; live tokens stop within the introspection interval."""
+        try:
+            kc = admin.keycloak()
+            user_id = kc.get_user_id(username)
+            if user_id is None:
+                raise GatewayError(404, f"no user named {username!r}", code="not_found")
+            kc.update_user(user_id, {"enabled": False})
+            return _user(kc, kc.get_user(user_id))
+        except KeycloakError as exc:
+            raise _keycloak_error(exc) from exc
+
+    return router
