@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import html
 import json
+import re
+import subprocess
+import time
 
 import httpx
 import pytest
 
 from appliance.secrets import secret
 from installer.realm import BOOTSTRAP_SECRET
+from tests.conftest import APPLIANCE
 from tests.integration.conftest import Running
 from tests.integration.realm import Realm
 
@@ -87,3 +92,60 @@ def test_openapi_lists_every_route_with_models(realm: Realm) -> None:
         assert path in spec["paths"], path
     assert "NewUser" in spec["components"]["schemas"]
     assert spec["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
+
+
+def approve_device_login(verification_url: str, username: str, password: str) -> str:
+    """Do in Keycloak's pages what a person does in a browser: open the link, sign in, consent."""
+    with httpx.Client(timeout=30) as browser:
+        page = browse(browser, "GET", verification_url)
+        page = browse(browser, "POST", form_action(page, "kc-form-login"),
+                      data={"username": username, "password": password, "credentialId": ""})
+        if 'name="accept"' in page.text:  # the device grant asks the user to consent
+            page = browse(browser, "POST", form_action(page, None), data={"accept": "Yes"})
+        return page.text
+
+
+def browse(browser: httpx.Client, method: str, url: str, **kwargs: object) -> httpx.Response:
+    """Follow redirects like a browser on loopback, which (unlike httpx) sends Keycloak's
+    `Secure` cookies over http://127.0.0.1 because browsers treat loopback as a secure context."""
+    while True:
+        response = browser.request(method, url, **kwargs)
+        for cookie in browser.cookies.jar:
+            cookie.secure = False
+        if response.status_code not in (301, 302, 303, 307) or "location" not in response.headers:
+            return response
+        url, method, kwargs = str(response.url.join(response.headers["location"])), "GET", {}
+
+
+def form_action(page: httpx.Response, form_id: str | None) -> str:
+    """The absolute action URL of the form with `form_id` (or the first form) in a page."""
+    for tag in re.findall(r"<form\b[^>]*>", page.text):
+        if form_id is None or f'id="{form_id}"' in tag:
+            return str(page.url.join(html.unescape(re.search(r'action="([^"]+)"', tag).group(1))))
+    raise AssertionError(f"no form {form_id!r} in page: {page.text[:300]}")
+
+
+def test_device_code_login_and_refresh(running: Running, realm: Realm) -> None:
+    realm.ensure_user("gina", "Test-password-1", ["user"])
+    cli = running.appliance
+    process = subprocess.Popen([APPLIANCE, "token"], env=cli.env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        prompt = process.stderr.readline()
+        url, code = re.search(r"Open (\S+) and enter the code (\S+) ", prompt).groups()
+        assert code in url
+        page = approve_device_login(url, "gina", "Test-password-1")
+        assert "Device Login Successful" in page or "successful" in page.lower(), page[:300]
+        stdout, stderr = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 0, stderr
+    assert "logged in as gina" in stdout
+
+    # An expiring cached token is refreshed, not reused.
+    cache = cli.home.secrets / "cli-token.json"
+    cached = json.loads(cache.read_text())
+    cache.write_text(json.dumps({**cached, "expires_at": time.time()}))
+    refreshed = cli.run("token", "--print", timeout=60).stdout.strip()
+    assert refreshed and refreshed != cached["access_token"]
+    assert json.loads(cache.read_text())["expires_at"] > time.time() + 60

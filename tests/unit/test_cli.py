@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import typer
+from typer.testing import CliRunner
 
 from appliance import cli
 from tests.conftest import APPLIANCE, Appliance, make_appliance
@@ -26,15 +27,16 @@ def all_command_paths() -> list[list[str]]:
     return paths
 
 
-def test_every_command_has_help(tmp_path: Path) -> None:
+def test_every_command_has_help() -> None:
     paths = all_command_paths()
-    assert ["up"] in paths and ["down"] in paths and ["status"] in paths
-    assert ["model", "prepare-demo"] in paths
-    for appliance in make_appliance(None):
-        for path in paths:
-            result = appliance.run(*path, "--help", timeout=60)
-            assert result.returncode == 0, (path, result.stderr)
-            assert "Usage:" in result.stdout
+    for expected in (["up"], ["down"], ["status"], ["token"], ["users", "add"], ["model", "prepare-demo"],
+                     ["keycloak", "install"]):
+        assert expected in paths
+    runner = CliRunner()
+    for path in paths:
+        result = runner.invoke(cli.app, [*path, "--help"])
+        assert result.exit_code == 0, (path, result.output)
+        assert "Usage:" in result.output
 
 
 @pytest.fixture
