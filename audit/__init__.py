@@ -1,1 +1,9 @@
-"""The tamper-evident audit log (issue 4)."""
+"""The tamper-evident audit log: hash-chained records, group-committed, signed checkpoints."""
+
+from audit.keys import TextHasher, load_public, public_pem, signing_key
+from audit.records import AuditEvent, AuditRecord
+from audit.verify import AuditVerificationError, Verified, verify
+from audit.writer import AuditUnavailable, AuditWriter
+
+__all__ = ["AuditEvent", "AuditRecord", "AuditUnavailable", "AuditVerificationError", "AuditWriter",
+           "TextHasher", "Verified", "load_public", "public_pem", "signing_key", "verify"]

@@ -1,15 +1,23 @@
-"""Gateway overhead: the same load straight to vLLM and through the gateway (auth on), in one run.
+"""Gateway overhead: the same load straight to an engine and through the gateway (auth on).
+
+Two sections, each in one run against one appliance (real Keycloak, real token validation and
+introspection):
+- vllm: direct to the vLLM CPU engine vs. through the gateway. On 2 cores the engine's own time
+  (~0.5 s a request) and its noise dwarf the gateway's cost;
+- stub: direct to a stand-in engine that answers at once (bench/stub_engine.py) vs. a second
+  gateway in front of it, which isolates the gateway's own added latency and throughput limit.
 
 For concurrency 1, 8 and 32, streamed and not, both paths take turns (direct, gateway, direct,
-gateway) on the same engine, so drift on this noisy machine hits both. Reports p50/p99 latency of
-each path, the added p50/p99 and the throughput ratio (gateway / direct).
+gateway), so drift hits both. Reports p50/p99 of each path, the added p50/p99 and the throughput
+ratio (gateway / direct).
 
-Run: .venv/bin/python bench/gateway_overhead.py   (needs ./bootstrap.sh --no-start first)
-Writes bench/results/gateway_overhead.json.
+Run: .venv/bin/python bench/gateway_overhead.py [--sections vllm,stub]
+(needs ./bootstrap.sh --no-start first). Writes bench/results/gateway_overhead.json.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -19,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -32,8 +41,10 @@ from installer.realm import BOOTSTRAP_SECRET
 RESULTS = Path(__file__).parent / "results" / "gateway_overhead.json"
 APPLIANCE = str(Path(sys.executable).with_name("appliance"))
 MODEL = "SmolLM2-135M-Instruct"
-REQUESTS_PER_WORKER = {1: 40, 8: 12, 32: 6}
+REQUESTS_PER_WORKER = {"vllm": {1: 12, 8: 4, 32: 1}, "stub": {1: 300, 8: 100, 32: 40}}
 ROUNDS = 2
+PORTS = {"engine": 18411, "gateway": 18480, "stub": 18412, "stub_gateway": 18481,
+         "keycloak": 18490, "keycloak_management": 18491}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -56,7 +67,8 @@ async def one(client: httpx.AsyncClient, url: str, headers: dict, stream: bool) 
     return time.perf_counter() - started
 
 
-async def load(url: str, headers: dict, concurrency: int, stream: bool) -> tuple[list[float], float]:
+async def load(url: str, headers: dict, concurrency: int, stream: bool,
+               per_worker: int) -> tuple[list[float], float]:
     """Latencies of every request and requests/s, `concurrency` workers in parallel."""
     limits = httpx.Limits(max_connections=concurrency * 2)
     async with httpx.AsyncClient(timeout=300, limits=limits) as client:
@@ -64,7 +76,7 @@ async def load(url: str, headers: dict, concurrency: int, stream: bool) -> tuple
         latencies: list[float] = []
 
         async def worker() -> None:
-            for _ in range(REQUESTS_PER_WORKER[concurrency]):
+            for _ in range(per_worker):
                 latencies.append(await one(client, url, headers, stream))
 
         started = time.perf_counter()
@@ -79,56 +91,117 @@ def start_appliance() -> tuple[Path, dict[str, str]]:
     home.demo_model.symlink_to(default.demo_model, target_is_directory=True)
     shutil.copytree(install_dir(default), install_dir(home), symlinks=True,
                     ignore=shutil.ignore_patterns("h2", "tmp"))
-    env = {**os.environ, HOME_ENV: str(home.root), "APPLIANCE_POOLS__MAIN__PORT": "18411",
-           "APPLIANCE_GATEWAY__PORT": "18480", "APPLIANCE_KEYCLOAK__PORT": "18490",
-           "APPLIANCE_KEYCLOAK__MANAGEMENT_PORT": "18491",
+    env = {**os.environ, HOME_ENV: str(home.root), "APPLIANCE_POOLS__MAIN__PORT": str(PORTS["engine"]),
+           "APPLIANCE_GATEWAY__PORT": str(PORTS["gateway"]),
+           "APPLIANCE_KEYCLOAK__PORT": str(PORTS["keycloak"]),
+           "APPLIANCE_KEYCLOAK__MANAGEMENT_PORT": str(PORTS["keycloak_management"]),
            # The bench measures overhead, not the limiter: give the admin a budget it never meets.
            "APPLIANCE_GATEWAY__LIMITS": "{ admin = { requests_per_minute = 10000000, tokens_per_minute = 1000000000 } }"}
-    subprocess.run([APPLIANCE, "up"], env=env, check=True, capture_output=True)
+    started = subprocess.run([APPLIANCE, "up"], env=env, capture_output=True, text=True)
+    if started.returncode != 0:
+        shutil.rmtree(root, ignore_errors=True)
+        raise SystemExit(f"appliance up failed: {started.stderr.strip()}")
     return root, env
 
 
+Headers = Callable[[], dict[str, str]]
+
+
+def measure(paths: dict[str, tuple[str, Headers]], per_worker: dict[int, int]) -> list[dict]:
+    """Rows of p50/p99/rps per path, added latency and throughput ratio, for each load shape."""
+    rows = []
+    for stream in (False, True):
+        for concurrency in (1, 8, 32):
+            samples: dict[str, list[float]] = {"direct": [], "gateway": []}
+            rates: dict[str, list[float]] = {"direct": [], "gateway": []}
+            for _ in range(ROUNDS):
+                for name, (url, headers) in paths.items():
+                    latencies, rate = asyncio.run(load(url, headers(), concurrency, stream,
+                                                       per_worker[concurrency]))
+                    samples[name] += latencies
+                    rates[name].append(rate)
+            row = {"stream": stream, "concurrency": concurrency, "requests": len(samples["gateway"])}
+            for name in paths:
+                row[f"{name}_p50_ms"] = round(percentile(samples[name], 0.5) * 1000, 2)
+                row[f"{name}_p99_ms"] = round(percentile(samples[name], 0.99) * 1000, 2)
+                row[f"{name}_rps"] = round(statistics.mean(rates[name]), 2)
+            row["added_p50_ms"] = round(row["gateway_p50_ms"] - row["direct_p50_ms"], 2)
+            row["added_p99_ms"] = round(row["gateway_p99_ms"] - row["direct_p99_ms"], 2)
+            row["throughput_ratio"] = round(row["gateway_rps"] / row["direct_rps"], 3)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def wait_for(url: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(url)
+
+
+def stub_section(env: dict[str, str], token: Headers) -> list[dict]:
+    """A stand-in engine and a second gateway in front of it (same realm, same settings)."""
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    stub = subprocess.Popen([sys.executable, "-m", "uvicorn", "bench.stub_engine:app", "--port",
+                             str(PORTS["stub"]), "--no-access-log", "--log-level", "warning"],
+                            cwd=Path(__file__).parent.parent, **quiet)
+    gateway_env = {**env, "APPLIANCE_POOLS__MAIN__PORT": str(PORTS["stub"]),
+                   "APPLIANCE_GATEWAY__PORT": str(PORTS["stub_gateway"])}
+    gateway = subprocess.Popen([sys.executable, "-m", "uvicorn", "serve.gateway:app_from_env", "--factory",
+                                "--port", str(PORTS["stub_gateway"]), "--no-access-log",
+                                "--log-level", "warning"], env=gateway_env, **quiet)
+    try:
+        wait_for(f"http://127.0.0.1:{PORTS['stub']}/health")
+        wait_for(f"http://127.0.0.1:{PORTS['stub_gateway']}/healthz")
+        return measure({
+            "direct": (f"http://127.0.0.1:{PORTS['stub']}/v1/chat/completions", dict),
+            "gateway": (f"http://127.0.0.1:{PORTS['stub_gateway']}/v1/chat/completions", token),
+        }, REQUESTS_PER_WORKER["stub"])
+    finally:
+        for process in (gateway, stub):
+            process.terminate()
+            process.wait(30)
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sections", default="vllm,stub", help="comma-separated: vllm, stub")
+    sections = [s for s in parser.parse_args().sections.split(",") if s]
     root, env = start_appliance()
     home = Home(Path(env[HOME_ENV]))
+    results = json.loads(RESULTS.read_text()).get("sections", {}) if RESULTS.exists() else {}
     try:
         settings = load_settings(home.settings_file, environ=env)
-        token = httpx.post(f"{settings.keycloak.issuer}/protocol/openid-connect/token",
-                           data={"grant_type": "password", "client_id": "appliance-cli", "username": "admin",
-                                 "password": secret(home, BOOTSTRAP_SECRET)}).json()["access_token"]
-        paths = {
-            "direct": ("http://127.0.0.1:18411/v1/chat/completions",
-                       {"Authorization": f"Bearer {secret(home, 'engine-api-key')}"}),
-            "gateway": ("http://127.0.0.1:18480/v1/chat/completions", {"Authorization": f"Bearer {token}"}),
-        }
-        rows = []
-        for stream in (False, True):
-            for concurrency in (1, 8, 32):
-                samples: dict[str, list[float]] = {"direct": [], "gateway": []}
-                rates: dict[str, list[float]] = {"direct": [], "gateway": []}
-                for _ in range(ROUNDS):
-                    for name, (url, headers) in paths.items():
-                        latencies, rate = asyncio.run(load(url, headers, concurrency, stream))
-                        samples[name] += latencies
-                        rates[name].append(rate)
-                row = {"stream": stream, "concurrency": concurrency, "requests": len(samples["gateway"])}
-                for name in paths:
-                    row[f"{name}_p50_ms"] = round(percentile(samples[name], 0.5) * 1000, 1)
-                    row[f"{name}_p99_ms"] = round(percentile(samples[name], 0.99) * 1000, 1)
-                    row[f"{name}_rps"] = round(statistics.mean(rates[name]), 2)
-                row["added_p50_ms"] = round(row["gateway_p50_ms"] - row["direct_p50_ms"], 1)
-                row["added_p99_ms"] = round(row["gateway_p99_ms"] - row["direct_p99_ms"], 1)
-                row["throughput_ratio"] = round(row["gateway_rps"] / row["direct_rps"], 3)
-                rows.append(row)
-                print(json.dumps(row))
+        def token() -> dict[str, str]:
+            """A fresh admin token for each run: access tokens live five minutes."""
+            body = httpx.post(f"{settings.keycloak.issuer}/protocol/openid-connect/token",
+                              data={"grant_type": "password", "client_id": "appliance-cli",
+                                    "username": "admin", "password": secret(home, BOOTSTRAP_SECRET)}).json()
+            return {"Authorization": f"Bearer {body['access_token']}"}
+
+        engine_key = {"Authorization": f"Bearer {secret(home, 'engine-api-key')}"}
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        if "vllm" in sections:
+            rows = measure({
+                "direct": (f"http://127.0.0.1:{PORTS['engine']}/v1/chat/completions", lambda: engine_key),
+                "gateway": (f"http://127.0.0.1:{PORTS['gateway']}/v1/chat/completions", token),
+            }, REQUESTS_PER_WORKER["vllm"])
+            results["vllm"] = {"time": stamp, "rows": rows}
+        if "stub" in sections:
+            results["stub"] = {"time": stamp, "rows": stub_section(env, token)}
     finally:
         subprocess.run([APPLIANCE, "down"], env=env, capture_output=True)
         shutil.rmtree(root, ignore_errors=True)
-    result = {"bench": "gateway_overhead",
-              "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "host_cpus": len(os.sched_getaffinity(0)),
-              "note": "vLLM CPU engine and gateway share 2 cores; max_tokens=4; auth with introspection (10 s cache)",
-              "rows": rows}
+    result = {"bench": "gateway_overhead", "host_cpus": len(os.sched_getaffinity(0)),
+              "note": "engine, gateway and load generator share 2 cores; max_tokens=4; auth with "
+                      "Keycloak token validation and introspection (10 s cache)",
+              "sections": results}
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
 

@@ -36,6 +36,7 @@ async def authenticated(
         gateway.metrics.auth_failures.labels(exc.reason).inc()
         raise
     request.state.role = best_role(who.roles)
+    request.state.principal = who
     return who
 
 

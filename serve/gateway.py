@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -21,7 +22,9 @@ from pydantic import BaseModel, ConfigDict
 from appliance.home import Home
 from appliance.secrets import gateway_client_secret, secret
 from appliance.settings import Settings, load_settings
+from audit import AuditUnavailable, AuditWriter, TextHasher, signing_key
 from serve.admin import Admin, admin_router
+from serve.audit_trail import AuditMiddleware, Transcript
 from serve.auth import Introspector, Principal, TokenValidator
 from serve.deps import ChatUser
 from serve.engine import ENGINE_KEY_SECRET
@@ -29,7 +32,7 @@ from serve.errors import GatewayError
 from serve.limits import RateLimiter
 from serve.metrics import Metrics
 from serve.middleware import BodyLimitMiddleware, MeterMiddleware
-from serve.upstream import Upstreams, pools_from_settings, relay_stream, usage_of
+from serve.upstream import Upstreams, pools_from_settings, relay_stream, text_of, usage_of
 
 
 @dataclass
@@ -65,6 +68,7 @@ class CompletionRequest(BaseModel):
 class Health(BaseModel):
     status: str
     checks: dict[str, bool] = {}
+    reason: str | None = None
 
 
 def create_app(settings: Settings, home: Home) -> FastAPI:
@@ -95,11 +99,20 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
                 await validator.refresh_keys()
             except httpx.HTTPError:
                 pass  # Keycloak may still be starting; /readyz says so, tokens refetch on demand.
-            yield
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(_checkpoint_timer, writer, settings.audit.checkpoint_interval_s)
+                yield
+                tasks.cancel_scope.cancel()
 
     metrics = Metrics()
+    audit = settings.audit
+    writer = AuditWriter(home.audit, signing_key(home), checkpoint_every=audit.checkpoint_every,
+                         checkpoint_interval_s=audit.checkpoint_interval_s,
+                         max_file_bytes=audit.max_file_bytes)
     app = FastAPI(title="appliance gateway", version="1", lifespan=lifespan)
+    app.state.audit = writer
     app.add_middleware(BodyLimitMiddleware, limit=settings.gateway.max_body_bytes)
+    app.add_middleware(AuditMiddleware, writer=writer, hasher=TextHasher(home), capture_text=audit.capture_text)
     app.add_middleware(MeterMiddleware, metrics=metrics)  # outermost: counts 413s too
 
     @app.exception_handler(GatewayError)
@@ -124,8 +137,10 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
             checks["jwks"] = True
         except httpx.HTTPError:
             checks["jwks"] = False
+        checks["audit"] = request.app.state.audit.failure is None
         ok = all(checks.values())
-        body = Health(status="ready" if ok else "not ready", checks=checks)
+        body = Health(status="ready" if ok else "not ready", checks=checks,
+                      reason=request.app.state.audit.failure)
         return JSONResponse(body.model_dump(), status_code=200 if ok else 503)
 
     @app.get("/metrics", tags=["health"], response_class=Response)
@@ -170,6 +185,8 @@ async def relay(request: Request, who: Principal, path: str, body: BaseModel) ->
         # Ask for the final usage chunk so tokens can be counted and charged.
         payload["stream_options"] = {**(payload.get("stream_options") or {}), "include_usage": True}
     request_id = request.state.request_id
+    transcript = request.state.transcript = Transcript(
+        model=pool.model, prompt=json.dumps(payload.get("messages", payload.get("prompt")), ensure_ascii=False))
     started = time.monotonic()
     try:
         response = await gateway.upstreams.send(pool, path, json.dumps(payload).encode(), request_id)
@@ -178,6 +195,7 @@ async def relay(request: Request, who: Principal, path: str, body: BaseModel) ->
         raise
 
     def account(prompt: int, completion: int) -> None:
+        transcript.prompt_tokens, transcript.completion_tokens = prompt, completion
         gateway.metrics.tokens.labels("in", pool.model).inc(prompt)
         gateway.metrics.tokens.labels("out", pool.model).inc(completion)
         gateway.limiter.charge(who.subject, prompt + completion)
@@ -188,14 +206,28 @@ async def relay(request: Request, who: Principal, path: str, body: BaseModel) ->
         if response.status_code >= 500:
             gateway.metrics.upstream_errors.labels(pool.name, str(response.status_code)).inc()
         account(*usage_of(content))
+        try:
+            transcript.completion_parts.append(text_of(json.loads(content).get("choices")))
+        except (ValueError, AttributeError):
+            pass
         return Response(content, status_code=response.status_code,
                         media_type=response.headers.get("content-type", "application/json"))
 
     def first_token() -> None:
         gateway.metrics.ttft.labels(pool.model).observe(time.monotonic() - started)
 
-    return StreamingResponse(relay_stream(response, first_token, account),
+    return StreamingResponse(relay_stream(response, first_token, account, transcript.completion_parts.append),
                              media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def _checkpoint_timer(writer: AuditWriter, interval_s: float) -> None:
+    """Sign the chain head every interval even when traffic is idle, so a cut tail shows."""
+    while True:
+        await anyio.sleep(interval_s)
+        try:
+            await anyio.to_thread.run_sync(writer.checkpoint)
+        except AuditUnavailable:
+            pass  # the writer now reports the failure; requests and /readyz fail closed
 
 
 def app_from_env() -> FastAPI:

@@ -87,9 +87,25 @@ def usage_of(body: bytes) -> tuple[int, int]:
     return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
 
 
+def text_of(choices: object) -> str:
+    """The generated text in OpenAI `choices` (message, delta or completion text)."""
+    parts = []
+    for choice in choices if isinstance(choices, list) else []:
+        if not isinstance(choice, dict):
+            continue
+        for key in ("message", "delta"):
+            content = (choice.get(key) or {}).get("content")
+            if isinstance(content, str):
+                parts.append(content)
+        if isinstance(choice.get("text"), str):
+            parts.append(choice["text"])
+    return "".join(parts)
+
+
 async def relay_stream(response: httpx.Response, on_first_token: Callable[[], None],
-                       on_usage: Callable[[int, int], None]) -> AsyncIterator[bytes]:
-    """Pass SSE bytes through as they arrive; note the first token and the final usage chunk.
+                       on_usage: Callable[[int, int], None],
+                       on_text: Callable[[str], None]) -> AsyncIterator[bytes]:
+    """Pass SSE bytes through as they arrive; note the first token, the text and the final usage.
 
     When the client goes away, the server cancels this generator; closing the upstream response
     then makes vLLM abort the request, freeing the engine.
@@ -98,14 +114,24 @@ async def relay_stream(response: httpx.Response, on_first_token: Callable[[], No
     pending = b""
     try:
         async for chunk in response.aiter_raw():
-            if first and (b'"content"' in chunk or b'"text"' in chunk):
-                first = False
-                on_first_token()
             pending += chunk
             *lines, pending = pending.split(b"\n")
             for line in lines:
-                if line.startswith(b"data: {") and b'"usage":{' in line:
-                    on_usage(*usage_of(line[len(b"data: "):]))
+                if not line.startswith(b"data: {"):
+                    continue
+                try:
+                    event = json.loads(line[len(b"data: "):])
+                except ValueError:
+                    continue
+                text = text_of(event.get("choices"))
+                if text:
+                    if first:
+                        first = False
+                        on_first_token()
+                    on_text(text)
+                if event.get("usage"):
+                    on_usage(int(event["usage"].get("prompt_tokens") or 0),
+                             int(event["usage"].get("completion_tokens") or 0))
             yield chunk
     finally:
         await response.aclose()

@@ -204,9 +204,10 @@ def test_client_disconnect_mid_stream_frees_the_engine(realm: Realm, alice: str,
 
 
 def test_health_and_readiness(realm: Realm) -> None:
-    assert httpx.get(f"{realm.gateway}/healthz").json() == {"status": "ok", "checks": {}}
+    assert httpx.get(f"{realm.gateway}/healthz").json() == {"status": "ok", "checks": {}, "reason": None}
     ready = httpx.get(f"{realm.gateway}/readyz")
-    assert ready.status_code == 200 and ready.json()["checks"] == {"engine:main": True, "jwks": True}
+    assert ready.status_code == 200
+    assert ready.json()["checks"] == {"engine:main": True, "jwks": True, "audit": True}
     metrics = httpx.get(f"{realm.gateway}/metrics").text
     for name in ("gateway_requests_total", "gateway_request_seconds_bucket",
                  "gateway_time_to_first_token_seconds_bucket", "gateway_tokens_total",
@@ -223,3 +224,14 @@ def test_status_json_names_gateway_and_issuer(running: Running, realm: Realm) ->
     assert gateway["urls"]["openai"] == f"{realm.gateway}/v1"
     assert gateway["urls"]["issuer"] == realm.issuer
     assert {p["name"] for p in report["programs"]} == {"keycloak", "vllm-main", "gateway"}
+
+
+def test_tokens_and_secrets_never_reach_the_logs(realm: Realm, alice: str, running: Running) -> None:
+    from appliance.secrets import secret
+
+    home = running.appliance.home
+    needles = [alice, secret(home, "engine-api-key"), secret(home, "gateway-client-secret")]
+    for log in home.logs.glob("*.log"):
+        text = log.read_text(errors="replace")
+        for needle in needles:
+            assert needle not in text, f"a token or secret is in {log}"

@@ -1,0 +1,61 @@
+"""Audit records: one canonical JSON line each, chained by SHA-256.
+
+A record's hash is SHA-256 over its canonical bytes (sorted keys, no spaces, UTF-8) with the
+`hash` field left out; `prev_hash` holds the previous record's hash (GENESIS for the first).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+GENESIS = "0" * 64
+
+
+def canonical(fields: dict[str, Any]) -> bytes:
+    """The bytes that are hashed and signed: sorted keys, compact, UTF-8."""
+    return json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def digest(fields: dict[str, Any]) -> str:
+    """SHA-256 hex over the canonical bytes of `fields` without their `hash`."""
+    return hashlib.sha256(canonical({k: v for k, v in fields.items() if k != "hash"})).hexdigest()
+
+
+class AuditEvent(BaseModel):
+    """What happened, as the caller reports it; the log adds sequence, time and chain."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    request_id: str
+    action: str = Field(description="e.g. chat.completions, auth.denied, users.add")
+    outcome: Literal["allowed", "denied", "error"]
+    status: int
+    subject: str | None = None
+    username: str | None = None
+    client: str | None = None
+    source: str | None = None
+    resource: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    latency_ms: float | None = None
+    prompt_hmac: str | None = None
+    completion_hmac: str | None = None
+    prompt: str | None = Field(None, description="Raw text, only when capture is on.")
+    completion: str | None = Field(None, description="Raw text, only when capture is on.")
+
+
+class AuditRecord(AuditEvent):
+    """An event as written: sequence number, UTC time, previous and own hash."""
+
+    seq: int
+    time: str
+    prev_hash: str
+    hash: str
+
+    def line(self) -> bytes:
+        """The record as one canonical JSON line."""
+        return canonical(self.model_dump()) + b"\n"

@@ -1,0 +1,83 @@
+"""Verify an audit log: every record's hash, the chain, the sequence, every checkpoint's
+signature, and that no records are missing after the last checkpoint. Raises on the first fault,
+naming the file, line and sequence number and why; returns a summary when all is well."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from audit.records import GENESIS, canonical, digest
+from audit.writer import CHECKPOINTS, log_files
+
+
+class AuditVerificationError(Exception):
+    """The log was altered, reordered, cut or signed by another key."""
+
+    def __init__(self, where: str, reason: str) -> None:
+        super().__init__(f"{where}: {reason}")
+        self.where = where
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Verified:
+    records: int
+    files: int
+    checkpoints: int
+    head: str
+    last_checkpoint_seq: int
+
+
+def verify(directory: Path, public_key: Ed25519PublicKey) -> Verified:
+    """Walk the log in order; raise AuditVerificationError at the first bad record or checkpoint."""
+    # 1. Records: parse, recompute each hash, follow the chain and the sequence.
+    hashes: dict[int, str] = {}
+    head, seq = GENESIS, 0
+    files = log_files(directory)
+    for path in files:
+        for number, raw in enumerate(path.read_bytes().splitlines(), start=1):
+            where = f"{path.name}:{number}"
+            try:
+                record = json.loads(raw)
+            except ValueError:
+                raise AuditVerificationError(where, "not a JSON record") from None
+            if not isinstance(record, dict) or "hash" not in record:
+                raise AuditVerificationError(where, "not an audit record")
+            where += f" (seq {record.get('seq')})"
+            if record.get("seq") != seq + 1:
+                raise AuditVerificationError(where, f"gap in sequence: expected {seq + 1}")
+            if record["hash"] != digest(record):
+                raise AuditVerificationError(where, "hash mismatch: the record was altered")
+            if record.get("prev_hash") != head:
+                raise AuditVerificationError(where, "chain broken: prev_hash is not the previous record's hash")
+            seq, head = record["seq"], record["hash"]
+            hashes[seq] = head
+    # 2. Checkpoints: signed by the key, naming a head that is in the chain, in order.
+    count, last = 0, 0
+    path = directory / CHECKPOINTS
+    lines = path.read_bytes().splitlines() if path.exists() else []
+    for number, raw in enumerate(lines, start=1):
+        where = f"{CHECKPOINTS}:{number}"
+        try:
+            checkpoint = json.loads(raw)
+            statement = {k: checkpoint[k] for k in ("seq", "head", "time", "key_id")}
+            public_key.verify(bytes.fromhex(checkpoint["signature"]), canonical(statement))
+        except (ValueError, KeyError, TypeError):
+            raise AuditVerificationError(where, "not a checkpoint") from None
+        except InvalidSignature:
+            raise AuditVerificationError(where, "signature failure: not signed by this key") from None
+        if checkpoint["seq"] < last:
+            raise AuditVerificationError(where, "checkpoints out of order")
+        if checkpoint["seq"] > seq:
+            raise AuditVerificationError(
+                where, f"missing tail: checkpoint vouches for seq {checkpoint['seq']} but the log "
+                       f"ends at seq {seq}")
+        if hashes.get(checkpoint["seq"]) != checkpoint["head"]:
+            raise AuditVerificationError(where, f"head mismatch at seq {checkpoint['seq']}")
+        count, last = count + 1, checkpoint["seq"]
+    return Verified(records=seq, files=len(files), checkpoints=count, head=head, last_checkpoint_seq=last)

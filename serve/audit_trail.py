@@ -1,0 +1,113 @@
+"""Every /v1 request, allowed or denied, leaves a durable audit record before its response is
+complete; if the log cannot be written the gateway fails closed (503)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from audit import AuditEvent, AuditUnavailable, AuditWriter, TextHasher
+from serve.auth import Principal
+from serve.errors import GatewayError
+
+ACTIONS = {"/v1/chat/completions": "chat.completions", "/v1/completions": "completions",
+           "/v1/models": "models.list"}
+
+
+@dataclass
+class Transcript:
+    """What a handler learned about the request, for its audit record."""
+
+    model: str | None = None
+    prompt: str | None = None
+    completion_parts: list[str] = field(default_factory=list)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def completion(self) -> str | None:
+        return "".join(self.completion_parts) if self.completion_parts else None
+
+
+def outcome_of(status: int) -> str:
+    if status < 400:
+        return "allowed"
+    return "denied" if status in (401, 403, 429) else "error"
+
+
+class AuditMiddleware:
+    """Pure ASGI around /v1/*: refuse at once while the log is unwritable; otherwise hold a
+    non-streamed response until its record is on disk (a 503 replaces it if that fails), and
+    write a streamed response's record before its last chunk."""
+
+    def __init__(self, app: Any, writer: AuditWriter, hasher: TextHasher, capture_text: bool) -> None:
+        self.app = app
+        self.writer = writer
+        self.hasher = hasher
+        self.capture = capture_text
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        if self.writer.failure is not None:
+            await _unavailable(self.writer.failure).response()(scope, receive, send)
+            return
+        started = time.monotonic()
+        state = scope.setdefault("state", {})
+        held: dict | None = None
+        streaming = False
+
+        async def audited_send(message: dict) -> None:
+            nonlocal held, streaming
+            if message["type"] == "http.response.start":
+                headers = dict(message.get("headers", []))
+                streaming = headers.get(b"content-type", b"").startswith(b"text/event-stream")
+                if streaming:
+                    await send(message)
+                else:
+                    held = message
+                return
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                status = held["status"] if held else state.get("status", 200)
+                try:
+                    await anyio.to_thread.run_sync(self.writer.append,
+                                                   self._event(scope, state, status, started))
+                except AuditUnavailable as exc:
+                    if streaming:
+                        raise  # cut the stream: the client must not see a complete answer
+                    await _unavailable(str(exc)).response()(scope, receive, send)
+                    return
+            if held is not None:
+                await send(held)
+                held = None
+            await send(message)
+
+        await self.app(scope, receive, audited_send)
+
+    def _event(self, scope: dict, state: dict, status: int, started: float) -> AuditEvent:
+        who: Principal | None = state.get("principal")
+        transcript: Transcript = state.get("transcript") or Transcript()
+        denied = status in (401, 403)
+        client = scope.get("client")
+        return AuditEvent(
+            request_id=state.get("request_id", ""),
+            action="auth.denied" if denied else ACTIONS.get(scope["path"], scope["path"]),
+            outcome=outcome_of(status), status=status,
+            subject=who.subject if who else None, username=who.username if who else None,
+            client=who.client if who else None, source=client[0] if client else None,
+            resource=transcript.model or scope["path"],
+            prompt_tokens=transcript.prompt_tokens, completion_tokens=transcript.completion_tokens,
+            latency_ms=round((time.monotonic() - started) * 1000, 1),
+            prompt_hmac=self.hasher(transcript.prompt), completion_hmac=self.hasher(transcript.completion),
+            prompt=transcript.prompt if self.capture else None,
+            completion=transcript.completion if self.capture else None,
+        )
+
+
+def _unavailable(reason: str) -> GatewayError:
+    return GatewayError(503, f"audit log unavailable, refusing requests: {reason}",
+                        type="service_unavailable", code="audit_unavailable", headers={"Retry-After": "30"})

@@ -1,0 +1,162 @@
+"""The audit log: chain, durability, group commit, rotation, checkpoints, and verification that
+names the first bad record for each kind of tampering (issue 4)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from audit import AuditEvent, AuditUnavailable, AuditVerificationError, AuditWriter, verify
+from audit.writer import CHECKPOINTS, log_files
+
+KEY = Ed25519PrivateKey.generate()
+
+
+def event(n: int, **changes: object) -> AuditEvent:
+    fields = {"request_id": f"r{n}", "action": "chat.completions", "outcome": "allowed", "status": 200,
+              "subject": "u1", "username": "alice", "resource": "SmolLM2-135M-Instruct",
+              "prompt_tokens": 3, "completion_tokens": 5}
+    return AuditEvent(**{**fields, **changes})
+
+
+def filled(tmp_path: Path, count: int = 10, **kwargs: object) -> AuditWriter:
+    writer = AuditWriter(tmp_path, KEY, **kwargs)
+    for n in range(count):
+        writer.append(event(n))
+    writer.checkpoint()
+    return writer
+
+
+def rewrite_line(path: Path, index: int, change) -> None:
+    lines = path.read_bytes().splitlines()
+    record = json.loads(lines[index])
+    change(record)
+    lines[index] = json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
+    path.write_bytes(b"\n".join(lines) + b"\n")
+
+
+def test_records_chain_and_verify(tmp_path: Path) -> None:
+    writer = filled(tmp_path, 10)
+    summary = verify(tmp_path, KEY.public_key())
+    assert summary.records == 10 and summary.checkpoints == 1 and summary.last_checkpoint_seq == 10
+    assert writer.head == (10, summary.head)
+    first = json.loads(log_files(tmp_path)[0].read_bytes().splitlines()[0])
+    assert first["seq"] == 1 and first["prev_hash"] == "0" * 64 and first["time"].endswith("Z")
+
+
+def test_edit_in_the_middle_is_named(tmp_path: Path) -> None:
+    filled(tmp_path)
+    path = log_files(tmp_path)[0]
+    rewrite_line(path, 4, lambda r: r.update(status=403))
+    with pytest.raises(AuditVerificationError, match=r"audit-000001.jsonl:5 \(seq 5\): hash mismatch"):
+        verify(tmp_path, KEY.public_key())
+
+
+def test_rehashed_edit_breaks_the_chain(tmp_path: Path) -> None:
+    from audit.records import digest
+
+    filled(tmp_path)
+    path = log_files(tmp_path)[0]
+    rewrite_line(path, 4, lambda r: r.update(status=403, hash=digest({**r, "status": 403})))
+    with pytest.raises(AuditVerificationError, match=r":6 \(seq 6\): chain broken"):
+        verify(tmp_path, KEY.public_key())
+
+
+def test_removed_record_is_a_gap(tmp_path: Path) -> None:
+    filled(tmp_path)
+    path = log_files(tmp_path)[0]
+    lines = path.read_bytes().splitlines()
+    path.write_bytes(b"\n".join(lines[:3] + lines[4:]) + b"\n")
+    with pytest.raises(AuditVerificationError, match=r":4 \(seq 5\): gap in sequence: expected 4"):
+        verify(tmp_path, KEY.public_key())
+
+
+def test_reordered_records_are_detected(tmp_path: Path) -> None:
+    filled(tmp_path)
+    path = log_files(tmp_path)[0]
+    lines = path.read_bytes().splitlines()
+    lines[2], lines[3] = lines[3], lines[2]
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    with pytest.raises(AuditVerificationError, match="gap in sequence"):
+        verify(tmp_path, KEY.public_key())
+
+
+def test_cut_tail_after_checkpoint_is_detected(tmp_path: Path) -> None:
+    filled(tmp_path)
+    path = log_files(tmp_path)[0]
+    lines = path.read_bytes().splitlines()
+    path.write_bytes(b"\n".join(lines[:7]) + b"\n")
+    with pytest.raises(AuditVerificationError, match="missing tail: checkpoint vouches for seq 10 but the log ends at seq 7"):
+        verify(tmp_path, KEY.public_key())
+
+
+def test_checkpoint_signed_by_another_key_fails(tmp_path: Path) -> None:
+    filled(tmp_path)
+    with pytest.raises(AuditVerificationError, match=f"{CHECKPOINTS}:1: signature failure"):
+        verify(tmp_path, Ed25519PrivateKey.generate().public_key())
+
+
+def test_forged_checkpoint_fails(tmp_path: Path) -> None:
+    filled(tmp_path)
+    path = tmp_path / CHECKPOINTS
+    checkpoint = json.loads(path.read_bytes())
+    checkpoint["seq"] = 3
+    path.write_text(json.dumps(checkpoint) + "\n")
+    with pytest.raises(AuditVerificationError, match="signature failure"):
+        verify(tmp_path, KEY.public_key())
+
+
+def test_rotation_keeps_the_chain_and_restart_continues_it(tmp_path: Path) -> None:
+    writer = filled(tmp_path, 30, max_file_bytes=2000)
+    assert len(log_files(tmp_path)) > 2
+    again = AuditWriter(tmp_path, KEY, max_file_bytes=2000)  # a restart picks up the head
+    assert again.head == writer.head
+    again.append(event(99))
+    assert verify(tmp_path, KEY.public_key()).records == 31
+
+
+def test_torn_last_line_is_cut_on_restart(tmp_path: Path) -> None:
+    filled(tmp_path, 5)
+    path = log_files(tmp_path)[0]
+    with path.open("ab") as handle:
+        handle.write(b'{"seq":6,"half')  # a crash mid-write: never acknowledged
+    writer = AuditWriter(tmp_path, KEY)
+    assert writer.head[0] == 5
+    writer.append(event(6))
+    assert verify(tmp_path, KEY.public_key()).records == 6
+
+
+def test_concurrent_writers_share_fsyncs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import audit.writer as module
+
+    fsyncs = []
+    real = module.os.fsync
+    monkeypatch.setattr(module.os, "fsync", lambda fd: (fsyncs.append(fd), real(fd)))
+    writer = AuditWriter(tmp_path, KEY, checkpoint_every=10_000, checkpoint_interval_s=3600)
+    threads = [threading.Thread(target=lambda i=i: [writer.append(event(i * 100 + j)) for j in range(25)])
+               for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert verify(tmp_path, KEY.public_key()).records == 200
+    assert len(fsyncs) < 200, "concurrent appends must share fsyncs"
+
+
+def test_failure_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    writer = filled(tmp_path, 3)
+
+    def disk_full(batch: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(writer, "_write", disk_full)
+    with pytest.raises(AuditUnavailable, match="No space left on device"):
+        writer.append(event(4))
+    assert writer.failure and "No space left" in writer.failure
+    with pytest.raises(AuditUnavailable):
+        writer.append(event(5))
+    assert verify(tmp_path, KEY.public_key()).records == 3
