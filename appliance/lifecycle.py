@@ -80,7 +80,7 @@ def up(settings: Settings, home: Home, progress: Progress = _no_progress) -> UpR
 
 def _wrap(program: Program, home: Home) -> Program:
     """Run the program through appliance.orphans, which ends a dead predecessor's workers."""
-    command = [sys.executable, "-m", "appliance.orphans", program.name, str(home.run), "--",
+    command = [sys.executable, "-P", "-m", "appliance.orphans", program.name, str(home.run), "--",
                *program.command]
     return program.model_copy(update={"command": command})
 

@@ -6,7 +6,6 @@ import csv
 import json
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -17,7 +16,7 @@ from appliance.errors import ApplianceError
 from appliance.home import Home
 from audit.keys import load_public, public_pem, signing_key
 from audit.verify import AuditVerificationError, verify
-from audit.writer import log_files
+from audit.reader import read_records
 
 audit_app = typer.Typer(help="The tamper-evident audit log.", no_args_is_help=True)
 out = Console()
@@ -49,12 +48,6 @@ def public_key_command() -> None:
     typer.echo(public_pem(signing_key(Home.from_env())).decode(), nl=False)
 
 
-def _records(directory: Path) -> Iterator[dict]:
-    for path in log_files(directory):
-        for raw in path.read_bytes().splitlines():
-            yield json.loads(raw)
-
-
 @audit_app.command("tail")
 def tail(
     lines: Annotated[int, typer.Option("-n", help="How many records.")] = 10,
@@ -62,13 +55,13 @@ def tail(
 ) -> None:
     """Print the last records (JSON lines), and with -f new ones as they are written."""
     directory = Home.from_env().audit
-    last = list(_records(directory))[-lines:] if lines else []
+    last = list(read_records(directory))[-lines:] if lines else []
     for record in last:
         typer.echo(json.dumps(record))
     seen = last[-1]["seq"] if last else 0
     while follow:
         time.sleep(0.5)
-        for record in _records(directory):
+        for record in read_records(directory):
             if record["seq"] > seen:
                 typer.echo(json.dumps(record))
                 seen = record["seq"]
@@ -84,9 +77,7 @@ def export(
     """Write matching records to stdout as JSON lines or CSV."""
     if format not in ("jsonl", "csv"):
         raise ApplianceError(f"--format must be jsonl or csv, not {format!r}")
-    selected = (r for r in _records(Home.from_env().audit)
-                if (since is None or r["time"] >= since) and (until is None or r["time"] < until)
-                and (user is None or r.get("username") == user))
+    selected = read_records(Home.from_env().audit, since=since, until=until, user=user)
     if format == "jsonl":
         for record in selected:
             typer.echo(json.dumps(record))

@@ -22,6 +22,7 @@ from audit.keys import key_id
 from audit.records import GENESIS, AuditEvent, AuditRecord, canonical, digest
 
 CHECKPOINTS = "checkpoints.jsonl"
+RETRY_AFTER_S = 2.0
 
 
 class AuditUnavailable(Exception):
@@ -52,7 +53,10 @@ class AuditWriter:
         self._pending: list[AuditRecord] = []
         self._flushing = False
         self._failure: str | None = None
-        directory.mkdir(parents=True, exist_ok=True)
+        self._failed_at = 0.0
+        # Records name users and what they did: private to the appliance, like its secrets.
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(directory, 0o700)
         self._recover()
 
     # -- state ------------------------------------------------------------------------------
@@ -103,6 +107,7 @@ class AuditWriter:
     def append(self, event: AuditEvent) -> AuditRecord:
         """Chain, write and fsync `event`; raise AuditUnavailable if it cannot be made durable."""
         with self._cond:
+            self._retry_after_failure()
             if self._failure is not None:
                 raise AuditUnavailable(self._failure)
             fields = {**event.model_dump(), "seq": self._seq + 1, "time": _now(), "prev_hash": self._head}
@@ -127,19 +132,33 @@ class AuditWriter:
                     self._cond.acquire()
                     self._flushing = False
                 if failure is not None:
-                    self._failure = failure
+                    self._failure, self._failed_at = failure, time.monotonic()
                 else:
                     self._durable_seq, self._durable_head = batch[-1].seq, batch[-1].hash
                 self._cond.notify_all()
             self._maybe_checkpoint()
         return record
 
+    def _retry_after_failure(self) -> None:
+        """Once in a while after a failure (disk full, say), re-read the head from disk and try
+        again: records that never reached the disk were never acknowledged."""
+        if self._failure is None or self._flushing or time.monotonic() - self._failed_at < RETRY_AFTER_S:
+            return
+        try:
+            self._recover()
+        except (OSError, ValueError, KeyError) as exc:
+            self._failed_at = time.monotonic()
+            self._failure = f"audit log {self.directory} cannot be reopened: {exc}"
+            return
+        self._pending = []
+        self._failure = None
+
     def _write(self, batch: list[AuditRecord]) -> None:
         if self._file.exists() and self._file.stat().st_size >= self._max_bytes:
             number = int(self._file.stem.split("-")[1]) + 1
             self._file = self.directory / f"audit-{number:06d}.jsonl"
         new = not self._file.exists()
-        with self._file.open("ab") as handle:
+        with os.fdopen(os.open(self._file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab") as handle:
             handle.write(b"".join(record.line() for record in batch))
             handle.flush()
             os.fsync(handle.fileno())
@@ -168,7 +187,8 @@ class AuditWriter:
                      "key_id": self._key_id}
         signed = {**statement, "signature": self._signer.sign(canonical(statement)).hex()}
         try:
-            with (self.directory / CHECKPOINTS).open("ab") as handle:
+            path = self.directory / CHECKPOINTS
+            with os.fdopen(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab") as handle:
                 handle.write(canonical(signed) + b"\n")
                 handle.flush()
                 os.fsync(handle.fileno())

@@ -153,7 +153,7 @@ def stub_section(env: dict[str, str], token: Headers) -> list[dict]:
                             cwd=Path(__file__).parent.parent, **quiet)
     gateway_env = {**env, "APPLIANCE_POOLS__MAIN__PORT": str(PORTS["stub"]),
                    "APPLIANCE_GATEWAY__PORT": str(PORTS["stub_gateway"])}
-    gateway = subprocess.Popen([sys.executable, "-m", "uvicorn", "serve.gateway:app_from_env", "--factory",
+    gateway = subprocess.Popen([sys.executable, "-P", "-m", "uvicorn", "serve.gateway:app_from_env", "--factory",
                                 "--port", str(PORTS["stub_gateway"]), "--no-access-log",
                                 "--log-level", "warning"], env=gateway_env, **quiet)
     try:

@@ -7,10 +7,11 @@ Handlers are plain functions: FastAPI runs them in its thread pool, since the su
 
 from __future__ import annotations
 
+import itertools
 import secrets as token_source
 from typing import Literal
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 from keycloak import KeycloakAdmin, KeycloakOpenIDConnection
 from keycloak.exceptions import KeycloakError
 from pydantic import BaseModel, Field
@@ -20,6 +21,7 @@ from appliance.home import Home
 from appliance.secrets import gateway_client_secret
 from appliance.settings import Settings
 from appliance.supervisor import ProcessInfo, Supervisor
+from audit import read_records
 from serve.deps import requires
 from serve.errors import GatewayError
 
@@ -185,5 +187,18 @@ def admin_router(admin: Admin) -> APIRouter:
             return _user(kc, kc.get_user(user_id))
         except KeycloakError as exc:
             raise _keycloak_error(exc) from exc
+
+    return router
+
+
+def audit_router(home: Home) -> APIRouter:
+    """GET /admin/audit: query the audit log (role `auditor` or `admin`)."""
+    router = APIRouter(prefix="/admin", tags=["audit"], dependencies=[Depends(requires("auditor", "admin"))])
+
+    @router.get("/audit", response_model=list[dict])
+    def audit_records(since: str | None = None, until: str | None = None, user: str | None = None,
+                      limit: int = Query(1000, ge=1, le=100_000)) -> list[dict]:
+        """Audit records, oldest first, filtered by UTC time range [since, until) and username."""
+        return list(itertools.islice(read_records(home.audit, since=since, until=until, user=user), limit))
 
     return router

@@ -1,5 +1,5 @@
-"""Every /v1 request, allowed or denied, leaves a durable audit record before its response is
-complete; if the log cannot be written the gateway fails closed (503)."""
+"""Every /v1 and /admin request, allowed or denied, leaves a durable audit record before its
+response is complete; if the log cannot be written the gateway fails closed (503)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,24 @@ from audit import AuditEvent, AuditUnavailable, AuditWriter, TextHasher
 from serve.auth import Principal
 from serve.errors import GatewayError
 
-ACTIONS = {"/v1/chat/completions": "chat.completions", "/v1/completions": "completions",
-           "/v1/models": "models.list"}
+AUDITED_PREFIXES = ("/v1/", "/admin/")
+ACTIONS = {("POST", "/v1/chat/completions"): "chat.completions", ("POST", "/v1/completions"): "completions",
+           ("GET", "/v1/models"): "models.list", ("POST", "/admin/users"): "users.add",
+           ("POST", "/admin/users/{username}/disable"): "users.disable",
+           ("POST", "/admin/services/{name}/{action}"): "services.{action}",
+           ("GET", "/admin/audit"): "audit.query"}
+
+
+def action_of(scope: dict, status: int) -> tuple[str, str | None]:
+    """(action, resource named in the path) for a request, from its matched route."""
+    if status in (401, 403):
+        return "auth.denied", None
+    template = getattr(scope.get("route"), "path", scope["path"])
+    params = scope.get("path_params") or {}
+    action = ACTIONS.get((scope["method"], template))
+    if action is None:
+        action = "admin.read" if template.startswith("/admin/") else f"{scope['method']} {template}"
+    return action.format(**params), params.get("username") or params.get("name")
 
 
 @dataclass
@@ -50,7 +66,7 @@ class AuditMiddleware:
         self.capture = capture_text
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        if scope["type"] != "http" or not scope["path"].startswith(AUDITED_PREFIXES):
             await self.app(scope, receive, send)
             return
         if self.writer.failure is not None:
@@ -91,15 +107,15 @@ class AuditMiddleware:
     def _event(self, scope: dict, state: dict, status: int, started: float) -> AuditEvent:
         who: Principal | None = state.get("principal")
         transcript: Transcript = state.get("transcript") or Transcript()
-        denied = status in (401, 403)
+        action, named = action_of(scope, status)
         client = scope.get("client")
         return AuditEvent(
             request_id=state.get("request_id", ""),
-            action="auth.denied" if denied else ACTIONS.get(scope["path"], scope["path"]),
+            action=action,
             outcome=outcome_of(status), status=status,
             subject=who.subject if who else None, username=who.username if who else None,
             client=who.client if who else None, source=client[0] if client else None,
-            resource=transcript.model or scope["path"],
+            resource=transcript.model or named or scope["path"],
             prompt_tokens=transcript.prompt_tokens, completion_tokens=transcript.completion_tokens,
             latency_ms=round((time.monotonic() - started) * 1000, 1),
             prompt_hmac=self.hasher(transcript.prompt), completion_hmac=self.hasher(transcript.completion),

@@ -55,7 +55,8 @@ def build_launch(pool: PoolSettings, settings: Settings, home: Home, api_key: st
     utilization = engine.gpu_memory_utilization or (0.3 if on_cpu else 0.9)
     eager = engine.enforce_eager if engine.enforce_eager is not None else on_cpu
     argv = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        # -P: never import from the working directory (the state dir holds an audit/ folder).
+        sys.executable, "-P", "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(path),
         "--served-model-name", served,
         "--host", settings.network.bind,

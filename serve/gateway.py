@@ -23,7 +23,7 @@ from appliance.home import Home
 from appliance.secrets import gateway_client_secret, secret
 from appliance.settings import Settings, load_settings
 from audit import AuditUnavailable, AuditWriter, TextHasher, signing_key
-from serve.admin import Admin, admin_router
+from serve.admin import Admin, admin_router, audit_router
 from serve.audit_trail import AuditMiddleware, Transcript
 from serve.auth import Introspector, Principal, TokenValidator
 from serve.deps import ChatUser
@@ -120,6 +120,7 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
         return exc.response()
 
     app.include_router(admin_router(Admin(settings, home)))
+    app.include_router(audit_router(home))
 
     @app.get("/healthz", response_model=Health, tags=["health"])
     async def healthz() -> Health:

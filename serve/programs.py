@@ -16,7 +16,9 @@ def gateway_program(settings: Settings, home: Home) -> Program:
     base = f"http://{host}:{gateway.port}"
     return Program(
         name="gateway",
-        command=[sys.executable, "-m", "uvicorn", "serve.gateway:app_from_env", "--factory",
+        # -P: never import from the working directory, the state dir, whose audit/ folder
+        # would otherwise shadow the audit package.
+        command=[sys.executable, "-P", "-m", "uvicorn", "serve.gateway:app_from_env", "--factory",
                  "--host", gateway.bind, "--port", str(gateway.port),
                  "--no-access-log", "--log-level", "warning", "--timeout-graceful-shutdown", "5"],
         environment={HOME_ENV: str(home.root)},

@@ -4,12 +4,12 @@ unwritable log makes the gateway fail closed (issue 4, first part)."""
 from __future__ import annotations
 
 import json
-import shutil
 import time
 
 import httpx
 import pytest
 
+from appliance.errors import SupervisorError
 from appliance.supervisor import Supervisor
 from audit.writer import log_files
 from tests.integration.conftest import Running
@@ -63,6 +63,27 @@ def test_allowed_and_denied_requests_are_recorded(realm: Realm, running: Running
     assert exported.stdout.splitlines()[0].startswith("seq,time,request_id")
     assert len(exported.stdout.splitlines()) == 3
 
+    realm.ensure_user("judy", "Test-password-1", ["auditor"])
+    auditor = {"Authorization": f"Bearer {realm.token('judy', 'Test-password-1')}"}
+    queried = httpx.get(f"{realm.gateway}/admin/audit", params={"user": "ivan"}, headers=auditor)
+    assert queried.status_code == 200 and [r["username"] for r in queried.json()] == ["ivan", "ivan"]
+    as_user = httpx.get(f"{realm.gateway}/admin/audit", headers={"Authorization": f"Bearer {token}"})
+    assert as_user.status_code == 403
+
+
+def test_admin_changes_are_recorded(realm: Realm, running: Running) -> None:
+    admin = {"Authorization": f"Bearer {realm.admin_token()}"}
+    added = httpx.post(f"{realm.gateway}/admin/users", headers=admin, timeout=60,
+                       json={"username": "kate", "roles": ["user"]})
+    assert added.status_code == 201
+    disabled = httpx.post(f"{realm.gateway}/admin/users/kate/disable", headers=admin, timeout=60)
+    assert disabled.status_code == 200
+    by_id = {r["request_id"]: r for r in records(running)}
+    add = by_id[added.headers["x-request-id"]]
+    assert (add["action"], add["username"], add["outcome"], add["status"]) == ("users.add", "admin", "allowed", 201)
+    disable = by_id[disabled.headers["x-request-id"]]
+    assert (disable["action"], disable["resource"]) == ("users.disable", "kate")
+
 
 def test_unwritable_log_fails_closed_and_readyz_says_why(realm: Realm, running: Running) -> None:
     home = running.appliance.home
@@ -86,7 +107,10 @@ def test_unwritable_log_fails_closed_and_readyz_says_why(realm: Realm, running: 
         moved.rename(current)
         supervisor = Supervisor(home)
         supervisor.call("stopProcess", "gateway", True)
-        supervisor.call("startProcess", "gateway", True)
+        try:
+            supervisor.call("startProcess", "gateway", True)
+        except SupervisorError as exc:
+            raise AssertionError(f"{exc}\n{(home.logs / 'gateway.log').read_text()[-4000:]}") from exc
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
@@ -95,5 +119,8 @@ def test_unwritable_log_fails_closed_and_readyz_says_why(realm: Realm, running: 
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
+    log = (home.logs / "gateway.log").read_text()[-3000:]
+    state = running.appliance.run("status").stdout
+    assert httpx.get(f"{realm.gateway}/readyz").status_code == 200, f"{state}\n{log}"
     assert httpx.get(f"{realm.gateway}/v1/models", headers={"Authorization": f"Bearer {token}"}).status_code == 200
     assert running.appliance.run("audit", "verify", timeout=60).returncode == 0

@@ -4,6 +4,7 @@ names the first bad record for each kind of tampering (issue 4)."""
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 from pathlib import Path
 
@@ -44,6 +45,9 @@ def test_records_chain_and_verify(tmp_path: Path) -> None:
     summary = verify(tmp_path, KEY.public_key())
     assert summary.records == 10 and summary.checkpoints == 1 and summary.last_checkpoint_seq == 10
     assert writer.head == (10, summary.head)
+    assert log_files(tmp_path)[0].stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / CHECKPOINTS).stat().st_mode & 0o777 == 0o600
+    assert tmp_path.stat().st_mode & 0o777 == 0o700
     first = json.loads(log_files(tmp_path)[0].read_bytes().splitlines()[0])
     assert first["seq"] == 1 and first["prev_hash"] == "0" * 64 and first["time"].endswith("Z")
 
@@ -160,3 +164,97 @@ def test_failure_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     with pytest.raises(AuditUnavailable):
         writer.append(event(5))
     assert verify(tmp_path, KEY.public_key()).records == 3
+    # Space returns: after the retry delay the writer reopens the log and goes on.
+    monkeypatch.undo()
+    monkeypatch.setattr("audit.writer.RETRY_AFTER_S", 0.0)
+    record = writer.append(event(6))
+    assert record.seq == 4 and writer.failure is None
+    assert verify(tmp_path, KEY.public_key()).records == 4
+
+
+@pytest.fixture(scope="module")
+def big_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """10,000 records from 16 concurrent writers, checkpointed every 1000."""
+    directory = tmp_path_factory.mktemp("big")
+    writer = AuditWriter(directory, KEY, checkpoint_every=1000, max_file_bytes=1 << 20)
+    threads = [threading.Thread(target=lambda i=i: [writer.append(event(i * 1000 + j)) for j in range(625)])
+               for i in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    writer.checkpoint()  # as the gateway's timer would
+    assert verify(directory, KEY.public_key()).records == 10_000
+    return directory
+
+
+def tampered(big_log: Path, tmp_path: Path) -> tuple[Path, list[Path]]:
+    copy = tmp_path / "log"
+    shutil.copytree(big_log, copy)
+    return copy, log_files(copy)
+
+
+def test_ten_thousand_concurrent_records_verify(big_log: Path) -> None:
+    summary = verify(big_log, KEY.public_key())
+    assert summary.records == 10_000 and summary.last_checkpoint_seq == 10_000
+    assert summary.checkpoints >= 9 and summary.files > 1
+
+
+def test_one_byte_changed(big_log: Path, tmp_path: Path) -> None:
+    copy, files = tampered(big_log, tmp_path)
+    data = bytearray(files[1].read_bytes())
+    data[data.index(b'"alice"') + 1] = ord("A")
+    files[1].write_bytes(bytes(data))
+    with pytest.raises(AuditVerificationError, match=rf"{files[1].name}:\d+ \(seq \d+\): hash mismatch"):
+        verify(copy, KEY.public_key())
+
+
+def test_one_record_deleted(big_log: Path, tmp_path: Path) -> None:
+    copy, files = tampered(big_log, tmp_path)
+    lines = files[2].read_bytes().splitlines()
+    files[2].write_bytes(b"\n".join(lines[:10] + lines[11:]) + b"\n")
+    with pytest.raises(AuditVerificationError, match=rf"{files[2].name}:11 .*gap in sequence"):
+        verify(copy, KEY.public_key())
+
+
+def test_two_records_swapped(big_log: Path, tmp_path: Path) -> None:
+    copy, files = tampered(big_log, tmp_path)
+    lines = files[0].read_bytes().splitlines()
+    lines[5], lines[6] = lines[6], lines[5]
+    files[0].write_bytes(b"\n".join(lines) + b"\n")
+    with pytest.raises(AuditVerificationError, match=rf"{files[0].name}:6 \(seq 7\): gap in sequence"):
+        verify(copy, KEY.public_key())
+
+
+def test_record_inserted(big_log: Path, tmp_path: Path) -> None:
+    from audit.records import AuditRecord, digest
+
+    copy, files = tampered(big_log, tmp_path)
+    lines = files[0].read_bytes().splitlines()
+    previous = json.loads(lines[4])
+    fields = {**event(9999).model_dump(), "seq": previous["seq"] + 1, "time": previous["time"],
+              "prev_hash": previous["hash"]}
+    forged = AuditRecord(**fields, hash=digest(fields)).line().rstrip(b"\n")
+    files[0].write_bytes(b"\n".join(lines[:5] + [forged] + lines[5:]) + b"\n")
+    with pytest.raises(AuditVerificationError, match=rf"{files[0].name}:7 \(seq 6\): gap in sequence"):
+        verify(copy, KEY.public_key())
+
+
+def test_tail_truncated_after_checkpoint(big_log: Path, tmp_path: Path) -> None:
+    copy, files = tampered(big_log, tmp_path)
+    for path in files[-2:]:
+        path.unlink()
+    with pytest.raises(AuditVerificationError, match="missing tail"):
+        verify(copy, KEY.public_key())
+
+
+def test_forged_checkpoint_signature(big_log: Path, tmp_path: Path) -> None:
+    copy, _ = tampered(big_log, tmp_path)
+    path = copy / CHECKPOINTS
+    lines = path.read_bytes().splitlines()
+    checkpoint = json.loads(lines[3])
+    checkpoint["signature"] = "00" * 64
+    lines[3] = json.dumps(checkpoint).encode()
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    with pytest.raises(AuditVerificationError, match=f"{CHECKPOINTS}:4: signature failure"):
+        verify(copy, KEY.public_key())

@@ -19,7 +19,7 @@ def test_cpu_demo_pool(tmp_path: Path) -> None:
     settings = Settings(engine=EngineSettings(device="cpu"))
     launch = build_launch(settings.pools[0], settings, home, api_key="k")
     argv = launch.argv
-    assert argv[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[:4] == [sys.executable, "-P", "-m", "vllm.entrypoints.openai.api_server"]
     assert flag(argv, "--model") == str(home.demo_model)
     assert flag(argv, "--served-model-name") == "SmolLM2-135M-Instruct"
     assert flag(argv, "--host") == "127.0.0.1" and flag(argv, "--port") == "8100"
