@@ -77,3 +77,15 @@ def test_programs_ready_when_model_present(tmp_path: Path, device: str) -> None:
     (home.demo_model / "model.safetensors").write_bytes(b"")
     [program] = engine_programs(Settings(engine=EngineSettings(device=device)), home)
     assert program.missing is None
+
+
+def test_gateway_never_imports_from_the_state_dir(tmp_path: Path) -> None:
+    """Regression (issue 4): uvicorn puts its working directory, the state dir, first on
+    sys.path by default, and the state dir's audit/ folder then shadowed the audit package on
+    every gateway restart."""
+    from serve.programs import PROJECT_ROOT, gateway_program
+
+    command = gateway_program(Settings(), Home(tmp_path)).command
+    assert command[1] == "-P"
+    assert command[command.index("--app-dir") + 1] == str(PROJECT_ROOT)
+    assert (PROJECT_ROOT / "audit" / "__init__.py").is_file()
