@@ -65,6 +65,10 @@ class AuditWriter:
         """Find the chain head on disk. A torn last line (crash mid-write) was never acknowledged,
         so it is cut off; anything else unreadable stops the writer (verify will say why)."""
         self._seq, self._head = 0, GENESIS
+        if getattr(self, "_fd", None) is not None:
+            os.close(self._fd)
+        self._fd: int | None = None
+        self._size = 0
         files = log_files(self.directory)
         self._file = files[-1] if files else self.directory / "audit-000001.jsonl"
         if files:
@@ -154,16 +158,36 @@ class AuditWriter:
         self._failure = None
 
     def _write(self, batch: list[AuditRecord]) -> None:
-        if self._file.exists() and self._file.stat().st_size >= self._max_bytes:
+        """Append a batch with one write and one fsync (only the flushing thread gets here)."""
+        if self._fd is not None and self._size >= self._max_bytes:
+            os.close(self._fd)
+            self._fd = None
             number = int(self._file.stem.split("-")[1]) + 1
             self._file = self.directory / f"audit-{number:06d}.jsonl"
-        new = not self._file.exists()
-        with os.fdopen(os.open(self._file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab") as handle:
-            handle.write(b"".join(record.line() for record in batch))
-            handle.flush()
-            os.fsync(handle.fileno())
-        if new:
-            _fsync_dir(self.directory)
+        if self._fd is None:
+            new = not self._file.exists()
+            self._fd = os.open(self._file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            self._size = os.fstat(self._fd).st_size
+            if new:
+                _fsync_dir(self.directory)
+        data = b"".join(record.line() for record in batch)
+        try:
+            written = os.write(self._fd, data)
+            while written < len(data):
+                written += os.write(self._fd, data[written:])
+            os.fsync(self._fd)
+        except OSError:
+            os.close(self._fd)  # reopened (and the torn tail cut) by the next recovery
+            self._fd = None
+            raise
+        self._size += len(data)
+
+    def close(self) -> None:
+        """Release the open log file (the writer reopens it if used again)."""
+        with self._cond:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
 
     # -- checkpoints ------------------------------------------------------------------------
 

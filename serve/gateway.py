@@ -103,6 +103,7 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
                 tasks.start_soon(_checkpoint_timer, writer, settings.audit.checkpoint_interval_s)
                 yield
                 tasks.cancel_scope.cancel()
+            writer.close()
 
     metrics = Metrics()
     audit = settings.audit
