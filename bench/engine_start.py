@@ -1,8 +1,9 @@
 """Engine start-up and single-stream speed of the demo model.
 
 Figures, each against a baseline measured in the same invocation:
-- time from `appliance up` to the first streamed token, vs. launching the same vLLM command
-  directly (no supervisord, no appliance) to its first token: the appliance's start overhead;
+- time from `appliance up` (Keycloak, realm provisioning, engine and gateway) to the engine's
+  first streamed token, vs. launching the same vLLM command directly (no supervisord, no
+  appliance) to its first token: the appliance's start overhead;
 - steady single-stream decode tokens/s through the supervised engine, vs. transformers'
   `generate` on the same model, prompt and greedy settings in this process.
 
@@ -26,6 +27,7 @@ import httpx
 from appliance.home import HOME_ENV, Home
 from appliance.secrets import secret
 from appliance.settings import load_settings
+from installer.keycloak import install_dir
 from serve.engine import build_launch
 
 RESULTS = Path(__file__).parent / "results" / "engine_start.json"
@@ -90,11 +92,17 @@ def transformers_tokens_per_s(model_dir: Path, runs: int = 3) -> float:
 
 
 def main() -> None:
-    demo = Home.from_env().demo_model
+    default = Home.from_env()
+    demo = default.demo_model
     root = Path(tempfile.mkdtemp(prefix="apb-", dir="/tmp"))
     home = Home(root / "h").ensure()
     home.demo_model.symlink_to(demo, target_is_directory=True)
-    env = {**os.environ, HOME_ENV: str(home.root), "APPLIANCE_POOLS__MAIN__PORT": "18311"}
+    # `up` starts the whole appliance (Keycloak and the gateway too), as an operator's would.
+    shutil.copytree(install_dir(default), install_dir(home), symlinks=True,
+                    ignore=shutil.ignore_patterns("h2", "tmp"))
+    env = {**os.environ, HOME_ENV: str(home.root), "APPLIANCE_POOLS__MAIN__PORT": "18311",
+           "APPLIANCE_GATEWAY__PORT": "18380", "APPLIANCE_KEYCLOAK__PORT": "18390",
+           "APPLIANCE_KEYCLOAK__MANAGEMENT_PORT": "18391"}
     key = secret(home, "engine-api-key")
     url = "http://127.0.0.1:18311/v1"
     try:
@@ -127,6 +135,7 @@ def main() -> None:
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "host_cpus": len(os.sched_getaffinity(0)),
         "model": "SmolLM2-135M-Instruct bf16, vLLM CPU 0.32.0, --enforce-eager",
+        "up_starts": "keycloak + vllm-main + gateway, then realm provisioning",
         "up_to_first_token_s": round(up_first, 1),
         "direct_vllm_to_first_token_s": round(direct_first, 1),
         "start_ratio_up_vs_direct": round(up_first / direct_first, 2),
