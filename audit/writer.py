@@ -97,8 +97,14 @@ class AuditWriter:
 
     @property
     def failure(self) -> str | None:
-        """Why the log is not writable, or None."""
+        """Why the log is not writable, or None (see `check` to also retry)."""
         return self._failure
+
+    def check(self) -> str | None:
+        """Why the log is not writable, or None; after a failure, retries now and then."""
+        with self._cond:
+            self._retry_after_failure()
+            return self._failure
 
     @property
     def head(self) -> tuple[int, str]:

@@ -69,8 +69,9 @@ class AuditMiddleware:
         if scope["type"] != "http" or not scope["path"].startswith(AUDITED_PREFIXES):
             await self.app(scope, receive, send)
             return
-        if self.writer.failure is not None:
-            await _unavailable(self.writer.failure).response()(scope, receive, send)
+        failure = self.writer.check()
+        if failure is not None:
+            await _unavailable(failure).response()(scope, receive, send)
             return
         started = time.monotonic()
         state = scope.setdefault("state", {})

@@ -139,10 +139,10 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
             checks["jwks"] = True
         except httpx.HTTPError:
             checks["jwks"] = False
-        checks["audit"] = request.app.state.audit.failure is None
+        audit_failure = request.app.state.audit.check()
+        checks["audit"] = audit_failure is None
         ok = all(checks.values())
-        body = Health(status="ready" if ok else "not ready", checks=checks,
-                      reason=request.app.state.audit.failure)
+        body = Health(status="ready" if ok else "not ready", checks=checks, reason=audit_failure)
         return JSONResponse(body.model_dump(), status_code=200 if ok else 503)
 
     @app.get("/metrics", tags=["health"], response_class=Response)
