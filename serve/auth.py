@@ -4,6 +4,8 @@ Checks, in order: token present and well formed; `alg` in the asymmetric allow-l
 (the JWKS is refetched on a miss, at most once per interval); signature; `iss` exactly the realm;
 `aud` contains the gateway client; `exp`/`nbf` with leeway; `typ` is Bearer (not ID or refresh
 tokens). A user disabled after the token was issued is caught by optional, cached introspection.
+A token whose signature checked out is remembered (until the key set changes), so a client's
+repeat requests skip the signature work; its claims, expiry included, are checked every time.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from jwcrypto.common import JWException
 
 from serve.errors import AuthError
 
+VERIFIED_CACHE_SIZE = 4096
 ALLOWED_ALGS = ("RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES384", "ES512", "EdDSA")
 
 
@@ -51,6 +54,7 @@ class TokenValidator:
         self._fetched_at = float("-inf")
         self._lock = asyncio.Lock()
         self._introspect = introspect
+        self._verified: dict[str, dict] = {}  # token -> its claims, signature checked
 
     async def refresh_keys(self) -> None:
         """Fetch the JWKS now (raises httpx errors: the caller decides what that means)."""
@@ -58,6 +62,7 @@ class TokenValidator:
         response.raise_for_status()
         self._keys = jwk.JWKSet.from_json(response.text)
         self._fetched_at = time.monotonic()
+        self._verified.clear()  # a key may have been withdrawn
 
     async def _key(self, kid: str) -> jwk.JWK | None:
         key = self._keys.get_key(kid)
@@ -77,6 +82,17 @@ class TokenValidator:
     async def validate(self, authorization: str | None) -> Principal:
         """The principal of a valid `Authorization: Bearer` value, else AuthError."""
         token = _bearer(authorization)
+        claims = self._verified.get(token)
+        if claims is None:
+            claims = await self._verify(token)
+            self._remember(token, claims)
+        principal = self._check_claims(claims)
+        if self._introspect is not None:
+            await self._introspect.check(token, principal)
+        return principal
+
+    async def _verify(self, token: str) -> Any:
+        """The claims of a token signed by a key of the realm with an allowed algorithm."""
         header = _header(token)
         alg = header.get("alg")
         if alg not in ALLOWED_ALGS:
@@ -92,13 +108,19 @@ class TokenValidator:
         try:
             signed.deserialize(token)
             signed.verify(key, alg=alg)
-            claims = json.loads(signed.payload)
+            return json.loads(signed.payload)
         except (JWException, ValueError, TypeError) as exc:
             raise AuthError("bad_signature", "token signature is invalid") from exc
-        principal = self._check_claims(claims)
-        if self._introspect is not None:
-            await self._introspect.check(token, principal)
-        return principal
+
+    def _remember(self, token: str, claims: Any) -> None:
+        if len(self._verified) >= VERIFIED_CACHE_SIZE:
+            now = time.time()
+            self._verified = {t: c for t, c in self._verified.items()
+                              if isinstance(c, dict) and isinstance(c.get("exp"), (int, float))
+                              and c["exp"] + self._leeway > now}
+            if len(self._verified) >= VERIFIED_CACHE_SIZE:
+                self._verified.clear()
+        self._verified[token] = claims
 
     def _check_claims(self, claims: Any) -> Principal:
         if not isinstance(claims, dict):

@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import anyio
 import httpx
 from fastapi import FastAPI, Request
@@ -40,7 +41,6 @@ class Gateway:
     """Everything a request handler needs; owned by the app's lifespan."""
 
     settings: Settings
-    http: httpx.AsyncClient
     validator: TokenValidator
     upstreams: Upstreams
     limiter: RateLimiter
@@ -76,10 +76,11 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        limits = httpx.Limits(max_connections=512, max_keepalive_connections=128)
-        timeout = httpx.Timeout(connect=settings.gateway.upstream_connect_timeout_s, read=None,
-                                write=30.0, pool=10.0)
-        async with httpx.AsyncClient(limits=limits, timeout=timeout) as http:
+        connect_s = settings.gateway.upstream_connect_timeout_s
+        engine_timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_s)  # generation takes long
+        async with (httpx.AsyncClient(timeout=httpx.Timeout(10.0, connect=connect_s)) as http,  # Keycloak
+                    aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=512),
+                                          timeout=engine_timeout) as engines):
             keycloak = settings.keycloak
             introspect = None
             if settings.gateway.introspect_ttl_s > 0:
@@ -91,8 +92,8 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
                                        refetch_interval_s=settings.gateway.jwks_refetch_interval_s,
                                        introspect=introspect)
             app.state.gateway = Gateway(
-                settings=settings, http=http, validator=validator,
-                upstreams=Upstreams(pools_from_settings(settings, home), http,
+                settings=settings, validator=validator,
+                upstreams=Upstreams(pools_from_settings(settings, home), engines,
                                     secret(home, ENGINE_KEY_SECRET)),
                 limiter=RateLimiter(settings.gateway.limits), metrics=metrics)
             try:
@@ -202,17 +203,25 @@ async def relay(request: Request, who: Principal, path: str, body: BaseModel) ->
         gateway.metrics.tokens.labels("out", pool.model).inc(completion)
         gateway.limiter.charge(who.subject, prompt + completion)
 
-    if not stream or response.status_code != 200:
-        content = await response.aread()
-        await response.aclose()
-        if response.status_code >= 500:
-            gateway.metrics.upstream_errors.labels(pool.name, str(response.status_code)).inc()
-        account(*usage_of(content))
+    if not stream or response.status != 200:
         try:
-            transcript.completion_parts.append(text_of(json.loads(content).get("choices")))
-        except (ValueError, AttributeError):
-            pass
-        return Response(content, status_code=response.status_code,
+            content = await response.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            gateway.metrics.upstream_errors.labels(pool.name, "read").inc()
+            raise GatewayError(502, f"engine pool {pool.name!r} failed: {type(exc).__name__}",
+                               type="upstream_error", code="engine_error") from exc
+        finally:
+            response.release()
+        if response.status >= 500:
+            gateway.metrics.upstream_errors.labels(pool.name, str(response.status)).inc()
+        try:
+            answer = json.loads(content)
+        except ValueError:
+            answer = None
+        account(*usage_of(answer))
+        if isinstance(answer, dict):
+            transcript.completion_parts.append(text_of(answer.get("choices")))
+        return Response(content, status_code=response.status,
                         media_type=response.headers.get("content-type", "application/json"))
 
     def first_token() -> None:

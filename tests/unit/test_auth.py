@@ -124,3 +124,44 @@ def test_symmetric_and_none_algorithms_refused() -> None:
     with pytest.raises(AuthError) as caught:
         validate(FakeRealm(key), f"Bearer {header}.{sign(key, claims()).split('.')[1]}.")
     assert caught.value.reason == "bad_algorithm"
+
+
+def test_verified_token_is_remembered_but_its_expiry_still_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    key = make_key("k1")
+    realm = FakeRealm(key)
+    token = f"Bearer {sign(key, claims(exp=int(time.time()) + 60))}"
+
+    async def go() -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(realm.handler)) as http:
+            validator = TokenValidator(issuer=ISSUER, audience="appliance-gateway", http=http, leeway_s=0)
+            await validator.validate(token)
+            verified = validator._verify
+            calls = []
+            monkeypatch.setattr(validator, "_verify", lambda t: calls.append(t) or verified(t))
+            await validator.validate(token)
+            assert calls == [], "a repeat of a verified token skips the signature check"
+            later = time.time() + 120
+            monkeypatch.setattr("serve.auth.time.time", lambda: later)
+            with pytest.raises(AuthError) as caught:
+                await validator.validate(token)
+            assert caught.value.reason == "expired"
+
+    asyncio.run(go())
+
+
+def test_withdrawn_key_invalidates_remembered_tokens() -> None:
+    old, new = make_key("old"), make_key("new")
+    realm = FakeRealm(old, new)
+    token = f"Bearer {sign(old, claims())}"
+
+    async def go() -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(realm.handler)) as http:
+            validator = TokenValidator(issuer=ISSUER, audience="appliance-gateway", http=http)
+            await validator.validate(token)
+            realm.keys.remove(old)  # the realm rotates the old key out
+            await validator.refresh_keys()
+            with pytest.raises(AuthError) as caught:
+                await validator.validate(token)
+            assert caught.value.reason == "unknown_key"
+
+    asyncio.run(go())
