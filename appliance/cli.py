@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Column, Table
 
 from appliance import cli_access, lifecycle
+from appliance.changes import records_change
 from appliance.errors import ApplianceError
 from appliance.home import Home
 from appliance.settings import load_settings, render_defaults
@@ -41,7 +42,12 @@ def _root(
     _state["verbose"] = verbose
 
 
+def _settings_in_effect() -> str:
+    return f"settings {load_settings(Home.from_env().settings_file).digest()}"
+
+
 @app.command()
+@records_change("appliance.up", detail=_settings_in_effect)  # a changed digest: settings changed
 def up() -> None:
     """Start supervisord and every engine pool; wait until each answers; print what runs where."""
     home = Home.from_env()
@@ -58,6 +64,7 @@ def up() -> None:
 
 
 @app.command()
+@records_change("appliance.down")
 def down() -> None:
     """Stop every program and supervisord, and end any process they left behind."""
     home = Home.from_env()

@@ -8,6 +8,8 @@ the reason.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import tomllib
@@ -185,6 +187,34 @@ class GatewaySettings(_Section):
     )
 
 
+MASK = "********"
+SECRET_FIELDS = (("keycloak", "gateway_client_secret"), ("artifacts", "s3_secret_key"))
+
+
+class ArtifactSettings(_Section):
+    """The artifact store: where copies leave this host's state dir (audit archives first)."""
+
+    store: Literal["local", "s3"] = Field(
+        "local", description="'local' (a directory) or 's3' (an S3-compatible bucket via minio)."
+    )
+    path: str | None = Field(None, description="Directory of the local store (unset: <state dir>/artifacts).")
+    s3_endpoint: str | None = Field(None, description="host:port of the S3-compatible server.")
+    s3_bucket: str = Field("appliance-artifacts", description="Bucket; created with Object Lock if missing.")
+    s3_region: str = Field("us-east-1", description="Region the bucket lives in.")
+    s3_secure: bool = Field(True, description="Use HTTPS to the S3 server.")
+    s3_access_key: str | None = Field(None, description="S3 access key id.")
+    s3_secret_key: str | None = Field(None, description="S3 secret key (masked by the admin API).")
+
+    @model_validator(mode="after")
+    def _s3_needs_endpoint_and_keys(self) -> ArtifactSettings:
+        if self.store == "s3":
+            missing = [f"s3_{name}" for name in ("endpoint", "access_key", "secret_key")
+                       if not getattr(self, f"s3_{name}")]
+            if missing:
+                raise ValueError(f"store 's3' needs {', '.join(missing)}")
+        return self
+
+
 class AuditSettings(_Section):
     """The tamper-evident audit log."""
 
@@ -194,6 +224,17 @@ class AuditSettings(_Section):
     checkpoint_every: int = Field(1000, ge=1, description="Sign the chain head every N records...")
     checkpoint_interval_s: float = Field(60.0, gt=0, description="...or every T seconds.")
     max_file_bytes: int = Field(64 << 20, ge=4096, description="Rotate a log file at this size.")
+    archive_interval_s: float = Field(
+        300.0, ge=0, description="Copy closed log files to the artifact store this often (0: only "
+        "by `appliance audit archive`)."
+    )
+    archive_retention_days: int = Field(
+        365, ge=1, description="Object Lock (COMPLIANCE) retention of archived copies on S3."
+    )
+    archive_require_lock: bool = Field(
+        True, description="Refuse to archive to S3 unless the server keeps the Object Lock "
+        "retention (false: accept plain, deletable copies, and say so)."
+    )
 
 
 class Settings(_Section):
@@ -204,6 +245,7 @@ class Settings(_Section):
     keycloak: KeycloakSettings = Field(default_factory=KeycloakSettings)
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
     audit: AuditSettings = Field(default_factory=AuditSettings)
+    artifacts: ArtifactSettings = Field(default_factory=ArtifactSettings)
     pools: list[PoolSettings] = Field(
         default_factory=lambda: [PoolSettings(name="main")],
         min_length=1,
@@ -220,6 +262,19 @@ class Settings(_Section):
                     raise ValueError(f"two pools share {attr} {value!r}; give each its own")
                 seen.add(value)
         return self
+
+    def masked(self) -> dict[str, Any]:
+        """The settings as JSON data with secrets replaced by a mask (for display and digests)."""
+        data = self.model_dump(mode="json")
+        for section, field in SECRET_FIELDS:
+            if data[section].get(field):
+                data[section][field] = MASK
+        return data
+
+    def digest(self) -> str:
+        """A short SHA-256 of the masked settings: which configuration a start used."""
+        text = json.dumps(self.masked(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def pool(self, name: str) -> PoolSettings:
         """The pool called `name`."""
@@ -316,6 +371,8 @@ def _locate(path: Path, text: str, loc: tuple[int | str, ...], data: dict[str, A
         header = re.match(r"^\s*(\[\[?)\s*([\w.-]+)\s*\]\]?", line)
         if header:
             current = header.group(2).split(".")
+            if key and header.group(1) == "[" and current == [*table, key]:
+                return f"{path}:{number}"  # the error is about the whole section
             if header.group(1) == "[[" and current == table:
                 array_seen += 1
             continue
@@ -330,7 +387,7 @@ def render_defaults() -> str:
     lines = ["# Appliance settings. Every key is optional; shown with its default.",
              "# Environment overrides: APPLIANCE_<SECTION>__<FIELD>, APPLIANCE_POOLS__<NAME>__<FIELD>.", ""]
     defaults = Settings()
-    for section in ("network", "engine", "keycloak", "gateway", "audit"):
+    for section in ("network", "engine", "keycloak", "gateway", "audit", "artifacts"):
         model = getattr(defaults, section)
         lines.append(f"[{section}]")
         lines += _render_fields(model)

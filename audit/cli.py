@@ -3,17 +3,28 @@
 from __future__ import annotations
 
 import csv
+import getpass
 import json
+import os
 import sys
+import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Annotated
 
 import typer
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from rich.console import Console
 
+from appliance.artifacts import artifact_store
+from appliance.changes import Change, records_change
 from appliance.errors import ApplianceError
 from appliance.home import Home
+from appliance.settings import load_settings
+from audit.archive import archive, fetch
+from audit.records import AuditEvent
+from audit.writer import AuditUnavailable, AuditWriter
 from audit.keys import load_public, public_pem, signing_key
 from audit.verify import AuditVerificationError, verify
 from audit.reader import read_records
@@ -28,18 +39,47 @@ FIELDS = ("seq", "time", "request_id", "username", "subject", "client", "source"
 def verify_command(
     public_key: Annotated[Path | None, typer.Option(help="Auditor's copy of the public key (PEM); "
                                                     "default: this host's key.")] = None,
+    from_archive: Annotated[bool, typer.Option("--from-archive", help="Verify the copies in the "
+                                               "artifact store instead of the host's log.")] = False,
 ) -> None:
     """Check every record's hash, the chain, the sequence and every signed checkpoint."""
     home = Home.from_env()
     key = load_public(public_key) if public_key else signing_key(home).public_key()
+    if not from_archive:
+        _verify(home.audit, str(home.audit), key)
+        return
+    store = artifact_store(load_settings(home.settings_file).artifacts, home)
+    with tempfile.TemporaryDirectory(prefix="audit-archive-") as copy:
+        fetch(store, Path(copy))
+        _verify(Path(copy), f"archive {store.location}", key)
+
+
+def _verify(directory: Path, name: str, key: Ed25519PublicKey) -> None:
     try:
-        summary = verify(home.audit, key)
+        summary = verify(directory, key)
     except AuditVerificationError as exc:
-        raise ApplianceError(f"audit log {home.audit} FAILED verification at {exc.where}: {exc.reason}") from exc
+        raise ApplianceError(f"audit log {name} FAILED verification at {exc.where}: {exc.reason}") from exc
     unsigned = summary.records - summary.last_checkpoint_seq
-    out.print(f"audit log OK: {summary.records} records in {summary.files} files, {summary.checkpoints} "
-              f"signed checkpoints (last at seq {summary.last_checkpoint_seq}; {unsigned} newer "
-              f"records not yet checkpointed); head {summary.head}")
+    out.print(f"audit log OK ({name}): {summary.records} records in {summary.files} files, "
+              f"{summary.checkpoints} signed checkpoints (last at seq {summary.last_checkpoint_seq}; "
+              f"{unsigned} newer records not yet checkpointed); head {summary.head}")
+
+
+@audit_app.command("archive")
+@records_change("audit.archive")
+def archive_command() -> None:
+    """Copy closed log files and their checkpoints to the artifact store now (the gateway also
+    does this every audit.archive_interval_s)."""
+    home = Home.from_env()
+    settings = load_settings(home.settings_file)
+    done = archive(home.audit, artifact_store(settings.artifacts, home),
+                   retain_days=settings.audit.archive_retention_days,
+                   require_lock=settings.audit.archive_require_lock)
+    lock = (f"write-once (Object Lock COMPLIANCE, {settings.audit.archive_retention_days} days)"
+            if done.locked else "NOT write-once (the store does not lock copies)")
+    copied = ", ".join(Path(key).name for key in done.files) or "nothing new"
+    out.print(f"archived to {done.location}: {copied}; checkpoints "
+              f"{Path(done.checkpoints).name if done.checkpoints else 'unchanged'}; copies are {lock}")
 
 
 @audit_app.command("public-key")
@@ -86,6 +126,32 @@ def export(
     writer.writeheader()
     for record in selected:
         writer.writerow(record)
+
+
+def record_change(home: Home, change: Change) -> None:
+    """The `appliance.change_recorders` entry point: a CLI change on this host, as an audit
+    record of the local user. If it cannot be written, the command fails and says so."""
+    settings = load_settings(home.settings_file)
+    event = AuditEvent(request_id=uuid.uuid4().hex, action=change.action, outcome=change.outcome,
+                       status=change.exit_status, subject=f"uid:{os.getuid()}", username=_local_user(),
+                       client="appliance-cli", source="local", resource=change.detail)
+    try:
+        writer = AuditWriter(home.audit, signing_key(home), max_file_bytes=settings.audit.max_file_bytes)
+        try:
+            writer.append(event)
+        finally:
+            writer.close()
+    except (AuditUnavailable, OSError, ValueError, KeyError) as exc:
+        raise ApplianceError(f"{change.action} ran, but its audit record could not be written: {exc}",
+                             hint=f"free space, fix permissions or run `appliance audit verify` on "
+                                  f"{home.audit}") from exc
+
+
+def _local_user() -> str:
+    try:
+        return getpass.getuser()
+    except (OSError, KeyError):
+        return f"uid:{os.getuid()}"
 
 
 def register(app: typer.Typer) -> None:

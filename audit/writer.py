@@ -2,6 +2,10 @@
 shared by concurrent writers (group commit), size-based rotation that keeps the chain, and
 Ed25519-signed checkpoints every N records or T seconds.
 
+Several processes may write one log (the gateway, and the CLI for local changes): records are
+chained only while holding an exclusive lock on the log directory's `.lock`, after catching up
+with whatever another process appended.
+
 Layout of the log directory:
     audit-000001.jsonl, audit-000002.jsonl, ...   records, one canonical JSON line each
     checkpoints.jsonl                             signed (seq, head hash, time) statements
@@ -9,12 +13,17 @@ Layout of the log directory:
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -22,7 +31,9 @@ from audit.keys import key_id
 from audit.records import GENESIS, AuditEvent, AuditRecord, canonical, digest
 
 CHECKPOINTS = "checkpoints.jsonl"
+LOCK = ".lock"
 RETRY_AFTER_S = 2.0
+TAIL_CHUNK = 1 << 16
 
 
 class AuditUnavailable(Exception):
@@ -35,6 +46,15 @@ def log_files(directory: Path) -> list[Path]:
 
 def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+@dataclass
+class _Waiting:
+    """An appended event until the flush that chains and writes it says how it went."""
+
+    fields: dict[str, Any]
+    record: AuditRecord | None = None
+    error: str | None = None
 
 
 class AuditWriter:
@@ -50,50 +70,62 @@ class AuditWriter:
         self._interval = checkpoint_interval_s
         self._max_bytes = max_file_bytes
         self._cond = threading.Condition()
-        self._pending: list[AuditRecord] = []
+        self._pending: list[_Waiting] = []
         self._flushing = False
         self._failure: str | None = None
         self._failed_at = 0.0
+        self._fd: int | None = None
         # Records name users and what they did: private to the appliance, like its secrets.
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(directory, 0o700)
-        self._recover()
+        self._lock_fd = os.open(directory / LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+        with self._locked():
+            self._load_head()
+            self._checkpointed_seq = self._last_checkpoint_seq()
+        self._checkpointed_at = time.monotonic()
 
     # -- state ------------------------------------------------------------------------------
 
-    def _recover(self) -> None:
-        """Find the chain head on disk. A torn last line (crash mid-write) was never acknowledged,
-        so it is cut off; anything else unreadable stops the writer (verify will say why)."""
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Exclusive use of the log among processes, for chaining and writing."""
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    def _load_head(self) -> None:
+        """Find the chain head on disk. A torn last line (a writer crashed mid-write) was never
+        acknowledged, so it is cut off; anything else unreadable stops the writer (verify says
+        why). Call with the lock held."""
+        self._close_file()
         self._seq, self._head = 0, GENESIS
-        if getattr(self, "_fd", None) is not None:
-            os.close(self._fd)
-        self._fd: int | None = None
-        self._size = 0
         files = log_files(self.directory)
         self._file = files[-1] if files else self.directory / "audit-000001.jsonl"
-        if files:
-            data = self._file.read_bytes()
-            if data and not data.endswith(b"\n"):
-                cut = data.rfind(b"\n") + 1
-                with self._file.open("r+b") as handle:
-                    handle.truncate(cut)
-                    os.fsync(handle.fileno())
-                data = data[:cut]
-            lines = data.splitlines()
-            if not lines and len(files) > 1:
-                lines = files[-2].read_bytes().splitlines()
-            if lines:
-                last = json.loads(lines[-1])
-                self._seq, self._head = int(last["seq"]), str(last["hash"])
-        self._durable_seq, self._durable_head = self._seq, self._head
-        self._checkpointed_seq, self._checkpointed_at = self._last_checkpoint()
+        for path in reversed(files[-2:]):  # the newest file may be empty just after rotation
+            last = _last_line(path, cut_torn=path == self._file)
+            if last is not None:
+                record = json.loads(last)
+                self._seq, self._head = int(record["seq"]), str(record["hash"])
+                break
 
-    def _last_checkpoint(self) -> tuple[int, float]:
+    def _catch_up(self) -> None:
+        """Re-read the head if another process appended or rotated since our last write."""
+        if self._fd is not None and os.fstat(self._fd).st_size == self._size \
+                and not self._next_file().exists():
+            return
+        self._load_head()
+
+    def _next_file(self) -> Path:
+        number = int(self._file.stem.split("-")[1]) + 1
+        return self.directory / f"audit-{number:06d}.jsonl"
+
+    def _last_checkpoint_seq(self) -> int:
+        """Sequence number of the last checkpoint (a torn one, never completed, is cut off)."""
         path = self.directory / CHECKPOINTS
-        if not path.exists():
-            return 0, time.monotonic()
-        lines = path.read_bytes().splitlines()
-        return (int(json.loads(lines[-1])["seq"]) if lines else 0), time.monotonic()
+        last = _last_line(path, cut_torn=True) if path.exists() else None
+        return int(json.loads(last)["seq"]) if last else 0
 
     @property
     def failure(self) -> str | None:
@@ -108,9 +140,11 @@ class AuditWriter:
 
     @property
     def head(self) -> tuple[int, str]:
-        """(last durable sequence number, its hash)."""
+        """(last durable sequence number, its hash), as of this writer's last write."""
         with self._cond:
-            return self._durable_seq, self._durable_head
+            while self._flushing:
+                self._cond.wait()
+            return self._seq, self._head
 
     # -- appending --------------------------------------------------------------------------
 
@@ -120,13 +154,11 @@ class AuditWriter:
             self._retry_after_failure()
             if self._failure is not None:
                 raise AuditUnavailable(self._failure)
-            fields = {**event.model_dump(), "seq": self._seq + 1, "time": _now(), "prev_hash": self._head}
-            record = AuditRecord(**fields, hash=digest(fields))
-            self._seq, self._head = record.seq, record.hash
-            self._pending.append(record)
-            while self._durable_seq < record.seq:
-                if self._failure is not None:
-                    raise AuditUnavailable(self._failure)
+            waiting = _Waiting(event.model_dump())
+            self._pending.append(waiting)
+            while waiting.record is None:
+                if waiting.error is not None:
+                    raise AuditUnavailable(waiting.error)
                 if self._flushing:
                     self._cond.wait()
                     continue
@@ -138,94 +170,108 @@ class AuditWriter:
                     failure = None
                 except OSError as exc:
                     failure = f"audit log {self.directory} is not writable: {exc.strerror or exc}"
+                except (ValueError, KeyError) as exc:
+                    failure = f"audit log {self.directory} cannot be read back: {exc}"
                 finally:
                     self._cond.acquire()
                     self._flushing = False
                 if failure is not None:
                     self._failure, self._failed_at = failure, time.monotonic()
-                else:
-                    self._durable_seq, self._durable_head = batch[-1].seq, batch[-1].hash
+                    for failed in batch + self._pending:  # none of these reached the disk
+                        failed.error = failure
+                    self._pending = []
                 self._cond.notify_all()
-            self._maybe_checkpoint()
-        return record
+        return waiting.record
 
     def _retry_after_failure(self) -> None:
-        """Once in a while after a failure (disk full, say), re-read the head from disk and try
-        again: records that never reached the disk were never acknowledged."""
+        """Once in a while after a failure (disk full, say), let the next append try again; it
+        re-reads the head from disk: records that never got there were never acknowledged."""
         if self._failure is None or self._flushing or time.monotonic() - self._failed_at < RETRY_AFTER_S:
             return
-        try:
-            self._recover()
-        except (OSError, ValueError, KeyError) as exc:
-            self._failed_at = time.monotonic()
-            self._failure = f"audit log {self.directory} cannot be reopened: {exc}"
-            return
-        self._pending = []
         self._failure = None
 
-    def _write(self, batch: list[AuditRecord]) -> None:
-        """Append a batch with one write and one fsync (only the flushing thread gets here)."""
-        if self._fd is not None and self._size >= self._max_bytes:
+    def _write(self, batch: list[_Waiting]) -> None:
+        """Chain a batch onto the head on disk and append it with one write and one fsync (only
+        the flushing thread gets here)."""
+        with self._locked():
+            self._catch_up()
+            if self._fd is not None and self._size >= self._max_bytes:
+                self._close_file()
+                self._file = self._next_file()
+            if self._fd is None:
+                new = not self._file.exists()
+                self._fd = os.open(self._file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+                self._size = os.fstat(self._fd).st_size
+                if new:
+                    _fsync_dir(self.directory)
+            seq, head, now = self._seq, self._head, _now()
+            records = []
+            for waiting in batch:
+                fields = {**waiting.fields, "seq": seq + 1, "time": now, "prev_hash": head}
+                record = AuditRecord(**fields, hash=digest(fields))
+                seq, head = record.seq, record.hash
+                records.append(record)
+            data = b"".join(record.line() for record in records)
+            try:
+                written = os.write(self._fd, data)
+                while written < len(data):
+                    written += os.write(self._fd, data[written:])
+                os.fsync(self._fd)
+            except OSError:
+                self._close_file()  # the head is re-read (and a torn tail cut) on the next write
+                raise
+            self._size += len(data)
+            self._seq, self._head = seq, head
+            if (self._seq - self._checkpointed_seq >= self._every
+                    or time.monotonic() - self._checkpointed_at >= self._interval):
+                self._sign_head()
+        for waiting, record in zip(batch, records):
+            waiting.record = record
+
+    def _close_file(self) -> None:
+        if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-            number = int(self._file.stem.split("-")[1]) + 1
-            self._file = self.directory / f"audit-{number:06d}.jsonl"
-        if self._fd is None:
-            new = not self._file.exists()
-            self._fd = os.open(self._file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-            self._size = os.fstat(self._fd).st_size
-            if new:
-                _fsync_dir(self.directory)
-        data = b"".join(record.line() for record in batch)
-        try:
-            written = os.write(self._fd, data)
-            while written < len(data):
-                written += os.write(self._fd, data[written:])
-            os.fsync(self._fd)
-        except OSError:
-            os.close(self._fd)  # reopened (and the torn tail cut) by the next recovery
-            self._fd = None
-            raise
-        self._size += len(data)
+        self._size = 0
 
     def close(self) -> None:
-        """Release the open log file (the writer reopens it if used again)."""
+        """Release the open log file and the lock file; the writer is done."""
         with self._cond:
-            if self._fd is not None:
-                os.close(self._fd)
-                self._fd = None
+            self._close_file()
+            if self._lock_fd >= 0:
+                os.close(self._lock_fd)
+                self._lock_fd = -1
 
     # -- checkpoints ------------------------------------------------------------------------
-
-    def _maybe_checkpoint(self) -> None:
-        due = (self._durable_seq - self._checkpointed_seq >= self._every
-               or time.monotonic() - self._checkpointed_at >= self._interval)
-        if due and self._durable_seq > self._checkpointed_seq and not self._pending:
-            self._checkpoint_locked()
 
     def checkpoint(self) -> dict | None:
         """Sign the current head now (also called on a timer); None if nothing new."""
         with self._cond:
-            if self._failure is not None or self._durable_seq == self._checkpointed_seq:
-                return None
             while self._flushing or self._pending:
                 self._cond.wait()
-            return self._checkpoint_locked()
+            if self._failure is not None:
+                return None
+            try:
+                with self._locked():
+                    self._catch_up()  # sign the head on disk, other processes' records included
+                    return self._sign_head() if self._seq > self._checkpointed_seq else None
+            except OSError as exc:
+                self._failure = f"audit checkpoints in {self.directory} are not writable: {exc.strerror or exc}"
+            except (ValueError, KeyError) as exc:
+                self._failure = f"audit log {self.directory} cannot be read back: {exc}"
+            self._failed_at = time.monotonic()
+            raise AuditUnavailable(self._failure)
 
-    def _checkpoint_locked(self) -> dict:
-        statement = {"seq": self._durable_seq, "head": self._durable_head, "time": _now(),
-                     "key_id": self._key_id}
+    def _sign_head(self) -> dict:
+        """Append a signed statement of the head (the lock held, the head current)."""
+        statement = {"seq": self._seq, "head": self._head, "time": _now(), "key_id": self._key_id}
         signed = {**statement, "signature": self._signer.sign(canonical(statement)).hex()}
-        try:
-            path = self.directory / CHECKPOINTS
-            with os.fdopen(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab") as handle:
-                handle.write(canonical(signed) + b"\n")
-                handle.flush()
-                os.fsync(handle.fileno())
-        except OSError as exc:
-            self._failure = f"audit checkpoints in {self.directory} are not writable: {exc.strerror or exc}"
-            raise AuditUnavailable(self._failure) from exc
-        self._checkpointed_seq, self._checkpointed_at = self._durable_seq, time.monotonic()
+        path = self.directory / CHECKPOINTS
+        with os.fdopen(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab") as handle:
+            handle.write(canonical(signed) + b"\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        self._checkpointed_seq, self._checkpointed_at = self._seq, time.monotonic()
         return signed
 
 
@@ -236,3 +282,26 @@ def _fsync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _last_line(path: Path, *, cut_torn: bool) -> bytes | None:
+    """The last complete line of a file, read from its end (log files are large); with
+    `cut_torn`, a trailing partial line is truncated away (durably) first, else it is an error."""
+    with path.open("r+b" if cut_torn else "rb") as handle:
+        end = handle.seek(0, os.SEEK_END)
+        tail, position = b"", end
+        while position > 0:
+            position = max(0, position - TAIL_CHUNK)
+            handle.seek(position)
+            tail = handle.read(min(TAIL_CHUNK, end - position)) + tail
+            if tail.count(b"\n") >= 2:  # the last complete line lies whole inside the tail
+                break
+        if tail and not tail.endswith(b"\n"):
+            if not cut_torn:
+                raise ValueError(f"{path.name} ends in a partial line")
+            keep = position + tail.rfind(b"\n") + 1
+            handle.truncate(keep)
+            os.fsync(handle.fileno())
+            tail = tail[: keep - position]
+        lines = tail.splitlines()
+        return lines[-1] if lines else None

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -92,6 +93,10 @@ def transformers_tokens_per_s(model_dir: Path, runs: int = 3) -> float:
 
 
 def main() -> None:
+    # Unwind on SIGTERM/SIGINT so `finally` runs `appliance down` (a background job started by a
+    # non-interactive shell inherits SIGINT ignored; Python's default SIGTERM does not unwind).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     default = Home.from_env()
     demo = default.demo_model
     root = Path(tempfile.mkdtemp(prefix="apb-", dir="/tmp"))

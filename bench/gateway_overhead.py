@@ -22,6 +22,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -170,6 +171,10 @@ def stub_section(env: dict[str, str], token: Headers) -> list[dict]:
 
 
 def main() -> None:
+    # Unwind on SIGTERM/SIGINT so `finally` runs `appliance down` (a background job started by a
+    # non-interactive shell inherits SIGINT ignored; Python's default SIGTERM does not unwind).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sections", default="vllm,stub", help="comma-separated: vllm, stub")
     sections = [s for s in parser.parse_args().sections.split(",") if s]

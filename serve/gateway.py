@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -20,10 +21,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict
 
+from appliance.artifacts import artifact_store
+from appliance.errors import ApplianceError
 from appliance.home import Home
 from appliance.secrets import gateway_client_secret, secret
 from appliance.settings import Settings, load_settings
-from audit import AuditUnavailable, AuditWriter, TextHasher, signing_key
+from audit import AuditUnavailable, AuditWriter, TextHasher, archive, signing_key
 from serve.admin import Admin, admin_router, audit_router
 from serve.audit_trail import AuditMiddleware, Transcript
 from serve.auth import Introspector, Principal, TokenValidator
@@ -34,6 +37,8 @@ from serve.limits import RateLimiter
 from serve.metrics import Metrics
 from serve.middleware import BodyLimitMiddleware, MeterMiddleware
 from serve.upstream import Upstreams, pools_from_settings, relay_stream, text_of, usage_of
+
+log = logging.getLogger("appliance.gateway")
 
 
 @dataclass
@@ -102,6 +107,8 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
                 pass  # Keycloak may still be starting; /readyz says so, tokens refetch on demand.
             async with anyio.create_task_group() as tasks:
                 tasks.start_soon(_checkpoint_timer, writer, settings.audit.checkpoint_interval_s)
+                if settings.audit.archive_interval_s > 0:
+                    tasks.start_soon(_archive_timer, settings, home, metrics)
                 yield
                 tasks.cancel_scope.cancel()
             writer.close()
@@ -239,6 +246,26 @@ async def _checkpoint_timer(writer: AuditWriter, interval_s: float) -> None:
             await anyio.to_thread.run_sync(writer.checkpoint)
         except AuditUnavailable:
             pass  # the writer now reports the failure; requests and /readyz fail closed
+
+
+async def _archive_timer(settings: Settings, home: Home, metrics: Metrics) -> None:
+    """Copy closed log files to the artifact store now and then; a failure is logged and
+    counted (the local log stays authoritative and durable) and retried next time."""
+    store = artifact_store(settings.artifacts, home)
+    audit = settings.audit
+
+    def copy() -> None:
+        archive(home.audit, store, retain_days=audit.archive_retention_days,
+                require_lock=audit.archive_require_lock)
+
+    while True:
+        await anyio.sleep(audit.archive_interval_s)
+        try:
+            await anyio.to_thread.run_sync(copy)
+            metrics.archived_at.set_to_current_time()
+        except ApplianceError as exc:
+            metrics.archive_failures.inc()
+            log.warning("audit archive failed: %s", exc.one_line())
 
 
 def app_from_env() -> FastAPI:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -24,3 +24,9 @@ class Metrics:
                                        ["pool", "reason"], registry=self.registry)
         self.auth_failures = Counter("gateway_auth_failures_total", "Rejected tokens by reason.",
                                      ["reason"], registry=self.registry)
+        self.archive_failures = Counter("gateway_audit_archive_failures_total",
+                                        "Failed copies of the audit log to the artifact store.",
+                                        registry=self.registry)
+        self.archived_at = Gauge("gateway_audit_archived_timestamp_seconds",
+                                 "When the audit log was last archived (Unix time).",
+                                 registry=self.registry)

@@ -13,13 +13,15 @@ import pytest
 from tests.conftest import Appliance, make_appliance
 
 # Session settings the gateway tests rely on: a small per-user budget for role `user` (the
-# rate-limit test), little clock leeway (the expiry test) and quick re-introspection (the
-# disabled-user test).
+# rate-limit test), little clock leeway (the expiry test), quick re-introspection (the
+# disabled-user test), and small audit files archived often (the archive test).
 SESSION_SETTINGS = {
     "APPLIANCE_GATEWAY__LIMITS": "{ user = { requests_per_minute = 60, tokens_per_minute = 100000 }, "
                                  "admin = { requests_per_minute = 100000, tokens_per_minute = 10000000 } }",
     "APPLIANCE_GATEWAY__LEEWAY_S": "1",
     "APPLIANCE_GATEWAY__INTROSPECT_TTL_S": "1",
+    "APPLIANCE_AUDIT__MAX_FILE_BYTES": "65536",
+    "APPLIANCE_AUDIT__ARCHIVE_INTERVAL_S": "2",
 }
 
 

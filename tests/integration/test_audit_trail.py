@@ -4,8 +4,13 @@ unwritable log makes the gateway fail closed (issue 4, first part)."""
 from __future__ import annotations
 
 import json
+import os
+import re
 import resource
+import signal
+import threading
 import time
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -70,6 +75,12 @@ def test_allowed_and_denied_requests_are_recorded(realm: Realm, running: Running
     assert as_user.status_code == 403
 
 
+def test_up_is_recorded_as_a_local_change(running: Running) -> None:
+    [up] = [r for r in records(running) if r["action"] == "appliance.up"]
+    assert (up["outcome"], up["client"], up["source"]) == ("allowed", "appliance-cli", "local")
+    assert re.fullmatch(r"settings [0-9a-f]{16}", up["resource"]), "which settings the start used"
+
+
 def test_admin_changes_are_recorded(realm: Realm, running: Running) -> None:
     admin = {"Authorization": f"Bearer {realm.admin_token()}"}
     added = httpx.post(f"{realm.gateway}/admin/users", headers=admin, timeout=60,
@@ -88,16 +99,15 @@ def test_full_disk_fails_closed_and_recovers(realm: Realm, running: Running) -> 
     """Disk full, simulated with a file size limit on the running gateway (RLIMIT_FSIZE: writes
     past it fail with EFBIG; Python ignores SIGXFSZ): requests get 503, /readyz says why, and
     once space returns the gateway goes on by itself, chain intact."""
-    status = json.loads(running.appliance.run("status", "--json").stdout)
-    [gateway] = [p for p in status["programs"] if p["name"] == "gateway"]
+    pid = gateway_pid(running)
     current = log_files(running.appliance.home.audit)[-1]
     token = realm.token("ivan", "Test-password-1")
     headers = {"Authorization": f"Bearer {token}"}
     chat = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]}
     size = current.stat().st_size
     # Only the soft limit moves: raising a hard limit back needs privileges the host may not give.
-    soft, hard = resource.prlimit(gateway["pid"], resource.RLIMIT_FSIZE)
-    resource.prlimit(gateway["pid"], resource.RLIMIT_FSIZE, (size, hard))
+    soft, hard = resource.prlimit(pid, resource.RLIMIT_FSIZE)
+    resource.prlimit(pid, resource.RLIMIT_FSIZE, (size, hard))
     try:
         refused = httpx.post(f"{realm.gateway}/v1/chat/completions", headers=headers, json=chat, timeout=120)
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "audit_unavailable"
@@ -108,7 +118,7 @@ def test_full_disk_fails_closed_and_recovers(realm: Realm, running: Running) -> 
         assert ready.status_code == 503 and ready.json()["checks"]["audit"] is False
         assert "not writable" in ready.json()["reason"]
     finally:
-        resource.prlimit(gateway["pid"], resource.RLIMIT_FSIZE, (soft, hard))
+        resource.prlimit(pid, resource.RLIMIT_FSIZE, (soft, hard))
     deadline = time.monotonic() + 30
     while httpx.get(f"{realm.gateway}/readyz").status_code != 200 and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -116,3 +126,70 @@ def test_full_disk_fails_closed_and_recovers(realm: Realm, running: Running) -> 
                       timeout=120).status_code == 200
     verified = running.appliance.run("audit", "verify", timeout=60)
     assert verified.returncode == 0, verified.stderr
+
+
+def test_gateway_killed_under_load_keeps_every_answered_record(realm: Realm, running: Running) -> None:
+    """kill -9 of the gateway while clients keep sending: supervisord restarts it, and every
+    request that got a complete answer, before or after the crash, has its record; verify passes."""
+    before = gateway_pid(running)
+    headers = {"Authorization": f"Bearer {realm.admin_token()}"}
+    chat = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]}
+    answered: list[str] = []
+    stop = threading.Event()
+
+    def client(chatty: bool) -> None:
+        with httpx.Client(timeout=60) as http:
+            while not stop.is_set():
+                try:
+                    response = (http.post(f"{realm.gateway}/v1/chat/completions", headers=headers, json=chat)
+                                if chatty else http.get(f"{realm.gateway}/v1/models", headers=headers))
+                except httpx.HTTPError:
+                    time.sleep(0.05)  # the gateway is down or restarting
+                    continue
+                if response.status_code == 200:
+                    answered.append(response.headers["x-request-id"])
+
+    clients = [threading.Thread(target=client, args=(i < 2,)) for i in range(8)]
+    for thread in clients:
+        thread.start()
+    try:
+        wait_until(lambda: len(answered) >= 40, "load before the crash")
+        os.kill(before, signal.SIGKILL)
+        at_crash = len(answered)
+        wait_until(lambda: gateway_pid(running) not in (before, 0), "supervisord restarting the gateway")
+        wait_until(lambda: len(answered) >= at_crash + 20, "answers after the restart")
+    finally:
+        stop.set()
+        for thread in clients:
+            thread.join(60)
+    recorded = {r["request_id"] for r in records(running)}
+    missing = [request_id for request_id in answered if request_id not in recorded]
+    assert not missing, f"{len(missing)} of {len(answered)} answered requests have no record"
+    verified = running.appliance.run("audit", "verify", timeout=120)
+    assert verified.returncode == 0 and "audit log OK" in verified.stdout, verified.stderr
+
+
+def test_gateway_archives_closed_files_to_the_store(realm: Realm, running: Running) -> None:
+    """The gateway copies closed log files to the (local) artifact store by itself; the copies
+    verify on their own."""
+    headers = {"Authorization": f"Bearer {realm.admin_token()}"}
+    audit = running.appliance.home.audit
+    with httpx.Client(timeout=30) as http:
+        while len(log_files(audit)) < 2:
+            assert http.get(f"{realm.gateway}/v1/models", headers=headers).status_code == 200
+    archived = running.appliance.home.root / "artifacts" / "audit" / "audit-000001.jsonl"
+    wait_until(archived.exists, "the gateway's archive timer")
+    verified = running.appliance.run("audit", "verify", "--from-archive", timeout=120)
+    assert verified.returncode == 0 and "audit log OK (archive" in verified.stdout, verified.stderr
+
+
+def gateway_pid(running: Running) -> int:
+    status = json.loads(running.appliance.run("status", "--json").stdout)
+    return next(p["pid"] for p in status["programs"] if p["name"] == "gateway") or 0
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)

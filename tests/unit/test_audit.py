@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
 
 from audit import AuditEvent, AuditUnavailable, AuditVerificationError, AuditWriter, verify
 from audit.writer import CHECKPOINTS, log_files
@@ -258,3 +261,42 @@ def test_forged_checkpoint_signature(big_log: Path, tmp_path: Path) -> None:
     path.write_bytes(b"\n".join(lines) + b"\n")
     with pytest.raises(AuditVerificationError, match=f"{CHECKPOINTS}:4: signature failure"):
         verify(copy, KEY.public_key())
+
+
+def test_writers_in_two_processes_share_one_chain(tmp_path: Path) -> None:
+    """The gateway and the CLI append to one log: each catches up with the other's records."""
+    raw = KEY.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption()).hex()
+    gateway = AuditWriter(tmp_path, KEY, checkpoint_every=3)
+    gateway.append(event(1))
+    cli = ("import sys; from pathlib import Path; from audit import AuditEvent, AuditWriter; "
+           "from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey as K; "
+           "w = AuditWriter(Path(sys.argv[1]), K.from_private_bytes(bytes.fromhex(sys.argv[2]))); "
+           "[w.append(AuditEvent(request_id=f'cli{n}', action='model.prepare', outcome='allowed', "
+           "status=0)) for n in range(2)]")
+    subprocess.run([sys.executable, "-c", cli, str(tmp_path), raw], check=True)
+    record = gateway.append(event(2))
+    assert record.seq == 4, "the gateway chains onto the CLI's records"
+    assert verify(tmp_path, KEY.public_key()).records == 4
+
+
+def test_writer_objects_interleaving_on_one_directory_keep_the_chain(tmp_path: Path) -> None:
+    first, second = (AuditWriter(tmp_path, KEY, checkpoint_every=50, max_file_bytes=20_000) for _ in range(2))
+    threads = [threading.Thread(target=lambda w=w, i=i: [w.append(event(i * 100 + j)) for j in range(60)])
+               for i, w in enumerate([first, second] * 3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    second.checkpoint()
+    summary = verify(tmp_path, KEY.public_key())
+    assert summary.records == 360 and summary.files > 1 and summary.last_checkpoint_seq == 360
+
+
+def test_torn_checkpoint_is_cut_on_restart(tmp_path: Path) -> None:
+    filled(tmp_path, 5)
+    with (tmp_path / CHECKPOINTS).open("ab") as handle:
+        handle.write(b'{"seq":6,"he')  # a crash while signing
+    writer = AuditWriter(tmp_path, KEY)
+    writer.append(event(6))
+    writer.checkpoint()
+    assert verify(tmp_path, KEY.public_key()).last_checkpoint_seq == 6

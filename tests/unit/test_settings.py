@@ -1,5 +1,6 @@
 """Settings: defaults, TOML file, environment overrides, and errors that say where and why."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -91,3 +92,19 @@ def test_rendered_defaults_load_back_to_defaults(tmp_path: Path) -> None:
     text = render_defaults()
     assert "# Fraction of accelerator memory" in text
     assert load_settings(write(tmp_path, text), environ={}) == Settings()
+
+
+def test_masked_settings_hide_secrets_and_digest_follows_changes() -> None:
+    plain = Settings()
+    secret = Settings.model_validate({"artifacts": {"store": "s3", "s3_endpoint": "h:1", "s3_access_key": "a",
+                                                    "s3_secret_key": "hunter2"}})
+    assert secret.masked()["artifacts"]["s3_secret_key"] == "********"
+    assert "hunter2" not in json.dumps(secret.masked())
+    assert plain.digest() == Settings().digest() != secret.digest()
+
+
+def test_s3_store_needs_endpoint_and_keys(tmp_path: Path) -> None:
+    path = tmp_path / "settings.toml"
+    path.write_text('[artifacts]\nstore = "s3"\ns3_endpoint = "127.0.0.1:9000"\n')
+    with pytest.raises(SettingsError, match=r"settings.toml:1: artifacts: .*needs s3_access_key, s3_secret_key"):
+        load_settings(path, environ={})

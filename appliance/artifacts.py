@@ -1,0 +1,165 @@
+"""The artifact store: copies that outlive this host's state dir (audit archives, later adapters
+and bundles). A local directory by default, or an S3-compatible bucket through the `minio` SDK.
+
+Write-once where the backend can: on S3, objects are put with Object Lock retention in COMPLIANCE
+mode, and the retention is read back, so the caller knows whether the server actually keeps it
+(some S3-compatible servers accept the header and ignore it). Locally, copies are made read-only.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Protocol
+
+from minio import Minio
+from minio.commonconfig import COMPLIANCE
+from minio.error import MinioException
+from minio.retention import Retention
+from urllib3.exceptions import HTTPError
+
+from appliance.errors import ApplianceError
+from appliance.home import Home
+from appliance.settings import ArtifactSettings
+
+
+class ArtifactStoreError(ApplianceError):
+    """The store could not be read or written."""
+
+
+class ArtifactStore(Protocol):
+    location: str
+    can_lock: bool  # the backend offers write-once retention (S3 Object Lock)
+
+    def put(self, key: str, data: bytes, *, retain_days: int) -> None:
+        """Store `data` under `key`, locked against change for `retain_days` where the backend can."""
+
+    def write_once(self) -> bool:
+        """Whether copies put here really are locked (probed against the server, once)."""
+
+    def get(self, key: str) -> bytes: ...
+
+    def keys(self, prefix: str) -> list[str]:
+        """Keys under `prefix`, sorted."""
+
+
+class LocalStore:
+    """A directory; each key a file, written atomically and left read-only."""
+
+    can_lock = False
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.location = str(root)
+
+    def write_once(self) -> bool:
+        return False  # read-only files, but the host's root can still change them
+
+    def put(self, key: str, data: bytes, *, retain_days: int) -> None:
+        path = self._path(key)
+        try:
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".tmp-", delete=False) as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.chmod(handle.name, 0o400)
+            os.replace(handle.name, path)
+        except OSError as exc:
+            raise ArtifactStoreError(f"cannot write {path}: {exc.strerror or exc}") from exc
+
+    def get(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except OSError as exc:
+            raise ArtifactStoreError(f"cannot read {self._path(key)}: {exc.strerror or exc}") from exc
+
+    def keys(self, prefix: str) -> list[str]:
+        base = self._path(prefix)
+        if not base.is_dir():
+            return []
+        return sorted(str(p.relative_to(self.root)) for p in base.rglob("*")
+                      if p.is_file() and not p.name.startswith(".tmp-"))
+
+    def _path(self, key: str) -> Path:
+        path = (self.root / key).resolve()
+        if not path.is_relative_to(self.root.resolve()):
+            raise ArtifactStoreError(f"artifact key {key!r} leaves the store")
+        return path
+
+
+class S3Store:
+    """A bucket on an S3-compatible server, created with Object Lock enabled when missing."""
+
+    can_lock = True
+
+    def __init__(self, settings: ArtifactSettings) -> None:
+        self.bucket = settings.s3_bucket
+        scheme = "https" if settings.s3_secure else "http"
+        self.location = f"{scheme}://{settings.s3_endpoint}/{self.bucket}"
+        self._client = Minio(str(settings.s3_endpoint), access_key=settings.s3_access_key,
+                             secret_key=settings.s3_secret_key, secure=settings.s3_secure,
+                             region=settings.s3_region)
+        self._ready = False
+        self._write_once: bool | None = None
+
+    def put(self, key: str, data: bytes, *, retain_days: int) -> None:
+        until = (datetime.now(UTC) + timedelta(days=retain_days)).replace(microsecond=0)
+        with self._errors(f"write {key}"):
+            self._ensure_bucket()
+            self._client.put_object(self.bucket, key, io.BytesIO(data), len(data),
+                                    retention=Retention(COMPLIANCE, until))
+
+    def write_once(self) -> bool:
+        """Put a small probe object with one day's retention and read the retention back: some
+        servers accept Object Lock headers and ignore them."""
+        if self._write_once is None:
+            key = f".lock-probe/{datetime.now(UTC):%Y%m%dT%H%M%S%fZ}"
+            self.put(key, b"", retain_days=1)
+            try:
+                kept = self._client.get_object_retention(self.bucket, key)
+                self._write_once = kept is not None and kept.mode == COMPLIANCE
+            except (MinioException, ValueError, SyntaxError):
+                self._write_once = False  # no retention to show: no Object Lock here
+        return self._write_once
+
+    def get(self, key: str) -> bytes:
+        with self._errors(f"read {key}"):
+            response = self._client.get_object(self.bucket, key)
+            try:
+                return response.read()
+            finally:
+                response.close()
+                response.release_conn()
+
+    def keys(self, prefix: str) -> list[str]:
+        with self._errors(f"list {prefix}"):
+            if not self._client.bucket_exists(self.bucket):
+                return []
+            return sorted(o.object_name for o in self._client.list_objects(self.bucket, prefix=prefix,
+                                                                           recursive=True))
+
+    def _ensure_bucket(self) -> None:
+        if not self._ready and not self._client.bucket_exists(self.bucket):
+            self._client.make_bucket(self.bucket, object_lock=True)
+        self._ready = True
+
+    @contextmanager
+    def _errors(self, what: str) -> Iterator[None]:
+        """The SDK's and the network's errors as one clear ArtifactStoreError."""
+        try:
+            yield
+        except (MinioException, HTTPError, OSError, ValueError) as exc:
+            raise ArtifactStoreError(f"S3 store {self.location}: cannot {what}: {exc}") from exc
+
+
+def artifact_store(settings: ArtifactSettings, home: Home) -> ArtifactStore:
+    """The store the settings name."""
+    if settings.store == "s3":
+        return S3Store(settings)
+    return LocalStore(Path(settings.path) if settings.path else home.root / "artifacts")

@@ -1,0 +1,41 @@
+"""CLI changes on this host leave audit records of the local user, whether they succeed or fail
+(issue 4: the CLI writes records for its changes)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from audit import read_records, verify
+from audit.keys import signing_key
+from tests.conftest import Appliance, free_port, make_appliance
+
+
+@pytest.fixture
+def appliance() -> Iterator[Appliance]:
+    yield from make_appliance(None)
+
+
+def test_cli_changes_are_recorded_with_their_outcome(appliance: Appliance) -> None:
+    assert appliance.run("down").returncode == 0
+    appliance.env.update({"APPLIANCE_ARTIFACTS__STORE": "s3",
+                          "APPLIANCE_ARTIFACTS__S3_ENDPOINT": f"127.0.0.1:{free_port()}",
+                          "APPLIANCE_ARTIFACTS__S3_ACCESS_KEY": "k", "APPLIANCE_ARTIFACTS__S3_SECRET_KEY": "s"})
+    failed = appliance.run("audit", "archive", timeout=300)
+    assert failed.returncode == 1
+    down, archive = read_records(appliance.home.audit)
+    assert (down["action"], down["outcome"], down["status"], down["client"], down["source"]) == \
+        ("appliance.down", "allowed", 0, "appliance-cli", "local")
+    assert down["username"] and down["subject"].startswith("uid:")
+    assert (archive["action"], archive["outcome"], archive["status"]) == ("audit.archive", "error", 1)
+    assert "cannot" in archive["resource"]
+    assert verify(appliance.home.audit, signing_key(appliance.home).public_key()).records == 2
+
+
+def test_unwritable_audit_log_fails_the_command_and_says_so(appliance: Appliance) -> None:
+    appliance.home.audit.mkdir(parents=True, exist_ok=True)
+    (appliance.home.audit / "audit-000001.jsonl").write_bytes(b"not json\n")
+    result = appliance.run("down")
+    assert result.returncode == 1
+    assert "appliance.down ran, but its audit record could not be written" in result.stderr
