@@ -195,23 +195,19 @@ class AuditWriter:
         the flushing thread gets here)."""
         with self._locked():
             self._catch_up()
-            if self._fd is not None and self._size >= self._max_bytes:
+            if self._fd is None:
+                self._open()
+            if self._size >= self._max_bytes:
                 self._close_file()
                 self._file = self._next_file()
-            if self._fd is None:
-                new = not self._file.exists()
-                self._fd = os.open(self._file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-                self._size = os.fstat(self._fd).st_size
-                if new:
-                    _fsync_dir(self.directory)
+                self._open()
             seq, head, now = self._seq, self._head, _now()
-            records = []
+            chained = []
             for waiting in batch:
                 fields = {**waiting.fields, "seq": seq + 1, "time": now, "prev_hash": head}
-                record = AuditRecord(**fields, hash=digest(fields))
-                seq, head = record.seq, record.hash
-                records.append(record)
-            data = b"".join(record.line() for record in records)
+                seq, head = seq + 1, digest(fields)
+                chained.append({**fields, "hash": head})
+            data = b"".join(canonical(fields) + b"\n" for fields in chained)
             try:
                 written = os.write(self._fd, data)
                 while written < len(data):
@@ -225,8 +221,17 @@ class AuditWriter:
             if (self._seq - self._checkpointed_seq >= self._every
                     or time.monotonic() - self._checkpointed_at >= self._interval):
                 self._sign_head()
-        for waiting, record in zip(batch, records):
-            waiting.record = record
+        # Only now, durable, may the waiters see their records. The fields come from validated
+        # AuditEvents: no need to validate them again.
+        for waiting, fields in zip(batch, chained):
+            waiting.record = AuditRecord.model_construct(**fields)
+
+    def _open(self) -> None:
+        new = not self._file.exists()
+        self._fd = os.open(self._file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        self._size = os.fstat(self._fd).st_size
+        if new:
+            _fsync_dir(self.directory)  # the new file's name must survive a crash too
 
     def _close_file(self) -> None:
         if self._fd is not None:
