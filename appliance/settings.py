@@ -103,6 +103,10 @@ class PoolSettings(_Section):
     max_lora_rank: int = Field(16, ge=1, description="Largest adapter rank accepted.")
     max_loras: int = Field(4, ge=1, description="Adapters resident at once.")
     max_model_len: int | None = Field(None, gt=0, description="Overrides engine.max_model_len.")
+    plan: str | None = Field(
+        None, description="A plan file (`appliance plan MODEL ... --json > FILE`) for one host: its "
+        "TP/PP/DP/EP layout and context length replace the sizes above."
+    )
     extra_args: list[str] = Field(
         default_factory=list, description="Further vLLM arguments, appended verbatim."
     )

@@ -1,6 +1,5 @@
-"""The engine launcher: a vLLM OpenAI server's command line and environment, from settings.
-
-Later issues (planner, LoRA, staging) change only the inputs: settings and the model directory.
+"""The engine launcher: a vLLM OpenAI server's command line and environment, from settings and,
+when a pool names one, a plan (`appliance plan --json`) that sets its layout and context length.
 """
 
 from __future__ import annotations
@@ -10,8 +9,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from pydantic import ValidationError
+
+from appliance.errors import SettingsError
 from appliance.home import Home
 from appliance.programs import Program
+from appliance.records import Plan
 from appliance.secrets import secret
 from appliance.settings import DEMO_MODEL, EngineSettings, PoolSettings, Settings
 
@@ -45,9 +48,42 @@ def model_dir(pool: PoolSettings, home: Home) -> Path:
     return Path(pool.model).expanduser()
 
 
+@dataclass(frozen=True)
+class PoolLayout:
+    tp: int
+    pp: int
+    dp: int
+    ep: bool
+    max_model_len: int
+
+
+def pool_layout(pool: PoolSettings, engine: EngineSettings) -> PoolLayout:
+    """The pool's parallel layout and context length: from its plan file if it names one."""
+    if pool.plan is None:
+        return PoolLayout(pool.tensor_parallel_size, pool.pipeline_parallel_size, pool.data_parallel_size,
+                          pool.enable_expert_parallel, pool.max_model_len or engine.max_model_len)
+    path = Path(pool.plan).expanduser()
+    where = f"pools.{pool.name}.plan: {path}"
+    try:
+        plan = Plan.model_validate_json(path.read_bytes())
+    except OSError as exc:
+        raise SettingsError(f"{where}: cannot read the plan: {exc.strerror or exc}") from exc
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        raise SettingsError(f"{where}: not a plan record: {'.'.join(map(str, error['loc']))}: {error['msg']}",
+                            hint="write one with `appliance plan MODEL ... --json > FILE`") from exc
+    if plan.layout is None:
+        raise SettingsError(f"{where}: the plan found no feasible layout", hint="plan again with more hardware")
+    if plan.layout.hosts > 1:
+        raise SettingsError(f"{where}: the plan spans {plan.layout.hosts} hosts; this appliance runs one",
+                            hint="plan for one host, or run each host's command from the plan")
+    return PoolLayout(plan.layout.tp, plan.layout.pp, plan.layout.dp, plan.layout.ep, plan.target.context)
+
+
 def build_launch(pool: PoolSettings, settings: Settings, home: Home, api_key: str) -> EngineLaunch:
-    """vLLM's argv and environment for `pool`; no I/O."""
+    """vLLM's argv and environment for `pool` (reads only the pool's plan file, if any)."""
     engine = settings.engine
+    layout = pool_layout(pool, engine)
     device = resolve_device(engine)
     path = model_dir(pool, home)
     served = pool.served_model_name or path.name
@@ -62,16 +98,16 @@ def build_launch(pool: PoolSettings, settings: Settings, home: Home, api_key: st
         "--host", settings.network.bind,
         "--port", str(pool.port),
         "--dtype", engine.dtype,
-        "--max-model-len", str(pool.max_model_len or engine.max_model_len),
+        "--max-model-len", str(layout.max_model_len),
         "--gpu-memory-utilization", str(utilization),
-        "--tensor-parallel-size", str(pool.tensor_parallel_size),
-        "--pipeline-parallel-size", str(pool.pipeline_parallel_size),
-        "--data-parallel-size", str(pool.data_parallel_size),
+        "--tensor-parallel-size", str(layout.tp),
+        "--pipeline-parallel-size", str(layout.pp),
+        "--data-parallel-size", str(layout.dp),
         "--disable-uvicorn-access-log",
     ]
     if eager:
         argv.append("--enforce-eager")
-    if pool.enable_expert_parallel:
+    if layout.ep:
         argv.append("--enable-expert-parallel")
     if pool.enable_lora:
         argv += ["--enable-lora", "--max-lora-rank", str(pool.max_lora_rank),
@@ -85,7 +121,7 @@ def build_launch(pool: PoolSettings, settings: Settings, home: Home, api_key: st
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     if on_cpu:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(engine.cpu_kvcache_gib)
-        ranks = pool.tensor_parallel_size * pool.pipeline_parallel_size
+        ranks = layout.tp * layout.pp
         if ranks > 1:
             # One OpenMP core set per rank, else vLLM refuses: "Not enough allowed NUMA nodes".
             env["VLLM_CPU_OMP_THREADS_BIND"] = _split_cores(ranks)

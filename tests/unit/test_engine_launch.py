@@ -1,10 +1,13 @@
 """The engine launcher turns settings into vLLM's command line and environment."""
 
+import json
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from appliance.errors import SettingsError
 from appliance.home import Home
 from appliance.settings import EngineSettings, PoolSettings, Settings
 from serve.engine import build_launch, engine_programs
@@ -89,3 +92,45 @@ def test_gateway_never_imports_from_the_state_dir(tmp_path: Path) -> None:
     assert command[1] == "-P"
     assert command[command.index("--app-dir") + 1] == str(PROJECT_ROOT)
     assert (PROJECT_ROOT / "audit" / "__init__.py").is_file()
+
+
+def plan_file(tmp_path: Path, model: str, hardware: str, *extra: str) -> Path:
+    """A plan record written by the real `appliance plan --json`."""
+    configs = Path(__file__).parent.parent / "data" / "model_configs"
+    result = subprocess.run([str(Path(sys.executable).with_name("appliance")), "plan", str(configs / f"{model}.json"),
+                             "--hardware", hardware, "--json", *extra], capture_output=True, text=True)
+    path = tmp_path / f"{model}-{hardware}.json"
+    path.write_text(result.stdout)
+    return path
+
+
+def test_pool_launches_the_layout_of_its_plan(tmp_path: Path) -> None:
+    plan = plan_file(tmp_path, "mixtral-8x22b", "1x8xH100-80GB", "--context", "16384", "--tp", "8")
+    pool = PoolSettings(name="main", model=str(tmp_path / "Mixtral"), plan=str(plan), tensor_parallel_size=1)
+    settings = Settings(engine=EngineSettings(device="cuda"), pools=[pool])
+    argv = build_launch(pool, settings, Home(tmp_path), api_key="k").argv
+    record = json.loads(plan.read_text())
+    assert flag(argv, "--tensor-parallel-size") == "8" == str(record["layout"]["tp"])
+    assert flag(argv, "--pipeline-parallel-size") == str(record["layout"]["pp"])
+    assert flag(argv, "--max-model-len") == "16384"
+
+
+@pytest.mark.parametrize("model,hardware,problem", [
+    ("llama-3.1-405b", "2x8xH100-80GB", "the plan spans 2 hosts; this appliance runs one"),
+    ("llama-3.1-405b", "1x8xH100-80GB", "the plan found no feasible layout"),
+])
+def test_unusable_plans_are_refused(tmp_path: Path, model: str, hardware: str, problem: str) -> None:
+    pool = PoolSettings(name="main", plan=str(plan_file(tmp_path, model, hardware)))
+    with pytest.raises(SettingsError, match=problem):
+        build_launch(pool, Settings(pools=[pool]), Home(tmp_path), api_key="k")
+
+
+def test_broken_plan_file_is_named(tmp_path: Path) -> None:
+    broken = tmp_path / "plan.json"
+    broken.write_text('{"feasible": true}')
+    pool = PoolSettings(name="main", plan=str(broken))
+    with pytest.raises(SettingsError, match=r"pools.main.plan: .*plan.json: not a plan record: model: Field required"):
+        build_launch(pool, Settings(pools=[pool]), Home(tmp_path), api_key="k")
+    pool = PoolSettings(name="main", plan=str(tmp_path / "absent.json"))
+    with pytest.raises(SettingsError, match="cannot read the plan"):
+        build_launch(pool, Settings(pools=[pool]), Home(tmp_path), api_key="k")

@@ -1,0 +1,165 @@
+"""Typed records shared between packages: the hardware profile (detected on this host or written
+by hand for a cluster) and the parallelism plan made for it."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Gpu(_Record):
+    index: int = Field(ge=0)
+    name: str = Field(description="e.g. 'NVIDIA H100 80GB HBM3'.")
+    memory_bytes: int = Field(gt=0)
+    uuid: str | None = None
+    pci_bus_id: str | None = None
+    compute_capability: str | None = Field(None, description="e.g. '9.0'.")
+    numa_node: int | None = None
+    nvlink_peers: list[int] = Field(default_factory=list, description="Indexes of GPUs reached by NVLink.")
+    nvlink_links: int = Field(0, ge=0, description="Active NVLink links.")
+    mig_enabled: bool = False
+    ecc_errors: int = Field(0, ge=0, description="Uncorrected ECC errors (volatile).")
+    remapped_rows_pending: bool = False
+    power_watts: float | None = None
+    utilization_percent: int | None = None
+    p2p_peers: list[int] = Field(default_factory=list, description="GPUs it can reach peer-to-peer over NVLink.")
+    topology: dict[int, str] = Field(
+        default_factory=dict, description="Common ancestor with each other GPU: INTERNAL, SINGLE, MULTIPLE, "
+        "HOSTBRIDGE, NODE or SYSTEM (nvidia-smi topo's levels).")
+
+
+class Disk(_Record):
+    mount: str
+    free_bytes: int = Field(ge=0)
+    total_bytes: int = Field(ge=0)
+    rotational: bool | None = None
+
+
+class Nic(_Record):
+    name: str
+    kind: str = Field("ethernet", description="'ethernet' or 'infiniband'.")
+    speed_mbps: int | None = None
+
+
+class Host(_Record):
+    name: str
+    gpus: list[Gpu] = Field(default_factory=list)
+    nvlink_all_to_all: bool = Field(
+        False, description="Every GPU reaches every other over NVLink/NVSwitch (one TP domain).")
+    gpu_errors: list[str] = Field(
+        default_factory=list,
+        description="GPUs the driver lists but could not be read (e.g. fallen off the bus), with why.")
+    driver_version: str | None = None
+    cuda_version: str | None = Field(None, description="The driver's CUDA version, e.g. '12.8'.")
+    cpu_model: str | None = None
+    cpu_cores: int | None = Field(None, ge=1)
+    ram_bytes: int | None = Field(None, ge=0)
+    numa_nodes: int | None = Field(None, ge=1)
+    disks: list[Disk] = Field(default_factory=list)
+    nics: list[Nic] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _gpu_indexes_distinct(self) -> Host:
+        indexes = [gpu.index for gpu in self.gpus]
+        if len(set(indexes)) != len(indexes):
+            raise ValueError(f"host {self.name!r}: GPU indexes repeat: {indexes}")
+        return self
+
+
+class HardwareProfile(_Record):
+    """One host (detected) or a cluster (written by hand, one entry per host)."""
+
+    hosts: list[Host] = Field(min_length=1)
+    source: str = Field("file", description="'detected', 'file' or 'spec'.")
+
+    @model_validator(mode="after")
+    def _host_names_distinct(self) -> HardwareProfile:
+        names = [host.name for host in self.hosts]
+        if len(set(names)) != len(names):
+            raise ValueError(f"host names repeat: {names}")
+        return self
+
+
+class PlanLayout(_Record):
+    tp: int = Field(ge=1)
+    pp: int = Field(ge=1)
+    dp: int = Field(ge=1)
+    ep: bool
+    gpus: int = Field(ge=1)
+    hosts: int = Field(ge=1)
+
+
+class PlanModel(_Record):
+    name: str
+    config_sha256: str
+    architecture: str
+    total_params: int
+    active_params: int
+    format: str
+    layers: int
+
+
+class PlanHardware(_Record):
+    hosts: int
+    gpus_per_host: int
+    gpu: str
+    gpu_memory_bytes: int
+    nvlink: bool
+
+
+class PlanTarget(_Record):
+    context: int
+    concurrency: int
+
+
+class PerGpuBytes(_Record):
+    weights: int
+    kv_cache: int
+    reserve: int
+    budget: int
+
+
+class RejectedLayout(_Record):
+    layout: PlanLayout
+    reason: str
+
+
+class AlternativeLayout(_Record):
+    layout: PlanLayout
+    kv_capacity_tokens: int
+
+
+class HostCommand(_Record):
+    host: str
+    role: str = Field(description="'head' or 'worker'.")
+    argv: list[str]
+    env: dict[str, str]
+
+
+class SmallestHardware(_Record):
+    hosts: int
+    gpus_per_host: int
+    gpu: str
+    layout: PlanLayout
+
+
+class Plan(_Record):
+    """A layout for a model on some hardware, why, and how to launch it (`appliance plan --json`)."""
+
+    model: PlanModel
+    hardware: PlanHardware
+    target: PlanTarget
+    feasible: bool
+    rejected: list[RejectedLayout]
+    layout: PlanLayout | None = None
+    per_gpu: PerGpuBytes | None = None
+    kv_bytes_per_token: int | None = None
+    kv_capacity_tokens: int | None = None
+    max_concurrent_sequences: int | None = None
+    alternatives: list[AlternativeLayout] = Field(default_factory=list)
+    commands: list[HostCommand] = Field(default_factory=list)
+    notes: list[str] = Field(default_factory=list)
+    smallest_fitting_hardware: SmallestHardware | None = None

@@ -1,0 +1,154 @@
+"""The memory model and the planner against published figures and the formulas in
+../shared/notes/reference.md, from config files only (tests/data/model_configs, the fields of the
+published config.json files that the planner reads; no weights)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from appliance.records import Gpu, HardwareProfile, Host
+from installer.memory import FormatError, Layout, count_params, kv_bytes_per_token
+from installer.model_config import ModelConfigError, load_model_config
+from installer.planner import PlanError, Pins
+from installer.planner import plan as make_plan
+
+CONFIGS = Path(__file__).parent.parent / "data" / "model_configs"
+APPLIANCE = str(Path(sys.executable).with_name("appliance"))
+GIB = 1 << 30
+
+
+def model(name: str):
+    return load_model_config(CONFIGS / f"{name}.json")
+
+
+def plan(*args: object, **kwargs: object) -> dict:
+    return make_plan(*args, **kwargs).model_dump()
+
+
+def hosts(count: int, gpus: int = 8, gib: int = 80, name: str = "H100") -> HardwareProfile:
+    return HardwareProfile(hosts=[
+        Host(name=f"node-{i}", nvlink_all_to_all=True,
+             gpus=[Gpu(index=j, name=name, memory_bytes=gib * GIB) for j in range(gpus)])
+        for i in range(count)])
+
+
+@pytest.mark.parametrize("name,published,active", [
+    ("deepseek-v3", 671e9, 37e9),
+    ("kimi-k2", 1.026e12, 32e9),
+    ("qwen3-235b-a22b", 235e9, 22e9),
+    ("llama-3.1-405b", 405e9, 405e9),
+    ("mixtral-8x22b", 141e9, 39e9),
+])
+def test_parameter_counts_match_published_totals(name: str, published: float, active: float) -> None:
+    params = count_params(model(name))
+    assert abs(params.total / published - 1) < 0.005, f"{name}: {params.total / 1e9:.2f}B"
+    assert abs(params.active / active - 1) < 0.03, f"{name}: {params.active / 1e9:.2f}B active"
+
+
+@pytest.mark.parametrize("name,layout,expected", [
+    ("llama-3.1-405b", Layout(), 516_096),  # 2 x 126 x 8 x 128 x 2
+    ("llama-3.1-405b", Layout(tp=8), 64_512),
+    ("qwen3-235b-a22b", Layout(), 192_512),
+    ("qwen3-235b-a22b", Layout(tp=8), 48_128),  # 4 KV heads over 8 ranks: one each, duplicated
+    ("deepseek-v3", Layout(), 70_272),  # MLA: 61 x (512 + 64) x 2, no factor 2
+    ("deepseek-v3", Layout(tp=8), 70_272),  # the latent is not split by TP
+    ("deepseek-v3", Layout(tp=8, pp=2), 31 * 576 * 2),  # PP splits layers (the fullest stage)
+])
+def test_kv_bytes_per_token_follow_the_formulas(name: str, layout: Layout, expected: int) -> None:
+    assert kv_bytes_per_token(model(name), layout) == expected
+
+
+def test_llama_405b_bf16_needs_two_hosts_of_8x80() -> None:
+    one = plan(model("llama-3.1-405b"), hosts(1), context=8192, concurrency=1)
+    assert not one["feasible"]
+    [tp8] = [r for r in one["rejected"] if r["layout"]["tp"] == 8 and r["layout"]["pp"] == 1]
+    assert "GiB per GPU exceed the 72.0 GiB budget" in tp8["reason"]
+    assert one["smallest_fitting_hardware"]["hosts"] == 2
+    two = plan(model("llama-3.1-405b"), hosts(2), context=8192, concurrency=1)
+    assert two["feasible"] and two["layout"]["gpus"] == 16 and two["layout"]["hosts"] == 2
+
+
+def test_deepseek_v3_fp8_fits_one_8x141_host_not_one_8x80() -> None:
+    big = plan(model("deepseek-v3"), hosts(1, gib=141, name="H200"), context=8192, concurrency=1)
+    assert big["feasible"] and big["model"]["format"] == "fp8" and big["layout"]["hosts"] == 1
+    assert big["per_gpu"]["weights"] + big["per_gpu"]["reserve"] <= big["per_gpu"]["budget"]
+    small = plan(model("deepseek-v3"), hosts(1), context=8192, concurrency=1)
+    assert not small["feasible"] and all("exceed" in r["reason"] for r in small["rejected"])
+
+
+def test_kimi_k2_fp8_needs_two_hosts_of_8x80() -> None:
+    one = plan(model("kimi-k2"), hosts(1), context=8192, concurrency=1)
+    assert not one["feasible"] and one["smallest_fitting_hardware"]["hosts"] == 2
+    two = plan(model("kimi-k2"), hosts(2), context=8192, concurrency=1, model_ref="/models/kimi-k2")
+    assert two["feasible"] and two["layout"]["hosts"] == 2
+    head, worker = two["commands"]
+    assert head["role"] == "head" and worker["role"] == "worker" and "--headless" in worker["argv"]
+    assert head["argv"][:3] == ["vllm", "serve", "/models/kimi-k2"]
+
+
+def test_pins_are_honoured_or_refused() -> None:
+    pinned = plan(model("llama-3.1-405b"), hosts(2), context=8192, concurrency=1, pins=Pins(tp=4))
+    assert pinned["layout"]["tp"] == 4
+    with pytest.raises(PlanError, match="--tp 3 is not possible"):
+        plan(model("llama-3.1-405b"), hosts(2), context=8192, concurrency=1, pins=Pins(tp=3))
+    with pytest.raises(PlanError, match="has no experts"):
+        plan(model("llama-3.1-405b"), hosts(2), context=8192, concurrency=1, pins=Pins(ep=True))
+
+
+def test_concurrency_target_needs_kv_room() -> None:
+    record = plan(model("llama-3.1-405b"), hosts(2), context=131072, concurrency=64)
+    assert not record["feasible"]
+    assert any("need" in r["reason"] and "tokens" in r["reason"] for r in record["rejected"])
+
+
+def test_formats() -> None:
+    assert plan(model("llama-3.1-405b"), hosts(1), context=8192, concurrency=1, fmt="fp8")["feasible"]
+    with pytest.raises(FormatError, match="stored as fp8; vLLM cannot serve it as bf16"):
+        plan(model("deepseek-v3"), hosts(2), context=8192, concurrency=1, fmt="bf16")
+    with pytest.raises(FormatError, match="not one of"):
+        plan(model("llama-3.1-405b"), hosts(1), context=8192, concurrency=1, fmt="fp3")
+
+
+def test_bad_configs_are_named(tmp_path: Path) -> None:
+    config = json.loads((CONFIGS / "llama-3.1-405b.json").read_text())
+    del config["num_hidden_layers"]
+    (tmp_path / "missing.json").write_text(json.dumps(config))
+    with pytest.raises(ModelConfigError, match=r"missing.json: num_hidden_layers: missing"):
+        load_model_config(tmp_path / "missing.json")
+    (tmp_path / "odd.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ModelConfigError, match="'GPT2LMHeadModel' is not one the planner models"):
+        load_model_config(tmp_path / "odd.json")
+    (tmp_path / "zero.json").write_text(json.dumps({**config, "num_hidden_layers": 0}))
+    with pytest.raises(ModelConfigError, match="num_hidden_layers: 0 is not an integer >= 1"):
+        load_model_config(tmp_path / "zero.json")
+    with pytest.raises(ModelConfigError, match="no such file"):
+        load_model_config(tmp_path / "absent")
+
+
+def test_impossible_profiles_are_refused() -> None:
+    with pytest.raises(PlanError, match="no GPUs"):
+        plan(model("mixtral-8x22b"), HardwareProfile(hosts=[Host(name="cpu-only")]), context=8192, concurrency=1)
+    mixed = HardwareProfile(hosts=[*hosts(1).hosts, Host(name="small", gpus=[Gpu(index=0, name="L4", memory_bytes=24 * GIB)])])
+    with pytest.raises(PlanError, match="different GPU counts"):
+        plan(model("mixtral-8x22b"), mixed, context=8192, concurrency=1)
+
+
+def test_cli_plan_json_and_exit_codes() -> None:
+    ok = subprocess.run([APPLIANCE, "plan", str(CONFIGS / "kimi-k2.json"), "--hardware", "2x8xH100-80GB", "--json"],
+                        capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    record = json.loads(ok.stdout)
+    for key in ("feasible", "layout", "per_gpu", "kv_bytes_per_token", "kv_capacity_tokens", "commands", "rejected"):
+        assert key in record
+    assert record["model"]["total_params"] > 1e12
+    none = subprocess.run([APPLIANCE, "plan", str(CONFIGS / "kimi-k2.json"), "--hardware", "1x8xH100-80GB"],
+                          capture_output=True, text=True)
+    assert none.returncode == 3 and "smallest hardware that fits: 2 hosts" in none.stdout
+    both = subprocess.run([APPLIANCE, "plan", str(CONFIGS / "kimi-k2.json"), "--hardware", "1x8xH100-80GB",
+                           "--detect"], capture_output=True, text=True)
+    assert both.returncode == 1 and "exactly one of --profile, --detect, --hardware" in both.stderr
