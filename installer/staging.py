@@ -1,0 +1,431 @@
+"""Stage a checkpoint for a plan: for each host, exactly the tensors its ranks need (its pipeline
+stages' layers, embeddings on the first stage, final norm and head on the last, only its experts
+when expert parallelism spreads them over hosts), copied byte-exact from the source safetensors.
+
+Streaming: tensors are never decoded; each output file is a new safetensors header followed by
+byte ranges copied from the source with `os.copy_file_range` (in the kernel), so memory stays
+small whatever the checkpoint's size. Each output file is written under a temporary name, its
+SHA-256 taken, then renamed and recorded in the manifest, so a killed run resumes after the last
+finished file. Files are staged in parallel (the copy and the hash both leave the GIL).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import struct
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from appliance.errors import ApplianceError
+from appliance.records import Plan
+from installer.model_config import ModelShape, load_model_config
+
+MANIFEST = "staging-manifest.json"
+INDEX = "model.safetensors.index.json"
+CHUNK = 64 << 20
+HASH_CHUNK = 8 << 20
+LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+EXPERT = re.compile(r"\.experts\.(\d+)\.")
+FIRST_STAGE = ("embed_tokens",)
+LAST_STAGE = ("lm_head", "model.norm.")
+DTYPES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1,
+          "I16": 2, "I32": 4, "I64": 8, "BOOL": 1}
+
+
+class StagingError(ApplianceError):
+    """The checkpoint, the plan or a staged directory is not what it should be."""
+
+
+@dataclass(frozen=True)
+class SourceTensor:
+    name: str
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+    start: int  # absolute offsets in the file
+    end: int
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+
+# -- the source ----------------------------------------------------------------------------
+
+
+def read_header(path: Path) -> tuple[dict, int]:
+    """A safetensors file's JSON header and where its data begins."""
+    try:
+        with path.open("rb") as handle:
+            raw = handle.read(8)
+            if len(raw) < 8:
+                raise StagingError(f"{path}: truncated: no safetensors header")
+            (length,) = struct.unpack("<Q", raw)
+            header = handle.read(length)
+    except OSError as exc:
+        raise StagingError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    if len(header) < length:
+        raise StagingError(f"{path}: truncated inside its safetensors header")
+    try:
+        return json.loads(header), 8 + length
+    except ValueError as exc:
+        raise StagingError(f"{path}: the safetensors header is not JSON: {exc}") from exc
+
+
+def read_source(model_dir: Path) -> dict[str, SourceTensor]:
+    """Every tensor of the checkpoint and where its bytes are; a missing shard (named by the
+    index) or a file shorter than its header says is an error naming the file and tensor."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    index = model_dir / INDEX
+    if index.exists():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        for name, file in sorted(weight_map.items()):
+            if not (model_dir / file).is_file():
+                raise StagingError(f"{model_dir / file}: missing shard (the index puts {name} there)")
+    if not files:
+        raise StagingError(f"{model_dir}: no *.safetensors files")
+    tensors: dict[str, SourceTensor] = {}
+    for path in files:
+        header, base = read_header(path)
+        size = path.stat().st_size
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            start, end = (base + offset for offset in entry["data_offsets"])
+            dtype, shape = entry["dtype"], tuple(entry["shape"])
+            if end > size:
+                raise StagingError(f"{path}: truncated: tensor {name} ends at byte {end:,} of {size:,}")
+            expected = DTYPES.get(dtype, 0) * _product(shape)
+            if expected and expected != end - start:
+                raise StagingError(f"{path}: tensor {name}: {dtype} {list(shape)} needs {expected:,} bytes, "
+                                   f"the header gives {end - start:,}")
+            tensors[name] = SourceTensor(name, path, dtype, shape, start, end)
+    return tensors
+
+
+def _product(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def check_against_config(tensors: dict[str, SourceTensor], model: ModelShape) -> None:
+    """The checkpoint is the model its config describes (embeddings, layer count, dtype)."""
+    embed = next((t for n, t in tensors.items() if n.endswith("embed_tokens.weight")), None)
+    if embed is None:
+        raise StagingError(f"{model.name}: no embed_tokens.weight tensor in the checkpoint")
+    if embed.shape != (model.vocab, model.hidden):
+        raise StagingError(f"{embed.file}: tensor {embed.name}: shape {list(embed.shape)} disagrees with "
+                           f"config.json (vocab_size {model.vocab}, hidden_size {model.hidden})")
+    expected_dtype = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}[model.dtype]
+    if embed.dtype != expected_dtype:
+        raise StagingError(f"{embed.file}: tensor {embed.name}: dtype {embed.dtype} disagrees with config.json "
+                           f"torch_dtype {model.dtype}")
+    layers = {int(m.group(1)) for n in tensors if (m := LAYER.search(n))}
+    missing = sorted(set(range(model.layers)) - layers)
+    if missing:
+        raise StagingError(f"{model.name}: layers {missing[:5]} of the {model.layers} config.json declares have "
+                           "no tensors in the checkpoint")
+
+
+def config_sha256(model_dir: Path) -> str:
+    return load_model_config(model_dir).config_sha256
+
+
+# -- what each host needs --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HostShare:
+    host: str
+    layers: range  # the layers of its pipeline stages
+    first_stage: bool
+    last_stage: bool
+    experts: range | None  # None: every expert
+
+
+def pp_layers(layers: int, pp: int) -> list[range]:
+    """vLLM's split: layers // pp each, the remainder added to the second-to-last stage, then
+    the third-to-last, never the last (or VLLM_PP_LAYER_PARTITION when set)."""
+    partition = os.environ.get("VLLM_PP_LAYER_PARTITION")
+    if partition:
+        sizes = [int(part) for part in partition.split(",")]
+    else:
+        sizes = [layers // pp] * pp
+        for i in range(2, layers % pp + 2):
+            sizes[-i] += 1
+    bounds, start = [], 0
+    for size in sizes:
+        bounds.append(range(start, start + size))
+        start += size
+    return bounds
+
+
+def host_shares(plan: Plan, model: ModelShape) -> list[HostShare]:
+    """Each host of the plan and the slice of the model its ranks load."""
+    if plan.layout is None or not plan.commands:
+        raise StagingError("the plan has no feasible layout to stage for")
+    layout, hosts = plan.layout, [command.host for command in plan.commands]
+    per_host = plan.hardware.gpus_per_host
+    stages = pp_layers(model.layers, layout.pp)
+    shares = []
+    for index, host in enumerate(hosts):
+        if layout.dp > 1:  # whole replicas per host: every stage here
+            first, last = 0, layout.pp - 1
+        else:  # one replica across hosts: TP inside, PP stages spread
+            ranks = range(index * per_host, min((index + 1) * per_host, layout.gpus))
+            first, last = ranks[0] // layout.tp, ranks[-1] // layout.tp
+        experts = None
+        if layout.ep and model.experts is not None and len(hosts) > 1 and layout.dp > 1:
+            count = model.experts.routed // len(hosts)
+            experts = range(index * count, (index + 1) * count)
+        shares.append(HostShare(host=host, layers=range(stages[first].start, stages[last].stop),
+                                first_stage=first == 0, last_stage=last == layout.pp - 1, experts=experts))
+    return shares
+
+
+def needed(name: str, share: HostShare, model: ModelShape) -> bool:
+    """Whether a host's ranks load tensor `name`."""
+    layer = LAYER.search(name)
+    if layer:
+        number = int(layer.group(1))
+        # Multi-token-prediction layers (past num_hidden_layers) go with the last stage.
+        if not (share.last_stage if number >= model.layers else number in share.layers):
+            return False
+        expert = EXPERT.search(name)
+        return expert is None or share.experts is None or int(expert.group(1)) in share.experts
+    if any(part in name for part in FIRST_STAGE):
+        return share.first_stage or (share.last_stage and model.tied_embeddings)
+    return share.last_stage if any(part in name for part in LAST_STAGE) else True
+
+
+# -- writing -------------------------------------------------------------------------------
+
+
+@dataclass
+class Staged:
+    host: str
+    directory: Path
+    files: int
+    bytes: int
+    resumed: int  # files found complete from an earlier run
+
+
+def stage_subset(model_dir: Path, plan: Plan, out_dir: Path, *, host: str | None = None, workers: int = 2,
+                 on_bytes: Callable[[int], None] = lambda n: None,
+                 on_total: Callable[[int], None] = lambda n: None) -> list[Staged]:
+    """Stage every host of the plan (or only `host`) into out_dir/<host>/."""
+    model = load_model_config(model_dir)
+    if plan.model.config_sha256 != model.config_sha256:
+        raise StagingError(f"the plan was made for {plan.model.name} (config sha256 {plan.model.config_sha256[:12]}), "
+                           f"not for {model_dir} ({model.config_sha256[:12]})", hint="plan this model first")
+    tensors = read_source(model_dir)
+    check_against_config(tensors, model)
+    shares = host_shares(plan, model)
+    if host is not None:
+        shares = [share for share in shares if share.host == host]
+        if not shares:
+            raise StagingError(f"--host {host!r} is not in the plan", hint=f"hosts: {[c.host for c in plan.commands]}")
+    jobs = []
+    for share in shares:
+        directory = out_dir / share.host
+        directory.mkdir(parents=True, exist_ok=True)
+        by_file: dict[str, list[SourceTensor]] = {}
+        for tensor in tensors.values():
+            if needed(tensor.name, share, model):
+                by_file.setdefault(tensor.file.name, []).append(tensor)
+        jobs.append((share, directory, {name: sorted(ts, key=lambda t: t.start) for name, ts in sorted(by_file.items())}))
+    on_total(sum(t.size for _, _, files in jobs for ts in files.values() for t in ts))
+    return [_stage_host(model_dir, plan, share, directory, files, workers, on_bytes)
+            for share, directory, files in jobs]
+
+
+def _stage_host(model_dir: Path, plan: Plan, share: HostShare, directory: Path,
+                files: dict[str, list[SourceTensor]], workers: int, on_bytes: Callable[[int], None]) -> Staged:
+    manifest = _Manifest.open(directory, model_dir, plan, share)
+    resumed = 0
+    pending = []
+    for name, chosen in files.items():
+        if manifest.complete(name, directory / name):
+            resumed += 1
+            on_bytes(sum(t.size for t in chosen))
+        else:
+            pending.append((name, chosen))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        for name, entry in pool.map(lambda job: (job[0], _write_file(directory / job[0], job[1], on_bytes)), pending):
+            manifest.record(name, entry)  # in the caller's thread: one writer of the manifest
+    _write_index(directory, files)
+    _copy_side_files(model_dir, directory)
+    manifest.finish()
+    return Staged(host=share.host, directory=directory, files=len(files), resumed=resumed,
+                  bytes=sum(t.size for ts in files.values() for t in ts))
+
+
+def _write_file(target: Path, chosen: list[SourceTensor], on_bytes: Callable[[int], None]) -> dict:
+    """One output safetensors file: a new header, then each tensor's bytes copied as they are."""
+    header, offset, layout = {}, 0, {}
+    for tensor in chosen:
+        header[tensor.name] = {"dtype": tensor.dtype, "shape": list(tensor.shape),
+                               "data_offsets": [offset, offset + tensor.size]}
+        layout[tensor.name] = {"dtype": tensor.dtype, "shape": list(tensor.shape), "source": tensor.file.name,
+                               "source_offsets": [tensor.start, tensor.end], "offsets": [offset, offset + tensor.size]}
+        offset += tensor.size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # keep tensor data 8-byte aligned, as safetensors does
+    partial = target.with_name(f".{target.name}.partial")
+    with partial.open("wb") as out:
+        out.write(struct.pack("<Q", len(raw)) + raw)
+        out.flush()
+        for source_file, run in _runs(chosen):
+            with source_file.open("rb") as src:
+                _copy_range(src.fileno(), out.fileno(), run[0], run[1] - run[0], on_bytes)
+        out.flush()
+        os.fsync(out.fileno())
+    digest = _sha256(partial)
+    os.replace(partial, target)
+    return {"sha256": digest, "bytes": target.stat().st_size, "tensors": layout}
+
+
+def _runs(chosen: list[SourceTensor]) -> Iterator[tuple[Path, tuple[int, int]]]:
+    """Adjacent tensors of one source file merged into one byte range: fewer, larger copies."""
+    current: tuple[Path, int, int] | None = None
+    for tensor in chosen:
+        if current and current[0] == tensor.file and current[2] == tensor.start:
+            current = (current[0], current[1], tensor.end)
+            continue
+        if current:
+            yield current[0], (current[1], current[2])
+        current = (tensor.file, tensor.start, tensor.end)
+    if current:
+        yield current[0], (current[1], current[2])
+
+
+def _copy_range(src: int, dst: int, start: int, length: int, on_bytes: Callable[[int], None]) -> None:
+    """Copy in the kernel where it can (copy_file_range), else through a bounded buffer."""
+    position = start
+    remaining = length
+    try:
+        while remaining:
+            done = os.copy_file_range(src, dst, min(remaining, CHUNK), position)
+            if done == 0:
+                raise StagingError(f"source ended {remaining:,} bytes early (truncated while staging?)")
+            position, remaining = position + done, remaining - done
+            on_bytes(done)
+    except OSError:  # another filesystem or kernel without it: plain reads and writes
+        while remaining:
+            chunk = os.pread(src, min(remaining, CHUNK), position)
+            if not chunk:
+                raise StagingError(f"source ended {remaining:,} bytes early (truncated while staging?)") from None
+            os.write(dst, chunk)
+            position, remaining = position + len(chunk), remaining - len(chunk)
+            on_bytes(len(chunk))
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while block := handle.read(HASH_CHUNK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_index(directory: Path, files: dict[str, list[SourceTensor]]) -> None:
+    """model.safetensors.index.json naming only this host's files (vLLM refuses missing ones)."""
+    weight_map = {t.name: name for name, ts in files.items() for t in ts}
+    total = sum(t.size for ts in files.values() for t in ts)
+    text = json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2)
+    _atomic_write(directory / INDEX, text)
+
+
+def _copy_side_files(model_dir: Path, directory: Path) -> None:
+    """config.json, tokenizer and generation files: everything but weights and the old index."""
+    for path in model_dir.iterdir():
+        if path.is_file() and path.suffix != ".safetensors" and path.name not in (INDEX, MANIFEST, "manifest.json"):
+            shutil.copy2(path, directory / path.name)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
+class _Manifest:
+    """The staging manifest, rewritten (atomically) after every finished file."""
+
+    def __init__(self, path: Path, data: dict) -> None:
+        self.path = path
+        self.data = data
+
+    @classmethod
+    def open(cls, directory: Path, model_dir: Path, plan: Plan, share: HostShare) -> _Manifest:
+        identity = {"source": str(model_dir.resolve()), "config_sha256": plan.model.config_sha256,
+                    "format": "subset", "host": share.host,
+                    "layers": [share.layers.start, share.layers.stop],
+                    "experts": [share.experts.start, share.experts.stop] if share.experts else None}
+        path = directory / MANIFEST
+        if path.exists():
+            data = json.loads(path.read_text())
+            if {k: data.get(k) for k in identity} == identity:
+                return cls(path, data)  # the same job: resume it
+        return cls(path, {**identity, "complete": False, "files": {}})
+
+    def complete(self, name: str, path: Path) -> bool:
+        entry = self.data["files"].get(name)
+        return bool(entry) and path.is_file() and path.stat().st_size == entry["bytes"]
+
+    def record(self, name: str, entry: dict) -> None:
+        self.data["files"][name] = entry
+        _atomic_write(self.path, json.dumps(self.data, indent=1))
+
+    def finish(self) -> None:
+        self.data["complete"] = True
+        _atomic_write(self.path, json.dumps(self.data, indent=1))
+
+
+# -- verification --------------------------------------------------------------------------
+
+
+def verify_staged(directory: Path) -> list[str]:
+    """Check every file of a staged directory (or of each host directory under it) against its
+    manifest; on a hash mismatch compare with the source to name the tensor. Returns the host
+    directories checked; raises StagingError at the first fault."""
+    manifests = [directory / MANIFEST] if (directory / MANIFEST).exists() else sorted(directory.glob(f"*/{MANIFEST}"))
+    if not manifests:
+        raise StagingError(f"{directory}: no {MANIFEST} here or in its host directories")
+    for manifest in manifests:
+        data = json.loads(manifest.read_text())
+        if not data.get("complete"):
+            raise StagingError(f"{manifest.parent}: staging did not finish (run `appliance stage` again to resume)")
+        for name, entry in sorted(data["files"].items()):
+            path = manifest.parent / name
+            if not path.is_file():
+                raise StagingError(f"{path}: missing")
+            if _sha256(path) != entry["sha256"]:
+                raise StagingError(f"{path}: SHA-256 differs from the manifest; {_which_tensor(path, entry, Path(data['source']))}")
+    return [str(m.parent) for m in manifests]
+
+
+def _which_tensor(path: Path, entry: dict, source: Path) -> str:
+    header, base = read_header(path)
+    for name, where in entry["tensors"].items():
+        start, end = where["offsets"]
+        if header.get(name, {}).get("data_offsets") != [start, end]:
+            return f"the header entry of tensor {name} changed"
+        with path.open("rb") as staged, (source / where["source"]).open("rb") as original:
+            staged.seek(base + start)
+            original.seek(where["source_offsets"][0])
+            remaining = end - start
+            while remaining:
+                size = min(remaining, HASH_CHUNK)
+                if staged.read(size) != original.read(size):
+                    return f"tensor {name} differs from the source {where['source']}"
+                remaining -= size
+    return "the header differs (every tensor's bytes match the source)"
