@@ -98,8 +98,8 @@ class S3Store:
 
     can_lock = True
 
-    def __init__(self, settings: ArtifactSettings) -> None:
-        self.bucket = settings.s3_bucket
+    def __init__(self, settings: ArtifactSettings, bucket: str | None = None) -> None:
+        self.bucket = bucket or settings.s3_bucket
         scheme = "https" if settings.s3_secure else "http"
         self.location = f"{scheme}://{settings.s3_endpoint}/{self.bucket}"
         self._client = Minio(str(settings.s3_endpoint), access_key=settings.s3_access_key,
@@ -128,9 +128,15 @@ class S3Store:
                 self._write_once = False  # no retention to show: no Object Lock here
         return self._write_once
 
-    def get(self, key: str) -> bytes:
+    def size_and_etag(self, key: str) -> tuple[int, str]:
+        with self._errors(f"stat {key}"):
+            stat = self._client.stat_object(self.bucket, key)
+            return int(stat.size or 0), str(stat.etag or "").strip('"')
+
+    def get(self, key: str, offset: int = 0, length: int = 0) -> bytes:
+        """The object's bytes, or `length` of them from `offset` (a ranged GET)."""
         with self._errors(f"read {key}"):
-            response = self._client.get_object(self.bucket, key)
+            response = self._client.get_object(self.bucket, key, offset=offset, length=length)
             try:
                 return response.read()
             finally:

@@ -10,15 +10,19 @@ from pydantic import ValidationError
 from rich.console import Console
 
 from appliance.errors import ApplianceError
+from appliance.home import Home
 from appliance.records import Plan
+from appliance.settings import load_settings
 from installer.progress import byte_progress
+from installer.remote_source import fetch_checkpoint
 from installer.staging import stage_subset, verify_staged
 
 out = Console()
 
 
 def stage_command(
-    model_dir: Annotated[Path | None, typer.Argument(help="The source checkpoint directory.")] = None,
+    source: Annotated[str | None, typer.Argument(help="The checkpoint directory, or s3://BUCKET/PREFIX "
+                                                     "on the artifacts S3 server.")] = None,
     plan: Annotated[Path | None, typer.Option(help="Plan file from `appliance plan ... --json`.")] = None,
     out_dir: Annotated[Path | None, typer.Option("--out", help="Where host directories are written.")] = None,
     host: Annotated[str | None, typer.Option(help="Stage only this host of the plan.")] = None,
@@ -28,18 +32,25 @@ def stage_command(
                                                      "and the source, and stop.")] = None,
     workers: Annotated[int, typer.Option(min=1, help="Files copied in parallel.")] = 2,
 ) -> None:
-    """Stage MODEL_DIR for a plan: each host gets only what its ranks load; resumable, verified."""
+    """Stage SOURCE for a plan: each host gets only what its ranks load; resumable, verified."""
     if verify is not None:
         checked = verify_staged(verify)
         out.print(f"staged files match their manifests: {', '.join(checked)}")
         return
-    if model_dir is None or plan is None or out_dir is None:
-        raise ApplianceError("stage needs MODEL_DIR, --plan and --out (or --verify DIR)")
+    if source is None or plan is None or out_dir is None:
+        raise ApplianceError("stage needs SOURCE, --plan and --out (or --verify DIR)")
     if format != "subset":
         raise ApplianceError(f"--format {format!r}: only 'subset' is staged by this command so far",
                              hint="see the issue notes for the sharded_state status")
     record = _load_plan(plan)
     with byte_progress() as progress:
+        model_dir = Path(source)
+        if source.startswith("s3://"):
+            home = Home.from_env()
+            task = progress.add_task("fetching", total=None)
+            model_dir = fetch_checkpoint(source, out_dir / ".source", load_settings(home.settings_file).artifacts,
+                                         on_bytes=lambda n: progress.advance(task, n),
+                                         on_total=lambda n: progress.update(task, total=n))
         task = progress.add_task("staging", total=None)
         staged = stage_subset(model_dir, record, out_dir, host=host, workers=workers,
                               on_bytes=lambda n: progress.advance(task, n),

@@ -347,7 +347,8 @@ def _write_index(directory: Path, files: dict[str, list[SourceTensor]]) -> None:
 def _copy_side_files(model_dir: Path, directory: Path) -> None:
     """config.json, tokenizer and generation files: everything but weights and the old index."""
     for path in model_dir.iterdir():
-        if path.is_file() and path.suffix != ".safetensors" and path.name not in (INDEX, MANIFEST, "manifest.json"):
+        if (path.is_file() and path.suffix != ".safetensors" and not path.name.startswith(".")
+                and path.name not in (INDEX, MANIFEST, "manifest.json")):
             shutil.copy2(path, directory / path.name)
 
 

@@ -3,14 +3,21 @@ the gateway, started once per session and shared by the integration tests."""
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from minio import Minio
 
-from tests.conftest import Appliance, make_appliance
+from tests.conftest import Appliance, free_port, make_appliance
+
+RCLONE = str(Path(sys.executable).with_name("rclone"))
+ACCESS_KEY, SECRET_KEY = "appliance-test", "s3-secret-for-tests-only-0123456789"
 
 # Session settings the gateway tests rely on: a small per-user budget for role `user` (the
 # rate-limit test), little clock leeway (the expiry test), quick re-introspection (the
@@ -39,3 +46,36 @@ def running(demo_model: Path, keycloak_dist: Path) -> Iterator[Running]:
         result = appliance.run("up")
         assert result.returncode == 0, result.stdout + result.stderr
         yield Running(appliance, result.stdout, time.monotonic() - started)
+
+
+@pytest.fixture
+def s3(tmp_path: Path) -> Iterator[str]:
+    """host:port of an S3 server on loopback, storing into a temporary directory."""
+    port = free_port()
+    server = subprocess.Popen([RCLONE, "serve", "s3", "--config", str(tmp_path / "rclone.conf"),
+                               "--auth-key", f"{ACCESS_KEY},{SECRET_KEY}", "--addr", f"127.0.0.1:{port}",
+                               str(tmp_path / "buckets")], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert server.poll() is None and time.monotonic() < deadline, server.stderr.read()
+                time.sleep(0.1)
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+def client(s3: str) -> Minio:
+    return Minio(s3, access_key=ACCESS_KEY, secret_key=SECRET_KEY, secure=False, region="us-east-1")
+
+
+def s3_settings(s3: str) -> dict[str, str]:
+    """Environment settings pointing the artifact store at the test's S3 server."""
+    return {"APPLIANCE_ARTIFACTS__STORE": "s3", "APPLIANCE_ARTIFACTS__S3_ENDPOINT": s3,
+            "APPLIANCE_ARTIFACTS__S3_SECURE": "false", "APPLIANCE_ARTIFACTS__S3_ACCESS_KEY": ACCESS_KEY,
+            "APPLIANCE_ARTIFACTS__S3_SECRET_KEY": SECRET_KEY}

@@ -4,57 +4,21 @@ the `appliance` CLI: copy, read back, verify the copies, detect tampering in the
 from __future__ import annotations
 
 import io
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from minio import Minio
 
 from audit import AuditWriter, signing_key
 from tests.conftest import Appliance, free_port, make_appliance
+from tests.integration.conftest import client, s3_settings
 from tests.unit.test_audit import event
 
-RCLONE = str(Path(sys.executable).with_name("rclone"))
-ACCESS_KEY, SECRET_KEY = "appliance-test", "s3-secret-for-tests-only-0123456789"
 BUCKET = "audit-archive"
 
 
 @pytest.fixture
-def s3(tmp_path: Path) -> Iterator[str]:
-    """host:port of an S3 server on loopback, storing into a temporary directory."""
-    port = free_port()
-    server = subprocess.Popen([RCLONE, "serve", "s3", "--config", str(tmp_path / "rclone.conf"),
-                               "--auth-key", f"{ACCESS_KEY},{SECRET_KEY}", "--addr", f"127.0.0.1:{port}",
-                               str(tmp_path / "buckets")], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert server.poll() is None and time.monotonic() < deadline, server.stderr.read()
-                time.sleep(0.1)
-        yield f"127.0.0.1:{port}"
-    finally:
-        server.terminate()
-        server.wait(30)
-
-
-@pytest.fixture
 def appliance(s3: str) -> Iterator[Appliance]:
-    yield from make_appliance(None, APPLIANCE_ARTIFACTS__STORE="s3", APPLIANCE_ARTIFACTS__S3_ENDPOINT=s3,
-                              APPLIANCE_ARTIFACTS__S3_BUCKET=BUCKET, APPLIANCE_ARTIFACTS__S3_SECURE="false",
-                              APPLIANCE_ARTIFACTS__S3_ACCESS_KEY=ACCESS_KEY,
-                              APPLIANCE_ARTIFACTS__S3_SECRET_KEY=SECRET_KEY)
-
-
-def client(s3: str) -> Minio:
-    return Minio(s3, access_key=ACCESS_KEY, secret_key=SECRET_KEY, secure=False, region="us-east-1")
+    yield from make_appliance(None, APPLIANCE_ARTIFACTS__S3_BUCKET=BUCKET, **s3_settings(s3))
 
 
 def fill_log(appliance: Appliance, count: int = 150) -> None:
