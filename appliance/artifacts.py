@@ -37,7 +37,8 @@ class ArtifactStore(Protocol):
     can_lock: bool  # the backend offers write-once retention (S3 Object Lock)
 
     def put(self, key: str, data: bytes, *, retain_days: int) -> None:
-        """Store `data` under `key`, locked against change for `retain_days` where the backend can."""
+        """Store `data` under `key`, locked against change for `retain_days` (if > 0) where the
+        backend can."""
 
     def write_once(self) -> bool:
         """Whether copies put here really are locked (probed against the server, once)."""
@@ -113,7 +114,7 @@ class S3Store:
         with self._errors(f"write {key}"):
             self._ensure_bucket()
             self._client.put_object(self.bucket, key, io.BytesIO(data), len(data),
-                                    retention=Retention(COMPLIANCE, until))
+                                    retention=Retention(COMPLIANCE, until) if retain_days > 0 else None)
 
     def write_once(self) -> bool:
         """Put a small probe object with one day's retention and read the retention back: some

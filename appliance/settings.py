@@ -241,6 +241,19 @@ class AuditSettings(_Section):
     )
 
 
+class FinetuneSettings(_Section):
+    """Post-training: datasets and the sensitive-data scan."""
+
+    sensitive_data: Literal["block", "redact", "allow"] = Field(
+        "block", description="What `appliance data add` does with e-mails, phone numbers, card numbers, "
+        "IBANs and secrets found in a dataset: refuse it, replace them, or keep them (always reported)."
+    )
+    sensitive_patterns: dict[str, str] = Field(
+        default_factory=dict, description="Further patterns to scan for: name = regular expression."
+    )
+    eval_fraction: float = Field(0.1, ge=0, lt=1, description="Share of rows held out for evaluation.")
+
+
 class Settings(_Section):
     """All settings, composed from one section per concern."""
 
@@ -250,6 +263,7 @@ class Settings(_Section):
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
     audit: AuditSettings = Field(default_factory=AuditSettings)
     artifacts: ArtifactSettings = Field(default_factory=ArtifactSettings)
+    finetune: FinetuneSettings = Field(default_factory=FinetuneSettings)
     pools: list[PoolSettings] = Field(
         default_factory=lambda: [PoolSettings(name="main")],
         min_length=1,
@@ -391,7 +405,7 @@ def render_defaults() -> str:
     lines = ["# Appliance settings. Every key is optional; shown with its default.",
              "# Environment overrides: APPLIANCE_<SECTION>__<FIELD>, APPLIANCE_POOLS__<NAME>__<FIELD>.", ""]
     defaults = Settings()
-    for section in ("network", "engine", "keycloak", "gateway", "audit", "artifacts"):
+    for section in ("network", "engine", "keycloak", "gateway", "audit", "artifacts", "finetune"):
         model = getattr(defaults, section)
         lines.append(f"[{section}]")
         lines += _render_fields(model)

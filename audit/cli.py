@@ -132,6 +132,7 @@ def record_change(home: Home, change: Change) -> None:
     """The `appliance.change_recorders` entry point: a CLI change on this host, as an audit
     record of the local user. If it cannot be written, the command fails and says so."""
     settings = load_settings(home.settings_file)
+    home.ensure()  # the signing key lives in its secrets
     event = AuditEvent(request_id=uuid.uuid4().hex, action=change.action, outcome=change.outcome,
                        status=change.exit_status, subject=f"uid:{os.getuid()}", username=_local_user(),
                        client="appliance-cli", source="local", resource=change.detail)

@@ -1,0 +1,213 @@
+"""Training datasets: every row parsed and validated (chat `messages`, `prompt`/`completion`, or
+plain text), scanned for sensitive data, split train/eval by a hash of each row (the same rows
+land in the same split whatever their order), and stored content-addressed in the artifact store.
+Nothing is stored unless every row is good."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from appliance.artifacts import ArtifactStore
+from appliance.errors import ApplianceError
+from appliance.home import Home
+from finetune.pii import Scanner
+
+ROLES = ("system", "user", "assistant")
+PREFIX = "datasets/"
+SHOWN_PROBLEMS = 20
+
+
+class DatasetError(ApplianceError):
+    """A dataset that cannot be imported; `problems` lists every bad row."""
+
+    def __init__(self, message: str, problems: list[str] | None = None, **kwargs: Any) -> None:
+        shown = problems[:SHOWN_PROBLEMS] if problems else []
+        more = f"\n  ... and {len(problems) - len(shown)} more" if problems and len(problems) > len(shown) else ""
+        super().__init__(message + "".join(f"\n  {p}" for p in shown) + more, **kwargs)
+        self.problems = problems or []
+
+
+@dataclass(frozen=True)
+class Row:
+    line: int
+    example: dict[str, Any]  # {"messages": [...]} or {"text": ...}
+
+
+@dataclass
+class Imported:
+    name: str
+    digest: str
+    rows: int
+    train: int
+    eval: int
+    sensitive: dict[str, int] = field(default_factory=dict)
+    action: str = "allow"
+
+
+def parse(path: Path) -> list[Row]:
+    """Rows of a JSONL (chat or prompt/completion) or plain-text file; DatasetError lists every
+    bad line. Plain text: one example per paragraph (blank-line separated)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DatasetError(f"{path}: cannot read as UTF-8 text: {exc}") from exc
+    if path.suffix == ".txt":
+        return _paragraphs(path, text)
+    rows, problems = [], []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            example = _normalise(json.loads(line))
+        except ValueError as exc:
+            problems.append(f"line {number}: {exc}")
+            continue
+        rows.append(Row(number, example))
+    if problems:
+        raise DatasetError(f"{path}: {len(problems)} bad rows, nothing imported:", problems)
+    if not rows:
+        raise DatasetError(f"{path}: no rows")
+    return rows
+
+
+def _paragraphs(path: Path, text: str) -> list[Row]:
+    rows, start, lines = [], 1, []
+    for number, line in enumerate([*text.splitlines(), ""], start=1):
+        if line.strip():
+            if not lines:
+                start = number
+            lines.append(line)
+        elif lines:
+            rows.append(Row(start, {"text": "\n".join(lines)}))
+            lines = []
+    if not rows:
+        raise DatasetError(f"{path}: no text")
+    return rows
+
+
+def _normalise(value: Any) -> dict[str, Any]:
+    """The row as {"messages": [...]} or {"text": ...}; ValueError says what is wrong."""
+    if not isinstance(value, dict):
+        raise ValueError("a row must be a JSON object")
+    if "messages" in value:
+        return {"messages": _messages(value["messages"])}
+    if "prompt" in value or "completion" in value:
+        prompt, completion = value.get("prompt"), value.get("completion")
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ValueError("'prompt' must be non-empty text")
+        if not isinstance(completion, str) or not completion.strip():
+            raise ValueError("'completion' must be non-empty text")
+        return {"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]}
+    if "text" in value:
+        if not isinstance(value["text"], str) or not value["text"].strip():
+            raise ValueError("'text' must be non-empty text")
+        return {"text": value["text"]}
+    raise ValueError("expected 'messages', 'prompt'/'completion' or 'text'")
+
+
+def _messages(messages: Any) -> list[dict[str, str]]:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("'messages' must be a non-empty list")
+    out = []
+    for turn, message in enumerate(messages, start=1):
+        if not isinstance(message, dict):
+            raise ValueError(f"message {turn}: must be an object with role and content")
+        role, content = message.get("role"), message.get("content")
+        if role not in ROLES:
+            raise ValueError(f"message {turn}: role {role!r} is not one of {', '.join(ROLES)}")
+        if role == "system" and turn != 1:
+            raise ValueError(f"message {turn}: a system message may only come first")
+        if not isinstance(content, str) or not content.strip():
+            raise ValueError(f"message {turn}: empty {role} turn")
+        out.append({"role": role, "content": content})
+    if not any(m["role"] == "assistant" for m in out):
+        raise ValueError("no assistant turn: nothing to learn from")
+    return out
+
+
+def check_lengths(rows: list[Row], count_tokens: Callable[[dict[str, Any]], int], context: int) -> None:
+    """Every row fits the model's context once its chat template is applied."""
+    problems = [f"line {row.line}: {tokens} tokens after the chat template, over the {context}-token context"
+                for row in rows if (tokens := count_tokens(row.example)) > context]
+    if problems:
+        raise DatasetError(f"{len(problems)} rows are too long, nothing imported:", problems)
+
+
+def scan(rows: list[Row], scanner: Scanner, action: str) -> tuple[list[Row], dict[str, int]]:
+    """Counts of sensitive findings by kind; under 'block' any finding refuses the dataset (naming
+    lines and kinds, never the text), under 'redact' they are replaced."""
+    found: list[tuple[int, str]] = []
+    for row in rows:
+        for text in _texts(row.example):
+            found += [(row.line, kind) for _, _, kind in scanner.spans(text)]
+    counts = dict(Counter(kind for _, kind in found))
+    if found and action == "block":
+        problems = [f"line {line}: {kind}" for line, kind in found]
+        raise DatasetError(f"sensitive data found ({', '.join(f'{k}: {n}' for k, n in sorted(counts.items()))}); "
+                           "nothing imported (finetune.sensitive_data = block; remove it, or set it to redact "
+                           "or allow):", problems)
+    if found and action == "redact":
+        rows = [Row(row.line, _redacted(row.example, scanner)) for row in rows]
+    return rows, counts
+
+
+def _texts(example: dict[str, Any]) -> list[str]:
+    return [m["content"] for m in example["messages"]] if "messages" in example else [example["text"]]
+
+
+def _redacted(example: dict[str, Any], scanner: Scanner) -> dict[str, Any]:
+    if "messages" in example:
+        return {"messages": [{**m, "content": scanner.redact(m["content"])} for m in example["messages"]]}
+    return {"text": scanner.redact(example["text"])}
+
+
+def split(rows: list[Row], eval_fraction: float) -> tuple[list[dict], list[dict]]:
+    """Train and eval rows, chosen by each row's hash: reproducible and order-independent."""
+    keyed = sorted((hashlib.sha256(_line(row.example)).hexdigest(), row.example) for row in rows)
+    cut = round(len(keyed) * eval_fraction)
+    if eval_fraction > 0 and len(keyed) > 1:
+        cut = max(cut, 1)
+    return [e for _, e in keyed[cut:]], [e for _, e in keyed[:cut]]
+
+
+def _line(example: dict[str, Any]) -> bytes:
+    return json.dumps(example, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def store(name: str, source: Path, train: list[dict], evaluation: list[dict], sensitive: dict[str, int],
+          action: str, artifacts: ArtifactStore, home: Home) -> Imported:
+    """Put the dataset in the store under its content hash and name it in the local registry."""
+    train_bytes = b"".join(_line(e) + b"\n" for e in train)
+    eval_bytes = b"".join(_line(e) + b"\n" for e in evaluation)
+    digest = hashlib.sha256(train_bytes + b"\0" + eval_bytes).hexdigest()
+    meta = {"name": name, "sha256": digest, "source": source.name, "rows": len(train) + len(evaluation),
+            "train": len(train), "eval": len(evaluation), "sensitive": sensitive, "sensitive_action": action,
+            "created": datetime.now(UTC).isoformat(timespec="seconds")}
+    for key, data in (("train.jsonl", train_bytes), ("eval.jsonl", eval_bytes),
+                      ("meta.json", json.dumps(meta, indent=1).encode())):
+        artifacts.put(f"{PREFIX}{digest}/{key}", data, retain_days=0)
+    registry = load_registry(home)
+    registry[name] = digest
+    path = registry_path(home)
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(json.dumps(registry, indent=1, sort_keys=True))
+    os.replace(partial, path)
+    return Imported(name=name, digest=digest, rows=meta["rows"], train=len(train), eval=len(evaluation),
+                    sensitive=sensitive, action=action)
+
+
+def registry_path(home: Home) -> Path:
+    return home.root / "datasets.json"
+
+
+def load_registry(home: Home) -> dict[str, str]:
+    path = registry_path(home)
+    return json.loads(path.read_text()) if path.exists() else {}

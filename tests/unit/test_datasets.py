@@ -1,0 +1,114 @@
+"""Dataset import: every bad row reported by line, sensitive data found and blocked/redacted,
+reproducible splits, content-addressed storage, all or nothing (issue 7, datasets part)."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from appliance.home import Home
+from audit import read_records
+from finetune.datasets import DatasetError, Row, check_lengths, load_registry, parse, scan, split
+from finetune.pii import Scanner, iban_ok, luhn_ok
+
+APPLIANCE = str(Path(sys.executable).with_name("appliance"))
+
+
+def jsonl(path: Path, *rows: object) -> Path:
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def chat(user: str, assistant: str = "ok") -> dict:
+    return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]}
+
+
+def test_formats_are_normalised(tmp_path: Path) -> None:
+    rows = parse(jsonl(tmp_path / "d.jsonl", chat("hi"), {"prompt": "2+2?", "completion": "4"}, {"text": "plain"}))
+    assert [r.example for r in rows][1] == chat("2+2?", "4")
+    assert rows[2].example == {"text": "plain"} and [r.line for r in rows] == [1, 2, 3]
+    text = tmp_path / "d.txt"
+    text.write_text("first paragraph\nstill first\n\nsecond\n")
+    assert [(r.line, r.example["text"]) for r in parse(text)] == [(1, "first paragraph\nstill first"), (4, "second")]
+
+
+def test_every_bad_row_is_named_by_line(tmp_path: Path) -> None:
+    path = jsonl(tmp_path / "bad.jsonl", chat("fine"), "{not json", {"messages": [{"role": "robot", "content": "x"}]},
+                 {"messages": [{"role": "user", "content": "  "}, {"role": "assistant", "content": "x"}]},
+                 {"messages": [{"role": "user", "content": "only a question"}]},
+                 {"messages": [{"role": "user", "content": "q"}, {"role": "system", "content": "late"},
+                               {"role": "assistant", "content": "a"}]},
+                 {"prompt": "no completion"}, [1, 2], {"other": 1})
+    with pytest.raises(DatasetError) as caught:
+        parse(path)
+    assert [p.split(":")[0] for p in caught.value.problems] == [f"line {n}" for n in range(2, 10)]
+    text = str(caught.value)
+    for reason in ("role 'robot' is not one of", "empty user turn", "no assistant turn", "system message may only come first",
+                   "'completion' must be non-empty text", "a row must be a JSON object", "expected 'messages'"):
+        assert reason in text, reason
+    assert "nothing imported" in text
+
+
+def test_rows_longer_than_the_context_are_named() -> None:
+    rows = [Row(1, chat("short")), Row(7, chat("long " * 50))]
+    with pytest.raises(DatasetError, match="line 7: .* tokens after the chat template, over the 20-token context"):
+        check_lengths(rows, lambda example: len(json.dumps(example).split()), context=20)
+
+
+PLANTED = [chat("card 4111 1111 1111 1111 please"), chat("write to alice@example.org"),
+           chat("IBAN GB82 WEST 1234 5698 7654 32"), chat("call +1 415 555 2671"),
+           chat("key AKIAIOSFODNN7EXAMPLE leaked"), chat("order 4111 1111 1111 1112 is not a card")]
+
+
+def test_sensitive_data_is_found_and_blocked_by_default() -> None:
+    rows = [Row(n, e) for n, e in enumerate(PLANTED, start=1)]
+    with pytest.raises(DatasetError) as caught:
+        scan(rows, Scanner(), "block")
+    assert caught.value.problems == ["line 1: payment_card", "line 2: email", "line 3: iban", "line 4: phone",
+                                     "line 5: secret"]
+    assert "4111" not in str(caught.value) and "alice" not in str(caught.value), "findings never echo the text"
+    redacted, counts = scan(rows, Scanner(), "redact")
+    assert counts == {"payment_card": 1, "email": 1, "iban": 1, "phone": 1, "secret": 1}
+    assert redacted[0].example["messages"][0]["content"] == "card [PAYMENT_CARD] please"
+    assert redacted[5].example == PLANTED[5], "a number failing the Luhn check is left alone"
+    kept, _ = scan(rows, Scanner(), "allow")
+    assert kept[1].example == PLANTED[1]
+    custom, counts = scan([Row(1, chat("employee E-123456"))], Scanner({"employee_id": r"E-\d{6}"}), "redact")
+    assert counts == {"employee_id": 1} and "E-123456" not in json.dumps(custom[0].example)
+    assert luhn_ok("4111111111111111") and not luhn_ok("4111111111111112") and iban_ok("GB82WEST12345698765432")
+
+
+def test_split_is_reproducible_and_order_independent() -> None:
+    rows = [Row(n, chat(f"question {n}")) for n in range(100)]
+    train, evaluation = split(rows, 0.1)
+    shuffled = rows[:]
+    random.Random(1).shuffle(shuffled)
+    assert split(shuffled, 0.1) == (train, evaluation)
+    assert len(evaluation) == 10 and len(train) == 90
+
+
+def test_cli_imports_all_or_nothing_and_audits(tmp_path: Path) -> None:
+    home = Home(tmp_path / "home").ensure()
+    env = {"APPLIANCE_HOME": str(home.root), "PATH": "/usr/bin:/bin", "COLUMNS": "200"}
+    model = str(Home.from_env().demo_model)
+    good = jsonl(tmp_path / "good.jsonl", *(chat(f"question {n}", f"answer {n}") for n in range(20)))
+    added = subprocess.run([APPLIANCE, "data", "add", str(good), "--name", "faq", "--model", model],
+                           env=env, capture_output=True, text=True)
+    assert added.returncode == 0, added.stderr
+    assert "dataset faq: 20 rows (18 train, 2 eval)" in added.stdout
+    digest = load_registry(home)["faq"]
+    stored = home.root / "artifacts" / "datasets" / digest
+    assert len((stored / "train.jsonl").read_text().splitlines()) == 18
+    assert json.loads((stored / "meta.json").read_text())["sha256"] == digest
+    planted = jsonl(tmp_path / "planted.jsonl", *PLANTED)
+    refused = subprocess.run([APPLIANCE, "data", "add", str(planted), "--name", "leaky", "--model", model],
+                             env=env, capture_output=True, text=True)
+    assert refused.returncode == 1 and "line 1: payment_card" in refused.stderr
+    assert set(load_registry(home)) == {"faq"}, "nothing imported from a refused dataset"
+    actions = [(r["action"], r["outcome"]) for r in read_records(home.audit)]
+    assert actions == [("data.add", "allowed"), ("data.add", "error")]
