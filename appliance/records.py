@@ -3,7 +3,16 @@ by hand for a cluster) and the parallelism plan made for it."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+def config_sha256(config: dict[str, Any]) -> str:
+    """A model's identity for plans and adapters: SHA-256 of its config.json, keys sorted."""
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
 
 
 class _Record(BaseModel):

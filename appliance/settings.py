@@ -252,6 +252,10 @@ class FinetuneSettings(_Section):
         default_factory=dict, description="Further patterns to scan for: name = regular expression."
     )
     eval_fraction: float = Field(0.1, ge=0, lt=1, description="Share of rows held out for evaluation.")
+    gate_min_improvement: float = Field(
+        0.0, ge=0, lt=1, description="An adapter passes the gate when its held-out loss is at least this "
+        "much lower than the base model's (0.05 = 5 %; 0 = any improvement)."
+    )
 
 
 class Settings(_Section):

@@ -13,9 +13,9 @@ from appliance.errors import ApplianceError
 from appliance.home import Home
 from appliance.records import Plan
 from appliance.settings import load_settings
-from installer.progress import byte_progress
+from appliance.progress import byte_progress
 from installer.remote_source import fetch_checkpoint
-from installer.staging import stage_subset, verify_staged
+from installer.staging import stage_sharded, stage_subset, verify_staged
 
 out = Console()
 
@@ -39,9 +39,8 @@ def stage_command(
         return
     if source is None or plan is None or out_dir is None:
         raise ApplianceError("stage needs SOURCE, --plan and --out (or --verify DIR)")
-    if format != "subset":
-        raise ApplianceError(f"--format {format!r}: only 'subset' is staged by this command so far",
-                             hint="see the issue notes for the sharded_state status")
+    if format not in ("subset", "sharded"):
+        raise ApplianceError(f"--format {format!r}: use subset or sharded")
     record = _load_plan(plan)
     with byte_progress() as progress:
         model_dir = Path(source)
@@ -52,9 +51,12 @@ def stage_command(
                                          on_bytes=lambda n: progress.advance(task, n),
                                          on_total=lambda n: progress.update(task, total=n))
         task = progress.add_task("staging", total=None)
-        staged = stage_subset(model_dir, record, out_dir, host=host, workers=workers,
-                              on_bytes=lambda n: progress.advance(task, n),
-                              on_total=lambda n: progress.update(task, total=n))
+        callbacks = {"on_bytes": lambda n: progress.advance(task, n),
+                     "on_total": lambda n: progress.update(task, total=n)}
+        if format == "sharded":
+            staged = stage_sharded(model_dir, record, out_dir, host=host, **callbacks)
+        else:
+            staged = stage_subset(model_dir, record, out_dir, host=host, workers=workers, **callbacks)
     for item in staged:
         resumed = f", {item.resumed} already done" if item.resumed else ""
         out.print(f"{item.host}: {item.files} files, {item.bytes / 2**30:.2f} GiB in {item.directory}{resumed}",

@@ -3,13 +3,13 @@ model and the planner need, for dense/GQA, MoE and MLA architectures."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from appliance.errors import ApplianceError
+from appliance.records import config_sha256
 
 DENSE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
@@ -136,7 +136,7 @@ def parse_config(config: dict[str, Any], *, name: str, source: str) -> ModelShap
         dtype=dtype, qkv_bias=architecture == "Qwen2ForCausalLM" or bool(config.get("attention_bias")),
         qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"), mla=mla, experts=experts,
         quantization=quantization,
-        config_sha256=hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest())
+        config_sha256=config_sha256(config))
 
 
 class _Fields:
@@ -147,7 +147,9 @@ class _Fields:
         self.source = source
 
     def int(self, key: str, default: int | None = None, minimum: int = 1) -> int:
-        value = self.config.get(key, default)
+        value = self.config.get(key)
+        if value is None:  # absent, or null as transformers writes unset fields
+            value = default
         if value is None:
             raise ModelConfigError(f"{self.source}: {key}: missing (needed to size the model)")
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:

@@ -25,6 +25,7 @@ from pathlib import Path
 from appliance.errors import ApplianceError
 from appliance.records import Plan
 from installer.model_config import ModelShape, load_model_config
+from installer.sharded_state import copy_side_files, write_rank
 
 MANIFEST = "staging-manifest.json"
 INDEX = "model.safetensors.index.json"
@@ -223,16 +224,10 @@ def stage_subset(model_dir: Path, plan: Plan, out_dir: Path, *, host: str | None
                  on_total: Callable[[int], None] = lambda n: None) -> list[Staged]:
     """Stage every host of the plan (or only `host`) into out_dir/<host>/."""
     model = load_model_config(model_dir)
-    if plan.model.config_sha256 != model.config_sha256:
-        raise StagingError(f"the plan was made for {plan.model.name} (config sha256 {plan.model.config_sha256[:12]}), "
-                           f"not for {model_dir} ({model.config_sha256[:12]})", hint="plan this model first")
+    _check_plan_model(plan, model, model_dir)
     tensors = read_source(model_dir)
     check_against_config(tensors, model)
-    shares = host_shares(plan, model)
-    if host is not None:
-        shares = [share for share in shares if share.host == host]
-        if not shares:
-            raise StagingError(f"--host {host!r} is not in the plan", hint=f"hosts: {[c.host for c in plan.commands]}")
+    shares = _selected(host_shares(plan, model), host, plan)
     jobs = []
     for share in shares:
         directory = out_dir / share.host
@@ -245,6 +240,56 @@ def stage_subset(model_dir: Path, plan: Plan, out_dir: Path, *, host: str | None
     on_total(sum(t.size for _, _, files in jobs for ts in files.values() for t in ts))
     return [_stage_host(model_dir, plan, share, directory, files, workers, on_bytes)
             for share, directory, files in jobs]
+
+
+def stage_sharded(model_dir: Path, plan: Plan, out_dir: Path, *, host: str | None = None,
+                  on_bytes: Callable[[int], None] = lambda n: None,
+                  on_total: Callable[[int], None] = lambda n: None) -> list[Staged]:
+    """vLLM `sharded_state` files (one set per TP rank, fused names, TP-sliced) for each host of
+    a plan without pipeline parallelism; every host holds its replica's ranks."""
+    model = load_model_config(model_dir)
+    _check_plan_model(plan, model, model_dir)
+    if plan.layout is None or plan.layout.pp != 1:
+        raise StagingError("--format sharded needs a plan without pipeline parallelism (vLLM's sharded_state "
+                           "names files by TP rank only)", hint="use --format subset for PP plans")
+    shares = _selected(host_shares(plan, model), host, plan)
+    tp = plan.layout.tp
+    on_total(len(shares) * sum(t.size for t in read_source(model_dir).values()))
+    staged = []
+    for share in shares:
+        directory = out_dir / share.host
+        directory.mkdir(parents=True, exist_ok=True)
+        manifest = _Manifest.open(directory, model_dir, plan, share, fmt="sharded")
+        resumed = 0
+        for rank in range(tp):
+            key = f"rank-{rank}"
+            done = manifest.data["files"].get(key)
+            if done and all((directory / name).is_file() for name in done["files"]):
+                resumed += 1
+                continue
+            paths = write_rank(model_dir, directory, tp_size=tp, rank=rank, progress=on_bytes)
+            manifest.record(key, {"files": {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size,
+                                                     "tensor_sha256": _tensor_hashes(p)} for p in paths}})
+        copy_side_files(model_dir, directory)
+        manifest.finish()
+        staged.append(Staged(host=share.host, directory=directory, files=tp, resumed=resumed,
+                             bytes=sum(p.stat().st_size for p in directory.glob("model-rank-*.safetensors"))))
+    return staged
+
+
+def _check_plan_model(plan: Plan, model: ModelShape, model_dir: Path) -> None:
+    if plan.model.config_sha256 != model.config_sha256:
+        raise StagingError(f"the plan was made for {plan.model.name} (config sha256 {plan.model.config_sha256[:12]}), "
+                           f"not for {model_dir} ({model.config_sha256[:12]})", hint="plan this model first")
+
+
+def _selected(shares: list[HostShare], host: str | None, plan: Plan) -> list[HostShare]:
+    if host is None:
+        return shares
+    chosen = [share for share in shares if share.host == host]
+    if not chosen:
+        raise StagingError(f"--host {host!r} is not in the plan", hint=f"hosts: {[c.host for c in plan.commands]}")
+    return chosen
 
 
 def _stage_host(model_dir: Path, plan: Plan, share: HostShare, directory: Path,
@@ -366,9 +411,9 @@ class _Manifest:
         self.data = data
 
     @classmethod
-    def open(cls, directory: Path, model_dir: Path, plan: Plan, share: HostShare) -> _Manifest:
+    def open(cls, directory: Path, model_dir: Path, plan: Plan, share: HostShare, fmt: str = "subset") -> _Manifest:
         identity = {"source": str(model_dir.resolve()), "config_sha256": plan.model.config_sha256,
-                    "format": "subset", "host": share.host,
+                    "format": fmt, "host": share.host,
                     "layers": [share.layers.start, share.layers.stop],
                     "experts": [share.experts.start, share.experts.stop] if share.experts else None}
         path = directory / MANIFEST
@@ -405,13 +450,37 @@ def verify_staged(directory: Path) -> list[str]:
         data = json.loads(manifest.read_text())
         if not data.get("complete"):
             raise StagingError(f"{manifest.parent}: staging did not finish (run `appliance stage` again to resume)")
-        for name, entry in sorted(data["files"].items()):
+        sharded = data.get("format") == "sharded"
+        files = ({name: entry for rank in data["files"].values() for name, entry in rank["files"].items()}
+                 if sharded else data["files"])
+        for name, entry in sorted(files.items()):
             path = manifest.parent / name
             if not path.is_file():
                 raise StagingError(f"{path}: missing")
             if _sha256(path) != entry["sha256"]:
-                raise StagingError(f"{path}: SHA-256 differs from the manifest; {_which_tensor(path, entry, Path(data['source']))}")
+                which = (_changed_tensor(path, entry["tensor_sha256"]) if sharded
+                         else _which_tensor(path, entry, Path(data["source"])))
+                raise StagingError(f"{path}: SHA-256 differs from the manifest; {which}")
     return [str(m.parent) for m in manifests]
+
+
+def _tensor_hashes(path: Path) -> dict[str, str]:
+    """SHA-256 of each tensor's bytes in a safetensors file (to name a damaged tensor later)."""
+    header, base = read_header(path)
+    hashes = {}
+    with path.open("rb") as handle:
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            start, end = entry["data_offsets"]
+            handle.seek(base + start)
+            hashes[name] = hashlib.sha256(handle.read(end - start)).hexdigest()
+    return hashes
+
+
+def _changed_tensor(path: Path, expected: dict[str, str]) -> str:
+    changed = [name for name, digest in _tensor_hashes(path).items() if expected.get(name) != digest]
+    return f"tensor {changed[0]} changed" if changed else "the header changed"
 
 
 def _which_tensor(path: Path, entry: dict, source: Path) -> str:

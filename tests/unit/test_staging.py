@@ -19,7 +19,8 @@ from safetensors.torch import save_file
 from installer.hardware import parse_hardware_spec
 from installer.model_config import load_model_config
 from installer.planner import Pins, plan
-from installer.staging import MANIFEST, StagingError, pp_layers, read_header, stage_subset, verify_staged
+from installer.staging import (MANIFEST, StagingError, pp_layers, read_header, stage_sharded, stage_subset,
+                               verify_staged)
 
 APPLIANCE = str(Path(sys.executable).with_name("appliance"))
 
@@ -208,3 +209,25 @@ def test_bad_inputs_name_the_file_and_tensor(tmp_path: Path) -> None:
     (source / "config.json").write_text(json.dumps({**config, "hidden_size": 128}))
     with pytest.raises(StagingError, match=r"tensor model.embed_tokens.weight: shape \[256, 64\] disagrees"):
         stage_subset(source, plan_for(source, "1x1xL4-24GB"), tmp_path / "out")
+
+
+def test_sharded_format_per_tp_rank_with_manifest(tmp_path: Path) -> None:
+    source = llama(tmp_path / "src", layers=2)
+    record = plan_for(source, "1x2xL4-24GB", tp=2, pp=1)
+    [staged] = stage_sharded(source, record, tmp_path / "out")
+    names = sorted(p.name for p in staged.directory.glob("model-rank-*.safetensors"))
+    assert names == ["model-rank-0-part-0.safetensors", "model-rank-1-part-0.safetensors"]
+    assert (staged.directory / "config.json").is_file()
+    assert verify_staged(tmp_path / "out")
+    again = stage_sharded(source, record, tmp_path / "out")
+    assert again[0].resumed == 2, "finished ranks are not redone"
+    target = staged.directory / names[1]
+    header, base = read_header(target)
+    name = "model.layers.1.mlp.down_proj.weight"
+    data = bytearray(target.read_bytes())
+    data[base + header[name]["data_offsets"][0] + 3] ^= 0x10
+    target.write_bytes(bytes(data))
+    with pytest.raises(StagingError, match=rf"model-rank-1-part-0.safetensors: SHA-256 differs .*tensor {name} changed"):
+        verify_staged(tmp_path / "out")
+    with pytest.raises(StagingError, match="needs a plan without pipeline parallelism"):
+        stage_sharded(source, plan_for(source, "2x1xL4-24GB", tp=1, pp=2), tmp_path / "pp")

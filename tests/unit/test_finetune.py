@@ -1,0 +1,106 @@
+"""LoRA and QLoRA training through the CLI on a tiny model made here (CPU): the held-out loss
+drops, the gate passes or fails by the setting, the adapter is registered and audited, and a
+killed run resumes from its checkpoint (issue 7, training part)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from appliance.home import Home
+from audit import read_records
+from finetune.adapters import load
+
+APPLIANCE = str(Path(sys.executable).with_name("appliance"))
+
+
+def tiny_llama(target: Path) -> Path:
+    """A 2-layer Llama with random weights and the demo model's tokenizer and chat template."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=False)
+    LlamaForCausalLM(config).save_pretrained(target)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(Home.from_env().demo_model / name, target / name)
+    return target
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, str], Path]:
+    root = tmp_path_factory.mktemp("ft")
+    model = tiny_llama(root / "tiny")
+    home = Home(root / "home").ensure()
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("APPLIANCE_")},
+           "APPLIANCE_HOME": str(home.root), "COLUMNS": "200"}
+    rows = [{"messages": [{"role": "user", "content": f"What is the code for item {i}?"},
+                          {"role": "assistant", "content": f"The code for item {i} is ZEBRA."}]} for i in range(60)]
+    data = root / "codes.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    added = subprocess.run([APPLIANCE, "data", "add", str(data), "--name", "codes", "--model", str(model)],
+                           env=env, capture_output=True, text=True)
+    assert added.returncode == 0, added.stderr
+    return env, model
+
+
+def finetune(env: dict[str, str], model: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([APPLIANCE, "finetune", "run", "--data", "codes", "--base", str(model), "--lr", "0.01",
+                           "--batch-size", "8", *extra], env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_lora_lowers_held_out_loss_and_is_registered(workspace: tuple[dict[str, str], Path]) -> None:
+    env, model = workspace
+    result = finetune(env, model, "--name", "codes-lora", "--max-steps", "30")
+    assert result.returncode == 0, result.stderr
+    assert "gate (> 0%): passed" in result.stdout
+    home = Home(Path(env["APPLIANCE_HOME"]))
+    [record] = [r for r in load(home) if r.name == "codes-lora"]
+    assert record.state == "registered" and record.version == 1
+    assert record.metrics["adapter_eval_loss"] < record.metrics["base_eval_loss"]
+    stored = home.root / "artifacts" / record.artifact
+    assert (stored / "adapter_config.json").is_file() and (stored / "adapter_model.safetensors").is_file()
+    assert ("adapter.train", "allowed") in [(r["action"], r["outcome"]) for r in read_records(home.audit)]
+
+
+def test_qlora_runs_on_the_cpu(workspace: tuple[dict[str, str], Path]) -> None:
+    env, model = workspace
+    result = finetune(env, model, "--name", "codes-qlora", "--max-steps", "20", "--qlora")
+    assert result.returncode == 0, result.stderr
+    [record] = [r for r in load(Home(Path(env["APPLIANCE_HOME"]))) if r.name == "codes-qlora"]
+    assert record.hyperparameters["qlora"] and record.metrics["adapter_eval_loss"] < record.metrics["base_eval_loss"]
+
+
+def test_gate_refuses_an_adapter_below_the_threshold(workspace: tuple[dict[str, str], Path]) -> None:
+    env, model = workspace
+    strict = {**env, "APPLIANCE_FINETUNE__GATE_MIN_IMPROVEMENT": "0.99"}
+    result = finetune(strict, model, "--name", "codes-strict", "--max-steps", "2")
+    assert result.returncode == 1 and "failed the evaluation gate" in result.stderr
+    [record] = [r for r in load(Home(Path(env["APPLIANCE_HOME"]))) if r.name == "codes-strict"]
+    assert record.state == "failed-gate"
+
+
+def test_killed_training_resumes_from_its_checkpoint(workspace: tuple[dict[str, str], Path]) -> None:
+    env, model = workspace
+    command = [APPLIANCE, "finetune", "run", "--data", "codes", "--base", str(model), "--lr", "0.01",
+               "--batch-size", "2", "--name", "codes-resumed", "--max-steps", "400", "--save-steps", "5"]
+    checkpoints = Path(env["APPLIANCE_HOME"]) / "finetune"
+    killed = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not list(checkpoints.glob("codes-resumed-*/checkpoints/checkpoint-*/trainer_state.json")):
+        assert killed.poll() is None and time.monotonic() < deadline, "no checkpoint before the run ended"
+        time.sleep(0.2)
+    os.kill(killed.pid, signal.SIGKILL)
+    killed.wait()
+    resumed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from checkpoint-" in resumed.stdout and "400 steps" in resumed.stdout
