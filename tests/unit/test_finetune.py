@@ -92,7 +92,7 @@ def test_gate_refuses_an_adapter_below_the_threshold(workspace: tuple[dict[str, 
 def test_killed_training_resumes_from_its_checkpoint(workspace: tuple[dict[str, str], Path]) -> None:
     env, model = workspace
     command = [APPLIANCE, "finetune", "run", "--data", "codes", "--base", str(model), "--lr", "0.01",
-               "--batch-size", "2", "--name", "codes-resumed", "--max-steps", "400", "--save-steps", "5"]
+               "--batch-size", "2", "--name", "codes-resumed", "--max-steps", "100", "--save-steps", "5"]
     checkpoints = Path(env["APPLIANCE_HOME"]) / "finetune"
     killed = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
@@ -103,4 +103,4 @@ def test_killed_training_resumes_from_its_checkpoint(workspace: tuple[dict[str, 
     killed.wait()
     resumed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     assert resumed.returncode == 0, resumed.stderr
-    assert "resumed from checkpoint-" in resumed.stdout and "400 steps" in resumed.stdout
+    assert "resumed from checkpoint-" in resumed.stdout and "100 steps" in resumed.stdout
