@@ -1,5 +1,6 @@
-"""The whole appliance, for real: supervisord running Keycloak, vLLM serving the demo model and
-the gateway, started once per session and shared by the integration tests."""
+"""The whole appliance, for real: supervisord running Keycloak, vLLM serving the demo model (as
+staged for a one-host plan) and the gateway, started once per session and shared by the
+integration tests."""
 
 from __future__ import annotations
 
@@ -14,6 +15,10 @@ from pathlib import Path
 import pytest
 from minio import Minio
 
+from installer.hardware import parse_hardware_spec
+from installer.model_config import load_model_config
+from installer.planner import plan
+from installer.staging import stage_subset
 from tests.conftest import Appliance, free_port, make_appliance
 
 RCLONE = str(Path(sys.executable).with_name("rclone"))
@@ -40,8 +45,20 @@ class Running:
 
 
 @pytest.fixture(scope="session")
-def running(demo_model: Path, keycloak_dist: Path) -> Iterator[Running]:
-    for appliance in make_appliance(demo_model, keycloak_dist, **SESSION_SETTINGS):
+def staged_demo(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo model staged (`subset`) for a one-host plan: the session's engine serves this
+    copy, so every integration test also shows that staged weights load and answer in vLLM."""
+    record = plan(load_model_config(demo_model), parse_hardware_spec("1x1xL4-24GB"), context=2048, concurrency=1,
+                  model_ref=str(demo_model))
+    [staged] = stage_subset(demo_model, record, tmp_path_factory.mktemp("staged"))
+    return staged.directory
+
+
+@pytest.fixture(scope="session")
+def running(demo_model: Path, keycloak_dist: Path, staged_demo: Path) -> Iterator[Running]:
+    served = {"APPLIANCE_POOLS__MAIN__MODEL": str(staged_demo),
+              "APPLIANCE_POOLS__MAIN__SERVED_MODEL_NAME": demo_model.name}
+    for appliance in make_appliance(demo_model, keycloak_dist, **SESSION_SETTINGS, **served):
         started = time.monotonic()
         result = appliance.run("up")
         assert result.returncode == 0, result.stdout + result.stderr

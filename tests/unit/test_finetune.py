@@ -60,7 +60,7 @@ def finetune(env: dict[str, str], model: Path, *extra: str) -> subprocess.Comple
 
 def test_lora_lowers_held_out_loss_and_is_registered(workspace: tuple[dict[str, str], Path]) -> None:
     env, model = workspace
-    result = finetune(env, model, "--name", "codes-lora", "--max-steps", "30")
+    result = finetune(env, model, "--name", "codes-lora", "--max-steps", "20")
     assert result.returncode == 0, result.stderr
     assert "gate (> 0%): passed" in result.stdout
     home = Home(Path(env["APPLIANCE_HOME"]))
@@ -74,7 +74,7 @@ def test_lora_lowers_held_out_loss_and_is_registered(workspace: tuple[dict[str, 
 
 def test_qlora_runs_on_the_cpu(workspace: tuple[dict[str, str], Path]) -> None:
     env, model = workspace
-    result = finetune(env, model, "--name", "codes-qlora", "--max-steps", "20", "--qlora")
+    result = finetune(env, model, "--name", "codes-qlora", "--max-steps", "8", "--qlora")
     assert result.returncode == 0, result.stderr
     [record] = [r for r in load(Home(Path(env["APPLIANCE_HOME"]))) if r.name == "codes-qlora"]
     assert record.hyperparameters["qlora"] and record.metrics["adapter_eval_loss"] < record.metrics["base_eval_loss"]
@@ -92,7 +92,7 @@ def test_gate_refuses_an_adapter_below_the_threshold(workspace: tuple[dict[str, 
 def test_killed_training_resumes_from_its_checkpoint(workspace: tuple[dict[str, str], Path]) -> None:
     env, model = workspace
     command = [APPLIANCE, "finetune", "run", "--data", "codes", "--base", str(model), "--lr", "0.01",
-               "--batch-size", "2", "--name", "codes-resumed", "--max-steps", "100", "--save-steps", "5"]
+               "--batch-size", "2", "--name", "codes-resumed", "--max-steps", "60", "--save-steps", "5"]
     checkpoints = Path(env["APPLIANCE_HOME"]) / "finetune"
     killed = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
@@ -103,4 +103,4 @@ def test_killed_training_resumes_from_its_checkpoint(workspace: tuple[dict[str, 
     killed.wait()
     resumed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     assert resumed.returncode == 0, resumed.stderr
-    assert "resumed from checkpoint-" in resumed.stdout and "100 steps" in resumed.stdout
+    assert "resumed from checkpoint-" in resumed.stdout and "60 steps" in resumed.stdout
