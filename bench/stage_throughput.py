@@ -1,7 +1,8 @@
 """Staging throughput: a synthetic Llama-shaped checkpoint of about 4 GB (made here, deleted after),
-staged `subset` for a one-host plan (every byte copied, SHA-256 of every output file taken,
-manifest written) against `cp -r` of the same files on the same disk, taking turns twice;
-and the staging process's peak RSS against the largest tensor.
+staged `subset` for a one-host plan (every byte copied, every output file fsynced and its SHA-256
+taken, manifest written) against `cp -r` of the same files on the same disk, and against `cp -r`
+followed by `sync -f` (a copy as durable as staging's), taking turns twice; and the staging
+process's peak RSS (GNU time) against the largest tensor.
 
 Run: .venv/bin/python bench/stage_throughput.py   Writes bench/results/stage_throughput.json.
 """
@@ -64,13 +65,14 @@ def make_checkpoint(directory: Path) -> tuple[int, int]:
 
 
 def timed(command: list[str]) -> tuple[float, int]:
-    """Wall seconds and peak RSS (bytes) of a command."""
+    """Wall seconds and peak RSS in bytes of a command, measured by GNU time (RSS after exec only:
+    a fork of this process would count its tensors)."""
+    report = tempfile.NamedTemporaryFile(suffix=".time")
     started = time.perf_counter()
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _, status, usage = os.wait4(process.pid, 0)
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"failed: {' '.join(command)}")
-    return time.perf_counter() - started, usage.ru_maxrss * 1024
+    subprocess.run(["/usr/bin/time", "-o", report.name, "-f", "%M", *command], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    seconds = time.perf_counter() - started
+    return seconds, int(Path(report.name).read_text().split()[-1]) * 1024
 
 
 def main() -> None:
@@ -82,20 +84,26 @@ def main() -> None:
         record = plan(load_model_config(source), parse_hardware_spec("1x1xH100-80GB"), context=2048, concurrency=1)
         plan_file = work / "plan.json"
         plan_file.write_text(record.model_dump_json())
-        stage_s, copy_s, peaks = [], [], []
+        stage_s, copy_s, durable_s, peaks = [], [], [], []
         for round_ in range(ROUNDS):
             seconds, _ = timed(["cp", "-r", str(source), str(work / f"cp-{round_}")])
             copy_s.append(seconds)
+            shutil.rmtree(work / f"cp-{round_}")
+            target = work / f"cp-sync-{round_}"
+            seconds, _ = timed(["sh", "-c", f"cp -r '{source}' '{target}' && sync -f '{target}'"])
+            durable_s.append(seconds)
+            shutil.rmtree(target)
             seconds, peak = timed([APPLIANCE, "stage", str(source), "--plan", str(plan_file),
                                    "--out", str(work / f"staged-{round_}")])
             stage_s.append(seconds)
             peaks.append(peak)
-            shutil.rmtree(work / f"cp-{round_}")
             shutil.rmtree(work / f"staged-{round_}")
-        stage, copy = statistics.median(stage_s), statistics.median(copy_s)
+        stage, copy, durable = (statistics.median(v) for v in (stage_s, copy_s, durable_s))
         row = {"bytes": total, "stage_seconds": round(stage, 2), "cp_seconds": round(copy, 2),
-               "stage_mb_per_s": round(total / stage / 1e6), "cp_mb_per_s": round(total / copy / 1e6),
-               "ratio": round(copy / stage, 2), "peak_rss_bytes": max(peaks), "largest_tensor_bytes": largest,
+               "cp_sync_seconds": round(durable, 2), "stage_mb_per_s": round(total / stage / 1e6),
+               "cp_mb_per_s": round(total / copy / 1e6), "cp_sync_mb_per_s": round(total / durable / 1e6),
+               "ratio_vs_cp": round(copy / stage, 2), "ratio_vs_cp_sync": round(durable / stage, 2),
+               "peak_rss_bytes": max(peaks), "largest_tensor_bytes": largest,
                "rss_over_largest_tensor": round(max(peaks) / largest, 2)}
         print(json.dumps(row))
     finally:
@@ -103,8 +111,9 @@ def main() -> None:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({"bench": "stage_throughput", "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                    "host_cpus": len(os.sched_getaffinity(0)), "format": "subset", "rounds": ROUNDS,
-                                   "note": "stage = copy_file_range + SHA-256 of each output + manifest; "
-                                           "cp = coreutils cp -r", **row}, indent=2) + "\n")
+                                   "note": "stage = copy_file_range + fsync + SHA-256 of each output + "
+                                           "manifest; cp = coreutils cp -r (page cache); cp_sync = cp -r then "
+                                           "sync -f", **row}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ from pathlib import Path
 from appliance.errors import ApplianceError
 from appliance.records import Plan
 from installer.model_config import ModelShape, load_model_config
-from installer.sharded_state import copy_side_files, write_rank
 
 MANIFEST = "staging-manifest.json"
 INDEX = "model.safetensors.index.json"
@@ -247,6 +246,7 @@ def stage_sharded(model_dir: Path, plan: Plan, out_dir: Path, *, host: str | Non
                   on_total: Callable[[int], None] = lambda n: None) -> list[Staged]:
     """vLLM `sharded_state` files (one set per TP rank, fused names, TP-sliced) for each host of
     a plan without pipeline parallelism; every host holds its replica's ranks."""
+    from installer.sharded_state import copy_side_files, write_rank  # imports torch: only when used
     model = load_model_config(model_dir)
     _check_plan_model(plan, model, model_dir)
     if plan.layout is None or plan.layout.pp != 1:
