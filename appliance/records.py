@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from appliance.errors import ApplianceError
 
 
 def config_sha256(config: dict[str, Any]) -> str:
@@ -172,3 +175,15 @@ class Plan(_Record):
     commands: list[HostCommand] = Field(default_factory=list)
     notes: list[str] = Field(default_factory=list)
     smallest_fitting_hardware: SmallestHardware | None = None
+
+
+def load_plan(path: Path, where: str, error: type[ApplianceError] = ApplianceError) -> Plan:
+    """The plan record in `path`; `error` (naming `where`) if it cannot be read or is not one."""
+    try:
+        return Plan.model_validate_json(path.read_bytes())
+    except OSError as exc:
+        raise error(f"{where}: cannot read the plan: {exc.strerror or exc}") from exc
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise error(f"{where}: not a plan record: {'.'.join(map(str, first['loc']))}: {first['msg']}",
+                    hint="write one with `appliance plan MODEL ... --json > FILE`") from exc

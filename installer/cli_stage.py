@@ -6,12 +6,11 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from pydantic import ValidationError
 from rich.console import Console
 
 from appliance.errors import ApplianceError
 from appliance.home import Home
-from appliance.records import Plan
+from appliance.records import load_plan
 from appliance.settings import load_settings
 from appliance.progress import byte_progress
 from installer.remote_source import fetch_checkpoint
@@ -41,7 +40,7 @@ def stage_command(
         raise ApplianceError("stage needs SOURCE, --plan and --out (or --verify DIR)")
     if format not in ("subset", "sharded"):
         raise ApplianceError(f"--format {format!r}: use subset or sharded")
-    record = _load_plan(plan)
+    record = load_plan(plan, str(plan))
     with byte_progress() as progress:
         model_dir = Path(source)
         if source.startswith("s3://"):
@@ -61,17 +60,6 @@ def stage_command(
         resumed = f", {item.resumed} already done" if item.resumed else ""
         out.print(f"{item.host}: {item.files} files, {item.bytes / 2**30:.2f} GiB in {item.directory}{resumed}",
                   soft_wrap=True)
-
-
-def _load_plan(path: Path) -> Plan:
-    try:
-        return Plan.model_validate_json(path.read_bytes())
-    except OSError as exc:
-        raise ApplianceError(f"{path}: cannot read the plan: {exc.strerror or exc}") from exc
-    except ValidationError as exc:
-        error = exc.errors()[0]
-        raise ApplianceError(f"{path}: not a plan record: {'.'.join(map(str, error['loc']))}: {error['msg']}",
-                             hint="write one with `appliance plan MODEL ... --json > FILE`") from exc
 
 
 def register(app: typer.Typer) -> None:

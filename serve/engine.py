@@ -9,12 +9,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import ValidationError
-
 from appliance.errors import SettingsError
 from appliance.home import Home
 from appliance.programs import Program
-from appliance.records import Plan
+from appliance.records import load_plan
 from appliance.secrets import secret
 from appliance.settings import DEMO_MODEL, EngineSettings, PoolSettings, Settings
 
@@ -64,14 +62,7 @@ def pool_layout(pool: PoolSettings, engine: EngineSettings) -> PoolLayout:
                           pool.enable_expert_parallel, pool.max_model_len or engine.max_model_len)
     path = Path(pool.plan).expanduser()
     where = f"pools.{pool.name}.plan: {path}"
-    try:
-        plan = Plan.model_validate_json(path.read_bytes())
-    except OSError as exc:
-        raise SettingsError(f"{where}: cannot read the plan: {exc.strerror or exc}") from exc
-    except ValidationError as exc:
-        error = exc.errors()[0]
-        raise SettingsError(f"{where}: not a plan record: {'.'.join(map(str, error['loc']))}: {error['msg']}",
-                            hint="write one with `appliance plan MODEL ... --json > FILE`") from exc
+    plan = load_plan(path, where, SettingsError)
     if plan.layout is None:
         raise SettingsError(f"{where}: the plan found no feasible layout", hint="plan again with more hardware")
     if plan.layout.hosts > 1:

@@ -231,3 +231,12 @@ def test_sharded_format_per_tp_rank_with_manifest(tmp_path: Path) -> None:
         verify_staged(tmp_path / "out")
     with pytest.raises(StagingError, match="needs a plan without pipeline parallelism"):
         stage_sharded(source, plan_for(source, "2x1xL4-24GB", tp=1, pp=2), tmp_path / "pp")
+
+
+def test_cli_names_a_bad_plan_file(tmp_path: Path) -> None:
+    source = llama(tmp_path / "src")
+    bad = tmp_path / "plan.json"
+    bad.write_text('{"model": {}}')
+    result = subprocess.run([APPLIANCE, "stage", str(source), "--plan", str(bad), "--out", str(tmp_path / "out")],
+                            capture_output=True, text=True)
+    assert result.returncode == 1 and f"{bad}: not a plan record: model.name: Field required" in result.stderr
