@@ -1,7 +1,8 @@
 """Staging throughput: a synthetic Llama-shaped checkpoint of about 4 GB (made here, deleted after),
-staged `subset` for a one-host plan (every byte copied, every output file fsynced and its SHA-256
-taken, manifest written) against `cp -r` of the same files on the same disk, and against `cp -r`
-followed by `sync -f` (a copy as durable as staging's), taking turns twice; and the staging
+staged `subset` and `sharded` for a one-host plan (every byte copied, every output file fsynced and
+its SHA-256 taken, manifest written) against `cp -r` of the same files on the same disk, and against `cp -r`
+followed by `sync -f` (a copy as durable as staging's), taking turns four times, each first
+once (the disk is shared and noisy); and the staging
 process's peak RSS (GNU time) against the largest tensor.
 
 Run: .venv/bin/python bench/stage_throughput.py   Writes bench/results/stage_throughput.json.
@@ -31,7 +32,7 @@ ROOT = Path(__file__).parent.parent
 RESULTS = Path(__file__).parent / "results" / "stage_throughput.json"
 APPLIANCE = str(Path(sys.executable).with_name("appliance"))
 HIDDEN, INTER, LAYERS, VOCAB = 4096, 11008, 9, 32000
-ROUNDS = 2
+ROUNDS = 4
 
 
 def make_checkpoint(directory: Path) -> tuple[int, int]:
@@ -84,34 +85,39 @@ def main() -> None:
         record = plan(load_model_config(source), parse_hardware_spec("1x1xH100-80GB"), context=2048, concurrency=1)
         plan_file = work / "plan.json"
         plan_file.write_text(record.model_dump_json())
-        stage_s, copy_s, durable_s, peaks = [], [], [], []
+        runs: dict[str, list[float]] = {"cp": [], "cp_sync": [], "subset": [], "sharded": []}
+        peaks: dict[str, list[int]] = {}
+        commands = {"cp": lambda target: ["cp", "-r", str(source), str(target)],
+                    "cp_sync": lambda target: ["sh", "-c", f"cp -r '{source}' '{target}' && sync -f '{target}'"],
+                    **{fmt: lambda target, fmt=fmt: [APPLIANCE, "stage", str(source), "--plan", str(plan_file),
+                                                     "--out", str(target), "--format", fmt]
+                       for fmt in ("subset", "sharded")}}
+        names = list(commands)
         for round_ in range(ROUNDS):
-            seconds, _ = timed(["cp", "-r", str(source), str(work / f"cp-{round_}")])
-            copy_s.append(seconds)
-            shutil.rmtree(work / f"cp-{round_}")
-            target = work / f"cp-sync-{round_}"
-            seconds, _ = timed(["sh", "-c", f"cp -r '{source}' '{target}' && sync -f '{target}'"])
-            durable_s.append(seconds)
-            shutil.rmtree(target)
-            seconds, peak = timed([APPLIANCE, "stage", str(source), "--plan", str(plan_file),
-                                   "--out", str(work / f"staged-{round_}")])
-            stage_s.append(seconds)
-            peaks.append(peak)
-            shutil.rmtree(work / f"staged-{round_}")
-        stage, copy, durable = (statistics.median(v) for v in (stage_s, copy_s, durable_s))
-        row = {"bytes": total, "stage_seconds": round(stage, 2), "cp_seconds": round(copy, 2),
-               "cp_sync_seconds": round(durable, 2), "stage_mb_per_s": round(total / stage / 1e6),
-               "cp_mb_per_s": round(total / copy / 1e6), "cp_sync_mb_per_s": round(total / durable / 1e6),
-               "ratio_vs_cp": round(copy / stage, 2), "ratio_vs_cp_sync": round(durable / stage, 2),
-               "peak_rss_bytes": max(peaks), "largest_tensor_bytes": largest,
-               "rss_over_largest_tensor": round(max(peaks) / largest, 2)}
-        print(json.dumps(row))
+            for name in names[round_ % len(names):] + names[:round_ % len(names)]:  # each goes first once
+                target = work / f"{name}-{round_}"
+                seconds, peak = timed(commands[name](target))
+                runs[name].append(seconds)
+                peaks.setdefault(name, []).append(peak)
+                shutil.rmtree(target)
+        median = {name: statistics.median(values) for name, values in runs.items()}
+        row = {"bytes": total, "largest_tensor_bytes": largest,
+               **{f"{name}_seconds": round(value, 2) for name, value in median.items()},
+               **{f"{name}_mb_per_s": round(total / value / 1e6) for name, value in median.items()}}
+        for fmt in ("subset", "sharded"):
+            row |= {f"{fmt}_ratio_vs_cp": round(median["cp"] / median[fmt], 2),
+                    f"{fmt}_ratio_vs_cp_sync": round(median["cp_sync"] / median[fmt], 2),
+                    f"{fmt}_peak_rss_bytes": max(peaks[fmt]),
+                    f"{fmt}_rss_over_largest_tensor": round(max(peaks[fmt]) / largest, 2)}
+        print(json.dumps(row, indent=1))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({"bench": "stage_throughput", "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                                   "host_cpus": len(os.sched_getaffinity(0)), "format": "subset", "rounds": ROUNDS,
-                                   "note": "stage = copy_file_range + fsync + SHA-256 of each output + "
+                                   "host_cpus": len(os.sched_getaffinity(0)), "rounds": ROUNDS,
+                                   "note": "subset = copy_file_range, then fsync while SHA-256 of each output; "
+                                           "sharded = vLLM sharded_state files (TP=1, parts <= 2 GiB built in "
+                                           "memory), fsync while SHA-256 of file and tensors; both write the "
                                            "manifest; cp = coreutils cp -r (page cache); cp_sync = cp -r then "
                                            "sync -f", **row}, indent=2) + "\n")
 

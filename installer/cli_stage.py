@@ -10,9 +10,9 @@ from rich.console import Console
 
 from appliance.errors import ApplianceError
 from appliance.home import Home
+from appliance.progress import byte_progress
 from appliance.records import load_plan
 from appliance.settings import load_settings
-from appliance.progress import byte_progress
 from installer.remote_source import fetch_checkpoint
 from installer.staging import stage_sharded, stage_subset, verify_staged
 

@@ -18,10 +18,10 @@ import httpx
 from appliance.errors import ApplianceError
 from appliance.home import Home
 from appliance.programs import Program
+from appliance.progress import byte_progress
 from appliance.secrets import secret
 from appliance.settings import KeycloakSettings, Settings
 from installer.digest import sha256_file
-from appliance.progress import byte_progress
 
 VERSION = "26.7.3"
 SHA256 = "27a6535553c3cdcd083872ba40629efafb3475e3b758e0c6f691395561dd0f1f"

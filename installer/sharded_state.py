@@ -21,8 +21,9 @@ other key, each tensor of the parameter's shape):
   `_q_scale`, `_prob_scale`, all 1.0 unquantized) that vLLM registers in its state dict, so the
   loader reports them missing unless they are written.
 
-Memory stays near one part file plus the tensor being built: tensors are read as slices of the
-memory-mapped source and each part is written and dropped before the next one grows.
+Nothing is decoded: each part is streamed, its header first, then each tensor's bytes (row
+slices copied in the kernel, column slices cut from bounded blocks of rows), so memory stays a
+few chunks whatever the checkpoint's size.
 """
 
 from __future__ import annotations
@@ -30,18 +31,20 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+import numpy
 
 from appliance.errors import ApplianceError
 from installer.model_config import ModelConfigError, parse_config
+from installer.safetensors_bytes import (CHUNK, DTYPE_BYTES, SafetensorsFileError, build_header, copy_range, read_header,
+                                          write_all)
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 PART_PATTERN = "model-rank-{rank}-part-{part}.safetensors"
@@ -55,7 +58,8 @@ VOCAB_PADDING = 64
 ATTENTION_SCALES = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
 # Tensors some checkpoints carry that vLLM recomputes and never loads.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# config.json dtype -> safetensors dtype
+DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 
 
 class ShardingError(ApplianceError):
@@ -76,7 +80,7 @@ class DenseConfig:
     intermediate: int
     vocab: int
     tied: bool
-    dtype: torch.dtype
+    dtype: str  # safetensors name: BF16, F16, F32
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
@@ -94,6 +98,16 @@ class Slice:
 
 
 @dataclass(frozen=True)
+class _Bytes:
+    """Where a source tensor's bytes are: absolute offsets in its file, shape, dtype."""
+
+    start: int
+    end: int
+    shape: list[int]
+    dtype: str
+
+
+@dataclass(frozen=True)
 class RankTensor:
     """One tensor of a rank's state dict: source slices stacked on dim 0, with zero rows after
     them up to `shape` (vocabulary padding), or, without slices, float32 `fill` (the scales)."""
@@ -103,11 +117,8 @@ class RankTensor:
     slices: tuple[Slice, ...] = ()
     fill: float = 0.0
 
-    def nbytes(self, dtype: torch.dtype) -> int:
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count * (dtype.itemsize if self.slices else torch.float32.itemsize)
+    def nbytes(self, dtype: str) -> int:
+        return _count(self.shape) * DTYPE_BYTES[dtype if self.slices else "F32"]
 
 
 def read_config(model_dir: Path) -> DenseConfig:
@@ -279,25 +290,18 @@ def _layer_tensors(config: DenseConfig, tp_size: int, rank: int, p: str) -> list
 
 
 class _Source:
-    """The checkpoint's tensors by name, each file memory-mapped once; errors name file and tensor."""
+    """The checkpoint's tensors by name and where their bytes are, from each file's header (read
+    once); errors name file and tensor."""
 
     def __init__(self, model_dir: Path, config: DenseConfig, stack: ExitStack) -> None:
-        self._stack = stack
-        self._handles: dict[Path, Any] = {}
+        self._layouts: dict[Path, dict[str, _Bytes]] = {}
         index = model_dir / INDEX_FILE
         # Where a missing tensor should have been: the index, else the directory.
         self.where = index if index.exists() else model_dir
         self.files = self._locate(model_dir)
         self._check(config)
-
-    def _open(self, path: Path) -> Any:
-        if path not in self._handles:
-            try:
-                self._handles[path] = self._stack.enter_context(safe_open(path, framework="pt"))
-            except (OSError, SafetensorError) as exc:
-                raise ShardingError(f"{path}: not a readable safetensors file ({exc})",
-                                    hint="re-copy the checkpoint file") from exc
-        return self._handles[path]
+        # Opened here, once, so threads writing parts share them (reads give their own offsets).
+        self._fds = {path: stack.enter_context(path.open("rb")).fileno() for path in set(self.files.values())}
 
     def _locate(self, model_dir: Path) -> dict[str, Path]:
         """Tensor name -> file, from the index when there is one (it names the files that must exist)."""
@@ -316,7 +320,7 @@ class _Source:
         paths = sorted(model_dir.glob("*.safetensors"))
         if not paths:
             raise ShardingError(f"{model_dir}: no *.safetensors files", hint="give a safetensors checkpoint")
-        return {name: path for path in paths for name in self._open(path).keys()}  # noqa: SIM118
+        return {name: path for path in paths for name in self._layout(path)}
 
     def _check(self, config: DenseConfig) -> None:
         """Every expected tensor present with config.json's shape and dtype; nothing vLLM would lack."""
@@ -325,13 +329,15 @@ class _Source:
             if name not in self.files:
                 raise ShardingError(f"{self.where}: tensor {name} is missing from the checkpoint",
                                     hint="copy the whole checkpoint")
-            handle = self._open(self.files[name])
-            found = tuple(handle.get_slice(name).get_shape())
+            layout = self._layout(self.files[name]).get(name)
+            if layout is None:
+                raise ShardingError(f"{self.files[name]}: tensor {name} is not in this file (the index puts it there)")
+            found = tuple(layout.shape)
             if found != shape:
                 raise ShardingError(f"{self.files[name]}: tensor {name} has shape {list(found)}, "
                                     f"{config.source.name} implies {list(shape)}")
-            dtype = handle.get_slice(name).get_dtype()
-            if _dtype_name(config.dtype) != dtype:
+            dtype = layout.dtype
+            if config.dtype != dtype:
                 raise ShardingError(f"{self.files[name]}: tensor {name} is {dtype}, "
                                     f"{config.source.name} says {config.dtype}")
         for name, path in self.files.items():
@@ -340,36 +346,88 @@ class _Source:
                 raise ShardingError(f"{path}: tensor {name} has no parameter in vLLM's {config.architecture}",
                                     hint="the checkpoint does not match its config.json")
 
-    def read(self, piece: Slice) -> torch.Tensor:
+    def copy(self, piece: Slice, out: int) -> int:
+        """Append the piece's bytes to `out`; returns how many. Rows (or all columns) are one byte
+        range, copied in the kernel; some columns are cut from blocks of whole rows, CHUNK bytes at
+        a time."""
         path = self.files[piece.tensor]
-        sliced = self._open(path).get_slice(piece.tensor)
-        index = slice(piece.start, piece.stop)
-        try:
-            return sliced[index] if piece.dim == 0 else sliced[:, index]
-        except (OSError, SafetensorError) as exc:
-            raise ShardingError(f"{path}: tensor {piece.tensor}: unreadable ({exc})") from exc
+        fd, layout = self._fds[path], self._layout(path)[piece.tensor]
+        start, shape, item = layout.start, layout.shape, DTYPE_BYTES[layout.dtype]
+        rows = shape[0] if shape else 1
+        row_bytes = item * _count(shape[1:])
+        stop = shape[piece.dim] if piece.stop is None else piece.stop
+        if piece.dim == 1 and (piece.start, stop) == (0, shape[1]):  # every column: the whole tensor
+            piece, stop = Slice(piece.tensor), rows
+        if piece.dim == 0:
+            length = (stop - piece.start) * row_bytes
+            copy_range(fd, out, start + piece.start * row_bytes, length)
+            return length
+        columns = slice(piece.start * item, stop * item)
+        block = max(1, CHUNK // row_bytes)
+        for first in range(0, rows, block):
+            count = min(block, rows - first)
+            raw = os.pread(fd, count * row_bytes, start + first * row_bytes)
+            if len(raw) < count * row_bytes:
+                raise ShardingError(f"{path}: tensor {piece.tensor}: the file ends inside it")
+            write_all(out, numpy.ascontiguousarray(numpy.frombuffer(raw, numpy.uint8).reshape(count, row_bytes)[:, columns]))
+        return rows * (columns.stop - columns.start)
+
+    def _layout(self, path: Path) -> dict[str, _Bytes]:
+        """Tensor name -> where its bytes are in a source file; a file shorter than its header
+        says is refused here, before anything is written."""
+        if path not in self._layouts:
+            try:
+                header, base = read_header(path)
+                layout = {name: _Bytes(base + entry["data_offsets"][0], base + entry["data_offsets"][1],
+                                       list(entry["shape"]), entry["dtype"])
+                          for name, entry in header.items() if name != "__metadata__"}
+            except (SafetensorsFileError, KeyError, TypeError, IndexError) as exc:
+                raise ShardingError(f"{path}: not a readable safetensors file ({exc})",
+                                    hint="re-copy the checkpoint file") from exc
+            size = path.stat().st_size
+            needs = max((where.end for where in layout.values()), default=0)
+            if needs > size:
+                raise ShardingError(f"{path}: not a readable safetensors file (truncated: {size:,} bytes, its "
+                                    f"header needs {needs:,})", hint="re-copy the checkpoint file")
+            self._layouts[path] = layout
+        return self._layouts[path]
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    """safetensors' short dtype name (BF16, F16, F32)."""
-    return {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}[dtype]
+def _write_part(path: Path, group: list[RankTensor], source: _Source, dtype: str,
+                progress: Callable[[int], None] | None) -> None:
+    """A part file streamed tensor by tensor: the header, then each tensor's source slices
+    stacked, zero rows after them (vocabulary padding), or its float32 fill (the scales)."""
+    header = build_header(((spec.name, dtype if spec.slices else "F32", list(spec.shape), spec.nbytes(dtype))
+                           for spec in group), metadata={"format": "pt"})
+    with path.open("wb", buffering=0) as handle:
+        out = handle.fileno()
+        write_all(out, header)
+        for spec in group:
+            size = spec.nbytes(dtype)
+            if spec.slices:
+                written = sum(source.copy(piece, out) for piece in spec.slices)
+                _write_zeros(out, size - written)
+            else:
+                write_all(out, struct.pack("<f", spec.fill) * _count(spec.shape))
+            if progress is not None:
+                progress(size)
 
 
-def _build(spec: RankTensor, source: _Source, dtype: torch.dtype) -> torch.Tensor:
-    """The tensor, built in place so memory holds it and at most one source slice."""
-    if not spec.slices:
-        return torch.full(spec.shape, spec.fill, dtype=torch.float32)
-    out = torch.empty(spec.shape, dtype=dtype)
-    offset = 0
-    for piece in spec.slices:
-        part = source.read(piece)
-        out[offset:offset + part.shape[0]] = part
-        offset += part.shape[0]
-    out[offset:] = 0
-    return out
+def _write_zeros(out: int, count: int) -> None:
+    zeros = bytes(min(count, CHUNK))
+    while count:
+        write_all(out, memoryview(zeros)[:min(count, CHUNK)])
+        count -= min(count, CHUNK)
 
 
-def _parts(specs: list[RankTensor], dtype: torch.dtype, max_part_bytes: int) -> Iterator[list[RankTensor]]:
+def _count(shape: tuple[int, ...] | list[int]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def _parts(specs: list[RankTensor], dtype: str, max_part_bytes: int) -> Iterator[list[RankTensor]]:
     """Consecutive groups of at most max_part_bytes (a bigger tensor alone), as vLLM's saver groups."""
     group: list[RankTensor] = []
     size = 0
@@ -385,39 +443,46 @@ def _parts(specs: list[RankTensor], dtype: torch.dtype, max_part_bytes: int) -> 
 
 
 def write_rank(model_dir: Path, out_dir: Path, *, tp_size: int, rank: int, max_part_bytes: int = 2 << 30,
-               progress: Callable[[int], None] | None = None) -> list[Path]:
+               progress: Callable[[int], None] | None = None,
+               seal: Callable[[Path, Path], None] = lambda tmp, path: _fsync(tmp)) -> list[Path]:
     """Write rank `rank`'s files model-rank-{rank}-part-{part}.safetensors into out_dir (each
     written to a temporary name and renamed when complete), return their paths in order.
 
     Everything is checked (config, TP split, every source tensor's presence, shape and dtype)
     before the first byte is written. Older parts of this rank beyond the new count are removed,
     since vLLM loads every file matching the rank's pattern. `progress` gets the bytes of each
-    tensor once it is written.
+    tensor once it is written; `seal(tmp, path)` makes each part durable before it takes its name
+    (by default an fsync; staging also hashes it there).
     """
     config = read_config(model_dir)
     specs = rank_tensors(config, tp_size, rank)
     if out_dir.resolve() == model_dir.resolve():
         raise ShardingError(f"{out_dir}: the output directory is the checkpoint itself",
                             hint="write the shards to another directory")
-    written: list[Path] = []
     with ExitStack() as stack:
         source = _Source(model_dir, config, stack)
         out_dir.mkdir(parents=True, exist_ok=True)
-        for part, group in enumerate(_parts(specs, config.dtype, max_part_bytes)):
+
+        def write(numbered: tuple[int, list[RankTensor]]) -> Path:
+            part, group = numbered
             path = out_dir / PART_PATTERN.format(rank=rank, part=part)
-            tensors = {spec.name: _build(spec, source, config.dtype) for spec in group}
             with _atomic(path) as tmp:
-                save_file(tensors, tmp, metadata={"format": "pt"})
-            written.append(path)
-            if progress is not None:
-                for tensor in tensors.values():
-                    progress(tensor.nbytes)
-            # Freed before the next part is built, else two parts would be held at once.
-            del tensors
+                _write_part(tmp, group, source, config.dtype, progress)
+                seal(tmp, path)
+            return path
+
+        # Two parts at a time: one is copied while the other is hashed and flushed.
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            written = list(pool.map(write, enumerate(_parts(specs, config.dtype, max_part_bytes))))
     for stale in out_dir.glob(PART_PATTERN.format(rank=rank, part="*")):
         if stale not in written:
             stale.unlink()
     return written
+
+
+def _fsync(path: Path) -> None:
+    with path.open("rb") as handle:
+        os.fsync(handle.fileno())
 
 
 @contextmanager

@@ -5,7 +5,7 @@ when expert parallelism spreads them over hosts), copied byte-exact from the sou
 Streaming: tensors are never decoded; each output file is a new safetensors header followed by
 byte ranges copied from the source with `os.copy_file_range` (in the kernel), so memory stays
 small whatever the checkpoint's size. Each output file is written under a temporary name, its
-SHA-256 taken, then renamed and recorded in the manifest, so a killed run resumes after the last
+SHA-256 taken while it is fsynced, then renamed and recorded in the manifest, so a killed run resumes after the last
 finished file. Files are staged in parallel (the copy and the hash both leave the GIL).
 """
 
@@ -16,26 +16,26 @@ import json
 import os
 import re
 import shutil
-import struct
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from appliance.errors import ApplianceError
 from appliance.records import Plan
 from installer.model_config import ModelShape, load_model_config
+from installer.safetensors_bytes import DTYPE_BYTES, SafetensorsFileError, build_header, copy_range, read_header
+from installer.sharded_state import copy_side_files, write_rank
 
+T = TypeVar("T")
 MANIFEST = "staging-manifest.json"
 INDEX = "model.safetensors.index.json"
-CHUNK = 64 << 20
 HASH_CHUNK = 8 << 20
 LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 EXPERT = re.compile(r"\.experts\.(\d+)\.")
 FIRST_STAGE = ("embed_tokens",)
 LAST_STAGE = ("lm_head", "model.norm.")
-DTYPES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1,
-          "I16": 2, "I32": 4, "I64": 8, "BOOL": 1}
 
 
 class StagingError(ApplianceError):
@@ -57,25 +57,6 @@ class SourceTensor:
 
 
 # -- the source ----------------------------------------------------------------------------
-
-
-def read_header(path: Path) -> tuple[dict, int]:
-    """A safetensors file's JSON header and where its data begins."""
-    try:
-        with path.open("rb") as handle:
-            raw = handle.read(8)
-            if len(raw) < 8:
-                raise StagingError(f"{path}: truncated: no safetensors header")
-            (length,) = struct.unpack("<Q", raw)
-            header = handle.read(length)
-    except OSError as exc:
-        raise StagingError(f"{path}: cannot read: {exc.strerror or exc}") from exc
-    if len(header) < length:
-        raise StagingError(f"{path}: truncated inside its safetensors header")
-    try:
-        return json.loads(header), 8 + length
-    except ValueError as exc:
-        raise StagingError(f"{path}: the safetensors header is not JSON: {exc}") from exc
 
 
 def read_source(model_dir: Path) -> dict[str, SourceTensor]:
@@ -101,7 +82,7 @@ def read_source(model_dir: Path) -> dict[str, SourceTensor]:
             dtype, shape = entry["dtype"], tuple(entry["shape"])
             if end > size:
                 raise StagingError(f"{path}: truncated: tensor {name} ends at byte {end:,} of {size:,}")
-            expected = DTYPES.get(dtype, 0) * _product(shape)
+            expected = DTYPE_BYTES.get(dtype, 0) * _product(shape)
             if expected and expected != end - start:
                 raise StagingError(f"{path}: tensor {name}: {dtype} {list(shape)} needs {expected:,} bytes, "
                                    f"the header gives {end - start:,}")
@@ -246,7 +227,6 @@ def stage_sharded(model_dir: Path, plan: Plan, out_dir: Path, *, host: str | Non
                   on_total: Callable[[int], None] = lambda n: None) -> list[Staged]:
     """vLLM `sharded_state` files (one set per TP rank, fused names, TP-sliced) for each host of
     a plan without pipeline parallelism; every host holds its replica's ranks."""
-    from installer.sharded_state import copy_side_files, write_rank  # imports torch: only when used
     model = load_model_config(model_dir)
     _check_plan_model(plan, model, model_dir)
     if plan.layout is None or plan.layout.pp != 1:
@@ -267,14 +247,24 @@ def stage_sharded(model_dir: Path, plan: Plan, out_dir: Path, *, host: str | Non
             if done and all((directory / name).is_file() for name in done["files"]):
                 resumed += 1
                 continue
-            paths = write_rank(model_dir, directory, tp_size=tp, rank=rank, progress=on_bytes)
-            manifest.record(key, {"files": {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size,
-                                                     "tensor_sha256": _tensor_hashes(p)} for p in paths}})
+            sealed: dict[str, dict] = {}
+            paths = write_rank(model_dir, directory, tp_size=tp, rank=rank, progress=on_bytes,
+                               seal=_sealer(sealed))
+            manifest.record(key, {"files": {p.name: sealed[p.name] for p in paths}})
         copy_side_files(model_dir, directory)
         manifest.finish()
         staged.append(Staged(host=share.host, directory=directory, files=tp, resumed=resumed,
                              bytes=sum(p.stat().st_size for p in directory.glob("model-rank-*.safetensors"))))
     return staged
+
+
+def _sealer(sealed: dict[str, dict]) -> Callable[[Path, Path], None]:
+    """write_rank's seal for staging: each part fsynced while its header and tensor SHA-256 are
+    taken, the manifest entry kept in `sealed` under the part's name."""
+    def seal(tmp: Path, path: Path) -> None:
+        with tmp.open("rb") as handle:
+            sealed[path.name] = {"bytes": tmp.stat().st_size, **_durable(handle.fileno(), lambda: _part_sha256(tmp))}
+    return seal
 
 
 def _check_plan_model(plan: Plan, model: ModelShape, model_dir: Path) -> None:
@@ -315,25 +305,21 @@ def _stage_host(model_dir: Path, plan: Plan, share: HostShare, directory: Path,
 
 def _write_file(target: Path, chosen: list[SourceTensor], on_bytes: Callable[[int], None]) -> dict:
     """One output safetensors file: a new header, then each tensor's bytes copied as they are."""
-    header, offset, layout = {}, 0, {}
+    layout, offset = {}, 0
     for tensor in chosen:
-        header[tensor.name] = {"dtype": tensor.dtype, "shape": list(tensor.shape),
-                               "data_offsets": [offset, offset + tensor.size]}
         layout[tensor.name] = {"dtype": tensor.dtype, "shape": list(tensor.shape), "source": tensor.file.name,
                                "source_offsets": [tensor.start, tensor.end], "offsets": [offset, offset + tensor.size]}
         offset += tensor.size
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # keep tensor data 8-byte aligned, as safetensors does
+    header = build_header((t.name, t.dtype, list(t.shape), t.size) for t in chosen)
     partial = target.with_name(f".{target.name}.partial")
     with partial.open("wb") as out:
-        out.write(struct.pack("<Q", len(raw)) + raw)
+        out.write(header)
         out.flush()
         for source_file, run in _runs(chosen):
             with source_file.open("rb") as src:
-                _copy_range(src.fileno(), out.fileno(), run[0], run[1] - run[0], on_bytes)
+                copy_range(src.fileno(), out.fileno(), run[0], run[1] - run[0], on_bytes)
         out.flush()
-        os.fsync(out.fileno())
-    digest = _sha256(partial)
+        digest = _durable(out.fileno(), lambda: _sha256(partial))
     os.replace(partial, target)
     return {"sha256": digest, "bytes": target.stat().st_size, "tensors": layout}
 
@@ -352,32 +338,30 @@ def _runs(chosen: list[SourceTensor]) -> Iterator[tuple[Path, tuple[int, int]]]:
         yield current[0], (current[1], current[2])
 
 
-def _copy_range(src: int, dst: int, start: int, length: int, on_bytes: Callable[[int], None]) -> None:
-    """Copy in the kernel where it can (copy_file_range), else through a bounded buffer."""
-    position = start
-    remaining = length
-    try:
-        while remaining:
-            done = os.copy_file_range(src, dst, min(remaining, CHUNK), position)
-            if done == 0:
-                raise StagingError(f"source ended {remaining:,} bytes early (truncated while staging?)")
-            position, remaining = position + done, remaining - done
-            on_bytes(done)
-    except OSError:  # another filesystem or kernel without it: plain reads and writes
-        while remaining:
-            chunk = os.pread(src, min(remaining, CHUNK), position)
-            if not chunk:
-                raise StagingError(f"source ended {remaining:,} bytes early (truncated while staging?)") from None
-            os.write(dst, chunk)
-            position, remaining = position + len(chunk), remaining - len(chunk)
-            on_bytes(len(chunk))
+def _durable(fd: int, digest: Callable[[], T]) -> T:
+    """fsync a just-written file while hashing it: the disk writes the pages while the CPU hashes
+    them from the page cache (one after the other, staging ran at 0.66x the rate)."""
+    with ThreadPoolExecutor(max_workers=1) as flusher:
+        flushed = flusher.submit(os.fsync, fd)
+        result = digest()
+        flushed.result()
+    return result
 
 
-def _sha256(path: Path) -> str:
+def _sha256(path: Path, start: int = 0, end: int | None = None) -> str:
+    """SHA-256 of bytes [start, end) of a file (default: all of it), read into one reused buffer.
+    (Hashing through mmap spares 15 % of the CPU but puts every page of the file in our RSS.)"""
+    end = path.stat().st_size if end is None else end
     digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while block := handle.read(HASH_CHUNK):
-            digest.update(block)
+    with path.open("rb", buffering=0) as handle:
+        handle.seek(start)
+        buffer, position = memoryview(bytearray(HASH_CHUNK)), start
+        while position < end:
+            count = handle.readinto(buffer[:min(HASH_CHUNK, end - position)])
+            if not count:
+                raise StagingError(f"{path}: ends at byte {position:,}, {end:,} expected")
+            digest.update(buffer[:count])
+            position += count
     return digest.hexdigest()
 
 
@@ -457,30 +441,36 @@ def verify_staged(directory: Path) -> list[str]:
             path = manifest.parent / name
             if not path.is_file():
                 raise StagingError(f"{path}: missing")
-            if _sha256(path) != entry["sha256"]:
-                which = (_changed_tensor(path, entry["tensor_sha256"]) if sharded
-                         else _which_tensor(path, entry, Path(data["source"])))
+            if path.stat().st_size != entry["bytes"]:
+                raise StagingError(f"{path}: {path.stat().st_size:,} bytes, the manifest says {entry['bytes']:,}")
+            which = (_changed_part(path, entry) if sharded
+                     else _sha256(path) != entry["sha256"] and _which_tensor(path, entry, Path(data["source"])))
+            if which:
                 raise StagingError(f"{path}: SHA-256 differs from the manifest; {which}")
     return [str(m.parent) for m in manifests]
 
 
-def _tensor_hashes(path: Path) -> dict[str, str]:
-    """SHA-256 of each tensor's bytes in a safetensors file (to name a damaged tensor later)."""
+def _part_sha256(path: Path) -> dict:
+    """SHA-256 of a sharded part's header and of each tensor's bytes (so a damaged tensor can be
+    named; together they cover every byte), the tensors hashed on two threads (hashlib leaves the
+    GIL)."""
     header, base = read_header(path)
-    hashes = {}
-    with path.open("rb") as handle:
-        for name, entry in header.items():
-            if name == "__metadata__":
-                continue
-            start, end = entry["data_offsets"]
-            handle.seek(base + start)
-            hashes[name] = hashlib.sha256(handle.read(end - start)).hexdigest()
-    return hashes
+    spans = {name: entry["data_offsets"] for name, entry in header.items() if name != "__metadata__"}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        digests = pool.map(lambda name: _sha256(path, base + spans[name][0], base + spans[name][1]),
+                           spans)
+        return {"header_sha256": _sha256(path, 0, base), "tensor_sha256": dict(zip(spans, digests))}
 
 
-def _changed_tensor(path: Path, expected: dict[str, str]) -> str:
-    changed = [name for name, digest in _tensor_hashes(path).items() if expected.get(name) != digest]
-    return f"tensor {changed[0]} changed" if changed else "the header changed"
+def _changed_part(path: Path, entry: dict) -> str | None:
+    try:
+        found = _part_sha256(path)
+    except SafetensorsFileError:
+        return "the header changed"
+    if found["header_sha256"] != entry["header_sha256"]:
+        return "the header changed"
+    changed = [name for name, digest in found["tensor_sha256"].items() if entry["tensor_sha256"].get(name) != digest]
+    return f"tensor {changed[0]} changed" if changed else None
 
 
 def _which_tensor(path: Path, entry: dict, source: Path) -> str:
