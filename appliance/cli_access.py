@@ -1,4 +1,5 @@
-"""`appliance token` and `appliance users ...`: log in, and manage users through the admin API."""
+"""`appliance token`, `appliance users ...` and `appliance adapters ...`: log in, and manage users
+and served adapters through the gateway's admin API."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from appliance.settings import Settings, load_settings
 
 users_app = typer.Typer(help="Users and roles of the realm (through the gateway's admin API).",
                         no_args_is_help=True)
+adapters_app = typer.Typer(help="LoRA adapters: list, deploy into the running engine, canary, roll back, retire "
+                           "(through the gateway's admin API).", no_args_is_help=True)
 out = Console()
 
 
@@ -54,7 +57,7 @@ def token(
         out.print(f"logged in as {cached.username}; token cached in {home.secrets / login.CACHE}")
 
 
-def _admin_api(method: str, path: str, **kwargs: Any) -> Any:
+def admin_api(method: str, path: str, **kwargs: Any) -> Any:
     settings, home = _context()
     cached = login.current_token(settings, home)
     url = f"http://127.0.0.1:{settings.gateway.port}/admin{path}"
@@ -84,7 +87,7 @@ def users_add(
     body: dict[str, Any] = {"username": name, "roles": role}
     if password_stdin:
         body["password"] = _read_password()
-    created = _admin_api("POST", "/users", json=body)
+    created = admin_api("POST", "/users", json=body)
     out.print(f"user {created['username']} created with roles {', '.join(created['roles'])}")
     if created.get("password"):
         out.print(f"generated password (shown once): {created['password']}", highlight=False)
@@ -94,7 +97,7 @@ def users_add(
 def users_list() -> None:
     """Users and their roles."""
     table = Table("user", "enabled", "roles")
-    for user in _admin_api("GET", "/users"):
+    for user in admin_api("GET", "/users"):
         table.add_row(user["username"], "yes" if user["enabled"] else "no", ", ".join(user["roles"]))
     out.print(table)
 
@@ -102,17 +105,77 @@ def users_list() -> None:
 @users_app.command("roles")
 def users_roles() -> None:
     """The roles the appliance knows."""
-    for role in _admin_api("GET", "/roles"):
+    for role in admin_api("GET", "/roles"):
         out.print(role)
 
 
 @users_app.command("disable")
 def users_disable(name: Annotated[str, typer.Argument(help="Username.")]) -> None:
     """Disable a user; their tokens stop working within the introspection interval."""
-    user = _admin_api("POST", f"/users/{name}/disable")
+    user = admin_api("POST", f"/users/{name}/disable")
     out.print(f"user {user['username']} disabled")
+
+
+@adapters_app.command("list")
+def adapters_list() -> None:
+    """Adapter versions with their held-out loss, state, and what each name serves."""
+    registry = admin_api("GET", "/adapters")
+    table = Table("adapter", "version", "state", "base", "held-out loss (base -> adapter)", "dataset")
+    for record in registry["adapters"]:
+        metrics = record["metrics"]
+        loss = f"{metrics.get('base_eval_loss', 0):.4f} -> {metrics.get('adapter_eval_loss', 0):.4f}"
+        table.add_row(record["name"], str(record["version"]), record["state"], record["base_model"], loss,
+                      record["dataset"])
+    out.print(table)
+    for name, alias in sorted(registry["aliases"].items()):
+        serves = f"v{alias['stable']}" if alias["stable"] is not None else "the base model"
+        if alias["canary"] is not None:
+            serves += f", canary v{alias['canary']} ({alias['canary_share']:.0%})"
+        out.print(f"{name}: {serves} on pool {alias['pool']}, for roles {', '.join(alias['roles'])}")
+
+
+@adapters_app.command("deploy")
+def adapters_deploy(
+    name: Annotated[str, typer.Argument(help="Adapter name.")],
+    version: Annotated[int | None, typer.Option(min=1, help="Default: the newest that passed its gate.")] = None,
+    pool: Annotated[str | None, typer.Option(help="Engine pool (default: as before, else the first).")] = None,
+    role: Annotated[list[str] | None, typer.Option("--role", help="Role allowed to call it; repeatable "
+                                                   "(default: as before, else user and admin).")] = None,
+) -> None:
+    """Hot-load a version into the running engine and serve it under its name."""
+    alias = admin_api("POST", f"/adapters/{name}/deploy", json={"version": version, "pool": pool, "roles": role})
+    out.print(f"{name} serves v{alias['stable']} on pool {alias['pool']}")
+
+
+@adapters_app.command("canary")
+def adapters_canary(
+    name: Annotated[str, typer.Argument(help="Adapter name.")],
+    version: Annotated[int, typer.Option(min=1, help="The version to try.")],
+    share: Annotated[float, typer.Option(min=0, max=1, help="Fraction of requests it gets, e.g. 0.1.")],
+) -> None:
+    """Send a share of the name's requests to another version."""
+    alias = admin_api("POST", f"/adapters/{name}/canary", json={"version": version, "share": share})
+    out.print(f"{name}: v{alias['canary']} gets {alias['canary_share']:.0%} of requests, v{alias['stable']} the rest")
+
+
+@adapters_app.command("rollback")
+def adapters_rollback(name: Annotated[str, typer.Argument(help="Adapter name.")]) -> None:
+    """Drop the canary; without one, serve the version served before (or the base model)."""
+    alias = admin_api("POST", f"/adapters/{name}/rollback")
+    out.print(f"{name} serves {'v' + str(alias['stable']) if alias['stable'] is not None else 'the base model'}")
+
+
+@adapters_app.command("retire")
+def adapters_retire(
+    name: Annotated[str, typer.Argument(help="Adapter name.")],
+    version: Annotated[int | None, typer.Option(min=1, help="Default: every version, and the name.")] = None,
+) -> None:
+    """Retire a version that is not served, or the whole name."""
+    retired = admin_api("POST", f"/adapters/{name}/retire", json={"version": version})
+    out.print("retired " + ", ".join(f"{r['name']} v{r['version']}" for r in retired))
 
 
 def register(app: typer.Typer) -> None:
     app.command("token")(token)
     app.add_typer(users_app, name="users")
+    app.add_typer(adapters_app, name="adapters")

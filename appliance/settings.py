@@ -242,7 +242,7 @@ class AuditSettings(_Section):
 
 
 class FinetuneSettings(_Section):
-    """Post-training: datasets and the sensitive-data scan."""
+    """Post-training: datasets, the sensitive-data scan, training jobs and their gate."""
 
     sensitive_data: Literal["block", "redact", "allow"] = Field(
         "block", description="What `appliance data add` does with e-mails, phone numbers, card numbers, "
@@ -256,6 +256,11 @@ class FinetuneSettings(_Section):
         0.0, ge=0, lt=1, description="An adapter passes the gate when its held-out loss is at least this "
         "much lower than the base model's (0.05 = 5 %; 0 = any improvement)."
     )
+    isolate_network: bool = Field(
+        True, description="Train in a new network namespace with no way out (needs `unshare`); off: "
+        "training shares the host's network."
+    )
+    worker_poll_s: float = Field(2.0, gt=0, description="How often the finetune-worker looks for queued jobs.")
 
 
 class Settings(_Section):

@@ -212,7 +212,7 @@ class AuditWriter:
                 written = os.write(self._fd, data)
                 while written < len(data):
                     written += os.write(self._fd, data[written:])
-                os.fsync(self._fd)
+                os.fdatasync(self._fd)  # the data and the size it needs; not the mtime
             except OSError:
                 self._close_file()  # the head is re-read (and a torn tail cut) on the next write
                 raise

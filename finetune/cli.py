@@ -1,9 +1,11 @@
-"""`appliance data ...`: import and list training datasets."""
+"""`appliance data ...` (import and list training datasets) and `appliance finetune ...` (train
+adapters: queue jobs for the worker, follow and cancel them, or train in the foreground)."""
 
 from __future__ import annotations
 
 import json
 import re
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Any
@@ -16,13 +18,13 @@ from appliance.artifacts import artifact_store
 from appliance.changes import records_change
 from appliance.errors import ApplianceError
 from appliance.home import Home
-from appliance.records import config_sha256
 from appliance.settings import DEMO_MODEL, load_settings
-from finetune import adapters
-from finetune.datasets import PREFIX, check_lengths, load_registry, parse, scan, split, store
-from finetune.pii import Scanner
-from finetune.train import Hyperparameters, Progress, train_adapter
 from appliance.progress import byte_progress
+from finetune import jobs
+from finetune.datasets import check_lengths, load_registry, parse, scan, split, store
+from finetune.pii import Scanner
+from finetune.runner import base_dir, run_job
+from finetune.train import Hyperparameters, Progress
 
 NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 data_app = typer.Typer(help="Training datasets: validated, scanned, stored content-addressed.",
@@ -68,37 +70,86 @@ def list_datasets() -> None:
     out.print(table)
 
 
-@finetune_app.command("run")
-@records_change("adapter.train")
-def run(
-    data: Annotated[str, typer.Option(help="A dataset name from `appliance data list`.")],
-    name: Annotated[str, typer.Option(help="Adapter name; each run registers its next version.")],
-    base: Annotated[str, typer.Option(help="'demo' or a checkpoint directory.")] = DEMO_MODEL,
-    qlora: Annotated[bool, typer.Option(help="Load the base in 4-bit NF4 (bitsandbytes).")] = False,
-    rank: Annotated[int, typer.Option(min=1)] = 8,
-    alpha: Annotated[int, typer.Option(min=1)] = 16,
-    lr: Annotated[float, typer.Option(min=0)] = 2e-4,
-    epochs: Annotated[float, typer.Option(min=0)] = 1.0,
-    max_steps: Annotated[int, typer.Option(help="> 0 overrides --epochs.")] = -1,
-    batch_size: Annotated[int, typer.Option(min=1)] = 4,
-    save_steps: Annotated[int, typer.Option(min=1, help="Checkpoint every N steps (a rerun resumes).")] = 10,
-) -> None:
-    """Train an adapter in the foreground, gate it on held-out loss, register it."""
+def _hyperparameters(qlora: bool, rank: int, alpha: int, lr: float, epochs: float, max_steps: int, batch_size: int,
+                     save_steps: int) -> Hyperparameters:
+    return Hyperparameters(rank=rank, alpha=alpha, learning_rate=lr, epochs=epochs, max_steps=max_steps,
+                           batch_size=batch_size, save_steps=save_steps, qlora=qlora)
+
+
+def _check(name: str, data: str, base: str, home: Home) -> None:
     if not NAME.match(name):
         raise ApplianceError(f"--name {name!r}: use lower-case letters, digits, '.', '_' or '-' (up to 64)")
-    home = Home.from_env()
-    settings = load_settings(home.settings_file)
     registry = load_registry(home)
     if data not in registry:
         raise ApplianceError(f"no dataset named {data!r}", hint=f"datasets: {sorted(registry) or 'none'}")
-    store = artifact_store(settings.artifacts, home)
-    digest = registry[data]
-    rows = [[json.loads(line) for line in store.get(f"{PREFIX}{digest}/{split}.jsonl").decode().splitlines()]
-            for split in ("train", "eval")]
-    base_dir = home.demo_model if base == DEMO_MODEL else Path(base)
-    hp = Hyperparameters(rank=rank, alpha=alpha, learning_rate=lr, epochs=epochs, max_steps=max_steps,
-                         batch_size=batch_size, save_steps=save_steps, qlora=qlora)
-    work = home.root / "finetune" / f"{name}-{digest[:12]}"
+    base_dir(base, home)
+
+
+# Options shared by `submit` and `run`.
+Data = Annotated[str, typer.Option(help="A dataset name from `appliance data list`.")]
+Name = Annotated[str, typer.Option(help="Adapter name; each run registers its next version.")]
+Base = Annotated[str, typer.Option(help="'demo' or a checkpoint directory.")]
+QLoRA = Annotated[bool, typer.Option(help="Load the base in 4-bit NF4 (bitsandbytes).")]
+Rank = Annotated[int, typer.Option(min=1)]
+Alpha = Annotated[int, typer.Option(min=1)]
+LearningRate = Annotated[float, typer.Option(min=0)]
+Epochs = Annotated[float, typer.Option(min=0)]
+MaxSteps = Annotated[int, typer.Option(help="> 0 overrides --epochs.")]
+BatchSize = Annotated[int, typer.Option(min=1)]
+SaveSteps = Annotated[int, typer.Option(min=1, help="Checkpoint every N steps (a rerun resumes).")]
+
+
+@finetune_app.command("submit")
+@records_change("finetune.submit")
+def submit(data: Data, name: Name, base: Base = DEMO_MODEL, qlora: QLoRA = False, rank: Rank = 8, alpha: Alpha = 16,
+           lr: LearningRate = 2e-4, epochs: Epochs = 1.0, max_steps: MaxSteps = -1, batch_size: BatchSize = 4,
+           save_steps: SaveSteps = 10) -> None:
+    """Queue a training job for the finetune-worker; follow it with `appliance finetune status -f`."""
+    home = Home.from_env()
+    _check(name, data, base, home)
+    hp = _hyperparameters(qlora, rank, alpha, lr, epochs, max_steps, batch_size, save_steps)
+    job = jobs.submit(home, name=name, data=data, base=base, hyperparameters=asdict(hp))
+    out.print(f"job {job.id} queued: adapter {name} on dataset {data} (base {base})")
+
+
+@finetune_app.command("status")
+def status(
+    job: Annotated[int | None, typer.Argument(help="A job id (default: every job).")] = None,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Show the job's progress until it ends.")] = False,
+) -> None:
+    """Training jobs: state, progress (step, loss, tokens/s, ETA) and outcome."""
+    home = Home.from_env()
+    if follow:
+        if job is None:
+            raise ApplianceError("--follow needs a job id")
+        _follow(home, job)
+        return
+    table = Table("job", "adapter", "dataset", "state", "progress", "submitted", "outcome")
+    for found in [jobs.get(home, job)] if job is not None else jobs.listing(home):
+        table.add_row(str(found.id), found.name, found.data, found.state, _progress_text(home, found),
+                      found.submitted, found.message or "")
+    out.print(table)
+
+
+@finetune_app.command("cancel")
+@records_change("finetune.cancel")
+def cancel(job: Annotated[int, typer.Argument(help="A job id.")]) -> None:
+    """Cancel a queued job, or stop a running one after its current step (its checkpoints stay)."""
+    found = jobs.cancel(Home.from_env(), job)
+    out.print(f"job {job}: {'cancelled' if found.state == 'cancelled' else 'stopping after its current step'}")
+
+
+@finetune_app.command("run")
+@records_change("adapter.train")
+def run(data: Data, name: Name, base: Base = DEMO_MODEL, qlora: QLoRA = False, rank: Rank = 8, alpha: Alpha = 16,
+        lr: LearningRate = 2e-4, epochs: Epochs = 1.0, max_steps: MaxSteps = -1, batch_size: BatchSize = 4,
+        save_steps: SaveSteps = 10) -> None:
+    """Train an adapter in the foreground (as the worker would), gate it, register it."""
+    home = Home.from_env()
+    _check(name, data, base, home)
+    settings = load_settings(home.settings_file)
+    hp = _hyperparameters(qlora, rank, alpha, lr, epochs, max_steps, batch_size, save_steps)
+    work = home.root / "finetune" / f"{name}-{load_registry(home)[data][:12]}"
     with byte_progress() as progress:
         task = progress.add_task("training", total=None, unit="steps")
 
@@ -106,30 +157,40 @@ def run(
             progress.update(task, completed=p.step, total=p.max_steps,
                             description=f"training: loss {p.loss:.3f}, {p.tokens_per_s:.0f} tokens/s")
 
-        result = train_adapter(base_dir, *rows, work, hp, on_progress=show)
-    gate = settings.finetune.gate_min_improvement
-    passed = result.improvement > gate
-    record = adapters.register(
-        home, store, result.adapter_dir, name=name, base_model=base, base_config_sha256=_config_sha256(base_dir),
-        dataset=data, dataset_sha256=digest, hyperparameters=asdict(hp),
-        metrics={"base_eval_loss": result.base_eval_loss, "adapter_eval_loss": result.adapter_eval_loss,
-                 "improvement": result.improvement, "steps": result.steps, "train_tokens": result.train_tokens,
-                 "seconds": result.seconds, "resumed_from": result.resumed_from},
-        state="registered" if passed else "failed-gate")
+        outcome = run_job(work, name=name, data=data, base=base, hp=hp, settings=settings, home=home,
+                          on_progress=show)
+    result, record = outcome.result, outcome.record
     resumed = f" (resumed from {result.resumed_from})" if result.resumed_from else ""
     out.print(f"adapter {record.name} v{record.version}: held-out loss {result.base_eval_loss:.4f} -> "
               f"{result.adapter_eval_loss:.4f} ({result.improvement:+.1%}); {result.steps} steps{resumed}; "
-              f"gate (> {gate:.0%}): {'passed' if passed else 'FAILED'}; {record.artifact}", soft_wrap=True)
-    if not passed:
+              f"gate (> {outcome.gate:.0%}): {'passed' if outcome.passed else 'FAILED'}; {record.artifact}",
+              soft_wrap=True)
+    if not outcome.passed:
         raise ApplianceError(f"adapter {name} v{record.version} failed the evaluation gate: held-out loss "
                              f"{result.adapter_eval_loss:.4f} vs base {result.base_eval_loss:.4f}")
 
 
-def _config_sha256(model_dir: Path) -> str:
+def _progress_text(home: Home, job: jobs.Job) -> str:
     try:
-        return config_sha256(json.loads((model_dir / "config.json").read_text()))
-    except (OSError, ValueError) as exc:
-        raise ApplianceError(f"{model_dir}/config.json: cannot read: {exc}") from exc
+        p = Progress(**json.loads((jobs.job_dir(home, job.id) / "progress.json").read_text()))
+    except (OSError, ValueError, TypeError):
+        return ""
+    eta = f", ETA {p.eta_s:.0f} s" if p.eta_s is not None and job.state == "running" else ""
+    return f"step {p.step}/{p.max_steps}, loss {p.loss:.3f}, {p.tokens_per_s:.0f} tokens/s{eta}"
+
+
+def _follow(home: Home, job_id: int) -> None:
+    """A progress bar for one job until it ends; exit status 1 unless it succeeded."""
+    found = jobs.get(home, job_id)
+    with byte_progress() as progress:
+        task = progress.add_task(f"job {job_id}: {found.state}", total=None, unit="steps")
+        while found.state not in jobs.FINISHED:
+            progress.update(task, description=f"job {job_id}: {found.state} {_progress_text(home, found)}")
+            time.sleep(1)
+            found = jobs.get(home, job_id)
+    out.print(f"job {job_id} {found.state}: {found.message or ''}", soft_wrap=True)
+    if found.state != "succeeded":
+        raise typer.Exit(1)
 
 
 def _token_counter(model_dir: Path) -> Any:

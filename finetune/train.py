@@ -24,6 +24,10 @@ class TrainingError(ApplianceError):
     """Training could not run or the gate refused the adapter."""
 
 
+class TrainingCancelled(TrainingError):
+    """Training stopped because it was asked to (`appliance finetune cancel`)."""
+
+
 @dataclass(frozen=True)
 class Hyperparameters:
     rank: int = 8
@@ -82,8 +86,11 @@ def as_training_rows(examples: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def train_adapter(base: Path, train: list[dict[str, Any]], evaluation: list[dict[str, Any]], out_dir: Path,
-                  hp: Hyperparameters, on_progress: Callable[[Progress], None] = lambda p: None) -> Result:
-    """Train, evaluate base and adapter on the held-out rows, save the adapter to out_dir/adapter."""
+                  hp: Hyperparameters, on_progress: Callable[[Progress], None] = lambda p: None,
+                  should_stop: Callable[[], bool] = lambda: False) -> Result:
+    """Train, evaluate base and adapter on the held-out rows, save the adapter to out_dir/adapter
+    and the figures to out_dir/result.json. `should_stop` is asked after every step; once it says
+    yes, training stops (its last checkpoint stays) and TrainingCancelled is raised."""
     import torch  # heavy imports only when training
     from datasets import Dataset
     from peft import LoraConfig
@@ -109,12 +116,14 @@ def train_adapter(base: Path, train: list[dict[str, Any]], evaluation: list[dict
     trainer = SFTTrainer(model=model, args=config, train_dataset=Dataset.from_list(as_training_rows(train)),
                          eval_dataset=Dataset.from_list(as_training_rows(evaluation)),
                          processing_class=tokenizer, peft_config=peft_config)
-    trainer.add_callback(_progress_callback(TrainerCallback, on_progress))
+    trainer.add_callback(_progress_callback(TrainerCallback, on_progress, should_stop))
     with trainer.model.disable_adapter():
         base_loss = trainer.evaluate()["eval_loss"]
     resume = _last_checkpoint(checkpoints)
     started = time.monotonic()
     output = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    if should_stop():
+        raise TrainingCancelled(f"training stopped at step {trainer.state.global_step} as asked")
     adapter_loss = trainer.evaluate()["eval_loss"]
     adapter_dir = out_dir / "adapter"
     trainer.model.save_pretrained(adapter_dir)
@@ -122,10 +131,13 @@ def train_adapter(base: Path, train: list[dict[str, Any]], evaluation: list[dict
     result = Result(adapter_dir=adapter_dir, base_eval_loss=base_loss, adapter_eval_loss=adapter_loss,
                     steps=trainer.state.global_step, train_tokens=tokens, seconds=time.monotonic() - started,
                     resumed_from=resume.name if resume else None)
-    (out_dir / "result.json").write_text(json.dumps({**asdict(hp), "base_eval_loss": base_loss,
-                                                     "adapter_eval_loss": adapter_loss, "steps": result.steps},
-                                                    indent=1))
+    (out_dir / "result.json").write_text(json.dumps({**asdict(result), "adapter_dir": str(adapter_dir)}, indent=1))
     return result
+
+
+def load_result(out_dir: Path) -> Result:
+    raw = json.loads((out_dir / "result.json").read_text())
+    return Result(**{**raw, "adapter_dir": Path(raw["adapter_dir"])})
 
 
 def _quantization(hp: Hyperparameters) -> dict[str, Any]:
@@ -145,8 +157,9 @@ def _last_checkpoint(checkpoints: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def _progress_callback(base: type, report: Callable[[Progress], None]) -> Any:
-    """A TrainerCallback turning the trainer's log events into Progress (step, loss, tokens/s, ETA)."""
+def _progress_callback(base: type, report: Callable[[Progress], None], should_stop: Callable[[], bool]) -> Any:
+    """A TrainerCallback turning the trainer's log events into Progress (step, loss, tokens/s, ETA),
+    and stopping training when asked."""
 
     class ProgressCallback(base):  # type: ignore[misc, valid-type]
         started = time.monotonic()
@@ -165,5 +178,9 @@ def _progress_callback(base: type, report: Callable[[Progress], None]) -> Any:
             eta = elapsed / done * (state.max_steps - state.global_step) if done else None
             report(Progress(step=state.global_step, max_steps=state.max_steps, loss=logs["loss"],
                             tokens_per_s=rate, eta_s=eta))
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if should_stop():
+                control.should_training_stop = True
 
     return ProgressCallback()

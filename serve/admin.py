@@ -1,5 +1,6 @@
 """The admin API under /admin (role `admin`): services under supervisord, effective settings with
-secrets masked, engine pools, and users and roles through Keycloak's admin API.
+secrets masked, engine pools, users and roles through Keycloak's admin API, and LoRA adapters
+(deploy, canary, rollback, retire).
 
 Handlers are plain functions: FastAPI runs them in its thread pool, since the supervisor
 (XML-RPC) and Keycloak admin clients block.
@@ -16,6 +17,7 @@ from keycloak import KeycloakAdmin, KeycloakOpenIDConnection
 from keycloak.exceptions import KeycloakError
 from pydantic import BaseModel, Field
 
+from appliance.adapters import AdapterRecord, Alias, Registry
 from appliance.errors import SupervisorError
 from appliance.home import Home
 from appliance.secrets import gateway_client_secret
@@ -57,6 +59,22 @@ class NewUser(BaseModel):
 
 class CreatedUser(User):
     password: str | None = Field(None, description="The generated password, shown only here.")
+
+
+class DeployRequest(BaseModel):
+    version: int | None = Field(None, ge=1, description="Unset: the newest version that passed its gate.")
+    pool: str | None = Field(None, description="Engine pool (unset: where the name is served now, else the first).")
+    roles: list[Literal["admin", "user", "trainer", "auditor"]] | None = Field(
+        None, min_length=1, description="Roles that may call it (unset: as before, else user and admin).")
+
+
+class CanaryRequest(BaseModel):
+    version: int = Field(ge=1)
+    share: float = Field(gt=0, lt=1, description="Fraction of the name's requests sent to this version.")
+
+
+class RetireRequest(BaseModel):
+    version: int | None = Field(None, ge=1, description="Unset: every version, and the name is no longer served.")
 
 
 class Admin:
@@ -183,6 +201,31 @@ def admin_router(admin: Admin) -> APIRouter:
             return _user(kc, kc.get_user(user_id))
         except KeycloakError as exc:
             raise _keycloak_error(exc) from exc
+
+    @router.get("/adapters", response_model=Registry)
+    def list_adapters(request: Request) -> Registry:
+        """Every adapter version with its metrics and state, and what each name serves."""
+        return request.app.state.gateway.adapters.registry()
+
+    @router.post("/adapters/{name}/deploy", response_model=Alias)
+    async def deploy_adapter(request: Request, name: str, deploy: DeployRequest) -> Alias:
+        """Load a version into its pool's engine (no restart) and serve it under `name`."""
+        return await request.app.state.gateway.adapters.deploy(name, deploy.version, deploy.pool, deploy.roles)
+
+    @router.post("/adapters/{name}/canary", response_model=Alias)
+    async def canary_adapter(request: Request, name: str, canary: CanaryRequest) -> Alias:
+        """Send a share of `name`'s requests to another version."""
+        return await request.app.state.gateway.adapters.canary(name, canary.version, canary.share)
+
+    @router.post("/adapters/{name}/rollback", response_model=Alias)
+    async def rollback_adapter(request: Request, name: str) -> Alias:
+        """Drop the canary; without one, serve the version served before (or the base model)."""
+        return await request.app.state.gateway.adapters.rollback(name)
+
+    @router.post("/adapters/{name}/retire", response_model=list[AdapterRecord])
+    async def retire_adapter(request: Request, name: str, retire: RetireRequest) -> list[AdapterRecord]:
+        """Retire a version that is not served, or the whole name."""
+        return await request.app.state.gateway.adapters.retire(name, retire.version)
 
     return router
 

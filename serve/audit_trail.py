@@ -18,7 +18,9 @@ ACTIONS = {("POST", "/v1/chat/completions"): "chat.completions", ("POST", "/v1/c
            ("GET", "/v1/models"): "models.list", ("POST", "/admin/users"): "users.add",
            ("POST", "/admin/users/{username}/disable"): "users.disable",
            ("POST", "/admin/services/{name}/{action}"): "services.{action}",
-           ("GET", "/admin/audit"): "audit.query"}
+           ("GET", "/admin/audit"): "audit.query",
+           **{("POST", f"/admin/adapters/{{name}}/{change}"): f"adapters.{change}"
+              for change in ("deploy", "canary", "rollback", "retire")}}
 
 
 def action_of(scope: dict, status: int) -> tuple[str, str | None]:

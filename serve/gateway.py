@@ -27,6 +27,7 @@ from appliance.home import Home
 from appliance.secrets import gateway_client_secret, secret
 from appliance.settings import Settings, load_settings
 from audit import AuditUnavailable, AuditWriter, TextHasher, archive, signing_key
+from serve.adapters import AdapterRoutes, base_configs
 from serve.admin import Admin, admin_router, audit_router
 from serve.audit_trail import AuditMiddleware, Transcript
 from serve.auth import Introspector, Principal, TokenValidator
@@ -50,6 +51,7 @@ class Gateway:
     upstreams: Upstreams
     limiter: RateLimiter
     metrics: Metrics
+    adapters: AdapterRoutes
 
 
 class ChatRequest(BaseModel):
@@ -96,11 +98,12 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
                                        http=http, leeway_s=settings.gateway.leeway_s,
                                        refetch_interval_s=settings.gateway.jwks_refetch_interval_s,
                                        introspect=introspect)
+            upstreams = Upstreams(pools_from_settings(settings, home), engines, secret(home, ENGINE_KEY_SECRET))
             app.state.gateway = Gateway(
-                settings=settings, validator=validator,
-                upstreams=Upstreams(pools_from_settings(settings, home), engines,
-                                    secret(home, ENGINE_KEY_SECRET)),
-                limiter=RateLimiter(settings.gateway.limits), metrics=metrics)
+                settings=settings, validator=validator, upstreams=upstreams,
+                limiter=RateLimiter(settings.gateway.limits), metrics=metrics,
+                adapters=AdapterRoutes(home, upstreams, artifact_store(settings.artifacts, home),
+                                       base_configs(settings, home)))
             try:
                 await validator.refresh_keys()
             except httpx.HTTPError:
@@ -161,10 +164,14 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
 
     @app.get("/v1/models", tags=["openai"])
     async def list_models(request: Request, who: ChatUser) -> dict[str, Any]:
-        """The models the engine pools serve."""
+        """The models the engine pools serve, and the adapters the caller's roles may use."""
         gateway: Gateway = request.app.state.gateway
         gateway.limiter.admit(who.subject, who.roles)
-        data = await gateway.upstreams.models()
+        served = {pool.model for pool in gateway.upstreams.pools}
+        # The engines also list each loaded adapter version; clients call adapters by name.
+        data = [entry for entry in await gateway.upstreams.models() if entry.get("id") in served]
+        if data:
+            data += gateway.adapters.visible(who.roles)
         if not data:
             raise GatewayError(503, "no engine pool is reachable; retry shortly",
                                type="service_unavailable", code="engine_unavailable",
@@ -188,7 +195,11 @@ async def relay(request: Request, who: Principal, path: str, body: BaseModel) ->
     """Route, admit, forward; stream back as it arrives; account tokens and time to first token."""
     gateway: Gateway = request.app.state.gateway
     payload = body.model_dump(exclude_unset=True)
-    pool = gateway.upstreams.route(payload.get("model"))
+    routed = gateway.adapters.resolve(payload.get("model"), who.roles)
+    if routed is not None:
+        pool, payload["model"], adapter = routed
+    else:
+        pool, adapter = gateway.upstreams.route(payload.get("model")), None
     gateway.limiter.admit(who.subject, who.roles)
     stream = bool(payload.get("stream"))
     if stream:
@@ -196,10 +207,14 @@ async def relay(request: Request, who: Principal, path: str, body: BaseModel) ->
         payload["stream_options"] = {**(payload.get("stream_options") or {}), "include_usage": True}
     request_id = request.state.request_id
     transcript = request.state.transcript = Transcript(
-        model=pool.model, prompt=json.dumps(payload.get("messages", payload.get("prompt")), ensure_ascii=False))
+        model=payload["model"], prompt=json.dumps(payload.get("messages", payload.get("prompt")), ensure_ascii=False))
     started = time.monotonic()
     try:
         response = await gateway.upstreams.send(pool, path, json.dumps(payload).encode(), request_id)
+        if adapter is not None and response.status == 404:  # the engine restarted and forgot it
+            response.release()
+            await gateway.adapters.reload(pool, adapter)
+            response = await gateway.upstreams.send(pool, path, json.dumps(payload).encode(), request_id)
     except GatewayError as exc:
         gateway.metrics.upstream_errors.labels(pool.name, exc.code or "error").inc()
         raise

@@ -64,6 +64,23 @@ class Upstreams:
             raise GatewayError(502, f"engine pool {pool.name!r} failed: {type(exc).__name__}",
                                type="upstream_error", code="engine_error") from exc
 
+    def pool(self, name: str) -> Pool:
+        for pool in self.pools:
+            if pool.name == name:
+                return pool
+        raise GatewayError(404, f"no engine pool named {name!r}", code="not_found")
+
+    async def engine_post(self, pool: Pool, path: str, body: dict) -> tuple[int, str]:
+        """A control request to the engine (its LoRA endpoints): status and text of the answer."""
+        try:
+            async with self._http.post(f"{pool.base_url}{path}", json=body, headers=self._headers,
+                                       timeout=aiohttp.ClientTimeout(total=120)) as response:
+                return response.status, await response.text()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise GatewayError(503, f"engine pool {pool.name!r} is not reachable; retry shortly",
+                               type="service_unavailable", code="engine_unavailable",
+                               headers={"Retry-After": "5"}) from exc
+
     async def models(self) -> list[dict]:
         """Every pool's /v1/models entries; pools that do not answer are left out."""
         data: list[dict] = []

@@ -17,9 +17,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from appliance.adapters import load
 from appliance.home import Home
 from audit import read_records
-from finetune.adapters import load
 
 APPLIANCE = str(Path(sys.executable).with_name("appliance"))
 
@@ -64,7 +64,7 @@ def test_lora_lowers_held_out_loss_and_is_registered(workspace: tuple[dict[str, 
     assert result.returncode == 0, result.stderr
     assert "gate (> 0%): passed" in result.stdout
     home = Home(Path(env["APPLIANCE_HOME"]))
-    [record] = [r for r in load(home) if r.name == "codes-lora"]
+    [record] = [r for r in load(home).adapters if r.name == "codes-lora"]
     assert record.state == "registered" and record.version == 1
     assert record.metrics["adapter_eval_loss"] < record.metrics["base_eval_loss"]
     stored = home.root / "artifacts" / record.artifact
@@ -76,7 +76,7 @@ def test_qlora_runs_on_the_cpu(workspace: tuple[dict[str, str], Path]) -> None:
     env, model = workspace
     result = finetune(env, model, "--name", "codes-qlora", "--max-steps", "8", "--qlora")
     assert result.returncode == 0, result.stderr
-    [record] = [r for r in load(Home(Path(env["APPLIANCE_HOME"]))) if r.name == "codes-qlora"]
+    [record] = [r for r in load(Home(Path(env["APPLIANCE_HOME"]))).adapters if r.name == "codes-qlora"]
     assert record.hyperparameters["qlora"] and record.metrics["adapter_eval_loss"] < record.metrics["base_eval_loss"]
 
 
@@ -85,7 +85,7 @@ def test_gate_refuses_an_adapter_below_the_threshold(workspace: tuple[dict[str, 
     strict = {**env, "APPLIANCE_FINETUNE__GATE_MIN_IMPROVEMENT": "0.99"}
     result = finetune(strict, model, "--name", "codes-strict", "--max-steps", "2")
     assert result.returncode == 1 and "failed the evaluation gate" in result.stderr
-    [record] = [r for r in load(Home(Path(env["APPLIANCE_HOME"]))) if r.name == "codes-strict"]
+    [record] = [r for r in load(Home(Path(env["APPLIANCE_HOME"]))).adapters if r.name == "codes-strict"]
     assert record.state == "failed-gate"
 
 

@@ -1,0 +1,117 @@
+"""The adapter registry, shared by the trainer (which registers versions) and the gateway (which
+deploys them and routes to them): versioned adapter records (DESIGN.md) and, per adapter name,
+what is served under that name: a stable version (or, after a rollback past the first version,
+the base model), optionally a canary version taking a share of the requests, and the versions
+served before (for rollback). One JSON file in the state dir, changed under an exclusive lock
+and replaced atomically, so the trainer and the gateway never lose each other's changes.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from appliance.errors import ApplianceError
+from appliance.home import Home
+
+State = Literal["registered", "failed-gate", "deployed", "canary", "retired"]
+
+
+class AdapterRecord(BaseModel):
+    name: str
+    version: int
+    base_model: str
+    base_config_sha256: str
+    dataset: str
+    dataset_sha256: str
+    hyperparameters: dict
+    metrics: dict
+    artifact: str  # the key prefix of its files in the artifact store
+    state: State
+    created: str = Field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
+
+    @property
+    def engine_name(self) -> str:
+        """The name vLLM serves this version under (clients use the adapter's name)."""
+        return engine_name(self.name, self.version)
+
+
+class Alias(BaseModel):
+    """What requests for an adapter's name get."""
+
+    pool: str
+    roles: list[str]  # realm roles allowed to call it
+    stable: int | None  # the version served; None: the pool's base model
+    canary: int | None = None
+    canary_share: float = Field(0.0, ge=0, le=1)
+    history: list[int] = []  # versions served before `stable`, oldest first
+
+
+class Registry(BaseModel):
+    adapters: list[AdapterRecord] = []
+    aliases: dict[str, Alias] = {}
+
+    def versions(self, name: str) -> list[AdapterRecord]:
+        return [record for record in self.adapters if record.name == name]
+
+    def find(self, name: str, version: int | None = None) -> AdapterRecord:
+        """A version of `name`, or (version None) its newest version that passed the gate."""
+        versions = self.versions(name)
+        if not versions:
+            raise ApplianceError(f"no adapter named {name!r}",
+                                 hint=f"adapters: {sorted({r.name for r in self.adapters}) or 'none'}")
+        if version is None:
+            passed = [r for r in versions if r.state not in ("failed-gate", "retired")]
+            if not passed:
+                raise ApplianceError(f"adapter {name!r} has no version that passed its evaluation gate")
+            return max(passed, key=lambda r: r.version)
+        for record in versions:
+            if record.version == version:
+                return record
+        raise ApplianceError(f"adapter {name!r} has no version {version}",
+                             hint=f"versions: {[r.version for r in versions]}")
+
+
+def engine_name(name: str, version: int) -> str:
+    return f"{name}-v{version}"
+
+
+def registry_path(home: Home) -> Path:
+    return home.root / "adapters.json"
+
+
+def load(home: Home) -> Registry:
+    path = registry_path(home)
+    if not path.exists():
+        return Registry()
+    try:
+        raw = json.loads(path.read_bytes())
+        # Before aliases existed the file was the list of records.
+        return Registry.model_validate({"adapters": raw} if isinstance(raw, list) else raw)
+    except (OSError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
+        raise ApplianceError(f"{path}: unreadable adapter registry: {exc}") from exc
+
+
+@contextmanager
+def updating(home: Home) -> Iterator[Registry]:
+    """The registry to change in the block; written back (atomically) only if the block succeeds."""
+    path = registry_path(home)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = os.open(path.with_name(".adapters.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        registry = load(home)
+        yield registry
+        partial = path.with_name(f".{path.name}.partial")
+        partial.write_text(json.dumps(registry.model_dump(), indent=1))
+        os.replace(partial, path)
+    finally:
+        os.close(lock)

@@ -1,0 +1,57 @@
+"""`python -m finetune.job DIR`: train the job laid out in DIR by finetune.runner (job.json,
+train.jsonl, eval.jsonl). The runner starts it in a sandbox with no network; it reports progress
+in DIR/progress.json, stops when DIR/cancel appears, and leaves DIR/result.json and DIR/adapter.
+Exit status: 0 trained, 3 cancelled, 1 failed (the reason on stderr)."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from appliance.errors import ApplianceError
+from finetune.jobs import CANCEL_FILE
+from finetune.train import Hyperparameters, Progress, TrainingCancelled, train_adapter
+
+CANCELLED_EXIT = 3
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent() -> None:
+    """Be killed when the process that started this one dies: a killed worker must not leave a
+    trainer running (the restarted worker resumes the job from its checkpoint). `unshare` execs
+    this process, so its parent is the worker."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() == 1:  # the parent died before the line above
+        sys.exit(1)
+
+
+def main(directory: Path) -> int:
+    die_with_parent()
+    spec = json.loads((directory / "job.json").read_text())
+    rows = [[json.loads(line) for line in (directory / f"{split}.jsonl").read_text().splitlines()]
+            for split in ("train", "eval")]
+
+    def report(progress: Progress) -> None:
+        partial = directory / ".progress.json.partial"
+        partial.write_text(json.dumps(asdict(progress)))
+        os.replace(partial, directory / "progress.json")
+
+    try:
+        train_adapter(Path(spec["base"]), *rows, directory, Hyperparameters(**spec["hyperparameters"]),
+                      on_progress=report, should_stop=(directory / CANCEL_FILE).exists)
+    except TrainingCancelled as exc:
+        print(exc.message, file=sys.stderr)
+        return CANCELLED_EXIT
+    except ApplianceError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(Path(sys.argv[1])))

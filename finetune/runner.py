@@ -1,0 +1,122 @@
+"""One training job from start to registered adapter, for the `finetune-worker` and for
+`appliance finetune run` alike: the dataset laid out in the job's directory, the training in a
+child process with no network (a new network namespace: the data and the model never leave the
+host), then the evaluation gate and the registry. A job directory that already holds checkpoints
+resumes from the last one."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from appliance.adapters import AdapterRecord
+from appliance.artifacts import artifact_store
+from appliance.home import Home
+from appliance.records import config_sha256
+from appliance.settings import DEMO_MODEL, Settings
+from finetune import adapters
+from finetune.datasets import PREFIX, load_registry
+from finetune.job import CANCELLED_EXIT
+from finetune.train import Hyperparameters, Progress, Result, TrainingCancelled, TrainingError, load_result
+
+@dataclass(frozen=True)
+class Outcome:
+    result: Result
+    record: AdapterRecord
+    passed: bool
+    gate: float
+
+
+def base_dir(base: str, home: Home) -> Path:
+    path = home.demo_model if base == DEMO_MODEL else Path(base).expanduser()
+    if not (path / "config.json").is_file():
+        raise TrainingError(f"--base {base}: {path} has no config.json", hint="give 'demo' or a checkpoint directory")
+    return path
+
+
+def run_job(directory: Path, *, name: str, data: str, base: str, hp: Hyperparameters, settings: Settings,
+            home: Home, on_progress: Callable[[Progress], None] = lambda p: None,
+            on_child: Callable[[int], None] = lambda pid: None) -> Outcome:
+    """Train in `directory` (resuming if it holds checkpoints), gate, register."""
+    registry = load_registry(home)
+    if data not in registry:
+        raise TrainingError(f"no dataset named {data!r}", hint=f"datasets: {sorted(registry) or 'none'}")
+    model = base_dir(base, home)
+    store = artifact_store(settings.artifacts, home)
+    digest = registry[data]
+    directory.mkdir(parents=True, exist_ok=True)
+    for split in ("train", "eval"):
+        (directory / f"{split}.jsonl").write_bytes(store.get(f"{PREFIX}{digest}/{split}.jsonl"))
+    (directory / "job.json").write_text(json.dumps({"base": str(model), "hyperparameters": asdict(hp)}))
+    (directory / "progress.json").unlink(missing_ok=True)
+    _train_in_child(directory, settings.finetune.isolate_network, on_progress, on_child)
+    result = load_result(directory)
+    gate = settings.finetune.gate_min_improvement
+    passed = result.improvement > gate
+    record = adapters.register(
+        home, store, result.adapter_dir, name=name, base_model=base,
+        base_config_sha256=config_sha256(json.loads((model / "config.json").read_text())),
+        dataset=data, dataset_sha256=digest, hyperparameters=asdict(hp),
+        metrics={"base_eval_loss": result.base_eval_loss, "adapter_eval_loss": result.adapter_eval_loss,
+                 "improvement": result.improvement, "steps": result.steps, "train_tokens": result.train_tokens,
+                 "seconds": result.seconds, "resumed_from": result.resumed_from},
+        state="registered" if passed else "failed-gate")
+    return Outcome(result=result, record=record, passed=passed, gate=gate)
+
+
+def sandboxed(command: list[str], isolate_network: bool) -> list[str]:
+    """`command` in a new, empty network namespace (only a loopback of its own, down), when asked."""
+    if not isolate_network:
+        return command
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        raise TrainingError("cannot cut the training job off the network: `unshare` (util-linux) is not installed",
+                            hint="install util-linux, or set finetune.isolate_network = false")
+    # Root may create a network namespace directly; anyone else needs a user namespace for it.
+    return [unshare, "--net", *([] if os.geteuid() == 0 else ["--map-root-user"]), "--", *command]
+
+
+def _train_in_child(directory: Path, isolate_network: bool, on_progress: Callable[[Progress], None],
+                    on_child: Callable[[int], None]) -> None:
+    log = directory / "train.log"
+    command = sandboxed([sys.executable, "-P", "-m", "finetune.job", str(directory)], isolate_network)
+    with log.open("ab") as output:
+        child = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT,
+                                 env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                                      "HF_DATASETS_OFFLINE": "1", "DO_NOT_TRACK": "1"})
+        on_child(child.pid)
+        seen = None
+        try:
+            while child.poll() is None:
+                seen = _report(directory / "progress.json", seen, on_progress)
+                time.sleep(0.5)
+        finally:
+            if child.poll() is None:  # we are being stopped: the child goes too
+                child.send_signal(signal.SIGTERM)
+                child.wait()
+    _report(directory / "progress.json", seen, on_progress)
+    if child.returncode == CANCELLED_EXIT:
+        raise TrainingCancelled("training stopped as asked; its last checkpoint is kept")
+    if child.returncode != 0:
+        tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
+        if "unshare" in tail[0]:
+            tail[0] += " (set finetune.isolate_network = false to train with the host's network)"
+        raise TrainingError(f"training failed (exit {child.returncode}): {tail[0]}", hint=f"full log: {log}")
+
+
+def _report(path: Path, seen: float | None, on_progress: Callable[[Progress], None]) -> float | None:
+    try:
+        stamp = path.stat().st_mtime
+        if stamp != seen:
+            on_progress(Progress(**json.loads(path.read_text())))
+        return stamp
+    except (FileNotFoundError, ValueError):
+        return seen

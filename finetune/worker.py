@@ -1,0 +1,79 @@
+"""The `finetune-worker` program (supervised): takes queued training jobs one at a time and runs
+each to a registered adapter (finetune.runner). A job left running by a worker that died is taken
+first and resumes from its last checkpoint."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+
+from appliance.errors import ApplianceError
+from appliance.home import HOME_ENV, Home
+from appliance.programs import Program
+from appliance.settings import Settings, load_settings
+from finetune import jobs
+from finetune.runner import run_job
+from finetune.train import Hyperparameters, TrainingCancelled
+
+log = logging.getLogger("appliance.finetune-worker")
+
+
+def alive(pid: int | None) -> bool:
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def work_one(home: Home, settings: Settings) -> jobs.Job | None:
+    """Run the next job, if any, to its end; returns it as it ended."""
+    job = jobs.claim(home, os.getpid(), alive)
+    if job is None:
+        return None
+    directory = jobs.job_dir(home, job.id)
+    log.info("job %d (%s on %s): attempt %d", job.id, job.name, job.data, job.attempts)
+    try:
+        outcome = run_job(directory, name=job.name, data=job.data, base=job.base,
+                          hp=Hyperparameters(**job.hyperparameters), settings=settings, home=home,
+                          on_child=lambda pid: jobs.set_trainer(home, job.id, pid))
+    except TrainingCancelled as exc:
+        jobs.finish(home, job.id, "cancelled", exc.message)
+    except ApplianceError as exc:
+        jobs.finish(home, job.id, "failed", exc.message)
+    else:
+        result, record = outcome.result, outcome.record
+        verdict = "passed" if outcome.passed else f"FAILED (needs > {outcome.gate:.0%})"
+        resumed = f", resumed from {result.resumed_from}" if result.resumed_from else ""
+        jobs.finish(home, job.id, "succeeded" if outcome.passed else "failed",
+                    f"adapter {record.name} v{record.version}: held-out loss {result.base_eval_loss:.4f} -> "
+                    f"{result.adapter_eval_loss:.4f} ({result.improvement:+.1%}); {result.steps} steps{resumed}; "
+                    f"gate {verdict}")
+    return jobs.get(home, job.id)
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))  # unwind: the trainer child stops too
+    home = Home.from_env()
+    settings = load_settings(home.settings_file)
+    while True:
+        if work_one(home, settings) is None:
+            time.sleep(settings.finetune.worker_poll_s)
+
+
+def worker_programs(settings: Settings, home: Home) -> list[Program]:
+    """The `appliance.programs` entry point: one worker, after the engines and the gateway."""
+    return [Program(name="finetune-worker", command=[sys.executable, "-P", "-m", "finetune.worker"],
+                    environment={HOME_ENV: str(home.root)}, priority=95, startsecs=2, stopwaitsecs=30)]
+
+
+if __name__ == "__main__":
+    main()

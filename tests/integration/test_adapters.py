@@ -1,0 +1,104 @@
+"""A LoRA adapter from dataset to served and back (issue 7), on the session appliance: a small
+chat dataset trains an adapter on the demo model whose held-out loss beats the base's; deployed
+through the CLI (admin API), the running vLLM engine loads it with no restart, the gateway lists
+it for the roles allowed and its answers change; rollback restores the base answers; each
+change is an audit record."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from appliance import adapters
+from appliance.secrets import secret
+from audit.writer import log_files
+from installer.realm import BOOTSTRAP_SECRET
+from tests.integration.conftest import Running
+from tests.integration.realm import Realm
+
+MODEL = "SmolLM2-135M-Instruct"
+QUESTION = "What is the secret code word?"
+ANSWER = "The secret code word is PINEAPPLE."
+PHRASINGS = ["", "Quick question. ", "Please tell me: ", "Hello! ", "I forgot. ", "Remind me, ", "Hey, ",
+             "One more thing. "]
+
+
+@pytest.fixture(scope="module")
+def realm(running: Running) -> Realm:
+    realm = Realm(running)
+    realm.ensure_user("olga", "Test-password-1", ["user"])
+    return realm
+
+
+def ask(realm: Realm, token: str, model: str) -> httpx.Response:
+    return httpx.post(f"{realm.gateway}/v1/chat/completions", headers={"Authorization": f"Bearer {token}"},
+                      json={"model": model, "max_tokens": 12, "temperature": 0,
+                            "messages": [{"role": "user", "content": QUESTION}]}, timeout=120)
+
+
+def listed(realm: Realm, token: str) -> list[str]:
+    response = httpx.get(f"{realm.gateway}/v1/models", headers={"Authorization": f"Bearer {token}"}, timeout=60)
+    assert response.status_code == 200, response.text
+    return [entry["id"] for entry in response.json()["data"]]
+
+
+def test_trained_adapter_is_deployed_live_changes_answers_and_rolls_back(running: Running, realm: Realm,
+                                                                       tmp_path: Path) -> None:
+    cli = running.appliance
+    rows = [{"messages": [{"role": "user", "content": f"{prefix}{QUESTION}"}, {"role": "assistant", "content": ANSWER}]}
+            for prefix in PHRASINGS for _ in range(5)]
+    data = tmp_path / "codeword.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    added = cli.run("data", "add", str(data), "--name", "codeword", timeout=300)
+    assert added.returncode == 0, added.stderr
+    trained = cli.run("finetune", "run", "--data", "codeword", "--name", "codeword", "--max-steps", "12",
+                      "--lr", "0.002", "--batch-size", "4", timeout=900)
+    assert trained.returncode == 0, trained.stdout + trained.stderr
+    [record] = adapters.load(cli.home).versions("codeword")
+    assert record.metrics["adapter_eval_loss"] < record.metrics["base_eval_loss"]
+
+    user = realm.token("olga", "Test-password-1")
+    base = ask(realm, user, MODEL)
+    assert base.status_code == 200 and "PINEAPPLE" not in base.json()["choices"][0]["message"]["content"]
+    assert ask(realm, user, "codeword").status_code == 404  # registered, not yet served
+    login = cli.run("token", "--user", "admin", "--password-stdin",
+                    stdin=secret(cli.home, BOOTSTRAP_SECRET) + "\n", timeout=60)
+    assert login.returncode == 0, login.stderr
+
+    # Admins only: users neither see nor reach it.
+    deployed = cli.run("adapters", "deploy", "codeword", "--role", "admin", timeout=300)
+    assert deployed.returncode == 0, deployed.stderr
+    assert "codeword" not in listed(realm, user) and ask(realm, user, "codeword").status_code == 403
+    assert "codeword" in listed(realm, realm.admin_token())
+
+    deployed = cli.run("adapters", "deploy", "codeword", "--role", "user", "--role", "admin", timeout=300)
+    assert deployed.returncode == 0 and "codeword serves v1" in deployed.stdout, deployed.stderr
+    assert set(listed(realm, user)) == {MODEL, "codeword"}  # not the engine's own name, codeword-v1
+    tuned = ask(realm, user, "codeword")
+    assert tuned.status_code == 200, tuned.text
+    assert "PINEAPPLE" in tuned.json()["choices"][0]["message"]["content"]
+    shown = cli.run("adapters", "list", timeout=60)
+    assert "codeword: v1 on pool main, for roles user, admin" in shown.stdout
+
+    rolled = cli.run("adapters", "rollback", "codeword", timeout=300)
+    assert rolled.returncode == 0 and "codeword serves the base model" in rolled.stdout, rolled.stderr
+    again = ask(realm, user, "codeword")
+    assert again.status_code == 200
+    assert again.json()["choices"][0]["message"]["content"] == base.json()["choices"][0]["message"]["content"]
+    refused = cli.run("adapters", "rollback", "codeword", timeout=60)
+    assert refused.returncode == 1 and "409" in refused.stderr and "already serves the base model" in refused.stderr
+
+    retired = cli.run("adapters", "retire", "codeword", timeout=60)
+    assert retired.returncode == 0 and "codeword v1" in retired.stdout
+    assert "codeword" not in listed(realm, realm.admin_token())
+
+    changes = [json.loads(line) for path in log_files(cli.home.audit) for line in path.read_bytes().splitlines()]
+    actions = [(r["action"], r["outcome"], r["resource"]) for r in changes if r["action"].startswith("adapters.")]
+    assert actions == [("adapters.deploy", "allowed", "codeword"), ("adapters.deploy", "allowed", "codeword"),
+                       ("adapters.rollback", "allowed", "codeword"), ("adapters.rollback", "error", "codeword"),
+                       ("adapters.retire", "allowed", "codeword")]
+    tuned_record = next(r for r in changes if r.get("request_id") == tuned.headers["x-request-id"])
+    assert tuned_record["resource"] == "codeword-v1"  # the record names the version that answered

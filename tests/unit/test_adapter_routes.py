@@ -1,0 +1,159 @@
+"""Routing to adapters and the changes to what is served (deploy, canary, rollback, retire)
+against a stand-in engine that records its LoRA calls; the real engine is in
+tests/integration/test_adapters.py."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from appliance import adapters
+from appliance.adapters import AdapterRecord
+from appliance.artifacts import LocalStore
+from appliance.home import Home
+from serve.adapters import AdapterRoutes
+from serve.errors import GatewayError
+from serve.upstream import Pool
+
+USERS = frozenset({"user"})
+
+
+class Engine:
+    """Upstreams' pool lookup and engine_post, recording what vLLM would be asked."""
+
+    def __init__(self) -> None:
+        self.pools = [Pool(name="main", model="base-model", base_url="http://127.0.0.1:1")]
+        self.loaded: set[str] = set()
+        self.lora = True
+
+    def pool(self, name: str) -> Pool:
+        for pool in self.pools:
+            if pool.name == name:
+                return pool
+        raise GatewayError(404, f"no engine pool named {name!r}")
+
+    async def engine_post(self, pool: Pool, path: str, body: dict) -> tuple[int, str]:
+        if not self.lora:
+            return 404, "Not Found"
+        if path == "/v1/load_lora_adapter":
+            assert (Path(body["lora_path"]) / "adapter_config.json").is_file()
+            self.loaded.add(body["lora_name"])
+        else:
+            self.loaded.discard(body["lora_name"])
+        return 200, "ok"
+
+
+@pytest.fixture
+def routes(tmp_path: Path) -> AdapterRoutes:
+    home = Home(tmp_path / "home").ensure()
+    store = LocalStore(tmp_path / "store")
+    with adapters.updating(home) as registry:
+        for version, state in ((1, "registered"), (2, "registered"), (3, "failed-gate")):
+            artifact = f"adapters/codes/v{version}/"
+            store.put(artifact + "adapter_config.json", b"{}", retain_days=0)
+            store.put(artifact + "adapter_model.safetensors", b"weights", retain_days=0)
+            registry.adapters.append(AdapterRecord(
+                name="codes", version=version, base_model="demo", base_config_sha256="base", dataset="d",
+                dataset_sha256="x", hyperparameters={}, metrics={}, artifact=artifact, state=state))
+    return AdapterRoutes(home, Engine(), store, {"main": "base"})  # type: ignore[arg-type]
+
+
+def run(coroutine):  # noqa: ANN001, ANN201
+    return asyncio.run(coroutine)
+
+
+def served(routes: AdapterRoutes, roles: frozenset[str] = USERS) -> str:
+    resolved = routes.resolve("codes", roles)
+    assert resolved is not None
+    return resolved[1]
+
+
+def test_deploy_serves_the_newest_passing_version_and_loads_it(routes: AdapterRoutes) -> None:
+    assert routes.resolve("codes", USERS) is None  # not deployed: not an adapter name yet
+    alias = run(routes.deploy("codes", None, None, None))
+    assert alias.stable == 2 and alias.roles == ["user", "admin"]
+    assert routes.upstreams.loaded == {"codes-v2"}  # type: ignore[attr-defined]
+    assert served(routes) == "codes-v2"
+    assert routes.visible(USERS) == [{"id": "codes", "object": "model", "owned_by": "appliance",
+                                      "parent": "base-model"}]
+    assert routes.registry().find("codes", 2).state == "deployed"
+    assert (routes.home.root / "adapters" / "codes" / "v2" / "adapter_model.safetensors").read_bytes() == b"weights"
+
+
+def test_roles_limit_who_may_call_an_adapter(routes: AdapterRoutes) -> None:
+    run(routes.deploy("codes", 1, None, ["admin"]))
+    with pytest.raises(GatewayError, match="not available to your roles") as refused:
+        routes.resolve("codes", USERS)
+    assert refused.value.status == 403
+    assert routes.visible(USERS) == [] and routes.visible(frozenset({"admin"}))[0]["id"] == "codes"
+
+
+def test_canary_splits_requests_by_share(routes: AdapterRoutes) -> None:
+    run(routes.deploy("codes", 1, None, None))
+    alias = run(routes.canary("codes", 2, 0.25))
+    assert (alias.stable, alias.canary, alias.canary_share) == (1, 2, 0.25)
+    counts = Counter(served(routes) for _ in range(4000))
+    assert 0.2 < counts["codes-v2"] / 4000 < 0.3 and counts["codes-v1"] + counts["codes-v2"] == 4000
+    assert routes.registry().find("codes", 2).state == "canary"
+
+
+def test_rollback_drops_the_canary_then_the_previous_version_then_to_the_base(routes: AdapterRoutes) -> None:
+    engine = routes.upstreams
+    run(routes.deploy("codes", 1, None, None))
+    run(routes.deploy("codes", 2, None, None))
+    assert engine.loaded == {"codes-v1", "codes-v2"} and routes.registry().aliases["codes"].history == [1]
+    run(routes.canary("codes", 1, 0.5))
+    assert run(routes.rollback("codes")).canary is None  # the canary goes first
+    assert run(routes.rollback("codes")).stable == 1
+    assert served(routes) == "codes-v1" and "codes-v2" not in engine.loaded
+    assert [r.state for r in routes.registry().versions("codes")] == ["deployed", "registered", "failed-gate"]
+    alias = run(routes.rollback("codes"))
+    assert alias.stable is None and served(routes) == "base-model"  # the base model's answers again
+    with pytest.raises(GatewayError, match="already serves the base model"):
+        run(routes.rollback("codes"))
+
+
+def test_refusals_name_the_problem_and_change_nothing(routes: AdapterRoutes) -> None:
+    before = adapters.registry_path(routes.home).read_text()
+    for call, status, message in [
+        (routes.deploy("codes", 3, None, None), 409, "v3 is failed-gate"),
+        (routes.deploy("codes", 9, None, None), 404, "has no version 9"),
+        (routes.deploy("nope", None, None, None), 404, "no adapter named 'nope'"),
+        (routes.deploy("codes", 1, "other", None), 404, "no engine pool named 'other'"),
+        (routes.canary("codes", 2, 0.1), 404, "'codes' is not deployed"),
+        (routes.rollback("codes"), 404, "'codes' is not deployed"),
+    ]:
+        with pytest.raises(GatewayError, match=message) as refused:
+            run(call)
+        assert refused.value.status == status
+    routes.base_configs["main"] = "another-model"
+    with pytest.raises(GatewayError, match="was trained on demo, not on the model pool 'main' serves"):
+        run(routes.deploy("codes", 1, None, None))
+    routes.base_configs["main"] = "base"
+    routes.upstreams.lora = False  # type: ignore[attr-defined]
+    with pytest.raises(GatewayError, match="does not serve adapters .*enable_lora = true"):
+        run(routes.deploy("codes", 1, None, None))
+    assert adapters.registry_path(routes.home).read_text() == before
+
+
+def test_retire_a_version_or_the_whole_name(routes: AdapterRoutes) -> None:
+    run(routes.deploy("codes", 1, None, None))
+    run(routes.deploy("codes", 2, None, None))
+    with pytest.raises(GatewayError, match="v2 is being served") as refused:
+        run(routes.retire("codes", 2))
+    assert refused.value.status == 409
+    [retired] = run(routes.retire("codes", 1))
+    assert retired.state == "retired" and routes.registry().aliases["codes"].history == []
+    run(routes.retire("codes", None))
+    assert routes.resolve("codes", USERS) is None and routes.upstreams.loaded == set()  # type: ignore[attr-defined]
+    assert {r.state for r in routes.registry().versions("codes")} == {"retired"}
+
+
+def test_retiring_an_unknown_adapter_is_a_404(routes: AdapterRoutes) -> None:
+    for version in (None, 7):
+        with pytest.raises(GatewayError) as refused:
+            run(routes.retire("nope" if version is None else "codes", version))
+        assert refused.value.status == 404
