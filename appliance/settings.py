@@ -256,6 +256,14 @@ class FinetuneSettings(_Section):
         0.0, ge=0, lt=1, description="An adapter passes the gate when its held-out loss is at least this "
         "much lower than the base model's (0.05 = 5 %; 0 = any improvement)."
     )
+    gate_min_scenario_score: float = Field(
+        0.0, ge=0, le=1, description="With a scenario set: the share of its items the adapter must answer "
+        "right (it must also do no worse than the base model)."
+    )
+    gate_max_regression_drop: float = Field(
+        0.05, ge=0, le=1, description="With a regression set: how far the adapter's score may fall below the "
+        "base model's (forgetting)."
+    )
     isolate_network: bool = Field(
         True, description="Train in a new network namespace with no way out (needs `unshare`); off: "
         "training shares the host's network."

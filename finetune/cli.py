@@ -20,7 +20,7 @@ from appliance.errors import ApplianceError
 from appliance.home import Home
 from appliance.settings import DEMO_MODEL, load_settings
 from appliance.progress import byte_progress
-from finetune import jobs
+from finetune import evalsets, jobs
 from finetune.datasets import check_lengths, load_registry, parse, scan, split, store
 from finetune.pii import Scanner
 from finetune.runner import base_dir, run_job
@@ -97,18 +97,27 @@ Epochs = Annotated[float, typer.Option(min=0)]
 MaxSteps = Annotated[int, typer.Option(help="> 0 overrides --epochs.")]
 BatchSize = Annotated[int, typer.Option(min=1)]
 SaveSteps = Annotated[int, typer.Option(min=1, help="Checkpoint every N steps (a rerun resumes).")]
+Scenarios = Annotated[Path | None, typer.Option(help="JSONL of prompts with expected answers the adapter should "
+                                                "get right (gated on finetune.gate_min_scenario_score).")]
+Regression = Annotated[Path | None, typer.Option(help="JSONL of general prompts with expected answers, to catch "
+                                                 "forgetting (gated on finetune.gate_max_regression_drop).")]
+
+
+def _eval_sets(scenarios: Path | None, regression: Path | None) -> dict[str, list[dict]]:
+    return {kind: evalsets.parse(path) for kind, path in (("scenarios", scenarios), ("regression", regression)) if path}
 
 
 @finetune_app.command("submit")
 @records_change("finetune.submit")
 def submit(data: Data, name: Name, base: Base = DEMO_MODEL, qlora: QLoRA = False, rank: Rank = 8, alpha: Alpha = 16,
            lr: LearningRate = 2e-4, epochs: Epochs = 1.0, max_steps: MaxSteps = -1, batch_size: BatchSize = 4,
-           save_steps: SaveSteps = 10) -> None:
+           save_steps: SaveSteps = 10, scenarios: Scenarios = None, regression: Regression = None) -> None:
     """Queue a training job for the finetune-worker; follow it with `appliance finetune status -f`."""
     home = Home.from_env()
     _check(name, data, base, home)
     hp = _hyperparameters(qlora, rank, alpha, lr, epochs, max_steps, batch_size, save_steps)
-    job = jobs.submit(home, name=name, data=data, base=base, hyperparameters=asdict(hp))
+    job = jobs.submit(home, name=name, data=data, base=base, hyperparameters=asdict(hp),
+                      eval_sets=_eval_sets(scenarios, regression))
     out.print(f"job {job.id} queued: adapter {name} on dataset {data} (base {base})")
 
 
@@ -143,10 +152,11 @@ def cancel(job: Annotated[int, typer.Argument(help="A job id.")]) -> None:
 @records_change("adapter.train")
 def run(data: Data, name: Name, base: Base = DEMO_MODEL, qlora: QLoRA = False, rank: Rank = 8, alpha: Alpha = 16,
         lr: LearningRate = 2e-4, epochs: Epochs = 1.0, max_steps: MaxSteps = -1, batch_size: BatchSize = 4,
-        save_steps: SaveSteps = 10) -> None:
+        save_steps: SaveSteps = 10, scenarios: Scenarios = None, regression: Regression = None) -> None:
     """Train an adapter in the foreground (as the worker would), gate it, register it."""
     home = Home.from_env()
     _check(name, data, base, home)
+    sets = _eval_sets(scenarios, regression)
     settings = load_settings(home.settings_file)
     hp = _hyperparameters(qlora, rank, alpha, lr, epochs, max_steps, batch_size, save_steps)
     work = home.root / "finetune" / f"{name}-{load_registry(home)[data][:12]}"
@@ -158,16 +168,16 @@ def run(data: Data, name: Name, base: Base = DEMO_MODEL, qlora: QLoRA = False, r
                             description=f"training: loss {p.loss:.3f}, {p.tokens_per_s:.0f} tokens/s")
 
         outcome = run_job(work, name=name, data=data, base=base, hp=hp, settings=settings, home=home,
-                          on_progress=show)
+                          eval_sets=sets, on_progress=show)
     result, record = outcome.result, outcome.record
     resumed = f" (resumed from {result.resumed_from})" if result.resumed_from else ""
+    scores = "".join(f"; {kind} {s['base']:.0%} -> {s['adapter']:.0%}" for kind, s in result.eval_sets.items())
     out.print(f"adapter {record.name} v{record.version}: held-out loss {result.base_eval_loss:.4f} -> "
-              f"{result.adapter_eval_loss:.4f} ({result.improvement:+.1%}); {result.steps} steps{resumed}; "
-              f"gate (> {outcome.gate:.0%}): {'passed' if outcome.passed else 'FAILED'}; {record.artifact}",
-              soft_wrap=True)
+              f"{result.adapter_eval_loss:.4f} ({result.improvement:+.1%}){scores}; {result.steps} steps{resumed}; "
+              f"gate: {'passed' if outcome.passed else 'FAILED'}; {record.artifact}", soft_wrap=True)
     if not outcome.passed:
-        raise ApplianceError(f"adapter {name} v{record.version} failed the evaluation gate: held-out loss "
-                             f"{result.adapter_eval_loss:.4f} vs base {result.base_eval_loss:.4f}")
+        raise ApplianceError(f"adapter {name} v{record.version} failed the evaluation gate: "
+                             + "; ".join(outcome.failures))
 
 
 def _progress_text(home: Home, job: jobs.Job) -> str:

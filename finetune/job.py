@@ -43,7 +43,7 @@ def main(directory: Path) -> int:
 
     try:
         train_adapter(Path(spec["base"]), *rows, directory, Hyperparameters(**spec["hyperparameters"]),
-                      on_progress=report, should_stop=(directory / CANCEL_FILE).exists)
+                      on_progress=report, should_stop=(directory / CANCEL_FILE).exists, eval_sets=spec["eval_sets"])
     except TrainingCancelled as exc:
         print(exc.message, file=sys.stderr)
         return CANCELLED_EXIT

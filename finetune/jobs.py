@@ -27,6 +27,7 @@ create table if not exists jobs (
     data text not null,            -- the dataset's name
     base text not null,            -- 'demo' or a checkpoint directory
     hyperparameters text not null, -- JSON
+    eval_sets text not null,       -- JSON: kind -> items (finetune.evalsets)
     state text not null,
     submitted text not null,
     started text,
@@ -44,6 +45,7 @@ class Job(BaseModel):
     data: str
     base: str
     hyperparameters: dict
+    eval_sets: dict[str, list[dict]]
     state: JobState
     submitted: str
     started: str | None
@@ -81,13 +83,16 @@ def _now() -> str:
 
 
 def _job(row: sqlite3.Row) -> Job:
-    return Job(**{**dict(row), "hyperparameters": json.loads(row["hyperparameters"])})
+    return Job(**{**dict(row), "hyperparameters": json.loads(row["hyperparameters"]),
+                  "eval_sets": json.loads(row["eval_sets"])})
 
 
-def submit(home: Home, *, name: str, data: str, base: str, hyperparameters: dict) -> Job:
+def submit(home: Home, *, name: str, data: str, base: str, hyperparameters: dict,
+           eval_sets: dict[str, list[dict]]) -> Job:
     with connect(home) as db:
-        cursor = db.execute("insert into jobs (name, data, base, hyperparameters, state, submitted) "
-                            "values (?, ?, ?, ?, 'queued', ?)", (name, data, base, json.dumps(hyperparameters), _now()))
+        cursor = db.execute("insert into jobs (name, data, base, hyperparameters, eval_sets, state, submitted) "
+                            "values (?, ?, ?, ?, ?, 'queued', ?)",
+                            (name, data, base, json.dumps(hyperparameters), json.dumps(eval_sets), _now()))
         return get(home, int(cursor.lastrowid or 0))
 
 

@@ -21,7 +21,7 @@ from appliance.adapters import AdapterRecord
 from appliance.artifacts import artifact_store
 from appliance.home import Home
 from appliance.records import config_sha256
-from appliance.settings import DEMO_MODEL, Settings
+from appliance.settings import DEMO_MODEL, FinetuneSettings, Settings
 from finetune import adapters
 from finetune.datasets import PREFIX, load_registry
 from finetune.job import CANCELLED_EXIT
@@ -31,8 +31,11 @@ from finetune.train import Hyperparameters, Progress, Result, TrainingCancelled,
 class Outcome:
     result: Result
     record: AdapterRecord
-    passed: bool
-    gate: float
+    failures: list[str]  # why it failed the gate; empty: passed
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
 
 
 def base_dir(base: str, home: Home) -> Path:
@@ -43,7 +46,8 @@ def base_dir(base: str, home: Home) -> Path:
 
 
 def run_job(directory: Path, *, name: str, data: str, base: str, hp: Hyperparameters, settings: Settings,
-            home: Home, on_progress: Callable[[Progress], None] = lambda p: None,
+            home: Home, eval_sets: dict[str, list[dict]] | None = None,
+            on_progress: Callable[[Progress], None] = lambda p: None,
             on_child: Callable[[int], None] = lambda pid: None) -> Outcome:
     """Train in `directory` (resuming if it holds checkpoints), gate, register."""
     registry = load_registry(home)
@@ -55,21 +59,39 @@ def run_job(directory: Path, *, name: str, data: str, base: str, hp: Hyperparame
     directory.mkdir(parents=True, exist_ok=True)
     for split in ("train", "eval"):
         (directory / f"{split}.jsonl").write_bytes(store.get(f"{PREFIX}{digest}/{split}.jsonl"))
-    (directory / "job.json").write_text(json.dumps({"base": str(model), "hyperparameters": asdict(hp)}))
+    (directory / "job.json").write_text(json.dumps({"base": str(model), "hyperparameters": asdict(hp),
+                                                    "eval_sets": eval_sets or {}}))
     (directory / "progress.json").unlink(missing_ok=True)
     _train_in_child(directory, settings.finetune.isolate_network, on_progress, on_child)
     result = load_result(directory)
-    gate = settings.finetune.gate_min_improvement
-    passed = result.improvement > gate
+    failures = gate_failures(result, settings.finetune)
     record = adapters.register(
         home, store, result.adapter_dir, name=name, base_model=base,
         base_config_sha256=config_sha256(json.loads((model / "config.json").read_text())),
         dataset=data, dataset_sha256=digest, hyperparameters=asdict(hp),
         metrics={"base_eval_loss": result.base_eval_loss, "adapter_eval_loss": result.adapter_eval_loss,
                  "improvement": result.improvement, "steps": result.steps, "train_tokens": result.train_tokens,
-                 "seconds": result.seconds, "resumed_from": result.resumed_from},
-        state="registered" if passed else "failed-gate")
-    return Outcome(result=result, record=record, passed=passed, gate=gate)
+                 "seconds": result.seconds, "resumed_from": result.resumed_from, "eval_sets": result.eval_sets,
+                 "gate_failures": failures},
+        state="failed-gate" if failures else "registered")
+    return Outcome(result=result, record=record, failures=failures)
+
+
+def gate_failures(result: Result, gate: FinetuneSettings) -> list[str]:
+    """Why the adapter fails the evaluation gate (thresholds in settings); empty: it passes."""
+    failures = []
+    if result.improvement <= gate.gate_min_improvement:
+        failures.append(f"held-out loss {result.adapter_eval_loss:.4f} vs base {result.base_eval_loss:.4f}: "
+                        f"needs to be more than {gate.gate_min_improvement:.0%} lower")
+    scenarios = result.eval_sets.get("scenarios")
+    if scenarios and (scenarios["adapter"] < gate.gate_min_scenario_score or scenarios["adapter"] < scenarios["base"]):
+        failures.append(f"scenario score {scenarios['adapter']:.0%} (base {scenarios['base']:.0%}): needs at least "
+                        f"{gate.gate_min_scenario_score:.0%} and no less than the base")
+    regression = result.eval_sets.get("regression")
+    if regression and regression["adapter"] < regression["base"] - gate.gate_max_regression_drop:
+        failures.append(f"regression score {regression['adapter']:.0%} vs base {regression['base']:.0%}: may drop "
+                        f"by {gate.gate_max_regression_drop:.0%} at most")
+    return failures
 
 
 def sandboxed(command: list[str], isolate_network: bool) -> list[str]:

@@ -13,11 +13,14 @@ import json
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from appliance.errors import ApplianceError
+from finetune import evalsets
+
+ANSWER_TOKENS = 48  # greedy tokens generated to score an evaluation item
 
 
 class TrainingError(ApplianceError):
@@ -61,6 +64,7 @@ class Result:
     train_tokens: int
     seconds: float
     resumed_from: str | None
+    eval_sets: dict[str, dict[str, float]] = field(default_factory=dict)  # kind -> base/adapter score
 
     @property
     def improvement(self) -> float:
@@ -87,10 +91,12 @@ def as_training_rows(examples: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def train_adapter(base: Path, train: list[dict[str, Any]], evaluation: list[dict[str, Any]], out_dir: Path,
                   hp: Hyperparameters, on_progress: Callable[[Progress], None] = lambda p: None,
-                  should_stop: Callable[[], bool] = lambda: False) -> Result:
-    """Train, evaluate base and adapter on the held-out rows, save the adapter to out_dir/adapter
-    and the figures to out_dir/result.json. `should_stop` is asked after every step; once it says
-    yes, training stops (its last checkpoint stays) and TrainingCancelled is raised."""
+                  should_stop: Callable[[], bool] = lambda: False,
+                  eval_sets: dict[str, list[dict[str, Any]]] | None = None) -> Result:
+    """Train, evaluate base and adapter on the held-out rows (and score both on `eval_sets`:
+    finetune.evalsets), save the adapter to out_dir/adapter and the figures to
+    out_dir/result.json. `should_stop` is asked after every step; once it says yes, training
+    stops (its last checkpoint stays) and TrainingCancelled is raised."""
     import torch  # heavy imports only when training
     from datasets import Dataset
     from peft import LoraConfig
@@ -127,10 +133,11 @@ def train_adapter(base: Path, train: list[dict[str, Any]], evaluation: list[dict
     adapter_loss = trainer.evaluate()["eval_loss"]
     adapter_dir = out_dir / "adapter"
     trainer.model.save_pretrained(adapter_dir)
+    scores = _score_sets(trainer.model, tokenizer, eval_sets or {})
     tokens = int(output.metrics.get("train_tokens", 0) or trainer.state.num_input_tokens_seen or 0)
     result = Result(adapter_dir=adapter_dir, base_eval_loss=base_loss, adapter_eval_loss=adapter_loss,
                     steps=trainer.state.global_step, train_tokens=tokens, seconds=time.monotonic() - started,
-                    resumed_from=resume.name if resume else None)
+                    resumed_from=resume.name if resume else None, eval_sets=scores)
     (out_dir / "result.json").write_text(json.dumps({**asdict(result), "adapter_dir": str(adapter_dir)}, indent=1))
     return result
 
@@ -138,6 +145,27 @@ def train_adapter(base: Path, train: list[dict[str, Any]], evaluation: list[dict
 def load_result(out_dir: Path) -> Result:
     raw = json.loads((out_dir / "result.json").read_text())
     return Result(**{**raw, "adapter_dir": Path(raw["adapter_dir"])})
+
+
+def _score_sets(model: Any, tokenizer: Any, eval_sets: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
+    """Each set's score with the adapter off (the base) and on, from greedy answers."""
+    import torch
+
+    def answer(messages: list[dict]) -> str:
+        inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                               return_dict=True).to(model.device)
+        with torch.no_grad():
+            output = model.generate(**inputs, max_new_tokens=ANSWER_TOKENS, do_sample=False,
+                                    pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+        return tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+
+    model.eval()
+    scores = {}
+    for kind, items in eval_sets.items():
+        with model.disable_adapter():
+            base = evalsets.score(items, answer)
+        scores[kind] = {"base": base, "adapter": evalsets.score(items, answer)}
+    return scores
 
 
 def _quantization(hp: Hyperparameters) -> dict[str, Any]:

@@ -43,6 +43,7 @@ def work_one(home: Home, settings: Settings) -> jobs.Job | None:
     try:
         outcome = run_job(directory, name=job.name, data=job.data, base=job.base,
                           hp=Hyperparameters(**job.hyperparameters), settings=settings, home=home,
+                          eval_sets=job.eval_sets,
                           on_child=lambda pid: jobs.set_trainer(home, job.id, pid))
     except TrainingCancelled as exc:
         jobs.finish(home, job.id, "cancelled", exc.message)
@@ -50,7 +51,7 @@ def work_one(home: Home, settings: Settings) -> jobs.Job | None:
         jobs.finish(home, job.id, "failed", exc.message)
     else:
         result, record = outcome.result, outcome.record
-        verdict = "passed" if outcome.passed else f"FAILED (needs > {outcome.gate:.0%})"
+        verdict = "passed" if outcome.passed else "FAILED: " + "; ".join(outcome.failures)
         resumed = f", resumed from {result.resumed_from}" if result.resumed_from else ""
         jobs.finish(home, job.id, "succeeded" if outcome.passed else "failed",
                     f"adapter {record.name} v{record.version}: held-out loss {result.base_eval_loss:.4f} -> "

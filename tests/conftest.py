@@ -88,3 +88,18 @@ def make_appliance(demo: Path | None, keycloak: Path | None = None, **overrides:
     finally:
         appliance.run("down", timeout=300)
         shutil.rmtree(root, ignore_errors=True)
+
+
+def tiny_llama(target: Path, demo: Path) -> Path:
+    """A 2-layer Llama with random weights and the demo model's tokenizer and chat template."""
+    import torch  # heavy: only for the tests that train
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=False)
+    LlamaForCausalLM(config).save_pretrained(target)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(demo / name, target / name)
+    return target

@@ -14,32 +14,19 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from appliance.adapters import load
 from appliance.home import Home
 from audit import read_records
+from tests.conftest import tiny_llama
 
 APPLIANCE = str(Path(sys.executable).with_name("appliance"))
 
 
-def tiny_llama(target: Path) -> Path:
-    """A 2-layer Llama with random weights and the demo model's tokenizer and chat template."""
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         tie_word_embeddings=False)
-    LlamaForCausalLM(config).save_pretrained(target)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(Home.from_env().demo_model / name, target / name)
-    return target
-
-
 @pytest.fixture(scope="module")
-def workspace(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, str], Path]:
+def workspace(tmp_path_factory: pytest.TempPathFactory, demo_model: Path) -> tuple[dict[str, str], Path]:
     root = tmp_path_factory.mktemp("ft")
-    model = tiny_llama(root / "tiny")
+    model = tiny_llama(root / "tiny", demo_model)
     home = Home(root / "home").ensure()
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("APPLIANCE_")},
            "APPLIANCE_HOME": str(home.root), "COLUMNS": "200"}
@@ -62,7 +49,7 @@ def test_lora_lowers_held_out_loss_and_is_registered(workspace: tuple[dict[str, 
     env, model = workspace
     result = finetune(env, model, "--name", "codes-lora", "--max-steps", "20")
     assert result.returncode == 0, result.stderr
-    assert "gate (> 0%): passed" in result.stdout
+    assert "gate: passed" in result.stdout
     home = Home(Path(env["APPLIANCE_HOME"]))
     [record] = [r for r in load(home).adapters if r.name == "codes-lora"]
     assert record.state == "registered" and record.version == 1
@@ -84,9 +71,32 @@ def test_gate_refuses_an_adapter_below_the_threshold(workspace: tuple[dict[str, 
     env, model = workspace
     strict = {**env, "APPLIANCE_FINETUNE__GATE_MIN_IMPROVEMENT": "0.99"}
     result = finetune(strict, model, "--name", "codes-strict", "--max-steps", "2")
-    assert result.returncode == 1 and "failed the evaluation gate" in result.stderr
+    assert result.returncode == 1 and "failed the evaluation gate: held-out loss" in result.stderr
     [record] = [r for r in load(Home(Path(env["APPLIANCE_HOME"]))).adapters if r.name == "codes-strict"]
     assert record.state == "failed-gate"
+
+
+def test_scenario_and_regression_sets_are_scored_and_gated(workspace: tuple[dict[str, str], Path],
+                                                          tmp_path: Path) -> None:
+    env, model = workspace
+    scenarios, regression = tmp_path / "scenarios.jsonl", tmp_path / "regression.jsonl"
+    scenarios.write_text("".join(json.dumps({"prompt": f"What is the code for item {i}?", "expect": "ZEBRA"}) + "\n"
+                                 for i in range(3)))
+    regression.write_text(json.dumps({"messages": [{"role": "user", "content": "Say hi"}], "expect": ".*",
+                                      "match": "regex"}) + "\n")
+    demanding = {**env, "APPLIANCE_FINETUNE__GATE_MIN_SCENARIO_SCORE": "1.0"}
+    result = finetune(demanding, model, "--name", "codes-sets", "--max-steps", "4", "--scenarios", str(scenarios),
+                      "--regression", str(regression))
+    [record] = [r for r in load(Home(Path(env["APPLIANCE_HOME"]))).adapters if r.name == "codes-sets"]
+    sets = record.metrics["eval_sets"]
+    assert set(sets) == {"scenarios", "regression"} and sets["regression"] == {"base": 1.0, "adapter": 1.0}
+    assert 0 <= sets["scenarios"]["base"] <= 1 and 0 <= sets["scenarios"]["adapter"] <= 1
+    if sets["scenarios"]["adapter"] < 1.0:  # four steps rarely teach a random model the answer
+        assert result.returncode == 1 and "scenario score" in result.stderr and record.state == "failed-gate"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "hi", "expect": "x"}) + "\n" + json.dumps({"prompt": "hi"}) + "\n")
+    refused = finetune(env, model, "--name", "codes-bad", "--max-steps", "2", "--scenarios", str(bad))
+    assert refused.returncode == 1 and f"{bad}:2: 'expect' must be a non-empty string" in refused.stderr
 
 
 def test_killed_training_resumes_from_its_checkpoint(workspace: tuple[dict[str, str], Path]) -> None:

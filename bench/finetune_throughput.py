@@ -1,0 +1,136 @@
+"""Training throughput: the appliance's trainer (finetune.train: TRL's SFT trainer + PEFT LoRA,
+loss on completions only) against a plain PEFT + Transformers loop (AdamW, the same LoRA, the
+same tokens, loss on completions only) on the same model, data and steps, taking turns twice.
+Each run is its own process, so its peak RSS (GNU time) is its own.
+
+Reports training tokens/s (input tokens seen / training seconds, evaluation excluded), peak RSS
+and the ratios appliance / plain. On a GPU host the same script measures LoRA and QLoRA there.
+
+Run: .venv/bin/python bench/finetune_throughput.py [--model DIR] [--steps N] [--qlora]
+Writes bench/results/finetune_throughput.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results" / "finetune_throughput.json"
+ROUNDS = 2
+BATCH = 4
+
+
+def rows(count: int = 64) -> list[dict]:
+    return [{"messages": [{"role": "user", "content": f"Which shelf holds item {i} of the {i % 7}th aisle?"},
+                          {"role": "assistant", "content": f"Item {i} sits on shelf {i % 5} in aisle {i % 7}, "
+                                                           "next to the blue crates."}]} for i in range(count)]
+
+
+def appliance_run(model: Path, steps: int, qlora: bool) -> dict:
+    from finetune.train import Hyperparameters, train_adapter
+
+    data = rows()
+    with tempfile.TemporaryDirectory() as work:
+        result = train_adapter(model, data[:-8], data[-8:], Path(work), Hyperparameters(
+            max_steps=steps, batch_size=BATCH, save_steps=10_000, qlora=qlora, learning_rate=1e-4))
+    return {"tokens": result.train_tokens, "seconds": result.seconds}
+
+
+def plain_run(model_dir: Path, steps: int, qlora: bool) -> dict:
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from finetune.train import _quantization, Hyperparameters  # the same 4-bit config when --qlora
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32,
+                                                 **_quantization(Hyperparameters(qlora=qlora)))
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05, target_modules="all-linear",
+                                             task_type="CAUSAL_LM"))
+    examples = []
+    for row in rows()[:-8]:
+        prompt = tokenizer.apply_chat_template(row["messages"][:1], add_generation_prompt=True, tokenize=True)
+        whole = tokenizer.apply_chat_template(row["messages"], tokenize=True)
+        examples.append((whole, len(prompt)))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    model.train()
+    tokens, started = 0, time.monotonic()
+    for step in range(steps):
+        batch = [examples[(step * BATCH + i) % len(examples)] for i in range(BATCH)]
+        width = max(len(ids) for ids, _ in batch)
+        pad = tokenizer.pad_token_id or tokenizer.eos_token_id
+        input_ids = torch.tensor([ids + [pad] * (width - len(ids)) for ids, _ in batch])
+        mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in batch])
+        labels = torch.tensor([[-100] * cut + ids[cut:] + [-100] * (width - len(ids)) for ids, cut in batch])
+        loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        tokens += int(mask.sum())
+    return {"tokens": tokens, "seconds": time.monotonic() - started}
+
+
+def measured(mode: str, model: Path, steps: int, qlora: bool) -> dict:
+    """One run in its own process: its figures and its peak RSS."""
+    with tempfile.NamedTemporaryFile(suffix=".time") as report:
+        command = ["/usr/bin/time", "-o", report.name, "-f", "%M", sys.executable, __file__, "--child", mode,
+                   "--model", str(model), "--steps", str(steps), *(["--qlora"] if qlora else [])]
+        done = subprocess.run(command, check=True, capture_output=True, text=True)
+        figures = json.loads(done.stdout.strip().splitlines()[-1])
+        figures["peak_rss_bytes"] = int(Path(report.name).read_text().split()[-1]) * 1024
+    figures["tokens_per_s"] = figures["tokens"] / figures["seconds"]
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=None, help="checkpoint dir (default: the demo model)")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--qlora", action="store_true")
+    parser.add_argument("--child", choices=("appliance", "plain"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.model is None:
+        from appliance.home import Home
+
+        args.model = Home.from_env().demo_model
+    if args.child:
+        run = appliance_run if args.child == "appliance" else plain_run
+        print(json.dumps(run(args.model, args.steps, args.qlora)))
+        return
+    runs: dict[str, list[dict]] = {"appliance": [], "plain": []}
+    for round_ in range(ROUNDS):
+        for mode in (("appliance", "plain") if round_ % 2 == 0 else ("plain", "appliance")):
+            runs[mode].append(measured(mode, args.model, args.steps, args.qlora))
+            print(mode, json.dumps(runs[mode][-1]), flush=True)
+    rate = {mode: statistics.median(r["tokens_per_s"] for r in found) for mode, found in runs.items()}
+    peak = {mode: max(r["peak_rss_bytes"] for r in found) for mode, found in runs.items()}
+    row = {"model": args.model.name, "qlora": args.qlora, "steps": args.steps, "batch_size": BATCH,
+           "appliance_tokens_per_s": round(rate["appliance"], 1), "plain_tokens_per_s": round(rate["plain"], 1),
+           "throughput_ratio": round(rate["appliance"] / rate["plain"], 2),
+           "appliance_peak_rss_bytes": peak["appliance"], "plain_peak_rss_bytes": peak["plain"],
+           "memory_ratio": round(peak["appliance"] / peak["plain"], 2)}
+    print(json.dumps(row, indent=1))
+    existing = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    key = f"{'cuda' if _has_cuda() else 'cpu'}-{'qlora' if args.qlora else 'lora'}"
+    existing[key] = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                     "host_cpus": len(os.sched_getaffinity(0)), "rounds": ROUNDS, **row}
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(existing, indent=2) + "\n")
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+if __name__ == "__main__":
+    main()

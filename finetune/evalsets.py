@@ -1,0 +1,85 @@
+"""Evaluation sets for the gate: prompts with expected answers, scored by exact, contains or
+regex match on the model's greedy answer. A scenario set shows the adapter does the job it was
+trained for; a regression set of general prompts guards against forgetting.
+
+A set is JSONL, one item a line: {"prompt": "..."} or {"messages": [... ending with a user
+turn]}, "expect": "...", and optionally "match": "exact" | "contains" (default) | "regex".
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from appliance.errors import ApplianceError
+
+MATCHES = ("exact", "contains", "regex")
+KINDS = ("scenarios", "regression")
+
+
+class EvalSetError(ApplianceError):
+    """An evaluation set file is malformed; the message names the file and line."""
+
+
+def parse(path: Path) -> list[dict[str, Any]]:
+    """Every item of a set, checked; the first bad line is an error naming it."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise EvalSetError(f"{path}: cannot read: {exc}") from exc
+    items = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            item = json.loads(line)
+        except ValueError as exc:
+            raise EvalSetError(f"{where}: not JSON: {exc}") from exc
+        items.append(_checked(item, where))
+    if not items:
+        raise EvalSetError(f"{path}: no items")
+    return items
+
+
+def _checked(item: object, where: str) -> dict[str, Any]:
+    if not isinstance(item, dict):
+        raise EvalSetError(f"{where}: an item is a JSON object")
+    if isinstance(item.get("prompt"), str) and item["prompt"].strip():
+        messages = [{"role": "user", "content": item["prompt"]}]
+    elif isinstance(item.get("messages"), list) and item["messages"]:
+        messages = item["messages"]
+        if not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
+            raise EvalSetError(f"{where}: messages: each needs a role and a string content")
+        if messages[-1].get("role") != "user":
+            raise EvalSetError(f"{where}: messages: the last turn must be the user's")
+    else:
+        raise EvalSetError(f"{where}: needs a non-empty 'prompt' or 'messages'")
+    expect, match = item.get("expect"), item.get("match", "contains")
+    if not isinstance(expect, str) or not expect:
+        raise EvalSetError(f"{where}: 'expect' must be a non-empty string")
+    if match not in MATCHES:
+        raise EvalSetError(f"{where}: 'match' must be one of {', '.join(MATCHES)}, not {match!r}")
+    if match == "regex":
+        try:
+            re.compile(expect)
+        except re.error as exc:
+            raise EvalSetError(f"{where}: 'expect' is not a valid regular expression: {exc}") from exc
+    return {"messages": messages, "expect": expect, "match": match}
+
+
+def matches(answer: str, item: dict[str, Any]) -> bool:
+    expect = item["expect"]
+    if item["match"] == "exact":
+        return answer.strip() == expect.strip()
+    if item["match"] == "regex":
+        return re.search(expect, answer) is not None
+    return expect.lower() in answer.lower()
+
+
+def score(items: list[dict[str, Any]], answer: Callable[[list[dict]], str]) -> float:
+    """The share of items whose answer matches."""
+    return sum(matches(answer(item["messages"]), item) for item in items) / len(items)
