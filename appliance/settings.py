@@ -268,6 +268,9 @@ class FinetuneSettings(_Section):
         True, description="Train in a new network namespace with no way out (needs `unshare`); off: "
         "training shares the host's network."
     )
+    processes: int | None = Field(
+        None, ge=1, description="Training processes (torchrun, DDP); unset: one per visible GPU, at least one."
+    )
     worker_poll_s: float = Field(2.0, gt=0, description="How often the finetune-worker looks for queued jobs.")
 
 

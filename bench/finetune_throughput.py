@@ -48,7 +48,7 @@ def plain_run(model_dir: Path, steps: int, qlora: bool) -> dict:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from finetune.train import _quantization, Hyperparameters  # the same 4-bit config when --qlora
+    from finetune.train import Hyperparameters, _quantization  # the same 4-bit config when --qlora
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32,
@@ -57,8 +57,9 @@ def plain_run(model_dir: Path, steps: int, qlora: bool) -> dict:
                                              task_type="CAUSAL_LM"))
     examples = []
     for row in rows()[:-8]:
-        prompt = tokenizer.apply_chat_template(row["messages"][:1], add_generation_prompt=True, tokenize=True)
-        whole = tokenizer.apply_chat_template(row["messages"], tokenize=True)
+        prompt = tokenizer.apply_chat_template(row["messages"][:1], add_generation_prompt=True,
+                                               return_dict=True)["input_ids"]
+        whole = tokenizer.apply_chat_template(row["messages"], return_dict=True)["input_ids"]
         examples.append((whole, len(prompt)))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     model.train()

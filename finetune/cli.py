@@ -143,9 +143,9 @@ def status(
 @finetune_app.command("cancel")
 @records_change("finetune.cancel")
 def cancel(job: Annotated[int, typer.Argument(help="A job id.")]) -> None:
-    """Cancel a queued job, or stop a running one after its current step (its checkpoints stay)."""
+    """Cancel a queued job, or stop a running one (its checkpoints stay)."""
     found = jobs.cancel(Home.from_env(), job)
-    out.print(f"job {job}: {'cancelled' if found.state == 'cancelled' else 'stopping after its current step'}")
+    out.print(f"job {job}: {'cancelled' if found.state == 'cancelled' else 'stopping (its checkpoints stay)'}")
 
 
 @finetune_app.command("run")

@@ -1,7 +1,7 @@
 """`python -m finetune.job DIR`: train the job laid out in DIR by finetune.runner (job.json,
-train.jsonl, eval.jsonl). The runner starts it in a sandbox with no network; it reports progress
-in DIR/progress.json, stops when DIR/cancel appears, and leaves DIR/result.json and DIR/adapter.
-Exit status: 0 trained, 3 cancelled, 1 failed (the reason on stderr)."""
+train.jsonl, eval.jsonl). The runner starts it in a sandbox with no network (under torchrun
+when several processes train); it reports progress in DIR/progress.json and leaves
+DIR/result.json and DIR/adapter. Exit status: 0 trained, 1 failed (the reason on stderr)."""
 
 from __future__ import annotations
 
@@ -14,17 +14,15 @@ from dataclasses import asdict
 from pathlib import Path
 
 from appliance.errors import ApplianceError
-from finetune.jobs import CANCEL_FILE
-from finetune.train import Hyperparameters, Progress, TrainingCancelled, train_adapter
+from finetune.train import Hyperparameters, Progress, train_adapter
 
-CANCELLED_EXIT = 3
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def die_with_parent() -> None:
-    """Be killed when the process that started this one dies: a killed worker must not leave a
-    trainer running (the restarted worker resumes the job from its checkpoint). `unshare` execs
-    this process, so its parent is the worker."""
+    """Be killed when the process that started this one dies (the worker, which `unshare` execs
+    into; or torchrun's agent): a killed worker must not leave a trainer running. (The restarted
+    worker also ends the old trainer's process group before it resumes the job.)"""
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() == 1:  # the parent died before the line above
         sys.exit(1)
@@ -43,10 +41,7 @@ def main(directory: Path) -> int:
 
     try:
         train_adapter(Path(spec["base"]), *rows, directory, Hyperparameters(**spec["hyperparameters"]),
-                      on_progress=report, should_stop=(directory / CANCEL_FILE).exists, eval_sets=spec["eval_sets"])
-    except TrainingCancelled as exc:
-        print(exc.message, file=sys.stderr)
-        return CANCELLED_EXIT
+                      on_progress=report, eval_sets=spec["eval_sets"])
     except ApplianceError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 1

@@ -19,7 +19,7 @@ from appliance.home import Home
 
 JobState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 FINISHED = ("succeeded", "failed", "cancelled")
-CANCEL_FILE = "cancel"  # in the job's directory: the trainer stops after its current step
+CANCEL_FILE = "cancel"  # in the job's directory: the runner stops the trainer
 SCHEMA = """
 create table if not exists jobs (
     id integer primary key autoincrement,
@@ -143,8 +143,7 @@ def finish(home: Home, job_id: int, state: JobState, message: str) -> None:
 
 
 def cancel(home: Home, job_id: int) -> Job:
-    """A queued job is cancelled at once; a running one is asked to stop (its trainer checks
-    between steps)."""
+    """A queued job is cancelled at once; a running one is stopped by its worker (within a second)."""
     job = get(home, job_id)
     if job.state in FINISHED:
         raise ApplianceError(f"training job {job_id} has already {'ended' if job.state != 'cancelled' else 'been'} "

@@ -24,7 +24,7 @@ from appliance.records import config_sha256
 from appliance.settings import DEMO_MODEL, FinetuneSettings, Settings
 from finetune import adapters
 from finetune.datasets import PREFIX, load_registry
-from finetune.job import CANCELLED_EXIT
+from finetune.jobs import CANCEL_FILE
 from finetune.train import Hyperparameters, Progress, Result, TrainingCancelled, TrainingError, load_result
 
 @dataclass(frozen=True)
@@ -62,7 +62,8 @@ def run_job(directory: Path, *, name: str, data: str, base: str, hp: Hyperparame
     (directory / "job.json").write_text(json.dumps({"base": str(model), "hyperparameters": asdict(hp),
                                                     "eval_sets": eval_sets or {}}))
     (directory / "progress.json").unlink(missing_ok=True)
-    _train_in_child(directory, settings.finetune.isolate_network, on_progress, on_child)
+    _train_in_child(directory, _trainer_command(directory, settings.finetune.processes or visible_gpus() or 1,
+                                                settings.finetune.isolate_network), on_progress, on_child)
     result = load_result(directory)
     failures = gate_failures(result, settings.finetune)
     record = adapters.register(
@@ -72,6 +73,7 @@ def run_job(directory: Path, *, name: str, data: str, base: str, hp: Hyperparame
         metrics={"base_eval_loss": result.base_eval_loss, "adapter_eval_loss": result.adapter_eval_loss,
                  "improvement": result.improvement, "steps": result.steps, "train_tokens": result.train_tokens,
                  "seconds": result.seconds, "resumed_from": result.resumed_from, "eval_sets": result.eval_sets,
+                 "processes": result.processes,
                  "gate_failures": failures},
         state="failed-gate" if failures else "registered")
     return Outcome(result=result, record=record, failures=failures)
@@ -94,8 +96,27 @@ def gate_failures(result: Result, gate: FinetuneSettings) -> list[str]:
     return failures
 
 
-def sandboxed(command: list[str], isolate_network: bool) -> list[str]:
-    """`command` in a new, empty network namespace (only a loopback of its own, down), when asked."""
+def visible_gpus() -> int:
+    """NVIDIA GPUs this process may use (CUDA_VISIBLE_DEVICES, else the driver's device files)."""
+    chosen = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if chosen is not None:
+        return len([d for d in chosen.split(",") if d.strip()])
+    return len([p for p in Path("/dev").glob("nvidia*") if p.name[len("nvidia"):].isdigit()])
+
+
+def _trainer_command(directory: Path, processes: int, isolate_network: bool) -> list[str]:
+    """The training child: one process, or torchrun with one process per GPU (DDP); in a network
+    namespace of its own when asked."""
+    trainer = [sys.executable, "-P", "-m", "finetune.job", str(directory)]
+    if processes > 1:
+        trainer = [sys.executable, "-P", "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc-per-node={processes}", "-m", "finetune.job", str(directory)]
+    return sandboxed(trainer, isolate_network, loopback=processes > 1)
+
+
+def sandboxed(command: list[str], isolate_network: bool, *, loopback: bool = False) -> list[str]:
+    """`command` in a new, empty network namespace, when asked: nothing but a loopback device of
+    its own, brought up only for `loopback` (torchrun's processes meet on it)."""
     if not isolate_network:
         return command
     unshare = shutil.which("unshare")
@@ -103,35 +124,52 @@ def sandboxed(command: list[str], isolate_network: bool) -> list[str]:
         raise TrainingError("cannot cut the training job off the network: `unshare` (util-linux) is not installed",
                             hint="install util-linux, or set finetune.isolate_network = false")
     # Root may create a network namespace directly; anyone else needs a user namespace for it.
-    return [unshare, "--net", *([] if os.geteuid() == 0 else ["--map-root-user"]), "--", *command]
+    isolated = [unshare, "--net", *([] if os.geteuid() == 0 else ["--map-root-user"]), "--"]
+    if loopback:
+        ip = shutil.which("ip")
+        if ip is None:
+            raise TrainingError("several training processes need a loopback device in their network namespace, "
+                                "and `ip` (iproute2) is not installed", hint="install iproute2")
+        return [*isolated, "sh", "-c", f'{ip} link set lo up && exec "$@"', "trainer", *command]
+    return [*isolated, *command]
 
 
-def _train_in_child(directory: Path, isolate_network: bool, on_progress: Callable[[Progress], None],
+def _train_in_child(directory: Path, command: list[str], on_progress: Callable[[Progress], None],
                     on_child: Callable[[int], None]) -> None:
+    """Run the trainer in a process group of its own, reporting its progress; a cancel request
+    (the job directory's cancel file) or our own end ends the whole group (its checkpoints stay)."""
     log = directory / "train.log"
-    command = sandboxed([sys.executable, "-P", "-m", "finetune.job", str(directory)], isolate_network)
     with log.open("ab") as output:
-        child = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT,
+        child = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, cwd=directory,
+                                 start_new_session=True,
                                  env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                                       "HF_DATASETS_OFFLINE": "1", "DO_NOT_TRACK": "1"})
         on_child(child.pid)
         seen = None
         try:
-            while child.poll() is None:
+            while child.poll() is None and not (directory / CANCEL_FILE).exists():
                 seen = _report(directory / "progress.json", seen, on_progress)
                 time.sleep(0.5)
         finally:
-            if child.poll() is None:  # we are being stopped: the child goes too
-                child.send_signal(signal.SIGTERM)
+            if child.poll() is None:
+                end_group(child.pid)
                 child.wait()
     _report(directory / "progress.json", seen, on_progress)
-    if child.returncode == CANCELLED_EXIT:
-        raise TrainingCancelled("training stopped as asked; its last checkpoint is kept")
+    if (directory / CANCEL_FILE).exists():
+        raise TrainingCancelled("training stopped as asked; its checkpoints are kept")
     if child.returncode != 0:
         tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
         if "unshare" in tail[0]:
             tail[0] += " (set finetune.isolate_network = false to train with the host's network)"
         raise TrainingError(f"training failed (exit {child.returncode}): {tail[0]}", hint=f"full log: {log}")
+
+
+def end_group(pid: int) -> None:
+    """End a trainer's process group (torchrun's processes included), if it is still there."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _report(path: Path, seen: float | None, on_progress: Callable[[Progress], None]) -> float | None:

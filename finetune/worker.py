@@ -15,7 +15,7 @@ from appliance.home import HOME_ENV, Home
 from appliance.programs import Program
 from appliance.settings import Settings, load_settings
 from finetune import jobs
-from finetune.runner import run_job
+from finetune.runner import end_group, run_job
 from finetune.train import Hyperparameters, TrainingCancelled
 
 log = logging.getLogger("appliance.finetune-worker")
@@ -38,6 +38,8 @@ def work_one(home: Home, settings: Settings) -> jobs.Job | None:
     job = jobs.claim(home, os.getpid(), alive)
     if job is None:
         return None
+    if job.trainer_pid is not None:  # left by a worker that died: its trainer must not run on beside ours
+        end_group(job.trainer_pid)
     directory = jobs.job_dir(home, job.id)
     log.info("job %d (%s on %s): attempt %d", job.id, job.name, job.data, job.attempts)
     try:

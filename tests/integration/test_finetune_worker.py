@@ -89,7 +89,7 @@ def test_cancel_a_queued_and_a_running_job(running: Running, tiny: Path) -> None
 
     wait_for("training to start", lambda: (jobs.job_dir(cli.home, running_id) / "progress.json").exists())
     stopping = cli.run("finetune", "cancel", str(running_id), timeout=60)
-    assert "stopping after its current step" in stopping.stdout
+    assert "stopping (its checkpoints stay)" in stopping.stdout
     followed = cli.run("finetune", "status", str(running_id), "-f", timeout=300)
     assert followed.returncode == 1 and f"job {running_id} cancelled" in followed.stdout
     assert not adapters.load(cli.home).versions("codes-long")

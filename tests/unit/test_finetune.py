@@ -99,6 +99,16 @@ def test_scenario_and_regression_sets_are_scored_and_gated(workspace: tuple[dict
     assert refused.returncode == 1 and f"{bad}:2: 'expect' must be a non-empty string" in refused.stderr
 
 
+def test_two_processes_train_one_adapter(workspace: tuple[dict[str, str], Path]) -> None:
+    """torchrun with two CPU processes (gloo) stands in for two GPUs: DDP inside the sandbox, whose
+    own loopback device carries their rendezvous."""
+    env, model = workspace
+    result = finetune({**env, "APPLIANCE_FINETUNE__PROCESSES": "2"}, model, "--name", "codes-ddp", "--max-steps", "4")
+    assert result.returncode == 0, result.stderr
+    [record] = [r for r in load(Home(Path(env["APPLIANCE_HOME"]))).adapters if r.name == "codes-ddp"]
+    assert record.metrics["processes"] == 2 and record.metrics["steps"] == 4
+
+
 def test_killed_training_resumes_from_its_checkpoint(workspace: tuple[dict[str, str], Path]) -> None:
     env, model = workspace
     command = [APPLIANCE, "finetune", "run", "--data", "codes", "--base", str(model), "--lr", "0.01",
