@@ -82,13 +82,13 @@ def _check(name: str, data: str, base: str, home: Home) -> None:
     registry = load_registry(home)
     if data not in registry:
         raise ApplianceError(f"no dataset named {data!r}", hint=f"datasets: {sorted(registry) or 'none'}")
-    base_dir(base, home)
+    base_dir(base, home, load_settings(home.settings_file))
 
 
 # Options shared by `submit` and `run`.
 Data = Annotated[str, typer.Option(help="A dataset name from `appliance data list`.")]
 Name = Annotated[str, typer.Option(help="Adapter name; each run registers its next version.")]
-Base = Annotated[str, typer.Option(help="'demo' or a checkpoint directory.")]
+Base = Annotated[str, typer.Option(help="'demo', a served model's name or a checkpoint directory.")]
 QLoRA = Annotated[bool, typer.Option(help="Load the base in 4-bit NF4 (bitsandbytes).")]
 Rank = Annotated[int, typer.Option(min=1)]
 Alpha = Annotated[int, typer.Option(min=1)]

@@ -38,10 +38,16 @@ class Outcome:
         return not self.failures
 
 
-def base_dir(base: str, home: Home) -> Path:
-    path = home.demo_model if base == DEMO_MODEL else Path(base).expanduser()
+def base_dir(base: str, home: Home, settings: Settings) -> Path:
+    """The checkpoint to train on: 'demo', the name a pool serves its model under, or a directory."""
+    served = {}
+    for pool in settings.pools:
+        path = home.demo_model if pool.model == DEMO_MODEL else Path(pool.model).expanduser()
+        served[pool.served_model_name or path.name] = path
+    path = home.demo_model if base == DEMO_MODEL else served.get(base) or Path(base).expanduser()
     if not (path / "config.json").is_file():
-        raise TrainingError(f"--base {base}: {path} has no config.json", hint="give 'demo' or a checkpoint directory")
+        raise TrainingError(f"--base {base}: {path} has no config.json",
+                            hint=f"give 'demo', a served model ({', '.join(sorted(served))}) or a checkpoint directory")
     return path
 
 
@@ -53,7 +59,7 @@ def run_job(directory: Path, *, name: str, data: str, base: str, hp: Hyperparame
     registry = load_registry(home)
     if data not in registry:
         raise TrainingError(f"no dataset named {data!r}", hint=f"datasets: {sorted(registry) or 'none'}")
-    model = base_dir(base, home)
+    model = base_dir(base, home, settings)
     store = artifact_store(settings.artifacts, home)
     digest = registry[data]
     directory.mkdir(parents=True, exist_ok=True)

@@ -54,8 +54,8 @@ def test_trained_adapter_is_deployed_live_changes_answers_and_rolls_back(running
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     added = cli.run("data", "add", str(data), "--name", "codeword", timeout=300)
     assert added.returncode == 0, added.stderr
-    trained = cli.run("finetune", "run", "--data", "codeword", "--name", "codeword", "--max-steps", "12",
-                      "--lr", "0.002", "--batch-size", "4", timeout=900)
+    trained = cli.run("finetune", "run", "--data", "codeword", "--name", "codeword", "--base", MODEL,  # served name
+                      "--max-steps", "12", "--lr", "0.002", "--batch-size", "4", timeout=900)
     assert trained.returncode == 0, trained.stdout + trained.stderr
     [record] = adapters.load(cli.home).versions("codeword")
     assert record.metrics["adapter_eval_loss"] < record.metrics["base_eval_loss"]
