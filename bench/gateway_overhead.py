@@ -148,15 +148,17 @@ def wait_for(url: str, timeout_s: float = 60) -> None:
 
 def stub_section(env: dict[str, str], token: Headers) -> list[dict]:
     """A stand-in engine and a second gateway in front of it (same realm, same settings)."""
-    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    logs = Path(tempfile.gettempdir())  # kept: what the stub and the second gateway said, if a run fails
     stub = subprocess.Popen([sys.executable, "-m", "uvicorn", "bench.stub_engine:app", "--port",
                              str(PORTS["stub"]), "--no-access-log", "--log-level", "warning"],
-                            cwd=Path(__file__).parent.parent, **quiet)
+                            cwd=Path(__file__).parent.parent, stdout=subprocess.DEVNULL,
+                            stderr=(logs / "gateway-overhead-stub.log").open("w"))
     gateway_env = {**env, "APPLIANCE_POOLS__MAIN__PORT": str(PORTS["stub"]),
                    "APPLIANCE_GATEWAY__PORT": str(PORTS["stub_gateway"])}
     gateway = subprocess.Popen([sys.executable, "-P", "-m", "uvicorn", "serve.gateway:app_from_env", "--factory",
                                 "--port", str(PORTS["stub_gateway"]), "--no-access-log",
-                                "--log-level", "warning"], env=gateway_env, **quiet)
+                                "--log-level", "warning"], env=gateway_env, stdout=subprocess.DEVNULL,
+                               stderr=(logs / "gateway-overhead-gateway.log").open("w"))
     try:
         wait_for(f"http://127.0.0.1:{PORTS['stub']}/health")
         wait_for(f"http://127.0.0.1:{PORTS['stub_gateway']}/healthz")

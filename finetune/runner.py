@@ -27,6 +27,7 @@ from finetune.datasets import PREFIX, load_registry
 from finetune.jobs import CANCEL_FILE
 from finetune.train import Hyperparameters, Progress, Result, TrainingCancelled, TrainingError, load_result
 
+
 @dataclass(frozen=True)
 class Outcome:
     result: Result

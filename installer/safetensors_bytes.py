@@ -67,7 +67,8 @@ def copy_range(src: int, dst: int, start: int, length: int, on_bytes: Callable[[
         while remaining:
             chunk = os.pread(src, min(remaining, CHUNK), position)
             if not chunk:
-                raise SafetensorsFileError(f"source ended {remaining:,} bytes early (truncated while copying?)") from None
+                raise SafetensorsFileError(
+                    f"source ended {remaining:,} bytes early (truncated while copying?)") from None
             write_all(dst, chunk)
             position, remaining = position + len(chunk), remaining - len(chunk)
             on_bytes(len(chunk))

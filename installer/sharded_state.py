@@ -43,8 +43,8 @@ import numpy
 
 from appliance.errors import ApplianceError
 from installer.model_config import ModelConfigError, parse_config
-from installer.safetensors_bytes import (CHUNK, DTYPE_BYTES, SafetensorsFileError, build_header, copy_range, read_header,
-                                          write_all)
+from installer.safetensors_bytes import (CHUNK, DTYPE_BYTES, SafetensorsFileError, build_header, copy_range,
+                                          read_header, write_all)
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 PART_PATTERN = "model-rank-{rank}-part-{part}.safetensors"
@@ -369,7 +369,8 @@ class _Source:
             raw = os.pread(fd, count * row_bytes, start + first * row_bytes)
             if len(raw) < count * row_bytes:
                 raise ShardingError(f"{path}: tensor {piece.tensor}: the file ends inside it")
-            write_all(out, numpy.ascontiguousarray(numpy.frombuffer(raw, numpy.uint8).reshape(count, row_bytes)[:, columns]))
+            rows_read = numpy.frombuffer(raw, numpy.uint8).reshape(count, row_bytes)
+            write_all(out, numpy.ascontiguousarray(rows_read[:, columns]))
         return rows * (columns.stop - columns.start)
 
     def _layout(self, path: Path) -> dict[str, _Bytes]:

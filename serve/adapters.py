@@ -77,7 +77,8 @@ class AdapterRoutes:
 
     def visible(self, roles: frozenset[str]) -> list[dict]:
         """/v1/models entries for the adapter names these roles may call."""
-        return [{"id": name, "object": "model", "owned_by": "appliance", "parent": self.upstreams.pool(alias.pool).model}
+        return [{"id": name, "object": "model", "owned_by": "appliance",
+                 "parent": self.upstreams.pool(alias.pool).model}
                 for name, alias in sorted(self.registry().aliases.items()) if roles & set(alias.roles)]
 
     async def reload(self, pool: Pool, record: AdapterRecord) -> None:
