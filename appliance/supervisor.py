@@ -233,13 +233,14 @@ class Supervisor:
         self.call("stopAllProcesses", True)
         self.call("shutdown")
         deadline = time.monotonic() + timeout_s
-        while pid is not None and _alive(pid):
+        while pid is not None and pid_alive(pid):
             if time.monotonic() > deadline:
                 raise SupervisorError(f"supervisord (pid {pid}) did not exit within {timeout_s:.0f}s")
             time.sleep(0.1)
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists and has not exited (a zombie counts as gone)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -14,6 +14,7 @@ from appliance.errors import ApplianceError
 from appliance.home import HOME_ENV, Home
 from appliance.programs import Program
 from appliance.settings import Settings, load_settings
+from appliance.supervisor import pid_alive
 from finetune import jobs
 from finetune.runner import end_group, run_job
 from finetune.train import Hyperparameters, TrainingCancelled
@@ -21,21 +22,9 @@ from finetune.train import Hyperparameters, TrainingCancelled
 log = logging.getLogger("appliance.finetune-worker")
 
 
-def alive(pid: int | None) -> bool:
-    if pid is None:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def work_one(home: Home, settings: Settings) -> jobs.Job | None:
     """Run the next job, if any, to its end; returns it as it ended."""
-    job = jobs.claim(home, os.getpid(), alive)
+    job = jobs.claim(home, os.getpid(), lambda pid: pid is not None and pid_alive(pid))
     if job is None:
         return None
     if job.trainer_pid is not None:  # left by a worker that died: its trainer must not run on beside ours

@@ -1,0 +1,131 @@
+"""The bundle's manifest, signature and verification (issue 9, first part): every kind of
+tampering is caught and names the file; split parts join back to a bundle that verifies."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from installer.bundle import (MANIFEST, PARTS_LIST, PUBLIC_KEY, SIGNATURE, BundleError, fingerprint, join, load_or_create_key,
+                              seal, split, verify)
+from tests.conftest import APPLIANCE
+
+
+@pytest.fixture
+def bundle(tmp_path: Path) -> tuple[Path, Ed25519PrivateKey]:
+    root = tmp_path / "bundle"
+    for name, data in {"wheels/appliance-0.1-py3-none-any.whl": b"wheel bytes" * 100,
+                       "wheels/httpx-0.28-py3-none-any.whl": b"another wheel",
+                       "keycloak/keycloak-quarkus-dist-26.7.3.zip": b"PK" + bytes(5000),
+                       "model/SmolLM2-135M-Instruct/config.json": b"{}",
+                       "install.sh": b"#!/bin/sh\n"}.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+    key = load_or_create_key(tmp_path / "keys" / "bundle.pem")
+    seal(root, key, description={"platform": "linux_x86_64", "python": "3.11"})
+    return root, key
+
+
+def test_a_sealed_bundle_verifies_and_lists_every_file(bundle: tuple[Path, Ed25519PrivateKey]) -> None:
+    root, key = bundle
+    checked = verify(root, key.public_key())
+    assert checked.files == 5 and checked.fingerprint == fingerprint(key.public_key())
+    manifest = json.loads((root / MANIFEST).read_text())
+    assert manifest["platform"] == "linux_x86_64" and set(manifest["files"]) == {
+        "wheels/appliance-0.1-py3-none-any.whl", "wheels/httpx-0.28-py3-none-any.whl",
+        "keycloak/keycloak-quarkus-dist-26.7.3.zip", "model/SmolLM2-135M-Instruct/config.json", "install.sh"}
+
+
+def test_the_signing_key_is_kept_0600_and_reused(tmp_path: Path) -> None:
+    path = tmp_path / "k.pem"
+    first = load_or_create_key(path)
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert fingerprint(load_or_create_key(path).public_key()) == fingerprint(first.public_key())
+
+
+def flip_a_byte(root: Path) -> str:
+    path = root / "wheels/httpx-0.28-py3-none-any.whl"
+    data = bytearray(path.read_bytes())
+    data[3] ^= 1
+    path.write_bytes(bytes(data))
+    return f"{path}: SHA-256 differs from the manifest"
+
+
+def remove_a_file(root: Path) -> str:
+    (root / "install.sh").unlink()
+    return f"{root / 'install.sh'}: missing"
+
+
+def add_a_file(root: Path) -> str:
+    (root / "wheels" / "evil-1.0-py3-none-any.whl").write_bytes(b"x")
+    return f"{root / 'wheels' / 'evil-1.0-py3-none-any.whl'}: not in the manifest"
+
+
+def edit_the_manifest(root: Path) -> str:
+    manifest = json.loads((root / MANIFEST).read_text())
+    manifest["files"]["install.sh"]["sha256"] = "0" * 64
+    (root / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    return f"{root / MANIFEST}: the signature does not match"
+
+
+def truncate_a_file(root: Path) -> str:
+    path = root / "keycloak/keycloak-quarkus-dist-26.7.3.zip"
+    path.write_bytes(path.read_bytes()[:-1])
+    return f"{path}: 5,001 bytes, the manifest says 5,002"
+
+
+@pytest.mark.parametrize("tamper", [flip_a_byte, remove_a_file, add_a_file, edit_the_manifest, truncate_a_file])
+def test_tampering_is_caught_and_named(bundle: tuple[Path, Ed25519PrivateKey], tamper) -> None:  # noqa: ANN001
+    root, key = bundle
+    expected = tamper(root)
+    with pytest.raises(BundleError) as caught:
+        verify(root, key.public_key())
+    assert caught.value.message.startswith(expected), caught.value.message
+
+
+def test_a_signature_by_another_key_is_refused(bundle: tuple[Path, Ed25519PrivateKey], tmp_path: Path) -> None:
+    root, key = bundle
+    impostor = Ed25519PrivateKey.generate()
+    seal(root, impostor, description={})  # re-signed with another key; its public key travels along
+    assert verify(root).fingerprint == fingerprint(impostor.public_key())  # self-consistent...
+    with pytest.raises(BundleError, match="does not match the trusted key"):
+        verify(root, key.public_key())  # ...but not by the key the operator trusts
+
+
+def test_missing_signature_is_refused(bundle: tuple[Path, Ed25519PrivateKey]) -> None:
+    root, key = bundle
+    (root / SIGNATURE).unlink()
+    with pytest.raises(BundleError, match=f"{root / SIGNATURE}: missing"):
+        verify(root, key.public_key())
+
+
+def test_parts_join_back_and_a_damaged_part_is_named(bundle: tuple[Path, Ed25519PrivateKey], tmp_path: Path) -> None:
+    root, key = bundle
+    parts = split(root, tmp_path / "media", part_bytes=4096)
+    assert len(parts) > 2 and all(part.stat().st_size <= 4096 for part in parts)
+    joined = join(tmp_path / "media", tmp_path / "target")
+    assert verify(joined, key.public_key()).files == 5
+    data = bytearray(parts[1].read_bytes())
+    data[0] ^= 1
+    parts[1].write_bytes(bytes(data))
+    with pytest.raises(BundleError, match=rf"{parts[1].name}: SHA-256 differs from .*{PARTS_LIST}:2"):
+        join(tmp_path / "media", tmp_path / "again")
+
+
+def test_cli_verify_names_the_fault_and_exits_non_zero(bundle: tuple[Path, Ed25519PrivateKey],
+                                                       tmp_path: Path) -> None:
+    root, key = bundle
+    public = tmp_path / "trusted.pub"
+    public.write_bytes((root / PUBLIC_KEY).read_bytes())
+    good = subprocess.run([APPLIANCE, "bundle", "verify", str(root), "--key", str(public)], capture_output=True,
+                          text=True, env={**os.environ, "COLUMNS": "300"})
+    assert good.returncode == 0 and "5 files" in good.stdout and fingerprint(key.public_key()) in good.stdout
+    expected = flip_a_byte(root)
+    bad = subprocess.run([APPLIANCE, "bundle", "verify", str(root), "--key", str(public)], capture_output=True,
+                         text=True, env={**os.environ, "COLUMNS": "300"})
+    assert bad.returncode == 1 and expected in bad.stderr
