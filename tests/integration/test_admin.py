@@ -68,7 +68,7 @@ def test_admin_routes_need_the_admin_role(realm: Realm) -> None:
 
 def test_admin_sees_services_settings_and_pools(realm: Realm) -> None:
     services = {s["name"]: s for s in admin_get(realm, "/services").json()}
-    assert set(services) == {"keycloak", "vllm-main", "gateway"}
+    assert set(services) == {"keycloak", "vllm-main", "gateway", "finetune-worker"}
     assert all(s["state"] == "RUNNING" and s["pid"] > 0 for s in services.values())
     settings = admin_get(realm, "/settings").json()
     assert settings["gateway"]["port"] == int(realm.running.appliance.env["APPLIANCE_GATEWAY__PORT"])
@@ -88,9 +88,12 @@ def test_admin_sees_services_settings_and_pools(realm: Realm) -> None:
 def test_openapi_lists_every_route_with_models(realm: Realm) -> None:
     spec = httpx.get(f"{realm.gateway}/openapi.json").json()
     for path in ("/v1/models", "/v1/chat/completions", "/v1/completions", "/healthz", "/readyz",
-                 "/metrics", "/admin/services", "/admin/users", "/admin/settings", "/admin/pools"):
+                 "/metrics", "/admin/services", "/admin/users", "/admin/settings", "/admin/pools", "/admin/adapters",
+                 "/admin/adapters/{name}/deploy", "/admin/adapters/{name}/canary", "/admin/adapters/{name}/rollback",
+                 "/admin/adapters/{name}/retire"):
         assert path in spec["paths"], path
-    assert "NewUser" in spec["components"]["schemas"]
+    assert {"NewUser", "DeployRequest", "CanaryRequest", "RetireRequest", "Alias", "Registry"} <= set(
+        spec["components"]["schemas"])
     assert spec["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
 
 
