@@ -67,16 +67,7 @@ def test_qlora_runs_on_the_cpu(workspace: tuple[dict[str, str], Path]) -> None:
     assert record.hyperparameters["qlora"] and record.metrics["adapter_eval_loss"] < record.metrics["base_eval_loss"]
 
 
-def test_gate_refuses_an_adapter_below_the_threshold(workspace: tuple[dict[str, str], Path]) -> None:
-    env, model = workspace
-    strict = {**env, "APPLIANCE_FINETUNE__GATE_MIN_IMPROVEMENT": "0.99"}
-    result = finetune(strict, model, "--name", "codes-strict", "--max-steps", "2")
-    assert result.returncode == 1 and "failed the evaluation gate: held-out loss" in result.stderr
-    [record] = [r for r in load(Home(Path(env["APPLIANCE_HOME"]))).adapters if r.name == "codes-strict"]
-    assert record.state == "failed-gate"
-
-
-def test_scenario_and_regression_sets_are_scored_and_gated(workspace: tuple[dict[str, str], Path],
+def test_gate_scores_evaluation_sets_and_refuses_below_its_thresholds(workspace: tuple[dict[str, str], Path],
                                                           tmp_path: Path) -> None:
     env, model = workspace
     scenarios, regression = tmp_path / "scenarios.jsonl", tmp_path / "regression.jsonl"
@@ -84,15 +75,18 @@ def test_scenario_and_regression_sets_are_scored_and_gated(workspace: tuple[dict
                                  for i in range(3)))
     regression.write_text(json.dumps({"messages": [{"role": "user", "content": "Say hi"}], "expect": ".*",
                                       "match": "regex"}) + "\n")
-    demanding = {**env, "APPLIANCE_FINETUNE__GATE_MIN_SCENARIO_SCORE": "1.0"}
+    demanding = {**env, "APPLIANCE_FINETUNE__GATE_MIN_SCENARIO_SCORE": "1.0",
+                 "APPLIANCE_FINETUNE__GATE_MIN_IMPROVEMENT": "0.99"}
     result = finetune(demanding, model, "--name", "codes-sets", "--max-steps", "4", "--scenarios", str(scenarios),
                       "--regression", str(regression))
     [record] = [r for r in load(Home(Path(env["APPLIANCE_HOME"]))).adapters if r.name == "codes-sets"]
+    assert result.returncode == 1 and record.state == "failed-gate"
+    assert "failed the evaluation gate: held-out loss" in result.stderr  # not 99 % lower after four steps
     sets = record.metrics["eval_sets"]
     assert set(sets) == {"scenarios", "regression"} and sets["regression"] == {"base": 1.0, "adapter": 1.0}
     assert 0 <= sets["scenarios"]["base"] <= 1 and 0 <= sets["scenarios"]["adapter"] <= 1
     if sets["scenarios"]["adapter"] < 1.0:  # four steps rarely teach a random model the answer
-        assert result.returncode == 1 and "scenario score" in result.stderr and record.state == "failed-gate"
+        assert "scenario score" in result.stderr
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "hi", "expect": "x"}) + "\n" + json.dumps({"prompt": "hi"}) + "\n")
     refused = finetune(env, model, "--name", "codes-bad", "--max-steps", "2", "--scenarios", str(bad))
@@ -112,7 +106,7 @@ def test_two_processes_train_one_adapter(workspace: tuple[dict[str, str], Path])
 def test_killed_training_resumes_from_its_checkpoint(workspace: tuple[dict[str, str], Path]) -> None:
     env, model = workspace
     command = [APPLIANCE, "finetune", "run", "--data", "codes", "--base", str(model), "--lr", "0.01",
-               "--batch-size", "2", "--name", "codes-resumed", "--max-steps", "60", "--save-steps", "5"]
+               "--batch-size", "2", "--name", "codes-resumed", "--max-steps", "30", "--save-steps", "5"]
     checkpoints = Path(env["APPLIANCE_HOME"]) / "finetune"
     killed = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
@@ -123,4 +117,4 @@ def test_killed_training_resumes_from_its_checkpoint(workspace: tuple[dict[str, 
     killed.wait()
     resumed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     assert resumed.returncode == 0, resumed.stderr
-    assert "resumed from checkpoint-" in resumed.stdout and "60 steps" in resumed.stdout
+    assert "resumed from checkpoint-" in resumed.stdout and "30 steps" in resumed.stdout
