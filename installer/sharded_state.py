@@ -29,6 +29,7 @@ few chunks whatever the checkpoint's size.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import struct
@@ -118,7 +119,7 @@ class RankTensor:
     fill: float = 0.0
 
     def nbytes(self, dtype: str) -> int:
-        return _count(self.shape) * DTYPE_BYTES[dtype if self.slices else "F32"]
+        return math.prod(self.shape) * DTYPE_BYTES[dtype if self.slices else "F32"]
 
 
 def read_config(model_dir: Path) -> DenseConfig:
@@ -354,7 +355,7 @@ class _Source:
         fd, layout = self._fds[path], self._layout(path)[piece.tensor]
         start, shape, item = layout.start, layout.shape, DTYPE_BYTES[layout.dtype]
         rows = shape[0] if shape else 1
-        row_bytes = item * _count(shape[1:])
+        row_bytes = item * math.prod(shape[1:])
         stop = shape[piece.dim] if piece.stop is None else piece.stop
         if piece.dim == 1 and (piece.start, stop) == (0, shape[1]):  # every column: the whole tensor
             piece, stop = Slice(piece.tensor), rows
@@ -409,7 +410,7 @@ def _write_part(path: Path, group: list[RankTensor], source: _Source, dtype: str
                 written = sum(source.copy(piece, out) for piece in spec.slices)
                 _write_zeros(out, size - written)
             else:
-                write_all(out, struct.pack("<f", spec.fill) * _count(spec.shape))
+                write_all(out, struct.pack("<f", spec.fill) * math.prod(spec.shape))
             if progress is not None:
                 progress(size)
 
@@ -419,13 +420,6 @@ def _write_zeros(out: int, count: int) -> None:
     while count:
         write_all(out, memoryview(zeros)[:min(count, CHUNK)])
         count -= min(count, CHUNK)
-
-
-def _count(shape: tuple[int, ...] | list[int]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
 
 
 def _parts(specs: list[RankTensor], dtype: str, max_part_bytes: int) -> Iterator[list[RankTensor]]:

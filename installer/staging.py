@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -82,19 +83,12 @@ def read_source(model_dir: Path) -> dict[str, SourceTensor]:
             dtype, shape = entry["dtype"], tuple(entry["shape"])
             if end > size:
                 raise StagingError(f"{path}: truncated: tensor {name} ends at byte {end:,} of {size:,}")
-            expected = DTYPE_BYTES.get(dtype, 0) * _product(shape)
+            expected = DTYPE_BYTES.get(dtype, 0) * math.prod(shape)
             if expected and expected != end - start:
                 raise StagingError(f"{path}: tensor {name}: {dtype} {list(shape)} needs {expected:,} bytes, "
                                    f"the header gives {end - start:,}")
             tensors[name] = SourceTensor(name, path, dtype, shape, start, end)
     return tensors
-
-
-def _product(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
 
 
 def check_against_config(tensors: dict[str, SourceTensor], model: ModelShape) -> None:

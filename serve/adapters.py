@@ -81,10 +81,6 @@ class AdapterRoutes:
                  "parent": self.upstreams.pool(alias.pool).model}
                 for name, alias in sorted(self.registry().aliases.items()) if roles & set(alias.roles)]
 
-    async def reload(self, pool: Pool, record: AdapterRecord) -> None:
-        """Load a version again after its engine restarted (and forgot it)."""
-        await self._load(pool, record)
-
     # -- changes ------------------------------------------------------------------------------
 
     async def deploy(self, name: str, version: int | None, pool_name: str | None, roles: list[str] | None) -> Alias:
@@ -95,7 +91,7 @@ class AdapterRoutes:
             current = registry.aliases.get(name)
             pool = self.upstreams.pool(pool_name or (current.pool if current else self.upstreams.pools[0].name))
             self._check_base(record, pool)
-            await self._load(pool, record)
+            await self.load(pool, record)
             with self._updating() as registry:
                 alias = registry.aliases.get(name) or Alias(pool=pool.name, roles=roles or ["user", "admin"],
                                                              stable=None)
@@ -120,7 +116,7 @@ class AdapterRoutes:
                 raise GatewayError(409, f"{name} v{version} is already the stable version", code="conflict")
             pool = self.upstreams.pool(alias.pool)
             self._check_base(record, pool)
-            await self._load(pool, record)
+            await self.load(pool, record)
             with self._updating() as registry:
                 alias = registry.aliases[name]
                 if alias.canary is not None and alias.canary != version:
@@ -143,7 +139,7 @@ class AdapterRoutes:
                 dropped = alias.stable
                 previous = alias.history[-1] if alias.history else None
                 if previous is not None:
-                    await self._load(pool, self.registry().find(name, previous))
+                    await self.load(pool, self.registry().find(name, previous))
             with self._updating() as registry:
                 alias = registry.aliases[name]
                 if alias.canary is not None:
@@ -188,7 +184,8 @@ class AdapterRoutes:
             raise GatewayError(409, f"{record.name} v{record.version} was trained on {record.base_model}, not on "
                                f"the model pool {pool.name!r} serves ({pool.model})", code="base_mismatch")
 
-    async def _load(self, pool: Pool, record: AdapterRecord) -> None:
+    async def load(self, pool: Pool, record: AdapterRecord) -> None:
+        """Load a version into its pool's engine (again, after the engine restarted and forgot it)."""
         directory = await anyio.to_thread.run_sync(self._materialize, record)
         status, text = await self.upstreams.engine_post(pool, "/v1/load_lora_adapter",
                                                         {"lora_name": record.engine_name, "lora_path": str(directory)})

@@ -213,7 +213,7 @@ async def relay(request: Request, who: Principal, path: str, body: BaseModel) ->
         response = await gateway.upstreams.send(pool, path, json.dumps(payload).encode(), request_id)
         if adapter is not None and response.status == 404:  # the engine restarted and forgot it
             response.release()
-            await gateway.adapters.reload(pool, adapter)
+            await gateway.adapters.load(pool, adapter)
             response = await gateway.upstreams.send(pool, path, json.dumps(payload).encode(), request_id)
     except GatewayError as exc:
         gateway.metrics.upstream_errors.labels(pool.name, exc.code or "error").inc()
