@@ -16,8 +16,8 @@ for arg in "$@"; do
 done
 
 # Training jobs run in a network namespace of their own (unshare, util-linux); several training
-# processes bring its loopback up (ip, iproute2).
-for tool in unshare:util-linux ip:iproute2; do
+# processes bring its loopback up (ip, iproute2); the TUI's test runs it in a real terminal (tmux).
+for tool in unshare:util-linux ip:iproute2 tmux:tmux; do
   if ! command -v "${tool%%:*}" >/dev/null; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
       apt-get install -y -q "${tool#*:}"

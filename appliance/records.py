@@ -12,6 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from appliance.errors import ApplianceError
 
+STAGING_MANIFEST = "staging-manifest.json"  # in a staged directory, written by `appliance stage`
+
 
 def config_sha256(config: dict[str, Any]) -> str:
     """A model's identity for plans and adapters: SHA-256 of its config.json, keys sorted."""

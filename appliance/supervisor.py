@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -38,6 +40,7 @@ class ProcessState(IntEnum):
     UNKNOWN = 1000
 
 
+SPAWNED = re.compile(r"spawned: '([^']+)' with pid")
 FAILED_STATES = {ProcessState.BACKOFF, ProcessState.EXITED, ProcessState.FATAL}
 
 
@@ -226,6 +229,13 @@ class Supervisor:
     def processes(self) -> list[ProcessInfo]:
         """Every program supervisord knows, with its state."""
         return [ProcessInfo.from_rpc(info) for info in self.call("getAllProcessInfo")]
+
+    def restarts(self) -> dict[str, int]:
+        """How often each program was started again after its first start, from supervisord's log
+        (its own restarts after a crash included; the log lives as long as the state dir)."""
+        spawned = collections.Counter(SPAWNED.findall(
+            (self.home.logs / "supervisord.log").read_text(errors="replace")))
+        return {name: count - 1 for name, count in spawned.items()}
 
     def shutdown(self, timeout_s: float = 120.0) -> None:
         """Stop every program (process groups included), then supervisord itself, and wait."""

@@ -3,7 +3,6 @@ adapters: queue jobs for the worker, follow and cancel them, or train in the for
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from dataclasses import asdict
@@ -20,11 +19,12 @@ from appliance.errors import ApplianceError
 from appliance.home import Home
 from appliance.settings import DEMO_MODEL, load_settings
 from appliance.progress import byte_progress
-from finetune import evalsets, jobs
+from appliance import jobs
+from finetune import evalsets
 from finetune.datasets import check_lengths, load_registry, parse, scan, split, store
 from finetune.pii import Scanner
 from finetune.runner import base_dir, run_job
-from finetune.train import Hyperparameters, Progress
+from finetune.train import Hyperparameters
 
 NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 data_app = typer.Typer(help="Training datasets: validated, scanned, stored content-addressed.",
@@ -163,7 +163,7 @@ def run(data: Data, name: Name, base: Base = DEMO_MODEL, qlora: QLoRA = False, r
     with byte_progress() as progress:
         task = progress.add_task("training", total=None, unit="steps")
 
-        def show(p: Progress) -> None:
+        def show(p: jobs.Progress) -> None:
             progress.update(task, completed=p.step, total=p.max_steps,
                             description=f"training: loss {p.loss:.3f}, {p.tokens_per_s:.0f} tokens/s")
 
@@ -181,9 +181,8 @@ def run(data: Data, name: Name, base: Base = DEMO_MODEL, qlora: QLoRA = False, r
 
 
 def _progress_text(home: Home, job: jobs.Job) -> str:
-    try:
-        p = Progress(**json.loads((jobs.job_dir(home, job.id) / "progress.json").read_text()))
-    except (OSError, ValueError, TypeError):
+    p = jobs.read_progress(jobs.job_dir(home, job.id))
+    if p is None:
         return ""
     eta = f", ETA {p.eta_s:.0f} s" if p.eta_s is not None and job.state == "running" else ""
     return f"step {p.step}/{p.max_steps}, loss {p.loss:.3f}, {p.tokens_per_s:.0f} tokens/s{eta}"

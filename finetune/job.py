@@ -10,11 +10,11 @@ import json
 import os
 import signal
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 from appliance.errors import ApplianceError
-from finetune.train import Hyperparameters, Progress, train_adapter
+from appliance.jobs import write_progress
+from finetune.train import Hyperparameters, train_adapter
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -34,14 +34,9 @@ def main(directory: Path) -> int:
     rows = [[json.loads(line) for line in (directory / f"{split}.jsonl").read_text().splitlines()]
             for split in ("train", "eval")]
 
-    def report(progress: Progress) -> None:
-        partial = directory / ".progress.json.partial"
-        partial.write_text(json.dumps(asdict(progress)))
-        os.replace(partial, directory / "progress.json")
-
     try:
         train_adapter(Path(spec["base"]), *rows, directory, Hyperparameters(**spec["hyperparameters"]),
-                      on_progress=report, eval_sets=spec["eval_sets"])
+                      on_progress=lambda progress: write_progress(directory, progress), eval_sets=spec["eval_sets"])
     except ApplianceError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 1

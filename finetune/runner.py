@@ -24,8 +24,8 @@ from appliance.records import config_sha256
 from appliance.settings import DEMO_MODEL, FinetuneSettings, Settings
 from finetune import adapters
 from finetune.datasets import PREFIX, load_registry
-from finetune.jobs import CANCEL_FILE
-from finetune.train import Hyperparameters, Progress, Result, TrainingCancelled, TrainingError, load_result
+from appliance.jobs import CANCEL_FILE, PROGRESS_FILE, Progress, read_progress
+from finetune.train import Hyperparameters, Result, TrainingCancelled, TrainingError, load_result
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ def run_job(directory: Path, *, name: str, data: str, base: str, hp: Hyperparame
         (directory / f"{split}.jsonl").write_bytes(store.get(f"{PREFIX}{digest}/{split}.jsonl"))
     (directory / "job.json").write_text(json.dumps({"base": str(model), "hyperparameters": asdict(hp),
                                                     "eval_sets": eval_sets or {}}))
-    (directory / "progress.json").unlink(missing_ok=True)
+    (directory / PROGRESS_FILE).unlink(missing_ok=True)
     _train_in_child(directory, _trainer_command(directory, settings.finetune.processes or visible_gpus() or 1,
                                                 settings.finetune.isolate_network), on_progress, on_child)
     result = load_result(directory)
@@ -155,13 +155,13 @@ def _train_in_child(directory: Path, command: list[str], on_progress: Callable[[
         seen = None
         try:
             while child.poll() is None and not (directory / CANCEL_FILE).exists():
-                seen = _report(directory / "progress.json", seen, on_progress)
+                seen = _report(directory, seen, on_progress)
                 time.sleep(0.5)
         finally:
             if child.poll() is None:
                 end_group(child.pid)
                 child.wait()
-    _report(directory / "progress.json", seen, on_progress)
+    _report(directory, seen, on_progress)
     if (directory / CANCEL_FILE).exists():
         raise TrainingCancelled("training stopped as asked; its checkpoints are kept")
     if child.returncode != 0:
@@ -179,11 +179,11 @@ def end_group(pid: int) -> None:
         pass
 
 
-def _report(path: Path, seen: float | None, on_progress: Callable[[Progress], None]) -> float | None:
+def _report(directory: Path, seen: float | None, on_progress: Callable[[Progress], None]) -> float | None:
     try:
-        stamp = path.stat().st_mtime
-        if stamp != seen:
-            on_progress(Progress(**json.loads(path.read_text())))
-        return stamp
-    except (FileNotFoundError, ValueError):
+        stamp = (directory / PROGRESS_FILE).stat().st_mtime
+    except FileNotFoundError:
         return seen
+    if stamp != seen and (progress := read_progress(directory)) is not None:
+        on_progress(progress)
+    return stamp

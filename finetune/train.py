@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from appliance.jobs import Progress
 from appliance.errors import ApplianceError
 from finetune import evalsets
 
@@ -44,15 +45,6 @@ class Hyperparameters:
     save_steps: int = 10
     qlora: bool = False
     seed: int = 0
-
-
-@dataclass(frozen=True)
-class Progress:
-    step: int
-    max_steps: int
-    loss: float | None
-    tokens_per_s: float
-    eta_s: float | None
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from appliance.home import HOME_ENV, Home
 from appliance.programs import Program
 from appliance.settings import Settings, load_settings
 from appliance.supervisor import pid_alive
-from finetune import jobs
+from appliance import jobs
 from finetune.runner import end_group, run_job
 from finetune.train import Hyperparameters, TrainingCancelled
 

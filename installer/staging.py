@@ -24,13 +24,13 @@ from pathlib import Path
 from typing import TypeVar
 
 from appliance.errors import ApplianceError
-from appliance.records import Plan
+from appliance.records import STAGING_MANIFEST, Plan
 from installer.model_config import ModelShape, load_model_config
 from installer.safetensors_bytes import DTYPE_BYTES, SafetensorsFileError, build_header, copy_range, read_header
 from installer.sharded_state import copy_side_files, write_rank
 
 T = TypeVar("T")
-MANIFEST = "staging-manifest.json"
+MANIFEST = STAGING_MANIFEST
 INDEX = "model.safetensors.index.json"
 HASH_CHUNK = 8 << 20
 LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")

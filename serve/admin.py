@@ -8,6 +8,7 @@ Handlers are plain functions: FastAPI runs them in its thread pool, since the su
 
 from __future__ import annotations
 
+import collections
 import itertools
 import secrets as token_source
 from typing import Literal
@@ -23,7 +24,7 @@ from appliance.home import Home
 from appliance.secrets import gateway_client_secret
 from appliance.settings import Settings
 from appliance.supervisor import ProcessInfo, Supervisor
-from audit import read_records
+from audit import AuditVerificationError, read_records, signing_key, verify
 from serve.deps import requires
 from serve.errors import GatewayError
 
@@ -35,6 +36,7 @@ class Service(BaseModel):
     state: str
     pid: int
     uptime_s: int
+    restarts: int = Field(0, description="Starts after the first, as supervisord's log records them.")
     log: str
 
 
@@ -59,6 +61,21 @@ class NewUser(BaseModel):
 
 class CreatedUser(User):
     password: str | None = Field(None, description="The generated password, shown only here.")
+
+
+class RoleGrant(BaseModel):
+    role: Literal["admin", "user", "trainer", "auditor"]
+
+
+class ChainCheck(BaseModel):
+    """The result of verifying the audit log's chain and signed checkpoints."""
+
+    ok: bool
+    records: int = 0
+    checkpoints: int = 0
+    last_checkpoint_seq: int = 0
+    where: str | None = Field(None, description="The first bad record or checkpoint (file:line (seq)).")
+    reason: str | None = None
 
 
 class DeployRequest(BaseModel):
@@ -95,9 +112,9 @@ class Admin:
         return KeycloakAdmin(connection=connection)
 
 
-def _service(info: ProcessInfo) -> Service:
+def _service(info: ProcessInfo, restarts: dict[str, int]) -> Service:
     return Service(name=info.name, state=info.state.name, pid=info.pid, uptime_s=info.uptime_s,
-                   log=str(info.log))
+                   restarts=max(0, restarts.get(info.name, 0)), log=str(info.log))
 
 
 def _user(admin: KeycloakAdmin, raw: dict) -> User:
@@ -126,7 +143,9 @@ def admin_router(admin: Admin) -> APIRouter:
     def services() -> list[Service]:
         """Every supervised program and its state."""
         try:
-            return [_service(info) for info in admin.supervisor().processes()]
+            supervisor = admin.supervisor()
+            restarts = supervisor.restarts()
+            return [_service(info, restarts) for info in supervisor.processes()]
         except SupervisorError as exc:
             raise GatewayError(503, exc.message, type="service_unavailable", code="supervisor") from exc
 
@@ -144,7 +163,7 @@ def admin_router(admin: Admin) -> APIRouter:
                 supervisor.call("startProcess", name, False)
         except SupervisorError as exc:
             raise GatewayError(409, exc.message, code="conflict") from exc
-        return _service(process(name))
+        return _service(process(name), supervisor.restarts())
 
     @router.get("/settings")
     def settings() -> dict:
@@ -202,6 +221,19 @@ def admin_router(admin: Admin) -> APIRouter:
         except KeycloakError as exc:
             raise _keycloak_error(exc) from exc
 
+    @router.post("/users/{username}/roles", response_model=User)
+    def grant_role(username: str, grant: RoleGrant) -> User:
+        """Grant a user one more realm role (granting one it holds changes nothing)."""
+        try:
+            kc = admin.keycloak()
+            user_id = kc.get_user_id(username)
+            if user_id is None:
+                raise GatewayError(404, f"no user named {username!r}", code="not_found")
+            kc.assign_realm_roles(user_id, [kc.get_realm_role(grant.role)])
+            return _user(kc, kc.get_user(user_id))
+        except KeycloakError as exc:
+            raise _keycloak_error(exc) from exc
+
     @router.get("/adapters", response_model=Registry)
     def list_adapters(request: Request) -> Registry:
         """Every adapter version with its metrics and state, and what each name serves."""
@@ -231,13 +263,32 @@ def admin_router(admin: Admin) -> APIRouter:
 
 
 def audit_router(home: Home) -> APIRouter:
-    """GET /admin/audit: query the audit log (role `auditor` or `admin`)."""
+    """Query and verify the audit log (role `auditor` or `admin`)."""
     router = APIRouter(prefix="/admin", tags=["audit"], dependencies=[Depends(requires("auditor", "admin"))])
 
     @router.get("/audit", response_model=list[dict])
     def audit_records(since: str | None = None, until: str | None = None, user: str | None = None,
+                      action: str | None = Query(None, description="Exact action, e.g. users.add."),
+                      outcome: Literal["allowed", "denied", "error"] | None = None,
+                      newest: bool = Query(False, description="The newest `limit` records, newest first."),
                       limit: int = Query(1000, ge=1, le=100_000)) -> list[dict]:
-        """Audit records, oldest first, filtered by UTC time range [since, until) and username."""
-        return list(itertools.islice(read_records(home.audit, since=since, until=until, user=user), limit))
+        """Audit records, oldest first (or newest first), filtered by UTC time range [since, until),
+        username, action and outcome."""
+        found = (record for record in read_records(home.audit, since=since, until=until, user=user)
+                 if (action is None or record.get("action") == action)
+                 and (outcome is None or record.get("outcome") == outcome))
+        if newest:
+            return list(reversed(collections.deque(found, maxlen=limit)))
+        return list(itertools.islice(found, limit))
+
+    @router.post("/audit/verify", response_model=ChainCheck)
+    def verify_chain() -> ChainCheck:
+        """Verify every record's hash, the chain, the sequence and every checkpoint's signature."""
+        try:
+            summary = verify(home.audit, signing_key(home).public_key())
+        except AuditVerificationError as exc:
+            return ChainCheck(ok=False, where=exc.where, reason=exc.reason)
+        return ChainCheck(ok=True, records=summary.records, checkpoints=summary.checkpoints,
+                          last_checkpoint_seq=summary.last_checkpoint_seq)
 
     return router

@@ -18,7 +18,9 @@ ACTIONS = {("POST", "/v1/chat/completions"): "chat.completions", ("POST", "/v1/c
            ("GET", "/v1/models"): "models.list", ("POST", "/admin/users"): "users.add",
            ("POST", "/admin/users/{username}/disable"): "users.disable",
            ("POST", "/admin/services/{name}/{action}"): "services.{action}",
-           ("GET", "/admin/audit"): "audit.query",
+           ("POST", "/admin/users/{username}/roles"): "users.grant_role",
+           ("GET", "/admin/audit"): "audit.query", ("POST", "/admin/audit/verify"): "audit.verify",
+           ("POST", "/admin/jobs/{job_id}/cancel"): "jobs.cancel",
            **{("POST", f"/admin/adapters/{{name}}/{change}"): f"adapters.{change}"
               for change in ("deploy", "canary", "rollback", "retire")}}
 
@@ -32,7 +34,7 @@ def action_of(scope: dict, status: int) -> tuple[str, str | None]:
     action = ACTIONS.get((scope["method"], template))
     if action is None:
         action = "admin.read" if template.startswith("/admin/") else f"{scope['method']} {template}"
-    return action.format(**params), params.get("username") or params.get("name")
+    return action.format(**params), params.get("username") or params.get("name") or params.get("job_id")
 
 
 @dataclass

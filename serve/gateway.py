@@ -37,6 +37,7 @@ from serve.errors import GatewayError
 from serve.limits import RateLimiter
 from serve.metrics import Metrics
 from serve.middleware import BodyLimitMiddleware, MeterMiddleware
+from serve.operations import operations_router
 from serve.upstream import Upstreams, pools_from_settings, relay_stream, text_of, usage_of
 
 log = logging.getLogger("appliance.gateway")
@@ -133,6 +134,7 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
 
     app.include_router(admin_router(Admin(settings, home)))
     app.include_router(audit_router(home))
+    app.include_router(operations_router(settings, home))
 
     @app.get("/healthz", response_model=Health, tags=["health"])
     async def healthz() -> Health:

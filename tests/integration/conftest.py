@@ -45,19 +45,30 @@ class Running:
     up_seconds: float
 
 
+@dataclass
+class Staged:
+    directory: Path
+    plan_file: Path
+
+
 @pytest.fixture(scope="session")
-def staged_demo(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def staged_demo(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Staged:
     """The demo model staged (`subset`) for a one-host plan: the session's engine serves this
-    copy, so every integration test also shows that staged weights load and answer in vLLM."""
+    copy with that plan, so every integration test also shows that staged weights load and
+    answer in vLLM."""
     record = plan(load_model_config(demo_model), parse_hardware_spec("1x1xL4-24GB"), context=2048, concurrency=1,
                   model_ref=str(demo_model))
-    [staged] = stage_subset(demo_model, record, tmp_path_factory.mktemp("staged"))
-    return staged.directory
+    out = tmp_path_factory.mktemp("staged")
+    [staged] = stage_subset(demo_model, record, out)
+    plan_file = out / "plan.json"
+    plan_file.write_text(record.model_dump_json(indent=1))
+    return Staged(staged.directory, plan_file)
 
 
 @pytest.fixture(scope="session")
-def running(demo_model: Path, keycloak_dist: Path, staged_demo: Path) -> Iterator[Running]:
-    served = {"APPLIANCE_POOLS__MAIN__MODEL": str(staged_demo),
+def running(demo_model: Path, keycloak_dist: Path, staged_demo: Staged) -> Iterator[Running]:
+    served = {"APPLIANCE_POOLS__MAIN__MODEL": str(staged_demo.directory),
+              "APPLIANCE_POOLS__MAIN__PLAN": str(staged_demo.plan_file),
               "APPLIANCE_POOLS__MAIN__SERVED_MODEL_NAME": demo_model.name}
     for appliance in make_appliance(demo_model, keycloak_dist, **SESSION_SETTINGS, **served):
         started = time.monotonic()

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from appliance import adapters
-from finetune import jobs
+from appliance import jobs
 from tests.conftest import Appliance, tiny_llama
 from tests.integration.conftest import Running
 

@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from appliance.secrets import secret
 from installer.staging import verify_staged
-from tests.integration.conftest import Running
+from tests.integration.conftest import Running, Staged
 from tests.integration.realm import Realm
 
 
@@ -56,16 +56,16 @@ def test_chat_completion_returns_text(running: Running) -> None:
     assert "Paris" in answer
 
 
-def test_the_session_engine_serves_the_staged_copy(running: Running, staged_demo: Path, demo_model: Path) -> None:
-    assert verify_staged(staged_demo)
-    with safe_open(staged_demo / "model.safetensors", "pt") as staged, \
+def test_the_session_engine_serves_the_staged_copy(running: Running, staged_demo: Staged, demo_model: Path) -> None:
+    assert verify_staged(staged_demo.directory)
+    with safe_open(staged_demo.directory / "model.safetensors", "pt") as staged, \
             safe_open(demo_model / "model.safetensors", "pt") as original:
         assert sorted(staged.keys()) == sorted(original.keys())
         assert all(staged.get_tensor(n).equal(original.get_tensor(n)) for n in original.keys())
     log = (running.appliance.home.logs / "vllm-main.log").read_text()
     assert engine(running)["model"] == demo_model.name
     assert "Paris" in chat(running, "What is the capital of France?")
-    assert str(staged_demo) in log, "the engine was started on the staged directory"
+    assert str(staged_demo.directory) in log, "the engine was started on the staged directory"
 
 
 def test_engine_refuses_requests_without_its_key(running: Running) -> None:

@@ -1,13 +1,15 @@
 """The training job queue: one SQLite table in the state dir, shared by `appliance finetune
-submit|status|cancel` and the supervised `finetune-worker`. A job's files (its data, checkpoints,
-progress and result) live in its own directory; the row holds its state."""
+submit|status|cancel`, the supervised `finetune-worker` and the admin API. A job's files (its data,
+checkpoints, progress and result) live in its own directory; the row holds its state."""
 
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
@@ -20,6 +22,7 @@ from appliance.home import Home
 JobState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 FINISHED = ("succeeded", "failed", "cancelled")
 CANCEL_FILE = "cancel"  # in the job's directory: the runner stops the trainer
+PROGRESS_FILE = "progress.json"  # in the job's directory: the trainer's latest report
 SCHEMA = """
 create table if not exists jobs (
     id integer primary key autoincrement,
@@ -54,6 +57,17 @@ class Job(BaseModel):
     worker_pid: int | None
     trainer_pid: int | None
     message: str | None
+
+
+@dataclass(frozen=True)
+class Progress:
+    """The trainer's latest report."""
+
+    step: int
+    max_steps: int
+    loss: float | None
+    tokens_per_s: float
+    eta_s: float | None
 
 
 def jobs_dir(home: Home) -> Path:
@@ -156,3 +170,18 @@ def cancel(home: Home, job_id: int) -> Job:
                    "where id = ? and state = 'queued'", (_now(), job_id))
     return get(home, job_id)
 
+
+
+def write_progress(directory: Path, progress: Progress) -> None:
+    """Replace the job's progress report atomically (readers poll it)."""
+    partial = directory / f".{PROGRESS_FILE}.partial"
+    partial.write_text(json.dumps(asdict(progress)))
+    os.replace(partial, directory / PROGRESS_FILE)
+
+
+def read_progress(directory: Path) -> Progress | None:
+    """The job's latest progress report, if it has made one."""
+    try:
+        return Progress(**json.loads((directory / PROGRESS_FILE).read_text()))
+    except (OSError, ValueError, TypeError):
+        return None

@@ -1,0 +1,105 @@
+"""Admin routes for watching and steering the running appliance (role `admin`): host usage,
+each pool's plan and staging state, and training jobs (list with progress, cancel)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import anyio
+from fastapi import APIRouter, Depends
+from pydantic import BaseModel
+
+from appliance import jobs
+from appliance.errors import ApplianceError
+from appliance.home import Home
+from appliance.records import STAGING_MANIFEST, Plan, load_plan
+from appliance.settings import Settings
+from appliance.usage import HostUsage, host_usage
+from serve.deps import requires
+from serve.engine import model_dir
+from serve.errors import GatewayError
+
+
+class Staging(BaseModel):
+    """What `appliance stage` left in a pool's model directory."""
+
+    directory: str
+    format: str
+    host: str
+    complete: bool
+    files: int
+    bytes: int
+
+
+class PoolPlan(BaseModel):
+    pool: str
+    model_dir: str
+    plan_file: str | None
+    plan: Plan | None
+    plan_error: str | None = None
+    staging: Staging | None
+
+
+class JobView(jobs.Job):
+    progress: jobs.Progress | None
+
+
+def staging_of(directory: Path) -> Staging | None:
+    """The staging manifest's summary, if `directory` was staged (None for a plain checkpoint)."""
+    try:
+        data = json.loads((directory / STAGING_MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    files = data.get("files", {})
+    return Staging(directory=str(directory), format=data.get("format", "subset"), host=str(data.get("host", "")),
+                   complete=bool(data.get("complete")), files=len(files),
+                   bytes=sum(entry.get("bytes", 0) for entry in files.values()))
+
+
+def _job_view(home: Home, job: jobs.Job) -> JobView:
+    return JobView(**job.model_dump(), progress=jobs.read_progress(jobs.job_dir(home, job.id)))
+
+
+def operations_router(settings: Settings, home: Home) -> APIRouter:
+    router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(requires("admin"))])
+
+    @router.get("/system", response_model=HostUsage)
+    async def system() -> HostUsage:
+        """CPU, memory and each GPU's utilisation, memory and temperature (NVML), now."""
+        return await anyio.to_thread.run_sync(host_usage)
+
+    @router.get("/plans", response_model=list[PoolPlan])
+    def plans() -> list[PoolPlan]:
+        """Each pool's plan (per-GPU memory, rejected alternatives) and its weights' staging state."""
+        views = []
+        for pool in settings.pools:
+            plan, error = None, None
+            if pool.plan:
+                try:
+                    plan = load_plan(Path(pool.plan), f"pools.{pool.name}.plan")
+                except ApplianceError as exc:
+                    error = exc.one_line()
+            directory = model_dir(pool, home)
+            views.append(PoolPlan(pool=pool.name, model_dir=str(directory), plan_file=pool.plan, plan=plan,
+                                  plan_error=error, staging=staging_of(directory)))
+        return views
+
+    @router.get("/jobs", response_model=list[JobView])
+    def list_jobs() -> list[JobView]:
+        """Training jobs, oldest first, with the trainer's latest progress."""
+        return [_job_view(home, job) for job in jobs.listing(home)]
+
+    @router.post("/jobs/{job_id}/cancel", response_model=JobView)
+    def cancel_job(job_id: int) -> JobView:
+        """Cancel a queued job at once, or ask its worker to stop a running one (checkpoints kept)."""
+        try:
+            jobs.get(home, job_id)
+        except ApplianceError as exc:
+            raise GatewayError(404, exc.message, code="not_found") from exc
+        try:
+            return _job_view(home, jobs.cancel(home, job_id))
+        except ApplianceError as exc:
+            raise GatewayError(409, exc.message, code="conflict") from exc
+
+    return router

@@ -1,0 +1,377 @@
+"""The administrator's terminal UI (issue 8), driven by Textual's pilot against the session
+appliance (real gateway, supervisord, Keycloak, vLLM): every screen and every action, the banner
+for a stopped gateway and an expired login, the device-code login, and a run in a real terminal
+(tmux, 80x24)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import httpx
+import pytest
+from textual.pilot import Pilot
+from textual.widgets import DataTable, Input, Select, Static
+
+from appliance import adapters, jobs, login
+from appliance.artifacts import artifact_store
+from appliance.home import Home
+from appliance.records import config_sha256
+from appliance.secrets import secret
+from appliance.settings import load_settings
+from appliance.supervisor import Supervisor
+from finetune.adapters import register
+from installer.realm import BOOTSTRAP_SECRET
+from tests.conftest import APPLIANCE
+from tests.integration.conftest import Running
+from tests.integration.realm import Realm
+from tests.integration.test_admin import approve_device_login
+from tui.app import AdminApp
+
+MODEL = "SmolLM2-135M-Instruct"
+SIZE = (80, 24)
+
+
+@pytest.fixture(scope="module")
+def realm(running: Running) -> Realm:
+    return Realm(running)
+
+
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where each screen's SVG screenshot goes: docs/screenshots/ when refreshing the README's
+    (APPLIANCE_TUI_SCREENSHOTS=docs/screenshots .venv/bin/pytest tests/integration/test_admin_tui.py)."""
+    chosen = os.environ.get("APPLIANCE_TUI_SCREENSHOTS")
+    if not chosen:
+        return tmp_path_factory.mktemp("screenshots")
+    Path(chosen).mkdir(parents=True, exist_ok=True)
+    return Path(chosen).absolute()
+
+
+@pytest.fixture
+def app(running: Running) -> AdminApp:
+    """The app with a fresh admin login in the cache, as `appliance token` leaves it."""
+    cli = running.appliance
+    settings = load_settings(cli.home.settings_file, environ=cli.env)
+    login.password_login(settings, cli.home, "admin", secret(cli.home, BOOTSTRAP_SECRET))
+    return AdminApp(settings, cli.home)
+
+
+def drive(app: AdminApp, scenario: Callable[[Pilot], Awaitable[None]]) -> list[str]:
+    """Run `scenario` against the app in an 80x24 headless terminal; the notifications it showed."""
+    shown: list[str] = []
+    notify = app.notify
+
+    def recorded(message: str, **kwargs: object) -> None:
+        shown.append(str(message))
+        notify(message, **kwargs)
+
+    app.notify = recorded  # type: ignore[method-assign]
+
+    async def run() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await scenario(pilot)
+
+    asyncio.run(run())
+    return shown
+
+
+async def until(pilot: Pilot, check: Callable[[], bool], what: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return
+        await pilot.pause(0.2)
+    raise AssertionError(f"timed out waiting for {what}; screen:\n{screen_text(pilot.app)}")
+
+
+def rows(app: AdminApp, table: str) -> dict[str, list[str]]:
+    """The table's rows on the current screen by key, cells as text."""
+    found = app.screen.query_one(f"#{table}", DataTable)
+    return {str(key.value): [str(cell) for cell in found.get_row(key)] for key in found.rows}
+
+
+def text(app: AdminApp, widget: str) -> str:
+    return str(app.screen.query_one(f"#{widget}", Static).render())
+
+
+def screen_text(app: AdminApp) -> str:
+    """What a failing wait shows: the screen's text, its tables and the notifications so far."""
+    return "\n".join([*(str(s.render()) for s in app.screen.query(Static)),
+                      *(f"{t.id}: {rows(app, t.id or '')}" for t in app.screen.query(DataTable)),
+                      *(f"notified: {n.message}" for n in app._notifications)])
+
+
+async def select_row(pilot: Pilot, table: str, key: str) -> None:
+    found = pilot.app.screen.query_one(f"#{table}", DataTable)
+    found.focus()
+    found.move_cursor(row=found.get_row_index(key))
+    await pilot.pause()
+
+
+def banner(app: AdminApp) -> str | None:
+    """The current screen's problem banner; a dialog over it counts as one."""
+    found = app.screen.query("#banner")
+    if not found:
+        return f"(dialog {type(app.screen).__name__} open)"
+    return str(found.first(Static).render()) if found.first().has_class("shown") else None
+
+
+def test_dashboard_shows_services_host_and_traffic_and_controls_services(app: AdminApp, realm: Realm,
+                                                                        shots: Path) -> None:
+    token = realm.admin_token()
+
+    async def scenario(pilot: Pilot) -> None:
+        await until(pilot, lambda: rows(app, "services").get("gateway", [""])[1:2] == ["RUNNING"], "services")
+        assert {"keycloak", "vllm-main", "gateway", "finetune-worker"} <= set(rows(app, "services"))
+        assert "CPU" in text(app, "host") and "RAM" in text(app, "host")
+        assert "No GPU figures: NVML" in text(app, "host")  # this host has no NVIDIA driver
+        for _ in range(3):  # traffic between two scrapes shows up as a rate and on the chart
+            reply = await asyncio.to_thread(
+                httpx.post, f"{realm.gateway}/v1/chat/completions", headers={"Authorization": f"Bearer {token}"},
+                json={"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}, timeout=120)
+            assert reply.status_code == 200
+        await until(pilot, lambda: re.search(r"/v1: [1-9]|/v1: 0\.[1-9]", text(app, "traffic")) is not None,
+                    "a request rate")
+        assert re.search(r"p50 \d+ ms", text(app, "traffic"))
+
+        restarts = int(rows(app, "services")["finetune-worker"][4])
+        await select_row(pilot, "services", "finetune-worker")
+        await pilot.press("t")
+        await pilot.press("y")  # the confirmation dialog
+        await until(pilot, lambda: rows(app, "services")["finetune-worker"][1] == "STOPPED", "the worker stopped")
+        await pilot.press("s")
+        await until(pilot, lambda: rows(app, "services")["finetune-worker"][1] == "RUNNING", "the worker started")
+        await pilot.press("r")
+        await pilot.press("n")  # declined: nothing happens
+        await pilot.press("r")
+        await pilot.press("y")
+        await until(pilot, lambda: int(rows(app, "services")["finetune-worker"][4]) == restarts + 2,
+                    "two more starts counted")
+        await select_row(pilot, "services", "gateway")
+        await pilot.press("r")
+        await pilot.press("y")
+        await pilot.pause(2)
+        app.save_screenshot("dashboard.svg", path=str(shots))
+
+    shown = drive(app, scenario)
+    assert any("cannot stop itself" in message for message in shown), shown
+
+
+def test_models_screen_shows_pool_plan_and_staging(app: AdminApp, shots: Path) -> None:
+    async def scenario(pilot: Pilot) -> None:
+        await pilot.press("m")
+        await until(pilot, lambda: "main" in rows(app, "pools") and "Layout" in text(app, "plan-text"), "the plan")
+        assert rows(app, "pools")["main"][1:3] == [MODEL, "healthy"]
+        plan = text(app, "plan-text")
+        assert "Layout: TP1 PP1 DP1 EP off over 1 GPUs on 1 host(s)" in plan
+        assert re.search(r"Per GPU: weights [\d.]+ GiB \+ KV cache [\d.]+ GiB", plan)
+        assert re.search(r"Staged \(subset, host node-0\): \d+ files, [\d.]+ GiB, complete", plan)
+        app.save_screenshot("models.svg", path=str(shots))
+
+    drive(app, scenario)
+
+
+def random_adapter(demo: Path, out: Path) -> Path:
+    """A LoRA adapter for the demo model with random (not identity) weights: servable, untrained."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(demo)
+    get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+                   ).save_pretrained(out)
+    return out
+
+
+def test_jobs_and_adapters_screen_cancels_deploys_canaries_and_rolls_back(
+        app: AdminApp, running: Running, demo_model: Path, tmp_path: Path, shots: Path) -> None:
+    home: Home = running.appliance.home
+    adapter = random_adapter(demo_model, tmp_path / "adapter")
+    store = artifact_store(app.settings.artifacts, home)
+    identity = config_sha256(json.loads((demo_model / "config.json").read_text()))
+    for version_loss in (0.9, 0.8):
+        register(home, store, adapter, name="tui-adapter", base_model=MODEL, base_config_sha256=identity,
+                 dataset="none", dataset_sha256="-", hyperparameters={}, state="registered",
+                 metrics={"base_eval_loss": 1.5, "adapter_eval_loss": version_loss,
+                          "eval_sets": {"scenario": {"base": 0.25, "adapter": 0.75}}})
+
+    async def scenario(pilot: Pilot) -> None:
+        await pilot.press("j")
+        key = str(job.id)
+        await until(pilot, lambda: key in rows(app, "jobs"), "the job")
+        assert rows(app, "jobs")[key][1:7] == ["tui-job", "queued", "3/10", "1.250", "321", "-"]
+        await select_row(pilot, "jobs", key)
+        await pilot.press("c")
+        await pilot.press("y")
+        await until(pilot, lambda: rows(app, "jobs")[key][2] == "cancelled", "the job cancelled")
+
+        await until(pilot, lambda: "tui-adapter:2" in rows(app, "adapters"), "the adapters")
+        assert rows(app, "adapters")["tui-adapter:1"][2:5] == ["registered", "", "loss 1.500->0.900, scenario 0.25->0.75"]
+        await select_row(pilot, "adapters", "tui-adapter:1")
+        await pilot.press("p")
+        await pilot.press("y")
+        await until(pilot, lambda: rows(app, "adapters")["tui-adapter:1"][3] == "stable", "v1 deployed", 180)
+        await select_row(pilot, "adapters", "tui-adapter:2")
+        await pilot.press("n")
+        share = pilot.app.screen.query_one("#field-share", Input)
+        share.value = "0.5"
+        await pilot.press("enter")
+        await until(pilot, lambda: rows(app, "adapters")["tui-adapter:2"][3] == "canary 50%", "v2 in canary", 180)
+        await pilot.press("b")
+        await pilot.press("y")
+        await until(pilot, lambda: rows(app, "adapters")["tui-adapter:2"][3] == "", "the canary dropped", 180)
+        assert rows(app, "adapters")["tui-adapter:1"][3] == "stable"
+        app.save_screenshot("jobs.svg", path=str(shots))
+
+    # The trainer's progress report, as the worker's trainer writes it; the worker stays stopped
+    # so that the job is still queued when the UI cancels it.
+    supervisor = Supervisor(home)
+    supervisor.call("stopProcess", "finetune-worker", True)
+    try:
+        job = jobs.submit(home, name="tui-job", data="none", base="demo", hyperparameters={}, eval_sets={})
+        directory = jobs.job_dir(home, job.id)
+        directory.mkdir(parents=True, exist_ok=True)
+        jobs.write_progress(directory, jobs.Progress(step=3, max_steps=10, loss=1.25, tokens_per_s=321.0, eta_s=42))
+        shown = drive(app, scenario)
+    finally:
+        supervisor.call("startProcess", "finetune-worker", True)
+    assert any("deployed" in message for message in shown) and any("rolled back" in message for message in shown)
+    assert jobs.get(home, job.id).state == "cancelled"
+    alias = adapters.load(home).aliases["tui-adapter"]  # the UI changed the real registry
+    assert (alias.stable, alias.canary) == (1, None)
+
+
+def test_users_screen_adds_grants_and_disables(app: AdminApp, realm: Realm, shots: Path) -> None:
+    password: list[str] = []
+
+    async def scenario(pilot: Pilot) -> None:
+        await pilot.press("u")
+        await until(pilot, lambda: "admin" in rows(app, "users"), "the users")
+        await pilot.press("n")
+        pilot.app.screen.query_one("#field-username", Input).value = "tui-frank"
+        pilot.app.screen.query_one("#field-role", Select).value = "user"
+        await pilot.click("#ok")
+        await until(pilot, lambda: bool(pilot.app.screen.query("#detail-body")), "the generated password")
+        password.append(str(pilot.app.screen.query_one("#detail-body", Static).render()).split(": ")[1].strip())
+        await pilot.press("escape")
+        await until(pilot, lambda: "tui-frank" in rows(app, "users"), "the new user")
+        await select_row(pilot, "users", "tui-frank")
+        await pilot.press("g")
+        pilot.app.screen.query_one("#field-role", Select).value = "auditor"
+        await pilot.click("#ok")
+        await pilot.press("y")
+        await until(pilot, lambda: rows(app, "users")["tui-frank"][2] == "auditor, user", "the granted role")
+        await pilot.press("x")
+        await pilot.press("y")
+        await until(pilot, lambda: rows(app, "users")["tui-frank"][1] == "DISABLED", "the user disabled")
+        app.save_screenshot("users.svg", path=str(shots))
+
+    drive(app, scenario)
+    with pytest.raises(httpx.HTTPStatusError) as refused:
+        realm.token("tui-frank", password[0])
+    assert "disabled" in refused.value.response.text.lower()  # the password was real; the user is disabled
+
+
+def test_audit_screen_filters_shows_a_record_and_verifies_the_chain(app: AdminApp, shots: Path) -> None:
+    async def scenario(pilot: Pilot) -> None:
+        await pilot.press("a")
+        await until(pilot, lambda: bool(rows(app, "records")), "records")
+        await pilot.press("f")  # to the filters
+        assert pilot.app.focused is pilot.app.screen.query_one("#user", Input)
+        pilot.app.screen.query_one("#action", Input).value = "users.add"
+        await pilot.press("enter")
+        await until(pilot, lambda: bool(rows(app, "records")) and all(
+            r[2] == "users.add" for r in rows(app, "records").values()), "only users.add records")
+        pilot.app.screen.query_one("#outcome", Select).value = "denied"
+        await until(pilot, lambda: not rows(app, "records"), "no denied users.add records")
+        pilot.app.screen.query_one("#outcome", Select).value = "allowed"
+        await until(pilot, lambda: bool(rows(app, "records")), "the allowed ones again")
+        await pilot.press("enter")  # the selected record's detail
+        await until(pilot, lambda: bool(pilot.app.screen.query("#detail-body")), "the record detail")
+        detail = json.loads(str(pilot.app.screen.query_one("#detail-body", Static).render()))
+        assert detail["action"] == "users.add" and detail["hash"] and detail["prev_hash"]
+        await pilot.press("escape")
+        await pilot.press("v")
+        await until(pilot, lambda: text(app, "chain").startswith("Chain verified"), "the chain verified")
+        assert re.search(r"Chain verified: \d+ records, \d+ signed checkpoints", text(app, "chain"))
+        app.save_screenshot("audit.svg", path=str(shots))
+
+    drive(app, scenario)
+
+
+def test_banner_for_a_stopped_gateway_and_an_expired_login_then_device_login(app: AdminApp,
+                                                                            running: Running) -> None:
+    home = running.appliance.home
+    supervisor = Supervisor(home)
+    cache = home.secrets / "cli-token.json"
+
+    async def scenario(pilot: Pilot) -> None:
+        await until(pilot, lambda: "gateway" in rows(app, "services"), "the dashboard")
+        assert banner(app) is None
+        supervisor.call("stopProcess", "gateway", True)
+        try:
+            await until(pilot, lambda: "does not answer" in (banner(app) or ""), "the stopped-gateway banner")
+            assert "retrying" in (banner(app) or "")
+        finally:
+            supervisor.call("startProcess", "gateway", True)
+        await until(pilot, lambda: banner(app) is None, "the banner gone after the gateway came back")
+
+        cached = json.loads(cache.read_text())
+        cache.write_text(json.dumps({**cached, "expires_at": time.time() - 60, "refresh_expires_at": time.time() - 1}))
+        await until(pilot, lambda: "Not logged in" in (banner(app) or ""), "the expired-login banner")
+        await pilot.press("L")
+        await until(pilot, lambda: "approve the code" in text(app, "login-text"), "the device code")
+        url = re.search(r"Open (\S+)", text(app, "login-text")).group(1)
+        page = await asyncio.to_thread(approve_device_login, url, "admin", secret(home, BOOTSTRAP_SECRET))
+        assert "successful" in page.lower(), page[:300]
+        await until(pilot, lambda: banner(app) is None and pilot.app.sub_title.startswith("admin @"),
+                    "logged in again", 90)
+
+    drive(app, scenario)
+    assert json.loads(cache.read_text())["expires_at"] > time.time() + 60
+
+
+def test_every_screen_in_a_real_terminal(running: Running, app: AdminApp, tmp_path: Path) -> None:
+    """Start `appliance tui` in tmux (80x24), go through every screen by its key, capture each."""
+    assert shutil.which("tmux"), "tmux is needed for this test (bootstrap.sh installs it)"
+    session = f"appliance-tui-{running.appliance.home.root.name}"
+    environment = [arg for key, value in running.appliance.env.items() if key.startswith(("APPLIANCE_", "PATH"))
+                   for arg in ("-e", f"{key}={value}")]
+    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "80", "-y", "24", *environment,
+                    APPLIANCE, "tui"], check=True)
+    captures: dict[str, str] = {}
+    try:
+        for key, expect in (("d", "restarts"), ("m", "Layout: TP1"), ("j", "Training jobs"), ("u", "enabled"),
+                            ("a", "Chain not verified")):
+            subprocess.run(["tmux", "send-keys", "-t", session, key], check=True)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                pane = subprocess.run(["tmux", "capture-pane", "-p", "-t", session], capture_output=True,
+                                      text=True, check=True).stdout
+                if expect in pane:
+                    break
+                time.sleep(0.3)
+            captures[key] = pane
+            (tmp_path / f"pane-{key}.txt").write_text(pane)
+            assert expect in pane, f"screen {key!r} never showed {expect!r}:\n{pane}"
+            lines = pane.splitlines()
+            assert len(lines) <= 24 and all(len(line) <= 80 for line in lines)
+            assert all(f"{key} {name}" in lines[-1] for key, name in (
+                ("d", "Dashboard"), ("m", "Models"), ("j", "Jobs"), ("u", "Users"), ("a", "Audit"), ("q", "Quit"))
+            ), f"the footer lists every screen's key: {lines[-1]}"
+        subprocess.run(["tmux", "send-keys", "-t", session, "q"], check=True)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and subprocess.run(
+                ["tmux", "has-session", "-t", session], capture_output=True).returncode == 0:
+            time.sleep(0.2)
+        assert subprocess.run(["tmux", "has-session", "-t", session], capture_output=True).returncode != 0, \
+            "q quits the app (and so ends the tmux session)"
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)

@@ -1,0 +1,89 @@
+"""Models and plan: the engine pools, each pool's plan (layout, per-GPU memory, the rejected
+layouts and why) and the staging state of its weights."""
+
+from __future__ import annotations
+
+import asyncio
+
+from textual.app import ComposeResult
+from textual.containers import VerticalScroll
+from textual.widgets import DataTable, Static
+
+from tui.panel import Panel, fill, gib, selected_key
+
+
+def plan_text(view: dict) -> str:
+    """A pool's plan and staging state as lines of text."""
+    lines = [f"Pool {view['pool']}: weights in {view['model_dir']}"]
+    staging = view.get("staging")
+    if staging:
+        state = "complete" if staging["complete"] else "INCOMPLETE (resume with `appliance stage`)"
+        lines.append(f"Staged ({staging['format']}, host {staging['host']}): {staging['files']} files, "
+                     f"{gib(staging['bytes'])}, {state}")
+    else:
+        lines.append("Staging: not a staged directory (served as the checkpoint is)")
+    if view.get("plan_error"):
+        lines.append(f"Plan: {view['plan_error']}")
+    plan = view.get("plan")
+    if not plan:
+        lines.append("Plan: none (pools.<name>.plan is unset; sizes come from the pool's settings)")
+        return "\n".join(lines)
+    model, hw = plan["model"], plan["hardware"]
+    lines.append(f"Plan for {model['name']} ({model['total_params'] / 1e9:.1f}B params, {model['format']}) "
+                 f"on {hw['hosts']}x{hw['gpus_per_host']}x{hw['gpu']} "
+                 f"({gib(hw['gpu_memory_bytes'])} each), context {plan['target']['context']}")
+    layout = plan.get("layout")
+    if layout:
+        lines.append(f"Layout: TP{layout['tp']} PP{layout['pp']} DP{layout['dp']} EP {'on' if layout['ep'] else 'off'}"
+                     f" over {layout['gpus']} GPUs on {layout['hosts']} host(s)")
+    per_gpu = plan.get("per_gpu")
+    if per_gpu:
+        lines.append(f"Per GPU: weights {gib(per_gpu['weights'])} + KV cache {gib(per_gpu['kv_cache'])} + "
+                     f"reserve {gib(per_gpu['reserve'])} of budget {gib(per_gpu['budget'])}")
+    if plan.get("kv_capacity_tokens"):
+        lines.append(f"KV capacity {plan['kv_capacity_tokens']:,} tokens, "
+                     f"{plan.get('max_concurrent_sequences')} sequences at full context")
+    if not plan["feasible"]:
+        lines.append("NOT FEASIBLE on this hardware")
+    if plan["rejected"]:
+        lines.append("Rejected:")
+        for rejected in plan["rejected"]:
+            lay = rejected["layout"]
+            lines.append(f"  TP{lay['tp']} PP{lay['pp']} DP{lay['dp']}{' EP' if lay['ep'] else ''}: "
+                         f"{rejected['reason']}")
+    return "\n".join(lines)
+
+
+class Models(Panel):
+    DEFAULT_CSS = Panel.DEFAULT_CSS + """
+    #pools { height: auto; max-height: 6; }
+    #plan { height: 1fr; padding: 0 1; }
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.plans: dict[str, dict] = {}
+
+    def body(self) -> ComposeResult:
+        yield DataTable(id="pools", cursor_type="row")
+        with VerticalScroll(id="plan"):
+            yield Static("", id="plan-text", markup=False)
+
+    def on_mount(self) -> None:
+        super().on_mount()
+        self.query_one("#pools", DataTable).add_columns("pool", "model", "engine", "url")
+
+    async def load(self) -> None:
+        pools, plans = await asyncio.gather(self.client.call("GET", "/pools"), self.client.call("GET", "/plans"))
+        self.plans = {view["pool"]: view for view in plans}
+        fill(self.query_one("#pools", DataTable),
+             [(p["name"], (p["name"], p["model"], "healthy" if p["healthy"] else "DOWN", p["url"])) for p in pools])
+        self._show_plan()
+
+    def on_data_table_row_highlighted(self) -> None:
+        self._show_plan()
+
+    def _show_plan(self) -> None:
+        name = selected_key(self.query_one("#pools", DataTable))
+        view = self.plans.get(name or "")
+        self.query_one("#plan-text", Static).update(plan_text(view) if view else "")
