@@ -149,3 +149,44 @@ def test_host_usage_reads_each_gpu_from_nvml(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(Fake, "nvmlInit", staticmethod(no_driver))
     found = usage.host_usage()
     assert found.gpus == [] and "NVML Shared Library Not Found" in (found.gpu_error or "")
+
+
+def test_screens_answer_keys_while_an_admin_call_is_still_pending(tmp_path: Path) -> None:
+    """Every call runs in a worker: the app switches screens while the gateway has not answered."""
+    from tui.app import AdminApp
+
+    release = asyncio.Event()
+    asked: list[str] = []
+
+    class Stalled:
+        base_url = "http://127.0.0.1:9"
+
+        async def username(self) -> str:
+            return "admin"
+
+        async def call(self, method: str, path: str, **kwargs: object) -> object:
+            asked.append(path)
+            await release.wait()
+            return usage.host_usage().model_dump() if path == "/system" else []
+
+        async def metrics_text(self) -> str:
+            await release.wait()
+            return ""
+
+        async def close(self) -> None:
+            pass
+
+    app = AdminApp(Settings(), Home(tmp_path / "h").ensure())
+    app.client = Stalled()  # type: ignore[assignment]
+
+    async def scenario() -> None:
+        async with app.run_test(size=(80, 24)) as pilot:
+            await pilot.pause(0.3)
+            assert "/services" in asked and not release.is_set()
+            for key, screen in (("m", "Models"), ("u", "Users"), ("d", "Dashboard")):
+                await pilot.press(key)
+                assert type(app.screen).__name__ == screen
+            release.set()
+            await pilot.pause(0.3)
+
+    asyncio.run(scenario())
