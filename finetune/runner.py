@@ -20,6 +20,7 @@ from pathlib import Path
 from appliance.adapters import AdapterRecord
 from appliance.artifacts import artifact_store
 from appliance.home import Home
+from appliance.programs import OFFLINE_ENVIRONMENT
 from appliance.records import config_sha256
 from appliance.settings import DEMO_MODEL, FinetuneSettings, Settings
 from finetune import adapters
@@ -149,8 +150,7 @@ def _train_in_child(directory: Path, command: list[str], on_progress: Callable[[
     with log.open("ab") as output:
         child = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, cwd=directory,
                                  start_new_session=True,
-                                 env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                                      "HF_DATASETS_OFFLINE": "1", "DO_NOT_TRACK": "1"})
+                                 env={**os.environ, **OFFLINE_ENVIRONMENT})
         on_child(child.pid)
         seen = None
         try:

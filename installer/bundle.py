@@ -28,12 +28,10 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from appliance.errors import ApplianceError
+from installer.bundle_files import (MANIFEST, PUBLIC_KEY, SIGNATURE, BundleFileError, check_files,
+                                     listed_files)
 from installer.digest import sha256_file
 
-MANIFEST = "manifest.json"
-SIGNATURE = "manifest.sig"
-PUBLIC_KEY = "signing-key.pub"
-UNLISTED = frozenset({MANIFEST, SIGNATURE, PUBLIC_KEY})
 PARTS_LIST = "parts.sha256"
 
 
@@ -84,12 +82,6 @@ def load_public_key(path: Path) -> Ed25519PublicKey:
     return key
 
 
-def listed_files(bundle: Path) -> list[str]:
-    """Every file in the bundle but the manifest, its signature and the public key, as POSIX paths."""
-    return sorted(path.relative_to(bundle).as_posix() for path in bundle.rglob("*")
-                  if path.is_file() and path.relative_to(bundle).as_posix() not in UNLISTED)
-
-
 def seal(bundle: Path, key: Ed25519PrivateKey, *, description: dict, on_file: Callable[[str], None] = lambda f: None
          ) -> str:
     """Write the manifest of every file in `bundle` and sign it; returns the key's fingerprint."""
@@ -130,22 +122,10 @@ def verify(bundle: Path, trusted: Ed25519PublicKey | None = None,
         files = json.loads(raw)["files"]
     except (ValueError, KeyError, TypeError) as exc:
         raise BundleError(f"{bundle / MANIFEST}: signed but unreadable ({exc})") from exc
-    present = set(listed_files(bundle))
-    extra = sorted(present - set(files))
-    if extra:
-        raise BundleError(f"{bundle / extra[0]}: not in the manifest (added after signing)")
-    total = 0
-    for name, entry in sorted(files.items()):
-        path = bundle / name
-        if name not in present:
-            raise BundleError(f"{path}: missing (the manifest lists it)")
-        on_file(name)
-        size = path.stat().st_size
-        if size != entry["bytes"]:
-            raise BundleError(f"{path}: {size:,} bytes, the manifest says {entry['bytes']:,}")
-        if sha256_file(path) != entry["sha256"]:
-            raise BundleError(f"{path}: SHA-256 differs from the manifest (changed after signing)")
-        total += size
+    try:
+        total = check_files(bundle, files, on_file)
+    except BundleFileError as exc:
+        raise BundleError(str(exc)) from None
     return Verified(files=len(files), bytes=total, fingerprint=fingerprint(key))
 
 

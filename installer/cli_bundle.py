@@ -1,4 +1,4 @@
-"""`appliance bundle ...`: check a signed air-gapped bundle (or join one carried in parts)."""
+"""`appliance bundle ...`: build a signed air-gapped bundle, check one, or join one carried in parts."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from installer.bundle import join, load_public_key, verify
+from installer.bundle import join, load_or_create_key, load_public_key, split, verify
 
-bundle_app = typer.Typer(help="Air-gapped bundles: verify the signature and every file, join split parts.",
+bundle_app = typer.Typer(help="Air-gapped bundles: build, verify the signature and every file, join split parts.",
                          no_args_is_help=True)
 out = Console()
 
@@ -35,6 +35,33 @@ def join_command(
 ) -> None:
     """Check every part against its list, join and unpack them (then run `bundle verify`)."""
     out.print(f"bundle unpacked: {join(parts, out_dir)}")
+
+
+@bundle_app.command("build")
+def build_command(
+    out_dir: Annotated[Path, typer.Option("--out", help="The new bundle directory (must not exist).")],
+    model: Annotated[Path | None, typer.Option(help="A checkpoint directory to carry instead of the demo model.")
+                     ] = None,
+    key: Annotated[Path | None, typer.Option(help="The Ed25519 signing key (PEM); generated (0600) if missing. "
+                                                  "Default: the state dir's secrets/bundle-signing-key.pem.")] = None,
+    part_mib: Annotated[int | None, typer.Option("--part-mib", help="Also write the bundle as a tar cut into "
+                                                                    "parts of this many MiB (OUT-parts/).")] = None,
+) -> None:
+    """On a connected machine: wheels (appliance, dependencies, CPU vLLM), Keycloak, the model and
+    install.sh in one directory with a signed manifest. Built for this machine's platform and Python."""
+    from appliance.home import Home
+    from installer.bundle_build import build
+
+    home = Home.from_env().ensure()
+    signing_key = load_or_create_key(key or home.secrets / "bundle-signing-key.pem")
+    built = build(out_dir, home, signing_key, model=model, on_step=lambda step: out.print(f"== {step}"))
+    sizes = ", ".join(f"{part} {size / 2**20:,.1f} MiB" for part, size in built.part_bytes.items())
+    out.print(f"bundle {built.bundle}: {sizes}; built in {built.seconds:.0f} s", soft_wrap=True)
+    out.print(f"signing key fingerprint (compare it out of band on the target): {built.fingerprint}",
+              soft_wrap=True)
+    if part_mib is not None:
+        parts = split(built.bundle, out_dir.with_name(f"{out_dir.name}-parts"), part_mib * 2**20)
+        out.print(f"{len(parts)} parts in {parts[0].parent} (join with `appliance bundle join`)")
 
 
 def register(app: typer.Typer) -> None:

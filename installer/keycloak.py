@@ -41,12 +41,32 @@ def install_dir(home: Home) -> Path:
     return home.root / "keycloak" / f"keycloak-{VERSION}"
 
 
+def data_dir(home: Home) -> Path:
+    """Keycloak's database (users, realm) and transaction logs: beside the versioned install, which
+    links to it, so installing another Keycloak version keeps them."""
+    return home.root / "keycloak" / "data"
+
+
+def _share_data(target: Path, home: Home) -> None:
+    """Point the install's data/ at the shared data dir (moving a database an older layout kept inside)."""
+    inside = target / "data"
+    if inside.is_symlink():
+        return
+    if inside.is_dir() and not data_dir(home).exists():
+        inside.rename(data_dir(home))
+    elif inside.exists():
+        raise KeycloakError(f"{inside} and {data_dir(home)} both hold Keycloak data; keep one and remove the other")
+    data_dir(home).mkdir(parents=True, exist_ok=True)
+    inside.symlink_to(Path("..") / "data")
+
+
 def install(home: Home) -> tuple[Path, bool]:
     """Fetch (SHA-256 checked) and unpack the distribution once; return (its dir, whether made)."""
     target = install_dir(home)
     if (target / "bin" / "kc.sh").is_file():
+        _share_data(target, home)
         return target, False
-    zip_path = _fetch(home)
+    zip_path = fetch(home)
     partial = target.with_name(f".{target.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)
     with zipfile.ZipFile(zip_path) as archive, byte_progress() as progress:
@@ -70,10 +90,12 @@ def install(home: Home) -> tuple[Path, bool]:
                 os.chmod(dest, mode)
             progress.advance(task, member.file_size)
     partial.rename(target)
+    _share_data(target, home)
     return target, True
 
 
-def _fetch(home: Home) -> Path:
+def fetch(home: Home) -> Path:
+    """The pinned distribution zip in the cache, downloaded (SHA-256 checked) if it is not there."""
     path = home.cache / Path(URL).name
     if path.exists() and sha256_file(path) == SHA256:
         return path
@@ -122,6 +144,7 @@ def keycloak_programs(settings: Settings, home: Home) -> list[Program]:
     if keycloak.mode != "embedded":
         return []
     kc_dir = install_dir(home)
+    data_dir(home).mkdir(parents=True, exist_ok=True)  # a copied install links to it
     missing = None if (kc_dir / "bin" / "kc.sh").is_file() else (
         f"Keycloak not installed at {kc_dir} (run ./bootstrap.sh, or `appliance keycloak install`)")
     try:

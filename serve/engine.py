@@ -11,7 +11,7 @@ from pathlib import Path
 
 from appliance.errors import SettingsError
 from appliance.home import Home
-from appliance.programs import Program
+from appliance.programs import OFFLINE_ENVIRONMENT, Program
 from appliance.records import load_plan
 from appliance.secrets import secret
 from appliance.settings import DEMO_MODEL, EngineSettings, PoolSettings, Settings
@@ -106,8 +106,7 @@ def build_launch(pool: PoolSettings, settings: Settings, home: Home, api_key: st
     argv += pool.extra_args
 
     # The key travels in the environment (the config file is 0600), never on the command line.
-    env = {"VLLM_API_KEY": api_key, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    env = {"VLLM_API_KEY": api_key, **OFFLINE_ENVIRONMENT}
     if pool.enable_lora:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     if on_cpu:

