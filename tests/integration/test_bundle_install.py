@@ -58,9 +58,10 @@ def in_namespace(script: str, timeout_s: float = 900) -> subprocess.CompletedPro
     """`script` (bash) in a new network namespace with only loopback, brought up."""
     isolate = ["unshare", "--net", *([] if os.geteuid() == 0 else ["--map-root-user"])]
     clean = {key: value for key, value in os.environ.items()
-             if not key.startswith(("APPLIANCE_", "VIRTUAL_ENV", "PYTHON"))}
+             if not key.startswith(("APPLIANCE_", "VIRTUAL_ENV", "PYTHON"))} | {"COLUMNS": "300"}
+    # From /: nothing of this checkout (its packages, its egg-info) may be picked up instead.
     return subprocess.run([*isolate, "bash", "-c", f"set -euo pipefail; ip link set lo up; {script}"],
-                          capture_output=True, text=True, timeout=timeout_s, env=clean)
+                          capture_output=True, text=True, timeout=timeout_s, env=clean, cwd="/")
 
 
 def newer_bundle(old: Path, new: Path, key_file: Path, work: Path) -> str:
@@ -152,3 +153,5 @@ def test_bundle_installs_and_serves_with_no_network_and_upgrades_keeping_state(t
 
     sizes = dict(re.findall(r"(wheels|keycloak|model|scripts) ([\d,.]+) MiB", built.stdout))
     print(f"\nbundle: {sizes} MiB; build {build_s:.0f} s, install {install_s:.0f} s, upgrade {upgrade_s:.0f} s")
+    for big in (first, second, prefix):  # 10 GB between them; pytest keeps its last three temp dirs
+        shutil.rmtree(big)
