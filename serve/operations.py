@@ -4,10 +4,11 @@ each pool's plan and staging state, and training jobs (list with progress, cance
 from __future__ import annotations
 
 import json
-from pathlib import Path
+import pathlib
+from typing import Annotated
 
 import anyio
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Path
 from pydantic import BaseModel
 
 from appliance import jobs
@@ -45,7 +46,7 @@ class JobView(jobs.Job):
     progress: jobs.Progress | None
 
 
-def staging_of(directory: Path) -> Staging | None:
+def staging_of(directory: pathlib.Path) -> Staging | None:
     """The staging manifest's summary, if `directory` was staged (None for a plain checkpoint)."""
     try:
         data = json.loads((directory / STAGING_MANIFEST).read_text())
@@ -77,7 +78,7 @@ def operations_router(settings: Settings, home: Home) -> APIRouter:
             plan, error = None, None
             if pool.plan:
                 try:
-                    plan = load_plan(Path(pool.plan), f"pools.{pool.name}.plan")
+                    plan = load_plan(pathlib.Path(pool.plan), f"pools.{pool.name}.plan")
                 except ApplianceError as exc:
                     error = exc.one_line()
             directory = model_dir(pool, home)
@@ -91,7 +92,7 @@ def operations_router(settings: Settings, home: Home) -> APIRouter:
         return [_job_view(home, job) for job in jobs.listing(home)]
 
     @router.post("/jobs/{job_id}/cancel", response_model=JobView)
-    def cancel_job(job_id: int) -> JobView:
+    def cancel_job(job_id: Annotated[int, Path(ge=1, le=2**63 - 1)]) -> JobView:  # SQLite's integer range
         """Cancel a queued job at once, or ask its worker to stop a running one (checkpoints kept)."""
         try:
             jobs.get(home, job_id)

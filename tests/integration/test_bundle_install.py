@@ -1,10 +1,12 @@
 """Air-gapped install (issue 9), for real: a bundle built here installs into a fresh directory
-inside a network namespace that holds nothing but loopback; there `appliance up` starts and a
-chat completion answers through the gateway. A newer bundle installed over it keeps settings,
-users, the audit log and adapters, and the audit chain still verifies."""
+inside a network namespace that holds nothing but loopback; there `appliance up` starts, a user
+is added and a chat completion answers through the gateway, an adapter is registered. A newer
+bundle installed over it (also offline) upgrades the software and leaves settings, secrets, users
+(Keycloak's database), the audit log and adapters untouched, and the audit chain verifies."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -18,9 +20,11 @@ from cryptography.hazmat.primitives import serialization
 
 from installer.bundle import MANIFEST, PUBLIC_KEY, SIGNATURE, load_or_create_key, seal
 from tests.conftest import APPLIANCE
+from tests.integration.test_admin_tui import random_adapter
 
 PROJECT = Path(__file__).resolve().parents[2]
 MODEL = "SmolLM2-135M-Instruct"
+KEPT = ("settings.toml", "secrets", "keycloak/data", "adapters.json", "artifacts")
 
 # Run inside the namespace with the installed software only (not this checkout's).
 CHAT = """
@@ -36,22 +40,33 @@ print("CHAT", answer.status_code, answer.json()["choices"][0]["message"]["conten
 ADAPTER = """
 import json, sys
 from pathlib import Path
-from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM
 from appliance.artifacts import artifact_store
 from appliance.home import Home
 from appliance.records import config_sha256
 from appliance.settings import load_settings
 from finetune.adapters import register
 home = Home.from_env()
-model = AutoModelForCausalLM.from_pretrained(home.demo_model)
-get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"])).save_pretrained(sys.argv[1])
 record = register(home, artifact_store(load_settings(home.settings_file).artifacts, home), Path(sys.argv[1]),
     name="kept-adapter", base_model="SmolLM2-135M-Instruct", dataset="none", dataset_sha256="-",
     base_config_sha256=config_sha256(json.loads((home.demo_model / "config.json").read_text())),
     hyperparameters={}, metrics={}, state="registered")
 print("ADAPTER", record.name, record.version)
 """
+
+
+def audit_records(state: Path) -> list[dict]:
+    return [json.loads(line) for path in sorted((state / "audit").glob("audit-*.jsonl"))
+            for line in path.read_text().splitlines()]
+
+
+def tree_digest(root: Path, names: tuple[str, ...]) -> dict[str, str]:
+    """SHA-256 of every file under `root`/name for each name (a file or a directory)."""
+    found = {}
+    for name in names:
+        for path in sorted([root / name] if (root / name).is_file() else (root / name).rglob("*")):
+            if path.is_file():
+                found[path.relative_to(root).as_posix()] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return found
 
 
 def in_namespace(script: str, timeout_s: float = 900) -> subprocess.CompletedProcess[str]:
@@ -89,7 +104,8 @@ def newer_bundle(old: Path, new: Path, key_file: Path, work: Path) -> str:
     return built.name.split("-")[1]
 
 
-def test_bundle_installs_and_serves_with_no_network_and_upgrades_keeping_state(tmp_path: Path) -> None:
+def test_bundle_installs_and_serves_with_no_network_and_upgrades_keeping_state(tmp_path: Path,
+                                                                             demo_model: Path) -> None:
     key_file = tmp_path / "signing-key.pem"
     first, prefix, state = tmp_path / "bundle-1", tmp_path / "opt", tmp_path / "state"
     env = {k: v for k, v in os.environ.items() if k != "APPLIANCE_HOME"}  # caches of the default state dir
@@ -115,6 +131,7 @@ def test_bundle_installs_and_serves_with_no_network_and_upgrades_keeping_state(t
     issuer = "http://127.0.0.1:8180/realms/appliance"
     (tmp_path / "chat.py").write_text(CHAT)
     (tmp_path / "adapter.py").write_text(ADAPTER)
+    adapter = random_adapter(demo_model, tmp_path / "adapter")
 
     first_run = in_namespace(f"""
         export APPLIANCE_HOME={state}
@@ -122,12 +139,15 @@ def test_bundle_installs_and_serves_with_no_network_and_upgrades_keeping_state(t
         {app} token --user admin --password-stdin < {state}/secrets/bootstrap-admin-password
         {app} users add carol --role user --password-stdin <<< 'Carol-password-1'
         {python} {tmp_path}/chat.py {issuer} carol Carol-password-1
-        {python} {tmp_path}/adapter.py {tmp_path}/adapter
+        {python} {tmp_path}/adapter.py {adapter}
         {app} down""")
     assert first_run.returncode == 0, first_run.stdout[-3000:] + first_run.stderr[-3000:]
     assert re.search(r"^CHAT 200 \S", first_run.stdout, re.MULTILINE), first_run.stdout[-2000:]
     assert "ADAPTER kept-adapter 1" in first_run.stdout
-    settings_before = (state / "settings.toml").read_bytes() if (state / "settings.toml").exists() else None
+    kept = tree_digest(state, KEPT)
+    assert any(name.startswith("keycloak/data/h2/") for name in kept)  # the users' database is in there
+    records = audit_records(state)
+    assert any(r["action"] == "users.add" and r["outcome"] == "allowed" for r in records)
 
     second = tmp_path / "bundle-2"
     new_version = newer_bundle(first, second, key_file, tmp_path)
@@ -135,21 +155,17 @@ def test_bundle_installs_and_serves_with_no_network_and_upgrades_keeping_state(t
     upgraded = in_namespace(f"bash {second}/install.sh {second} --prefix {prefix} --home {state}")
     upgrade_s = time.monotonic() - started
     assert upgraded.returncode == 0, upgraded.stdout[-3000:] + upgraded.stderr[-3000:]
-    second_run = in_namespace(f"""
+    after = in_namespace(f"""
         export APPLIANCE_HOME={state}
         {python} -c 'import importlib.metadata as m; print("VERSION", m.version("appliance"))'
-        {app} up
-        {python} {tmp_path}/chat.py {issuer} carol Carol-password-1
-        {app} token --user admin --password-stdin < {state}/secrets/bootstrap-admin-password
-        {app} adapters list
-        {app} audit verify
-        {app} down""")
-    assert second_run.returncode == 0, second_run.stdout[-3000:] + second_run.stderr[-3000:]
-    assert f"VERSION {new_version}" in second_run.stdout and new_version.endswith(".post1")
-    assert re.search(r"^CHAT 200 \S", second_run.stdout, re.MULTILINE)  # carol (a user made before) still logs in
-    assert "kept-adapter" in second_run.stdout
-    assert re.search(r"audit log OK \(.*\): \d+ records", second_run.stdout), second_run.stdout[-2000:]
-    assert ((state / "settings.toml").read_bytes() if (state / "settings.toml").exists() else None) == settings_before
+        {python} -c 'from appliance import adapters, home; print("ADAPTERS", [r.name for r in adapters.load(home.Home.from_env()).adapters])'
+        {app} audit verify""")
+    assert after.returncode == 0, after.stdout[-3000:] + after.stderr[-3000:]
+    assert f"VERSION {new_version}" in after.stdout and new_version.endswith(".post1")
+    assert "ADAPTERS ['kept-adapter']" in after.stdout
+    assert re.search(r"audit log OK \(.*\): \d+ records", after.stdout), after.stdout[-2000:]
+    assert tree_digest(state, KEPT) == kept  # byte for byte: settings, secrets, users, adapters
+    assert audit_records(state)[:len(records)] == records  # the trail kept; the install's own steps appended
 
     sizes = dict(re.findall(r"(wheels|keycloak|model|scripts) ([\d,.]+) MiB", built.stdout))
     print(f"\nbundle: {sizes} MiB; build {build_s:.0f} s, install {install_s:.0f} s, upgrade {upgrade_s:.0f} s")
