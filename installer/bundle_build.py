@@ -79,28 +79,39 @@ def build(out: Path, home: Home, key: Ed25519PrivateKey, *, model: Path | None =
 
 
 def _pinned_wheels(target: Path, cache: Path) -> None:
-    """Download the pinned wheels into `cache` (pip skips files already there, so a rebuild fetches
-    only what changed) and link exactly those into `target`."""
+    """The pinned wheels, linked into `target` from `cache`; pip downloads into the cache only when
+    some pinned version is not there yet (a rebuild of the same lock fetches nothing)."""
     lists = [REQUIREMENTS / name for name in WHEEL_LISTS]
-    _run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-          "-q", "-d", str(cache), *(arg for path in lists for arg in ("-r", str(path)))], "pip download")
     wanted = {}
     for path in lists:
         for line in path.read_text().splitlines():
             if "==" in line and not line.lstrip().startswith("#"):
                 name, _, pinned = line.split("#")[0].strip().partition("==")
                 wanted[_normal(name)] = pinned
+    if _cached(cache, wanted).keys() != wanted.keys():
+        _run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+              "--disable-pip-version-check", "-q", "-d", str(cache),
+              *(arg for path in lists for arg in ("-r", str(path)))], "pip download")
+    found = _cached(cache, wanted)
+    missing = sorted(wanted.keys() - found.keys())
+    if missing:
+        raise BundleError(f"pip download left no wheel in {cache} for {missing[:5]}")
     target.mkdir(parents=True)
+    for wheel in found.values():
+        try:
+            os.link(wheel, target / wheel.name)
+        except OSError:  # another filesystem
+            shutil.copy2(wheel, target / wheel.name)
+
+
+def _cached(cache: Path, wanted: dict[str, str]) -> dict[str, Path]:
+    """The wheel in `cache` for each pinned name, where there is one of the pinned version."""
+    found = {}
     for wheel in sorted(cache.glob("*.whl")):
         name, pinned = wheel.name.split("-")[:2]
         if wanted.get(_normal(name)) == pinned:
-            wanted.pop(_normal(name))
-            try:
-                os.link(wheel, target / wheel.name)
-            except OSError:  # another filesystem
-                shutil.copy2(wheel, target / wheel.name)
-    if wanted:
-        raise BundleError(f"pip download left no wheel in {cache} for {sorted(wanted)[:5]}")
+            found[_normal(name)] = wheel
+    return found
 
 
 def _normal(name: str) -> str:

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from cryptography.hazmat.primitives import serialization
@@ -133,7 +134,10 @@ def test_bundle_installs_and_serves_with_no_network_and_upgrades_keeping_state(t
     (tmp_path / "adapter.py").write_text(ADAPTER)
     adapter = random_adapter(demo_model, tmp_path / "adapter")
 
-    first_run = in_namespace(f"""
+    second = tmp_path / "bundle-2"
+    with ThreadPoolExecutor(1) as background:  # the next bundle is made while the appliance runs
+        newer = background.submit(newer_bundle, first, second, key_file, tmp_path)
+        first_run = in_namespace(f"""
         export APPLIANCE_HOME={state}
         {app} up
         {app} token --user admin --password-stdin < {state}/secrets/bootstrap-admin-password
@@ -141,6 +145,7 @@ def test_bundle_installs_and_serves_with_no_network_and_upgrades_keeping_state(t
         {python} {tmp_path}/chat.py {issuer} carol Carol-password-1
         {python} {tmp_path}/adapter.py {adapter}
         {app} down""")
+        new_version = newer.result()
     assert first_run.returncode == 0, first_run.stdout[-3000:] + first_run.stderr[-3000:]
     assert re.search(r"^CHAT 200 \S", first_run.stdout, re.MULTILINE), first_run.stdout[-2000:]
     assert "ADAPTER kept-adapter 1" in first_run.stdout
@@ -149,8 +154,6 @@ def test_bundle_installs_and_serves_with_no_network_and_upgrades_keeping_state(t
     records = audit_records(state)
     assert any(r["action"] == "users.add" and r["outcome"] == "allowed" for r in records)
 
-    second = tmp_path / "bundle-2"
-    new_version = newer_bundle(first, second, key_file, tmp_path)
     started = time.monotonic()
     upgraded = in_namespace(f"bash {second}/install.sh {second} --prefix {prefix} --home {state}")
     upgrade_s = time.monotonic() - started

@@ -19,7 +19,7 @@ from tests.integration.realm import Realm
 
 # Fuzzing these would stop the engine or lock out the admin mid-run.
 SKIPPED = re.compile(r"^POST (/admin/services/|/admin/users/.+/disable$)")
-EXAMPLES_PER_OPERATION = 30
+EXAMPLES_PER_OPERATION = 20  # per operation; about 30 operations
 
 
 def test_no_server_error_of_the_gateways_own(running: Running) -> None:
