@@ -1,8 +1,12 @@
-"""Air-gapped install (issue 9), for real: a bundle built here installs into a fresh directory
-inside a network namespace that holds nothing but loopback; there `appliance up` starts, a user
-is added and a chat completion answers through the gateway, an adapter is registered. A newer
-bundle installed over it (also offline) upgrades the software and leaves settings, secrets, users
-(Keycloak's database), the audit log and adapters untouched, and the audit chain verifies."""
+"""Air-gapped install (issue 9), for real: a bundle built here (carrying a given model: a tiny
+Qwen3-MoE made by the test) installs into a fresh directory inside a network namespace that
+holds nothing but loopback; there `appliance up` starts, a user is added and a chat completion
+answers through the gateway, an adapter is registered. A newer bundle installed over it (also
+offline) upgrades the software and leaves settings, secrets, users (Keycloak's database), the
+audit log and adapters untouched, and the audit chain verifies.
+
+The engine started here also serves issue 5's check of the planner's KV capacity for an MoE
+against what vLLM reports (one vLLM start for both, to keep the suite within CI's time)."""
 
 from __future__ import annotations
 
@@ -17,14 +21,19 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
 from cryptography.hazmat.primitives import serialization
 
+from appliance.settings import Settings
+from installer.memory import GIB, Layout, kv_bytes_per_token
+from installer.model_config import load_model_config
 from installer.bundle import MANIFEST, PUBLIC_KEY, SIGNATURE, load_or_create_key, seal
 from tests.conftest import APPLIANCE
 from tests.integration.test_admin_tui import random_adapter
+from tests.integration.test_planner_vllm import make_tiny_moe
 
 PROJECT = Path(__file__).resolve().parents[2]
-MODEL = "SmolLM2-135M-Instruct"
+MODEL = "tiny-moe"
 KEPT = ("settings.toml", "secrets", "keycloak/data", "adapters.json", "artifacts")
 
 # Run inside the namespace with the installed software only (not this checkout's).
@@ -34,7 +43,7 @@ issuer, user, password = sys.argv[1:4]
 token = httpx.post(f"{issuer}/protocol/openid-connect/token", data={"grant_type": "password",
     "client_id": "appliance-cli", "username": user, "password": password}, timeout=60).json()["access_token"]
 answer = httpx.post("http://127.0.0.1:8080/v1/chat/completions", headers={"Authorization": f"Bearer {token}"},
-    json={"model": "SmolLM2-135M-Instruct", "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]},
+    json={"model": "tiny-moe", "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]},
     timeout=300)
 print("CHAT", answer.status_code, answer.json()["choices"][0]["message"]["content"].replace("\\n", " "))
 """
@@ -48,11 +57,24 @@ from appliance.settings import load_settings
 from finetune.adapters import register
 home = Home.from_env()
 record = register(home, artifact_store(load_settings(home.settings_file).artifacts, home), Path(sys.argv[1]),
-    name="kept-adapter", base_model="SmolLM2-135M-Instruct", dataset="none", dataset_sha256="-",
-    base_config_sha256=config_sha256(json.loads((home.demo_model / "config.json").read_text())),
+    name="kept-adapter", base_model="tiny-moe", dataset="none", dataset_sha256="-",
+    base_config_sha256=config_sha256(json.loads((home.root / "models/tiny-moe/config.json").read_text())),
     hyperparameters={}, metrics={}, state="registered")
 print("ADAPTER", record.name, record.version)
 """
+
+
+def check_moe_kv_capacity(state: Path, moe: Path, record_property: pytest.RecordProperty) -> None:
+    """Issue 5: the planner's KV capacity for the MoE against what the engine reported at start."""
+    log = (state / "logs" / "vllm-main.log").read_text()
+    reported = int(re.findall(r"KV cache size: ([\d,]+) tokens", log)[-1].replace(",", ""))
+    shape = load_model_config(moe)
+    assert shape.is_moe and shape.experts.routed == 4
+    predicted = Settings().engine.cpu_kvcache_gib * GIB // kv_bytes_per_token(shape, Layout())
+    difference = predicted / reported - 1
+    record_property("kv_capacity_moe", {"predicted": predicted, "vllm": reported, "difference": difference})
+    print(f"tiny MoE KV capacity: planner {predicted:,} tokens, vLLM {reported:,} tokens ({difference:+.2%})")
+    assert abs(difference) < 0.10
 
 
 def audit_records(state: Path) -> list[dict]:
@@ -105,13 +127,15 @@ def newer_bundle(old: Path, new: Path, key_file: Path, work: Path) -> str:
     return built.name.split("-")[1]
 
 
-def test_bundle_installs_and_serves_with_no_network_and_upgrades_keeping_state(tmp_path: Path,
-                                                                             demo_model: Path) -> None:
+def test_bundle_installs_and_serves_with_no_network_and_upgrades_keeping_state(
+        tmp_path: Path, demo_model: Path, record_property: pytest.RecordProperty) -> None:
     key_file = tmp_path / "signing-key.pem"
+    moe = make_tiny_moe(tmp_path / MODEL, demo_model)
     first, prefix, state = tmp_path / "bundle-1", tmp_path / "opt", tmp_path / "state"
     env = {k: v for k, v in os.environ.items() if k != "APPLIANCE_HOME"}  # caches of the default state dir
     started = time.monotonic()
-    built = subprocess.run([APPLIANCE, "bundle", "build", "--out", str(first), "--key", str(key_file)],
+    built = subprocess.run([APPLIANCE, "bundle", "build", "--out", str(first), "--key", str(key_file),
+                            "--model", str(moe)],
                            capture_output=True, text=True, timeout=1200, env={**env, "COLUMNS": "300"})
     assert built.returncode == 0, built.stdout[-2000:] + built.stderr
     build_s = time.monotonic() - started
@@ -128,11 +152,13 @@ def test_bundle_installs_and_serves_with_no_network_and_upgrades_keeping_state(t
     install_s = time.monotonic() - started
     assert installed.returncode == 0, installed.stdout[-3000:] + installed.stderr[-3000:]
     assert f"signed by the trusted key: {printed}" in installed.stdout
+    assert f"the bundle's model is in {state}/models/" in installed.stdout  # not the demo: the operator names it
+    (state / "settings.toml").write_text(f'[[pools]]\nname = "main"\nmodel = "{state}/models/{MODEL}"\n')
     app, python = prefix / "venv/bin/appliance", prefix / "venv/bin/python"
     issuer = "http://127.0.0.1:8180/realms/appliance"
     (tmp_path / "chat.py").write_text(CHAT)
     (tmp_path / "adapter.py").write_text(ADAPTER)
-    adapter = random_adapter(demo_model, tmp_path / "adapter")
+    adapter = random_adapter(moe, tmp_path / "adapter")
 
     second = tmp_path / "bundle-2"
     with ThreadPoolExecutor(1) as background:  # the next bundle is made while the appliance runs
@@ -147,8 +173,9 @@ def test_bundle_installs_and_serves_with_no_network_and_upgrades_keeping_state(t
         {app} down""")
         new_version = newer.result()
     assert first_run.returncode == 0, first_run.stdout[-3000:] + first_run.stderr[-3000:]
-    assert re.search(r"^CHAT 200 \S", first_run.stdout, re.MULTILINE), first_run.stdout[-2000:]
+    assert re.search(r"^CHAT 200 .*\S", first_run.stdout, re.MULTILINE), first_run.stdout[-2000:]
     assert "ADAPTER kept-adapter 1" in first_run.stdout
+    check_moe_kv_capacity(state, moe, record_property)
     kept = tree_digest(state, KEPT)
     assert any(name.startswith("keycloak/data/h2/") for name in kept)  # the users' database is in there
     records = audit_records(state)

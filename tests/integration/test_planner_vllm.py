@@ -1,4 +1,6 @@
-"""The planner's KV capacity against what the real vLLM CPU engine reports at start-up (issue 5)."""
+"""The planner's KV capacity against what the real vLLM CPU engine reports at start-up (issue 5):
+the demo model here, on the session's engine; a tiny MoE on the engine the bundle test
+(test_bundle_install.py) starts from the bundle, which carries it."""
 
 from __future__ import annotations
 
@@ -13,7 +15,6 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from appliance.settings import load_settings
 from installer.memory import GIB, Layout, kv_bytes_per_token
 from installer.model_config import load_model_config
-from tests.conftest import make_appliance
 from tests.integration.conftest import Running
 
 
@@ -33,31 +34,14 @@ def test_predicted_kv_capacity_matches_vllm(running: Running, record_property: p
 
 
 def make_tiny_moe(target: Path, tokenizer_from: Path) -> Path:
-    """A 4-expert, top-2 Qwen3-MoE with random weights (a few MB), with the demo model's tokenizer."""
+    """A 4-expert, top-2 Qwen3-MoE with random weights (a few MB), with the demo model's tokenizer;
+    head_dim 64, which the CPU engine's attention kernel serves (16 starts but fails on a request)."""
     torch.manual_seed(0)
     config = Qwen3MoeConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                             num_experts=4, num_experts_per_tok=2, max_position_embeddings=2048,
                             tie_word_embeddings=False, torch_dtype="bfloat16")
     Qwen3MoeForCausalLM(config).to(torch.bfloat16).save_pretrained(target, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(tokenizer_from / name, target / name)
     return target
-
-
-def test_predicted_kv_capacity_of_a_tiny_moe_matches_vllm(demo_model: Path, tmp_path: Path,
-                                                          record_property: pytest.RecordProperty) -> None:
-    moe = make_tiny_moe(tmp_path / "tiny-moe", demo_model)
-    for appliance in make_appliance(None, APPLIANCE_POOLS__MAIN__MODEL=str(moe)):
-        started = appliance.run("up", timeout=900)
-        log = (appliance.home.logs / "vllm-main.log").read_text()
-        assert started.returncode == 0, started.stderr + log[-3000:]
-        reported = int(re.findall(r"KV cache size: ([\d,]+) tokens", log)[-1].replace(",", ""))
-        shape = load_model_config(moe)
-        assert shape.is_moe and shape.experts.routed == 4
-        predicted = load_settings(appliance.home.settings_file, environ=appliance.env).engine.cpu_kvcache_gib * GIB \
-            // kv_bytes_per_token(shape, Layout())
-        difference = predicted / reported - 1
-        record_property("kv_capacity_moe", {"predicted": predicted, "vllm": reported, "difference": difference})
-        print(f"tiny MoE KV capacity: planner {predicted:,} tokens, vLLM {reported:,} tokens ({difference:+.2%})")
-        assert abs(difference) < 0.10
