@@ -8,9 +8,10 @@ import re
 import shlex
 import subprocess
 import sys
+import threading
 import time
 import xmlrpc.client
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
 from pathlib import Path
 from typing import Any
@@ -234,8 +235,7 @@ class Supervisor:
     def restarts(self) -> dict[str, int]:
         """How often each program was started again after its first start, from supervisord's log
         (its own restarts after a crash included; the log lives as long as the state dir)."""
-        spawned = collections.Counter(SPAWNED.findall(
-            (self.home.logs / "supervisord.log").read_text(errors="replace")))
+        spawned = _spawn_counts(self.home.logs / "supervisord.log")
         return {name: count - 1 for name, count in spawned.items()}
 
     def shutdown(self, timeout_s: float = 120.0) -> None:
@@ -248,6 +248,35 @@ class Supervisor:
             if time.monotonic() > deadline:
                 raise SupervisorError(f"supervisord (pid {pid}) did not exit within {timeout_s:.0f}s")
             time.sleep(0.1)
+
+
+@dataclass
+class _LogScan:
+    """How far supervisord's log has been read, and the spawns counted in that part."""
+
+    inode: int
+    offset: int = 0
+    spawned: collections.Counter[str] = field(default_factory=collections.Counter)
+
+
+_scans: dict[Path, _LogScan] = {}
+_scans_lock = threading.Lock()
+
+
+def _spawn_counts(log: Path) -> collections.Counter[str]:
+    """Spawns per program in `log`, reading only what was appended since the last call (the admin
+    dashboard asks every few seconds); a rotated or truncated log is read again from its start."""
+    with _scans_lock, log.open("rb") as handle:
+        info = os.fstat(handle.fileno())
+        scan = _scans.get(log)
+        if scan is None or scan.inode != info.st_ino or info.st_size < scan.offset:
+            scan = _scans[log] = _LogScan(inode=info.st_ino)
+        handle.seek(scan.offset)
+        appended = handle.read()
+        complete = appended[:appended.rfind(b"\n") + 1]  # a line still being written waits
+        scan.offset += len(complete)
+        scan.spawned.update(SPAWNED.findall(complete.decode(errors="replace")))
+        return collections.Counter(scan.spawned)
 
 
 def pid_alive(pid: int) -> bool:

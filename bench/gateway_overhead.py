@@ -8,8 +8,10 @@ introspection):
   gateway in front of it, which isolates the gateway's own added latency and throughput limit.
 
 For concurrency 1, 8 and 32, streamed and not, both paths take turns (direct, gateway, direct,
-gateway), so drift hits both. Reports p50/p99 of each path, the added p50/p99 and the throughput
-ratio (gateway / direct).
+gateway), so drift hits both. Reports p50/p99 of each path, the added p50 with a bootstrap 95 %
+confidence interval (how far the engine's own noise leaves the difference uncertain), the added
+p99 and the throughput ratio (gateway / direct). The stub section also reports the gateway's CPU
+time per request, a figure that does not depend on how busy the machine is.
 
 Run: .venv/bin/python bench/gateway_overhead.py [--sections vllm,stub]
 (needs ./bootstrap.sh --no-start first). Writes bench/results/gateway_overhead.json.
@@ -21,6 +23,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import shutil
 import signal
 import statistics
@@ -42,8 +45,9 @@ from installer.realm import BOOTSTRAP_SECRET
 RESULTS = Path(__file__).parent / "results" / "gateway_overhead.json"
 APPLIANCE = str(Path(sys.executable).with_name("appliance"))
 MODEL = "SmolLM2-135M-Instruct"
-REQUESTS_PER_WORKER = {"vllm": {1: 12, 8: 4, 32: 1}, "stub": {1: 300, 8: 100, 32: 40}}
+REQUESTS_PER_WORKER = {"vllm": {1: 30, 8: 4, 32: 1}, "stub": {1: 300, 8: 100, 32: 40}}
 ROUNDS = 2
+BOOTSTRAP_RESAMPLES = 2000
 PORTS = {"engine": 18411, "gateway": 18480, "stub": 18412, "stub_gateway": 18481,
          "keycloak": 18490, "keycloak_management": 18491}
 
@@ -51,6 +55,21 @@ PORTS = {"engine": 18411, "gateway": 18480, "stub": 18412, "stub_gateway": 18481
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def added_p50_ci95(direct: list[float], gateway: list[float]) -> tuple[float, float]:
+    """Bootstrap 95 % interval of p50(gateway) - p50(direct), in seconds."""
+    rng = random.Random(0)
+    differences = sorted(percentile(rng.choices(gateway, k=len(gateway)), 0.5)
+                         - percentile(rng.choices(direct, k=len(direct)), 0.5)
+                         for _ in range(BOOTSTRAP_RESAMPLES))
+    return percentile(differences, 0.025), percentile(differences, 0.975)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def one(client: httpx.AsyncClient, url: str, headers: dict, stream: bool) -> float:
@@ -108,17 +127,23 @@ def start_appliance() -> tuple[Path, dict[str, str]]:
 Headers = Callable[[], dict[str, str]]
 
 
-def measure(paths: dict[str, tuple[str, Headers]], per_worker: dict[int, int]) -> list[dict]:
-    """Rows of p50/p99/rps per path, added latency and throughput ratio, for each load shape."""
+def measure(paths: dict[str, tuple[str, Headers]], per_worker: dict[int, int],
+            gateway_pid: int | None = None) -> list[dict]:
+    """Rows of p50/p99/rps per path, added latency and throughput ratio, for each load shape;
+    with `gateway_pid`, also the gateway process's CPU time per request."""
     rows = []
     for stream in (False, True):
         for concurrency in (1, 8, 32):
             samples: dict[str, list[float]] = {"direct": [], "gateway": []}
             rates: dict[str, list[float]] = {"direct": [], "gateway": []}
+            gateway_cpu_s = 0.0
             for _ in range(ROUNDS):
                 for name, (url, headers) in paths.items():
+                    cpu_before = cpu_seconds(gateway_pid) if gateway_pid and name == "gateway" else 0.0
                     latencies, rate = asyncio.run(load(url, headers(), concurrency, stream,
                                                        per_worker[concurrency]))
+                    if gateway_pid and name == "gateway":
+                        gateway_cpu_s += cpu_seconds(gateway_pid) - cpu_before
                     samples[name] += latencies
                     rates[name].append(rate)
             row = {"stream": stream, "concurrency": concurrency, "requests": len(samples["gateway"])}
@@ -127,8 +152,13 @@ def measure(paths: dict[str, tuple[str, Headers]], per_worker: dict[int, int]) -
                 row[f"{name}_p99_ms"] = round(percentile(samples[name], 0.99) * 1000, 2)
                 row[f"{name}_rps"] = round(statistics.mean(rates[name]), 2)
             row["added_p50_ms"] = round(row["gateway_p50_ms"] - row["direct_p50_ms"], 2)
+            low, high = added_p50_ci95(samples["direct"], samples["gateway"])
+            row["added_p50_ci95_ms"] = [round(low * 1000, 2), round(high * 1000, 2)]
             row["added_p99_ms"] = round(row["gateway_p99_ms"] - row["direct_p99_ms"], 2)
             row["throughput_ratio"] = round(row["gateway_rps"] / row["direct_rps"], 3)
+            if gateway_pid:
+                served = len(samples["gateway"]) + ROUNDS  # and each run's warm-up request
+                row["gateway_cpu_ms_per_request"] = round(gateway_cpu_s / served * 1000, 3)
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
@@ -165,7 +195,7 @@ def stub_section(env: dict[str, str], token: Headers) -> list[dict]:
         return measure({
             "direct": (f"http://127.0.0.1:{PORTS['stub']}/v1/chat/completions", dict),
             "gateway": (f"http://127.0.0.1:{PORTS['stub_gateway']}/v1/chat/completions", token),
-        }, REQUESTS_PER_WORKER["stub"])
+        }, REQUESTS_PER_WORKER["stub"], gateway_pid=gateway.pid)
     finally:
         for process in (gateway, stub):
             process.terminate()

@@ -132,10 +132,6 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
     async def gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
         return exc.response()
 
-    app.include_router(admin_router(Admin(settings, home)))
-    app.include_router(audit_router(home))
-    app.include_router(operations_router(settings, home))
-
     @app.get("/healthz", response_model=Health, tags=["health"])
     async def healthz() -> Health:
         """The gateway process is alive."""
@@ -190,6 +186,10 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
         """Text completion, streamed (SSE) or not, relayed to the pool serving `model`."""
         return await relay(request, who, "/v1/completions", body)
 
+    # After the /v1 routes: routes are matched in order, and /v1 carries the traffic.
+    app.include_router(admin_router(Admin(settings, home)))
+    app.include_router(audit_router(home))
+    app.include_router(operations_router(settings, home))
     return app
 
 

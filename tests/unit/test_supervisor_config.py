@@ -1,4 +1,5 @@
-"""The supervisord config: private socket, group signalling, escaped values."""
+"""The supervisord config: private socket, group signalling, escaped values; restart counts from
+supervisord's log."""
 
 import configparser
 from pathlib import Path
@@ -8,7 +9,7 @@ import pytest
 from appliance.errors import SupervisorError
 from appliance.home import Home
 from appliance.programs import Program
-from appliance.supervisor import render_config
+from appliance.supervisor import Supervisor, render_config
 
 
 def test_config_parses_and_keeps_processes_in_groups(tmp_path: Path) -> None:
@@ -42,3 +43,23 @@ def test_environment_round_trips_through_supervisors_parser(tmp_path: Path) -> N
 def test_environment_supervisor_cannot_carry_is_refused(tmp_path: Path, value: str) -> None:
     with pytest.raises(SupervisorError, match="environment variable K"):
         render_config(Home(tmp_path), [Program(name="p", command=["true"], environment={"K": value})], "pw")
+
+
+def test_restarts_are_counted_from_the_log_as_it_grows_and_after_rotation(tmp_path: Path) -> None:
+    home = Home(tmp_path).ensure()
+    log = home.logs / "supervisord.log"
+
+    def spawn(name: str, pid: int) -> str:
+        return f"2026-11-30 10:00:00,000 INFO spawned: '{name}' with pid {pid}\n"
+
+    log.write_text(spawn("gateway", 1) + spawn("keycloak", 2) + "2026 INFO success: gateway entered RUNNING\n")
+    assert Supervisor(home).restarts() == {"gateway": 0, "keycloak": 0}
+    with log.open("a") as out:
+        out.write(spawn("gateway", 3) + spawn("gateway", 4) + "2026-11-30 10:00:01,000 INFO spawned: 'keyc")
+    assert Supervisor(home).restarts() == {"gateway": 2, "keycloak": 0}, "a half-written line waits"
+    with log.open("a") as out:
+        out.write("loak' with pid 5\n")
+    assert Supervisor(home).restarts() == {"gateway": 2, "keycloak": 1}
+    log.rename(log.with_suffix(".log.1"))  # supervisord rotates its log: counting starts again
+    log.write_text(spawn("gateway", 6))
+    assert Supervisor(home).restarts() == {"gateway": 0}
