@@ -70,17 +70,23 @@ class ModelShape:
         return self.experts is not None
 
 
-def load_model_config(path: Path) -> ModelShape:
-    """The shape of the model at `path`: a checkpoint directory or a bare config.json."""
-    file = path / "config.json" if path.is_dir() else path
+def read_config_file(file: Path, error: type[ApplianceError], *, hint: str) -> dict[str, Any]:
+    """The JSON object in a config.json; else `error`, naming the file and what is wrong."""
     try:
         config = json.loads(file.read_text())
     except FileNotFoundError:
-        raise ModelConfigError(f"{file}: no such file", hint="give a checkpoint directory or its config.json") from None
+        raise error(f"{file}: no such file", hint=hint) from None
     except (OSError, ValueError) as exc:
-        raise ModelConfigError(f"{file}: not a readable JSON config: {exc}") from exc
+        raise error(f"{file}: not a readable JSON config: {exc}") from exc
     if not isinstance(config, dict):
-        raise ModelConfigError(f"{file}: not a JSON object")
+        raise error(f"{file}: not a JSON object")
+    return config
+
+
+def load_model_config(path: Path) -> ModelShape:
+    """The shape of the model at `path`: a checkpoint directory or a bare config.json."""
+    file = path / "config.json" if path.is_dir() else path
+    config = read_config_file(file, ModelConfigError, hint="give a checkpoint directory or its config.json")
     name = path.name if path.is_dir() else path.stem
     return parse_config(config, name=name, source=str(file))
 

@@ -43,7 +43,7 @@ from typing import Any
 import numpy
 
 from appliance.errors import ApplianceError
-from installer.model_config import ModelConfigError, parse_config
+from installer.model_config import ModelConfigError, parse_config, read_config_file
 from installer.safetensors_bytes import (CHUNK, DTYPE_BYTES, SafetensorsFileError, build_header, copy_range,
                                           read_header, write_all)
 
@@ -125,14 +125,7 @@ class RankTensor:
 def read_config(model_dir: Path) -> DenseConfig:
     """config.json read the way vLLM 0.32's Llama/Qwen2/Qwen3 classes read it."""
     file = model_dir / "config.json"
-    try:
-        raw = json.loads(file.read_text())
-    except FileNotFoundError:
-        raise ShardingError(f"{file}: no such file", hint="give a Hugging Face checkpoint directory") from None
-    except (OSError, ValueError) as exc:
-        raise ShardingError(f"{file}: not a readable JSON config: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise ShardingError(f"{file}: not a JSON object")
+    raw = read_config_file(file, ShardingError, hint="give a Hugging Face checkpoint directory")
     architectures = raw.get("architectures") or [None]
     architecture = architectures[0]
     if architecture not in SUPPORTED_ARCHITECTURES:
