@@ -1,11 +1,14 @@
 """Gateway overhead: the same load straight to an engine and through the gateway (auth on).
 
-Two sections, each in one run against one appliance (real Keycloak, real token validation and
+Three sections, each in one run against one appliance (real Keycloak, real token validation and
 introspection):
-- vllm: direct to the vLLM CPU engine vs. through the gateway. On 2 cores the engine's own time
-  (~0.5 s a request) and its noise dwarf the gateway's cost;
+- vllm: direct to the vLLM CPU engine vs. through the gateway;
 - stub: direct to a stand-in engine that answers at once (bench/stub_engine.py) vs. a second
-  gateway in front of it, which isolates the gateway's own added latency and throughput limit.
+  gateway in front of it, which isolates the gateway's own added latency and throughput limit;
+- stub_idle: the same stand-in answering after 0.4 s, about as long as the CPU engine takes
+  (concurrency 1 only): the gateway then idles between its two bursts of work per request, and
+  on this VM code that runs after 100 ms or more of idling runs about 1.5x slower (cold caches),
+  which the stub section's back-to-back requests never see.
 
 For concurrency 1, 8 and 32, streamed and not, both paths take turns (direct, gateway, direct,
 gateway), so drift hits both. Reports p50/p99 of each path, the added p50 with a bootstrap 95 %
@@ -13,7 +16,7 @@ confidence interval (how far the engine's own noise leaves the difference uncert
 p99 and the throughput ratio (gateway / direct). The stub section also reports the gateway's CPU
 time per request, a figure that does not depend on how busy the machine is.
 
-Run: .venv/bin/python bench/gateway_overhead.py [--sections vllm,stub]
+Run: .venv/bin/python bench/gateway_overhead.py [--sections vllm,stub,stub_idle]
 (needs ./bootstrap.sh --no-start first). Writes bench/results/gateway_overhead.json.
 """
 
@@ -45,7 +48,8 @@ from installer.realm import BOOTSTRAP_SECRET
 RESULTS = Path(__file__).parent / "results" / "gateway_overhead.json"
 APPLIANCE = str(Path(sys.executable).with_name("appliance"))
 MODEL = "SmolLM2-135M-Instruct"
-REQUESTS_PER_WORKER = {"vllm": {1: 30, 8: 4, 32: 1}, "stub": {1: 300, 8: 100, 32: 40}}
+REQUESTS_PER_WORKER = {"vllm": {1: 30, 8: 4, 32: 1}, "stub": {1: 300, 8: 100, 32: 40}, "stub_idle": {1: 30}}
+STUB_IDLE_DELAY_S = 0.4
 ROUNDS = 2
 BOOTSTRAP_RESAMPLES = 2000
 PORTS = {"engine": 18411, "gateway": 18480, "stub": 18412, "stub_gateway": 18481,
@@ -129,19 +133,19 @@ Headers = Callable[[], dict[str, str]]
 
 def measure(paths: dict[str, tuple[str, Headers]], per_worker: dict[int, int],
             gateway_pid: int | None = None) -> list[dict]:
-    """Rows of p50/p99/rps per path, added latency and throughput ratio, for each load shape;
+    """Rows of p50/p99/rps per path, added latency and throughput ratio, for each load shape
+    (stream or not, each concurrency in `per_worker` with its requests per worker);
     with `gateway_pid`, also the gateway process's CPU time per request."""
     rows = []
     for stream in (False, True):
-        for concurrency in (1, 8, 32):
+        for concurrency, requests in per_worker.items():
             samples: dict[str, list[float]] = {"direct": [], "gateway": []}
             rates: dict[str, list[float]] = {"direct": [], "gateway": []}
             gateway_cpu_s = 0.0
             for _ in range(ROUNDS):
                 for name, (url, headers) in paths.items():
                     cpu_before = cpu_seconds(gateway_pid) if gateway_pid and name == "gateway" else 0.0
-                    latencies, rate = asyncio.run(load(url, headers(), concurrency, stream,
-                                                       per_worker[concurrency]))
+                    latencies, rate = asyncio.run(load(url, headers(), concurrency, stream, requests))
                     if gateway_pid and name == "gateway":
                         gateway_cpu_s += cpu_seconds(gateway_pid) - cpu_before
                     samples[name] += latencies
@@ -176,12 +180,15 @@ def wait_for(url: str, timeout_s: float = 60) -> None:
     raise TimeoutError(url)
 
 
-def stub_section(env: dict[str, str], token: Headers) -> list[dict]:
-    """A stand-in engine and a second gateway in front of it (same realm, same settings)."""
+def stub_section(env: dict[str, str], token: Headers, per_worker: dict[int, int],
+                 delay_s: float = 0.0) -> list[dict]:
+    """A stand-in engine answering after `delay_s` and a second gateway in front of it (same
+    realm, same settings)."""
     logs = Path(tempfile.gettempdir())  # kept: what the stub and the second gateway said, if a run fails
     stub = subprocess.Popen([sys.executable, "-m", "uvicorn", "bench.stub_engine:app", "--port",
                              str(PORTS["stub"]), "--no-access-log", "--log-level", "warning"],
                             cwd=Path(__file__).parent.parent, stdout=subprocess.DEVNULL,
+                            env={**os.environ, "STUB_ENGINE_DELAY_S": str(delay_s)},  # see stub_engine.py
                             stderr=(logs / "gateway-overhead-stub.log").open("w"))
     gateway_env = {**env, "APPLIANCE_POOLS__MAIN__PORT": str(PORTS["stub"]),
                    "APPLIANCE_GATEWAY__PORT": str(PORTS["stub_gateway"])}
@@ -195,7 +202,7 @@ def stub_section(env: dict[str, str], token: Headers) -> list[dict]:
         return measure({
             "direct": (f"http://127.0.0.1:{PORTS['stub']}/v1/chat/completions", dict),
             "gateway": (f"http://127.0.0.1:{PORTS['stub_gateway']}/v1/chat/completions", token),
-        }, REQUESTS_PER_WORKER["stub"], gateway_pid=gateway.pid)
+        }, per_worker, gateway_pid=None if delay_s else gateway.pid)  # idle, its timers' CPU would count
     finally:
         for process in (gateway, stub):
             process.terminate()
@@ -208,7 +215,7 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sections", default="vllm,stub", help="comma-separated: vllm, stub")
+    parser.add_argument("--sections", default="vllm,stub,stub_idle", help="comma-separated: vllm, stub, stub_idle")
     sections = [s for s in parser.parse_args().sections.split(",") if s]
     root, env = start_appliance()
     home = Home(Path(env[HOME_ENV]))
@@ -231,7 +238,11 @@ def main() -> None:
             }, REQUESTS_PER_WORKER["vllm"])
             results["vllm"] = {"time": stamp, "rows": rows}
         if "stub" in sections:
-            results["stub"] = {"time": stamp, "rows": stub_section(env, token)}
+            results["stub"] = {"time": stamp, "rows": stub_section(env, token, REQUESTS_PER_WORKER["stub"])}
+        if "stub_idle" in sections:
+            results["stub_idle"] = {"time": stamp, "delay_s": STUB_IDLE_DELAY_S,
+                                    "rows": stub_section(env, token, REQUESTS_PER_WORKER["stub_idle"],
+                                                         STUB_IDLE_DELAY_S)}
     finally:
         subprocess.run([APPLIANCE, "down"], env=env, capture_output=True)
         shutil.rmtree(root, ignore_errors=True)

@@ -1,18 +1,21 @@
-"""A stand-in engine that answers at once, so a benchmark can isolate the gateway's own cost.
+"""A stand-in engine that answers at once (or after a set delay), to isolate the gateway's own cost.
 
 It speaks just enough of vLLM's API for the gateway: /health, /v1/models and a fixed chat
-completion (streamed or not).
+completion (streamed or not), after STUB_ENGINE_DELAY_S seconds (default 0) of "thinking".
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+DELAY_S = float(os.environ.get("STUB_ENGINE_DELAY_S", "0"))
 MODEL = "SmolLM2-135M-Instruct"
 COMPLETION = {"id": "stub", "object": "chat.completion", "created": 0, "model": MODEL,
               "choices": [{"index": 0, "message": {"role": "assistant", "content": "OK."},
@@ -30,6 +33,8 @@ async def models(request: Request) -> JSONResponse:
 
 async def chat(request: Request) -> Response:
     body = await request.json()
+    if DELAY_S:
+        await asyncio.sleep(DELAY_S)
     if not body.get("stream"):
         return JSONResponse(COMPLETION)
 
