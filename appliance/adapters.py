@@ -19,6 +19,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from appliance.durable import replace_file
 from appliance.errors import ApplianceError
 from appliance.home import Home
 
@@ -110,8 +111,6 @@ def updating(home: Home) -> Iterator[Registry]:
         fcntl.flock(lock, fcntl.LOCK_EX)
         registry = load(home)
         yield registry
-        partial = path.with_name(f".{path.name}.partial")
-        partial.write_text(json.dumps(registry.model_dump(), indent=1))
-        os.replace(partial, path)
+        replace_file(path, json.dumps(registry.model_dump(), indent=1).encode())
     finally:
         os.close(lock)

@@ -9,8 +9,6 @@ mode, and the retention is read back, so the caller knows whether the server act
 from __future__ import annotations
 
 import io
-import os
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
@@ -23,6 +21,7 @@ from minio.error import MinioException
 from minio.retention import Retention
 from urllib3.exceptions import HTTPError
 
+from appliance.durable import replace_file
 from appliance.errors import ApplianceError
 from appliance.home import Home
 from appliance.settings import ArtifactSettings
@@ -65,12 +64,7 @@ class LocalStore:
         path = self._path(key)
         try:
             path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".tmp-", delete=False) as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.chmod(handle.name, 0o400)
-            os.replace(handle.name, path)
+            replace_file(path, data, mode=0o400)
         except OSError as exc:
             raise ArtifactStoreError(f"cannot write {path}: {exc.strerror or exc}") from exc
 

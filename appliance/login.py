@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import httpx
 
+from appliance.durable import replace_file
 from appliance.errors import ApplianceError
 from appliance.home import Home
 from appliance.settings import Settings
@@ -47,12 +47,7 @@ def _cache_path(home: Home) -> Path:
 
 
 def save(home: Home, token: CachedToken) -> None:
-    path = _cache_path(home)
-    tmp = path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as out:
-        json.dump(asdict(token), out)
-    os.replace(tmp, path)
+    replace_file(_cache_path(home), json.dumps(asdict(token)).encode())
 
 
 def _endpoint(settings: Settings, name: str) -> str:

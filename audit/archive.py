@@ -48,8 +48,9 @@ def archive(directory: Path, store: ArtifactStore, *, retain_days: int, require_
         return done
     last_seq = json.loads(closed[-1].read_bytes().splitlines()[-1])["seq"]
     source = directory / CHECKPOINTS
-    vouching = [line for line in (source.read_bytes().splitlines() if source.exists() else [])
-                if json.loads(line)["seq"] <= last_seq]
+    written = source.read_bytes() if source.exists() else b""
+    complete = written[:written.rfind(b"\n") + 1]  # a checkpoint being appended right now waits
+    vouching = [line for line in complete.splitlines() if json.loads(line)["seq"] <= last_seq]
     if vouching:
         key = f"{PREFIX}{SNAPSHOT}{json.loads(vouching[-1])['seq']:012d}.jsonl"
         if key not in present:

@@ -90,15 +90,15 @@ def public_key_command() -> None:
 
 @audit_app.command("tail")
 def tail(
-    lines: Annotated[int, typer.Option("-n", help="How many records.")] = 10,
+    lines: Annotated[int, typer.Option("-n", min=0, help="How many records.")] = 10,
     follow: Annotated[bool, typer.Option("-f", "--follow", help="Keep printing new records.")] = False,
 ) -> None:
     """Print the last records (JSON lines), and with -f new ones as they are written."""
     directory = Home.from_env().audit
-    last = list(read_records(directory))[-lines:] if lines else []
-    for record in last:
+    records = list(read_records(directory))
+    for record in records[-lines:] if lines else []:
         typer.echo(json.dumps(record))
-    seen = last[-1]["seq"] if last else 0
+    seen = records[-1]["seq"] if records else 0  # -n 0 -f: only what comes next
     while follow:
         time.sleep(0.5)
         for record in read_records(directory):

@@ -34,13 +34,21 @@ class Verified:
 
 
 def verify(directory: Path, public_key: Ed25519PublicKey) -> Verified:
-    """Walk the log in order; raise AuditVerificationError at the first bad record or checkpoint."""
+    """Walk the log in order; raise AuditVerificationError at the first bad record or checkpoint.
+
+    Safe while a writer appends: checkpoints are read first (each is written after the records it
+    vouches for, so those are on disk when the records are read next), and a last line still
+    being written (no newline yet) is left for the next verification.
+    """
+    path = directory / CHECKPOINTS
+    lines = _complete_lines(path.read_bytes()) if path.exists() else []
     # 1. Records: parse, recompute each hash, follow the chain and the sequence.
     hashes: dict[int, str] = {}
     head, seq = GENESIS, 0
     files = log_files(directory)
     for path in files:
-        for number, raw in enumerate(path.read_bytes().splitlines(), start=1):
+        data = path.read_bytes()
+        for number, raw in enumerate(_complete_lines(data) if path == files[-1] else data.splitlines(), start=1):
             where = f"{path.name}:{number}"
             try:
                 record = json.loads(raw)
@@ -59,8 +67,6 @@ def verify(directory: Path, public_key: Ed25519PublicKey) -> Verified:
             hashes[seq] = head
     # 2. Checkpoints: signed by the key, naming a head that is in the chain, in order.
     count, last = 0, 0
-    path = directory / CHECKPOINTS
-    lines = path.read_bytes().splitlines() if path.exists() else []
     for number, raw in enumerate(lines, start=1):
         where = f"{CHECKPOINTS}:{number}"
         try:
@@ -81,3 +87,8 @@ def verify(directory: Path, public_key: Ed25519PublicKey) -> Verified:
             raise AuditVerificationError(where, f"head mismatch at seq {checkpoint['seq']}")
         count, last = count + 1, checkpoint["seq"]
     return Verified(records=seq, files=len(files), checkpoints=count, head=head, last_checkpoint_seq=last)
+
+
+def _complete_lines(data: bytes) -> list[bytes]:
+    """The newline-terminated lines of `data` (what follows the last newline is still being written)."""
+    return data[:data.rfind(b"\n") + 1].splitlines()

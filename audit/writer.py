@@ -75,6 +75,7 @@ class AuditWriter:
         self._failure: str | None = None
         self._failed_at = 0.0
         self._fd: int | None = None
+        self.last_flush_s = 0.0  # how long the latest batch took to chain, write and flush
         # Records name users and what they did: private to the appliance, like its secrets.
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(directory, 0o700)
@@ -134,6 +135,8 @@ class AuditWriter:
 
     def check(self) -> str | None:
         """Why the log is not writable, or None; after a failure, retries now and then."""
+        if self._failure is None:
+            return None  # one read: never waits behind a flush or a checkpoint in another thread
         with self._cond:
             self._retry_after_failure()
             return self._failure
@@ -165,6 +168,7 @@ class AuditWriter:
                 self._flushing = True
                 batch, self._pending = self._pending, []
                 self._cond.release()
+                started = time.monotonic()
                 try:
                     self._write(batch)
                     failure = None
@@ -173,6 +177,7 @@ class AuditWriter:
                 except (ValueError, KeyError) as exc:
                     failure = f"audit log {self.directory} cannot be read back: {exc}"
                 finally:
+                    self.last_flush_s = time.monotonic() - started
                     self._cond.acquire()
                     self._flushing = False
                 if failure is not None:

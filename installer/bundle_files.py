@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -34,9 +35,17 @@ def sha256_of(path: Path) -> str:
 
 
 def listed_files(bundle: Path) -> list[str]:
-    """Every file in the bundle but the manifest, its signature and the public key, as POSIX paths."""
-    return sorted(path.relative_to(bundle).as_posix() for path in bundle.rglob("*")
-                  if path.is_file() and path.relative_to(bundle).as_posix() not in UNLISTED)
+    """Every file in the bundle but the manifest, its signature and the public key, as POSIX paths.
+    A bundle holds only directories and regular files: anything else (a symbolic link, which
+    could bring in files the manifest never listed) is refused."""
+    names = []
+    for directory, subdirectories, files in os.walk(bundle, followlinks=False):
+        for name in subdirectories + files:
+            path = Path(directory, name)
+            if path.is_symlink() or not (path.is_dir() or path.is_file()):
+                raise BundleFileError(f"{path}: not a regular file or directory (bundles hold no links)")
+        names += [Path(directory, name).relative_to(bundle).as_posix() for name in files]
+    return sorted(name for name in names if name not in UNLISTED)
 
 
 def check_files(bundle: Path, files: dict[str, dict], on_file: Callable[[str], None] = lambda f: None) -> int:

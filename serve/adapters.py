@@ -76,10 +76,12 @@ class AdapterRoutes:
         return pool, record.engine_name, record
 
     def visible(self, roles: frozenset[str]) -> list[dict]:
-        """/v1/models entries for the adapter names these roles may call."""
-        return [{"id": name, "object": "model", "owned_by": "appliance",
-                 "parent": self.upstreams.pool(alias.pool).model}
-                for name, alias in sorted(self.registry().aliases.items()) if roles & set(alias.roles)]
+        """/v1/models entries for the adapter names these roles may call (not those whose pool is
+        no longer in the settings: calling one says so)."""
+        pools = {pool.name: pool for pool in self.upstreams.pools}
+        return [{"id": name, "object": "model", "owned_by": "appliance", "parent": pools[alias.pool].model}
+                for name, alias in sorted(self.registry().aliases.items())
+                if roles & set(alias.roles) and alias.pool in pools]
 
     # -- changes ------------------------------------------------------------------------------
 

@@ -141,13 +141,10 @@ def admin_router(admin: Admin) -> APIRouter:
 
     @router.get("/services", response_model=list[Service])
     def services() -> list[Service]:
-        """Every supervised program and its state."""
-        try:
-            supervisor = admin.supervisor()
-            restarts = supervisor.restarts()
-            return [_service(info, restarts) for info in supervisor.processes()]
-        except SupervisorError as exc:
-            raise GatewayError(503, exc.message, type="service_unavailable", code="supervisor") from exc
+        """Every supervised program and its state (503 if supervisord does not answer)."""
+        supervisor = admin.supervisor()
+        restarts = supervisor.restarts()
+        return [_service(info, restarts) for info in supervisor.processes()]
 
     @router.post("/services/{name}/{action}", response_model=Service)
     def control(name: str, action: Literal["start", "stop", "restart"]) -> Service:

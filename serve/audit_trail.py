@@ -1,8 +1,11 @@
 """Every /v1 and /admin request, allowed or denied, leaves a durable audit record before its
-response is complete; if the log cannot be written the gateway fails closed (503)."""
+response is complete (one that never completes too: status 499 when the client went away
+mid-stream, 500 when the server failed); if the log cannot be written the gateway fails closed
+(503)."""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,7 +16,12 @@ from audit import AuditEvent, AuditUnavailable, AuditWriter, TextHasher
 from serve.auth import Principal
 from serve.errors import GatewayError
 
+log = logging.getLogger("appliance.gateway")
+
 AUDITED_PREFIXES = ("/v1/", "/admin/")
+INLINE_FLUSH_LIMIT_S = 0.005
+STREAM_END = b"data: [DONE]"
+CLIENT_GONE = 499  # as nginx logs it: the client closed the connection before the response ended
 ACTIONS = {("POST", "/v1/chat/completions"): "chat.completions", ("POST", "/v1/completions"): "completions",
            ("GET", "/v1/models"): "models.list", ("POST", "/admin/users"): "users.add",
            ("POST", "/admin/users/{username}/disable"): "users.disable",
@@ -65,8 +73,9 @@ class AuditMiddleware:
 
     A lone request writes its record on the event loop: handing it to a thread and back costs
     two thread wake-ups (about 0.3 ms on a 2-core VM), more than the write and flush themselves.
-    While other audited requests are in flight the record goes to a worker thread instead (where
-    concurrent records share one flush), so a slow disk never stalls their streams."""
+    While other audited requests are in flight, or while the disk is slow (the latest flush took
+    over INLINE_FLUSH_LIMIT_S), the record goes to a worker thread instead, where concurrent
+    records share one flush: a slow disk stalls neither their streams nor health checks."""
 
     def __init__(self, app: Any, writer: AuditWriter, hasher: TextHasher, capture_text: bool) -> None:
         self.app = app
@@ -76,7 +85,7 @@ class AuditMiddleware:
         self.in_flight = 0
 
     async def _append(self, event: AuditEvent) -> None:
-        if self.in_flight == 1:
+        if self.in_flight == 1 and self.writer.last_flush_s < INLINE_FLUSH_LIMIT_S:
             self.writer.append(event)
         else:
             await anyio.to_thread.run_sync(self.writer.append, event)
@@ -93,10 +102,13 @@ class AuditMiddleware:
         state = scope.setdefault("state", {})
         held: dict | None = None
         streaming = False
+        status = 200
+        settled = False
 
         async def audited_send(message: dict) -> None:
-            nonlocal held, streaming
+            nonlocal held, streaming, status, settled
             if message["type"] == "http.response.start":
+                status = message["status"]
                 headers = dict(message.get("headers", []))
                 streaming = headers.get(b"content-type", b"").startswith(b"text/event-stream")
                 if streaming:
@@ -104,8 +116,11 @@ class AuditMiddleware:
                 else:
                     held = message
                 return
-            if message["type"] == "http.response.body" and not message.get("more_body", False):
-                status = held["status"] if held else state.get("status", 200)
+            body_ends = message["type"] == "http.response.body" and not message.get("more_body", False)
+            # A stream's end marker waits for the record too: a client must not see a complete
+            # answer whose record is not on disk.
+            if (body_ends or (streaming and STREAM_END in message.get("body", b""))) and not settled:
+                settled = True  # written now, or answered as unwritable
                 try:
                     await self._append(self._event(scope, state, status, started))
                 except AuditUnavailable as exc:
@@ -121,8 +136,23 @@ class AuditMiddleware:
         self.in_flight += 1
         try:
             await self.app(scope, receive, audited_send)
+        except Exception:
+            if not settled:  # the server answers 500 beyond this middleware
+                await self._record_unfinished(scope, state, 500, started)
+            raise
+        else:
+            if not settled:  # a stream whose client went away before its end
+                await self._record_unfinished(scope, state, CLIENT_GONE, started)
         finally:
             self.in_flight -= 1
+
+    async def _record_unfinished(self, scope: dict, state: dict, status: int, started: float) -> None:
+        """The record of a request that never completed; if even that cannot be written, the
+        writer now refuses requests (fail closed) and says why in /readyz."""
+        try:
+            await self._append(self._event(scope, state, status, started))
+        except AuditUnavailable as exc:
+            log.error("audit record of unfinished request %s not written: %s", state.get("request_id"), exc)
 
     def _event(self, scope: dict, state: dict, status: int, started: float) -> AuditEvent:
         who: Principal | None = state.get("principal")

@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict
 
 from appliance.artifacts import artifact_store
-from appliance.errors import ApplianceError
+from appliance.errors import ApplianceError, SupervisorError
 from appliance.home import Home
 from appliance.secrets import gateway_client_secret, secret
 from appliance.settings import Settings, load_settings
@@ -36,7 +36,7 @@ from serve.engine import ENGINE_KEY_SECRET
 from serve.errors import GatewayError
 from serve.limits import RateLimiter
 from serve.metrics import Metrics
-from serve.middleware import BodyLimitMiddleware, MeterMiddleware
+from serve.middleware import BodyLimitMiddleware, MeterMiddleware, RequestTooLarge
 from serve.operations import operations_router
 from serve.upstream import Upstreams, pools_from_settings, relay_stream, text_of, usage_of
 
@@ -109,7 +109,9 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
                 await validator.refresh_keys()
             except httpx.HTTPError:
                 pass  # Keycloak may still be starting; /readyz says so, tokens refetch on demand.
+            await upstreams.check()  # which engines answer, before the first request
             async with anyio.create_task_group() as tasks:
+                tasks.start_soon(upstreams.watch)
                 tasks.start_soon(_checkpoint_timer, writer, settings.audit.checkpoint_interval_s)
                 if settings.audit.archive_interval_s > 0:
                     tasks.start_soon(_archive_timer, settings, home, metrics)
@@ -131,6 +133,14 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
     @app.exception_handler(GatewayError)
     async def gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(RequestTooLarge)
+    async def too_large(request: Request, exc: RequestTooLarge) -> JSONResponse:
+        return exc.error.response()
+
+    @app.exception_handler(SupervisorError)
+    async def supervisor_unavailable(request: Request, exc: SupervisorError) -> JSONResponse:
+        return GatewayError(503, exc.message, type="service_unavailable", code="supervisor").response()
 
     @app.get("/healthz", response_model=Health, tags=["health"])
     async def healthz() -> Health:
@@ -280,9 +290,9 @@ async def _archive_timer(settings: Settings, home: Home, metrics: Metrics) -> No
         try:
             await anyio.to_thread.run_sync(copy)
             metrics.archived_at.set_to_current_time()
-        except ApplianceError as exc:
+        except (ApplianceError, OSError, ValueError) as exc:  # never let a copy take the gateway down
             metrics.archive_failures.inc()
-            log.warning("audit archive failed: %s", exc.one_line())
+            log.warning("audit archive failed: %s", exc.one_line() if isinstance(exc, ApplianceError) else exc)
 
 
 def app_from_env() -> FastAPI:

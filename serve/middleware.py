@@ -7,6 +7,8 @@ import time
 import uuid
 from typing import Any
 
+from starlette.exceptions import HTTPException
+
 from serve.errors import GatewayError
 from serve.metrics import Metrics
 
@@ -66,22 +68,26 @@ class BodyLimitMiddleware:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.limit:
-                    raise _TooLarge
+                    raise RequestTooLarge(self.limit)
             return message
 
         try:
             await self.app(scope, limited_receive, send)
-        except _TooLarge:
+        except RequestTooLarge:  # raised where nothing in the app turned it into a response
             await self._refuse(send)
 
     async def _refuse(self, send: Any) -> None:
-        error = GatewayError(413, f"request body is larger than {self.limit} bytes",
-                             code="request_too_large")
-        await error.response()({"type": "http"}, _empty_receive, send)
+        await RequestTooLarge(self.limit).error.response()({"type": "http"}, _empty_receive, send)
 
 
-class _TooLarge(Exception):
-    pass
+class RequestTooLarge(HTTPException):
+    """A body that outgrew the limit while it was read (chunked, no Content-Length). An
+    HTTPException because FastAPI's body parsing re-raises those (anything else becomes a 400);
+    the app answers it with `error`, a 413 in OpenAI's shape."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(status_code=413)
+        self.error = GatewayError(413, f"request body is larger than {limit} bytes", code="request_too_large")
 
 
 async def _empty_receive() -> dict:

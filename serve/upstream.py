@@ -19,6 +19,9 @@ from appliance.settings import Settings
 from serve.engine import model_dir
 from serve.errors import GatewayError
 
+WATCH_INTERVAL_S = 1.0
+MODELS_TIMEOUT_S = 10.0
+
 
 @dataclass(frozen=True)
 class Pool:
@@ -34,13 +37,39 @@ def pools_from_settings(settings: Settings, home: Home) -> list[Pool]:
 
 
 class Upstreams:
-    """Routes a model name to its pool and relays requests with the engine's key."""
+    """Routes a model name to its pool and relays requests with the engine's key.
+
+    A pool is sent requests only while it is known to answer: until its health check first
+    passes, and again after it refused a connection or dropped one (it died), requests to it get
+    503 at once while `watch` polls its health. A restarting vLLM listens on its port minutes
+    before it answers, so a request sent to it then would hang instead.
+    """
 
     def __init__(self, pools: list[Pool], http: aiohttp.ClientSession, engine_key: str) -> None:
         self.pools = pools
         self._by_model = {pool.model: pool for pool in pools}
         self._http = http
         self._headers = {"Authorization": f"Bearer {engine_key}"}
+        self._ready = {pool.name: False for pool in pools}
+
+    async def check(self) -> None:
+        """Poll the health of every pool not known to answer."""
+        for pool in self.pools:
+            if not self._ready[pool.name]:
+                self._ready[pool.name] = await self.healthy(pool)
+
+    async def watch(self, interval_s: float = WATCH_INTERVAL_S) -> None:
+        while True:
+            await self.check()
+            await asyncio.sleep(interval_s)
+
+    def _unavailable(self, pool: Pool, why: str) -> GatewayError:
+        return GatewayError(503, f"engine pool {pool.name!r} is {why}; retry shortly", type="service_unavailable",
+                            code="engine_unavailable", headers={"Retry-After": "5"})
+
+    def _admit(self, pool: Pool) -> None:
+        if not self._ready[pool.name]:
+            raise self._unavailable(pool, "not ready (starting, or restarting after a failure)")
 
     def route(self, model: object) -> Pool:
         if not isinstance(model, str) or not model:
@@ -52,14 +81,14 @@ class Upstreams:
 
     async def send(self, pool: Pool, path: str, body: bytes, request_id: str) -> aiohttp.ClientResponse:
         """POST to the pool; the body is left unread (streamed). A down engine is a 503 at once."""
+        self._admit(pool)
         try:
             return await self._http.post(
                 f"{pool.base_url}{path}", data=body,
                 headers={**self._headers, "Content-Type": "application/json", "X-Request-Id": request_id})
-        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
-            raise GatewayError(503, f"engine pool {pool.name!r} is not reachable; retry shortly",
-                               type="service_unavailable", code="engine_unavailable",
-                               headers={"Retry-After": "5"}) from exc
+        except (aiohttp.ClientOSError, aiohttp.ConnectionTimeoutError, aiohttp.ServerDisconnectedError) as exc:
+            self._ready[pool.name] = False  # refused or dropped before answering: it may have died
+            raise self._unavailable(pool, "not reachable") from exc
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise GatewayError(502, f"engine pool {pool.name!r} failed: {type(exc).__name__}",
                                type="upstream_error", code="engine_error") from exc
@@ -72,22 +101,24 @@ class Upstreams:
 
     async def engine_post(self, pool: Pool, path: str, body: dict) -> tuple[int, str]:
         """A control request to the engine (its LoRA endpoints): status and text of the answer."""
+        self._admit(pool)
         try:
             async with self._http.post(f"{pool.base_url}{path}", json=body, headers=self._headers,
                                        timeout=aiohttp.ClientTimeout(total=120)) as response:
                 return response.status, await response.text()
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            raise GatewayError(503, f"engine pool {pool.name!r} is not reachable; retry shortly",
-                               type="service_unavailable", code="engine_unavailable",
-                               headers={"Retry-After": "5"}) from exc
+            raise self._unavailable(pool, "not reachable") from exc
 
     async def models(self) -> list[dict]:
-        """Every pool's /v1/models entries; pools that do not answer are left out."""
+        """Every ready pool's /v1/models entries; pools that do not answer are left out."""
         data: list[dict] = []
         for pool in self.pools:
+            if not self._ready[pool.name]:
+                continue
             try:
                 async with self._http.get(f"{pool.base_url}/v1/models", headers=self._headers,
-                                          raise_for_status=True) as response:
+                                          raise_for_status=True,
+                                          timeout=aiohttp.ClientTimeout(total=MODELS_TIMEOUT_S)) as response:
                     data.extend((await response.json(content_type=None)).get("data", []))
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
                 continue
@@ -128,7 +159,11 @@ def text_of(choices: object) -> str:
 async def relay_stream(response: aiohttp.ClientResponse, on_first_token: Callable[[], None],
                        on_usage: Callable[[int, int], None],
                        on_text: Callable[[str], None]) -> AsyncIterator[bytes]:
-    """Pass SSE bytes through as they arrive; note the first token, the text and the final usage.
+    """Pass SSE bytes through as they arrive; note the first token, the text and the usage.
+
+    Usage is reported once, before the end marker goes on: the last usage seen (a client that
+    asked for continuous usage gets running totals in every chunk), or, for a stream cut short
+    before its usage chunk, one completion token per text chunk seen.
 
     When the client goes away, the server cancels this generator; closing the upstream connection
     then makes vLLM abort the request, freeing the engine.
@@ -136,11 +171,23 @@ async def relay_stream(response: aiohttp.ClientResponse, on_first_token: Callabl
     first = True
     pending = b""
     finished = False
+    usage: tuple[int, int] | None = None
+    text_chunks = 0
+    reported = False
+
+    def report() -> None:
+        nonlocal reported
+        if not reported:
+            reported = True
+            on_usage(*(usage if usage is not None else (0, text_chunks)))
+
     try:
         async for chunk in response.content.iter_any():
             pending += chunk
             *lines, pending = pending.split(b"\n")
             for line in lines:
+                if line.startswith(b"data: [DONE]"):
+                    report()
                 if not line.startswith(b"data: {"):
                     continue
                 try:
@@ -149,15 +196,17 @@ async def relay_stream(response: aiohttp.ClientResponse, on_first_token: Callabl
                     continue
                 text = text_of(event.get("choices"))
                 if text:
+                    text_chunks += 1
                     if first:
                         first = False
                         on_first_token()
                     on_text(text)
                 if event.get("usage"):
-                    on_usage(*usage_of(event))
+                    usage = usage_of(event)
             yield chunk
         finished = True
     finally:
+        report()
         if finished:
             response.release()  # the connection goes back to the pool
         else:

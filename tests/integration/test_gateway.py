@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import httpx
 import openai
@@ -162,6 +163,14 @@ def test_openai_error_shapes(realm: Realm, alice: str) -> None:
                      content=b'{"model": "' + b"x" * 2_000_000 + b'"}')
     assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
     assert big.headers.get("x-request-id")
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: the limit is found while reading
+        yield b'{"model": "'
+        for _ in range(20):
+            yield b"x" * 100_000
+
+    chunked = httpx.post(f"{realm.gateway}/v1/chat/completions", headers=headers, content=chunks())
+    assert chunked.status_code == 413 and chunked.json()["error"]["code"] == "request_too_large"
 
 
 def test_rate_limit_answers_429_then_recovers(realm: Realm) -> None:

@@ -91,6 +91,14 @@ def test_roles_limit_who_may_call_an_adapter(routes: AdapterRoutes) -> None:
     assert routes.visible(USERS) == [] and routes.visible(frozenset({"admin"}))[0]["id"] == "codes"
 
 
+def test_an_adapter_on_a_pool_no_longer_configured_is_not_listed_and_says_so(routes: AdapterRoutes) -> None:
+    run(routes.deploy("codes", 1, None, None))
+    routes.upstreams.pools = []  # type: ignore[misc]  # the pool was removed from the settings
+    assert routes.visible(USERS) == []
+    with pytest.raises(GatewayError, match="no engine pool named 'main'"):
+        routes.resolve("codes", USERS)
+
+
 def test_canary_splits_requests_by_share(routes: AdapterRoutes) -> None:
     run(routes.deploy("codes", 1, None, None))
     alias = run(routes.canary("codes", 2, 0.25))

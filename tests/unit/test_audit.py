@@ -300,3 +300,28 @@ def test_torn_checkpoint_is_cut_on_restart(tmp_path: Path) -> None:
     writer.append(event(6))
     writer.checkpoint()
     assert verify(tmp_path, KEY.public_key()).last_checkpoint_seq == 6
+
+
+def test_verify_while_a_writer_appends_and_signs(tmp_path: Path) -> None:
+    writer = AuditWriter(tmp_path, KEY, checkpoint_every=3)
+    writer.append(event(0))
+    done = threading.Event()
+
+    def write() -> None:
+        for n in range(1, 400):
+            writer.append(event(n))
+        done.set()
+
+    threading.Thread(target=write).start()
+    verified = 0
+    while not done.is_set():
+        verified = verify(tmp_path, KEY.public_key()).records  # never "missing tail" nor a torn line
+    assert verify(tmp_path, KEY.public_key()).records == 400 and verified <= 400
+
+
+def test_a_line_still_being_written_is_left_for_later(tmp_path: Path) -> None:
+    filled(tmp_path, count=5)
+    newest = log_files(tmp_path)[-1]
+    with newest.open("ab") as log:
+        log.write(b'{"seq": 6, "act')  # a writer is half way through its write
+    assert verify(tmp_path, KEY.public_key()).records == 5

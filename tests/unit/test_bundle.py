@@ -71,6 +71,14 @@ def add_a_file(root: Path) -> str:
     return f"{root / 'wheels' / 'evil-1.0-py3-none-any.whl'}: not in the manifest"
 
 
+def link_a_directory(root: Path) -> str:
+    elsewhere = root.parent / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "evil-1.0-py3-none-any.whl").write_bytes(b"x")
+    (root / "wheels" / "more").symlink_to(elsewhere, target_is_directory=True)
+    return f"{root / 'wheels' / 'more'}: not a regular file or directory"
+
+
 def edit_the_manifest(root: Path) -> str:
     manifest = json.loads((root / MANIFEST).read_text())
     manifest["files"]["install.sh"]["sha256"] = "0" * 64
@@ -84,7 +92,7 @@ def truncate_a_file(root: Path) -> str:
     return f"{path}: 5,001 bytes, the manifest says 5,002"
 
 
-@pytest.mark.parametrize("tamper", [flip_a_byte, remove_a_file, add_a_file, edit_the_manifest, truncate_a_file])
+@pytest.mark.parametrize("tamper", [flip_a_byte, remove_a_file, add_a_file, link_a_directory, edit_the_manifest, truncate_a_file])
 def test_tampering_is_caught_and_named(bundle: tuple[Path, Ed25519PrivateKey], tamper) -> None:  # noqa: ANN001
     root, key = bundle
     expected = tamper(root)
@@ -141,7 +149,7 @@ def install(root: Path, prefix: Path, key: Path | None = None) -> subprocess.Com
                            *(["--key", str(key)] if key else [])], capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("tamper", [flip_a_byte, remove_a_file, add_a_file, edit_the_manifest, truncate_a_file])
+@pytest.mark.parametrize("tamper", [flip_a_byte, remove_a_file, add_a_file, link_a_directory, edit_the_manifest, truncate_a_file])
 def test_install_sh_refuses_a_tampered_bundle_before_touching_anything(
         bundle: tuple[Path, Ed25519PrivateKey], tmp_path: Path, tamper) -> None:  # noqa: ANN001
     root, _ = bundle

@@ -3,13 +3,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import queue
+import subprocess
+import threading
 from collections.abc import Iterator
 
 import pytest
 
 from audit import read_records, verify
 from audit.keys import signing_key
-from tests.conftest import Appliance, free_port, make_appliance
+from tests.conftest import APPLIANCE, Appliance, free_port, make_appliance
 
 
 @pytest.fixture
@@ -39,3 +44,24 @@ def test_unwritable_audit_log_fails_the_command_and_says_so(appliance: Appliance
     result = appliance.run("down")
     assert result.returncode == 1
     assert "appliance.down ran, but its audit record could not be written" in result.stderr
+
+
+def test_audit_tail_prints_the_last_records_then_only_new_ones(appliance: Appliance) -> None:
+    for _ in range(3):
+        assert appliance.run("down").returncode == 0  # each leaves a record
+    last_two = appliance.run("audit", "tail", "-n", "2")
+    assert [json.loads(line)["seq"] for line in last_two.stdout.splitlines()] == [2, 3]
+    follow = subprocess.Popen([APPLIANCE, "audit", "tail", "-n", "0", "-f"], env=appliance.env,
+                              stdout=subprocess.PIPE, text=True)
+    printed: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [printed.put(line) for line in follow.stdout], daemon=True).start()
+    try:
+        for _ in range(60):  # add records until it prints one: it has started by then
+            assert appliance.run("down").returncode == 0
+            with contextlib.suppress(queue.Empty):
+                first = json.loads(printed.get(timeout=1))
+                break
+        assert first["seq"] > 3, "-n 0 -f prints only records written after it started"
+    finally:
+        follow.terminate()
+        follow.wait(10)

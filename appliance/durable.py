@@ -1,0 +1,27 @@
+"""Replacing a file so that a crash or power loss leaves the old version or the new one, never
+an empty or half-written file."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def replace_file(path: Path, data: bytes, *, mode: int = 0o600) -> None:
+    """Write `data` beside `path`, flush it to disk, rename it over `path`, flush the directory."""
+    partial = path.with_name(f".{path.name}.partial")
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fchmod(fd, mode)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(partial, path)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)

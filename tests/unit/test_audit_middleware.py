@@ -1,0 +1,168 @@
+"""The gateway's audit middleware: where it writes a record (on the event loop for a lone
+request, in a worker thread while other requests are in flight or the disk is slow), that a
+response or a stream's end marker waits for its record, and that requests which never complete
+(the client left mid-stream, the server failed) are recorded too."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from audit import AuditEvent, AuditRecord, AuditUnavailable, AuditWriter, read_records
+from serve.audit_trail import INLINE_FLUSH_LIMIT_S, AuditMiddleware
+
+
+class Recorded(AuditWriter):
+    """A real writer that notes which thread appended each record, and whose flushes take as
+    long as the test says (not as long as this machine's disk happens to take)."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__(directory, Ed25519PrivateKey.generate())
+        self.threads: dict[str, int] = {}
+        self.flush_s = 0.0
+
+    @property
+    def last_flush_s(self) -> float:
+        return self.flush_s
+
+    @last_flush_s.setter
+    def last_flush_s(self, measured: float) -> None:
+        pass
+
+    def append(self, event: AuditEvent) -> AuditRecord:
+        self.threads[event.resource or ""] = threading.get_ident()
+        return super().append(event)
+
+
+def middleware(writer: AuditWriter, gates: dict[str, asyncio.Event]) -> AuditMiddleware:
+    async def app(scope: dict, receive: Any, send: Any) -> None:
+        if scope["path"] in gates:
+            await gates[scope["path"]].wait()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    return AuditMiddleware(app, writer=writer, hasher=lambda text: None, capture_text=False)
+
+
+async def request(audited: AuditMiddleware, path: str, on_send: Any = None) -> list[dict]:
+    """POST `path` through the middleware; the messages the client was sent."""
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b""}
+
+    async def send(message: dict) -> None:
+        if on_send is not None:
+            on_send(message)
+        sent.append(message)
+
+    await audited({"type": "http", "method": "POST", "path": path, "headers": [], "client": ("127.0.0.1", 1)},
+                  receive, send)
+    return sent
+
+
+def test_a_lone_request_writes_on_the_loop_and_concurrent_ones_in_a_thread(tmp_path: Path) -> None:
+    writer = Recorded(tmp_path)
+    gate = asyncio.Event()
+    audited = middleware(writer, {"/v1/slow": gate})
+
+    async def scenario() -> int:
+        await request(audited, "/v1/alone")
+        slow = asyncio.create_task(request(audited, "/v1/slow"))
+        await asyncio.sleep(0)  # /v1/slow is now in flight, waiting
+        await request(audited, "/v1/beside")
+        gate.set()
+        await slow
+        return threading.get_ident()
+
+    loop_thread = asyncio.run(scenario())
+    assert writer.threads["/v1/alone"] == loop_thread
+    assert writer.threads["/v1/beside"] != loop_thread, "another request was in flight"
+    assert writer.threads["/v1/slow"] == loop_thread, "alone again by the time it finished"
+    assert writer.head[0] == 3 and audited.in_flight == 0
+
+
+def test_a_slow_disk_sends_records_to_a_thread_and_the_response_still_waits(tmp_path: Path) -> None:
+    writer = Recorded(tmp_path)
+    audited = middleware(writer, {})
+
+    async def scenario() -> tuple[int, list[dict]]:
+        writer.flush_s = INLINE_FLUSH_LIMIT_S * 2
+        return threading.get_ident(), await request(audited, "/v1/after-a-slow-flush")
+
+    loop_thread, sent = asyncio.run(scenario())
+    assert writer.threads["/v1/after-a-slow-flush"] != loop_thread
+    assert [message["type"] for message in sent] == ["http.response.start", "http.response.body"]
+    assert writer.head[0] == 1
+
+
+@pytest.mark.parametrize("path", ["/healthz", "/metrics"])
+def test_unaudited_paths_leave_no_record(tmp_path: Path, path: str) -> None:
+    writer = Recorded(tmp_path)
+    sent = asyncio.run(request(middleware(writer, {}), path))
+    assert sent[0]["status"] == 200 and writer.threads == {} and writer.head[0] == 0
+
+
+def streaming_app(*, end: bool = True, fail: bool = False) -> Any:
+    """An SSE response of two events and the end marker; or one that stops (the client left),
+    or raises (the engine failed) after its first event."""
+
+    async def app(scope: dict, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        await send({"type": "http.response.body", "body": b"data: {}\n\n", "more_body": True})
+        if fail:
+            raise RuntimeError("engine went away")
+        if not end:
+            return  # as Starlette's StreamingResponse does when the client disconnects
+        await send({"type": "http.response.body", "body": b"data: {}\n\ndata: [DONE]\n\n", "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    return app
+
+
+def test_a_streams_end_marker_waits_for_its_record(tmp_path: Path) -> None:
+    writer = Recorded(tmp_path)
+    on_disk_when_sent: list[int] = []
+    audited = AuditMiddleware(streaming_app(), writer=writer, hasher=lambda text: None, capture_text=False)
+
+    def on_send(message: dict) -> None:
+        if b"[DONE]" in message.get("body", b""):
+            on_disk_when_sent.append(len(list(read_records(tmp_path))))
+
+    asyncio.run(request(audited, "/v1/chat/completions", on_send))
+    assert on_disk_when_sent == [1] and writer.head[0] == 1, "one record, on disk before [DONE] went out"
+
+
+def test_an_unwritable_log_cuts_a_stream_before_its_end_marker(tmp_path: Path) -> None:
+    writer = Recorded(tmp_path)
+    sent: list[dict] = []
+    audited = AuditMiddleware(streaming_app(), writer=writer, hasher=lambda text: None, capture_text=False)
+
+    def refuse(event: AuditEvent) -> AuditRecord:
+        raise AuditUnavailable("disk full")
+
+    writer.append = refuse  # type: ignore[method-assign]
+    with pytest.raises(AuditUnavailable):
+        asyncio.run(request(audited, "/v1/chat/completions", sent.append))
+    assert not any(b"[DONE]" in message.get("body", b"") for message in sent)
+
+
+@pytest.mark.parametrize(("app", "status"), [(streaming_app(end=False), 499), (streaming_app(fail=True), 500)])
+def test_requests_that_never_complete_are_recorded(tmp_path: Path, app: Any, status: int) -> None:
+    writer = Recorded(tmp_path)
+    audited = AuditMiddleware(app, writer=writer, hasher=lambda text: None, capture_text=False)
+
+    try:
+        asyncio.run(request(audited, "/v1/chat/completions"))
+    except RuntimeError:
+        assert status == 500, "the server's failure goes on to the server, recorded"
+    [record] = read_records(tmp_path)
+    assert record["status"] == status and record["outcome"] == "error" and record["action"] == "chat.completions"
+    assert audited.in_flight == 0
