@@ -26,7 +26,8 @@ def pgid_file(run_dir: Path, program: str) -> Path:
     return run_dir / f"{program}.pgid"
 
 
-def _members(pgid: int) -> list[psutil.Process]:
+def group_members(pgid: int) -> list[psutil.Process]:
+    """This user's processes in group `pgid`, this one left out."""
     me = os.getpid()
     members = []
     for proc in psutil.process_iter():
@@ -40,7 +41,7 @@ def _members(pgid: int) -> list[psutil.Process]:
 
 def end_group(pgid: int, grace_s: float = 5.0) -> list[int]:
     """SIGTERM every member of process group `pgid`, SIGKILL survivors after `grace_s`."""
-    procs = _members(pgid)
+    procs = group_members(pgid)
     for proc in procs:
         try:
             proc.terminate()

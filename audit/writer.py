@@ -13,6 +13,7 @@ Layout of the log directory:
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -169,9 +170,10 @@ class AuditWriter:
                 batch, self._pending = self._pending, []
                 self._cond.release()
                 started = time.monotonic()
+                unwritten = batch + self._pending
                 try:
-                    self._write(batch)
-                    failure = None
+                    failure = self._write(batch)  # the batch is durable; a failure is its checkpoint's
+                    unwritten = self._pending
                 except OSError as exc:
                     failure = f"audit log {self.directory} is not writable: {exc.strerror or exc}"
                 except (ValueError, KeyError) as exc:
@@ -182,7 +184,7 @@ class AuditWriter:
                     self._flushing = False
                 if failure is not None:
                     self._failure, self._failed_at = failure, time.monotonic()
-                    for failed in batch + self._pending:  # none of these reached the disk
+                    for failed in unwritten:  # none of these reached the disk
                         failed.error = failure
                     self._pending = []
                 self._cond.notify_all()
@@ -195,9 +197,10 @@ class AuditWriter:
             return
         self._failure = None
 
-    def _write(self, batch: list[_Waiting]) -> None:
+    def _write(self, batch: list[_Waiting]) -> str | None:
         """Chain a batch onto the head on disk and append it with one write and one fsync (only
-        the flushing thread gets here)."""
+        the flushing thread gets here). Raises OSError if the batch is not durable (and is not in
+        the log either); returns why a checkpoint due after it could not be written, if so."""
         with self._locked():
             self._catch_up()
             if self._fd is None:
@@ -219,17 +222,25 @@ class AuditWriter:
                     written += os.write(self._fd, data[written:])
                 os.fdatasync(self._fd)  # the data and the size it needs; not the mtime
             except OSError:
+                # Unacknowledged records must not stay in the chain: cut them off if the disk lets us.
+                with contextlib.suppress(OSError):
+                    os.ftruncate(self._fd, self._size)
                 self._close_file()  # the head is re-read (and a torn tail cut) on the next write
                 raise
             self._size += len(data)
             self._seq, self._head = seq, head
+            signing_failure = None
             if (self._seq - self._checkpointed_seq >= self._every
                     or time.monotonic() - self._checkpointed_at >= self._interval):
-                self._sign_head()
+                try:
+                    self._sign_head()
+                except OSError as exc:
+                    signing_failure = f"audit checkpoints in {self.directory} are not writable: {exc.strerror or exc}"
         # Only now, durable, may the waiters see their records. The fields come from validated
         # AuditEvents: no need to validate them again.
         for waiting, fields in zip(batch, chained):
             waiting.record = AuditRecord.model_construct(**fields)
+        return signing_failure
 
     def _open(self) -> None:
         new = not self._file.exists()
@@ -277,6 +288,8 @@ class AuditWriter:
         statement = {"seq": self._seq, "head": self._head, "time": _now(), "key_id": self._key_id}
         signed = {**statement, "signature": self._signer.sign(canonical(statement)).hex()}
         path = self.directory / CHECKPOINTS
+        if path.exists():
+            _last_line(path, cut_torn=True)  # a checkpoint torn by an earlier failure goes first
         with os.fdopen(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab") as handle:
             handle.write(canonical(signed) + b"\n")
             handle.flush()

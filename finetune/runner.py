@@ -17,9 +17,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import psutil
+
 from appliance.adapters import AdapterRecord
 from appliance.artifacts import artifact_store
 from appliance.home import Home
+from appliance.orphans import group_members
 from appliance.programs import OFFLINE_ENVIRONMENT
 from appliance.records import config_sha256
 from appliance.settings import DEMO_MODEL, FinetuneSettings, Settings
@@ -177,6 +180,18 @@ def end_group(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def end_stale_trainer(pgid: int, directory: Path) -> None:
+    """End what is left of a trainer that a dead worker started: its process group, but only while
+    a member still runs in the job's directory (after a reboot the number may be another's)."""
+    for member in group_members(pgid):
+        try:
+            if Path(member.cwd()) == directory.resolve():  # the kernel reports the resolved path
+                end_group(pgid)
+                return
+        except psutil.Error:
+            continue
 
 
 def _report(directory: Path, seen: float | None, on_progress: Callable[[Progress], None]) -> float | None:

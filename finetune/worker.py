@@ -10,13 +10,15 @@ import signal
 import sys
 import time
 
+import psutil
+
 from appliance.errors import ApplianceError
 from appliance.home import HOME_ENV, Home
 from appliance.programs import Program
 from appliance.settings import Settings, load_settings
 from appliance.supervisor import pid_alive
 from appliance import jobs
-from finetune.runner import end_group, run_job
+from finetune.runner import end_stale_trainer, run_job
 from finetune.train import Hyperparameters, TrainingCancelled
 
 log = logging.getLogger("appliance.finetune-worker")
@@ -24,12 +26,12 @@ log = logging.getLogger("appliance.finetune-worker")
 
 def work_one(home: Home, settings: Settings) -> jobs.Job | None:
     """Run the next job, if any, to its end; returns it as it ended."""
-    job = jobs.claim(home, os.getpid(), lambda pid: pid is not None and pid_alive(pid))
+    job = jobs.claim(home, os.getpid(), worker_alive)
     if job is None:
         return None
-    if job.trainer_pid is not None:  # left by a worker that died: its trainer must not run on beside ours
-        end_group(job.trainer_pid)
     directory = jobs.job_dir(home, job.id)
+    if job.trainer_pid is not None:  # left by a worker that died: its trainer must not run on beside ours
+        end_stale_trainer(job.trainer_pid, directory)
     log.info("job %d (%s on %s): attempt %d", job.id, job.name, job.data, job.attempts)
     try:
         outcome = run_job(directory, name=job.name, data=job.data, base=job.base,
@@ -49,6 +51,17 @@ def work_one(home: Home, settings: Settings) -> jobs.Job | None:
                     f"{result.adapter_eval_loss:.4f} ({result.improvement:+.1%}); {result.steps} steps{resumed}; "
                     f"gate {verdict}")
     return jobs.get(home, job.id)
+
+
+def worker_alive(pid: int | None) -> bool:
+    """Whether the worker that claimed a job still runs: that process, if it is a finetune worker
+    other than this one (after a reboot its number may be this worker's, or another program's)."""
+    if pid is None or pid == os.getpid():
+        return False
+    try:
+        return "finetune.worker" in psutil.Process(pid).cmdline() and pid_alive(pid)
+    except psutil.Error:
+        return False
 
 
 def main() -> None:

@@ -39,10 +39,11 @@ def pools_from_settings(settings: Settings, home: Home) -> list[Pool]:
 class Upstreams:
     """Routes a model name to its pool and relays requests with the engine's key.
 
-    A pool is sent requests only while it is known to answer: until its health check first
-    passes, and again after it refused a connection or dropped one (it died), requests to it get
-    503 at once while `watch` polls its health. A restarting vLLM listens on its port minutes
-    before it answers, so a request sent to it then would hang instead.
+    A pool is sent requests only while it is known to answer. Until its health check passes,
+    and again after it refused or dropped a connection (it died), a request first checks its
+    health (one check at a time per pool, shared by the requests waiting) and gets 503 if that
+    fails; `watch` checks such pools every second too. A restarting vLLM listens on its port
+    minutes before it answers, so a request sent to it then would hang instead.
     """
 
     def __init__(self, pools: list[Pool], http: aiohttp.ClientSession, engine_key: str) -> None:
@@ -51,12 +52,19 @@ class Upstreams:
         self._http = http
         self._headers = {"Authorization": f"Bearer {engine_key}"}
         self._ready = {pool.name: False for pool in pools}
+        self._probing = {pool.name: asyncio.Lock() for pool in pools}
 
-    async def check(self) -> None:
-        """Poll the health of every pool not known to answer."""
-        for pool in self.pools:
+    async def _probe(self, pool: Pool) -> bool:
+        """Whether the pool answers, checking its health if it is not known to."""
+        async with self._probing[pool.name]:
             if not self._ready[pool.name]:
                 self._ready[pool.name] = await self.healthy(pool)
+        return self._ready[pool.name]
+
+    async def check(self) -> None:
+        """Check the health of every pool not known to answer."""
+        for pool in self.pools:
+            await self._probe(pool)
 
     async def watch(self, interval_s: float = WATCH_INTERVAL_S) -> None:
         while True:
@@ -67,8 +75,8 @@ class Upstreams:
         return GatewayError(503, f"engine pool {pool.name!r} is {why}; retry shortly", type="service_unavailable",
                             code="engine_unavailable", headers={"Retry-After": "5"})
 
-    def _admit(self, pool: Pool) -> None:
-        if not self._ready[pool.name]:
+    async def _admit(self, pool: Pool) -> None:
+        if not self._ready[pool.name] and not await self._probe(pool):
             raise self._unavailable(pool, "not ready (starting, or restarting after a failure)")
 
     def route(self, model: object) -> Pool:
@@ -81,7 +89,7 @@ class Upstreams:
 
     async def send(self, pool: Pool, path: str, body: bytes, request_id: str) -> aiohttp.ClientResponse:
         """POST to the pool; the body is left unread (streamed). A down engine is a 503 at once."""
-        self._admit(pool)
+        await self._admit(pool)
         try:
             return await self._http.post(
                 f"{pool.base_url}{path}", data=body,
@@ -101,7 +109,7 @@ class Upstreams:
 
     async def engine_post(self, pool: Pool, path: str, body: dict) -> tuple[int, str]:
         """A control request to the engine (its LoRA endpoints): status and text of the answer."""
-        self._admit(pool)
+        await self._admit(pool)
         try:
             async with self._http.post(f"{pool.base_url}{path}", json=body, headers=self._headers,
                                        timeout=aiohttp.ClientTimeout(total=120)) as response:
@@ -113,7 +121,7 @@ class Upstreams:
         """Every ready pool's /v1/models entries; pools that do not answer are left out."""
         data: list[dict] = []
         for pool in self.pools:
-            if not self._ready[pool.name]:
+            if not self._ready[pool.name] and not await self._probe(pool):
                 continue
             try:
                 async with self._http.get(f"{pool.base_url}/v1/models", headers=self._headers,

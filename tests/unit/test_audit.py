@@ -325,3 +325,42 @@ def test_a_line_still_being_written_is_left_for_later(tmp_path: Path) -> None:
     with newest.open("ab") as log:
         log.write(b'{"seq": 6, "act')  # a writer is half way through its write
     assert verify(tmp_path, KEY.public_key()).records == 5
+
+
+def test_records_whose_flush_failed_are_cut_from_the_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    writer = filled(tmp_path, 3)
+    size = log_files(tmp_path)[-1].stat().st_size
+
+    def flush_fails(fd: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr("audit.writer.os.fdatasync", flush_fails)
+    with pytest.raises(AuditUnavailable, match="Input/output error"):
+        writer.append(event(4))
+    assert log_files(tmp_path)[-1].stat().st_size == size, "a record its caller was refused for is not kept"
+    monkeypatch.undo()
+    monkeypatch.setattr("audit.writer.RETRY_AFTER_S", 0.0)
+    assert writer.append(event(5)).seq == 4
+    assert verify(tmp_path, KEY.public_key()).records == 4
+
+
+def test_a_failed_checkpoint_keeps_the_durable_records_and_fails_closed_after(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    writer = AuditWriter(tmp_path, KEY, checkpoint_every=2)
+    writer.append(event(1))
+
+    def sign_fails(fd: int) -> None:  # only checkpoints fsync; records fdatasync
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("audit.writer.os.fsync", sign_fails)
+    assert writer.append(event(2)).seq == 2, "the record is durable: its request may be answered"
+    assert writer.failure and "checkpoints" in writer.failure
+    with pytest.raises(AuditUnavailable):
+        writer.append(event(3))
+    monkeypatch.undo()
+    with (tmp_path / CHECKPOINTS).open("ab") as checkpoints:
+        checkpoints.write(b'{"seq": 2, "he')  # torn by the failed write
+    monkeypatch.setattr("audit.writer.RETRY_AFTER_S", 0.0)
+    writer.append(event(4))
+    writer.checkpoint()
+    assert verify(tmp_path, KEY.public_key()).last_checkpoint_seq == 3

@@ -118,3 +118,27 @@ def test_killed_training_resumes_from_its_checkpoint(workspace: tuple[dict[str, 
     resumed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from checkpoint-" in resumed.stdout and "30 steps" in resumed.stdout
+
+
+def test_a_stale_pid_is_neither_taken_for_a_live_worker_nor_killed_as_a_trainer(tmp_path: Path) -> None:
+    """After a reboot the numbers a dead worker recorded may belong to anything, this worker included."""
+    from finetune.runner import end_stale_trainer
+    from finetune.worker import worker_alive
+
+    job_dir, elsewhere = tmp_path / "job-1", tmp_path / "engine"
+    job_dir.mkdir()
+    elsewhere.mkdir()
+    other = subprocess.Popen(["sleep", "60"], cwd=elsewhere, start_new_session=True)
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "finetune.worker"])
+    trainer = subprocess.Popen(["sleep", "60"], cwd=job_dir, start_new_session=True)
+    try:
+        assert not worker_alive(os.getpid()) and not worker_alive(other.pid) and not worker_alive(None)
+        assert worker_alive(worker.pid)
+        end_stale_trainer(other.pid, job_dir)  # a number reused by another program's group
+        assert other.poll() is None, "not the job's trainer: left alone"
+        end_stale_trainer(trainer.pid, job_dir)
+        assert trainer.wait(10) == -signal.SIGKILL
+    finally:
+        for process in (other, worker, trainer):
+            process.kill()
+            process.wait()
