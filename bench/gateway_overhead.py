@@ -14,7 +14,8 @@ For concurrency 1, 8 and 32, streamed and not, both paths take turns (direct, ga
 gateway), so drift hits both. Reports p50/p99 of each path, the added p50 with a bootstrap 95 %
 confidence interval (how far the engine's own noise leaves the difference uncertain), the added
 p99 and the throughput ratio (gateway / direct). The stub section also reports the gateway's CPU
-time per request, a figure that does not depend on how busy the machine is.
+time per request (less sensitive to load than latency, though a slower phase of this shared VM
+raises it too).
 
 Run: .venv/bin/python bench/gateway_overhead.py [--sections vllm,stub,stub_idle]
 (needs ./bootstrap.sh --no-start first). Writes bench/results/gateway_overhead.json.
