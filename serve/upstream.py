@@ -42,8 +42,10 @@ class Upstreams:
     A pool is sent requests only while it is known to answer. Until its health check passes,
     and again after it refused or dropped a connection (it died), a request first checks its
     health (one check at a time per pool, shared by the requests waiting) and gets 503 if that
-    fails; `watch` checks such pools every second too. A restarting vLLM listens on its port
-    minutes before it answers, so a request sent to it then would hang instead.
+    fails; `watch` checks such pools every second too. An engine that accepts connections but
+    does not answer (still loading behind an open port, or wedged) would otherwise hold a request
+    for as long as it stays so: generation has no time limit. vLLM itself binds its port early
+    but listens only once it serves, so while it restarts its connections are refused.
     """
 
     def __init__(self, pools: list[Pool], http: aiohttp.ClientSession, engine_key: str) -> None:

@@ -114,8 +114,8 @@ def test_engine_killed_with_sigkill_is_restarted_and_serves(running: Running) ->
     assert answered_s < 1.0, f"503 took {answered_s:.2f}s"
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
-        # A restarting vLLM listens on its port long before it answers: every request meanwhile
-        # must still be answered, 503 until the engine is back, then 200 (a hang times out here).
+        # Every request while the engine restarts must be answered, 503 until it is back, then
+        # 200 (a hang times out here).
         answer = httpx.post(**{**through_gateway, "timeout": 30})
         assert answer.status_code in (200, 503), answer.text
         program = engine(running)

@@ -1,5 +1,5 @@
-"""Engine readiness in the gateway's relay: no request goes to an engine that is starting (its
-port open, nothing answering) or that refused a connection; such requests get 503 once a health
+"""Engine readiness in the gateway's relay: no request goes to an engine that accepts
+connections but does not answer, or that refused a connection; such requests get 503 once a health
 check says so (never a hang), and the pool is used again once its health check passes."""
 
 from __future__ import annotations
