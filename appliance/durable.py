@@ -20,8 +20,13 @@ def replace_file(path: Path, data: bytes, *, mode: int = 0o600) -> None:
     finally:
         os.close(fd)
     os.replace(partial, path)
-    directory = os.open(path.parent, os.O_RDONLY)
+    fsync_directory(path.parent)
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make the names in `directory` (a file created or renamed there) survive a crash too."""
+    fd = os.open(directory, os.O_RDONLY)
     try:
-        os.fsync(directory)
+        os.fsync(fd)
     finally:
-        os.close(directory)
+        os.close(fd)

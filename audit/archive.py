@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from appliance.artifacts import ArtifactStore, ArtifactStoreError
-from audit.writer import CHECKPOINTS, log_files
+from audit.writer import CHECKPOINTS, complete_lines, log_files
 
 PREFIX = "audit/"
 SNAPSHOT = "checkpoints-"
@@ -48,9 +48,8 @@ def archive(directory: Path, store: ArtifactStore, *, retain_days: int, require_
         return done
     last_seq = json.loads(closed[-1].read_bytes().splitlines()[-1])["seq"]
     source = directory / CHECKPOINTS
-    written = source.read_bytes() if source.exists() else b""
-    complete = written[:written.rfind(b"\n") + 1]  # a checkpoint being appended right now waits
-    vouching = [line for line in complete.splitlines() if json.loads(line)["seq"] <= last_seq]
+    written = complete_lines(source.read_bytes()) if source.exists() else []
+    vouching = [line for line in written if json.loads(line)["seq"] <= last_seq]
     if vouching:
         key = f"{PREFIX}{SNAPSHOT}{json.loads(vouching[-1])['seq']:012d}.jsonl"
         if key not in present:

@@ -6,14 +6,16 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from audit.writer import log_files
+from audit.writer import complete_lines, log_files
 
 
 def read_records(directory: Path, *, since: str | None = None, until: str | None = None,
                  user: str | None = None) -> Iterator[dict]:
     """Records in sequence order; `since` inclusive and `until` exclusive (UTC ISO 8601)."""
-    for path in log_files(directory):
-        for raw in path.read_bytes().splitlines():
+    files = log_files(directory)
+    for path in files:
+        data = path.read_bytes()
+        for raw in complete_lines(data) if path == files[-1] else data.splitlines():
             record = json.loads(raw)
             if since is not None and record["time"] < since:
                 continue

@@ -12,7 +12,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from audit.records import GENESIS, canonical, digest
-from audit.writer import CHECKPOINTS, log_files
+from audit.writer import CHECKPOINTS, complete_lines, log_files
 
 
 class AuditVerificationError(Exception):
@@ -41,14 +41,14 @@ def verify(directory: Path, public_key: Ed25519PublicKey) -> Verified:
     being written (no newline yet) is left for the next verification.
     """
     path = directory / CHECKPOINTS
-    lines = _complete_lines(path.read_bytes()) if path.exists() else []
+    lines = complete_lines(path.read_bytes()) if path.exists() else []
     # 1. Records: parse, recompute each hash, follow the chain and the sequence.
     hashes: dict[int, str] = {}
     head, seq = GENESIS, 0
     files = log_files(directory)
     for path in files:
         data = path.read_bytes()
-        for number, raw in enumerate(_complete_lines(data) if path == files[-1] else data.splitlines(), start=1):
+        for number, raw in enumerate(complete_lines(data) if path == files[-1] else data.splitlines(), start=1):
             where = f"{path.name}:{number}"
             try:
                 record = json.loads(raw)
@@ -87,8 +87,3 @@ def verify(directory: Path, public_key: Ed25519PublicKey) -> Verified:
             raise AuditVerificationError(where, f"head mismatch at seq {checkpoint['seq']}")
         count, last = count + 1, checkpoint["seq"]
     return Verified(records=seq, files=len(files), checkpoints=count, head=head, last_checkpoint_seq=last)
-
-
-def _complete_lines(data: bytes) -> list[bytes]:
-    """The newline-terminated lines of `data` (what follows the last newline is still being written)."""
-    return data[:data.rfind(b"\n") + 1].splitlines()

@@ -28,6 +28,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from appliance.durable import fsync_directory
 from audit.keys import key_id
 from audit.records import GENESIS, AuditEvent, AuditRecord, canonical, digest
 
@@ -43,6 +44,12 @@ class AuditUnavailable(Exception):
 
 def log_files(directory: Path) -> list[Path]:
     return sorted(directory.glob("audit-*.jsonl"))
+
+
+def complete_lines(data: bytes) -> list[bytes]:
+    """The newline-terminated lines of a log or checkpoints file read while a writer may be
+    appending: what follows the last newline is still being written."""
+    return data[:data.rfind(b"\n") + 1].splitlines()
 
 
 def _now() -> str:
@@ -247,7 +254,7 @@ class AuditWriter:
         self._fd = os.open(self._file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         self._size = os.fstat(self._fd).st_size
         if new:
-            _fsync_dir(self.directory)  # the new file's name must survive a crash too
+            fsync_directory(self.directory)  # the new file's name must survive a crash too
 
     def _close_file(self) -> None:
         if self._fd is not None:
@@ -296,15 +303,6 @@ class AuditWriter:
             os.fsync(handle.fileno())
         self._checkpointed_seq, self._checkpointed_at = self._seq, time.monotonic()
         return signed
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Make a new file's directory entry durable too."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _last_line(path: Path, *, cut_torn: bool) -> bytes | None:

@@ -58,6 +58,8 @@ class Upstreams:
 
     async def _probe(self, pool: Pool) -> bool:
         """Whether the pool answers, checking its health if it is not known to."""
+        if self._ready[pool.name]:
+            return True
         async with self._probing[pool.name]:
             if not self._ready[pool.name]:
                 self._ready[pool.name] = await self.healthy(pool)
@@ -78,7 +80,7 @@ class Upstreams:
                             code="engine_unavailable", headers={"Retry-After": "5"})
 
     async def _admit(self, pool: Pool) -> None:
-        if not self._ready[pool.name] and not await self._probe(pool):
+        if not await self._probe(pool):
             raise self._unavailable(pool, "not ready (starting, or restarting after a failure)")
 
     def route(self, model: object) -> Pool:
@@ -123,7 +125,7 @@ class Upstreams:
         """Every ready pool's /v1/models entries; pools that do not answer are left out."""
         data: list[dict] = []
         for pool in self.pools:
-            if not self._ready[pool.name] and not await self._probe(pool):
+            if not await self._probe(pool):
                 continue
             try:
                 async with self._http.get(f"{pool.base_url}/v1/models", headers=self._headers,
