@@ -1,21 +1,24 @@
 """Gateway overhead: the same load straight to an engine and through the gateway (auth on).
 
 Three sections, each in one run against one appliance (real Keycloak, real token validation and
-introspection):
-- vllm: direct to the vLLM CPU engine vs. through the gateway;
-- stub: direct to a stand-in engine that answers at once (bench/stub_engine.py) vs. a second
-  gateway in front of it, which isolates the gateway's own added latency and throughput limit;
+introspection), each comparing three paths to the same engine: direct, through a bare proxy
+(bench/bare_proxy.py: uvicorn in, aiohttp out, nothing else; what this machine charges for a
+Python hop at all) and through the gateway:
+- vllm: the vLLM CPU engine;
+- stub: a stand-in engine that answers at once (bench/stub_engine.py) with a second gateway in
+  front of it, which isolates the gateway's own added latency and throughput limit;
 - stub_idle: the same stand-in answering after 0.4 s, about as long as the CPU engine takes
   (concurrency 1 only): the gateway then idles between its two bursts of work per request, and
   on this VM code that runs after 100 ms or more of idling runs about 1.5x slower (cold caches),
   which the stub section's back-to-back requests never see.
 
-For concurrency 1, 8 and 32, streamed and not, both paths take turns (direct, gateway, direct,
-gateway), so drift hits both. Reports p50/p99 of each path, the added p50 with a bootstrap 95 %
-confidence interval (how far the engine's own noise leaves the difference uncertain), the added
-p99 and the throughput ratio (gateway / direct). The stub section also reports the gateway's CPU
-time per request (less sensitive to load than latency, though a slower phase of this shared VM
-raises it too).
+For concurrency 1 the paths take turns request by request; for 8 and 32 they take turns run by
+run (ROUNDS each); streamed and not; so drift hits every path alike. Reports p50/p99 of each
+path and, for the bare proxy and the gateway, the added p50 with a bootstrap 95 % confidence
+interval (how far the engine's own noise leaves the difference uncertain), the added p99 and the
+throughput ratio (path / direct). The stub section also reports the gateway's CPU time per
+request (less sensitive to load than latency, though a slower phase of this shared VM raises it
+too).
 
 Run: .venv/bin/python bench/gateway_overhead.py [--sections vllm,stub,stub_idle]
 (needs ./bootstrap.sh --no-start first). Writes bench/results/gateway_overhead.json.
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -35,7 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -49,12 +53,13 @@ from installer.realm import BOOTSTRAP_SECRET
 RESULTS = Path(__file__).parent / "results" / "gateway_overhead.json"
 APPLIANCE = str(Path(sys.executable).with_name("appliance"))
 MODEL = "SmolLM2-135M-Instruct"
-REQUESTS_PER_WORKER = {"vllm": {1: 30, 8: 4, 32: 1}, "stub": {1: 300, 8: 100, 32: 40}, "stub_idle": {1: 30}}
+REQUESTS_PER_WORKER = {"vllm": {1: 60, 8: 4, 32: 1}, "stub": {1: 600, 8: 100, 32: 40}, "stub_idle": {1: 60}}
 STUB_IDLE_DELAY_S = 0.4
-ROUNDS = 2
+ROUNDS = 3
 BOOTSTRAP_RESAMPLES = 2000
 PORTS = {"engine": 18411, "gateway": 18480, "stub": 18412, "stub_gateway": 18481,
-         "keycloak": 18490, "keycloak_management": 18491}
+         "bare_proxy": 18482, "keycloak": 18490, "keycloak_management": 18491}
+LOGS = Path(tempfile.gettempdir())  # what the helper servers said, kept if a run fails
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -132,37 +137,67 @@ def start_appliance() -> tuple[Path, dict[str, str]]:
 Headers = Callable[[], dict[str, str]]
 
 
+async def load_interleaved(paths: dict[str, tuple[str, dict]], stream: bool,
+                           requests: int) -> dict[str, list[float]]:
+    """Concurrency 1 on every path, the paths taking turns request by request (in a fresh random
+    order each turn), so the engine's and the machine's drift hits every path alike."""
+    rng = random.Random(1)
+    order = list(paths)
+    latencies: dict[str, list[float]] = {name: [] for name in paths}
+    async with contextlib.AsyncExitStack() as stack:
+        clients = {name: await stack.enter_async_context(httpx.AsyncClient(timeout=300)) for name in paths}
+        for name, (url, headers) in paths.items():
+            await one(clients[name], url, headers, stream)  # warm the connection
+        for _ in range(requests):
+            rng.shuffle(order)
+            for name in order:
+                url, headers = paths[name]
+                latencies[name].append(await one(clients[name], url, headers, stream))
+    return latencies
+
+
 def measure(paths: dict[str, tuple[str, Headers]], per_worker: dict[int, int],
             gateway_pid: int | None = None) -> list[dict]:
-    """Rows of p50/p99/rps per path, added latency and throughput ratio, for each load shape
-    (stream or not, each concurrency in `per_worker` with its requests per worker);
-    with `gateway_pid`, also the gateway process's CPU time per request."""
+    """Rows of p50/p99/rps per path, and for each path but `direct` its added p50 (with a
+    bootstrap 95 % interval), added p99 and throughput ratio, for each load shape (stream or
+    not, each concurrency in `per_worker` with its requests per worker). Concurrency 1
+    interleaves the paths request by request; higher concurrency runs each path in turn, ROUNDS
+    times. With `gateway_pid`, also the gateway process's CPU time per request."""
     rows = []
     for stream in (False, True):
         for concurrency, requests in per_worker.items():
-            samples: dict[str, list[float]] = {"direct": [], "gateway": []}
-            rates: dict[str, list[float]] = {"direct": [], "gateway": []}
-            gateway_cpu_s = 0.0
-            for _ in range(ROUNDS):
-                for name, (url, headers) in paths.items():
-                    cpu_before = cpu_seconds(gateway_pid) if gateway_pid and name == "gateway" else 0.0
-                    latencies, rate = asyncio.run(load(url, headers(), concurrency, stream, requests))
-                    if gateway_pid and name == "gateway":
-                        gateway_cpu_s += cpu_seconds(gateway_pid) - cpu_before
-                    samples[name] += latencies
-                    rates[name].append(rate)
-            row = {"stream": stream, "concurrency": concurrency, "requests": len(samples["gateway"])}
+            samples: dict[str, list[float]] = {name: [] for name in paths}
+            rates: dict[str, list[float]] = {name: [] for name in paths}
+            cpu_before = cpu_seconds(gateway_pid) if gateway_pid else 0.0
+            if concurrency == 1:
+                fixed = {name: (url, headers()) for name, (url, headers) in paths.items()}
+                samples = asyncio.run(load_interleaved(fixed, stream, requests))
+                rates = {name: [len(values) / sum(values)] for name, values in samples.items()}
+                warm_ups = 1
+            else:
+                for _ in range(ROUNDS):
+                    for name, (url, headers) in paths.items():
+                        latencies, rate = asyncio.run(load(url, headers(), concurrency, stream, requests))
+                        samples[name] += latencies
+                        rates[name].append(rate)
+                warm_ups = ROUNDS
+            gateway_cpu_s = cpu_seconds(gateway_pid) - cpu_before if gateway_pid else 0.0
+            row: dict = {"stream": stream, "concurrency": concurrency, "requests": len(samples["gateway"])}
             for name in paths:
                 row[f"{name}_p50_ms"] = round(percentile(samples[name], 0.5) * 1000, 2)
                 row[f"{name}_p99_ms"] = round(percentile(samples[name], 0.99) * 1000, 2)
                 row[f"{name}_rps"] = round(statistics.mean(rates[name]), 2)
-            row["added_p50_ms"] = round(row["gateway_p50_ms"] - row["direct_p50_ms"], 2)
-            low, high = added_p50_ci95(samples["direct"], samples["gateway"])
-            row["added_p50_ci95_ms"] = [round(low * 1000, 2), round(high * 1000, 2)]
-            row["added_p99_ms"] = round(row["gateway_p99_ms"] - row["direct_p99_ms"], 2)
-            row["throughput_ratio"] = round(row["gateway_rps"] / row["direct_rps"], 3)
+            for name in paths:
+                if name != "direct":
+                    # The gateway's figures keep their plain names; other paths' are prefixed.
+                    prefix = "" if name == "gateway" else f"{name}_"
+                    row[f"{prefix}added_p50_ms"] = round(row[f"{name}_p50_ms"] - row["direct_p50_ms"], 2)
+                    low, high = added_p50_ci95(samples["direct"], samples[name])
+                    row[f"{prefix}added_p50_ci95_ms"] = [round(low * 1000, 2), round(high * 1000, 2)]
+                    row[f"{prefix}added_p99_ms"] = round(row[f"{name}_p99_ms"] - row["direct_p99_ms"], 2)
+                    row[f"{prefix}throughput_ratio"] = round(row[f"{name}_rps"] / row["direct_rps"], 3)
             if gateway_pid:
-                served = len(samples["gateway"]) + ROUNDS  # and each run's warm-up request
+                served = len(samples["gateway"]) + warm_ups
                 row["gateway_cpu_ms_per_request"] = round(gateway_cpu_s / served * 1000, 3)
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -181,29 +216,45 @@ def wait_for(url: str, timeout_s: float = 60) -> None:
     raise TimeoutError(url)
 
 
+def serve(app: str, port: int, env: dict[str, str], *factory: str) -> subprocess.Popen:
+    """An ASGI app from this repository under uvicorn on a loopback port."""
+    log = (LOGS / f"gateway-overhead-{port}.log").open("w")
+    return subprocess.Popen([sys.executable, "-P", "-m", "uvicorn", app, *factory, "--port", str(port),
+                             "--no-access-log", "--log-level", "warning"],
+                            cwd=Path(__file__).parent.parent, env=env, stdout=subprocess.DEVNULL, stderr=log)
+
+
+@contextlib.contextmanager
+def bare_proxy(target: str) -> Iterator[str]:
+    """bench/bare_proxy.py in front of `target`; yields its chat completions URL."""
+    proxy = serve("bench.bare_proxy:app", PORTS["bare_proxy"], {**os.environ, "BARE_PROXY_TARGET": target})
+    try:
+        wait_for(f"http://127.0.0.1:{PORTS['bare_proxy']}/health")
+        yield f"http://127.0.0.1:{PORTS['bare_proxy']}/v1/chat/completions"
+    finally:
+        proxy.terminate()
+        proxy.wait(30)
+
+
 def stub_section(env: dict[str, str], token: Headers, per_worker: dict[int, int],
                  delay_s: float = 0.0) -> list[dict]:
-    """A stand-in engine answering after `delay_s` and a second gateway in front of it (same
-    realm, same settings)."""
-    logs = Path(tempfile.gettempdir())  # kept: what the stub and the second gateway said, if a run fails
-    stub = subprocess.Popen([sys.executable, "-m", "uvicorn", "bench.stub_engine:app", "--port",
-                             str(PORTS["stub"]), "--no-access-log", "--log-level", "warning"],
-                            cwd=Path(__file__).parent.parent, stdout=subprocess.DEVNULL,
-                            env={**os.environ, "STUB_ENGINE_DELAY_S": str(delay_s)},  # see stub_engine.py
-                            stderr=(logs / "gateway-overhead-stub.log").open("w"))
-    gateway_env = {**env, "APPLIANCE_POOLS__MAIN__PORT": str(PORTS["stub"]),
-                   "APPLIANCE_GATEWAY__PORT": str(PORTS["stub_gateway"])}
-    gateway = subprocess.Popen([sys.executable, "-P", "-m", "uvicorn", "serve.gateway:app_from_env", "--factory",
-                                "--port", str(PORTS["stub_gateway"]), "--no-access-log",
-                                "--log-level", "warning"], env=gateway_env, stdout=subprocess.DEVNULL,
-                               stderr=(logs / "gateway-overhead-gateway.log").open("w"))
+    """A stand-in engine answering after `delay_s`, the bare proxy and a second gateway in front
+    of it (same realm, same settings)."""
+    stub_url = f"http://127.0.0.1:{PORTS['stub']}"
+    # STUB_ENGINE_DELAY_S: see stub_engine.py
+    stub = serve("bench.stub_engine:app", PORTS["stub"], {**os.environ, "STUB_ENGINE_DELAY_S": str(delay_s)})
+    gateway = serve("serve.gateway:app_from_env", PORTS["stub_gateway"],
+                    {**env, "APPLIANCE_POOLS__MAIN__PORT": str(PORTS["stub"]),
+                     "APPLIANCE_GATEWAY__PORT": str(PORTS["stub_gateway"])}, "--factory")
     try:
-        wait_for(f"http://127.0.0.1:{PORTS['stub']}/health")
+        wait_for(f"{stub_url}/health")
         wait_for(f"http://127.0.0.1:{PORTS['stub_gateway']}/healthz")
-        return measure({
-            "direct": (f"http://127.0.0.1:{PORTS['stub']}/v1/chat/completions", dict),
-            "gateway": (f"http://127.0.0.1:{PORTS['stub_gateway']}/v1/chat/completions", token),
-        }, per_worker, gateway_pid=None if delay_s else gateway.pid)  # idle, its timers' CPU would count
+        with bare_proxy(stub_url) as proxied:
+            return measure({
+                "direct": (f"{stub_url}/v1/chat/completions", dict),
+                "bare_proxy": (proxied, dict),
+                "gateway": (f"http://127.0.0.1:{PORTS['stub_gateway']}/v1/chat/completions", token),
+            }, per_worker, gateway_pid=None if delay_s else gateway.pid)  # idle, its timers' CPU would count
     finally:
         for process in (gateway, stub):
             process.terminate()
@@ -233,10 +284,13 @@ def main() -> None:
         engine_key = {"Authorization": f"Bearer {secret(home, 'engine-api-key')}"}
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         if "vllm" in sections:
-            rows = measure({
-                "direct": (f"http://127.0.0.1:{PORTS['engine']}/v1/chat/completions", lambda: engine_key),
-                "gateway": (f"http://127.0.0.1:{PORTS['gateway']}/v1/chat/completions", token),
-            }, REQUESTS_PER_WORKER["vllm"])
+            engine_url = f"http://127.0.0.1:{PORTS['engine']}"
+            with bare_proxy(engine_url) as proxied:
+                rows = measure({
+                    "direct": (f"{engine_url}/v1/chat/completions", lambda: engine_key),
+                    "bare_proxy": (proxied, lambda: engine_key),
+                    "gateway": (f"http://127.0.0.1:{PORTS['gateway']}/v1/chat/completions", token),
+                }, REQUESTS_PER_WORKER["vllm"])
             results["vllm"] = {"time": stamp, "rows": rows}
         if "stub" in sections:
             results["stub"] = {"time": stamp, "rows": stub_section(env, token, REQUESTS_PER_WORKER["stub"])}

@@ -1,0 +1,54 @@
+"""The least a Python HTTP proxy does: uvicorn in, aiohttp out, nothing else (no auth, no limits,
+no audit record, no metrics). The gateway overhead bench runs it beside the gateway so the
+figures show what this machine charges for one Python hop at all; the gateway's own work is the
+difference.
+
+Run: BARE_PROXY_TARGET=http://127.0.0.1:PORT uvicorn bench.bare_proxy:app --port N
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import aiohttp
+
+TARGET = os.environ.get("BARE_PROXY_TARGET", "http://127.0.0.1:8000")
+
+
+async def app(scope: dict, receive: Any, send: Any) -> None:
+    if scope["type"] == "lifespan":
+        await _lifespan(receive, send)
+        return
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            break
+    headers = {"content-type": "application/json"}
+    for name, value in scope["headers"]:
+        if name == b"authorization":  # the engine's API key, when the target is vLLM
+            headers["authorization"] = value.decode()
+    async with _session.request(scope["method"], TARGET + scope["path"], data=body, headers=headers) as response:
+        await send({"type": "http.response.start", "status": response.status,
+                    "headers": [(b"content-type", response.headers.get("content-type", "").encode())]})
+        async for chunk in response.content.iter_any():
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    await send({"type": "http.response.body", "body": b""})
+
+
+_session: aiohttp.ClientSession
+
+
+async def _lifespan(receive: Any, send: Any) -> None:
+    global _session
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            _session = aiohttp.ClientSession()
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await _session.close()
+            await send({"type": "lifespan.shutdown.complete"})
+            return
