@@ -3,6 +3,10 @@ no audit record, no metrics). The gateway overhead bench runs it beside the gate
 figures show what this machine charges for one Python hop at all; the gateway's own work is the
 difference.
 
+With BARE_PROXY_DURABLE_FILE set it also keeps the audit log's rule (issue 4: a request's record
+is on disk before its response is complete) in its barest form: one line appended to that file
+and fdatasync'd before the response's end is sent.
+
 Run: BARE_PROXY_TARGET=http://127.0.0.1:PORT uvicorn bench.bare_proxy:app --port N
 """
 
@@ -14,6 +18,7 @@ from typing import Any
 import aiohttp
 
 TARGET = os.environ.get("BARE_PROXY_TARGET", "http://127.0.0.1:8000")
+DURABLE_FILE = os.environ.get("BARE_PROXY_DURABLE_FILE")
 
 
 async def app(scope: dict, receive: Any, send: Any) -> None:
@@ -35,18 +40,24 @@ async def app(scope: dict, receive: Any, send: Any) -> None:
                     "headers": [(b"content-type", response.headers.get("content-type", "").encode())]})
         async for chunk in response.content.iter_any():
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    if _durable is not None:
+        os.write(_durable, b"%d %s\n" % (response.status, scope["path"].encode()))
+        os.fdatasync(_durable)
     await send({"type": "http.response.body", "body": b""})
 
 
 _session: aiohttp.ClientSession
+_durable: int | None = None
 
 
 async def _lifespan(receive: Any, send: Any) -> None:
-    global _session
+    global _session, _durable
     while True:
         message = await receive()
         if message["type"] == "lifespan.startup":
             _session = aiohttp.ClientSession()
+            if DURABLE_FILE:
+                _durable = os.open(DURABLE_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
             await send({"type": "lifespan.startup.complete"})
         elif message["type"] == "lifespan.shutdown":
             await _session.close()

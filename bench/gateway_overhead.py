@@ -1,20 +1,21 @@
 """Gateway overhead: the same load straight to an engine and through the gateway (auth on).
 
 Three sections, each in one run against one appliance (real Keycloak, real token validation and
-introspection), each comparing three paths to the same engine: direct, through a bare proxy
+introspection), each comparing paths to the same engine: direct, through a bare proxy
 (bench/bare_proxy.py: uvicorn in, aiohttp out, nothing else; what this machine charges for a
-Python hop at all) and through the gateway:
+Python hop at all) and through the gateway; the stub sections add the bare proxy with one
+fdatasync per request before the response ends (the audit log's durability rule at its barest):
 - vllm: the vLLM CPU engine;
 - stub: a stand-in engine that answers at once (bench/stub_engine.py) with a second gateway in
   front of it, which isolates the gateway's own added latency and throughput limit;
 - stub_idle: the same stand-in answering after 0.4 s, about as long as the CPU engine takes
   (concurrency 1 only): the gateway then idles between its two bursts of work per request, and
-  on this VM code that runs after 100 ms or more of idling runs about 1.5x slower (cold caches),
-  which the stub section's back-to-back requests never see.
+  on this VM work done right after idling costs many times more than back to back
+  (bench/idle_penalty.py), which the stub section's back-to-back requests never see.
 
 For concurrency 1 the paths take turns request by request; for 8 and 32 they take turns run by
 run (ROUNDS each); streamed and not; so drift hits every path alike. Reports p50/p99 of each
-path and, for the bare proxy and the gateway, the added p50 with a bootstrap 95 % confidence
+path and, for every path but direct, the added p50 with a bootstrap 95 % confidence
 interval (how far the engine's own noise leaves the difference uncertain), the added p99 and the
 throughput ratio (path / direct). The stub section also reports the gateway's CPU time per
 request (less sensitive to load than latency, though a slower phase of this shared VM raises it
@@ -58,7 +59,7 @@ STUB_IDLE_DELAY_S = 0.4
 ROUNDS = 3
 BOOTSTRAP_RESAMPLES = 2000
 PORTS = {"engine": 18411, "gateway": 18480, "stub": 18412, "stub_gateway": 18481,
-         "bare_proxy": 18482, "keycloak": 18490, "keycloak_management": 18491}
+         "bare_proxy": 18482, "bare_proxy_durable": 18483, "keycloak": 18490, "keycloak_management": 18491}
 LOGS = Path(tempfile.gettempdir())  # what the helper servers said, kept if a run fails
 
 
@@ -225,12 +226,16 @@ def serve(app: str, port: int, env: dict[str, str], *factory: str) -> subprocess
 
 
 @contextlib.contextmanager
-def bare_proxy(target: str) -> Iterator[str]:
-    """bench/bare_proxy.py in front of `target`; yields its chat completions URL."""
-    proxy = serve("bench.bare_proxy:app", PORTS["bare_proxy"], {**os.environ, "BARE_PROXY_TARGET": target})
+def bare_proxy(target: str, port: int, durable_file: Path | None = None) -> Iterator[str]:
+    """bench/bare_proxy.py in front of `target` (appending and fdatasync'ing a line to
+    `durable_file` per request, if given); yields its chat completions URL."""
+    env = {**os.environ, "BARE_PROXY_TARGET": target}
+    if durable_file is not None:
+        env["BARE_PROXY_DURABLE_FILE"] = str(durable_file)
+    proxy = serve("bench.bare_proxy:app", port, env)
     try:
-        wait_for(f"http://127.0.0.1:{PORTS['bare_proxy']}/health")
-        yield f"http://127.0.0.1:{PORTS['bare_proxy']}/v1/chat/completions"
+        wait_for(f"http://127.0.0.1:{port}/health")
+        yield f"http://127.0.0.1:{port}/v1/chat/completions"
     finally:
         proxy.terminate()
         proxy.wait(30)
@@ -238,8 +243,8 @@ def bare_proxy(target: str) -> Iterator[str]:
 
 def stub_section(env: dict[str, str], token: Headers, per_worker: dict[int, int],
                  delay_s: float = 0.0) -> list[dict]:
-    """A stand-in engine answering after `delay_s`, the bare proxy and a second gateway in front
-    of it (same realm, same settings)."""
+    """A stand-in engine answering after `delay_s`, the bare proxy (also with one fdatasync per
+    request) and a second gateway in front of it (same realm, same settings)."""
     stub_url = f"http://127.0.0.1:{PORTS['stub']}"
     # STUB_ENGINE_DELAY_S: see stub_engine.py
     stub = serve("bench.stub_engine:app", PORTS["stub"], {**os.environ, "STUB_ENGINE_DELAY_S": str(delay_s)})
@@ -249,10 +254,13 @@ def stub_section(env: dict[str, str], token: Headers, per_worker: dict[int, int]
     try:
         wait_for(f"{stub_url}/health")
         wait_for(f"http://127.0.0.1:{PORTS['stub_gateway']}/healthz")
-        with bare_proxy(stub_url) as proxied:
+        durable_file = Path(env[HOME_ENV]) / "bare-proxy-durable.log"  # on the audit log's disk
+        with (bare_proxy(stub_url, PORTS["bare_proxy"]) as proxied,
+              bare_proxy(stub_url, PORTS["bare_proxy_durable"], durable_file) as proxied_durable):
             return measure({
                 "direct": (f"{stub_url}/v1/chat/completions", dict),
                 "bare_proxy": (proxied, dict),
+                "bare_proxy_durable": (proxied_durable, dict),
                 "gateway": (f"http://127.0.0.1:{PORTS['stub_gateway']}/v1/chat/completions", token),
             }, per_worker, gateway_pid=None if delay_s else gateway.pid)  # idle, its timers' CPU would count
     finally:
@@ -285,7 +293,7 @@ def main() -> None:
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         if "vllm" in sections:
             engine_url = f"http://127.0.0.1:{PORTS['engine']}"
-            with bare_proxy(engine_url) as proxied:
+            with bare_proxy(engine_url, PORTS["bare_proxy"]) as proxied:
                 rows = measure({
                     "direct": (f"{engine_url}/v1/chat/completions", lambda: engine_key),
                     "bare_proxy": (proxied, lambda: engine_key),

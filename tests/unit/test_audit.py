@@ -292,6 +292,18 @@ def test_writer_objects_interleaving_on_one_directory_keep_the_chain(tmp_path: P
     assert summary.records == 360 and summary.files > 1 and summary.last_checkpoint_seq == 360
 
 
+def test_a_writer_notices_another_rotated_past_the_file_it_last_wrote(tmp_path: Path) -> None:
+    """The other writer rotated before writing, so the old file's size is what this writer left:
+    only the new file's existence tells it the head moved."""
+    first, second = (AuditWriter(tmp_path, KEY, max_file_bytes=100) for _ in range(2))
+    first.append(event(1))  # one record fills the file past 100 bytes
+    second.append(event(2))  # catches up, rotates, writes to the second file
+    record = first.append(event(3))
+    assert record.seq == 3
+    summary = verify(tmp_path, KEY.public_key())
+    assert summary.records == 3 and summary.files == 3
+
+
 def test_torn_checkpoint_is_cut_on_restart(tmp_path: Path) -> None:
     filled(tmp_path, 5)
     with (tmp_path / CHECKPOINTS).open("ab") as handle:
