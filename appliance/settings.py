@@ -160,7 +160,17 @@ class RoleLimits(_Section):
 
     requests_per_minute: int = Field(600, gt=0, description="Requests a user may make per minute.")
     tokens_per_minute: int = Field(
-        200_000, gt=0, description="Prompt + completion tokens a user may use per minute."
+        200_000, gt=0, description="Prompt + completion tokens a user may use per minute; a request "
+        "reserves its worst case (prompt + max_tokens x n) when admitted, the unused rest is refunded."
+    )
+    max_concurrent: int = Field(16, gt=0, description="Requests a user may have in flight at once.")
+    max_tokens: int | None = Field(
+        None, gt=0, description="Largest max_tokens a request may ask for (unset: the model's context); "
+        "a request without max_tokens gets this one."
+    )
+    max_n: int = Field(4, gt=0, description="Largest n (choices per request).")
+    max_logprobs: int = Field(
+        5, ge=0, description="Largest logprobs / top_logprobs / prompt_logprobs a request may ask for."
     )
 
 
@@ -185,8 +195,8 @@ class GatewaySettings(_Section):
         "so a disabled user's unexpired token stops working within this time.",
     )
     limits: dict[str, RoleLimits] = Field(
-        default_factory=lambda: {"user": RoleLimits(), "admin": RoleLimits(requests_per_minute=6000,
-                                                                           tokens_per_minute=2_000_000)},
+        default_factory=lambda: {"user": RoleLimits(), "admin": RoleLimits(
+            requests_per_minute=6000, tokens_per_minute=2_000_000, max_concurrent=64, max_n=16, max_logprobs=20)},
         description="Rate limits by role (the most generous role a user holds applies).",
     )
 
@@ -234,6 +244,14 @@ class AuditSettings(_Section):
     )
     archive_retention_days: int = Field(
         365, ge=1, description="Object Lock (COMPLIANCE) retention of archived copies on S3."
+    )
+    refusal_interval_s: float = Field(
+        10.0, gt=0, description="Refused requests (4xx) from one source: the first of each status per "
+        "interval gets its own record, the rest one summary record with a count at the interval's end."
+    )
+    refusal_sources: int = Field(
+        256, ge=1, description="Sources tracked apart per interval; refusals from further sources are "
+        "summarised together (source '*'), so the log's growth stays bounded."
     )
     archive_require_lock: bool = Field(
         True, description="Refuse to archive to S3 unless the server keeps the Object Lock "

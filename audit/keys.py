@@ -66,4 +66,5 @@ class TextHasher:
     def __call__(self, text: str | None) -> str | None:
         if text is None:
             return None
-        return hmac.new(self._key, text.encode(), hashlib.sha256).hexdigest()
+        # surrogatepass: any Python string, lone surrogates included, hashes without loss.
+        return hmac.new(self._key, text.encode("utf-8", "surrogatepass"), hashlib.sha256).hexdigest()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -15,9 +16,17 @@ from pydantic import BaseModel, ConfigDict, Field
 GENESIS = "0" * 64
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def canonical(fields: dict[str, Any]) -> bytes:
-    """The bytes that are hashed and signed: sorted keys, compact, UTF-8."""
-    return json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    """The bytes that are hashed and signed: sorted keys, compact, UTF-8. A lone surrogate (which
+    UTF-8 cannot hold) is written as its JSON escape, which reads back as the same string."""
+    text = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    try:
+        return text.encode()
+    except UnicodeEncodeError:
+        return _SURROGATE.sub(lambda found: f"\\u{ord(found.group()):04x}", text).encode()
 
 
 def digest(fields: dict[str, Any]) -> str:
@@ -46,6 +55,9 @@ class AuditEvent(BaseModel):
     completion_hmac: str | None = None
     prompt: str | None = Field(None, description="Raw text, only when capture is on.")
     completion: str | None = Field(None, description="Raw text, only when capture is on.")
+    tools_called: list[str] | None = Field(None, description="Names of the tools the answer called, in order.")
+    count: int | None = Field(None, description="A summary record: how many refused requests it stands for.")
+    error: str | None = Field(None, description="What went wrong on the gateway's side, if anything.")
 
 
 class AuditRecord(AuditEvent):

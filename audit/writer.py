@@ -185,6 +185,8 @@ class AuditWriter:
                     failure = f"audit log {self.directory} is not writable: {exc.strerror or exc}"
                 except (ValueError, KeyError) as exc:
                     failure = f"audit log {self.directory} cannot be read back: {exc}"
+                except Exception as exc:  # anything else fails closed too, and says what it was
+                    failure = f"audit log {self.directory} failed: {type(exc).__name__}: {exc}"
                 finally:
                     self.last_flush_s = time.monotonic() - started
                     self._cond.acquire()

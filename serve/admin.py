@@ -8,7 +8,6 @@ Handlers are plain functions: FastAPI runs them in its thread pool, since the su
 
 from __future__ import annotations
 
-import collections
 import itertools
 import secrets as token_source
 from typing import Literal
@@ -268,14 +267,14 @@ def audit_router(home: Home) -> APIRouter:
                       action: str | None = Query(None, description="Exact action, e.g. users.add."),
                       outcome: Literal["allowed", "denied", "error"] | None = None,
                       newest: bool = Query(False, description="The newest `limit` records, newest first."),
-                      limit: int = Query(1000, ge=1, le=100_000)) -> list[dict]:
+                      limit: int = Query(1000, ge=1, le=10_000)) -> list[dict]:
         """Audit records, oldest first (or newest first), filtered by UTC time range [since, until),
-        username, action and outcome."""
-        found = (record for record in read_records(home.audit, since=since, until=until, user=user)
+        username, action and outcome. Reading stops when the page is full (newest first reads
+        the log backwards from its end)."""
+        found = (record for record in read_records(home.audit, since=since, until=until, user=user,
+                                                   newest_first=newest)
                  if (action is None or record.get("action") == action)
                  and (outcome is None or record.get("outcome") == outcome))
-        if newest:
-            return list(reversed(collections.deque(found, maxlen=limit)))
         return list(itertools.islice(found, limit))
 
     @router.post("/audit/verify", response_model=ChainCheck)

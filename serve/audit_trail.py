@@ -1,7 +1,7 @@
 """Every /v1 and /admin request, allowed or denied, leaves a durable audit record before its
 response is complete (one that never completes too: status 499 when the client went away
 mid-stream, 500 when the server failed); if the log cannot be written the gateway fails closed
-(503)."""
+(503). Refused requests are summarised per source and interval (serve.refusals)."""
 
 from __future__ import annotations
 
@@ -13,14 +13,15 @@ from typing import Any
 import anyio
 
 from audit import AuditEvent, AuditUnavailable, AuditWriter, TextHasher
+from serve.answer import Answer
 from serve.auth import Principal
 from serve.errors import GatewayError
+from serve.refusals import Refusals, cap_text
 
 log = logging.getLogger("appliance.gateway")
 
 AUDITED_PREFIXES = ("/v1/", "/admin/")
 INLINE_FLUSH_LIMIT_S = 0.005
-STREAM_END = b"data: [DONE]"
 CLIENT_GONE = 499  # as nginx logs it: the client closed the connection before the response ended
 ACTIONS = {("POST", "/v1/chat/completions"): "chat.completions", ("POST", "/v1/completions"): "completions",
            ("GET", "/v1/models"): "models.list", ("POST", "/admin/users"): "users.add",
@@ -34,10 +35,13 @@ ACTIONS = {("POST", "/v1/chat/completions"): "chat.completions", ("POST", "/v1/c
 
 
 def action_of(scope: dict, status: int) -> tuple[str, str | None]:
-    """(action, resource named in the path) for a request, from its matched route."""
+    """(action, resource named in the path) for a request, from its matched route; a request no
+    route matched is `unmatched`, its method and path (capped) the resource."""
     if status in (401, 403):
         return "auth.denied", None
-    template = getattr(scope.get("route"), "path", scope["path"])
+    template = getattr(scope.get("route"), "path", None)
+    if template is None:
+        return "unmatched", f"{scope['method']} {scope['path']}"
     params = scope.get("path_params") or {}
     action = ACTIONS.get((scope["method"], template))
     if action is None:
@@ -51,13 +55,13 @@ class Transcript:
 
     model: str | None = None
     prompt: str | None = None
-    completion_parts: list[str] = field(default_factory=list)
+    answer: Answer = field(default_factory=Answer)
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    ended: bool = False  # a stream's end marker has arrived from the engine
 
-    @property
-    def completion(self) -> str | None:
-        return "".join(self.completion_parts) if self.completion_parts else None
+    def end(self) -> None:
+        self.ended = True
 
 
 def outcome_of(status: int) -> str:
@@ -69,7 +73,11 @@ def outcome_of(status: int) -> str:
 class AuditMiddleware:
     """Pure ASGI around /v1/* and /admin/*: refuse at once while the log is unwritable; otherwise
     hold a non-streamed response until its record is on disk (a 503 replaces it if that fails),
-    and write a streamed response's record before its last chunk.
+    and write a streamed response's record before the bytes holding its end marker go on.
+
+    The record is built with care for hostile input (any text hashes without loss, long fields
+    are capped); if building it fails all the same, a record of that failure is written and the
+    client gets a 500 (a stream is cut before its end): no answer goes out without a record.
 
     A lone request writes its record on the event loop: handing it to a thread and back costs
     two thread wake-ups (about 0.3 ms on a 2-core VM), more than the write and flush themselves.
@@ -77,12 +85,15 @@ class AuditMiddleware:
     over INLINE_FLUSH_LIMIT_S), the record goes to a worker thread instead, where concurrent
     records share one flush: a slow disk stalls neither their streams nor health checks."""
 
-    def __init__(self, app: Any, writer: AuditWriter, hasher: TextHasher, capture_text: bool) -> None:
+    def __init__(self, app: Any, writer: AuditWriter, hasher: TextHasher, capture_text: bool,
+                 refusals: Refusals) -> None:
         self.app = app
         self.writer = writer
         self.hasher = hasher
         self.capture = capture_text
+        self.refusals = refusals
         self.in_flight = 0
+        self._reported_failure: str | None = None
 
     async def _append(self, event: AuditEvent) -> None:
         if self.in_flight == 1 and self.writer.last_flush_s < INLINE_FLUSH_LIMIT_S:
@@ -96,7 +107,7 @@ class AuditMiddleware:
             return
         failure = self.writer.check()
         if failure is not None:
-            await _unavailable(failure).response()(scope, receive, send)
+            await self._unavailable(failure).response()(scope, receive, send)
             return
         started = time.monotonic()
         state = scope.setdefault("state", {})
@@ -117,16 +128,26 @@ class AuditMiddleware:
                     held = message
                 return
             body_ends = message["type"] == "http.response.body" and not message.get("more_body", False)
+            transcript: Transcript | None = state.get("transcript")
             # A stream's end marker waits for the record too: a client must not see a complete
             # answer whose record is not on disk.
-            if (body_ends or (streaming and STREAM_END in message.get("body", b""))) and not settled:
+            if (body_ends or (streaming and transcript is not None and transcript.ended)) and not settled:
                 settled = True  # written now, or answered as unwritable
+                event, broken = self._event(scope, state, status, started)
                 try:
-                    await self._append(self._event(scope, state, status, started))
+                    if self.refusals.own_record(event):
+                        await self._append(event)
                 except AuditUnavailable as exc:
                     if streaming:
                         raise  # cut the stream: the client must not see a complete answer
-                    await _unavailable(str(exc)).response()(scope, receive, send)
+                    await self._unavailable(str(exc)).response()(scope, receive, send)
+                    return
+                if broken:
+                    if streaming:
+                        raise RuntimeError("audit record could not be built")  # cut the stream
+                    await GatewayError(500, "the request's audit record could not be built; its answer is "
+                                       "withheld", type="server_error", code="audit_record_failed"
+                                       ).response()(scope, receive, send)
                     return
             if held is not None:
                 await send(held)
@@ -150,30 +171,50 @@ class AuditMiddleware:
         """The record of a request that never completed; if even that cannot be written, the
         writer now refuses requests (fail closed) and says why in /readyz."""
         try:
-            await self._append(self._event(scope, state, status, started))
+            event, _ = self._event(scope, state, status, started)
+            if self.refusals.own_record(event):
+                await self._append(event)
         except AuditUnavailable as exc:
             log.error("audit record of unfinished request %s not written: %s", state.get("request_id"), exc)
 
-    def _event(self, scope: dict, state: dict, status: int, started: float) -> AuditEvent:
+    def _event(self, scope: dict, state: dict, status: int, started: float) -> tuple[AuditEvent, bool]:
+        """The request's record, and whether building it failed (the record then says so)."""
+        client = scope.get("client")
+        source = client[0] if client else None
+        try:
+            return self._build(scope, state, status, started, source), False
+        except Exception as exc:  # whatever it was, the request still leaves a record
+            log.exception("audit record of request %s could not be built", state.get("request_id"))
+            return AuditEvent(request_id=state.get("request_id", ""), action="audit.record_failed",
+                              outcome="error", status=500, source=source,
+                              latency_ms=round((time.monotonic() - started) * 1000, 1),
+                              error=cap_text(f"{type(exc).__name__}: {exc}")), True
+
+    def _build(self, scope: dict, state: dict, status: int, started: float, source: str | None) -> AuditEvent:
         who: Principal | None = state.get("principal")
         transcript: Transcript = state.get("transcript") or Transcript()
         action, named = action_of(scope, status)
-        client = scope.get("client")
+        completion = transcript.answer.canonical()
         return AuditEvent(
             request_id=state.get("request_id", ""),
-            action=action,
+            action=cap_text(action),
             outcome=outcome_of(status), status=status,
             subject=who.subject if who else None, username=who.username if who else None,
-            client=who.client if who else None, source=client[0] if client else None,
-            resource=transcript.model or named or scope["path"],
+            client=who.client if who else None, source=source,
+            resource=cap_text(transcript.model or named or scope["path"]),
             prompt_tokens=transcript.prompt_tokens, completion_tokens=transcript.completion_tokens,
             latency_ms=round((time.monotonic() - started) * 1000, 1),
-            prompt_hmac=self.hasher(transcript.prompt), completion_hmac=self.hasher(transcript.completion),
+            prompt_hmac=self.hasher(transcript.prompt), completion_hmac=self.hasher(completion),
             prompt=transcript.prompt if self.capture else None,
-            completion=transcript.completion if self.capture else None,
+            completion=completion if self.capture else None,
+            tools_called=transcript.answer.tools_called or None,
         )
 
-
-def _unavailable(reason: str) -> GatewayError:
-    return GatewayError(503, f"audit log unavailable, refusing requests: {reason}",
-                        type="service_unavailable", code="audit_unavailable", headers={"Retry-After": "30"})
+    def _unavailable(self, reason: str) -> GatewayError:
+        """503 for a request while the log cannot be written. Its reason (paths, OS errors) goes
+        to the gateway's log, once per failure, never to an anonymous client."""
+        if reason != self._reported_failure:
+            self._reported_failure = reason
+            log.error("audit log unavailable, refusing requests: %s", reason)
+        return GatewayError(503, "audit log unavailable, refusing requests", type="service_unavailable",
+                            code="audit_unavailable", headers={"Retry-After": "30"})

@@ -56,6 +56,11 @@ class TokenValidator:
         self._introspect = introspect
         self._verified: dict[str, dict] = {}  # token -> its claims, signature checked
 
+    @property
+    def has_keys(self) -> bool:
+        """Whether the realm's signing keys have been fetched."""
+        return bool(self._keys.get("keys"))
+
     async def refresh_keys(self) -> None:
         """Fetch the JWKS now (raises httpx errors: the caller decides what that means)."""
         response = await self._http.get(self.jwks_url, timeout=5.0)

@@ -6,25 +6,38 @@ GatewayError          root: status, OpenAI error type and code, extra headers
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 from fastapi.responses import JSONResponse
+
+
+class SafeJSONResponse(JSONResponse):
+    """JSON with every non-ASCII character escaped: a lone surrogate from a hostile request
+    (echoed in an error's message) cannot make the body unencodable."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode()
 
 
 class GatewayError(Exception):
     """An error with an HTTP status that the client caused or should retry."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+                 code: str | None = None, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
         self.code = code
+        self.param = param
         self.headers = headers or {}
 
     def response(self) -> JSONResponse:
         """{"error": {"message", "type", "param", "code"}} with this error's status and headers."""
-        body = {"error": {"message": self.message, "type": self.type, "param": None, "code": self.code}}
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
+        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return SafeJSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 class AuthError(GatewayError):

@@ -19,7 +19,9 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel
+from starlette.types import Receive, Scope, Send
 
 from appliance.artifacts import artifact_store
 from appliance.errors import ApplianceError, SupervisorError
@@ -29,18 +31,23 @@ from appliance.settings import Settings, load_settings
 from audit import AuditUnavailable, AuditWriter, TextHasher, archive, signing_key
 from serve.adapters import AdapterRoutes, base_configs
 from serve.admin import Admin, admin_router, audit_router
+from serve.answer import decode_json
 from serve.audit_trail import AuditMiddleware, Transcript
 from serve.auth import Introspector, Principal, TokenValidator
 from serve.deps import ChatUser
 from serve.engine import ENGINE_KEY_SECRET
 from serve.errors import GatewayError
-from serve.limits import RateLimiter
+from serve.limits import Admission, RateLimiter
 from serve.metrics import Metrics
 from serve.middleware import BodyLimitMiddleware, MeterMiddleware, RequestTooLarge
 from serve.operations import operations_router
-from serve.upstream import Upstreams, pools_from_settings, relay_stream, text_of, usage_of
+from serve.refusals import Refusals, cap_text
+from serve.schemas import ChatRequest, CompletionRequest
+from serve.upstream import Pool, Upstreams, pools_from_settings, relay_stream, usage_of
 
 log = logging.getLogger("appliance.gateway")
+READY_CACHE_S = 1.0  # /readyz is anonymous: its engine checks run at most this often
+KEYS_RETRY_S = 5.0
 
 
 @dataclass
@@ -53,24 +60,6 @@ class Gateway:
     limiter: RateLimiter
     metrics: Metrics
     adapters: AdapterRoutes
-
-
-class ChatRequest(BaseModel):
-    """An OpenAI chat completion request; fields beyond `model` pass through to the engine."""
-
-    model_config = ConfigDict(extra="allow")
-    model: str
-    messages: list[dict[str, Any]]
-    stream: bool = False
-
-
-class CompletionRequest(BaseModel):
-    """An OpenAI completion request; fields beyond `model` pass through to the engine."""
-
-    model_config = ConfigDict(extra="allow")
-    model: str
-    prompt: str | list[str] | list[int] | list[list[int]]
-    stream: bool = False
 
 
 class Health(BaseModel):
@@ -105,18 +94,18 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
                 limiter=RateLimiter(settings.gateway.limits), metrics=metrics,
                 adapters=AdapterRoutes(home, upstreams, artifact_store(settings.artifacts, home),
                                        base_configs(settings, home)))
-            try:
-                await validator.refresh_keys()
-            except httpx.HTTPError:
-                pass  # Keycloak may still be starting; /readyz says so, tokens refetch on demand.
+            await _fetch_keys(validator)
             await upstreams.check()  # which engines answer, before the first request
             async with anyio.create_task_group() as tasks:
                 tasks.start_soon(upstreams.watch)
+                tasks.start_soon(_keys_until_fetched, validator)
                 tasks.start_soon(_checkpoint_timer, writer, settings.audit.checkpoint_interval_s)
+                tasks.start_soon(_refusals_timer, writer, refusals, settings.audit.refusal_interval_s)
                 if settings.audit.archive_interval_s > 0:
                     tasks.start_soon(_archive_timer, settings, home, metrics)
                 yield
                 tasks.cancel_scope.cancel()
+            _write_refusals(writer, refusals, all_now=True)
             writer.close()
 
     metrics = Metrics()
@@ -127,12 +116,19 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
     app = FastAPI(title="appliance gateway", version="1", lifespan=lifespan)
     app.state.audit = writer
     app.add_middleware(BodyLimitMiddleware, limit=settings.gateway.max_body_bytes)
-    app.add_middleware(AuditMiddleware, writer=writer, hasher=TextHasher(home), capture_text=audit.capture_text)
+    refusals = Refusals(audit.refusal_interval_s, audit.refusal_sources)
+    app.add_middleware(AuditMiddleware, writer=writer, hasher=TextHasher(home), capture_text=audit.capture_text,
+                       refusals=refusals)
     app.add_middleware(MeterMiddleware, metrics=metrics)  # outermost: counts 413s too
 
     @app.exception_handler(GatewayError)
     async def gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # The OpenAI routes answer 400 as OpenAI does; the admin API keeps FastAPI's 422.
+        return invalid_request(exc, 400 if request.url.path.startswith("/v1/") else 422).response()
 
     @app.exception_handler(RequestTooLarge)
     async def too_large(request: Request, exc: RequestTooLarge) -> JSONResponse:
@@ -147,22 +143,28 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
         """The gateway process is alive."""
         return Health(status="ok")
 
+    ready: dict[str, Any] = {"at": float("-inf"), "body": None}
+    ready_lock = anyio.Lock()
+
     @app.get("/readyz", response_model=Health, tags=["health"],
-             responses={503: {"model": Health, "description": "An engine or the JWKS is unreachable."}})
+             responses={503: {"model": Health, "description": "An engine, the signing keys or the audit log "
+                                                              "is not available."}})
     async def readyz(request: Request) -> Any:
-        """Ready when every engine answers its health check and the realm's JWKS can be fetched."""
+        """Ready when every engine answers its health check, the realm's signing keys are loaded and
+        the audit log is writable. Anonymous: it changes nothing (no key refetch), runs its engine
+        checks at most once a second, and names no file or OS error (the gateway's log does)."""
         gateway: Gateway = request.app.state.gateway
-        checks = {f"engine:{p.name}": await gateway.upstreams.healthy(p) for p in gateway.upstreams.pools}
-        try:
-            await gateway.validator.refresh_keys()
-            checks["jwks"] = True
-        except httpx.HTTPError:
-            checks["jwks"] = False
-        audit_failure = request.app.state.audit.check()
-        checks["audit"] = audit_failure is None
-        ok = all(checks.values())
-        body = Health(status="ready" if ok else "not ready", checks=checks, reason=audit_failure)
-        return JSONResponse(body.model_dump(), status_code=200 if ok else 503)
+        async with ready_lock:  # callers arriving during a check share its result
+            if time.monotonic() - ready["at"] >= READY_CACHE_S:
+                checks = {f"engine:{p.name}": await gateway.upstreams.healthy(p) for p in gateway.upstreams.pools}
+                checks["jwks"] = gateway.validator.has_keys
+                checks["audit"] = request.app.state.audit.check() is None
+                ok = all(checks.values())
+                ready["body"] = Health(status="ready" if ok else "not ready", checks=checks,
+                                       reason=None if checks["audit"] else "audit log not writable")
+                ready["at"] = time.monotonic()
+        body: Health = ready["body"]
+        return JSONResponse(body.model_dump(), status_code=200 if body.status == "ready" else 503)
 
     @app.get("/metrics", tags=["health"], response_class=Response)
     async def prometheus(request: Request) -> Response:
@@ -174,7 +176,10 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
     async def list_models(request: Request, who: ChatUser) -> dict[str, Any]:
         """The models the engine pools serve, and the adapters the caller's roles may use."""
         gateway: Gateway = request.app.state.gateway
-        gateway.limiter.admit(who.subject, who.roles)
+        with gateway.limiter.admit(who.subject, who.roles):
+            return await _models(gateway, who)
+
+    async def _models(gateway: Gateway, who: Principal) -> dict[str, Any]:
         served = {pool.model for pool in gateway.upstreams.pools}
         # The engines also list each loaded adapter version; clients call adapters by name.
         data = [entry for entry in await gateway.upstreams.models() if entry.get("id") in served]
@@ -203,23 +208,36 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
     return app
 
 
-async def relay(request: Request, who: Principal, path: str, body: BaseModel) -> Response:
+async def relay(request: Request, who: Principal, path: str, body: ChatRequest | CompletionRequest) -> Response:
     """Route, admit, forward; stream back as it arrives; account tokens and time to first token."""
     gateway: Gateway = request.app.state.gateway
-    payload = body.model_dump(exclude_unset=True)
-    routed = gateway.adapters.resolve(payload.get("model"), who.roles)
+    payload = body.relayed()
+    routed = gateway.adapters.resolve(body.model, who.roles)
     if routed is not None:
         pool, payload["model"], adapter = routed
     else:
-        pool, adapter = gateway.upstreams.route(payload.get("model")), None
-    gateway.limiter.admit(who.subject, who.roles)
-    stream = bool(payload.get("stream"))
-    if stream:
+        pool, adapter = gateway.upstreams.route(body.model), None
+    prompt_estimate, worst_completion = body.admission(gateway.limiter.limits_for(who.roles), pool.max_model_len,
+                                                       payload)
+    if body.stream:
         # Ask for the final usage chunk so tokens can be counted and charged.
         payload["stream_options"] = {**(payload.get("stream_options") or {}), "include_usage": True}
+    transcript = request.state.transcript = Transcript(model=payload["model"], prompt=body.prompt_text(payload))
+    admission = gateway.limiter.admit(who.subject, who.roles, prompt_tokens=prompt_estimate,
+                                      completion_tokens=worst_completion)
+    try:
+        return await _forward(request, gateway, pool, adapter, path, payload, transcript, admission, who)
+    except GatewayError:
+        admission.settle(0, 0)  # refused before the engine saw it
+        raise
+    except BaseException:
+        admission.settle(None, 0)  # the engine may have seen the prompt: it is charged
+        raise
+
+
+async def _forward(request: Request, gateway: Gateway, pool: Pool, adapter: Any, path: str, payload: dict,
+                   transcript: Transcript, admission: Admission, who: Principal) -> Response:
     request_id = request.state.request_id
-    transcript = request.state.transcript = Transcript(
-        model=payload["model"], prompt=json.dumps(payload.get("messages", payload.get("prompt")), ensure_ascii=False))
     started = time.monotonic()
     try:
         response = await gateway.upstreams.send(pool, path, json.dumps(payload).encode(), request_id)
@@ -231,13 +249,14 @@ async def relay(request: Request, who: Principal, path: str, body: BaseModel) ->
         gateway.metrics.upstream_errors.labels(pool.name, exc.code or "error").inc()
         raise
 
-    def account(prompt: int, completion: int) -> None:
-        transcript.prompt_tokens, transcript.completion_tokens = prompt, completion
-        gateway.metrics.tokens.labels("in", pool.model).inc(prompt)
+    def account(prompt: int | None, completion: int) -> None:
+        prompt_tokens = admission.prompt_estimate if prompt is None else prompt
+        transcript.prompt_tokens, transcript.completion_tokens = prompt_tokens, completion
+        gateway.metrics.tokens.labels("in", pool.model).inc(prompt_tokens)
         gateway.metrics.tokens.labels("out", pool.model).inc(completion)
-        gateway.limiter.charge(who.subject, prompt + completion)
+        admission.settle(prompt_tokens, completion)
 
-    if not stream or response.status != 200:
+    if not payload.get("stream") or response.status != 200:
         try:
             content = await response.read()
         except (aiohttp.ClientError, TimeoutError) as exc:
@@ -249,20 +268,83 @@ async def relay(request: Request, who: Principal, path: str, body: BaseModel) ->
         if response.status >= 500:
             gateway.metrics.upstream_errors.labels(pool.name, str(response.status)).inc()
         try:
-            answer = json.loads(content)
+            answer = decode_json(content)
         except ValueError:
             answer = None
         account(*usage_of(answer))
         if isinstance(answer, dict):
-            transcript.completion_parts.append(text_of(answer.get("choices")))
+            transcript.answer.add_choices(answer.get("choices"))
+        elif content:
+            transcript.answer.add_unparsed(content)
         return Response(content, status_code=response.status,
                         media_type=response.headers.get("content-type", "application/json"))
 
     def first_token() -> None:
         gateway.metrics.ttft.labels(pool.model).observe(time.monotonic() - started)
 
-    return StreamingResponse(relay_stream(response, first_token, account, transcript.completion_parts.append),
-                             media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return SettlingStream(admission, relay_stream(response, transcript.answer, first_token, account, transcript.end),
+                          media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+class SettlingStream(StreamingResponse):
+    """A relayed stream that settles its admission however it ends, even when the client left
+    before the first byte (the stream's generator then never runs)."""
+
+    def __init__(self, admission: Admission, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.admission = admission
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.admission.settle(None, 0)
+
+
+async def _fetch_keys(validator: TokenValidator) -> None:
+    try:
+        await validator.refresh_keys()
+    except httpx.HTTPError:
+        pass  # Keycloak may still be starting; /readyz says so until a fetch succeeds.
+
+
+async def _keys_until_fetched(validator: TokenValidator) -> None:
+    """Fetch the realm's signing keys until the first fetch succeeds (later refetches happen on
+    an unknown key id, rate-limited, in the validator)."""
+    while not validator.has_keys:
+        await anyio.sleep(KEYS_RETRY_S)
+        await _fetch_keys(validator)
+
+
+def _write_refusals(writer: AuditWriter, refusals: Refusals, *, all_now: bool = False) -> None:
+    due = refusals.due(all_now=all_now)
+    for position, event in enumerate(due):
+        try:
+            writer.append(event)
+        except AuditUnavailable:
+            refusals.retry(due[position:])  # written when the log is writable again
+            return
+
+
+async def _refusals_timer(writer: AuditWriter, refusals: Refusals, interval_s: float) -> None:
+    """Write the summary records of refused requests when their interval ends."""
+    while True:
+        await anyio.sleep(interval_s)
+        await anyio.to_thread.run_sync(_write_refusals, writer, refusals)
+
+
+def invalid_request(exc: RequestValidationError, status: int) -> GatewayError:
+    """An error naming the first bad field and what is wrong with it (never echoing its value)."""
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    field_name = ".".join(location) or "body"
+    if first.get("type") == "extra_forbidden":
+        message = f"unknown field '{field_name}'"
+    else:
+        message = f"'{field_name}': {first.get('msg', 'invalid')}"
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return GatewayError(status, cap_text(message + more, 512), code="invalid_request", param=cap_text(field_name))
 
 
 async def _checkpoint_timer(writer: AuditWriter, interval_s: float) -> None:

@@ -1,4 +1,11 @@
-"""Per-user rate limits: a request bucket and a token bucket per user, refilled continuously."""
+"""Per-user limits: a request bucket and a token bucket per user, refilled continuously, and a cap
+on the requests a user has in flight.
+
+A request reserves its worst case against the token bucket when it is admitted (its prompt, as
+estimated, plus max_tokens x n) and is settled when it ends: the tokens it really used are
+charged and the rest refunded. Without the reservation, any number of parallel requests would
+pass a budget that is only debited after they finish.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +19,7 @@ from serve.errors import GatewayError
 
 @dataclass
 class Bucket:
-    """A token bucket that may go negative (tokens are debited after the response)."""
+    """A token bucket that may go negative (a request may use more than it reserved)."""
 
     capacity: float
     per_second: float
@@ -31,44 +38,100 @@ class Bucket:
         return max(0.0, (need - self.level) / self.per_second)
 
 
+@dataclass
+class _User:
+    limits: RoleLimits
+    requests: Bucket
+    tokens: Bucket
+    in_flight: int = 0
+
+
+@dataclass
+class Admission:
+    """An admitted request's hold on its user's budget: `reserved` tokens and one in-flight slot,
+    until `settle` charges what it used (once; later calls do nothing)."""
+
+    limiter: RateLimiter | None
+    user: str
+    reserved: int
+    prompt_estimate: int
+    settled: bool = False
+
+    def settle(self, prompt_tokens: int | None, completion_tokens: int) -> None:
+        """Charge the tokens used (prompt None: not known, the estimate is charged), refund the
+        rest of the reservation and free the in-flight slot."""
+        if self.settled:
+            return
+        self.settled = True
+        if self.limiter is not None:
+            used = (self.prompt_estimate if prompt_tokens is None else prompt_tokens) + completion_tokens
+            self.limiter._release(self.user, self.reserved - used)
+
+    def __enter__(self) -> Admission:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.settle(0, 0)
+
+
 class RateLimiter:
-    """Requests and tokens per minute per user; the most generous of the user's roles applies."""
+    """Per-user limits; the most generous of the user's roles applies, and a user none of whose
+    roles is listed is not limited."""
 
     def __init__(self, limits: dict[str, RoleLimits]) -> None:
         self._limits = limits
-        self._buckets: dict[str, tuple[Bucket, Bucket]] = {}
+        self._users: dict[str, _User] = {}
 
-    def _for(self, user: str, roles: frozenset[str]) -> tuple[Bucket, Bucket] | None:
-        buckets = self._buckets.get(user)
-        if buckets is None:
-            mine = [self._limits[r] for r in roles if r in self._limits]
-            if not mine:
+    def limits_for(self, roles: frozenset[str]) -> RoleLimits | None:
+        """The limits of the most generous role listed, or None."""
+        mine = [self._limits[r] for r in roles if r in self._limits]
+        if not mine:
+            return None
+        return max(mine, key=lambda limit: (limit.requests_per_minute, limit.tokens_per_minute))
+
+    def _for(self, user: str, roles: frozenset[str]) -> _User | None:
+        state = self._users.get(user)
+        if state is None:
+            best = self.limits_for(roles)
+            if best is None:
                 return None
-            best = max(mine, key=lambda limit: (limit.requests_per_minute, limit.tokens_per_minute))
             now = time.monotonic()
-            buckets = (Bucket(best.requests_per_minute, best.requests_per_minute / 60, now),
-                       Bucket(best.tokens_per_minute, best.tokens_per_minute / 60, now))
-            self._buckets[user] = buckets
-        return buckets
+            state = _User(best, Bucket(best.requests_per_minute, best.requests_per_minute / 60, now),
+                          Bucket(best.tokens_per_minute, best.tokens_per_minute / 60, now))
+            self._users[user] = state
+        return state
 
-    def admit(self, user: str, roles: frozenset[str]) -> None:
-        """Take one request from the user's budget, or raise 429 with Retry-After."""
-        buckets = self._for(user, roles)
-        if buckets is None:
-            return
-        requests, tokens = buckets
+    def admit(self, user: str, roles: frozenset[str], *, prompt_tokens: int = 0,
+              completion_tokens: int = 0) -> Admission:
+        """Take one request and the worst case of its tokens from the user's budget and an
+        in-flight slot; raise 429 with Retry-After when any is short, 400 when the request could
+        never fit the budget."""
+        state = self._for(user, roles)
+        reserve = prompt_tokens + completion_tokens
+        if state is None:
+            return Admission(None, user, reserve, prompt_tokens)
+        if reserve > state.tokens.capacity:
+            raise GatewayError(400, f"this request may use {reserve} tokens (prompt and max_tokens x n), more "
+                               f"than {user}'s budget of {int(state.tokens.capacity)} a minute; ask for fewer",
+                               code="exceeds_token_budget", param="max_tokens")
+        if state.in_flight >= state.limits.max_concurrent:
+            raise GatewayError(429, f"{user} already has {state.in_flight} requests in flight (the most "
+                               "allowed); retry when one ends", type="rate_limit_error",
+                               code="concurrency_limit_exceeded", headers={"Retry-After": "1"})
         now = time.monotonic()
-        requests.refill(now)
-        tokens.refill(now)
-        wait = max(requests.wait_s(1), tokens.wait_s(1))
+        state.requests.refill(now)
+        state.tokens.refill(now)
+        wait = max(state.requests.wait_s(1), state.tokens.wait_s(max(1, reserve)))
         if wait > 0:
             raise GatewayError(429, f"rate limit exceeded for {user}; retry in {math.ceil(wait)}s",
                                type="rate_limit_error", code="rate_limit_exceeded",
                                headers={"Retry-After": str(math.ceil(wait))})
-        requests.level -= 1
+        state.requests.level -= 1
+        state.tokens.level -= reserve
+        state.in_flight += 1
+        return Admission(self, user, reserve, prompt_tokens)
 
-    def charge(self, user: str, tokens_used: int) -> None:
-        """Debit the tokens a finished request used."""
-        buckets = self._buckets.get(user)
-        if buckets is not None:
-            buckets[1].level -= tokens_used
+    def _release(self, user: str, refund: float) -> None:
+        state = self._users[user]
+        state.in_flight -= 1
+        state.tokens.level = min(state.tokens.capacity, state.tokens.level + refund)

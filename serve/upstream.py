@@ -16,7 +16,8 @@ import aiohttp
 
 from appliance.home import Home
 from appliance.settings import Settings
-from serve.engine import model_dir
+from serve.answer import Answer, decode_json
+from serve.engine import model_dir, pool_layout
 from serve.errors import GatewayError
 
 WATCH_INTERVAL_S = 1.0
@@ -28,12 +29,14 @@ class Pool:
     name: str
     model: str
     base_url: str
+    max_model_len: int = 2048  # the longest sequence: a request's worst case when it sets no max_tokens
 
 
 def pools_from_settings(settings: Settings, home: Home) -> list[Pool]:
     """One upstream per engine pool, named by the model clients ask for."""
     return [Pool(name=p.name, model=p.served_model_name or model_dir(p, home).name,
-                 base_url=f"http://{settings.network.bind}:{p.port}") for p in settings.pools]
+                 base_url=f"http://{settings.network.bind}:{p.port}",
+                 max_model_len=pool_layout(p, settings.engine).max_model_len) for p in settings.pools]
 
 
 class Upstreams:
@@ -153,29 +156,19 @@ def usage_of(answer: object) -> tuple[int, int]:
     return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
 
 
-def text_of(choices: object) -> str:
-    """The generated text in OpenAI `choices` (message, delta or completion text)."""
-    parts = []
-    for choice in choices if isinstance(choices, list) else []:
-        if not isinstance(choice, dict):
-            continue
-        for key in ("message", "delta"):
-            content = (choice.get(key) or {}).get("content")
-            if isinstance(content, str):
-                parts.append(content)
-        if isinstance(choice.get("text"), str):
-            parts.append(choice["text"])
-    return "".join(parts)
+async def relay_stream(response: aiohttp.ClientResponse, answer: Answer, on_first_token: Callable[[], None],
+                       on_usage: Callable[[int | None, int], None],
+                       on_end: Callable[[], None]) -> AsyncIterator[bytes]:
+    """Pass SSE through line by line as it arrives; gather the answer, note the first token,
+    the usage and the end marker.
 
-
-async def relay_stream(response: aiohttp.ClientResponse, on_first_token: Callable[[], None],
-                       on_usage: Callable[[int, int], None],
-                       on_text: Callable[[str], None]) -> AsyncIterator[bytes]:
-    """Pass SSE bytes through as they arrive; note the first token, the text and the usage.
+    Only complete lines are passed on, and the end is found by parsing them: `on_end` runs when
+    the line `data: [DONE]` has arrived and before the bytes holding it go on (a prompt echoed
+    back inside an event's JSON never ends the stream early).
 
     Usage is reported once, before the end marker goes on: the last usage seen (a client that
     asked for continuous usage gets running totals in every chunk), or, for a stream cut short
-    before its usage chunk, one completion token per text chunk seen.
+    before its usage chunk, prompt unknown (None) and one completion token per text chunk seen.
 
     When the client goes away, the server cancels this generator; closing the upstream connection
     then makes vLLM abort the request, freeing the engine.
@@ -183,7 +176,7 @@ async def relay_stream(response: aiohttp.ClientResponse, on_first_token: Callabl
     first = True
     pending = b""
     finished = False
-    usage: tuple[int, int] | None = None
+    usage: tuple[int | None, int] | None = None
     text_chunks = 0
     reported = False
 
@@ -191,31 +184,41 @@ async def relay_stream(response: aiohttp.ClientResponse, on_first_token: Callabl
         nonlocal reported
         if not reported:
             reported = True
-            on_usage(*(usage if usage is not None else (0, text_chunks)))
+            on_usage(*(usage if usage is not None else (None, text_chunks)))
 
     try:
         async for chunk in response.content.iter_any():
             pending += chunk
-            *lines, pending = pending.split(b"\n")
-            for line in lines:
-                if line.startswith(b"data: [DONE]"):
+            cut = pending.rfind(b"\n") + 1
+            if not cut:
+                continue
+            complete, pending = pending[:cut], pending[cut:]
+            for line in complete.splitlines():
+                if line == b"data: [DONE]":
                     report()
-                if not line.startswith(b"data: {"):
+                    on_end()
+                    continue
+                if not line.startswith(b"data:"):
                     continue
                 try:
-                    event = json.loads(line[len(b"data: "):])
+                    event = decode_json(line[len(b"data:"):])
                 except ValueError:
+                    answer.add_unparsed(line)
                     continue
-                text = text_of(event.get("choices"))
-                if text:
+                if not isinstance(event, dict):
+                    answer.add_unparsed(line)
+                    continue
+                if answer.add_choices(event.get("choices")):
                     text_chunks += 1
                     if first:
                         first = False
                         on_first_token()
-                    on_text(text)
                 if event.get("usage"):
                     usage = usage_of(event)
-            yield chunk
+            yield complete
+        if pending:
+            answer.add_unparsed(pending)
+            yield pending
         finished = True
     finally:
         report()

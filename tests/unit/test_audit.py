@@ -3,6 +3,7 @@ names the first bad record for each kind of tampering (issue 4)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 import subprocess
@@ -14,7 +15,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
 
-from audit import AuditEvent, AuditUnavailable, AuditVerificationError, AuditWriter, verify
+from audit import AuditEvent, AuditUnavailable, AuditVerificationError, AuditWriter, read_records, verify
 from audit.writer import CHECKPOINTS, log_files
 
 KEY = Ed25519PrivateKey.generate()
@@ -376,3 +377,43 @@ def test_a_failed_checkpoint_keeps_the_durable_records_and_fails_closed_after(
     writer.append(event(4))
     writer.checkpoint()
     assert verify(tmp_path, KEY.public_key()).last_checkpoint_seq == 3
+
+
+def test_any_string_is_recorded_and_verifies(tmp_path: Path) -> None:
+    """Issue 17: a lone surrogate or a NUL in any field made the record unencodable (and stopped
+    the writer for every request); now it is written as its JSON escape and verifies."""
+    writer = AuditWriter(tmp_path, KEY)
+    writer.append(event(0, resource="model\ud800", username="a\x00b", prompt="\udcff"))
+    writer.append(event(1))
+    assert writer.failure is None
+    [hostile, _] = read_records(tmp_path)
+    assert hostile["resource"] == "model\ud800" and hostile["username"] == "a\x00b"
+    assert verify(tmp_path, KEY.public_key()).records == 2
+
+
+def test_newest_first_reads_from_the_end_and_stops_with_the_page(tmp_path: Path) -> None:
+    """Issue 17: a page of the newest records reads about a page, not the whole log: here the
+    oldest file is unreadable garbage and is never reached."""
+    writer = AuditWriter(tmp_path, KEY, max_file_bytes=4096)
+    for n in range(200):
+        writer.append(event(n))
+    files = log_files(tmp_path)
+    assert len(files) > 3
+    oldest = files[0].read_bytes()
+    files[0].write_bytes(b"not json\n" * 10)
+    newest = list(itertools.islice(read_records(tmp_path, newest_first=True), 5))
+    assert [r["request_id"] for r in newest] == ["r199", "r198", "r197", "r196", "r195"]
+    files[0].write_bytes(oldest)
+    since = json.loads(files[-2].read_bytes().splitlines()[0])["time"]
+    forwards = list(read_records(tmp_path, since=since))
+    assert forwards[-1]["request_id"] == "r199", "oldest first skips files wholly before `since`"
+    everything = list(read_records(tmp_path, newest_first=True, since=since))
+    assert [r["seq"] for r in everything] == sorted((r["seq"] for r in forwards), reverse=True)
+
+
+def test_newest_first_leaves_a_line_still_being_written(tmp_path: Path) -> None:
+    writer = AuditWriter(tmp_path, KEY)
+    writer.append(event(0))
+    with log_files(tmp_path)[0].open("ab") as handle:
+        handle.write(b'{"seq": 2, "half')
+    assert [r["request_id"] for r in read_records(tmp_path, newest_first=True)] == ["r0"]

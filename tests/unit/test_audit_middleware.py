@@ -8,13 +8,15 @@ from __future__ import annotations
 import asyncio
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from audit import AuditEvent, AuditRecord, AuditUnavailable, AuditWriter, read_records
-from serve.audit_trail import INLINE_FLUSH_LIMIT_S, AuditMiddleware
+from serve.audit_trail import INLINE_FLUSH_LIMIT_S, AuditMiddleware, Transcript
+from serve.refusals import Refusals
 
 
 class Recorded(AuditWriter):
@@ -47,7 +49,12 @@ def middleware(writer: AuditWriter, gates: dict[str, asyncio.Event]) -> AuditMid
                     "headers": [(b"content-type", b"application/json")]})
         await send({"type": "http.response.body", "body": b"{}"})
 
-    return AuditMiddleware(app, writer=writer, hasher=lambda text: None, capture_text=False)
+    return audit_middleware(app, writer)
+
+
+def audit_middleware(app: Any, writer: AuditWriter) -> AuditMiddleware:
+    return AuditMiddleware(app, writer=writer, hasher=lambda text: None, capture_text=False,
+                           refusals=Refusals(interval_s=10, max_sources=4))
 
 
 async def request(audited: AuditMiddleware, path: str, on_send: Any = None) -> list[dict]:
@@ -62,8 +69,9 @@ async def request(audited: AuditMiddleware, path: str, on_send: Any = None) -> l
             on_send(message)
         sent.append(message)
 
-    await audited({"type": "http", "method": "POST", "path": path, "headers": [], "client": ("127.0.0.1", 1)},
-                  receive, send)
+    # As the router leaves it: the matched route names the action.
+    await audited({"type": "http", "method": "POST", "path": path, "headers": [], "client": ("127.0.0.1", 1),
+                   "route": SimpleNamespace(path=path)}, receive, send)
     return sent
 
 
@@ -121,6 +129,8 @@ def streaming_app(*, end: bool = True, fail: bool = False) -> Any:
             raise RuntimeError("engine went away")
         if not end:
             return  # as Starlette's StreamingResponse does when the client disconnects
+        scope["state"]["transcript"] = transcript = Transcript()
+        transcript.end()  # as the relay does once it has parsed the end marker's line
         await send({"type": "http.response.body", "body": b"data: {}\n\ndata: [DONE]\n\n", "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
@@ -130,7 +140,7 @@ def streaming_app(*, end: bool = True, fail: bool = False) -> Any:
 def test_a_streams_end_marker_waits_for_its_record(tmp_path: Path) -> None:
     writer = Recorded(tmp_path)
     on_disk_when_sent: list[int] = []
-    audited = AuditMiddleware(streaming_app(), writer=writer, hasher=lambda text: None, capture_text=False)
+    audited = audit_middleware(streaming_app(), writer)
 
     def on_send(message: dict) -> None:
         if b"[DONE]" in message.get("body", b""):
@@ -143,7 +153,7 @@ def test_a_streams_end_marker_waits_for_its_record(tmp_path: Path) -> None:
 def test_an_unwritable_log_cuts_a_stream_before_its_end_marker(tmp_path: Path) -> None:
     writer = Recorded(tmp_path)
     sent: list[dict] = []
-    audited = AuditMiddleware(streaming_app(), writer=writer, hasher=lambda text: None, capture_text=False)
+    audited = audit_middleware(streaming_app(), writer)
 
     def refuse(event: AuditEvent) -> AuditRecord:
         raise AuditUnavailable("disk full")
@@ -157,7 +167,7 @@ def test_an_unwritable_log_cuts_a_stream_before_its_end_marker(tmp_path: Path) -
 @pytest.mark.parametrize(("app", "status"), [(streaming_app(end=False), 499), (streaming_app(fail=True), 500)])
 def test_requests_that_never_complete_are_recorded(tmp_path: Path, app: Any, status: int) -> None:
     writer = Recorded(tmp_path)
-    audited = AuditMiddleware(app, writer=writer, hasher=lambda text: None, capture_text=False)
+    audited = audit_middleware(app, writer)
 
     try:
         asyncio.run(request(audited, "/v1/chat/completions"))
@@ -166,3 +176,50 @@ def test_requests_that_never_complete_are_recorded(tmp_path: Path, app: Any, sta
     [record] = read_records(tmp_path)
     assert record["status"] == status and record["outcome"] == "error" and record["action"] == "chat.completions"
     assert audited.in_flight == 0
+
+
+def test_a_record_that_cannot_be_built_withholds_the_answer_and_records_the_failure(tmp_path: Path) -> None:
+    """Issue 17: an exception while building a record let the answer out with no record."""
+    writer = Recorded(tmp_path)
+    audited = middleware(writer, {})
+
+    def broken(text: str | None) -> str | None:
+        raise RuntimeError("hasher broke")
+
+    audited.hasher = broken
+    sent = asyncio.run(request(audited, "/v1/chat/completions"))
+    assert sent[0]["status"] == 500 and b"audit_record_failed" in sent[1]["body"]
+    [record] = read_records(tmp_path)
+    assert (record["action"], record["status"], record["outcome"]) == ("audit.record_failed", 500, "error")
+    assert "RuntimeError: hasher broke" in record["error"]
+
+
+def test_a_record_that_cannot_be_built_cuts_a_stream_before_its_end(tmp_path: Path) -> None:
+    writer = Recorded(tmp_path)
+    sent: list[dict] = []
+    audited = audit_middleware(streaming_app(), writer)
+    audited.hasher = lambda text: 1 / 0  # type: ignore[assignment,return-value]
+    with pytest.raises(RuntimeError):
+        asyncio.run(request(audited, "/v1/chat/completions", sent.append))
+    assert not any(b"[DONE]" in message.get("body", b"") for message in sent)
+    assert [r["action"] for r in read_records(tmp_path)] == ["audit.record_failed"]
+
+
+def test_repeated_refusals_from_one_source_are_summarised_not_written_each(tmp_path: Path) -> None:
+    writer = Recorded(tmp_path)
+
+    async def unauthorised(scope: dict, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 401, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    audited = audit_middleware(unauthorised, writer)
+
+    async def flood() -> None:
+        for n in range(50):
+            await request(audited, "/v1/" + "x" * 65536)
+
+    asyncio.run(flood())
+    [first] = read_records(tmp_path)
+    assert first["action"] == "auth.denied" and first["status"] == 401
+    [summary] = audited.refusals.due(all_now=True)
+    assert summary.count == 49 and summary.source == "127.0.0.1"

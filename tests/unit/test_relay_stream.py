@@ -1,5 +1,6 @@
-"""Relaying an engine's SSE stream: bytes pass through unchanged, and usage is reported once,
-before the end marker goes on (running totals or not, cut short or not)."""
+"""Relaying an engine's SSE stream: bytes pass through unchanged (whole lines at a time), usage is
+reported once, before the end marker goes on (running totals or not, cut short or not), and the
+end is found by parsing lines, never by a substring (issue 17)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 
+from serve.answer import Answer
 from serve.upstream import relay_stream
 
 
@@ -36,15 +38,20 @@ class Engine:
         self.ended = "closed"
 
 
-def relay(engine: Engine, take: int | None = None) -> tuple[list[bytes], list[tuple], list[str]]:
+def relay(engine: Engine, take: int | None = None, ends: list[int] | None = None,
+          answer: Answer | None = None) -> tuple[list[bytes], list[tuple], list[str]]:
     """What the client got, the usage reports (with how many chunks had gone on before each),
-    and the texts seen; `take` chunks only when the client leaves early."""
+    and the texts seen; `take` chunks only when the client leaves early; `ends` gets how many
+    chunks had gone on when the end marker was seen."""
     got: list[bytes] = []
     reports: list[tuple] = []
-    texts: list[str] = []
+    answer = answer if answer is not None else Answer()
+    texts = answer.text
+    ends = ends if ends is not None else []
 
     async def run() -> None:
-        stream = relay_stream(engine, lambda: None, lambda p, c: reports.append((p, c, len(got))), texts.append)
+        stream = relay_stream(engine, answer, lambda: None, lambda p, c: reports.append((p, c, len(got))),
+                              lambda: ends.append(len(got)))
         async for chunk in stream:
             got.append(chunk)
             if take is not None and len(got) == take:
@@ -72,11 +79,39 @@ def test_running_totals_are_reported_once_with_the_last_total() -> None:
 def test_a_stream_cut_short_reports_its_text_chunks_and_drops_the_connection() -> None:
     engine = Engine([event("O"), event("K"), event("!"), event(usage=(10, 3)), b"data: [DONE]\n\n"])
     got, reports, _ = relay(engine, take=2)
-    assert len(got) == 2 and reports == [(0, 2, 2)]
+    assert len(got) == 2 and reports == [(None, 2, 2)], "the prompt is not known: the caller estimates it"
     assert engine.ended == "closed", "closing the upstream connection makes vLLM abort the request"
 
 
 def test_an_event_split_across_reads_is_still_seen() -> None:
     whole = event("OK", usage=(4, 1)) + b"data: [DONE]\n\n"
-    got, reports, texts = relay(Engine([whole[:7], whole[7:30], whole[30:]]))
+    ends: list[int] = []
+    got, reports, texts = relay(Engine([whole[:7], whole[7:30], whole[30:]]), ends=ends)
     assert b"".join(got) == whole and texts == ["OK"] and reports[0][:2] == (4, 1)
+    assert all(chunk.endswith(b"\n") for chunk in got), "only whole lines go on"
+    assert ends == [len(got) - 1], "the end was seen before the chunk holding it went on"
+
+
+def test_an_end_marker_echoed_inside_an_event_does_not_end_the_stream() -> None:
+    echoed = event("data: [DONE]\n\n") + event("data: [DONE]")
+    ends: list[int] = []
+    got, reports, texts = relay(Engine([echoed, event(usage=(9, 2)), b"data: [DONE]\n\n"]), ends=ends)
+    assert texts == ["data: [DONE]\n\n", "data: [DONE]"]
+    assert ends == [2] and reports == [(9, 2, 2)], "only the real end marker line ends it"
+
+
+def test_tool_calls_and_invalid_utf8_are_kept_for_the_completion_hash() -> None:
+    def call(index: int, name: str | None, arguments: str) -> bytes:
+        function = {"arguments": arguments, **({"name": name} if name else {})}
+        delta = {"tool_calls": [{"index": index, "function": function}]}
+        return b"data: " + json.dumps({"choices": [{"index": 0, "delta": delta}]}).encode() + b"\n\n"
+
+    answer = Answer()
+    broken = b'data: {"choices": [{"index": 0, "delta": {"content": "caf\xe9"}}]}\n\n'
+    relay(Engine([call(0, "get_weather", '{"city": '), call(0, None, '"Oslo"}'), call(1, "get_time", "{}"),
+                  broken, b"data: not json \xff\n\n", b"data: [DONE]\n\n"]), answer=answer)
+    assert answer.tools_called == ["get_weather", "get_time"]
+    whole = json.loads(answer.canonical())
+    assert whole["tool_calls"] == [{"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                                   {"name": "get_time", "arguments": "{}"}]
+    assert whole["text"] == "caf\udce9" and whole["unparsed"] == ["data: not json \udcff"]

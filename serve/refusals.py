@@ -1,0 +1,109 @@
+"""Refused requests summarised, so that no client can flood the audit log.
+
+A refused request (status 4xx: no or bad token, missing role, over a limit, bad body, no such
+route; not 499, a client that left an admitted request) is cheap to send and costs the
+gateway a record. The first refusal of each status from a source in an interval gets its own
+record, durable before its response as every record; the others of that interval are counted
+and written as one summary record (`action` "refused.summary", `count`) when the interval ends.
+At most `max_sources` sources are tracked apart per interval; refusals from further sources are
+summarised under source "*". So the log grows by at most two records per (source, status) per
+interval, whatever the rate, and a record is at most a few hundred bytes (`cap_text`).
+
+The counts of the current interval live in memory: a gateway that dies loses at most one
+interval's counts, never a record of an admitted request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from audit import AuditEvent
+
+OTHER_SOURCES = "*"
+MAX_TEXT_BYTES = 256
+
+
+def refusable(status: int) -> bool:
+    """Whether a response status is a refusal that may be summarised."""
+    return 400 <= status < 500 and status != 499
+
+
+def cap_text(text: str, limit: int = MAX_TEXT_BYTES) -> str:
+    """`text` with control characters replaced and cut to at most `limit` UTF-8 bytes; a cut text
+    ends with its full length and a SHA-256 prefix, so two long paths still tell apart."""
+    clean = "".join(c if c.isprintable() and not 0xD800 <= ord(c) <= 0xDFFF else "?" for c in text)
+    raw = clean.encode()
+    if len(raw) <= limit:
+        return clean
+    tail = f"...[{len(text.encode('utf-8', 'surrogatepass'))} bytes sha256:" \
+           f"{hashlib.sha256(text.encode('utf-8', 'surrogatepass')).hexdigest()[:16]}]"
+    return raw[:limit - len(tail)].decode(errors="ignore") + tail
+
+
+@dataclass
+class _Count:
+    last: AuditEvent
+    count: int = 0
+
+
+class Refusals:
+    """Decides which refused requests get their own record and gathers the rest (thread-safe)."""
+
+    def __init__(self, interval_s: float, max_sources: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self._interval = interval_s
+        self._max_sources = max_sources
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._window_ends = clock() + interval_s
+        self._counts: dict[tuple[str, int], _Count] = {}
+        self._sources: set[str] = set()
+        self._due: list[AuditEvent] = []
+
+    def own_record(self, event: AuditEvent) -> bool:
+        """Whether `event` is written now; if not, it is counted into its interval's summary."""
+        if not refusable(event.status):
+            return True
+        with self._lock:
+            self._roll()
+            source = event.source or OTHER_SOURCES
+            if source not in self._sources:
+                if len(self._sources) >= self._max_sources:
+                    source = OTHER_SOURCES
+                self._sources.add(source)
+            found = self._counts.get((source, event.status))
+            if found is None:
+                self._counts[(source, event.status)] = _Count(event)
+                return True
+            found.last, found.count = event, found.count + 1
+            return False
+
+    def due(self, *, all_now: bool = False) -> list[AuditEvent]:
+        """Summary records of the intervals that have ended (with `all_now`, of the current one
+        too); the caller writes them, and hands back with `retry` any it could not."""
+        with self._lock:
+            self._roll(force=all_now)
+            due, self._due = self._due, []
+            return due
+
+    def retry(self, events: list[AuditEvent]) -> None:
+        with self._lock:
+            self._due[:0] = events
+
+    def _roll(self, force: bool = False) -> None:
+        now = self._clock()
+        if now < self._window_ends and not force:
+            return
+        for (source, status), counted in self._counts.items():
+            if counted.count:
+                last = counted.last
+                self._due.append(last.model_copy(update={
+                    "action": "refused.summary", "source": source, "count": counted.count,
+                    "latency_ms": None, "prompt_hmac": None, "completion_hmac": None,
+                    "prompt": None, "completion": None, "error": None}))
+        self._counts.clear()
+        self._sources.clear()
+        self._window_ends = now + self._interval

@@ -1,0 +1,147 @@
+"""The request bodies the gateway relays: OpenAI's fields plus the vLLM sampling and
+structured-output fields it supports, typed; any other field is refused (400, naming it).
+
+What an audit record's prompt hash covers is declared here, next to the fields: every field that
+shapes what the engine is prompted with (`PROMPT_FIELDS`), taken from the body as relayed, so a
+request cannot send one prompt to the engine and have another recorded.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from appliance.settings import RoleLimits
+from serve.errors import GatewayError
+
+# Refused on purpose, though vLLM knows them: `chat_template` (a caller's own Jinja template),
+# `prompt_embeds` (tensors that bypass tokenisation and the prompt hash), `request_id` (ids are
+# the gateway's), `priority` (scheduling is the operator's), `vllm_xargs`, `kv_transfer_params`,
+# multimodal and `return_*` debugging fields.
+
+BYTES_PER_TOKEN_ESTIMATE = 4  # a prompt's tokens before the engine counts them: text is ~4 bytes/token
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
+
+
+class _Sampling(BaseModel):
+    """Fields both endpoints share."""
+
+    model_config = ConfigDict(extra="forbid")
+    PROMPT_FIELDS: ClassVar[tuple[str, ...]] = ()
+
+    model: str = Field(min_length=1, max_length=256)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    n: int = Field(1, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = None
+    min_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = Field(None, max_length=256)
+    ignore_eos: bool | None = None
+    min_tokens: int | None = Field(None, ge=0)
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    prompt_logprobs: int | None = Field(None, ge=0)
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    echo: bool | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    add_special_tokens: bool | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+
+    def relayed(self) -> dict[str, Any]:
+        """The body sent to the engine: the fields the client set."""
+        return self.model_dump(exclude_unset=True, by_alias=True)
+
+    @classmethod
+    def prompt_text(cls, relayed: dict[str, Any]) -> str:
+        """What the prompt hash covers: the prompt-shaping fields of the relayed body, as one
+        canonical JSON text (sorted keys, compact; any string, lone surrogates included, kept)."""
+        shaping = {name: relayed[name] for name in cls.PROMPT_FIELDS if name in relayed}
+        return json.dumps(shaping, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+    def logprobs_asked(self) -> dict[str, int]:
+        """Each logprobs field set, and how many it asks for."""
+        asked = {"prompt_logprobs": self.prompt_logprobs or 0}
+        return {name: value for name, value in asked.items() if value}
+
+    def admission(self, limits: RoleLimits | None, context: int, relayed: dict[str, Any]) -> tuple[int, int]:
+        """Check the caller's caps (400 naming the field); return (prompt estimate, worst-case
+        completion tokens). A missing max_tokens becomes the role's cap in `relayed`."""
+        # vLLM prefers max_completion_tokens (chat) over max_tokens.
+        asked = relayed.get("max_completion_tokens") or relayed.get("max_tokens")
+        if limits is not None:
+            for name in ("max_tokens", "max_completion_tokens"):
+                if relayed.get(name) is not None and limits.max_tokens is not None \
+                        and relayed[name] > limits.max_tokens:
+                    raise _over_cap(name, relayed[name], limits.max_tokens)
+            if self.n > limits.max_n:
+                raise _over_cap("n", self.n, limits.max_n)
+            for name, value in self.logprobs_asked().items():
+                if value > limits.max_logprobs:
+                    raise _over_cap(name, value, limits.max_logprobs)
+            if asked is None and limits.max_tokens is not None:
+                relayed["max_tokens"] = asked = limits.max_tokens
+        prompt = len(self.prompt_text(relayed).encode("utf-8", "surrogatepass")) // BYTES_PER_TOKEN_ESTIMATE + 1
+        return prompt, (asked or context) * self.n
+
+
+class ChatRequest(_Sampling):
+    """An OpenAI chat completion request."""
+
+    PROMPT_FIELDS = ("messages", "tools", "tool_choice", "response_format", "structured_outputs",
+                     "chat_template_kwargs", "documents", "add_generation_prompt", "continue_final_message",
+                     "add_special_tokens", "truncate_prompt_tokens", "reasoning_effort", "parallel_tool_calls")
+
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    include_reasoning: bool | None = None
+
+    def logprobs_asked(self) -> dict[str, int]:
+        return {**super().logprobs_asked(), **({"top_logprobs": self.top_logprobs} if self.top_logprobs else {})}
+
+
+class CompletionRequest(_Sampling):
+    """An OpenAI (legacy) completion request."""
+
+    PROMPT_FIELDS = ("prompt", "response_format", "structured_outputs", "add_special_tokens",
+                     "truncate_prompt_tokens")
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0)
+
+    def logprobs_asked(self) -> dict[str, int]:
+        return {**super().logprobs_asked(), **({"logprobs": self.logprobs} if self.logprobs else {})}
+
+
+def _over_cap(field: str, asked: int, cap: int) -> GatewayError:
+    return GatewayError(400, f"'{field}' is {asked}; your role allows at most {cap}", code="over_limit",
+                        param=field)

@@ -1,0 +1,75 @@
+"""The relayed request bodies (issue 17): typed, unknown fields refused, the prompt hash covering
+every prompt-shaping field as relayed, and the per-role caps."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from appliance.settings import RoleLimits
+from serve.errors import GatewayError
+from serve.schemas import ChatRequest, CompletionRequest
+
+MESSAGES = [{"role": "user", "content": "Hi"}]
+
+
+def test_a_completion_cannot_carry_messages_to_forge_its_record() -> None:
+    with pytest.raises(ValidationError) as caught:
+        CompletionRequest.model_validate({"model": "m", "prompt": "sent", "messages": ["recorded"]})
+    [error] = caught.value.errors()
+    assert error["type"] == "extra_forbidden" and error["loc"] == ("messages",)
+
+
+@pytest.mark.parametrize("field", ["chat_template", "prompt_embeds", "request_id", "vllm_xargs", "priority"])
+def test_fields_that_bypass_the_audit_or_the_operator_are_refused(field: str) -> None:
+    with pytest.raises(ValidationError):
+        ChatRequest.model_validate({"model": "m", "messages": MESSAGES, field: "x"})
+
+
+def test_the_prompt_text_covers_every_prompt_shaping_field_as_relayed() -> None:
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    body = ChatRequest.model_validate({"model": "m", "messages": MESSAGES, "tools": tools, "temperature": 0.5,
+                                       "chat_template_kwargs": {"enable_thinking": False},
+                                       "response_format": {"type": "json_object"}})
+    relayed = body.relayed()
+    shaped = json.loads(body.prompt_text(relayed))
+    assert set(shaped) == {"messages", "tools", "chat_template_kwargs", "response_format"}
+    assert "temperature" not in shaped, "sampling does not shape the prompt"
+    other = ChatRequest.model_validate({**relayed, "tools": []})
+    assert other.prompt_text(other.relayed()) != body.prompt_text(relayed)
+
+
+def test_any_string_is_kept_in_the_prompt_text() -> None:
+    body = CompletionRequest.model_validate({"model": "m", "prompt": "a\ud800b\x00"})
+    assert json.loads(body.prompt_text(body.relayed()))["prompt"] == "a\ud800b\x00"
+
+
+LIMITS = RoleLimits(max_tokens=100, max_n=2, max_logprobs=3)
+
+
+@pytest.mark.parametrize(("extra", "field"), [({"max_tokens": 101}, "max_tokens"),
+                                              ({"max_completion_tokens": 500}, "max_completion_tokens"),
+                                              ({"n": 3}, "n"), ({"top_logprobs": 4, "logprobs": True}, "top_logprobs"),
+                                              ({"prompt_logprobs": 9}, "prompt_logprobs")])
+def test_role_caps_refuse_with_400_naming_the_field(extra: dict, field: str) -> None:
+    body = ChatRequest.model_validate({"model": "m", "messages": MESSAGES, **extra})
+    with pytest.raises(GatewayError) as caught:
+        body.admission(LIMITS, 2048, body.relayed())
+    assert caught.value.status == 400 and caught.value.param == field
+
+
+def test_completion_logprobs_are_capped_too() -> None:
+    body = CompletionRequest.model_validate({"model": "m", "prompt": "x", "logprobs": 5})
+    with pytest.raises(GatewayError):
+        body.admission(LIMITS, 2048, body.relayed())
+
+
+def test_admission_is_the_worst_case_and_a_missing_max_tokens_gets_the_roles_cap() -> None:
+    body = ChatRequest.model_validate({"model": "m", "messages": MESSAGES, "n": 2})
+    relayed = body.relayed()
+    prompt, completion = body.admission(LIMITS, 2048, relayed)
+    assert relayed["max_tokens"] == 100 and completion == 200 and prompt >= 1
+    uncapped = body.admission(RoleLimits(), 2048, body.relayed())
+    assert uncapped[1] == 2 * 2048, "no cap: the model's whole context per choice"
