@@ -58,6 +58,7 @@ class Transcript:
     answer: Answer = field(default_factory=Answer)
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    relayed: bool = False  # sent to an engine: always a record of its own
     ended: bool = False  # a stream's end marker has arrived from the engine
 
     def end(self) -> None:
@@ -135,7 +136,7 @@ class AuditMiddleware:
                 settled = True  # written now, or answered as unwritable
                 event, broken = self._event(scope, state, status, started)
                 try:
-                    if self.refusals.own_record(event):
+                    if self.refusals.own_record(event, relayed=transcript is not None and transcript.relayed):
                         await self._append(event)
                 except AuditUnavailable as exc:
                     if streaming:
@@ -172,7 +173,8 @@ class AuditMiddleware:
         writer now refuses requests (fail closed) and says why in /readyz."""
         try:
             event, _ = self._event(scope, state, status, started)
-            if self.refusals.own_record(event):
+            transcript: Transcript | None = state.get("transcript")
+            if self.refusals.own_record(event, relayed=transcript is not None and transcript.relayed):
                 await self._append(event)
         except AuditUnavailable as exc:
             log.error("audit record of unfinished request %s not written: %s", state.get("request_id"), exc)

@@ -14,6 +14,7 @@ import asyncio
 import base64
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +44,8 @@ class TokenValidator:
     """Validates access tokens of one realm for one audience."""
 
     def __init__(self, *, issuer: str, audience: str, http: httpx.AsyncClient, leeway_s: int = 30,
-                 refetch_interval_s: float = 30.0, introspect: "Introspector | None" = None) -> None:
+                 refetch_interval_s: float = 30.0, introspect: "Introspector | None" = None,
+                 on_fetch: Callable[[], None] = lambda: None) -> None:
         self.issuer = issuer
         self.audience = audience
         self.jwks_url = f"{issuer}/protocol/openid-connect/certs"
@@ -54,6 +56,7 @@ class TokenValidator:
         self._fetched_at = float("-inf")
         self._lock = asyncio.Lock()
         self._introspect = introspect
+        self._on_fetch = on_fetch
         self._verified: dict[str, dict] = {}  # token -> its claims, signature checked
 
     @property
@@ -63,6 +66,7 @@ class TokenValidator:
 
     async def refresh_keys(self) -> None:
         """Fetch the JWKS now (raises httpx errors: the caller decides what that means)."""
+        self._on_fetch()
         response = await self._http.get(self.jwks_url, timeout=5.0)
         response.raise_for_status()
         self._keys = jwk.JWKSet.from_json(response.text)

@@ -87,7 +87,7 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
             validator = TokenValidator(issuer=keycloak.issuer, audience=keycloak.gateway_client_id,
                                        http=http, leeway_s=settings.gateway.leeway_s,
                                        refetch_interval_s=settings.gateway.jwks_refetch_interval_s,
-                                       introspect=introspect)
+                                       introspect=introspect, on_fetch=metrics.jwks_fetches.inc)
             upstreams = Upstreams(pools_from_settings(settings, home), engines, secret(home, ENGINE_KEY_SECRET))
             app.state.gateway = Gateway(
                 settings=settings, validator=validator, upstreams=upstreams,
@@ -239,6 +239,7 @@ async def _forward(request: Request, gateway: Gateway, pool: Pool, adapter: Any,
                    transcript: Transcript, admission: Admission, who: Principal) -> Response:
     request_id = request.state.request_id
     started = time.monotonic()
+    transcript.relayed = True
     try:
         response = await gateway.upstreams.send(pool, path, json.dumps(payload).encode(), request_id)
         if adapter is not None and response.status == 404:  # the engine restarted and forgot it

@@ -24,6 +24,8 @@ class Metrics:
                                        ["pool", "reason"], registry=self.registry)
         self.auth_failures = Counter("gateway_auth_failures_total", "Rejected tokens by reason.",
                                      ["reason"], registry=self.registry)
+        self.jwks_fetches = Counter("gateway_jwks_fetches_total", "Fetches of the realm's signing keys.",
+                                    registry=self.registry)
         self.archive_failures = Counter("gateway_audit_archive_failures_total",
                                         "Failed copies of the audit log to the artifact store.",
                                         registry=self.registry)

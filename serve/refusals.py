@@ -1,8 +1,8 @@
 """Refused requests summarised, so that no client can flood the audit log.
 
-A refused request (status 4xx: no or bad token, missing role, over a limit, bad body, no such
-route; not 499, a client that left an admitted request) is cheap to send and costs the
-gateway a record. The first refusal of each status from a source in an interval gets its own
+A request the gateway refused (status 4xx: no or bad token, missing role, over a limit, bad
+body, no such route; not 499, a client that left, and never one relayed to an engine) is cheap
+to send and costs the gateway a record. The first refusal of each status from a source in an interval gets its own
 record, durable before its response as every record; the others of that interval are counted
 and written as one summary record (`action` "refused.summary", `count`) when the interval ends.
 At most `max_sources` sources are tracked apart per interval; refusals from further sources are
@@ -63,9 +63,10 @@ class Refusals:
         self._sources: set[str] = set()
         self._due: list[AuditEvent] = []
 
-    def own_record(self, event: AuditEvent) -> bool:
-        """Whether `event` is written now; if not, it is counted into its interval's summary."""
-        if not refusable(event.status):
+    def own_record(self, event: AuditEvent, relayed: bool = False) -> bool:
+        """Whether `event` is written now; if not, it is counted into its interval's summary. A
+        request the engine saw (`relayed`) always has its own record, whatever the engine said."""
+        if relayed or not refusable(event.status):
             return True
         with self._lock:
             self._roll()

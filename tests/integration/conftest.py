@@ -24,17 +24,21 @@ from tests.conftest import Appliance, free_port, make_appliance
 RCLONE = str(Path(sys.executable).with_name("rclone"))
 ACCESS_KEY, SECRET_KEY = "appliance-test", "s3-secret-for-tests-only-0123456789"
 
-# Session settings the gateway tests rely on: a small per-user budget for role `user` (the
-# rate-limit test), little clock leeway (the expiry test), quick re-introspection (the
-# disabled-user test), and small audit files archived often (the archive test).
+# Session settings the gateway tests rely on: small per-user budgets and caps for role `user`
+# (the rate-limit test, test_attacks' limits), little clock leeway (the expiry test), quick
+# re-introspection (the disabled-user test), and small audit files archived often (the archive
+# test).
 SESSION_SETTINGS = {
-    "APPLIANCE_GATEWAY__LIMITS": "{ user = { requests_per_minute = 60, tokens_per_minute = 100000 }, "
-                                 "admin = { requests_per_minute = 100000, tokens_per_minute = 10000000 } }",
+    "APPLIANCE_GATEWAY__LIMITS": "{ user = { requests_per_minute = 60, tokens_per_minute = 4000, max_concurrent = 8, "
+                                 "max_n = 2, max_logprobs = 2 }, admin = { requests_per_minute = 100000, "
+                                 "tokens_per_minute = 10000000, max_concurrent = 1000 } }",
     "APPLIANCE_GATEWAY__LEEWAY_S": "1",
     "APPLIANCE_GATEWAY__INTROSPECT_TTL_S": "1",
     "APPLIANCE_AUDIT__MAX_FILE_BYTES": "65536",
     "APPLIANCE_AUDIT__ARCHIVE_INTERVAL_S": "2",
     "APPLIANCE_POOLS__MAIN__ENABLE_LORA": "true",  # tests/integration/test_adapters.py
+    # test_attacks: a named tool_choice (structured output) makes real tool calls; vLLM 0.32 needs both.
+    "APPLIANCE_POOLS__MAIN__EXTRA_ARGS": '["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]',
 }
 
 

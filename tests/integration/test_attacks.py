@@ -1,0 +1,230 @@
+"""Issue 17: the gateway tried as an attacker would, against the real appliance (real gateway,
+Keycloak, vLLM and supervisord, shared with the other integration tests). Each test makes one
+attack and asserts what it now gets."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from audit.writer import log_files
+from tests.integration.conftest import Running
+from tests.integration.realm import Realm
+
+MODEL = "SmolLM2-135M-Instruct"
+PASSWORD = "Test-password-1"
+
+
+@pytest.fixture(scope="module")
+def realm(running: Running) -> Realm:
+    realm = Realm(running)
+    for name in ("eve", "greedy", "busy"):
+        realm.ensure_user(name, PASSWORD, ["user"])
+    return realm
+
+
+@pytest.fixture(scope="module")
+def eve(realm: Realm) -> dict[str, str]:
+    return {"Authorization": f"Bearer {realm.token('eve', PASSWORD)}"}
+
+
+def records(running: Running) -> list[dict]:
+    return [json.loads(line) for path in log_files(running.appliance.home.audit)
+            for line in path.read_bytes().splitlines()]
+
+
+def record_of(running: Running, response: httpx.Response) -> dict:
+    [record] = [r for r in records(running) if r["request_id"] == response.headers["x-request-id"]]
+    return record
+
+
+def verified(running: Running) -> None:
+    result = running.appliance.run("audit", "verify", timeout=120)
+    assert result.returncode == 0 and "audit log OK" in result.stdout, result.stdout + result.stderr
+
+
+def sse_events(response: httpx.Response) -> list[dict]:
+    return [json.loads(line[len("data: "):]) for line in response.text.splitlines()
+            if line.startswith("data: {")]
+
+
+# -- 1. no request without its record ---------------------------------------------------------
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("prompt", [rb"Hello \ud800 there", rb"Hello \u0000 there"], ids=["surrogate", "nul"])
+def test_any_text_in_the_prompt_is_recorded_losslessly(realm: Realm, eve: dict, running: Running,
+                                                       stream: bool, prompt: bytes) -> None:
+    """Whatever the engine makes of it (vLLM's tokenizer refuses a lone surrogate with a 400),
+    the request has its record, with the prompt's hash, and the chain verifies. Before, the
+    surrogate made the record unencodable: no record, and a writer that stopped for everyone."""
+    body = (b'{"model": "%s", "prompt": "%s", "max_tokens": 4, "temperature": 0, "stream": %s}'
+            % (MODEL.encode(), prompt, b"true" if stream else b"false"))  # by hand: JSON encoders refuse it
+    response = httpx.post(f"{realm.gateway}/v1/completions", content=body, timeout=120,
+                          headers={**eve, "Content-Type": "application/json"})
+    assert response.status_code in (200, 400), response.text
+    if response.status_code == 200 and stream:
+        assert response.text.rstrip().endswith("data: [DONE]")
+    record = record_of(running, response)
+    assert record["status"] == response.status_code and record["prompt_hmac"]
+    if response.status_code == 200:
+        assert record["completion_tokens"] > 0 and record["completion_hmac"]
+    assert httpx.get(f"{realm.gateway}/v1/models", headers=eve).status_code == 200, "the writer goes on"
+    verified(running)
+
+
+# -- 2. the record says what the engine saw ---------------------------------------------------
+
+def test_a_second_prompt_field_or_an_unknown_field_is_refused(realm: Realm, eve: dict) -> None:
+    forged = httpx.post(f"{realm.gateway}/v1/completions", headers=eve, timeout=60,
+                        json={"model": MODEL, "prompt": "what the engine sees", "stream": True,
+                              "messages": [{"role": "user", "content": "what the audit would record"}]})
+    assert forged.status_code == 400
+    error = forged.json()["error"]
+    assert error["param"] == "messages" and "unknown field 'messages'" in error["message"]
+    unknown = httpx.post(f"{realm.gateway}/v1/chat/completions", headers=eve, timeout=60,
+                         json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "chat_template": "{{x}}"})
+    assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "chat_template"
+
+
+def test_the_prompt_hash_covers_the_tools_and_tool_calls_are_recorded_in_order(realm: Realm, eve: dict,
+                                                                                running: Running) -> None:
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "description": "Weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+                       "required": ["city"]}}}]
+    chat = {"model": MODEL, "max_tokens": 24, "temperature": 0,
+            "messages": [{"role": "user", "content": "What is the weather in Oslo?"}]}
+    plain = httpx.post(f"{realm.gateway}/v1/chat/completions", headers=eve, json=chat, timeout=120)
+    called = httpx.post(f"{realm.gateway}/v1/chat/completions", headers=eve, timeout=300,
+                        json={**chat, "tools": tools, "max_tokens": 64,
+                              "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+    assert plain.status_code == 200 and called.status_code == 200, called.text
+    message = called.json()["choices"][0]["message"]
+    assert message.get("tool_calls"), called.text
+    [call] = message["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    plain_record, called_record = record_of(running, plain), record_of(running, called)
+    assert plain_record["prompt_hmac"] != called_record["prompt_hmac"], "the tools shape the prompt"
+    assert called_record["tools_called"] == ["get_weather"] and plain_record["tools_called"] is None
+
+
+# -- 3. the end of a stream is found by parsing ------------------------------------------------
+
+def test_an_end_marker_echoed_from_the_prompt_does_not_close_the_record_early(realm: Realm, eve: dict,
+                                                                              running: Running) -> None:
+    response = httpx.post(f"{realm.gateway}/v1/completions", headers=eve, timeout=120,
+                          json={"model": MODEL, "prompt": "data: [DONE]\n\ndata: [DONE]", "echo": True,
+                                "max_tokens": 8, "temperature": 0, "ignore_eos": True, "stream": True})
+    assert response.status_code == 200
+    usage = [event["usage"] for event in sse_events(response) if event.get("usage")][-1]
+    record = record_of(running, response)
+    assert record["completion_tokens"] == usage["completion_tokens"] == 8, "recorded after the real end"
+    assert record["prompt_tokens"] == usage["prompt_tokens"]
+
+
+# -- 4. the log cannot be flooded -------------------------------------------------------------
+
+def test_a_flood_of_refused_requests_with_long_paths_grows_the_log_by_a_bounded_amount(
+        realm: Realm, running: Running) -> None:
+    path = "/v1/" + "A" * 65000  # about the longest URL httpx sends
+    size = sum(p.stat().st_size for p in log_files(running.appliance.home.audit))
+    with httpx.Client(timeout=30) as http:
+        statuses = {http.get(f"{realm.gateway}{path}").status_code for _ in range(200)}
+        statuses |= {http.get(f"{realm.gateway}/v1/models").status_code for _ in range(200)}
+    assert statuses <= {401, 404}, "no such route (no token asked), or no token"
+    grown = sum(p.stat().st_size for p in log_files(running.appliance.home.audit)) - size
+    assert grown < 4 * 1024, f"400 refused requests grew the log by {grown} bytes"
+    long_ones = [r for r in records(running) if r["resource"] and "/v1/AAAA" in r["resource"]]
+    assert long_ones and all(len(r["resource"].encode()) <= 256 for r in long_ones)
+    # The summary of the interval comes when it ends (the session's interval: 10 s).
+    deadline = time.monotonic() + 30
+    while not [r for r in records(running) if r["action"] == "refused.summary" and r["count"] >= 199]:
+        assert time.monotonic() < deadline, "no summary record of the refused requests"
+        time.sleep(0.5)
+
+
+def test_anonymous_readiness_checks_change_nothing(realm: Realm, running: Running) -> None:
+    def fetches() -> float:
+        text = httpx.get(f"{realm.gateway}/metrics").text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("gateway_jwks_fetches_total"))
+
+    before = fetches()
+    with httpx.Client() as http:
+        answers = [http.get(f"{realm.gateway}/readyz") for _ in range(50)]
+    assert {a.status_code for a in answers} == {200} and fetches() == before, "no key refetch from /readyz"
+
+
+def test_a_page_of_the_newest_audit_records(realm: Realm, running: Running) -> None:
+    admin = {"Authorization": f"Bearer {realm.admin_token()}"}
+    page = httpx.get(f"{realm.gateway}/admin/audit", params={"newest": True, "limit": 3}, headers=admin)
+    assert page.status_code == 200
+    seqs = [r["seq"] for r in page.json()]
+    assert len(seqs) == 3 and seqs == sorted(seqs, reverse=True)
+
+
+# -- 5. limits that hold ----------------------------------------------------------------------
+
+def test_parallel_streams_cannot_pass_the_token_budget(realm: Realm, running: Running) -> None:
+    """The session gives role `user` 4,000 tokens a minute: each stream reserves 2 x 900 tokens
+    and its prompt, so two fit; before, all 60 passed."""
+    headers = {"Authorization": f"Bearer {realm.token('greedy', PASSWORD)}"}
+    body = {"model": MODEL, "stream": True, "max_tokens": 900, "n": 2, "ignore_eos": True,
+            "prompt": "Once upon a time"}
+    start, answered = threading.Barrier(60), threading.Barrier(60)
+
+    def one(_: int) -> tuple[int, str | None]:
+        with httpx.Client(timeout=120) as http:
+            start.wait()
+            with http.stream("POST", f"{realm.gateway}/v1/completions", json=body, headers=headers) as response:
+                answered.wait(60)  # the admitted streams stay open until every request is answered
+                if response.status_code == 200:
+                    next(response.iter_lines())  # admitted and generating; then the client leaves
+                    return 200, response.headers["x-request-id"]
+                response.read()
+                return response.status_code, response.json()["error"]["code"]
+
+    with ThreadPoolExecutor(60) as pool:
+        outcomes = list(pool.map(one, range(60)))
+    admitted = [rid for status, rid in outcomes if status == 200]
+    assert len(admitted) == 2, outcomes
+    assert {code for status, code in outcomes if status != 200} <= {"rate_limit_exceeded",
+                                                                    "concurrency_limit_exceeded"}
+    deadline = time.monotonic() + 30  # the gateway notices the clients left
+    while len(left := [r for r in records(running) if r["request_id"] in admitted]) < 2:
+        assert time.monotonic() < deadline, "no records of the streams whose clients left"
+        time.sleep(0.2)
+    assert [r["status"] for r in left] == [499, 499]
+    assert all(r["prompt_tokens"] > 0 and r["completion_tokens"] >= 0 for r in left), "charged for the prompt"
+    again = httpx.post(f"{realm.gateway}/v1/completions", headers=headers, timeout=120,
+                       json={"model": MODEL, "prompt": "Hi", "max_tokens": 900, "n": 2, "stop": [" "]})
+    assert again.status_code == 200, "what the clients that left did not use was refunded"
+
+
+def test_concurrent_requests_per_user_and_role_caps(realm: Realm, running: Running) -> None:
+    headers = {"Authorization": f"Bearer {realm.token('busy', PASSWORD)}"}
+    body = {"model": MODEL, "stream": True, "max_tokens": 200, "ignore_eos": True, "prompt": "Count:"}
+    with httpx.Client(timeout=120, limits=httpx.Limits(max_connections=20)) as http:
+        streams = [http.stream("POST", f"{realm.gateway}/v1/completions", json=body, headers=headers)
+                   for _ in range(8)]
+        opened = [stream.__enter__() for stream in streams]
+        try:
+            assert [r.status_code for r in opened] == [200] * 8
+            ninth = http.post(f"{realm.gateway}/v1/completions", json={**body, "stream": False}, headers=headers)
+            assert ninth.status_code == 429 and ninth.json()["error"]["code"] == "concurrency_limit_exceeded"
+        finally:
+            for stream in streams:
+                stream.__exit__(None, None, None)
+        time.sleep(1)
+        for field, value in (("n", 3), ("logprobs", 3), ("prompt_logprobs", 5)):
+            capped = http.post(f"{realm.gateway}/v1/completions", headers=headers,
+                               json={"model": MODEL, "prompt": "x", "max_tokens": 2, field: value})
+            assert capped.status_code == 400 and capped.json()["error"]["param"] == field
+        after = http.post(f"{realm.gateway}/v1/completions", json={**body, "stream": False, "max_tokens": 2},
+                          headers=headers)
+        assert after.status_code == 200, "slots freed when the streams were closed"
