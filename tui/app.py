@@ -33,7 +33,7 @@ class Login(ModalScreen[bool]):
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog"):
             yield Static("Log in to the appliance's Keycloak", id="login-title")
-            yield Static("Asking Keycloak for a device code ...", id="login-text")
+            yield Static("Asking Keycloak for a device code ...", id="login-text", markup=False)
             yield Button("Cancel (Esc)", id="login-cancel")
 
     def on_mount(self) -> None:

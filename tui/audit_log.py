@@ -39,7 +39,7 @@ class AuditLog(Panel):
             yield Select([(o, o) for o in OUTCOMES], prompt="outcome", id="outcome")
             yield Input(placeholder="since (UTC ISO)", id="since")
         yield DataTable(id="records", cursor_type="row")
-        yield Static("Chain not verified yet (v)", id="chain")
+        yield Static("Chain not verified yet (v)", id="chain", markup=False)
 
     def on_mount(self) -> None:
         super().on_mount()

@@ -39,9 +39,9 @@ class Dashboard(Panel):
 
     def body(self) -> ComposeResult:
         yield DataTable(id="services", cursor_type="row")
-        yield Static("", id="host")
+        yield Static("", id="host", markup=False)
         yield DataTable(id="gpus", cursor_type="none", show_cursor=False)
-        yield Static("Gateway: waiting for a second sample", id="traffic")
+        yield Static("Gateway: waiting for a second sample", id="traffic", markup=False)
         for name, label in (("requests", "requests/s"), ("tokens", "tokens/s"), ("p50", "p50 ms")):
             with Horizontal(classes="chart"):
                 yield Static(label)

@@ -31,7 +31,7 @@ class Confirm(ModalScreen[bool]):
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog"):
-            yield Static(self.question, id="question")
+            yield Static(self.question, id="question", markup=False)
             with Horizontal():
                 yield Button("Yes (y)", id="yes", variant="warning")
                 yield Button("No (n)", id="no", variant="primary")
@@ -76,7 +76,7 @@ class Form(ModalScreen[dict[str, str] | None]):
                                  allow_blank=False, id=f"field-{field.name}")
                 else:
                     yield Input(value=field.value, password=field.password, id=f"field-{field.name}")
-            yield Static("", classes="error", id="form-error")
+            yield Static("", classes="error", id="form-error", markup=False)
             with Horizontal():
                 yield Button("OK", id="ok", variant="primary")
                 yield Button("Cancel", id="cancel")

@@ -7,6 +7,7 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, Static
@@ -37,7 +38,7 @@ class Panel(Screen):
 
     def compose(self) -> ComposeResult:
         yield Header()
-        yield Static("", id="banner")
+        yield Static("", id="banner", markup=False)
         yield from self.body()
         yield Footer(compact=True, show_command_palette=False)
 
@@ -71,7 +72,7 @@ class Panel(Screen):
             self.show_problem(f"Not logged in: {exc} - press L to log in")
             return False
         except Refused as exc:
-            self.notify(exc.message, title=f"refused ({exc.status})", severity="error", timeout=8)
+            self.notify(exc.message, title=f"refused ({exc.status})", severity="error", timeout=8, markup=False)
             return False
         self.show_problem(None)
         return True
@@ -86,7 +87,7 @@ class Panel(Screen):
 
         async def run() -> None:
             if await self._guarded(step):
-                self.notify(done, timeout=5)
+                self.notify(done, timeout=5, markup=False)
             self.reload()
 
         if question is None:
@@ -112,10 +113,19 @@ def fill(table: DataTable, rows: list[tuple[str, tuple[Any, ...]]]) -> None:
     keep = selected_key(table)
     table.clear()
     for key, cells in rows:
-        table.add_row(*cells, key=key)
+        # Text, not str: DataTable reads a str as Rich markup, and these values come from the
+        # appliance (an audit record's resource may be "[/x]" or "[link=...]").
+        table.add_row(*map(plain, cells), key=key)
     keys = [key for key, _ in rows]
     if keep in keys:
         table.move_cursor(row=keys.index(keep))
+
+
+def plain(cell: Any) -> Text:
+    """A cell as plain text (floats as DataTable shows them)."""
+    if isinstance(cell, Text):
+        return cell
+    return Text(f"{cell:.2f}" if isinstance(cell, float) else str(cell))
 
 
 def gib(value: float) -> str:

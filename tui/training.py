@@ -111,7 +111,7 @@ class Training(Panel):
             try:
                 share = float(values["share"])
             except ValueError:
-                self.notify(f"share {values['share']!r} is not a number", severity="error")
+                self.notify(f"share {values['share']!r} is not a number", severity="error", markup=False)
                 return
             self.act(lambda: self.client.call("POST", f"/adapters/{r['name']}/canary",
                                               json={"version": r["version"], "share": share}),

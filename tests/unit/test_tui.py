@@ -190,3 +190,59 @@ def test_screens_answer_keys_while_an_admin_call_is_still_pending(tmp_path: Path
             await pilot.pause(0.3)
 
     asyncio.run(scenario())
+
+
+HOSTILE = "[/x] [link=https://example.invalid]click[/link] [bold red]"
+
+
+def test_values_from_the_appliance_are_shown_as_text_never_as_markup(tmp_path: Path) -> None:
+    """Issue 17: an audit record whose resource is `[/x]` crashed the audit screen (DataTable reads
+    a str as Rich markup); the chain's verdict, a refusal and the detail view show such text too."""
+    from textual.widgets import DataTable, Static
+
+    from tui.app import AdminApp
+
+    record = {"seq": 7, "time": "2026-12-01T03:00:00.000000Z", "username": HOSTILE, "action": HOSTILE,
+              "outcome": "denied", "status": 401, "resource": HOSTILE}
+
+    class Hostile:
+        base_url = "http://127.0.0.1:9"
+
+        async def username(self) -> str:
+            return HOSTILE
+
+        async def call(self, method: str, path: str, **kwargs: object) -> object:
+            if path == "/audit/verify":
+                return {"ok": False, "where": HOSTILE, "reason": HOSTILE}
+            if path == "/audit":
+                return [record]
+            if path == "/system":
+                return usage.host_usage().model_dump()
+            raise Refused(403, HOSTILE)
+
+        async def metrics_text(self) -> str:
+            return ""
+
+        async def close(self) -> None:
+            pass
+
+    app = AdminApp(Settings(), Home(tmp_path / "h").ensure())
+    app.client = Hostile()  # type: ignore[assignment]
+
+    async def scenario() -> None:
+        async with app.run_test(size=(160, 40)) as pilot:
+            for key in ("u", "m", "j", "d", "a"):
+                await pilot.press(key)
+                await pilot.pause(0.3)
+            table = app.screen.query_one("#records", DataTable)
+            assert table.row_count == 1
+            assert str(table.get_row_at(0)[5]) == HOSTILE, "shown as written, not styled"
+            await pilot.press("v")
+            await pilot.pause(0.3)
+            chain = app.screen.query_one("#chain", Static)
+            assert HOSTILE in str(chain.render())
+            await pilot.press("enter")  # the record's detail view
+            await pilot.pause(0.3)
+            assert type(app.screen).__name__ == "Detail"
+
+    asyncio.run(scenario())
