@@ -106,9 +106,9 @@ def _print_programs(report: dict) -> None:
 
 @settings_app.command("show")
 def settings_show() -> None:
-    """The settings in effect (file plus APPLIANCE_* overrides), as JSON."""
+    """The settings in effect (file plus APPLIANCE_* overrides), as JSON; secrets masked."""
     home = Home.from_env()
-    out.print_json(load_settings(home.settings_file).model_dump_json())
+    out.print_json(data=load_settings(home.settings_file).masked())
 
 
 @settings_app.command("defaults")

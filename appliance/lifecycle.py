@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sys
 import time
@@ -64,7 +65,11 @@ def up(settings: Settings, home: Home, progress: Progress = _no_progress) -> UpR
     programs = discover_programs(settings, home)
     _check_startable(programs, home)
     wrapped = [_wrap(program, home) for program in programs]
-    _programs_file(home).write_text(json.dumps([p.model_dump(mode="json") for p in programs]))
+    # 0600: the programs' commands and environments are the appliance's business only.
+    fd = os.open(_programs_file(home), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # an older file kept its mode
+    with os.fdopen(fd, "w") as handle:
+        handle.write(json.dumps([p.model_dump(mode="json") for p in programs]))
     progress("starting supervisord")
     supervisor.start(render_config(home, wrapped, secret(home, "supervisor-password")))
     try:

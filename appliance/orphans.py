@@ -8,7 +8,10 @@ never reaches them, because it signals the new instance's group. vLLM renames it
 
 Every supervised program is started through `python -m appliance.orphans NAME RUN_DIR --
 COMMAND...`: it ends the previous instance's group, records its own group id in
-RUN_DIR/NAME.pgid, then execs COMMAND, so the pid supervisord sees is COMMAND's own.
+RUN_DIR/NAME.pgid (0600) with the boot's id and the group leader's start time, then execs
+COMMAND, so the pid supervisord sees is COMMAND's own. A record is acted on only in the boot
+that wrote it and only for processes that started no earlier than its leader, so a group id
+reused by another program after a reboot, or later, is never signalled.
 `appliance up` and `down` end whatever groups remain recorded.
 """
 
@@ -39,9 +42,8 @@ def group_members(pgid: int) -> list[psutil.Process]:
     return members
 
 
-def end_group(pgid: int, grace_s: float = 5.0) -> list[int]:
-    """SIGTERM every member of process group `pgid`, SIGKILL survivors after `grace_s`."""
-    procs = group_members(pgid)
+def end_processes(procs: list[psutil.Process], grace_s: float = 5.0) -> list[int]:
+    """SIGTERM each of `procs`, SIGKILL survivors after `grace_s`."""
     for proc in procs:
         try:
             proc.terminate()
@@ -57,17 +59,54 @@ def end_group(pgid: int, grace_s: float = 5.0) -> list[int]:
     return [proc.pid for proc in procs]
 
 
+def boot_id() -> str:
+    """This boot's id: process start times and group ids mean nothing across a reboot."""
+    return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+
+
+def group_record() -> str:
+    """What a pgid file says of this process's group: its id, the boot and its leader's start."""
+    return f"{os.getpgrp()} {boot_id()} {psutil.Process(os.getpgrp()).create_time():.3f}\n"
+
+
+def recorded_members(record: str) -> list[psutil.Process]:
+    """The processes still in a recorded group: none if the record is from another boot or
+    malformed, or if the group id now belongs to another group (its leader started at another
+    time); otherwise the members that started no earlier than the recorded leader."""
+    try:
+        pgid_text, boot, started_text = record.split()
+        pgid, started = int(pgid_text), float(started_text)
+    except ValueError:
+        return []
+    if boot != boot_id() or pgid == os.getpgrp():
+        return []
+    try:
+        if abs(psutil.Process(pgid).create_time() - started) > 0.01:
+            return []  # the id was reused by another group
+    except psutil.NoSuchProcess:
+        pass  # the leader died hard: its workers are what is left
+    except psutil.Error:
+        return []
+    members = []
+    for proc in group_members(pgid):
+        try:
+            if proc.create_time() >= started - 0.01:
+                members.append(proc)
+        except psutil.Error:
+            continue
+    return members
+
+
 def end_leftovers(run_dir: Path, program: str | None = None) -> list[int]:
     """End the recorded process group of `program` (or of every program); return ended pids."""
     files = [pgid_file(run_dir, program)] if program else sorted(run_dir.glob("*.pgid"))
     ended: list[int] = []
     for path in files:
         try:
-            pgid = int(path.read_text().strip())
-        except (OSError, ValueError):
+            record = path.read_text()
+        except OSError:
             continue
-        if pgid != os.getpgrp():
-            ended += end_group(pgid)
+        ended += end_processes(recorded_members(record))
         path.unlink(missing_ok=True)
     return ended
 
@@ -81,7 +120,9 @@ def main(argv: list[str]) -> None:
     if ended:
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
         print(f"{stamp} ended leftovers of a previous {name}: pids {ended}", flush=True)
-    pgid_file(run_dir, name).write_text(f"{os.getpgrp()}\n")
+    path = pgid_file(run_dir, name)
+    path.write_text(group_record())
+    path.chmod(0o600)
     os.execvp(command[0], command)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -58,8 +58,13 @@ class Nic(_Record):
     speed_mbps: int | None = None
 
 
+# A host's name becomes a directory (staged weights per host): letters and digits joined by
+# single '.', '-' or '_', so never '..', '/' or a leading dot.
+HostName = Annotated[str, Field(pattern=r"^[A-Za-z0-9]+([._-][A-Za-z0-9]+)*$", max_length=253)]
+
+
 class Host(_Record):
-    name: str
+    name: HostName
     gpus: list[Gpu] = Field(default_factory=list)
     nvlink_all_to_all: bool = Field(
         False, description="Every GPU reaches every other over NVLink/NVSwitch (one TP domain).")
@@ -147,7 +152,7 @@ class AlternativeLayout(_Record):
 
 
 class HostCommand(_Record):
-    host: str
+    host: HostName
     role: str = Field(description="'head' or 'worker'.")
     argv: list[str]
     env: dict[str, str]

@@ -13,11 +13,11 @@ import json
 import os
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from appliance.errors import SettingsError
 
@@ -29,8 +29,37 @@ DEMO_MODEL = "demo"
 Port = Annotated[int, Field(ge=1024, le=65535)]
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_CONFIG_COMMENT = re.compile(r"\s[;#]")  # supervisord's config reads these as the start of a comment
+
+
+def _strings(value: Any) -> Iterator[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _strings(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _strings(item)
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)
+    # Values of these sections reach supervisord's configuration file (commands, environments).
+    IN_SUPERVISOR_CONFIG: ClassVar[bool] = True
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _no_line_injection(cls, value: Any) -> Any:
+        for text in _strings(value):
+            if found := _CONTROL.search(text):
+                raise ValueError(f"contains a control character (U+{ord(found.group()):04X}); a line break "
+                                 "would start a new line in supervisord's configuration")
+            if cls.IN_SUPERVISOR_CONFIG and (found := _CONFIG_COMMENT.search(text)):
+                raise ValueError(f"contains {found.group()!r}: supervisord's configuration would read the rest "
+                                 "as a comment")
+        return value
 
 
 class NetworkSettings(_Section):
@@ -189,6 +218,14 @@ class GatewaySettings(_Section):
     upstream_connect_timeout_s: float = Field(
         1.0, gt=0, description="Engine connect timeout; a down engine is a fast 503."
     )
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="A connection must send its request headers within this time of opening "
+        "(or of its previous response) or it is closed."
+    )
+    max_connections: int = Field(
+        4096, ge=16, description="Open connections at most; past it the oldest still sending its headers "
+        "is closed."
+    )
     introspect_ttl_s: float = Field(
         10.0, ge=0,
         description="Re-check each token with Keycloak's introspection this often (0: never), "
@@ -207,6 +244,8 @@ SECRET_FIELDS = (("keycloak", "gateway_client_secret"), ("artifacts", "s3_secret
 
 class ArtifactSettings(_Section):
     """The artifact store: where copies leave this host's state dir (audit archives first)."""
+
+    IN_SUPERVISOR_CONFIG = False  # read by the programs from the settings file
 
     store: Literal["local", "s3"] = Field(
         "local", description="'local' (a directory) or 's3' (an S3-compatible bucket via minio)."
@@ -231,6 +270,8 @@ class ArtifactSettings(_Section):
 
 class AuditSettings(_Section):
     """The tamper-evident audit log."""
+
+    IN_SUPERVISOR_CONFIG = False  # read by the programs from the settings file
 
     capture_text: bool = Field(
         False, description="Also store raw prompt and completion text (keyed hashes always)."
@@ -261,6 +302,8 @@ class AuditSettings(_Section):
 
 class FinetuneSettings(_Section):
     """Post-training: datasets, the sensitive-data scan, training jobs and their gate."""
+
+    IN_SUPERVISOR_CONFIG = False  # read by the programs from the settings file
 
     sensitive_data: Literal["block", "redact", "allow"] = Field(
         "block", description="What `appliance data add` does with e-mails, phone numbers, card numbers, "
@@ -473,5 +516,6 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, BaseModel):
         value = value.model_dump()
     if isinstance(value, dict):
-        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
+        # TOML has no null: an unset field is left out (it takes its default).
+        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items() if v is not None) + " }"
     return str(value)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import os
 import re
+import resource
 import shlex
 import subprocess
 import sys
@@ -103,6 +104,8 @@ def render_config(home: Home, programs: list[Program], password: str) -> str:
         f"childlogdir={home.logs}",
         f"directory={home.root}",
         "identifier=appliance",
+        # Raised for supervisord and so for every program: the gateway holds one per connection.
+        f"minfds={min_fds()}",
         "nodaemon=false",
         "environment=" + ",".join(_env_pair(key, value) for key, value in sorted(OFFLINE_ENVIRONMENT.items())),
         "",
@@ -137,6 +140,13 @@ def render_config(home: Home, programs: list[Program], password: str) -> str:
             "stdout_logfile_backups=3",
         ]
     return "\n".join(lines) + "\n"
+
+
+def min_fds(wanted: int = 65536) -> int:
+    """supervisord's open-file limit: `wanted`, or the hard limit if lower (only root may go
+    beyond it, and supervisord refuses to start when it cannot reach minfds)."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    return wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
 
 
 def socket_path(home: Home) -> Path:

@@ -217,12 +217,15 @@ def wait_for(url: str, timeout_s: float = 60) -> None:
     raise TimeoutError(url)
 
 
-def serve(app: str, port: int, env: dict[str, str], *factory: str) -> subprocess.Popen:
+def serve(app: str, port: int, env: dict[str, str]) -> subprocess.Popen:
     """An ASGI app from this repository under uvicorn on a loopback port."""
+    return _start([sys.executable, "-P", "-m", "uvicorn", app, "--port", str(port), "--no-access-log",
+                   "--log-level", "warning"], port, env)
+
+
+def _start(command: list[str], port: int, env: dict[str, str]) -> subprocess.Popen:
     log = (LOGS / f"gateway-overhead-{port}.log").open("w")
-    return subprocess.Popen([sys.executable, "-P", "-m", "uvicorn", app, *factory, "--port", str(port),
-                             "--no-access-log", "--log-level", "warning"],
-                            cwd=Path(__file__).parent.parent, env=env, stdout=subprocess.DEVNULL, stderr=log)
+    return subprocess.Popen(command, cwd=Path(__file__).parent.parent, env=env, stdout=subprocess.DEVNULL, stderr=log)
 
 
 @contextlib.contextmanager
@@ -248,9 +251,10 @@ def stub_section(env: dict[str, str], token: Headers, per_worker: dict[int, int]
     stub_url = f"http://127.0.0.1:{PORTS['stub']}"
     # STUB_ENGINE_DELAY_S: see stub_engine.py
     stub = serve("bench.stub_engine:app", PORTS["stub"], {**os.environ, "STUB_ENGINE_DELAY_S": str(delay_s)})
-    gateway = serve("serve.gateway:app_from_env", PORTS["stub_gateway"],
-                    {**env, "APPLIANCE_POOLS__MAIN__PORT": str(PORTS["stub"]),
-                     "APPLIANCE_GATEWAY__PORT": str(PORTS["stub_gateway"])}, "--factory")
+    # The gateway as supervisord runs it (serve.listener), settings from the environment.
+    gateway = _start([sys.executable, "-P", "-m", "serve.listener"], PORTS["stub_gateway"],
+                     {**env, "APPLIANCE_POOLS__MAIN__PORT": str(PORTS["stub"]),
+                      "APPLIANCE_GATEWAY__PORT": str(PORTS["stub_gateway"])})
     try:
         wait_for(f"{stub_url}/health")
         wait_for(f"http://127.0.0.1:{PORTS['stub_gateway']}/healthz")

@@ -32,6 +32,19 @@ def parse_s3_url(url: str) -> tuple[str, str]:
     return bucket, prefix.rstrip("/") + "/"
 
 
+def relative_key(key: str, prefix: str) -> str:
+    """The path of an object below the prefix, refused (naming the key) if it could land outside
+    the target directory: '..' or '.' segments, empty segments, an absolute path, a backslash or
+    a control character."""
+    relative = key[len(prefix):]
+    segments = relative.split("/")
+    if (not key.startswith(prefix) or relative.startswith("/") or any(s in ("", ".", "..") for s in segments)
+            or "\\" in relative or any(ord(c) < 0x20 or ord(c) == 0x7F for c in relative)):
+        raise RemoteSourceError(f"object key {key!r} is not a plain relative path below {prefix!r}; refusing it",
+                                hint="remove or rename the object in the bucket")
+    return relative
+
+
 def fetch_checkpoint(url: str, into: Path, settings: ArtifactSettings, *, workers: int = 8,
                      on_bytes: Callable[[int], None] = lambda n: None,
                      on_total: Callable[[int], None] = lambda n: None) -> Path:
@@ -41,6 +54,7 @@ def fetch_checkpoint(url: str, into: Path, settings: ArtifactSettings, *, worker
     bucket, prefix = parse_s3_url(url)
     store = S3Store(settings, bucket=bucket)
     keys = [key for key in store.keys(prefix) if not key.endswith("/")]
+    targets = {key: into / relative_key(key, prefix) for key in keys}  # every key checked before any write
     if not any(key.endswith("config.json") for key in keys):
         raise RemoteSourceError(f"{url}: no config.json under this prefix ({len(keys)} objects)")
     into.mkdir(parents=True, exist_ok=True)
@@ -48,7 +62,7 @@ def fetch_checkpoint(url: str, into: Path, settings: ArtifactSettings, *, worker
     on_total(sum(size for size, _ in sizes.values()))
     with ThreadPoolExecutor(max_workers=workers) as pool:
         for key in keys:
-            target = into / key[len(prefix):]
+            target = targets[key]
             size, etag = sizes[key]
             if _already_fetched(target, size, etag):
                 on_bytes(size)

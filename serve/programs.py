@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from appliance.home import HOME_ENV, Home
 from appliance.programs import Program
 from appliance.settings import Settings
 from serve.engine import engine_programs
-
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
 def gateway_program(settings: Settings, home: Home) -> Program:
@@ -19,12 +16,9 @@ def gateway_program(settings: Settings, home: Home) -> Program:
     base = f"http://{host}:{gateway.port}"
     return Program(
         name="gateway",
-        # -P and --app-dir: never import from the working directory (uvicorn's default app dir),
-        # the state dir, whose audit/ folder would otherwise shadow the audit package.
-        command=[sys.executable, "-P", "-m", "uvicorn", "serve.gateway:app_from_env", "--factory",
-                 "--app-dir", str(PROJECT_ROOT),
-                 "--host", gateway.bind, "--port", str(gateway.port),
-                 "--no-access-log", "--log-level", "warning", "--timeout-graceful-shutdown", "5"],
+        # -P: never import from the working directory, the state dir, whose audit/ folder would
+        # otherwise shadow the audit package. serve.listener reads the settings itself.
+        command=[sys.executable, "-P", "-m", "serve.listener"],
         environment={HOME_ENV: str(home.root)},
         port=gateway.port,
         health_url=f"{base}/healthz",

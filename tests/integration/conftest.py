@@ -33,6 +33,8 @@ SESSION_SETTINGS = {
                                  "max_n = 2, max_logprobs = 2 }, admin = { requests_per_minute = 100000, "
                                  "tokens_per_minute = 10000000, max_concurrent = 1000 } }",
     "APPLIANCE_GATEWAY__LEEWAY_S": "1",
+    "APPLIANCE_GATEWAY__HEADER_TIMEOUT_S": "3",  # test_attacks: half-open connections
+    "APPLIANCE_GATEWAY__MAX_CONNECTIONS": "1024",
     "APPLIANCE_GATEWAY__INTROSPECT_TTL_S": "1",
     "APPLIANCE_AUDIT__MAX_FILE_BYTES": "65536",
     "APPLIANCE_AUDIT__ARCHIVE_INTERVAL_S": "2",

@@ -5,6 +5,8 @@ attack and asserts what it now gets."""
 from __future__ import annotations
 
 import json
+import resource
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -228,3 +230,34 @@ def test_concurrent_requests_per_user_and_role_caps(realm: Realm, running: Runni
         after = http.post(f"{realm.gateway}/v1/completions", json={**body, "stream": False, "max_tokens": 2},
                           headers=headers)
         assert after.status_code == 200, "slots freed when the streams were closed"
+
+
+# -- 11. connection floods --------------------------------------------------------------------
+
+def test_half_open_connections_do_not_lock_out_a_real_client(realm: Realm, eve: dict, running: Running) -> None:
+    """1,100 connections that never finish their request headers: past the session's cap of
+    1,024 the oldest are closed at once, the rest after the 3 s header timeout, and a real
+    request completes meanwhile. Before, uvicorn held them all and ran out of descriptors."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 8192)), hard))
+    port = running.appliance.port("APPLIANCE_GATEWAY__PORT")
+    half_open: list[socket.socket] = []
+    try:
+        for _ in range(1100):
+            connection = socket.create_connection(("127.0.0.1", port), timeout=10)
+            connection.sendall(b"GET /v1/models HTTP/1.1\r\nHost: gateway\r\n")  # never finished
+            half_open.append(connection)
+        answer = httpx.get(f"{realm.gateway}/v1/models", headers=eve, timeout=30)
+        assert answer.status_code == 200
+        time.sleep(4)
+        closed = 0
+        for connection in half_open:
+            connection.settimeout(5)
+            try:
+                closed += connection.recv(1) == b""
+            except ConnectionResetError:
+                closed += 1
+        assert closed == len(half_open), f"{len(half_open) - closed} half-open connections still held"
+    finally:
+        for connection in half_open:
+            connection.close()

@@ -108,3 +108,29 @@ def test_s3_store_needs_endpoint_and_keys(tmp_path: Path) -> None:
     path.write_text('[artifacts]\nstore = "s3"\ns3_endpoint = "127.0.0.1:9000"\n')
     with pytest.raises(SettingsError, match=r"settings.toml:1: artifacts: .*needs s3_access_key, s3_secret_key"):
         load_settings(path, environ={})
+
+
+@pytest.mark.parametrize(("text", "where", "why"), [
+    ('[[pools]]\nname = "main"\nextra_args = ["--x", "1\\n[program:evil]"]\n', "settings.toml:3", "U+000A"),
+    ('[[pools]]\nname = "main"\nserved_model_name = "m ;command=evil"\n', "settings.toml:3", "comment"),
+    ('[keycloak]\njava_home = "/opt/jdk #x"\n', "settings.toml:2", "comment"),
+])
+def test_values_that_would_inject_into_supervisords_config_are_refused(tmp_path: Path, text: str, where: str,
+                                                                      why: str) -> None:
+    """Issue 17: settings reach supervisord's config file; a newline or a comment there would add
+    or hide configuration."""
+    with pytest.raises(SettingsError) as caught:
+        load_settings(write(tmp_path, text), environ={})
+    message = caught.value.one_line()
+    assert where in message and why in message
+
+
+def test_a_newline_in_an_environment_override_is_refused_naming_the_variable(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError) as caught:
+        load_settings(tmp_path / "absent.toml", environ={"APPLIANCE_POOLS__MAIN__SERVED_MODEL_NAME": "a\nb"})
+    assert "APPLIANCE_POOLS__MAIN__SERVED_MODEL_NAME" in caught.value.one_line()
+
+
+def test_values_read_only_from_the_settings_file_may_hold_comment_characters(tmp_path: Path) -> None:
+    settings = load_settings(write(tmp_path, '[finetune.sensitive_patterns]\nticket = "TICKET #[0-9]+"\n'), environ={})
+    assert settings.finetune.sensitive_patterns == {"ticket": "TICKET #[0-9]+"}

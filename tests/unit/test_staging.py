@@ -240,3 +240,25 @@ def test_cli_names_a_bad_plan_file(tmp_path: Path) -> None:
     result = subprocess.run([APPLIANCE, "stage", str(source), "--plan", str(bad), "--out", str(tmp_path / "out")],
                             capture_output=True, text=True)
     assert result.returncode == 1 and f"{bad}: not a plan record: model.name: Field required" in result.stderr
+
+
+@pytest.mark.parametrize("key", ["ckpt/../../etc/cron.d/x", "ckpt//config.json", "ckpt/./a", "ckpt/a\\..\\b"])
+def test_object_keys_that_could_leave_the_target_are_refused(key: str) -> None:
+    """Issue 17: a bucket's key became a path under the target directory as it was."""
+    from installer.remote_source import RemoteSourceError, relative_key
+
+    assert relative_key("ckpt/sub/model.safetensors", "ckpt/") == "sub/model.safetensors"
+    with pytest.raises(RemoteSourceError, match="not a plain relative path"):
+        relative_key(key, "ckpt/")
+
+
+@pytest.mark.parametrize("host", ["../../etc", "a/b", ".hidden", "node..1", ""])
+def test_a_plan_whose_host_names_are_not_plain_names_is_refused(tmp_path: Path, host: str) -> None:
+    """Issue 17: a plan's host name becomes the staging directory out_dir/<host>."""
+    from pydantic import ValidationError
+
+    from appliance.records import HostCommand
+
+    assert HostCommand(host="gpu-01.rack_2", role="head", argv=[], env={}).host == "gpu-01.rack_2"
+    with pytest.raises(ValidationError, match="host"):
+        HostCommand(host=host, role="head", argv=[], env={})
