@@ -9,6 +9,7 @@ and replaced atomically, so the trainer and the gateway never lose each other's 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from appliance.durable import replace_file
+from appliance.errors import IntegrityError
 from appliance.errors import ApplianceError
 from appliance.home import Home
 
@@ -36,6 +38,7 @@ class AdapterRecord(BaseModel):
     hyperparameters: dict
     metrics: dict
     artifact: str  # the key prefix of its files in the artifact store
+    files: dict[str, str] = {}  # file name -> SHA-256, checked whenever the files are read back
     state: State
     created: str = Field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
 
@@ -114,3 +117,16 @@ def updating(home: Home) -> Iterator[Registry]:
         replace_file(path, json.dumps(registry.model_dump(), indent=1).encode())
     finally:
         os.close(lock)
+
+
+def check_files(record: AdapterRecord, files: dict[str, bytes]) -> None:
+    """Raise IntegrityError unless `files` (name -> content, as read back from the store) are
+    exactly the files recorded for the version, byte for byte."""
+    if not record.files:
+        return  # registered before digests were recorded: nothing to check against
+    found = {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
+    for name in sorted(set(record.files) | set(found)):
+        if record.files.get(name) != found.get(name):
+            what = "missing" if name not in found else "not recorded" if name not in record.files else "changed"
+            raise IntegrityError(f"{record.name} v{record.version}: file {name!r} in the artifact store is {what} "
+                                 "since the version was registered", hint="retire this version and train it again")

@@ -5,6 +5,7 @@ ApplianceError                 root: the CLI catches only this and prints one li
  +-- StateError                the state directory or a secret is unusable
  +-- SupervisorError           supervisord cannot be started or reached
  +-- StartError                a supervised program failed to start (carries its log path)
+ +-- IntegrityError            a stored artifact no longer matches the digest recorded for it
 """
 
 from __future__ import annotations
@@ -45,3 +46,7 @@ class SupervisorError(ApplianceError):
 
 class StartError(ApplianceError):
     """A supervised program did not come up."""
+
+
+class IntegrityError(ApplianceError):
+    """A stored artifact (dataset, adapter version) no longer matches its recorded digest."""

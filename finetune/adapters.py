@@ -3,6 +3,8 @@ name, its record to the registry (appliance.adapters)."""
 
 from __future__ import annotations
 
+import hashlib
+
 from pathlib import Path
 
 from appliance import adapters
@@ -19,9 +21,12 @@ def register(home: Home, store: ArtifactStore, adapter_dir: Path, **fields: obje
         name = str(fields["name"])
         version = 1 + max((r.version for r in registry.versions(name)), default=0)
         artifact = f"{PREFIX}{name}/v{version}/"
+        files = {}
         for path in sorted(adapter_dir.iterdir()):
             if path.is_file():
-                store.put(artifact + path.name, path.read_bytes(), retain_days=0)
-        record = AdapterRecord(**{**fields, "version": version, "artifact": artifact})
+                data = path.read_bytes()
+                store.put(artifact + path.name, data, retain_days=0)
+                files[path.name] = hashlib.sha256(data).hexdigest()
+        record = AdapterRecord(**{**fields, "version": version, "artifact": artifact, "files": files})
         registry.adapters.append(record)
     return record

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.artifacts import ArtifactStore
-from appliance.errors import ApplianceError
+from appliance.errors import ApplianceError, IntegrityError
 from appliance.home import Home
 from finetune.pii import Scanner
 
@@ -182,12 +182,26 @@ def _line(example: dict[str, Any]) -> bytes:
     return json.dumps(example, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode()
 
 
+def content_digest(train: bytes, evaluation: bytes) -> str:
+    """A dataset's identity: SHA-256 of its train and eval files."""
+    return hashlib.sha256(train + b"\0" + evaluation).hexdigest()
+
+
+def check_dataset(name: str, digest: str, train: bytes, evaluation: bytes) -> None:
+    """Raise IntegrityError unless the files read back from the store are the dataset recorded."""
+    found = content_digest(train, evaluation)
+    if found != digest:
+        raise IntegrityError(f"dataset {name!r} in the artifact store was changed since it was added "
+                             f"(its files hash to {found[:16]}..., recorded {digest[:16]}...)",
+                             hint=f"add the dataset again with `appliance data add FILE --name {name}`")
+
+
 def store(name: str, source: Path, train: list[dict], evaluation: list[dict], sensitive: dict[str, int],
           action: str, artifacts: ArtifactStore, home: Home) -> Imported:
     """Put the dataset in the store under its content hash and name it in the local registry."""
     train_bytes = b"".join(_line(e) + b"\n" for e in train)
     eval_bytes = b"".join(_line(e) + b"\n" for e in evaluation)
-    digest = hashlib.sha256(train_bytes + b"\0" + eval_bytes).hexdigest()
+    digest = content_digest(train_bytes, eval_bytes)
     meta = {"name": name, "sha256": digest, "source": source.name, "rows": len(train) + len(evaluation),
             "train": len(train), "eval": len(evaluation), "sensitive": sensitive, "sensitive_action": action,
             "created": datetime.now(UTC).isoformat(timespec="seconds")}

@@ -27,7 +27,7 @@ from appliance.programs import OFFLINE_ENVIRONMENT
 from appliance.records import config_sha256
 from appliance.settings import DEMO_MODEL, FinetuneSettings, Settings
 from finetune import adapters
-from finetune.datasets import PREFIX, load_registry
+from finetune.datasets import PREFIX, check_dataset, load_registry
 from appliance.jobs import CANCEL_FILE, PROGRESS_FILE, Progress, read_progress
 from finetune.train import Hyperparameters, Result, TrainingCancelled, TrainingError, load_result
 
@@ -68,8 +68,10 @@ def run_job(directory: Path, *, name: str, data: str, base: str, hp: Hyperparame
     store = artifact_store(settings.artifacts, home)
     digest = registry[data]
     directory.mkdir(parents=True, exist_ok=True)
-    for split in ("train", "eval"):
-        (directory / f"{split}.jsonl").write_bytes(store.get(f"{PREFIX}{digest}/{split}.jsonl"))
+    splits = {split: store.get(f"{PREFIX}{digest}/{split}.jsonl") for split in ("train", "eval")}
+    check_dataset(data, digest, splits["train"], splits["eval"])
+    for split, content in splits.items():
+        (directory / f"{split}.jsonl").write_bytes(content)
     (directory / "job.json").write_text(json.dumps({"base": str(model), "hyperparameters": asdict(hp),
                                                     "eval_sets": eval_sets or {}}))
     (directory / PROGRESS_FILE).unlink(missing_ok=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -24,13 +25,15 @@ import anyio
 from appliance import adapters
 from appliance.adapters import AdapterRecord, Alias, Registry
 from appliance.artifacts import ArtifactStore
-from appliance.errors import ApplianceError
+from appliance.errors import ApplianceError, IntegrityError
 from appliance.home import Home
 from appliance.records import config_sha256
 from appliance.settings import Settings
 from serve.engine import model_dir
 from serve.errors import GatewayError
 from serve.upstream import Pool, Upstreams
+
+log = logging.getLogger("appliance.gateway")
 
 
 class AdapterRoutes:
@@ -213,11 +216,17 @@ class AdapterRoutes:
         partial = directory.with_name(f".{directory.name}.partial")
         partial.mkdir(parents=True, exist_ok=True)
         try:
-            for key in self.store.keys(record.artifact):
-                (partial / key.rsplit("/", 1)[-1]).write_bytes(self.store.get(key))
+            files = {key.rsplit("/", 1)[-1]: self.store.get(key) for key in self.store.keys(record.artifact)}
         except ApplianceError as exc:
             raise GatewayError(503, f"cannot fetch {record.name} v{record.version}: {exc.message}",
                                type="service_unavailable", code="artifact_store") from exc
+        try:
+            adapters.check_files(record, files)
+        except IntegrityError as exc:
+            log.error("adapter artifact refused: %s", exc.one_line())
+            raise GatewayError(409, exc.one_line(), type="invalid_request_error", code="artifact_integrity") from exc
+        for name, data in files.items():
+            (partial / name).write_bytes(data)
         partial.rename(directory)
         return directory
 

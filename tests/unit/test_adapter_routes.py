@@ -165,3 +165,30 @@ def test_retiring_an_unknown_adapter_is_a_404(routes: AdapterRoutes) -> None:
         with pytest.raises(GatewayError) as refused:
             run(routes.retire("nope" if version is None else "codes", version))
         assert refused.value.status == 404
+
+
+def test_a_version_whose_files_changed_in_the_store_is_not_deployed(tmp_path: Path) -> None:
+    """Issue 17: adapter files are re-hashed against the digests recorded at registration."""
+    import hashlib
+
+    home = Home(tmp_path / "home").ensure()
+    store = LocalStore(tmp_path / "store")
+    artifact = "adapters/codes/v1/"
+    files = {"adapter_config.json": b"{}", "adapter_model.safetensors": b"weights"}
+    for name, data in files.items():
+        store.put(artifact + name, data, retain_days=0)
+    with adapters.updating(home) as registry:
+        registry.adapters.append(AdapterRecord(
+            name="codes", version=1, base_model="demo", base_config_sha256="base", dataset="d", dataset_sha256="x",
+            hyperparameters={}, metrics={}, artifact=artifact, state="registered",
+            files={name: hashlib.sha256(data).hexdigest() for name, data in files.items()}))
+    (tmp_path / "store" / artifact / "adapter_model.safetensors").chmod(0o600)
+    (tmp_path / "store" / artifact / "adapter_model.safetensors").write_bytes(b"backdoor")
+    engine = Engine()
+    routes = AdapterRoutes(home, engine, store, {"main": "base"})  # type: ignore[arg-type]
+    with pytest.raises(GatewayError) as caught:
+        run(routes.deploy("codes", 1, None, None))
+    assert caught.value.status == 409 and caught.value.code == "artifact_integrity"
+    assert "'adapter_model.safetensors' in the artifact store is changed" in caught.value.message
+    assert engine.loaded == set() and not (home.root / "adapters" / "codes" / "v1").exists()
+    assert adapters.load(home).find("codes", 1).state == "registered", "nothing changed"

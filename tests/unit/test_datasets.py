@@ -112,3 +112,14 @@ def test_cli_imports_all_or_nothing_and_audits(tmp_path: Path) -> None:
     assert set(load_registry(home)) == {"faq"}, "nothing imported from a refused dataset"
     actions = [(r["action"], r["outcome"]) for r in read_records(home.audit)]
     assert actions == [("data.add", "allowed"), ("data.add", "error")]
+
+
+def test_a_dataset_changed_in_the_store_is_refused_when_read() -> None:
+    """Issue 17: a job re-hashes its dataset's files against the recorded digest."""
+    from appliance.errors import IntegrityError
+    from finetune.datasets import check_dataset, content_digest
+
+    digest = content_digest(b'{"text": "a"}\n', b'{"text": "b"}\n')
+    check_dataset("support", digest, b'{"text": "a"}\n', b'{"text": "b"}\n')
+    with pytest.raises(IntegrityError, match="dataset 'support' in the artifact store was changed"):
+        check_dataset("support", digest, b'{"text": "poisoned"}\n', b'{"text": "b"}\n')
