@@ -28,8 +28,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from appliance.errors import ApplianceError
-from installer.bundle_files import (MANIFEST, PUBLIC_KEY, SIGNATURE, BundleFileError, check_files,
-                                     listed_files)
+from installer.bundle_files import (MANIFEST, PUBLIC_KEY, SIGNATURE, SUMS, SUMS_SIGNATURE, BundleFileError,
+                                     check_files, listed_files)
 from installer.digest import sha256_file
 
 PARTS_LIST = "parts.sha256"
@@ -95,6 +95,9 @@ def seal(bundle: Path, key: Ed25519PrivateKey, *, description: dict, on_file: Ca
     raw = json.dumps(manifest, indent=1, sort_keys=True).encode()
     (bundle / MANIFEST).write_bytes(raw)
     (bundle / SIGNATURE).write_text(base64.b64encode(key.sign(raw)).decode() + "\n")
+    sums = "".join(f"{entry['sha256']}  {name}\n" for name, entry in sorted(files.items())).encode()
+    (bundle / SUMS).write_bytes(sums)
+    (bundle / SUMS_SIGNATURE).write_text(base64.b64encode(key.sign(sums)).decode() + "\n")
     public = key.public_key()
     (bundle / PUBLIC_KEY).write_bytes(public.public_bytes(serialization.Encoding.PEM,
                                                           serialization.PublicFormat.SubjectPublicKeyInfo))
@@ -127,6 +130,19 @@ def verify(bundle: Path, trusted: Ed25519PublicKey | None = None,
     except BundleFileError as exc:
         raise BundleError(str(exc)) from None
     return Verified(files=len(files), bytes=total, fingerprint=fingerprint(key))
+
+
+def verification_commands(bundle: Path, key_fingerprint: str) -> list[str]:
+    """What an operator runs on the target, with openssl and coreutils only, before any script
+    of the bundle: the key's fingerprint, the signature of the checksum list, every checksum."""
+    plain = key_fingerprint.replace(":", "")
+    where = bundle.name
+    return [
+        f"openssl pkey -pubin -in builder.pub -outform DER | tail -c 32 | sha256sum   # must print {plain}",
+        f"base64 -d {where}/{SUMS_SIGNATURE} > sums.sig && openssl pkeyutl -verify -pubin -inkey builder.pub "
+        f"-rawin -in {where}/{SUMS} -sigfile sums.sig   # must print: Signature Verified Successfully",
+        f"(cd {where} && sha256sum --quiet --strict -c {SUMS})   # must print nothing and exit 0",
+    ]
 
 
 def split(bundle: Path, out: Path, part_bytes: int) -> list[Path]:
@@ -168,10 +184,38 @@ def join(parts_dir: Path, out: Path) -> Path:
         for name in names:
             with (parts_dir / name).open("rb") as part:
                 shutil.copyfileobj(part, whole)
-    with tarfile.open(archive) as tar:
-        roots = {member.name.split("/")[0] for member in tar.getmembers()}
-        if len(roots) != 1:
-            raise BundleError(f"{parts_dir}: the parts do not hold one bundle directory")
-        tar.extractall(out, filter="data")  # refuses links and paths outside `out`
-    archive.unlink()
-    return out / roots.pop()
+    try:
+        with tarfile.open(archive) as tar:
+            root = _unpack(tar, out, parts_dir)
+    finally:
+        archive.unlink()
+    return out / root
+
+
+def _unpack(tar: tarfile.TarFile, out: Path, parts_dir: Path) -> str:
+    """Extract a bundle's tar by hand, member by member, after checking every member: one root
+    directory, plain relative names (no '..', no absolute path), only regular files and
+    directories (no links, devices or FIFOs), written 0644/0755 whatever the tar says. This
+    does not depend on the running Python's tarfile extraction filters."""
+    members = tar.getmembers()
+    roots = {member.name.split("/")[0] for member in members}
+    if len(roots) != 1:
+        raise BundleError(f"{parts_dir}: the parts do not hold one bundle directory")
+    for member in members:
+        segments = member.name.split("/")
+        if member.name.startswith("/") or any(s in ("", ".", "..") for s in segments) or "\\" in member.name:
+            raise BundleError(f"{parts_dir}: the archive names {member.name!r}, not a plain relative path")
+        if not (member.isfile() or member.isdir()):
+            raise BundleError(f"{parts_dir}: {member.name!r} in the archive is not a regular file or directory")
+    for member in members:
+        target = out.joinpath(*member.name.split("/"))
+        if member.isdir():
+            target.mkdir(mode=0o755, parents=True, exist_ok=True)
+            continue
+        target.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+        source = tar.extractfile(member)
+        assert source is not None  # a regular file
+        with source, open(target, "xb") as written:
+            shutil.copyfileobj(source, written)
+        target.chmod(0o644)
+    return roots.pop()

@@ -18,7 +18,11 @@ from pathlib import Path
 MANIFEST = "manifest.json"
 SIGNATURE = "manifest.sig"
 PUBLIC_KEY = "signing-key.pub"
-UNLISTED = frozenset({MANIFEST, SIGNATURE, PUBLIC_KEY})
+# The manifest's content in sha256sum's format, signed too: checkable with coreutils and openssl
+# alone, before any script of the bundle runs.
+SUMS = "SHA256SUMS"
+SUMS_SIGNATURE = "SHA256SUMS.sig"
+UNLISTED = frozenset({MANIFEST, SIGNATURE, PUBLIC_KEY, SUMS, SUMS_SIGNATURE})
 CHUNK = 1 << 20
 
 
@@ -70,18 +74,23 @@ def check_files(bundle: Path, files: dict[str, dict], on_file: Callable[[str], N
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: bundle-check.py BUNDLE (after its signature is verified)", file=sys.stderr)
+    if len(argv) not in (1, 2):
+        print("usage: bundle-check.py BUNDLE [SHOWN_AS] (after its signature is verified)", file=sys.stderr)
         return 2
     bundle = Path(argv[0])
+    shown = argv[1] if len(argv) == 2 else str(bundle)  # install.sh checks a private copy of SHOWN_AS
+
+    def named(message: str) -> str:
+        return message.replace(str(bundle), shown)
+
     try:
         files = json.loads((bundle / MANIFEST).read_bytes())["files"]
         total = check_files(bundle, files)
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        print(f"bundle check failed: {bundle / MANIFEST}: unreadable ({exc})", file=sys.stderr)
+        print(named(f"bundle check failed: {bundle / MANIFEST}: unreadable ({exc})"), file=sys.stderr)
         return 1
     except BundleFileError as exc:
-        print(f"bundle check failed: {exc}", file=sys.stderr)
+        print(named(f"bundle check failed: {exc}"), file=sys.stderr)
         return 1
     print(f"{len(files)} files, {total:,} bytes, as listed in the signed manifest")
     return 0

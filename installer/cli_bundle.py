@@ -6,9 +6,10 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from cryptography.hazmat.primitives import serialization
 from rich.console import Console
 
-from installer.bundle import join, load_or_create_key, load_public_key, split, verify
+from installer.bundle import join, load_or_create_key, load_public_key, split, verification_commands, verify
 
 bundle_app = typer.Typer(help="Air-gapped bundles: build, verify the signature and every file, join split parts.",
                          no_args_is_help=True)
@@ -59,6 +60,14 @@ def build_command(
     out.print(f"bundle {built.bundle}: {sizes}; built in {built.seconds:.0f} s", soft_wrap=True)
     out.print(f"signing key fingerprint (compare it out of band on the target): {built.fingerprint}",
               soft_wrap=True)
+    public = signing_key.public_key().public_bytes(serialization.Encoding.PEM,
+                                                   serialization.PublicFormat.SubjectPublicKeyInfo).decode()
+    out.print(f"the builder's public key (carry it to the target apart from the bundle, as builder.pub):\n{public}",
+              soft_wrap=True, markup=False, highlight=False)
+    out.print("On the target, verify the bundle before running anything from it (openssl and coreutils only):",
+              soft_wrap=True)
+    for command in verification_commands(built.bundle, built.fingerprint):
+        out.print(f"  {command}", soft_wrap=True, markup=False, highlight=False)
     if part_mib is not None:
         parts = split(built.bundle, out_dir.with_name(f"{out_dir.name}-parts"), part_mib * 2**20)
         out.print(f"{len(parts)} parts in {parts[0].parent} (join with `appliance bundle join`)")

@@ -1,34 +1,48 @@
 #!/usr/bin/env bash
 # Install the appliance from an air-gapped bundle, with no network:
 #
-#   install.sh BUNDLE [--key TRUSTED.pem] [--prefix DIR] [--home DIR]
+#   install.sh BUNDLE (--key TRUSTED.pem | --fingerprint FP | --trust-bundled-key) [--prefix DIR] [--home DIR]
 #
-# Before anything is written it checks the manifest's Ed25519 signature (openssl; against the
-# operator's copy of the builder's key, else the bundled key whose fingerprint it prints) and
-# then every file (bundle-check.py, itself checked first). Then: a virtual environment in
-# PREFIX/venv from the bundle's wheels only (pip and uv with no index), Keycloak and the model
-# under the state dir (APPLIANCE_HOME), and preflight. Re-running is safe; installing a newer
-# bundle over an older one upgrades the software and keeps settings, secrets, users (Keycloak's
-# database), the audit log and adapters, none of which it touches.
+# First verify the bundle by hand with the commands `appliance bundle build` printed (openssl and
+# sha256sum): they check this script too. Then this script copies the bundle into a private
+# directory (0700, under /var/tmp or TMPDIR) and works only from that copy, so nothing can be swapped between
+# the checks and the use. Before anything is installed it checks the copy's manifest signature
+# (openssl) against the operator's copy of the builder's key (--key), or against the bundled key
+# if its fingerprint is the one given (--fingerprint), or, only when asked to, the bundled key as
+# it is (--trust-bundled-key); then every file (bundle-check.py, itself checked first). Then: a
+# virtual environment in PREFIX/venv from the bundle's wheels only (pip and uv with no index),
+# Keycloak and the model under the state dir (APPLIANCE_HOME), and preflight. Re-running is safe;
+# installing a newer bundle over an older one upgrades the software and keeps settings, secrets,
+# users (Keycloak's database), the audit log and adapters, none of which it touches.
 set -euo pipefail
 
-usage() { echo "usage: install.sh BUNDLE [--key TRUSTED_PUBLIC_KEY.pem] [--prefix DIR] [--home DIR]" >&2; exit 2; }
+usage() {
+  echo "usage: install.sh BUNDLE (--key TRUSTED_PUBLIC_KEY.pem | --fingerprint FINGERPRINT | --trust-bundled-key)" \
+       "[--prefix DIR] [--home DIR]" >&2
+  exit 2
+}
 fail() { echo "install.sh: $*" >&2; exit 1; }
 step() { printf '\n== %s\n' "$*"; }
 
 [ $# -ge 1 ] || usage
 [ -d "$1" ] || fail "$1: not a bundle directory"
-BUNDLE=$(cd "$1" && pwd)
+SOURCE=$(cd "$1" && pwd)
 shift
-KEY="" PREFIX=/opt/appliance
+KEY="" FINGERPRINT_WANTED="" TRUST_BUNDLED=0 PREFIX=/opt/appliance
 while [ $# -gt 0 ]; do
   case "$1" in
     --key) [ $# -ge 2 ] || usage; KEY=$2; shift 2 ;;
+    --fingerprint) [ $# -ge 2 ] || usage; FINGERPRINT_WANTED=$2; shift 2 ;;
+    --trust-bundled-key) TRUST_BUNDLED=1; shift ;;
     --prefix) [ $# -ge 2 ] || usage; PREFIX=$2; shift 2 ;;
     --home) [ $# -ge 2 ] || usage; export APPLIANCE_HOME=$2; shift 2 ;;
     *) usage ;;
   esac
 done
+if [ -z "$KEY" ] && [ -z "$FINGERPRINT_WANTED" ] && [ "$TRUST_BUNDLED" = 0 ]; then
+  fail "say which key to trust: --key BUILDER.pub (best), --fingerprint FP (the one the builder printed), or --trust-bundled-key (anyone who could change the bundle could also have signed it)"
+fi
+[ -z "$KEY" ] || KEY=$(cd "$(dirname "$KEY")" && pwd)/$(basename "$KEY")
 PYTHON=${PYTHON:-python3.11}
 command -v "$PYTHON" >/dev/null || fail "$PYTHON is missing: the bundle's wheels are for Python 3.11"
 command -v openssl >/dev/null || fail "openssl is missing: it checks the bundle's signature"
@@ -37,9 +51,18 @@ export PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1 UV_OFFLINE=1 UV_NO_CACHE=1
   HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 \
   VLLM_NO_USAGE_STATS=1 VLLM_DO_NOT_TRACK=1 DO_NOT_TRACK=1
 
-step "signature of $BUNDLE/manifest.json"
+step "a private copy of $SOURCE (checked and installed from; removed when done)"
+# 0700 (mktemp): no one else can change the copy between the checks and the install. On disk
+# (/var/tmp, or TMPDIR), not in memory: a bundle is gigabytes.
+BUNDLE=$(mktemp -d "${TMPDIR:-/var/tmp}/appliance-bundle.XXXXXX")
+trap 'rm -rf "$BUNDLE"' EXIT
+cp -R "$SOURCE/." "$BUNDLE/" || fail "cannot copy $SOURCE into $BUNDLE"
+SCRATCH=$BUNDLE/.scratch
+mkdir "$SCRATCH"
+
+step "signature of the bundle's manifest.json"
 for name in manifest.json manifest.sig signing-key.pub bundle-check.py; do
-  [ -f "$BUNDLE/$name" ] || fail "$BUNDLE/$name: missing (not a signed bundle)"
+  [ -f "$BUNDLE/$name" ] || fail "$SOURCE/$name: missing (not a signed bundle)"
 done
 if [ -n "$KEY" ]; then
   TRUSTED=$KEY WHO="the trusted key"
@@ -50,25 +73,27 @@ fi
 # The key's fingerprint as `appliance bundle build` prints it: SHA-256 of the raw 32-byte key.
 FINGERPRINT=$(openssl pkey -pubin -in "$TRUSTED" -outform DER | tail -c 32 | sha256sum | cut -c1-64 \
   | sed 's/..../&:/g; s/:$//') || fail "$TRUSTED: not a PEM public key"
-SCRATCH=$(mktemp -d)
-trap 'rm -rf "$SCRATCH"' EXIT
-base64 -d < "$BUNDLE/manifest.sig" > "$SCRATCH/signature" 2>/dev/null || fail "$BUNDLE/manifest.sig: not base64"
+if [ -n "$FINGERPRINT_WANTED" ] && [ "$(echo "$FINGERPRINT_WANTED" | tr -d ': ' | tr A-F a-f)" != "$(echo "$FINGERPRINT" | tr -d ':')" ]; then
+  fail "the bundled key's fingerprint is $FINGERPRINT, not the $FINGERPRINT_WANTED you gave: the bundle was not signed by the builder you trust"
+fi
+base64 -d < "$BUNDLE/manifest.sig" > "$SCRATCH/signature" 2>/dev/null || fail "$SOURCE/manifest.sig: not base64"
 if ! openssl pkeyutl -verify -pubin -inkey "$TRUSTED" -rawin -in "$BUNDLE/manifest.json" \
     -sigfile "$SCRATCH/signature" >/dev/null 2>&1; then
-  fail "$BUNDLE/manifest.json: the signature does not match $WHO ($FINGERPRINT): the manifest was changed or signed by another key"
+  fail "$SOURCE/manifest.json: the signature does not match $WHO ($FINGERPRINT): the manifest was changed or signed by another key"
 fi
-if [ -n "$KEY" ]; then
+if [ -n "$KEY" ] || [ -n "$FINGERPRINT_WANTED" ]; then
   echo "signed by $WHO: $FINGERPRINT"
 else
-  echo "signed by $WHO (compare this fingerprint with the one the builder printed): $FINGERPRINT"
+  echo "signed by $WHO, trusted as it is (--trust-bundled-key): $FINGERPRINT"
 fi
 
 step "every file against the manifest"
 EXPECTED=$("$PYTHON" -I -c 'import json, sys; print(json.load(open(sys.argv[1]))["files"]["bundle-check.py"]["sha256"])' \
-  "$BUNDLE/manifest.json") || fail "$BUNDLE/manifest.json: does not list bundle-check.py"
+  "$BUNDLE/manifest.json") || fail "$SOURCE/manifest.json: does not list bundle-check.py"
 [ "$(sha256sum "$BUNDLE/bundle-check.py" | cut -c1-64)" = "$EXPECTED" ] \
-  || fail "$BUNDLE/bundle-check.py: SHA-256 differs from the manifest (changed after signing)"
-"$PYTHON" -I "$BUNDLE/bundle-check.py" "$BUNDLE" || exit 1
+  || fail "$SOURCE/bundle-check.py: SHA-256 differs from the manifest (changed after signing)"
+rm -rf "$SCRATCH"  # not part of the bundle: the check refuses extra files
+"$PYTHON" -I "$BUNDLE/bundle-check.py" "$BUNDLE" "$SOURCE" || exit 1
 
 step "software in $PREFIX/venv (the bundle's wheels only)"
 if [ -x "$PREFIX/venv/bin/python" ] && "$PREFIX/venv/bin/python" -I -c 'import sys

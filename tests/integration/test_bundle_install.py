@@ -28,6 +28,7 @@ from appliance.settings import Settings
 from installer.memory import GIB, Layout, kv_bytes_per_token
 from installer.model_config import load_model_config
 from installer.bundle import MANIFEST, PUBLIC_KEY, SIGNATURE, load_or_create_key, seal
+from installer.bundle_files import SUMS, SUMS_SIGNATURE
 from tests.conftest import APPLIANCE
 from tests.integration.test_admin_tui import random_adapter
 from tests.integration.test_planner_vllm import make_tiny_moe
@@ -106,7 +107,7 @@ def newer_bundle(old: Path, new: Path, key_file: Path, work: Path) -> str:
     """`old` with the appliance's wheel rebuilt as the next version, re-signed: what a later
     `bundle build` of a newer checkout holds (the other wheels, Keycloak and the model unchanged)."""
     subprocess.run(["cp", "-al", str(old), str(new)], check=True)  # hard links: no copy of 3.6 GB
-    for name in (MANIFEST, SIGNATURE, PUBLIC_KEY):
+    for name in (MANIFEST, SIGNATURE, PUBLIC_KEY, SUMS, SUMS_SIGNATURE):
         (new / name).unlink()  # rewritten by seal(); unlinked first so `old` keeps its own
     [wheel] = (new / "wheels").glob("appliance-*.whl")
     wheel.unlink()
@@ -144,9 +145,16 @@ def test_bundle_installs_and_serves_with_no_network_and_upgrades_keeping_state(
     devices = in_namespace("ip -o link show | cut -d: -f2")
     assert devices.stdout.split() == ["lo"], devices.stdout  # nothing to reach but ourselves
 
-    trusted = tmp_path / "trusted.pub"  # the operator's copy of the builder's public key
+    trusted = tmp_path / "builder.pub"  # the operator's copy of the builder's public key
     trusted.write_bytes(load_or_create_key(key_file).public_key().public_bytes(
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+    assert trusted.read_text() in built.stdout, "the build prints the public key to carry out of band"
+    # Issue 17: the printed commands (openssl, sha256sum) verify the bundle before any script of it runs.
+    commands = re.findall(r"^  ((?:openssl|base64|\(cd).*?)(?:   # .*)?$", built.stdout, re.MULTILINE)
+    assert len(commands) == 3, built.stdout[-2000:]
+    checked = in_namespace(f"cd {tmp_path} && set -o pipefail && " + " && ".join(commands))
+    assert checked.returncode == 0 and printed.replace(":", "") in checked.stdout, checked.stdout + checked.stderr
+    assert "Signature Verified Successfully" in checked.stdout
     started = time.monotonic()
     installed = in_namespace(f"bash {first}/install.sh {first} --prefix {prefix} --home {state} --key {trusted}")
     install_s = time.monotonic() - started
@@ -182,7 +190,10 @@ def test_bundle_installs_and_serves_with_no_network_and_upgrades_keeping_state(
     assert any(r["action"] == "users.add" and r["outcome"] == "allowed" for r in records)
 
     started = time.monotonic()
-    upgraded = in_namespace(f"bash {second}/install.sh {second} --prefix {prefix} --home {state}")
+    refused = in_namespace(f"bash {second}/install.sh {second} --prefix {prefix} --home {state}")
+    assert refused.returncode == 1 and "say which key to trust" in refused.stderr
+    upgraded = in_namespace(f"bash {second}/install.sh {second} --prefix {prefix} --home {state} "
+                            f"--fingerprint {printed}")
     upgrade_s = time.monotonic() - started
     assert upgraded.returncode == 0, upgraded.stdout[-3000:] + upgraded.stderr[-3000:]
     after = in_namespace(f"""

