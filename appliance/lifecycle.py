@@ -85,7 +85,8 @@ def up(settings: Settings, home: Home, progress: Progress = _no_progress) -> UpR
 
 def _wrap(program: Program, home: Home) -> Program:
     """Run the program through appliance.orphans, which ends a dead predecessor's workers."""
-    command = [sys.executable, "-P", "-m", "appliance.orphans", program.name, str(home.run), "--",
+    socket = ["--socket", str(program.socket)] if program.socket else []
+    command = [sys.executable, "-P", "-m", "appliance.orphans", program.name, str(home.run), *socket, "--",
                *program.command]
     return program.model_copy(update={"command": command})
 
@@ -148,7 +149,7 @@ def _wait_ready(
                         log=log_file(home, name),
                     )
                 elapsed = time.monotonic() - started
-                if info.state == ProcessState.RUNNING and _healthy(client, program.health_url):
+                if info.state == ProcessState.RUNNING and _healthy(client, program):
                     ready[name] = round(elapsed, 1)
                     del waiting[name]
                     progress(f"{name} ready after {elapsed:.0f}s")
@@ -163,11 +164,15 @@ def _wait_ready(
     return ready
 
 
-def _healthy(client: httpx.Client, url: str | None) -> bool:
-    if url is None:
+def _healthy(client: httpx.Client, program: Program) -> bool:
+    """Whether the program's health URL answers 200 (over its Unix socket, if it has one)."""
+    if program.health_url is None:
         return True
     try:
-        return client.get(url).status_code == 200
+        if program.socket is not None:
+            with httpx.Client(transport=httpx.HTTPTransport(uds=str(program.socket)), timeout=client.timeout) as uds:
+                return uds.get(program.health_url).status_code == 200
+        return client.get(program.health_url).status_code == 200
     except httpx.HTTPError:
         return False
 
@@ -232,8 +237,9 @@ def status(home: Home) -> dict[str, Any]:
                 "uptime_s": info.uptime_s if info else 0,
                 "model": program.model,
                 "port": program.port,
+                "socket": str(program.socket) if program.socket else None,
                 "healthy": bool(info and info.state == ProcessState.RUNNING
-                                and _healthy(client, program.health_url)),
+                                and _healthy(client, program)),
                 "urls": program.urls,
                 "log": str(log_file(home, program.name)),
             })

@@ -112,11 +112,20 @@ def end_leftovers(run_dir: Path, program: str | None = None) -> list[int]:
 
 
 def main(argv: list[str]) -> None:
-    """`NAME RUN_DIR -- COMMAND...`: end NAME's leftovers, record this group, exec COMMAND."""
+    """`NAME RUN_DIR [--socket PATH] -- COMMAND...`: end NAME's leftovers, make the socket's
+    directory private (0700) and remove a stale socket there (a dead engine leaves its socket
+    behind, and binding it again fails), record this group, exec COMMAND."""
+    socket = None
+    if len(argv) > 3 and argv[2] == "--socket":
+        socket, argv = Path(argv[3]), argv[:2] + argv[4:]
     if len(argv) < 4 or argv[2] != "--":
-        sys.exit("usage: python -m appliance.orphans NAME RUN_DIR -- COMMAND...")
+        sys.exit("usage: python -m appliance.orphans NAME RUN_DIR [--socket PATH] -- COMMAND...")
     name, run_dir, command = argv[0], Path(argv[1]), argv[3:]
     ended = end_leftovers(run_dir, name)
+    if socket is not None:
+        socket.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        socket.parent.chmod(0o700)
+        socket.unlink(missing_ok=True)  # its previous owner is ended (above)
     if ended:
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
         print(f"{stamp} ended leftovers of a previous {name}: pids {ended}", flush=True)

@@ -34,6 +34,10 @@ class Program(BaseModel):
     environment: dict[str, str] = Field(default_factory=dict)
     directory: Path | None = None
     port: int | None = Field(None, description="Loopback port it listens on; checked free before start.")
+    socket: Path | None = Field(
+        None, description="Unix socket it listens on, in a private directory; a stale one is removed before "
+        "it starts, and its health_url is asked over it."
+    )
     health_url: str | None = Field(None, description="Answers 200 once the program is ready.")
     urls: dict[str, str] = Field(default_factory=dict, description="What it serves, for status.")
     model: str | None = Field(None, description="Model name it serves, if any.")

@@ -62,24 +62,6 @@ class _Section(BaseModel):
         return value
 
 
-class NetworkSettings(_Section):
-    """Where the appliance's processes listen."""
-
-    bind: str = Field(
-        "127.0.0.1",
-        description="Address the engines listen on. Engines are internal: keep this on loopback.",
-    )
-
-    @model_validator(mode="after")
-    def _loopback_only(self) -> NetworkSettings:
-        if self.bind not in ("127.0.0.1", "::1", "localhost"):
-            raise ValueError(
-                "engines listen on loopback only; the gateway is the public endpoint "
-                "(use 127.0.0.1)"
-            )
-        return self
-
-
 class EngineSettings(_Section):
     """Defaults for every vLLM pool."""
 
@@ -109,7 +91,8 @@ class EngineSettings(_Section):
 
 
 class PoolSettings(_Section):
-    """One vLLM server: a model served under a name on a loopback port."""
+    """One vLLM server: a model served under a name, on a Unix socket in the state dir's private
+    run/engines/ (no TCP port: no other local user can reach the engine or take its place)."""
 
     name: str = Field(
         pattern=r"^[a-z][a-z0-9-]{0,30}$",
@@ -123,7 +106,6 @@ class PoolSettings(_Section):
     served_model_name: str | None = Field(
         None, description="Name clients use in 'model' (unset: the model directory's name)."
     )
-    port: Port = Field(8100, description="Loopback port of this pool's vLLM server.")
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM --tensor-parallel-size.")
     pipeline_parallel_size: int = Field(1, ge=1, description="vLLM --pipeline-parallel-size.")
     data_parallel_size: int = Field(1, ge=1, description="vLLM --data-parallel-size.")
@@ -338,7 +320,6 @@ class FinetuneSettings(_Section):
 class Settings(_Section):
     """All settings, composed from one section per concern."""
 
-    network: NetworkSettings = Field(default_factory=NetworkSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)
     keycloak: KeycloakSettings = Field(default_factory=KeycloakSettings)
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
@@ -353,13 +334,11 @@ class Settings(_Section):
 
     @model_validator(mode="after")
     def _pools_distinct(self) -> Settings:
-        for attr in ("name", "port"):
-            seen: set[object] = set()
-            for pool in self.pools:
-                value = getattr(pool, attr)
-                if value in seen:
-                    raise ValueError(f"two pools share {attr} {value!r}; give each its own")
-                seen.add(value)
+        seen: set[str] = set()
+        for pool in self.pools:
+            if pool.name in seen:
+                raise ValueError(f"two pools share name {pool.name!r}; give each its own")
+            seen.add(pool.name)
         return self
 
     def masked(self) -> dict[str, Any]:
@@ -486,7 +465,7 @@ def render_defaults() -> str:
     lines = ["# Appliance settings. Every key is optional; shown with its default.",
              "# Environment overrides: APPLIANCE_<SECTION>__<FIELD>, APPLIANCE_POOLS__<NAME>__<FIELD>.", ""]
     defaults = Settings()
-    for section in ("network", "engine", "keycloak", "gateway", "audit", "artifacts", "finetune"):
+    for section in ("engine", "keycloak", "gateway", "audit", "artifacts", "finetune"):
         model = getattr(defaults, section)
         lines.append(f"[{section}]")
         lines += _render_fields(model)

@@ -52,7 +52,7 @@ class Gateway:
         self.home = Home(root / name).ensure()
         self.port = free_port()
         env = {**os.environ, HOME_ENV: str(self.home.root), "APPLIANCE_GATEWAY__PORT": str(self.port),
-               "APPLIANCE_POOLS__MAIN__PORT": str(free_port()), "APPLIANCE_KEYCLOAK__MODE": "external",
+               "APPLIANCE_KEYCLOAK__MODE": "external",
                "APPLIANCE_KEYCLOAK__URL": "http://127.0.0.1:9", "APPLIANCE_KEYCLOAK__GATEWAY_CLIENT_SECRET": "unused",
                "APPLIANCE_AUDIT__REFUSAL_INTERVAL_S": str(refusal_interval_s)}
         self.process = subprocess.Popen([sys.executable, "-P", "-m", "serve.listener"], env=env,

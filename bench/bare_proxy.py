@@ -17,6 +17,7 @@ from typing import Any
 
 import aiohttp
 
+# http://HOST:PORT, or unix:SOCKET for an engine on a Unix socket (as the appliance runs them).
 TARGET = os.environ.get("BARE_PROXY_TARGET", "http://127.0.0.1:8000")
 DURABLE_FILE = os.environ.get("BARE_PROXY_DURABLE_FILE")
 
@@ -35,7 +36,8 @@ async def app(scope: dict, receive: Any, send: Any) -> None:
     for name, value in scope["headers"]:
         if name == b"authorization":  # the engine's API key, when the target is vLLM
             headers["authorization"] = value.decode()
-    async with _session.request(scope["method"], TARGET + scope["path"], data=body, headers=headers) as response:
+    base = "http://engine" if TARGET.startswith("unix:") else TARGET
+    async with _session.request(scope["method"], base + scope["path"], data=body, headers=headers) as response:
         await send({"type": "http.response.start", "status": response.status,
                     "headers": [(b"content-type", response.headers.get("content-type", "").encode())]})
         async for chunk in response.content.iter_any():
@@ -55,7 +57,8 @@ async def _lifespan(receive: Any, send: Any) -> None:
     while True:
         message = await receive()
         if message["type"] == "lifespan.startup":
-            _session = aiohttp.ClientSession()
+            connector = aiohttp.UnixConnector(path=TARGET[len("unix:"):]) if TARGET.startswith("unix:") else None
+            _session = aiohttp.ClientSession(connector=connector)
             if DURABLE_FILE:
                 _durable = os.open(DURABLE_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
             await send({"type": "lifespan.startup.complete"})

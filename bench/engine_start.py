@@ -29,7 +29,7 @@ from appliance.home import HOME_ENV, Home
 from appliance.secrets import secret
 from appliance.settings import load_settings
 from installer.keycloak import install_dir
-from serve.engine import build_launch
+from serve.engine import build_launch, engine_socket
 
 RESULTS = Path(__file__).parent / "results" / "engine_start.json"
 PROMPT = "Write a short story about a lighthouse keeper."
@@ -37,14 +37,19 @@ MAX_TOKENS = 128
 APPLIANCE = str(Path(sys.executable).with_name("appliance"))
 
 
-def first_token_s(url: str, key: str, started: float, deadline_s: float = 900) -> float:
+def engine(socket: Path, timeout: float) -> httpx.Client:
+    """A client to the engine over its Unix socket (engines listen on no TCP port)."""
+    return httpx.Client(transport=httpx.HTTPTransport(uds=str(socket)), base_url="http://engine", timeout=timeout)
+
+
+def first_token_s(socket: Path, key: str, started: float, deadline_s: float = 900) -> float:
     """Poll until the server streams a first token; seconds since `started`."""
     body = {"model": "SmolLM2-135M-Instruct", "max_tokens": 1, "stream": True,
             "messages": [{"role": "user", "content": "Hi"}]}
     while time.monotonic() - started < deadline_s:
         try:
-            with httpx.stream("POST", f"{url}/chat/completions", json=body, timeout=60,
-                              headers={"Authorization": f"Bearer {key}"}) as response:
+            with engine(socket, 60) as http, http.stream("POST", "/v1/chat/completions", json=body,
+                                                         headers={"Authorization": f"Bearer {key}"}) as response:
                 if response.status_code == 200:
                     for line in response.iter_lines():
                         if line.startswith("data:") and '"content"' in line:
@@ -52,19 +57,20 @@ def first_token_s(url: str, key: str, started: float, deadline_s: float = 900) -
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
-    raise TimeoutError(f"no token from {url} within {deadline_s}s")
+    raise TimeoutError(f"no token from {socket} within {deadline_s}s")
 
 
-def decode_tokens_per_s(url: str, key: str, runs: int = 3) -> float:
+def decode_tokens_per_s(socket: Path, key: str, runs: int = 3) -> float:
     """Completion tokens per second of greedy single-stream requests (best of `runs`)."""
     best = 0.0
     for _ in range(runs):
         t0 = time.monotonic()
-        response = httpx.post(
-            f"{url}/chat/completions", timeout=300, headers={"Authorization": f"Bearer {key}"},
-            json={"model": "SmolLM2-135M-Instruct", "temperature": 0, "max_tokens": MAX_TOKENS,
-                  "ignore_eos": True, "messages": [{"role": "user", "content": PROMPT}]},
-        )
+        with engine(socket, 300) as http:
+            response = http.post(
+                "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                json={"model": "SmolLM2-135M-Instruct", "temperature": 0, "max_tokens": MAX_TOKENS,
+                      "ignore_eos": True, "messages": [{"role": "user", "content": PROMPT}]},
+            )
         response.raise_for_status()
         tokens = response.json()["usage"]["completion_tokens"]
         best = max(best, tokens / (time.monotonic() - t0))
@@ -105,30 +111,31 @@ def main() -> None:
     # `up` starts the whole appliance (Keycloak and the gateway too), as an operator's would.
     shutil.copytree(install_dir(default), install_dir(home), symlinks=True,
                     ignore=shutil.ignore_patterns("h2", "tmp"))
-    env = {**os.environ, HOME_ENV: str(home.root), "APPLIANCE_POOLS__MAIN__PORT": "18311",
-           "APPLIANCE_GATEWAY__PORT": "18380", "APPLIANCE_KEYCLOAK__PORT": "18390",
+    env = {**os.environ, HOME_ENV: str(home.root), "APPLIANCE_GATEWAY__PORT": "18380", "APPLIANCE_KEYCLOAK__PORT": "18390",
            "APPLIANCE_KEYCLOAK__MANAGEMENT_PORT": "18391"}
     key = secret(home, "engine-api-key")
-    url = "http://127.0.0.1:18311/v1"
+    socket = engine_socket(home, "main")
     try:
         # Baseline 1: the same vLLM command, launched directly.
-        settings = load_settings(home.settings_file, environ={"APPLIANCE_POOLS__MAIN__PORT": "18311"})
+        settings = load_settings(home.settings_file, environ={})
+        socket.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # as `up` has it made
         launch = build_launch(settings.pools[0], settings, home, key)
         t0 = time.monotonic()
         direct = subprocess.Popen(launch.argv, env={**os.environ, **launch.environment},
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                   start_new_session=True)
         try:
-            direct_first = first_token_s(url, key, t0)
+            direct_first = first_token_s(socket, key, t0)
         finally:
             os.killpg(direct.pid, 15)
             direct.wait(60)
+            socket.unlink(missing_ok=True)
         time.sleep(3)
         # The appliance: `appliance up` to first token, then steady decode speed.
         t0 = time.monotonic()
         subprocess.run([APPLIANCE, "up"], env=env, check=True, capture_output=True)
-        up_first = first_token_s(url, key, t0)
-        engine_tps = decode_tokens_per_s(url, key)
+        up_first = first_token_s(socket, key, t0)
+        engine_tps = decode_tokens_per_s(socket, key)
         subprocess.run([APPLIANCE, "down"], env=env, check=True, capture_output=True)
         hf_tps = transformers_tokens_per_s(demo)
     finally:

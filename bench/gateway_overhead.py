@@ -50,6 +50,7 @@ from appliance.secrets import secret
 from appliance.settings import load_settings
 from installer.keycloak import install_dir
 from installer.realm import BOOTSTRAP_SECRET
+from serve.engine import engine_socket
 
 RESULTS = Path(__file__).parent / "results" / "gateway_overhead.json"
 APPLIANCE = str(Path(sys.executable).with_name("appliance"))
@@ -58,7 +59,7 @@ REQUESTS_PER_WORKER = {"vllm": {1: 60, 8: 4, 32: 1}, "stub": {1: 600, 8: 100, 32
 STUB_IDLE_DELAY_S = 0.4
 ROUNDS = 3
 BOOTSTRAP_RESAMPLES = 2000
-PORTS = {"engine": 18411, "gateway": 18480, "stub": 18412, "stub_gateway": 18481,
+PORTS = {"gateway": 18480, "stub_gateway": 18481,
          "bare_proxy": 18482, "bare_proxy_durable": 18483, "keycloak": 18490, "keycloak_management": 18491}
 LOGS = Path(tempfile.gettempdir())  # what the helper servers said, kept if a run fails
 
@@ -98,11 +99,21 @@ async def one(client: httpx.AsyncClient, url: str, headers: dict, stream: bool) 
     return time.perf_counter() - started
 
 
+def http_client(url: str, **options: object) -> tuple[httpx.AsyncClient, str]:
+    """A client for `url` and the URL to ask: `unix:SOCKET::PATH` reaches an engine over its Unix
+    socket (engines listen on no TCP port), anything else as it is."""
+    if url.startswith("unix:"):
+        socket, _, path = url[len("unix:"):].partition("::")
+        return httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=socket), **options), f"http://engine{path}"
+    return httpx.AsyncClient(**options), url
+
+
 async def load(url: str, headers: dict, concurrency: int, stream: bool,
                per_worker: int) -> tuple[list[float], float]:
     """Latencies of every request and requests/s, `concurrency` workers in parallel."""
     limits = httpx.Limits(max_connections=concurrency * 2)
-    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+    http, url = http_client(url, timeout=300, limits=limits)
+    async with http as client:
         await one(client, url, headers, stream)  # warm the connection
         latencies: list[float] = []
 
@@ -122,8 +133,7 @@ def start_appliance() -> tuple[Path, dict[str, str]]:
     home.demo_model.symlink_to(default.demo_model, target_is_directory=True)
     shutil.copytree(install_dir(default), install_dir(home), symlinks=True,
                     ignore=shutil.ignore_patterns("h2", "tmp"))
-    env = {**os.environ, HOME_ENV: str(home.root), "APPLIANCE_POOLS__MAIN__PORT": str(PORTS["engine"]),
-           "APPLIANCE_GATEWAY__PORT": str(PORTS["gateway"]),
+    env = {**os.environ, HOME_ENV: str(home.root), "APPLIANCE_GATEWAY__PORT": str(PORTS["gateway"]),
            "APPLIANCE_KEYCLOAK__PORT": str(PORTS["keycloak"]),
            "APPLIANCE_KEYCLOAK__MANAGEMENT_PORT": str(PORTS["keycloak_management"]),
            # The bench measures overhead, not the limiter: give the admin a budget it never meets.
@@ -146,14 +156,15 @@ async def load_interleaved(paths: dict[str, tuple[str, dict]], stream: bool,
     order = list(paths)
     latencies: dict[str, list[float]] = {name: [] for name in paths}
     async with contextlib.AsyncExitStack() as stack:
-        clients = {name: await stack.enter_async_context(httpx.AsyncClient(timeout=300)) for name in paths}
+        clients, urls = {}, {}
         for name, (url, headers) in paths.items():
-            await one(clients[name], url, headers, stream)  # warm the connection
+            http, urls[name] = http_client(url, timeout=300)
+            clients[name] = await stack.enter_async_context(http)
+            await one(clients[name], urls[name], headers, stream)  # warm the connection
         for _ in range(requests):
             rng.shuffle(order)
             for name in order:
-                url, headers = paths[name]
-                latencies[name].append(await one(clients[name], url, headers, stream))
+                latencies[name].append(await one(clients[name], urls[name], paths[name][1], stream))
     return latencies
 
 
@@ -209,7 +220,7 @@ def wait_for(url: str, timeout_s: float = 60) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            if httpx.get(url, timeout=2).status_code == 200:
+            if asyncio.run(_status(url)) == 200:
                 return
         except httpx.HTTPError:
             pass
@@ -217,14 +228,22 @@ def wait_for(url: str, timeout_s: float = 60) -> None:
     raise TimeoutError(url)
 
 
-def serve(app: str, port: int, env: dict[str, str]) -> subprocess.Popen:
-    """An ASGI app from this repository under uvicorn on a loopback port."""
-    return _start([sys.executable, "-P", "-m", "uvicorn", app, "--port", str(port), "--no-access-log",
-                   "--log-level", "warning"], port, env)
+async def _status(url: str) -> int:
+    http, url = http_client(url, timeout=2)
+    async with http:
+        return (await http.get(url)).status_code
 
 
-def _start(command: list[str], port: int, env: dict[str, str]) -> subprocess.Popen:
-    log = (LOGS / f"gateway-overhead-{port}.log").open("w")
+def serve(app: str, port: int | Path, env: dict[str, str]) -> subprocess.Popen:
+    """An ASGI app from this repository under uvicorn on a loopback port (or a Unix socket)."""
+    where = ["--uds", str(port)] if isinstance(port, Path) else ["--port", str(port)]
+    return _start([sys.executable, "-P", "-m", "uvicorn", app, *where, "--no-access-log", "--log-level", "warning"],
+                  port, env)
+
+
+def _start(command: list[str], port: int | Path, env: dict[str, str]) -> subprocess.Popen:
+    name = port.name if isinstance(port, Path) else port
+    log = (LOGS / f"gateway-overhead-{name}.log").open("w")
     return subprocess.Popen(command, cwd=Path(__file__).parent.parent, env=env, stdout=subprocess.DEVNULL, stderr=log)
 
 
@@ -248,21 +267,28 @@ def stub_section(env: dict[str, str], token: Headers, per_worker: dict[int, int]
                  delay_s: float = 0.0) -> list[dict]:
     """A stand-in engine answering after `delay_s`, the bare proxy (also with one fdatasync per
     request) and a second gateway in front of it (same realm, same settings)."""
-    stub_url = f"http://127.0.0.1:{PORTS['stub']}"
+    # The second gateway gets a state dir of its own (the realm's secrets copied), so that its
+    # pool's engine socket is the stand-in's, not the appliance's vLLM.
+    home = Home(Path(env[HOME_ENV]).with_name("stub")).ensure()
+    shutil.copytree(Home(Path(env[HOME_ENV])).secrets, home.secrets, dirs_exist_ok=True)
+    socket = engine_socket(home, "main")
+    socket.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    socket.unlink(missing_ok=True)
+    stub_url = f"unix:{socket}"
     # STUB_ENGINE_DELAY_S: see stub_engine.py
-    stub = serve("bench.stub_engine:app", PORTS["stub"], {**os.environ, "STUB_ENGINE_DELAY_S": str(delay_s)})
+    stub = serve("bench.stub_engine:app", socket, {**os.environ, "STUB_ENGINE_DELAY_S": str(delay_s)})
     # The gateway as supervisord runs it (serve.listener), settings from the environment.
     gateway = _start([sys.executable, "-P", "-m", "serve.listener"], PORTS["stub_gateway"],
-                     {**env, "APPLIANCE_POOLS__MAIN__PORT": str(PORTS["stub"]),
+                     {**env, HOME_ENV: str(home.root), "APPLIANCE_POOLS__MAIN__SERVED_MODEL_NAME": MODEL,
                       "APPLIANCE_GATEWAY__PORT": str(PORTS["stub_gateway"])})
     try:
-        wait_for(f"{stub_url}/health")
+        wait_for(f"{stub_url}::/health")
         wait_for(f"http://127.0.0.1:{PORTS['stub_gateway']}/healthz")
         durable_file = Path(env[HOME_ENV]) / "bare-proxy-durable.log"  # on the audit log's disk
         with (bare_proxy(stub_url, PORTS["bare_proxy"]) as proxied,
               bare_proxy(stub_url, PORTS["bare_proxy_durable"], durable_file) as proxied_durable):
             return measure({
-                "direct": (f"{stub_url}/v1/chat/completions", dict),
+                "direct": (f"{stub_url}::/v1/chat/completions", dict),
                 "bare_proxy": (proxied, dict),
                 "bare_proxy_durable": (proxied_durable, dict),
                 "gateway": (f"http://127.0.0.1:{PORTS['stub_gateway']}/v1/chat/completions", token),
@@ -296,10 +322,10 @@ def main() -> None:
         engine_key = {"Authorization": f"Bearer {secret(home, 'engine-api-key')}"}
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         if "vllm" in sections:
-            engine_url = f"http://127.0.0.1:{PORTS['engine']}"
+            engine_url = f"unix:{engine_socket(home, 'main')}"
             with bare_proxy(engine_url, PORTS["bare_proxy"]) as proxied:
                 rows = measure({
-                    "direct": (f"{engine_url}/v1/chat/completions", lambda: engine_key),
+                    "direct": (f"{engine_url}::/v1/chat/completions", lambda: engine_key),
                     "bare_proxy": (proxied, lambda: engine_key),
                     "gateway": (f"http://127.0.0.1:{PORTS['gateway']}/v1/chat/completions", token),
                 }, REQUESTS_PER_WORKER["vllm"])

@@ -132,8 +132,9 @@ def preflight_command(
 
 
 def _ports(settings: Settings) -> list[int]:
-    """Loopback ports `up` will listen on: gateway, pools, and the embedded Keycloak's two."""
-    ports = [settings.gateway.port, *(pool.port for pool in settings.pools)]
+    """Loopback ports `up` will listen on: the gateway and the embedded Keycloak's two (engines
+    listen on Unix sockets)."""
+    ports = [settings.gateway.port]
     if settings.keycloak.mode == "embedded":
         ports += [settings.keycloak.port, settings.keycloak.management_port]
     return ports

@@ -170,7 +170,7 @@ def admin_router(admin: Admin) -> APIRouter:
     async def pools(request: Request) -> list[Pool]:
         """Engine pools, the model each serves, and whether it answers."""
         upstreams = request.app.state.gateway.upstreams
-        return [Pool(name=p.name, model=p.model, url=f"{p.base_url}/v1", healthy=await upstreams.healthy(p))
+        return [Pool(name=p.name, model=p.model, url=f"unix:{p.socket}", healthy=await upstreams.healthy(p))
                 for p in upstreams.pools]
 
     @router.get("/roles", response_model=list[str])

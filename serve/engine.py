@@ -17,6 +17,8 @@ from appliance.secrets import secret
 from appliance.settings import DEMO_MODEL, EngineSettings, PoolSettings, Settings
 
 ENGINE_KEY_SECRET = "engine-api-key"
+ENGINE_BASE_URL = "http://engine"  # over an engine's Unix socket the host part only fills the Host header
+MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with its terminating NUL
 # /dev/nvidiactl exists wherever the NVIDIA kernel driver is loaded.
 NVIDIA_DEVICE = Path("/dev/nvidiactl")
 
@@ -30,6 +32,11 @@ class EngineLaunch:
     model_dir: Path
     served_name: str
     device: str
+
+
+def engine_socket(home: Home, pool: str) -> Path:
+    """The Unix socket a pool's engine listens on, in the state dir's private (0700) run/engines/."""
+    return home.run / "engines" / f"{pool}.sock"
 
 
 def resolve_device(engine: EngineSettings) -> str:
@@ -86,8 +93,7 @@ def build_launch(pool: PoolSettings, settings: Settings, home: Home, api_key: st
         sys.executable, "-P", "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(path),
         "--served-model-name", served,
-        "--host", settings.network.bind,
-        "--port", str(pool.port),
+        "--uds", str(engine_socket(home, pool.name)),
         "--dtype", engine.dtype,
         "--max-model-len", str(layout.max_model_len),
         "--gpu-memory-utilization", str(utilization),
@@ -141,18 +147,21 @@ def engine_programs(settings: Settings, home: Home) -> list[Program]:
     programs = []
     for pool in settings.pools:
         launch = build_launch(pool, settings, home, api_key)
-        base = f"http://{settings.network.bind}:{pool.port}"
+        socket = engine_socket(home, pool.name)
         problem = missing_model(launch.model_dir)
         if problem and pool.model == DEMO_MODEL:
             problem += " (run ./bootstrap.sh, or `appliance model prepare-demo`)"
+        if len(str(socket).encode()) > MAX_SOCKET_PATH:
+            problem = (f"its socket path {socket} is longer than the {MAX_SOCKET_PATH} bytes a Unix socket "
+                       "allows: choose a shorter APPLIANCE_HOME")
         programs.append(
             Program(
                 name=f"vllm-{pool.name}",
                 command=launch.argv,
                 environment=launch.environment,
-                port=pool.port,
-                health_url=f"{base}/health",
-                urls={"openai": f"{base}/v1"},
+                socket=socket,
+                health_url=f"{ENGINE_BASE_URL}/health",
+                urls={"openai": f"unix:{socket}"},
                 model=launch.served_name,
                 pool=pool.name,
                 priority=50,

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -43,7 +44,7 @@ from serve.middleware import BodyLimitMiddleware, MeterMiddleware, RequestTooLar
 from serve.operations import operations_router
 from serve.refusals import Refusals, cap_text
 from serve.schemas import ChatRequest, CompletionRequest
-from serve.upstream import Pool, Upstreams, pools_from_settings, relay_stream, usage_of
+from serve.upstream import Pool, Upstreams, engine_session, pools_from_settings, relay_stream, usage_of
 
 log = logging.getLogger("appliance.gateway")
 READY_CACHE_S = 1.0  # /readyz is anonymous: its engine checks run at most this often
@@ -75,9 +76,11 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         connect_s = settings.gateway.upstream_connect_timeout_s
         engine_timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_s)  # generation takes long
+        pools = pools_from_settings(settings, home)
         async with (httpx.AsyncClient(timeout=httpx.Timeout(10.0, connect=connect_s)) as http,  # Keycloak
-                    aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=512),
-                                          timeout=engine_timeout) as engines):
+                    contextlib.AsyncExitStack() as stack):
+            engines = {pool.name: await stack.enter_async_context(engine_session(pool, engine_timeout))
+                       for pool in pools}
             keycloak = settings.keycloak
             introspect = None
             if settings.gateway.introspect_ttl_s > 0:
@@ -88,7 +91,7 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
                                        http=http, leeway_s=settings.gateway.leeway_s,
                                        refetch_interval_s=settings.gateway.jwks_refetch_interval_s,
                                        introspect=introspect, on_fetch=metrics.jwks_fetches.inc)
-            upstreams = Upstreams(pools_from_settings(settings, home), engines, secret(home, ENGINE_KEY_SECRET))
+            upstreams = Upstreams(pools, engines, secret(home, ENGINE_KEY_SECRET))
             app.state.gateway = Gateway(
                 settings=settings, validator=validator, upstreams=upstreams,
                 limiter=RateLimiter(settings.gateway.limits), metrics=metrics,

@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import aiohttp
 
 from appliance.home import Home
 from appliance.settings import Settings
 from serve.answer import Answer, decode_json
-from serve.engine import model_dir, pool_layout
+from serve.engine import ENGINE_BASE_URL, engine_socket, model_dir, pool_layout
 from serve.errors import GatewayError
 
 WATCH_INTERVAL_S = 1.0
@@ -28,15 +29,20 @@ MODELS_TIMEOUT_S = 10.0
 class Pool:
     name: str
     model: str
-    base_url: str
+    socket: Path  # the engine's Unix socket
     max_model_len: int = 2048  # the longest sequence: a request's worst case when it sets no max_tokens
 
 
 def pools_from_settings(settings: Settings, home: Home) -> list[Pool]:
     """One upstream per engine pool, named by the model clients ask for."""
     return [Pool(name=p.name, model=p.served_model_name or model_dir(p, home).name,
-                 base_url=f"http://{settings.network.bind}:{p.port}",
+                 socket=engine_socket(home, p.name),
                  max_model_len=pool_layout(p, settings.engine).max_model_len) for p in settings.pools]
+
+
+def engine_session(pool: Pool, timeout: aiohttp.ClientTimeout) -> aiohttp.ClientSession:
+    """An HTTP client that reaches the pool's engine over its Unix socket."""
+    return aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(pool.socket), limit=512), timeout=timeout)
 
 
 class Upstreams:
@@ -51,10 +57,10 @@ class Upstreams:
     but listens only once it serves, so while it restarts its connections are refused.
     """
 
-    def __init__(self, pools: list[Pool], http: aiohttp.ClientSession, engine_key: str) -> None:
+    def __init__(self, pools: list[Pool], sessions: Mapping[str, aiohttp.ClientSession], engine_key: str) -> None:
         self.pools = pools
         self._by_model = {pool.model: pool for pool in pools}
-        self._http = http
+        self._sessions = sessions  # by pool name: each reaches its engine's socket
         self._headers = {"Authorization": f"Bearer {engine_key}"}
         self._ready = {pool.name: False for pool in pools}
         self._probing = {pool.name: asyncio.Lock() for pool in pools}
@@ -98,8 +104,8 @@ class Upstreams:
         """POST to the pool; the body is left unread (streamed). A down engine is a 503 at once."""
         await self._admit(pool)
         try:
-            return await self._http.post(
-                f"{pool.base_url}{path}", data=body,
+            return await self._sessions[pool.name].post(
+                f"{ENGINE_BASE_URL}{path}", data=body,
                 headers={**self._headers, "Content-Type": "application/json", "X-Request-Id": request_id})
         except (aiohttp.ClientOSError, aiohttp.ConnectionTimeoutError, aiohttp.ServerDisconnectedError) as exc:
             self._ready[pool.name] = False  # refused or dropped before answering: it may have died
@@ -118,7 +124,7 @@ class Upstreams:
         """A control request to the engine (its LoRA endpoints): status and text of the answer."""
         await self._admit(pool)
         try:
-            async with self._http.post(f"{pool.base_url}{path}", json=body, headers=self._headers,
+            async with self._sessions[pool.name].post(f"{ENGINE_BASE_URL}{path}", json=body, headers=self._headers,
                                        timeout=aiohttp.ClientTimeout(total=120)) as response:
                 return response.status, await response.text()
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
@@ -131,7 +137,7 @@ class Upstreams:
             if not await self._probe(pool):
                 continue
             try:
-                async with self._http.get(f"{pool.base_url}/v1/models", headers=self._headers,
+                async with self._sessions[pool.name].get(f"{ENGINE_BASE_URL}/v1/models", headers=self._headers,
                                           raise_for_status=True,
                                           timeout=aiohttp.ClientTimeout(total=MODELS_TIMEOUT_S)) as response:
                     data.extend((await response.json(content_type=None)).get("data", []))
@@ -141,7 +147,7 @@ class Upstreams:
 
     async def healthy(self, pool: Pool) -> bool:
         try:
-            async with self._http.get(f"{pool.base_url}/health",
+            async with self._sessions[pool.name].get(f"{ENGINE_BASE_URL}/health",
                                       timeout=aiohttp.ClientTimeout(total=2.0)) as response:
                 return response.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError):

@@ -72,7 +72,6 @@ def make_appliance(demo: Path | None, keycloak: Path | None = None, **overrides:
         home.demo_model.symlink_to(demo, target_is_directory=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("APPLIANCE_")}
     env.update({HOME_ENV: str(home.root), "COLUMNS": "200",
-                "APPLIANCE_POOLS__MAIN__PORT": str(free_port()),
                 "APPLIANCE_GATEWAY__PORT": str(free_port())})
     if keycloak is not None:
         target = install_dir(home)

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 from minio import Minio
 
@@ -19,6 +20,7 @@ from installer.hardware import parse_hardware_spec
 from installer.model_config import load_model_config
 from installer.planner import plan
 from installer.staging import stage_subset
+from serve.engine import engine_socket
 from tests.conftest import Appliance, free_port, make_appliance
 
 RCLONE = str(Path(sys.executable).with_name("rclone"))
@@ -114,3 +116,9 @@ def s3_settings(s3: str) -> dict[str, str]:
     return {"APPLIANCE_ARTIFACTS__STORE": "s3", "APPLIANCE_ARTIFACTS__S3_ENDPOINT": s3,
             "APPLIANCE_ARTIFACTS__S3_SECURE": "false", "APPLIANCE_ARTIFACTS__S3_ACCESS_KEY": ACCESS_KEY,
             "APPLIANCE_ARTIFACTS__S3_SECRET_KEY": SECRET_KEY}
+
+
+def engine_client(appliance: Appliance, pool: str = "main", timeout: float = 120) -> httpx.Client:
+    """An HTTP client to a pool's engine, over its Unix socket (engines listen on no TCP port)."""
+    socket = engine_socket(appliance.home, pool)
+    return httpx.Client(transport=httpx.HTTPTransport(uds=str(socket)), base_url="http://engine", timeout=timeout)

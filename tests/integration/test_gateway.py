@@ -11,7 +11,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric import rsa
 from jwcrypto import jwk
 
-from tests.integration.conftest import Running
+from tests.integration.conftest import Running, engine_client
 from tests.integration.realm import Realm, b64, parts
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -190,8 +190,8 @@ def test_rate_limit_answers_429_then_recovers(realm: Realm) -> None:
 
 
 def running_requests(running: Running) -> float:
-    port = running.appliance.port("APPLIANCE_POOLS__MAIN__PORT")
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    with engine_client(running.appliance) as http:
+        text = http.get("/metrics").text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("vllm:num_requests_running"))
 

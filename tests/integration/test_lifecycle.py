@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from appliance.secrets import secret
 from installer.staging import verify_staged
-from tests.integration.conftest import Running, Staged
+from tests.integration.conftest import Running, Staged, engine_client
 from tests.integration.realm import Realm
 
 
@@ -31,15 +31,14 @@ def engine(running: Running) -> dict:
 
 
 def chat(running: Running, prompt: str) -> str:
-    url = engine(running)["urls"]["openai"]
     key = secret(running.appliance.home, "engine-api-key")
-    response = httpx.post(
-        f"{url}/chat/completions",
-        headers={"Authorization": f"Bearer {key}"},
-        json={"model": "SmolLM2-135M-Instruct", "temperature": 0, "max_tokens": 24,
-              "messages": [{"role": "user", "content": prompt}]},
-        timeout=120,
-    )
+    with engine_client(running.appliance) as http:
+        response = http.post(
+            "/v1/chat/completions",
+            headers={"Authorization": f"Bearer {key}"},
+            json={"model": "SmolLM2-135M-Instruct", "temperature": 0, "max_tokens": 24,
+                  "messages": [{"role": "user", "content": prompt}]},
+        )
     response.raise_for_status()
     return response.json()["choices"][0]["message"]["content"]
 
@@ -47,7 +46,7 @@ def chat(running: Running, prompt: str) -> str:
 def test_up_prints_what_runs_where(running: Running) -> None:
     out = running.up_output
     assert "vllm-main" in out and "RUNNING" in out
-    assert f"http://127.0.0.1:{engine(running)['port']}/v1" in out
+    assert f"unix:{engine(running)['socket']}" in out
 
 
 def test_chat_completion_returns_text(running: Running) -> None:
@@ -69,8 +68,8 @@ def test_the_session_engine_serves_the_staged_copy(running: Running, staged_demo
 
 
 def test_engine_refuses_requests_without_its_key(running: Running) -> None:
-    url = engine(running)["urls"]["openai"]
-    assert httpx.get(f"{url}/models", timeout=10).status_code == 401
+    with engine_client(running.appliance) as http:
+        assert http.get("/v1/models").status_code == 401
 
 
 def test_up_again_is_a_noop_that_says_so(running: Running) -> None:
@@ -88,7 +87,7 @@ def test_status_json_has_every_program_and_its_urls(running: Running) -> None:
     assert program["pool"] == "main" and program["state"] == "RUNNING"
     assert program["pid"] > 0 and program["uptime_s"] >= 0 and program["healthy"] is True
     assert program["model"] == "SmolLM2-135M-Instruct"
-    assert program["urls"]["openai"].startswith("http://127.0.0.1:")
+    assert program["urls"]["openai"] == f"unix:{program['socket']}" and program["port"] is None
     human = running.appliance.run("status")
     assert "vllm-main" in human.stdout and "RUNNING" in human.stdout
 
@@ -143,3 +142,25 @@ def test_down_leaves_no_process_behind(running: Running) -> None:
     again = running.appliance.run("down")
     assert again.returncode == 0 and "not running" in again.stdout
     assert status(running)["supervisord"]["running"] is False
+
+
+def test_engines_are_sealed_from_other_local_users(running: Running) -> None:
+    """Issue 17: vLLM's own routes (/tokenize, /pause, /abort_requests ...) take no key, and a TCP
+    port can be reached by any local user (or taken while the engine restarts). The engine
+    listens on no TCP port, only on a socket in a 0700 directory."""
+    import subprocess
+    import sys
+
+    program = engine(running)
+    listening = [c for p in [psutil.Process(program["pid"]), *psutil.Process(program["pid"]).children(recursive=True)]
+                 for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+    assert listening == [], f"the engine listens on TCP: {listening}"
+    socket_dir = Path(program["socket"]).parent
+    assert socket_dir.stat().st_mode & 0o777 == 0o700
+    with engine_client(running.appliance) as http:
+        assert http.post("/tokenize", json={"prompt": "hi"}).status_code == 200, "the route exists, unauthenticated"
+    probe = ("import socket, sys; s = socket.socket(socket.AF_UNIX)\n"
+             "try:\n    s.connect(sys.argv[1]); print('CONNECTED')\nexcept OSError as e:\n    print(type(e).__name__)")
+    as_nobody = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-I",
+                                "-c", probe, program["socket"]], capture_output=True, text=True, timeout=60)
+    assert as_nobody.stdout.strip() == "PermissionError", as_nobody.stdout + as_nobody.stderr

@@ -35,12 +35,12 @@ def assert_down(appliance: Appliance) -> None:
 
 
 def test_taken_port_is_refused_before_anything_starts(with_model: Appliance) -> None:
-    port = int(with_model.env["APPLIANCE_POOLS__MAIN__PORT"])
+    port = int(with_model.env["APPLIANCE_GATEWAY__PORT"])
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", port))
         squatter.listen()
         line = one_error_line(with_model.run("up"))
-    assert f"vllm-main: port {port} is already in use (by pid " in line
+    assert f"gateway: port {port} is already in use (by pid " in line
     assert f"log: {with_model.home.logs / 'appliance.log'}" in line
     assert line.split("error: ", 1)[1] in (with_model.home.logs / "appliance.log").read_text()
     assert_down(with_model)

@@ -25,7 +25,7 @@ class Engine:
     """Upstreams' pool lookup and engine_post, recording what vLLM would be asked."""
 
     def __init__(self) -> None:
-        self.pools = [Pool(name="main", model="base-model", base_url="http://127.0.0.1:1")]
+        self.pools = [Pool(name="main", model="base-model", socket=Path("/nonexistent/main.sock"))]
         self.loaded: set[str] = set()
         self.lora = True
 

@@ -25,7 +25,7 @@ def test_cpu_demo_pool(tmp_path: Path) -> None:
     assert argv[:4] == [sys.executable, "-P", "-m", "vllm.entrypoints.openai.api_server"]
     assert flag(argv, "--model") == str(home.demo_model)
     assert flag(argv, "--served-model-name") == "SmolLM2-135M-Instruct"
-    assert flag(argv, "--host") == "127.0.0.1" and flag(argv, "--port") == "8100"
+    assert flag(argv, "--uds") == str(tmp_path / "run" / "engines" / "main.sock") and "--port" not in argv
     assert flag(argv, "--dtype") == "bfloat16" and flag(argv, "--max-model-len") == "2048"
     assert flag(argv, "--gpu-memory-utilization") == "0.3"
     assert "--enforce-eager" in argv and "--enable-lora" not in argv
@@ -36,7 +36,7 @@ def test_cpu_demo_pool(tmp_path: Path) -> None:
 
 
 def test_cuda_pool_with_parallelism_and_lora(tmp_path: Path) -> None:
-    pool = PoolSettings(name="full", model=str(tmp_path / "Big-Model"), port=8200,
+    pool = PoolSettings(name="full", model=str(tmp_path / "Big-Model"),
                         tensor_parallel_size=8, pipeline_parallel_size=2, data_parallel_size=1,
                         enable_expert_parallel=True, enable_lora=True, max_lora_rank=64,
                         max_model_len=32768, extra_args=["--kv-cache-dtype", "fp8"])
@@ -66,8 +66,10 @@ def test_cpu_tensor_parallel_binds_cores_per_rank(tmp_path: Path) -> None:
 def test_programs_report_missing_model(tmp_path: Path) -> None:
     home = Home(tmp_path).ensure()
     [program] = engine_programs(Settings(engine=EngineSettings(device="cpu")), home)
-    assert program.name == "vllm-main" and program.pool == "main" and program.port == 8100
-    assert program.health_url == "http://127.0.0.1:8100/health"
+    assert program.name == "vllm-main" and program.pool == "main" and program.port is None
+    assert program.socket == home.run / "engines" / "main.sock" and program.health_url == "http://engine/health"
+    assert program.command[program.command.index("--uds") + 1] == str(program.socket)
+    assert "--port" not in program.command and "--host" not in program.command
     assert program.missing is not None and "no config.json" in program.missing
     assert "prepare-demo" in program.missing
 

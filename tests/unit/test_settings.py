@@ -18,24 +18,23 @@ def write(tmp_path: Path, text: str) -> Path:
 def test_missing_file_means_defaults(tmp_path: Path) -> None:
     settings = load_settings(tmp_path / "absent.toml", environ={})
     assert settings == Settings()
-    assert settings.pools[0].name == "main" and settings.pools[0].port == 8100
-    assert settings.network.bind == "127.0.0.1"
+    assert settings.pools[0].name == "main" and settings.gateway.bind == "127.0.0.1"
 
 
 def test_file_values_are_read(tmp_path: Path) -> None:
-    path = write(tmp_path, '[engine]\nmax_model_len = 4096\n\n[[pools]]\nname = "fast"\nport = 8200\n')
+    path = write(tmp_path, '[engine]\nmax_model_len = 4096\n\n[[pools]]\nname = "fast"\nmax_loras = 8\n')
     settings = load_settings(path, environ={})
     assert settings.engine.max_model_len == 4096
-    assert [(p.name, p.port) for p in settings.pools] == [("fast", 8200)]
+    assert [(p.name, p.max_loras) for p in settings.pools] == [("fast", 8)]
 
 
 def test_env_overrides_file(tmp_path: Path) -> None:
     path = write(tmp_path, '[engine]\nmax_model_len = 4096\n')
-    env = {"APPLIANCE_ENGINE__MAX_MODEL_LEN": "1024", "APPLIANCE_POOLS__MAIN__PORT": "8300",
+    env = {"APPLIANCE_ENGINE__MAX_MODEL_LEN": "1024", "APPLIANCE_POOLS__MAIN__MAX_LORAS": "8",
            "APPLIANCE_HOME": "/ignored/here", "UNRELATED": "x"}
     settings = load_settings(path, environ=env)
     assert settings.engine.max_model_len == 1024
-    assert settings.pool("main").port == 8300
+    assert settings.pool("main").max_loras == 8
 
 
 def test_bad_value_names_file_line_and_field(tmp_path: Path) -> None:
@@ -48,11 +47,11 @@ def test_bad_value_names_file_line_and_field(tmp_path: Path) -> None:
 
 
 def test_bad_pool_field_names_pool_by_name_and_line(tmp_path: Path) -> None:
-    path = write(tmp_path, '[[pools]]\nname = "a"\nport = 8200\n\n[[pools]]\nname = "b"\nport = 80\n')
+    path = write(tmp_path, '[[pools]]\nname = "a"\nmax_loras = 2\n\n[[pools]]\nname = "b"\nmax_loras = 0\n')
     with pytest.raises(SettingsError) as caught:
         load_settings(path, environ={})
     assert f"{path}:7" in caught.value.message
-    assert "pools.b.port" in caught.value.message
+    assert "pools.b.max_loras" in caught.value.message
 
 
 def test_unknown_field_is_refused(tmp_path: Path) -> None:
@@ -73,19 +72,20 @@ def test_bad_env_override_names_the_variable(tmp_path: Path) -> None:
     with pytest.raises(SettingsError, match="APPLIANCE_NOPE: unknown setting"):
         load_settings(tmp_path / "none.toml", environ={"APPLIANCE_NOPE": "1"})
     with pytest.raises(SettingsError, match="no pool named 'ghost'"):
-        load_settings(tmp_path / "none.toml", environ={"APPLIANCE_POOLS__GHOST__PORT": "9000"})
+        load_settings(tmp_path / "none.toml", environ={"APPLIANCE_POOLS__GHOST__MAX_LORAS": "9"})
 
 
 def test_pools_must_be_distinct(tmp_path: Path) -> None:
-    path = write(tmp_path, '[[pools]]\nname = "a"\nport = 8200\n[[pools]]\nname = "b"\nport = 8200\n')
-    with pytest.raises(SettingsError, match="two pools share port 8200"):
+    path = write(tmp_path, '[[pools]]\nname = "a"\n[[pools]]\nname = "a"\n')
+    with pytest.raises(SettingsError, match="two pools share name 'a'"):
         load_settings(path, environ={})
 
 
-def test_engines_stay_on_loopback(tmp_path: Path) -> None:
-    path = write(tmp_path, '[network]\nbind = "0.0.0.0"\n')
-    with pytest.raises(SettingsError, match="loopback only"):
-        load_settings(path, environ={})
+def test_engines_have_no_port_to_set(tmp_path: Path) -> None:
+    """Issue 17: engines listen on Unix sockets only; a TCP port or address for them is refused."""
+    for text in ('[[pools]]\nname = "a"\nport = 8200\n', '[network]\nbind = "0.0.0.0"\n'):
+        with pytest.raises(SettingsError, match="Extra inputs are not permitted"):
+            load_settings(write(tmp_path, text), environ={})
 
 
 def test_rendered_defaults_load_back_to_defaults(tmp_path: Path) -> None:
