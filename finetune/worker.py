@@ -12,6 +12,7 @@ import time
 
 import psutil
 
+from appliance.changes import Change, announce
 from appliance.errors import ApplianceError
 from appliance.home import HOME_ENV, Home
 from appliance.programs import Program
@@ -39,17 +40,24 @@ def work_one(home: Home, settings: Settings) -> jobs.Job | None:
                           eval_sets=job.eval_sets,
                           on_child=lambda pid: jobs.set_trainer(home, job.id, pid))
     except TrainingCancelled as exc:
-        jobs.finish(home, job.id, "cancelled", exc.message)
-    except ApplianceError as exc:
-        jobs.finish(home, job.id, "failed", exc.message)
+        state, message = "cancelled", exc.message
+    except ApplianceError as exc:  # a tampered dataset (IntegrityError) among them
+        state, message = "failed", exc.message
     else:
         result, record = outcome.result, outcome.record
         verdict = "passed" if outcome.passed else "FAILED: " + "; ".join(outcome.failures)
         resumed = f", resumed from {result.resumed_from}" if result.resumed_from else ""
-        jobs.finish(home, job.id, "succeeded" if outcome.passed else "failed",
-                    f"adapter {record.name} v{record.version}: held-out loss {result.base_eval_loss:.4f} -> "
-                    f"{result.adapter_eval_loss:.4f} ({result.improvement:+.1%}); {result.steps} steps{resumed}; "
-                    f"gate {verdict}")
+        state = "succeeded" if outcome.passed else "failed"
+        message = (f"adapter {record.name} v{record.version}: held-out loss {result.base_eval_loss:.4f} -> "
+                   f"{result.adapter_eval_loss:.4f} ({result.improvement:+.1%}); {result.steps} steps{resumed}; "
+                   f"gate {verdict}")
+    jobs.finish(home, job.id, state, message)
+    try:  # the job's outcome in the audit log, as the CLI's changes are
+        succeeded = state == "succeeded"
+        announce(Change("finetune.job", "allowed" if succeeded else "error", 0 if succeeded else 1,
+                        f"job {job.id} ({job.name} on {job.data}) {state}: {message}"))
+    except ApplianceError as exc:
+        log.error("job %d: %s", job.id, exc.one_line())
     return jobs.get(home, job.id)
 
 

@@ -142,3 +142,31 @@ def test_a_stale_pid_is_neither_taken_for_a_live_worker_nor_killed_as_a_trainer(
         for process in (other, worker, trainer):
             process.kill()
             process.wait()
+
+
+def test_a_job_on_a_dataset_changed_in_the_store_fails_and_is_audited(workspace: tuple[dict[str, str], Path],
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 17: the worker re-hashes the dataset it reads back; a changed one fails the job
+    before any training, and the job's outcome is in the audit log."""
+    from appliance import jobs
+    from appliance.settings import load_settings
+    from finetune.datasets import PREFIX, load_registry
+    from finetune.worker import work_one
+
+    env, model = workspace
+    home = Home(Path(env["APPLIANCE_HOME"]))
+    monkeypatch.setenv("APPLIANCE_HOME", str(home.root))
+    stored = home.root / "artifacts" / f"{PREFIX}{load_registry(home)['codes']}" / "train.jsonl"
+    original = stored.read_bytes()
+    stored.chmod(0o600)
+    stored.write_bytes(original.replace(b"ZEBRA", b"EVIL!", 1))
+    try:
+        job = jobs.submit(home, name="poisoned", data="codes", base=str(model), hyperparameters={}, eval_sets={})
+        ended = work_one(home, load_settings(home.settings_file))
+    finally:
+        stored.write_bytes(original)
+        stored.chmod(0o400)
+    assert ended is not None and ended.id == job.id and ended.state == "failed"
+    assert "dataset 'codes' in the artifact store was changed" in (ended.message or "")
+    [record] = [r for r in read_records(home.audit) if r["action"] == "finetune.job"]
+    assert record["outcome"] == "error" and "was changed" in record["resource"]
