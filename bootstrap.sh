@@ -15,9 +15,10 @@ for arg in "$@"; do
   esac
 done
 
-# Training jobs run in a network namespace of their own (unshare, util-linux); several training
-# processes bring its loopback up (ip, iproute2); the TUI's test runs it in a real terminal (tmux).
-for tool in unshare:util-linux ip:iproute2 tmux:tmux; do
+# Training jobs run in a sandbox (bwrap from bubblewrap, prlimit and setpriv from util-linux);
+# the bundle test cuts the network with unshare and ip (iproute2); the TUI's test runs it in a
+# real terminal (tmux).
+for tool in unshare:util-linux prlimit:util-linux setpriv:util-linux bwrap:bubblewrap ip:iproute2 tmux:tmux; do
   if ! command -v "${tool%%:*}" >/dev/null; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
       apt-get install -y -q "${tool#*:}"
@@ -26,6 +27,11 @@ for tool in unshare:util-linux ip:iproute2 tmux:tmux; do
     fi
   fi
 done
+
+# As root, training sandboxes run as this unprivileged user of their own (finetune/sandbox.py).
+if [ "$(id -u)" = 0 ] && ! id appliance-train >/dev/null 2>&1; then
+  useradd --system --user-group --no-create-home --shell /usr/sbin/nologin appliance-train
+fi
 
 PYTHON=${PYTHON:-python3.11}
 UV_VERSION=$(sed -n 's/^uv==//p' requirements/uv.txt)

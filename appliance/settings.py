@@ -307,9 +307,16 @@ class FinetuneSettings(_Section):
         0.05, ge=0, le=1, description="With a regression set: how far the adapter's score may fall below the "
         "base model's (forgetting)."
     )
-    isolate_network: bool = Field(
-        True, description="Train in a new network namespace with no way out (needs `unshare`); off: "
-        "training shares the host's network."
+    sandbox: Literal["bubblewrap", "none"] = Field(
+        "bubblewrap", description="Run each trainer in a bubblewrap sandbox (as user appliance-train when the "
+        "appliance runs as root; only its model, dataset and job directory visible; no network; memory and "
+        "process caps); none: a plain child process with the host's view (say so to your auditor)."
+    )
+    sandbox_memory_gib: float | None = Field(
+        None, gt=0, description="The trainer's data memory cap, GiB (unset: 80 % of the host's RAM)."
+    )
+    sandbox_max_processes: int = Field(
+        4096, ge=16, description="Processes and threads the sandbox's user may run at once."
     )
     processes: int | None = Field(
         None, ge=1, description="Training processes (torchrun, DDP); unset: one per visible GPU, at least one."

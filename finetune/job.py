@@ -20,11 +20,12 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def die_with_parent() -> None:
-    """Be killed when the process that started this one dies (the worker, which `unshare` execs
-    into; or torchrun's agent): a killed worker must not leave a trainer running. (The restarted
+    """Be killed when the process that started this one dies (the sandbox's init, which dies with
+    the worker; or torchrun's agent): a killed worker must not leave a trainer running. (The restarted
     worker also ends the old trainer's process group before it resumes the job.)"""
+    parent = os.getppid()  # in the sandbox's PID namespace that is its init, pid 1
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() == 1:  # the parent died before the line above
+    if os.getppid() != parent:  # the parent died before the line above
         sys.exit(1)
 
 

@@ -1,7 +1,7 @@
 """One training job from start to registered adapter, for the `finetune-worker` and for
 `appliance finetune run` alike: the dataset laid out in the job's directory, the training in a
-child process with no network (a new network namespace: the data and the model never leave the
-host), then the evaluation gate and the registry. A job directory that already holds checkpoints
+child process in the training sandbox (finetune.sandbox: its own user, only its files, no
+network), then the evaluation gate and the registry. A job directory that already holds checkpoints
 resumes from the last one."""
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from appliance.records import config_sha256
 from appliance.settings import DEMO_MODEL, FinetuneSettings, Settings
 from finetune import adapters
 from finetune.datasets import PREFIX, check_dataset, load_registry
+from finetune.sandbox import prepare, sandboxed
 from appliance.jobs import CANCEL_FILE, PROGRESS_FILE, Progress, read_progress
 from finetune.train import Hyperparameters, Result, TrainingCancelled, TrainingError, load_result
 
@@ -70,13 +71,18 @@ def run_job(directory: Path, *, name: str, data: str, base: str, hp: Hyperparame
     directory.mkdir(parents=True, exist_ok=True)
     splits = {split: store.get(f"{PREFIX}{digest}/{split}.jsonl") for split in ("train", "eval")}
     check_dataset(data, digest, splits["train"], splits["eval"])
+    inputs = [directory / "train.jsonl", directory / "eval.jsonl", directory / "job.json"]
     for split, content in splits.items():
         (directory / f"{split}.jsonl").write_bytes(content)
-    (directory / "job.json").write_text(json.dumps({"base": str(model), "hyperparameters": asdict(hp),
+    # The model by its real path: the sandbox shows that directory, not links to it.
+    (directory / "job.json").write_text(json.dumps({"base": str(model.resolve()), "hyperparameters": asdict(hp),
                                                     "eval_sets": eval_sets or {}}))
     (directory / PROGRESS_FILE).unlink(missing_ok=True)
-    _train_in_child(directory, _trainer_command(directory, settings.finetune.processes or visible_gpus() or 1,
-                                                settings.finetune.isolate_network), on_progress, on_child)
+    if settings.finetune.sandbox != "none":
+        prepare(directory, inputs, model.resolve())
+    trainer = _trainer_command(directory, settings.finetune.processes or visible_gpus() or 1)
+    _train_in_child(directory, sandboxed(trainer, settings.finetune, workdir=directory, inputs=inputs,
+                                         readable=[model.resolve()]), on_progress, on_child)
     result = load_result(directory)
     failures = gate_failures(result, settings.finetune)
     record = adapters.register(
@@ -117,34 +123,14 @@ def visible_gpus() -> int:
     return len([p for p in Path("/dev").glob("nvidia*") if p.name[len("nvidia"):].isdigit()])
 
 
-def _trainer_command(directory: Path, processes: int, isolate_network: bool) -> list[str]:
-    """The training child: one process, or torchrun with one process per GPU (DDP); in a network
-    namespace of its own when asked."""
+def _trainer_command(directory: Path, processes: int) -> list[str]:
+    """The training child: one process, or torchrun with one process per GPU (DDP), whose
+    processes meet on the sandbox's own loopback device."""
     trainer = [sys.executable, "-P", "-m", "finetune.job", str(directory)]
     if processes > 1:
         trainer = [sys.executable, "-P", "-m", "torch.distributed.run", "--standalone",
                    f"--nproc-per-node={processes}", "-m", "finetune.job", str(directory)]
-    return sandboxed(trainer, isolate_network, loopback=processes > 1)
-
-
-def sandboxed(command: list[str], isolate_network: bool, *, loopback: bool = False) -> list[str]:
-    """`command` in a new, empty network namespace, when asked: nothing but a loopback device of
-    its own, brought up only for `loopback` (torchrun's processes meet on it)."""
-    if not isolate_network:
-        return command
-    unshare = shutil.which("unshare")
-    if unshare is None:
-        raise TrainingError("cannot cut the training job off the network: `unshare` (util-linux) is not installed",
-                            hint="install util-linux, or set finetune.isolate_network = false")
-    # Root may create a network namespace directly; anyone else needs a user namespace for it.
-    isolated = [unshare, "--net", *([] if os.geteuid() == 0 else ["--map-root-user"]), "--"]
-    if loopback:
-        ip = shutil.which("ip")
-        if ip is None:
-            raise TrainingError("several training processes need a loopback device in their network namespace, "
-                                "and `ip` (iproute2) is not installed", hint="install iproute2")
-        return [*isolated, "sh", "-c", f'{ip} link set lo up && exec "$@"', "trainer", *command]
-    return [*isolated, *command]
+    return trainer
 
 
 def _train_in_child(directory: Path, command: list[str], on_progress: Callable[[Progress], None],
@@ -171,8 +157,8 @@ def _train_in_child(directory: Path, command: list[str], on_progress: Callable[[
         raise TrainingCancelled("training stopped as asked; its checkpoints are kept")
     if child.returncode != 0:
         tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
-        if "unshare" in tail[0]:
-            tail[0] += " (set finetune.isolate_network = false to train with the host's network)"
+        if "bwrap" in tail[0] or "setpriv" in tail[0]:
+            tail[0] += " (the training sandbox could not start: see finetune.sandbox)"
         raise TrainingError(f"training failed (exit {child.returncode}): {tail[0]}", hint=f"full log: {log}")
 
 

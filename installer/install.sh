@@ -46,6 +46,7 @@ fi
 PYTHON=${PYTHON:-python3.11}
 command -v "$PYTHON" >/dev/null || fail "$PYTHON is missing: the bundle's wheels are for Python 3.11"
 command -v openssl >/dev/null || fail "openssl is missing: it checks the bundle's signature"
+command -v bwrap >/dev/null || echo "install.sh: bubblewrap (bwrap) is missing: training needs it (or finetune.sandbox = \"none\")" >&2
 # Nothing below may reach a package index, a model hub or a telemetry endpoint.
 export PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1 UV_OFFLINE=1 UV_NO_CACHE=1 \
   HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 \
@@ -94,6 +95,12 @@ EXPECTED=$("$PYTHON" -I -c 'import json, sys; print(json.load(open(sys.argv[1]))
   || fail "$SOURCE/bundle-check.py: SHA-256 differs from the manifest (changed after signing)"
 rm -rf "$SCRATCH"  # not part of the bundle: the check refuses extra files
 "$PYTHON" -I "$BUNDLE/bundle-check.py" "$BUNDLE" "$SOURCE" || exit 1
+
+# As root, training sandboxes run as this unprivileged user of their own (finetune/sandbox.py).
+if [ "$(id -u)" = 0 ] && ! id appliance-train >/dev/null 2>&1; then
+  useradd --system --user-group --no-create-home --shell /usr/sbin/nologin appliance-train \
+    || fail "cannot create the training sandbox's user appliance-train"
+fi
 
 step "software in $PREFIX/venv (the bundle's wheels only)"
 if [ -x "$PREFIX/venv/bin/python" ] && "$PREFIX/venv/bin/python" -I -c 'import sys

@@ -130,20 +130,6 @@ def test_engine_killed_with_sigkill_is_restarted_and_serves(running: Running) ->
                 psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
 
 
-def test_down_leaves_no_process_behind(running: Running) -> None:
-    supervisord = status(running)["supervisord"]["pid"]
-    tree = [supervisord] + [p.pid for p in psutil.Process(supervisord).children(recursive=True)]
-    assert len(tree) >= 3
-    result = running.appliance.run("down")
-    assert result.returncode == 0 and "down" in result.stdout
-    alive = [pid for pid in tree if psutil.pid_exists(pid)
-             and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
-    assert not alive
-    again = running.appliance.run("down")
-    assert again.returncode == 0 and "not running" in again.stdout
-    assert status(running)["supervisord"]["running"] is False
-
-
 def test_engines_are_sealed_from_other_local_users(running: Running) -> None:
     """Issue 17: vLLM's own routes (/tokenize, /pause, /abort_requests ...) take no key, and a TCP
     port can be reached by any local user (or taken while the engine restarts). The engine
@@ -164,3 +150,18 @@ def test_engines_are_sealed_from_other_local_users(running: Running) -> None:
     as_nobody = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-I",
                                 "-c", probe, program["socket"]], capture_output=True, text=True, timeout=60)
     assert as_nobody.stdout.strip() == "PermissionError", as_nobody.stdout + as_nobody.stderr
+
+
+def test_down_leaves_no_process_behind(running: Running) -> None:
+    supervisord = status(running)["supervisord"]["pid"]
+    tree = [supervisord] + [p.pid for p in psutil.Process(supervisord).children(recursive=True)]
+    assert len(tree) >= 3
+    result = running.appliance.run("down")
+    assert result.returncode == 0 and "down" in result.stdout
+    alive = [pid for pid in tree if psutil.pid_exists(pid)
+             and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert not alive
+    again = running.appliance.run("down")
+    assert again.returncode == 0 and "not running" in again.stdout
+    assert status(running)["supervisord"]["running"] is False
+

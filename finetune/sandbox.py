@@ -1,0 +1,147 @@
+"""The training sandbox: a job's trainer sees only what the job needs.
+
+With `finetune.sandbox = "bubblewrap"` (the default) the trainer runs
+- as the dedicated unprivileged user `appliance-train` (when the appliance runs as root; anyone
+  else's trainer runs as that user, who owns nothing of the appliance's anyway),
+- in mount, PID, IPC, UTS and network namespaces of its own (bubblewrap): the system's programs
+  and libraries and the Python environment read-only, the base model and the job's dataset
+  read-only, the job's directory as the only writable place besides a private /tmp, and no
+  network but a loopback device of its own (torchrun's processes meet on it);
+- with a clean environment (no secret, no engine key, no APPLIANCE_* variable), offline;
+- under limits on memory (`finetune.sandbox_memory_gib`) and processes, threads included
+  (`finetune.sandbox_max_processes`, counted for its user).
+
+The state dir's secrets, the supervisor's socket, the audit log and other jobs' data are simply
+not there. `finetune.sandbox = "none"` runs the trainer as a plain child (for hosts without
+bubblewrap; say so to whoever audits the host).
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import stat
+import sys
+from pathlib import Path
+
+from appliance.errors import ApplianceError
+from appliance.programs import OFFLINE_ENVIRONMENT
+from appliance.settings import FinetuneSettings
+
+SANDBOX_USER = "appliance-train"
+PROJECT = Path(__file__).resolve().parent.parent  # an editable install imports from here
+TMPFS = (Path("/tmp"), Path("/dev/shm"))  # the trainer's scratch space, private, gone when it ends
+# The system's programs and libraries; hosts and nsswitch.conf so that torchrun's processes find
+# each other at "localhost" on the sandbox's own loopback device.
+SYSTEM_READ_ONLY = ("/usr", "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/alternatives",
+                    "/etc/localtime", "/etc/hosts", "/etc/nsswitch.conf")
+
+
+class SandboxError(ApplianceError):
+    """The sandbox cannot be set up on this host."""
+
+
+def sandbox_user() -> pwd.struct_passwd:
+    """The trainer's own user (created by bootstrap.sh and install.sh)."""
+    try:
+        return pwd.getpwnam(SANDBOX_USER)
+    except KeyError:
+        raise SandboxError(f"the training sandbox's user {SANDBOX_USER!r} does not exist",
+                           hint=f"useradd --system --user-group --no-create-home --shell /usr/sbin/nologin "
+                                f"{SANDBOX_USER} (as root), or set finetune.sandbox = \"none\"") from None
+
+
+def prepare(workdir: Path, inputs: list[Path], model: Path) -> None:
+    """As root: give the job's directory to the sandbox's user (it writes its checkpoints there;
+    its inputs stay the appliance's, readable, mounted read-only), and let that user's group read
+    the base model (checkpoints are often saved 0600: the group gets read access, nothing else
+    changes and the owner stays)."""
+    if os.geteuid() != 0:
+        return
+    user = sandbox_user()
+    for path in [workdir, *workdir.rglob("*")]:
+        if path not in inputs and not path.is_symlink():
+            os.chown(path, user.pw_uid, user.pw_gid)
+    for path in inputs:
+        os.chown(path, 0, 0)
+        path.chmod(0o644)
+    try:
+        for path in [model, *model.rglob("*")]:
+            mode = path.stat().st_mode
+            if path.is_symlink() or mode & stat.S_IROTH and (not path.is_dir() or mode & stat.S_IXOTH):
+                continue  # anyone may read it already
+            os.chown(path, -1, user.pw_gid)
+            path.chmod(mode | stat.S_IRGRP | (stat.S_IXGRP if path.is_dir() else 0))
+    except OSError as exc:
+        raise SandboxError(f"cannot let the training sandbox read the base model: {exc}",
+                           hint=f"make {model} readable by group {SANDBOX_USER}") from exc
+
+
+def sandboxed(command: list[str], settings: FinetuneSettings, *, workdir: Path, inputs: list[Path],
+              readable: list[Path]) -> list[str]:
+    """`command` wrapped to run in the sandbox: `workdir` writable, `inputs` (files in it) and
+    `readable` (the base model) read-only, nothing else of the appliance's."""
+    if settings.sandbox == "none":
+        return command
+    bwrap, prlimit = shutil.which("bwrap"), shutil.which("prlimit")
+    if bwrap is None or prlimit is None:
+        raise SandboxError("the training sandbox needs bubblewrap (`bwrap`) and `prlimit` (util-linux)",
+                           hint="apt-get install bubblewrap util-linux, or set finetune.sandbox = \"none\"")
+    # As root, bubblewrap sets the sandbox up with root's access to the paths it binds, and the
+    # trainer then becomes the sandbox's user, with no capabilities, inside it. Anyone else gets
+    # a user namespace of their own (bubblewrap's unprivileged mode).
+    namespaces, become = ["--unshare-all"], []
+    if os.geteuid() == 0:
+        user = sandbox_user()
+        namespaces = ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
+        become = ["/usr/bin/setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--clear-groups",
+                  "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs"]
+    memory = int((settings.sandbox_memory_gib or _ram_gib() * 0.8) * 2**30)
+    limits = [prlimit, f"--data={memory}", f"--nproc={settings.sandbox_max_processes}", "--"]
+    mounts = [*namespaces, "--die-with-parent", "--new-session", "--proc", "/proc", "--dev", "/dev",
+              *(arg for path in TMPFS for arg in ("--perms", "1777", "--tmpfs", str(path)))]
+    for top in ("/bin", "/lib", "/lib64", "/sbin"):  # merged /usr: links into it
+        if Path(top).is_symlink():
+            mounts += ["--symlink", os.readlink(top), top]
+        elif Path(top).exists():
+            mounts += ["--ro-bind", top, top]
+    bound = [Path(p) for p in [*SYSTEM_READ_ONLY, *_python_paths(), *map(str, readable)] if Path(p).exists()]
+    for path in bound:
+        mounts += ["--ro-bind", str(path), str(path)]
+    for device in sorted(Path("/dev").glob("nvidia*")):  # the GPUs, where there are any
+        mounts += ["--dev-bind", str(device), str(device)]
+    mounts += ["--bind", str(workdir), str(workdir)]
+    for path in inputs:
+        mounts += ["--ro-bind", str(path), str(path)]
+    # bubblewrap makes the directories leading to each mount with the host's modes (a 0700 state
+    # dir included): opened up so that the trainer's user can walk to what it is shown.
+    for parent in _leading_directories([*bound, workdir]):
+        mounts += ["--chmod", "0755", str(parent)]
+    environment = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8",
+                   **OFFLINE_ENVIRONMENT}
+    if "CUDA_VISIBLE_DEVICES" in os.environ:
+        environment["CUDA_VISIBLE_DEVICES"] = os.environ["CUDA_VISIBLE_DEVICES"]
+    setenv = [arg for name, value in sorted(environment.items()) for arg in ("--setenv", name, value)]
+    return [*limits, bwrap, *mounts, "--chdir", str(workdir), "--clearenv", *setenv, "--", *become, *command]
+
+
+def _leading_directories(mounted: list[Path]) -> list[Path]:
+    """The directories above each mount point that bubblewrap creates (not mounts themselves, nor
+    inside one), shallowest first."""
+    def inside_a_mount(path: Path) -> bool:
+        return any(path == m or path.is_relative_to(m) for m in mounted)
+
+    parents = {parent for path in mounted for parent in path.parents} - {Path("/"), *TMPFS}
+    return sorted((p for p in parents if not inside_a_mount(p)), key=lambda p: len(p.parts))
+
+
+def _python_paths() -> list[str]:
+    """What this Python needs to run: its installation, the virtual environment, and the project
+    an editable install imports from."""
+    paths = {sys.base_prefix, sys.prefix, str(PROJECT), str(Path(sys.executable).resolve().parent)}
+    return sorted(p for p in paths if not p.startswith("/usr/") and p != "/usr")
+
+
+def _ram_gib() -> float:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
