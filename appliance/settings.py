@@ -88,6 +88,11 @@ class EngineSettings(_Section):
     start_timeout_s: int = Field(
         600, gt=0, description="How long `appliance up` waits for an engine to answer."
     )
+    isolate_network: bool = Field(
+        True, description="Run each engine in a network namespace of its own (loopback only): the ports "
+        "vLLM opens inside (ZMQ, torch.distributed) are out of every other local process's reach; "
+        "the engine is reached only through its Unix socket."
+    )
 
 
 class PoolSettings(_Section):

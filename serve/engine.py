@@ -5,6 +5,7 @@ when a pool names one, a plan (`appliance plan --json`) that sets its layout and
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,6 +133,23 @@ def _split_cores(ranks: int) -> str:
     return "|".join(",".join(str(c) for c in group) for group in groups)
 
 
+def in_own_network(argv: list[str]) -> list[str]:
+    """`argv` in a new network namespace holding only a loopback device (brought up): vLLM's
+    internal listeners (ZMQ, torch.distributed, on 127.0.0.1) are then reachable from nowhere
+    else; its API is on its Unix socket, which a network namespace does not hide."""
+    # Root may create a network namespace directly; anyone else needs a user namespace for it.
+    isolate = ["unshare", "--net", *([] if os.geteuid() == 0 else ["--map-root-user"]), "--"]
+    return [*isolate, "sh", "-c", 'ip link set lo up && exec "$@"', "vllm", *argv]
+
+
+def _missing_tools() -> str | None:
+    lacking = [tool for tool, package in (("unshare", "util-linux"), ("ip", "iproute2")) if shutil.which(tool) is None]
+    if lacking:
+        return (f"engine.isolate_network needs {' and '.join(lacking)} (util-linux, iproute2): install them, "
+                "or set engine.isolate_network = false")
+    return None
+
+
 def missing_model(path: Path) -> str | None:
     """Why `path` is not a servable checkpoint, or None."""
     if not (path / "config.json").is_file():
@@ -154,10 +172,13 @@ def engine_programs(settings: Settings, home: Home) -> list[Program]:
         if len(str(socket).encode()) > MAX_SOCKET_PATH:
             problem = (f"its socket path {socket} is longer than the {MAX_SOCKET_PATH} bytes a Unix socket "
                        "allows: choose a shorter APPLIANCE_HOME")
+        command = launch.argv
+        if settings.engine.isolate_network:
+            command, problem = in_own_network(command), problem or _missing_tools()
         programs.append(
             Program(
                 name=f"vllm-{pool.name}",
-                command=launch.argv,
+                command=command,
                 environment=launch.environment,
                 socket=socket,
                 health_url=f"{ENGINE_BASE_URL}/health",

@@ -309,6 +309,30 @@ def test_audit_screen_filters_shows_a_record_and_verifies_the_chain(app: AdminAp
     drive(app, scenario)
 
 
+def test_audit_records_holding_markup_are_shown_as_text(app: AdminApp, realm: Realm) -> None:
+    """Issue 17: a record whose resource is Rich markup (`[/x]` crashed DataTable, `[link=...]`
+    would have restyled it) made by a real request through the gateway, from a source of its own
+    (so that it has its own record, not a refusal summary's)."""
+    hostile = "/v1/[/x][link=https://example.invalid]click[/link]"
+    with httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.77")) as stranger:
+        assert stranger.get(f"{realm.gateway}{hostile}").status_code == 404
+
+    async def scenario(pilot: Pilot) -> None:
+        await pilot.press("a")
+        pilot.app.screen.query_one("#action", Input).value = "unmatched"
+        pilot.app.screen.query_one("#records", DataTable).focus()
+        pilot.app.screen.reload()
+        await until(pilot, lambda: any(hostile in str(r[5]) for r in rows(app, "records").values()),
+                    "the hostile record, shown as written")
+        await select_row(pilot, "records", next(k for k, r in rows(app, "records").items() if hostile in str(r[5])))
+        await pilot.press("enter")
+        await until(pilot, lambda: bool(pilot.app.screen.query("#detail-body")), "the record detail")
+        assert hostile in str(pilot.app.screen.query_one("#detail-body", Static).render())
+        await pilot.press("escape")
+
+    drive(app, scenario)
+
+
 def test_banner_for_a_stopped_gateway_and_an_expired_login_then_device_login(app: AdminApp,
                                                                             running: Running) -> None:
     home = running.appliance.home

@@ -1,5 +1,5 @@
 """Training jobs through the supervised finetune-worker on the session appliance (issue 7): a
-submitted job trains in a network namespace of its own (no way out), reports progress, and
+submitted job trains in the training sandbox (no way out, nothing of the state dir but its job), reports progress, and
 when the worker is killed mid-training supervisord restarts it and the job resumes from its last
 checkpoint; queued and running jobs can be cancelled; bad submissions change nothing."""
 
@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import re
 import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import pytest
 
 from appliance import adapters
@@ -61,10 +63,19 @@ def test_job_trains_cut_off_from_the_network_and_survives_a_killed_worker(runnin
     job = jobs.get(cli.home, job_id)
     assert job.state == "running" and job.trainer_pid and job.worker_pid
 
-    # The trainer is in a network namespace of its own, holding nothing but a loopback device.
-    assert os.readlink(f"/proc/{job.trainer_pid}/ns/net") != os.readlink("/proc/self/ns/net")
-    devices = [line.split(":")[0].strip() for line in Path(f"/proc/{job.trainer_pid}/net/dev").read_text().splitlines()[2:]]
+    # The trainer (inside the sandbox bubblewrap started) is in a network namespace of its own,
+    # holding nothing but a loopback device, and sees none of the state dir but its job (issue 17).
+    [trainer] = [p for p in psutil.Process(job.trainer_pid).children(recursive=True)
+                 if p.cmdline()[1:4] == ["-P", "-m", "finetune.job"]]  # not bubblewrap's own processes
+    assert os.readlink(f"/proc/{trainer.pid}/ns/net") != os.readlink("/proc/self/ns/net")
+    devices = [line.split(":")[0].strip() for line in Path(f"/proc/{trainer.pid}/net/dev").read_text().splitlines()[2:]]
     assert devices == ["lo"]
+    seen = Path(f"/proc/{trainer.pid}/root")
+    assert not (seen / cli.home.secrets.relative_to("/")).exists(), "the secrets are not there"
+    assert not (seen / cli.home.run.relative_to("/") / "supervisor.sock").exists()
+    assert (seen / jobs.job_dir(cli.home, job_id).relative_to("/") / "job.json").exists()
+    if os.geteuid() == 0:
+        assert trainer.uids().real == pwd.getpwnam("appliance-train").pw_uid
     listed = cli.run("finetune", "status", str(job_id), timeout=60)
     assert re.search(r"step \d+/40, loss [\d.]+, \d+ tokens/s, ETA \d+ s", listed.stdout), listed.stdout
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+import pytest
 from safetensors import safe_open
 
 from appliance.secrets import secret
@@ -132,15 +133,24 @@ def test_engine_killed_with_sigkill_is_restarted_and_serves(running: Running) ->
 
 def test_engines_are_sealed_from_other_local_users(running: Running) -> None:
     """Issue 17: vLLM's own routes (/tokenize, /pause, /abort_requests ...) take no key, and a TCP
-    port can be reached by any local user (or taken while the engine restarts). The engine
-    listens on no TCP port, only on a socket in a 0700 directory."""
+    port can be reached by any local user (or taken while the engine restarts). The engine's API
+    is on a socket in a 0700 directory only, and its internal ports live in a network namespace
+    of its own."""
     import subprocess
     import sys
 
     program = engine(running)
-    listening = [c for p in [psutil.Process(program["pid"]), *psutil.Process(program["pid"]).children(recursive=True)]
-                 for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
-    assert listening == [], f"the engine listens on TCP: {listening}"
+    tree = [psutil.Process(program["pid"]), *psutil.Process(program["pid"]).children(recursive=True)]
+    vllm = [p for p in tree if "vllm" in " ".join(p.cmdline()) or p.name().startswith("VLLM")]
+    assert vllm and all(os.readlink(f"/proc/{p.pid}/ns/net") != os.readlink("/proc/self/ns/net") for p in vllm), \
+        "the engine runs in a network namespace of its own"
+    # vLLM's own listeners (ZMQ, torch.distributed) are on 127.0.0.1 of that namespace: from here,
+    # which is any other local process's view, nothing answers on those ports.
+    inside = {c.laddr.port for p in vllm for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+    import socket
+    for port in inside:
+        with socket.socket() as probe, pytest.raises(ConnectionRefusedError):
+            probe.connect(("127.0.0.1", port))
     socket_dir = Path(program["socket"]).parent
     assert socket_dir.stat().st_mode & 0o777 == 0o700
     with engine_client(running.appliance) as http:
