@@ -16,17 +16,19 @@ for arg in "$@"; do
 done
 
 # Training jobs run in a sandbox (bwrap from bubblewrap, prlimit and setpriv from util-linux);
-# the bundle test cuts the network with unshare and ip (iproute2); the TUI's test runs it in a
-# real terminal (tmux).
+# engines get a network namespace of their own (unshare, and ip from iproute2 for its loopback);
+# the TUI's test runs it in a real terminal (tmux).
+missing=()
 for tool in unshare:util-linux prlimit:util-linux setpriv:util-linux bwrap:bubblewrap ip:iproute2 tmux:tmux; do
-  if ! command -v "${tool%%:*}" >/dev/null; then
-    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-      apt-get install -y -q "${tool#*:}"
-    else
-      echo "bootstrap.sh: '${tool%%:*}' is missing: install the ${tool#*:} package" >&2; exit 1
-    fi
-  fi
+  command -v "${tool%%:*}" >/dev/null || missing+=("${tool#*:}")
 done
+if [ ${#missing[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -q && apt-get install -y -q "${missing[@]}"
+  else
+    echo "bootstrap.sh: missing tools: install the packages ${missing[*]}" >&2; exit 1
+  fi
+fi
 
 # As root, training sandboxes run as this unprivileged user of their own (finetune/sandbox.py).
 if [ "$(id -u)" = 0 ] && ! id appliance-train >/dev/null 2>&1; then
