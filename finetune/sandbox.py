@@ -139,7 +139,7 @@ def _leading_directories(mounted: list[Path]) -> list[Path]:
 def _python_paths() -> list[str]:
     """What this Python needs to run: its installation, the virtual environment, and the project
     an editable install imports from."""
-    paths = {sys.base_prefix, sys.prefix, str(PROJECT), str(Path(sys.executable).resolve().parent)}
+    paths = {sys.base_prefix, sys.prefix, str(PROJECT)}
     return sorted(p for p in paths if not p.startswith("/usr/") and p != "/usr")
 
 

@@ -136,8 +136,7 @@ class AuditMiddleware:
                 settled = True  # written now, or answered as unwritable
                 event, broken = self._event(scope, state, status, started)
                 try:
-                    if self.refusals.own_record(event, relayed=transcript is not None and transcript.relayed):
-                        await self._append(event)
+                    await self._record(event, state)
                 except AuditUnavailable as exc:
                     if streaming:
                         raise  # cut the stream: the client must not see a complete answer
@@ -168,14 +167,17 @@ class AuditMiddleware:
         finally:
             self.in_flight -= 1
 
+    async def _record(self, event: AuditEvent, state: dict) -> None:
+        """Write the request's record, unless it is a refusal counted into a summary."""
+        transcript: Transcript | None = state.get("transcript")
+        if self.refusals.own_record(event, relayed=transcript is not None and transcript.relayed):
+            await self._append(event)
+
     async def _record_unfinished(self, scope: dict, state: dict, status: int, started: float) -> None:
         """The record of a request that never completed; if even that cannot be written, the
         writer now refuses requests (fail closed) and says why in /readyz."""
         try:
-            event, _ = self._event(scope, state, status, started)
-            transcript: Transcript | None = state.get("transcript")
-            if self.refusals.own_record(event, relayed=transcript is not None and transcript.relayed):
-                await self._append(event)
+            await self._record(self._event(scope, state, status, started)[0], state)
         except AuditUnavailable as exc:
             log.error("audit record of unfinished request %s not written: %s", state.get("request_id"), exc)
 

@@ -220,12 +220,13 @@ async def relay(request: Request, who: Principal, path: str, body: ChatRequest |
         pool, payload["model"], adapter = routed
     else:
         pool, adapter = gateway.upstreams.route(body.model), None
+    prompt = body.prompt_text(payload)  # max_tokens and stream_options, set below, shape no prompt
     prompt_estimate, worst_completion = body.admission(gateway.limiter.limits_for(who.roles), pool.max_model_len,
-                                                       payload)
+                                                       payload, prompt)
     if body.stream:
         # Ask for the final usage chunk so tokens can be counted and charged.
         payload["stream_options"] = {**(payload.get("stream_options") or {}), "include_usage": True}
-    transcript = request.state.transcript = Transcript(model=payload["model"], prompt=body.prompt_text(payload))
+    transcript = request.state.transcript = Transcript(model=payload["model"], prompt=prompt)
     admission = gateway.limiter.admit(who.subject, who.roles, prompt_tokens=prompt_estimate,
                                       completion_tokens=worst_completion)
     try:

@@ -83,9 +83,11 @@ class _Sampling(BaseModel):
         asked = {"prompt_logprobs": self.prompt_logprobs or 0}
         return {name: value for name, value in asked.items() if value}
 
-    def admission(self, limits: RoleLimits | None, context: int, relayed: dict[str, Any]) -> tuple[int, int]:
-        """Check the caller's caps (400 naming the field); return (prompt estimate, worst-case
-        completion tokens). A missing max_tokens becomes the role's cap in `relayed`."""
+    def admission(self, limits: RoleLimits | None, context: int, relayed: dict[str, Any],
+                  prompt_text: str) -> tuple[int, int]:
+        """Check the caller's caps (400 naming the field); return (prompt estimate from
+        `prompt_text`, worst-case completion tokens). A missing max_tokens becomes the role's cap
+        in `relayed`."""
         # vLLM prefers max_completion_tokens (chat) over max_tokens.
         asked = relayed.get("max_completion_tokens") or relayed.get("max_tokens")
         if limits is not None:
@@ -100,7 +102,7 @@ class _Sampling(BaseModel):
                     raise _over_cap(name, value, limits.max_logprobs)
             if asked is None and limits.max_tokens is not None:
                 relayed["max_tokens"] = asked = limits.max_tokens
-        prompt = len(self.prompt_text(relayed).encode("utf-8", "surrogatepass")) // BYTES_PER_TOKEN_ESTIMATE + 1
+        prompt = len(prompt_text.encode("utf-8", "surrogatepass")) // BYTES_PER_TOKEN_ESTIMATE + 1
         return prompt, (asked or context) * self.n
 
 

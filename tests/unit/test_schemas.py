@@ -49,6 +49,11 @@ def test_any_string_is_kept_in_the_prompt_text() -> None:
 LIMITS = RoleLimits(max_tokens=100, max_n=2, max_logprobs=3)
 
 
+def admit(body: ChatRequest | CompletionRequest, limits: RoleLimits) -> tuple[int, int]:
+    relayed = body.relayed()
+    return body.admission(limits, 2048, relayed, body.prompt_text(relayed))
+
+
 @pytest.mark.parametrize(("extra", "field"), [({"max_tokens": 101}, "max_tokens"),
                                               ({"max_completion_tokens": 500}, "max_completion_tokens"),
                                               ({"n": 3}, "n"), ({"top_logprobs": 4, "logprobs": True}, "top_logprobs"),
@@ -56,20 +61,20 @@ LIMITS = RoleLimits(max_tokens=100, max_n=2, max_logprobs=3)
 def test_role_caps_refuse_with_400_naming_the_field(extra: dict, field: str) -> None:
     body = ChatRequest.model_validate({"model": "m", "messages": MESSAGES, **extra})
     with pytest.raises(GatewayError) as caught:
-        body.admission(LIMITS, 2048, body.relayed())
+        admit(body, LIMITS)
     assert caught.value.status == 400 and caught.value.param == field
 
 
 def test_completion_logprobs_are_capped_too() -> None:
     body = CompletionRequest.model_validate({"model": "m", "prompt": "x", "logprobs": 5})
     with pytest.raises(GatewayError):
-        body.admission(LIMITS, 2048, body.relayed())
+        admit(body, LIMITS)
 
 
 def test_admission_is_the_worst_case_and_a_missing_max_tokens_gets_the_roles_cap() -> None:
     body = ChatRequest.model_validate({"model": "m", "messages": MESSAGES, "n": 2})
     relayed = body.relayed()
-    prompt, completion = body.admission(LIMITS, 2048, relayed)
+    prompt, completion = body.admission(LIMITS, 2048, relayed, body.prompt_text(relayed))
     assert relayed["max_tokens"] == 100 and completion == 200 and prompt >= 1
-    uncapped = body.admission(RoleLimits(), 2048, body.relayed())
+    uncapped = admit(body, RoleLimits())
     assert uncapped[1] == 2 * 2048, "no cap: the model's whole context per choice"
