@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from appliance.artifacts import artifact_store
@@ -136,6 +137,12 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
     @app.exception_handler(RequestTooLarge)
     async def too_large(request: Request, exc: RequestTooLarge) -> JSONResponse:
         return exc.error.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # The framework's own refusals (no such route, wrong method, a body it cannot parse,
+        # such as JSON nested past the parser's depth) in OpenAI's shape too.
+        return GatewayError(exc.status_code, str(exc.detail), code="http_error", headers=exc.headers).response()
 
     @app.exception_handler(SupervisorError)
     async def supervisor_unavailable(request: Request, exc: SupervisorError) -> JSONResponse:
@@ -344,7 +351,11 @@ def invalid_request(exc: RequestValidationError, status: int) -> GatewayError:
     first = errors[0] if errors else {}
     location = [str(part) for part in first.get("loc", ()) if part != "body"]
     field_name = ".".join(location) or "body"
-    if first.get("type") == "extra_forbidden":
+    if first.get("type") == "json_invalid":  # its location is a character offset, not a field
+        field_name = "body"
+        message = f"the body is not valid JSON ({first.get('ctx', {}).get('error', 'invalid')} at character " \
+                  f"{location[-1] if location else '?'})"
+    elif first.get("type") == "extra_forbidden":
         message = f"unknown field '{field_name}'"
     else:
         message = f"'{field_name}': {first.get('msg', 'invalid')}"
