@@ -15,6 +15,7 @@ from appliance import login
 from appliance.errors import ApplianceError
 from appliance.home import Home
 from appliance.settings import Settings, load_settings
+from appliance.tls import ca_file
 
 users_app = typer.Typer(help="Users and roles of the realm (through the gateway's admin API).",
                         no_args_is_help=True)
@@ -49,8 +50,10 @@ def token(
     elif print_token:
         cached = login.current_token(settings, home)
     else:
+        trust = "" if settings.keycloak.mode == "external" else (
+            f" (the page's certificate is from the appliance's own CA, {ca_file(home)}: trust it in the browser)")
         cached = login.device_login(settings, home, lambda url, code: typer.echo(
-            f"Open {url} and enter the code {code} to approve this login.", err=True))
+            f"Open {url} and enter the code {code} to approve this login.{trust}", err=True))
     if print_token:
         typer.echo(cached.access_token)
     else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import ssl
 import sys
 import time
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from appliance.supervisor import (
     render_config,
     socket_path,
 )
+from appliance.tls import ca_file
 
 Progress = Callable[[str], None]
 
@@ -135,7 +137,7 @@ def _wait_ready(
     waiting = {p.name: p for p in programs if p.health_url}
     first_pid: dict[str, int] = {}
     ready: dict[str, float] = {}
-    with httpx.Client(timeout=2.0) as client:
+    with _health_client(home) as client:
         while waiting:
             infos = {info.name: info for info in supervisor.processes()}
             for name, program in list(waiting.items()):
@@ -162,6 +164,12 @@ def _wait_ready(
                     progress(f"waiting for {name} ({info.state.name.lower()}, {elapsed:.0f}s)")
             time.sleep(0.5)
     return ready
+
+
+def _health_client(home: Home) -> httpx.Client:
+    """For health URLs: plain HTTP, or HTTPS from a server the appliance's own CA certified."""
+    ca = ca_file(home)
+    return httpx.Client(timeout=2.0, verify=ssl.create_default_context(cafile=ca) if ca.is_file() else True)
 
 
 def _healthy(client: httpx.Client, program: Program) -> bool:
@@ -226,7 +234,7 @@ def status(home: Home) -> dict[str, Any]:
     if running:
         infos = {info.name: info for info in supervisor.processes()}
     programs = []
-    with httpx.Client(timeout=2.0) as client:
+    with _health_client(home) as client:
         for program in _started_programs(home) if running else []:
             info = infos.get(program.name)
             programs.append({

@@ -15,6 +15,7 @@ from appliance.durable import replace_file
 from appliance.errors import ApplianceError
 from appliance.home import Home
 from appliance.settings import Settings
+from appliance.tls import keycloak_ssl
 
 CACHE = "cli-token.json"
 # Refresh when less than this is left, so a command never starts with a token about to expire.
@@ -54,10 +55,10 @@ def _endpoint(settings: Settings, name: str) -> str:
     return f"{settings.keycloak.issuer}/protocol/openid-connect/{name}"
 
 
-def _post(settings: Settings, name: str, data: dict[str, str]) -> httpx.Response:
+def _post(settings: Settings, home: Home, name: str, data: dict[str, str]) -> httpx.Response:
     try:
         return httpx.post(_endpoint(settings, name), data={"client_id": settings.keycloak.cli_client_id, **data},
-                          timeout=30)
+                          timeout=30, verify=keycloak_ssl(settings, home))
     except httpx.HTTPError as exc:
         raise LoginError(f"Keycloak at {settings.keycloak.base_url} is not reachable: {exc}",
                          hint="is the appliance up? (`appliance status`)") from exc
@@ -74,7 +75,7 @@ def _refused(response: httpx.Response) -> LoginError:
 
 def password_login(settings: Settings, home: Home, username: str, password: str) -> CachedToken:
     """Log in with a password (for scripts); the token is cached."""
-    response = _post(settings, "token", {"grant_type": "password", "username": username, "password": password})
+    response = _post(settings, home, "token", {"grant_type": "password", "username": username, "password": password})
     if response.status_code != 200:
         raise _refused(response)
     token = CachedToken.from_response(username, response.json())
@@ -84,7 +85,7 @@ def password_login(settings: Settings, home: Home, username: str, password: str)
 
 def device_login(settings: Settings, home: Home, show: Callable[[str, str], None]) -> CachedToken:
     """The device authorization grant: `show(url, code)` tells the person where to approve."""
-    response = _post(settings, "auth/device", {})
+    response = _post(settings, home, "auth/device", {})
     if response.status_code != 200:
         raise _refused(response)
     grant = response.json()
@@ -93,7 +94,7 @@ def device_login(settings: Settings, home: Home, show: Callable[[str, str], None
     deadline = time.monotonic() + float(grant.get("expires_in", 600))
     while time.monotonic() < deadline:
         time.sleep(interval)
-        response = _post(settings, "token", {"grant_type": "urn:ietf:params:oauth:grant-type:device_code",
+        response = _post(settings, home, "token", {"grant_type": "urn:ietf:params:oauth:grant-type:device_code",
                                              "device_code": grant["device_code"]})
         if response.status_code == 200:
             body = response.json()
@@ -126,7 +127,7 @@ def current_token(settings: Settings, home: Home) -> CachedToken:
         return token
     if not token.refresh_token or token.refresh_expires_at <= now:
         raise LoginError("the cached login has expired", hint="run `appliance token` again")
-    response = _post(settings, "token", {"grant_type": "refresh_token", "refresh_token": token.refresh_token})
+    response = _post(settings, home, "token", {"grant_type": "refresh_token", "refresh_token": token.refresh_token})
     if response.status_code != 200:
         raise _refused(response)
     token = CachedToken.from_response(token.username, response.json())

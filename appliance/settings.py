@@ -139,8 +139,13 @@ class KeycloakSettings(_Section):
         None, description="Base URL of an external Keycloak (external mode), e.g. https://idp:8443."
     )
     realm: str = Field("appliance", description="Realm whose tokens the gateway accepts.")
-    port: Port = Field(8180, description="Loopback HTTP port of the embedded Keycloak.")
+    port: Port = Field(8180, description="Loopback HTTPS port of the embedded Keycloak (the appliance's "
+                       "own CA issues its certificate; there is no plain-HTTP listener).")
     management_port: Port = Field(9180, description="Health endpoints of the embedded Keycloak.")
+    ca_file: str | None = Field(
+        None, description="External mode: PEM file of the CA(s) that issued the external Keycloak's "
+        "certificate (unset: the system's trust store)."
+    )
     java_home: str | None = Field(
         None, description="JDK for the embedded Keycloak (unset: Temurin 25 if present, else 17)."
     )
@@ -157,7 +162,7 @@ class KeycloakSettings(_Section):
         """Keycloak's base URL: the external one, or the embedded one on loopback."""
         if self.mode == "external" and self.url:
             return self.url.rstrip("/")
-        return f"http://127.0.0.1:{self.port}"
+        return f"https://127.0.0.1:{self.port}"
 
     @property
     def issuer(self) -> str:
@@ -168,6 +173,9 @@ class KeycloakSettings(_Section):
     def _external_needs_url(self) -> KeycloakSettings:
         if self.mode == "external" and not (self.url and self.gateway_client_secret):
             raise ValueError("external mode needs url and gateway_client_secret")
+        if self.mode == "external" and not self.url.lower().startswith("https://"):
+            # The gateway sends its client secret there and trusts the keys it serves.
+            raise ValueError(f"url {self.url!r}: an external Keycloak must be reached over https://")
         return self
 
 

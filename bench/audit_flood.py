@@ -53,7 +53,7 @@ class Gateway:
         self.port = free_port()
         env = {**os.environ, HOME_ENV: str(self.home.root), "APPLIANCE_GATEWAY__PORT": str(self.port),
                "APPLIANCE_KEYCLOAK__MODE": "external",
-               "APPLIANCE_KEYCLOAK__URL": "http://127.0.0.1:9", "APPLIANCE_KEYCLOAK__GATEWAY_CLIENT_SECRET": "unused",
+               "APPLIANCE_KEYCLOAK__URL": "https://127.0.0.1:9", "APPLIANCE_KEYCLOAK__GATEWAY_CLIENT_SECRET": "unused",
                "APPLIANCE_AUDIT__REFUSAL_INTERVAL_S": str(refusal_interval_s)}
         self.process = subprocess.Popen([sys.executable, "-P", "-m", "serve.listener"], env=env,
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

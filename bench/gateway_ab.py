@@ -27,6 +27,7 @@ import gateway_overhead as g  # the sibling bench: its appliance set-up, paths a
 from appliance.home import HOME_ENV, Home
 from appliance.secrets import secret
 from appliance.settings import load_settings
+from appliance.tls import ca_file, keycloak_ssl, tls_dir
 from installer.realm import BOOTSTRAP_SECRET
 from serve.engine import engine_socket
 
@@ -49,10 +50,11 @@ try:
     def token():
         body = httpx.post(f"{settings.keycloak.issuer}/protocol/openid-connect/token",
                           data={"grant_type": "password", "client_id": "appliance-cli", "username": "admin",
-                                "password": secret(home, BOOTSTRAP_SECRET)}).json()
+                                "password": secret(home, BOOTSTRAP_SECRET)}, verify=keycloak_ssl(settings, home)).json()
         return {"Authorization": f"Bearer {body['access_token']}"}
     new_home = Home(home.root.with_name("stubnew")).ensure()
     shutil.copytree(home.secrets, new_home.secrets, dirs_exist_ok=True)
+    shutil.copytree(tls_dir(home), tls_dir(new_home), dirs_exist_ok=True)  # trusts Keycloak through the CA
     sock = engine_socket(new_home, "main"); sock.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     old_home = Home(home.root.with_name("stubold")).ensure()
     shutil.copytree(home.secrets, old_home.secrets, dirs_exist_ok=True)
@@ -65,7 +67,9 @@ try:
              "APPLIANCE_POOLS__MAIN__SERVED_MODEL_NAME": g.MODEL}, stderr=subprocess.DEVNULL))
     procs.append(subprocess.Popen([sys.executable, "-P", "-m", "uvicorn", "serve.gateway:app_from_env", "--factory", "--port", "18482",
         "--no-access-log", "--log-level", "warning"], cwd=old_tree,
+        # The gateway before issue 17 trusted the system's store (httpx reads SSL_CERT_FILE) and plain HTTP.
         env={**base, "PYTHONPATH": str(old_tree), HOME_ENV: str(old_home.root), "APPLIANCE_GATEWAY__PORT": "18482",
+             "SSL_CERT_FILE": str(ca_file(home)),
              "APPLIANCE_GATEWAY__LIMITS": "{ admin = { requests_per_minute = 10000000, tokens_per_minute = 1000000000 } }",
              "APPLIANCE_POOLS__MAIN__PORT": "18412", "APPLIANCE_POOLS__MAIN__SERVED_MODEL_NAME": g.MODEL}, stderr=subprocess.DEVNULL))
     for url in ("http://127.0.0.1:18481/healthz", "http://127.0.0.1:18482/healthz", "http://127.0.0.1:18412/health"):
@@ -77,14 +81,21 @@ try:
              "stub_tcp": ("http://127.0.0.1:18412/v1/chat/completions", {}),
              "stub_uds": (f"unix:{sock}::/v1/chat/completions", {})}
     rows = []
+    gateways = {"before": procs[-1].pid, "after": procs[-2].pid}
     for stream in (False, True):
+        cpu_at_start = {name: g.cpu_seconds(pid) for name, pid in gateways.items()}
         samples = asyncio.run(g.load_interleaved(paths, stream, options.requests))
+        # CPU per request of each gateway process (the warm-up request included): less noisy than latency.
+        cpu_ms = {name: round((g.cpu_seconds(pid) - cpu_at_start[name]) * 1000 / (options.requests + 1), 3)
+                  for name, pid in gateways.items()}
         p50 = {name: round(g.percentile(v, 0.5) * 1000, 3) for name, v in samples.items()}
         before, after = p50["before"] - p50["stub_tcp"], p50["after"] - p50["stub_uds"]
         rows.append({"stream": stream, "requests": options.requests, "p50_ms": p50,
                      "before_added_p50_ms": round(before, 3), "after_added_p50_ms": round(after, 3),
                      "added_ratio_after_to_before": round(after / before, 3),
-                     "p50_ratio_after_to_before": round(p50["after"] / p50["before"], 3)})
+                     "p50_ratio_after_to_before": round(p50["after"] / p50["before"], 3),
+                     "gateway_cpu_ms_per_request": cpu_ms,
+                     "cpu_ratio_after_to_before": round(cpu_ms["after"] / cpu_ms["before"], 3)})
         print(json.dumps(rows[-1]), flush=True)
     RESULTS.write_text(json.dumps({"bench": "gateway_ab", "before": options.before,
                                    "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows}, indent=1)

@@ -48,6 +48,7 @@ import httpx
 from appliance.home import HOME_ENV, Home
 from appliance.secrets import secret
 from appliance.settings import load_settings
+from appliance.tls import keycloak_ssl
 from installer.keycloak import install_dir
 from installer.realm import BOOTSTRAP_SECRET
 from serve.engine import engine_socket
@@ -316,7 +317,8 @@ def main() -> None:
             """A fresh admin token for each run: access tokens live five minutes."""
             body = httpx.post(f"{settings.keycloak.issuer}/protocol/openid-connect/token",
                               data={"grant_type": "password", "client_id": "appliance-cli",
-                                    "username": "admin", "password": secret(home, BOOTSTRAP_SECRET)}).json()
+                                    "username": "admin", "password": secret(home, BOOTSTRAP_SECRET)},
+                              verify=keycloak_ssl(settings, home)).json()
             return {"Authorization": f"Bearer {body['access_token']}"}
 
         engine_key = {"Authorization": f"Bearer {secret(home, 'engine-api-key')}"}

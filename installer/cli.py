@@ -43,12 +43,13 @@ keycloak_app = typer.Typer(help="The embedded Keycloak.", no_args_is_help=True)
 @keycloak_app.command("install")
 @records_change("keycloak.install")
 def keycloak_install() -> None:
-    """Fetch the pinned Keycloak distribution (SHA-256 checked) and unpack it into the state dir."""
+    """Fetch the pinned Keycloak distribution (SHA-256 checked), unpack it into the state dir and
+    run its build step (the production server's database and health options)."""
     home = Home.from_env().ensure()
-    path, made = keycloak.install(home)
     settings = load_settings(home.settings_file)
     java = keycloak.java_home(settings.keycloak)
-    out.print(f"keycloak {keycloak.VERSION} {'installed' if made else 'already installed'}: {path}")
+    path, made = keycloak.install(home, java)
+    out.print(f"keycloak {keycloak.VERSION} {'installed and built' if made else 'already installed and built'}: {path}")
     out.print(f"java: {java} ({keycloak.java_version(java)})")
 
 

@@ -21,6 +21,7 @@ from appliance.programs import Program
 from appliance.progress import byte_progress
 from appliance.secrets import secret
 from appliance.settings import KeycloakSettings, Settings
+from appliance.tls import ensure_server_certificate
 from installer.digest import sha256_file
 
 VERSION = "26.7.3"
@@ -31,6 +32,10 @@ ADMIN_USER = "kcadmin"
 ADMIN_SECRET = "keycloak-admin-password"
 # Keycloak 26.6+ runs on Java 25; 17 still works (deprecated).
 JDK_CANDIDATES = ("/usr/lib/jvm/temurin-25-jdk-amd64", "/usr/lib/jvm/java-17-openjdk-amd64")
+# Build-time options of the production server: Keycloak's build step (Quarkus augmentation, ~20 s)
+# bakes them in once at install, so each start is quick. `start` rebuilds if they ever differ.
+BUILD_OPTIONS = ("--db=dev-file", "--health-enabled=true")
+BUILT_MARKER = ".appliance-build"
 
 
 class KeycloakError(ApplianceError):
@@ -60,12 +65,12 @@ def _share_data(target: Path, home: Home) -> None:
     inside.symlink_to(Path("..") / "data")
 
 
-def install(home: Home) -> tuple[Path, bool]:
-    """Fetch (SHA-256 checked) and unpack the distribution once; return (its dir, whether made)."""
+def install(home: Home, java: Path) -> tuple[Path, bool]:
+    """Fetch (SHA-256 checked), unpack and build the distribution once; return (its dir, whether made)."""
     target = install_dir(home)
     if (target / "bin" / "kc.sh").is_file():
         _share_data(target, home)
-        return target, False
+        return target, build(target, java)  # an install made before the build step
     zip_path = fetch(home)
     partial = target.with_name(f".{target.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)
@@ -91,7 +96,22 @@ def install(home: Home) -> tuple[Path, bool]:
             progress.advance(task, member.file_size)
     partial.rename(target)
     _share_data(target, home)
+    build(target, java)
     return target, True
+
+
+def build(target: Path, java: Path) -> bool:
+    """Run Keycloak's build step with BUILD_OPTIONS unless this install already has; return whether run."""
+    marker = target / "lib" / BUILT_MARKER
+    wanted = " ".join(BUILD_OPTIONS)
+    if marker.is_file() and marker.read_text() == wanted:
+        return False
+    result = subprocess.run([str(target / "bin" / "kc.sh"), "build", *BUILD_OPTIONS], capture_output=True,
+                            text=True, env={**os.environ, "JAVA_HOME": str(java)}, check=False)
+    if result.returncode != 0:
+        raise KeycloakError(f"`kc.sh build` failed in {target}: {(result.stdout + result.stderr)[-2000:]}")
+    marker.write_text(wanted)
+    return True
 
 
 def fetch(home: Home) -> Path:
@@ -152,9 +172,15 @@ def keycloak_programs(settings: Settings, home: Home) -> list[Program]:
     except KeycloakError as exc:
         jdk, missing = "", missing or exc.message
     base = keycloak.base_url
+    certificate, private_key = ensure_server_certificate(home, "keycloak")
     command = [
-        str(kc_dir / "bin" / "kc.sh"), "start-dev",
-        "--http-host=127.0.0.1", f"--http-port={keycloak.port}",
+        # The production server: development mode would open a plain-HTTP listener whatever it is told.
+        str(kc_dir / "bin" / "kc.sh"), "start", *BUILD_OPTIONS,
+        "--cache=local",  # one node: no JGroups cluster listeners on the host's interfaces
+        # TLS only, with the appliance CA's certificate: clients authenticate Keycloak before they
+        # trust its keys or send it a secret (the management port inherits the same TLS).
+        "--http-enabled=false", "--http-host=127.0.0.1", f"--https-port={keycloak.port}",
+        f"--https-certificate-file={certificate}", f"--https-certificate-key-file={private_key}",
         f"--http-management-port={keycloak.management_port}",
         # A fixed hostname keeps `iss` identical whichever loopback name a client uses.
         f"--hostname={base}",
@@ -171,7 +197,7 @@ def keycloak_programs(settings: Settings, home: Home) -> list[Program]:
     }
     return [Program(
         name="keycloak", command=command, environment=env, directory=kc_dir,
-        port=keycloak.port, health_url=f"http://127.0.0.1:{keycloak.management_port}/health/ready",
+        port=keycloak.port, health_url=f"https://127.0.0.1:{keycloak.management_port}/health/ready",
         urls={"issuer": keycloak.issuer, "admin": f"{base}/admin/"},
         priority=10, startsecs=5, stopwaitsecs=30, start_timeout_s=keycloak.start_timeout_s,
         missing=missing,

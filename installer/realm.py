@@ -17,6 +17,7 @@ from appliance.errors import ApplianceError
 from appliance.home import Home
 from appliance.secrets import gateway_client_secret, secret
 from appliance.settings import Settings
+from appliance.tls import keycloak_trust
 from installer.keycloak import ADMIN_SECRET, ADMIN_USER
 
 ROLES = ("admin", "user", "trainer", "auditor")
@@ -43,6 +44,7 @@ def master_admin(settings: Settings, home: Home) -> KeycloakAdmin:
         server_url=settings.keycloak.base_url, username=ADMIN_USER,
         password=secret(home, ADMIN_SECRET), realm_name=settings.keycloak.realm,
         user_realm_name="master", client_id="admin-cli", timeout=30,
+        verify=keycloak_trust(settings, home),
     )
     return KeycloakAdmin(connection=connection)
 

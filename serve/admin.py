@@ -23,6 +23,7 @@ from appliance.home import Home
 from appliance.secrets import gateway_client_secret
 from appliance.settings import Settings
 from appliance.supervisor import ProcessInfo, Supervisor
+from appliance.tls import keycloak_trust
 from audit import AuditVerificationError, read_records, signing_key, verify
 from serve.deps import requires
 from serve.errors import GatewayError
@@ -107,7 +108,8 @@ class Admin:
         keycloak = self.settings.keycloak
         connection = KeycloakOpenIDConnection(
             server_url=keycloak.base_url, realm_name=keycloak.realm, client_id=keycloak.gateway_client_id,
-            client_secret_key=gateway_client_secret(self.settings, self.home), timeout=15)
+            client_secret_key=gateway_client_secret(self.settings, self.home), timeout=15,
+            verify=keycloak_trust(self.settings, self.home))
         return KeycloakAdmin(connection=connection)
 
 

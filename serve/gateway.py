@@ -30,6 +30,7 @@ from appliance.errors import ApplianceError, SupervisorError
 from appliance.home import Home
 from appliance.secrets import gateway_client_secret, secret
 from appliance.settings import Settings, load_settings
+from appliance.tls import keycloak_ssl
 from audit import AuditUnavailable, AuditWriter, TextHasher, archive, signing_key
 from serve.adapters import AdapterRoutes, base_configs
 from serve.admin import Admin, admin_router, audit_router
@@ -78,7 +79,8 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
         connect_s = settings.gateway.upstream_connect_timeout_s
         engine_timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_s)  # generation takes long
         pools = pools_from_settings(settings, home)
-        async with (httpx.AsyncClient(timeout=httpx.Timeout(10.0, connect=connect_s)) as http,  # Keycloak
+        async with (httpx.AsyncClient(timeout=httpx.Timeout(10.0, connect=connect_s),  # Keycloak
+                                      verify=keycloak_ssl(settings, home)) as http,
                     contextlib.AsyncExitStack() as stack):
             engines = {pool.name: await stack.enter_async_context(engine_session(pool, engine_timeout))
                        for pool in pools}

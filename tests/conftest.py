@@ -19,7 +19,7 @@ from installer.keycloak import install_dir
 
 APPLIANCE = str(Path(sys.executable).with_name("appliance"))
 # Settings that keep a test appliance from needing Keycloak at all.
-NO_KEYCLOAK = {"APPLIANCE_KEYCLOAK__MODE": "external", "APPLIANCE_KEYCLOAK__URL": "http://127.0.0.1:9",
+NO_KEYCLOAK = {"APPLIANCE_KEYCLOAK__MODE": "external", "APPLIANCE_KEYCLOAK__URL": "https://127.0.0.1:9",
                "APPLIANCE_KEYCLOAK__GATEWAY_CLIENT_SECRET": "unused"}
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import ssl
 import time
 from dataclasses import dataclass
 from functools import cached_property
@@ -17,6 +18,7 @@ from keycloak import KeycloakAdmin
 
 from appliance.secrets import secret
 from appliance.settings import Settings, load_settings
+from appliance.tls import keycloak_ssl
 from installer.realm import BOOTSTRAP_SECRET, master_admin
 from tests.integration.conftest import Running
 
@@ -33,6 +35,11 @@ class Realm:
     def issuer(self) -> str:
         return self.settings.keycloak.issuer
 
+    @cached_property
+    def tls(self) -> ssl.SSLContext:
+        """Trusts Keycloak's certificate the way the appliance's own clients do."""
+        return keycloak_ssl(self.settings, self.running.appliance.home)
+
     @property
     def gateway(self) -> str:
         return f"http://127.0.0.1:{self.settings.gateway.port}"
@@ -48,7 +55,7 @@ class Realm:
         if scope:
             data["scope"] = scope
         response = httpx.post(f"{realm_issuer or self.issuer}/protocol/openid-connect/token", data=data,
-                              timeout=30)
+                              timeout=30, verify=self.tls)
         response.raise_for_status()
         return response.json()
 
@@ -89,7 +96,7 @@ class Realm:
                        "algorithm": ["RS256"], "privateKey": [pem]}})
         key = jwk.JWK.from_pem(pem.encode())
         n = key.export_public(as_dict=True)["n"]
-        certs = httpx.get(f"{self.issuer}/protocol/openid-connect/certs", timeout=10).json()
+        certs = httpx.get(f"{self.issuer}/protocol/openid-connect/certs", timeout=10, verify=self.tls).json()
         [kid] = [k["kid"] for k in certs["keys"] if k.get("n") == n]
         self._trusted_kid = kid
         return key

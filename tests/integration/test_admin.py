@@ -5,6 +5,7 @@ from __future__ import annotations
 import html
 import json
 import re
+import ssl
 import subprocess
 import time
 
@@ -97,9 +98,9 @@ def test_openapi_lists_every_route_with_models(realm: Realm) -> None:
     assert spec["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
 
 
-def approve_device_login(verification_url: str, username: str, password: str) -> str:
+def approve_device_login(verification_url: str, username: str, password: str, tls: ssl.SSLContext) -> str:
     """Do in Keycloak's pages what a person does in a browser: open the link, sign in, consent."""
-    with httpx.Client(timeout=30) as browser:
+    with httpx.Client(timeout=30, verify=tls) as browser:
         page = browse(browser, "GET", verification_url)
         page = browse(browser, "POST", form_action(page, "kc-form-login"),
                       data={"username": username, "password": password, "credentialId": ""})
@@ -109,12 +110,9 @@ def approve_device_login(verification_url: str, username: str, password: str) ->
 
 
 def browse(browser: httpx.Client, method: str, url: str, **kwargs: object) -> httpx.Response:
-    """Follow redirects like a browser on loopback, which (unlike httpx) sends Keycloak's
-    `Secure` cookies over http://127.0.0.1 because browsers treat loopback as a secure context."""
+    """Follow redirects like a browser."""
     while True:
         response = browser.request(method, url, **kwargs)
-        for cookie in browser.cookies.jar:
-            cookie.secure = False
         if response.status_code not in (301, 302, 303, 307) or "location" not in response.headers:
             return response
         url, method, kwargs = str(response.url.join(response.headers["location"])), "GET", {}
@@ -137,7 +135,7 @@ def test_device_code_login_and_refresh(running: Running, realm: Realm) -> None:
         prompt = process.stderr.readline()
         url, code = re.search(r"Open (\S+) and enter the code (\S+) ", prompt).groups()
         assert code in url
-        page = approve_device_login(url, "gina", "Test-password-1")
+        page = approve_device_login(url, "gina", "Test-password-1", realm.tls)
         assert "Device Login Successful" in page or "successful" in page.lower(), page[:300]
         stdout, stderr = process.communicate(timeout=60)
     finally:

@@ -333,8 +333,8 @@ def test_audit_records_holding_markup_are_shown_as_text(app: AdminApp, realm: Re
     drive(app, scenario)
 
 
-def test_banner_for_a_stopped_gateway_and_an_expired_login_then_device_login(app: AdminApp,
-                                                                            running: Running) -> None:
+def test_banner_for_a_stopped_gateway_and_an_expired_login_then_device_login(app: AdminApp, running: Running,
+                                                                            realm: Realm) -> None:
     home = running.appliance.home
     supervisor = Supervisor(home)
     cache = home.secrets / "cli-token.json"
@@ -356,7 +356,8 @@ def test_banner_for_a_stopped_gateway_and_an_expired_login_then_device_login(app
         await pilot.press("L")
         await until(pilot, lambda: "approve the code" in text(app, "login-text"), "the device code")
         url = re.search(r"Open (\S+)", text(app, "login-text")).group(1)
-        page = await asyncio.to_thread(approve_device_login, url, "admin", secret(home, BOOTSTRAP_SECRET))
+        page = await asyncio.to_thread(approve_device_login, url, "admin", secret(home, BOOTSTRAP_SECRET),
+                                       realm.tls)
         assert "successful" in page.lower(), page[:300]
         await until(pilot, lambda: banner(app) is None and pilot.app.sub_title.startswith("admin @"),
                     "logged in again", 90)

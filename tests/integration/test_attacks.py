@@ -4,17 +4,25 @@ attack and asserts what it now gets."""
 
 from __future__ import annotations
 
+import base64
 import json
 import resource
 import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
+from appliance.home import Home
+from appliance.secrets import gateway_client_secret
+from appliance.supervisor import Supervisor
+from appliance.tls import ensure_server_certificate
 from audit.writer import log_files
+from tests.impostor import Impostor
 from tests.integration.conftest import Running
 from tests.integration.realm import Realm
 
@@ -234,6 +242,63 @@ def test_concurrent_requests_per_user_and_role_caps(realm: Realm, running: Runni
         after = http.post(f"{realm.gateway}/v1/completions", json={**body, "stream": False, "max_tokens": 2},
                           headers=headers)
         assert after.status_code == 200, "slots freed when the streams were closed"
+
+
+# -- 6. Keycloak's keys and the gateway's client secret only over an authenticated channel -----
+
+def test_keycloak_speaks_only_tls_with_a_certificate_from_the_appliance_ca(realm: Realm, running: Running) -> None:
+    keycloak = realm.settings.keycloak
+    [info] = [p for p in Supervisor(running.appliance.home).processes() if p.name == "keycloak"]
+    program = psutil.Process(info.pid)  # kc.sh, or the JVM it became
+    listening = {c.laddr for process in (program, *program.children(recursive=True))
+                 for c in process.net_connections("inet") if c.status == psutil.CONN_LISTEN}
+    assert {address.ip for address in listening} <= {"127.0.0.1", "::ffff:127.0.0.1"}, listening
+    assert keycloak.port in {address.port for address in listening}
+    discovery = f"{realm.issuer}/.well-known/openid-configuration"
+    try:
+        plain = httpx.get(f"http://127.0.0.1:{keycloak.port}/realms/{keycloak.realm}", timeout=10)
+        assert plain.status_code != 200, "a plain-HTTP listener answers"
+    except httpx.HTTPError:
+        pass  # the TLS listener does not speak plain HTTP at all
+    with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+        httpx.get(discovery, timeout=10)  # the system's trust store does not know the appliance's CA
+    assert httpx.get(discovery, timeout=10, verify=realm.tls).json()["issuer"] == realm.issuer
+
+
+def test_a_process_on_keycloaks_port_while_it_restarts_gets_no_secret_and_no_say(
+        realm: Realm, running: Running, tmp_path: Path) -> None:
+    """Keycloak is stopped; a local process takes its port, plain or with a certificate of its own,
+    and would answer every introspection `active`. The gateway's check of a fresh token reaches it,
+    fails the handshake and answers 503: no client secret, no request, no say over the token."""
+    home = running.appliance.home
+    keycloak = realm.settings.keycloak
+    token = realm.token("eve", PASSWORD)  # never used yet: its first request is introspected
+    headers = {"Authorization": f"Bearer {token}"}
+    own_certificate = ensure_server_certificate(Home(tmp_path / "attacker").ensure(), "keycloak")
+    basic = base64.b64encode(f"{keycloak.gateway_client_id}:{gateway_client_secret(realm.settings, home)}".encode())
+    supervisor = Supervisor(home)
+    supervisor.call("stopProcess", "keycloak", True)
+    try:
+        for certificate in (None, own_certificate):
+            with Impostor(keycloak.port, certificate) as impostor:
+                refused = httpx.get(f"{realm.gateway}/v1/models", headers=headers, timeout=30)
+            assert refused.status_code == 503, refused.text
+            assert refused.json()["error"]["code"] == "introspection_unavailable"
+            assert impostor.received, "the gateway did not try Keycloak's port: the attack was not made"
+            sent = impostor.everything()
+            assert basic not in sent and b"HTTP/1.1" not in sent and b"token=" not in sent
+    finally:
+        supervisor.call("startProcess", "keycloak", True)
+        deadline = time.monotonic() + keycloak.start_timeout_s
+        ready = f"https://127.0.0.1:{keycloak.management_port}/health/ready"
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(ready, verify=realm.tls, timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+    assert httpx.get(f"{realm.gateway}/v1/models", headers=headers, timeout=30).status_code == 200
 
 
 # -- 11. connection floods --------------------------------------------------------------------

@@ -39,10 +39,11 @@ KEPT = ("settings.toml", "secrets", "keycloak/data", "adapters.json", "artifacts
 
 # Run inside the namespace with the installed software only (not this checkout's).
 CHAT = """
-import sys, httpx
-issuer, user, password = sys.argv[1:4]
+import ssl, sys, httpx
+issuer, ca, user, password = sys.argv[1:5]
 token = httpx.post(f"{issuer}/protocol/openid-connect/token", data={"grant_type": "password",
-    "client_id": "appliance-cli", "username": user, "password": password}, timeout=60).json()["access_token"]
+    "client_id": "appliance-cli", "username": user, "password": password}, timeout=60,
+    verify=ssl.create_default_context(cafile=ca)).json()["access_token"]
 answer = httpx.post("http://127.0.0.1:8080/v1/chat/completions", headers={"Authorization": f"Bearer {token}"},
     json={"model": "tiny-moe", "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]},
     timeout=300)
@@ -163,7 +164,7 @@ def test_bundle_installs_and_serves_with_no_network_and_upgrades_keeping_state(
     assert f"the bundle's model is in {state}/models/" in installed.stdout  # not the demo: the operator names it
     (state / "settings.toml").write_text(f'[[pools]]\nname = "main"\nmodel = "{state}/models/{MODEL}"\n')
     app, python = prefix / "venv/bin/appliance", prefix / "venv/bin/python"
-    issuer = "http://127.0.0.1:8180/realms/appliance"
+    issuer = "https://127.0.0.1:8180/realms/appliance"
     (tmp_path / "chat.py").write_text(CHAT)
     (tmp_path / "adapter.py").write_text(ADAPTER)
     adapter = random_adapter(moe, tmp_path / "adapter")
@@ -176,7 +177,7 @@ def test_bundle_installs_and_serves_with_no_network_and_upgrades_keeping_state(
         {app} up
         {app} token --user admin --password-stdin < {state}/secrets/bootstrap-admin-password
         {app} users add carol --role user --password-stdin <<< 'Carol-password-1'
-        {python} {tmp_path}/chat.py {issuer} carol Carol-password-1
+        {python} {tmp_path}/chat.py {issuer} {state}/tls/ca.pem carol Carol-password-1
         {python} {tmp_path}/adapter.py {adapter}
         {app} down""")
         new_version = newer.result()

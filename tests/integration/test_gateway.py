@@ -75,7 +75,7 @@ def bad_tokens(realm: Realm, alice: str) -> dict[str, tuple[str | None, int, str
     claims = parts(alice)[1]
     other_key = jwk.JWK.from_pyca(rsa.generate_private_key(public_exponent=65537, key_size=2048))
     realm_kid = parts(alice)[0]["kid"]
-    public_pem = jwk.JWKSet.from_json(httpx.get(f"{realm.issuer}/protocol/openid-connect/certs").text
+    public_pem = jwk.JWKSet.from_json(httpx.get(f"{realm.issuer}/protocol/openid-connect/certs", verify=realm.tls).text
                                       ).get_key(realm_kid).export_to_pem()
     hs = jwk.JWK(kty="oct", k=b64(public_pem))
     tokens = realm.token_response("alice", PASSWORD, scope="openid")
