@@ -25,7 +25,7 @@ import httpx
 
 import gateway_overhead as g  # the sibling bench: its appliance set-up, paths and interleaved load
 from appliance.home import HOME_ENV, Home
-from appliance.secrets import secret
+from appliance.secrets import gateway_client_secret, secret
 from appliance.settings import load_settings
 from appliance.tls import ca_file, keycloak_ssl, tls_dir
 from installer.realm import BOOTSTRAP_SECRET
@@ -67,9 +67,12 @@ try:
              "APPLIANCE_POOLS__MAIN__SERVED_MODEL_NAME": g.MODEL}, stderr=subprocess.DEVNULL))
     procs.append(subprocess.Popen([sys.executable, "-P", "-m", "uvicorn", "serve.gateway:app_from_env", "--factory", "--port", "18482",
         "--no-access-log", "--log-level", "warning"], cwd=old_tree,
-        # The gateway before issue 17 trusted the system's store (httpx reads SSL_CERT_FILE) and plain HTTP.
+        # The gateway before issue 17 knew the embedded Keycloak only over plain HTTP: it reaches the
+        # TLS one as an "external" Keycloak, trusting the CA through SSL_CERT_FILE (httpx reads it).
         env={**base, "PYTHONPATH": str(old_tree), HOME_ENV: str(old_home.root), "APPLIANCE_GATEWAY__PORT": "18482",
-             "SSL_CERT_FILE": str(ca_file(home)),
+             "SSL_CERT_FILE": str(ca_file(home)), "APPLIANCE_KEYCLOAK__MODE": "external",
+             "APPLIANCE_KEYCLOAK__URL": settings.keycloak.base_url,
+             "APPLIANCE_KEYCLOAK__GATEWAY_CLIENT_SECRET": gateway_client_secret(settings, home),
              "APPLIANCE_GATEWAY__LIMITS": "{ admin = { requests_per_minute = 10000000, tokens_per_minute = 1000000000 } }",
              "APPLIANCE_POOLS__MAIN__PORT": "18412", "APPLIANCE_POOLS__MAIN__SERVED_MODEL_NAME": g.MODEL}, stderr=subprocess.DEVNULL))
     for url in ("http://127.0.0.1:18481/healthz", "http://127.0.0.1:18482/healthz", "http://127.0.0.1:18412/health"):
@@ -94,6 +97,10 @@ try:
                      "before_added_p50_ms": round(before, 3), "after_added_p50_ms": round(after, 3),
                      "added_ratio_after_to_before": round(after / before, 3),
                      "p50_ratio_after_to_before": round(p50["after"] / p50["before"], 3),
+                     # The change's cost in the gateway's added latency: both gateways relay to the same
+                     # instant stub app, so the difference of their end-to-end p50 is the gateways' own
+                     # (the engine hop's transport, TCP before and a Unix socket after, included).
+                     "change_cost_pct_of_added_p50": round((p50["after"] - p50["before"]) * 100 / before, 1),
                      "gateway_cpu_ms_per_request": cpu_ms,
                      "cpu_ratio_after_to_before": round(cpu_ms["after"] / cpu_ms["before"], 3)})
         print(json.dumps(rows[-1]), flush=True)
