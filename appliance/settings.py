@@ -285,6 +285,11 @@ class AuditSettings(_Section):
         10.0, gt=0, description="Refused requests (4xx) from one source: the first of each status per "
         "interval gets its own record, the rest one summary record with a count at the interval's end."
     )
+    monitoring_interval_s: float = Field(
+        300.0, gt=0, description="Monitoring reads a dashboard polls (services, host, pools, plans, jobs, "
+        "adapters): the first of each per user and interval gets its own record, the rest one record "
+        "with a count at the interval's end. Reads of users, settings and the audit log are each recorded."
+    )
     refusal_sources: int = Field(
         256, ge=1, description="Sources tracked apart per interval; refusals from further sources are "
         "summarised together (source '*'), so the log's growth stays bounded."

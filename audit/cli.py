@@ -25,7 +25,7 @@ from appliance.settings import load_settings
 from audit.archive import archive, fetch
 from audit.records import AuditEvent
 from audit.writer import AuditUnavailable, AuditWriter
-from audit.keys import load_public, public_pem, signing_key
+from audit.keys import load_public, public_pem, signing_key, verification_key
 from audit.verify import AuditVerificationError, verify
 from audit.reader import read_records
 
@@ -44,7 +44,7 @@ def verify_command(
 ) -> None:
     """Check every record's hash, the chain, the sequence and every signed checkpoint."""
     home = Home.from_env()
-    key = load_public(public_key) if public_key else signing_key(home).public_key()
+    key = load_public(public_key) if public_key else verification_key(home)
     if not from_archive:
         _verify(home.audit, str(home.audit), key)
         return
@@ -85,7 +85,7 @@ def archive_command() -> None:
 @audit_app.command("public-key")
 def public_key_command() -> None:
     """Print the checkpoint-signing public key (PEM) to give to auditors."""
-    typer.echo(public_pem(signing_key(Home.from_env())).decode(), nl=False)
+    typer.echo(public_pem(verification_key(Home.from_env())).decode(), nl=False)
 
 
 @audit_app.command("tail")

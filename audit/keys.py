@@ -6,11 +6,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import stat
 from pathlib import Path
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from appliance.errors import StateError
 from appliance.home import Home
 from appliance.secrets import secret
 
@@ -19,7 +21,7 @@ HMAC_SECRET = "audit-hmac-key"
 
 
 def signing_key(home: Home) -> Ed25519PrivateKey:
-    """The checkpoint signing key, generated (mode 0600) on first use."""
+    """The checkpoint signing key, generated (mode 0600) on first use: for writers only."""
     path = home.secrets / PRIVATE_KEY
     if not path.exists():
         key = Ed25519PrivateKey.generate()
@@ -34,8 +36,26 @@ def signing_key(home: Home) -> Ed25519PrivateKey:
                 out.write(pem)
                 out.flush()
                 os.fsync(out.fileno())
+    return _load_private(path)
+
+
+def verification_key(home: Home) -> Ed25519PublicKey:
+    """The public half of this host's existing signing key, to verify with. Never creates one: a
+    key made now would sign nothing in the log, and verifying against it proves nothing."""
+    path = home.secrets / PRIVATE_KEY
+    if not path.exists():
+        raise StateError(f"no audit signing key at {path}: this host has signed no checkpoint",
+                         hint="verify with the auditor's copy of the public key (--public-key)")
+    return _load_private(path).public_key()
+
+
+def _load_private(path: Path) -> Ed25519PrivateKey:
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & 0o077:
+        raise StateError(f"audit signing key {path} is readable by others (mode {mode:o})", hint=f"chmod 600 {path}")
     loaded = serialization.load_pem_private_key(path.read_bytes(), password=None)
-    assert isinstance(loaded, Ed25519PrivateKey)
+    if not isinstance(loaded, Ed25519PrivateKey):
+        raise StateError(f"{path} is not an Ed25519 private key")
     return loaded
 
 

@@ -18,13 +18,14 @@ from keycloak.exceptions import KeycloakError
 from pydantic import BaseModel, Field
 
 from appliance.adapters import AdapterRecord, Alias, Registry
-from appliance.errors import SupervisorError
+from appliance.errors import StateError, SupervisorError
 from appliance.home import Home
 from appliance.secrets import gateway_client_secret
 from appliance.settings import Settings
 from appliance.supervisor import ProcessInfo, Supervisor
 from appliance.tls import keycloak_trust
-from audit import AuditVerificationError, read_records, signing_key, verify
+from audit import AuditVerificationError, read_records, verification_key, verify
+from serve.audit_trail import MONITORING
 from serve.deps import requires
 from serve.errors import GatewayError
 
@@ -140,14 +141,14 @@ def admin_router(admin: Admin) -> APIRouter:
                 return info
         raise GatewayError(404, f"no service named {name!r}", code="not_found")
 
-    @router.get("/services", response_model=list[Service])
+    @router.get("/services", response_model=list[Service], name="services.list", openapi_extra=MONITORING)
     def services() -> list[Service]:
         """Every supervised program and its state (503 if supervisord does not answer)."""
         supervisor = admin.supervisor()
         restarts = supervisor.restarts()
         return [_service(info, restarts) for info in supervisor.processes()]
 
-    @router.post("/services/{name}/{action}", response_model=Service)
+    @router.post("/services/{name}/{action}", response_model=Service, name="services.{action}")
     def control(name: str, action: Literal["start", "stop", "restart"]) -> Service:
         """Start, stop or restart one supervised program (not the gateway itself)."""
         process(name)
@@ -163,24 +164,24 @@ def admin_router(admin: Admin) -> APIRouter:
             raise GatewayError(409, exc.message, code="conflict") from exc
         return _service(process(name), supervisor.restarts())
 
-    @router.get("/settings")
+    @router.get("/settings", name="settings.read")
     def settings() -> dict:
         """The settings in effect, secrets masked."""
         return admin.settings.masked()
 
-    @router.get("/pools", response_model=list[Pool])
+    @router.get("/pools", response_model=list[Pool], name="pools.list", openapi_extra=MONITORING)
     async def pools(request: Request) -> list[Pool]:
         """Engine pools, the model each serves, and whether it answers."""
         upstreams = request.app.state.gateway.upstreams
         return [Pool(name=p.name, model=p.model, url=f"unix:{p.socket}", healthy=await upstreams.healthy(p))
                 for p in upstreams.pools]
 
-    @router.get("/roles", response_model=list[str])
+    @router.get("/roles", response_model=list[str], name="roles.list")
     def roles() -> list[str]:
         """The realm roles the appliance uses."""
         return list(REALM_ROLES)
 
-    @router.get("/users", response_model=list[User])
+    @router.get("/users", response_model=list[User], name="users.list")
     def users() -> list[User]:
         """Users of the realm with their appliance roles."""
         try:
@@ -190,7 +191,7 @@ def admin_router(admin: Admin) -> APIRouter:
         except KeycloakError as exc:
             raise _keycloak_error(exc) from exc
 
-    @router.post("/users", response_model=CreatedUser, status_code=201)
+    @router.post("/users", response_model=CreatedUser, status_code=201, name="users.add")
     def add_user(new: NewUser) -> CreatedUser:
         """Create an enabled user with roles; without a password, one is generated and returned once."""
         password = new.password or token_source.token_urlsafe(18)
@@ -206,7 +207,7 @@ def admin_router(admin: Admin) -> APIRouter:
         return CreatedUser(username=new.username, enabled=True, roles=sorted(new.roles),
                            password=None if new.password else password)
 
-    @router.post("/users/{username}/disable", response_model=User)
+    @router.post("/users/{username}/disable", response_model=User, name="users.disable")
     def disable_user(username: str) -> User:
         """Disable a user: new logins fail; live tokens stop within the introspection interval."""
         try:
@@ -219,7 +220,7 @@ def admin_router(admin: Admin) -> APIRouter:
         except KeycloakError as exc:
             raise _keycloak_error(exc) from exc
 
-    @router.post("/users/{username}/roles", response_model=User)
+    @router.post("/users/{username}/roles", response_model=User, name="users.grant_role")
     def grant_role(username: str, grant: RoleGrant) -> User:
         """Grant a user one more realm role (granting one it holds changes nothing)."""
         try:
@@ -232,27 +233,27 @@ def admin_router(admin: Admin) -> APIRouter:
         except KeycloakError as exc:
             raise _keycloak_error(exc) from exc
 
-    @router.get("/adapters", response_model=Registry)
+    @router.get("/adapters", response_model=Registry, name="adapters.list", openapi_extra=MONITORING)
     def list_adapters(request: Request) -> Registry:
         """Every adapter version with its metrics and state, and what each name serves."""
         return request.app.state.gateway.adapters.registry()
 
-    @router.post("/adapters/{name}/deploy", response_model=Alias)
+    @router.post("/adapters/{name}/deploy", response_model=Alias, name="adapters.deploy")
     async def deploy_adapter(request: Request, name: str, deploy: DeployRequest) -> Alias:
         """Load a version into its pool's engine (no restart) and serve it under `name`."""
         return await request.app.state.gateway.adapters.deploy(name, deploy.version, deploy.pool, deploy.roles)
 
-    @router.post("/adapters/{name}/canary", response_model=Alias)
+    @router.post("/adapters/{name}/canary", response_model=Alias, name="adapters.canary")
     async def canary_adapter(request: Request, name: str, canary: CanaryRequest) -> Alias:
         """Send a share of `name`'s requests to another version."""
         return await request.app.state.gateway.adapters.canary(name, canary.version, canary.share)
 
-    @router.post("/adapters/{name}/rollback", response_model=Alias)
+    @router.post("/adapters/{name}/rollback", response_model=Alias, name="adapters.rollback")
     async def rollback_adapter(request: Request, name: str) -> Alias:
         """Drop the canary; without one, serve the version served before (or the base model)."""
         return await request.app.state.gateway.adapters.rollback(name)
 
-    @router.post("/adapters/{name}/retire", response_model=list[AdapterRecord])
+    @router.post("/adapters/{name}/retire", response_model=list[AdapterRecord], name="adapters.retire")
     async def retire_adapter(request: Request, name: str, retire: RetireRequest) -> list[AdapterRecord]:
         """Retire a version that is not served, or the whole name."""
         return await request.app.state.gateway.adapters.retire(name, retire.version)
@@ -264,7 +265,7 @@ def audit_router(home: Home) -> APIRouter:
     """Query and verify the audit log (role `auditor` or `admin`)."""
     router = APIRouter(prefix="/admin", tags=["audit"], dependencies=[Depends(requires("auditor", "admin"))])
 
-    @router.get("/audit", response_model=list[dict])
+    @router.get("/audit", response_model=list[dict], name="audit.query")
     def audit_records(since: str | None = None, until: str | None = None, user: str | None = None,
                       action: str | None = Query(None, description="Exact action, e.g. users.add."),
                       outcome: Literal["allowed", "denied", "error"] | None = None,
@@ -279,13 +280,15 @@ def audit_router(home: Home) -> APIRouter:
                  and (outcome is None or record.get("outcome") == outcome))
         return list(itertools.islice(found, limit))
 
-    @router.post("/audit/verify", response_model=ChainCheck)
+    @router.post("/audit/verify", response_model=ChainCheck, name="audit.verify")
     def verify_chain() -> ChainCheck:
         """Verify every record's hash, the chain, the sequence and every checkpoint's signature."""
         try:
-            summary = verify(home.audit, signing_key(home).public_key())
+            summary = verify(home.audit, verification_key(home))
         except AuditVerificationError as exc:
             return ChainCheck(ok=False, where=exc.where, reason=exc.reason)
+        except StateError as exc:  # no key, or one others can read: nothing to trust the checkpoints with
+            return ChainCheck(ok=False, where=str(home.secrets), reason=exc.message)
         return ChainCheck(ok=True, records=summary.records, checkpoints=summary.checkpoints,
                           last_checkpoint_seq=summary.last_checkpoint_seq)
 

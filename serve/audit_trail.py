@@ -1,7 +1,7 @@
 """Every /v1 and /admin request, allowed or denied, leaves a durable audit record before its
 response is complete (one that never completes too: status 499 when the client went away
 mid-stream, 500 when the server failed); if the log cannot be written the gateway fails closed
-(503). Refused requests are summarised per source and interval (serve.refusals)."""
+(503). Refused requests are summarised per source and interval (serve.summaries)."""
 
 from __future__ import annotations
 
@@ -16,37 +16,32 @@ from audit import AuditEvent, AuditUnavailable, AuditWriter, TextHasher
 from serve.answer import Answer
 from serve.auth import Principal
 from serve.errors import GatewayError
-from serve.refusals import Refusals, cap_text
+from serve.summaries import Refusals, Summaries, cap_text
 
 log = logging.getLogger("appliance.gateway")
 
 AUDITED_PREFIXES = ("/v1/", "/admin/")
 INLINE_FLUSH_LIMIT_S = 0.005
 CLIENT_GONE = 499  # as nginx logs it: the client closed the connection before the response ended
-ACTIONS = {("POST", "/v1/chat/completions"): "chat.completions", ("POST", "/v1/completions"): "completions",
-           ("GET", "/v1/models"): "models.list", ("POST", "/admin/users"): "users.add",
-           ("POST", "/admin/users/{username}/disable"): "users.disable",
-           ("POST", "/admin/services/{name}/{action}"): "services.{action}",
-           ("POST", "/admin/users/{username}/roles"): "users.grant_role",
-           ("GET", "/admin/audit"): "audit.query", ("POST", "/admin/audit/verify"): "audit.verify",
-           ("POST", "/admin/jobs/{job_id}/cancel"): "jobs.cancel",
-           **{("POST", f"/admin/adapters/{{name}}/{change}"): f"adapters.{change}"
-              for change in ("deploy", "canary", "rollback", "retire")}}
+# Declared on a route (`openapi_extra=MONITORING`): a read a dashboard polls, summarised per user.
+MONITORING = {"x-audit": "summarised per user and interval"}
 
 
 def action_of(scope: dict, status: int) -> tuple[str, str | None]:
-    """(action, resource named in the path) for a request, from its matched route; a request no
-    route matched is `unmatched`, its method and path (capped) the resource."""
+    """(action, resource named in the path) for a request: its matched route's name, which each
+    route declares (`name="users.disable"`, `name="services.{action}"`); a request no route
+    matched is `unmatched`, its method and path (capped) the resource."""
     if status in (401, 403):
         return "auth.denied", None
-    template = getattr(scope.get("route"), "path", None)
-    if template is None:
+    route = scope.get("route")
+    if route is None:
         return "unmatched", f"{scope['method']} {scope['path']}"
     params = scope.get("path_params") or {}
-    action = ACTIONS.get((scope["method"], template))
-    if action is None:
-        action = "admin.read" if template.startswith("/admin/") else f"{scope['method']} {template}"
-    return action.format(**params), params.get("username") or params.get("name") or params.get("job_id")
+    return route.name.format(**params), params.get("username") or params.get("name") or params.get("job_id")
+
+
+def is_monitoring(scope: dict) -> bool:
+    return (getattr(scope.get("route"), "openapi_extra", None) or {}) == MONITORING
 
 
 @dataclass
@@ -87,12 +82,13 @@ class AuditMiddleware:
     records share one flush: a slow disk stalls neither their streams nor health checks."""
 
     def __init__(self, app: Any, writer: AuditWriter, hasher: TextHasher, capture_text: bool,
-                 refusals: Refusals) -> None:
+                 refusals: Refusals, monitoring: Summaries) -> None:
         self.app = app
         self.writer = writer
         self.hasher = hasher
         self.capture = capture_text
         self.refusals = refusals
+        self.monitoring = monitoring
         self.in_flight = 0
         self._reported_failure: str | None = None
 
@@ -136,7 +132,7 @@ class AuditMiddleware:
                 settled = True  # written now, or answered as unwritable
                 event, broken = self._event(scope, state, status, started)
                 try:
-                    await self._record(event, state)
+                    await self._record(event, scope)
                 except AuditUnavailable as exc:
                     if streaming:
                         raise  # cut the stream: the client must not see a complete answer
@@ -167,17 +163,20 @@ class AuditMiddleware:
         finally:
             self.in_flight -= 1
 
-    async def _record(self, event: AuditEvent, state: dict) -> None:
-        """Write the request's record, unless it is a refusal counted into a summary."""
-        transcript: Transcript | None = state.get("transcript")
-        if self.refusals.own_record(event, relayed=transcript is not None and transcript.relayed):
-            await self._append(event)
+    async def _record(self, event: AuditEvent, scope: dict) -> None:
+        """Write the request's record, unless it is a refusal or a monitoring read counted into a summary."""
+        transcript: Transcript | None = scope["state"].get("transcript")
+        if not self.refusals.own_record(event, relayed=transcript is not None and transcript.relayed):
+            return
+        if event.status < 400 and is_monitoring(scope) and not self.monitoring.first_of_interval(event, event.action):
+            return
+        await self._append(event)
 
     async def _record_unfinished(self, scope: dict, state: dict, status: int, started: float) -> None:
         """The record of a request that never completed; if even that cannot be written, the
         writer now refuses requests (fail closed) and says why in /readyz."""
         try:
-            await self._record(self._event(scope, state, status, started)[0], state)
+            await self._record(self._event(scope, state, status, started)[0], scope)
         except AuditUnavailable as exc:
             log.error("audit record of unfinished request %s not written: %s", state.get("request_id"), exc)
 

@@ -44,7 +44,7 @@ from serve.limits import Admission, RateLimiter
 from serve.metrics import Metrics
 from serve.middleware import BodyLimitMiddleware, MeterMiddleware, RequestTooLarge
 from serve.operations import operations_router
-from serve.refusals import Refusals, cap_text
+from serve.summaries import Refusals, Summaries, cap_text
 from serve.schemas import ChatRequest, CompletionRequest
 from serve.upstream import Pool, Upstreams, engine_session, pools_from_settings, relay_stream, usage_of
 
@@ -106,12 +106,14 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
                 tasks.start_soon(upstreams.watch)
                 tasks.start_soon(_keys_until_fetched, validator)
                 tasks.start_soon(_checkpoint_timer, writer, settings.audit.checkpoint_interval_s)
-                tasks.start_soon(_refusals_timer, writer, refusals, settings.audit.refusal_interval_s)
+                tasks.start_soon(_summaries_timer, writer, refusals, settings.audit.refusal_interval_s)
+                tasks.start_soon(_summaries_timer, writer, monitoring, settings.audit.monitoring_interval_s)
                 if settings.audit.archive_interval_s > 0:
                     tasks.start_soon(_archive_timer, settings, home, metrics)
                 yield
                 tasks.cancel_scope.cancel()
-            _write_refusals(writer, refusals, all_now=True)
+            _write_summaries(writer, refusals, all_now=True)
+            _write_summaries(writer, monitoring, all_now=True)
             writer.close()
 
     metrics = Metrics()
@@ -123,8 +125,10 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
     app.state.audit = writer
     app.add_middleware(BodyLimitMiddleware, limit=settings.gateway.max_body_bytes)
     refusals = Refusals(audit.refusal_interval_s, audit.refusal_sources)
+    monitoring = Summaries(audit.monitoring_interval_s, audit.refusal_sources, party_field="subject",
+                           summary_action=None)
     app.add_middleware(AuditMiddleware, writer=writer, hasher=TextHasher(home), capture_text=audit.capture_text,
-                       refusals=refusals)
+                       refusals=refusals, monitoring=monitoring)
     app.add_middleware(MeterMiddleware, metrics=metrics)  # outermost: counts 413s too
 
     @app.exception_handler(GatewayError)
@@ -184,7 +188,7 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
         return Response(generate_latest(request.app.state.gateway.metrics.registry),
                         media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", tags=["openai"])
+    @app.get("/v1/models", tags=["openai"], name="models.list")
     async def list_models(request: Request, who: ChatUser) -> dict[str, Any]:
         """The models the engine pools serve, and the adapters the caller's roles may use."""
         gateway: Gateway = request.app.state.gateway
@@ -203,13 +207,13 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
                                headers={"Retry-After": "5"})
         return {"object": "list", "data": data}
 
-    @app.post("/v1/chat/completions", tags=["openai"])
+    @app.post("/v1/chat/completions", tags=["openai"], name="chat.completions")
     async def chat_completions(request: Request, who: ChatUser, body: ChatRequest) -> Response:
         """Chat completion, streamed (SSE) or not, relayed to the pool serving `model`."""
         return await relay(request, who, "/v1/chat/completions", body)
 
-    @app.post("/v1/completions", tags=["openai"])
-    async def completions(request: Request, who: ChatUser, body: CompletionRequest) -> Response:
+    @app.post("/v1/completions", tags=["openai"], name="completions")
+    async def text_completions(request: Request, who: ChatUser, body: CompletionRequest) -> Response:
         """Text completion, streamed (SSE) or not, relayed to the pool serving `model`."""
         return await relay(request, who, "/v1/completions", body)
 
@@ -330,21 +334,21 @@ async def _keys_until_fetched(validator: TokenValidator) -> None:
         await _fetch_keys(validator)
 
 
-def _write_refusals(writer: AuditWriter, refusals: Refusals, *, all_now: bool = False) -> None:
-    due = refusals.due(all_now=all_now)
+def _write_summaries(writer: AuditWriter, summaries: Summaries, *, all_now: bool = False) -> None:
+    due = summaries.due(all_now=all_now)
     for position, event in enumerate(due):
         try:
             writer.append(event)
         except AuditUnavailable:
-            refusals.retry(due[position:])  # written when the log is writable again
+            summaries.retry(due[position:])  # written when the log is writable again
             return
 
 
-async def _refusals_timer(writer: AuditWriter, refusals: Refusals, interval_s: float) -> None:
-    """Write the summary records of refused requests when their interval ends."""
+async def _summaries_timer(writer: AuditWriter, summaries: Summaries, interval_s: float) -> None:
+    """Write the summary records (of refused requests, of monitoring reads) when their interval ends."""
     while True:
         await anyio.sleep(interval_s)
-        await anyio.to_thread.run_sync(_write_refusals, writer, refusals)
+        await anyio.to_thread.run_sync(_write_summaries, writer, summaries)
 
 
 def invalid_request(exc: RequestValidationError, status: int) -> GatewayError:

@@ -17,6 +17,7 @@ from appliance.home import Home
 from appliance.records import STAGING_MANIFEST, Plan, load_plan
 from appliance.settings import Settings
 from appliance.usage import HostUsage, host_usage
+from serve.audit_trail import MONITORING
 from serve.deps import requires
 from serve.engine import model_dir
 from serve.errors import GatewayError
@@ -65,12 +66,12 @@ def _job_view(home: Home, job: jobs.Job) -> JobView:
 def operations_router(settings: Settings, home: Home) -> APIRouter:
     router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(requires("admin"))])
 
-    @router.get("/system", response_model=HostUsage)
+    @router.get("/system", response_model=HostUsage, name="system.read", openapi_extra=MONITORING)
     async def system() -> HostUsage:
         """CPU, memory and each GPU's utilisation, memory and temperature (NVML), now."""
         return await anyio.to_thread.run_sync(host_usage)
 
-    @router.get("/plans", response_model=list[PoolPlan])
+    @router.get("/plans", response_model=list[PoolPlan], name="plans.list", openapi_extra=MONITORING)
     def plans() -> list[PoolPlan]:
         """Each pool's plan (per-GPU memory, rejected alternatives) and its weights' staging state."""
         views = []
@@ -86,12 +87,12 @@ def operations_router(settings: Settings, home: Home) -> APIRouter:
                                   plan_error=error, staging=staging_of(directory)))
         return views
 
-    @router.get("/jobs", response_model=list[JobView])
+    @router.get("/jobs", response_model=list[JobView], name="jobs.list", openapi_extra=MONITORING)
     def list_jobs() -> list[JobView]:
         """Training jobs, oldest first, with the trainer's latest progress."""
         return [_job_view(home, job) for job in jobs.listing(home)]
 
-    @router.post("/jobs/{job_id}/cancel", response_model=JobView)
+    @router.post("/jobs/{job_id}/cancel", response_model=JobView, name="jobs.cancel")
     def cancel_job(job_id: Annotated[int, Path(ge=1, le=2**63 - 1)]) -> JobView:  # SQLite's integer range
         """Cancel a queued job at once, or ask its worker to stop a running one (checkpoints kept)."""
         try:

@@ -95,6 +95,20 @@ def test_admin_changes_are_recorded(realm: Realm, running: Running) -> None:
     assert (disable["action"], disable["resource"]) == ("users.disable", "kate")
 
 
+def test_a_polling_dashboard_adds_a_record_per_interval_not_per_poll(realm: Realm, running: Running) -> None:
+    """Monitoring reads (services, host, pools...) are summarised per user and interval (5 min);
+    reads of users are each recorded, as are changes."""
+    admin = {"Authorization": f"Bearer {realm.admin_token()}"}
+    with httpx.Client(headers=admin, timeout=60) as http:
+        polls = [http.get(f"{realm.gateway}/admin/{what}") for _ in range(5) for what in ("services", "system")]
+        reads = [http.get(f"{realm.gateway}/admin/users") for _ in range(2)]
+    assert all(r.status_code == 200 for r in polls + reads)
+    written = {r["request_id"]: r["action"] for r in records(running)}
+    polled = [written[r.headers["x-request-id"]] for r in polls if r.headers["x-request-id"] in written]
+    assert polled.count("services.list") <= 1 and polled.count("system.read") <= 1, polled
+    assert [written.get(r.headers["x-request-id"]) for r in reads] == ["users.list", "users.list"]
+
+
 def test_full_disk_fails_closed_and_recovers(realm: Realm, running: Running) -> None:
     """Disk full, simulated with a file size limit on the running gateway (RLIMIT_FSIZE: writes
     past it fail with EFBIG; Python ignores SIGXFSZ): requests get 503, /readyz says why, and

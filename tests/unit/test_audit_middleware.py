@@ -15,8 +15,8 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from audit import AuditEvent, AuditRecord, AuditUnavailable, AuditWriter, read_records
-from serve.audit_trail import INLINE_FLUSH_LIMIT_S, AuditMiddleware, Transcript
-from serve.refusals import Refusals
+from serve.audit_trail import INLINE_FLUSH_LIMIT_S, MONITORING, AuditMiddleware, Transcript
+from serve.summaries import Refusals, Summaries
 
 
 class Recorded(AuditWriter):
@@ -54,11 +54,16 @@ def middleware(writer: AuditWriter, gates: dict[str, asyncio.Event]) -> AuditMid
 
 def audit_middleware(app: Any, writer: AuditWriter) -> AuditMiddleware:
     return AuditMiddleware(app, writer=writer, hasher=lambda text: None, capture_text=False,
-                           refusals=Refusals(interval_s=10, max_sources=4))
+                           refusals=Refusals(interval_s=10, max_sources=4),
+                           monitoring=Summaries(300, 4, party_field="subject", summary_action=None))
 
 
-async def request(audited: AuditMiddleware, path: str, on_send: Any = None) -> list[dict]:
-    """POST `path` through the middleware; the messages the client was sent."""
+ROUTE_NAMES = {"/v1/chat/completions": "chat.completions"}  # as the gateway declares it
+
+
+async def request(audited: AuditMiddleware, path: str, on_send: Any = None, method: str = "POST",
+                  route_extra: dict | None = None) -> list[dict]:
+    """`method path` through the middleware; the messages the client was sent."""
     sent: list[dict] = []
 
     async def receive() -> dict:
@@ -70,8 +75,9 @@ async def request(audited: AuditMiddleware, path: str, on_send: Any = None) -> l
         sent.append(message)
 
     # As the router leaves it: the matched route names the action.
-    await audited({"type": "http", "method": "POST", "path": path, "headers": [], "client": ("127.0.0.1", 1),
-                   "route": SimpleNamespace(path=path)}, receive, send)
+    await audited({"type": "http", "method": method, "path": path, "headers": [], "client": ("127.0.0.1", 1),
+                   "route": SimpleNamespace(path=path, name=ROUTE_NAMES.get(path, "test" + path.replace("/", ".")),
+                                            openapi_extra=route_extra)}, receive, send)
     return sent
 
 
@@ -223,3 +229,21 @@ def test_repeated_refusals_from_one_source_are_summarised_not_written_each(tmp_p
     assert first["action"] == "auth.denied" and first["status"] == 401
     [summary] = audited.refusals.due(all_now=True)
     assert summary.count == 49 and summary.source == "127.0.0.1"
+
+
+def test_monitoring_reads_are_summarised_and_other_reads_are_not(tmp_path: Path) -> None:
+    """A dashboard polling the services every few seconds adds one record per interval, not one per poll."""
+    writer = AuditWriter(tmp_path, Ed25519PrivateKey.generate())
+    audited = middleware(writer, {})
+
+    async def polls() -> None:
+        for _ in range(5):
+            await request(audited, "/admin/services", method="GET", route_extra=MONITORING)
+        for _ in range(2):
+            await request(audited, "/admin/users", method="GET")
+
+    asyncio.run(polls())
+    written = [r["action"] for r in read_records(tmp_path)]
+    assert written == ["test.admin.services", "test.admin.users", "test.admin.users"]
+    [summary] = audited.monitoring.due(all_now=True)
+    assert (summary.action, summary.count) == ("test.admin.services", 4)

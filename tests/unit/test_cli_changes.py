@@ -65,3 +65,17 @@ def test_audit_tail_prints_the_last_records_then_only_new_ones(appliance: Applia
     finally:
         follow.terminate()
         follow.wait(10)
+
+
+def test_audit_verify_never_makes_the_key_it_verifies_with(appliance: Appliance) -> None:
+    """A key made at verification would sign nothing in the log: verifying against it proves nothing."""
+    key_file = appliance.home.secrets / "audit-signing-key.pem"
+    for command in (("audit", "verify"), ("audit", "public-key")):
+        refused = appliance.run(*command)
+        assert refused.returncode == 1 and "no audit signing key" in refused.stderr, refused.stderr
+        assert "--public-key" in refused.stderr
+        assert not key_file.exists()
+    signing_key(appliance.home)
+    key_file.chmod(0o644)
+    loose = appliance.run("audit", "verify")
+    assert loose.returncode == 1 and "readable by others (mode 644)" in loose.stderr, loose.stderr

@@ -4,7 +4,7 @@ audit log (issue 17)."""
 from __future__ import annotations
 
 from audit import AuditEvent
-from serve.refusals import Refusals, cap_text
+from serve.summaries import Refusals, cap_text
 
 
 def refused(source: str, status: int = 401, resource: str = "/v1/x") -> AuditEvent:

@@ -1,4 +1,5 @@
-"""Refused requests summarised, so that no client can flood the audit log.
+"""Refused requests and monitoring reads summarised, so that neither a client nor a polling
+dashboard floods the audit log.
 
 A request the gateway refused (status 4xx: no or bad token, missing role, over a limit, bad
 body, no such route; not 499, a client that left, and never one relayed to an engine) is cheap
@@ -8,6 +9,10 @@ and written as one summary record (`action` "refused.summary", `count`) when the
 At most `max_sources` sources are tracked apart per interval; refusals from further sources are
 summarised under source "*". So the log grows by at most two records per (source, status) per
 interval, whatever the rate, and a record is at most a few hundred bytes (`cap_text`).
+
+Monitoring reads (the services, host and pools a dashboard polls every few seconds) are
+summarised the same way per user and action, over `audit.monitoring_interval_s`: the first read
+of each interval has its own record, the rest one record of the same action with a count.
 
 The counts of the current interval live in memory: a gateway that dies loses at most one
 interval's counts, never a record of an admitted request.
@@ -50,34 +55,38 @@ class _Count:
     count: int = 0
 
 
-class Refusals:
-    """Decides which refused requests get their own record and gathers the rest (thread-safe)."""
+class Summaries:
+    """Which events get their own record, and the rest gathered (thread-safe): per party (the
+    event's `party_field`) and kind, the first event of each interval is written at once; the
+    others are counted into one summary record (`summary_action`, else the event's own action,
+    with `count`) due when the interval ends. At most `max_parties` parties are told apart per
+    interval; further ones are gathered under party "*"."""
 
-    def __init__(self, interval_s: float, max_sources: int, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, interval_s: float, max_parties: int, *, party_field: str, summary_action: str | None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._interval = interval_s
-        self._max_sources = max_sources
+        self._max_parties = max_parties
+        self._party_field = party_field
+        self._summary_action = summary_action
         self._clock = clock
         self._lock = threading.Lock()
         self._window_ends = clock() + interval_s
-        self._counts: dict[tuple[str, int], _Count] = {}
-        self._sources: set[str] = set()
+        self._counts: dict[tuple[str, str | int], _Count] = {}
+        self._parties: set[str] = set()
         self._due: list[AuditEvent] = []
 
-    def own_record(self, event: AuditEvent, relayed: bool = False) -> bool:
-        """Whether `event` is written now; if not, it is counted into its interval's summary. A
-        request the engine saw (`relayed`) always has its own record, whatever the engine said."""
-        if relayed or not refusable(event.status):
-            return True
+    def first_of_interval(self, event: AuditEvent, kind: str | int) -> bool:
+        """Whether `event` is written now; if not, it is counted into its interval's summary."""
         with self._lock:
             self._roll()
-            source = event.source or OTHER_SOURCES
-            if source not in self._sources:
-                if len(self._sources) >= self._max_sources:
-                    source = OTHER_SOURCES
-                self._sources.add(source)
-            found = self._counts.get((source, event.status))
+            party = getattr(event, self._party_field) or OTHER_SOURCES
+            if party not in self._parties:
+                if len(self._parties) >= self._max_parties:
+                    party = OTHER_SOURCES
+                self._parties.add(party)
+            found = self._counts.get((party, kind))
             if found is None:
-                self._counts[(source, event.status)] = _Count(event)
+                self._counts[(party, kind)] = _Count(event)
                 return True
             found.last, found.count = event, found.count + 1
             return False
@@ -98,13 +107,28 @@ class Refusals:
         now = self._clock()
         if now < self._window_ends and not force:
             return
-        for (source, status), counted in self._counts.items():
+        for (party, _), counted in self._counts.items():
             if counted.count:
                 last = counted.last
                 self._due.append(last.model_copy(update={
-                    "action": "refused.summary", "source": source, "count": counted.count,
-                    "latency_ms": None, "prompt_hmac": None, "completion_hmac": None,
+                    "action": self._summary_action or last.action, self._party_field: party,
+                    "count": counted.count, "latency_ms": None, "prompt_hmac": None, "completion_hmac": None,
                     "prompt": None, "completion": None, "error": None}))
         self._counts.clear()
-        self._sources.clear()
+        self._parties.clear()
         self._window_ends = now + self._interval
+
+
+class Refusals(Summaries):
+    """Refused requests, per source and status (summary action "refused.summary")."""
+
+    def __init__(self, interval_s: float, max_sources: int, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(interval_s, max_sources, party_field="source", summary_action="refused.summary",
+                         clock=clock)
+
+    def own_record(self, event: AuditEvent, relayed: bool = False) -> bool:
+        """Whether `event` is written now. A request the engine saw (`relayed`) always has its
+        own record, whatever the engine said; so has any that was not refused."""
+        if relayed or not refusable(event.status):
+            return True
+        return self.first_of_interval(event, event.status)

@@ -1,0 +1,46 @@
+"""Every audited route declares its audit action where it is declared (its name), and no route
+that can change state is ever recorded as a read or summarised as monitoring."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastapi.routing import APIRoute
+
+from appliance.home import Home
+from appliance.settings import Settings
+from serve.audit_trail import AUDITED_PREFIXES, MONITORING, action_of
+from serve.gateway import create_app
+
+READ_SUFFIXES = (".list", ".read", ".query")
+
+
+def audited_routes(tmp_path: Path) -> list[APIRoute]:
+    app = create_app(Settings(), Home(tmp_path).ensure())
+    return [r for r in app.routes if isinstance(r, APIRoute) and r.path.startswith(AUDITED_PREFIXES)]
+
+
+def test_every_audited_route_names_its_action(tmp_path: Path) -> None:
+    routes = audited_routes(tmp_path)
+    assert len(routes) >= 20
+    for route in routes:
+        assert route.name != route.endpoint.__name__, f"{route.path}: no audit action declared (name=...)"
+        params = {name: "x" for name in route.param_convertors}
+        scope = {"method": sorted(route.methods)[0], "path": route.path, "route": route, "path_params": params}
+        assert action_of(scope, 200)[0] == route.name.format(**params)
+
+
+def test_no_state_changing_route_is_recorded_as_a_read(tmp_path: Path) -> None:
+    for route in audited_routes(tmp_path):
+        changes = bool(route.methods - {"GET", "HEAD"})
+        if changes:
+            assert not route.name.endswith(READ_SUFFIXES), f"{route.methods} {route.path} is named a read"
+            assert route.openapi_extra != MONITORING, f"{route.methods} {route.path} would be summarised"
+        elif route.openapi_extra == MONITORING:
+            assert route.name.endswith(READ_SUFFIXES)
+
+
+def test_reads_of_users_settings_and_the_audit_log_are_each_recorded(tmp_path: Path) -> None:
+    summarised = {r.path for r in audited_routes(tmp_path) if r.openapi_extra == MONITORING}
+    assert summarised == {"/admin/services", "/admin/system", "/admin/pools", "/admin/plans", "/admin/jobs",
+                          "/admin/adapters"}
