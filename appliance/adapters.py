@@ -21,8 +21,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from appliance.durable import replace_file
-from appliance.errors import IntegrityError
-from appliance.errors import ApplianceError
+from appliance.errors import IntegrityError, NotFound, StateError
 from appliance.home import Home
 
 State = Literal["registered", "failed-gate", "deployed", "canary", "retired"]
@@ -70,17 +69,17 @@ class Registry(BaseModel):
         """A version of `name`, or (version None) its newest version that passed the gate."""
         versions = self.versions(name)
         if not versions:
-            raise ApplianceError(f"no adapter named {name!r}",
+            raise NotFound(f"no adapter named {name!r}",
                                  hint=f"adapters: {sorted({r.name for r in self.adapters}) or 'none'}")
         if version is None:
             passed = [r for r in versions if r.state not in ("failed-gate", "retired")]
             if not passed:
-                raise ApplianceError(f"adapter {name!r} has no version that passed its evaluation gate")
+                raise NotFound(f"adapter {name!r} has no version that passed its evaluation gate")
             return max(passed, key=lambda r: r.version)
         for record in versions:
             if record.version == version:
                 return record
-        raise ApplianceError(f"adapter {name!r} has no version {version}",
+        raise NotFound(f"adapter {name!r} has no version {version}",
                              hint=f"versions: {[r.version for r in versions]}")
 
 
@@ -101,7 +100,8 @@ def load(home: Home) -> Registry:
         # Before aliases existed the file was the list of records.
         return Registry.model_validate({"adapters": raw} if isinstance(raw, list) else raw)
     except (OSError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
-        raise ApplianceError(f"{path}: unreadable adapter registry: {exc}") from exc
+        raise StateError(f"the adapter registry ({path.name} in the state directory) is unreadable: {exc}",
+                         hint=f"restore {path} from a backup") from exc
 
 
 @contextmanager

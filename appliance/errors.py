@@ -1,11 +1,18 @@
 """Errors the appliance reports to an operator.
 
 ApplianceError                 root: the CLI catches only this and prints one line
- +-- SettingsError             settings file or environment override is invalid
- +-- StateError                the state directory or a secret is unusable
- +-- SupervisorError           supervisord cannot be started or reached
+ +-- Invalid                   what was asked for is malformed or not allowed (HTTP 400)
+ |    +-- SettingsError        settings file or environment override is invalid
+ +-- NotFound                  what was named does not exist (HTTP 404)
+ +-- Conflict                  it exists but is in a state that forbids the change (HTTP 409)
+ |    +-- IntegrityError       a stored artifact no longer matches the digest recorded for it
+ +-- Unavailable               something it depends on cannot be used now; retry later (HTTP 503)
+ |    +-- StateError           the state directory, a state file or a secret is unusable
+ |    +-- SupervisorError      supervisord cannot be started or reached
  +-- StartError                a supervised program failed to start (carries its log path)
- +-- IntegrityError            a stored artifact no longer matches the digest recorded for it
+
+Each class has a `code` (the machine-readable name transports use); the gateway maps the four
+families to HTTP once (serve.errors.from_core).
 """
 
 from __future__ import annotations
@@ -15,6 +22,8 @@ from pathlib import Path
 
 class ApplianceError(Exception):
     """An error with a one-line message and, optionally, what to do next."""
+
+    code = "appliance_error"
 
     def __init__(self, message: str, *, hint: str | None = None, log: Path | None = None) -> None:
         super().__init__(message)
@@ -32,21 +41,53 @@ class ApplianceError(Exception):
         return "; ".join(parts)
 
 
-class SettingsError(ApplianceError):
+class Invalid(ApplianceError):
+    """What was asked for is malformed or not allowed."""
+
+    code = "invalid"
+
+
+class NotFound(ApplianceError):
+    """What was named does not exist."""
+
+    code = "not_found"
+
+
+class Conflict(ApplianceError):
+    """What was named exists, but its state forbids the change."""
+
+    code = "conflict"
+
+
+class Unavailable(ApplianceError):
+    """Something the operation depends on cannot be used now."""
+
+    code = "unavailable"
+
+
+class SettingsError(Invalid):
     """The settings file or an environment override is invalid."""
 
-
-class StateError(ApplianceError):
-    """The state directory or a secret in it is unusable."""
+    code = "settings"
 
 
-class SupervisorError(ApplianceError):
+class StateError(Unavailable):
+    """The state directory, a file in it or a secret is unusable."""
+
+    code = "state"
+
+
+class SupervisorError(Unavailable):
     """supervisord cannot be started, reached or stopped."""
+
+    code = "supervisor"
 
 
 class StartError(ApplianceError):
     """A supervised program did not come up."""
 
 
-class IntegrityError(ApplianceError):
+class IntegrityError(Conflict):
     """A stored artifact (dataset, adapter version) no longer matches its recorded digest."""
+
+    code = "artifact_integrity"

@@ -21,10 +21,11 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 from appliance.errors import ApplianceError
 from appliance.records import STAGING_MANIFEST, Plan
+from appliance.staging_manifest import RankFiles, ShardPart, StagingManifest, SubsetFile, TensorSource
 from installer.model_config import ModelShape, load_model_config
 from installer.safetensors_bytes import DTYPE_BYTES, SafetensorsFileError, build_header, copy_range, read_header
 from installer.sharded_state import copy_side_files, write_rank
@@ -237,14 +238,14 @@ def stage_sharded(model_dir: Path, plan: Plan, out_dir: Path, *, host: str | Non
         resumed = 0
         for rank in range(tp):
             key = f"rank-{rank}"
-            done = manifest.data["files"].get(key)
-            if done and all((directory / name).is_file() for name in done["files"]):
+            done = manifest.done(key)
+            if isinstance(done, RankFiles) and all((directory / name).is_file() for name in done.files):
                 resumed += 1
                 continue
-            sealed: dict[str, dict] = {}
+            sealed: dict[str, ShardPart] = {}
             paths = write_rank(model_dir, directory, tp_size=tp, rank=rank, progress=on_bytes,
                                seal=_sealer(sealed))
-            manifest.record(key, {"files": {p.name: sealed[p.name] for p in paths}})
+            manifest.record(key, RankFiles(files={p.name: sealed[p.name] for p in paths}))
         copy_side_files(model_dir, directory)
         manifest.finish()
         staged.append(Staged(host=share.host, directory=directory, files=tp, resumed=resumed,
@@ -252,12 +253,12 @@ def stage_sharded(model_dir: Path, plan: Plan, out_dir: Path, *, host: str | Non
     return staged
 
 
-def _sealer(sealed: dict[str, dict]) -> Callable[[Path, Path], None]:
+def _sealer(sealed: dict[str, ShardPart]) -> Callable[[Path, Path], None]:
     """write_rank's seal for staging: each part fsynced while its header and tensor SHA-256 are
     taken, the manifest entry kept in `sealed` under the part's name."""
     def seal(tmp: Path, path: Path) -> None:
         with tmp.open("rb") as handle:
-            sealed[path.name] = {"bytes": tmp.stat().st_size, **_durable(handle.fileno(), lambda: _part_sha256(tmp))}
+            sealed[path.name] = ShardPart(bytes=tmp.stat().st_size, **_durable(handle.fileno(), lambda: _part_sha256(tmp)))
     return seal
 
 
@@ -297,12 +298,13 @@ def _stage_host(model_dir: Path, plan: Plan, share: HostShare, directory: Path,
                   bytes=sum(t.size for ts in files.values() for t in ts))
 
 
-def _write_file(target: Path, chosen: list[SourceTensor], on_bytes: Callable[[int], None]) -> dict:
+def _write_file(target: Path, chosen: list[SourceTensor], on_bytes: Callable[[int], None]) -> SubsetFile:
     """One output safetensors file: a new header, then each tensor's bytes copied as they are."""
     layout, offset = {}, 0
     for tensor in chosen:
-        layout[tensor.name] = {"dtype": tensor.dtype, "shape": list(tensor.shape), "source": tensor.file.name,
-                               "source_offsets": [tensor.start, tensor.end], "offsets": [offset, offset + tensor.size]}
+        layout[tensor.name] = TensorSource(dtype=tensor.dtype, shape=list(tensor.shape), source=tensor.file.name,
+                                           source_offsets=(tensor.start, tensor.end),
+                                           offsets=(offset, offset + tensor.size))
         offset += tensor.size
     header = build_header((t.name, t.dtype, list(t.shape), t.size) for t in chosen)
     partial = target.with_name(f".{target.name}.partial")
@@ -315,7 +317,7 @@ def _write_file(target: Path, chosen: list[SourceTensor], on_bytes: Callable[[in
         out.flush()
         digest = _durable(out.fileno(), lambda: _sha256(partial))
     os.replace(partial, target)
-    return {"sha256": digest, "bytes": target.stat().st_size, "tensors": layout}
+    return SubsetFile(sha256=digest, bytes=target.stat().st_size, tensors=layout)
 
 
 def _runs(chosen: list[SourceTensor]) -> Iterator[tuple[Path, tuple[int, int]]]:
@@ -382,36 +384,43 @@ def _atomic_write(path: Path, text: str) -> None:
 
 
 class _Manifest:
-    """The staging manifest, rewritten (atomically) after every finished file."""
+    """The staging manifest of one host directory, saved (atomically) after every finished file."""
 
-    def __init__(self, path: Path, data: dict) -> None:
-        self.path = path
-        self.data = data
+    IDENTITY = ("source", "config_sha256", "format", "host", "layers", "experts")
+
+    def __init__(self, directory: Path, manifest: StagingManifest) -> None:
+        self.directory = directory
+        self.manifest = manifest
 
     @classmethod
-    def open(cls, directory: Path, model_dir: Path, plan: Plan, share: HostShare, fmt: str = "subset") -> _Manifest:
-        identity = {"source": str(model_dir.resolve()), "config_sha256": plan.model.config_sha256,
-                    "format": fmt, "host": share.host,
-                    "layers": [share.layers.start, share.layers.stop],
-                    "experts": [share.experts.start, share.experts.stop] if share.experts else None}
-        path = directory / MANIFEST
-        if path.exists():
-            data = json.loads(path.read_text())
-            if {k: data.get(k) for k in identity} == identity:
-                return cls(path, data)  # the same job: resume it
-        return cls(path, {**identity, "complete": False, "files": {}})
+    def open(cls, directory: Path, model_dir: Path, plan: Plan, share: HostShare,
+             fmt: Literal["subset", "sharded"] = "subset") -> _Manifest:
+        wanted = StagingManifest(source=str(model_dir.resolve()), config_sha256=plan.model.config_sha256,
+                                 format=fmt, host=share.host, layers=(share.layers.start, share.layers.stop),
+                                 experts=(share.experts.start, share.experts.stop) if share.experts else None)
+        if (directory / MANIFEST).exists():
+            try:
+                found = StagingManifest.load(directory)
+            except ApplianceError:
+                found = None  # an older or damaged manifest: stage afresh
+            if found is not None and all(getattr(found, k) == getattr(wanted, k) for k in cls.IDENTITY):
+                return cls(directory, found)  # the same job: resume it
+        return cls(directory, wanted)
+
+    def done(self, name: str) -> SubsetFile | RankFiles | None:
+        return self.manifest.files.get(name)
 
     def complete(self, name: str, path: Path) -> bool:
-        entry = self.data["files"].get(name)
-        return bool(entry) and path.is_file() and path.stat().st_size == entry["bytes"]
+        entry = self.done(name)
+        return isinstance(entry, SubsetFile) and path.is_file() and path.stat().st_size == entry.bytes
 
-    def record(self, name: str, entry: dict) -> None:
-        self.data["files"][name] = entry
-        _atomic_write(self.path, json.dumps(self.data, indent=1))
+    def record(self, name: str, entry: SubsetFile | RankFiles) -> None:
+        self.manifest.files[name] = entry  # type: ignore[assignment]  # the format decides which
+        self.manifest.save(self.directory)
 
     def finish(self) -> None:
-        self.data["complete"] = True
-        _atomic_write(self.path, json.dumps(self.data, indent=1))
+        self.manifest.complete = True
+        self.manifest.save(self.directory)
 
 
 # -- verification --------------------------------------------------------------------------
@@ -424,21 +433,21 @@ def verify_staged(directory: Path) -> list[str]:
     manifests = [directory / MANIFEST] if (directory / MANIFEST).exists() else sorted(directory.glob(f"*/{MANIFEST}"))
     if not manifests:
         raise StagingError(f"{directory}: no {MANIFEST} here or in its host directories")
-    for manifest in manifests:
-        data = json.loads(manifest.read_text())
-        if not data.get("complete"):
-            raise StagingError(f"{manifest.parent}: staging did not finish (run `appliance stage` again to resume)")
-        sharded = data.get("format") == "sharded"
-        files = ({name: entry for rank in data["files"].values() for name, entry in rank["files"].items()}
-                 if sharded else data["files"])
-        for name, entry in sorted(files.items()):
-            path = manifest.parent / name
+    for found in manifests:
+        try:
+            manifest = StagingManifest.load(found.parent)
+        except ApplianceError as exc:
+            raise StagingError(exc.message) from exc
+        if not manifest.complete:
+            raise StagingError(f"{found.parent}: staging did not finish (run `appliance stage` again to resume)")
+        for name, entry in sorted(manifest.staged_files().items()):
+            path = found.parent / name
             if not path.is_file():
                 raise StagingError(f"{path}: missing")
-            if path.stat().st_size != entry["bytes"]:
-                raise StagingError(f"{path}: {path.stat().st_size:,} bytes, the manifest says {entry['bytes']:,}")
-            which = (_changed_part(path, entry) if sharded
-                     else _sha256(path) != entry["sha256"] and _which_tensor(path, entry, Path(data["source"])))
+            if path.stat().st_size != entry.bytes:
+                raise StagingError(f"{path}: {path.stat().st_size:,} bytes, the manifest says {entry.bytes:,}")
+            which = (_changed_part(path, entry) if isinstance(entry, ShardPart)
+                     else _sha256(path) != entry.sha256 and _which_tensor(path, entry, Path(manifest.source)))
             if which:
                 raise StagingError(f"{path}: SHA-256 differs from the manifest; {which}")
     return [str(m.parent) for m in manifests]
@@ -456,30 +465,30 @@ def _part_sha256(path: Path) -> dict:
         return {"header_sha256": _sha256(path, 0, base), "tensor_sha256": dict(zip(spans, digests))}
 
 
-def _changed_part(path: Path, entry: dict) -> str | None:
+def _changed_part(path: Path, entry: ShardPart) -> str | None:
     try:
         found = _part_sha256(path)
     except SafetensorsFileError:
         return "the header changed"
-    if found["header_sha256"] != entry["header_sha256"]:
+    if found["header_sha256"] != entry.header_sha256:
         return "the header changed"
-    changed = [name for name, digest in found["tensor_sha256"].items() if entry["tensor_sha256"].get(name) != digest]
+    changed = [name for name, digest in found["tensor_sha256"].items() if entry.tensor_sha256.get(name) != digest]
     return f"tensor {changed[0]} changed" if changed else None
 
 
-def _which_tensor(path: Path, entry: dict, source: Path) -> str:
+def _which_tensor(path: Path, entry: SubsetFile, source: Path) -> str:
     header, base = read_header(path)
-    for name, where in entry["tensors"].items():
-        start, end = where["offsets"]
+    for name, where in entry.tensors.items():
+        start, end = where.offsets
         if header.get(name, {}).get("data_offsets") != [start, end]:
             return f"the header entry of tensor {name} changed"
-        with path.open("rb") as staged, (source / where["source"]).open("rb") as original:
+        with path.open("rb") as staged, (source / where.source).open("rb") as original:
             staged.seek(base + start)
-            original.seek(where["source_offsets"][0])
+            original.seek(where.source_offsets[0])
             remaining = end - start
             while remaining:
                 size = min(remaining, HASH_CHUNK)
                 if staged.read(size) != original.read(size):
-                    return f"tensor {name} differs from the source {where['source']}"
+                    return f"tensor {name} differs from the source {where.source}"
                 remaining -= size
     return "the header differs (every tensor's bytes match the source)"

@@ -163,9 +163,9 @@ class AdapterRoutes:
         async with self._lock:
             registry = self.registry()
             alias = registry.aliases.get(name)
-            targets = [_find(registry, name, version)] if version is not None else registry.versions(name)
+            targets = [registry.find(name, version)] if version is not None else registry.versions(name)
             if not targets:
-                _find(registry, name, None)  # raises: no such adapter
+                registry.find(name, None)  # raises: no such adapter
             if version is not None and alias is not None and version in (alias.stable, alias.canary):
                 raise GatewayError(409, f"{name} v{version} is being served; deploy another version or roll "
                                    "back first", code="conflict")
@@ -254,15 +254,8 @@ def _alias(registry: Registry, name: str) -> Alias:
     return alias
 
 
-def _find(registry: Registry, name: str, version: int | None) -> AdapterRecord:
-    try:
-        return registry.find(name, version)
-    except ApplianceError as exc:
-        raise GatewayError(404, exc.message, code="not_found") from exc
-
-
 def _changeable(registry: Registry, name: str, version: int | None) -> AdapterRecord:
-    record = _find(registry, name, version)
+    record = registry.find(name, version)
     if record.state in ("failed-gate", "retired"):
         raise GatewayError(409, f"{name} v{record.version} is {record.state}; it cannot be served", code="conflict")
     return record

@@ -2,6 +2,8 @@
 
 GatewayError          root: status, OpenAI error type and code, extra headers
  +-- AuthError        401 with WWW-Authenticate (bad or missing token) or 403 (missing role)
+
+`from_core` is the one table from the core's errors (appliance.errors) to HTTP.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import json
 from typing import Any
 
 from fastapi.responses import JSONResponse
+
+from appliance.errors import ApplianceError, Conflict, Invalid, NotFound, Unavailable
 
 
 class SafeJSONResponse(JSONResponse):
@@ -54,3 +58,22 @@ class AuthError(GatewayError):
             headers["Retry-After"] = "5"
         super().__init__(status, message, type=kind, code=reason, headers=headers)
         self.reason = reason
+
+
+# The core's error families and what the gateway answers for them (status, OpenAI error type).
+CORE_ERRORS: tuple[tuple[type[ApplianceError], int, str], ...] = (
+    (Invalid, 400, "invalid_request_error"),
+    (NotFound, 404, "invalid_request_error"),
+    (Conflict, 409, "invalid_request_error"),
+    (Unavailable, 503, "service_unavailable"),
+)
+
+
+def from_core(exc: ApplianceError) -> GatewayError:
+    """The gateway's answer to an error from the core: its family's status, its own code; an
+    error of no family is the server's fault (500)."""
+    for family, status, kind in CORE_ERRORS:
+        if isinstance(exc, family):
+            headers = {"Retry-After": "5"} if status == 503 else None
+            return GatewayError(status, exc.message, type=kind, code=exc.code, headers=headers)
+    return GatewayError(500, exc.message, type="server_error", code=exc.code)

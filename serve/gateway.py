@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from appliance.artifacts import artifact_store
-from appliance.errors import ApplianceError, SupervisorError
+from appliance.errors import ApplianceError
 from appliance.home import Home
 from appliance.secrets import gateway_client_secret, secret
 from appliance.settings import Settings, load_settings
@@ -39,7 +39,7 @@ from serve.audit_trail import AuditMiddleware, Transcript
 from serve.auth import Introspector, Principal, TokenValidator
 from serve.deps import ChatUser
 from serve.engine import ENGINE_KEY_SECRET
-from serve.errors import GatewayError
+from serve.errors import GatewayError, from_core
 from serve.limits import Admission, RateLimiter
 from serve.metrics import Metrics
 from serve.middleware import BodyLimitMiddleware, MeterMiddleware, RequestTooLarge
@@ -150,9 +150,19 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
         # such as JSON nested past the parser's depth) in OpenAI's shape too.
         return GatewayError(exc.status_code, str(exc.detail), code="http_error", headers=exc.headers).response()
 
-    @app.exception_handler(SupervisorError)
-    async def supervisor_unavailable(request: Request, exc: SupervisorError) -> JSONResponse:
-        return GatewayError(503, exc.message, type="service_unavailable", code="supervisor").response()
+    @app.exception_handler(ApplianceError)
+    async def core_error(request: Request, exc: ApplianceError) -> JSONResponse:
+        log.warning("request %s: %s", getattr(request.state, "request_id", "-"), exc.one_line())
+        return from_core(exc).response()
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # Whatever it was, the client gets OpenAI's error shape (never a plain-text 500) and the
+        # log gets the traceback with the request id to find it by.
+        request_id = getattr(request.state, "request_id", "-")
+        log.error("request %s failed", request_id, exc_info=exc)
+        return GatewayError(500, f"internal error (request {request_id}); the administrator can find it in "
+                            "the gateway's log", type="server_error", code="internal_error").response()
 
     @app.get("/healthz", response_model=Health, tags=["health"])
     async def healthz() -> Health:

@@ -16,6 +16,7 @@ from appliance.errors import ApplianceError
 from appliance.home import Home
 from appliance.records import STAGING_MANIFEST, Plan, load_plan
 from appliance.settings import Settings
+from appliance.staging_manifest import StagingManifest
 from appliance.usage import HostUsage, host_usage
 from serve.audit_trail import MONITORING
 from serve.deps import requires
@@ -49,14 +50,12 @@ class JobView(jobs.Job):
 
 def staging_of(directory: pathlib.Path) -> Staging | None:
     """The staging manifest's summary, if `directory` was staged (None for a plain checkpoint)."""
-    try:
-        data = json.loads((directory / STAGING_MANIFEST).read_text())
-    except (OSError, ValueError):
+    if not (directory / STAGING_MANIFEST).exists():
         return None
-    files = data.get("files", {})
-    return Staging(directory=str(directory), format=data.get("format", "subset"), host=str(data.get("host", "")),
-                   complete=bool(data.get("complete")), files=len(files),
-                   bytes=sum(entry.get("bytes", 0) for entry in files.values()))
+    manifest = StagingManifest.load(directory)  # damaged: StateError, a 503 naming the file
+    files = manifest.staged_files()
+    return Staging(directory=str(directory), format=manifest.format, host=manifest.host,
+                   complete=manifest.complete, files=len(files), bytes=manifest.total_bytes())
 
 
 def _job_view(home: Home, job: jobs.Job) -> JobView:

@@ -173,6 +173,29 @@ def test_openai_error_shapes(realm: Realm, alice: str) -> None:
     assert chunked.status_code == 413 and chunked.json()["error"]["code"] == "request_too_large"
 
 
+def test_a_corrupt_adapter_registry_is_a_clear_503_not_a_plain_500(realm: Realm, alice: str,
+                                                                   running: Running) -> None:
+    """Issue 18: before, a damaged adapters.json made every chat request a plain-text 500."""
+    registry = running.appliance.home.root / "adapters.json"
+    kept = registry.read_bytes() if registry.exists() else None
+    headers = {"Authorization": f"Bearer {alice}"}
+    chat = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    try:
+        registry.write_text('{"adapters": [')
+        broken = httpx.post(f"{realm.gateway}/v1/chat/completions", headers=headers, json=chat, timeout=60)
+        assert broken.status_code == 503 and broken.headers["content-type"] == "application/json"
+        error = broken.json()["error"]
+        assert error["code"] == "state" and "adapters.json" in error["message"], error
+        assert broken.headers["retry-after"]
+    finally:
+        if kept is None:
+            registry.unlink()
+        else:
+            registry.write_bytes(kept)
+    assert httpx.post(f"{realm.gateway}/v1/chat/completions", headers=headers, json=chat,
+                      timeout=60).status_code == 200
+
+
 def test_rate_limit_answers_429_then_recovers(realm: Realm) -> None:
     headers = {"Authorization": f"Bearer {realm.token('limited', PASSWORD)}"}
     statuses = []

@@ -16,11 +16,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from appliance.errors import StateError
+from appliance.staging_manifest import StagingManifest
 from installer.hardware import parse_hardware_spec
 from installer.model_config import load_model_config
 from installer.planner import Pins, plan
 from installer.staging import (MANIFEST, StagingError, pp_layers, read_header, stage_sharded, stage_subset,
                                verify_staged)
+from serve.operations import staging_of
 
 APPLIANCE = str(Path(sys.executable).with_name("appliance"))
 
@@ -219,6 +222,10 @@ def test_sharded_format_per_tp_rank_with_manifest(tmp_path: Path) -> None:
     assert names == ["model-rank-0-part-0.safetensors", "model-rank-1-part-0.safetensors"]
     assert (staged.directory / "config.json").is_file()
     assert verify_staged(tmp_path / "out")
+    # Issue 18: what the admin API and the TUI show counts the parts and their bytes, not the ranks.
+    view = staging_of(staged.directory)
+    assert (view.format, view.files, view.complete) == ("sharded", 2, True)
+    assert view.bytes == sum((staged.directory / n).stat().st_size for n in names) > 0
     again = stage_sharded(source, record, tmp_path / "out")
     assert again[0].resumed == 2, "finished ranks are not redone"
     target = staged.directory / names[1]
@@ -231,6 +238,24 @@ def test_sharded_format_per_tp_rank_with_manifest(tmp_path: Path) -> None:
         verify_staged(tmp_path / "out")
     with pytest.raises(StagingError, match="needs a plan without pipeline parallelism"):
         stage_sharded(source, plan_for(source, "2x1xL4-24GB", tp=1, pp=2), tmp_path / "pp")
+
+
+def test_both_manifest_formats_are_one_typed_model_and_a_damaged_one_is_named(tmp_path: Path) -> None:
+    source = llama(tmp_path / "src", layers=2)
+    [subset] = stage_subset(source, plan_for(source, "1x1xL4-24GB"), tmp_path / "subset")
+    [sharded] = stage_sharded(source, plan_for(source, "1x2xL4-24GB", tp=2, pp=1), tmp_path / "sharded")
+    for staged, fmt in ((subset, "subset"), (sharded, "sharded")):
+        manifest = StagingManifest.load(staged.directory)
+        assert manifest.format == fmt and manifest.complete
+        assert StagingManifest.model_validate_json(manifest.model_dump_json()) == manifest  # one model reads both
+        view = staging_of(staged.directory)
+        files = [p for p in staged.directory.glob("*.safetensors")]
+        assert (view.files, view.bytes) == (len(files), sum(p.stat().st_size for p in files))
+    (subset.directory / MANIFEST).write_text('{"format": "sharded", "files": {}}')
+    with pytest.raises(StateError, match=rf"{MANIFEST}: not a readable staging manifest"):
+        staging_of(subset.directory)
+    with pytest.raises(StagingError, match="not a readable staging manifest"):
+        verify_staged(tmp_path / "subset")
 
 
 def test_cli_names_a_bad_plan_file(tmp_path: Path) -> None:
