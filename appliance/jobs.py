@@ -1,6 +1,17 @@
 """The training job queue: one SQLite table in the state dir, shared by `appliance finetune
 submit|status|cancel`, the supervised `finetune-worker` and the admin API. A job's files (its data,
-checkpoints, progress and result) live in its own directory; the row holds its state."""
+checkpoints, progress and result) live in its own directory; the row holds its state.
+
+A job's life is a state machine (MOVES); every change of state is checked against it inside the
+transaction that makes it, so two processes cannot both move a job, and an illegal move raises
+IllegalMove naming the state and the move:
+
+    queued --claim--> running --finish--> succeeded | failed | cancelled
+       |                 |  ^ (resumed by another worker after its worker died)
+       |               cancel
+       |                 v
+       +--cancel--> cancelled <--finish-- cancelling (its worker stops the trainer, checkpoints kept)
+"""
 
 from __future__ import annotations
 
@@ -12,15 +23,36 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Literal
+from enum import StrEnum
 
 from pydantic import BaseModel
 
-from appliance.errors import ApplianceError
+from appliance.errors import Conflict, NotFound
 from appliance.home import Home
 
-JobState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
-FINISHED = ("succeeded", "failed", "cancelled")
+
+class JobState(StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    CANCELLING = "cancelling"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+FINISHED = (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
+MOVES: dict[JobState, frozenset[JobState]] = {
+    JobState.QUEUED: frozenset({JobState.RUNNING, JobState.CANCELLED}),
+    JobState.RUNNING: frozenset({JobState.RUNNING, JobState.CANCELLING, *FINISHED}),
+    JobState.CANCELLING: frozenset({JobState.CANCELLING, *FINISHED}),
+    **{state: frozenset() for state in FINISHED},
+}
+
+
+class IllegalMove(Conflict):
+    """A job (or adapter) asked to move to a state its current one does not lead to."""
+
+    code = "illegal_transition"
 CANCEL_FILE = "cancel"  # in the job's directory: the runner stops the trainer
 PROGRESS_FILE = "progress.json"  # in the job's directory: the trainer's latest report
 SCHEMA = """
@@ -92,6 +124,19 @@ def connect(home: Home) -> Iterator[sqlite3.Connection]:
         db.close()
 
 
+@contextmanager
+def _transaction(home: Home) -> Iterator[sqlite3.Connection]:
+    """A write transaction (taken at once: no other writer between its read and its write)."""
+    with connect(home) as db:
+        db.execute("begin immediate")
+        try:
+            yield db
+        except BaseException:
+            db.execute("rollback")
+            raise
+        db.execute("commit")
+
+
 def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
 
@@ -112,10 +157,25 @@ def submit(home: Home, *, name: str, data: str, base: str, hyperparameters: dict
 
 def get(home: Home, job_id: int) -> Job:
     with connect(home) as db:
-        row = db.execute("select * from jobs where id = ?", (job_id,)).fetchone()
+        return _get(db, job_id)
+
+
+def _get(db: sqlite3.Connection, job_id: int) -> Job:
+    row = db.execute("select * from jobs where id = ?", (job_id,)).fetchone()
     if row is None:
-        raise ApplianceError(f"no training job {job_id}", hint="`appliance finetune status` lists them")
+        raise NotFound(f"no training job {job_id}", hint="`appliance finetune status` lists them")
     return _job(row)
+
+
+def _move(db: sqlite3.Connection, job_id: int, to: JobState, assignments: str, values: tuple) -> None:
+    """Set the job's state to `to` (and `assignments`) if MOVES allows it from its current state,
+    in the caller's transaction; IllegalMove otherwise."""
+    current, to = _get(db, job_id).state, JobState(to)
+    if to not in MOVES[current]:
+        was = ("has already been cancelled" if current == JobState.CANCELLED
+               else f"has already {current}" if current in FINISHED else f"is {current}")
+        raise IllegalMove(f"training job {job_id} {was}: it cannot become {to}")
+    db.execute(f"update jobs set state = ?, {assignments} where id = ?", (to, *values, job_id))
 
 
 def listing(home: Home) -> list[Job]:
@@ -126,22 +186,16 @@ def listing(home: Home) -> list[Job]:
 def claim(home: Home, worker_pid: int, alive: Callable[[int | None], bool]) -> Job | None:
     """The next job for this worker: one left running by a worker that died (it resumes from its
     last checkpoint), else the oldest queued one."""
-    with connect(home) as db:
-        db.execute("begin immediate")
-        try:
-            rows = db.execute("select * from jobs where state = 'running' order by id").fetchall()
-            orphan = next((row for row in rows if not alive(row["worker_pid"])), None)
-            row = orphan or db.execute("select * from jobs where state = 'queued' order by id limit 1").fetchone()
-            if row is None:
-                db.execute("commit")
-                return None
-            db.execute("update jobs set state = 'running', worker_pid = ?, attempts = attempts + 1, "
-                       "started = coalesce(started, ?) where id = ?", (worker_pid, _now(), row["id"]))
-            db.execute("commit")
-        except BaseException:
-            db.execute("rollback")
-            raise
-    return get(home, row["id"])
+    with _transaction(home) as db:
+        rows = db.execute("select * from jobs where state in ('running', 'cancelling') order by id").fetchall()
+        orphan = next((row for row in rows if not alive(row["worker_pid"])), None)
+        row = orphan or db.execute("select * from jobs where state = 'queued' order by id limit 1").fetchone()
+        if row is None:
+            return None
+        resumed = JobState(row["state"])  # a cancelling orphan stays cancelling: its runner stops at once
+        _move(db, row["id"], JobState.CANCELLING if resumed == JobState.CANCELLING else JobState.RUNNING,
+              "worker_pid = ?, attempts = attempts + 1, started = coalesce(started, ?)", (worker_pid, _now()))
+        return _get(db, row["id"])
 
 
 def set_trainer(home: Home, job_id: int, pid: int) -> None:
@@ -150,25 +204,25 @@ def set_trainer(home: Home, job_id: int, pid: int) -> None:
 
 
 def finish(home: Home, job_id: int, state: JobState, message: str) -> None:
-    with connect(home) as db:
-        db.execute("update jobs set state = ?, message = ?, finished = ?, worker_pid = null, trainer_pid = null "
-                   "where id = ?",
-                   (state, message, _now(), job_id))
+    if state not in FINISHED:
+        raise IllegalMove(f"training job {job_id} cannot finish as {state}")
+    with _transaction(home) as db:
+        _move(db, job_id, state, "message = ?, finished = ?, worker_pid = null, trainer_pid = null",
+              (message, _now()))
 
 
 def cancel(home: Home, job_id: int) -> Job:
-    """A queued job is cancelled at once; a running one is stopped by its worker (within a second)."""
-    job = get(home, job_id)
-    if job.state in FINISHED:
-        raise ApplianceError(f"training job {job_id} has already {'ended' if job.state != 'cancelled' else 'been'} "
-                             f"{job.state}")
+    """A queued job is cancelled at once; a running one becomes `cancelling` and its worker stops
+    it (within a second, checkpoints kept) and finishes it as cancelled."""
     directory = job_dir(home, job_id)
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / CANCEL_FILE).touch()
-    with connect(home) as db:
-        db.execute("update jobs set state = 'cancelled', message = 'cancelled before it started', finished = ? "
-                   "where id = ? and state = 'queued'", (_now(), job_id))
-    return get(home, job_id)
+    with _transaction(home) as db:
+        if _get(db, job_id).state == JobState.QUEUED:
+            _move(db, job_id, JobState.CANCELLED, "message = ?, finished = ?", ("cancelled before it started", _now()))
+        else:
+            _move(db, job_id, JobState.CANCELLING, "message = ?", ("cancel requested",))
+            directory.mkdir(parents=True, exist_ok=True)
+            (directory / CANCEL_FILE).touch()  # the runner polls it
+        return _get(db, job_id)
 
 
 

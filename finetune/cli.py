@@ -145,7 +145,7 @@ def status(
 def cancel(job: Annotated[int, typer.Argument(help="A job id.")]) -> None:
     """Cancel a queued job, or stop a running one (its checkpoints stay)."""
     found = jobs.cancel(Home.from_env(), job)
-    out.print(f"job {job}: {'cancelled' if found.state == 'cancelled' else 'stopping (its checkpoints stay)'}")
+    out.print(f"job {job}: {'cancelled' if found.state == jobs.JobState.CANCELLED else 'stopping (its checkpoints stay)'}")
 
 
 @finetune_app.command("run")
@@ -184,7 +184,7 @@ def _progress_text(home: Home, job: jobs.Job) -> str:
     p = jobs.read_progress(jobs.job_dir(home, job.id))
     if p is None:
         return ""
-    eta = f", ETA {p.eta_s:.0f} s" if p.eta_s is not None and job.state == "running" else ""
+    eta = f", ETA {p.eta_s:.0f} s" if p.eta_s is not None and job.state == jobs.JobState.RUNNING else ""
     return f"step {p.step}/{p.max_steps}, loss {p.loss:.3f}, {p.tokens_per_s:.0f} tokens/s{eta}"
 
 

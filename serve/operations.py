@@ -21,7 +21,6 @@ from appliance.usage import HostUsage, host_usage
 from serve.audit_trail import MONITORING
 from serve.deps import requires
 from serve.engine import model_dir
-from serve.errors import GatewayError
 
 
 class Staging(BaseModel):
@@ -93,14 +92,8 @@ def operations_router(settings: Settings, home: Home) -> APIRouter:
 
     @router.post("/jobs/{job_id}/cancel", response_model=JobView, name="jobs.cancel")
     def cancel_job(job_id: Annotated[int, Path(ge=1, le=2**63 - 1)]) -> JobView:  # SQLite's integer range
-        """Cancel a queued job at once, or ask its worker to stop a running one (checkpoints kept)."""
-        try:
-            jobs.get(home, job_id)
-        except ApplianceError as exc:
-            raise GatewayError(404, exc.message, code="not_found") from exc
-        try:
-            return _job_view(home, jobs.cancel(home, job_id))
-        except ApplianceError as exc:
-            raise GatewayError(409, exc.message, code="conflict") from exc
+        """Cancel a queued job at once, or ask its worker to stop a running one (checkpoints kept).
+        No such job: 404; one that has ended: 409 (`illegal_transition`)."""
+        return _job_view(home, jobs.cancel(home, job_id))
 
     return router

@@ -1,0 +1,57 @@
+"""A training job's life is a checked state machine: every move is made in one transaction and an
+illegal one names the state and the move."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from appliance import jobs
+from appliance.errors import NotFound
+from appliance.home import Home
+from appliance.jobs import CANCEL_FILE, IllegalMove, JobState
+
+
+def submitted(home: Home) -> jobs.Job:
+    return jobs.submit(home, name="a", data="d", base="demo", hyperparameters={}, eval_sets={})
+
+
+def test_a_job_runs_and_finishes_once(tmp_path: Path) -> None:
+    home = Home(tmp_path).ensure()
+    job = submitted(home)
+    with pytest.raises(IllegalMove, match=f"training job {job.id} is queued: it cannot become succeeded"):
+        jobs.finish(home, job.id, JobState.SUCCEEDED, "too early")
+    claimed = jobs.claim(home, 123, alive=lambda pid: True)
+    assert claimed is not None and (claimed.state, claimed.worker_pid, claimed.attempts) == ("running", 123, 1)
+    with pytest.raises(IllegalMove, match="cannot finish as running"):
+        jobs.finish(home, job.id, JobState.RUNNING, "not an end")
+    jobs.finish(home, job.id, JobState.SUCCEEDED, "done")
+    with pytest.raises(IllegalMove, match="has already succeeded: it cannot become failed"):
+        jobs.finish(home, job.id, JobState.FAILED, "twice")
+    with pytest.raises(IllegalMove, match="has already succeeded: it cannot become cancelling"):
+        jobs.cancel(home, job.id)
+    assert jobs.get(home, job.id).message == "done"  # nothing an illegal move tried was kept
+    with pytest.raises(NotFound, match="no training job 99"):
+        jobs.cancel(home, 99)
+
+
+def test_cancel_a_queued_job_at_once_and_a_running_one_through_its_worker(tmp_path: Path) -> None:
+    home = Home(tmp_path).ensure()
+    queued, running = submitted(home), submitted(home)
+    assert jobs.cancel(home, queued.id).state == JobState.CANCELLED
+    with pytest.raises(IllegalMove, match="has already been cancelled"):
+        jobs.cancel(home, queued.id)
+    assert jobs.claim(home, 7, alive=lambda pid: True).id == running.id
+    stopping = jobs.cancel(home, running.id)
+    assert stopping.state == JobState.CANCELLING and (jobs.job_dir(home, running.id) / CANCEL_FILE).exists()
+    # Its worker died: the next one takes it up still cancelling (its runner stops at once).
+    resumed = jobs.claim(home, 8, alive=lambda pid: False)
+    assert resumed is not None and (resumed.id, resumed.state, resumed.attempts) == (running.id, "cancelling", 2)
+    jobs.finish(home, running.id, JobState.CANCELLED, "stopped")
+    assert jobs.get(home, running.id).state == JobState.CANCELLED and jobs.claim(home, 9, lambda pid: True) is None
+
+
+def test_every_state_is_in_the_machine_and_the_ends_lead_nowhere() -> None:
+    assert set(jobs.MOVES) == set(JobState)
+    assert all(not jobs.MOVES[end] for end in jobs.FINISHED)
