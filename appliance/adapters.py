@@ -15,16 +15,39 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
+from enum import StrEnum
 from pathlib import Path
-from typing import Literal
 
 from pydantic import BaseModel, Field
 
 from appliance.durable import replace_file
-from appliance.errors import IntegrityError, NotFound, StateError
+from appliance.errors import IllegalTransition, IntegrityError, NotFound, StateError
 from appliance.home import Home
 
-State = Literal["registered", "failed-gate", "deployed", "canary", "retired"]
+
+class AdapterState(StrEnum):
+    r"""Where a version is in its life:
+
+        registered --deploy--> deployed --(replaced, rolled back)--> registered
+            |  \--canary--> canary --(deploy)--> deployed; --(rollback, replaced)--> registered
+            +--retire--> retired <--retire (the whole name)-- deployed | canary | failed-gate
+        failed-gate (the evaluation gate refused it) is never served.
+    """
+
+    REGISTERED = "registered"
+    FAILED_GATE = "failed-gate"
+    DEPLOYED = "deployed"
+    CANARY = "canary"
+    RETIRED = "retired"
+
+
+MOVES: dict[AdapterState, frozenset[AdapterState]] = {
+    AdapterState.REGISTERED: frozenset({AdapterState.DEPLOYED, AdapterState.CANARY, AdapterState.RETIRED}),
+    AdapterState.DEPLOYED: frozenset({AdapterState.REGISTERED, AdapterState.RETIRED}),
+    AdapterState.CANARY: frozenset({AdapterState.DEPLOYED, AdapterState.REGISTERED, AdapterState.RETIRED}),
+    AdapterState.FAILED_GATE: frozenset({AdapterState.RETIRED}),
+    AdapterState.RETIRED: frozenset(),
+}
 
 
 class AdapterRecord(BaseModel):
@@ -38,7 +61,7 @@ class AdapterRecord(BaseModel):
     metrics: dict
     artifact: str  # the key prefix of its files in the artifact store
     files: dict[str, str] = {}  # file name -> SHA-256, checked whenever the files are read back
-    state: State
+    state: AdapterState
     created: str = Field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
 
     @property
@@ -65,6 +88,14 @@ class Registry(BaseModel):
     def versions(self, name: str) -> list[AdapterRecord]:
         return [record for record in self.adapters if record.name == name]
 
+    def move(self, name: str, version: int, to: AdapterState) -> AdapterRecord:
+        """Set a version's state, as MOVES allows (staying put is always allowed); IllegalTransition
+        naming the version, its state and the move otherwise."""
+        record = self.find(name, version)
+        check_move(record, to)
+        record.state = to
+        return record
+
     def find(self, name: str, version: int | None = None) -> AdapterRecord:
         """A version of `name`, or (version None) its newest version that passed the gate."""
         versions = self.versions(name)
@@ -72,7 +103,7 @@ class Registry(BaseModel):
             raise NotFound(f"no adapter named {name!r}",
                                  hint=f"adapters: {sorted({r.name for r in self.adapters}) or 'none'}")
         if version is None:
-            passed = [r for r in versions if r.state not in ("failed-gate", "retired")]
+            passed = [r for r in versions if r.state not in (AdapterState.FAILED_GATE, AdapterState.RETIRED)]
             if not passed:
                 raise NotFound(f"adapter {name!r} has no version that passed its evaluation gate")
             return max(passed, key=lambda r: r.version)
@@ -81,6 +112,12 @@ class Registry(BaseModel):
                 return record
         raise NotFound(f"adapter {name!r} has no version {version}",
                              hint=f"versions: {[r.version for r in versions]}")
+
+
+def check_move(record: AdapterRecord, to: AdapterState) -> None:
+    """IllegalTransition unless MOVES lets `record` become `to` (staying put is always allowed)."""
+    if to != record.state and to not in MOVES[record.state]:
+        raise IllegalTransition(f"{record.name} v{record.version} is {record.state}: it cannot become {to}")
 
 
 def engine_name(name: str, version: int) -> str:

@@ -5,6 +5,7 @@ ApplianceError                 root: the CLI catches only this and prints one li
  |    +-- SettingsError        settings file or environment override is invalid
  +-- NotFound                  what was named does not exist (HTTP 404)
  +-- Conflict                  it exists but is in a state that forbids the change (HTTP 409)
+ |    +-- IllegalTransition    a job or adapter asked to move to a state its own does not lead to
  |    +-- IntegrityError       a stored artifact no longer matches the digest recorded for it
  +-- Unavailable               something it depends on cannot be used now; retry later (HTTP 503)
  |    +-- StateError           the state directory, a state file or a secret is unusable
@@ -85,6 +86,12 @@ class SupervisorError(Unavailable):
 
 class StartError(ApplianceError):
     """A supervised program did not come up."""
+
+
+class IllegalTransition(Conflict):
+    """A lifecycle (training job, adapter version) asked for a move its state machine forbids."""
+
+    code = "illegal_transition"
 
 
 class IntegrityError(Conflict):

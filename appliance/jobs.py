@@ -4,7 +4,7 @@ checkpoints, progress and result) live in its own directory; the row holds its s
 
 A job's life is a state machine (MOVES); every change of state is checked against it inside the
 transaction that makes it, so two processes cannot both move a job, and an illegal move raises
-IllegalMove naming the state and the move:
+IllegalTransition naming the state and the move:
 
     queued --claim--> running --finish--> succeeded | failed | cancelled
        |                 |  ^ (resumed by another worker after its worker died)
@@ -22,12 +22,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
-from pathlib import Path
 from enum import StrEnum
+from pathlib import Path
 
 from pydantic import BaseModel
 
-from appliance.errors import Conflict, NotFound
+from appliance.errors import IllegalTransition, NotFound
 from appliance.home import Home
 
 
@@ -48,11 +48,6 @@ MOVES: dict[JobState, frozenset[JobState]] = {
     **{state: frozenset() for state in FINISHED},
 }
 
-
-class IllegalMove(Conflict):
-    """A job (or adapter) asked to move to a state its current one does not lead to."""
-
-    code = "illegal_transition"
 CANCEL_FILE = "cancel"  # in the job's directory: the runner stops the trainer
 PROGRESS_FILE = "progress.json"  # in the job's directory: the trainer's latest report
 SCHEMA = """
@@ -169,12 +164,12 @@ def _get(db: sqlite3.Connection, job_id: int) -> Job:
 
 def _move(db: sqlite3.Connection, job_id: int, to: JobState, assignments: str, values: tuple) -> None:
     """Set the job's state to `to` (and `assignments`) if MOVES allows it from its current state,
-    in the caller's transaction; IllegalMove otherwise."""
+    in the caller's transaction; IllegalTransition otherwise."""
     current, to = _get(db, job_id).state, JobState(to)
     if to not in MOVES[current]:
         was = ("has already been cancelled" if current == JobState.CANCELLED
                else f"has already {current}" if current in FINISHED else f"is {current}")
-        raise IllegalMove(f"training job {job_id} {was}: it cannot become {to}")
+        raise IllegalTransition(f"training job {job_id} {was}: it cannot become {to}")
     db.execute(f"update jobs set state = ?, {assignments} where id = ?", (to, *values, job_id))
 
 
@@ -205,7 +200,7 @@ def set_trainer(home: Home, job_id: int, pid: int) -> None:
 
 def finish(home: Home, job_id: int, state: JobState, message: str) -> None:
     if state not in FINISHED:
-        raise IllegalMove(f"training job {job_id} cannot finish as {state}")
+        raise IllegalTransition(f"training job {job_id} cannot finish as {state}")
     with _transaction(home) as db:
         _move(db, job_id, state, "message = ?, finished = ?, worker_pid = null, trainer_pid = null",
               (message, _now()))

@@ -25,7 +25,7 @@ def secret(home: Home, name: str) -> str:
             ) from None
         value = path.read_text().strip()
         if not value:
-            raise StateError(f"secret {path} is empty", hint="delete it to have a new one generated")
+            raise StateError(f"secret {path} is empty", hint="delete it to have a new one generated") from None
         return value
     except OSError as exc:
         raise StateError(f"cannot create secret {path}: {exc.strerror}") from exc

@@ -23,11 +23,11 @@ from appliance.errors import ApplianceError
 from appliance.home import Home
 from appliance.settings import load_settings
 from audit.archive import archive, fetch
-from audit.records import AuditEvent
-from audit.writer import AuditUnavailable, AuditWriter
 from audit.keys import load_public, public_pem, signing_key, verification_key
-from audit.verify import AuditVerificationError, verify
 from audit.reader import read_records
+from audit.records import AuditEvent
+from audit.verify import AuditVerificationError, verify
+from audit.writer import AuditUnavailable, AuditWriter
 
 audit_app = typer.Typer(help="The tamper-evident audit log.", no_args_is_help=True)
 out = Console()

@@ -247,7 +247,7 @@ class AuditWriter:
                     signing_failure = f"audit checkpoints in {self.directory} are not writable: {exc.strerror or exc}"
         # Only now, durable, may the waiters see their records. The fields come from validated
         # AuditEvents: no need to validate them again.
-        for waiting, fields in zip(batch, chained):
+        for waiting, fields in zip(batch, chained, strict=True):
             waiting.record = AuditRecord.model_construct(**fields)
         return signing_failure
 

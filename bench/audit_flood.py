@@ -65,7 +65,7 @@ class Gateway:
                 return
             except httpx.HTTPError:
                 if time.monotonic() > deadline or self.process.poll() is not None:
-                    raise SystemExit(f"gateway {name} did not start")
+                    raise SystemExit(f"gateway {name} did not start") from None
                 time.sleep(0.2)
 
     def flood(self) -> tuple[int, float, int]:

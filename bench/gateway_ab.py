@@ -21,9 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import gateway_overhead as g  # the sibling bench: its appliance set-up, paths and interleaved load
 import httpx
 
-import gateway_overhead as g  # the sibling bench: its appliance set-up, paths and interleaved load
 from appliance.home import HOME_ENV, Home
 from appliance.secrets import gateway_client_secret, secret
 from appliance.settings import load_settings
@@ -55,26 +55,33 @@ try:
     new_home = Home(home.root.with_name("stubnew")).ensure()
     shutil.copytree(home.secrets, new_home.secrets, dirs_exist_ok=True)
     shutil.copytree(tls_dir(home), tls_dir(new_home), dirs_exist_ok=True)  # trusts Keycloak through the CA
-    sock = engine_socket(new_home, "main"); sock.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    sock = engine_socket(new_home, "main")
+    sock.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     old_home = Home(home.root.with_name("stubold")).ensure()
     shutil.copytree(home.secrets, old_home.secrets, dirs_exist_ok=True)
-    procs.append(subprocess.Popen([sys.executable, "-m", "uvicorn", "bench.stub_engine:app", "--uds", str(sock), "--log-level", "warning"], cwd=PROJECT))
-    procs.append(subprocess.Popen([sys.executable, "-m", "uvicorn", "bench.stub_engine:app", "--port", "18412", "--log-level", "warning"], cwd=PROJECT))
+    procs.append(subprocess.Popen([sys.executable, "-m", "uvicorn", "bench.stub_engine:app", "--uds", str(sock),
+                                   "--log-level", "warning"], cwd=PROJECT))
+    procs.append(subprocess.Popen([sys.executable, "-m", "uvicorn", "bench.stub_engine:app", "--port", "18412",
+                                   "--log-level", "warning"], cwd=PROJECT))
     base = {k: v for k, v in env.items() if k != "APPLIANCE_GATEWAY__LIMITS"}
     limits = "{ admin = { requests_per_minute = 10000000, tokens_per_minute = 1000000000, max_concurrent = 10000 } }"
     procs.append(subprocess.Popen([sys.executable, "-P", "-m", "serve.listener"], cwd=PROJECT,
-        env={**base, HOME_ENV: str(new_home.root), "APPLIANCE_GATEWAY__PORT": "18481", "APPLIANCE_GATEWAY__LIMITS": limits,
+        env={**base, HOME_ENV: str(new_home.root), "APPLIANCE_GATEWAY__PORT": "18481",
+             "APPLIANCE_GATEWAY__LIMITS": limits,
              "APPLIANCE_POOLS__MAIN__SERVED_MODEL_NAME": g.MODEL}, stderr=subprocess.DEVNULL))
-    procs.append(subprocess.Popen([sys.executable, "-P", "-m", "uvicorn", "serve.gateway:app_from_env", "--factory", "--port", "18482",
-        "--no-access-log", "--log-level", "warning"], cwd=old_tree,
+    procs.append(subprocess.Popen([sys.executable, "-P", "-m", "uvicorn", "serve.gateway:app_from_env", "--factory",
+                                   "--port", "18482", "--no-access-log", "--log-level", "warning"], cwd=old_tree,
         # The gateway before issue 17 knew the embedded Keycloak only over plain HTTP: it reaches the
         # TLS one as an "external" Keycloak, trusting the CA through SSL_CERT_FILE (httpx reads it).
-        env={**base, "PYTHONPATH": str(old_tree), HOME_ENV: str(old_home.root), "APPLIANCE_GATEWAY__PORT": "18482",
+        env={**base, "PYTHONPATH": str(old_tree), HOME_ENV: str(old_home.root),
+             "APPLIANCE_GATEWAY__PORT": "18482",
              "SSL_CERT_FILE": str(ca_file(home)), "APPLIANCE_KEYCLOAK__MODE": "external",
              "APPLIANCE_KEYCLOAK__URL": settings.keycloak.base_url,
              "APPLIANCE_KEYCLOAK__GATEWAY_CLIENT_SECRET": gateway_client_secret(settings, home),
-             "APPLIANCE_GATEWAY__LIMITS": "{ admin = { requests_per_minute = 10000000, tokens_per_minute = 1000000000 } }",
-             "APPLIANCE_POOLS__MAIN__PORT": "18412", "APPLIANCE_POOLS__MAIN__SERVED_MODEL_NAME": g.MODEL}, stderr=subprocess.DEVNULL))
+             "APPLIANCE_GATEWAY__LIMITS": ("{ admin = { requests_per_minute = 10000000, "
+                                           "tokens_per_minute = 1000000000 } }"),
+             "APPLIANCE_POOLS__MAIN__PORT": "18412", "APPLIANCE_POOLS__MAIN__SERVED_MODEL_NAME": g.MODEL},
+        stderr=subprocess.DEVNULL))
     for url in ("http://127.0.0.1:18481/healthz", "http://127.0.0.1:18482/healthz", "http://127.0.0.1:18412/health"):
         g.wait_for(url)
     time.sleep(2)

@@ -138,7 +138,8 @@ def start_appliance() -> tuple[Path, dict[str, str]]:
            "APPLIANCE_KEYCLOAK__PORT": str(PORTS["keycloak"]),
            "APPLIANCE_KEYCLOAK__MANAGEMENT_PORT": str(PORTS["keycloak_management"]),
            # The bench measures overhead, not the limiter: give the admin a budget it never meets.
-           "APPLIANCE_GATEWAY__LIMITS": "{ admin = { requests_per_minute = 10000000, tokens_per_minute = 1000000000, max_concurrent = 10000 } }"}
+           "APPLIANCE_GATEWAY__LIMITS": ("{ admin = { requests_per_minute = 10000000, tokens_per_minute = 1000000000, "
+                                         "max_concurrent = 10000 } }")}
     started = subprocess.run([APPLIANCE, "up"], env=env, capture_output=True, text=True)
     if started.returncode != 0:
         shutil.rmtree(root, ignore_errors=True)

@@ -113,7 +113,8 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"bench": "stage_throughput", "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    RESULTS.write_text(json.dumps({"bench": "stage_throughput",
+                                   "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                    "host_cpus": len(os.sched_getaffinity(0)), "rounds": ROUNDS,
                                    "note": "subset = copy_file_range, then fsync while SHA-256 of each output; "
                                            "sharded = vLLM sharded_state files (TP=1, parts <= 2 GiB built in "

@@ -4,7 +4,6 @@ name, its record to the registry (appliance.adapters)."""
 from __future__ import annotations
 
 import hashlib
-
 from pathlib import Path
 
 from appliance import adapters

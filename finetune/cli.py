@@ -13,13 +13,13 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from appliance import jobs
 from appliance.artifacts import artifact_store
 from appliance.changes import records_change
 from appliance.errors import ApplianceError
 from appliance.home import Home
-from appliance.settings import DEMO_MODEL, load_settings
 from appliance.progress import byte_progress
-from appliance import jobs
+from appliance.settings import DEMO_MODEL, load_settings
 from finetune import evalsets
 from finetune.datasets import check_lengths, load_registry, parse, scan, split, store
 from finetune.pii import Scanner
@@ -145,7 +145,8 @@ def status(
 def cancel(job: Annotated[int, typer.Argument(help="A job id.")]) -> None:
     """Cancel a queued job, or stop a running one (its checkpoints stay)."""
     found = jobs.cancel(Home.from_env(), job)
-    out.print(f"job {job}: {'cancelled' if found.state == jobs.JobState.CANCELLED else 'stopping (its checkpoints stay)'}")
+    out.print(f"job {job}: "
+              f"{'cancelled' if found.state == jobs.JobState.CANCELLED else 'stopping (its checkpoints stay)'}")
 
 
 @finetune_app.command("run")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -19,9 +18,10 @@ from pathlib import Path
 
 import psutil
 
-from appliance.adapters import AdapterRecord
+from appliance.adapters import AdapterRecord, AdapterState
 from appliance.artifacts import artifact_store
 from appliance.home import Home
+from appliance.jobs import CANCEL_FILE, PROGRESS_FILE, Progress, read_progress
 from appliance.orphans import group_members
 from appliance.programs import OFFLINE_ENVIRONMENT
 from appliance.records import config_sha256
@@ -29,7 +29,6 @@ from appliance.settings import DEMO_MODEL, FinetuneSettings, Settings
 from finetune import adapters
 from finetune.datasets import PREFIX, check_dataset, load_registry
 from finetune.sandbox import prepare, sandboxed
-from appliance.jobs import CANCEL_FILE, PROGRESS_FILE, Progress, read_progress
 from finetune.train import Hyperparameters, Result, TrainingCancelled, TrainingError, load_result
 
 
@@ -94,7 +93,7 @@ def run_job(directory: Path, *, name: str, data: str, base: str, hp: Hyperparame
                  "seconds": result.seconds, "resumed_from": result.resumed_from, "eval_sets": result.eval_sets,
                  "processes": result.processes,
                  "gate_failures": failures},
-        state="failed-gate" if failures else "registered")
+        state=AdapterState.FAILED_GATE if failures else AdapterState.REGISTERED)
     return Outcome(result=result, record=record, failures=failures)
 
 

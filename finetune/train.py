@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from appliance.jobs import Progress
 from appliance.errors import ApplianceError
+from appliance.jobs import Progress
 from finetune import evalsets
 
 ANSWER_TOKENS = 48  # greedy tokens generated to score an evaluation item

@@ -12,13 +12,13 @@ import time
 
 import psutil
 
+from appliance import jobs
 from appliance.changes import Change, announce
 from appliance.errors import ApplianceError
 from appliance.home import HOME_ENV, Home
 from appliance.programs import Program
 from appliance.settings import Settings, load_settings
 from appliance.supervisor import pid_alive
-from appliance import jobs
 from finetune.runner import end_stale_trainer, run_job
 from finetune.train import Hyperparameters, TrainingCancelled
 

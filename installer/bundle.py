@@ -28,8 +28,16 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from appliance.errors import ApplianceError
-from installer.bundle_files import (MANIFEST, PUBLIC_KEY, SIGNATURE, SUMS, SUMS_SIGNATURE, BundleFileError,
-                                     check_files, listed_files)
+from installer.bundle_files import (
+    MANIFEST,
+    PUBLIC_KEY,
+    SIGNATURE,
+    SUMS,
+    SUMS_SIGNATURE,
+    BundleFileError,
+    check_files,
+    listed_files,
+)
 from installer.digest import sha256_file
 
 PARTS_LIST = "parts.sha256"

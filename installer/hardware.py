@@ -153,7 +153,8 @@ def _with_topology(nvml: Any, gpus: list[Gpu], handles: dict[int, Any]) -> list[
             level = _try(nvml, nvml.nvmlDeviceGetTopologyCommonAncestor, *pair)
             if level is not None:
                 topology[other.index] = TOPOLOGY_LEVELS.get(int(level), str(level))
-            if _try(nvml, nvml.nvmlDeviceGetP2PStatus, *pair, nvml.NVML_P2P_CAPS_INDEX_NVLINK) == nvml.NVML_P2P_STATUS_OK:
+            if (_try(nvml, nvml.nvmlDeviceGetP2PStatus, *pair, nvml.NVML_P2P_CAPS_INDEX_NVLINK)
+                    == nvml.NVML_P2P_STATUS_OK):
                 p2p.append(other.index)
         result.append(gpu.model_copy(update={"topology": topology, "p2p_peers": p2p}))
     return result

@@ -99,7 +99,8 @@ def parse_config(config: dict[str, Any], *, name: str, source: str) -> ModelShap
         raise ModelConfigError(
             f"{source}: architectures: {architecture!r} is not one the planner models",
             hint=f"supported: {', '.join(DENSE + MOE + MLA)}")
-    layers, hidden, heads = fields.int("num_hidden_layers"), fields.int("hidden_size"), fields.int("num_attention_heads")
+    layers, hidden, heads = (fields.int("num_hidden_layers"), fields.int("hidden_size"),
+                             fields.int("num_attention_heads"))
     kv_heads = fields.int("num_key_value_heads", default=heads)
     mla = experts = None
     if architecture in MLA:

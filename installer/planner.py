@@ -4,10 +4,10 @@ every host of the chosen one.
 
 Rules: a TP group stays inside one host (NVLink domain); PP stages and DP replicas may span
 hosts; a DP replica that would span hosts is not offered (vLLM's multi-node DP expects whole
-replicas per node); EP only for MoE models, over TP x DP ranks that split the experts evenly; TP must divide the attention heads, and the KV heads
-must divide TP or TP them. Ranking: fewest GPUs that meet the target (a whole sequence of
-`context` tokens for each of `concurrency` requests), then a throughput proxy that favours DP
-over PP and NVLink over PCIe for TP.
+replicas per node); EP only for MoE models, over TP x DP ranks that split the experts evenly;
+TP must divide the attention heads, and the KV heads must divide TP or TP them. Ranking: fewest
+GPUs that meet the target (a whole sequence of `context` tokens for each of `concurrency`
+requests), then a throughput proxy that favours DP over PP and NVLink over PCIe for TP.
 """
 
 from __future__ import annotations
@@ -16,8 +16,20 @@ import math
 from dataclasses import dataclass
 
 from appliance.errors import ApplianceError
-from appliance.records import (AlternativeLayout, HardwareProfile, Host, HostCommand, PerGpuBytes, Plan,
-                               PlanHardware, PlanLayout, PlanModel, PlanTarget, RejectedLayout, SmallestHardware)
+from appliance.records import (
+    AlternativeLayout,
+    HardwareProfile,
+    Host,
+    HostCommand,
+    PerGpuBytes,
+    Plan,
+    PlanHardware,
+    PlanLayout,
+    PlanModel,
+    PlanTarget,
+    RejectedLayout,
+    SmallestHardware,
+)
 from installer.memory import GIB, MAX_BATCHED_TOKENS, GpuMemory, Layout, count_params, gpu_memory, serving_format
 from installer.model_config import ModelShape
 
@@ -176,7 +188,8 @@ def _evaluate(model: ModelShape, layout: Layout, fmt: str, gpus_per_host: int, g
 
 
 def _smallest_hardware(model: ModelShape, fmt: str, gpus_per_host: int, gpu_bytes: int, nvlink: bool,
-                       gpu_name: str, context: int, concurrency: int, pins: Pins, start: int) -> SmallestHardware | None:
+                       gpu_name: str, context: int, concurrency: int, pins: Pins,
+                       start: int) -> SmallestHardware | None:
     """The fewest hosts like these on which some layout fits."""
     for hosts in range(start, MAX_HOSTS_SUGGESTED + 1):
         fitting = _ranked([_evaluate(model, layout, fmt, gpus_per_host, gpu_bytes, nvlink, context, concurrency)

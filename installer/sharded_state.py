@@ -44,8 +44,15 @@ import numpy
 
 from appliance.errors import ApplianceError
 from installer.model_config import ModelConfigError, parse_config, read_config_file
-from installer.safetensors_bytes import (CHUNK, DTYPE_BYTES, SafetensorsFileError, build_header, copy_range,
-                                          read_header, write_all)
+from installer.safetensors_bytes import (
+    CHUNK,
+    DTYPE_BYTES,
+    SafetensorsFileError,
+    build_header,
+    copy_range,
+    read_header,
+    write_all,
+)
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 PART_PATTERN = "model-rank-{rank}-part-{part}.safetensors"

@@ -211,7 +211,8 @@ def stage_subset(model_dir: Path, plan: Plan, out_dir: Path, *, host: str | None
         for tensor in tensors.values():
             if needed(tensor.name, share, model):
                 by_file.setdefault(tensor.file.name, []).append(tensor)
-        jobs.append((share, directory, {name: sorted(ts, key=lambda t: t.start) for name, ts in sorted(by_file.items())}))
+        jobs.append((share, directory,
+                     {name: sorted(ts, key=lambda t: t.start) for name, ts in sorted(by_file.items())}))
     on_total(sum(t.size for _, _, files in jobs for ts in files.values() for t in ts))
     return [_stage_host(model_dir, plan, share, directory, files, workers, on_bytes)
             for share, directory, files in jobs]
@@ -258,7 +259,8 @@ def _sealer(sealed: dict[str, ShardPart]) -> Callable[[Path, Path], None]:
     taken, the manifest entry kept in `sealed` under the part's name."""
     def seal(tmp: Path, path: Path) -> None:
         with tmp.open("rb") as handle:
-            sealed[path.name] = ShardPart(bytes=tmp.stat().st_size, **_durable(handle.fileno(), lambda: _part_sha256(tmp)))
+            sealed[path.name] = ShardPart(bytes=tmp.stat().st_size,
+                                          **_durable(handle.fileno(), lambda: _part_sha256(tmp)))
     return seal
 
 
@@ -462,7 +464,7 @@ def _part_sha256(path: Path) -> dict:
     with ThreadPoolExecutor(max_workers=2) as pool:
         digests = pool.map(lambda name: _sha256(path, base + spans[name][0], base + spans[name][1]),
                            spans)
-        return {"header_sha256": _sha256(path, 0, base), "tensor_sha256": dict(zip(spans, digests))}
+        return {"header_sha256": _sha256(path, 0, base), "tensor_sha256": dict(zip(spans, digests, strict=True))}
 
 
 def _changed_part(path: Path, entry: ShardPart) -> str | None:

@@ -23,7 +23,7 @@ from pathlib import Path
 import anyio
 
 from appliance import adapters
-from appliance.adapters import AdapterRecord, Alias, Registry
+from appliance.adapters import AdapterRecord, AdapterState, Alias, Registry
 from appliance.artifacts import ArtifactStore
 from appliance.errors import ApplianceError, IntegrityError
 from appliance.home import Home
@@ -92,7 +92,7 @@ class AdapterRoutes:
         """Serve `version` (default: the newest that passed its gate) under `name`, all requests."""
         async with self._lock:
             registry = self.registry()
-            record = _changeable(registry, name, version)
+            record = _changeable(registry, name, version, AdapterState.DEPLOYED)
             current = registry.aliases.get(name)
             pool = self.upstreams.pool(pool_name or (current.pool if current else self.upstreams.pools[0].name))
             self._check_base(record, pool)
@@ -102,12 +102,12 @@ class AdapterRoutes:
                                                              stable=None)
                 if alias.stable is not None and alias.stable != record.version:
                     alias.history.append(alias.stable)
-                    _set_state(registry, name, alias.stable, "registered")
+                    registry.move(name, alias.stable, AdapterState.REGISTERED)
                 if alias.canary is not None and alias.canary != record.version:
-                    _set_state(registry, name, alias.canary, "registered")
+                    registry.move(name, alias.canary, AdapterState.REGISTERED)
                 alias.pool, alias.roles = pool.name, roles or alias.roles
                 alias.stable, alias.canary, alias.canary_share = record.version, None, 0.0
-                _set_state(registry, name, record.version, "deployed")
+                registry.move(name, record.version, AdapterState.DEPLOYED)
                 registry.aliases[name] = alias
             return alias
 
@@ -116,18 +116,18 @@ class AdapterRoutes:
         async with self._lock:
             registry = self.registry()
             alias = _alias(registry, name)
-            record = _changeable(registry, name, version)
             if version == alias.stable:
                 raise GatewayError(409, f"{name} v{version} is already the stable version", code="conflict")
+            record = _changeable(registry, name, version, AdapterState.CANARY)
             pool = self.upstreams.pool(alias.pool)
             self._check_base(record, pool)
             await self.load(pool, record)
             with self._updating() as registry:
                 alias = registry.aliases[name]
                 if alias.canary is not None and alias.canary != version:
-                    _set_state(registry, name, alias.canary, "registered")
+                    registry.move(name, alias.canary, AdapterState.REGISTERED)
                 alias.canary, alias.canary_share = version, share
-                _set_state(registry, name, version, "canary")
+                registry.move(name, version, AdapterState.CANARY)
             return alias
 
     async def rollback(self, name: str) -> Alias:
@@ -152,8 +152,8 @@ class AdapterRoutes:
                 else:
                     alias.stable = alias.history.pop() if alias.history else None
                     if alias.stable is not None:
-                        _set_state(registry, name, alias.stable, "deployed")
-                _set_state(registry, name, dropped, "registered")
+                        registry.move(name, alias.stable, AdapterState.DEPLOYED)
+                registry.move(name, dropped, AdapterState.REGISTERED)
             await self._unload(pool, adapters.engine_name(name, dropped))
             return alias
 
@@ -173,7 +173,7 @@ class AdapterRoutes:
                 if version is None:
                     registry.aliases.pop(name, None)
                 for record in targets:
-                    _set_state(registry, name, record.version, "retired")
+                    registry.move(name, record.version, AdapterState.RETIRED)
                     if version is not None and alias is not None and version in alias.history:
                         registry.aliases[name].history.remove(version)
             if alias is not None:
@@ -254,12 +254,8 @@ def _alias(registry: Registry, name: str) -> Alias:
     return alias
 
 
-def _changeable(registry: Registry, name: str, version: int | None) -> AdapterRecord:
+def _changeable(registry: Registry, name: str, version: int | None, to: AdapterState) -> AdapterRecord:
+    """The version to serve, checked against its state machine before any engine is asked."""
     record = registry.find(name, version)
-    if record.state in ("failed-gate", "retired"):
-        raise GatewayError(409, f"{name} v{record.version} is {record.state}; it cannot be served", code="conflict")
+    adapters.check_move(record, to)  # IllegalTransition: a 409 naming the move
     return record
-
-
-def _set_state(registry: Registry, name: str, version: int, state: adapters.State) -> None:
-    registry.find(name, version).state = state

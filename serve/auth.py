@@ -44,7 +44,7 @@ class TokenValidator:
     """Validates access tokens of one realm for one audience."""
 
     def __init__(self, *, issuer: str, audience: str, http: httpx.AsyncClient, leeway_s: int = 30,
-                 refetch_interval_s: float = 30.0, introspect: "Introspector | None" = None,
+                 refetch_interval_s: float = 30.0, introspect: Introspector | None = None,
                  on_fetch: Callable[[], None] = lambda: None) -> None:
         self.issuer = issuer
         self.audience = audience

@@ -18,9 +18,9 @@ import aiohttp
 import anyio
 import httpx
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
@@ -44,8 +44,8 @@ from serve.limits import Admission, RateLimiter
 from serve.metrics import Metrics
 from serve.middleware import BodyLimitMiddleware, MeterMiddleware, RequestTooLarge
 from serve.operations import operations_router
-from serve.summaries import Refusals, Summaries, cap_text
 from serve.schemas import ChatRequest, CompletionRequest
+from serve.summaries import Refusals, Summaries, cap_text
 from serve.upstream import Pool, Upstreams, engine_session, pools_from_settings, relay_stream, usage_of
 
 log = logging.getLogger("appliance.gateway")

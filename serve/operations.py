@@ -3,7 +3,6 @@ each pool's plan and staging state, and training jobs (list with progress, cance
 
 from __future__ import annotations
 
-import json
 import pathlib
 from typing import Annotated
 

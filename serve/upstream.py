@@ -8,7 +8,6 @@ of the gateway's own latency budget.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,7 +109,7 @@ class Upstreams:
         except (aiohttp.ClientOSError, aiohttp.ConnectionTimeoutError, aiohttp.ServerDisconnectedError) as exc:
             self._ready[pool.name] = False  # refused or dropped before answering: it may have died
             raise self._unavailable(pool, "not reachable") from exc
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             raise GatewayError(502, f"engine pool {pool.name!r} failed: {type(exc).__name__}",
                                type="upstream_error", code="engine_error") from exc
 
@@ -127,7 +126,7 @@ class Upstreams:
             async with self._sessions[pool.name].post(f"{ENGINE_BASE_URL}{path}", json=body, headers=self._headers,
                                        timeout=aiohttp.ClientTimeout(total=120)) as response:
                 return response.status, await response.text()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             raise self._unavailable(pool, "not reachable") from exc
 
     async def models(self) -> list[dict]:
@@ -141,7 +140,7 @@ class Upstreams:
                                           raise_for_status=True,
                                           timeout=aiohttp.ClientTimeout(total=MODELS_TIMEOUT_S)) as response:
                     data.extend((await response.json(content_type=None)).get("data", []))
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
+            except (TimeoutError, aiohttp.ClientError, ValueError, AttributeError):
                 continue
         return data
 
@@ -150,7 +149,7 @@ class Upstreams:
             async with self._sessions[pool.name].get(f"{ENGINE_BASE_URL}/health",
                                       timeout=aiohttp.ClientTimeout(total=2.0)) as response:
                 return response.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientError):
             return False
 
 

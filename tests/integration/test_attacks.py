@@ -97,9 +97,11 @@ def test_a_second_prompt_field_or_an_unknown_field_is_refused(realm: Realm, eve:
     error = forged.json()["error"]
     assert error["param"] == "messages" and "unknown field 'messages'" in error["message"]
     unknown = httpx.post(f"{realm.gateway}/v1/chat/completions", headers=eve, timeout=60,
-                         json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "chat_template": "{{x}}"})
+                         json={"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                               "chat_template": "{{x}}"})
     assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "chat_template"
-    for broken, says in ((b'{"model": ', "not valid JSON"), (b'{"messages": [' + b"[" * 5000 + b"]" * 5000 + b"]}", "")):
+    for broken, says in ((b'{"model": ', "not valid JSON"),
+                         (b'{"messages": [' + b"[" * 5000 + b"]" * 5000 + b"]}", "")):
         refused = httpx.post(f"{realm.gateway}/v1/chat/completions", content=broken, timeout=60,
                              headers={**eve, "Content-Type": "application/json"})
         assert refused.status_code == 400 and says in refused.json()["error"]["message"], refused.text

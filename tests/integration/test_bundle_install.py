@@ -25,10 +25,10 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 
 from appliance.settings import Settings
-from installer.memory import GIB, Layout, kv_bytes_per_token
-from installer.model_config import load_model_config
 from installer.bundle import MANIFEST, PUBLIC_KEY, SIGNATURE, load_or_create_key, seal
 from installer.bundle_files import SUMS, SUMS_SIGNATURE
+from installer.memory import GIB, Layout, kv_bytes_per_token
+from installer.model_config import load_model_config
 from tests.conftest import APPLIANCE
 from tests.integration.test_admin_tui import random_adapter
 from tests.integration.test_planner_vllm import make_tiny_moe
@@ -200,7 +200,8 @@ def test_bundle_installs_and_serves_with_no_network_and_upgrades_keeping_state(
     after = in_namespace(f"""
         export APPLIANCE_HOME={state}
         {python} -c 'import importlib.metadata as m; print("VERSION", m.version("appliance"))'
-        {python} -c 'from appliance import adapters, home; print("ADAPTERS", [r.name for r in adapters.load(home.Home.from_env()).adapters])'
+        {python} -c 'from appliance import adapters, home; \
+print("ADAPTERS", [r.name for r in adapters.load(home.Home.from_env()).adapters])'
         {app} audit verify""")
     assert after.returncode == 0, after.stdout[-3000:] + after.stderr[-3000:]
     assert f"VERSION {new_version}" in after.stdout and new_version.endswith(".post1")

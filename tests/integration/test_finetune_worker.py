@@ -17,8 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from appliance import adapters
-from appliance import jobs
+from appliance import adapters, jobs
 from tests.conftest import Appliance, tiny_llama
 from tests.integration.conftest import Running
 

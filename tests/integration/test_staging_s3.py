@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from installer.staging import MANIFEST
-from tests.conftest import make_appliance
+from tests.conftest import Appliance, make_appliance
 from tests.integration.conftest import client, s3_settings
 from tests.unit.test_staging import llama, plan_for
 
@@ -25,14 +25,15 @@ def test_stage_from_s3_matches_local(s3: str, tmp_path: Path) -> None:
     plan_file = tmp_path / "plan.json"
     plan_file.write_text(plan_for(source, "2x1xL4-24GB", tp=1, pp=2).model_dump_json())
     for appliance in make_appliance(None, **s3_settings(s3)):
-        def stage(what: str, out: Path) -> subprocess.CompletedProcess[str]:
+        def stage(what: str, out: Path, appliance: Appliance = appliance) -> subprocess.CompletedProcess[str]:
             return subprocess.run([APPLIANCE, "stage", what, "--plan", str(plan_file), "--out", str(out)],
                                   env=appliance.env, capture_output=True, text=True, timeout=300)
 
         local, remote = stage(str(source), tmp_path / "local"), stage("s3://models/llama", tmp_path / "remote")
         assert local.returncode == 0 and remote.returncode == 0, remote.stderr
         for host in ("node-0", "node-1"):
-            hashes = [{n: e["sha256"] for n, e in json.loads((tmp_path / out / host / MANIFEST).read_text())["files"].items()}
+            hashes = [{n: e["sha256"]
+                       for n, e in json.loads((tmp_path / out / host / MANIFEST).read_text())["files"].items()}
                       for out in ("local", "remote")]
             assert hashes[0] == hashes[1] and hashes[0], host
         fetched = tmp_path / "remote" / ".source"

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from appliance import adapters
-from appliance.adapters import AdapterRecord
+from appliance.adapters import MOVES, AdapterRecord, AdapterState
 from appliance.artifacts import LocalStore
-from appliance.errors import ApplianceError
+from appliance.errors import ApplianceError, IllegalTransition
 from appliance.home import Home
 from serve.adapters import AdapterRoutes
 from serve.errors import GatewayError, from_core
@@ -64,7 +64,7 @@ def routes(tmp_path: Path) -> AdapterRoutes:
     return AdapterRoutes(home, Engine(), store, {"main": "base"})  # type: ignore[arg-type]
 
 
-def run(coroutine):  # noqa: ANN001, ANN201
+def run(coroutine):
     return asyncio.run(coroutine)
 
 
@@ -203,3 +203,15 @@ def test_a_version_whose_files_changed_in_the_store_is_not_deployed(tmp_path: Pa
     assert "'adapter_model.safetensors' in the artifact store is changed" in caught.value.message
     assert engine.loaded == set() and not (home.root / "adapters" / "codes" / "v1").exists()
     assert adapters.load(home).find("codes", 1).state == "registered", "nothing changed"
+
+
+def test_every_adapter_move_is_checked_in_the_core(routes: AdapterRoutes) -> None:
+    """The registry itself refuses a move its state machine forbids, whoever asks (API, CLI, TUI)."""
+    registry = routes.registry()
+    with pytest.raises(IllegalTransition, match="codes v3 is failed-gate: it cannot become canary"):
+        registry.move("codes", 3, AdapterState.CANARY)
+    registry.move("codes", 1, AdapterState.RETIRED)
+    for state in (AdapterState.REGISTERED, AdapterState.DEPLOYED, AdapterState.CANARY):
+        with pytest.raises(IllegalTransition, match=f"codes v1 is retired: it cannot become {state}"):
+            registry.move("codes", 1, state)
+    assert set(MOVES) == set(AdapterState) and not MOVES[AdapterState.RETIRED]

@@ -98,7 +98,8 @@ def test_cut_tail_after_checkpoint_is_detected(tmp_path: Path) -> None:
     path = log_files(tmp_path)[0]
     lines = path.read_bytes().splitlines()
     path.write_bytes(b"\n".join(lines[:7]) + b"\n")
-    with pytest.raises(AuditVerificationError, match="missing tail: checkpoint vouches for seq 10 but the log ends at seq 7"):
+    with pytest.raises(AuditVerificationError,
+                       match="missing tail: checkpoint vouches for seq 10 but the log ends at seq 7"):
         verify(tmp_path, KEY.public_key())
 
 

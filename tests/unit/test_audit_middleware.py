@@ -221,7 +221,7 @@ def test_repeated_refusals_from_one_source_are_summarised_not_written_each(tmp_p
     audited = audit_middleware(unauthorised, writer)
 
     async def flood() -> None:
-        for n in range(50):
+        for _ in range(50):
             await request(audited, "/v1/" + "x" * 65536)
 
     asyncio.run(flood())

@@ -9,11 +9,23 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import installer
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from installer.bundle import (MANIFEST, PARTS_LIST, PUBLIC_KEY, SIGNATURE, BundleError, fingerprint, join, load_or_create_key,
-                              seal, split, verification_commands, verify)
+import installer
+from installer.bundle import (
+    MANIFEST,
+    PARTS_LIST,
+    PUBLIC_KEY,
+    SIGNATURE,
+    BundleError,
+    fingerprint,
+    join,
+    load_or_create_key,
+    seal,
+    split,
+    verification_commands,
+    verify,
+)
 from tests.conftest import APPLIANCE
 
 INSTALL_SH = Path(installer.__file__).with_name("install.sh")
@@ -92,8 +104,9 @@ def truncate_a_file(root: Path) -> str:
     return f"{path}: 5,001 bytes, the manifest says 5,002"
 
 
-@pytest.mark.parametrize("tamper", [flip_a_byte, remove_a_file, add_a_file, link_a_directory, edit_the_manifest, truncate_a_file])
-def test_tampering_is_caught_and_named(bundle: tuple[Path, Ed25519PrivateKey], tamper) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("tamper", [flip_a_byte, remove_a_file, add_a_file, link_a_directory, edit_the_manifest,
+                                    truncate_a_file])
+def test_tampering_is_caught_and_named(bundle: tuple[Path, Ed25519PrivateKey], tamper) -> None:
     root, key = bundle
     expected = tamper(root)
     with pytest.raises(BundleError) as caught:
@@ -150,9 +163,10 @@ def install(root: Path, prefix: Path, key: Path | None = None, *trust: str) -> s
                            *trust], capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("tamper", [flip_a_byte, remove_a_file, add_a_file, link_a_directory, edit_the_manifest, truncate_a_file])
+@pytest.mark.parametrize("tamper", [flip_a_byte, remove_a_file, add_a_file, link_a_directory, edit_the_manifest,
+                                    truncate_a_file])
 def test_install_sh_refuses_a_tampered_bundle_before_touching_anything(
-        bundle: tuple[Path, Ed25519PrivateKey], tmp_path: Path, tamper) -> None:  # noqa: ANN001
+        bundle: tuple[Path, Ed25519PrivateKey], tmp_path: Path, tamper) -> None:
     root, _ = bundle
     expected = tamper(root)
     refused = install(root, tmp_path / "prefix")

@@ -48,8 +48,9 @@ def test_every_bad_row_is_named_by_line(tmp_path: Path) -> None:
         parse(path)
     assert [p.split(":")[0] for p in caught.value.problems] == [f"line {n}" for n in range(2, 10)]
     text = str(caught.value)
-    for reason in ("role 'robot' is not one of", "empty user turn", "no assistant turn", "system message may only come first",
-                   "'completion' must be non-empty text", "a row must be a JSON object", "expected 'messages'"):
+    for reason in ("role 'robot' is not one of", "empty user turn", "no assistant turn",
+                   "system message may only come first", "'completion' must be non-empty text",
+                   "a row must be a JSON object", "expected 'messages'"):
         assert reason in text, reason
     assert "nothing imported" in text
 

@@ -8,8 +8,17 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from appliance.errors import (ApplianceError, Conflict, IntegrityError, Invalid, NotFound, SettingsError,
-                              StateError, SupervisorError, Unavailable)
+from appliance.errors import (
+    ApplianceError,
+    Conflict,
+    IntegrityError,
+    Invalid,
+    NotFound,
+    SettingsError,
+    StateError,
+    SupervisorError,
+    Unavailable,
+)
 from appliance.home import Home
 from appliance.settings import Settings
 from audit import read_records

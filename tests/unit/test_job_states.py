@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from appliance import jobs
-from appliance.errors import NotFound
+from appliance.errors import IllegalTransition, NotFound
 from appliance.home import Home
-from appliance.jobs import CANCEL_FILE, IllegalMove, JobState
+from appliance.jobs import CANCEL_FILE, JobState
 
 
 def submitted(home: Home) -> jobs.Job:
@@ -20,16 +20,16 @@ def submitted(home: Home) -> jobs.Job:
 def test_a_job_runs_and_finishes_once(tmp_path: Path) -> None:
     home = Home(tmp_path).ensure()
     job = submitted(home)
-    with pytest.raises(IllegalMove, match=f"training job {job.id} is queued: it cannot become succeeded"):
+    with pytest.raises(IllegalTransition, match=f"training job {job.id} is queued: it cannot become succeeded"):
         jobs.finish(home, job.id, JobState.SUCCEEDED, "too early")
     claimed = jobs.claim(home, 123, alive=lambda pid: True)
     assert claimed is not None and (claimed.state, claimed.worker_pid, claimed.attempts) == ("running", 123, 1)
-    with pytest.raises(IllegalMove, match="cannot finish as running"):
+    with pytest.raises(IllegalTransition, match="cannot finish as running"):
         jobs.finish(home, job.id, JobState.RUNNING, "not an end")
     jobs.finish(home, job.id, JobState.SUCCEEDED, "done")
-    with pytest.raises(IllegalMove, match="has already succeeded: it cannot become failed"):
+    with pytest.raises(IllegalTransition, match="has already succeeded: it cannot become failed"):
         jobs.finish(home, job.id, JobState.FAILED, "twice")
-    with pytest.raises(IllegalMove, match="has already succeeded: it cannot become cancelling"):
+    with pytest.raises(IllegalTransition, match="has already succeeded: it cannot become cancelling"):
         jobs.cancel(home, job.id)
     assert jobs.get(home, job.id).message == "done"  # nothing an illegal move tried was kept
     with pytest.raises(NotFound, match="no training job 99"):
@@ -40,7 +40,7 @@ def test_cancel_a_queued_job_at_once_and_a_running_one_through_its_worker(tmp_pa
     home = Home(tmp_path).ensure()
     queued, running = submitted(home), submitted(home)
     assert jobs.cancel(home, queued.id).state == JobState.CANCELLED
-    with pytest.raises(IllegalMove, match="has already been cancelled"):
+    with pytest.raises(IllegalTransition, match="has already been cancelled"):
         jobs.cancel(home, queued.id)
     assert jobs.claim(home, 7, alive=lambda pid: True).id == running.id
     stopping = jobs.cancel(home, running.id)

@@ -58,7 +58,8 @@ def test_the_build_step_runs_once_per_install_and_its_failure_is_reported(tmp_pa
     (dist / "bin").mkdir(parents=True)
     (dist / "lib").mkdir()
     script = dist / "bin" / "kc.sh"
-    script.write_text('#!/bin/sh\necho "$@" >> "$(dirname "$0")/calls"\n[ -z "$FAIL" ] || { echo broken >&2; exit 3; }\n')
+    script.write_text('#!/bin/sh\necho "$@" >> "$(dirname "$0")/calls"\n'
+                      '[ -z "$FAIL" ] || { echo broken >&2; exit 3; }\n')
     script.chmod(0o755)
     assert build(dist, tmp_path / "jdk") is True
     assert build(dist, tmp_path / "jdk") is False

@@ -14,7 +14,7 @@ import pytest
 from appliance.records import Gpu, HardwareProfile, Host
 from installer.memory import FormatError, Layout, count_params, kv_bytes_per_token
 from installer.model_config import ModelConfigError, load_model_config
-from installer.planner import PlanError, Pins
+from installer.planner import Pins, PlanError
 from installer.planner import plan as make_plan
 
 CONFIGS = Path(__file__).parent.parent / "data" / "model_configs"
@@ -133,7 +133,8 @@ def test_bad_configs_are_named(tmp_path: Path) -> None:
 def test_impossible_profiles_are_refused() -> None:
     with pytest.raises(PlanError, match="no GPUs"):
         plan(model("mixtral-8x22b"), HardwareProfile(hosts=[Host(name="cpu-only")]), context=8192, concurrency=1)
-    mixed = HardwareProfile(hosts=[*hosts(1).hosts, Host(name="small", gpus=[Gpu(index=0, name="L4", memory_bytes=24 * GIB)])])
+    mixed = HardwareProfile(hosts=[*hosts(1).hosts,
+                                   Host(name="small", gpus=[Gpu(index=0, name="L4", memory_bytes=24 * GIB)])])
     with pytest.raises(PlanError, match="different GPU counts"):
         plan(model("mixtral-8x22b"), mixed, context=8192, concurrency=1)
 

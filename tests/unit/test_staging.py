@@ -21,8 +21,7 @@ from appliance.staging_manifest import StagingManifest
 from installer.hardware import parse_hardware_spec
 from installer.model_config import load_model_config
 from installer.planner import Pins, plan
-from installer.staging import (MANIFEST, StagingError, pp_layers, read_header, stage_sharded, stage_subset,
-                               verify_staged)
+from installer.staging import MANIFEST, StagingError, pp_layers, read_header, stage_sharded, stage_subset, verify_staged
 from serve.operations import staging_of
 
 APPLIANCE = str(Path(sys.executable).with_name("appliance"))
@@ -162,7 +161,8 @@ def test_flipped_byte_is_named_by_file_and_tensor(tmp_path: Path) -> None:
     data = bytearray(target.read_bytes())
     data[offset] ^= 0x01
     target.write_bytes(bytes(data))
-    with pytest.raises(StagingError, match=rf"model-00002-of-00003.safetensors: SHA-256 differs .*tensor {name} differs"):
+    with pytest.raises(StagingError,
+                       match=rf"model-00002-of-00003.safetensors: SHA-256 differs .*tensor {name} differs"):
         verify_staged(tmp_path / "out")
 
 
@@ -234,7 +234,8 @@ def test_sharded_format_per_tp_rank_with_manifest(tmp_path: Path) -> None:
     data = bytearray(target.read_bytes())
     data[base + header[name]["data_offsets"][0] + 3] ^= 0x10
     target.write_bytes(bytes(data))
-    with pytest.raises(StagingError, match=rf"model-rank-1-part-0.safetensors: SHA-256 differs .*tensor {name} changed"):
+    with pytest.raises(StagingError,
+                       match=rf"model-rank-1-part-0.safetensors: SHA-256 differs .*tensor {name} changed"):
         verify_staged(tmp_path / "out")
     with pytest.raises(StagingError, match="needs a plan without pipeline parallelism"):
         stage_sharded(source, plan_for(source, "2x1xL4-24GB", tp=1, pp=2), tmp_path / "pp")

@@ -111,7 +111,8 @@ def test_an_impostor_on_keycloaks_port_gets_neither_the_secret_nor_a_token(tmp_p
     home = Home(tmp_path / "appliance").ensure()
     tls.ensure_server_certificate(home, "keycloak")
     attacker = tls.ensure_server_certificate(Home(tmp_path / "attacker").ensure(), "keycloak") if impostor_tls else None
-    principal = Principal(subject="u", username="u", client="appliance-cli", roles=frozenset({"user"}), token_id="t", expires_at=0)
+    principal = Principal(subject="u", username="u", client="appliance-cli", roles=frozenset({"user"}), token_id="t",
+                          expires_at=0)
 
     async def attempt(port: int) -> tuple[AuthError, Exception]:
         issuer = f"https://127.0.0.1:{port}/realms/appliance"

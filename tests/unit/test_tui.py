@@ -77,7 +77,8 @@ def test_adapter_rows_say_what_is_served_and_how_it_evaluated() -> None:
     aliases = {"a": {"stable": 1, "canary": 2, "canary_share": 0.25}}
     assert [served("a", v, aliases) for v in (1, 2, 3)] == ["stable", "canary 25%", ""]
     assert served("b", 1, aliases) == ""
-    metrics = {"base_eval_loss": 2.0, "adapter_eval_loss": 1.5, "eval_sets": {"scenario": {"base": 0.1, "adapter": 0.9}},
+    metrics = {"base_eval_loss": 2.0, "adapter_eval_loss": 1.5,
+               "eval_sets": {"scenario": {"base": 0.1, "adapter": 0.9}},
                "gate_failures": ["scenario score 0.90 < 0.95"]}
     assert eval_summary(metrics) == "loss 2.000->1.500, scenario 0.10->0.90, gate: scenario score 0.90 < 0.95"
 
