@@ -6,12 +6,12 @@ from __future__ import annotations
 import sys
 from typing import Annotated, Any
 
-import httpx
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from appliance import login
+from appliance.admin_client import AdminClient
 from appliance.errors import ApplianceError
 from appliance.home import Home
 from appliance.settings import Settings, load_settings
@@ -62,21 +62,7 @@ def token(
 
 def admin_api(method: str, path: str, **kwargs: Any) -> Any:
     settings, home = _context()
-    cached = login.current_token(settings, home)
-    url = f"http://127.0.0.1:{settings.gateway.port}/admin{path}"
-    try:
-        response = httpx.request(method, url, headers={"Authorization": f"Bearer {cached.access_token}"},
-                                 timeout=60, **kwargs)
-    except httpx.HTTPError as exc:
-        raise ApplianceError(f"the gateway at {url} is not reachable: {exc}",
-                             hint="is the appliance up? (`appliance status`)") from exc
-    if response.status_code >= 400:
-        try:
-            message = response.json()["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = response.text[:300]
-        raise ApplianceError(f"{method} /admin{path}: {response.status_code} {message}")
-    return response.json()
+    return AdminClient(settings, home).call_sync(method, path, **kwargs)
 
 
 @users_app.command("add")

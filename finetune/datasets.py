@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.artifacts import ArtifactStore
+from appliance.durable import replace_file
 from appliance.errors import ApplianceError, IntegrityError
 from appliance.home import Home
 from finetune.pii import Scanner
@@ -210,10 +210,7 @@ def store(name: str, source: Path, train: list[dict], evaluation: list[dict], se
         artifacts.put(f"{PREFIX}{digest}/{key}", data, retain_days=0)
     registry = load_registry(home)
     registry[name] = digest
-    path = registry_path(home)
-    partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(json.dumps(registry, indent=1, sort_keys=True))
-    os.replace(partial, path)
+    replace_file(registry_path(home), json.dumps(registry, indent=1, sort_keys=True).encode(), mode=0o644)
     return Imported(name=name, digest=digest, rows=meta["rows"], train=len(train), eval=len(evaluation),
                     sensitive=sensitive, action=action)
 

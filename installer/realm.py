@@ -18,9 +18,10 @@ from appliance.home import Home
 from appliance.secrets import gateway_client_secret, secret
 from appliance.settings import Settings
 from appliance.tls import keycloak_trust
+from appliance.users import Role
 from installer.keycloak import ADMIN_SECRET, ADMIN_USER
 
-ROLES = ("admin", "user", "trainer", "auditor")
+ROLES = tuple(Role)
 BOOTSTRAP_USER = "admin"
 BOOTSTRAP_SECRET = "bootstrap-admin-password"
 # What the gateway's service account may do in realm-management: list and manage users.

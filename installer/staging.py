@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, TypeVar
 
+from appliance.durable import replace_file
 from appliance.errors import ApplianceError
 from appliance.records import STAGING_MANIFEST, Plan
 from appliance.staging_manifest import RankFiles, ShardPart, StagingManifest, SubsetFile, TensorSource
@@ -368,7 +369,7 @@ def _write_index(directory: Path, files: dict[str, list[SourceTensor]]) -> None:
     weight_map = {t.name: name for name, ts in files.items() for t in ts}
     total = sum(t.size for ts in files.values() for t in ts)
     text = json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2)
-    _atomic_write(directory / INDEX, text)
+    replace_file(directory / INDEX, text.encode(), mode=0o644)
 
 
 def _copy_side_files(model_dir: Path, directory: Path) -> None:
@@ -377,12 +378,6 @@ def _copy_side_files(model_dir: Path, directory: Path) -> None:
         if (path.is_file() and path.suffix != ".safetensors" and not path.name.startswith(".")
                 and path.name not in (INDEX, MANIFEST, "manifest.json")):
             shutil.copy2(path, directory / path.name)
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(text)
-    os.replace(partial, path)
 
 
 class _Manifest:

@@ -9,27 +9,21 @@ Handlers are plain functions: FastAPI runs them in its thread pool, since the su
 from __future__ import annotations
 
 import itertools
-import secrets as token_source
 from typing import Literal
 
 from fastapi import APIRouter, Depends, Query, Request
-from keycloak import KeycloakAdmin, KeycloakOpenIDConnection
-from keycloak.exceptions import KeycloakError
 from pydantic import BaseModel, Field
 
 from appliance.adapters import AdapterRecord, Alias, Registry
 from appliance.errors import StateError, SupervisorError
 from appliance.home import Home
-from appliance.secrets import gateway_client_secret
 from appliance.settings import Settings
 from appliance.supervisor import ProcessInfo, Supervisor
-from appliance.tls import keycloak_trust
+from appliance.users import CreatedUser, NewUser, Role, User, Users
 from audit import AuditVerificationError, read_records, verification_key, verify
 from serve.audit_trail import MONITORING
 from serve.deps import requires
 from serve.errors import GatewayError
-
-REALM_ROLES = ("admin", "user", "trainer", "auditor")
 
 
 class Service(BaseModel):
@@ -48,24 +42,8 @@ class Pool(BaseModel):
     healthy: bool
 
 
-class User(BaseModel):
-    username: str
-    enabled: bool
-    roles: list[str]
-
-
-class NewUser(BaseModel):
-    username: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]{1,63}$")
-    roles: list[Literal["admin", "user", "trainer", "auditor"]] = Field(min_length=1)
-    password: str | None = Field(None, min_length=8, description="Unset: one is generated.")
-
-
-class CreatedUser(User):
-    password: str | None = Field(None, description="The generated password, shown only here.")
-
-
 class RoleGrant(BaseModel):
-    role: Literal["admin", "user", "trainer", "auditor"]
+    role: Role
 
 
 class ChainCheck(BaseModel):
@@ -82,7 +60,7 @@ class ChainCheck(BaseModel):
 class DeployRequest(BaseModel):
     version: int | None = Field(None, ge=1, description="Unset: the newest version that passed its gate.")
     pool: str | None = Field(None, description="Engine pool (unset: where the name is served now, else the first).")
-    roles: list[Literal["admin", "user", "trainer", "auditor"]] | None = Field(
+    roles: list[Role] | None = Field(
         None, min_length=1, description="Roles that may call it (unset: as before, else user and admin).")
 
 
@@ -105,30 +83,13 @@ class Admin:
     def supervisor(self) -> Supervisor:
         return Supervisor(self.home)
 
-    def keycloak(self) -> KeycloakAdmin:
-        keycloak = self.settings.keycloak
-        connection = KeycloakOpenIDConnection(
-            server_url=keycloak.base_url, realm_name=keycloak.realm, client_id=keycloak.gateway_client_id,
-            client_secret_key=gateway_client_secret(self.settings, self.home), timeout=15,
-            verify=keycloak_trust(self.settings, self.home))
-        return KeycloakAdmin(connection=connection)
+    def users(self) -> Users:
+        return Users(self.settings, self.home)
 
 
 def _service(info: ProcessInfo, restarts: dict[str, int]) -> Service:
     return Service(name=info.name, state=info.state.name, pid=info.pid, uptime_s=info.uptime_s,
                    restarts=max(0, restarts.get(info.name, 0)), log=str(info.log))
-
-
-def _user(admin: KeycloakAdmin, raw: dict) -> User:
-    roles = sorted(r["name"] for r in admin.get_realm_roles_of_user(raw["id"]) if r["name"] in REALM_ROLES)
-    return User(username=raw["username"], enabled=raw.get("enabled", False), roles=roles)
-
-
-def _keycloak_error(exc: KeycloakError) -> GatewayError:
-    status = getattr(exc, "response_code", None)
-    if status == 409:
-        return GatewayError(409, "a user with that name exists", code="conflict")
-    return GatewayError(502, f"Keycloak refused: {exc}", type="upstream_error", code="keycloak_error")
 
 
 def admin_router(admin: Admin) -> APIRouter:
@@ -176,62 +137,30 @@ def admin_router(admin: Admin) -> APIRouter:
         return [Pool(name=p.name, model=p.model, url=f"unix:{p.socket}", healthy=await upstreams.healthy(p))
                 for p in upstreams.pools]
 
-    @router.get("/roles", response_model=list[str], name="roles.list")
-    def roles() -> list[str]:
+    @router.get("/roles", response_model=list[Role], name="roles.list")
+    def roles() -> list[Role]:
         """The realm roles the appliance uses."""
-        return list(REALM_ROLES)
+        return list(Role)
 
     @router.get("/users", response_model=list[User], name="users.list")
     def users() -> list[User]:
         """Users of the realm with their appliance roles."""
-        try:
-            kc = admin.keycloak()
-            return [_user(kc, raw) for raw in kc.get_users({"briefRepresentation": True})
-                    if not raw["username"].startswith("service-account-")]
-        except KeycloakError as exc:
-            raise _keycloak_error(exc) from exc
+        return admin.users().listing()
 
     @router.post("/users", response_model=CreatedUser, status_code=201, name="users.add")
     def add_user(new: NewUser) -> CreatedUser:
         """Create an enabled user with roles; without a password, one is generated and returned once."""
-        password = new.password or token_source.token_urlsafe(18)
-        try:
-            kc = admin.keycloak()
-            user_id = kc.create_user({
-                "username": new.username, "enabled": True, "emailVerified": True,
-                "firstName": new.username, "lastName": "-", "email": f"{new.username}@appliance.local",
-                "credentials": [{"type": "password", "value": password, "temporary": False}]})
-            kc.assign_realm_roles(user_id, [kc.get_realm_role(r) for r in new.roles])
-        except KeycloakError as exc:
-            raise _keycloak_error(exc) from exc
-        return CreatedUser(username=new.username, enabled=True, roles=sorted(new.roles),
-                           password=None if new.password else password)
+        return admin.users().add(new)
 
     @router.post("/users/{username}/disable", response_model=User, name="users.disable")
     def disable_user(username: str) -> User:
         """Disable a user: new logins fail; live tokens stop within the introspection interval."""
-        try:
-            kc = admin.keycloak()
-            user_id = kc.get_user_id(username)
-            if user_id is None:
-                raise GatewayError(404, f"no user named {username!r}", code="not_found")
-            kc.update_user(user_id, {"enabled": False})
-            return _user(kc, kc.get_user(user_id))
-        except KeycloakError as exc:
-            raise _keycloak_error(exc) from exc
+        return admin.users().disable(username)
 
     @router.post("/users/{username}/roles", response_model=User, name="users.grant_role")
     def grant_role(username: str, grant: RoleGrant) -> User:
         """Grant a user one more realm role (granting one it holds changes nothing)."""
-        try:
-            kc = admin.keycloak()
-            user_id = kc.get_user_id(username)
-            if user_id is None:
-                raise GatewayError(404, f"no user named {username!r}", code="not_found")
-            kc.assign_realm_roles(user_id, [kc.get_realm_role(grant.role)])
-            return _user(kc, kc.get_user(user_id))
-        except KeycloakError as exc:
-            raise _keycloak_error(exc) from exc
+        return admin.users().grant(username, grant.role)
 
     @router.get("/adapters", response_model=Registry, name="adapters.list", openapi_extra=MONITORING)
     def list_adapters(request: Request) -> Registry:

@@ -8,10 +8,10 @@ from typing import Annotated
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from appliance.users import ROLE_ORDER
 from serve.auth import Principal
 from serve.errors import AuthError
 
-ROLE_ORDER = ("admin", "trainer", "auditor", "user")
 bearer = HTTPBearer(auto_error=False, description="A Keycloak access token of realm `appliance`.")
 
 

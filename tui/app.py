@@ -10,10 +10,10 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Static
 
 from appliance import login
+from appliance.admin_client import AdminClient, NotLoggedIn, Unreachable
 from appliance.home import Home
 from appliance.settings import Settings
 from tui.audit_log import AuditLog
-from tui.client import AdminClient, NotLoggedIn, Unreachable
 from tui.dashboard import Dashboard
 from tui.dialogs import DIALOG_CSS
 from tui.models import Models

@@ -12,7 +12,7 @@ from textual.app import ComposeResult
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, Static
 
-from tui.client import AdminClient, NotLoggedIn, Refused, Unreachable
+from appliance.admin_client import AdminClient, NotLoggedIn, Refused, Unreachable
 from tui.dialogs import Confirm
 
 if TYPE_CHECKING:
@@ -72,7 +72,7 @@ class Panel(Screen):
             self.show_problem(f"Not logged in: {exc} - press L to log in")
             return False
         except Refused as exc:
-            self.notify(exc.message, title=f"refused ({exc.status})", severity="error", timeout=8, markup=False)
+            self.notify(exc.reason, title=f"refused ({exc.status})", severity="error", timeout=8, markup=False)
             return False
         self.show_problem(None)
         return True

@@ -9,10 +9,11 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.widgets import DataTable
 
+from appliance.users import Role
 from tui.dialogs import Detail, Field, Form
 from tui.panel import Panel, fill, selected_key
 
-ROLES = ("user", "trainer", "auditor", "admin")
+ROLES = (Role.USER, Role.TRAINER, Role.AUDITOR, Role.ADMIN)  # the least power first: the form's default
 
 
 class Users(Panel):

@@ -13,6 +13,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from appliance import usage
+from appliance.admin_client import AdminClient, NotLoggedIn, Refused, Unreachable
 from appliance.home import Home
 from appliance.settings import Settings
 from installer.hardware import parse_hardware_spec
@@ -21,7 +22,6 @@ from installer.planner import plan
 from installer.staging import stage_subset
 from serve.metrics import Metrics
 from serve.operations import staging_of
-from tui.client import AdminClient, NotLoggedIn, Refused, Unreachable
 from tui.metrics import parse, quantile, rates
 from tui.models import plan_text
 from tui.training import eval_summary, served

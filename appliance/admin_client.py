@@ -1,0 +1,116 @@
+"""The one client of the gateway's admin API, for the CLI (blocking calls) and the TUI (async, so
+its screens never wait): one notion of where the gateway is, one login (the cached Keycloak token,
+refreshed near its expiry) and one reading of its answers."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+
+from appliance import login
+from appliance.errors import ApplianceError, Unavailable
+from appliance.home import Home
+from appliance.settings import Settings
+
+
+class Unreachable(Unavailable):
+    """The gateway (or Keycloak, for a refresh) does not answer: stopped, restarting, or down."""
+
+    code = "gateway_unreachable"
+
+
+class NotLoggedIn(ApplianceError):
+    """No cached login, or it expired and cannot be refreshed: log in again."""
+
+    code = "not_logged_in"
+
+
+class Refused(ApplianceError):
+    """The gateway answered with an error; `reason` is its message."""
+
+    code = "refused"
+
+    def __init__(self, status: int, reason: str, request: str = "") -> None:
+        super().__init__(f"{request}: {status} {reason}" if request else f"{status} {reason}")
+        self.status = status
+        self.reason = reason
+
+
+def gateway_url(settings: Settings) -> str:
+    """Where this host reaches its gateway (loopback when it listens on every address)."""
+    gateway = settings.gateway
+    host = "127.0.0.1" if gateway.bind in ("0.0.0.0", "::") else gateway.bind
+    return f"http://{host}:{gateway.port}"
+
+
+def _answer(response: httpx.Response, method: str, path: str) -> Any:
+    if response.status_code == 401:
+        raise NotLoggedIn("the gateway refused the login (expired or revoked)", hint="log in again: `appliance token`")
+    if response.status_code >= 400:
+        try:
+            reason = response.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            reason = response.text[:300]
+        raise Refused(response.status_code, str(reason), f"{method} /admin{path}")
+    return response.json()
+
+
+class AdminClient:
+    """Calls to /admin with a bearer token from the login cache."""
+
+    def __init__(self, settings: Settings, home: Home, timeout_s: float = 60.0) -> None:
+        self.settings = settings
+        self.home = home
+        self.base_url = gateway_url(settings)
+        self.timeout_s = timeout_s
+        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s)
+
+    def _token(self) -> login.CachedToken:
+        try:
+            return login.current_token(self.settings, self.home)
+        except login.LoginError as exc:
+            raise NotLoggedIn(exc.one_line()) from exc
+        except httpx.HTTPError as exc:
+            raise Unreachable(f"Keycloak at {self.settings.keycloak.issuer} does not answer: {exc}") from exc
+
+    def _unreachable(self, exc: httpx.HTTPError) -> Unreachable:
+        return Unreachable(f"the gateway at {self.base_url} does not answer ({type(exc).__name__})",
+                           hint="is the appliance up? (`appliance status`)")
+
+    def call_sync(self, method: str, path: str, **kwargs: Any) -> Any:
+        """`method /admin{path}`'s JSON body (blocking); Refused, NotLoggedIn or Unreachable otherwise."""
+        token = self._token()
+        try:
+            with httpx.Client(base_url=self.base_url, timeout=self.timeout_s) as http:
+                response = http.request(method, f"/admin{path}", **kwargs,
+                                        headers={"Authorization": f"Bearer {token.access_token}"})
+        except httpx.HTTPError as exc:
+            raise self._unreachable(exc) from exc
+        return _answer(response, method, path)
+
+    async def call(self, method: str, path: str, **kwargs: Any) -> Any:
+        """As `call_sync`, without blocking the event loop (a token refresh runs in a thread)."""
+        token = await asyncio.to_thread(self._token)
+        try:
+            response = await self._http.request(method, f"/admin{path}", **kwargs,
+                                                headers={"Authorization": f"Bearer {token.access_token}"})
+        except httpx.HTTPError as exc:
+            raise self._unreachable(exc) from exc
+        return _answer(response, method, path)
+
+    async def username(self) -> str:
+        return (await asyncio.to_thread(self._token)).username
+
+    async def metrics_text(self) -> str:
+        """The gateway's Prometheus exposition (no login needed)."""
+        try:
+            response = await self._http.get("/metrics")
+            response.raise_for_status()
+        except httpx.HTTPError as exc:
+            raise self._unreachable(exc) from exc
+        return response.text
+
+    async def close(self) -> None:
+        await self._http.aclose()

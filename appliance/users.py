@@ -1,0 +1,130 @@
+"""Realm users and roles, in one place: the roles the appliance knows (`Role`), the user records the
+admin API, CLI and TUI show, and the calls that read and change users in Keycloak. python-keycloak's
+errors are translated here, once: a name taken is a Conflict, no such user NotFound, anything else
+from Keycloak (down, refusing) Unavailable."""
+
+from __future__ import annotations
+
+import secrets as token_source
+from collections.abc import Iterator
+from contextlib import contextmanager
+from enum import StrEnum
+from typing import Any
+
+from keycloak import KeycloakAdmin, KeycloakOpenIDConnection
+from keycloak.exceptions import KeycloakError
+from pydantic import BaseModel, Field
+
+from appliance.errors import Conflict, NotFound, Unavailable
+from appliance.home import Home
+from appliance.secrets import gateway_client_secret
+from appliance.settings import Settings
+from appliance.tls import keycloak_trust
+
+
+class Role(StrEnum):
+    """The realm roles the appliance uses (a user may hold several; the first of ROLE_ORDER decides
+    their limits)."""
+
+    ADMIN = "admin"
+    USER = "user"
+    TRAINER = "trainer"
+    AUDITOR = "auditor"
+
+
+# The most generous first: a user's limits are those of the first role they hold.
+ROLE_ORDER = (Role.ADMIN, Role.TRAINER, Role.AUDITOR, Role.USER)
+
+
+class User(BaseModel):
+    username: str
+    enabled: bool
+    roles: list[Role]
+
+
+class NewUser(BaseModel):
+    username: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]{1,63}$")
+    roles: list[Role] = Field(min_length=1)
+    password: str | None = Field(None, min_length=8, description="Unset: one is generated.")
+
+
+class CreatedUser(User):
+    password: str | None = Field(None, description="The generated password, shown only here.")
+
+
+@contextmanager
+def _keycloak(doing: str) -> Iterator[None]:
+    try:
+        yield
+    except KeycloakError as exc:
+        status = getattr(exc, "response_code", None)
+        if status == 409:
+            raise Conflict(f"{doing}: a user with that name exists") from exc
+        if status == 404:
+            raise NotFound(f"{doing}: Keycloak has no such user") from exc
+        raise Unavailable(f"{doing}: Keycloak refused ({status or 'no answer'}): {exc}") from exc
+
+
+class Users:
+    """The realm's users, managed with the gateway's service account."""
+
+    def __init__(self, settings: Settings, home: Home) -> None:
+        self.settings = settings
+        self.home = home
+
+    def _admin(self) -> KeycloakAdmin:
+        keycloak = self.settings.keycloak
+        connection = KeycloakOpenIDConnection(
+            server_url=keycloak.base_url, realm_name=keycloak.realm, client_id=keycloak.gateway_client_id,
+            client_secret_key=gateway_client_secret(self.settings, self.home), timeout=15,
+            verify=keycloak_trust(self.settings, self.home))
+        return KeycloakAdmin(connection=connection)
+
+    def listing(self) -> list[User]:
+        """Users of the realm with their appliance roles (service accounts left out)."""
+        with _keycloak("listing users"):
+            admin = self._admin()
+            return [_user(admin, raw) for raw in admin.get_users({"briefRepresentation": True})
+                    if not raw["username"].startswith("service-account-")]
+
+    def add(self, new: NewUser) -> CreatedUser:
+        """An enabled user with roles; without a password, one is generated and returned once."""
+        password = new.password or token_source.token_urlsafe(18)
+        with _keycloak(f"adding {new.username!r}"):
+            admin = self._admin()
+            user_id = admin.create_user({
+                "username": new.username, "enabled": True, "emailVerified": True,
+                "firstName": new.username, "lastName": "-", "email": f"{new.username}@appliance.local",
+                "credentials": [{"type": "password", "value": password, "temporary": False}]})
+            admin.assign_realm_roles(user_id, [admin.get_realm_role(role) for role in new.roles])
+        return CreatedUser(username=new.username, enabled=True, roles=sorted(new.roles),
+                           password=None if new.password else password)
+
+    def disable(self, username: str) -> User:
+        """New logins fail; live tokens stop within the gateway's introspection interval."""
+        with _keycloak(f"disabling {username!r}"):
+            admin = self._admin()
+            user_id = self._id(admin, username)
+            admin.update_user(user_id, {"enabled": False})
+            return _user(admin, admin.get_user(user_id))
+
+    def grant(self, username: str, role: Role) -> User:
+        """One more realm role (granting one the user holds changes nothing)."""
+        with _keycloak(f"granting {role} to {username!r}"):
+            admin = self._admin()
+            user_id = self._id(admin, username)
+            admin.assign_realm_roles(user_id, [admin.get_realm_role(role)])
+            return _user(admin, admin.get_user(user_id))
+
+    @staticmethod
+    def _id(admin: KeycloakAdmin, username: str) -> str:
+        user_id = admin.get_user_id(username)
+        if user_id is None:
+            raise NotFound(f"no user named {username!r}")
+        return str(user_id)
+
+
+def _user(admin: KeycloakAdmin, raw: dict[str, Any]) -> User:
+    known = {role.value for role in Role}
+    roles = sorted(Role(r["name"]) for r in admin.get_realm_roles_of_user(raw["id"]) if r["name"] in known)
+    return User(username=raw["username"], enabled=raw.get("enabled", False), roles=roles)
