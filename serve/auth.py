@@ -64,6 +64,14 @@ class TokenValidator:
         """Whether the realm's signing keys have been fetched."""
         return bool(self._keys.get("keys"))
 
+    async def try_refresh_keys(self) -> bool:
+        """Fetch the JWKS now; False if Keycloak did not give it (it may still be starting)."""
+        try:
+            await self.refresh_keys()
+        except httpx.HTTPError:
+            return False
+        return True
+
     async def refresh_keys(self) -> None:
         """Fetch the JWKS now (raises httpx errors: the caller decides what that means)."""
         self._on_fetch()

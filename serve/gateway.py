@@ -33,7 +33,6 @@ from appliance.settings import Settings, load_settings
 from appliance.tls import keycloak_ssl
 from audit import AuditUnavailable, AuditWriter, TextHasher, archive, signing_key
 from serve.adapters import AdapterRoutes, base_configs
-from serve.admin import Admin, admin_router, audit_router
 from serve.answer import decode_json
 from serve.audit_trail import AuditMiddleware, Transcript
 from serve.auth import Introspector, Principal, TokenValidator
@@ -43,10 +42,10 @@ from serve.errors import GatewayError, from_core
 from serve.limits import Admission, RateLimiter
 from serve.metrics import Metrics
 from serve.middleware import BodyLimitMiddleware, MeterMiddleware, RequestTooLarge
-from serve.operations import operations_router
+from serve.routes import admin_routers
 from serve.schemas import ChatRequest, CompletionRequest
 from serve.summaries import Refusals, Summaries, cap_text
-from serve.upstream import Pool, Upstreams, engine_session, pools_from_settings, relay_stream, usage_of
+from serve.upstream import Pool, Upstreams, engine_session, pools_from_settings, read_answer, relay_stream, usage_of
 
 log = logging.getLogger("appliance.gateway")
 READY_CACHE_S = 1.0  # /readyz is anonymous: its engine checks run at most this often
@@ -100,7 +99,7 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
                 limiter=RateLimiter(settings.gateway.limits), metrics=metrics,
                 adapters=AdapterRoutes(home, upstreams, artifact_store(settings.artifacts, home),
                                        base_configs(settings, home)))
-            await _fetch_keys(validator)
+            await validator.try_refresh_keys()  # Keycloak may still be starting
             await upstreams.check()  # which engines answer, before the first request
             async with anyio.create_task_group() as tasks:
                 tasks.start_soon(upstreams.watch)
@@ -228,9 +227,8 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
         return await relay(request, who, "/v1/completions", body)
 
     # After the /v1 routes: routes are matched in order, and /v1 carries the traffic.
-    app.include_router(admin_router(Admin(settings, home)))
-    app.include_router(audit_router(home))
-    app.include_router(operations_router(settings, home))
+    for router in admin_routers(settings, home):
+        app.include_router(router)
     return app
 
 
@@ -286,13 +284,10 @@ async def _forward(request: Request, gateway: Gateway, pool: Pool, adapter: Any,
 
     if not payload.get("stream") or response.status != 200:
         try:
-            content = await response.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
+            content = await read_answer(response, pool)
+        except GatewayError:
             gateway.metrics.upstream_errors.labels(pool.name, "read").inc()
-            raise GatewayError(502, f"engine pool {pool.name!r} failed: {type(exc).__name__}",
-                               type="upstream_error", code="engine_error") from exc
-        finally:
-            response.release()
+            raise
         if response.status >= 500:
             gateway.metrics.upstream_errors.labels(pool.name, str(response.status)).inc()
         try:
@@ -329,19 +324,12 @@ class SettlingStream(StreamingResponse):
             self.admission.settle(None, 0)
 
 
-async def _fetch_keys(validator: TokenValidator) -> None:
-    try:
-        await validator.refresh_keys()
-    except httpx.HTTPError:
-        pass  # Keycloak may still be starting; /readyz says so until a fetch succeeds.
-
-
 async def _keys_until_fetched(validator: TokenValidator) -> None:
     """Fetch the realm's signing keys until the first fetch succeeds (later refetches happen on
-    an unknown key id, rate-limited, in the validator)."""
+    an unknown key id, rate-limited, in the validator); /readyz says so meanwhile."""
     while not validator.has_keys:
         await anyio.sleep(KEYS_RETRY_S)
-        await _fetch_keys(validator)
+        await validator.try_refresh_keys()
 
 
 def _write_summaries(writer: AuditWriter, summaries: Summaries, *, all_now: bool = False) -> None:

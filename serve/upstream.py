@@ -153,6 +153,17 @@ class Upstreams:
             return False
 
 
+async def read_answer(response: aiohttp.ClientResponse, pool: Pool) -> bytes:
+    """A whole (non-streamed) answer from the engine; 502 if the engine fails mid-answer."""
+    try:
+        return await response.read()
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise GatewayError(502, f"engine pool {pool.name!r} failed: {type(exc).__name__}",
+                           type="upstream_error", code="engine_error") from exc
+    finally:
+        response.release()
+
+
 def usage_of(answer: object) -> tuple[int, int]:
     """(prompt, completion) tokens from a parsed OpenAI response or final stream chunk."""
     usage = answer.get("usage") if isinstance(answer, dict) else None

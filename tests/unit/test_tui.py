@@ -21,7 +21,7 @@ from installer.model_config import load_model_config
 from installer.planner import plan
 from installer.staging import stage_subset
 from serve.metrics import Metrics
-from serve.operations import staging_of
+from serve.routes.operations import staging_of
 from tui.metrics import parse, quantile, rates
 from tui.models import plan_text
 from tui.training import eval_summary, served

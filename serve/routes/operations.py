@@ -60,15 +60,15 @@ def _job_view(home: Home, job: jobs.Job) -> JobView:
     return JobView(**job.model_dump(), progress=jobs.read_progress(jobs.job_dir(home, job.id)))
 
 
-def operations_router(settings: Settings, home: Home) -> APIRouter:
-    router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(requires("admin"))])
+def router(settings: Settings, home: Home) -> APIRouter:
+    routes = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(requires("admin"))])
 
-    @router.get("/system", response_model=HostUsage, name="system.read", openapi_extra=MONITORING)
+    @routes.get("/system", response_model=HostUsage, name="system.read", openapi_extra=MONITORING)
     async def system() -> HostUsage:
         """CPU, memory and each GPU's utilisation, memory and temperature (NVML), now."""
         return await anyio.to_thread.run_sync(host_usage)
 
-    @router.get("/plans", response_model=list[PoolPlan], name="plans.list", openapi_extra=MONITORING)
+    @routes.get("/plans", response_model=list[PoolPlan], name="plans.list", openapi_extra=MONITORING)
     def plans() -> list[PoolPlan]:
         """Each pool's plan (per-GPU memory, rejected alternatives) and its weights' staging state."""
         views = []
@@ -84,15 +84,15 @@ def operations_router(settings: Settings, home: Home) -> APIRouter:
                                   plan_error=error, staging=staging_of(directory)))
         return views
 
-    @router.get("/jobs", response_model=list[JobView], name="jobs.list", openapi_extra=MONITORING)
+    @routes.get("/jobs", response_model=list[JobView], name="jobs.list", openapi_extra=MONITORING)
     def list_jobs() -> list[JobView]:
         """Training jobs, oldest first, with the trainer's latest progress."""
         return [_job_view(home, job) for job in jobs.listing(home)]
 
-    @router.post("/jobs/{job_id}/cancel", response_model=JobView, name="jobs.cancel")
+    @routes.post("/jobs/{job_id}/cancel", response_model=JobView, name="jobs.cancel")
     def cancel_job(job_id: Annotated[int, Path(ge=1, le=2**63 - 1)]) -> JobView:  # SQLite's integer range
         """Cancel a queued job at once, or ask its worker to stop a running one (checkpoints kept).
         No such job: 404; one that has ended: 409 (`illegal_transition`)."""
         return _job_view(home, jobs.cancel(home, job_id))
 
-    return router
+    return routes

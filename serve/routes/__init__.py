@@ -1,0 +1,16 @@
+"""The gateway's admin API, one module per resource (its routes with their request and response
+models), and `admin_routers`, which the gateway includes. Every route declares its audit action as
+its name."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from appliance.home import Home
+from appliance.settings import Settings
+from serve.routes import adapters, audit, operations, services, users
+
+
+def admin_routers(settings: Settings, home: Home) -> list[APIRouter]:
+    return [services.router(settings, home), users.router(settings, home), adapters.router(),
+            audit.router(home), operations.router(settings, home)]

@@ -1,0 +1,47 @@
+"""/admin/roles and /admin/users (role `admin`): the realm's users and their roles, through
+appliance.users (which translates Keycloak's errors). Plain functions: Keycloak's admin client blocks."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends
+from pydantic import BaseModel
+
+from appliance.home import Home
+from appliance.settings import Settings
+from appliance.users import CreatedUser, NewUser, Role, User, Users
+from serve.deps import requires
+
+
+class RoleGrant(BaseModel):
+    role: Role
+
+
+def router(settings: Settings, home: Home) -> APIRouter:
+    routes = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(requires("admin"))])
+
+    @routes.get("/roles", response_model=list[Role], name="roles.list")
+    def roles() -> list[Role]:
+        """The realm roles the appliance uses."""
+        return list(Role)
+
+    @routes.get("/users", response_model=list[User], name="users.list")
+    def users() -> list[User]:
+        """Users of the realm with their appliance roles."""
+        return Users(settings, home).listing()
+
+    @routes.post("/users", response_model=CreatedUser, status_code=201, name="users.add")
+    def add_user(new: NewUser) -> CreatedUser:
+        """Create an enabled user with roles; without a password, one is generated and returned once."""
+        return Users(settings, home).add(new)
+
+    @routes.post("/users/{username}/disable", response_model=User, name="users.disable")
+    def disable_user(username: str) -> User:
+        """Disable a user: new logins fail; live tokens stop within the introspection interval."""
+        return Users(settings, home).disable(username)
+
+    @routes.post("/users/{username}/roles", response_model=User, name="users.grant_role")
+    def grant_role(username: str, grant: RoleGrant) -> User:
+        """Grant a user one more realm role (granting one it holds changes nothing)."""
+        return Users(settings, home).grant(username, grant.role)
+
+    return routes
