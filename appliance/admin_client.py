@@ -65,7 +65,12 @@ class AdminClient:
         self.home = home
         self.base_url = gateway_url(settings)
         self.timeout_s = timeout_s
-        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s)
+        self._http: httpx.AsyncClient | None = None  # made on the first async call (the CLI makes none)
+
+    def _async_http(self) -> httpx.AsyncClient:
+        if self._http is None:
+            self._http = httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout_s)
+        return self._http
 
     def _token(self) -> login.CachedToken:
         try:
@@ -94,7 +99,7 @@ class AdminClient:
         """As `call_sync`, without blocking the event loop (a token refresh runs in a thread)."""
         token = await asyncio.to_thread(self._token)
         try:
-            response = await self._http.request(method, f"/admin{path}", **kwargs,
+            response = await self._async_http().request(method, f"/admin{path}", **kwargs,
                                                 headers={"Authorization": f"Bearer {token.access_token}"})
         except httpx.HTTPError as exc:
             raise self._unreachable(exc) from exc
@@ -106,11 +111,12 @@ class AdminClient:
     async def metrics_text(self) -> str:
         """The gateway's Prometheus exposition (no login needed)."""
         try:
-            response = await self._http.get("/metrics")
+            response = await self._async_http().get("/metrics")
             response.raise_for_status()
         except httpx.HTTPError as exc:
             raise self._unreachable(exc) from exc
         return response.text
 
     async def close(self) -> None:
-        await self._http.aclose()
+        if self._http is not None:
+            await self._http.aclose()

@@ -398,9 +398,10 @@ class _Manifest:
         if (directory / MANIFEST).exists():
             try:
                 found = StagingManifest.load(directory)
-            except ApplianceError:
-                found = None  # an older or damaged manifest: stage afresh
-            if found is not None and all(getattr(found, k) == getattr(wanted, k) for k in cls.IDENTITY):
+            except ApplianceError as exc:  # not discarded silently: it may record hours of work
+                raise StagingError(exc.message, hint=f"remove {directory / MANIFEST} to stage this host "
+                                   "afresh") from exc
+            if all(getattr(found, k) == getattr(wanted, k) for k in cls.IDENTITY):
                 return cls(directory, found)  # the same job: resume it
         return cls(directory, wanted)
 

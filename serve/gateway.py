@@ -48,6 +48,9 @@ from serve.summaries import Refusals, Summaries, cap_text
 from serve.upstream import Pool, Upstreams, engine_session, pools_from_settings, read_answer, relay_stream, usage_of
 
 log = logging.getLogger("appliance.gateway")
+# Monitoring routes need role admin, so their readers are few; past this many in one interval the
+# rest are summarised together (user "*").
+MONITORING_USERS = 64
 READY_CACHE_S = 1.0  # /readyz is anonymous: its engine checks run at most this often
 KEYS_RETRY_S = 5.0
 
@@ -124,7 +127,7 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
     app.state.audit = writer
     app.add_middleware(BodyLimitMiddleware, limit=settings.gateway.max_body_bytes)
     refusals = Refusals(audit.refusal_interval_s, audit.refusal_sources)
-    monitoring = Summaries(audit.monitoring_interval_s, audit.refusal_sources, party_field="subject",
+    monitoring = Summaries(audit.monitoring_interval_s, MONITORING_USERS, party_field="subject",
                            summary_action=None)
     app.add_middleware(AuditMiddleware, writer=writer, hasher=TextHasher(home), capture_text=audit.capture_text,
                        refusals=refusals, monitoring=monitoring)

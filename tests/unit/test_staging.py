@@ -257,6 +257,9 @@ def test_both_manifest_formats_are_one_typed_model_and_a_damaged_one_is_named(tm
         staging_of(subset.directory)
     with pytest.raises(StagingError, match="not a readable staging manifest"):
         verify_staged(tmp_path / "subset")
+    with pytest.raises(StagingError, match="not a readable staging manifest") as kept:  # not thrown away
+        stage_subset(source, plan_for(source, "1x1xL4-24GB"), tmp_path / "subset")
+    assert "to stage this host afresh" in (kept.value.hint or "")
 
 
 def test_cli_names_a_bad_plan_file(tmp_path: Path) -> None:
