@@ -4,6 +4,11 @@ what is served under that name: a stable version (or, after a rollback past the 
 the base model), optionally a canary version taking a share of the requests, and the versions
 served before (for rollback). One JSON file in the state dir, changed under an exclusive lock
 and replaced atomically, so the trainer and the gateway never lose each other's changes.
+
+The rules of deploy, canary, rollback and retire are the Registry's methods: each checks its
+moves and changes the registry, and returns the ServingChange the engine needs (what to load
+before the change is written, what to unload after). The gateway runs a change on a copy first
+(nothing is asked of an engine for a change the rules refuse), then for real under the lock.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
@@ -21,8 +27,12 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from appliance.durable import replace_file
-from appliance.errors import IllegalTransition, IntegrityError, NotFound, StateError
+from appliance.errors import Conflict, IllegalTransition, IntegrityError, NotFound, StateError
 from appliance.home import Home
+from appliance.jobs import Hyperparameters
+from appliance.roles import Role
+
+DEFAULT_ROLES = [Role.USER, Role.ADMIN]  # who may call a newly deployed name
 
 
 class AdapterState(StrEnum):
@@ -50,6 +60,28 @@ MOVES: dict[AdapterState, frozenset[AdapterState]] = {
 }
 
 
+class Scores(BaseModel):
+    """An evaluation set's score (fraction right) for the base model and with the adapter."""
+
+    base: float
+    adapter: float
+
+
+class AdapterMetrics(BaseModel):
+    """How the version was trained and how it did on the evaluation gate."""
+
+    base_eval_loss: float
+    adapter_eval_loss: float
+    improvement: float  # relative drop of held-out loss (0.1: 10 % lower than the base)
+    steps: int
+    train_tokens: int
+    seconds: float
+    resumed_from: str | None = None  # the checkpoint training resumed from
+    eval_sets: dict[str, Scores] = {}  # kind (scenarios, regression) -> scores
+    processes: int = 1  # DDP processes that trained it
+    gate_failures: list[str] = []  # why it failed the gate; empty: it passed
+
+
 class AdapterRecord(BaseModel):
     name: str
     version: int
@@ -57,8 +89,8 @@ class AdapterRecord(BaseModel):
     base_config_sha256: str
     dataset: str
     dataset_sha256: str
-    hyperparameters: dict
-    metrics: dict
+    hyperparameters: Hyperparameters
+    metrics: AdapterMetrics
     artifact: str  # the key prefix of its files in the artifact store
     files: dict[str, str] = {}  # file name -> SHA-256, checked whenever the files are read back
     state: AdapterState
@@ -74,7 +106,7 @@ class Alias(BaseModel):
     """What requests for an adapter's name get."""
 
     pool: str
-    roles: list[str]  # realm roles allowed to call it
+    roles: list[Role]  # realm roles allowed to call it
     stable: int | None  # the version served; None: the pool's base model
     canary: int | None = None
     canary_share: float = Field(0.0, ge=0, le=1)
@@ -112,6 +144,102 @@ class Registry(BaseModel):
                 return record
         raise NotFound(f"adapter {name!r} has no version {version}",
                              hint=f"versions: {[r.version for r in versions]}")
+
+
+    # -- what a name serves: the rules of each change ----------------------------------------
+
+    def alias(self, name: str) -> Alias:
+        """What `name` serves; NotFound if it is not deployed."""
+        alias = self.aliases.get(name)
+        if alias is None:
+            raise NotFound(f"adapter {name!r} is not deployed")
+        return alias
+
+    def deploy(self, name: str, version: int | None, pool: str, roles: list[Role] | None) -> ServingChange:
+        """Serve `version` (None: the newest that passed its gate) under `name`, all requests, on
+        `pool` for `roles` (None: the roles it has, else DEFAULT_ROLES). The version served
+        before goes to the history (for rollback); a canary ends."""
+        record = self.find(name, version)
+        check_move(record, AdapterState.DEPLOYED)
+        alias = self.aliases.get(name) or Alias(pool=pool, roles=roles or DEFAULT_ROLES, stable=None)
+        if alias.stable is not None and alias.stable != record.version:
+            alias.history.append(alias.stable)
+            self.move(name, alias.stable, AdapterState.REGISTERED)
+        if alias.canary is not None and alias.canary != record.version:
+            self.move(name, alias.canary, AdapterState.REGISTERED)
+        alias.pool, alias.roles = pool, roles or alias.roles
+        alias.stable, alias.canary, alias.canary_share = record.version, None, 0.0
+        self.move(name, record.version, AdapterState.DEPLOYED)
+        self.aliases[name] = alias
+        return ServingChange(pool=pool, load=record)
+
+    def canary(self, name: str, version: int, share: float) -> ServingChange:
+        """Send `share` of the requests for `name` to `version`, the rest to the stable version."""
+        alias = self.alias(name)
+        if version == alias.stable:
+            raise Conflict(f"{name} v{version} is already the stable version")
+        record = self.find(name, version)
+        check_move(record, AdapterState.CANARY)
+        if alias.canary is not None and alias.canary != version:
+            self.move(name, alias.canary, AdapterState.REGISTERED)
+        alias.canary, alias.canary_share = version, share
+        self.move(name, version, AdapterState.CANARY)
+        return ServingChange(pool=alias.pool, load=record)
+
+    def rollback(self, name: str) -> ServingChange:
+        """Drop the canary if there is one; else serve the version served before (or the base)."""
+        alias = self.alias(name)
+        if alias.canary is not None:
+            dropped = self.move(name, alias.canary, AdapterState.REGISTERED)
+            alias.canary, alias.canary_share = None, 0.0
+            return ServingChange(pool=alias.pool, unload=(dropped,))
+        if alias.stable is None:
+            raise Conflict(f"{name!r} already serves the base model; nothing to roll back")
+        dropped = self.move(name, alias.stable, AdapterState.REGISTERED)
+        alias.stable = alias.history.pop() if alias.history else None
+        if alias.stable is None:
+            return ServingChange(pool=alias.pool, unload=(dropped,))
+        restored = self.move(name, alias.stable, AdapterState.DEPLOYED)
+        return ServingChange(pool=alias.pool, load=restored, unload=(dropped,))
+
+    def retire(self, name: str, version: int | None) -> ServingChange:
+        """Retire one version (not while it is served), or (no version) the name: every version
+        retired, the name no longer served."""
+        alias = self.aliases.get(name)
+        targets = [self.find(name, version)] if version is not None else self.versions(name)
+        if not targets:
+            self.find(name, None)  # raises: no such adapter
+        if version is not None and alias is not None and version in (alias.stable, alias.canary):
+            raise Conflict(f"{name} v{version} is being served; deploy another version or roll back first")
+        if version is None:
+            self.aliases.pop(name, None)
+        elif alias is not None and version in alias.history:
+            alias.history.remove(version)
+        retired = tuple(self.move(name, record.version, AdapterState.RETIRED) for record in targets)
+        return ServingChange(pool=alias.pool if alias is not None else None, unload=retired)
+
+
+@dataclass(frozen=True)
+class ServingChange:
+    """What a change to what a name serves needs from its pool's engine: `load` before the change
+    is written (no request may find it missing), `unload` after (None pool: no engine holds them)."""
+
+    pool: str | None
+    load: AdapterRecord | None = None
+    unload: tuple[AdapterRecord, ...] = ()
+
+
+class BaseMismatch(Conflict):
+    """An adapter asked to be served on a pool whose model it was not trained on."""
+
+    code = "base_mismatch"
+
+
+def check_base(record: AdapterRecord, pool: str, model: str, served_config_sha256: str | None) -> None:
+    """BaseMismatch unless the pool serves the model `record` was trained on (None: unknown)."""
+    if served_config_sha256 is not None and served_config_sha256 != record.base_config_sha256:
+        raise BaseMismatch(f"{record.name} v{record.version} was trained on {record.base_model}, not on the model "
+                           f"pool {pool!r} serves ({model})")
 
 
 def check_move(record: AdapterRecord, to: AdapterState) -> None:

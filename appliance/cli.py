@@ -6,7 +6,7 @@ import json
 import time
 import traceback
 from importlib.metadata import entry_points
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -93,7 +93,7 @@ def status(
     _print_programs(report)
 
 
-def _print_programs(report: dict) -> None:
+def _print_programs(report: dict[str, Any]) -> None:
     table = Table(*(Column(name, overflow="fold") for name in
                     ("program", "pool", "state", "pid", "uptime", "model", "serves", "health")))
     for p in report["programs"]:

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from appliance import login
+from appliance.adapters import AdapterRecord, Alias, Registry
 from appliance.admin_client import AdminClient
 from appliance.errors import ApplianceError
 from appliance.home import Home
@@ -108,19 +109,17 @@ def users_disable(name: Annotated[str, typer.Argument(help="Username.")]) -> Non
 @adapters_app.command("list")
 def adapters_list() -> None:
     """Adapter versions with their held-out loss, state, and what each name serves."""
-    registry = admin_api("GET", "/adapters")
+    registry = Registry.model_validate(admin_api("GET", "/adapters"))
     table = Table("adapter", "version", "state", "base", "held-out loss (base -> adapter)", "dataset")
-    for record in registry["adapters"]:
-        metrics = record["metrics"]
-        loss = f"{metrics.get('base_eval_loss', 0):.4f} -> {metrics.get('adapter_eval_loss', 0):.4f}"
-        table.add_row(record["name"], str(record["version"]), record["state"], record["base_model"], loss,
-                      record["dataset"])
+    for record in registry.adapters:
+        loss = f"{record.metrics.base_eval_loss:.4f} -> {record.metrics.adapter_eval_loss:.4f}"
+        table.add_row(record.name, str(record.version), record.state, record.base_model, loss, record.dataset)
     out.print(table)
-    for name, alias in sorted(registry["aliases"].items()):
-        serves = f"v{alias['stable']}" if alias["stable"] is not None else "the base model"
-        if alias["canary"] is not None:
-            serves += f", canary v{alias['canary']} ({alias['canary_share']:.0%})"
-        out.print(f"{name}: {serves} on pool {alias['pool']}, for roles {', '.join(alias['roles'])}")
+    for name, alias in sorted(registry.aliases.items()):
+        serves = f"v{alias.stable}" if alias.stable is not None else "the base model"
+        if alias.canary is not None:
+            serves += f", canary v{alias.canary} ({alias.canary_share:.0%})"
+        out.print(f"{name}: {serves} on pool {alias.pool}, for roles {', '.join(alias.roles)}")
 
 
 @adapters_app.command("deploy")
@@ -132,8 +131,9 @@ def adapters_deploy(
                                                    "(default: as before, else user and admin).")] = None,
 ) -> None:
     """Hot-load a version into the running engine and serve it under its name."""
-    alias = admin_api("POST", f"/adapters/{name}/deploy", json={"version": version, "pool": pool, "roles": role})
-    out.print(f"{name} serves v{alias['stable']} on pool {alias['pool']}")
+    alias = Alias.model_validate(admin_api("POST", f"/adapters/{name}/deploy",
+                                           json={"version": version, "pool": pool, "roles": role}))
+    out.print(f"{name} serves v{alias.stable} on pool {alias.pool}")
 
 
 @adapters_app.command("canary")
@@ -143,15 +143,16 @@ def adapters_canary(
     share: Annotated[float, typer.Option(min=0, max=1, help="Fraction of requests it gets, e.g. 0.1.")],
 ) -> None:
     """Send a share of the name's requests to another version."""
-    alias = admin_api("POST", f"/adapters/{name}/canary", json={"version": version, "share": share})
-    out.print(f"{name}: v{alias['canary']} gets {alias['canary_share']:.0%} of requests, v{alias['stable']} the rest")
+    answer = admin_api("POST", f"/adapters/{name}/canary", json={"version": version, "share": share})
+    alias = Alias.model_validate(answer)
+    out.print(f"{name}: v{alias.canary} gets {alias.canary_share:.0%} of requests, v{alias.stable} the rest")
 
 
 @adapters_app.command("rollback")
 def adapters_rollback(name: Annotated[str, typer.Argument(help="Adapter name.")]) -> None:
     """Drop the canary; without one, serve the version served before (or the base model)."""
-    alias = admin_api("POST", f"/adapters/{name}/rollback")
-    out.print(f"{name} serves {'v' + str(alias['stable']) if alias['stable'] is not None else 'the base model'}")
+    alias = Alias.model_validate(admin_api("POST", f"/adapters/{name}/rollback"))
+    out.print(f"{name} serves {'v' + str(alias.stable) if alias.stable is not None else 'the base model'}")
 
 
 @adapters_app.command("retire")
@@ -160,8 +161,9 @@ def adapters_retire(
     version: Annotated[int | None, typer.Option(min=1, help="Default: every version, and the name.")] = None,
 ) -> None:
     """Retire a version that is not served, or the whole name."""
-    retired = admin_api("POST", f"/adapters/{name}/retire", json={"version": version})
-    out.print("retired " + ", ".join(f"{r['name']} v{r['version']}" for r in retired))
+    retired = [AdapterRecord.model_validate(r) for r in admin_api("POST", f"/adapters/{name}/retire",
+                                                                   json={"version": version})]
+    out.print("retired " + ", ".join(f"{r.name} v{r.version}" for r in retired))
 
 
 def register(app: typer.Typer) -> None:

@@ -20,12 +20,12 @@ import os
 import sqlite3
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
+from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field
 
 from appliance.errors import IllegalTransition, NotFound
 from appliance.home import Home
@@ -69,13 +69,31 @@ create table if not exists jobs (
 )"""
 
 
+class Hyperparameters(BaseModel):
+    """How a job trains its adapter (LoRA, or QLoRA on a 4-bit base)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    rank: int = Field(8, ge=1, description="LoRA rank.")
+    alpha: int = Field(16, ge=1, description="LoRA alpha (the update is scaled by alpha / rank).")
+    dropout: float = Field(0.05, ge=0, lt=1)
+    learning_rate: float = Field(2e-4, ge=0)
+    epochs: float = Field(1.0, ge=0)
+    max_steps: int = Field(-1, description="> 0 overrides epochs.")
+    batch_size: int = Field(4, ge=1)
+    max_length: int = Field(512, ge=16, description="Tokens per training row (longer rows are cut).")
+    save_steps: int = Field(10, ge=1, description="Checkpoint every this many steps (a resume starts there).")
+    qlora: bool = False
+    seed: int = 0
+
+
 class Job(BaseModel):
     id: int
     name: str
     data: str
     base: str
-    hyperparameters: dict
-    eval_sets: dict[str, list[dict]]
+    hyperparameters: Hyperparameters
+    eval_sets: dict[str, list[dict[str, Any]]]
     state: JobState
     submitted: str
     started: str | None
@@ -86,15 +104,27 @@ class Job(BaseModel):
     message: str | None
 
 
-@dataclass(frozen=True)
-class Progress:
-    """The trainer's latest report."""
+class Progress(BaseModel):
+    """The trainer's latest report (PROGRESS_FILE in the job's directory; the trainer writes it,
+    the runner, the CLI, the admin API and the TUI read it)."""
+
+    model_config = ConfigDict(frozen=True)
 
     step: int
     max_steps: int
     loss: float | None
     tokens_per_s: float
     eta_s: float | None
+
+
+class JobReport(Job):
+    """A job with its trainer's latest progress: what the admin API answers and the TUI shows."""
+
+    progress: Progress | None
+
+
+def report(home: Home, job: Job) -> JobReport:
+    return JobReport(**job.model_dump(), progress=read_progress(job_dir(home, job.id)))
 
 
 def jobs_dir(home: Home) -> Path:
@@ -141,12 +171,12 @@ def _job(row: sqlite3.Row) -> Job:
                   "eval_sets": json.loads(row["eval_sets"])})
 
 
-def submit(home: Home, *, name: str, data: str, base: str, hyperparameters: dict,
-           eval_sets: dict[str, list[dict]]) -> Job:
+def submit(home: Home, *, name: str, data: str, base: str, hyperparameters: Hyperparameters,
+           eval_sets: dict[str, list[dict[str, Any]]]) -> Job:
     with connect(home) as db:
         cursor = db.execute("insert into jobs (name, data, base, hyperparameters, eval_sets, state, submitted) "
                             "values (?, ?, ?, ?, ?, 'queued', ?)",
-                            (name, data, base, json.dumps(hyperparameters), json.dumps(eval_sets), _now()))
+                            (name, data, base, hyperparameters.model_dump_json(), json.dumps(eval_sets), _now()))
         return get(home, int(cursor.lastrowid or 0))
 
 
@@ -162,7 +192,7 @@ def _get(db: sqlite3.Connection, job_id: int) -> Job:
     return _job(row)
 
 
-def _move(db: sqlite3.Connection, job_id: int, to: JobState, assignments: str, values: tuple) -> None:
+def _move(db: sqlite3.Connection, job_id: int, to: JobState, assignments: str, values: tuple[object, ...]) -> None:
     """Set the job's state to `to` (and `assignments`) if MOVES allows it from its current state,
     in the caller's transaction; IllegalTransition otherwise."""
     current, to = _get(db, job_id).state, JobState(to)
@@ -224,13 +254,13 @@ def cancel(home: Home, job_id: int) -> Job:
 def write_progress(directory: Path, progress: Progress) -> None:
     """Replace the job's progress report atomically (readers poll it)."""
     partial = directory / f".{PROGRESS_FILE}.partial"
-    partial.write_text(json.dumps(asdict(progress)))
+    partial.write_text(progress.model_dump_json())
     os.replace(partial, directory / PROGRESS_FILE)
 
 
 def read_progress(directory: Path) -> Progress | None:
     """The job's latest progress report, if it has made one."""
     try:
-        return Progress(**json.loads((directory / PROGRESS_FILE).read_text()))
-    except (OSError, ValueError, TypeError):
+        return Progress.model_validate_json((directory / PROGRESS_FILE).read_bytes())
+    except (OSError, ValueError):  # none yet (a torn one cannot be: it is replaced whole)
         return None

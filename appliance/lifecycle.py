@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import ssl
 import sys
 import time
 from collections.abc import Callable
@@ -13,9 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import psutil
 
+from appliance import health
 from appliance.errors import StartError
 from appliance.home import Home
 from appliance.orphans import end_leftovers
@@ -31,7 +30,6 @@ from appliance.supervisor import (
     render_config,
     socket_path,
 )
-from appliance.tls import ca_file
 
 Progress = Callable[[str], None]
 
@@ -139,7 +137,7 @@ def _wait_ready(
     waiting = {p.name: p for p in programs if p.health_url}
     first_pid: dict[str, int] = {}
     ready: dict[str, float] = {}
-    with _health_client(home) as client:
+    with health.client(home) as client:
         while waiting:
             infos = {info.name: info for info in supervisor.processes()}
             for name, program in list(waiting.items()):
@@ -153,7 +151,7 @@ def _wait_ready(
                         log=log_file(home, name),
                     )
                 elapsed = time.monotonic() - started
-                if info.state == ProcessState.RUNNING and _healthy(client, program):
+                if info.state == ProcessState.RUNNING and health.answers(client, program):
                     ready[name] = round(elapsed, 1)
                     del waiting[name]
                     progress(f"{name} ready after {elapsed:.0f}s")
@@ -166,25 +164,6 @@ def _wait_ready(
                     progress(f"waiting for {name} ({info.state.name.lower()}, {elapsed:.0f}s)")
             time.sleep(0.5)
     return ready
-
-
-def _health_client(home: Home) -> httpx.Client:
-    """For health URLs: plain HTTP, or HTTPS from a server the appliance's own CA certified."""
-    ca = ca_file(home)
-    return httpx.Client(timeout=2.0, verify=ssl.create_default_context(cafile=ca) if ca.is_file() else True)
-
-
-def _healthy(client: httpx.Client, program: Program) -> bool:
-    """Whether the program's health URL answers 200 (over its Unix socket, if it has one)."""
-    if program.health_url is None:
-        return True
-    try:
-        if program.socket is not None:
-            with httpx.Client(transport=httpx.HTTPTransport(uds=str(program.socket)), timeout=client.timeout) as uds:
-                return uds.get(program.health_url).status_code == 200
-        return client.get(program.health_url).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def failure_reason(log: Path, tail_bytes: int = 64_000) -> str:
@@ -236,7 +215,7 @@ def status(home: Home) -> dict[str, Any]:
     if running:
         infos = {info.name: info for info in supervisor.processes()}
     programs = []
-    with _health_client(home) as client:
+    with health.client(home) as client:
         for program in _started_programs(home) if running else []:
             info = infos.get(program.name)
             programs.append({
@@ -249,7 +228,7 @@ def status(home: Home) -> dict[str, Any]:
                 "port": program.port,
                 "socket": str(program.socket) if program.socket else None,
                 "healthy": bool(info and info.state == ProcessState.RUNNING
-                                and _healthy(client, program)),
+                                and health.answers(client, program)),
                 "urls": program.urls,
                 "log": str(log_file(home, program.name)),
             })

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -35,7 +36,7 @@ class CachedToken:
     refresh_expires_at: float
 
     @classmethod
-    def from_response(cls, username: str, body: dict) -> CachedToken:
+    def from_response(cls, username: str, body: dict[str, Any]) -> CachedToken:
         now = time.time()
         return cls(username=username, access_token=body["access_token"],
                    refresh_token=body.get("refresh_token", ""),

@@ -17,6 +17,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
+import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from appliance.errors import SettingsError
@@ -171,9 +172,11 @@ class KeycloakSettings(_Section):
 
     @model_validator(mode="after")
     def _external_needs_url(self) -> KeycloakSettings:
-        if self.mode == "external" and not (self.url and self.gateway_client_secret):
+        if self.mode != "external":
+            return self
+        if not (self.url and self.gateway_client_secret):
             raise ValueError("external mode needs url and gateway_client_secret")
-        if self.mode == "external" and not self.url.lower().startswith("https://"):
+        if not self.url.lower().startswith("https://"):
             # The gateway sends its client secret there and trusts the keys it serves.
             raise ValueError(f"url {self.url!r}: an external Keycloak must be reached over https://")
         return self
@@ -491,35 +494,37 @@ def render_defaults() -> str:
              "# Environment overrides: APPLIANCE_<SECTION>__<FIELD>, APPLIANCE_POOLS__<NAME>__<FIELD>.", ""]
     defaults = Settings()
     for section in ("engine", "keycloak", "gateway", "audit", "artifacts", "finetune"):
-        model = getattr(defaults, section)
         lines.append(f"[{section}]")
-        lines += _render_fields(model)
+        lines += _render_fields(getattr(defaults, section), section)
         lines.append("")
     for pool in defaults.pools:
         lines.append("[[pools]]")
-        lines += _render_fields(pool)
+        lines += _render_fields(pool, "pools")
     return "\n".join(lines) + "\n"
 
 
-def _render_fields(model: BaseModel) -> list[str]:
-    out = []
+def _render_fields(model: BaseModel, table: str) -> list[str]:
+    """Each field of `model`, the TOML table `table`, under its description. A field holding a
+    table comes last, as `[table.field]`: a key after it would belong to it."""
+    data = model.model_dump(mode="json")
+    keys: list[str] = []
+    tables: list[str] = []
     for name, info in type(model).model_fields.items():
-        value = getattr(model, name)
-        out.append(f"# {info.description}")
-        out.append(f"# {name} = (unset)" if value is None else f"{name} = {_toml_value(value)}")
-    return out
+        value = _without_nulls(data[name])
+        if value is None:
+            keys += [f"# {info.description}", f"# {name} = (unset)"]
+        elif isinstance(value, dict):
+            tables += [f"# {info.description}", tomli_w.dumps({table: {name: value}}).rstrip("\n")]
+        else:
+            keys += [f"# {info.description}", tomli_w.dumps({name: value}).rstrip("\n")]
+    return keys + tables
 
 
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return f'"{value}"'
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    if isinstance(value, BaseModel):
-        value = value.model_dump()
+def _without_nulls(value: Any) -> Any:
+    """JSON data with None left out of its tables: TOML has no null, and an unset field takes its
+    default."""
     if isinstance(value, dict):
-        # TOML has no null: an unset field is left out (it takes its default).
-        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items() if v is not None) + " }"
-    return str(value)
+        return {key: _without_nulls(item) for key, item in value.items() if item is not None}
+    if isinstance(value, list):
+        return [_without_nulls(item) for item in value]
+    return value

@@ -200,9 +200,10 @@ class Supervisor:
         if not self._sock.exists():
             return False
         try:
-            return self.call("getState")["statename"] == "RUNNING"
+            state: str = self.call("getState")["statename"]
         except SupervisorError:
             return False
+        return state == "RUNNING"
 
     def daemon_pid(self) -> int | None:
         """supervisord's own pid, from its pid file."""

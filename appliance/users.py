@@ -1,14 +1,13 @@
-"""Realm users and roles, in one place: the roles the appliance knows (`Role`), the user records the
-admin API, CLI and TUI show, and the calls that read and change users in Keycloak. python-keycloak's
-errors are translated here, once: a name taken is a Conflict, no such user NotFound, anything else
-from Keycloak (down, refusing) Unavailable."""
+"""Realm users (their roles are appliance.roles): the user records the admin API, CLI and TUI
+show, and the calls that read and change users in Keycloak. python-keycloak's errors are
+translated here, once: a name taken is a Conflict, no such user NotFound, anything else from
+Keycloak (down, refusing) Unavailable."""
 
 from __future__ import annotations
 
 import secrets as token_source
 from collections.abc import Iterator
 from contextlib import contextmanager
-from enum import StrEnum
 from typing import Any
 
 from keycloak import KeycloakAdmin, KeycloakOpenIDConnection
@@ -17,23 +16,10 @@ from pydantic import BaseModel, Field
 
 from appliance.errors import Conflict, NotFound, Unavailable
 from appliance.home import Home
+from appliance.roles import Role
 from appliance.secrets import gateway_client_secret
 from appliance.settings import Settings
 from appliance.tls import keycloak_trust
-
-
-class Role(StrEnum):
-    """The realm roles the appliance uses (a user may hold several; the first of ROLE_ORDER decides
-    their limits)."""
-
-    ADMIN = "admin"
-    USER = "user"
-    TRAINER = "trainer"
-    AUDITOR = "auditor"
-
-
-# The most generous first: a user's limits are those of the first role they hold.
-ROLE_ORDER = (Role.ADMIN, Role.TRAINER, Role.AUDITOR, Role.USER)
 
 
 class User(BaseModel):

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
+from typing import Any
 
 from audit.writer import complete_lines, log_files
 
@@ -18,7 +19,7 @@ BLOCK = 1 << 16
 
 
 def read_records(directory: Path, *, since: str | None = None, until: str | None = None,
-                 user: str | None = None, newest_first: bool = False) -> Iterator[dict]:
+                 user: str | None = None, newest_first: bool = False) -> Iterator[dict[str, Any]]:
     """Records in sequence order (or newest first); `since` inclusive and `until` exclusive (UTC
     ISO 8601)."""
     lines = _backwards(directory) if newest_first else _forwards(directory, since)
@@ -55,7 +56,7 @@ def _backwards(directory: Path) -> Iterator[bytes]:
         yield from _lines_backwards(path)
 
 
-def _lines_backwards(path: Path) -> Iterator[bytes]:
+def _lines_backwards(path: Path) -> Generator[bytes, None, None]:
     """The complete lines of a file, last first, read in blocks from its end (a line still being
     written, after the last newline, is left out)."""
     with path.open("rb") as handle:

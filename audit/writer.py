@@ -212,12 +212,11 @@ class AuditWriter:
         the log either); returns why a checkpoint due after it could not be written, if so."""
         with self._locked():
             self._catch_up()
-            if self._fd is None:
-                self._open()
+            fd = self._open() if self._fd is None else self._fd
             if self._size >= self._max_bytes:
                 self._close_file()
                 self._file = self._next_file()
-                self._open()
+                fd = self._open()
             seq, head, now = self._seq, self._head, _now()
             chained = []
             for waiting in batch:
@@ -226,14 +225,14 @@ class AuditWriter:
                 chained.append({**fields, "hash": head})
             data = b"".join(canonical(fields) + b"\n" for fields in chained)
             try:
-                written = os.write(self._fd, data)
+                written = os.write(fd, data)
                 while written < len(data):
-                    written += os.write(self._fd, data[written:])
-                os.fdatasync(self._fd)  # the data and the size it needs; not the mtime
+                    written += os.write(fd, data[written:])
+                os.fdatasync(fd)  # the data and the size it needs; not the mtime
             except OSError:
                 # Unacknowledged records must not stay in the chain: cut them off if the disk lets us.
                 with contextlib.suppress(OSError):
-                    os.ftruncate(self._fd, self._size)
+                    os.ftruncate(fd, self._size)
                 self._close_file()  # the head is re-read (and a torn tail cut) on the next write
                 raise
             self._size += len(data)
@@ -251,12 +250,14 @@ class AuditWriter:
             waiting.record = AuditRecord.model_construct(**fields)
         return signing_failure
 
-    def _open(self) -> None:
+    def _open(self) -> int:
+        """Open the current log file for appending; its descriptor."""
         new = not self._file.exists()
-        self._fd = os.open(self._file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        self._size = os.fstat(self._fd).st_size
+        self._fd = fd = os.open(self._file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        self._size = os.fstat(fd).st_size
         if new:
             fsync_directory(self.directory)  # the new file's name must survive a crash too
+        return fd
 
     def _close_file(self) -> None:
         if self._fd is not None:
@@ -274,7 +275,7 @@ class AuditWriter:
 
     # -- checkpoints ------------------------------------------------------------------------
 
-    def checkpoint(self) -> dict | None:
+    def checkpoint(self) -> dict[str, int | str] | None:
         """Sign the current head now (also called on a timer); None if nothing new."""
         with self._cond:
             while self._flushing or self._pending:
@@ -292,9 +293,9 @@ class AuditWriter:
             self._failed_at = time.monotonic()
             raise AuditUnavailable(self._failure)
 
-    def _sign_head(self) -> dict:
+    def _sign_head(self) -> dict[str, int | str]:
         """Append a signed statement of the head (the lock held, the head current)."""
-        statement = {"seq": self._seq, "head": self._head, "time": _now(), "key_id": self._key_id}
+        statement: dict[str, int | str] = {"seq": self._seq, "head": self._head, "time": _now(), "key_id": self._key_id}
         signed = {**statement, "signature": self._signer.sign(canonical(statement)).hex()}
         path = self.directory / CHECKPOINTS
         if path.exists():

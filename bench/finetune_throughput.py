@@ -34,7 +34,8 @@ def rows(count: int = 64) -> list[dict]:
 
 
 def appliance_run(model: Path, steps: int, qlora: bool) -> dict:
-    from finetune.train import Hyperparameters, train_adapter
+    from appliance.jobs import Hyperparameters
+    from finetune.train import train_adapter
 
     data = rows()
     with tempfile.TemporaryDirectory() as work:
@@ -48,7 +49,8 @@ def plain_run(model_dir: Path, steps: int, qlora: bool) -> dict:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from finetune.train import Hyperparameters, _quantization  # the same 4-bit config when --qlora
+    from appliance.jobs import Hyperparameters
+    from finetune.train import _quantization  # the same 4-bit config when --qlora
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32,

@@ -7,17 +7,19 @@ import hashlib
 from pathlib import Path
 
 from appliance import adapters
-from appliance.adapters import AdapterRecord
+from appliance.adapters import AdapterMetrics, AdapterRecord, AdapterState
 from appliance.artifacts import ArtifactStore
 from appliance.home import Home
+from appliance.jobs import Hyperparameters
 
 PREFIX = "adapters/"
 
 
-def register(home: Home, store: ArtifactStore, adapter_dir: Path, **fields: object) -> AdapterRecord:
+def register(home: Home, store: ArtifactStore, adapter_dir: Path, *, name: str, base_model: str,
+             base_config_sha256: str, dataset: str, dataset_sha256: str, hyperparameters: Hyperparameters,
+             metrics: AdapterMetrics, state: AdapterState) -> AdapterRecord:
     """Copy the adapter's files to the store as the next version of its name and record it."""
     with adapters.updating(home) as registry:
-        name = str(fields["name"])
         version = 1 + max((r.version for r in registry.versions(name)), default=0)
         artifact = f"{PREFIX}{name}/v{version}/"
         files = {}
@@ -26,6 +28,9 @@ def register(home: Home, store: ArtifactStore, adapter_dir: Path, **fields: obje
                 data = path.read_bytes()
                 store.put(artifact + path.name, data, retain_days=0)
                 files[path.name] = hashlib.sha256(data).hexdigest()
-        record = AdapterRecord(**{**fields, "version": version, "artifact": artifact, "files": files})
+        record = AdapterRecord(name=name, version=version, base_model=base_model,
+                               base_config_sha256=base_config_sha256, dataset=dataset, dataset_sha256=dataset_sha256,
+                               hyperparameters=hyperparameters, metrics=metrics, artifact=artifact, files=files,
+                               state=state)
         registry.adapters.append(record)
     return record

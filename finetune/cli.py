@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -18,13 +17,13 @@ from appliance.artifacts import artifact_store
 from appliance.changes import records_change
 from appliance.errors import ApplianceError
 from appliance.home import Home
+from appliance.model_refs import checkpoint
 from appliance.progress import byte_progress
 from appliance.settings import DEMO_MODEL, load_settings
 from finetune import evalsets
 from finetune.datasets import check_lengths, load_registry, parse, scan, split, store
 from finetune.pii import Scanner
-from finetune.runner import base_dir, run_job
-from finetune.train import Hyperparameters
+from finetune.runner import run_job
 
 NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 data_app = typer.Typer(help="Training datasets: validated, scanned, stored content-addressed.",
@@ -49,7 +48,7 @@ def add(
     home = Home.from_env()
     settings = load_settings(home.settings_file)
     rows = parse(file)
-    check_lengths(rows, _token_counter(home.demo_model if model == DEMO_MODEL else Path(model)),
+    check_lengths(rows, _token_counter(checkpoint(model, home, load_settings(home.settings_file), what="--model")),
                   context or settings.engine.max_model_len)
     options = settings.finetune
     rows, sensitive = scan(rows, Scanner(options.sensitive_patterns), options.sensitive_data)
@@ -71,8 +70,8 @@ def list_datasets() -> None:
 
 
 def _hyperparameters(qlora: bool, rank: int, alpha: int, lr: float, epochs: float, max_steps: int, batch_size: int,
-                     save_steps: int) -> Hyperparameters:
-    return Hyperparameters(rank=rank, alpha=alpha, learning_rate=lr, epochs=epochs, max_steps=max_steps,
+                     save_steps: int) -> jobs.Hyperparameters:
+    return jobs.Hyperparameters(rank=rank, alpha=alpha, learning_rate=lr, epochs=epochs, max_steps=max_steps,
                            batch_size=batch_size, save_steps=save_steps, qlora=qlora)
 
 
@@ -82,7 +81,7 @@ def _check(name: str, data: str, base: str, home: Home) -> None:
     registry = load_registry(home)
     if data not in registry:
         raise ApplianceError(f"no dataset named {data!r}", hint=f"datasets: {sorted(registry) or 'none'}")
-    base_dir(base, home, load_settings(home.settings_file))
+    checkpoint(base, home, load_settings(home.settings_file), what="--base")
 
 
 # Options shared by `submit` and `run`.
@@ -103,7 +102,7 @@ Regression = Annotated[Path | None, typer.Option(help="JSONL of general prompts 
                                                  "forgetting (gated on finetune.gate_max_regression_drop).")]
 
 
-def _eval_sets(scenarios: Path | None, regression: Path | None) -> dict[str, list[dict]]:
+def _eval_sets(scenarios: Path | None, regression: Path | None) -> dict[str, list[dict[str, Any]]]:
     return {kind: evalsets.parse(path) for kind, path in (("scenarios", scenarios), ("regression", regression)) if path}
 
 
@@ -116,7 +115,7 @@ def submit(data: Data, name: Name, base: Base = DEMO_MODEL, qlora: QLoRA = False
     home = Home.from_env()
     _check(name, data, base, home)
     hp = _hyperparameters(qlora, rank, alpha, lr, epochs, max_steps, batch_size, save_steps)
-    job = jobs.submit(home, name=name, data=data, base=base, hyperparameters=asdict(hp),
+    job = jobs.submit(home, name=name, data=data, base=base, hyperparameters=hp,
                       eval_sets=_eval_sets(scenarios, regression))
     out.print(f"job {job.id} queued: adapter {name} on dataset {data} (base {base})")
 
@@ -212,7 +211,7 @@ def _token_counter(model_dir: Path) -> Any:
                              hint="give --model a checkpoint directory with its tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
 
-    def count(example: dict) -> int:
+    def count(example: dict[str, Any]) -> int:
         if "messages" in example:
             return len(tokenizer.apply_chat_template(example["messages"], tokenize=True))
         return len(tokenizer(example["text"]).input_ids)

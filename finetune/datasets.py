@@ -79,7 +79,9 @@ def parse(path: Path) -> list[Row]:
 
 
 def _paragraphs(path: Path, text: str) -> list[Row]:
-    rows, start, lines = [], 1, []
+    rows: list[Row] = []
+    lines: list[str] = []
+    start = 1
     for number, line in enumerate([*text.splitlines(), ""], start=1):
         if line.strip():
             if not lines:
@@ -169,7 +171,7 @@ def _redacted(example: dict[str, Any], scanner: Scanner) -> dict[str, Any]:
     return {"text": scanner.redact(example["text"])}
 
 
-def split(rows: list[Row], eval_fraction: float) -> tuple[list[dict], list[dict]]:
+def split(rows: list[Row], eval_fraction: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Train and eval rows, chosen by each row's hash: reproducible and order-independent."""
     keyed = sorted((hashlib.sha256(_line(row.example)).hexdigest(), row.example) for row in rows)
     cut = round(len(keyed) * eval_fraction)
@@ -196,13 +198,15 @@ def check_dataset(name: str, digest: str, train: bytes, evaluation: bytes) -> No
                              hint=f"add the dataset again with `appliance data add FILE --name {name}`")
 
 
-def store(name: str, source: Path, train: list[dict], evaluation: list[dict], sensitive: dict[str, int],
+def store(name: str, source: Path, train: list[dict[str, Any]], evaluation: list[dict[str, Any]],
+          sensitive: dict[str, int],
           action: str, artifacts: ArtifactStore, home: Home) -> Imported:
     """Put the dataset in the store under its content hash and name it in the local registry."""
     train_bytes = b"".join(_line(e) + b"\n" for e in train)
     eval_bytes = b"".join(_line(e) + b"\n" for e in evaluation)
     digest = content_digest(train_bytes, eval_bytes)
-    meta = {"name": name, "sha256": digest, "source": source.name, "rows": len(train) + len(evaluation),
+    rows = len(train) + len(evaluation)
+    meta = {"name": name, "sha256": digest, "source": source.name, "rows": rows,
             "train": len(train), "eval": len(evaluation), "sensitive": sensitive, "sensitive_action": action,
             "created": datetime.now(UTC).isoformat(timespec="seconds")}
     for key, data in (("train.jsonl", train_bytes), ("eval.jsonl", eval_bytes),
@@ -211,7 +215,7 @@ def store(name: str, source: Path, train: list[dict], evaluation: list[dict], se
     registry = load_registry(home)
     registry[name] = digest
     replace_file(registry_path(home), json.dumps(registry, indent=1, sort_keys=True).encode(), mode=0o644)
-    return Imported(name=name, digest=digest, rows=meta["rows"], train=len(train), eval=len(evaluation),
+    return Imported(name=name, digest=digest, rows=rows, train=len(train), eval=len(evaluation),
                     sensitive=sensitive, action=action)
 
 

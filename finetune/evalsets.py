@@ -72,7 +72,7 @@ def _checked(item: object, where: str) -> dict[str, Any]:
 
 
 def matches(answer: str, item: dict[str, Any]) -> bool:
-    expect = item["expect"]
+    expect: str = item["expect"]
     if item["match"] == "exact":
         return answer.strip() == expect.strip()
     if item["match"] == "regex":
@@ -80,6 +80,6 @@ def matches(answer: str, item: dict[str, Any]) -> bool:
     return expect.lower() in answer.lower()
 
 
-def score(items: list[dict[str, Any]], answer: Callable[[list[dict]], str]) -> float:
+def score(items: list[dict[str, Any]], answer: Callable[[list[dict[str, Any]]], str]) -> float:
     """The share of items whose answer matches."""
     return sum(matches(answer(item["messages"]), item) for item in items) / len(items)

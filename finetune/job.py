@@ -14,7 +14,7 @@ from pathlib import Path
 
 from appliance.errors import ApplianceError
 from appliance.jobs import write_progress
-from finetune.train import Hyperparameters, train_adapter
+from finetune.train import TrainingSpec, train_adapter
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -31,13 +31,12 @@ def die_with_parent() -> None:
 
 def main(directory: Path) -> int:
     die_with_parent()
-    spec = json.loads((directory / "job.json").read_text())
-    rows = [[json.loads(line) for line in (directory / f"{split}.jsonl").read_text().splitlines()]
-            for split in ("train", "eval")]
-
+    spec = TrainingSpec.model_validate_json((directory / "job.json").read_bytes())
+    train, evaluation = ([json.loads(line) for line in (directory / f"{split}.jsonl").read_text().splitlines()]
+                         for split in ("train", "eval"))
     try:
-        train_adapter(Path(spec["base"]), *rows, directory, Hyperparameters(**spec["hyperparameters"]),
-                      on_progress=lambda progress: write_progress(directory, progress), eval_sets=spec["eval_sets"])
+        train_adapter(spec.base, train, evaluation, directory, spec.hyperparameters,
+                      on_progress=lambda progress: write_progress(directory, progress), eval_sets=spec.eval_sets)
     except ApplianceError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 1

@@ -13,23 +13,25 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 
-from appliance.adapters import AdapterRecord, AdapterState
+from appliance.adapters import AdapterMetrics, AdapterRecord, AdapterState, Scores
 from appliance.artifacts import artifact_store
 from appliance.home import Home
-from appliance.jobs import CANCEL_FILE, PROGRESS_FILE, Progress, read_progress
+from appliance.jobs import CANCEL_FILE, PROGRESS_FILE, Hyperparameters, Progress, read_progress
+from appliance.model_refs import checkpoint
 from appliance.orphans import group_members
 from appliance.programs import OFFLINE_ENVIRONMENT
 from appliance.records import config_sha256
-from appliance.settings import DEMO_MODEL, FinetuneSettings, Settings
+from appliance.settings import FinetuneSettings, Settings
 from finetune import adapters
 from finetune.datasets import PREFIX, check_dataset, load_registry
 from finetune.sandbox import prepare, sandboxed
-from finetune.train import Hyperparameters, Result, TrainingCancelled, TrainingError, load_result
+from finetune.train import Result, TrainingCancelled, TrainingError, TrainingSpec, load_result
 
 
 @dataclass(frozen=True)
@@ -43,28 +45,15 @@ class Outcome:
         return not self.failures
 
 
-def base_dir(base: str, home: Home, settings: Settings) -> Path:
-    """The checkpoint to train on: 'demo', the name a pool serves its model under, or a directory."""
-    served = {}
-    for pool in settings.pools:
-        path = home.demo_model if pool.model == DEMO_MODEL else Path(pool.model).expanduser()
-        served[pool.served_model_name or path.name] = path
-    path = home.demo_model if base == DEMO_MODEL else served.get(base) or Path(base).expanduser()
-    if not (path / "config.json").is_file():
-        raise TrainingError(f"--base {base}: {path} has no config.json",
-                            hint=f"give 'demo', a served model ({', '.join(sorted(served))}) or a checkpoint directory")
-    return path
-
-
 def run_job(directory: Path, *, name: str, data: str, base: str, hp: Hyperparameters, settings: Settings,
-            home: Home, eval_sets: dict[str, list[dict]] | None = None,
+            home: Home, eval_sets: dict[str, list[dict[str, Any]]] | None = None,
             on_progress: Callable[[Progress], None] = lambda p: None,
             on_child: Callable[[int], None] = lambda pid: None) -> Outcome:
     """Train in `directory` (resuming if it holds checkpoints), gate, register."""
     registry = load_registry(home)
     if data not in registry:
         raise TrainingError(f"no dataset named {data!r}", hint=f"datasets: {sorted(registry) or 'none'}")
-    model = base_dir(base, home, settings)
+    model = checkpoint(base, home, settings, what="--base")
     store = artifact_store(settings.artifacts, home)
     digest = registry[data]
     directory.mkdir(parents=True, exist_ok=True)
@@ -73,9 +62,8 @@ def run_job(directory: Path, *, name: str, data: str, base: str, hp: Hyperparame
     inputs = [directory / "train.jsonl", directory / "eval.jsonl", directory / "job.json"]
     for split, content in splits.items():
         (directory / f"{split}.jsonl").write_bytes(content)
-    # The model by its real path: the sandbox shows that directory, not links to it.
-    (directory / "job.json").write_text(json.dumps({"base": str(model.resolve()), "hyperparameters": asdict(hp),
-                                                    "eval_sets": eval_sets or {}}))
+    spec = TrainingSpec(base=model.resolve(), hyperparameters=hp, eval_sets=eval_sets or {})
+    (directory / "job.json").write_text(spec.model_dump_json())
     (directory / PROGRESS_FILE).unlink(missing_ok=True)
     if settings.finetune.sandbox != "none":
         prepare(directory, inputs, model.resolve())
@@ -87,12 +75,13 @@ def run_job(directory: Path, *, name: str, data: str, base: str, hp: Hyperparame
     record = adapters.register(
         home, store, result.adapter_dir, name=name, base_model=base,
         base_config_sha256=config_sha256(json.loads((model / "config.json").read_text())),
-        dataset=data, dataset_sha256=digest, hyperparameters=asdict(hp),
-        metrics={"base_eval_loss": result.base_eval_loss, "adapter_eval_loss": result.adapter_eval_loss,
-                 "improvement": result.improvement, "steps": result.steps, "train_tokens": result.train_tokens,
-                 "seconds": result.seconds, "resumed_from": result.resumed_from, "eval_sets": result.eval_sets,
-                 "processes": result.processes,
-                 "gate_failures": failures},
+        dataset=data, dataset_sha256=digest, hyperparameters=hp,
+        metrics=AdapterMetrics(
+            base_eval_loss=result.base_eval_loss, adapter_eval_loss=result.adapter_eval_loss,
+            improvement=result.improvement, steps=result.steps, train_tokens=result.train_tokens,
+            seconds=result.seconds, resumed_from=result.resumed_from,
+            eval_sets={kind: Scores.model_validate(scores) for kind, scores in result.eval_sets.items()},
+            processes=result.processes, gate_failures=failures),
         state=AdapterState.FAILED_GATE if failures else AdapterState.REGISTERED)
     return Outcome(result=result, record=record, failures=failures)
 

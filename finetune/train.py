@@ -17,8 +17,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel
+
 from appliance.errors import ApplianceError
-from appliance.jobs import Progress
+from appliance.jobs import Hyperparameters, Progress
 from finetune import evalsets
 
 ANSWER_TOKENS = 48  # greedy tokens generated to score an evaluation item
@@ -32,19 +34,12 @@ class TrainingCancelled(TrainingError):
     """Training was stopped because it was asked to (`appliance finetune cancel`)."""
 
 
-@dataclass(frozen=True)
-class Hyperparameters:
-    rank: int = 8
-    alpha: int = 16
-    dropout: float = 0.05
-    learning_rate: float = 2e-4
-    epochs: float = 1.0
-    max_steps: int = -1  # > 0 overrides epochs
-    batch_size: int = 4
-    max_length: int = 512
-    save_steps: int = 10
-    qlora: bool = False
-    seed: int = 0
+class TrainingSpec(BaseModel):
+    """DIR/job.json: what the runner asks the sandboxed trainer (finetune.job) to train."""
+
+    base: Path  # the checkpoint's real path (the sandbox shows that directory, not links to it)
+    hyperparameters: Hyperparameters
+    eval_sets: dict[str, list[dict[str, Any]]] = {}  # kind -> items (finetune.evalsets)
 
 
 @dataclass(frozen=True)
@@ -92,9 +87,10 @@ def train_adapter(base: Path, train: list[dict[str, Any]], evaluation: list[dict
     others None)."""
     import torch  # heavy imports only when training
     from datasets import Dataset
-    from peft import LoraConfig
+    from peft import LoraConfig, PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import SFTConfig, SFTTrainer
+    from trl.trainer.sft_config import SFTConfig
+    from trl.trainer.sft_trainer import SFTTrainer
 
     if not evaluation:
         raise TrainingError("the dataset has no held-out rows to evaluate on",
@@ -120,7 +116,10 @@ def train_adapter(base: Path, train: list[dict[str, Any]], evaluation: list[dict
                          eval_dataset=Dataset.from_list(as_training_rows(evaluation)),
                          processing_class=tokenizer, peft_config=peft_config)
     trainer.add_callback(_progress_callback(TrainerCallback, on_progress))
-    with trainer.model.disable_adapter():
+    adapted = trainer.model
+    if not isinstance(adapted, PeftModel):  # SFTTrainer wraps the model because peft_config is given
+        raise TrainingError(f"the trainer did not add LoRA layers to {base} (got {type(adapted).__name__})")
+    with adapted.disable_adapter():
         base_loss = trainer.evaluate()["eval_loss"]
     resume = _last_checkpoint(checkpoints)
     started = time.monotonic()
@@ -129,8 +128,8 @@ def train_adapter(base: Path, train: list[dict[str, Any]], evaluation: list[dict
     if not trainer.is_world_process_zero():
         return None
     adapter_dir = out_dir / "adapter"
-    trainer.model.save_pretrained(adapter_dir)
-    scores = _score_sets(trainer.model, tokenizer, eval_sets or {})
+    adapted.save_pretrained(str(adapter_dir))
+    scores = _score_sets(adapted, tokenizer, eval_sets or {})
     tokens = int(output.metrics.get("train_tokens", 0) or trainer.state.num_input_tokens_seen or 0)
     result = Result(adapter_dir=adapter_dir, base_eval_loss=base_loss, adapter_eval_loss=adapter_loss,
                     steps=trainer.state.global_step, train_tokens=tokens, seconds=time.monotonic() - started,
@@ -149,13 +148,14 @@ def _score_sets(model: Any, tokenizer: Any, eval_sets: dict[str, list[dict[str, 
     """Each set's score with the adapter off (the base) and on, from greedy answers."""
     import torch
 
-    def answer(messages: list[dict]) -> str:
+    def answer(messages: list[dict[str, Any]]) -> str:
         inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                                return_dict=True).to(model.device)
         with torch.no_grad():
             output = model.generate(**inputs, max_new_tokens=ANSWER_TOKENS, do_sample=False,
                                     pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
-        return tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+        text: str = tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+        return text
 
     model.eval()
     scores = {}
@@ -173,9 +173,10 @@ def _quantization(hp: Hyperparameters) -> dict[str, Any]:
     import torch
     from transformers import BitsAndBytesConfig
 
+    # transformers leaves BitsAndBytesConfig's __init__ unannotated.
     return {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                                       bnb_4bit_use_double_quant=True,
-                                                      bnb_4bit_compute_dtype=torch.float32)}
+                                                      bnb_4bit_compute_dtype=torch.float32)}  # type: ignore[no-untyped-call]
 
 
 def _last_checkpoint(checkpoints: Path) -> Path | None:
@@ -187,7 +188,7 @@ def _progress_callback(base: type, report: Callable[[Progress], None]) -> Any:
     """A TrainerCallback turning the first process's log events into Progress (step, loss,
     tokens/s of all processes, ETA)."""
 
-    class ProgressCallback(base):  # type: ignore[misc, valid-type]
+    class ProgressCallback(base):  # type: ignore[misc]  # a class passed in, to import transformers lazily
         started = time.monotonic()
         tokens_at_start = 0
 
@@ -195,8 +196,9 @@ def _progress_callback(base: type, report: Callable[[Progress], None]) -> Any:
             self.started, self.tokens_at_start = time.monotonic(), state.num_input_tokens_seen
             self.steps_at_start = state.global_step
 
-        def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
-            if "loss" not in (logs or {}) or not state.is_world_process_zero:
+        def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None,
+                   **kwargs: Any) -> None:
+            if logs is None or "loss" not in logs or not state.is_world_process_zero:
                 return  # evaluation logs, or another process's
             elapsed = time.monotonic() - self.started
             done = state.global_step - self.steps_at_start

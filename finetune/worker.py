@@ -20,7 +20,7 @@ from appliance.programs import Program
 from appliance.settings import Settings, load_settings
 from appliance.supervisor import pid_alive
 from finetune.runner import end_stale_trainer, run_job
-from finetune.train import Hyperparameters, TrainingCancelled
+from finetune.train import TrainingCancelled
 
 log = logging.getLogger("appliance.finetune-worker")
 
@@ -36,24 +36,24 @@ def work_one(home: Home, settings: Settings) -> jobs.Job | None:
     log.info("job %d (%s on %s): attempt %d", job.id, job.name, job.data, job.attempts)
     try:
         outcome = run_job(directory, name=job.name, data=job.data, base=job.base,
-                          hp=Hyperparameters(**job.hyperparameters), settings=settings, home=home,
+                          hp=job.hyperparameters, settings=settings, home=home,
                           eval_sets=job.eval_sets,
                           on_child=lambda pid: jobs.set_trainer(home, job.id, pid))
     except TrainingCancelled as exc:
-        state, message = "cancelled", exc.message
+        state, message = jobs.JobState.CANCELLED, exc.message
     except ApplianceError as exc:  # a tampered dataset (IntegrityError) among them
-        state, message = "failed", exc.message
+        state, message = jobs.JobState.FAILED, exc.message
     else:
         result, record = outcome.result, outcome.record
         verdict = "passed" if outcome.passed else "FAILED: " + "; ".join(outcome.failures)
         resumed = f", resumed from {result.resumed_from}" if result.resumed_from else ""
-        state = "succeeded" if outcome.passed else "failed"
+        state = jobs.JobState.SUCCEEDED if outcome.passed else jobs.JobState.FAILED
         message = (f"adapter {record.name} v{record.version}: held-out loss {result.base_eval_loss:.4f} -> "
                    f"{result.adapter_eval_loss:.4f} ({result.improvement:+.1%}); {result.steps} steps{resumed}; "
                    f"gate {verdict}")
     jobs.finish(home, job.id, state, message)
     try:  # the job's outcome in the audit log, as the CLI's changes are
-        succeeded = state == "succeeded"
+        succeeded = state == jobs.JobState.SUCCEEDED
         announce(Change("finetune.job", "allowed" if succeeded else "error", 0 if succeeded else 1,
                         f"job {job.id} ({job.name} on {job.data}) {state}: {message}"))
     except ApplianceError as exc:

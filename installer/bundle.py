@@ -35,6 +35,7 @@ from installer.bundle_files import (
     SUMS,
     SUMS_SIGNATURE,
     BundleFileError,
+    FileEntry,
     check_files,
     listed_files,
 )
@@ -90,10 +91,10 @@ def load_public_key(path: Path) -> Ed25519PublicKey:
     return key
 
 
-def seal(bundle: Path, key: Ed25519PrivateKey, *, description: dict, on_file: Callable[[str], None] = lambda f: None
-         ) -> str:
+def seal(bundle: Path, key: Ed25519PrivateKey, *, description: dict[str, str],
+         on_file: Callable[[str], None] = lambda f: None) -> str:
     """Write the manifest of every file in `bundle` and sign it; returns the key's fingerprint."""
-    files = {}
+    files: dict[str, FileEntry] = {}
     for name in listed_files(bundle):
         on_file(name)
         path = bundle / name
@@ -161,7 +162,7 @@ def split(bundle: Path, out: Path, part_bytes: int) -> list[Path]:
     archive = out / f"{bundle.name}.tar"
     with tarfile.open(archive, "w") as tar:
         tar.add(bundle, arcname=bundle.name)
-    parts = []
+    parts: list[Path] = []
     with archive.open("rb") as whole:
         while chunk := whole.read(part_bytes):
             part = out / f"{archive.name}.part{len(parts):03d}"
@@ -190,8 +191,8 @@ def join(parts_dir: Path, out: Path) -> Path:
     archive = out / ".bundle.tar"
     with archive.open("wb") as whole:
         for name in names:
-            with (parts_dir / name).open("rb") as part:
-                shutil.copyfileobj(part, whole)
+            with (parts_dir / name).open("rb") as piece:
+                shutil.copyfileobj(piece, whole)
     try:
         with tarfile.open(archive) as tar:
             root = _unpack(tar, out, parts_dir)

@@ -14,6 +14,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypedDict
 
 MANIFEST = "manifest.json"
 SIGNATURE = "manifest.sig"
@@ -28,6 +29,13 @@ CHUNK = 1 << 20
 
 class BundleFileError(Exception):
     """A file is missing, added, or differs from the manifest."""
+
+
+class FileEntry(TypedDict):
+    """What the manifest lists of one file."""
+
+    bytes: int
+    sha256: str
 
 
 def sha256_of(path: Path) -> str:
@@ -52,7 +60,7 @@ def listed_files(bundle: Path) -> list[str]:
     return sorted(name for name in names if name not in UNLISTED)
 
 
-def check_files(bundle: Path, files: dict[str, dict], on_file: Callable[[str], None] = lambda f: None) -> int:
+def check_files(bundle: Path, files: dict[str, FileEntry], on_file: Callable[[str], None] = lambda f: None) -> int:
     """Raise BundleFileError at the first file that is added, missing or changed; the total bytes."""
     present = set(listed_files(bundle))
     extra = sorted(present - set(files))

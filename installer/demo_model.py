@@ -128,9 +128,10 @@ def _convert(gguf: Path, out: Path, progress: Progress) -> None:
     steps = progress.add_task("convert to bf16 safetensors", total=4, unit="steps")
     with _quiet_transformers():
         config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        # transformers leaves from_config and load_gguf_checkpoint unannotated.
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)  # type: ignore[no-untyped-call]
         progress.advance(steps)
-        loaded = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)
+        loaded = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)  # type: ignore[no-untyped-call]
         missing, unexpected = model.load_state_dict(loaded["tensors"], strict=False)
         # The head is tied to the embeddings, so only lm_head may be absent from the GGUF.
         if unexpected or set(missing) - {"lm_head.weight"}:

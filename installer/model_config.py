@@ -3,6 +3,7 @@ model and the planner need, for dense/GQA, MoE and MLA architectures."""
 
 from __future__ import annotations
 
+import builtins
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -163,5 +164,5 @@ class _Fields:
             raise ModelConfigError(f"{self.source}: {key}: {value!r} is not an integer >= {minimum}")
         return value
 
-    def optional_int(self, key: str) -> int | None:
+    def optional_int(self, key: str) -> builtins.int | None:  # `int` in this class is the method above
         return None if self.config.get(key) is None else self.int(key)

@@ -13,6 +13,7 @@ requests), then a throughput proxy that favours DP over PP and NVLink over PCIe 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from appliance.errors import ApplianceError
@@ -127,7 +128,7 @@ def _nvlinked(host: Host) -> bool:
     return len(host.gpus) == 1 or host.nvlink_all_to_all
 
 
-def _layouts(model: ModelShape, gpus_per_host: int, hosts: int, pins: Pins):
+def _layouts(model: ModelShape, gpus_per_host: int, hosts: int, pins: Pins) -> Iterator[Layout]:
     """Every layout the hardware and the model allow, honouring the pins."""
     total = gpus_per_host * hosts
     tps = [t for t in _powers_of_two(gpus_per_host) if _tp_divides(model, t)]
@@ -152,7 +153,7 @@ def _layouts(model: ModelShape, gpus_per_host: int, hosts: int, pins: Pins):
                 if dp > 1 and replica > gpus_per_host:
                     continue  # a replica spanning hosts
                 for ep in eps:
-                    if ep and model.experts.routed % (tp * dp):
+                    if ep and model.experts is not None and model.experts.routed % (tp * dp):
                         continue  # experts must split evenly over the EP ranks (TP x DP)
                     yield Layout(tp=tp, pp=pp, dp=dp, ep=ep)
 

@@ -15,10 +15,10 @@ from keycloak.exceptions import KeycloakError as KcError
 
 from appliance.errors import ApplianceError
 from appliance.home import Home
+from appliance.roles import Role
 from appliance.secrets import gateway_client_secret, secret
 from appliance.settings import Settings
 from appliance.tls import keycloak_trust
-from appliance.users import Role
 from installer.keycloak import ADMIN_SECRET, ADMIN_USER
 
 ROLES = tuple(Role)
@@ -87,13 +87,20 @@ def _gateway_client(admin: KeycloakAdmin, settings: Settings, home: Home, report
             "standardFlowEnabled": False, "directAccessGrantsEnabled": False,
         }, skip_exists=True)
         report.created.append(f"client {client_id}")
-    uuid = admin.get_client_id(client_id)
-    account = admin.get_client_service_account_user(uuid)
-    management = admin.get_client_id("realm-management")
+    account = admin.get_client_service_account_user(_client_uuid(admin, client_id))
+    management = _client_uuid(admin, "realm-management")
     granted = {r["name"] for r in admin.get_client_roles_of_user(account["id"], management)}
     wanted = [admin.get_client_role(management, name) for name in SERVICE_ROLES if name not in granted]
     if wanted:
         admin.assign_client_role(account["id"], management, wanted)
+
+
+def _client_uuid(admin: KeycloakAdmin, client_id: str) -> str:
+    """Keycloak's id of a client of the realm; ProvisionError if the realm has none by that name."""
+    uuid = admin.get_client_id(client_id)
+    if uuid is None:
+        raise ProvisionError(f"Keycloak has no client {client_id!r} in realm {admin.connection.realm_name}")
+    return uuid
 
 
 def _cli_client(admin: KeycloakAdmin, settings: Settings, report: ProvisionReport) -> None:

@@ -9,6 +9,7 @@ import os
 import struct
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 from appliance.errors import ApplianceError
 
@@ -21,7 +22,7 @@ class SafetensorsFileError(ApplianceError):
     """A safetensors file is unreadable or shorter than its header says."""
 
 
-def read_header(path: Path) -> tuple[dict, int]:
+def read_header(path: Path) -> tuple[dict[str, Any], int]:
     """A safetensors file's JSON header and where its data begins."""
     try:
         with path.open("rb") as handle:

@@ -371,7 +371,7 @@ class _Source:
             if len(raw) < count * row_bytes:
                 raise ShardingError(f"{path}: tensor {piece.tensor}: the file ends inside it")
             rows_read = numpy.frombuffer(raw, numpy.uint8).reshape(count, row_bytes)
-            write_all(out, numpy.ascontiguousarray(rows_read[:, columns]))
+            write_all(out, rows_read[:, columns].tobytes())
         return rows * (columns.stop - columns.start)
 
     def _layout(self, path: Path) -> dict[str, _Bytes]:

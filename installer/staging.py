@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import Literal, TypedDict, TypeVar
 
 from appliance.durable import replace_file
 from appliance.errors import ApplianceError
@@ -43,6 +43,13 @@ LAST_STAGE = ("lm_head", "model.norm.")
 
 class StagingError(ApplianceError):
     """The checkpoint, the plan or a staged directory is not what it should be."""
+
+
+class _PartDigests(TypedDict):
+    """A sharded part's SHA-256, as its ShardPart entry in the staging manifest holds them."""
+
+    header_sha256: str
+    tensor_sha256: dict[str, str]
 
 
 @dataclass(frozen=True)
@@ -451,7 +458,7 @@ def verify_staged(directory: Path) -> list[str]:
     return [str(m.parent) for m in manifests]
 
 
-def _part_sha256(path: Path) -> dict:
+def _part_sha256(path: Path) -> _PartDigests:
     """SHA-256 of a sharded part's header and of each tensor's bytes (so a damaged tensor can be
     named; together they cover every byte), the tensors hashed on two threads (hashlib leaves the
     GIL)."""

@@ -17,19 +17,20 @@ import asyncio
 import json
 import logging
 import random
-from contextlib import AbstractContextManager
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
 
 from appliance import adapters
-from appliance.adapters import AdapterRecord, AdapterState, Alias, Registry
+from appliance.adapters import AdapterRecord, Alias, Registry, ServingChange, check_base
 from appliance.artifacts import ArtifactStore
 from appliance.errors import ApplianceError, IntegrityError
 from appliance.home import Home
+from appliance.model_refs import model_dir
 from appliance.records import config_sha256
+from appliance.roles import Role
 from appliance.settings import Settings
-from serve.engine import model_dir
 from serve.errors import GatewayError
 from serve.upstream import Pool, Upstreams
 
@@ -78,7 +79,7 @@ class AdapterRoutes:
         record = self.registry().find(str(model), version)
         return pool, record.engine_name, record
 
-    def visible(self, roles: frozenset[str]) -> list[dict]:
+    def visible(self, roles: frozenset[str]) -> list[dict[str, str]]:
         """/v1/models entries for the adapter names these roles may call (not those whose pool is
         no longer in the settings: calling one says so)."""
         pools = {pool.name: pool for pool in self.upstreams.pools}
@@ -86,108 +87,51 @@ class AdapterRoutes:
                 for name, alias in sorted(self.registry().aliases.items())
                 if roles & set(alias.roles) and alias.pool in pools]
 
-    # -- changes ------------------------------------------------------------------------------
+    # -- changes (their rules are the registry's: appliance.adapters) ---------------------------
 
-    async def deploy(self, name: str, version: int | None, pool_name: str | None, roles: list[str] | None) -> Alias:
+    async def deploy(self, name: str, version: int | None, pool_name: str | None, roles: list[Role] | None) -> Alias:
         """Serve `version` (default: the newest that passed its gate) under `name`, all requests."""
-        async with self._lock:
-            registry = self.registry()
-            record = _changeable(registry, name, version, AdapterState.DEPLOYED)
-            current = registry.aliases.get(name)
-            pool = self.upstreams.pool(pool_name or (current.pool if current else self.upstreams.pools[0].name))
-            self._check_base(record, pool)
-            await self.load(pool, record)
-            with self._updating() as registry:
-                alias = registry.aliases.get(name) or Alias(pool=pool.name, roles=roles or ["user", "admin"],
-                                                             stable=None)
-                if alias.stable is not None and alias.stable != record.version:
-                    alias.history.append(alias.stable)
-                    registry.move(name, alias.stable, AdapterState.REGISTERED)
-                if alias.canary is not None and alias.canary != record.version:
-                    registry.move(name, alias.canary, AdapterState.REGISTERED)
-                alias.pool, alias.roles = pool.name, roles or alias.roles
-                alias.stable, alias.canary, alias.canary_share = record.version, None, 0.0
-                registry.move(name, record.version, AdapterState.DEPLOYED)
-                registry.aliases[name] = alias
-            return alias
+        current = self.registry().aliases.get(name)
+        pool = self.upstreams.pool(pool_name or (current.pool if current else self.upstreams.pools[0].name))
+        return await self._change(name, lambda registry: registry.deploy(name, version, pool.name, roles))
 
     async def canary(self, name: str, version: int, share: float) -> Alias:
         """Send `share` of the requests for `name` to `version`, the rest to the stable version."""
-        async with self._lock:
-            registry = self.registry()
-            alias = _alias(registry, name)
-            if version == alias.stable:
-                raise GatewayError(409, f"{name} v{version} is already the stable version", code="conflict")
-            record = _changeable(registry, name, version, AdapterState.CANARY)
-            pool = self.upstreams.pool(alias.pool)
-            self._check_base(record, pool)
-            await self.load(pool, record)
-            with self._updating() as registry:
-                alias = registry.aliases[name]
-                if alias.canary is not None and alias.canary != version:
-                    registry.move(name, alias.canary, AdapterState.REGISTERED)
-                alias.canary, alias.canary_share = version, share
-                registry.move(name, version, AdapterState.CANARY)
-            return alias
+        return await self._change(name, lambda registry: registry.canary(name, version, share))
 
     async def rollback(self, name: str) -> Alias:
         """Drop the canary if there is one; else serve the version served before (or the base)."""
-        async with self._lock:
-            alias = _alias(self.registry(), name)
-            pool = self.upstreams.pool(alias.pool)
-            if alias.canary is not None:
-                dropped = alias.canary
-            else:
-                if alias.stable is None:
-                    raise GatewayError(409, f"{name!r} already serves the base model; nothing to roll back",
-                                       code="conflict")
-                dropped = alias.stable
-                previous = alias.history[-1] if alias.history else None
-                if previous is not None:
-                    await self.load(pool, self.registry().find(name, previous))
-            with self._updating() as registry:
-                alias = registry.aliases[name]
-                if alias.canary is not None:
-                    alias.canary, alias.canary_share = None, 0.0
-                else:
-                    alias.stable = alias.history.pop() if alias.history else None
-                    if alias.stable is not None:
-                        registry.move(name, alias.stable, AdapterState.DEPLOYED)
-                registry.move(name, dropped, AdapterState.REGISTERED)
-            await self._unload(pool, adapters.engine_name(name, dropped))
-            return alias
+        return await self._change(name, lambda registry: registry.rollback(name))
 
     async def retire(self, name: str, version: int | None) -> list[AdapterRecord]:
-        """Retire one version (not while it is served), or (no version) the name: every version
-        unloaded and retired, the name no longer served."""
+        """Retire a version that is not served, or the whole name."""
+        change = await self._apply(lambda registry: registry.retire(name, version))
+        return list(change.unload)
+
+    async def _change(self, name: str, rule: Callable[[Registry], ServingChange]) -> Alias:
+        await self._apply(rule)
+        return self.registry().alias(name)
+
+    async def _apply(self, rule: Callable[[Registry], ServingChange]) -> ServingChange:
+        """Run `rule` on a copy of the registry (its refusals change nothing and ask no engine),
+        give the engine what the change needs first, then run it for real and write it."""
         async with self._lock:
-            registry = self.registry()
-            alias = registry.aliases.get(name)
-            targets = [registry.find(name, version)] if version is not None else registry.versions(name)
-            if not targets:
-                registry.find(name, None)  # raises: no such adapter
-            if version is not None and alias is not None and version in (alias.stable, alias.canary):
-                raise GatewayError(409, f"{name} v{version} is being served; deploy another version or roll "
-                                   "back first", code="conflict")
-            with self._updating() as registry:
-                if version is None:
-                    registry.aliases.pop(name, None)
-                for record in targets:
-                    registry.move(name, record.version, AdapterState.RETIRED)
-                    if version is not None and alias is not None and version in alias.history:
-                        registry.aliases[name].history.remove(version)
-            if alias is not None:
-                for record in targets:
-                    await self._unload(self.upstreams.pool(alias.pool), record.engine_name)
-            return [self.registry().find(name, record.version) for record in targets]
+            planned = rule(self.registry().model_copy(deep=True))
+            if planned.load is not None and planned.pool is not None:
+                pool = self.upstreams.pool(planned.pool)  # a pool no longer configured: 404
+                check_base(planned.load, pool.name, pool.model, self.base_configs.get(pool.name))
+                await self.load(pool, planned.load)
+            self._stamp = None  # the cached copy is re-read after the write
+            with adapters.updating(self.home) as registry:
+                change = rule(registry)
+            # Unloading needs no configured pool: retiring an adapter whose pool was removed works.
+            configured = {pool.name: pool for pool in self.upstreams.pools}
+            if change.pool in configured:
+                for record in change.unload:
+                    await self._unload(configured[change.pool], record.engine_name)
+            return change
 
     # -- engine and files ---------------------------------------------------------------------
-
-    def _check_base(self, record: AdapterRecord, pool: Pool) -> None:
-        served = self.base_configs.get(pool.name)
-        if served is not None and served != record.base_config_sha256:
-            raise GatewayError(409, f"{record.name} v{record.version} was trained on {record.base_model}, not on "
-                               f"the model pool {pool.name!r} serves ({pool.model})", code="base_mismatch")
 
     async def load(self, pool: Pool, record: AdapterRecord) -> None:
         """Load a version into its pool's engine (again, after the engine restarted and forgot it)."""
@@ -223,17 +167,12 @@ class AdapterRoutes:
         try:
             adapters.check_files(record, files)
         except IntegrityError as exc:
-            log.error("adapter artifact refused: %s", exc.one_line())
-            raise GatewayError(409, exc.one_line(), type="invalid_request_error", code="artifact_integrity") from exc
+            log.error("adapter artifact refused: %s", exc.one_line())  # answered as a 409 by the error table
+            raise
         for name, data in files.items():
             (partial / name).write_bytes(data)
         partial.rename(directory)
         return directory
-
-    def _updating(self) -> AbstractContextManager[Registry]:
-        """The registry, changed and written back; the cached copy is refreshed afterwards."""
-        self._stamp = None
-        return adapters.updating(self.home)
 
 
 def base_configs(settings: Settings, home: Home) -> dict[str, str]:
@@ -246,16 +185,3 @@ def base_configs(settings: Settings, home: Home) -> dict[str, str]:
             continue  # a missing model is reported by /readyz and the engine itself
     return found
 
-
-def _alias(registry: Registry, name: str) -> Alias:
-    alias = registry.aliases.get(name)
-    if alias is None:
-        raise GatewayError(404, f"adapter {name!r} is not deployed", code="not_found")
-    return alias
-
-
-def _changeable(registry: Registry, name: str, version: int | None, to: AdapterState) -> AdapterRecord:
-    """The version to serve, checked against its state machine before any engine is asked."""
-    record = registry.find(name, version)
-    adapters.check_move(record, to)  # IllegalTransition: a 409 naming the move
-    return record

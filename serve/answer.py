@@ -55,8 +55,10 @@ class Answer:
             if not isinstance(call, dict):
                 continue
             key = (choice if isinstance(choice, int) else 0, call.get("index", position))
-            entry = self.tool_calls.setdefault(key, _ToolCall())  # type: ignore[arg-type]
-            function = call.get("function") if isinstance(call.get("function"), dict) else {}
+            entry = self.tool_calls.setdefault(key, _ToolCall())
+            function = call.get("function")
+            if not isinstance(function, dict):
+                continue
             if isinstance(function.get("name"), str):
                 entry.name += function["name"]
             if isinstance(function.get("arguments"), str):

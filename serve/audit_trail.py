@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from audit import AuditEvent, AuditUnavailable, AuditWriter, TextHasher
 from serve.answer import Answer
@@ -27,7 +28,7 @@ CLIENT_GONE = 499  # as nginx logs it: the client closed the connection before t
 MONITORING = {"x-audit": "summarised per user and interval"}
 
 
-def action_of(scope: dict, status: int) -> tuple[str, str | None]:
+def action_of(scope: Scope, status: int) -> tuple[str, str | None]:
     """(action, resource named in the path) for a request: its matched route's name, which each
     route declares (`name="users.disable"`, `name="services.{action}"`); a request no route
     matched is `unmatched`, its method and path (capped) the resource."""
@@ -40,7 +41,7 @@ def action_of(scope: dict, status: int) -> tuple[str, str | None]:
     return route.name.format(**params), params.get("username") or params.get("name") or params.get("job_id")
 
 
-def is_monitoring(scope: dict) -> bool:
+def is_monitoring(scope: Scope) -> bool:
     return (getattr(scope.get("route"), "openapi_extra", None) or {}) == MONITORING
 
 
@@ -81,7 +82,7 @@ class AuditMiddleware:
     over INLINE_FLUSH_LIMIT_S), the record goes to a worker thread instead, where concurrent
     records share one flush: a slow disk stalls neither their streams nor health checks."""
 
-    def __init__(self, app: Any, writer: AuditWriter, hasher: TextHasher, capture_text: bool,
+    def __init__(self, app: ASGIApp, writer: AuditWriter, hasher: TextHasher, capture_text: bool,
                  refusals: Refusals, monitoring: Summaries) -> None:
         self.app = app
         self.writer = writer
@@ -98,7 +99,7 @@ class AuditMiddleware:
         else:
             await anyio.to_thread.run_sync(self.writer.append, event)
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not scope["path"].startswith(AUDITED_PREFIXES):
             await self.app(scope, receive, send)
             return
@@ -107,13 +108,13 @@ class AuditMiddleware:
             await self._unavailable(failure).response()(scope, receive, send)
             return
         started = time.monotonic()
-        state = scope.setdefault("state", {})
-        held: dict | None = None
+        state: dict[str, Any] = scope.setdefault("state", {})
+        held: Message | None = None
         streaming = False
         status = 200
         settled = False
 
-        async def audited_send(message: dict) -> None:
+        async def audited_send(message: Message) -> None:
             nonlocal held, streaming, status, settled
             if message["type"] == "http.response.start":
                 status = message["status"]
@@ -163,7 +164,7 @@ class AuditMiddleware:
         finally:
             self.in_flight -= 1
 
-    async def _record(self, event: AuditEvent, scope: dict) -> None:
+    async def _record(self, event: AuditEvent, scope: Scope) -> None:
         """Write the request's record, unless it is a refusal or a monitoring read counted into a summary."""
         transcript: Transcript | None = scope["state"].get("transcript")
         if not self.refusals.own_record(event, relayed=transcript is not None and transcript.relayed):
@@ -172,7 +173,7 @@ class AuditMiddleware:
             return
         await self._append(event)
 
-    async def _record_unfinished(self, scope: dict, state: dict, status: int, started: float) -> None:
+    async def _record_unfinished(self, scope: Scope, state: dict[str, Any], status: int, started: float) -> None:
         """The record of a request that never completed; if even that cannot be written, the
         writer now refuses requests (fail closed) and says why in /readyz."""
         try:
@@ -180,7 +181,7 @@ class AuditMiddleware:
         except AuditUnavailable as exc:
             log.error("audit record of unfinished request %s not written: %s", state.get("request_id"), exc)
 
-    def _event(self, scope: dict, state: dict, status: int, started: float) -> tuple[AuditEvent, bool]:
+    def _event(self, scope: Scope, state: dict[str, Any], status: int, started: float) -> tuple[AuditEvent, bool]:
         """The request's record, and whether building it failed (the record then says so)."""
         client = scope.get("client")
         source = client[0] if client else None
@@ -193,7 +194,8 @@ class AuditMiddleware:
                               latency_ms=round((time.monotonic() - started) * 1000, 1),
                               error=cap_text(f"{type(exc).__name__}: {exc}")), True
 
-    def _build(self, scope: dict, state: dict, status: int, started: float, source: str | None) -> AuditEvent:
+    def _build(self, scope: Scope, state: dict[str, Any], status: int, started: float,
+               source: str | None) -> AuditEvent:
         who: Principal | None = state.get("principal")
         transcript: Transcript = state.get("transcript") or Transcript()
         action, named = action_of(scope, status)

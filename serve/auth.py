@@ -57,7 +57,7 @@ class TokenValidator:
         self._lock = asyncio.Lock()
         self._introspect = introspect
         self._on_fetch = on_fetch
-        self._verified: dict[str, dict] = {}  # token -> its claims, signature checked
+        self._verified: dict[str, object] = {}  # token -> its claims, signature checked
 
     @property
     def has_keys(self) -> bool:
@@ -108,7 +108,7 @@ class TokenValidator:
             await self._introspect.check(token, principal)
         return principal
 
-    async def _verify(self, token: str) -> Any:
+    async def _verify(self, token: str) -> object:
         """The claims of a token signed by a key of the realm with an allowed algorithm."""
         header = _header(token)
         alg = header.get("alg")
@@ -129,7 +129,7 @@ class TokenValidator:
         except (JWException, ValueError, TypeError) as exc:
             raise AuthError("bad_signature", "token signature is invalid") from exc
 
-    def _remember(self, token: str, claims: Any) -> None:
+    def _remember(self, token: str, claims: object) -> None:
         if len(self._verified) >= VERIFIED_CACHE_SIZE:
             now = time.time()
             self._verified = {t: c for t, c in self._verified.items()
@@ -139,7 +139,7 @@ class TokenValidator:
                 self._verified.clear()
         self._verified[token] = claims
 
-    def _check_claims(self, claims: Any) -> Principal:
+    def _check_claims(self, claims: object) -> Principal:
         if not isinstance(claims, dict):
             raise AuthError("malformed", "token payload is not a JSON object")
         now = time.time()

@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from appliance.users import ROLE_ORDER
+from appliance.roles import ROLE_ORDER
 from serve.auth import Principal
 from serve.errors import AuthError
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from appliance.errors import SettingsError
 from appliance.home import Home
+from appliance.model_refs import model_dir
 from appliance.programs import OFFLINE_ENVIRONMENT, Program
 from appliance.records import load_plan
 from appliance.secrets import secret
@@ -45,13 +46,6 @@ def resolve_device(engine: EngineSettings) -> str:
     if engine.device != "auto":
         return engine.device
     return "cuda" if NVIDIA_DEVICE.exists() else "cpu"
-
-
-def model_dir(pool: PoolSettings, home: Home) -> Path:
-    """The checkpoint directory a pool serves."""
-    if pool.model == DEMO_MODEL:
-        return home.demo_model
-    return Path(pool.model).expanduser()
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ GatewayError          root: status, OpenAI error type and code, extra headers
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -29,14 +30,14 @@ class GatewayError(Exception):
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
                  code: str | None = None, param: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: Mapping[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
         self.code = code
         self.param = param
-        self.headers = headers or {}
+        self.headers = dict(headers or {})
 
     def response(self) -> JSONResponse:
         """{"error": {"message", "type", "param", "code"}} with this error's status and headers."""

@@ -25,6 +25,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
+from appliance.adapters import AdapterRecord
 from appliance.artifacts import artifact_store
 from appliance.errors import ApplianceError
 from appliance.home import Home
@@ -263,8 +264,8 @@ async def relay(request: Request, who: Principal, path: str, body: ChatRequest |
         raise
 
 
-async def _forward(request: Request, gateway: Gateway, pool: Pool, adapter: Any, path: str, payload: dict,
-                   transcript: Transcript, admission: Admission, who: Principal) -> Response:
+async def _forward(request: Request, gateway: Gateway, pool: Pool, adapter: AdapterRecord | None, path: str,
+                   payload: dict[str, Any], transcript: Transcript, admission: Admission, who: Principal) -> Response:
     request_id = request.state.request_id
     started = time.monotonic()
     transcript.relayed = True

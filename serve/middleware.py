@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
 
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serve.errors import GatewayError
 from serve.metrics import Metrics
@@ -17,11 +17,11 @@ class MeterMiddleware:
     """Pure ASGI: a request id for every request; count and time every response by route,
     status and the caller's role (streaming responses are timed to their last byte)."""
 
-    def __init__(self, app: Any, metrics: Metrics) -> None:
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
         self.app = app
         self.metrics = metrics
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -30,7 +30,7 @@ class MeterMiddleware:
         started = time.monotonic()
         status = 500
 
-        async def send_with_id(message: dict) -> None:
+        async def send_with_id(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
@@ -48,11 +48,11 @@ class MeterMiddleware:
 class BodyLimitMiddleware:
     """Pure ASGI: refuse bodies over `limit` bytes with 413, by header or while reading."""
 
-    def __init__(self, app: Any, limit: int) -> None:
+    def __init__(self, app: ASGIApp, limit: int) -> None:
         self.app = app
         self.limit = limit
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -62,7 +62,7 @@ class BodyLimitMiddleware:
             return
         seen = 0
 
-        async def limited_receive() -> dict:
+        async def limited_receive() -> Message:
             nonlocal seen
             message = await receive()
             if message["type"] == "http.request":
@@ -76,7 +76,7 @@ class BodyLimitMiddleware:
         except RequestTooLarge:  # raised where nothing in the app turned it into a response
             await self._refuse(send)
 
-    async def _refuse(self, send: Any) -> None:
+    async def _refuse(self, send: Send) -> None:
         await RequestTooLarge(self.limit).error.response()({"type": "http"}, _empty_receive, send)
 
 
@@ -90,5 +90,5 @@ class RequestTooLarge(HTTPException):
         self.error = GatewayError(413, f"request body is larger than {limit} bytes", code="request_too_large")
 
 
-async def _empty_receive() -> dict:
+async def _empty_receive() -> Message:
     return {"type": "http.disconnect"}

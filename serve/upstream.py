@@ -11,13 +11,15 @@ import asyncio
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
 from appliance.home import Home
+from appliance.model_refs import model_dir
 from appliance.settings import Settings
 from serve.answer import Answer, decode_json
-from serve.engine import ENGINE_BASE_URL, engine_socket, model_dir, pool_layout
+from serve.engine import ENGINE_BASE_URL, engine_socket, pool_layout
 from serve.errors import GatewayError
 
 WATCH_INTERVAL_S = 1.0
@@ -119,7 +121,7 @@ class Upstreams:
                 return pool
         raise GatewayError(404, f"no engine pool named {name!r}", code="not_found")
 
-    async def engine_post(self, pool: Pool, path: str, body: dict) -> tuple[int, str]:
+    async def engine_post(self, pool: Pool, path: str, body: dict[str, str]) -> tuple[int, str]:
         """A control request to the engine (its LoRA endpoints): status and text of the answer."""
         await self._admit(pool)
         try:
@@ -129,9 +131,9 @@ class Upstreams:
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise self._unavailable(pool, "not reachable") from exc
 
-    async def models(self) -> list[dict]:
+    async def models(self) -> list[dict[str, Any]]:
         """Every ready pool's /v1/models entries; pools that do not answer are left out."""
-        data: list[dict] = []
+        data: list[dict[str, Any]] = []
         for pool in self.pools:
             if not await self._probe(pool):
                 continue

@@ -60,7 +60,7 @@ class Login(ModalScreen[bool]):
         self.app.call_from_thread(self.dismiss, True)
 
 
-class AdminApp(App):
+class AdminApp(App[None]):
     TITLE = "appliance"
     MODES = {"dashboard": Dashboard, "models": Models, "training": Training, "users": Users, "audit": AuditLog}
     BINDINGS = [Binding("d", "switch_mode('dashboard')", "Dashboard"),
@@ -90,7 +90,7 @@ class AdminApp(App):
     def action_login(self) -> None:
         def done(ok: bool | None) -> None:
             if ok:
-                self.run_worker(self._logged_in)
+                self.run_worker(self._logged_in)  # type: ignore[arg-type]  # textual's WorkType solves to Never for coroutine functions
 
         self.push_screen(Login(), done)
 

@@ -4,6 +4,7 @@ verification of the whole chain and its signed checkpoints."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -30,7 +31,7 @@ class AuditLog(Panel):
 
     def __init__(self) -> None:
         super().__init__()
-        self.shown: dict[str, dict] = {}
+        self.shown: dict[str, dict[str, Any]] = {}
 
     def body(self) -> ComposeResult:
         with Horizontal(id="filters"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from typing import Any
 
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -65,7 +66,7 @@ class Dashboard(Panel):
             self._show_traffic(rates(self.last, scrape))
         self.last = scrape
 
-    def _show_host(self, usage: dict) -> None:
+    def _show_host(self, usage: dict[str, Any]) -> None:
         gpus = self.query_one("#gpus", DataTable)
         line = (f"CPU {usage['cpu_percent']:.0f}% of {usage['cpu_count']} cores (load {usage['load_1m']:.2f})   "
                 f"RAM {gib(usage['memory_used_bytes'])} / {gib(usage['memory_total_bytes'])}")

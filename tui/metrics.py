@@ -61,7 +61,8 @@ def rates(before: Scrape, after: Scrape) -> Rates:
     delta = {bound: after.buckets.get(bound, 0.0) - before.buckets.get(bound, 0.0) for bound in after.buckets}
 
     def per_s(name: str) -> float:
-        return max(0.0, getattr(after, name) - getattr(before, name)) / seconds
+        change: float = getattr(after, name) - getattr(before, name)
+        return max(0.0, change) / seconds
 
     return Rates(per_s("requests"), per_s("errors"), per_s("refused"), per_s("tokens_in"), per_s("tokens_out"),
                  quantile(0.5, delta), quantile(0.95, delta), quantile(0.99, delta))

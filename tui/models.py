@@ -4,6 +4,7 @@ layouts and why) and the staging state of its weights."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from textual.app import ComposeResult
 from textual.containers import VerticalScroll
@@ -12,7 +13,7 @@ from textual.widgets import DataTable, Static
 from tui.panel import Panel, fill, gib, selected_key
 
 
-def plan_text(view: dict) -> str:
+def plan_text(view: dict[str, Any]) -> str:
     """A pool's plan and staging state as lines of text."""
     lines = [f"Pool {view['pool']}: weights in {view['model_dir']}"]
     staging = view.get("staging")
@@ -62,7 +63,7 @@ class Models(Panel):
 
     def __init__(self) -> None:
         super().__init__()
-        self.plans: dict[str, dict] = {}
+        self.plans: dict[str, dict[str, Any]] = {}
 
     def body(self) -> ComposeResult:
         yield DataTable(id="pools", cursor_type="row")

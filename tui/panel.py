@@ -24,7 +24,7 @@ BANNER_CSS = """
 """
 
 
-class Panel(Screen):
+class Panel(Screen[None]):
     """Subclasses compose `body()` and fill it in `load()`."""
 
     DEFAULT_CSS = BANNER_CSS
@@ -59,7 +59,7 @@ class Panel(Screen):
         if self.app.screen is self:  # hidden screens wait until they are shown again
             # A callable, not a coroutine: an exclusive worker cancelled before it starts leaves
             # no never-awaited coroutine behind.
-            self.run_worker(partial(self._guarded, self.load), group="load", exclusive=True)
+            self.run_worker(partial(self._guarded, self.load), group="load", exclusive=True)  # type: ignore[arg-type]  # textual's WorkType solves to Never for coroutine functions
 
     async def _guarded(self, step: Callable[[], Awaitable[Any]]) -> bool:
         """Run `step`; show what went wrong in the banner (or a notification) instead of raising."""
@@ -91,24 +91,24 @@ class Panel(Screen):
             self.reload()
 
         if question is None:
-            self.run_worker(run, group="act")
+            self.run_worker(run, group="act")  # type: ignore[arg-type]  # textual's WorkType solves to Never for coroutine functions
             return
 
         def confirmed(answer: bool | None) -> None:
             if answer:
-                self.run_worker(run, group="act")
+                self.run_worker(run, group="act")  # type: ignore[arg-type]  # textual's WorkType solves to Never for coroutine functions
 
         self.app.push_screen(Confirm(question), confirmed)
 
 
-def selected_key(table: DataTable) -> str | None:
+def selected_key(table: DataTable[Any]) -> str | None:
     """The key of the row under the cursor, if any."""
     if table.row_count == 0:
         return None
     return table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value
 
 
-def fill(table: DataTable, rows: list[tuple[str, tuple[Any, ...]]]) -> None:
+def fill(table: DataTable[Any], rows: list[tuple[str, tuple[Any, ...]]]) -> None:
     """Replace a table's rows (key, cells), keeping the cursor on the same key where it still is."""
     keep = selected_key(table)
     table.clear()

@@ -9,30 +9,28 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.widgets import DataTable, Label
 
+from appliance.adapters import AdapterMetrics, AdapterRecord, Alias, Registry
+from appliance.jobs import JobReport, JobState
 from tui.dialogs import Field, Form
 from tui.panel import Panel, duration, fill, selected_key
 
 
-def served(name: str, version: int, aliases: dict) -> str:
+def served(name: str, version: int, aliases: dict[str, Alias]) -> str:
     alias = aliases.get(name)
     if alias is None:
         return ""
-    if alias.get("stable") == version:
+    if alias.stable == version:
         return "stable"
-    if alias.get("canary") == version:
-        return f"canary {alias['canary_share']:.0%}"
+    if alias.canary == version:
+        return f"canary {alias.canary_share:.0%}"
     return ""
 
 
-def eval_summary(metrics: dict) -> str:
-    parts = []
-    if metrics.get("adapter_eval_loss") is not None:
-        parts.append(f"loss {metrics.get('base_eval_loss', 0):.3f}->{metrics['adapter_eval_loss']:.3f}")
-    for kind, scores in (metrics.get("eval_sets") or {}).items():  # kind -> base and adapter score
-        if isinstance(scores, dict) and "adapter" in scores:
-            parts.append(f"{kind} {scores.get('base', 0):.2f}->{scores['adapter']:.2f}")
-    if metrics.get("gate_failures"):
-        parts.append("gate: " + "; ".join(metrics["gate_failures"]))
+def eval_summary(metrics: AdapterMetrics) -> str:
+    parts = [f"loss {metrics.base_eval_loss:.3f}->{metrics.adapter_eval_loss:.3f}"]
+    parts += [f"{kind} {scores.base:.2f}->{scores.adapter:.2f}" for kind, scores in metrics.eval_sets.items()]
+    if metrics.gate_failures:
+        parts.append("gate: " + "; ".join(metrics.gate_failures))
     return ", ".join(parts)
 
 
@@ -48,7 +46,7 @@ class Training(Panel):
 
     def __init__(self) -> None:
         super().__init__()
-        self.records: dict[str, dict] = {}
+        self.records: dict[str, AdapterRecord] = {}
 
     def body(self) -> ComposeResult:
         yield Label("Training jobs (c: cancel)")
@@ -62,25 +60,24 @@ class Training(Panel):
         self.query_one("#adapters", DataTable).add_columns("adapter", "v", "state", "served", "evaluation")
 
     async def load(self) -> None:
-        job_list, registry = await asyncio.gather(self.client.call("GET", "/jobs"),
-                                                  self.client.call("GET", "/adapters"))
+        job_list, answer = await asyncio.gather(self.client.call("GET", "/jobs"),
+                                                self.client.call("GET", "/adapters"))
         rows = []
-        for job in reversed(job_list):  # newest first
-            p = job.get("progress") or {}
-            rows.append((str(job["id"]), (
-                job["id"], job["name"], job["state"], f"{p['step']}/{p['max_steps']}" if p else "-",
-                f"{p['loss']:.3f}" if p.get("loss") is not None else "-",
-                f"{p['tokens_per_s']:.0f}" if p else "-",
-                duration(p.get("eta_s")) if job["state"] == "running" else "-")))
+        for job in reversed([JobReport.model_validate(j) for j in job_list]):  # newest first
+            p = job.progress
+            rows.append((str(job.id), (
+                job.id, job.name, job.state, f"{p.step}/{p.max_steps}" if p else "-",
+                f"{p.loss:.3f}" if p and p.loss is not None else "-",
+                f"{p.tokens_per_s:.0f}" if p else "-",
+                duration(p.eta_s) if p and job.state == JobState.RUNNING else "-")))
         fill(self.query_one("#jobs", DataTable), rows)
-        aliases = registry.get("aliases", {})
-        self.records = {f"{r['name']}:{r['version']}": r for r in registry.get("adapters", [])}
+        registry = Registry.model_validate(answer)
+        self.records = {f"{r.name}:{r.version}": r for r in registry.adapters}
         fill(self.query_one("#adapters", DataTable),
-             [(key, (r["name"], r["version"], r["state"], served(r["name"], r["version"], aliases),
-                     eval_summary(r["metrics"])))
-              for key, r in sorted(self.records.items(), key=lambda item: (item[1]["name"], -item[1]["version"]))])
+             [(key, (r.name, r.version, r.state, served(r.name, r.version, registry.aliases), eval_summary(r.metrics)))
+              for key, r in sorted(self.records.items(), key=lambda item: (item[1].name, -item[1].version))])
 
-    def _adapter(self) -> dict | None:
+    def _adapter(self) -> AdapterRecord | None:
         return self.records.get(selected_key(self.query_one("#adapters", DataTable)) or "")
 
     def action_cancel_job(self) -> None:
@@ -91,14 +88,14 @@ class Training(Panel):
 
     def action_deploy(self) -> None:
         if (r := self._adapter()) is not None:
-            self.act(lambda: self.client.call("POST", f"/adapters/{r['name']}/deploy", json={"version": r["version"]}),
-                     f"{r['name']} v{r['version']} deployed",
-                     f"Deploy {r['name']} v{r['version']}? All of {r['name']!r}'s traffic moves to it.")
+            self.act(lambda: self.client.call("POST", f"/adapters/{r.name}/deploy", json={"version": r.version}),
+                     f"{r.name} v{r.version} deployed",
+                     f"Deploy {r.name} v{r.version}? All of {r.name!r}'s traffic moves to it.")
 
     def action_rollback(self) -> None:
         if (r := self._adapter()) is not None:
-            self.act(lambda: self.client.call("POST", f"/adapters/{r['name']}/rollback"), f"{r['name']} rolled back",
-                     f"Roll back {r['name']!r}? (drops its canary, else returns to the version served before)")
+            self.act(lambda: self.client.call("POST", f"/adapters/{r.name}/rollback"), f"{r.name} rolled back",
+                     f"Roll back {r.name!r}? (drops its canary, else returns to the version served before)")
 
     def action_canary(self) -> None:
         r = self._adapter()
@@ -113,9 +110,9 @@ class Training(Panel):
             except ValueError:
                 self.notify(f"share {values['share']!r} is not a number", severity="error", markup=False)
                 return
-            self.act(lambda: self.client.call("POST", f"/adapters/{r['name']}/canary",
-                                              json={"version": r["version"], "share": share}),
-                     f"{r['name']} v{r['version']} takes {share:.0%} of the traffic")
+            self.act(lambda: self.client.call("POST", f"/adapters/{r.name}/canary",
+                                              json={"version": r.version, "share": share}),
+                     f"{r.name} v{r.version} takes {share:.0%} of the traffic")
 
-        self.app.push_screen(Form(f"Canary {r['name']} v{r['version']}: share of requests (0-1)",
+        self.app.push_screen(Form(f"Canary {r.name} v{r.version}: share of requests (0-1)",
                                   [Field("share", "share", value="0.1")]), chosen)

@@ -9,7 +9,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.widgets import DataTable
 
-from appliance.users import Role
+from appliance.roles import Role
 from tui.dialogs import Detail, Field, Form
 from tui.panel import Panel, fill, selected_key
 

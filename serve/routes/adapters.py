@@ -8,7 +8,8 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, Field
 
 from appliance.adapters import AdapterRecord, Alias, Registry
-from appliance.users import Role
+from appliance.roles import Role
+from serve.adapters import AdapterRoutes
 from serve.audit_trail import MONITORING
 from serve.deps import requires
 
@@ -29,32 +30,37 @@ class RetireRequest(BaseModel):
     version: int | None = Field(None, ge=1, description="Unset: every version, and the name is no longer served.")
 
 
+def _adapters(request: Request) -> AdapterRoutes:
+    adapters: AdapterRoutes = request.app.state.gateway.adapters
+    return adapters
+
+
 def router() -> APIRouter:
     routes = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(requires("admin"))])
 
     @routes.get("/adapters", response_model=Registry, name="adapters.list", openapi_extra=MONITORING)
     def list_adapters(request: Request) -> Registry:
         """Every adapter version with its metrics and state, and what each name serves."""
-        return request.app.state.gateway.adapters.registry()
+        return _adapters(request).registry()
 
     @routes.post("/adapters/{name}/deploy", response_model=Alias, name="adapters.deploy")
     async def deploy_adapter(request: Request, name: str, deploy: DeployRequest) -> Alias:
         """Load a version into its pool's engine (no restart) and serve it under `name`."""
-        return await request.app.state.gateway.adapters.deploy(name, deploy.version, deploy.pool, deploy.roles)
+        return await _adapters(request).deploy(name, deploy.version, deploy.pool, deploy.roles)
 
     @routes.post("/adapters/{name}/canary", response_model=Alias, name="adapters.canary")
     async def canary_adapter(request: Request, name: str, canary: CanaryRequest) -> Alias:
         """Send a share of `name`'s requests to another version."""
-        return await request.app.state.gateway.adapters.canary(name, canary.version, canary.share)
+        return await _adapters(request).canary(name, canary.version, canary.share)
 
     @routes.post("/adapters/{name}/rollback", response_model=Alias, name="adapters.rollback")
     async def rollback_adapter(request: Request, name: str) -> Alias:
         """Drop the canary; without one, serve the version served before (or the base model)."""
-        return await request.app.state.gateway.adapters.rollback(name)
+        return await _adapters(request).rollback(name)
 
     @routes.post("/adapters/{name}/retire", response_model=list[AdapterRecord], name="adapters.retire")
     async def retire_adapter(request: Request, name: str, retire: RetireRequest) -> list[AdapterRecord]:
         """Retire a version that is not served, or the whole name."""
-        return await request.app.state.gateway.adapters.retire(name, retire.version)
+        return await _adapters(request).retire(name, retire.version)
 
     return routes

@@ -4,7 +4,7 @@ and verify its chain and signed checkpoints against this host's key (never one m
 from __future__ import annotations
 
 import itertools
-from typing import Literal
+from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, Field
@@ -31,12 +31,12 @@ def router(home: Home) -> APIRouter:
     """Query and verify the audit log (role `auditor` or `admin`)."""
     routes = APIRouter(prefix="/admin", tags=["audit"], dependencies=[Depends(requires("auditor", "admin"))])
 
-    @routes.get("/audit", response_model=list[dict], name="audit.query")
+    @routes.get("/audit", response_model=list[dict[str, Any]], name="audit.query")
     def audit_records(since: str | None = None, until: str | None = None, user: str | None = None,
                       action: str | None = Query(None, description="Exact action, e.g. users.add."),
                       outcome: Literal["allowed", "denied", "error"] | None = None,
                       newest: bool = Query(False, description="The newest `limit` records, newest first."),
-                      limit: int = Query(1000, ge=1, le=10_000)) -> list[dict]:
+                      limit: int = Query(1000, ge=1, le=10_000)) -> list[dict[str, Any]]:
         """Audit records, oldest first (or newest first), filtered by UTC time range [since, until),
         username, action and outcome. Reading stops when the page is full (newest first reads
         the log backwards from its end)."""

@@ -13,13 +13,13 @@ from pydantic import BaseModel
 from appliance import jobs
 from appliance.errors import ApplianceError
 from appliance.home import Home
+from appliance.model_refs import model_dir
 from appliance.records import STAGING_MANIFEST, Plan, load_plan
 from appliance.settings import Settings
 from appliance.staging_manifest import StagingManifest
 from appliance.usage import HostUsage, host_usage
 from serve.audit_trail import MONITORING
 from serve.deps import requires
-from serve.engine import model_dir
 
 
 class Staging(BaseModel):
@@ -42,10 +42,6 @@ class PoolPlan(BaseModel):
     staging: Staging | None
 
 
-class JobView(jobs.Job):
-    progress: jobs.Progress | None
-
-
 def staging_of(directory: pathlib.Path) -> Staging | None:
     """The staging manifest's summary, if `directory` was staged (None for a plain checkpoint)."""
     if not (directory / STAGING_MANIFEST).exists():
@@ -55,9 +51,6 @@ def staging_of(directory: pathlib.Path) -> Staging | None:
     return Staging(directory=str(directory), format=manifest.format, host=manifest.host,
                    complete=manifest.complete, files=len(files), bytes=manifest.total_bytes())
 
-
-def _job_view(home: Home, job: jobs.Job) -> JobView:
-    return JobView(**job.model_dump(), progress=jobs.read_progress(jobs.job_dir(home, job.id)))
 
 
 def router(settings: Settings, home: Home) -> APIRouter:
@@ -84,15 +77,15 @@ def router(settings: Settings, home: Home) -> APIRouter:
                                   plan_error=error, staging=staging_of(directory)))
         return views
 
-    @routes.get("/jobs", response_model=list[JobView], name="jobs.list", openapi_extra=MONITORING)
-    def list_jobs() -> list[JobView]:
+    @routes.get("/jobs", response_model=list[jobs.JobReport], name="jobs.list", openapi_extra=MONITORING)
+    def list_jobs() -> list[jobs.JobReport]:
         """Training jobs, oldest first, with the trainer's latest progress."""
-        return [_job_view(home, job) for job in jobs.listing(home)]
+        return [jobs.report(home, job) for job in jobs.listing(home)]
 
-    @routes.post("/jobs/{job_id}/cancel", response_model=JobView, name="jobs.cancel")
-    def cancel_job(job_id: Annotated[int, Path(ge=1, le=2**63 - 1)]) -> JobView:  # SQLite's integer range
+    @routes.post("/jobs/{job_id}/cancel", response_model=jobs.JobReport, name="jobs.cancel")
+    def cancel_job(job_id: Annotated[int, Path(ge=1, le=2**63 - 1)]) -> jobs.JobReport:  # SQLite's integer range
         """Cancel a queued job at once, or ask its worker to stop a running one (checkpoints kept).
         No such job: 404; one that has ended: 409 (`illegal_transition`)."""
-        return _job_view(home, jobs.cancel(home, job_id))
+        return jobs.report(home, jobs.cancel(home, job_id))
 
     return routes

@@ -7,7 +7,7 @@ thread pool.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, Field
@@ -75,7 +75,7 @@ def router(settings: Settings, home: Home) -> APIRouter:
         return _service(process(name), supervisor.restarts())
 
     @routes.get("/settings", name="settings.read")
-    def effective_settings() -> dict:
+    def effective_settings() -> dict[str, Any]:
         """The settings in effect, secrets masked."""
         return settings.masked()
 

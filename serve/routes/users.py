@@ -7,8 +7,9 @@ from fastapi import APIRouter, Depends
 from pydantic import BaseModel
 
 from appliance.home import Home
+from appliance.roles import Role
 from appliance.settings import Settings
-from appliance.users import CreatedUser, NewUser, Role, User, Users
+from appliance.users import CreatedUser, NewUser, User, Users
 from serve.deps import requires
 
 

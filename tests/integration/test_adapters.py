@@ -58,7 +58,7 @@ def test_trained_adapter_is_deployed_live_changes_answers_and_rolls_back(running
                       "--max-steps", "12", "--lr", "0.002", "--batch-size", "4", timeout=900)
     assert trained.returncode == 0, trained.stdout + trained.stderr
     [record] = adapters.load(cli.home).versions("codeword")
-    assert record.metrics["adapter_eval_loss"] < record.metrics["base_eval_loss"]
+    assert record.metrics.adapter_eval_loss < record.metrics.base_eval_loss
 
     user = realm.token("olga", "Test-password-1")
     base = ask(realm, user, MODEL)

@@ -21,8 +21,10 @@ from textual.pilot import Pilot
 from textual.widgets import DataTable, Input, Select, Static
 
 from appliance import adapters, jobs, login
+from appliance.adapters import AdapterState
 from appliance.artifacts import artifact_store
 from appliance.home import Home
+from appliance.jobs import Hyperparameters
 from appliance.records import config_sha256
 from appliance.secrets import secret
 from appliance.settings import load_settings
@@ -33,6 +35,7 @@ from tests.conftest import APPLIANCE
 from tests.integration.conftest import Running
 from tests.integration.realm import Realm
 from tests.integration.test_admin import approve_device_login
+from tests.records import metrics
 from tui.app import AdminApp
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -198,9 +201,9 @@ def test_jobs_and_adapters_screen_cancels_deploys_canaries_and_rolls_back(
     identity = config_sha256(json.loads((demo_model / "config.json").read_text()))
     for version_loss in (0.9, 0.8):
         register(home, store, adapter, name="tui-adapter", base_model=MODEL, base_config_sha256=identity,
-                 dataset="none", dataset_sha256="-", hyperparameters={}, state="registered",
-                 metrics={"base_eval_loss": 1.5, "adapter_eval_loss": version_loss,
-                          "eval_sets": {"scenario": {"base": 0.25, "adapter": 0.75}}})
+                 dataset="none", dataset_sha256="-", hyperparameters=Hyperparameters(),
+                 state=AdapterState.REGISTERED, metrics=metrics(adapter_eval_loss=version_loss, eval_sets={
+                     "scenario": {"base": 0.25, "adapter": 0.75}}))
 
     async def scenario(pilot: Pilot) -> None:
         await pilot.press("j")
@@ -236,7 +239,8 @@ def test_jobs_and_adapters_screen_cancels_deploys_canaries_and_rolls_back(
     supervisor = Supervisor(home)
     supervisor.call("stopProcess", "finetune-worker", True)
     try:
-        job = jobs.submit(home, name="tui-job", data="none", base="demo", hyperparameters={}, eval_sets={})
+        job = jobs.submit(home, name="tui-job", data="none", base="demo", hyperparameters=Hyperparameters(),
+                          eval_sets={})
         directory = jobs.job_dir(home, job.id)
         directory.mkdir(parents=True, exist_ok=True)
         jobs.write_progress(directory, jobs.Progress(step=3, max_steps=10, loss=1.25, tokens_per_s=321.0, eta_s=42))

@@ -52,8 +52,10 @@ print("CHAT", answer.status_code, answer.json()["choices"][0]["message"]["conten
 ADAPTER = """
 import json, sys
 from pathlib import Path
+from appliance.adapters import AdapterMetrics, AdapterState
 from appliance.artifacts import artifact_store
 from appliance.home import Home
+from appliance.jobs import Hyperparameters
 from appliance.records import config_sha256
 from appliance.settings import load_settings
 from finetune.adapters import register
@@ -61,7 +63,8 @@ home = Home.from_env()
 record = register(home, artifact_store(load_settings(home.settings_file).artifacts, home), Path(sys.argv[1]),
     name="kept-adapter", base_model="tiny-moe", dataset="none", dataset_sha256="-",
     base_config_sha256=config_sha256(json.loads((home.root / "models/tiny-moe/config.json").read_text())),
-    hyperparameters={}, metrics={}, state="registered")
+    hyperparameters=Hyperparameters(), state=AdapterState.REGISTERED, metrics=AdapterMetrics(
+        base_eval_loss=1.5, adapter_eval_loss=1.2, improvement=0.2, steps=4, train_tokens=512, seconds=1.0))
 print("ADAPTER", record.name, record.version)
 """
 

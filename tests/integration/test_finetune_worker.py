@@ -86,7 +86,7 @@ def test_job_trains_cut_off_from_the_network_and_survives_a_killed_worker(runnin
     assert job.state == "succeeded" and job.attempts == 2
     assert "40 steps, resumed from checkpoint-" in (job.message or "") and "gate passed" in (job.message or "")
     [record] = adapters.load(cli.home).versions("codes-job")
-    assert record.state == "registered" and record.metrics["adapter_eval_loss"] < record.metrics["base_eval_loss"]
+    assert record.state == "registered" and record.metrics.adapter_eval_loss < record.metrics.base_eval_loss
 
 
 def test_cancel_a_queued_and_a_running_job(running: Running, tiny: Path) -> None:

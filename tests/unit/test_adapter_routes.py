@@ -15,11 +15,14 @@ import pytest
 from appliance import adapters
 from appliance.adapters import MOVES, AdapterRecord, AdapterState
 from appliance.artifacts import LocalStore
-from appliance.errors import ApplianceError, IllegalTransition
+from appliance.errors import ApplianceError, Conflict, IllegalTransition, NotFound
 from appliance.home import Home
+from appliance.jobs import Hyperparameters
+from appliance.roles import Role
 from serve.adapters import AdapterRoutes
 from serve.errors import GatewayError, from_core
 from serve.upstream import Pool
+from tests.records import metrics
 
 USERS = frozenset({"user"})
 
@@ -60,7 +63,8 @@ def routes(tmp_path: Path) -> AdapterRoutes:
             store.put(artifact + "adapter_model.safetensors", b"weights", retain_days=0)
             registry.adapters.append(AdapterRecord(
                 name="codes", version=version, base_model="demo", base_config_sha256="base", dataset="d",
-                dataset_sha256="x", hyperparameters={}, metrics={}, artifact=artifact, state=state))
+                dataset_sha256="x", hyperparameters=Hyperparameters(), metrics=metrics(), artifact=artifact,
+                state=state))
     return AdapterRoutes(home, Engine(), store, {"main": "base"})  # type: ignore[arg-type]
 
 
@@ -98,7 +102,7 @@ def test_deploy_serves_the_newest_passing_version_and_loads_it(routes: AdapterRo
 
 
 def test_roles_limit_who_may_call_an_adapter(routes: AdapterRoutes) -> None:
-    run(routes.deploy("codes", 1, None, ["admin"]))
+    run(routes.deploy("codes", 1, None, [Role.ADMIN]))
     with pytest.raises(GatewayError, match="not available to your roles") as refused:
         routes.resolve("codes", USERS)
     assert refused.value.status == 403
@@ -134,8 +138,7 @@ def test_rollback_drops_the_canary_then_the_previous_version_then_to_the_base(ro
     assert [r.state for r in routes.registry().versions("codes")] == ["deployed", "registered", "failed-gate"]
     alias = run(routes.rollback("codes"))
     assert alias.stable is None and served(routes) == "base-model"  # the base model's answers again
-    with pytest.raises(GatewayError, match="already serves the base model"):
-        run(routes.rollback("codes"))
+    assert "already serves the base model" in refusal(routes.rollback("codes")).message
 
 
 def test_refusals_name_the_problem_and_change_nothing(routes: AdapterRoutes) -> None:
@@ -151,8 +154,9 @@ def test_refusals_name_the_problem_and_change_nothing(routes: AdapterRoutes) -> 
         refused = refusal(call)
         assert refused.status == status and re.search(message, refused.message), refused.message
     routes.base_configs["main"] = "another-model"
-    with pytest.raises(GatewayError, match="was trained on demo, not on the model pool 'main' serves"):
-        run(routes.deploy("codes", 1, None, None))
+    mismatch = refusal(routes.deploy("codes", 1, None, None))
+    assert (mismatch.status, mismatch.code) == (409, "base_mismatch")
+    assert "was trained on demo, not on the model pool 'main' serves" in mismatch.message
     routes.base_configs["main"] = "base"
     routes.upstreams.lora = False  # type: ignore[attr-defined]
     with pytest.raises(GatewayError, match="does not serve adapters .*enable_lora = true"):
@@ -163,9 +167,8 @@ def test_refusals_name_the_problem_and_change_nothing(routes: AdapterRoutes) -> 
 def test_retire_a_version_or_the_whole_name(routes: AdapterRoutes) -> None:
     run(routes.deploy("codes", 1, None, None))
     run(routes.deploy("codes", 2, None, None))
-    with pytest.raises(GatewayError, match="v2 is being served") as refused:
-        run(routes.retire("codes", 2))
-    assert refused.value.status == 409
+    refused = refusal(routes.retire("codes", 2))
+    assert refused.status == 409 and "v2 is being served" in refused.message
     [retired] = run(routes.retire("codes", 1))
     assert retired.state == "retired" and routes.registry().aliases["codes"].history == []
     run(routes.retire("codes", None))
@@ -191,16 +194,15 @@ def test_a_version_whose_files_changed_in_the_store_is_not_deployed(tmp_path: Pa
     with adapters.updating(home) as registry:
         registry.adapters.append(AdapterRecord(
             name="codes", version=1, base_model="demo", base_config_sha256="base", dataset="d", dataset_sha256="x",
-            hyperparameters={}, metrics={}, artifact=artifact, state="registered",
+            hyperparameters=Hyperparameters(), metrics=metrics(), artifact=artifact, state="registered",
             files={name: hashlib.sha256(data).hexdigest() for name, data in files.items()}))
     (tmp_path / "store" / artifact / "adapter_model.safetensors").chmod(0o600)
     (tmp_path / "store" / artifact / "adapter_model.safetensors").write_bytes(b"backdoor")
     engine = Engine()
     routes = AdapterRoutes(home, engine, store, {"main": "base"})  # type: ignore[arg-type]
-    with pytest.raises(GatewayError) as caught:
-        run(routes.deploy("codes", 1, None, None))
-    assert caught.value.status == 409 and caught.value.code == "artifact_integrity"
-    assert "'adapter_model.safetensors' in the artifact store is changed" in caught.value.message
+    caught = refusal(routes.deploy("codes", 1, None, None))
+    assert caught.status == 409 and caught.code == "artifact_integrity"
+    assert "'adapter_model.safetensors' in the artifact store is changed" in caught.message
     assert engine.loaded == set() and not (home.root / "adapters" / "codes" / "v1").exists()
     assert adapters.load(home).find("codes", 1).state == "registered", "nothing changed"
 
@@ -215,3 +217,37 @@ def test_every_adapter_move_is_checked_in_the_core(routes: AdapterRoutes) -> Non
         with pytest.raises(IllegalTransition, match=f"codes v1 is retired: it cannot become {state}"):
             registry.move("codes", 1, state)
     assert set(MOVES) == set(AdapterState) and not MOVES[AdapterState.RETIRED]
+
+
+def test_the_rules_of_each_change_are_the_registry_s(routes: AdapterRoutes) -> None:
+    """Deploy, canary, rollback and retire are rules of the core's Registry: they check and move
+    states and say what the engine must load and unload; no engine is asked."""
+    registry = routes.registry().model_copy(deep=True)
+    deployed = registry.deploy("codes", None, "main", None)
+    assert deployed.load is not None and deployed.load.version == 2 and deployed.unload == ()
+    assert registry.alias("codes").stable == 2 and registry.find("codes", 2).state == AdapterState.DEPLOYED
+    canary = registry.canary("codes", 1, 0.5)
+    assert canary.load is not None and canary.load.version == 1
+    with pytest.raises(Conflict, match="v2 is already the stable version"):
+        registry.canary("codes", 2, 0.5)
+    dropped = registry.rollback("codes")
+    assert dropped.load is None and [r.version for r in dropped.unload] == [1]
+    to_base = registry.rollback("codes")  # no version before v2: the base model
+    assert to_base.load is None and [r.version for r in to_base.unload] == [2]
+    assert registry.alias("codes").stable is None
+    with pytest.raises(Conflict, match="already serves the base model"):
+        registry.rollback("codes")
+    with pytest.raises(NotFound, match="'other' is not deployed"):
+        registry.rollback("other")
+    retired = registry.retire("codes", None)
+    assert retired.pool == "main" and {r.state for r in retired.unload} == {AdapterState.RETIRED}
+    assert "codes" not in registry.aliases
+    assert routes.upstreams.loaded == set()  # type: ignore[attr-defined]
+    assert routes.registry().find("codes", 2).state == AdapterState.REGISTERED, "a copy: nothing written"
+
+
+def test_an_adapter_whose_pool_was_removed_can_still_be_retired(routes: AdapterRoutes) -> None:
+    run(routes.deploy("codes", 1, None, None))
+    routes.upstreams.pools = []  # type: ignore[misc]  # the pool was removed from the settings
+    retired = run(routes.retire("codes", None))
+    assert {r.state for r in retired} == {AdapterState.RETIRED} and "codes" not in routes.registry().aliases

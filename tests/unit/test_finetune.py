@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from appliance.adapters import load
+from appliance.adapters import Scores, load
 from appliance.home import Home
+from appliance.jobs import Hyperparameters
 from audit import read_records
 from tests.conftest import tiny_llama
 
@@ -52,7 +53,7 @@ def test_lora_lowers_held_out_loss_and_is_registered(workspace: tuple[dict[str, 
     home = Home(Path(env["APPLIANCE_HOME"]))
     [record] = [r for r in load(home).adapters if r.name == "codes-lora"]
     assert record.state == "registered" and record.version == 1
-    assert record.metrics["adapter_eval_loss"] < record.metrics["base_eval_loss"]
+    assert record.metrics.adapter_eval_loss < record.metrics.base_eval_loss
     stored = home.root / "artifacts" / record.artifact
     assert (stored / "adapter_config.json").is_file() and (stored / "adapter_model.safetensors").is_file()
     assert ("adapter.train", "allowed") in [(r["action"], r["outcome"]) for r in read_records(home.audit)]
@@ -63,7 +64,7 @@ def test_qlora_runs_on_the_cpu(workspace: tuple[dict[str, str], Path]) -> None:
     result = finetune(env, model, "--name", "codes-qlora", "--max-steps", "8", "--qlora")
     assert result.returncode == 0, result.stderr
     [record] = [r for r in load(Home(Path(env["APPLIANCE_HOME"]))).adapters if r.name == "codes-qlora"]
-    assert record.hyperparameters["qlora"] and record.metrics["adapter_eval_loss"] < record.metrics["base_eval_loss"]
+    assert record.hyperparameters.qlora and record.metrics.adapter_eval_loss < record.metrics.base_eval_loss
 
 
 def test_gate_scores_evaluation_sets_and_refuses_below_its_thresholds(workspace: tuple[dict[str, str], Path],
@@ -81,10 +82,10 @@ def test_gate_scores_evaluation_sets_and_refuses_below_its_thresholds(workspace:
     [record] = [r for r in load(Home(Path(env["APPLIANCE_HOME"]))).adapters if r.name == "codes-sets"]
     assert result.returncode == 1 and record.state == "failed-gate"
     assert "failed the evaluation gate: held-out loss" in result.stderr  # not 99 % lower after four steps
-    sets = record.metrics["eval_sets"]
-    assert set(sets) == {"scenarios", "regression"} and sets["regression"] == {"base": 1.0, "adapter": 1.0}
-    assert 0 <= sets["scenarios"]["base"] <= 1 and 0 <= sets["scenarios"]["adapter"] <= 1
-    if sets["scenarios"]["adapter"] < 1.0:  # four steps rarely teach a random model the answer
+    sets = record.metrics.eval_sets
+    assert set(sets) == {"scenarios", "regression"} and sets["regression"] == Scores(base=1.0, adapter=1.0)
+    assert 0 <= sets["scenarios"].base <= 1 and 0 <= sets["scenarios"].adapter <= 1
+    if sets["scenarios"].adapter < 1.0:  # four steps rarely teach a random model the answer
         assert "scenario score" in result.stderr
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "hi", "expect": "x"}) + "\n" + json.dumps({"prompt": "hi"}) + "\n")
@@ -99,7 +100,7 @@ def test_two_processes_train_one_adapter(workspace: tuple[dict[str, str], Path])
     result = finetune({**env, "APPLIANCE_FINETUNE__PROCESSES": "2"}, model, "--name", "codes-ddp", "--max-steps", "4")
     assert result.returncode == 0, result.stderr
     [record] = [r for r in load(Home(Path(env["APPLIANCE_HOME"]))).adapters if r.name == "codes-ddp"]
-    assert record.metrics["processes"] == 2 and record.metrics["steps"] == 4
+    assert record.metrics.processes == 2 and record.metrics.steps == 4
 
 
 def test_killed_training_resumes_from_its_checkpoint(workspace: tuple[dict[str, str], Path]) -> None:
@@ -160,7 +161,8 @@ def test_a_job_on_a_dataset_changed_in_the_store_fails_and_is_audited(workspace:
     stored.chmod(0o600)
     stored.write_bytes(original.replace(b"ZEBRA", b"EVIL!", 1))
     try:
-        job = jobs.submit(home, name="poisoned", data="codes", base=str(model), hyperparameters={}, eval_sets={})
+        job = jobs.submit(home, name="poisoned", data="codes", base=str(model), hyperparameters=Hyperparameters(),
+                          eval_sets={})
         ended = work_one(home, load_settings(home.settings_file))
     finally:
         stored.write_bytes(original)

@@ -10,11 +10,11 @@ import pytest
 from appliance import jobs
 from appliance.errors import IllegalTransition, NotFound
 from appliance.home import Home
-from appliance.jobs import CANCEL_FILE, JobState
+from appliance.jobs import CANCEL_FILE, Hyperparameters, JobState
 
 
 def submitted(home: Home) -> jobs.Job:
-    return jobs.submit(home, name="a", data="d", base="demo", hyperparameters={}, eval_sets={})
+    return jobs.submit(home, name="a", data="d", base="demo", hyperparameters=Hyperparameters(), eval_sets={})
 
 
 def test_a_job_runs_and_finishes_once(tmp_path: Path) -> None:

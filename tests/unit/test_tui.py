@@ -13,8 +13,10 @@ import pytest
 from prometheus_client import generate_latest
 
 from appliance import usage
+from appliance.adapters import Alias
 from appliance.admin_client import AdminClient, NotLoggedIn, Refused, Unreachable
 from appliance.home import Home
+from appliance.roles import Role
 from appliance.settings import Settings
 from installer.hardware import parse_hardware_spec
 from installer.model_config import load_model_config
@@ -22,6 +24,7 @@ from installer.planner import plan
 from installer.staging import stage_subset
 from serve.metrics import Metrics
 from serve.routes.operations import staging_of
+from tests.records import metrics
 from tui.metrics import parse, quantile, rates
 from tui.models import plan_text
 from tui.training import eval_summary, served
@@ -74,13 +77,12 @@ def test_plan_text_names_layout_memory_rejections_and_staging(demo_model: Path, 
 
 
 def test_adapter_rows_say_what_is_served_and_how_it_evaluated() -> None:
-    aliases = {"a": {"stable": 1, "canary": 2, "canary_share": 0.25}}
+    aliases = {"a": Alias(pool="main", roles=[Role.USER], stable=1, canary=2, canary_share=0.25)}
     assert [served("a", v, aliases) for v in (1, 2, 3)] == ["stable", "canary 25%", ""]
     assert served("b", 1, aliases) == ""
-    metrics = {"base_eval_loss": 2.0, "adapter_eval_loss": 1.5,
-               "eval_sets": {"scenario": {"base": 0.1, "adapter": 0.9}},
-               "gate_failures": ["scenario score 0.90 < 0.95"]}
-    assert eval_summary(metrics) == "loss 2.000->1.500, scenario 0.10->0.90, gate: scenario score 0.90 < 0.95"
+    scored = metrics(base_eval_loss=2.0, adapter_eval_loss=1.5, eval_sets={"scenario": {"base": 0.1, "adapter": 0.9}},
+                     gate_failures=["scenario score 0.90 < 0.95"])
+    assert eval_summary(scored) == "loss 2.000->1.500, scenario 0.10->0.90, gate: scenario score 0.90 < 0.95"
 
 
 def client_with(tmp_path: Path, handler: httpx.MockTransport | None, token: bool = True) -> AdminClient:

@@ -7,7 +7,8 @@ import pytest
 from keycloak.exceptions import KeycloakConnectionError, KeycloakPostError
 
 from appliance.errors import ApplianceError, Conflict, NotFound, Unavailable
-from appliance.users import ROLE_ORDER, Role, _keycloak
+from appliance.roles import ROLE_ORDER, Role
+from appliance.users import _keycloak
 
 
 @pytest.mark.parametrize(("raised", "family", "says"), [

@@ -1,0 +1,32 @@
+"""Model references, resolved in one place: 'demo' (the bundled demo model), the name a pool
+serves its model under, or a checkpoint directory. Pools, training bases and the CLI's checks
+all name models this way."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from appliance.errors import Invalid
+from appliance.home import Home
+from appliance.settings import DEMO_MODEL, PoolSettings, Settings
+
+
+def model_dir(pool: PoolSettings, home: Home) -> Path:
+    """The checkpoint directory a pool serves ('demo' or a directory)."""
+    return home.demo_model if pool.model == DEMO_MODEL else Path(pool.model).expanduser()
+
+
+def served_models(settings: Settings, home: Home) -> dict[str, Path]:
+    """The name each pool serves its model under (what clients put in 'model') -> its directory."""
+    return {pool.served_model_name or model_dir(pool, home).name: model_dir(pool, home) for pool in settings.pools}
+
+
+def checkpoint(reference: str, home: Home, settings: Settings, *, what: str = "model") -> Path:
+    """The checkpoint directory `reference` names; Invalid (saying what was tried) if it is not one."""
+    served = served_models(settings, home)
+    path = home.demo_model if reference == DEMO_MODEL else served.get(reference) or Path(reference).expanduser()
+    if not (path / "config.json").is_file():
+        raise Invalid(f"{what} {reference}: {path} has no config.json",
+                      hint=f"give '{DEMO_MODEL}', a served model ({', '.join(sorted(served))}) or a checkpoint "
+                      "directory")
+    return path
