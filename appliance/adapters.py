@@ -24,7 +24,7 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from appliance.durable import replace_file
 from appliance.errors import Conflict, IllegalTransition, IntegrityError, NotFound, StateError
@@ -69,6 +69,9 @@ class Scores(BaseModel):
 
 class AdapterMetrics(BaseModel):
     """How the version was trained and how it did on the evaluation gate."""
+
+    # A diverged run's NaN loss travels as "NaN" (valid JSON that reads back), never as null.
+    model_config = ConfigDict(ser_json_inf_nan="strings")
 
     base_eval_loss: float
     adapter_eval_loss: float
@@ -145,7 +148,6 @@ class Registry(BaseModel):
         raise NotFound(f"adapter {name!r} has no version {version}",
                              hint=f"versions: {[r.version for r in versions]}")
 
-
     # -- what a name serves: the rules of each change ----------------------------------------
 
     def alias(self, name: str) -> Alias:
@@ -213,10 +215,22 @@ class Registry(BaseModel):
             raise Conflict(f"{name} v{version} is being served; deploy another version or roll back first")
         if version is None:
             self.aliases.pop(name, None)
-        elif alias is not None and version in alias.history:
-            alias.history.remove(version)
+        elif alias is not None:
+            alias.history = _history_without(alias.history, version, alias.stable)
         retired = tuple(self.move(name, record.version, AdapterState.RETIRED) for record in targets)
         return ServingChange(pool=alias.pool if alias is not None else None, unload=retired)
+
+
+def _history_without(history: list[int], version: int, stable: int | None) -> list[int]:
+    """`history` with every entry of `version` gone and no version following itself (nor the
+    stable one following its own last entry): each rollback then changes what is served."""
+    kept: list[int] = []
+    for entry in history:
+        if entry != version and (not kept or kept[-1] != entry):
+            kept.append(entry)
+    if kept and kept[-1] == stable:
+        kept.pop()
+    return kept
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+import stat
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -50,6 +51,7 @@ MOVES: dict[JobState, frozenset[JobState]] = {
 
 CANCEL_FILE = "cancel"  # in the job's directory: the runner stops the trainer
 PROGRESS_FILE = "progress.json"  # in the job's directory: the trainer's latest report
+PROGRESS_MAX_BYTES = 4096
 SCHEMA = """
 create table if not exists jobs (
     id integer primary key autoincrement,
@@ -108,7 +110,7 @@ class Progress(BaseModel):
     """The trainer's latest report (PROGRESS_FILE in the job's directory; the trainer writes it,
     the runner, the CLI, the admin API and the TUI read it)."""
 
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(frozen=True, ser_json_inf_nan="strings")  # a NaN loss stays valid JSON
 
     step: int
     max_steps: int
@@ -260,7 +262,14 @@ def write_progress(directory: Path, progress: Progress) -> None:
 
 def read_progress(directory: Path) -> Progress | None:
     """The job's latest progress report, if it has made one."""
-    try:
-        return Progress.model_validate_json((directory / PROGRESS_FILE).read_bytes())
-    except (OSError, ValueError):  # none yet (a torn one cannot be: it is replaced whole)
+    try:  # written by the sandboxed trainer: a regular file of a few hundred bytes, or nothing
+        descriptor = os.open(directory / PROGRESS_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
         return None
+    with os.fdopen(descriptor, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+            return None
+        try:
+            return Progress.model_validate_json(handle.read(PROGRESS_MAX_BYTES + 1))
+        except ValueError:  # not a report (a torn one cannot be: it is replaced whole)
+            return None

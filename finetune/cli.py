@@ -48,7 +48,7 @@ def add(
     home = Home.from_env()
     settings = load_settings(home.settings_file)
     rows = parse(file)
-    check_lengths(rows, _token_counter(checkpoint(model, home, load_settings(home.settings_file), what="--model")),
+    check_lengths(rows, _token_counter(checkpoint(model, home, settings, what="--model")),
                   context or settings.engine.max_model_len)
     options = settings.finetune
     rows, sensitive = scan(rows, Scanner(options.sensitive_patterns), options.sensitive_data)

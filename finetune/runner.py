@@ -7,6 +7,7 @@ resumes from the last one."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -89,7 +90,10 @@ def run_job(directory: Path, *, name: str, data: str, base: str, hp: Hyperparame
 def gate_failures(result: Result, gate: FinetuneSettings) -> list[str]:
     """Why the adapter fails the evaluation gate (thresholds in settings); empty: it passes."""
     failures = []
-    if result.improvement <= gate.gate_min_improvement:
+    if not (math.isfinite(result.base_eval_loss) and math.isfinite(result.adapter_eval_loss)):
+        failures.append(f"held-out loss {result.adapter_eval_loss} vs base {result.base_eval_loss}: not a number "
+                        "(training diverged)")
+    elif result.improvement <= gate.gate_min_improvement:
         failures.append(f"held-out loss {result.adapter_eval_loss:.4f} vs base {result.base_eval_loss:.4f}: "
                         f"needs to be more than {gate.gate_min_improvement:.0%} lower")
     scenarios = result.eval_sets.get("scenarios")

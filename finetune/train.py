@@ -140,8 +140,10 @@ def train_adapter(base: Path, train: list[dict[str, Any]], evaluation: list[dict
 
 
 def load_result(out_dir: Path) -> Result:
+    """The sandboxed trainer's result.json; the adapter is always out_dir/adapter, whatever the
+    file says (the trainer does not choose what the worker copies to the store)."""
     raw = json.loads((out_dir / "result.json").read_text())
-    return Result(**{**raw, "adapter_dir": Path(raw["adapter_dir"])})
+    return Result(**{**raw, "adapter_dir": out_dir / "adapter"})
 
 
 def _score_sets(model: Any, tokenizer: Any, eval_sets: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:

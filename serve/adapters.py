@@ -25,13 +25,13 @@ import anyio
 from appliance import adapters
 from appliance.adapters import AdapterRecord, Alias, Registry, ServingChange, check_base
 from appliance.artifacts import ArtifactStore
-from appliance.errors import ApplianceError, IntegrityError
+from appliance.errors import ApplianceError, Conflict, IntegrityError
 from appliance.home import Home
 from appliance.model_refs import model_dir
 from appliance.records import config_sha256
 from appliance.roles import Role
 from appliance.settings import Settings
-from serve.errors import GatewayError
+from serve.errors import GatewayError, from_core
 from serve.upstream import Pool, Upstreams
 
 log = logging.getLogger("appliance.gateway")
@@ -113,8 +113,8 @@ class AdapterRoutes:
         return self.registry().alias(name)
 
     async def _apply(self, rule: Callable[[Registry], ServingChange]) -> ServingChange:
-        """Run `rule` on a copy of the registry (its refusals change nothing and ask no engine),
-        give the engine what the change needs first, then run it for real and write it."""
+        """Run `rule` on a copy of the registry (a refusal there changes nothing and asks no
+        engine), give the engine what the change needs, then run it for real and write it."""
         async with self._lock:
             planned = rule(self.registry().model_copy(deep=True))
             if planned.load is not None and planned.pool is not None:
@@ -122,8 +122,8 @@ class AdapterRoutes:
                 check_base(planned.load, pool.name, pool.model, self.base_configs.get(pool.name))
                 await self.load(pool, planned.load)
             self._stamp = None  # the cached copy is re-read after the write
-            with adapters.updating(self.home) as registry:
-                change = rule(registry)
+            # In a thread: the registry's file lock may be held by the trainer registering a version.
+            change = await anyio.to_thread.run_sync(self._write, rule, planned)
             # Unloading needs no configured pool: retiring an adapter whose pool was removed works.
             configured = {pool.name: pool for pool in self.upstreams.pools}
             if change.pool in configured:
@@ -131,11 +131,24 @@ class AdapterRoutes:
                     await self._unload(configured[change.pool], record.engine_name)
             return change
 
+    def _write(self, rule: Callable[[Registry], ServingChange], planned: ServingChange) -> ServingChange:
+        """`rule` run on the registry under its lock and written; refused (nothing written) if the
+        registry changed since `planned` so that it would serve another version than the one loaded
+        (a deploy of "the newest" while the trainer registered a newer one)."""
+        with adapters.updating(self.home) as registry:
+            change = rule(registry)
+            if _version(change.load) != _version(planned.load):
+                raise Conflict("the adapter registry changed while the engine loaded the version; try again")
+        return change
+
     # -- engine and files ---------------------------------------------------------------------
 
     async def load(self, pool: Pool, record: AdapterRecord) -> None:
         """Load a version into its pool's engine (again, after the engine restarted and forgot it)."""
-        directory = await anyio.to_thread.run_sync(self._materialize, record)
+        try:
+            directory = await anyio.to_thread.run_sync(self._materialize, record)
+        except ApplianceError as exc:  # a GatewayError, as the engine's own refusals: the request path counts them
+            raise from_core(exc) from exc
         status, text = await self.upstreams.engine_post(pool, "/v1/load_lora_adapter",
                                                         {"lora_name": record.engine_name, "lora_path": str(directory)})
         if status == 200 or "already been loaded" in text:
@@ -167,7 +180,7 @@ class AdapterRoutes:
         try:
             adapters.check_files(record, files)
         except IntegrityError as exc:
-            log.error("adapter artifact refused: %s", exc.one_line())  # answered as a 409 by the error table
+            log.error("adapter artifact refused: %s", exc.one_line())
             raise
         for name, data in files.items():
             (partial / name).write_bytes(data)
@@ -185,3 +198,6 @@ def base_configs(settings: Settings, home: Home) -> dict[str, str]:
             continue  # a missing model is reported by /readyz and the engine itself
     return found
 
+
+def _version(record: AdapterRecord | None) -> tuple[str, int] | None:
+    return (record.name, record.version) if record is not None else None

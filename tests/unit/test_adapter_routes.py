@@ -251,3 +251,30 @@ def test_an_adapter_whose_pool_was_removed_can_still_be_retired(routes: AdapterR
     routes.upstreams.pools = []  # type: ignore[misc]  # the pool was removed from the settings
     retired = run(routes.retire("codes", None))
     assert {r.state for r in retired} == {AdapterState.RETIRED} and "codes" not in routes.registry().aliases
+
+
+def test_retiring_from_the_history_leaves_every_rollback_a_change(routes: AdapterRoutes) -> None:
+    registry = routes.registry().model_copy(deep=True)
+    for version in (1, 2, 1, 2):  # history [1, 2, 1], v2 served
+        registry.deploy("codes", version, "main", None)
+    assert registry.alias("codes").history == [1, 2, 1]
+    registry.retire("codes", 1)  # [2] would follow v2 itself: gone too
+    assert registry.alias("codes").history == []
+    assert registry.rollback("codes").unload[0].version == 2 and registry.alias("codes").stable is None
+
+
+def test_a_deploy_that_would_serve_another_version_than_it_loaded_is_refused(routes: AdapterRoutes) -> None:
+    """The trainer registers a newer version while the engine loads "the newest": nothing is written."""
+    engine = routes.upstreams
+    loading = engine.engine_post  # type: ignore[attr-defined]
+
+    async def load_while_registering(pool: Pool, path: str, body: dict) -> tuple[int, str]:
+        with adapters.updating(routes.home) as registry:
+            newest = registry.find("codes", 2).model_copy(update={"version": 4})
+            registry.adapters.append(newest)
+        return await loading(pool, path, body)
+
+    engine.engine_post = load_while_registering  # type: ignore[attr-defined]
+    refused = refusal(routes.deploy("codes", None, None, None))
+    assert refused.status == 409 and "changed while the engine loaded" in refused.message
+    assert "codes" not in routes.registry().aliases and routes.registry().find("codes", 2).state == "registered"

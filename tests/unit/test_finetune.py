@@ -5,6 +5,7 @@ killed run resumes from its checkpoint (issue 7, training part)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -171,3 +172,40 @@ def test_a_job_on_a_dataset_changed_in_the_store_fails_and_is_audited(workspace:
     assert "dataset 'codes' in the artifact store was changed" in (ended.message or "")
     [record] = [r for r in read_records(home.audit) if r["action"] == "finetune.job"]
     assert record["outcome"] == "error" and "was changed" in record["resource"]
+
+
+def test_a_diverged_run_fails_the_gate_and_its_metrics_still_read_back() -> None:
+    from appliance.adapters import AdapterMetrics
+    from appliance.settings import FinetuneSettings
+    from finetune.runner import gate_failures
+    from finetune.train import Result
+    from tests.records import metrics
+
+    nan = float("nan")
+    diverged = Result(adapter_dir=Path("adapter"), base_eval_loss=2.0, adapter_eval_loss=nan, steps=4,
+                      train_tokens=64, seconds=1.0, resumed_from=None)
+    [failure] = gate_failures(diverged, FinetuneSettings())
+    assert "not a number (training diverged)" in failure
+    sent = metrics(adapter_eval_loss=nan).model_dump_json()  # as the admin API answers it
+    assert '"NaN"' in sent and math.isnan(AdapterMetrics.model_validate_json(sent).adapter_eval_loss)
+
+
+def test_an_adapter_holding_a_symbolic_link_is_not_registered(tmp_path: Path) -> None:
+    """The trainer is sandboxed; the worker that copies its adapter to the store is not: a link the
+    trainer planted must not make the worker copy a file of its choosing."""
+    from appliance.adapters import AdapterState
+    from appliance.artifacts import LocalStore
+    from appliance.errors import IntegrityError
+    from finetune.adapters import register
+    from tests.records import metrics
+
+    home = Home(tmp_path / "home").ensure()
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    (adapter / "adapter_model.safetensors").symlink_to(home.secrets)
+    with pytest.raises(IntegrityError, match="symbolic link"):
+        register(home, LocalStore(tmp_path / "store"), adapter, name="a", base_model="demo", base_config_sha256="x",
+                 dataset="d", dataset_sha256="y", hyperparameters=Hyperparameters(), metrics=metrics(),
+                 state=AdapterState.REGISTERED)
+    assert load(home).adapters == [] and not (tmp_path / "store" / "adapters").exists()

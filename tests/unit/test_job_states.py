@@ -55,3 +55,18 @@ def test_cancel_a_queued_job_at_once_and_a_running_one_through_its_worker(tmp_pa
 def test_every_state_is_in_the_machine_and_the_ends_lead_nowhere() -> None:
     assert set(jobs.MOVES) == set(JobState)
     assert all(not jobs.MOVES[end] for end in jobs.FINISHED)
+
+
+def test_a_progress_report_is_read_only_from_a_small_regular_file(tmp_path: Path) -> None:
+    """progress.json is written by the sandboxed trainer: a link to a device or a FIFO is no report."""
+    import os
+
+    jobs.write_progress(tmp_path, jobs.Progress(step=1, max_steps=2, loss=float("nan"), tokens_per_s=3.0, eta_s=None))
+    report = jobs.read_progress(tmp_path)
+    assert report is not None and report.step == 1 and report.loss != report.loss  # NaN travels, as "NaN"
+    (tmp_path / jobs.PROGRESS_FILE).unlink()
+    (tmp_path / jobs.PROGRESS_FILE).symlink_to("/dev/zero")
+    assert jobs.read_progress(tmp_path) is None
+    (tmp_path / jobs.PROGRESS_FILE).unlink()
+    os.mkfifo(tmp_path / jobs.PROGRESS_FILE)
+    assert jobs.read_progress(tmp_path) is None
