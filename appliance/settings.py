@@ -69,8 +69,9 @@ class EngineSettings(_Section):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="cuda if an NVIDIA driver is present (auto), or force cpu/cuda."
     )
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
-        "bfloat16", description="Weight and activation dtype passed to vLLM --dtype."
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] | None = Field(
+        None, description="Weight and activation dtype passed to vLLM --dtype (unset: bfloat16 on cuda; float32 "
+        "on cpu, where vLLM's bfloat16 kernels on AMX hosts changed the demo model's greedy answers)."
     )
     max_model_len: int = Field(2048, gt=0, description="Longest sequence (prompt + output) in tokens.")
     gpu_memory_utilization: float | None = Field(

@@ -77,14 +77,14 @@ def decode_tokens_per_s(socket: Path, key: str, runs: int = 3) -> float:
     return best
 
 
-def transformers_tokens_per_s(model_dir: Path, runs: int = 3) -> float:
-    """The baseline: transformers generate, greedy, same prompt and token count."""
+def transformers_tokens_per_s(model_dir: Path, dtype: str, runs: int = 3) -> float:
+    """The baseline: transformers generate, greedy, same prompt, token count and dtype."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
     inputs = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}],
                                            add_generation_prompt=True, return_tensors="pt",
                                            return_dict=True)
@@ -137,7 +137,8 @@ def main() -> None:
         up_first = first_token_s(socket, key, t0)
         engine_tps = decode_tokens_per_s(socket, key)
         subprocess.run([APPLIANCE, "down"], env=env, check=True, capture_output=True)
-        hf_tps = transformers_tokens_per_s(demo)
+        dtype = launch.argv[launch.argv.index("--dtype") + 1]
+        hf_tps = transformers_tokens_per_s(demo, dtype)
     finally:
         subprocess.run([APPLIANCE, "down"], env=env, capture_output=True)
         shutil.rmtree(root, ignore_errors=True)
@@ -146,7 +147,7 @@ def main() -> None:
         "bench": "engine_start",
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "host_cpus": len(os.sched_getaffinity(0)),
-        "model": "SmolLM2-135M-Instruct bf16, vLLM CPU 0.32.0, --enforce-eager",
+        "model": f"SmolLM2-135M-Instruct {dtype}, vLLM CPU 0.32.0, --enforce-eager",
         "up_starts": "keycloak + vllm-main + gateway, then realm provisioning",
         "up_to_first_token_s": round(up_first, 1),
         "direct_vllm_to_first_token_s": round(direct_first, 1),

@@ -26,7 +26,7 @@ def test_cpu_demo_pool(tmp_path: Path) -> None:
     assert flag(argv, "--model") == str(home.demo_model)
     assert flag(argv, "--served-model-name") == "SmolLM2-135M-Instruct"
     assert flag(argv, "--uds") == str(tmp_path / "run" / "engines" / "main.sock") and "--port" not in argv
-    assert flag(argv, "--dtype") == "bfloat16" and flag(argv, "--max-model-len") == "2048"
+    assert flag(argv, "--dtype") == "float32" and flag(argv, "--max-model-len") == "2048"
     assert flag(argv, "--gpu-memory-utilization") == "0.3"
     assert "--enforce-eager" in argv and "--enable-lora" not in argv
     assert launch.environment["VLLM_CPU_KVCACHE_SPACE"] == "1"
@@ -49,7 +49,7 @@ def test_cuda_pool_with_parallelism_and_lora(tmp_path: Path) -> None:
     assert "--enable-expert-parallel" in argv
     assert flag(argv, "--max-lora-rank") == "64" and "--enable-lora" in argv
     assert flag(argv, "--max-model-len") == "32768"
-    assert flag(argv, "--gpu-memory-utilization") == "0.9"
+    assert flag(argv, "--gpu-memory-utilization") == "0.9" and flag(argv, "--dtype") == "bfloat16"
     assert "--enforce-eager" not in argv
     assert argv[-2:] == ["--kv-cache-dtype", "fp8"]
     assert launch.environment["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
