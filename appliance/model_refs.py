@@ -16,9 +16,14 @@ def model_dir(pool: PoolSettings, home: Home) -> Path:
     return home.demo_model if pool.model == DEMO_MODEL else Path(pool.model).expanduser()
 
 
+def served_name(pool: PoolSettings, home: Home) -> str:
+    """The name a pool serves its model under (what clients put in 'model')."""
+    return pool.served_model_name or model_dir(pool, home).name
+
+
 def served_models(settings: Settings, home: Home) -> dict[str, Path]:
-    """The name each pool serves its model under (what clients put in 'model') -> its directory."""
-    return {pool.served_model_name or model_dir(pool, home).name: model_dir(pool, home) for pool in settings.pools}
+    """Each pool's served name -> its checkpoint directory."""
+    return {served_name(pool, home): model_dir(pool, home) for pool in settings.pools}
 
 
 def checkpoint(reference: str, home: Home, settings: Settings, *, what: str = "model") -> Path:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from appliance.errors import SettingsError
 from appliance.home import Home
-from appliance.model_refs import model_dir
+from appliance.model_refs import model_dir, served_name
 from appliance.programs import OFFLINE_ENVIRONMENT, Program
 from appliance.records import load_plan
 from appliance.secrets import secret
@@ -79,7 +79,7 @@ def build_launch(pool: PoolSettings, settings: Settings, home: Home, api_key: st
     layout = pool_layout(pool, engine)
     device = resolve_device(engine)
     path = model_dir(pool, home)
-    served = pool.served_model_name or path.name
+    served = served_name(pool, home)
     on_cpu = device == "cpu"
     utilization = engine.gpu_memory_utilization or (0.3 if on_cpu else 0.9)
     eager = engine.enforce_eager if engine.enforce_eager is not None else on_cpu

@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 
 from appliance.home import Home
-from appliance.model_refs import model_dir
+from appliance.model_refs import served_name
 from appliance.settings import Settings
 from serve.answer import Answer, decode_json
 from serve.engine import ENGINE_BASE_URL, engine_socket, pool_layout
@@ -36,7 +36,7 @@ class Pool:
 
 def pools_from_settings(settings: Settings, home: Home) -> list[Pool]:
     """One upstream per engine pool, named by the model clients ask for."""
-    return [Pool(name=p.name, model=p.served_model_name or model_dir(p, home).name,
+    return [Pool(name=p.name, model=served_name(p, home),
                  socket=engine_socket(home, p.name),
                  max_model_len=pool_layout(p, settings.engine).max_model_len) for p in settings.pools]
 
