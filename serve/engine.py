@@ -48,6 +48,12 @@ def resolve_device(engine: EngineSettings) -> str:
     return "cuda" if NVIDIA_DEVICE.exists() else "cpu"
 
 
+def resolve_dtype(engine: EngineSettings, device: str) -> str:
+    """vLLM's --dtype: the setting, or bfloat16 on cuda and float32 on cpu (vLLM's CPU bfloat16
+    kernels changed the demo model's greedy answers on AMX hosts)."""
+    return engine.dtype or ("float32" if device == "cpu" else "bfloat16")
+
+
 @dataclass(frozen=True)
 class PoolLayout:
     tp: int
@@ -83,14 +89,13 @@ def build_launch(pool: PoolSettings, settings: Settings, home: Home, api_key: st
     on_cpu = device == "cpu"
     utilization = engine.gpu_memory_utilization or (0.3 if on_cpu else 0.9)
     eager = engine.enforce_eager if engine.enforce_eager is not None else on_cpu
-    dtype = engine.dtype or ("float32" if on_cpu else "bfloat16")
     argv = [
         # -P: never import from the working directory (the state dir holds an audit/ folder).
         sys.executable, "-P", "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(path),
         "--served-model-name", served,
         "--uds", str(engine_socket(home, pool.name)),
-        "--dtype", dtype,
+        "--dtype", resolve_dtype(engine, device),
         "--max-model-len", str(layout.max_model_len),
         "--gpu-memory-utilization", str(utilization),
         "--tensor-parallel-size", str(layout.tp),

@@ -28,7 +28,8 @@ from appliance.settings import Settings
 from installer.bundle import MANIFEST, PUBLIC_KEY, SIGNATURE, load_or_create_key, seal
 from installer.bundle_files import SUMS, SUMS_SIGNATURE
 from installer.memory import GIB, Layout, kv_bytes_per_token
-from installer.model_config import load_model_config
+from installer.model_config import DTYPE_BYTES, load_model_config
+from serve.engine import resolve_device, resolve_dtype
 from tests.conftest import APPLIANCE
 from tests.integration.test_admin_tui import random_adapter
 from tests.integration.test_planner_vllm import make_tiny_moe
@@ -75,7 +76,9 @@ def check_moe_kv_capacity(state: Path, moe: Path, record_property: pytest.Record
     reported = int(re.findall(r"KV cache size: ([\d,]+) tokens", log)[-1].replace(",", ""))
     shape = load_model_config(moe)
     assert shape.is_moe and shape.experts.routed == 4
-    predicted = Settings().engine.cpu_kvcache_gib * GIB // kv_bytes_per_token(shape, Layout())
+    engine = Settings().engine  # the KV cache is held in the engine's dtype (float32 on the CPU engine)
+    kv_bytes = DTYPE_BYTES[resolve_dtype(engine, resolve_device(engine))]
+    predicted = engine.cpu_kvcache_gib * GIB // kv_bytes_per_token(shape, Layout(), kv_bytes)
     difference = predicted / reported - 1
     record_property("kv_capacity_moe", {"predicted": predicted, "vllm": reported, "difference": difference})
     print(f"tiny MoE KV capacity: planner {predicted:,} tokens, vLLM {reported:,} tokens ({difference:+.2%})")
