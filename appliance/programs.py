@@ -42,6 +42,7 @@ class Program(BaseModel):
     urls: dict[str, str] = Field(default_factory=dict, description="What it serves, for status.")
     model: str | None = Field(None, description="Model name it serves, if any.")
     pool: str | None = Field(None, description="The engine pool it belongs to, if any.")
+    gpus: list[int] = Field(default_factory=list, description="GPU indexes it holds (engine pools on GPU hosts).")
     priority: int = Field(100, description="Lower starts first.")
     startsecs: int = Field(5, ge=0, description="Seconds up before supervisord counts it started.")
     stopwaitsecs: int = Field(30, ge=1, description="Grace period between SIGTERM and SIGKILL.")

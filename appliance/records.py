@@ -60,6 +60,7 @@ class Nic(_Record):
 
 # A host's name becomes a directory (staged weights per host): letters and digits joined by
 # single '.', '-' or '_', so never '..', '/' or a leading dot.
+CpuList = Annotated[str, Field(pattern=r"^[0-9]+(-[0-9]+)?(,[0-9]+(-[0-9]+)?)*$", max_length=4096)]
 HostName = Annotated[str, Field(pattern=r"^[A-Za-z0-9]+([._-][A-Za-z0-9]+)*$", max_length=253)]
 
 
@@ -77,6 +78,7 @@ class Host(_Record):
     cpu_cores: int | None = Field(None, ge=1)
     ram_bytes: int | None = Field(None, ge=0)
     numa_nodes: int | None = Field(None, ge=1)
+    numa_cpus: dict[int, CpuList] = Field(default_factory=dict, description="Each NUMA node's CPUs, e.g. '0-23,48-71'.")
     disks: list[Disk] = Field(default_factory=list)
     nics: list[Nic] = Field(default_factory=list)
 
@@ -119,6 +121,8 @@ class PlanModel(_Record):
     active_params: int
     format: str
     layers: int
+    quantization: str | None = Field(None, description="vLLM --quantization, where the weights are served in "
+                                     "another format than the checkpoint's.")
 
 
 class PlanHardware(_Record):
@@ -156,6 +160,7 @@ class HostCommand(_Record):
     role: str = Field(description="'head' or 'worker'.")
     argv: list[str]
     env: dict[str, str]
+    gpus: list[int] = Field(default_factory=list, description="GPU indexes its ranks hold on that host.")
 
 
 class SmallestHardware(_Record):

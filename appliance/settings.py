@@ -117,6 +117,10 @@ class PoolSettings(_Section):
     pipeline_parallel_size: int = Field(1, ge=1, description="vLLM --pipeline-parallel-size.")
     data_parallel_size: int = Field(1, ge=1, description="vLLM --data-parallel-size.")
     enable_expert_parallel: bool = Field(False, description="vLLM --enable-expert-parallel.")
+    gpus: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None, description="GPU indexes the pool holds on this host (unset: its plan's, else chosen from the free "
+        "GPUs, TP groups inside one NVLink domain and NUMA node). Pools may not share GPUs."
+    )
     enable_lora: bool = Field(False, description="Serve LoRA adapters (runtime loading on).")
     max_lora_rank: int = Field(16, ge=1, description="Largest adapter rank accepted.")
     max_loras: int = Field(4, ge=1, description="Adapters resident at once.")

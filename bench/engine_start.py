@@ -25,11 +25,12 @@ from pathlib import Path
 
 import httpx
 
+from appliance.engine_launch import engine_socket
 from appliance.home import HOME_ENV, Home
 from appliance.secrets import secret
 from appliance.settings import load_settings
 from installer.keycloak import install_dir
-from serve.engine import build_launch, engine_socket
+from serve.engine import build_launch
 
 RESULTS = Path(__file__).parent / "results" / "engine_start.json"
 PROMPT = "Write a short story about a lighthouse keeper."

@@ -24,12 +24,12 @@ from pathlib import Path
 import gateway_overhead as g  # the sibling bench: its appliance set-up, paths and interleaved load
 import httpx
 
+from appliance.engine_launch import engine_socket
 from appliance.home import HOME_ENV, Home
 from appliance.secrets import gateway_client_secret, secret
 from appliance.settings import load_settings
 from appliance.tls import ca_file, keycloak_ssl, tls_dir
 from installer.realm import BOOTSTRAP_SECRET
-from serve.engine import engine_socket
 
 PROJECT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).parent / "results" / "gateway_ab.json"

@@ -45,13 +45,13 @@ from pathlib import Path
 
 import httpx
 
+from appliance.engine_launch import engine_socket
 from appliance.home import HOME_ENV, Home
 from appliance.secrets import secret
 from appliance.settings import load_settings
 from appliance.tls import keycloak_ssl
 from installer.keycloak import install_dir
 from installer.realm import BOOTSTRAP_SECRET
-from serve.engine import engine_socket
 
 RESULTS = Path(__file__).parent / "results" / "gateway_overhead.json"
 APPLIANCE = str(Path(sys.executable).with_name("appliance"))

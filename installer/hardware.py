@@ -335,6 +335,21 @@ def _is_number(text: str) -> bool:
     return True
 
 
+def _numa_cpus(root: Path) -> dict[int, str]:
+    """Each NUMA node's CPU list as the kernel writes it ('0-23,48-71')."""
+    cpus = {}
+    for node in (root / "sys/devices/system/node").glob("node[0-9]*"):
+        listed = _read(node / "cpulist")
+        if listed and node.name[4:].isdigit():
+            cpus[int(node.name[4:])] = listed
+    return cpus
+
+
+def local_host() -> Host:
+    """This host's profile (the core's `appliance.hardware` entry point: GPU sets for pools)."""
+    return detect().hosts[0]
+
+
 def detect(root: Path = Path("/"), nvml: Any = pynvml) -> HardwareProfile:
     """This host's profile. `root` and `nvml` point elsewhere only in tests."""
     cpu_model, cores = _cpu(root)
@@ -345,6 +360,7 @@ def detect(root: Path = Path("/"), nvml: Any = pynvml) -> HardwareProfile:
         cpu_cores=cores,
         ram_bytes=_ram_bytes(root),
         numa_nodes=_numa_nodes(root),
+        numa_cpus=_numa_cpus(root),
         disks=_disks(root),
         nics=_net_interfaces(root) + _ib_ports(root),
     )

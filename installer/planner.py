@@ -14,9 +14,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
+from appliance.engine_launch import PLAN_UTILIZATION, Rank, layout_of_plan, rank_command
 from appliance.errors import ApplianceError
+from appliance.gpus import choose, nvlink_domains
+from appliance.home import Home
 from appliance.records import (
     AlternativeLayout,
     HardwareProfile,
@@ -31,13 +35,12 @@ from appliance.records import (
     RejectedLayout,
     SmallestHardware,
 )
+from appliance.settings import EngineSettings, PoolSettings, Settings
 from installer.memory import GIB, MAX_BATCHED_TOKENS, GpuMemory, Layout, count_params, gpu_memory, serving_format
 from installer.model_config import ModelShape
 
-UTILIZATION = 0.9  # vLLM's default --gpu-memory-utilization
+UTILIZATION = PLAN_UTILIZATION  # vLLM's default --gpu-memory-utilization
 MAX_HOSTS_SUGGESTED = 64
-DP_RPC_PORT = 13345
-MASTER_PORT = 29501
 
 
 class PlanError(ApplianceError):
@@ -55,6 +58,16 @@ class Pins:
 
 
 @dataclass(frozen=True)
+class LaunchSite:
+    """Whose launch a plan prints: a pool (serving the plan's model), the engine settings and state
+    dir it runs with. `appliance plan` passes the appliance's own; the defaults are placeholders."""
+
+    pool: PoolSettings = field(default_factory=lambda: PoolSettings(name="main"))
+    settings: Settings = field(default_factory=lambda: Settings(engine=EngineSettings(device="cuda")))
+    home: Home = field(default_factory=lambda: Home(Path("$APPLIANCE_HOME")))
+
+
+@dataclass(frozen=True)
 class Candidate:
     layout: Layout
     memory: GpuMemory
@@ -64,18 +77,19 @@ class Candidate:
 
 
 def plan(model: ModelShape, profile: HardwareProfile, *, context: int, concurrency: int,
-         fmt: str | None = None, pins: Pins = Pins(), model_ref: str = "MODEL") -> Plan:
+         fmt: str | None = None, pins: Pins = Pins(), model_ref: str = "MODEL", site: LaunchSite | None = None) -> Plan:
     """The plan record: chosen layout, per-GPU memory, alternatives, rejections, commands."""
     weight_format = serving_format(model, fmt)
     gpus_per_host, gpu_bytes, nvlink, gpu_name = _homogeneous(profile)
+    reach = min(max(map(len, nvlink_domains(host))) for host in profile.hosts)
     candidates = [_evaluate(model, layout, weight_format, gpus_per_host, gpu_bytes, nvlink, context, concurrency)
-                  for layout in _layouts(model, gpus_per_host, len(profile.hosts), pins)]
+                  for layout in _layouts(model, gpus_per_host, len(profile.hosts), pins, reach)]
     feasible = _ranked(candidates)
     params = count_params(model)
     record = Plan(
         model=PlanModel(name=model.name, config_sha256=model.config_sha256, architecture=model.architecture,
                         total_params=params.total, active_params=params.active, format=weight_format,
-                        layers=model.layers),
+                        layers=model.layers, quantization=_quantization(model, weight_format)),
         hardware=PlanHardware(hosts=len(profile.hosts), gpus_per_host=gpus_per_host, gpu=gpu_name,
                               gpu_memory_bytes=gpu_bytes, nvlink=nvlink),
         target=PlanTarget(context=context, concurrency=concurrency),
@@ -85,7 +99,7 @@ def plan(model: ModelShape, profile: HardwareProfile, *, context: int, concurren
     if not feasible:
         record.smallest_fitting_hardware = _smallest_hardware(
             model, weight_format, gpus_per_host, gpu_bytes, nvlink, gpu_name, context, concurrency, pins,
-            start=len(profile.hosts) + 1)
+            start=len(profile.hosts) + 1, reach=reach)
         return record
     best = feasible[0]
     memory = best.memory
@@ -98,8 +112,7 @@ def plan(model: ModelShape, profile: HardwareProfile, *, context: int, concurren
     record.alternatives = [AlternativeLayout(layout=_layout_record(c),
                                              kv_capacity_tokens=c.memory.kv_capacity_tokens * c.layout.dp)
                            for c in feasible[1:6]]
-    record.commands = commands(best.layout, best.hosts, gpus_per_host, profile.hosts, model_ref, context,
-                               weight_format, model)
+    record.commands = commands(record, profile.hosts, model_ref, site or LaunchSite())
     record.notes = [f"weights as {weight_format}; KV cache in bf16; reserves are estimates (activation peak "
                     f"of a {MAX_BATCHED_TOKENS}-token prefill step, 1 GiB non-torch, 1 GiB CUDA graphs)"]
     return record
@@ -128,14 +141,16 @@ def _nvlinked(host: Host) -> bool:
     return len(host.gpus) == 1 or host.nvlink_all_to_all
 
 
-def _layouts(model: ModelShape, gpus_per_host: int, hosts: int, pins: Pins) -> Iterator[Layout]:
-    """Every layout the hardware and the model allow, honouring the pins."""
+def _layouts(model: ModelShape, gpus_per_host: int, hosts: int, pins: Pins,
+             nvlink_reach: int) -> Iterator[Layout]:
+    """Every layout the hardware and the model allow, honouring the pins. A TP group must fit in
+    `nvlink_reach` GPUs (the smallest host's largest NVLink domain)."""
     total = gpus_per_host * hosts
-    tps = [t for t in _powers_of_two(gpus_per_host) if _tp_divides(model, t)]
+    tps = [t for t in _powers_of_two(gpus_per_host) if _tp_divides(model, t) and t <= nvlink_reach]
     if pins.tp is not None:
         if pins.tp not in tps:
-            raise PlanError(f"--tp {pins.tp} is not possible: TP must be a power of two up to the {gpus_per_host} "
-                            f"GPUs of one host and fit the model's heads ({model.heads} attention, "
+            raise PlanError(f"--tp {pins.tp} is not possible: TP must be a power of two up to the {nvlink_reach} "
+                            f"GPUs of one NVLink domain and fit the model's heads ({model.heads} attention, "
                             f"{model.kv_heads} KV)", hint=f"possible: {tps}")
         tps = [pins.tp]
     if pins.pp is not None and not 1 <= pins.pp <= model.layers:
@@ -190,11 +205,11 @@ def _evaluate(model: ModelShape, layout: Layout, fmt: str, gpus_per_host: int, g
 
 def _smallest_hardware(model: ModelShape, fmt: str, gpus_per_host: int, gpu_bytes: int, nvlink: bool,
                        gpu_name: str, context: int, concurrency: int, pins: Pins,
-                       start: int) -> SmallestHardware | None:
+                       start: int, reach: int) -> SmallestHardware | None:
     """The fewest hosts like these on which some layout fits."""
     for hosts in range(start, MAX_HOSTS_SUGGESTED + 1):
         fitting = _ranked([_evaluate(model, layout, fmt, gpus_per_host, gpu_bytes, nvlink, context, concurrency)
-                           for layout in _layouts(model, gpus_per_host, hosts, pins)])
+                           for layout in _layouts(model, gpus_per_host, hosts, pins, reach)])
         if fitting:
             return SmallestHardware(hosts=hosts, gpus_per_host=gpus_per_host, gpu=gpu_name,
                                     layout=_layout_record(fitting[0]))
@@ -211,34 +226,25 @@ def _gib(value: int) -> str:
     return f"{value / GIB:.1f} GiB"
 
 
-def commands(layout: Layout, hosts: int, gpus_per_host: int, profile_hosts: list[Host], model_ref: str,
-             context: int, fmt: str, model: ModelShape) -> list[HostCommand]:
-    """The exact vLLM launch on every host: argv and environment."""
-    names = [h.name for h in profile_hosts[:hosts]]
-    head = names[0]
-    base = ["vllm", "serve", model_ref, "--tensor-parallel-size", str(layout.tp),
-            "--pipeline-parallel-size", str(layout.pp), "--max-model-len", str(context),
-            "--gpu-memory-utilization", str(UTILIZATION)]
-    if fmt != serving_format(model, None):
-        base += ["--quantization", "bitsandbytes" if fmt == "nf4" else fmt]
-    if layout.ep:
-        base.append("--enable-expert-parallel")
-    local_gpus = min(layout.gpus, gpus_per_host)
-    out = []
-    for rank, name in enumerate(names):
-        argv = list(base)
-        if layout.dp > 1:
-            local = layout.dp // hosts
-            argv += ["--data-parallel-size", str(layout.dp), "--data-parallel-size-local", str(local)]
-            if hosts > 1:
-                argv += ["--data-parallel-address", head, "--data-parallel-rpc-port", str(DP_RPC_PORT)]
-                if rank:
-                    argv += ["--data-parallel-start-rank", str(rank * local), "--headless"]
-        elif hosts > 1:
-            argv += ["--nnodes", str(hosts), "--node-rank", str(rank), "--master-addr", head,
-                     "--master-port", str(MASTER_PORT)]
-            if rank:
-                argv.append("--headless")
-        env = {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(local_gpus))}
-        out.append(HostCommand(host=name, role="head" if rank == 0 else "worker", argv=argv, env=env))
-    return out
+def _quantization(model: ModelShape, fmt: str) -> str | None:
+    if fmt == serving_format(model, None):
+        return None
+    return "bitsandbytes" if fmt == "nf4" else fmt
+
+
+def commands(record: Plan, profile_hosts: list[Host], model_ref: str, site: LaunchSite) -> list[HostCommand]:
+    """Each host's launch, built by the engine launcher's own function (appliance.engine_launch),
+    with its GPUs chosen from the profile: TP groups inside an NVLink domain and one NUMA node."""
+    pool_layout = layout_of_plan(record, "the plan")
+    chosen = [(host, choose(host, host.gpus, pool_layout.gpus_per_host, pool_layout.tp))
+              for host in profile_hosts[:pool_layout.hosts]]
+    for host, gpus in chosen:
+        if gpus is None:
+            raise PlanError(f"{host.name}: its GPUs do not make {pool_layout.gpus_per_host // pool_layout.tp} TP "
+                            f"groups of {pool_layout.tp} inside NVLink domains",
+                            hint="pin a smaller --tp, or check the profile's nvlink_peers")
+    head = chosen[0][0].name
+    pool = site.pool.model_copy(update={"model": model_ref, "plan": None})
+    return [rank_command(pool, site.settings, site.home, pool_layout, "cuda",
+                         Rank(node=node, head=head, gpus=gpus or ()), host=host.name)
+            for node, (host, gpus) in enumerate(chosen)]

@@ -13,12 +13,15 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from appliance.engine_build import Engine
 from appliance.records import HardwareProfile
 from installer.keycloak import JDK_CANDIDATES
 
-# vLLM 0.x CUDA wheels are built for CUDA 12.8: the driver must support at least that version.
+# The CUDA an engine build needs when its runtime's version is not known (vLLM 0.x wheels: 12.8);
+# the installed build's own (appliance.engine_build.build_cuda) is checked when there is one.
 MIN_CUDA = (12, 8)
-MIN_CUDA_DRIVER = "R570"  # the first driver branch with CUDA 12.8
+# The first driver branch of each CUDA version, for the fix.
+CUDA_DRIVERS = {(12, 8): "R570", (12, 9): "R575", (13, 0): "R580"}
 MIN_RAM_BYTES = 16 * 2**30
 # Staging writes index and manifest files beside the weights, and a partial file while it works.
 DISK_MARGIN = 1.1
@@ -36,17 +39,21 @@ class Check(BaseModel):
 
 
 def run_checks(profile: HardwareProfile, *, model_bytes: int | None, staging_dir: Path, ports: list[int],
-               java_home: str | None, need_java: bool = True) -> list[Check]:
-    """Every check, in the order an operator fixes things: GPUs, driver, disk, memory, ports, Java.
+               java_home: str | None, need_java: bool = True, engine: Engine | None = "cuda",
+               engine_cuda: tuple[int, int] | None = None) -> list[Check]:
+    """Every check, in the order an operator fixes things: GPUs, engine, driver, disk, memory,
+    ports, Java.
 
-    `need_java` is False when Keycloak is external (the appliance runs no Java then).
+    `need_java` is False when Keycloak is external (the appliance runs no Java then). `engine` is the
+    installed vLLM build (None: none) and `engine_cuda` the CUDA version it was built for.
     """
     return [
         _gpus(profile),
+        _engine(profile, engine),
         _mixed_gpus(profile),
         _gpu_health(profile),
         _mig(profile),
-        _cuda(profile),
+        _cuda(profile, engine, engine_cuda or MIN_CUDA),
         _disk(staging_dir, model_bytes),
         _ram(profile),
         _ports(ports),
@@ -121,18 +128,40 @@ def _cuda_tuple(version: str | None) -> tuple[int, int] | None:
     return int(parts[0]), int(parts[1])
 
 
-def _cuda(profile: HardwareProfile) -> Check:
+def _engine(profile: HardwareProfile, engine: Engine | None) -> Check:
+    """The installed vLLM build fits the hosts: CUDA where there are GPUs, CPU where there are none."""
+    with_gpus = [host.name for host in profile.hosts if host.gpus]
+    without = [host.name for host in profile.hosts if not host.gpus]
+    if engine is None:
+        return Check(name="engine", status="fail", reason="no vLLM engine is installed",
+                     fix="run ./bootstrap.sh, or install.sh from a bundle")
+    if engine == "cuda" and without:
+        return Check(name="engine", status="fail",
+                     reason=f"the CUDA engine is installed, but {', '.join(without)} has no NVIDIA GPU or driver",
+                     fix="install the CPU engine there (./bootstrap.sh --engine cpu, or a bundle built with "
+                         "--engine cpu), or install the NVIDIA driver")
+    if engine == "cpu" and with_gpus:
+        return Check(name="engine", status="warn",
+                     reason=f"the CPU engine is installed: the GPUs of {', '.join(with_gpus)} go unused",
+                     fix="install the CUDA engine (./bootstrap.sh --engine cuda, or a bundle built with "
+                         "--engine cuda)")
+    return Check(name="engine", status="pass", reason=f"the {engine.upper()} engine fits "
+                 + ("the GPU hosts" if engine == "cuda" else "hosts without GPUs"))
+
+
+def _cuda(profile: HardwareProfile, engine: Engine | None, build: tuple[int, int]) -> Check:
     """The driver must support the CUDA version the engine's wheels were built for."""
-    need = ".".join(map(str, MIN_CUDA))
+    need = ".".join(map(str, build))
     gpu_hosts = [host for host in profile.hosts if host.gpus]
-    if not gpu_hosts:
-        return Check(name="cuda driver", status="pass", reason="no GPU: the CPU engine needs no CUDA driver")
-    old = [h for h in gpu_hosts if (v := _cuda_tuple(h.cuda_version)) is not None and v < MIN_CUDA]
+    if not gpu_hosts or engine != "cuda":
+        return Check(name="cuda driver", status="pass", reason="the CPU engine needs no CUDA driver")
+    old = [h for h in gpu_hosts if (v := _cuda_tuple(h.cuda_version)) is not None and v < build]
     if old:
         said = "; ".join(f"{h.name}: driver {h.driver_version or '?'} supports CUDA {h.cuda_version}"
                          for h in old)
+        branch = CUDA_DRIVERS.get(build)
         return Check(name="cuda driver", status="fail", reason=f"{said}; the engine needs CUDA {need}",
-                     fix=f"install NVIDIA driver {MIN_CUDA_DRIVER} or newer")
+                     fix=f"install NVIDIA driver {branch + ' or newer' if branch else f'for CUDA {need}'}")
     unknown = [h.name for h in gpu_hosts if _cuda_tuple(h.cuda_version) is None]
     if unknown:
         return Check(name="cuda driver", status="warn",

@@ -15,11 +15,12 @@ from typing import Any
 
 import aiohttp
 
+from appliance.engine_launch import engine_socket, pool_layout
 from appliance.home import Home
 from appliance.model_refs import served_name
 from appliance.settings import Settings
 from serve.answer import Answer, decode_json
-from serve.engine import ENGINE_BASE_URL, engine_socket, pool_layout
+from serve.engine import ENGINE_BASE_URL
 from serve.errors import GatewayError
 
 WATCH_INTERVAL_S = 1.0

@@ -72,13 +72,14 @@ class Models(Panel):
 
     def on_mount(self) -> None:
         super().on_mount()
-        self.query_one("#pools", DataTable).add_columns("pool", "model", "engine", "url")
+        self.query_one("#pools", DataTable).add_columns("pool", "model", "gpus", "engine", "url")
 
     async def load(self) -> None:
         pools, plans = await asyncio.gather(self.client.call("GET", "/pools"), self.client.call("GET", "/plans"))
         self.plans = {view["pool"]: view for view in plans}
         fill(self.query_one("#pools", DataTable),
-             [(p["name"], (p["name"], p["model"], "healthy" if p["healthy"] else "DOWN", p["url"])) for p in pools])
+             [(p["name"], (p["name"], p["model"], ",".join(map(str, p["gpus"])) or "-",
+                           "healthy" if p["healthy"] else "DOWN", p["url"])) for p in pools])
         self._show_plan()
 
     def on_data_table_row_highlighted(self) -> None:

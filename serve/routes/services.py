@@ -14,6 +14,7 @@ from pydantic import BaseModel, Field
 
 from appliance.errors import SupervisorError
 from appliance.home import Home
+from appliance.lifecycle import started_programs
 from appliance.settings import Settings
 from appliance.supervisor import ProcessInfo, Supervisor
 from serve.audit_trail import MONITORING
@@ -35,6 +36,7 @@ class Pool(BaseModel):
     model: str
     url: str
     healthy: bool
+    gpus: list[int] = Field(description="GPU indexes its engine holds (none on the CPU engine).")
 
 
 def _service(info: ProcessInfo, restarts: dict[str, int]) -> Service:
@@ -83,7 +85,8 @@ def router(settings: Settings, home: Home) -> APIRouter:
     async def pools(request: Request) -> list[Pool]:
         """Engine pools, the model each serves, and whether it answers."""
         upstreams = request.app.state.gateway.upstreams
-        return [Pool(name=p.name, model=p.model, url=f"unix:{p.socket}", healthy=await upstreams.healthy(p))
-                for p in upstreams.pools]
+        gpus = {program.pool: program.gpus for program in started_programs(home) if program.pool}
+        return [Pool(name=p.name, model=p.model, url=f"unix:{p.socket}", healthy=await upstreams.healthy(p),
+                     gpus=gpus.get(p.name, [])) for p in upstreams.pools]
 
     return routes

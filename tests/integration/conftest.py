@@ -16,11 +16,11 @@ import httpx
 import pytest
 from minio import Minio
 
+from appliance.engine_launch import engine_socket
 from installer.hardware import parse_hardware_spec
 from installer.model_config import load_model_config
 from installer.planner import plan
 from installer.staging import stage_subset
-from serve.engine import engine_socket
 from tests.conftest import Appliance, free_port, make_appliance
 
 RCLONE = str(Path(sys.executable).with_name("rclone"))

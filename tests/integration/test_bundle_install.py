@@ -24,12 +24,12 @@ from pathlib import Path
 import pytest
 from cryptography.hazmat.primitives import serialization
 
+from appliance.engine_launch import resolve_device, resolve_dtype
 from appliance.settings import Settings
 from installer.bundle import MANIFEST, PUBLIC_KEY, SIGNATURE, load_or_create_key, seal
 from installer.bundle_files import SUMS, SUMS_SIGNATURE
 from installer.memory import GIB, Layout, kv_bytes_per_token
 from installer.model_config import DTYPE_BYTES, load_model_config
-from serve.engine import resolve_device, resolve_dtype
 from tests.conftest import APPLIANCE
 from tests.integration.test_admin_tui import random_adapter
 from tests.integration.test_planner_vllm import make_tiny_moe

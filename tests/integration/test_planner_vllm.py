@@ -12,10 +12,10 @@ import pytest
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from appliance.engine_launch import resolve_device, resolve_dtype
 from appliance.settings import load_settings
 from installer.memory import GIB, Layout, kv_bytes_per_token
 from installer.model_config import DTYPE_BYTES, load_model_config
-from serve.engine import resolve_device, resolve_dtype
 from tests.integration.conftest import Running
 
 

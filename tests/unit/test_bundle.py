@@ -29,6 +29,9 @@ from installer.bundle import (
 from tests.conftest import APPLIANCE
 
 INSTALL_SH = Path(installer.__file__).with_name("install.sh")
+# The engine this host needs (the rule of appliance.engine_build), and the other one.
+HOST_ENGINE = "cuda" if Path("/dev/nvidiactl").exists() else "cpu"
+OTHER_ENGINE = "cpu" if HOST_ENGINE == "cuda" else "cuda"
 BUNDLE_CHECK = Path(installer.__file__).with_name("bundle_files.py")
 
 
@@ -43,7 +46,7 @@ def bundle(tmp_path: Path) -> tuple[Path, Ed25519PrivateKey]:
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_bytes(data)
     key = load_or_create_key(tmp_path / "keys" / "bundle.pem")
-    seal(root, key, description={"platform": "linux_x86_64", "python": "3.11"})
+    seal(root, key, description={"platform": "linux_x86_64", "python": "3.11", "engine": HOST_ENGINE})
     return root, key
 
 
@@ -199,6 +202,25 @@ def test_install_sh_will_not_trust_the_bundled_key_unless_told_to(bundle: tuple[
     assert f"signed by the bundled key: {fingerprint(key.public_key())}" in right.stdout  # (then fails: no wheels)
     assert not (tmp_path / "prefix" / "venv").exists() or right.returncode != 0
     assert not list(Path(os.environ.get("TMPDIR", "/var/tmp")).glob("appliance-bundle.*")), "private copy removed"
+
+
+def test_install_sh_refuses_a_bundle_whose_engine_does_not_fit_the_host(bundle: tuple[Path, Ed25519PrivateKey],
+                                                                        tmp_path: Path) -> None:
+    """Issue 19: a CUDA bundle on a host without an NVIDIA driver (or a CPU bundle on a GPU host)
+    is refused with the reason, before anything is installed, unless --force-engine."""
+    root, key = bundle
+    seal(root, key, description={"platform": "linux_x86_64", "python": "3.11", "engine": OTHER_ENGINE})
+    refused = install(root, tmp_path / "prefix")
+    why = "no NVIDIA driver is loaded (no /dev/nvidiactl)" if HOST_ENGINE == "cpu" else "an NVIDIA driver is loaded"
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert (f"this bundle carries the {OTHER_ENGINE} engine, but {why}: this host needs the {HOST_ENGINE} engine. "
+            f"Build a bundle with `appliance bundle build --engine {HOST_ENGINE}`") in refused.stderr
+    assert not (tmp_path / "prefix").exists()
+    forced = install(root, tmp_path / "prefix", None, "--trust-bundled-key", "--force-engine")
+    assert f"the {OTHER_ENGINE} engine, although {why} (--force-engine)" in forced.stdout, forced.stderr
+    seal(root, key, description={"platform": "linux_x86_64", "python": "3.11"})
+    unstated = install(root, tmp_path / "other")
+    assert unstated.returncode == 1 and "manifest.json: states no engine (cpu or cuda)" in unstated.stderr
 
 
 def test_the_printed_commands_verify_a_bundle_with_openssl_and_sha256sum(bundle: tuple[Path, Ed25519PrivateKey],

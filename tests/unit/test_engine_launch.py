@@ -1,14 +1,17 @@
 """The engine launcher turns settings into vLLM's command line and environment."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from appliance.engine_launch import python
 from appliance.errors import SettingsError
 from appliance.home import Home
+from appliance.records import Gpu, Host, Plan
 from appliance.settings import EngineSettings, PoolSettings, Settings
 from serve.engine import build_launch, engine_programs
 
@@ -17,12 +20,19 @@ def flag(argv: list[str], name: str) -> str:
     return argv[argv.index(name) + 1]
 
 
+def gpu_host(count: int) -> Host:
+    """An all-NVLink host whose first half of GPUs sits on NUMA node 0, the rest on node 1."""
+    return Host(name="gpu-1", nvlink_all_to_all=True, numa_cpus={0: "0-15", 1: "16-31"},
+                gpus=[Gpu(index=i, name="H100", memory_bytes=80 * 2**30, numa_node=0 if i < count // 2 else 1)
+                      for i in range(count)])
+
+
 def test_cpu_demo_pool(tmp_path: Path) -> None:
     home = Home(tmp_path)
     settings = Settings(engine=EngineSettings(device="cpu"))
     launch = build_launch(settings.pools[0], settings, home, api_key="k")
     argv = launch.argv
-    assert argv[:4] == [sys.executable, "-P", "-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[:4] == [python(), "-P", "-m", "serve.vllm_rank"]
     assert flag(argv, "--model") == str(home.demo_model)
     assert flag(argv, "--served-model-name") == "SmolLM2-135M-Instruct"
     assert flag(argv, "--uds") == str(tmp_path / "run" / "engines" / "main.sock") and "--port" not in argv
@@ -75,7 +85,8 @@ def test_programs_report_missing_model(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_programs_ready_when_model_present(tmp_path: Path, device: str) -> None:
+def test_programs_ready_when_model_present(tmp_path: Path, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("serve.engine.local_host", lambda: gpu_host(1))
     home = Home(tmp_path).ensure()
     home.demo_model.mkdir(parents=True)
     (home.demo_model / "config.json").write_text("{}")
@@ -96,10 +107,11 @@ def test_gateway_never_imports_from_the_state_dir(tmp_path: Path) -> None:
 
 
 def plan_file(tmp_path: Path, model: str, hardware: str, *extra: str) -> Path:
-    """A plan record written by the real `appliance plan --json`."""
+    """A plan record written by the real `appliance plan --json`, for an appliance whose state dir is `tmp_path`."""
     configs = Path(__file__).parent.parent / "data" / "model_configs"
     result = subprocess.run([str(Path(sys.executable).with_name("appliance")), "plan", str(configs / f"{model}.json"),
-                             "--hardware", hardware, "--json", *extra], capture_output=True, text=True)
+                             "--hardware", hardware, "--json", *extra], capture_output=True, text=True,
+                            env={**os.environ, "APPLIANCE_HOME": str(tmp_path)})
     path = tmp_path / f"{model}-{hardware}.json"
     path.write_text(result.stdout)
     return path
@@ -135,3 +147,43 @@ def test_broken_plan_file_is_named(tmp_path: Path) -> None:
     pool = PoolSettings(name="main", plan=str(tmp_path / "absent.json"))
     with pytest.raises(SettingsError, match="cannot read the plan"):
         build_launch(pool, Settings(pools=[pool]), Home(tmp_path), api_key="k")
+
+
+def test_the_printed_launch_is_what_the_launcher_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`appliance plan` prints each host's launch through the launcher's own function: a pool
+    naming the plan runs exactly that argv, on the GPUs the plan chose."""
+    (tmp_path / "settings.toml").write_text('[engine]\ndevice = "cuda"\n[[pools]]\nname = "full"\n'
+                                            'enable_lora = true\nextra_args = ["--kv-cache-dtype", "fp8"]\n')
+    path = plan_file(tmp_path, "mixtral-8x22b", "1x8xH100-80GB", "--context", "16384", "--tp", "4",
+                     "--pool", "full")
+    printed = Plan.model_validate_json(path.read_text())
+    [head] = printed.commands
+    model = str(Path(__file__).parent.parent / "data" / "model_configs" / "mixtral-8x22b.json")
+    pool = PoolSettings(name="full", model=model, plan=str(path), enable_lora=True,
+                        extra_args=["--kv-cache-dtype", "fp8"])
+    settings = Settings(engine=EngineSettings(device="cuda", isolate_network=False), pools=[pool])
+    monkeypatch.setattr("serve.engine.local_host", lambda: gpu_host(8))
+    home = Home(tmp_path).ensure()
+    [program] = engine_programs(settings, home)
+    assert head.gpus == program.gpus == [0, 1, 2, 3]
+    assert program.command == ["taskset", "-c", "0-15", *head.argv], "bound to the GPUs' NUMA node"
+    assert {**head.env, "VLLM_API_KEY": program.environment["VLLM_API_KEY"]} == program.environment
+    assert flag(head.argv, "--uds") == str(home.run / "engines" / "full.sock") and "--enable-lora" in head.argv
+
+
+def test_pools_on_gpus_get_disjoint_sets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("serve.engine.local_host", lambda: gpu_host(8))
+    home = Home(tmp_path).ensure()
+    pools = [PoolSettings(name="full", tensor_parallel_size=4), PoolSettings(name="fast", gpus=[4]),
+             PoolSettings(name="small", tensor_parallel_size=2)]
+    programs = engine_programs(Settings(engine=EngineSettings(device="cuda"), pools=pools), home)
+    sets = {p.pool: p.gpus for p in programs}
+    assert sets == {"full": [0, 1, 2, 3], "fast": [4], "small": [5, 6]}
+    for program in programs:
+        assert program.environment["CUDA_VISIBLE_DEVICES"] == ",".join(map(str, program.gpus))
+    clash = [PoolSettings(name="full", gpus=[0, 1], tensor_parallel_size=2), PoolSettings(name="fast", gpus=[1])]
+    with pytest.raises(SettingsError, match="pools full and fast both hold GPU 1 on gpu-1"):
+        engine_programs(Settings(engine=EngineSettings(device="cuda"), pools=clash), home)
+    with pytest.raises(SettingsError, match="pools.fast.gpus: the CPU engine uses no GPUs"):
+        engine_programs(Settings(engine=EngineSettings(device="cpu"), pools=[PoolSettings(name="fast", gpus=[0])]),
+                        home)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from appliance.engine_launch import python
 from appliance.records import Gpu, HardwareProfile, Host
 from installer.memory import FormatError, Layout, count_params, kv_bytes_per_token
 from installer.model_config import ModelConfigError, load_model_config
@@ -88,7 +89,12 @@ def test_kimi_k2_fp8_needs_two_hosts_of_8x80() -> None:
     assert two["feasible"] and two["layout"]["hosts"] == 2
     head, worker = two["commands"]
     assert head["role"] == "head" and worker["role"] == "worker" and "--headless" in worker["argv"]
-    assert head["argv"][:3] == ["vllm", "serve", "/models/kimi-k2"]
+    assert head["argv"][:4] == [python(), "-P", "-m", "serve.vllm_rank"]
+    assert head["argv"][head["argv"].index("--model") + 1] == "/models/kimi-k2"
+    assert "--uds" in head["argv"] and "--uds" not in worker["argv"]
+    for command in (head, worker):
+        assert command["gpus"] == list(range(8)) and command["env"]["CUDA_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7"
+        assert not any("KEY" in name for name in command["env"]), "no secret in a printed launch"
 
 
 def test_pins_are_honoured_or_refused() -> None:

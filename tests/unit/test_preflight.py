@@ -53,7 +53,7 @@ def checks(profile: HardwareProfile | Host, tmp_path: Path, **kwargs: Any) -> di
 def test_a_healthy_host_passes_every_check(tmp_path: Path, java_home: str) -> None:
     result = checks(HardwareProfile(hosts=[host("node-a"), host("node-b")]), tmp_path, java_home=java_home)
     assert [c.name for c in result.values()] == [
-        "gpus", "gpu types", "gpu memory health", "mig", "cuda driver", "disk", "ram", "ports", "java"]
+        "gpus", "engine", "gpu types", "gpu memory health", "mig", "cuda driver", "disk", "ram", "ports", "java"]
     assert {c.status for c in result.values()} == {"pass"}, result
     assert result["gpus"].reason == "16 GPUs on 2 host(s)"
     assert result["cuda driver"].reason == "CUDA 12.8 >= 12.8"
@@ -103,6 +103,26 @@ def test_mig_warns(tmp_path: Path) -> None:
 def test_cuda_driver_against_the_engine(tmp_path: Path, cuda: str | None, status: str, said: str) -> None:
     check = checks(host(cuda_version=cuda), tmp_path)["cuda driver"]
     assert check.status == status and said in check.reason
+
+
+def test_the_driver_is_checked_against_the_installed_builds_cuda(tmp_path: Path) -> None:
+    check = checks(host(cuda_version="12.8"), tmp_path, engine_cuda=(13, 0))["cuda driver"]
+    assert check.status == "fail" and "the engine needs CUDA 13.0" in check.reason and "R580" in (check.fix or "")
+    assert checks(host(cuda_version="13.0"), tmp_path, engine_cuda=(13, 0))["cuda driver"].status == "pass"
+    assert checks(host(cuda_version="11.8"), tmp_path, engine="cpu")["cuda driver"].status == "pass"
+
+
+@pytest.mark.parametrize(("engine", "gpus", "status", "said"), [
+    ("cuda", 8, "pass", "the CUDA engine fits the GPU hosts"),
+    ("cpu", 0, "pass", "the CPU engine fits hosts without GPUs"),
+    ("cuda", 0, "fail", "the CUDA engine is installed, but node-a has no NVIDIA GPU or driver"),
+    ("cpu", 8, "warn", "the CPU engine is installed: the GPUs of node-a go unused"),
+    (None, 0, "fail", "no vLLM engine is installed"),
+])
+def test_the_installed_engine_fits_the_host(tmp_path: Path, engine: str | None, gpus: int, status: str,
+                                            said: str) -> None:
+    check = checks(host(gpus=gpus), tmp_path, engine=engine)["engine"]
+    assert (check.status, check.reason) == (status, said)
 
 
 def test_disk_too_small_for_the_model_fails_with_numbers(tmp_path: Path) -> None:
@@ -171,7 +191,7 @@ def test_profile_json(appliance: Appliance, tmp_path: Path) -> None:
     printed = json.loads(result.stdout)
     assert printed["source"] == "detected" and len(printed["hosts"]) == 1
     assert printed["hosts"][0]["ram_bytes"] > 0
-    assert load_profile(out).model_dump() == printed  # --out writes a profile load_profile reads
+    assert load_profile(out).model_dump(mode="json") == printed  # --out writes a profile load_profile reads
 
 
 def test_profile_table(appliance: Appliance) -> None:
