@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Column, Table
 
-from appliance import cli_access, lifecycle
+from appliance import cli_access, cli_hosts, lifecycle
 from appliance.changes import records_change
 from appliance.errors import ApplianceError
 from appliance.home import Home
@@ -29,6 +29,7 @@ settings_app = typer.Typer(help="Show the settings file, its defaults and the va
                            no_args_is_help=True)
 app.add_typer(settings_app, name="settings")
 cli_access.register(app)
+cli_hosts.register(app)
 
 out = Console()
 err = Console(stderr=True)
@@ -102,6 +103,16 @@ def _print_programs(report: dict[str, Any]) -> None:
                       time.strftime("%H:%M:%S", time.gmtime(p["uptime_s"])), p["model"] or "-",
                       " ".join(p["urls"].values()), "ok" if p["healthy"] else "no")
     out.print(table)
+    for pool in report["cluster"]:
+        ranks = Table(*(Column(name, overflow="fold") for name in
+                        ("node", "host", "host state", "rank", "pid", "epoch", "last heartbeat")),
+                      title=f"pool {pool['pool']} across hosts: {'serving' if pool['ready'] else pool['why']} "
+                            f"(epoch {pool['epoch']})")
+        for rank in pool["ranks"]:
+            seen = rank["seen_s_ago"]
+            ranks.add_row(str(rank["node"]), rank["host"], rank["host_state"], "up" if rank["running"] else "down",
+                          str(rank["pid"] or "-"), str(rank["epoch"]), "-" if seen is None else f"{seen:.1f} s ago")
+        out.print(ranks)
     out.print(f"logs: {report['home']}/logs")
 
 

@@ -45,14 +45,24 @@ class PoolLayout:
     def gpus_per_host(self) -> int:
         return self.tp * self.pp * self.dp // self.hosts
 
+    @property
+    def local_tp(self) -> int:
+        """The part of a TP group on one host (all of it, unless TP spans hosts)."""
+        return min(self.tp, self.gpus_per_host)
+
 
 @dataclass(frozen=True)
 class Rank:
-    """One host's part of a pool: its node rank, the head's address, its GPUs there."""
+    """One host's part of a pool: its node rank, the head's address, its GPUs there; across hosts
+    also its own address and interface on the cluster network (vLLM and gloo/NCCL bind to them),
+    and the interpreter it runs (the host's own)."""
 
     node: int = 0
     head: str = "127.0.0.1"
     gpus: tuple[int, ...] = field(default_factory=tuple)
+    address: str | None = None
+    interface: str | None = None
+    python: str | None = None
 
 
 def python() -> str:
@@ -116,7 +126,7 @@ def rank_command(pool: PoolSettings, settings: Settings, home: Home, layout: Poo
     utilization = engine.gpu_memory_utilization or (0.3 if on_cpu else PLAN_UTILIZATION)
     eager = engine.enforce_eager if engine.enforce_eager is not None else on_cpu
     argv = [
-        python(), "-P", "-m", RANK_MODULE,
+        rank.python or python(), "-P", "-m", RANK_MODULE,
         "--model", str(model_dir(pool, home)),
         "--served-model-name", served_name(pool, home),
         "--dtype", resolve_dtype(engine, device),
@@ -150,6 +160,10 @@ def rank_command(pool: PoolSettings, settings: Settings, home: Home, layout: Poo
             env["VLLM_CPU_OMP_THREADS_BIND"] = _split_cores(local_ranks)
     elif rank.gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, rank.gpus))
+    if layout.hosts > 1 and rank.address:
+        env["VLLM_HOST_IP"] = rank.address
+    if layout.hosts > 1 and rank.interface:
+        env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = rank.interface
     return HostCommand(host=host, role="head" if rank.node == 0 else "worker", argv=argv, env=env,
                        gpus=list(rank.gpus))
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import psutil
 
-from appliance import health
+from appliance import health, hosts
 from appliance.errors import StartError
 from appliance.home import Home
 from appliance.orphans import end_leftovers
@@ -134,7 +134,7 @@ def _wait_ready(
 ) -> dict[str, float]:
     """Wait for every program's health URL; fail fast if its process exits meanwhile."""
     started = time.monotonic()
-    waiting = {p.name: p for p in programs if p.health_url}
+    waiting = {p.name: p for p in programs if p.health_url and p.autostart}
     first_pid: dict[str, int] = {}
     ready: dict[str, float] = {}
     with health.client(home) as client:
@@ -242,5 +242,21 @@ def status(home: Home) -> dict[str, Any]:
             "socket": str(socket_path(home)),
         },
         "programs": programs,
+        "cluster": _cluster(home) if running else [],
     }
+
+
+def _cluster(home: Home) -> list[dict[str, Any]]:
+    """Each pool spanning hosts: its epoch, whether it serves, and every host's rank (on the head)."""
+    registry = hosts.load(home)
+    pools = []
+    for path in sorted((home.run / "cluster").glob("*.json")):
+        state = hosts.read_cluster_state(path)
+        if state is not None:
+            view = state.model_dump(mode="json")
+            for rank in view["ranks"]:
+                record = registry.hosts.get(rank["host"])
+                rank["host_state"] = record.state.value if record else ("head" if rank["node"] == 0 else "not added")
+            pools.append(view)
+    return pools
 

@@ -14,9 +14,12 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from appliance.home import Home
+from appliance.hosts import membership_file
 from appliance.settings import Settings
 
 PROGRAMS_GROUP = "appliance.programs"
+# On a host that joined a cluster as a worker: only its ranks and the agent reporting them.
+WORKER_PROGRAMS_GROUP = "appliance.worker_programs"
 # The appliance serves and trains on local files in closed networks: nothing it runs may reach a
 # model hub or send usage statistics. supervisord passes these to every program.
 OFFLINE_ENVIRONMENT = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
@@ -44,6 +47,11 @@ class Program(BaseModel):
     pool: str | None = Field(None, description="The engine pool it belongs to, if any.")
     gpus: list[int] = Field(default_factory=list, description="GPU indexes it holds (engine pools on GPU hosts).")
     priority: int = Field(100, description="Lower starts first.")
+    autostart: bool = Field(
+        True, description="supervisord starts it (and restarts it when it exits); False: another program does "
+        "(the cluster controller, for the head's ranks of a pool spanning hosts), and `up` does not wait for it."
+    )
+    startretries: int = Field(3, ge=0, description="Quick exits supervisord restarts it after before giving up.")
     startsecs: int = Field(5, ge=0, description="Seconds up before supervisord counts it started.")
     stopwaitsecs: int = Field(30, ge=1, description="Grace period between SIGTERM and SIGKILL.")
     start_timeout_s: int = Field(120, gt=0, description="How long `up` waits for health.")
@@ -59,17 +67,20 @@ PROVISIONERS_GROUP = "appliance.provisioners"
 
 
 def discover_programs(settings: Settings, home: Home) -> list[Program]:
-    """All programs every installed package contributes, in start order."""
+    """All programs every installed package contributes, in start order (a worker's own only)."""
     programs: list[Program] = []
-    for ep in sorted(entry_points(group=PROGRAMS_GROUP), key=lambda ep: ep.name):
+    group = WORKER_PROGRAMS_GROUP if membership_file(home).exists() else PROGRAMS_GROUP
+    for ep in sorted(entry_points(group=group), key=lambda ep: ep.name):
         source: ProgramSource = ep.load()
         programs.extend(source(settings, home))
     return sorted(programs, key=lambda p: (p.priority, p.name))
 
 
 def run_provisioners(settings: Settings, home: Home) -> list[str]:
-    """Run every `appliance.provisioners` entry point; collect what they want printed."""
+    """Run every `appliance.provisioners` entry point (none on a worker); collect what they want printed."""
     lines: list[str] = []
+    if membership_file(home).exists():
+        return lines
     for ep in sorted(entry_points(group=PROVISIONERS_GROUP), key=lambda ep: ep.name):
         provisioner: Provisioner = ep.load()
         lines.extend(provisioner(settings, home))

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
 import tomli_w
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, IPvAnyAddress, ValidationError, field_validator, model_validator
 
 from appliance.errors import SettingsError
 
@@ -206,6 +206,24 @@ class RoleLimits(_Section):
     )
 
 
+class ClusterSettings(_Section):
+    """Pools that span hosts: the head's listener for workers joining (`appliance hosts add`, then
+    `appliance join` on the worker), their heartbeats and weights. Off unless `bind` is set; the
+    ranks of such pools talk over this network with vLLM's own (unauthenticated) channels, so it
+    must be a dedicated, trusted cluster network."""
+
+    bind: IPvAnyAddress | None = Field(
+        None, description="Address on the cluster network the head listens on for workers (HTTPS, the "
+        "appliance's own CA); unset: no pool may span hosts."
+    )
+    port: Port = Field(8443, description="Port of the head's cluster listener.")
+    join_token_ttl_s: int = Field(3600, ge=60, le=7 * 86400, description="How long a join token is valid.")
+    heartbeat_s: float = Field(0.2, gt=0, le=10, description="How often a worker reports its ranks.")
+    dead_after_s: float = Field(
+        1.0, gt=0, le=60, description="A worker silent this long is dead: its pools answer 503 until it is back."
+    )
+
+
 class GatewaySettings(_Section):
     """The public, authenticated OpenAI-compatible endpoint."""
 
@@ -359,6 +377,7 @@ class Settings(_Section):
     audit: AuditSettings = Field(default_factory=AuditSettings)
     artifacts: ArtifactSettings = Field(default_factory=ArtifactSettings)
     finetune: FinetuneSettings = Field(default_factory=FinetuneSettings)
+    cluster: ClusterSettings = Field(default_factory=ClusterSettings)
     pools: list[PoolSettings] = Field(
         default_factory=lambda: [PoolSettings(name="main")],
         min_length=1,

@@ -126,10 +126,10 @@ def render_config(home: Home, programs: list[Program], password: str) -> str:
             *([f"environment={env}"] if env else []),
             *([f"directory={program.directory}"] if program.directory else []),
             f"priority={program.priority}",
-            "autostart=true",
-            "autorestart=true",
+            f"autostart={str(program.autostart).lower()}",
+            f"autorestart={str(program.autostart).lower()}",
             f"startsecs={program.startsecs}",
-            "startretries=3",
+            f"startretries={program.startretries}",
             # Engines fork workers: signal the whole process group so none outlive the server.
             "stopasgroup=true",
             "killasgroup=true",

@@ -10,6 +10,7 @@ stays in `secrets/` (0600); its certificate, `tls/ca.pem`, is public.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import ipaddress
 import ssl
 from pathlib import Path
@@ -91,23 +92,34 @@ def ensure_ca(home: Home) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]
     return cert, key
 
 
-def _current(cert_path: Path, key_path: Path, ca: x509.Certificate) -> bool:
-    """Whether the server certificate exists, chains to this CA and is not near its end."""
+def _current(cert_path: Path, key_path: Path, ca: x509.Certificate, names: list[x509.GeneralName]) -> bool:
+    """Whether the server certificate exists, chains to this CA, names exactly `names` and is
+    not near its end."""
     if not (cert_path.exists() and key_path.exists()):
         return False
     cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
-    return cert.issuer == ca.subject and cert.not_valid_after_utc - RENEW_BEFORE > _now()
+    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    return (cert.issuer == ca.subject and cert.not_valid_after_utc - RENEW_BEFORE > _now()
+            and set(sans) == set(names))
 
 
-def ensure_server_certificate(home: Home, name: str) -> tuple[Path, Path]:
-    """A loopback server certificate for `name` from the CA (issued again near its end)."""
+def ca_sha256(home: Home) -> str:
+    """SHA-256 of the CA certificate (DER): what a joining worker pins."""
+    ca, _ = ensure_ca(home)
+    return hashlib.sha256(ca.public_bytes(serialization.Encoding.DER)).hexdigest()
+
+
+def ensure_server_certificate(home: Home, name: str, addresses: tuple[str, ...] = ()) -> tuple[Path, Path]:
+    """A server certificate for `name` from the CA, for loopback and `addresses` (issued again
+    near its end, or when the addresses change)."""
     ca, ca_key = ensure_ca(home)
     cert_path, key_path = server_files(home, name)
-    if _current(cert_path, key_path, ca):
+    names: list[x509.GeneralName] = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+    names += [x509.IPAddress(ipaddress.ip_address(address)) for address in addresses]
+    if _current(cert_path, key_path, ca, names):
         return cert_path, key_path
     key = ec.generate_private_key(ec.SECP256R1())
     now = _now()
-    names = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
     cert = (x509.CertificateBuilder()
             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"appliance {name}")]))
             .issuer_name(ca.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())

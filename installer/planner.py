@@ -115,6 +115,9 @@ def plan(model: ModelShape, profile: HardwareProfile, *, context: int, concurren
     record.commands = commands(record, profile.hosts, model_ref, site or LaunchSite())
     record.notes = [f"weights as {weight_format}; KV cache in bf16; reserves are estimates (activation peak "
                     f"of a {MAX_BATCHED_TOKENS}-token prefill step, 1 GiB non-torch, 1 GiB CUDA graphs)"]
+    if best.layout.tp > gpus_per_host:
+        record.notes.append(f"TP {best.layout.tp} spans {best.hosts} hosts (pinned): every layer all-reduces over the "
+                            "network; only worth it with InfiniBand or RoCE between them")
     return record
 
 
@@ -147,11 +150,17 @@ def _layouts(model: ModelShape, gpus_per_host: int, hosts: int, pins: Pins,
     `nvlink_reach` GPUs (the smallest host's largest NVLink domain)."""
     total = gpus_per_host * hosts
     tps = [t for t in _powers_of_two(gpus_per_host) if _tp_divides(model, t) and t <= nvlink_reach]
-    if pins.tp is not None:
+    # TP over whole hosts is offered only when pinned: its all-reduce crosses the network every layer.
+    across_hosts = (pins.tp is not None and pins.tp > gpus_per_host and pins.tp % gpus_per_host == 0
+                    and pins.tp <= total and gpus_per_host <= nvlink_reach and _tp_divides(model, pins.tp)
+                    and pins.tp & (pins.tp - 1) == 0)
+    if pins.tp is not None and not across_hosts:
         if pins.tp not in tps:
             raise PlanError(f"--tp {pins.tp} is not possible: TP must be a power of two up to the {nvlink_reach} "
                             f"GPUs of one NVLink domain and fit the model's heads ({model.heads} attention, "
                             f"{model.kv_heads} KV)", hint=f"possible: {tps}")
+        tps = [pins.tp]
+    if across_hosts:
         tps = [pins.tp]
     if pins.pp is not None and not 1 <= pins.pp <= model.layers:
         raise PlanError(f"--pp {pins.pp} is not possible: the model has {model.layers} layers")
@@ -167,6 +176,8 @@ def _layouts(model: ModelShape, gpus_per_host: int, hosts: int, pins: Pins,
                     continue  # not whole hosts
                 if dp > 1 and replica > gpus_per_host:
                     continue  # a replica spanning hosts
+                if pp > 1 and tp > gpus_per_host:
+                    continue  # TP over hosts and PP together: not offered
                 for ep in eps:
                     if ep and model.experts is not None and model.experts.routed % (tp * dp):
                         continue  # experts must split evenly over the EP ranks (TP x DP)
@@ -236,7 +247,7 @@ def commands(record: Plan, profile_hosts: list[Host], model_ref: str, site: Laun
     """Each host's launch, built by the engine launcher's own function (appliance.engine_launch),
     with its GPUs chosen from the profile: TP groups inside an NVLink domain and one NUMA node."""
     pool_layout = layout_of_plan(record, "the plan")
-    chosen = [(host, choose(host, host.gpus, pool_layout.gpus_per_host, pool_layout.tp))
+    chosen = [(host, choose(host, host.gpus, pool_layout.gpus_per_host, pool_layout.local_tp))
               for host in profile_hosts[:pool_layout.hosts]]
     for host, gpus in chosen:
         if gpus is None:

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+
+import psutil
 
 from appliance.engine_launch import (
     PoolLayout,
@@ -24,7 +26,7 @@ from appliance.gpus import GpuRequest, assign, local_host, numa_node
 from appliance.home import Home
 from appliance.model_refs import model_dir
 from appliance.programs import Program
-from appliance.records import Host
+from appliance.records import Host, Plan
 from appliance.secrets import secret
 from appliance.settings import DEMO_MODEL, PoolSettings, Settings
 
@@ -45,19 +47,63 @@ class EngineLaunch:
     gpus: tuple[int, ...] = ()
 
 
-def single_host_layout(pool: PoolSettings, settings: Settings) -> PoolLayout:
+def checked_layout(pool: PoolSettings, settings: Settings) -> PoolLayout:
+    """The pool's layout; one spanning hosts only where the cluster listener is on."""
     layout = pool_layout(pool, settings.engine)
-    if layout.hosts > 1:
-        raise SettingsError(f"pools.{pool.name}.plan: {pool.plan}: the plan spans {layout.hosts} hosts; this "
-                            "appliance runs one", hint="plan for one host, or run each host's command from the plan")
+    if layout.hosts > 1 and settings.cluster.bind is None:
+        raise SettingsError(f"pools.{pool.name}.plan: {pool.plan}: the plan spans {layout.hosts} hosts, but "
+                            "cluster.bind is unset", hint="set cluster.bind to this host's address on the cluster "
+                            "network, then `appliance hosts add` each worker the plan names")
     return layout
+
+
+@dataclass(frozen=True)
+class SpanningPool:
+    """A pool whose plan spans hosts: the head is node 0, the plan's other hosts its workers."""
+
+    pool: PoolSettings
+    plan: Plan
+    layout: PoolLayout
+
+    @property
+    def workers(self) -> list[str]:
+        return [command.host for command in self.plan.commands[1:]]
+
+
+def spanning_pools(settings: Settings) -> dict[str, SpanningPool]:
+    pools = {}
+    for pool in settings.pools:
+        planned = pool_plan(pool)
+        layout = pool_layout(pool, settings.engine)
+        if planned is not None and layout.hosts > 1:
+            pools[pool.name] = SpanningPool(pool, planned[0], layout)
+    return pools
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface holding `address` on this host (gloo and NCCL bind to it by name)."""
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(entry.address == address for entry in addresses):
+            return name
+    return None
+
+
+def head_rank(settings: Settings, span: SpanningPool) -> Rank:
+    address = str(settings.cluster.bind)
+    return Rank(node=0, head=address, gpus=tuple(span.plan.commands[0].gpus), address=address,
+                interface=interface_of(address))
+
+
 
 
 def build_launch(pool: PoolSettings, settings: Settings, home: Home, api_key: str,
                  gpus: tuple[int, ...] = ()) -> EngineLaunch:
     """vLLM's argv and environment for `pool` on its `gpus` (reads only the pool's plan file, if any)."""
     device = resolve_device(settings.engine)
-    command = rank_command(pool, settings, home, single_host_layout(pool, settings), device, Rank(gpus=gpus))
+    layout = checked_layout(pool, settings)
+    planned = pool_plan(pool)
+    rank = head_rank(settings, SpanningPool(pool, planned[0], layout)) if planned and layout.hosts > 1 else Rank()
+    command = rank_command(pool, settings, home, layout, device, replace(rank, gpus=gpus))
     # The key travels in the environment (the config file is 0600), never on the command line.
     environment = {"VLLM_API_KEY": api_key, **command.env}
     return EngineLaunch(argv=command.argv, environment=environment, model_dir=model_dir(pool, home),
@@ -69,14 +115,14 @@ def gpu_sets(settings: Settings, host: Host) -> dict[str, tuple[int, ...]]:
     """Each pool's GPUs on this host: its setting, its plan's, or chosen from those left."""
     requests = []
     for pool in settings.pools:
-        layout = single_host_layout(pool, settings)
+        layout = checked_layout(pool, settings)
         fixed, source = None, f"pools.{pool.name}.gpus"
         planned = pool_plan(pool)
         if pool.gpus is not None:
             fixed = tuple(pool.gpus)
         elif planned is not None and planned[0].commands and planned[0].commands[0].gpus:
             fixed, source = tuple(planned[0].commands[0].gpus), planned[1]
-        requests.append(GpuRequest(pool.name, layout.gpus_per_host, layout.tp, fixed, source))
+        requests.append(GpuRequest(pool.name, layout.gpus_per_host, layout.local_tp, fixed, source))
     return assign(requests, host)
 
 
@@ -137,7 +183,10 @@ def engine_programs(settings: Settings, home: Home) -> list[Program]:
             problem = (f"its socket path {socket} is longer than the {MAX_SOCKET_PATH} bytes a Unix socket "
                        "allows: choose a shorter APPLIANCE_HOME")
         command = bound_to_node(launch.argv, host, gpus) if host is not None else launch.argv
-        if settings.engine.isolate_network:
+        spans_hosts = pool_layout(pool, settings.engine).hosts > 1
+        # Ranks of a pool spanning hosts reach the other hosts' over the cluster network: they
+        # run in the host's network, and the cluster controller starts them (serve.cluster).
+        if settings.engine.isolate_network and not spans_hosts:
             command, problem = in_own_network(command), problem or _missing_tools()
         programs.append(
             Program(
@@ -150,6 +199,7 @@ def engine_programs(settings: Settings, home: Home) -> list[Program]:
                 model=launch.served_name,
                 pool=pool.name,
                 gpus=list(gpus),
+                autostart=not spans_hosts,
                 priority=50,
                 startsecs=10,
                 stopwaitsecs=60,

@@ -17,6 +17,7 @@ import aiohttp
 
 from appliance.engine_launch import engine_socket, pool_layout
 from appliance.home import Home
+from appliance.hosts import cluster_state_file, read_cluster_state
 from appliance.model_refs import served_name
 from appliance.settings import Settings
 from serve.answer import Answer, decode_json
@@ -33,13 +34,19 @@ class Pool:
     model: str
     socket: Path  # the engine's Unix socket
     max_model_len: int = 2048  # the longest sequence: a request's worst case when it sets no max_tokens
+    cluster_state: Path | None = None  # a pool spanning hosts: the controller's state file (serve.cluster)
 
 
 def pools_from_settings(settings: Settings, home: Home) -> list[Pool]:
     """One upstream per engine pool, named by the model clients ask for."""
-    return [Pool(name=p.name, model=served_name(p, home),
-                 socket=engine_socket(home, p.name),
-                 max_model_len=pool_layout(p, settings.engine).max_model_len) for p in settings.pools]
+    pools = []
+    for p in settings.pools:
+        layout = pool_layout(p, settings.engine)
+        pools.append(Pool(name=p.name, model=served_name(p, home), socket=engine_socket(home, p.name),
+                          max_model_len=layout.max_model_len,
+                          cluster_state=cluster_state_file(home, p.name) if layout.hosts > 1 else None))
+    return pools
+
 
 
 def engine_session(pool: Pool, timeout: aiohttp.ClientTimeout) -> aiohttp.ClientSession:
@@ -68,7 +75,14 @@ class Upstreams:
         self._probing = {pool.name: asyncio.Lock() for pool in pools}
 
     async def _probe(self, pool: Pool) -> bool:
-        """Whether the pool answers, checking its health if it is not known to."""
+        """Whether the pool answers, checking its health if it is not known to. A pool spanning
+        hosts answers only while its controller says every rank is up (a rank elsewhere that
+        died leaves the head's engine answering /health until a request fails)."""
+        if pool.cluster_state is not None:
+            state = read_cluster_state(pool.cluster_state)
+            if state is None or not state.ready:
+                self._ready[pool.name] = False
+                return False
         if self._ready[pool.name]:
             return True
         async with self._probing[pool.name]:

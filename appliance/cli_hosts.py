@@ -1,0 +1,77 @@
+"""`appliance hosts add|list|remove` on the head: invite the worker hosts a pool's plan names,
+see who joined, revoke a host."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from pydantic import TypeAdapter, ValidationError
+from rich.console import Console
+from rich.table import Table
+
+from appliance import hosts
+from appliance.changes import records_change
+from appliance.errors import Invalid, SettingsError
+from appliance.home import Home
+from appliance.records import HostName
+from appliance.settings import load_settings
+from appliance.tls import ca_sha256
+
+hosts_app = typer.Typer(help="Hosts of a cluster (on the head): invite a worker, list them, remove one.",
+                        no_args_is_help=True)
+out = Console()
+_last: dict[str, str] = {}
+
+
+def _host_name(name: str) -> str:
+    try:
+        return TypeAdapter(HostName).validate_python(name)
+    except ValidationError as exc:
+        raise Invalid(f"host name {name[:80]!r}: letters, digits and . _ - between them, at most 253 "
+                      "characters") from exc
+
+
+@hosts_app.command("add")
+@records_change("hosts.add", detail=lambda: f"host {_last['host']} invited")
+def add(name: Annotated[str, typer.Argument(help="The host's name, as the pool's plan names it.")]) -> None:
+    """Invite NAME: print its one-time join token (shown only now; it expires after cluster.join_token_ttl_s)."""
+    home = Home.from_env().ensure()
+    settings = load_settings(home.settings_file)
+    cluster = settings.cluster
+    if cluster.bind is None:
+        raise SettingsError("cluster.bind is unset: workers have nothing to join",
+                            hint="set it to this host's address on the cluster network, then `appliance down` "
+                                 "and `appliance up`")
+    _last["host"] = _host_name(name)
+    token = hosts.invite(home, _last["host"], cluster.join_token_ttl_s, ca_sha256(home))
+    bind = str(cluster.bind)
+    url = f"https://{f'[{bind}]' if ':' in bind else bind}:{cluster.port}"
+    typer.echo(token)
+    Console(stderr=True).print(f"On {name}, with this token on standard input (never on a command line): "
+                               f"appliance join {url} < TOKEN_FILE  (valid {cluster.join_token_ttl_s} s, once)",
+                               soft_wrap=True, highlight=False, markup=False)
+
+
+@hosts_app.command("list")
+def list_hosts() -> None:
+    """Invited and joined hosts, their address and state."""
+    registry = hosts.load(Home.from_env())
+    table = Table("host", "state", "address", "joined", "problem")
+    for host in registry.hosts.values():
+        table.add_row(host.name, host.state.value, host.address or "-",
+                      host.joined_at.isoformat(timespec="seconds") if host.joined_at else "-", host.problem or "")
+    out.print(table)
+
+
+@hosts_app.command("remove")
+@records_change("hosts.remove", detail=lambda: f"host {_last['host']} removed")
+def remove(name: Annotated[str, typer.Argument(help="The host to forget.")]) -> None:
+    """Forget NAME: its join token and credential stop working at once."""
+    _last["host"] = _host_name(name)
+    hosts.remove(Home.from_env(), _last["host"])
+    out.print(f"host {name} removed")
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(hosts_app, name="hosts")
