@@ -23,7 +23,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, IPvAnyAddress, ValidationError
 
 from appliance.durable import replace_file
 from appliance.errors import ApplianceError, Conflict, Invalid, NotFound, StateError
@@ -194,7 +194,7 @@ class JoinRequest(BaseModel):
     home: str = Field(max_length=4096, pattern=r"^/[^\n\x00]*$", description="The worker's state dir.")
     python: str = Field(max_length=4096, pattern=r"^/[^\n\x00]*$", description="The worker's interpreter.")
     engine: str = Field(pattern=r"^(cpu|cuda)$", description="The vLLM build the worker runs.")
-    address: str = Field(max_length=64, description="The worker's address on the cluster network.")
+    address: IPvAnyAddress = Field(description="The worker's address on the cluster network.")
     interface: str | None = Field(None, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
 
 

@@ -93,7 +93,8 @@ class EngineSettings(_Section):
     isolate_network: bool = Field(
         True, description="Run each engine in a network namespace of its own (loopback only): the ports "
         "vLLM opens inside (ZMQ, torch.distributed) are out of every other local process's reach; "
-        "the engine is reached only through its Unix socket."
+        "the engine is reached only through its Unix socket. Ranks of a pool spanning hosts cannot be: they "
+        "talk to the other hosts' over the cluster network (see cluster)."
     )
 
 
@@ -126,8 +127,9 @@ class PoolSettings(_Section):
     max_loras: int = Field(4, ge=1, description="Adapters resident at once.")
     max_model_len: int | None = Field(None, gt=0, description="Overrides engine.max_model_len.")
     plan: str | None = Field(
-        None, description="A plan file (`appliance plan MODEL ... --json > FILE`) for one host: its "
-        "TP/PP/DP/EP layout and context length replace the sizes above."
+        None, description="A plan file (`appliance plan MODEL ... --json > FILE`): its TP/PP/DP/EP layout, "
+        "context length and GPU sets replace the sizes above. A plan spanning hosts needs cluster.bind and its "
+        "workers joined (`appliance hosts add`, `appliance join`)."
     )
     extra_args: list[str] = Field(
         default_factory=list, description="Further vLLM arguments, appended verbatim."

@@ -154,13 +154,11 @@ def _layouts(model: ModelShape, gpus_per_host: int, hosts: int, pins: Pins,
     across_hosts = (pins.tp is not None and pins.tp > gpus_per_host and pins.tp % gpus_per_host == 0
                     and pins.tp <= total and gpus_per_host <= nvlink_reach and _tp_divides(model, pins.tp)
                     and pins.tp & (pins.tp - 1) == 0)
-    if pins.tp is not None and not across_hosts:
-        if pins.tp not in tps:
+    if pins.tp is not None:
+        if pins.tp not in tps and not across_hosts:
             raise PlanError(f"--tp {pins.tp} is not possible: TP must be a power of two up to the {nvlink_reach} "
-                            f"GPUs of one NVLink domain and fit the model's heads ({model.heads} attention, "
-                            f"{model.kv_heads} KV)", hint=f"possible: {tps}")
-        tps = [pins.tp]
-    if across_hosts:
+                            f"GPUs of one NVLink domain (or whole hosts) and fit the model's heads "
+                            f"({model.heads} attention, {model.kv_heads} KV)", hint=f"possible: {tps}")
         tps = [pins.tp]
     if pins.pp is not None and not 1 <= pins.pp <= model.layers:
         raise PlanError(f"--pp {pins.pp} is not possible: the model has {model.layers} layers")

@@ -59,6 +59,7 @@ from audit.keys import signing_key
 from audit.records import AuditEvent
 from audit.writer import AuditWriter
 from serve.engine import SpanningPool, spanning_pools
+from serve.listener import GuardedHttpToolsProtocol
 
 log = logging.getLogger("appliance.cluster")
 TICK_S = 0.1
@@ -310,7 +311,7 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
             device = resolve_device(settings.engine)
             if body.engine != device:
                 raise Invalid(f"{body.name} runs the {body.engine} engine; the pool runs on {device}")
-            credential = redeem(home, body.name, body.secret, body.address)
+            credential = redeem(home, body.name, body.secret, str(body.address))
         except ApplianceError as exc:
             raise refused("cluster.join", 401 if isinstance(exc, Refused) else 400, request, body.name, "join",
                           exc.message) from exc
@@ -361,7 +362,7 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
         pool = span.pool.model_copy(update={"model": local, "served_model_name": served_name(span.pool, home),
                                             "plan": None})
         rank = Rank(node=node, head=str(settings.cluster.bind), gpus=tuple(span.plan.commands[node].gpus),
-                    address=body.address, interface=body.interface, python=body.python)
+                    address=str(body.address), interface=body.interface, python=body.python)
         command = rank_command(pool, settings, Home(Path(body.home)), span.layout, body.engine, rank, host=body.name)
         return RankLaunch(pool=span.pool.name, node=node, argv=command.argv, env=command.env, model_dir=local,
                           files=weight_files_cached(model_dir(span.pool, home)))
@@ -376,8 +377,11 @@ def main() -> None:
     if cluster.bind is None:
         raise SystemExit("cluster.bind is not set")
     cert, key = ensure_server_certificate(home, "cluster", (str(cluster.bind),))
+    # The gateway's guard: slow or endless header senders and connection floods are cut off.
+    GuardedHttpToolsProtocol.header_timeout_s = settings.gateway.header_timeout_s
+    GuardedHttpToolsProtocol.max_connections = 256
     uvicorn.run(create_app(settings, home), host=str(cluster.bind), port=cluster.port, ssl_certfile=str(cert),
-                ssl_keyfile=str(key), log_level="warning", access_log=False)
+                ssl_keyfile=str(key), http=GuardedHttpToolsProtocol, log_level="warning", access_log=False)
 
 
 if __name__ == "__main__":

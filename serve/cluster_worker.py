@@ -115,7 +115,7 @@ def join(home: Home, head_url: str, token: str, weights: Path | None, say: Calla
     request = JoinRequest(name=parsed.name, secret=parsed.secret, home=str(home.root), python=python(),
                           engine=engine, address=address, interface=interface_of(address))
     with head_client(home, head_url) as client:
-        answer = JoinAnswer.model_validate(_answer(client.post("/cluster/join", json=request.model_dump()),
+        answer = JoinAnswer.model_validate(_answer(client.post("/cluster/join", json=request.model_dump(mode="json")),
                                                    "join").json())
     home.secrets.mkdir(mode=0o700, parents=True, exist_ok=True)
     replace_file(home.secrets / CREDENTIAL_SECRET, answer.credential.encode())

@@ -25,6 +25,9 @@ from serve.engine import ENGINE_BASE_URL
 from serve.errors import GatewayError
 
 WATCH_INTERVAL_S = 1.0
+# How long a pool spanning hosts that failed a request waits for its controller's verdict: a rank
+# elsewhere that died fails the head's next step before the controller hears of it.
+CLUSTER_VERDICT_S = 1.0
 MODELS_TIMEOUT_S = 10.0
 
 
@@ -117,10 +120,11 @@ class Upstreams:
         return pool
 
     async def send(self, pool: Pool, path: str, body: bytes, request_id: str) -> aiohttp.ClientResponse:
-        """POST to the pool; the body is left unread (streamed). A down engine is a 503 at once."""
+        """POST to the pool; the body is left unread (streamed). A down engine is a 503 at once, and
+        so is a pool spanning hosts whose engine failed because a rank elsewhere stopped."""
         await self._admit(pool)
         try:
-            return await self._sessions[pool.name].post(
+            response = await self._sessions[pool.name].post(
                 f"{ENGINE_BASE_URL}{path}", data=body,
                 headers={**self._headers, "Content-Type": "application/json", "X-Request-Id": request_id})
         except (aiohttp.ClientOSError, aiohttp.ConnectionTimeoutError, aiohttp.ServerDisconnectedError) as exc:
@@ -129,6 +133,23 @@ class Upstreams:
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise GatewayError(502, f"engine pool {pool.name!r} failed: {type(exc).__name__}",
                                type="upstream_error", code="engine_error") from exc
+        if response.status >= 500 and pool.cluster_state is not None and await self._cluster_failed(pool):
+            response.release()
+            self._ready[pool.name] = False
+            raise self._unavailable(pool, "restarting (a rank on another host stopped)")
+        return response
+
+    async def _cluster_failed(self, pool: Pool) -> bool:
+        """Whether the controller of a pool spanning hosts declares it failed within CLUSTER_VERDICT_S."""
+        assert pool.cluster_state is not None
+        deadline = asyncio.get_running_loop().time() + CLUSTER_VERDICT_S
+        while True:
+            state = read_cluster_state(pool.cluster_state)
+            if state is None or not state.ready:
+                return True
+            if asyncio.get_running_loop().time() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
 
     def pool(self, name: str) -> Pool:
         for pool in self.pools:

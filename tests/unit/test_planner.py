@@ -159,3 +159,19 @@ def test_cli_plan_json_and_exit_codes() -> None:
     both = subprocess.run([APPLIANCE, "plan", str(CONFIGS / "kimi-k2.json"), "--hardware", "1x8xH100-80GB",
                            "--detect"], capture_output=True, text=True)
     assert both.returncode == 1 and "exactly one of --profile, --detect, --hardware" in both.stderr
+
+
+def test_tp_over_whole_hosts_only_when_pinned() -> None:
+    """Issue 19: a pinned TP may span whole hosts (vLLM's --nnodes); it is never chosen unasked."""
+    two = hosts(2, gpus=4)
+    assert plan(model("mixtral-8x22b"), two, context=8192, concurrency=1)["layout"]["tp"] <= 4
+    pinned = plan(model("mixtral-8x22b"), two, context=8192, concurrency=1, pins=Pins(tp=8))
+    assert (pinned["layout"]["tp"], pinned["layout"]["hosts"]) == (8, 2)
+    head, worker = pinned["commands"]
+    for node, command in enumerate((head, worker)):
+        argv = command["argv"]
+        assert argv[argv.index("--nnodes") + 1] == "2" and argv[argv.index("--node-rank") + 1] == str(node)
+        assert command["gpus"] == [0, 1, 2, 3]
+    assert "--headless" in worker["argv"] and any("spans 2 hosts" in note for note in pinned["notes"])
+    with pytest.raises(PlanError, match="--tp 6 is not possible"):
+        plan(model("mixtral-8x22b"), two, context=8192, concurrency=1, pins=Pins(tp=6))
