@@ -11,7 +11,7 @@ The model is the tiny Llama of tests/integration/test_cluster.py (4 heads of 64,
 CPU engine: the ratio shows what crossing hosts costs the ranks' collectives on this machine (a
 veth pair; real hosts add the network's latency).
 
-Run: .venv/bin/python bench/multihost.py   (as root: it makes a network namespace)
+Run from the checkout: .venv/bin/python -m bench.multihost   (as root: it makes a network namespace)
 Writes bench/results/multihost.json.
 """
 
