@@ -129,7 +129,7 @@ def test_pool_launches_the_layout_of_its_plan(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("model,hardware,problem", [
-    ("llama-3.1-405b", "2x8xH100-80GB", "the plan spans 2 hosts; this appliance runs one"),
+    ("llama-3.1-405b", "2x8xH100-80GB", "the plan spans 2 hosts, but cluster.bind is unset"),
     ("llama-3.1-405b", "1x8xH100-80GB", "the plan found no feasible layout"),
 ])
 def test_unusable_plans_are_refused(tmp_path: Path, model: str, hardware: str, problem: str) -> None:
@@ -187,3 +187,20 @@ def test_pools_on_gpus_get_disjoint_sets(tmp_path: Path, monkeypatch: pytest.Mon
     with pytest.raises(SettingsError, match="pools.fast.gpus: the CPU engine uses no GPUs"):
         engine_programs(Settings(engine=EngineSettings(device="cpu"), pools=[PoolSettings(name="fast", gpus=[0])]),
                         home)
+
+
+def test_a_pool_spanning_hosts_runs_its_head_rank_for_the_controller(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 19: rank 0 of a plan over two hosts, started by the cluster controller (not by `up`),
+    in the host's network (the other ranks reach it over the cluster network)."""
+    monkeypatch.setattr("serve.engine.local_host", lambda: gpu_host(8))
+    plan = plan_file(tmp_path, "llama-3.1-405b", "2x8xH100-80GB")
+    pool = PoolSettings(name="big", model=str(tmp_path / "Llama"), plan=str(plan))
+    settings = Settings.model_validate({"engine": {"device": "cuda"}, "cluster": {"bind": "10.9.0.1"},
+                                        "pools": [pool.model_dump()]})
+    [program] = engine_programs(settings, Home(tmp_path).ensure())
+    assert not program.autostart and program.command[0] != "unshare"
+    argv = program.command[program.command.index("-P") - 1:]
+    assert flag(argv, "--nnodes") == "2" and flag(argv, "--node-rank") == "0"
+    assert flag(argv, "--master-addr") == "10.9.0.1" and "--headless" not in argv
+    assert program.environment["VLLM_HOST_IP"] == "10.9.0.1" and program.gpus == list(range(8))
