@@ -52,7 +52,9 @@ from appliance.hosts import (
 )
 from appliance.model_refs import model_dir, served_name
 from appliance.programs import Program
+from appliance.records import STAGING_MANIFEST
 from appliance.settings import Settings, load_settings
+from appliance.staging_manifest import StagingManifest
 from appliance.supervisor import ProcessState, Supervisor
 from appliance.tls import ca_file, ensure_server_certificate
 from audit.keys import signing_key
@@ -89,6 +91,22 @@ def _url_host(address: str) -> str:
 
 
 # --- weights ---------------------------------------------------------------------------------------
+
+
+def weights_dir(span: SpanningPool, home: Home, host: str) -> Path:
+    """What a worker's ranks load: where the pool serves a subset staged for this plan
+    (`appliance stage`: OUT/<host>/ per host), the worker's own subset beside the head's;
+    else the pool's whole checkpoint."""
+    directory = model_dir(span.pool, home)
+    if not (directory / STAGING_MANIFEST).exists():
+        return directory
+    own = directory.parent / host
+    manifest = StagingManifest.load(own) if (own / STAGING_MANIFEST).exists() else None
+    if manifest is None or manifest.host != host or not manifest.complete:
+        raise Invalid(f"pool {span.pool.name} serves a staged subset ({directory}), but {own} holds no complete "
+                      f"subset staged for {host}", hint=f"appliance stage ... --plan PLAN --out {directory.parent} "
+                      f"--host {host}")
+    return own
 
 
 def weight_files(directory: Path) -> list[WeightFile]:
@@ -315,7 +333,10 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
         except ApplianceError as exc:
             raise refused("cluster.join", 401 if isinstance(exc, Refused) else 400, request, body.name, "join",
                           exc.message) from exc
-        ranks = [_launch(settings, home, span, body) for _, span in pools]
+        try:
+            ranks = [_launch(settings, home, span, body) for _, span in pools]
+        except ApplianceError as exc:
+            raise refused("cluster.join", 409, request, body.name, "weights", exc.message) from exc
         audit(event("cluster.join", "allowed", 200, request, body.name,
                     f"joined as node {', '.join(f'{r.node} of pool {r.pool}' for r in ranks)}"))
         return JoinAnswer(credential=credential, heartbeat_s=settings.cluster.heartbeat_s, ranks=ranks)
@@ -327,7 +348,7 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
         control = spans.get(pool)
         if control is None or host not in control.span.workers:
             raise HTTPException(404, f"pool {pool} has no rank on {host}")
-        directory = model_dir(control.span.pool, home)
+        directory = weights_dir(control.span, home, host)
         listed = {f.path for f in weight_files_cached(directory)}
         if path not in listed:
             raise HTTPException(404, f"{path}: not a file of pool {pool}'s weights")
@@ -365,7 +386,7 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
                     address=str(body.address), interface=body.interface, python=body.python)
         command = rank_command(pool, settings, Home(Path(body.home)), span.layout, body.engine, rank, host=body.name)
         return RankLaunch(pool=span.pool.name, node=node, argv=command.argv, env=command.env, model_dir=local,
-                          files=weight_files_cached(model_dir(span.pool, home)))
+                          files=weight_files_cached(weights_dir(span, home, body.name)))
 
     return app
 
