@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 from pydantic import TypeAdapter, ValidationError
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from appliance import hosts
@@ -60,7 +61,8 @@ def list_hosts() -> None:
     table = Table("host", "state", "address", "joined", "problem")
     for host in registry.hosts.values():
         table.add_row(host.name, host.state.value, host.address or "-",
-                      host.joined_at.isoformat(timespec="seconds") if host.joined_at else "-", host.problem or "")
+                      host.joined_at.isoformat(timespec="seconds") if host.joined_at else "-",
+                      escape(host.problem or ""))  # a worker's words: never markup
     out.print(table)
 
 

@@ -32,7 +32,10 @@ from appliance.records import HostName
 
 TOKEN_PREFIX = "ajt1"
 Digest = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
-RelativePath = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$", max_length=512)]
+# No segment starts with a dot: no `.`, `..` or hidden file.
+RelativePath = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-][A-Za-z0-9_.-]*(/[A-Za-z0-9_-][A-Za-z0-9_.-]*)*$",
+                                    max_length=512)]
+PoolName = Annotated[str, Field(pattern=r"^[a-z][a-z0-9-]{0,30}$")]
 
 
 class Refused(ApplianceError):
@@ -136,22 +139,30 @@ def parse_join_token(token: str) -> JoinToken:
         raise Invalid("not a join token: its name or CA fingerprint is malformed") from exc
 
 
+def _check_token(registry: HostRegistry, name: str, secret: str, now: datetime) -> HostRecord:
+    host = registry.hosts.get(name)
+    if host is None:
+        raise Refused(f"host {name} is not invited")
+    if host.token_sha256 is None:
+        raise Refused(f"host {name}: its join token was used already")
+    if not hmac.compare_digest(host.token_sha256, _digest(secret)):
+        raise Refused(f"host {name}: wrong join token")
+    if host.token_expires is None or host.token_expires < now:
+        raise Refused(f"host {name}: its join token expired", hint=f"invite it again: appliance hosts add {name}")
+    return host
+
+
+def check_token(home: Home, name: str, secret: str, now: datetime | None = None) -> None:
+    """Refused (naming why, never the secret) unless `secret` is `name`'s unused, unexpired token."""
+    _check_token(load(home), name, secret, now or datetime.now(UTC))
+
+
 def redeem(home: Home, name: str, secret: str, address: str, now: datetime | None = None) -> str:
-    """Join `name` with its one-time token; its new credential. Refused (naming why, never the
-    secret) if the token is wrong, used or expired."""
+    """Join `name` with its one-time token; its new credential. Refused as `check_token` says."""
     now = now or datetime.now(UTC)
     credential = secrets.token_urlsafe(32)
     with updating(home) as registry:
-        host = registry.hosts.get(name)
-        if host is None:
-            raise Refused(f"host {name} is not invited")
-        if host.token_sha256 is None:
-            raise Refused(f"host {name}: its join token was used already")
-        if not hmac.compare_digest(host.token_sha256, _digest(secret)):
-            raise Refused(f"host {name}: wrong join token")
-        if host.token_expires is None or host.token_expires < now:
-            raise Refused(f"host {name}: its join token expired",
-                          hint=f"invite it again: appliance hosts add {name}")
+        host = _check_token(registry, name, secret, now)
         registry.hosts[name] = host.model_copy(update={
             "state": HostState.JOINED, "token_sha256": None, "token_expires": None, "joined_at": now,
             "credential_sha256": _digest(credential), "address": address, "problem": None})
@@ -164,6 +175,8 @@ def authenticate(home: Home, name: str, credential: str) -> HostRecord:
     if host is None or host.credential_sha256 is None or not hmac.compare_digest(
             host.credential_sha256, _digest(credential)):
         raise Refused(f"host {name}: unknown or revoked credential")
+    if host.state != HostState.JOINED:
+        raise Refused(f"host {name}: refused ({host.problem})", hint=f"appliance hosts remove {name}, add it again")
     return host
 
 
@@ -190,7 +203,7 @@ class JoinRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: HostName
-    secret: str = Field(max_length=256)
+    secret: str = Field(pattern=r"^[A-Za-z0-9_-]{1,256}$")
     home: str = Field(max_length=4096, pattern=r"^/[^\n\x00]*$", description="The worker's state dir.")
     python: str = Field(max_length=4096, pattern=r"^/[^\n\x00]*$", description="The worker's interpreter.")
     engine: str = Field(pattern=r"^(cpu|cuda)$", description="The vLLM build the worker runs.")
@@ -206,18 +219,22 @@ class WeightFile(BaseModel):
     sha256: Digest
 
 
+def worker_model_dir(home: str, pool: str) -> str:
+    """Where a worker keeps the weights of `pool` (the head writes it into the ranks' argv)."""
+    return f"{home.rstrip('/')}/models/cluster-{pool}"
+
+
 class RankLaunch(BaseModel):
     """One pool's ranks on the worker: vLLM's argv and environment from the head's launcher, and
-    the weights (the head's model directory) they load from `model_dir`."""
+    the weights they load from `worker_model_dir`."""
 
     model_config = ConfigDict(extra="forbid")
 
-    pool: str
+    pool: PoolName
     node: int = Field(ge=1)
-    argv: list[str]
+    argv: list[str] = Field(max_length=256)
     env: dict[str, str]
-    model_dir: str
-    files: list[WeightFile]
+    files: list[WeightFile] = Field(min_length=1)
 
 
 class Membership(BaseModel):
@@ -257,7 +274,7 @@ class JoinAnswer(BaseModel):
 class RankReport(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    pool: str
+    pool: PoolName
     epoch: int = Field(ge=0, description="The epoch the rank was (re)started for.")
     running: bool
     pid: int = Field(ge=0)
@@ -266,7 +283,7 @@ class RankReport(BaseModel):
 class Heartbeat(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    ranks: list[RankReport]
+    ranks: list[RankReport] = Field(max_length=64)
 
 
 class HeartbeatAnswer(BaseModel):
@@ -278,7 +295,7 @@ class HeartbeatAnswer(BaseModel):
 class WeightsReport(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    pool: str
+    pool: PoolName
     problem: str | None = Field(None, max_length=4096, description="None: every file verified.")
 
 

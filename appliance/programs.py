@@ -7,16 +7,19 @@ imports the packages that build on it. Each entry point is a callable
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from importlib.metadata import entry_points
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from appliance.home import Home
 from appliance.hosts import membership_file
 from appliance.settings import Settings
 
+CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 PROGRAMS_GROUP = "appliance.programs"
 # On a host that joined a cluster as a worker: only its ranks and the agent reporting them.
 WORKER_PROGRAMS_GROUP = "appliance.worker_programs"
@@ -58,6 +61,18 @@ class Program(BaseModel):
     missing: str | None = Field(
         None, description="Why it cannot start (e.g. model not prepared), checked before start."
     )
+
+    @model_validator(mode="after")
+    def _one_line_each(self) -> Program:
+        """Every value ends up on one line of supervisord's configuration: none may end that line
+        (a joined worker's ranks come from its head, so this is checked here, for every program)."""
+        for value in [*self.command, *self.environment.values()]:
+            if CONTROL.search(value):
+                raise ValueError(f"program {self.name}: a control character in {value[:80]!r}")
+        for key in self.environment:
+            if not ENV_KEY.fullmatch(key):
+                raise ValueError(f"program {self.name}: {key[:80]!r} is not an environment variable name")
+        return self
 
 
 ProgramSource = Callable[[Settings, Home], list[Program]]

@@ -46,9 +46,11 @@ from appliance.hosts import (
     WeightFile,
     WeightsReport,
     authenticate,
+    check_token,
     cluster_state_file,
     redeem,
     refuse,
+    worker_model_dir,
 )
 from appliance.model_refs import model_dir, served_name
 from appliance.programs import Program
@@ -62,11 +64,16 @@ from audit.records import AuditEvent
 from audit.writer import AuditWriter
 from serve.engine import SpanningPool, spanning_pools
 from serve.listener import GuardedHttpToolsProtocol
+from serve.middleware import BodyLimitMiddleware
 
 log = logging.getLogger("appliance.cluster")
 TICK_S = 0.1
 LIVE = (ProcessState.STARTING, ProcessState.RUNNING)
-REFUSAL_SUMMARY_S = 10.0  # refused heartbeats/downloads: one audit record per source and reason this often
+REFUSAL_SUMMARY_S = 10.0  # refusals: one audit record per source and action this often
+REFUSAL_SOURCES = 1024
+MAX_BODY_BYTES = 64 * 1024
+JOIN_REFUSED = ("join refused: the token is wrong, used or expired, or names a host this head did not invite "
+                "(the head's audit log says which)")
 
 
 def cluster_programs(settings: Settings, home: Home) -> list[Program]:
@@ -109,16 +116,28 @@ def weights_dir(span: SpanningPool, home: Home, host: str) -> Path:
     return own
 
 
-def weight_files(directory: Path) -> list[WeightFile]:
-    """Every regular file under the pool's model directory with its size and SHA-256."""
+def weight_files(directory: Path, known: dict[tuple[str, int, int], str] | None = None) -> list[WeightFile]:
+    """Every regular file under `directory` (no links, nothing hidden) with its size and SHA-256;
+    `known` keeps digests by (path, size, mtime) so that unchanged files are not read again."""
     files = []
-    for path in sorted(p for p in directory.rglob("*") if p.is_file() and not p.is_symlink()):
-        digest = hashlib.sha256()
-        with path.open("rb") as handle:
-            while chunk := handle.read(1 << 20):
-                digest.update(chunk)
-        files.append(WeightFile(path=path.relative_to(directory).as_posix(), bytes=path.stat().st_size,
-                                sha256=digest.hexdigest()))
+    for path in sorted(directory.rglob("*")):
+        relative = path.relative_to(directory).as_posix()
+        if path.is_symlink() or not path.is_file() or any(part.startswith(".") for part in relative.split("/")):
+            continue
+        stat = path.stat()
+        key = (relative, stat.st_size, stat.st_mtime_ns)
+        if known is None or key not in known:
+            digest = hashlib.sha256()
+            with path.open("rb") as handle:
+                while chunk := handle.read(1 << 20):
+                    digest.update(chunk)
+            if known is not None:
+                known[key] = digest.hexdigest()
+        files.append(WeightFile(path=relative, bytes=stat.st_size,
+                                sha256=known[key] if known is not None else digest.hexdigest()))
+    if not files:
+        raise Invalid(f"{directory} holds no weights a worker can take (links are not followed: copy a "
+                      "checkpoint made of links, such as a Hugging Face cache snapshot, into a directory first)")
     return files
 
 
@@ -135,10 +154,16 @@ class PoolControl:
     stop_head: bool = False
     ready: bool = False
     why: str = "waiting for workers"
+    failures: int = 0  # epochs failed since it last served: the head's next start waits 2^(n-1) s, at most 60
+    start_after: float = 0.0
 
 
 class Controller:
-    """Keeps each spanning pool's ranks in one epoch, and its state file current."""
+    """Keeps each spanning pool's ranks in one epoch, and its state file current.
+
+    Heartbeats arrive on request threads and `tick` runs on another: every change of a pool's
+    record happens under `lock`, and what `tick` decides outside it (starting the head's rank,
+    declaring the pool ready) is applied only if the epoch did not change meanwhile."""
 
     def __init__(self, settings: Settings, home: Home, audit: Callable[[AuditEvent], None]) -> None:
         self.settings = settings
@@ -154,10 +179,12 @@ class Controller:
     def heartbeat(self, host: str, beat: Heartbeat) -> HeartbeatAnswer:
         now = time.monotonic()
         with self.lock:
+            seen: set[str] = set()
             for report in beat.ranks:
                 control = self.pools.get(report.pool)
-                if control is None or host not in control.span.workers:
-                    continue
+                if control is None or host not in control.span.workers or report.pool in seen:
+                    continue  # not its pool, or a second report of one: one report per pool counts
+                seen.add(report.pool)
                 control.reports[host] = (now, report.running, report.pid, report.epoch)
                 if report.epoch != control.epoch:
                     continue  # restarting for the current epoch: not yet part of it
@@ -175,6 +202,8 @@ class Controller:
         control.stop_head = control.head_pid is not None
         control.head_pid = None
         control.ready = False
+        control.failures += 1
+        control.start_after = time.monotonic() + min(60.0, 2.0 ** (control.failures - 1))
         control.why = f"restarting: {why}"
         self._write(control)
         self.audit(AuditEvent(request_id=uuid.uuid4().hex, action="cluster.restart", outcome="error", status=503,
@@ -186,38 +215,54 @@ class Controller:
         for name, control in self.pools.items():
             program = f"vllm-{name}"
             with self.lock:
-                stop = control.stop_head
-                control.stop_head = False
+                stop, control.stop_head = control.stop_head, False
             head = processes.get(program)
             if stop and head is not None and head.state in LIVE:
                 self.supervisor.call("stopProcess", program, True)
                 head = None
             with self.lock:
                 self._check(control, head.state if head else ProcessState.STOPPED, head.pid if head else 0)
-            if control.head_pid is None and self._all_acked(control) and not control.stop_head:
+                epoch = control.epoch
+                start = (control.head_pid is None and self._all_acked(control) and not control.stop_head
+                         and time.monotonic() >= control.start_after)
+            if start:
                 self.supervisor.call("startProcess", program, False)
-                info = next(i for i in self.supervisor.processes() if i.name == program)
+                info = next((i for i in self.supervisor.processes() if i.name == program), None)
                 with self.lock:
-                    control.head_pid = info.pid or None
-                    control.why = "starting the head's rank"
-            ready = control.head_pid is not None and self._all_acked(control) and self._engine_answers(name)
+                    if control.epoch == epoch and info is not None and info.pid:
+                        control.head_pid = info.pid
+                        control.why = "starting the head's rank"
+                    else:
+                        control.stop_head = True  # the epoch failed meanwhile: this start is not part of it
             with self.lock:
-                if ready != control.ready:
-                    control.ready = ready
-                    control.why = "serving" if ready else control.why
+                candidate = control.head_pid is not None and self._all_acked(control)
+            answers = candidate and self._engine_answers(name)
+            with self.lock:
+                if control.epoch == epoch and answers != control.ready:
+                    control.ready = answers
+                    if answers:
+                        control.failures, control.why = 0, "serving"
+                    else:
+                        control.why = "the head's engine does not answer /health"
                 self._write(control)
 
     def _check(self, control: PoolControl, state: ProcessState, pid: int) -> None:
-        now = time.monotonic()
+        """Fail the epoch when a member is gone: a worker that acknowledged it and fell silent, any
+        silent worker once the head's rank runs, or the head's rank itself."""
+        now, dead_after = time.monotonic(), self.settings.cluster.dead_after_s
         silent = [host for host in control.span.workers
-                  if now - control.reports.get(host, (-math.inf, False, 0, 0))[0] > self.settings.cluster.dead_after_s]
-        if silent and (control.acked or control.head_pid):
-            self._fail(control, f"{silent[0]} sent no heartbeat for {self.settings.cluster.dead_after_s:g} s")
+                  if now - control.reports.get(host, (-math.inf, False, 0, 0))[0] > dead_after]
+        lost = [host for host in silent if host in control.acked or control.head_pid is not None]
+        if lost:
+            self._fail(control, f"{lost[0]} sent no heartbeat for {dead_after:g} s")
         elif control.head_pid is not None and (state not in LIVE or pid != control.head_pid):
             self._fail(control, f"the head's rank exited (pid {control.head_pid})")
         elif not control.ready and control.head_pid is None:
             missing = [host for host in control.span.workers if host not in control.acked]
-            control.why = f"waiting for {', '.join(missing)}" if missing else control.why
+            if missing:
+                control.why = f"waiting for {', '.join(missing)}"
+            elif now < control.start_after:
+                control.why = f"restarting in {control.start_after - now:.0f} s (after {control.failures} failures)"
 
     def _all_acked(self, control: PoolControl) -> bool:
         return all(host in control.acked for host in control.span.workers)
@@ -247,10 +292,19 @@ class Controller:
 # --- the HTTPS API ------------------------------------------------------------------------------
 
 
+@dataclass
+class Refusals:
+    """Refusals of one source and action within REFUSAL_SUMMARY_S of the first (recorded itself)."""
+
+    started: float
+    last: AuditEvent
+    count: int = 0  # after the first
+
+
 def create_app(settings: Settings, home: Home) -> FastAPI:
     writer = AuditWriter(home.audit, signing_key(home), max_file_bytes=settings.audit.max_file_bytes)
     audit_lock = threading.Lock()
-    refused_at: dict[tuple[str, str, str], tuple[float, int]] = {}
+    refusals: dict[tuple[str, str], Refusals] = {}  # by (source, action)
 
     def audit(event: AuditEvent) -> None:
         with audit_lock:
@@ -265,6 +319,7 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
             while True:
                 try:
                     await asyncio.to_thread(controller.tick)
+                    await asyncio.to_thread(flush_refusals)
                 except Exception:  # one failed tick (supervisord busy) must not end the controller
                     log.exception("cluster controller tick failed")
                 await asyncio.sleep(TICK_S)
@@ -275,6 +330,7 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
         writer.close()
 
     app = FastAPI(title="appliance cluster", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BodyLimitMiddleware, limit=MAX_BODY_BYTES)
 
     def source(request: Request) -> str:
         return request.client.host if request.client else "?"
@@ -285,16 +341,44 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
                           status=status, subject=f"host:{host}", client="cluster", source=source(request),
                           resource=detail, error=error)
 
-    def refused(action: str, status: int, request: Request, host: str, detail: str, why: str) -> HTTPException:
-        """A refusal, audited: the first per source and reason in each REFUSAL_SUMMARY_S, the next
-        record counting those in between (a flood of bad tokens cannot flood the log)."""
-        key, now = (source(request), action, why), time.monotonic()
+    def refused(action: str, status: int, request: Request, host: str, detail: str, why: str,
+                told: str | None = None) -> HTTPException:
+        """A refusal, audited: the first per source and action in each REFUSAL_SUMMARY_S has its own
+        record, the others one summary record after the window (`flush_refusals`), and at most
+        REFUSAL_SOURCES windows are open (a flood of bad tokens, under names of its choosing,
+        cannot flood the log or the memory). The client is `told` less than the log says where the
+        reason would tell it about others."""
+        key, now = (source(request), action), time.monotonic()
+        denied = event(action, "denied", status, request, host, detail, why)
         with audit_lock:
-            first, count = refused_at.get(key, (-math.inf, 0))
-            refused_at[key] = (now, 0) if now - first >= REFUSAL_SUMMARY_S else (first, count + 1)
-        if now - first >= REFUSAL_SUMMARY_S:
-            audit(event(action, "denied", status, request, host, detail, why).model_copy(update={"count": count + 1}))
-        return HTTPException(status, why)
+            if key not in refusals and len(refusals) >= REFUSAL_SOURCES:
+                key = ("*", action)  # too many sources apart: the rest share one window
+            window = refusals.get(key)
+            counted = window is not None and now - window.started < REFUSAL_SUMMARY_S
+            if window is not None and counted:
+                window.count += 1
+                window.last = denied
+            else:
+                refusals[key] = Refusals(now, denied)
+        if window is not None and not counted and window.count:
+            audit(summary(window))  # a closed window the flush has not reached yet
+        if not counted:
+            audit(denied)
+        return HTTPException(status, told or why)
+
+    def summary(window: Refusals) -> AuditEvent:
+        return window.last.model_copy(update={
+            "count": window.count, "error": f"{window.count} more refused; the last: {window.last.error}"})
+
+    def flush_refusals() -> None:
+        """One record for each closed window's refusals beyond its first, with the last reason."""
+        now = time.monotonic()
+        with audit_lock:
+            closed = [key for key, window in refusals.items() if now - window.started >= REFUSAL_SUMMARY_S]
+            summaries = [refusals.pop(key) for key in closed]
+        for window in summaries:
+            if window.count:
+                audit(summary(window))
 
     def worker(request: Request, host: str, authorization: str) -> str:
         """The authenticated worker; 401 otherwise."""
@@ -304,7 +388,8 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
                 raise Refused(f"host {host}: no bearer credential")
             return authenticate(home, host, credential).name
         except Refused as exc:
-            raise refused("cluster.auth", 401, request, host, request.url.path, exc.message) from exc
+            raise refused("cluster.auth", 401, request, host, request.url.path, exc.message,
+                          "unknown, revoked or refused host credential") from exc
 
     @app.exception_handler(Exception)
     async def fail_closed(_: Request, exc: Exception) -> JSONResponse:
@@ -325,18 +410,18 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
         pools = [(name, control.span) for name, control in spans.items() if body.name in control.span.workers]
         try:
             if not pools:
-                raise Invalid(f"no pool's plan runs on a host named {body.name}")
+                raise Refused(f"no pool's plan runs on a host named {body.name}")
             device = resolve_device(settings.engine)
             if body.engine != device:
                 raise Invalid(f"{body.name} runs the {body.engine} engine; the pool runs on {device}")
-            credential = redeem(home, body.name, body.secret, str(body.address))
-        except ApplianceError as exc:
-            raise refused("cluster.join", 401 if isinstance(exc, Refused) else 400, request, body.name, "join",
-                          exc.message) from exc
-        try:
+            check_token(home, body.name, body.secret)
+            # Everything else that can fail comes before the token is spent: a failed join leaves it usable.
             ranks = [_launch(settings, home, span, body) for _, span in pools]
+            credential = redeem(home, body.name, body.secret, str(body.address))
+        except Refused as exc:
+            raise refused("cluster.join", 401, request, body.name, "join", exc.message, JOIN_REFUSED) from exc
         except ApplianceError as exc:
-            raise refused("cluster.join", 409, request, body.name, "weights", exc.message) from exc
+            raise refused("cluster.join", 409, request, body.name, "join", exc.message) from exc
         audit(event("cluster.join", "allowed", 200, request, body.name,
                     f"joined as node {', '.join(f'{r.node} of pool {r.pool}' for r in ranks)}"))
         return JoinAnswer(credential=credential, heartbeat_s=settings.cluster.heartbeat_s, ranks=ranks)
@@ -349,15 +434,20 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
         if control is None or host not in control.span.workers:
             raise HTTPException(404, f"pool {pool} has no rank on {host}")
         directory = weights_dir(control.span, home, host)
-        listed = {f.path for f in weight_files_cached(directory)}
-        if path not in listed:
+        listed = {f.path for f in weight_files(directory, digests)}
+        target = directory / path
+        # Listed a moment ago; served only if it is still a plain file inside the directory.
+        if path not in listed or target.is_symlink() or not target.resolve().is_relative_to(directory.resolve()):
             raise HTTPException(404, f"{path}: not a file of pool {pool}'s weights")
-        return FileResponse(directory / path)
+        return FileResponse(target)
 
     @app.post("/cluster/weights-report")
     def weights_report(body: WeightsReport, request: Request, x_appliance_host: Annotated[str, Header()],
                        authorization: Annotated[str, Header()] = "") -> dict[str, bool]:
         host = worker(request, x_appliance_host, authorization)
+        control = spans.get(body.pool)
+        if control is None or host not in control.span.workers:
+            raise HTTPException(404, f"pool {body.pool} has no rank on {host}")
         if body.problem is None:
             audit(event("cluster.weights", "allowed", 200, request, host, f"pool {body.pool}: every file verified"))
             return {"accepted": True}
@@ -370,23 +460,18 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
                   authorization: Annotated[str, Header()] = "") -> HeartbeatAnswer:
         return controller.heartbeat(worker(request, x_appliance_host, authorization), body)
 
-    digests: dict[Path, list[WeightFile]] = {}
-
-    def weight_files_cached(directory: Path) -> list[WeightFile]:
-        if directory not in digests:
-            digests[directory] = weight_files(directory)
-        return digests[directory]
+    digests: dict[tuple[str, int, int], str] = {}
 
     def _launch(settings: Settings, home: Home, span: SpanningPool, body: JoinRequest) -> RankLaunch:
         node = span.workers.index(body.name) + 1
-        local = f"{body.home.rstrip('/')}/models/cluster-{span.pool.name}"
+        local = worker_model_dir(body.home, span.pool.name)
         pool = span.pool.model_copy(update={"model": local, "served_model_name": served_name(span.pool, home),
                                             "plan": None})
         rank = Rank(node=node, head=str(settings.cluster.bind), gpus=tuple(span.plan.commands[node].gpus),
                     address=str(body.address), interface=body.interface, python=body.python)
         command = rank_command(pool, settings, Home(Path(body.home)), span.layout, body.engine, rank, host=body.name)
-        return RankLaunch(pool=span.pool.name, node=node, argv=command.argv, env=command.env, model_dir=local,
-                          files=weight_files_cached(weights_dir(span, home, body.name)))
+        return RankLaunch(pool=span.pool.name, node=node, argv=command.argv, env=command.env,
+                          files=weight_files(weights_dir(span, home, body.name), digests))
 
     return app
 

@@ -5,12 +5,15 @@ Joining: fetch the head's CA and check it against the fingerprint in the token (
 talks to no one else), redeem the token for a credential and the ranks' launch, get the
 weights (pulled from the head, each file's SHA-256 checked; or a pre-staged directory checked
 the same way), report the result (a failed check is refused by the head and audited there),
-then start. Files already present and correct are not fetched again: a failed join resumes.
+then start. A join refused before the token was spent may be tried again with it; after that, the
+head invites the host again (`hosts remove`, `hosts add`). Either way files already here and
+correct are not fetched again.
 """
 
 from __future__ import annotations
 
 import hashlib
+import shutil
 import socket
 import ssl
 import sys
@@ -37,13 +40,17 @@ from appliance.hosts import (
     membership,
     membership_file,
     parse_join_token,
+    worker_model_dir,
 )
-from appliance.programs import Program
+from appliance.programs import CONTROL, ENV_KEY, Program
 from appliance.settings import Settings
 from appliance.tls import tls_dir
 from serve.engine import interface_of
 
 CREDENTIAL_SECRET = "cluster-credential"
+# vLLM options that would run code the weights bring along, or open the rank to others.
+REFUSED_OPTIONS = {"--trust-remote-code", "--worker-extension-cls", "--worker-cls", "--logits-processors",
+                   "--tool-parser-plugin", "--allowed-local-media-path"}
 # What a rank's environment may set (the head builds it; a worker runs nothing else on its word).
 RANK_ENV_PREFIXES = ("VLLM_", "HF_", "TRANSFORMERS_", "DO_NOT_TRACK", "CUDA_VISIBLE_DEVICES", "GLOO_", "NCCL_")
 
@@ -114,15 +121,16 @@ def join(home: Home, head_url: str, token: str, weights: Path | None, say: Calla
     address = _local_address(head_url)
     request = JoinRequest(name=parsed.name, secret=parsed.secret, home=str(home.root), python=python(),
                           engine=engine, address=address, interface=interface_of(address))
-    with head_client(home, head_url) as client:
+    with head_client(home, head_url, timeout=600) as client:  # the head may hash the weights first
         answer = JoinAnswer.model_validate(_answer(client.post("/cluster/join", json=request.model_dump(mode="json")),
                                                    "join").json())
+    for rank in answer.ranks:
+        _check_launch(home, rank)
     home.secrets.mkdir(mode=0o700, parents=True, exist_ok=True)
     replace_file(home.secrets / CREDENTIAL_SECRET, answer.credential.encode())
     say(f"joined as {parsed.name}: " + ", ".join(f"node {r.node} of pool {r.pool}" for r in answer.ranks))
     with head_client(home, head_url, parsed.name, answer.credential, timeout=600) as client:
         for rank in answer.ranks:
-            _check_launch(rank)
             problem = _weights(client, home, rank, weights, say)
             _answer(client.post("/cluster/weights-report", json=WeightsReport(pool=rank.pool, problem=problem)
                                 .model_dump()), "weights report")
@@ -134,13 +142,24 @@ def join(home: Home, head_url: str, token: str, weights: Path | None, say: Calla
     return record
 
 
-def _check_launch(rank: RankLaunch) -> None:
-    """Run only vLLM's rank module with this host's interpreter, with known variables."""
-    if rank.argv[:4] != [python(), "-P", "-m", RANK_MODULE]:
-        raise Invalid(f"pool {rank.pool}: the head sent a launch that is not {RANK_MODULE} on {python()}")
-    odd = sorted(key for key in rank.env if not key.startswith(RANK_ENV_PREFIXES))
-    if odd:
-        raise Invalid(f"pool {rank.pool}: the head sent environment variables a rank does not take: {odd}")
+def _check_launch(home: Home, rank: RankLaunch) -> None:
+    """Run only vLLM's rank module with this host's interpreter, on the weights kept here, with
+    known variables and options: even the head this host trusts cannot make it run other code."""
+    problem = None
+    argv = rank.argv
+    model = worker_model_dir(str(home.root), rank.pool)
+    if argv[:4] != [python(), "-P", "-m", RANK_MODULE]:
+        problem = f"a launch that is not {RANK_MODULE} on {python()}"
+    elif "--model" not in argv or argv[argv.index("--model") + 1:argv.index("--model") + 2] != [model]:
+        problem = f"a launch whose --model is not {model}"
+    elif any(CONTROL.search(value) for value in [*argv, *rank.env.values()]):
+        problem = "control characters in the launch"
+    elif bad := sorted(key for key in rank.env if not ENV_KEY.fullmatch(key) or not key.startswith(RANK_ENV_PREFIXES)):
+        problem = f"environment variables a rank does not take: {bad}"
+    elif refused := sorted(a.split("=")[0] for a in argv if a.split("=")[0] in REFUSED_OPTIONS):
+        problem = f"options this host does not run: {refused}"
+    if problem:
+        raise Invalid(f"pool {rank.pool}: the head sent {problem}")
 
 
 def _sha256(path: Path) -> str:
@@ -167,12 +186,15 @@ def _verify(directory: Path, files: list[WeightFile]) -> str | None:
 def _weights(client: httpx.Client, home: Home, rank: RankLaunch, staged: Path | None,
              say: Callable[[str], None]) -> str | None:
     """The rank's weights in place (pre-staged and checked, or pulled and checked); a problem or None."""
-    target = Path(rank.model_dir)
+    target = Path(worker_model_dir(str(home.root), rank.pool))
     if staged is not None:
         problem = _verify(staged, rank.files)
         if problem is None:
             target.parent.mkdir(parents=True, exist_ok=True)
-            target.unlink(missing_ok=True)
+            if target.is_symlink() or target.is_file():
+                target.unlink()
+            elif target.is_dir():
+                shutil.rmtree(target)  # weights pulled by an earlier join: the pre-staged copy replaces them
             target.symlink_to(staged.resolve(), target_is_directory=True)
             say(f"pool {rank.pool}: {len(rank.files)} pre-staged files in {staged} verified")
         return problem

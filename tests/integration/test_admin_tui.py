@@ -172,7 +172,7 @@ def test_models_screen_shows_pool_plan_and_staging(app: AdminApp, shots: Path) -
     async def scenario(pilot: Pilot) -> None:
         await pilot.press("m")
         await until(pilot, lambda: "main" in rows(app, "pools") and "Layout" in text(app, "plan-text"), "the plan")
-        assert rows(app, "pools")["main"][1:3] == [MODEL, "healthy"]
+        assert rows(app, "pools")["main"][1:4] == [MODEL, "-", "healthy"]  # no GPUs on the CPU engine
         plan = text(app, "plan-text")
         assert "Layout: TP1 PP1 DP1 EP off over 1 GPUs on 1 host(s)" in plan
         assert re.search(r"Per GPU: weights [\d.]+ GiB \+ KV cache [\d.]+ GiB", plan)

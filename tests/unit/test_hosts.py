@@ -16,6 +16,15 @@ from appliance.home import Home
 CA = "ab" * 32
 
 
+def test_a_token_checked_but_not_spent_still_joins(tmp_path: Path) -> None:
+    home = Home(tmp_path).ensure()
+    secret = hosts.parse_join_token(hosts.invite(home, "worker-1", 3600, CA)).secret
+    hosts.check_token(home, "worker-1", secret)  # a join that fails after this leaves the token usable
+    assert hosts.redeem(home, "worker-1", secret, "10.0.0.2")
+    with pytest.raises(hosts.Refused, match="used already"):
+        hosts.check_token(home, "worker-1", secret)
+
+
 def test_a_token_joins_once_and_the_registry_keeps_only_digests(tmp_path: Path) -> None:
     home = Home(tmp_path).ensure()
     token = hosts.invite(home, "worker-1", 3600, CA)
@@ -61,10 +70,12 @@ def test_malformed_tokens_are_refused_with_the_reason(token: str) -> None:
 def test_a_refused_host_names_its_problem_and_a_damaged_registry_is_named(tmp_path: Path) -> None:
     home = Home(tmp_path).ensure()
     secret = hosts.parse_join_token(hosts.invite(home, "worker-1", 60, CA)).secret
-    hosts.redeem(home, "worker-1", secret, "10.0.0.2")
+    credential = hosts.redeem(home, "worker-1", secret, "10.0.0.2")
     hosts.refuse(home, "worker-1", "/w/model.safetensors: SHA-256 differs from the head's")
     record = hosts.load(home).hosts["worker-1"]
     assert record.state == hosts.HostState.REFUSED and "model.safetensors" in (record.problem or "")
+    with pytest.raises(hosts.Refused, match="host worker-1: refused"):
+        hosts.authenticate(home, "worker-1", credential)  # a refused host's credential no longer works
     hosts.registry_path(home).write_text(json.dumps({"hosts": {"x": {"name": "../x"}}}))
     with pytest.raises(Exception, match="the host registry .*hosts.json is unreadable"):
         hosts.load(home)
