@@ -44,6 +44,7 @@ class ProcessState(IntEnum):
 
 SPAWNED = re.compile(r"spawned: '([^']+)' with pid")
 FAILED_STATES = {ProcessState.BACKOFF, ProcessState.EXITED, ProcessState.FATAL}
+LIVE_STATES = {ProcessState.STARTING, ProcessState.RUNNING}  # its process exists
 
 
 @dataclass(frozen=True)

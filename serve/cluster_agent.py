@@ -15,11 +15,10 @@ import httpx
 
 from appliance.home import Home
 from appliance.hosts import Heartbeat, HeartbeatAnswer, RankReport, membership
-from appliance.supervisor import ProcessInfo, ProcessState, Supervisor
+from appliance.supervisor import LIVE_STATES, ProcessInfo, Supervisor
 from serve.cluster_worker import credential, head_client
 
 log = logging.getLogger("appliance.cluster-agent")
-LIVE = (ProcessState.STARTING, ProcessState.RUNNING)
 
 
 def run(home: Home) -> None:
@@ -34,7 +33,7 @@ def run(home: Home) -> None:
             reports = []
             for pool, epoch in started.items():
                 info = processes.get(f"vllm-{pool}")
-                pid = info.pid if info is not None and info.state in LIVE else 0
+                pid = info.pid if info is not None and info.state in LIVE_STATES else 0
                 reports.append(RankReport(pool=pool, epoch=epoch, running=pid > 0, pid=pid))
             try:
                 response = client.post("/cluster/heartbeat", json=Heartbeat(ranks=reports).model_dump())
@@ -63,7 +62,7 @@ def run(home: Home) -> None:
 
 def _stop(supervisor: Supervisor, program: str, processes: dict[str, ProcessInfo]) -> None:
     info = processes.get(program)
-    if info is not None and info.state in LIVE:
+    if info is not None and info.state in LIVE_STATES:
         supervisor.call("stopProcess", program, True)
 
 
