@@ -28,7 +28,7 @@ esac
 # engines get a network namespace of their own (unshare, and ip from iproute2 for its loopback);
 # the TUI's test runs it in a real terminal (tmux).
 missing=()
-for tool in unshare:util-linux prlimit:util-linux setpriv:util-linux bwrap:bubblewrap ip:iproute2 tmux:tmux; do
+for tool in unshare:util-linux prlimit:util-linux setpriv:util-linux bwrap:bubblewrap ip:iproute2 tmux:tmux gcc:gcc; do
   command -v "${tool%%:*}" >/dev/null || missing+=("${tool#*:}")
 done
 if [ ${#missing[@]} -gt 0 ]; then
@@ -39,10 +39,13 @@ if [ ${#missing[@]} -gt 0 ]; then
   fi
 fi
 
-# As root, training sandboxes run as this unprivileged user of their own (finetune/sandbox.py).
-if [ "$(id -u)" = 0 ] && ! id appliance-train >/dev/null 2>&1; then
-  useradd --system --user-group --no-create-home --shell /usr/sbin/nologin appliance-train
-fi
+# As root, training sandboxes (finetune/sandbox.py) and the execution sandbox for untrusted code
+# (finetune/rl/execute.py) each run as an unprivileged user of their own.
+for user in appliance-train appliance-exec; do
+  if [ "$(id -u)" = 0 ] && ! id "$user" >/dev/null 2>&1; then
+    useradd --system --user-group --no-create-home --shell /usr/sbin/nologin "$user"
+  fi
+done
 
 PYTHON=${PYTHON:-python3.11}
 UV_VERSION=$(sed -n 's/^uv==//p' requirements/uv.txt)

@@ -328,6 +328,21 @@ class AuditSettings(_Section):
     )
 
 
+class ExecutionSettings(_Section):
+    """The execution sandbox: untrusted programs (a model's answers) run against tests, each in
+    a sandbox of its own (`appliance rl exec`)."""
+
+    cpu_s: int = Field(10, ge=1, le=3600, description="CPU seconds per process (then SIGXCPU).")
+    wall_s: float = Field(20.0, gt=0, le=3600, description="Wall seconds for one execution, tests included.")
+    test_wall_s: float = Field(10.0, gt=0, le=3600, description="Wall seconds for one test.")
+    memory_mib: int = Field(512, ge=64, description="Address space per process, MiB.")
+    processes: int = Field(64, ge=4, le=4096, description="Processes and threads of the sandbox's user at once.")
+    open_files: int = Field(64, ge=16, le=65536, description="Open files per process.")
+    tmpfs_mib: int = Field(64, ge=1, le=65536, description="The only writable place, /tmp, MiB (files and all).")
+    output_bytes: int = Field(1_048_576, ge=1024, description="Output past this on stdout or stderr ends it.")
+    kept_bytes: int = Field(4096, ge=256, description="Of stdout and stderr each, what a verdict keeps.")
+
+
 class FinetuneSettings(_Section):
     """Post-training: datasets, the sensitive-data scan, training jobs and their gate."""
 
@@ -379,6 +394,7 @@ class Settings(_Section):
     audit: AuditSettings = Field(default_factory=AuditSettings)
     artifacts: ArtifactSettings = Field(default_factory=ArtifactSettings)
     finetune: FinetuneSettings = Field(default_factory=FinetuneSettings)
+    execution: ExecutionSettings = Field(default_factory=ExecutionSettings)
     cluster: ClusterSettings = Field(default_factory=ClusterSettings)
     pools: list[PoolSettings] = Field(
         default_factory=lambda: [PoolSettings(name="main")],

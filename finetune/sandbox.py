@@ -116,7 +116,7 @@ def sandboxed(command: list[str], settings: FinetuneSettings, *, workdir: Path, 
         mounts += ["--ro-bind", str(path), str(path)]
     # bubblewrap makes the directories leading to each mount with the host's modes (a 0700 state
     # dir included): opened up so that the trainer's user can walk to what it is shown.
-    for parent in _leading_directories([*bound, workdir]):
+    for parent in leading_directories([*bound, workdir]):
         mounts += ["--chmod", "0755", str(parent)]
     environment = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8",
                    **OFFLINE_ENVIRONMENT}
@@ -126,7 +126,7 @@ def sandboxed(command: list[str], settings: FinetuneSettings, *, workdir: Path, 
     return [*limits, bwrap, *mounts, "--chdir", str(workdir), "--clearenv", *setenv, "--", *become, *command]
 
 
-def _leading_directories(mounted: list[Path]) -> list[Path]:
+def leading_directories(mounted: list[Path]) -> list[Path]:
     """The directories above each mount point that bubblewrap creates (not mounts themselves, nor
     inside one), shallowest first."""
     def inside_a_mount(path: Path) -> bool:

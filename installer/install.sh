@@ -114,11 +114,14 @@ else
   echo "the $ENGINE engine: $WHY"
 fi
 
-# As root, training sandboxes run as this unprivileged user of their own (finetune/sandbox.py).
-if [ "$(id -u)" = 0 ] && ! id appliance-train >/dev/null 2>&1; then
-  useradd --system --user-group --no-create-home --shell /usr/sbin/nologin appliance-train \
-    || fail "cannot create the training sandbox's user appliance-train"
-fi
+# As root, training sandboxes (finetune/sandbox.py) and the execution sandbox for untrusted code
+# (finetune/rl/execute.py) each run as an unprivileged user of their own.
+for user in appliance-train appliance-exec; do
+  if [ "$(id -u)" = 0 ] && ! id "$user" >/dev/null 2>&1; then
+    useradd --system --user-group --no-create-home --shell /usr/sbin/nologin "$user" \
+      || fail "cannot create the sandbox user $user"
+  fi
+done
 
 step "software in $PREFIX/venv (the bundle's wheels only)"
 if [ -x "$PREFIX/venv/bin/python" ] && "$PREFIX/venv/bin/python" -I -c 'import sys

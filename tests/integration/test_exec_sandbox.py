@@ -1,0 +1,176 @@
+"""Issue 20's execution sandbox against hostile programs, for real (bubblewrap, prlimit, the
+dedicated user): each is contained, and scored as a failure with its reason; the host and the
+other processes are untouched."""
+
+from __future__ import annotations
+
+import os
+import pwd
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from appliance.home import Home
+from appliance.settings import ExecutionSettings
+from finetune.rl.execute import EXEC_USER, execute
+from tests.conftest import APPLIANCE
+
+SETTINGS = ExecutionSettings(cpu_s=3, wall_s=15, test_wall_s=6, memory_mib=256, processes=32, tmpfs_mib=16,
+                             output_bytes=65536)
+SAFE = "def test_ok():\n    pass\n"  # the hostile code runs when the tests import it
+
+
+def run(program: str, tests: str = SAFE) -> tuple[str, str, str]:
+    verdict = execute(program, "python", SETTINGS, tests=tests)
+    assert verdict.status == "failed", verdict
+    return verdict.reason, verdict.stderr, verdict.stdout
+
+
+def exec_user_processes() -> list[str]:
+    try:
+        uid = pwd.getpwnam(EXEC_USER).pw_uid
+    except KeyError:
+        return []
+    found = subprocess.run(["ps", "-o", "pid=,args=", "-u", str(uid)], capture_output=True, text=True)
+    return found.stdout.splitlines()
+
+
+def test_a_correct_program_passes_and_a_wrong_one_fails_with_the_failing_test() -> None:
+    program = "def add(a, b):\n    return a + b\n"
+    passed = execute(program, "python", SETTINGS, tests="def test_add():\n    assert add(2, 3) == 5\n")
+    assert (passed.status, passed.tests_passed, passed.tests_total) == ("passed", 1, 1)
+    failed = execute(program, "python", SETTINGS, tests="def test_a():\n    assert add(1, 1) == 2\n\n"
+                                                          "def test_b():\n    assert add(1, 1) == 3\n")
+    assert (failed.status, failed.reason, failed.tests_passed, failed.tests_total) == ("failed", "test_b: exit 1", 1, 2)
+    assert "AssertionError" in failed.stderr
+    human_eval = execute(program, "python", SETTINGS, entry_point="add",
+                         tests="def check(candidate):\n    assert candidate(2, 2) == 4\n")
+    assert human_eval.status == "passed" and human_eval.tests[0].test == "check"
+
+
+def test_c_compiles_and_runs_against_io_cases() -> None:
+    program = '#include <stdio.h>\nint main(void){int a,b;scanf("%d %d",&a,&b);printf("%d\\n",a+b);return 0;}\n'
+    cases = [{"stdin": "1 2", "stdout": "3"}, {"stdin": "5 5", "stdout": "9"}]
+    verdict = execute(program, "c", SETTINGS, io_cases=cases)
+    assert (verdict.tests_passed, verdict.tests_total, verdict.reason) == (1, 2, "io: wrong output")
+    broken = execute("int main(void) { return x; }\n", "c", SETTINGS, io_cases=[{"stdin": "", "stdout": ""}])
+    assert broken.reason == "compile error" and "undeclared" in broken.stderr
+
+
+def test_no_network() -> None:
+    reason, stderr, _ = run("import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=3)\n")
+    assert reason == "test_ok: exit 1" and ("Network is unreachable" in stderr or "OSError" in stderr)
+    gateway = run("import socket\nsocket.create_connection(('127.0.0.1', 8080), timeout=3)\n")[1]
+    assert "Connection refused" in gateway, "the host's loopback is not the sandbox's"
+
+
+def test_no_secrets_and_no_other_jobs_data(tmp_path: Path) -> None:
+    secrets = Home.from_env().secrets
+    other_job = tmp_path / "job-1" / "train.jsonl"
+    other_job.parent.mkdir()
+    other_job.write_text("private\n")
+    for path in (secrets / "engine-api-key", secrets, other_job, Home.from_env().root / "hosts.json"):
+        reason, stderr, _ = run(f"print(open({str(path)!r}).read())\n")
+        assert reason == "test_ok: exit 1" and ("FileNotFoundError" in stderr or "IsADirectoryError" in stderr), path
+
+
+def test_nothing_writable_but_its_tmpfs() -> None:
+    for target in ("/usr/evil", "/task/program.py", "/etc/evil", "/evil"):
+        reason, stderr, _ = run(f"open({target!r}, 'w').write('x')\n")
+        assert reason == "test_ok: exit 1" and ("Read-only file system" in stderr or "Permission denied" in stderr
+                                                 or "No such file" in stderr), target
+    reason, stderr, _ = run("with open('/tmp/big', 'wb') as f:\n    for _ in range(64):\n"
+                            "        f.write(b'x' * 2**20)\n")
+    assert reason == "test_ok: exit 1" or "file size limit" in reason, (reason, stderr)
+
+
+def test_a_fork_bomb_is_contained() -> None:
+    started = time.monotonic()
+    reason, stderr, _ = run("import os\nwhile True:\n    os.fork()\n")
+    assert reason.startswith("test_ok:") and time.monotonic() - started < SETTINGS.wall_s + 5
+    assert not exec_user_processes(), "nothing of the sandbox outlives it"
+
+
+def test_a_memory_bomb_is_contained() -> None:
+    reason, stderr, _ = run("x = bytearray(8 * 2**30)\n")
+    assert reason == "test_ok: exit 1" and "MemoryError" in stderr
+
+
+def test_an_infinite_loop_hits_the_cpu_limit() -> None:
+    reason, _, _ = run("while True:\n    pass\n")
+    assert reason == "test_ok: signal SIGXCPU: CPU time limit"
+    sleeper = run("import time\ntime.sleep(3600)\n")[0]
+    assert sleeper == f"test_ok: test wall time over {SETTINGS.test_wall_s:g} s"
+
+
+def test_ten_gigabytes_of_output_end_it() -> None:
+    started = time.monotonic()
+    reason, _, stdout = run("import sys\nfor _ in range(10 * 1024):\n    sys.stdout.write('x' * 2**20)\n")
+    assert reason == f"stdout over {SETTINGS.output_bytes:,} bytes" and len(stdout) < 2 * SETTINGS.kept_bytes + 200
+    assert time.monotonic() - started < SETTINGS.wall_s
+
+
+def test_a_child_that_outlives_its_parent_is_ended() -> None:
+    program = ("import os, sys, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(3600)\n"
+               "sys.exit(3)\n")
+    reason, _, _ = run(program)
+    assert reason == "test_ok: exit 3"
+    assert not exec_user_processes(), "the orphan died with the sandbox"
+
+
+def test_signals_reach_no_one_outside(tmp_path: Path) -> None:
+    victim = subprocess.Popen(["sleep", "60"])
+    try:
+        program = (f"import os, signal\nfor pid in (1, {os.getpid()}, {victim.pid}):\n"
+                   "    try:\n        os.kill(pid, signal.SIGKILL)\n    except OSError as exc:\n"
+                   "        print(pid, type(exc).__name__)\nraise SystemExit(2)\n")
+        reason, _, stdout = run(program)
+        assert reason == "test_ok: exit 2"
+        assert victim.poll() is None, "a process outside was killed"
+        assert f"{victim.pid} ProcessLookupError" in stdout or f"{victim.pid} PermissionError" in stdout
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+def test_a_forged_score_is_not_counted() -> None:
+    """The score travels on a descriptor the untrusted code never holds."""
+    program = ("import os\nfor fd in range(3, 64):\n    try:\n"
+               "        os.write(fd, b'{\"compiled\": true, \"results\": [{\"test\": \"x\", \"passed\": true, '\n"
+               "                 b'\"reason\": \"passed\", \"seconds\": 0}]}')\n    except OSError:\n        pass\n"
+               "raise SystemExit(1)\n")
+    verdict = execute(program, "python", SETTINGS, tests=SAFE)
+    assert (verdict.status, verdict.tests_passed) == ("failed", 0)
+
+
+@pytest.mark.parametrize("leave", ["import os\nos._exit(0)\n", "import sys\nsys.exit(0)\n"])
+def test_leaving_before_the_tests_ran_does_not_pass(leave: str) -> None:
+    verdict = execute(leave, "python", SETTINGS, tests="def test_add():\n    assert add(2, 3) == 5\n")
+    assert verdict.status == "failed" and verdict.tests_passed == 0
+    assert verdict.reason in ("test_add: exit 0 before the test returned", "test_add: exit 1")
+
+
+def test_the_cli_prints_a_verdict(tmp_path: Path) -> None:
+    program = tmp_path / "add.py"
+    program.write_text("def add(a, b):\n    return a - b\n")
+    tests = tmp_path / "tests.py"
+    tests.write_text("def test_add():\n    assert add(2, 3) == 5\n")
+    shown = subprocess.run([APPLIANCE, "rl", "exec", str(program), "--tests", str(tests), "--json"],
+                           capture_output=True, text=True)
+    assert shown.returncode == 1 and '"reason": "test_add: exit 1"' in shown.stdout
+    bad = tmp_path / "cases.json"
+    bad.write_text('[{"stdin": "1"}, 3]')
+    refused = subprocess.run([APPLIANCE, "rl", "exec", str(program), "--tests", str(bad)], capture_output=True,
+                             text=True)
+    assert refused.returncode != 0 and f"--tests {bad}: [1]" in refused.stderr
+
+
+@pytest.mark.parametrize("language", ["ruby"])
+def test_an_unknown_language_is_refused(language: str, tmp_path: Path) -> None:
+    program = tmp_path / "p.rb"
+    program.write_text("puts 1\n")
+    refused = subprocess.run([APPLIANCE, "rl", "exec", str(program), "--language", language], capture_output=True,
+                             text=True)
+    assert refused.returncode != 0 and "--language 'ruby': python or c" in refused.stderr
