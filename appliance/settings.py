@@ -336,6 +336,9 @@ class ExecutionSettings(_Section):
     wall_s: float = Field(20.0, gt=0, le=3600, description="Wall seconds for one execution, tests included.")
     test_wall_s: float = Field(10.0, gt=0, le=3600, description="Wall seconds for one test.")
     memory_mib: int = Field(512, ge=64, description="Address space per process, MiB.")
+    total_memory_mib: int = Field(
+        1024, ge=64, description="Memory of all its processes and its /tmp together, MiB (a cgroup, where the "
+        "host's memory controller can be used).")
     processes: int = Field(64, ge=4, le=4096, description="Processes and threads of the sandbox's user at once.")
     open_files: int = Field(64, ge=16, le=65536, description="Open files per process.")
     tmpfs_mib: int = Field(64, ge=1, le=65536, description="The only writable place, /tmp, MiB (files and all).")

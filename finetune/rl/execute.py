@@ -6,15 +6,20 @@ Each execution gets a sandbox of its own (bubblewrap):
 - a read-only view of the system's programs and libraries and the Python installation (not the
   appliance's environment), its task (program, tests, the harness) read-only at /task, and one
   writable place: a private /tmp of `execution.tmpfs_mib`;
-- as the dedicated unprivileged user `appliance-exec` (when the appliance runs as root), with no
-  capabilities and no new privileges, and a clean environment;
-- limits on CPU seconds, address space, processes (of that user), open files and file size
-  (prlimit), on wall time (the host kills the sandbox) and on output (the host stops reading and
-  kills it past `execution.output_bytes`).
+- as a user id of its own, drawn for this execution from a range no account uses, in the group of
+  `appliance-exec` (when the appliance runs as root), with no capabilities and no new privileges,
+  and a clean environment: the per-user limits and kernel state (process counts, keyrings) of one
+  execution are nobody else's;
+- limits on CPU seconds, address space, processes, open files and file size (prlimit), on all its
+  processes' memory, tmpfs included, and their number (a cgroup of its own, where the host's
+  pids and memory controllers can be used: `Verdict.cgroup` says), on wall time (the host kills
+  the sandbox) and on output (the host stops reading and kills it past `execution.output_bytes`);
+- a /dev of null, zero, full, random and urandom only (no terminals, no shared memory).
 
 Nothing of the state dir (secrets, the audit log, other jobs' data) is there. The harness
-(finetune/rl/harness.py) runs the program's tests in child processes and reports the count on a
-descriptor no untrusted process holds.
+(finetune/rl/harness.py) runs the program's tests in child processes and reports on a descriptor
+no untrusted process holds; the expected outputs of input/output cases never enter the sandbox
+(the harness reports what the program printed and the host compares).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import pwd
+import secrets
 import selectors
 import shutil
 import signal
@@ -29,6 +35,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
 
@@ -39,17 +47,21 @@ from appliance.settings import ExecutionSettings
 from finetune.sandbox import SYSTEM_READ_ONLY, SandboxError, leading_directories
 
 EXEC_USER = "appliance-exec"
+# User ids for executions: one drawn per execution from a range far above any account's.
+EXEC_UIDS = (1_500_000_000, 1_600_000_000)
+DEVICES = ("null", "zero", "full", "random", "urandom")
+CGROUP_V1 = Path("/sys/fs/cgroup")
 HARNESS = Path(__file__).with_name("harness.py")
 Language = Literal["python", "c"]
 SOURCE = {"python": "program.py", "c": "program.c"}
 
 
 class TestResult(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="ignore")  # the harness also reports a case's output, judged apart
 
-    test: str
+    test: str = Field(max_length=200)
     passed: bool
-    reason: str
+    reason: str = Field(max_length=500)
     seconds: float
 
 
@@ -67,6 +79,7 @@ class Verdict(BaseModel):
     stderr: str
     wall_s: float
     truncated: bool = Field(description="stdout or stderr was longer than what is kept.")
+    cgroup: bool = Field(description="Its processes' number and memory were capped together (a cgroup).")
 
 
 def exec_user() -> pwd.struct_passwd:
@@ -93,44 +106,67 @@ def execute(program: str, language: Language, settings: ExecutionSettings, *, te
         (task / SOURCE[language]).write_text(program)
         if tests is not None:
             (task / "tests.py").write_text(tests)
-        if io_cases is not None:
-            (task / "tests.json").write_text(json.dumps(io_cases))
+        if io_cases is not None:  # the inputs only: the expected outputs stay here
+            (task / "tests.json").write_text(json.dumps([{"stdin": case.get("stdin", "")} for case in io_cases]))
         shutil.copy(HARNESS, task / "harness.py")
-        for path in [Path(scratch), task, *task.iterdir()]:
+        # Readable inside; the scratch directory above stays 0700, so no one else here reads the tests.
+        for path in [task, *task.iterdir()]:
             path.chmod(0o755 if path.is_dir() else 0o644)
-        return _run(task, language, settings, entry_point)
+        return _run(task, language, settings, entry_point, io_cases)
 
 
-def _run(task: Path, language: Language, settings: ExecutionSettings, entry_point: str) -> Verdict:
+def _run(task: Path, language: Language, settings: ExecutionSettings, entry_point: str,
+         io_cases: list[dict[str, str]] | None) -> Verdict:
     read_end, write_end = os.pipe()
-    command = sandboxed(task, settings, result_fd=write_end, environment={
-        "LANGUAGE": language, "TEST_WALL_S": str(settings.test_wall_s), "ENTRY_POINT": entry_point})
-    started = time.monotonic()
-    process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               pass_fds=(write_end,), start_new_session=True)
-    os.close(write_end)
-    outputs, limit = _collect(process, read_end, settings, started)
+    with execution_cgroup(settings) as joins:
+        command = sandboxed(task, settings, result_fd=write_end, cgroup=joins, environment={
+            "LANGUAGE": language, "TEST_WALL_S": str(settings.test_wall_s), "ENTRY_POINT": entry_point})
+        started = time.monotonic()
+        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, pass_fds=(write_end,), start_new_session=True)
+        os.close(write_end)
+        outputs, limit = _collect(process, read_end, settings, started)
     wall = round(time.monotonic() - started, 3)
     raw = outputs.pop("result")
     stdout, stderr = (outputs[name] for name in ("stdout", "stderr"))
     kept = settings.kept_bytes
     truncated = len(stdout) > kept or len(stderr) > kept
-    common = {"stdout": _trim(stdout, kept), "stderr": _trim(stderr, kept), "wall_s": wall, "truncated": truncated}
+    common = {"stdout": _trim(stdout, kept), "stderr": _trim(stderr, kept), "wall_s": wall, "truncated": truncated,
+              "cgroup": bool(joins)}
     if limit is not None:
         return Verdict(status="failed", reason=limit, tests_passed=0, tests_total=0, tests=[], **common)
     try:
         report = json.loads(raw)
         results = [TestResult.model_validate(r) for r in report["results"]]
-    except (ValueError, KeyError, TypeError):
-        return Verdict(status="error", reason=f"the sandbox ended without a report ({_exit(process.returncode)})",
+        outputs_seen = [str(r.get("output", "")) for r in report["results"]]
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        # Whatever ended the harness early (a program may kill it) scores as a failure, not an error.
+        return Verdict(status="failed", reason=f"the sandbox ended without a report ({_exit(process.returncode)})",
                        tests_passed=0, tests_total=0, tests=[], **common)
     if not report.get("compiled", True):
-        return Verdict(status="failed", reason="compile error", tests_passed=0, tests_total=0, tests=[], **common)
+        return Verdict(status="failed", reason=str(report.get("why", "compile error"))[:200], tests_passed=0,
+                       tests_total=0, tests=[], **common)
+    if io_cases is not None:
+        results = _compared(results, outputs_seen, io_cases)
     passed = sum(r.passed for r in results)
     failing = next((r for r in results if not r.passed), None)
     return Verdict(status="passed" if failing is None and results else "failed",
                    reason="passed" if failing is None else f"{failing.test}: {failing.reason}",
                    tests_passed=passed, tests_total=len(results), tests=results, **common)
+
+
+def _compared(results: list[TestResult], printed: list[str], cases: list[dict[str, str]]) -> list[TestResult]:
+    """Input/output cases judged here, on what the program printed: the expected outputs never
+    entered the sandbox."""
+    if len(results) != len(cases):
+        return [TestResult(test="io", passed=False, reason="the harness reported another number of cases",
+                           seconds=0)]
+    judged = []
+    for result, output, case in zip(results, printed, cases, strict=True):
+        if result.passed and output.strip() != str(case.get("stdout", "")).strip():
+            result = result.model_copy(update={"passed": False, "reason": "wrong output"})
+        judged.append(result)
+    return judged
 
 
 def _collect(process: subprocess.Popen[bytes], result_fd: int, settings: ExecutionSettings,
@@ -192,24 +228,67 @@ def _exit(code: int | None) -> str:
     return f"signal {signal.Signals(-code).name}"
 
 
-def sandboxed(task: Path, settings: ExecutionSettings, *, result_fd: int, environment: dict[str, str]) -> list[str]:
-    """The harness in a sandbox of its own, `task` read-only at /task, /tmp its only writable place."""
+@contextmanager
+def execution_cgroup(settings: ExecutionSettings) -> Iterator[list[Path]]:
+    """The `cgroup.procs` files of a cgroup of this execution's own (pids and memory), removed
+    after it; none where the host's controllers cannot be used (not root, or not mounted)."""
+    made: list[Path] = []
+    if os.geteuid() == 0:
+        name = f"appliance-exec/{secrets.token_hex(8)}"
+        try:
+            for controller, limits in (("pids", {"pids.max": settings.processes}),
+                                       ("memory", {"memory.limit_in_bytes": settings.total_memory_mib * 2**20})):
+                hierarchy = CGROUP_V1 / controller
+                if not (hierarchy / "cgroup.procs").exists():
+                    raise OSError(f"no {controller} controller at {hierarchy}")
+                group = hierarchy / name
+                group.mkdir(parents=True)
+                made.append(group)
+                for knob, value in limits.items():
+                    (group / knob).write_text(str(value))
+        except OSError:
+            _remove(made)
+            made = []
+    try:
+        yield [group / "cgroup.procs" for group in made]
+    finally:
+        _remove(made)
+
+
+def _remove(groups: list[Path]) -> None:
+    for group in reversed(groups):
+        for _ in range(50):  # emptied by the kill a moment ago: the kernel may still be tearing it down
+            try:
+                group.rmdir()
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                time.sleep(0.02)
+
+
+def sandboxed(task: Path, settings: ExecutionSettings, *, result_fd: int, environment: dict[str, str],
+              cgroup: list[Path]) -> list[str]:
+    """The harness in a sandbox of its own, `task` read-only at /task, /tmp its only writable place;
+    joining `cgroup` first, where there is one."""
     bwrap, prlimit = shutil.which("bwrap"), shutil.which("prlimit")
     if bwrap is None or prlimit is None:
         raise SandboxError("the execution sandbox needs bubblewrap (`bwrap`) and `prlimit` (util-linux)",
                            hint="apt-get install bubblewrap util-linux")
     namespaces, become = ["--unshare-all"], []
     if os.geteuid() == 0:
-        user = exec_user()
+        group = exec_user().pw_gid
+        uid = EXEC_UIDS[0] + secrets.randbelow(EXEC_UIDS[1] - EXEC_UIDS[0])
         namespaces = ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
-        become = ["/usr/bin/setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--clear-groups",
+        become = ["/usr/bin/setpriv", f"--reuid={uid}", f"--regid={group}", "--clear-groups",
                   "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs"]
     memory = settings.memory_mib * 2**20
     # CPU: SIGXCPU at the limit (its reason shows), SIGKILL a second later if it is caught.
     limits = [prlimit, f"--cpu={settings.cpu_s}:{settings.cpu_s + 1}", f"--as={memory}",
               f"--nproc={settings.processes}", f"--nofile={settings.open_files}",
               f"--fsize={settings.tmpfs_mib * 2**20}", "--core=0", "--"]
-    mounts = [*namespaces, "--die-with-parent", "--new-session", "--proc", "/proc", "--dev", "/dev",
+    mounts = [*namespaces, "--die-with-parent", "--new-session", "--proc", "/proc", "--tmpfs", "/dev",
+              *(arg for device in DEVICES for arg in ("--dev-bind", f"/dev/{device}", f"/dev/{device}")),
               "--perms", "1777", "--size", str(settings.tmpfs_mib * 2**20), "--tmpfs", "/tmp"]
     for top in ("/bin", "/lib", "/lib64", "/sbin"):  # merged /usr: links into it
         if Path(top).is_symlink():
@@ -227,5 +306,10 @@ def sandboxed(task: Path, settings: ExecutionSettings, *, result_fd: int, enviro
     env = {"PATH": f"{python_home / 'bin'}:/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8",
            "PYTHONDONTWRITEBYTECODE": "1", "RESULT_FD": str(result_fd), **environment}
     setenv = [arg for name, value in sorted(env.items()) for arg in ("--setenv", name, value)]
-    return [*limits, bwrap, *mounts, "--chdir", "/tmp", "--clearenv", *setenv, "--", *become,
-            str(python), "-I", "-S", "/task/harness.py"]
+    command = [*limits, bwrap, *mounts, "--chdir", "/tmp", "--clearenv", *setenv, "--", *become,
+               str(python), "-I", "-S", "/task/harness.py"]
+    if not cgroup:
+        return command
+    # The shell joins the cgroups, then becomes the sandbox: everything it starts is inside them.
+    join = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"'
+    return ["/bin/sh", "-c", join, "sh", *map(str, cgroup), "--", *command]

