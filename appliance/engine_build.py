@@ -28,7 +28,7 @@ def driver_loaded() -> bool:
     return NVIDIA_DEVICE.exists()
 
 
-def choose(requested: str, driver: bool) -> Engine:
+def choose_engine(requested: str, driver: bool) -> Engine:
     """The build for a host: `requested` ('cpu', 'cuda'), or (auto) cuda exactly when a driver is loaded."""
     if requested == "auto":
         return "cuda" if driver else "cpu"
@@ -48,7 +48,7 @@ def installed_engine() -> Engine | None:
     return None
 
 
-def build_cuda() -> tuple[int, int] | None:
+def engine_cuda_version() -> tuple[int, int] | None:
     """The CUDA version (major, minor) of the installed torch's runtime, or None without one."""
     try:
         major, minor = version(CUDA_RUNTIME).split(".")[:2]

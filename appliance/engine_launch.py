@@ -72,6 +72,11 @@ def python() -> str:
     return str(venv_python) if sys.prefix != sys.base_prefix and venv_python.exists() else sys.executable
 
 
+def engine_program(pool: str) -> str:
+    """The supervised program that runs a pool's ranks on a host (the head's or a worker's)."""
+    return f"vllm-{pool}"
+
+
 def engine_socket(home: Home, pool: str) -> Path:
     """The Unix socket a pool's engine listens on, in the state dir's private (0700) run/engines/."""
     return home.run / "engines" / f"{pool}.sock"

@@ -33,8 +33,11 @@ class GpuRequest:
 
 def local_host() -> Host:
     """This host's profile, from the installed profiler (the core does not read hardware itself)."""
-    [source] = entry_points(group=HARDWARE_GROUP, name="local_host")
-    host: Host = source.load()()
+    sources = list(entry_points(group=HARDWARE_GROUP, name="local_host"))
+    if len(sources) != 1:
+        raise SettingsError(f"{len(sources)} providers of {HARDWARE_GROUP}:local_host are installed; GPU sets need "
+                            "exactly one (the installer's profiler)", hint="reinstall the appliance")
+    host: Host = sources[0].load()()
     return host
 
 
@@ -65,7 +68,7 @@ def assign(requests: Sequence[GpuRequest], host: Host) -> dict[str, tuple[int, .
         if request.fixed is not None:
             continue
         free = [gpu for gpu in host.gpus if gpu.index not in holder]
-        picked = choose(host, free, request.count, request.tp)
+        picked = choose_gpus(host, free, request.count, request.tp)
         if picked is None:
             held = ", ".join(f"{index} ({pool})" for index, pool in sorted(holder.items())) or "none"
             raise SettingsError(f"pool {request.pool} needs {request.count} GPUs on {host.name} in TP groups of "
@@ -76,7 +79,7 @@ def assign(requests: Sequence[GpuRequest], host: Host) -> dict[str, tuple[int, .
     return chosen
 
 
-def choose(host: Host, free: Sequence[Gpu], count: int, tp: int) -> tuple[int, ...] | None:
+def choose_gpus(host: Host, free: Sequence[Gpu], count: int, tp: int) -> tuple[int, ...] | None:
     """`count` GPUs from `free` as TP groups of `tp`, each inside one NVLink domain and, where
     possible, one NUMA node; tightest fit first, lowest indexes on ties. None if they do not fit."""
     left = {gpu.index: gpu for gpu in free}

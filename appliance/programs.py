@@ -54,7 +54,6 @@ class Program(BaseModel):
         True, description="supervisord starts it (and restarts it when it exits); False: another program does "
         "(the cluster controller, for the head's ranks of a pool spanning hosts), and `up` does not wait for it."
     )
-    startretries: int = Field(3, ge=0, description="Quick exits supervisord restarts it after before giving up.")
     startsecs: int = Field(5, ge=0, description="Seconds up before supervisord counts it started.")
     stopwaitsecs: int = Field(30, ge=1, description="Grace period between SIGTERM and SIGKILL.")
     start_timeout_s: int = Field(120, gt=0, description="How long `up` waits for health.")

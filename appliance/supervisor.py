@@ -130,7 +130,7 @@ def render_config(home: Home, programs: list[Program], password: str) -> str:
             f"autostart={str(program.autostart).lower()}",
             f"autorestart={str(program.autostart).lower()}",
             f"startsecs={program.startsecs}",
-            f"startretries={program.startretries}",
+            "startretries=3",
             # Engines fork workers: signal the whole process group so none outlive the server.
             "stopasgroup=true",
             "killasgroup=true",

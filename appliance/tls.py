@@ -103,10 +103,14 @@ def _current(cert_path: Path, key_path: Path, ca: x509.Certificate, names: list[
             and set(sans) == set(names))
 
 
+def certificate_sha256(certificate: x509.Certificate) -> str:
+    """SHA-256 of a certificate (DER): what a joining worker pins of its head's CA."""
+    return hashlib.sha256(certificate.public_bytes(serialization.Encoding.DER)).hexdigest()
+
+
 def ca_sha256(home: Home) -> str:
-    """SHA-256 of the CA certificate (DER): what a joining worker pins."""
-    ca, _ = ensure_ca(home)
-    return hashlib.sha256(ca.public_bytes(serialization.Encoding.DER)).hexdigest()
+    """The fingerprint of this appliance's CA (`certificate_sha256`)."""
+    return certificate_sha256(ensure_ca(home)[0])
 
 
 def ensure_server_certificate(home: Home, name: str, addresses: tuple[str, ...] = ()) -> tuple[Path, Path]:

@@ -54,7 +54,9 @@ from pathlib import Path
 from installer.hardware import detect
 from installer.preflight import run_checks
 profile = detect()
-checks = run_checks(profile, model_bytes=None, staging_dir=Path("/tmp"), ports=[], java_home=None, need_java=False)
+from appliance.engine_build import engine_cuda_version, installed_engine
+checks = run_checks(profile, model_bytes=None, staging_dir=Path("/tmp"), ports=[], java_home=None, need_java=False,
+                    engine=installed_engine(), engine_cuda=engine_cuda_version())
 Path("bench/results/gpu-profile.json").write_text(json.dumps(
     {"profile": profile.model_dump(mode="json"), "checks": [c.model_dump() for c in checks if c.name.startswith(("gpu", "cuda", "mig", "engine"))]}, indent=1))
 print(json.dumps(profile.hosts[0].model_dump(mode="json")["gpus"], indent=1))
@@ -97,9 +99,11 @@ for mode in lora qlora; do
   echo "== fine-tuning throughput: $mode (appliance vs plain PEFT loop)"
   flag=$([ "$mode" = qlora ] && echo --qlora || true)
   # shellcheck disable=SC2086
-  timeout 150 python3 bench/finetune_throughput.py --model /tmp/gpu-check-model --steps 20 $flag \
-    || echo "{\"error\": \"$mode run failed or timed out\"}" > "$RESULTS/gpu-finetune-$mode.json"
-  [ -f "$RESULTS/finetune_throughput.json" ] && cp "$RESULTS/finetune_throughput.json" "$RESULTS/gpu-finetune-$mode.json"
+  if timeout 150 python3 bench/finetune_throughput.py --model /tmp/gpu-check-model --steps 20 $flag; then
+    cp "$RESULTS/finetune_throughput.json" "$RESULTS/gpu-finetune-$mode.json"  # only a run that finished
+  else
+    echo "{\"error\": \"$mode run failed or timed out\"}" > "$RESULTS/gpu-finetune-$mode.json"
+  fi
   save "gpu-finetune-$mode.json"
 done
 

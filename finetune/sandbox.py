@@ -42,14 +42,51 @@ class SandboxError(ApplianceError):
     """The sandbox cannot be set up on this host."""
 
 
-def sandbox_user() -> pwd.struct_passwd:
-    """The trainer's own user (created by bootstrap.sh and install.sh)."""
+# As root, bubblewrap sets a sandbox up with root's access to what it binds; the command then
+# becomes an unprivileged user inside. Anyone else gets a user namespace (bubblewrap's
+# unprivileged mode: --unshare-all).
+ROOT_NAMESPACES = ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
+
+
+def system_user(name: str, what: str, otherwise: str = "") -> pwd.struct_passwd:
+    """A sandbox's account (bootstrap.sh and install.sh create them as root)."""
     try:
-        return pwd.getpwnam(SANDBOX_USER)
+        return pwd.getpwnam(name)
     except KeyError:
-        raise SandboxError(f"the training sandbox's user {SANDBOX_USER!r} does not exist",
+        raise SandboxError(f"the {what}'s user {name!r} does not exist",
                            hint=f"useradd --system --user-group --no-create-home --shell /usr/sbin/nologin "
-                                f"{SANDBOX_USER} (as root), or set finetune.sandbox = \"none\"") from None
+                                f"{name} (as root){otherwise}") from None
+
+
+def sandbox_user() -> pwd.struct_passwd:
+    """The trainer's own user."""
+    return system_user(SANDBOX_USER, "training sandbox", ", or set finetune.sandbox = \"none\"")
+
+
+def sandbox_tools(what: str, otherwise: str = "") -> tuple[str, str]:
+    """bubblewrap and prlimit, or why they are needed."""
+    bwrap, prlimit = shutil.which("bwrap"), shutil.which("prlimit")
+    if bwrap is None or prlimit is None:
+        raise SandboxError(f"the {what} needs bubblewrap (`bwrap`) and `prlimit` (util-linux)",
+                           hint=f"apt-get install bubblewrap util-linux{otherwise}")
+    return bwrap, prlimit
+
+
+def become(uid: int, gid: int) -> list[str]:
+    """Run the rest as `uid`/`gid` with no groups, capabilities or new privileges."""
+    return ["/usr/bin/setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--inh-caps=-all",
+            "--bounding-set=-all", "--no-new-privs"]
+
+
+def system_mounts() -> list[str]:
+    """/bin, /lib, /lib64 and /sbin as the host has them (links into /usr where it is merged)."""
+    mounts = []
+    for top in ("/bin", "/lib", "/lib64", "/sbin"):
+        if Path(top).is_symlink():
+            mounts += ["--symlink", os.readlink(top), top]
+        elif Path(top).exists():
+            mounts += ["--ro-bind", top, top]
+    return mounts
 
 
 def prepare(workdir: Path, inputs: list[Path], model: Path) -> None:
@@ -84,28 +121,16 @@ def sandboxed(command: list[str], settings: FinetuneSettings, *, workdir: Path, 
     `readable` (the base model) read-only, nothing else of the appliance's."""
     if settings.sandbox == "none":
         return command
-    bwrap, prlimit = shutil.which("bwrap"), shutil.which("prlimit")
-    if bwrap is None or prlimit is None:
-        raise SandboxError("the training sandbox needs bubblewrap (`bwrap`) and `prlimit` (util-linux)",
-                           hint="apt-get install bubblewrap util-linux, or set finetune.sandbox = \"none\"")
-    # As root, bubblewrap sets the sandbox up with root's access to the paths it binds, and the
-    # trainer then becomes the sandbox's user, with no capabilities, inside it. Anyone else gets
-    # a user namespace of their own (bubblewrap's unprivileged mode).
-    namespaces, become = ["--unshare-all"], []
+    bwrap, prlimit = sandbox_tools("training sandbox", ", or set finetune.sandbox = \"none\"")
+    namespaces, drop = ["--unshare-all"], []
     if os.geteuid() == 0:
         user = sandbox_user()
-        namespaces = ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
-        become = ["/usr/bin/setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--clear-groups",
-                  "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs"]
+        namespaces, drop = ROOT_NAMESPACES, become(user.pw_uid, user.pw_gid)
     memory = int((settings.sandbox_memory_gib or _ram_gib() * 0.8) * 2**30)
     limits = [prlimit, f"--data={memory}", f"--nproc={settings.sandbox_max_processes}", "--"]
     mounts = [*namespaces, "--die-with-parent", "--new-session", "--proc", "/proc", "--dev", "/dev",
               *(arg for path in TMPFS for arg in ("--perms", "1777", "--tmpfs", str(path)))]
-    for top in ("/bin", "/lib", "/lib64", "/sbin"):  # merged /usr: links into it
-        if Path(top).is_symlink():
-            mounts += ["--symlink", os.readlink(top), top]
-        elif Path(top).exists():
-            mounts += ["--ro-bind", top, top]
+    mounts += system_mounts()
     bound = [Path(p) for p in [*SYSTEM_READ_ONLY, *_python_paths(), *map(str, readable)] if Path(p).exists()]
     for path in bound:
         mounts += ["--ro-bind", str(path), str(path)]
@@ -123,7 +148,7 @@ def sandboxed(command: list[str], settings: FinetuneSettings, *, workdir: Path, 
     if "CUDA_VISIBLE_DEVICES" in os.environ:
         environment["CUDA_VISIBLE_DEVICES"] = os.environ["CUDA_VISIBLE_DEVICES"]
     setenv = [arg for name, value in sorted(environment.items()) for arg in ("--setenv", name, value)]
-    return [*limits, bwrap, *mounts, "--chdir", str(workdir), "--clearenv", *setenv, "--", *become, *command]
+    return [*limits, bwrap, *mounts, "--chdir", str(workdir), "--clearenv", *setenv, "--", *drop, *command]
 
 
 def leading_directories(mounted: list[Path]) -> list[Path]:

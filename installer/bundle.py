@@ -27,6 +27,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from appliance.digest import sha256_file
 from appliance.errors import ApplianceError
 from installer.bundle_files import (
     MANIFEST,
@@ -39,7 +40,6 @@ from installer.bundle_files import (
     check_files,
     listed_files,
 )
-from installer.digest import sha256_file
 
 PARTS_LIST = "parts.sha256"
 

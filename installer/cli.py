@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Column, Table
 
 from appliance.changes import records_change
-from appliance.engine_build import build_cuda, installed_engine
+from appliance.engine_build import engine_cuda_version, installed_engine
 from appliance.home import Home
 from appliance.records import HardwareProfile, Host
 from appliance.settings import Settings, load_settings
@@ -124,7 +124,7 @@ def preflight_command(
     checks = preflight.run_checks(record, model_bytes=model_bytes, staging_dir=home.models,
                                   ports=_ports(settings), java_home=_java_home(settings),
                                   need_java=settings.keycloak.mode == "embedded", engine=installed_engine(),
-                                  engine_cuda=build_cuda())
+                                  engine_cuda=engine_cuda_version())
     failed = any(check.status == "fail" for check in checks)
     if as_json:
         out.print_json(json.dumps({"ok": not failed, "checks": [check.model_dump() for check in checks]}))

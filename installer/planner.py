@@ -19,7 +19,7 @@ from pathlib import Path
 
 from appliance.engine_launch import PLAN_UTILIZATION, Rank, layout_of_plan, rank_command
 from appliance.errors import ApplianceError
-from appliance.gpus import choose, nvlink_domains
+from appliance.gpus import choose_gpus, nvlink_domains
 from appliance.home import Home
 from appliance.records import (
     AlternativeLayout,
@@ -245,7 +245,7 @@ def commands(record: Plan, profile_hosts: list[Host], model_ref: str, site: Laun
     """Each host's launch, built by the engine launcher's own function (appliance.engine_launch),
     with its GPUs chosen from the profile: TP groups inside an NVLink domain and one NUMA node."""
     pool_layout = layout_of_plan(record, "the plan")
-    chosen = [(host, choose(host, host.gpus, pool_layout.gpus_per_host, pool_layout.local_tp))
+    chosen = [(host, choose_gpus(host, host.gpus, pool_layout.gpus_per_host, pool_layout.local_tp))
               for host in profile_hosts[:pool_layout.hosts]]
     for host, gpus in chosen:
         if gpus is None:

@@ -17,9 +17,9 @@ from appliance.engine_build import Engine
 from appliance.records import HardwareProfile
 from installer.keycloak import JDK_CANDIDATES
 
-# The CUDA an engine build needs when its runtime's version is not known (vLLM 0.x wheels: 12.8);
-# the installed build's own (appliance.engine_build.build_cuda) is checked when there is one.
-MIN_CUDA = (12, 8)
+# The CUDA the locked engine is built for (requirements/lock-cuda.txt: nvidia-cuda-runtime 13.0), used
+# when the installed build's own (appliance.engine_build.engine_cuda_version) cannot be read.
+MIN_CUDA = (13, 0)
 # The first driver branch of each CUDA version, for the fix.
 CUDA_DRIVERS = {(12, 8): "R570", (12, 9): "R575", (13, 0): "R580"}
 MIN_RAM_BYTES = 16 * 2**30
@@ -39,8 +39,8 @@ class Check(BaseModel):
 
 
 def run_checks(profile: HardwareProfile, *, model_bytes: int | None, staging_dir: Path, ports: list[int],
-               java_home: str | None, need_java: bool = True, engine: Engine | None = "cuda",
-               engine_cuda: tuple[int, int] | None = None) -> list[Check]:
+               java_home: str | None, engine: Engine | None, engine_cuda: tuple[int, int] | None,
+               need_java: bool = True) -> list[Check]:
     """Every check, in the order an operator fixes things: GPUs, engine, driver, disk, memory,
     ports, Java.
 
@@ -153,8 +153,11 @@ def _cuda(profile: HardwareProfile, engine: Engine | None, build: tuple[int, int
     """The driver must support the CUDA version the engine's wheels were built for."""
     need = ".".join(map(str, build))
     gpu_hosts = [host for host in profile.hosts if host.gpus]
-    if not gpu_hosts or engine != "cuda":
-        return Check(name="cuda driver", status="pass", reason="the CPU engine needs no CUDA driver")
+    if engine != "cuda":
+        return Check(name="cuda driver", status="pass",
+                     reason="the CPU engine needs no CUDA driver" if engine else "no engine installed (see engine)")
+    if not gpu_hosts:
+        return Check(name="cuda driver", status="pass", reason="no GPU here to drive (see engine)")
     old = [h for h in gpu_hosts if (v := _cuda_tuple(h.cuda_version)) is not None and v < build]
     if old:
         said = "; ".join(f"{h.name}: driver {h.driver_version or '?'} supports CUDA {h.cuda_version}"

@@ -9,7 +9,6 @@ are audited.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import threading
 import time
@@ -24,6 +23,7 @@ import uvicorn
 from fastapi import FastAPI, Header, HTTPException, Request
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
 
+from appliance.digest import sha256_file
 from appliance.engine_launch import Rank, python, rank_command, resolve_device
 from appliance.errors import ApplianceError, Invalid
 from appliance.home import HOME_ENV, Home
@@ -114,15 +114,12 @@ def weight_files(directory: Path, known: dict[tuple[str, int, int], str] | None 
             continue
         stat = path.stat()
         key = (relative, stat.st_size, stat.st_mtime_ns)
-        if known is None or key not in known:
-            digest = hashlib.sha256()
-            with path.open("rb") as handle:
-                while chunk := handle.read(1 << 20):
-                    digest.update(chunk)
+        digest = known.get(key) if known is not None else None
+        if digest is None:
+            digest = sha256_file(path)
             if known is not None:
-                known[key] = digest.hexdigest()
-        files.append(WeightFile(path=relative, bytes=stat.st_size,
-                                sha256=known[key] if known is not None else digest.hexdigest()))
+                known[key] = digest
+        files.append(WeightFile(path=relative, bytes=stat.st_size, sha256=digest))
     if not files:
         raise Invalid(f"{directory} holds no weights a worker can take (links are not followed: copy a "
                       "checkpoint made of links, such as a Hugging Face cache snapshot, into a directory first)")
@@ -233,7 +230,7 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def fail_closed(_: Request, exc: Exception) -> JSONResponse:
-        log.error("cluster request failed: %s", type(exc).__name__)
+        log.error("cluster request failed", exc_info=exc)
         return JSONResponse({"detail": "internal error"}, status_code=500)
 
     @app.get("/cluster/healthz")
@@ -256,7 +253,7 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
                 raise Invalid(f"{body.name} runs the {body.engine} engine; the pool runs on {device}")
             check_token(home, body.name, body.secret)
             # Everything else that can fail comes before the token is spent: a failed join leaves it usable.
-            ranks = [_launch(settings, home, span, body) for _, span in pools]
+            ranks = [_launch(span, body) for _, span in pools]
             credential = redeem(home, body.name, body.secret, str(body.address))
         except Refused as exc:
             raise refused("cluster.join", 401, request, body.name, "join", exc.message, JOIN_REFUSED) from exc
@@ -273,8 +270,11 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
         control = spans.get(pool)
         if control is None or host not in control.span.workers:
             raise HTTPException(404, f"pool {pool} has no rank on {host}")
-        directory = weights_dir(control.span, home, host)
-        listed = {f.path for f in weight_files(directory, digests)}
+        try:
+            directory = weights_dir(control.span, home, host)
+            listed = {f.path for f in weight_files(directory, digests)}
+        except ApplianceError as exc:
+            raise HTTPException(409, exc.message) from exc
         target = directory / path
         # Listed a moment ago; served only if it is still a plain file inside the directory.
         if path not in listed or target.is_symlink() or not target.resolve().is_relative_to(directory.resolve()):
@@ -302,7 +302,7 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
 
     digests: dict[tuple[str, int, int], str] = {}
 
-    def _launch(settings: Settings, home: Home, span: SpanningPool, body: JoinRequest) -> RankLaunch:
+    def _launch(span: SpanningPool, body: JoinRequest) -> RankLaunch:
         node = span.workers.index(body.name) + 1
         local = worker_model_dir(body.home, span.pool.name)
         pool = span.pool.model_copy(update={"model": local, "served_model_name": served_name(span.pool, home),

@@ -13,6 +13,7 @@ import time
 
 import httpx
 
+from appliance.engine_launch import engine_program
 from appliance.home import Home
 from appliance.hosts import Heartbeat, HeartbeatAnswer, RankReport, membership
 from appliance.supervisor import LIVE_STATES, ProcessInfo, Supervisor
@@ -32,7 +33,7 @@ def run(home: Home) -> None:
             processes = {info.name: info for info in supervisor.processes()}
             reports = []
             for pool, epoch in started.items():
-                info = processes.get(f"vllm-{pool}")
+                info = processes.get(engine_program(pool))
                 pid = info.pid if info is not None and info.state in LIVE_STATES else 0
                 reports.append(RankReport(pool=pool, epoch=epoch, running=pid > 0, pid=pid))
             try:
@@ -40,7 +41,7 @@ def run(home: Home) -> None:
                 if response.status_code == 401:
                     log.error("the head refused this host's credential (removed?): stopping its ranks")
                     for pool in started:
-                        _stop(supervisor, f"vllm-{pool}", processes)
+                        _stop(supervisor, engine_program(pool), processes)
                     started = dict.fromkeys(started, 0)
                     time.sleep(5)
                     continue
@@ -52,7 +53,7 @@ def run(home: Home) -> None:
                 continue
             for pool, epoch in answer.epochs.items():
                 if pool in started and started[pool] != epoch:
-                    program = f"vllm-{pool}"
+                    program = engine_program(pool)
                     _stop(supervisor, program, processes)
                     supervisor.call("startProcess", program, False)
                     started[pool] = epoch

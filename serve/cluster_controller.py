@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 import httpx
 
 from appliance.durable import replace_file
-from appliance.engine_launch import engine_socket
+from appliance.engine_launch import engine_program, engine_socket
 from appliance.home import Home
 from appliance.hosts import ClusterPoolState, Heartbeat, HeartbeatAnswer, RankView, cluster_state_file
 from appliance.settings import Settings
 from appliance.supervisor import LIVE_STATES, ProcessState, Supervisor
 from audit.records import AuditEvent
-from serve.engine import SpanningPool, spanning_pools
+from serve.engine import ENGINE_BASE_URL, SpanningPool, spanning_pools
 
 TICK_S = 0.1
 
@@ -99,7 +99,7 @@ class Controller:
     def tick(self) -> None:
         processes = {info.name: info for info in self.supervisor.processes()}
         for name, control in self.pools.items():
-            program = f"vllm-{name}"
+            program = engine_program(name)
             with self.lock:
                 stop, control.stop_head = control.stop_head, False
             head = processes.get(program)
@@ -157,7 +157,7 @@ class Controller:
         transport = httpx.HTTPTransport(uds=str(engine_socket(self.home, pool)))
         try:
             with httpx.Client(transport=transport, timeout=0.5) as client:
-                return client.get("http://engine/health").status_code == 200
+                return client.get(f"{ENGINE_BASE_URL}/health").status_code == 200
         except httpx.HTTPError:
             return False
 

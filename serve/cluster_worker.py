@@ -25,9 +25,10 @@ import httpx
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
+from appliance.digest import sha256_file
 from appliance.durable import replace_file
 from appliance.engine_build import installed_engine
-from appliance.engine_launch import RANK_MODULE, python
+from appliance.engine_launch import RANK_MODULE, engine_program, python
 from appliance.errors import ApplianceError, Invalid, Unavailable
 from appliance.home import HOME_ENV, Home
 from appliance.hosts import (
@@ -44,7 +45,7 @@ from appliance.hosts import (
 )
 from appliance.programs import CONTROL, ENV_KEY, Program
 from appliance.settings import Settings
-from appliance.tls import tls_dir
+from appliance.tls import certificate_sha256, tls_dir
 from serve.engine import interface_of
 
 CREDENTIAL_SECRET = "cluster-credential"
@@ -74,16 +75,19 @@ def credential(home: Home) -> str:
 def _pin_ca(home: Home, head_url: str, ca_sha256: str) -> None:
     """Fetch the head's CA (unverified, then checked against the token's fingerprint) and keep it."""
     try:
-        pem = httpx.get(f"{head_url}/cluster/ca", verify=False, timeout=30).text
+        pem = httpx.get(f"{head_url}/cluster/ca", verify=False, timeout=30).text  # checked below
+        if pem.count("-----BEGIN") != 1:
+            raise ValueError("not exactly one PEM certificate")
         certificate = x509.load_pem_x509_certificate(pem.encode())
     except (httpx.HTTPError, ValueError) as exc:
         raise Unavailable(f"{head_url}: cannot fetch the head's CA: {exc}") from exc
-    got = hashlib.sha256(certificate.public_bytes(serialization.Encoding.DER)).hexdigest()
+    got = certificate_sha256(certificate)
     if got != ca_sha256:
         raise Invalid(f"{head_url} presents a CA whose SHA-256 is {got}, not the {ca_sha256} in the token: not the "
                       "head that invited this host")
     tls_dir(home).mkdir(mode=0o700, parents=True, exist_ok=True)
-    replace_file(head_ca_file(home), pem.encode(), mode=0o644)
+    # Only the certificate that was checked is kept: it is all this host will ever trust.
+    replace_file(head_ca_file(home), certificate.public_bytes(serialization.Encoding.PEM), mode=0o644)
 
 
 def _local_address(head_url: str) -> str:
@@ -162,14 +166,6 @@ def _check_launch(home: Home, rank: RankLaunch) -> None:
         raise Invalid(f"pool {rank.pool}: the head sent {problem}")
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while chunk := handle.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _verify(directory: Path, files: list[WeightFile]) -> str | None:
     """The first problem with `directory` against the head's list, naming the file; None if none."""
     for entry in files:
@@ -178,7 +174,7 @@ def _verify(directory: Path, files: list[WeightFile]) -> str | None:
             return f"{path}: missing"
         if path.stat().st_size != entry.bytes:
             return f"{path}: {path.stat().st_size} bytes, expected {entry.bytes}"
-        if _sha256(path) != entry.sha256:
+        if sha256_file(path) != entry.sha256:
             return f"{path}: SHA-256 differs from the head's"
     return None
 
@@ -201,7 +197,7 @@ def _weights(client: httpx.Client, home: Home, rank: RankLaunch, staged: Path | 
     total = sum(f.bytes for f in rank.files)
     for number, entry in enumerate(rank.files, start=1):
         path = target / entry.path
-        if path.is_file() and path.stat().st_size == entry.bytes and _sha256(path) == entry.sha256:
+        if path.is_file() and path.stat().st_size == entry.bytes and sha256_file(path) == entry.sha256:
             continue  # a resumed join: already here
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f".{path.name}.partial")
@@ -225,7 +221,7 @@ def worker_programs(settings: Settings, home: Home) -> list[Program]:
     joined = membership(home)
     if joined is None:
         return []
-    ranks = [Program(name=f"vllm-{rank.pool}", command=rank.argv, environment=rank.env, autostart=False,
+    ranks = [Program(name=engine_program(rank.pool), command=rank.argv, environment=rank.env, autostart=False,
                      pool=rank.pool, priority=50, startsecs=1, stopwaitsecs=30)
              for rank in joined.ranks]
     agent = Program(name="cluster-agent", command=[python(), "-P", "-m", "serve.cluster_agent"],

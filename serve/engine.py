@@ -15,6 +15,7 @@ import psutil
 from appliance.engine_launch import (
     PoolLayout,
     Rank,
+    engine_program,
     engine_socket,
     pool_layout,
     pool_plan,
@@ -43,8 +44,6 @@ class EngineLaunch:
     environment: dict[str, str]
     model_dir: Path
     served_name: str
-    device: str
-    gpus: tuple[int, ...] = ()
 
 
 def checked_layout(pool: PoolSettings, settings: Settings) -> PoolLayout:
@@ -107,8 +106,7 @@ def build_launch(pool: PoolSettings, settings: Settings, home: Home, api_key: st
     # The key travels in the environment (the config file is 0600), never on the command line.
     environment = {"VLLM_API_KEY": api_key, **command.env}
     return EngineLaunch(argv=command.argv, environment=environment, model_dir=model_dir(pool, home),
-                        served_name=command.argv[command.argv.index("--served-model-name") + 1], device=device,
-                        gpus=gpus)
+                        served_name=command.argv[command.argv.index("--served-model-name") + 1])
 
 
 def gpu_sets(settings: Settings, host: Host) -> dict[str, tuple[int, ...]]:
@@ -190,7 +188,7 @@ def engine_programs(settings: Settings, home: Home) -> list[Program]:
             command, problem = in_own_network(command), problem or _missing_tools()
         programs.append(
             Program(
-                name=f"vllm-{pool.name}",
+                name=engine_program(pool.name),
                 command=command,
                 environment=launch.environment,
                 socket=socket,

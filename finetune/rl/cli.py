@@ -71,7 +71,8 @@ def exec_command(
         typer.echo(verdict.model_dump_json(indent=1))
     else:
         out.print(f"{verdict.status}: {verdict.reason}; {verdict.tests_passed}/{verdict.tests_total} tests in "
-                  f"{verdict.wall_s:.2f} s", highlight=False, markup=False)
+                  f"{verdict.wall_s:.2f} s" + ("" if verdict.cgroup else " (no cgroup: processes and memory were "
+                                               "capped per process only)"), highlight=False, markup=False)
         for stream in ("stdout", "stderr"):
             text = getattr(verdict, stream)
             if text:

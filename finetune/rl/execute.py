@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import pwd
 import secrets
 import selectors
 import shutil
@@ -44,7 +43,15 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from appliance.errors import Invalid
 from appliance.settings import ExecutionSettings
-from finetune.sandbox import SYSTEM_READ_ONLY, SandboxError, leading_directories
+from finetune.sandbox import (
+    ROOT_NAMESPACES,
+    SYSTEM_READ_ONLY,
+    become,
+    leading_directories,
+    sandbox_tools,
+    system_mounts,
+    system_user,
+)
 
 EXEC_USER = "appliance-exec"
 # User ids for executions: one drawn per execution from a range far above any account's.
@@ -80,15 +87,6 @@ class Verdict(BaseModel):
     wall_s: float
     truncated: bool = Field(description="stdout or stderr was longer than what is kept.")
     cgroup: bool = Field(description="Its processes' number and memory were capped together (a cgroup).")
-
-
-def exec_user() -> pwd.struct_passwd:
-    try:
-        return pwd.getpwnam(EXEC_USER)
-    except KeyError:
-        raise SandboxError(f"the execution sandbox's user {EXEC_USER!r} does not exist",
-                           hint=f"useradd --system --user-group --no-create-home --shell /usr/sbin/nologin "
-                                f"{EXEC_USER} (as root; bootstrap.sh and install.sh do)") from None
 
 
 def execute(program: str, language: Language, settings: ExecutionSettings, *, tests: str | None = None,
@@ -148,9 +146,12 @@ def _run(task: Path, language: Language, settings: ExecutionSettings, entry_poin
                        tests_total=0, tests=[], **common)
     if io_cases is not None:
         results = _compared(results, outputs_seen, io_cases)
+    if not results:
+        return Verdict(status="failed", reason="no tests found (no test_* function, no check with an entry "
+                       "point, or no case)", tests_passed=0, tests_total=0, tests=[], **common)
     passed = sum(r.passed for r in results)
     failing = next((r for r in results if not r.passed), None)
-    return Verdict(status="passed" if failing is None and results else "failed",
+    return Verdict(status="passed" if failing is None else "failed",
                    reason="passed" if failing is None else f"{failing.test}: {failing.reason}",
                    tests_passed=passed, tests_total=len(results), tests=results, **common)
 
@@ -271,17 +272,12 @@ def sandboxed(task: Path, settings: ExecutionSettings, *, result_fd: int, enviro
               cgroup: list[Path]) -> list[str]:
     """The harness in a sandbox of its own, `task` read-only at /task, /tmp its only writable place;
     joining `cgroup` first, where there is one."""
-    bwrap, prlimit = shutil.which("bwrap"), shutil.which("prlimit")
-    if bwrap is None or prlimit is None:
-        raise SandboxError("the execution sandbox needs bubblewrap (`bwrap`) and `prlimit` (util-linux)",
-                           hint="apt-get install bubblewrap util-linux")
-    namespaces, become = ["--unshare-all"], []
+    bwrap, prlimit = sandbox_tools("execution sandbox")
+    namespaces, drop = ["--unshare-all"], []
     if os.geteuid() == 0:
-        group = exec_user().pw_gid
+        group = system_user(EXEC_USER, "execution sandbox").pw_gid
         uid = EXEC_UIDS[0] + secrets.randbelow(EXEC_UIDS[1] - EXEC_UIDS[0])
-        namespaces = ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
-        become = ["/usr/bin/setpriv", f"--reuid={uid}", f"--regid={group}", "--clear-groups",
-                  "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs"]
+        namespaces, drop = ROOT_NAMESPACES, become(uid, group)
     memory = settings.memory_mib * 2**20
     # CPU: SIGXCPU at the limit (its reason shows), SIGKILL a second later if it is caught.
     limits = [prlimit, f"--cpu={settings.cpu_s}:{settings.cpu_s + 1}", f"--as={memory}",
@@ -290,11 +286,7 @@ def sandboxed(task: Path, settings: ExecutionSettings, *, result_fd: int, enviro
     mounts = [*namespaces, "--die-with-parent", "--new-session", "--proc", "/proc", "--tmpfs", "/dev",
               *(arg for device in DEVICES for arg in ("--dev-bind", f"/dev/{device}", f"/dev/{device}")),
               "--perms", "1777", "--size", str(settings.tmpfs_mib * 2**20), "--tmpfs", "/tmp"]
-    for top in ("/bin", "/lib", "/lib64", "/sbin"):  # merged /usr: links into it
-        if Path(top).is_symlink():
-            mounts += ["--symlink", os.readlink(top), top]
-        elif Path(top).exists():
-            mounts += ["--ro-bind", top, top]
+    mounts += system_mounts()
     python_home = Path(sys.base_prefix)
     bound = [Path(p) for p in (*SYSTEM_READ_ONLY, str(python_home)) if Path(p).exists()]
     for path in bound:
@@ -306,7 +298,7 @@ def sandboxed(task: Path, settings: ExecutionSettings, *, result_fd: int, enviro
     env = {"PATH": f"{python_home / 'bin'}:/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8",
            "PYTHONDONTWRITEBYTECODE": "1", "RESULT_FD": str(result_fd), **environment}
     setenv = [arg for name, value in sorted(env.items()) for arg in ("--setenv", name, value)]
-    command = [*limits, bwrap, *mounts, "--chdir", "/tmp", "--clearenv", *setenv, "--", *become,
+    command = [*limits, bwrap, *mounts, "--chdir", "/tmp", "--clearenv", *setenv, "--", *drop,
                str(python), "-I", "-S", "/task/harness.py"]
     if not cgroup:
         return command

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.engine_build import REQUIREMENT_LISTS, build_cuda, choose, installed_engine
+from appliance.engine_build import REQUIREMENT_LISTS, choose_engine, engine_cuda_version, installed_engine
 from appliance.engine_launch import resolve_device
 from appliance.settings import EngineSettings
 from installer.bundle_build import REQUIREMENTS, wheel_lists
@@ -22,12 +22,12 @@ def pins(name: str) -> dict[str, str]:
 @pytest.mark.parametrize(("requested", "driver", "engine"), [
     ("auto", True, "cuda"), ("auto", False, "cpu"), ("cpu", True, "cpu"), ("cuda", False, "cuda")])
 def test_engine_choice_per_host(requested: str, driver: bool, engine: str) -> None:
-    assert choose(requested, driver) == engine
+    assert choose_engine(requested, driver) == engine
 
 
 def test_an_unknown_engine_is_refused() -> None:
     with pytest.raises(ValueError, match="engine 'gpu': expected auto, cpu or cuda"):
-        choose("gpu", True)
+        choose_engine("gpu", True)
 
 
 def test_both_builds_are_pinned_to_one_vllm_and_one_torch() -> None:
@@ -49,4 +49,4 @@ def test_the_device_follows_the_installed_build() -> None:
     expected = "cuda" if Path("/dev/nvidiactl").exists() else "cpu"
     assert installed_engine() == expected and resolve_device(EngineSettings()) == expected
     assert resolve_device(EngineSettings(device="cuda")) == "cuda"
-    assert build_cuda() is not None, "the lock's torch is the CUDA build: its runtime version is known"
+    assert engine_cuda_version() is not None, "the lock's torch is the CUDA build: its runtime version is known"

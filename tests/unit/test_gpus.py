@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from appliance.errors import SettingsError
-from appliance.gpus import GpuRequest, assign, choose, nvlink_domains
+from appliance.gpus import GpuRequest, assign, choose_gpus, nvlink_domains
 from appliance.records import Gpu, HardwareProfile, Host
 from installer.memory import GIB
 from installer.model_config import load_model_config
@@ -44,13 +44,13 @@ def test_nvlink_domains() -> None:
 def test_tp_groups_stay_in_an_nvlink_domain_and_prefer_one_numa_node() -> None:
     host = islands((4, 4), numa=(0, 0, 1, 1, 1, 1, 1, 1))
     # TP 2: the second island's node-1 GPUs would do, but the tightest fit is GPUs 0,1 (node 0).
-    assert choose(host, host.gpus, 2, 2) == (0, 1)
+    assert choose_gpus(host, host.gpus, 2, 2) == (0, 1)
     # TP 4 from the first island would span NUMA nodes 0 and 1; the second island is on node 1 alone.
-    assert choose(host, host.gpus, 4, 4) == (4, 5, 6, 7)
-    assert choose(host, host.gpus, 8, 8) is None, "no NVLink domain holds 8"
-    assert choose(host, host.gpus, 8, 4) == tuple(range(8)), "two TP-4 groups, one per island"
+    assert choose_gpus(host, host.gpus, 4, 4) == (4, 5, 6, 7)
+    assert choose_gpus(host, host.gpus, 8, 8) is None, "no NVLink domain holds 8"
+    assert choose_gpus(host, host.gpus, 8, 4) == tuple(range(8)), "two TP-4 groups, one per island"
     on_pcie = pcie(4, (0, 1, 0, 1))
-    assert choose(on_pcie, on_pcie.gpus, 2, 2) == (0, 2), "one NUMA node where possible"
+    assert choose_gpus(on_pcie, on_pcie.gpus, 2, 2) == (0, 2), "one NUMA node where possible"
 
 
 def test_pools_get_disjoint_sets_and_overlaps_name_both_pools() -> None:

@@ -45,7 +45,7 @@ def checks(profile: HardwareProfile | Host, tmp_path: Path, **kwargs: Any) -> di
     if isinstance(profile, Host):
         profile = HardwareProfile(hosts=[profile])
     arguments: dict[str, Any] = {"model_bytes": GIB, "staging_dir": tmp_path, "ports": [free_port()],
-                                 "java_home": kwargs.pop("java_home", None)}
+                                 "java_home": kwargs.pop("java_home", None), "engine": "cuda", "engine_cuda": (12, 8)}
     arguments.update(kwargs)
     return {check.name: check for check in run_checks(profile, **arguments)}
 
