@@ -33,6 +33,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -253,12 +254,16 @@ def execution_cgroup(settings: ExecutionSettings) -> Iterator[list[Path]]:
     try:
         yield [group / "cgroup.procs" for group in made]
     finally:
-        _remove(made)
+        # Emptied by the kill a moment ago, but the kernel may still be tearing the processes down:
+        # removed in the background, not on the execution's time.
+        threading.Thread(target=_remove, args=(made,), daemon=True).start()
 
 
 def _remove(groups: list[Path]) -> None:
+    """Remove these cgroups, and any empty one an earlier process left under appliance-exec/."""
+    leftovers = {group.parent for group in groups}
     for group in reversed(groups):
-        for _ in range(50):  # emptied by the kill a moment ago: the kernel may still be tearing it down
+        for _ in range(250):
             try:
                 group.rmdir()
                 break
@@ -266,6 +271,12 @@ def _remove(groups: list[Path]) -> None:
                 break
             except OSError:
                 time.sleep(0.02)
+    for parent in leftovers:
+        for stale in parent.glob("*/"):
+            try:
+                stale.rmdir()
+            except OSError:
+                pass  # in use by a running execution
 
 
 def sandboxed(task: Path, settings: ExecutionSettings, *, result_fd: int, environment: dict[str, str],
