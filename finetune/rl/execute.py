@@ -24,6 +24,7 @@ no untrusted process holds; the expected outputs of input/output cases never ent
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import secrets
@@ -59,6 +60,7 @@ EXEC_USER = "appliance-exec"
 EXEC_UIDS = (1_500_000_000, 1_600_000_000)
 DEVICES = ("null", "zero", "full", "random", "urandom")
 CGROUP_V1 = Path("/sys/fs/cgroup")
+STALE_S = 600
 HARNESS = Path(__file__).with_name("harness.py")
 Language = Literal["python", "c"]
 SOURCE = {"python": "program.py", "c": "program.c"}
@@ -243,6 +245,7 @@ def execution_cgroup(settings: ExecutionSettings) -> Iterator[list[Path]]:
                 hierarchy = CGROUP_V1 / controller
                 if not (hierarchy / "cgroup.procs").exists():
                     raise OSError(f"no {controller} controller at {hierarchy}")
+                _remove_stale(hierarchy / "appliance-exec")
                 group = hierarchy / name
                 group.mkdir(parents=True)
                 made.append(group)
@@ -255,13 +258,34 @@ def execution_cgroup(settings: ExecutionSettings) -> Iterator[list[Path]]:
         yield [group / "cgroup.procs" for group in made]
     finally:
         # Emptied by the kill a moment ago, but the kernel may still be tearing the processes down:
-        # removed in the background, not on the execution's time.
-        threading.Thread(target=_remove, args=(made,), daemon=True).start()
+        # removed in the background, not on the execution's time (and waited for at exit).
+        cleanup = threading.Thread(target=_remove, args=(made,), daemon=True)
+        cleanup.start()
+        _cleanups.append(cleanup)
+
+
+_cleanups: list[threading.Thread] = []
+
+
+@atexit.register
+def _finish_cleanups() -> None:
+    for cleanup in _cleanups:
+        cleanup.join(timeout=5)
+
+
+def _remove_stale(parent: Path) -> None:
+    """Empty cgroups under appliance-exec/ older than STALE_S: left by a process that ended before
+    its cleanup did (a new one is joined within milliseconds of being made)."""
+    for group in parent.glob("*/"):
+        try:
+            if time.time() - group.stat().st_mtime > STALE_S:
+                group.rmdir()
+        except OSError:
+            pass  # in use, or gone already
 
 
 def _remove(groups: list[Path]) -> None:
-    """Remove these cgroups, and any empty one an earlier process left under appliance-exec/."""
-    leftovers = {group.parent for group in groups}
+    """Remove these cgroups (only this execution's: another's may be new and not yet joined)."""
     for group in reversed(groups):
         for _ in range(250):
             try:
@@ -271,12 +295,6 @@ def _remove(groups: list[Path]) -> None:
                 break
             except OSError:
                 time.sleep(0.02)
-    for parent in leftovers:
-        for stale in parent.glob("*/"):
-            try:
-                stale.rmdir()
-            except OSError:
-                pass  # in use by a running execution
 
 
 def sandboxed(task: Path, settings: ExecutionSettings, *, result_fd: int, environment: dict[str, str],

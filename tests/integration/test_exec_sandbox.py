@@ -223,11 +223,13 @@ def test_killing_the_harness_scores_a_failure_and_no_terminal_exists() -> None:
 
 
 def test_its_processes_are_capped_together_where_the_host_allows() -> None:
+    groups = Path("/sys/fs/cgroup/pids/appliance-exec")
+    before = set(groups.glob("*/"))
     verdict = execute("def f():\n    pass\n", "python", SETTINGS, tests=SAFE)
     assert verdict.status == "passed"
     if os.geteuid() == 0 and Path("/sys/fs/cgroup/pids/cgroup.procs").exists():
         assert verdict.cgroup
         deadline = time.monotonic() + 10  # removed in the background once the kernel let its processes go
-        while list(Path("/sys/fs/cgroup/pids/appliance-exec").glob("*/")) and time.monotonic() < deadline:
+        while set(groups.glob("*/")) - before and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not list(Path("/sys/fs/cgroup/pids/appliance-exec").glob("*/")), "its cgroup is removed after it"
+        assert not set(groups.glob("*/")) - before, "its cgroup is removed after it"
