@@ -217,10 +217,19 @@ def test_rate_limit_answers_429_then_recovers(realm: Realm) -> None:
 
 
 def running_requests(running: Running) -> float:
+    """Requests the engine holds: running, or waiting (a request can be preempted back to waiting)."""
     with engine_client(running.appliance) as http:
         text = http.get("/metrics").text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:num_requests_running"))
+               if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")))
+
+
+def until_engine_holds(running: Running, count: float, timeout_s: float) -> float:
+    """The engine's count of requests, polled until it is `count` (its gauges are updated once a step)."""
+    deadline = time.monotonic() + timeout_s
+    while (held := running_requests(running)) != count and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return held
 
 
 def test_client_disconnect_mid_stream_frees_the_engine(realm: Realm, alice: str, running: Running) -> None:
@@ -232,11 +241,8 @@ def test_client_disconnect_mid_stream_frees_the_engine(realm: Realm, alice: str,
         lines = response.iter_lines()
         for _ in range(5):
             next(lines)
-        assert running_requests(running) == 1
-    deadline = time.monotonic() + 30
-    while running_requests(running) != 0 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert running_requests(running) == 0
+        assert until_engine_holds(running, 1, 60) == 1
+    assert until_engine_holds(running, 0, 30) == 0
 
 
 def test_health_and_readiness(realm: Realm) -> None:
