@@ -71,6 +71,20 @@ create table if not exists jobs (
 )"""
 
 
+RL_RUNS_SCHEMA = """
+create table if not exists rl_runs (
+    id integer primary key autoincrement,
+    spec text not null,            -- JSON: appliance.rl.RunSpec
+    state text not null,           -- JobState, moved by MOVES as jobs are
+    submitted text not null,
+    started text,
+    finished text,
+    attempts integer not null default 0,
+    worker_pid integer,
+    message text
+)"""
+
+
 class Hyperparameters(BaseModel):
     """How a job trains its adapter (LoRA, or QLoRA on a 4-bit base)."""
 
@@ -146,13 +160,14 @@ def connect(home: Home) -> Iterator[sqlite3.Connection]:
     try:
         db.execute("pragma journal_mode=wal")
         db.execute(SCHEMA)
+        db.execute(RL_RUNS_SCHEMA)
         yield db
     finally:
         db.close()
 
 
 @contextmanager
-def _transaction(home: Home) -> Iterator[sqlite3.Connection]:
+def transaction(home: Home) -> Iterator[sqlite3.Connection]:
     """A write transaction (taken at once: no other writer between its read and its write)."""
     with connect(home) as db:
         db.execute("begin immediate")
@@ -197,12 +212,26 @@ def _get(db: sqlite3.Connection, job_id: int) -> Job:
 def _move(db: sqlite3.Connection, job_id: int, to: JobState, assignments: str, values: tuple[object, ...]) -> None:
     """Set the job's state to `to` (and `assignments`) if MOVES allows it from its current state,
     in the caller's transaction; IllegalTransition otherwise."""
-    current, to = _get(db, job_id).state, JobState(to)
-    if to not in MOVES[current]:
+    check_move(f"training job {job_id}", _get(db, job_id).state, to)
+    db.execute(f"update jobs set state = ?, {assignments} where id = ?", (JobState(to), *values, job_id))
+
+
+def check_move(what: str, current: JobState, to: JobState) -> None:
+    """IllegalTransition unless MOVES leads from `current` to `to` (for jobs and RL runs alike)."""
+    if JobState(to) not in MOVES[current]:
         was = ("has already been cancelled" if current == JobState.CANCELLED
                else f"has already {current}" if current in FINISHED else f"is {current}")
-        raise IllegalTransition(f"training job {job_id} {was}: it cannot become {to}")
-    db.execute(f"update jobs set state = ?, {assignments} where id = ?", (to, *values, job_id))
+        raise IllegalTransition(f"{what} {was}: it cannot become {to}")
+
+
+def claimable(db: sqlite3.Connection, table: str, alive: Callable[[int | None], bool]) -> sqlite3.Row | None:
+    """The row a worker takes next from `table`: one left running (or cancelling) by a worker that
+    died, else the oldest queued one."""
+    rows = db.execute(f"select * from {table} where state in ('running', 'cancelling') order by id").fetchall()
+    orphan = next((row for row in rows if not alive(row["worker_pid"])), None)
+    queued: sqlite3.Row | None = db.execute(
+        f"select * from {table} where state = 'queued' order by id limit 1").fetchone()
+    return orphan or queued
 
 
 def listing(home: Home) -> list[Job]:
@@ -213,10 +242,8 @@ def listing(home: Home) -> list[Job]:
 def claim(home: Home, worker_pid: int, alive: Callable[[int | None], bool]) -> Job | None:
     """The next job for this worker: one left running by a worker that died (it resumes from its
     last checkpoint), else the oldest queued one."""
-    with _transaction(home) as db:
-        rows = db.execute("select * from jobs where state in ('running', 'cancelling') order by id").fetchall()
-        orphan = next((row for row in rows if not alive(row["worker_pid"])), None)
-        row = orphan or db.execute("select * from jobs where state = 'queued' order by id limit 1").fetchone()
+    with transaction(home) as db:
+        row = claimable(db, "jobs", alive)
         if row is None:
             return None
         resumed = JobState(row["state"])  # a cancelling orphan stays cancelling: its runner stops at once
@@ -233,7 +260,7 @@ def set_trainer(home: Home, job_id: int, pid: int) -> None:
 def finish(home: Home, job_id: int, state: JobState, message: str) -> None:
     if state not in FINISHED:
         raise IllegalTransition(f"training job {job_id} cannot finish as {state}")
-    with _transaction(home) as db:
+    with transaction(home) as db:
         _move(db, job_id, state, "message = ?, finished = ?, worker_pid = null, trainer_pid = null",
               (message, _now()))
 
@@ -242,7 +269,7 @@ def cancel(home: Home, job_id: int) -> Job:
     """A queued job is cancelled at once; a running one becomes `cancelling` and its worker stops
     it (within a second, checkpoints kept) and finishes it as cancelled."""
     directory = job_dir(home, job_id)
-    with _transaction(home) as db:
+    with transaction(home) as db:
         if _get(db, job_id).state == JobState.QUEUED:
             _move(db, job_id, JobState.CANCELLED, "message = ?, finished = ?", ("cancelled before it started", _now()))
         else:

@@ -15,6 +15,7 @@ import httpx
 from appliance.durable import replace_file
 from appliance.errors import ApplianceError
 from appliance.home import Home
+from appliance.secrets import rl_client_secret
 from appliance.settings import Settings
 from appliance.tls import keycloak_ssl
 
@@ -63,6 +64,17 @@ def _post(settings: Settings, home: Home, name: str, data: dict[str, str]) -> ht
     except httpx.HTTPError as exc:
         raise LoginError(f"Keycloak at {settings.keycloak.base_url} is not reachable: {exc}",
                          hint="is the appliance up? (`appliance status`)") from exc
+
+
+def service_token(settings: Settings, home: Home) -> CachedToken:
+    """A token of the RL loop's service identity (client credentials of `rl.client_id`), not cached:
+    it is asked for again when it nears its end."""
+    response = _post(settings, home, "token", {"grant_type": "client_credentials",
+                                               "client_id": settings.rl.client_id,
+                                               "client_secret": rl_client_secret(settings, home)})
+    if response.status_code != 200:
+        raise _refused(response)
+    return CachedToken.from_response(f"service-account-{settings.rl.client_id}", response.json())
 
 
 def _refused(response: httpx.Response) -> LoginError:

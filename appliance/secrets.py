@@ -43,3 +43,11 @@ GATEWAY_CLIENT_SECRET = "gateway-client-secret"
 def gateway_client_secret(settings: Settings, home: Home) -> str:
     """The gateway client's secret: from settings (external Keycloak) or generated (embedded)."""
     return settings.keycloak.gateway_client_secret or secret(home, GATEWAY_CLIENT_SECRET)
+
+
+RL_CLIENT_SECRET = "rl-client-secret"
+
+
+def rl_client_secret(settings: Settings, home: Home) -> str:
+    """The RL loop's service identity (client `rl.client_id`): its secret, generated on first use."""
+    return secret(home, RL_CLIENT_SECRET)

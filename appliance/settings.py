@@ -344,6 +344,28 @@ class ExecutionSettings(_Section):
     tmpfs_mib: int = Field(64, ge=1, le=65536, description="The only writable place, /tmp, MiB (files and all).")
     output_bytes: int = Field(1_048_576, ge=1024, description="Output past this on stdout or stderr ends it.")
     kept_bytes: int = Field(4096, ge=256, description="Of stdout and stderr each, what a verdict keeps.")
+    workers: int | None = Field(
+        None, ge=1, le=256, description="Sandbox workers of one RL run at most (they follow the queue's depth); "
+        "unset: one per CPU core.")
+    worker_idle_s: float = Field(5.0, gt=0, le=3600, description="A sandbox worker with no work ends after this.")
+
+
+class RlSettings(_Section):
+    """Post-training from execution feedback (`appliance rl`): task sets, runs and their rewards."""
+
+    IN_SUPERVISOR_CONFIG = False  # read by the programs from the settings file
+
+    held_out_fraction: float = Field(0.2, ge=0, lt=1, description="Share of a task set's tasks held out.")
+    efficiency_weight: float = Field(
+        0.1, ge=0, le=1, description="Reward = share of tests passed, plus, for an answer passing them all, this "
+        "times the share of its time limit left unused.")
+    generation_concurrency: int = Field(4, ge=1, le=256, description="Requests to the gateway at once.")
+    segment_attempts: int = Field(64, ge=1, description="Attempts per trajectory segment in the artifact store.")
+    client_id: str = Field(
+        "appliance-rl", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
+        description="The Keycloak client (a service account with role `user`) runs generate under.")
+    gateway_timeout_s: float = Field(300.0, gt=0, description="One generation request, at most.")
+    worker_poll_s: float = Field(2.0, gt=0, description="How often the rl-worker looks for queued runs.")
 
 
 class FinetuneSettings(_Section):
@@ -398,6 +420,7 @@ class Settings(_Section):
     artifacts: ArtifactSettings = Field(default_factory=ArtifactSettings)
     finetune: FinetuneSettings = Field(default_factory=FinetuneSettings)
     execution: ExecutionSettings = Field(default_factory=ExecutionSettings)
+    rl: RlSettings = Field(default_factory=RlSettings)
     cluster: ClusterSettings = Field(default_factory=ClusterSettings)
     pools: list[PoolSettings] = Field(
         default_factory=lambda: [PoolSettings(name="main")],

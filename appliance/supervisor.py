@@ -17,6 +17,7 @@ from enum import IntEnum
 from pathlib import Path
 from typing import Any
 
+import psutil
 from supervisor.xmlrpc import SupervisorTransport
 
 from appliance.errors import SupervisorError
@@ -289,6 +290,17 @@ def _spawn_counts(log: Path) -> collections.Counter[str]:
         scan.offset += len(complete)
         scan.spawned.update(SPAWNED.findall(complete.decode(errors="replace")))
         return collections.Counter(scan.spawned)
+
+
+def runs_module(pid: int | None, module: str) -> bool:
+    """Whether `pid` is a live process running Python module `module` other than this one (after
+    a reboot a recorded number may be this process's, or another program's)."""
+    if pid is None or pid == os.getpid():
+        return False
+    try:
+        return module in psutil.Process(pid).cmdline() and pid_alive(pid)
+    except psutil.Error:
+        return False
 
 
 def pid_alive(pid: int) -> bool:

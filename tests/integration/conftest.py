@@ -88,6 +88,11 @@ def running(demo_model: Path, keycloak_dist: Path, staged_demo: Staged) -> Itera
 @pytest.fixture
 def s3(tmp_path: Path) -> Iterator[str]:
     """host:port of an S3 server on loopback, storing into a temporary directory."""
+    yield from s3_server(tmp_path)
+
+
+def s3_server(tmp_path: Path) -> Iterator[str]:
+    """An S3 server (rclone) on loopback storing into `tmp_path`, for as long as the generator lives."""
     port = free_port()
     server = subprocess.Popen([RCLONE, "serve", "s3", "--config", str(tmp_path / "rclone.conf"),
                                "--auth-key", f"{ACCESS_KEY},{SECRET_KEY}", "--addr", f"127.0.0.1:{port}",

@@ -381,8 +381,8 @@ def test_every_screen_in_a_real_terminal(running: Running, app: AdminApp, tmp_pa
                     APPLIANCE, "tui"], check=True)
     captures: dict[str, str] = {}
     try:
-        for key, expect in (("d", "restarts"), ("m", "Layout: TP1"), ("j", "Training jobs"), ("u", "enabled"),
-                            ("a", "Chain not verified")):
+        for key, expect in (("d", "restarts"), ("m", "Layout: TP1"), ("j", "Training jobs"), ("e", "RL runs"),
+                            ("u", "enabled"), ("a", "Chain not verified")):
             subprocess.run(["tmux", "send-keys", "-t", session, key], check=True)
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
@@ -397,7 +397,8 @@ def test_every_screen_in_a_real_terminal(running: Running, app: AdminApp, tmp_pa
             lines = pane.splitlines()
             assert len(lines) <= 24 and all(len(line) <= 80 for line in lines)
             assert all(f"{key} {name}" in lines[-1] for key, name in (
-                ("d", "Dashboard"), ("m", "Models"), ("j", "Jobs"), ("u", "Users"), ("a", "Audit"), ("q", "Quit"))
+                ("d", "Dashboard"), ("m", "Models"), ("j", "Jobs"), ("e", "RL"), ("u", "Users"), ("a", "Audit"),
+                ("q", "Quit"))
             ), f"the footer lists every screen's key: {lines[-1]}"
         subprocess.run(["tmux", "send-keys", "-t", session, "q"], check=True)
         deadline = time.monotonic() + 15

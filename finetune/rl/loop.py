@@ -1,0 +1,309 @@
+"""One RL run (appliance.rl.RunSpec): K answers per task generated through the gateway under the
+run's service identity, each executed in the sandbox against the task's tests, and a failing answer
+corrected for up to R more rounds with its parsed error fed back.
+
+Generation and execution overlap: answers are requested `rl.generation_concurrency` at a time, and
+each goes to the run's execution queue as soon as it arrives, where the sandbox workers (as many as
+the queue holds, up to `execution.workers`) take it; a verdict back starts the next round at once.
+
+Everything lands in the run's store (finetune.rl.store) as it happens, so a killed run resumes where
+it was: answers are not asked for again, executions not run again once their verdict is stored.
+Attempts go to the artifact store in sealed, content-addressed segments (finetune.rl.trajectories).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+from collections import deque
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+
+import httpx
+
+from appliance import login
+from appliance.admin_client import gateway_url
+from appliance.artifacts import artifact_store
+from appliance.errors import ApplianceError, Unavailable
+from appliance.home import Home
+from appliance.rl import CANCEL_FILE, Attempt, Run, RunProgress, Task, attempt_key, run_dir, write_progress
+from appliance.settings import Settings
+from finetune.rl.execute import Verdict
+from finetune.rl.executor import WorkerPool
+from finetune.rl.store import Generation, RunStore
+from finetune.rl.tasks import load
+from finetune.rl.trajectories import TrajectoryWriter
+
+log = logging.getLogger("appliance.rl-loop")
+SYSTEM = ("You are a careful programmer. Answer with the complete program in one fenced code block "
+          "and nothing else.")
+FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.S)
+TAGS = {"python": ("python", "py", "python3"), "c": ("c",)}  # a fenced block's language tags
+STACK_LINES = 12
+RETRY_STATUSES = {429, 502, 503, 504}
+GIVE_UP_S = 180.0
+
+
+class RunCancelled(ApplianceError):
+    """The run was asked to stop; what it did is kept."""
+
+
+@dataclass(frozen=True)
+class Step:
+    """The next answer one sample of one task needs."""
+
+    task: Task
+    sample: int
+    round: int
+    messages: list[dict[str, str]]
+
+    @property
+    def key(self) -> str:
+        return attempt_key(self.task.id, self.sample, self.round)
+
+
+def first_messages(task: Task) -> list[dict[str, str]]:
+    ask = (f"Complete this Python function; answer with the whole function in one ```python block.\n\n{task.prompt}"
+           if task.entry_point else
+           f"Write a {'C' if task.language == 'c' else 'Python'} program for this task; answer with the whole "
+           f"program in one ```{task.language} block.\n\n{task.prompt}")
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": ask}]
+
+
+def extract_code(completion: str, task: Task) -> str:
+    """The program in an answer: its first fenced block (one in the task's language first), else the
+    whole answer; a function-completion task's prompt goes first when the answer lacks the function."""
+    blocks: list[tuple[str, str]] = FENCE.findall(completion)
+    tagged = [code for tag, code in blocks if tag.lower() in TAGS[task.language]]
+    code = (tagged or [code for _, code in blocks] or [completion])[0]
+    if task.entry_point and not re.search(rf"^\s*def\s+{re.escape(task.entry_point)}\s*\(", code, re.M):
+        code = task.prompt + code
+    return code
+
+
+def feedback(verdict: Verdict) -> str:
+    """The parsed error of a failing execution: the failing assertion, the exception and a trimmed
+    stack, for the next round's prompt."""
+    lines = verdict.stderr.strip().splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback")]
+    parts = [f"Your program failed: {verdict.reason}; {verdict.tests_passed} of {verdict.tests_total} tests passed."]
+    if starts:
+        trace = lines[starts[-1]:]
+        assertion = next((line.strip() for line in reversed(trace) if line.strip().startswith("assert ")), None)
+        if assertion:
+            parts.append(f"Failing assertion: {assertion}")
+        parts.append(f"Exception: {trace[-1].strip()}")
+        parts.append("Stack (last lines):\n" + "\n".join(trace[-STACK_LINES:]))
+    elif lines:
+        parts.append("Error output (last lines):\n" + "\n".join(lines[-STACK_LINES:]))
+    parts.append("Fix the program and answer with the whole corrected program in one fenced code block.")
+    return "\n".join(parts)
+
+
+def reward(verdict: Verdict, task: Task, efficiency_weight: float) -> float:
+    """Share of tests passed, plus, for an answer that passes them all, the efficiency term: the
+    share of its time limit left unused, weighted."""
+    if verdict.tests_total == 0:
+        return 0.0
+    passed = verdict.tests_passed / verdict.tests_total
+    spare = max(0.0, 1 - verdict.wall_s / task.time_limit_s) if verdict.status == "passed" else 0.0
+    return round(passed + efficiency_weight * spare, 4)
+
+
+class Generator:
+    """Chat completions through the gateway, as the run's service identity."""
+
+    def __init__(self, settings: Settings, home: Home, model: str) -> None:
+        self.settings, self.home, self.model = settings, home, model
+        self._http = httpx.Client(base_url=gateway_url(settings), timeout=settings.rl.gateway_timeout_s)
+        self._token: login.CachedToken | None = None
+        self._lock = threading.Lock()
+
+    def _bearer(self) -> str:
+        with self._lock:
+            if self._token is None or self._token.expires_at - login.MARGIN_S < time.time():
+                self._token = login.service_token(self.settings, self.home)
+            return self._token.access_token
+
+    def generate(self, step: Step, max_tokens: int, temperature: float, seed: int) -> tuple[str, str]:
+        """(the answer, the model name that answered); Unavailable if the gateway keeps refusing."""
+        body = {"model": self.model, "messages": step.messages, "max_tokens": max_tokens,
+                "temperature": temperature, "seed": seed}
+        deadline = time.monotonic() + GIVE_UP_S
+        while True:
+            try:
+                response = self._http.post("/v1/chat/completions", json=body,
+                                           headers={"Authorization": f"Bearer {self._bearer()}"})
+            except httpx.HTTPError as exc:
+                problem, wait_s = f"gateway unreachable: {exc}", 2.0
+            else:
+                if response.status_code == 200:
+                    answer = response.json()
+                    return str(answer["choices"][0]["message"]["content"] or ""), str(answer.get("model", ""))
+                problem = f"gateway answered {response.status_code}: {response.text[:300]}"
+                if response.status_code == 401:
+                    self._token = None
+                elif response.status_code not in RETRY_STATUSES:
+                    raise Unavailable(f"task {step.task.id}: {problem}")
+                wait_s = retry_after(response.headers.get("retry-after"))
+            if time.monotonic() + wait_s > deadline:
+                raise Unavailable(f"task {step.task.id}: {problem} (gave up after {GIVE_UP_S:g} s)")
+            time.sleep(wait_s)
+
+    def close(self) -> None:
+        self._http.close()
+
+
+def retry_after(header: str | None) -> float:
+    """Seconds a Retry-After header asks for (2 when it is absent or not a number of seconds)."""
+    try:
+        return min(max(float(header or 2), 0.1), 60.0)
+    except ValueError:
+        return 2.0
+
+
+def adapter_version(model: str, adapter: str | None) -> int | None:
+    """The adapter version that answered, from the engine's model name (name-vN)."""
+    if adapter is None:
+        return None
+    found = re.fullmatch(rf"{re.escape(adapter)}-v(\d+)", model)
+    return int(found.group(1)) if found else None
+
+
+class Loop:
+    def __init__(self, home: Home, settings: Settings, run: Run) -> None:
+        self.home, self.settings, self.run = home, settings, run
+        self.spec = run.spec
+        self.directory = run_dir(home, run.id)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.store = RunStore(self.directory / "run.sqlite")
+        artifacts = artifact_store(settings.artifacts, home)
+        tasks = load(self.spec.tasks, self.spec.split, artifacts, home)
+        self.tasks = tasks[:self.spec.limit] if self.spec.limit else tasks
+        self.writer = TrajectoryWriter(self.store, artifacts, run, self.tasks, settings.rl.segment_attempts)
+        cap = settings.execution.workers or os.cpu_count() or 1
+        self.pool = WorkerPool(self.store, home, cap)
+        self.model = self.spec.adapter or self.spec.base
+        self.generated = self.store.generations()
+        self._reported = 0.0
+
+    def plan(self) -> tuple[deque[Step], dict[str, Step]]:
+        """What is left: answers to ask for, and answers whose execution is awaited (a resumed run
+        starts from what its store holds)."""
+        attempts = {a.key: a for a in self.store.attempts()}
+        asks: deque[Step] = deque()
+        awaited: dict[str, Step] = {}
+        for task in self.tasks:
+            for sample in range(self.spec.samples):
+                step = Step(task, sample, 0, first_messages(task))
+                while (attempt := attempts.get(step.key)) is not None:
+                    if attempt.status == "passed" or step.round >= self.spec.rounds:
+                        break
+                    step = next_step(step, attempt)
+                else:
+                    generation = self.generated.get(step.key)
+                    if generation is None:
+                        asks.append(step)
+                    else:
+                        self.store.enqueue(step.key, generation.code, task)
+                        awaited[step.key] = step
+        return asks, awaited
+
+    def execute(self) -> str:
+        """Run to the end (or to a cancel request: RunCancelled); the outcome in one line."""
+        asks, awaited = self.plan()
+        generator = Generator(self.settings, self.home, self.model)
+        pending: dict[Future[Generation], Step] = {}
+        concurrency = self.settings.rl.generation_concurrency
+        try:
+            with ThreadPoolExecutor(concurrency, thread_name_prefix="generate") as threads:
+                while asks or pending or awaited:
+                    if (self.directory / CANCEL_FILE).exists():
+                        for future in pending:
+                            future.cancel()
+                        raise RunCancelled("run stopped as asked; its attempts so far are kept")
+                    while asks and len(pending) < concurrency:
+                        step = asks.popleft()
+                        pending[threads.submit(self._generate, generator, step)] = step
+                    done, _ = wait(pending, timeout=0.1, return_when=FIRST_COMPLETED)
+                    for future in done:
+                        step = pending.pop(future)
+                        generation = future.result()
+                        self.store.save_generation(step.key, generation)
+                        self.generated[step.key] = generation
+                        self.store.enqueue(step.key, generation.code, step.task)
+                        awaited[step.key] = step
+                    self.pool.follow(self.store.depth())
+                    for key, verdict in self.store.verdicts(set(awaited)).items():
+                        step = awaited.pop(key)
+                        attempt = self._attempt(step, verdict)
+                        self.store.save_attempt(attempt)
+                        if attempt.status != "passed" and step.round < self.spec.rounds:
+                            asks.append(next_step(step, attempt))
+                    self.writer.flush()
+                    if time.monotonic() - self._reported >= 1.0:
+                        self.report()
+        except ApplianceError:
+            self._keep_trajectories()  # a cancelled or failed run does not resume: what it did is kept
+            raise
+        finally:
+            self.pool.stop()
+            generator.close()
+        manifest = self.writer.finish()
+        figures = self.report()
+        return (f"{figures.attempts_done} attempts over {figures.tasks} tasks: pass rate {figures.pass_rate:.0%} "
+                f"(first answers {figures.first_pass_rate:.0%}), mean reward {figures.mean_reward:.3f}; "
+                f"trajectories {manifest}")
+
+    def _generate(self, generator: Generator, step: Step) -> Generation:
+        started = time.monotonic()
+        completion, model = generator.generate(step, self.spec.max_tokens, self.spec.temperature,
+                                               self.spec.seed * 1_000_003 + step.sample * 101 + step.round)
+        return Generation(step.messages, completion, extract_code(completion, step.task),
+                          round(time.monotonic() - started, 3), model)
+
+    def _attempt(self, step: Step, verdict: Verdict) -> Attempt:
+        generation = self.generated[step.key]
+        return Attempt(
+            run=self.run.id, task=step.task.id, sample=step.sample, round=step.round, messages=step.messages,
+            completion=generation.completion, code=generation.code, status=verdict.status,
+            exit_reason=verdict.reason, tests_passed=verdict.tests_passed, tests_total=verdict.tests_total,
+            stdout=verdict.stdout, stderr=verdict.stderr,
+            feedback="" if verdict.status == "passed" else feedback(verdict),
+            reward=reward(verdict, step.task, self.settings.rl.efficiency_weight),
+            generate_s=generation.seconds, execute_s=verdict.wall_s, model=generation.model or self.model,
+            adapter=self.spec.adapter, adapter_version=adapter_version(generation.model, self.spec.adapter))
+
+    def _keep_trajectories(self) -> None:
+        try:
+            log.info("run %d: trajectories so far in %s", self.run.id, self.writer.finish())
+        except ApplianceError as exc:
+            log.error("run %d: its trajectories could not be written: %s", self.run.id, exc.one_line())
+
+    def report(self) -> RunProgress:
+        """Write the run's figures and return them."""
+        self._reported = time.monotonic()
+        attempts = self.store.attempts()
+        solved = {a.task for a in attempts if a.status == "passed"}
+        first = [a for a in attempts if a.round == 0]
+        progress = RunProgress(
+            tasks=len(self.tasks), attempts_done=len(attempts),
+            attempts_planned=len(self.tasks) * self.spec.samples + sum(a.round > 0 for a in attempts),
+            passed=sum(a.status == "passed" for a in attempts),
+            pass_rate=len(solved) / len(self.tasks) if self.tasks else 0.0,
+            first_pass_rate=sum(a.status == "passed" for a in first) / len(first) if first else 0.0,
+            mean_reward=sum(a.reward for a in attempts) / len(attempts) if attempts else 0.0,
+            queue_depth=self.store.depth(), workers=self.pool.alive(),
+            trajectory_segments=len(self.store.segments()))
+        write_progress(self.home, self.run.id, progress)
+        return progress
+
+
+def next_step(step: Step, attempt: Attempt) -> Step:
+    """The correction round after a failing attempt: its answer and its parsed error added."""
+    return Step(step.task, step.sample, step.round + 1,
+                [*step.messages, {"role": "assistant", "content": attempt.completion},
+                 {"role": "user", "content": attempt.feedback}])

@@ -1,0 +1,218 @@
+"""A run's durable state: one SQLite file in the run's directory, shared by the run's loop and its
+sandbox workers (separate processes).
+
+- `executions` is the micro-task queue: a program and its tests, queued -> running (claimed by a
+  worker, with its pid) -> done (its verdict). A row held by a worker that died goes back to the
+  next claim; a verdict is stored only by the worker holding the row, once, so a result is never
+  lost and never written twice. Each row has the key of its attempt: enqueueing is idempotent.
+- `generations` keeps each answer as it arrives (a resumed run does not ask the model again).
+- `attempts` keeps each executed answer with its reward (appliance.rl.Attempt), and the number of
+  the trajectory segment it went into.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from appliance.rl import Attempt, Task
+from finetune.rl.execute import Verdict
+
+SCHEMA = """
+create table if not exists executions (
+    id integer primary key autoincrement,
+    key text not null unique,          -- the attempt's (appliance.rl.attempt_key)
+    program text not null,
+    task text not null,                -- JSON appliance.rl.Task
+    state text not null default 'queued',
+    worker_pid integer,
+    claims integer not null default 0,
+    verdict text                       -- JSON finetune.rl.execute.Verdict
+);
+create index if not exists executions_state on executions (state);
+create table if not exists generations (
+    key text primary key,
+    messages text not null,            -- JSON
+    completion text not null,
+    code text not null,
+    seconds real not null,
+    model text not null                -- the engine's name for what answered (an adapter's: name-vN)
+);
+create table if not exists attempts (
+    key text primary key,
+    attempt text not null,             -- JSON appliance.rl.Attempt
+    segment integer                    -- the trajectory segment it is in; null: not yet in one
+);
+create table if not exists segments (
+    number integer primary key,
+    key text,                          -- its object's key in the artifact store, once it is there
+    sha256 text,
+    attempts integer not null
+);
+"""
+
+
+@dataclass(frozen=True)
+class Execution:
+    id: int
+    key: str
+    program: str
+    task: Task
+    claims: int
+
+
+@dataclass(frozen=True)
+class Generation:
+    messages: list[dict[str, str]]
+    completion: str
+    code: str
+    seconds: float
+    model: str
+
+
+class RunStore:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        with self._connect() as db:
+            db.executescript(SCHEMA)
+
+    @contextmanager
+    def _connect(self) -> Iterator[sqlite3.Connection]:
+        db = sqlite3.connect(self.path, timeout=60, isolation_level=None)
+        db.row_factory = sqlite3.Row
+        try:
+            db.execute("pragma journal_mode=wal")
+            yield db
+        finally:
+            db.close()
+
+    @contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        with self._connect() as db:
+            db.execute("begin immediate")
+            try:
+                yield db
+            except BaseException:
+                db.execute("rollback")
+                raise
+            db.execute("commit")
+
+    # The queue.
+
+    def enqueue(self, key: str, program: str, task: Task) -> None:
+        with self._connect() as db:
+            db.execute("insert or ignore into executions (key, program, task) values (?, ?, ?)",
+                       (key, program, task.model_dump_json()))
+
+    def claim(self, worker_pid: int, alive: Callable[[int], bool]) -> Execution | None:
+        """The next execution for this worker: one held by a worker that died, else the oldest queued."""
+        with self._transaction() as db:
+            held = db.execute("select id, worker_pid from executions where state = 'running' order by id").fetchall()
+            orphan = next((row["id"] for row in held if not alive(row["worker_pid"])), None)
+            if orphan is None:
+                row = db.execute("select id from executions where state = 'queued' order by id limit 1").fetchone()
+                if row is None:
+                    return None
+                orphan = row["id"]
+            db.execute("update executions set state = 'running', worker_pid = ?, claims = claims + 1 where id = ?",
+                       (worker_pid, orphan))
+            row = db.execute("select * from executions where id = ?", (orphan,)).fetchone()
+        return Execution(id=row["id"], key=row["key"], program=row["program"],
+                         task=Task.model_validate_json(row["task"]), claims=row["claims"])
+
+    def complete(self, execution_id: int, worker_pid: int, verdict: Verdict) -> bool:
+        """Store the verdict if this worker still holds the execution (false: another took it over)."""
+        with self._connect() as db:
+            cursor = db.execute("update executions set state = 'done', verdict = ? "
+                                "where id = ? and state = 'running' and worker_pid = ?",
+                                (verdict.model_dump_json(), execution_id, worker_pid))
+            return cursor.rowcount == 1
+
+    def verdicts(self, keys: set[str]) -> dict[str, Verdict]:
+        """The verdicts reached so far among `keys`."""
+        if not keys:
+            return {}
+        with self._connect() as db:
+            rows = db.execute("select key, verdict from executions where state = 'done'").fetchall()
+        return {row["key"]: Verdict.model_validate_json(row["verdict"]) for row in rows if row["key"] in keys}
+
+    def depth(self) -> int:
+        """Executions waiting for a worker (held ones not counted)."""
+        with self._connect() as db:
+            return int(db.execute("select count(*) from executions where state = 'queued'").fetchone()[0])
+
+    def unfinished(self) -> int:
+        with self._connect() as db:
+            return int(db.execute("select count(*) from executions where state != 'done'").fetchone()[0])
+
+    def claims(self) -> dict[str, int]:
+        """How many times each execution was taken up (more than once: its first worker died)."""
+        with self._connect() as db:
+            return {row["key"]: row["claims"] for row in db.execute("select key, claims from executions")}
+
+    # Generations and attempts.
+
+    def save_generation(self, key: str, generation: Generation) -> None:
+        with self._connect() as db:
+            db.execute("insert or ignore into generations values (?, ?, ?, ?, ?, ?)",
+                       (key, json.dumps(generation.messages), generation.completion, generation.code,
+                        generation.seconds, generation.model))
+
+    def generations(self) -> dict[str, Generation]:
+        with self._connect() as db:
+            return {row["key"]: Generation(json.loads(row["messages"]), row["completion"], row["code"],
+                                           row["seconds"], row["model"])
+                    for row in db.execute("select * from generations")}
+
+    def save_attempt(self, attempt: Attempt) -> None:
+        with self._connect() as db:
+            db.execute("insert or ignore into attempts (key, attempt) values (?, ?)",
+                       (attempt.key, attempt.model_dump_json()))
+
+    def attempts(self) -> list[Attempt]:
+        with self._connect() as db:
+            return [Attempt.model_validate_json(row["attempt"])
+                    for row in db.execute("select attempt from attempts order by rowid")]
+
+    # Trajectory segments: attempts are given a segment number first, then the segment is put.
+
+    def seal_segment(self, at_least: int) -> int | None:
+        """Give the attempts not yet in a segment the next number, if there are `at_least` of them."""
+        with self._transaction() as db:
+            waiting = db.execute("select count(*) from attempts where segment is null").fetchone()[0]
+            if waiting == 0 or waiting < at_least:
+                return None
+            number = int(db.execute("select coalesce(max(number), 0) + 1 from segments").fetchone()[0])
+            db.execute("update attempts set segment = ? where segment is null", (number,))
+            db.execute("insert into segments (number, attempts) values (?, ?)", (number, waiting))
+            return number
+
+    def unput_segments(self) -> list[int]:
+        with self._connect() as db:
+            return [row[0] for row in db.execute("select number from segments where key is null order by number")]
+
+    def segment_lines(self, number: int) -> bytes:
+        with self._connect() as db:
+            rows = db.execute("select attempt from attempts where segment = ? order by key", (number,)).fetchall()
+        return b"".join(row[0].encode() + b"\n" for row in rows)
+
+    def segment_put(self, number: int, key: str, sha256: str) -> None:
+        with self._connect() as db:
+            db.execute("update segments set key = ?, sha256 = ? where number = ?", (key, sha256, number))
+
+    def segments(self) -> list[dict[str, object]]:
+        with self._connect() as db:
+            return [dict(row) for row in db.execute("select * from segments where key is not null order by number")]
+
+
+def worker_alive(pid: int) -> bool:
+    """Whether a sandbox worker with this pid still runs (a pid reused by another program is not
+    one; a dead worker not yet reaped has an empty command line)."""
+    try:
+        return b"finetune.rl.executor" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False

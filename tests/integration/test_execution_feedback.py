@@ -1,0 +1,254 @@
+"""Issue 20 end to end, on an appliance of this module's own whose artifact store is a real S3 server
+(its tokens from the session's Keycloak): a run over 20 tasks on the demo model through the gateway
+under the RL service identity, with self-correction rounds; a sandbox worker and then the run's own
+worker killed mid-run, and the run resumes with every execution's result kept once; trajectories in
+the bucket, verified (and a tampered segment refused); SFT and DPO sets built from them; an adapter
+trained on the SFT set, deployed, and gated on held-out pass@1 over three seeds."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import sqlite3
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+from textual.pilot import Pilot
+
+from appliance import adapters, login, rl
+from appliance.secrets import GATEWAY_CLIENT_SECRET, RL_CLIENT_SECRET, secret
+from appliance.settings import load_settings
+from appliance.tls import ca_file
+from audit.writer import log_files
+from finetune.rl.starter import starter_tasks
+from installer.realm import BOOTSTRAP_SECRET
+from tests.conftest import Appliance, make_appliance
+from tests.integration.conftest import Running, client, s3_server, s3_settings
+from tests.integration.realm import Realm
+from tests.integration.test_admin_tui import drive, rows, select_row, text, until
+from tui.app import AdminApp
+
+MODEL = "SmolLM2-135M-Instruct"
+BUCKET = "appliance-artifacts"
+
+
+def tasks_file(path: Path) -> Path:
+    """The starter set's tasks as a JSONL file, as an operator would bring one."""
+    path.write_text("".join(task.model_dump_json() + "\n" for task in starter_tasks()))
+    return path
+
+
+@dataclass
+class Lab:
+    cli: Appliance
+    realm: Realm
+    s3: str
+    work: Path
+
+
+@pytest.fixture(scope="module")
+def lab(running: Running, demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
+    work = tmp_path_factory.mktemp("rl")
+    session = running.appliance.home
+    realm = Realm(running)
+    external = {"APPLIANCE_KEYCLOAK__URL": realm.settings.keycloak.base_url,
+                "APPLIANCE_KEYCLOAK__CA_FILE": str(ca_file(session)),
+                "APPLIANCE_KEYCLOAK__GATEWAY_CLIENT_SECRET": secret(session, GATEWAY_CLIENT_SECRET),
+                "APPLIANCE_EXECUTION__WORKER_IDLE_S": "30", "APPLIANCE_POOLS__MAIN__ENABLE_LORA": "true"}
+    for s3 in s3_server(work / "s3"):
+        for cli in make_appliance(demo_model, None, **external, **s3_settings(s3)):
+            # The RL client was provisioned in the session's realm: this appliance holds its secret.
+            fd = os.open(cli.home.secrets / RL_CLIENT_SECRET, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            os.write(fd, (secret(session, RL_CLIENT_SECRET) + "\n").encode())
+            os.close(fd)
+            up = cli.run("up")
+            assert up.returncode == 0, up.stdout + up.stderr
+            yield Lab(cli, realm, s3, work)
+
+
+def progress(cli: Appliance, run_id: int) -> rl.RunProgress | None:
+    return rl.read_progress(cli.home, run_id)
+
+
+def wait_for(what: str, check: object, timeout_s: float = 900) -> object:
+    deadline = time.monotonic() + timeout_s
+    while not (found := check()):  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+    return found
+
+
+def rl_worker(cli: Appliance) -> psutil.Process:
+    status = json.loads(cli.run("status", "--json").stdout)
+    [program] = [p for p in status["programs"] if p["name"] == "rl-worker"]
+    return psutil.Process(program["pid"])
+
+
+def held_execution(cli: Appliance, run_id: int, workers: list[psutil.Process]) -> tuple[psutil.Process, str] | None:
+    """A sandbox worker that holds an execution now, and the execution's key."""
+    path = rl.run_dir(cli.home, run_id) / "run.sqlite"
+    if not path.exists():  # the run's worker has not taken it up yet
+        return None
+    with sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30) as db:
+        holders = dict(db.execute("select worker_pid, key from executions where state = 'running'").fetchall())
+    return next(((worker, holders[worker.pid]) for worker in workers if worker.pid in holders), None)
+
+
+def sandbox_workers(worker: psutil.Process) -> list[psutil.Process]:
+    return [child for child in worker.children() if "finetune.rl.executor" in " ".join(child.cmdline())]
+
+
+def test_a_run_survives_killed_workers_and_leaves_verifiable_trajectories_in_the_bucket(lab: Lab) -> None:
+    cli = lab.cli
+    bad = lab.work / "bad.jsonl"
+    bad.write_text('{"id": "x", "prompt": "p"}\n{"id": "y", "prompt": "p", "tests": "t", "language": "c"}\n')
+    refused = cli.run("rl", "tasks", "add", str(bad), "--name", "bad")
+    assert refused.returncode == 1 and "line 1:" in refused.stderr and "line 2:" in refused.stderr, refused.stderr
+    added = cli.run("rl", "tasks", "add", str(tasks_file(lab.work / "easy.jsonl")), "--name", "easy")
+    assert added.returncode == 0 and "20 tasks (16 train, 4 held out)" in added.stdout, added.stdout + added.stderr
+    assert "bad" not in cli.run("rl", "tasks", "list").stdout
+
+    queued = cli.run("rl", "run", "--tasks", "easy", "--split", "all", "--base", MODEL, "--samples", "2",
+                     "--rounds", "1", "--max-tokens", "96", "--temperature", "0.7")
+    assert queued.returncode == 0, queued.stderr
+    run_id = rl.listing(cli.home)[-1].id
+
+    # A sandbox worker dies holding an execution: the execution is taken up again by another.
+    worker = rl_worker(cli)
+    held = wait_for("a sandbox worker holding an execution",
+                    lambda: held_execution(cli, run_id, sandbox_workers(worker)), timeout_s=600)
+    assert isinstance(held, tuple)
+    victim, interrupted = held
+    victim.send_signal(signal.SIGKILL)
+
+    # Then the run's own worker dies: supervisord starts it again and the run resumes.
+    wait_for("a dozen attempts", lambda: (p := progress(cli, run_id)) and p.attempts_done >= 12)
+    worker.send_signal(signal.SIGKILL)
+    followed = cli.run("rl", "status", str(run_id), "--follow", timeout=1800)
+    assert followed.returncode == 0, followed.stdout + followed.stderr
+    run = rl.get(cli.home, run_id)
+    assert run.state == "succeeded" and run.attempts == 2, run
+
+    listed = cli.run("rl", "trajectories", str(run_id), "--json")
+    assert listed.returncode == 0, listed.stderr
+    attempts = [rl.Attempt.model_validate(a) for a in json.loads(listed.stdout)]
+    keys = [a.key for a in attempts]
+    assert len(keys) == len(set(keys)), "an attempt was recorded twice"
+    chains: dict[tuple[str, int], list[rl.Attempt]] = defaultdict(list)
+    for attempt in attempts:
+        chains[(attempt.task, attempt.sample)].append(attempt)
+    assert len(chains) == 40  # 20 tasks x 2 samples: none lost
+    for chain in chains.values():  # each sample's rounds: failures corrected until one passes or rounds run out
+        chain.sort(key=lambda a: a.round)
+        assert [a.round for a in chain] == list(range(len(chain)))
+        assert all(a.status != "passed" and a.feedback for a in chain[:-1])
+        assert chain[-1].status == "passed" or chain[-1].round == 1
+    corrections = [a for a in attempts if a.round == 1]
+    assert corrections and all(a.messages[-1]["content"] == a.messages[-1]["content"].strip() for a in corrections)
+    with sqlite3.connect(rl.run_dir(cli.home, run_id) / "run.sqlite") as db:
+        executions = db.execute("select key, state, claims, worker_pid from executions").fetchall()
+    assert {key for key, *_ in executions} == set(keys) and all(state == "done" for _, state, *_ in executions)
+    [(_, _, claims, finished_by)] = [row for row in executions if row[0] == interrupted]
+    assert claims >= 2 and finished_by != victim.pid, "the killed sandbox worker's execution was not taken up again"
+
+    figures = progress(cli, run_id)
+    assert figures is not None and figures.attempts_done == len(attempts) and figures.tasks == 20
+    print(f"run {run_id}: {figures.attempts_done} attempts, pass rate {figures.pass_rate:.0%}, first answers "
+          f"{figures.first_pass_rate:.0%}, mean reward {figures.mean_reward:.3f}, corrections {len(corrections)}")
+
+    # In the bucket: content-addressed segments and the manifest; a changed segment is refused.
+    bucket = client(lab.s3)
+    objects = sorted(o.object_name for o in bucket.list_objects(BUCKET, prefix=f"trajectories/run-{run_id}/",
+                                                                recursive=True))
+    assert f"trajectories/run-{run_id}/manifest.json" in objects
+    segments = [name for name in objects if "/segments/" in name]
+    assert segments
+    original = bucket.get_object(BUCKET, segments[0]).read()
+    changed = original.replace(b'"reward":', b'"reward": ', 1)
+    bucket.put_object(BUCKET, segments[0], io.BytesIO(changed), len(changed))
+    tampered = cli.run("rl", "trajectories", str(run_id))
+    assert tampered.returncode == 1 and "was changed" in tampered.stderr, tampered.stdout + tampered.stderr
+    bucket.put_object(BUCKET, segments[0], io.BytesIO(original), len(original))
+    shown = cli.run("rl", "trajectories", str(run_id), "--task", corrections[0].task)
+    assert shown.returncode == 0 and "fed back" in shown.stdout, shown.stderr
+
+    # Every generation went through the gateway as the service identity, and was audited.
+    records = [json.loads(line) for path in log_files(cli.home.audit) for line in path.read_bytes().splitlines()]
+    asked = [r for r in records if r["action"] == "chat.completions"]
+    assert len(asked) >= len(attempts)  # an answer cut off by the killed worker was asked for again
+    assert all((r["username"], r["client"], r["outcome"]) == ("service-account-appliance-rl", "appliance-rl", "allowed")
+               for r in asked), asked[:2]
+    changes = {r["action"] for r in records}
+    assert {"rl.tasks.add", "rl.submit", "rl.run"} <= changes
+
+
+def test_sft_and_dpo_sets_train_an_adapter_that_is_served_and_gated_on_held_out_pass_at_1(lab: Lab) -> None:
+    cli = lab.cli
+    [run] = [r for r in rl.listing(cli.home) if r.spec.split == "all"]
+    dpo = lab.work / "dpo.jsonl"
+    exported = cli.run("rl", "export", str(run.id), "--sft", "rl-sft", "--dpo", str(dpo))
+    assert exported.returncode == 0, exported.stdout + exported.stderr
+    assert "SFT set: dataset rl-sft" in exported.stdout and "preference set:" in exported.stdout
+    pairs = [json.loads(line) for line in dpo.read_text().splitlines()]
+    assert pairs and all({"prompt", "chosen", "rejected", "task"} == set(pair) for pair in pairs)
+    assert any(key.startswith("datasets/") for key in
+               (o.object_name for o in client(lab.s3).list_objects(BUCKET, recursive=True)))
+
+    trained = cli.run("finetune", "run", "--data", "rl-sft", "--name", "rl-coder", "--base", MODEL,
+                      "--max-steps", "6", "--lr", "0.0005", "--batch-size", "4", timeout=1200)
+    assert trained.returncode == 0, trained.stdout + trained.stderr
+    login = cli.run("token", "--user", "admin", "--password-stdin",
+                    stdin=secret(lab.realm.running.appliance.home, BOOTSTRAP_SECRET) + "\n", timeout=60)
+    assert login.returncode == 0, login.stderr
+    deployed = cli.run("adapters", "deploy", "rl-coder", "--role", "user", "--role", "admin", timeout=300)
+    assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+
+    gated = cli.run("rl", "gate", "rl-coder", "--tasks", "easy", "--base", MODEL, "--seeds", "3",
+                    "--max-tokens", "96", timeout=1800)
+    print(gated.stdout)
+    [record] = adapters.load(cli.home).versions("rl-coder")
+    scores = record.metrics.eval_sets["held_out_pass@1"]
+    passed = scores.adapter >= scores.base  # --max-drop 0: no worse than the base model
+    assert gated.returncode == (0 if passed else 1), gated.stdout + gated.stderr
+    assert gated.stdout.count("over 3 seeds") == 2
+    assert ("gate: passed" in gated.stdout) == passed and passed == (record.metrics.gate_failures == [])
+    adapter_runs = [r for r in rl.listing(cli.home) if r.spec.adapter == "rl-coder"]
+    assert len(adapter_runs) == 3 and all(r.state == "succeeded" for r in adapter_runs)
+    shown = json.loads(cli.run("rl", "trajectories", str(adapter_runs[0].id), "--json").stdout)
+    assert shown and all(a["adapter"] == "rl-coder" and a["adapter_version"] == 1 for a in shown)
+
+
+def test_the_tui_shows_runs_and_one_attempt_with_its_correction(lab: Lab) -> None:
+    cli = lab.cli
+    settings = load_settings(cli.home.settings_file, environ=cli.env)
+    login.password_login(settings, cli.home, "admin", secret(lab.realm.running.appliance.home, BOOTSTRAP_SECRET))
+    [run] = [r for r in rl.listing(cli.home) if r.spec.split == "all"]
+    corrected = next(a for a in rl_attempts(cli, run.id) if a.round == 1)
+    app = AdminApp(settings, cli.home)
+
+    async def scenario(pilot: Pilot) -> None:
+        await pilot.press("e")
+        await until(pilot, lambda: str(run.id) in rows(app, "runs"), "the runs")
+        assert rows(app, "runs")[str(run.id)][3] == "succeeded"
+        await select_row(pilot, "runs", str(run.id))
+        await pilot.press("t")
+        await until(pilot, lambda: corrected.key in rows(app, "attempts"), "the run's attempts")
+        await select_row(pilot, "attempts", corrected.key)
+        await pilot.press("enter")
+        await until(pilot, lambda: "fed back" in text(app, "attempt"), "the attempt")
+        assert corrected.code.splitlines()[0] in text(app, "attempt")
+
+    drive(app, scenario)
+
+
+def rl_attempts(cli: Appliance, run_id: int) -> list[rl.Attempt]:
+    listed = cli.run("rl", "trajectories", str(run_id), "--json")
+    assert listed.returncode == 0, listed.stderr
+    return [rl.Attempt.model_validate(a) for a in json.loads(listed.stdout)]

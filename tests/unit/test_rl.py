@@ -1,0 +1,229 @@
+"""Issue 20's pieces apart from the engine: task sets (validated line by line, HumanEval, split by a
+hash, stored and checked), a run's life, the run store's execution queue (a dead worker's execution
+taken over, a verdict stored once), the loop's parsing and rewards, trajectory segments (sealed
+before they are put, checked when read) and the SFT/DPO builders."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from appliance import rl
+from appliance.artifacts import LocalStore
+from appliance.errors import IllegalTransition, IntegrityError
+from appliance.home import Home
+from appliance.jobs import JobState
+from appliance.rl import Attempt, RunSpec, Task
+from appliance.trajectories import manifest_key, read
+from finetune.datasets import DatasetError
+from finetune.rl import execute as sandbox
+from finetune.rl import gate
+from finetune.rl.execute import Verdict
+from finetune.rl.export import dpo_rows, sft_rows
+from finetune.rl.gate import PassAt1
+from finetune.rl.loop import adapter_version, extract_code, feedback, reward
+from finetune.rl.store import Generation, RunStore, worker_alive
+from finetune.rl.tasks import humaneval, load, parse, split, store
+from finetune.rl.trajectories import TrajectoryWriter
+from tui.rl_runs import attempt_text
+
+ADD = Task(id="add", prompt="def add(a, b):\n    \"\"\"Sum.\"\"\"\n", tests="def check(candidate):\n"
+           "    assert candidate(1, 2) == 3\n", entry_point="add")
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Home:
+    home = Home(tmp_path / "home")
+    home.root.mkdir()
+    return home
+
+
+def verdict(status: str = "failed", passed: int = 0, total: int = 1, stderr: str = "", wall_s: float = 1.0,
+            reason: str = "check: exit 1") -> Verdict:
+    return Verdict(status=status, reason="passed" if status == "passed" else reason, tests_passed=passed,
+                   tests_total=total, tests=[sandbox.TestResult(test="check", passed=status == "passed", reason=reason,
+                                                        seconds=0.1)],
+                   stdout="", stderr=stderr, wall_s=wall_s, truncated=False, cgroup=True)
+
+
+def attempt(task: str, sample: int, round_: int, status: str, completion: str = "x") -> Attempt:
+    return Attempt(run=1, task=task, sample=sample, round=round_, messages=[{"role": "user", "content": task}],
+                   completion=completion, code=completion, status=status, exit_reason=status, tests_passed=0,
+                   tests_total=1, stdout="", stderr="", feedback="" if status == "passed" else "it failed",
+                   reward=1.0 if status == "passed" else 0.0, generate_s=0.1, execute_s=0.1, model="m",
+                   adapter=None, adapter_version=None)
+
+
+def test_task_files_are_validated_line_by_line_naming_the_field(tmp_path: Path) -> None:
+    good = ADD.model_dump_json()
+    lines = [good, "not json", json.dumps({"id": "c1", "prompt": "p", "language": "c", "tests": "t"}),
+             json.dumps({"id": "x", "prompt": "p", "tests": "t", "cases": [{"stdout": "1"}]}),
+             json.dumps({"id": "y", "prompt": "", "tests": "t"}),
+             json.dumps({"id": "z", "prompt": "p", "tests": "t", "entry_point": "os.system"}),
+             json.dumps({"id": "w", "prompt": "p", "tests": "t", "time_limit_s": 10_000, "extra": 1}),
+             json.dumps({"id": "bad\nid", "prompt": "p", "tests": "t"}), good]
+    path = tmp_path / "tasks.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(DatasetError) as raised:
+        parse(path)
+    problems = raised.value.problems
+    assert any(p.startswith("line 2: ") and "JSON" in p for p in problems), problems
+    assert any(p.startswith("line 3: ") and "C task gives input/output" in p for p in problems)
+    assert any(p.startswith("line 4: ") and "not both" in p for p in problems)
+    assert any(p.startswith("line 5: prompt: ") for p in problems)
+    assert any(p.startswith("line 6: entry_point: ") and "identifier" in p for p in problems)
+    assert any(p.startswith("line 7: time_limit_s: ") for p in problems)
+    assert any(p.startswith("line 7: extra: ") for p in problems)
+    assert any(p.startswith("line 8: id: ") for p in problems)
+    assert "line 9: id 'add' is also on line 1" in problems
+    (tmp_path / "surrogate.jsonl").write_bytes(b'{"id": "s", "prompt": "\\ud800", "tests": "t"}\n')
+    with pytest.raises(DatasetError):
+        parse(tmp_path / "surrogate.jsonl")
+    (tmp_path / "latin1.jsonl").write_bytes(b"\xff\n")
+    with pytest.raises(DatasetError, match="UTF-8"):
+        parse(tmp_path / "latin1.jsonl")
+
+
+def test_humaneval_imports_164_problems_split_by_a_hash_and_stored_checked(home: Home, tmp_path: Path) -> None:
+    tasks = humaneval()
+    assert len(tasks) == 164 and tasks[0].id == "HumanEval/0" and tasks[0].entry_point == "has_close_elements"
+    parts = split(tasks, 0.2)
+    assert len(parts["held_out"]) == 33 and len(parts["train"]) == 131
+    assert split(list(reversed(tasks)), 0.2) == parts  # order-independent
+    artifacts = LocalStore(tmp_path / "store")
+    info = store("he", "human-eval", tasks, 0.2, artifacts, home)
+    assert (info.tasks, info.train, info.held_out) == (164, 131, 33)
+    assert load("he", "held_out", artifacts, home) == parts["held_out"]
+    assert len(load("he", "all", artifacts, home)) == 164
+    stored = tmp_path / "store" / f"tasksets/{info.sha256}/train.jsonl"
+    stored.chmod(0o600)
+    stored.write_bytes(stored.read_bytes().replace(b"candidate", b"candidat", 1))
+    with pytest.raises(IntegrityError, match="was changed since it was added"):
+        load("he", "train", artifacts, home)
+
+
+def test_a_run_moves_through_its_states_and_a_dead_workers_run_is_taken_over(home: Home) -> None:
+    spec = RunSpec(tasks="t", base="demo")
+    first, second = rl.submit(home, spec), rl.submit(home, spec)
+    assert rl.cancel(home, second.id).state == JobState.CANCELLED
+    claimed = rl.claim(home, 111, lambda pid: True)
+    assert claimed is not None and claimed.id == first.id and claimed.state == JobState.RUNNING
+    assert rl.claim(home, 222, lambda pid: True) is None  # its worker lives: nothing to take
+    resumed = rl.claim(home, 222, lambda pid: pid != 111)  # its worker died
+    assert resumed is not None and (resumed.id, resumed.attempts, resumed.worker_pid) == (first.id, 2, 222)
+    assert rl.cancel(home, first.id).state == JobState.CANCELLING
+    assert (rl.run_dir(home, first.id) / rl.CANCEL_FILE).exists()
+    rl.finish(home, first.id, JobState.CANCELLED, "stopped")
+    with pytest.raises(IllegalTransition, match=f"RL run {first.id} has already been cancelled"):
+        rl.cancel(home, first.id)
+
+
+def test_the_queue_hands_a_dead_workers_execution_on_and_stores_a_verdict_once(tmp_path: Path) -> None:
+    queue = RunStore(tmp_path / "run.sqlite")
+    queue.enqueue("a", "print(1)", ADD)
+    queue.enqueue("a", "print(2)", ADD)  # the same attempt again: ignored
+    queue.enqueue("b", "print(3)", ADD)
+    assert queue.depth() == 2
+    first = queue.claim(100, lambda pid: True)
+    assert first is not None and (first.key, first.program, first.task) == ("a", "print(1)", ADD)
+    taken = queue.claim(200, lambda pid: pid != 100)  # worker 100 died holding "a"
+    assert taken is not None and (taken.key, taken.claims) == ("a", 2)
+    assert not queue.complete(first.id, 100, verdict())  # the dead worker's late verdict is not stored
+    assert queue.complete(taken.id, 200, verdict("passed", 1))
+    assert not queue.complete(taken.id, 200, verdict())  # once
+    assert queue.verdicts({"a", "b"})["a"].status == "passed"
+    assert queue.depth() == 1 and queue.claims() == {"a": 2, "b": 0}
+
+
+def test_a_worker_is_known_by_its_command_line_not_its_number() -> None:
+    assert not worker_alive(os.getpid())
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "finetune.rl.executor"])
+    try:
+        assert worker_alive(worker.pid)
+    finally:
+        worker.kill()
+        worker.wait()
+    assert not worker_alive(worker.pid)
+
+
+def test_code_is_taken_from_the_answer_and_the_error_fed_back() -> None:
+    answer = "Here:\n```python\ndef add(a, b):\n    return a - b\n```\nDone."
+    assert extract_code(answer, ADD) == "def add(a, b):\n    return a - b\n"
+    assert extract_code("    return a + b\n", ADD) == ADD.prompt + "    return a + b\n"  # a body only
+    assert extract_code("```python\ndef add(a, b):\n    return 1", ADD).endswith("return 1")  # cut off
+    c_task = Task(id="c", prompt="p", language="c", cases=[{"stdout": "1"}])
+    assert extract_code("```\nint main(){}\n```\n```c\nint x;\n```", c_task) == "int x;\n"
+    stderr = ("Traceback (most recent call last):\n  File \"/task/tests.py\", line 3, in check\n"
+              "    assert candidate(1, 2) == 3\nAssertionError\n")
+    text = feedback(verdict(stderr=stderr))
+    assert "Failing assertion: assert candidate(1, 2) == 3" in text and "Exception: AssertionError" in text
+    assert "0 of 1 tests passed" in text
+    assert reward(verdict(), ADD, 0.1) == 0.0
+    assert reward(verdict("passed", 1, wall_s=2.5), ADD, 0.1) == 1.075  # 1 + 0.1 * (1 - 2.5 / 10)
+    assert reward(verdict(passed=1, total=2), ADD, 0.1) == 0.5
+    assert adapter_version("coder-v3", "coder") == 3 and adapter_version("demo", None) is None
+
+
+def test_trajectory_segments_are_sealed_put_once_and_checked_when_read(tmp_path: Path) -> None:
+    queue = RunStore(tmp_path / "run.sqlite")
+    artifacts = LocalStore(tmp_path / "store")
+    run = rl.Run(id=7, spec=RunSpec(tasks="t", base="demo"), state=JobState.RUNNING, submitted="", started=None,
+                 finished=None, attempts=1, worker_pid=1, message=None)
+    writer = TrajectoryWriter(queue, artifacts, run, [ADD], segment_attempts=2)
+    queue.save_attempt(attempt("add", 0, 0, "failed"))
+    writer.flush()
+    assert queue.segments() == []  # one attempt waits for a second
+    queue.save_attempt(attempt("add", 0, 1, "passed"))
+    queue.save_attempt(attempt("add", 0, 1, "failed"))  # the same attempt again: ignored
+    writer.flush()
+    queue.save_attempt(attempt("add", 1, 0, "passed"))
+    writer.finish()
+    manifest, attempts = read(artifacts, 7)
+    assert [s.attempts for s in manifest.segments] == [2, 1] and len(attempts) == manifest.attempts == 3
+    assert all(s.key.endswith(f"/{s.sha256}.jsonl") for s in manifest.segments)
+    segment = tmp_path / "store" / manifest.segments[0].key
+    segment.chmod(0o600)
+    segment.write_bytes(segment.read_bytes().replace(b'"passed"', b'"failed"'))
+    with pytest.raises(IntegrityError, match="was changed"):
+        read(artifacts, 7)
+    assert manifest_key(7) == "trajectories/run-7/manifest.json"
+
+
+def test_sft_takes_passing_attempts_and_dpo_pairs_them_with_failing_first_answers() -> None:
+    attempts = [attempt("a", 0, 0, "failed", "bad"), attempt("a", 0, 1, "passed", "good"),
+                attempt("a", 1, 0, "passed", "fine"), attempt("b", 0, 0, "failed", "worse")]
+    sft = sft_rows(attempts)
+    assert [row["messages"][-1]["content"] for row in sft] == ["good", "fine"]
+    assert all(row["messages"][-1]["role"] == "assistant" for row in sft)
+    pairs = dpo_rows(attempts)
+    assert pairs == [{"prompt": [{"role": "user", "content": "a"}], "task": "a",
+                      "chosen": [{"role": "assistant", "content": "good"}],
+                      "rejected": [{"role": "assistant", "content": "bad"}]}]  # b has no passing answer
+
+
+def test_a_generation_is_kept_with_the_model_that_answered(tmp_path: Path) -> None:
+    queue = RunStore(tmp_path / "run.sqlite")
+    queue.save_generation("k", Generation([{"role": "user", "content": "q"}], "a", "c", 0.5, "coder-v2"))
+    queue.save_generation("k", Generation([], "other", "other", 1.0, "x"))  # kept once
+    assert queue.generations() == {"k": Generation([{"role": "user", "content": "q"}], "a", "c", 0.5, "coder-v2")}
+
+
+def test_the_gate_compares_mean_pass_at_1_over_seeds_and_says_why_it_fails() -> None:
+    base = PassAt1("demo", [1, 2, 3], [0.25, 0.5, 0.25])
+    tuned = PassAt1("coder", [4, 5, 6], [0.5, 0.5, 0.75])
+    assert round(base.mean, 4) == 0.3333 and round(base.spread, 4) == 0.1443
+    assert "pass@1 58.3% +/- 14.4% over 3 seeds (50%, 50%, 75%)" in tuned.line()
+    assert gate.verdict(base, tuned, 0.0) == []
+    assert gate.verdict(tuned, base, 0.0) == ["held-out pass@1 33.3% vs base 58.3%: may drop by 0% at most"]
+    assert gate.verdict(tuned, base, 0.3) == []
+
+
+def test_an_attempt_is_shown_with_its_code_and_the_error_fed_back() -> None:
+    shown = attempt_text(attempt("add", 0, 0, "failed", "def add(a, b):\n    return a - b\n")).plain
+    assert "add sample 0 round 0: failed" in shown and "return a - b" in shown
+    assert "fed back for the next round\nit failed" in shown
