@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -101,6 +101,9 @@ class Hyperparameters(BaseModel):
     save_steps: int = Field(10, ge=1, description="Checkpoint every this many steps (a resume starts there).")
     qlora: bool = False
     seed: int = 0
+    method: Literal["sft", "dpo"] = Field("sft", description="SFT on chat or text rows, or DPO on preference rows "
+                                          "(prompt, chosen, rejected).")
+    beta: float = Field(0.1, gt=0, description="DPO: how far the adapter may move from the base model.")
 
 
 class Job(BaseModel):
@@ -168,15 +171,22 @@ def connect(home: Home) -> Iterator[sqlite3.Connection]:
 
 @contextmanager
 def transaction(home: Home) -> Iterator[sqlite3.Connection]:
-    """A write transaction (taken at once: no other writer between its read and its write)."""
-    with connect(home) as db:
-        db.execute("begin immediate")
-        try:
-            yield db
-        except BaseException:
-            db.execute("rollback")
-            raise
-        db.execute("commit")
+    """A write transaction on the jobs' database."""
+    with connect(home) as db, immediate(db):
+        yield db
+
+
+@contextmanager
+def immediate(db: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+    """A write transaction on `db` (an autocommit connection), taken at once: no other writer
+    between its read and its write."""
+    db.execute("begin immediate")
+    try:
+        yield db
+    except BaseException:
+        db.execute("rollback")
+        raise
+    db.execute("commit")
 
 
 def _now() -> str:

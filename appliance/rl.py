@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from appliance.durable import replace_file
 from appliance.errors import IllegalTransition, NotFound
 from appliance.home import Home
-from appliance.jobs import FINISHED, JobState, check_move, claimable, connect, transaction
+from appliance.jobs import CANCEL_FILE, FINISHED, PROGRESS_FILE, JobState, check_move, claimable, connect, transaction
 
 Language = Literal["python", "c"]
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -81,6 +81,8 @@ class RunSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     tasks: str = Field(description="The task set's name.")
+    tasks_sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$", description="The task set as it was when "
+                                     "the run was queued: a run (or its resumption) refuses another under its name.")
     split: Literal["train", "held_out", "all"] = "train"
     limit: int | None = Field(None, ge=1, description="Only the first this many tasks of the split.")
     base: str = Field(description="The served model generating (a pool's model name).")
@@ -154,8 +156,7 @@ def attempt_key(task: str, sample: int, round_: int) -> str:
     return json.dumps([task, sample, round_])
 
 
-PROGRESS_FILE = "progress.json"  # in the run's directory
-CANCEL_FILE = "cancel"
+MANIFEST_DIGEST_FILE = "manifest.sha256"  # in the run's directory: its trajectory manifest's SHA-256
 
 
 def runs_dir(home: Home) -> Path:
@@ -265,3 +266,16 @@ def load_tasksets(home: Home) -> dict[str, TaskSet]:
     if not path.exists():
         return {}
     return {name: TaskSet.model_validate(info) for name, info in json.loads(path.read_text()).items()}
+
+
+def manifest_digest(home: Home, run_id: int) -> str | None:
+    """The SHA-256 of the trajectory manifest the run wrote when it ended (None before)."""
+    try:
+        return (run_dir(home, run_id) / MANIFEST_DIGEST_FILE).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def record_manifest_digest(home: Home, run_id: int, sha256: str) -> None:
+    run_dir(home, run_id).mkdir(parents=True, exist_ok=True)
+    replace_file(run_dir(home, run_id) / MANIFEST_DIGEST_FILE, sha256.encode(), mode=0o644)

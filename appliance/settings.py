@@ -365,6 +365,9 @@ class RlSettings(_Section):
         "appliance-rl", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
         description="The Keycloak client (a service account with role `user`) runs generate under.")
     gateway_timeout_s: float = Field(300.0, gt=0, description="One generation request, at most.")
+    give_up_s: float = Field(
+        600.0, gt=0, description="How long a generation is retried while the gateway or Keycloak refuse or are "
+        "unreachable (429, 502-504) before the run fails.")
     worker_poll_s: float = Field(2.0, gt=0, description="How often the rl-worker looks for queued runs.")
 
 
@@ -561,7 +564,9 @@ def render_defaults() -> str:
     lines = ["# Appliance settings. Every key is optional; shown with its default.",
              "# Environment overrides: APPLIANCE_<SECTION>__<FIELD>, APPLIANCE_POOLS__<NAME>__<FIELD>.", ""]
     defaults = Settings()
-    for section in ("engine", "keycloak", "gateway", "audit", "artifacts", "finetune"):
+    for section in Settings.model_fields:  # every section, so none is left undocumented
+        if section == "pools":
+            continue
         lines.append(f"[{section}]")
         lines += _render_fields(getattr(defaults, section), section)
         lines.append("")

@@ -70,9 +70,12 @@ def list_datasets() -> None:
 
 
 def _hyperparameters(qlora: bool, rank: int, alpha: int, lr: float, epochs: float, max_steps: int, batch_size: int,
-                     save_steps: int) -> jobs.Hyperparameters:
+                     save_steps: int, method: str, beta: float) -> jobs.Hyperparameters:
+    if method not in ("sft", "dpo"):
+        raise ApplianceError(f"--method {method!r}: sft or dpo")
     return jobs.Hyperparameters(rank=rank, alpha=alpha, learning_rate=lr, epochs=epochs, max_steps=max_steps,
-                           batch_size=batch_size, save_steps=save_steps, qlora=qlora)
+                                batch_size=batch_size, save_steps=save_steps, qlora=qlora,
+                                method="dpo" if method == "dpo" else "sft", beta=beta)
 
 
 def _check(name: str, data: str, base: str, home: Home) -> None:
@@ -96,6 +99,9 @@ Epochs = Annotated[float, typer.Option(min=0)]
 MaxSteps = Annotated[int, typer.Option(help="> 0 overrides --epochs.")]
 BatchSize = Annotated[int, typer.Option(min=1)]
 SaveSteps = Annotated[int, typer.Option(min=1, help="Checkpoint every N steps (a rerun resumes).")]
+Method = Annotated[str, typer.Option(help="sft (chat or text rows) or dpo (preference rows: prompt, chosen, "
+                                          "rejected).")]
+Beta = Annotated[float, typer.Option(min=0.001, help="DPO: how far the adapter may move from the base model.")]
 Scenarios = Annotated[Path | None, typer.Option(help="JSONL of prompts with expected answers the adapter should "
                                                 "get right (gated on finetune.gate_min_scenario_score).")]
 Regression = Annotated[Path | None, typer.Option(help="JSONL of general prompts with expected answers, to catch "
@@ -110,11 +116,12 @@ def _eval_sets(scenarios: Path | None, regression: Path | None) -> dict[str, lis
 @records_change("finetune.submit")
 def submit(data: Data, name: Name, base: Base = DEMO_MODEL, qlora: QLoRA = False, rank: Rank = 8, alpha: Alpha = 16,
            lr: LearningRate = 2e-4, epochs: Epochs = 1.0, max_steps: MaxSteps = -1, batch_size: BatchSize = 4,
-           save_steps: SaveSteps = 10, scenarios: Scenarios = None, regression: Regression = None) -> None:
+           save_steps: SaveSteps = 10, scenarios: Scenarios = None, regression: Regression = None,
+           method: Method = "sft", beta: Beta = 0.1) -> None:
     """Queue a training job for the finetune-worker; follow it with `appliance finetune status -f`."""
     home = Home.from_env()
     _check(name, data, base, home)
-    hp = _hyperparameters(qlora, rank, alpha, lr, epochs, max_steps, batch_size, save_steps)
+    hp = _hyperparameters(qlora, rank, alpha, lr, epochs, max_steps, batch_size, save_steps, method, beta)
     job = jobs.submit(home, name=name, data=data, base=base, hyperparameters=hp,
                       eval_sets=_eval_sets(scenarios, regression))
     out.print(f"job {job.id} queued: adapter {name} on dataset {data} (base {base})")
@@ -152,13 +159,14 @@ def cancel(job: Annotated[int, typer.Argument(help="A job id.")]) -> None:
 @records_change("adapter.train")
 def run(data: Data, name: Name, base: Base = DEMO_MODEL, qlora: QLoRA = False, rank: Rank = 8, alpha: Alpha = 16,
         lr: LearningRate = 2e-4, epochs: Epochs = 1.0, max_steps: MaxSteps = -1, batch_size: BatchSize = 4,
-        save_steps: SaveSteps = 10, scenarios: Scenarios = None, regression: Regression = None) -> None:
+        save_steps: SaveSteps = 10, scenarios: Scenarios = None, regression: Regression = None,
+        method: Method = "sft", beta: Beta = 0.1) -> None:
     """Train an adapter in the foreground (as the worker would), gate it, register it."""
     home = Home.from_env()
     _check(name, data, base, home)
     sets = _eval_sets(scenarios, regression)
     settings = load_settings(home.settings_file)
-    hp = _hyperparameters(qlora, rank, alpha, lr, epochs, max_steps, batch_size, save_steps)
+    hp = _hyperparameters(qlora, rank, alpha, lr, epochs, max_steps, batch_size, save_steps, method, beta)
     work = home.root / "finetune" / f"{name}-{load_registry(home)[data][:12]}"
     with byte_progress() as progress:
         task = progress.add_task("training", total=None, unit="steps")
@@ -214,6 +222,9 @@ def _token_counter(model_dir: Path) -> Any:
     def count(example: dict[str, Any]) -> int:
         if "messages" in example:
             return len(tokenizer.apply_chat_template(example["messages"], tokenize=True))
+        if "chosen" in example:  # the prompt with the longer of its two answers
+            return max(len(tokenizer.apply_chat_template(example["prompt"] + example[side], tokenize=True))
+                       for side in ("chosen", "rejected"))
         return len(tokenizer(example["text"]).input_ids)
 
     return count

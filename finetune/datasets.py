@@ -66,7 +66,7 @@ def parse(path: Path) -> list[Row]:
         if not line.strip():
             continue
         try:
-            example = _normalise(json.loads(line))
+            example = normalise(json.loads(line))
         except ValueError as exc:
             problems.append(f"line {number}: {exc}")
             continue
@@ -75,7 +75,18 @@ def parse(path: Path) -> list[Row]:
         raise DatasetError(f"{path}: {len(problems)} bad rows, nothing imported:", problems)
     if not rows:
         raise DatasetError(f"{path}: no rows")
+    kinds = {kind(row.example) for row in rows}
+    if len(kinds) > 1:
+        first = rows[0]
+        other = next(row for row in rows if kind(row.example) != kind(first.example))
+        raise DatasetError(f"{path}: line {first.line} holds {kind(first.example)} and line {other.line} "
+                           f"{kind(other.example)}: a dataset holds SFT rows or preference rows, not both")
     return rows
+
+
+def kind(example: dict[str, Any]) -> str:
+    """'preference rows' (prompt, chosen, rejected: for DPO) or 'SFT rows' (chat or text)."""
+    return "preference rows" if "chosen" in example else "SFT rows"
 
 
 def _paragraphs(path: Path, text: str) -> list[Row]:
@@ -95,12 +106,14 @@ def _paragraphs(path: Path, text: str) -> list[Row]:
     return rows
 
 
-def _normalise(value: Any) -> dict[str, Any]:
+def normalise(value: Any) -> dict[str, Any]:
     """The row as {"messages": [...]} or {"text": ...}; ValueError says what is wrong."""
     if not isinstance(value, dict):
         raise ValueError("a row must be a JSON object")
     if "messages" in value:
         return {"messages": _messages(value["messages"])}
+    if "chosen" in value or "rejected" in value:
+        return _preference(value)
     if "prompt" in value or "completion" in value:
         prompt, completion = value.get("prompt"), value.get("completion")
         if not isinstance(prompt, str) or not prompt.strip():
@@ -112,26 +125,56 @@ def _normalise(value: Any) -> dict[str, Any]:
         if not isinstance(value["text"], str) or not value["text"].strip():
             raise ValueError("'text' must be non-empty text")
         return {"text": value["text"]}
-    raise ValueError("expected 'messages', 'prompt'/'completion' or 'text'")
+    raise ValueError("expected 'messages', 'prompt'/'completion', 'prompt'/'chosen'/'rejected' or 'text'")
+
+
+def _preference(value: dict[str, Any]) -> dict[str, Any]:
+    """A preference row (for DPO): the prompt (text or chat turns) and two answers to it (text, or
+    one assistant turn each), the chosen one better than the rejected one."""
+    prompt = value.get("prompt")
+    if isinstance(prompt, str) and prompt.strip():
+        prompt = [{"role": "user", "content": prompt}]
+    elif isinstance(prompt, list) and prompt:
+        prompt = _turns(prompt, "prompt")
+        if prompt[-1]["role"] != "user":
+            raise ValueError("'prompt' must end with a user turn")
+    else:
+        raise ValueError("'prompt' must be non-empty text or a list of turns")
+    answers = {}
+    for side in ("chosen", "rejected"):
+        answer = value.get(side)
+        if isinstance(answer, list) and len(answer) == 1 and isinstance(answer[0], dict):
+            answer = answer[0].get("content") if answer[0].get("role") == "assistant" else None
+        if not isinstance(answer, str) or not answer.strip():
+            raise ValueError(f"'{side}' must be non-empty text or one assistant turn")
+        answers[side] = [{"role": "assistant", "content": answer}]
+    if answers["chosen"] == answers["rejected"]:
+        raise ValueError("'chosen' and 'rejected' are the same answer")
+    return {"prompt": prompt, **answers}
 
 
 def _messages(messages: Any) -> list[dict[str, str]]:
     if not isinstance(messages, list) or not messages:
         raise ValueError("'messages' must be a non-empty list")
+    out = _turns(messages, "messages")
+    if not any(m["role"] == "assistant" for m in out):
+        raise ValueError("no assistant turn: nothing to learn from")
+    return out
+
+
+def _turns(messages: list[Any], field: str) -> list[dict[str, str]]:
     out = []
     for turn, message in enumerate(messages, start=1):
         if not isinstance(message, dict):
-            raise ValueError(f"message {turn}: must be an object with role and content")
+            raise ValueError(f"{field}: message {turn}: must be an object with role and content")
         role, content = message.get("role"), message.get("content")
         if role not in ROLES:
-            raise ValueError(f"message {turn}: role {role!r} is not one of {', '.join(ROLES)}")
+            raise ValueError(f"{field}: message {turn}: role {role!r} is not one of {', '.join(ROLES)}")
         if role == "system" and turn != 1:
-            raise ValueError(f"message {turn}: a system message may only come first")
+            raise ValueError(f"{field}: message {turn}: a system message may only come first")
         if not isinstance(content, str) or not content.strip():
-            raise ValueError(f"message {turn}: empty {role} turn")
+            raise ValueError(f"{field}: message {turn}: empty {role} turn")
         out.append({"role": role, "content": content})
-    if not any(m["role"] == "assistant" for m in out):
-        raise ValueError("no assistant turn: nothing to learn from")
     return out
 
 
@@ -162,13 +205,15 @@ def scan(rows: list[Row], scanner: Scanner, action: str) -> tuple[list[Row], dic
 
 
 def _texts(example: dict[str, Any]) -> list[str]:
-    return [m["content"] for m in example["messages"]] if "messages" in example else [example["text"]]
+    if "text" in example:
+        return [example["text"]]
+    return [m["content"] for turns in example.values() for m in turns]
 
 
 def _redacted(example: dict[str, Any], scanner: Scanner) -> dict[str, Any]:
-    if "messages" in example:
-        return {"messages": [{**m, "content": scanner.redact(m["content"])} for m in example["messages"]]}
-    return {"text": scanner.redact(example["text"])}
+    if "text" in example:
+        return {"text": scanner.redact(example["text"])}
+    return {field: [{**m, "content": scanner.redact(m["content"])} for m in turns] for field, turns in example.items()}
 
 
 def split(rows: list[Row], eval_fraction: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

@@ -30,7 +30,7 @@ from appliance.programs import OFFLINE_ENVIRONMENT
 from appliance.records import config_sha256
 from appliance.settings import FinetuneSettings, Settings
 from finetune import adapters
-from finetune.datasets import PREFIX, check_dataset, load_registry
+from finetune.datasets import PREFIX, check_dataset, kind, load_registry
 from finetune.sandbox import prepare, sandboxed
 from finetune.train import Result, TrainingCancelled, TrainingError, TrainingSpec, load_result
 
@@ -60,6 +60,7 @@ def run_job(directory: Path, *, name: str, data: str, base: str, hp: Hyperparame
     directory.mkdir(parents=True, exist_ok=True)
     splits = {split: store.get(f"{PREFIX}{digest}/{split}.jsonl") for split in ("train", "eval")}
     check_dataset(data, digest, splits["train"], splits["eval"])
+    check_method(data, splits["train"], hp)
     inputs = [directory / "train.jsonl", directory / "eval.jsonl", directory / "job.json"]
     for split, content in splits.items():
         (directory / f"{split}.jsonl").write_bytes(content)
@@ -85,6 +86,15 @@ def run_job(directory: Path, *, name: str, data: str, base: str, hp: Hyperparame
             processes=result.processes, gate_failures=failures),
         state=AdapterState.FAILED_GATE if failures else AdapterState.REGISTERED)
     return Outcome(result=result, record=record, failures=failures)
+
+
+def check_method(data: str, train: bytes, hp: Hyperparameters) -> None:
+    """DPO trains on preference rows, SFT on chat and text rows: say so before anything starts."""
+    first = json.loads(train.split(b"\n", 1)[0] or b"{}")
+    preference = kind(first) == "preference rows"
+    if preference != (hp.method == "dpo"):
+        raise TrainingError(f"dataset {data!r} holds {kind(first)}: train on it with "
+                            f"--method {'dpo' if preference else 'sft'}, not {hp.method}")
 
 
 def gate_failures(result: Result, gate: FinetuneSettings) -> list[str]:

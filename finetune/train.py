@@ -1,5 +1,6 @@
-"""LoRA / QLoRA training of an adapter on a stored dataset, with TRL's SFT trainer and PEFT, and
-the evaluation gate: held-out loss of the base model against base + adapter.
+"""LoRA / QLoRA training of an adapter on a stored dataset, with TRL's SFT trainer (or its DPO
+trainer on preference rows) and PEFT, and the evaluation gate: held-out loss of the base model
+against base + adapter (for DPO, its preference loss: ln 2 for the base, which prefers neither).
 
 Chat rows become prompt/completion pairs (every turn before the last assistant turn is the
 prompt), so the loss is on the completion only; plain-text rows train on all their tokens.
@@ -65,11 +66,12 @@ class Result:
 
 
 def as_training_rows(examples: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """TRL's dataset forms: conversational prompt/completion for chats, `text` for plain text."""
+    """TRL's dataset forms: conversational prompt/completion for chats, `text` for plain text,
+    conversational prompt/chosen/rejected for preference rows (DPO) as they are stored."""
     rows = []
     for example in examples:
-        if "text" in example:
-            rows.append({"text": example["text"]})
+        if "text" in example or "chosen" in example:
+            rows.append(example)
             continue
         messages = example["messages"]
         last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
@@ -89,6 +91,8 @@ def train_adapter(base: Path, train: list[dict[str, Any]], evaluation: list[dict
     from datasets import Dataset
     from peft import LoraConfig, PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl.trainer.dpo_config import DPOConfig
+    from trl.trainer.dpo_trainer import DPOTrainer
     from trl.trainer.sft_config import SFTConfig
     from trl.trainer.sft_trainer import SFTTrainer
 
@@ -99,7 +103,7 @@ def train_adapter(base: Path, train: list[dict[str, Any]], evaluation: list[dict
     model = AutoModelForCausalLM.from_pretrained(base, local_files_only=True, dtype=torch.float32,
                                                  **_quantization(hp))
     checkpoints = out_dir / "checkpoints"
-    config = SFTConfig(
+    options: dict[str, Any] = dict(
         output_dir=str(checkpoints), max_steps=hp.max_steps, num_train_epochs=hp.epochs,
         per_device_train_batch_size=hp.batch_size, per_device_eval_batch_size=hp.batch_size,
         learning_rate=hp.learning_rate, logging_steps=1, save_steps=hp.save_steps, save_total_limit=2,
@@ -112,12 +116,17 @@ def train_adapter(base: Path, train: list[dict[str, Any]], evaluation: list[dict
         include_num_input_tokens_seen=True)
     peft_config = LoraConfig(r=hp.rank, lora_alpha=hp.alpha, lora_dropout=hp.dropout, target_modules="all-linear",
                              task_type="CAUSAL_LM")
-    trainer = SFTTrainer(model=model, args=config, train_dataset=Dataset.from_list(as_training_rows(train)),
-                         eval_dataset=Dataset.from_list(as_training_rows(evaluation)),
-                         processing_class=tokenizer, peft_config=peft_config)
+    data = {"train_dataset": Dataset.from_list(as_training_rows(train)),
+            "eval_dataset": Dataset.from_list(as_training_rows(evaluation)),
+            "processing_class": tokenizer, "peft_config": peft_config}
+    trainer: SFTTrainer | DPOTrainer
+    if hp.method == "dpo":  # its reference model is the base itself: the adapter switched off
+        trainer = DPOTrainer(model=model, args=DPOConfig(**options, beta=hp.beta), **data)
+    else:
+        trainer = SFTTrainer(model=model, args=SFTConfig(**options), **data)
     trainer.add_callback(_progress_callback(TrainerCallback, on_progress))
     adapted = trainer.model
-    if not isinstance(adapted, PeftModel):  # SFTTrainer wraps the model because peft_config is given
+    if not isinstance(adapted, PeftModel):  # the trainer wraps the model because peft_config is given
         raise TrainingError(f"the trainer did not add LoRA layers to {base} (got {type(adapted).__name__})")
     with adapted.disable_adapter():
         base_loss = trainer.evaluate()["eval_loss"]

@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 
 from appliance import jobs
 from appliance.changes import Change, announce
@@ -64,21 +65,28 @@ def worker_alive(pid: int | None) -> bool:
     return runs_module(pid, "finetune.worker")
 
 
-def main() -> None:
+def serve_queue(work_one: Callable[[Home, Settings], object | None], poll_s: Callable[[Settings], float]) -> None:
+    """A queue worker's life (this one's, and the RL worker's): take work until there is none, wait
+    `poll_s`, again; SIGTERM unwinds, so what the work started (a trainer, sandbox workers) stops too."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))  # unwind: the trainer child stops too
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     home = Home.from_env()
     settings = load_settings(home.settings_file)
     while True:
         if work_one(home, settings) is None:
-            time.sleep(settings.finetune.worker_poll_s)
+            time.sleep(poll_s(settings))
+
+
+def worker_program(name: str, module: str, priority: int, home: Home) -> Program:
+    """A queue worker as a supervised program, after the engines and the gateway."""
+    return Program(name=name, command=[sys.executable, "-P", "-m", module], environment={HOME_ENV: str(home.root)},
+                   priority=priority, startsecs=2, stopwaitsecs=30)
 
 
 def worker_programs(settings: Settings, home: Home) -> list[Program]:
-    """The `appliance.programs` entry point: one worker, after the engines and the gateway."""
-    return [Program(name="finetune-worker", command=[sys.executable, "-P", "-m", "finetune.worker"],
-                    environment={HOME_ENV: str(home.root)}, priority=95, startsecs=2, stopwaitsecs=30)]
+    """The `appliance.programs` entry point: one training worker."""
+    return [worker_program("finetune-worker", "finetune.worker", 95, home)]
 
 
 if __name__ == "__main__":
-    main()
+    serve_queue(work_one, lambda settings: settings.finetune.worker_poll_s)

@@ -79,21 +79,28 @@ def provision(settings: Settings, home: Home) -> ProvisionReport:
     return report
 
 
-def _gateway_client(admin: KeycloakAdmin, settings: Settings, home: Home, report: ProvisionReport) -> None:
-    client_id = settings.keycloak.gateway_client_id
+def _service_account(admin: KeycloakAdmin, client_id: str, client_secret: str, report: ProvisionReport,
+                     **extra: object) -> str:
+    """A confidential client with a service account and no other grant, made if missing; its
+    service account's user id."""
     if admin.get_client_id(client_id) is None:
         admin.create_client({
             "clientId": client_id, "protocol": "openid-connect", "publicClient": False,
-            "secret": gateway_client_secret(settings, home), "serviceAccountsEnabled": True,
-            "standardFlowEnabled": False, "directAccessGrantsEnabled": False,
+            "secret": client_secret, "serviceAccountsEnabled": True,
+            "standardFlowEnabled": False, "directAccessGrantsEnabled": False, **extra,
         }, skip_exists=True)
         report.created.append(f"client {client_id}")
-    account = admin.get_client_service_account_user(_client_uuid(admin, client_id))
+    return str(admin.get_client_service_account_user(_client_uuid(admin, client_id))["id"])
+
+
+def _gateway_client(admin: KeycloakAdmin, settings: Settings, home: Home, report: ProvisionReport) -> None:
+    account = _service_account(admin, settings.keycloak.gateway_client_id, gateway_client_secret(settings, home),
+                               report)
     management = _client_uuid(admin, "realm-management")
-    granted = {r["name"] for r in admin.get_client_roles_of_user(account["id"], management)}
+    granted = {r["name"] for r in admin.get_client_roles_of_user(account, management)}
     wanted = [admin.get_client_role(management, name) for name in SERVICE_ROLES if name not in granted]
     if wanted:
-        admin.assign_client_role(account["id"], management, wanted)
+        admin.assign_client_role(account, management, wanted)
 
 
 def _client_uuid(admin: KeycloakAdmin, client_id: str) -> str:
@@ -121,18 +128,10 @@ def _rl_client(admin: KeycloakAdmin, settings: Settings, home: Home, report: Pro
     """The RL loop's service identity: a confidential client whose service account has role `user`
     and whose tokens carry the gateway in `aud`, so its generations are authenticated, rate-limited
     and audited as any user's."""
-    client_id = settings.rl.client_id
-    if admin.get_client_id(client_id) is None:
-        admin.create_client({
-            "clientId": client_id, "protocol": "openid-connect", "publicClient": False,
-            "secret": rl_client_secret(settings, home), "serviceAccountsEnabled": True,
-            "standardFlowEnabled": False, "directAccessGrantsEnabled": False,
-            "protocolMappers": [_gateway_audience(settings)],
-        }, skip_exists=True)
-        report.created.append(f"client {client_id}")
-    account = admin.get_client_service_account_user(_client_uuid(admin, client_id))
-    if Role.USER not in {r["name"] for r in admin.get_realm_roles_of_user(account["id"])}:
-        admin.assign_realm_roles(account["id"], [admin.get_realm_role(Role.USER)])
+    account = _service_account(admin, settings.rl.client_id, rl_client_secret(settings, home), report,
+                               protocolMappers=[_gateway_audience(settings)])
+    if Role.USER not in {r["name"] for r in admin.get_realm_roles_of_user(account)}:
+        admin.assign_realm_roles(account, [admin.get_realm_role(Role.USER)])
 
 
 def _gateway_audience(settings: Settings) -> dict[str, object]:

@@ -11,18 +11,20 @@ from textual.widgets import DataTable, Label, Static
 
 from appliance.jobs import JobState
 from appliance.rl import Attempt, RunReport
+from appliance.terminal import shown
 from tui.panel import Panel, fill, selected_key
 
 
 def attempt_text(attempt: Attempt) -> Text:
     """One attempt in full: its code, what the sandbox said, and the error fed back."""
-    text = Text(f"{attempt.task} sample {attempt.sample} round {attempt.round}: {attempt.status} "
-                f"({attempt.exit_reason}), {attempt.tests_passed}/{attempt.tests_total} tests, "
-                f"reward {attempt.reward:.3f}\n", style="bold")
-    text.append(attempt.code)
+    text = shown(f"{attempt.task} sample {attempt.sample} round {attempt.round}: {attempt.status} "
+                 f"({attempt.exit_reason}), {attempt.tests_passed}/{attempt.tests_total} tests, "
+                 f"reward {attempt.reward:.3f}\n")
+    text.stylize("bold")
+    text.append_text(shown(attempt.code))
     if attempt.feedback:
         text.append("\n--- fed back for the next round\n", style="bold")
-        text.append(attempt.feedback)
+        text.append_text(shown(attempt.feedback))
     return text
 
 
@@ -60,7 +62,7 @@ class RlRuns(Panel):
         for run in reversed([RunReport.model_validate(r) for r in await self.client.call("GET", "/rl/runs")]):
             p = run.progress
             rows.append((str(run.id), (
-                run.id, run.spec.adapter or run.spec.base, run.spec.tasks, run.state,
+                run.id, shown(run.spec.adapter or run.spec.base), run.spec.tasks, run.state,
                 f"{p.attempts_done}/{p.attempts_planned}" if p else "-", f"{p.pass_rate:.0%}" if p else "-",
                 f"{p.first_pass_rate:.0%}" if p else "-", f"{p.mean_reward:.3f}" if p else "-",
                 p.queue_depth if p else "-", p.workers if p and run.state == JobState.RUNNING else "-")))
@@ -81,8 +83,8 @@ class RlRuns(Panel):
         listed = [Attempt.model_validate(a) for a in await self.client.call("GET", f"/rl/runs/{run}/attempts")]
         self.attempts = {a.key: a for a in listed}
         fill(self.query_one("#attempts", DataTable),
-             [(a.key, (a.task, a.sample, a.round, a.status, f"{a.tests_passed}/{a.tests_total}", f"{a.reward:.3f}",
-                       a.exit_reason[:60])) for a in listed])
+             [(a.key, (shown(a.task), a.sample, a.round, a.status, f"{a.tests_passed}/{a.tests_total}",
+                       f"{a.reward:.3f}", shown(a.exit_reason[:60]))) for a in listed])
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
         if event.data_table.id == "attempts" and (chosen := self.attempts.get(event.row_key.value or "")):

@@ -22,10 +22,11 @@ from appliance.jobs import FINISHED, JobState
 from appliance.progress import byte_progress
 from appliance.rl import RunSpec, Task, load_tasksets
 from appliance.settings import load_settings
-from appliance.trajectories import read as read_trajectories
+from appliance.terminal import shown
+from appliance.trajectories import read_run
 from finetune.cli import NAME as DATASET_NAME
 from finetune.rl.execute import SOURCE, Language, execute
-from finetune.rl.export import store_dpo, store_sft
+from finetune.rl.export import dpo_rows, sft_rows, store_set, training_rows
 from finetune.rl.gate import measure, record, served_version, verdict
 from finetune.rl.starter import starter_tasks
 from finetune.rl.tasks import check_name, humaneval, parse, store
@@ -85,13 +86,13 @@ def exec_command(
     if as_json:
         typer.echo(verdict.model_dump_json(indent=1))
     else:
-        out.print(f"{verdict.status}: {verdict.reason}; {verdict.tests_passed}/{verdict.tests_total} tests in "
-                  f"{verdict.wall_s:.2f} s" + ("" if verdict.cgroup else " (no cgroup: processes and memory were "
-                                               "capped per process only)"), highlight=False, markup=False)
+        out.print(shown(f"{verdict.status}: {verdict.reason}; {verdict.tests_passed}/{verdict.tests_total} tests in "
+                        f"{verdict.wall_s:.2f} s" + ("" if verdict.cgroup else " (no cgroup: processes and memory "
+                                                     "were capped per process only)")))
         for stream in ("stdout", "stderr"):
             text = getattr(verdict, stream)
             if text:
-                out.print(f"--- {stream}\n{text}", highlight=False, markup=False)
+                out.print(shown(f"--- {stream}\n{text}"))
     if verdict.status != "passed":
         raise typer.Exit(1)
 
@@ -146,7 +147,7 @@ def tasks_list(as_json: Annotated[bool, typer.Option("--json")] = False) -> None
         return
     table = Table("name", "tasks", "train", "held out", "source", "sha256", "added")
     for info in registry.values():
-        table.add_row(info.name, str(info.tasks), str(info.train), str(info.held_out), info.source,
+        table.add_row(info.name, str(info.tasks), str(info.train), str(info.held_out), shown(info.source),
                       info.sha256[:16], info.created)
     out.print(table)
 
@@ -168,15 +169,16 @@ def run_command(
 ) -> None:
     """Queue a run for the rl-worker: generate, execute, correct, persist trajectories."""
     home = Home.from_env()
-    if tasks not in load_tasksets(home):
+    registry = load_tasksets(home)
+    if tasks not in registry:
         raise NotFound(f"--tasks {tasks!r}: no such task set", hint="`appliance rl tasks list`")
     try:
-        spec = RunSpec(tasks=tasks, base=base, adapter=adapter, samples=samples, rounds=rounds,
-                       split=split_name, limit=limit, max_tokens=max_tokens,
+        spec = RunSpec(tasks=tasks, tasks_sha256=registry[tasks].sha256, base=base, adapter=adapter,
+                       samples=samples, rounds=rounds, split=split_name, limit=limit, max_tokens=max_tokens,
                        temperature=temperature, seed=seed)
     except ValidationError as exc:
         first = exc.errors()[0]
-        raise Invalid(f"--{'-'.join(map(str, first['loc']))}: {first['msg']}") from exc
+        raise Invalid(f"--{'-'.join(map(str, first['loc'])).replace('_', '-')}: {first['msg']}") from exc
     found = rl.submit(home, spec)
     out.print(f"run {found.id} queued: {spec.samples} answers per task of {tasks} ({spec.split}), up to "
               f"{spec.rounds} corrections each", highlight=False)
@@ -202,7 +204,7 @@ def _follow(home: Home, run_id: int) -> None:
                             completed=p.attempts_done if p else 0, total=p.attempts_planned if p else None)
             time.sleep(1)
             found = rl.get(home, run_id)
-    out.print(f"run {run_id} {found.state}: {found.message or ''}", soft_wrap=True, highlight=False)
+    out.print(shown(f"run {run_id} {found.state}: {found.message or ''}"), soft_wrap=True)
     if found.state != JobState.SUCCEEDED:
         raise typer.Exit(1)
 
@@ -226,8 +228,8 @@ def status(
         return
     table = Table("run", "model", "tasks", "state", "progress", "submitted", "outcome")
     for found in runs:
-        table.add_row(str(found.id), found.spec.adapter or found.spec.base, found.spec.tasks, found.state,
-                      _progress_text(home, found), found.submitted, found.message or "")
+        table.add_row(str(found.id), shown(found.spec.adapter or found.spec.base), found.spec.tasks, found.state,
+                      _progress_text(home, found), found.submitted, shown(found.message or ""))
     out.print(table)
 
 
@@ -249,7 +251,7 @@ def trajectories(
     digest; one line per attempt, or one task's attempts with their errors and corrections."""
     home = Home.from_env()
     settings = load_settings(home.settings_file)
-    manifest, attempts = read_trajectories(artifact_store(settings.artifacts, home), run)
+    manifest, attempts = read_run(artifact_store(settings.artifacts, home), home, run)
     chosen = [a for a in attempts if task is None or a.task == task]
     if task is not None and not chosen:
         raise NotFound(f"run {run} has no attempt at task {task!r}")
@@ -261,15 +263,15 @@ def trajectories(
     if task is None:
         table = Table("task", "sample", "round", "status", "tests", "reward", "why")
         for a in chosen:
-            table.add_row(a.task, str(a.sample), str(a.round), a.status, f"{a.tests_passed}/{a.tests_total}",
-                          f"{a.reward:.3f}", a.exit_reason[:80])
+            table.add_row(shown(a.task), str(a.sample), str(a.round), a.status, f"{a.tests_passed}/{a.tests_total}",
+                          f"{a.reward:.3f}", shown(a.exit_reason[:80]))
         out.print(table)
         return
     for a in chosen:
-        out.rule(f"{a.task} sample {a.sample} round {a.round}: {a.status}, reward {a.reward:.3f}")
-        out.print(a.code, markup=False, highlight=False)
+        out.rule(shown(f"{a.task} sample {a.sample} round {a.round}: {a.status}, reward {a.reward:.3f}"))
+        out.print(shown(a.code))
         if a.feedback:
-            out.print(f"--- fed back\n{a.feedback}", markup=False, highlight=False)
+            out.print(shown(f"--- fed back\n{a.feedback}"))
 
 
 @rl_app.command("export")
@@ -277,24 +279,28 @@ def trajectories(
 def export(
     run: Annotated[int, typer.Argument(help="A finished run's id.")],
     sft: Annotated[str | None, typer.Option(help="Store the passing attempts as training dataset NAME.")] = None,
-    dpo: Annotated[Path | None, typer.Option(help="Also write the preference set (DPO) to this JSONL file.")] = None,
+    dpo: Annotated[str | None, typer.Option(help="Store passing vs failing first answers as preference dataset "
+                                                 "NAME.")] = None,
 ) -> None:
-    """Build the SFT set (a dataset `appliance finetune submit` trains on) and the preference set
-    (prompt, chosen, rejected; stored in the artifact store) from a run's trajectories."""
+    """Build the SFT set and the preference (DPO) set from a run's trajectories, each a dataset
+    `appliance finetune run --data NAME --method sft|dpo` trains on."""
+    if sft is None and dpo is None:
+        raise Invalid("give --sft NAME, --dpo NAME or both")
+    for option, name in (("--sft", sft), ("--dpo", dpo)):
+        if name is not None and not DATASET_NAME.match(name):
+            raise Invalid(f"{option} {name!r}: use lower-case letters, digits, '.', '_' or '-' (up to 64)")
     home = Home.from_env()
     settings = load_settings(home.settings_file)
     artifacts = artifact_store(settings.artifacts, home)
-    if sft is not None and not DATASET_NAME.match(sft):
-        raise Invalid(f"--sft {sft!r}: use lower-case letters, digits, '.', '_' or '-' (up to 64)")
-    _, attempts = read_trajectories(artifacts, run)
-    if sft is not None:
-        done = store_sft(sft, run, attempts, settings, artifacts, home)
-        out.print(f"SFT set: dataset {done.name}, {done.rows} rows ({done.train} train, {done.eval} eval), "
+    _, attempts = read_run(artifacts, home, run)
+    chosen = [(label, name, training_rows(run, rows, what)) for label, name, rows, what in (
+        ("SFT set", sft, sft_rows(attempts), "passing attempt"),
+        ("preference set", dpo, dpo_rows(attempts), "task with both a passing answer and a failing first one"))
+        if name is not None]  # both built before either is stored: all or nothing
+    for label, name, rows in chosen:
+        done = store_set(name, run, rows, settings, artifacts, home)
+        out.print(f"{label}: dataset {done.name}, {done.rows} rows ({done.train} train, {done.eval} eval), "
                   f"sha256 {done.digest}", soft_wrap=True, highlight=False)
-    key, rows = store_dpo(run, attempts, artifacts)
-    out.print(f"preference set: {rows} pairs at {artifacts.location}/{key}", soft_wrap=True, highlight=False)
-    if dpo is not None:
-        dpo.write_bytes(artifacts.get(key))
 
 
 @rl_app.command("gate")
@@ -321,9 +327,9 @@ def gate_command(
         def show(text: str) -> None:
             bar.update(shown, description=text)
 
-        before, after = (measure(home, artifacts, tasks=tasks, base=base, adapter=name, seeds=seeds,
+        before, after = (measure(home, artifacts, tasks=tasks, base=base, adapter=name, version=served, seeds=seeds,
                                  temperature=temperature, max_tokens=max_tokens, show=show)
-                         for name in (None, adapter))
+                         for name, served in ((None, None), (adapter, version)))
     failures = verdict(before, after, max_drop)
     record(home, adapter, version, before, after, failures)
     out.print(f"{before.line()}\n{adapter} v{version} {after.line().split(': ', 1)[1]}\n"

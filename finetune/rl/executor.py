@@ -3,7 +3,7 @@ each in the execution sandbox (finetune.rl.execute), and the pool that keeps the
 with the queue's depth, within `execution.workers`.
 
 A worker ends with its pool (the parent-death signal) and by itself after `execution.worker_idle_s`
-without work; one that is killed leaves its execution to the next claim.
+without work; the execution of one that is killed goes back to the queue.
 """
 
 from __future__ import annotations
@@ -19,32 +19,52 @@ from pathlib import Path
 
 from appliance.home import Home
 from appliance.settings import ExecutionSettings, load_settings
-from finetune.rl.execute import execute
-from finetune.rl.store import RunStore, worker_alive
+from appliance.supervisor import runs_module
+from finetune.rl.execute import Verdict, execute
+from finetune.rl.store import RunStore
 
 log = logging.getLogger("appliance.rl-executor")
 PR_SET_PDEATHSIG = 1
+GIVE_UP_CLAIMS = 3  # a sandbox that failed this often for one execution records it as an error
 
 
 def work(store: RunStore, settings: ExecutionSettings) -> int:
     """Run executions until none has come for `worker_idle_s`; returns how many it ran."""
     done, idle_since = 0, time.monotonic()
     while time.monotonic() - idle_since < settings.worker_idle_s:
-        execution = store.claim(os.getpid(), worker_alive)
+        execution = store.claim(os.getpid(), executor_alive)
         if execution is None:
             time.sleep(0.05)
             continue
         task = execution.task
         limits = settings.model_copy(update={"wall_s": min(settings.wall_s, task.time_limit_s + 5),
                                              "test_wall_s": min(settings.test_wall_s, task.time_limit_s)})
-        verdict = execute(execution.program, task.language, limits, tests=task.tests,
-                          io_cases=[case.model_dump() for case in task.cases] if task.cases is not None else None,
-                          entry_point=task.entry_point)
+        try:
+            verdict = execute(execution.program, task.language, limits, tests=task.tests,
+                              io_cases=[case.model_dump() for case in task.cases] if task.cases is not None
+                              else None, entry_point=task.entry_point)
+        except Exception as exc:  # the sandbox itself failed (a full /tmp, a missing tool): not the program
+            log.exception("execution %s", execution.key)
+            if execution.claims < GIVE_UP_CLAIMS:
+                store.release(execution.id, os.getpid())
+                time.sleep(1)
+                continue
+            verdict = sandbox_error(f"the sandbox could not run it ({type(exc).__name__}: {exc})"[:500])
         if not store.complete(execution.id, os.getpid(), verdict):
             log.warning("execution %s was taken over by another worker; its verdict is theirs", execution.key)
         done += 1
         idle_since = time.monotonic()
     return done
+
+
+def sandbox_error(reason: str) -> Verdict:
+    return Verdict(status="error", reason=reason, tests_passed=0, tests_total=0, tests=[], stdout="", stderr="",
+                   wall_s=0.0, truncated=False, cgroup=False)
+
+
+def executor_alive(pid: int) -> bool:
+    """Whether a sandbox worker with this pid still runs (not another program with its number)."""
+    return runs_module(pid, "finetune.rl.executor")
 
 
 class WorkerPool:

@@ -1,17 +1,15 @@
-"""From a run's trajectories to training data:
+"""From a run's trajectories to training data, each stored as a training dataset
+(finetune.datasets: scanned, split, content-addressed) for `appliance finetune`:
 
 - an SFT set: every passing attempt as a chat (the context it was given, corrections included, and
-  its answer), stored as a training dataset (finetune.datasets: scanned, split, content-addressed),
-  so `appliance finetune submit --data NAME` trains on it with TRL's SFT trainer;
-- a preference set (TRL's DPO format: prompt, chosen, rejected): for each task with passing and
-  failing attempts, its first prompt with a passing answer chosen over a failing one, stored
-  content-addressed in the artifact store.
+  its answer), for TRL's SFT trainer (`--method sft`);
+- a preference set (TRL's format: prompt, chosen, rejected): for each task with a passing answer
+  (first or corrected) and failing first answers, its first prompt with a passing answer chosen
+  over each failing first answer, for TRL's DPO trainer (`--method dpo`).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -21,10 +19,8 @@ from appliance.errors import Invalid
 from appliance.home import Home
 from appliance.rl import Attempt
 from appliance.settings import Settings
-from finetune.datasets import Imported, Row, scan, split, store
+from finetune.datasets import Imported, Row, normalise, scan, split, store
 from finetune.pii import Scanner
-
-PREFERENCES = "preferences/"
 
 
 def sft_rows(attempts: list[Attempt]) -> list[dict[str, Any]]:
@@ -34,7 +30,7 @@ def sft_rows(attempts: list[Attempt]) -> list[dict[str, Any]]:
 
 
 def dpo_rows(attempts: list[Attempt]) -> list[dict[str, Any]]:
-    """Per task, each failing answer to the first prompt paired with a passing answer (cycled)."""
+    """Per task, each failing first answer paired with a passing answer, first or corrected (cycled)."""
     by_task: dict[str, list[Attempt]] = defaultdict(list)
     for attempt in attempts:
         by_task[attempt.task].append(attempt)
@@ -48,31 +44,32 @@ def dpo_rows(attempts: list[Attempt]) -> list[dict[str, Any]]:
         prompt = next(a.messages for a in group if a.round == 0)
         for index, bad in enumerate(rejected):
             good = chosen[index % len(chosen)]
+            if good.completion == bad.completion:  # the same answer passed once and failed once: no preference
+                continue
             rows.append({"prompt": prompt, "chosen": [{"role": "assistant", "content": good.completion}],
-                         "rejected": [{"role": "assistant", "content": bad.completion}],
-                         "task": task})
+                         "rejected": [{"role": "assistant", "content": bad.completion}]})
     return rows
 
 
-def store_sft(name: str, run_id: int, attempts: list[Attempt], settings: Settings, artifacts: ArtifactStore,
+def training_rows(run_id: int, rows: list[dict[str, Any]], what: str) -> list[Row]:
+    """The rows as a dataset's (finetune.datasets.normalise), those a dataset would refuse left out
+    (an empty answer, say); Invalid if none is left."""
+    kept: list[Row] = []
+    for row in rows:
+        try:
+            kept.append(Row(len(kept) + 1, normalise(row)))
+        except ValueError:
+            continue
+    if not kept:
+        raise Invalid(f"run {run_id} has no {what}")
+    return kept
+
+
+def store_set(name: str, run_id: int, rows: list[Row], settings: Settings, artifacts: ArtifactStore,
               home: Home) -> Imported:
-    rows = sft_rows(attempts)
-    if not rows:
-        raise Invalid(f"run {run_id} has no passing attempt: no SFT set to build")
+    """Store rows (SFT or preference) as a training dataset: scanned, split, content-addressed."""
     options = settings.finetune
-    scanned, sensitive = scan([Row(number, row) for number, row in enumerate(rows, start=1)],
-                              Scanner(options.sensitive_patterns), options.sensitive_data)
+    scanned, sensitive = scan(rows, Scanner(options.sensitive_patterns), options.sensitive_data)
     train, evaluation = split(scanned, options.eval_fraction)
-    return store(name, Path(f"rl-run-{run_id}-sft.jsonl"), train, evaluation, sensitive, options.sensitive_data,
+    return store(name, Path(f"rl-run-{run_id}.jsonl"), train, evaluation, sensitive, options.sensitive_data,
                  artifacts, home)
-
-
-def store_dpo(run_id: int, attempts: list[Attempt], artifacts: ArtifactStore) -> tuple[str, int]:
-    """(its key in the artifact store, its rows)."""
-    rows = dpo_rows(attempts)
-    if not rows:
-        raise Invalid(f"run {run_id} has no task with both a passing and a failing first answer: no preference set")
-    data = b"".join(json.dumps(row, ensure_ascii=False, sort_keys=True).encode() + b"\n" for row in rows)
-    key = f"{PREFERENCES}{hashlib.sha256(data).hexdigest()}.jsonl"
-    artifacts.put(key, data, retain_days=0)
-    return key, len(rows)

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 from appliance import adapters, rl
 from appliance.artifacts import ArtifactStore
-from appliance.errors import ApplianceError, Invalid
+from appliance.errors import ApplianceError, Conflict, Invalid
 from appliance.home import Home
 from appliance.jobs import FINISHED, JobState
-from appliance.trajectories import read
+from appliance.trajectories import read_run
 
 SCORE = "held_out_pass@1"
 
@@ -39,18 +39,26 @@ class PassAt1:
         return f"{self.model}: pass@1 {self.mean:.1%} +/- {self.spread:.1%} over {len(self.per_seed)} seeds ({seeds})"
 
 
-def pass_at_1(artifacts: ArtifactStore, run_id: int) -> float:
-    """Share of a run's tasks whose first answer passed (from its verified trajectories)."""
-    manifest, attempts = read(artifacts, run_id)
+def pass_at_1(home: Home, artifacts: ArtifactStore, run_id: int, version: int | None) -> float:
+    """Share of a run's tasks whose first answer passed (from its verified trajectories); every
+    answer must come from adapter `version` (None: the base model)."""
+    manifest, attempts = read_run(artifacts, home, run_id)
+    if not manifest.tasks:
+        raise Invalid(f"run {run_id} had no held-out task to measure on",
+                      hint="a task set with rl.held_out_fraction > 0 and more than one task")
+    if others := {a.adapter_version for a in attempts} - {version}:
+        raise Conflict(f"run {run_id} was answered by {sorted(map(str, others))}, not version {version}: the adapter "
+                       "changed during the gate", hint="run the gate again once it serves one version")
     first = {a.task: a.status == "passed" for a in attempts if a.round == 0 and a.sample == 0}
-    return sum(first.values()) / len(manifest.tasks) if manifest.tasks else 0.0
+    return sum(first.values()) / len(manifest.tasks)
 
 
-def measure(home: Home, artifacts: ArtifactStore, *, tasks: str, base: str, adapter: str | None, seeds: int,
-            temperature: float, max_tokens: int, show: Callable[[str], None]) -> PassAt1:
+def measure(home: Home, artifacts: ArtifactStore, *, tasks: str, base: str, adapter: str | None, version: int | None,
+            seeds: int, temperature: float, max_tokens: int, show: Callable[[str], None]) -> PassAt1:
     """Queue one held-out run per seed for the model (the rl-worker runs them) and wait for them."""
-    specs = [rl.RunSpec(tasks=tasks, split="held_out", base=base, adapter=adapter, samples=1, rounds=0,
-                        temperature=temperature, max_tokens=max_tokens, seed=seed) for seed in range(seeds)]
+    digest = rl.load_tasksets(home)[tasks].sha256  # each run checks it still reads this task set
+    specs = [rl.RunSpec(tasks=tasks, tasks_sha256=digest, split="held_out", base=base, adapter=adapter, samples=1,
+                        rounds=0, temperature=temperature, max_tokens=max_tokens, seed=seed) for seed in range(seeds)]
     runs = [rl.submit(home, spec).id for spec in specs]
     name = adapter or base
     for run_id in runs:
@@ -59,7 +67,7 @@ def measure(home: Home, artifacts: ArtifactStore, *, tasks: str, base: str, adap
             time.sleep(1)
         if run.state != JobState.SUCCEEDED:
             raise ApplianceError(f"{name}: held-out run {run_id} {run.state}: {run.message}")
-    return PassAt1(name, runs, [pass_at_1(artifacts, run_id) for run_id in runs])
+    return PassAt1(name, runs, [pass_at_1(home, artifacts, run_id, version) for run_id in runs])
 
 
 def verdict(base: PassAt1, tuned: PassAt1, max_drop: float) -> list[str]:

@@ -26,13 +26,14 @@ import httpx
 
 from appliance import login
 from appliance.admin_client import gateway_url
-from appliance.artifacts import artifact_store
+from appliance.artifacts import ArtifactStoreError, artifact_store
 from appliance.errors import ApplianceError, Unavailable
 from appliance.home import Home
-from appliance.rl import CANCEL_FILE, Attempt, Run, RunProgress, Task, attempt_key, run_dir, write_progress
+from appliance.jobs import CANCEL_FILE
+from appliance.rl import Attempt, Run, RunProgress, Task, attempt_key, run_dir, write_progress
 from appliance.settings import Settings
 from finetune.rl.execute import Verdict
-from finetune.rl.executor import WorkerPool
+from finetune.rl.executor import WorkerPool, executor_alive
 from finetune.rl.store import Generation, RunStore
 from finetune.rl.tasks import load
 from finetune.rl.trajectories import TrajectoryWriter
@@ -43,8 +44,8 @@ SYSTEM = ("You are a careful programmer. Answer with the complete program in one
 FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.S)
 TAGS = {"python": ("python", "py", "python3"), "c": ("c",)}  # a fenced block's language tags
 STACK_LINES = 12
+TICK_S = 0.1
 RETRY_STATUSES = {429, 502, 503, 504}
-GIVE_UP_S = 180.0
 
 
 class RunCancelled(ApplianceError):
@@ -132,17 +133,19 @@ class Generator:
         """(the answer, the model name that answered); Unavailable if the gateway keeps refusing."""
         body = {"model": self.model, "messages": step.messages, "max_tokens": max_tokens,
                 "temperature": temperature, "seed": seed}
-        deadline = time.monotonic() + GIVE_UP_S
+        give_up_s = self.settings.rl.give_up_s
+        deadline = time.monotonic() + give_up_s
         while True:
             try:
                 response = self._http.post("/v1/chat/completions", json=body,
                                            headers={"Authorization": f"Bearer {self._bearer()}"})
             except httpx.HTTPError as exc:
                 problem, wait_s = f"gateway unreachable: {exc}", 2.0
+            except login.LoginError as exc:  # Keycloak restarting, say
+                problem, wait_s = f"no token for the service identity: {exc.message}", 2.0
             else:
                 if response.status_code == 200:
-                    answer = response.json()
-                    return str(answer["choices"][0]["message"]["content"] or ""), str(answer.get("model", ""))
+                    return answer_of(response)
                 problem = f"gateway answered {response.status_code}: {response.text[:300]}"
                 if response.status_code == 401:
                     self._token = None
@@ -150,11 +153,24 @@ class Generator:
                     raise Unavailable(f"task {step.task.id}: {problem}")
                 wait_s = retry_after(response.headers.get("retry-after"))
             if time.monotonic() + wait_s > deadline:
-                raise Unavailable(f"task {step.task.id}: {problem} (gave up after {GIVE_UP_S:g} s)")
+                raise Unavailable(f"task {step.task.id}: {problem} (gave up after {give_up_s:g} s)")
             time.sleep(wait_s)
 
     def close(self) -> None:
         self._http.close()
+
+
+def answer_of(response: httpx.Response) -> tuple[str, str]:
+    """(the answer's text, the model that gave it) from a chat completion; Unavailable if it is not
+    one. Text that UTF-8 cannot hold (a lone surrogate) is replaced, so it can be stored."""
+    try:
+        answer = response.json()
+        content, model = answer["choices"][0]["message"]["content"] or "", answer.get("model", "")
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
+        raise Unavailable(f"the gateway's answer is not a chat completion: {response.text[:200]!r}") from exc
+    if not isinstance(content, str) or not isinstance(model, str):
+        raise Unavailable(f"the gateway's answer is not a chat completion: {response.text[:200]!r}")
+    return (content.encode("utf-8", "replace").decode("utf-8"), model)
 
 
 def retry_after(header: str | None) -> float:
@@ -181,14 +197,14 @@ class Loop:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.store = RunStore(self.directory / "run.sqlite")
         artifacts = artifact_store(settings.artifacts, home)
-        tasks = load(self.spec.tasks, self.spec.split, artifacts, home)
+        tasks = load(self.spec.tasks, self.spec.split, artifacts, home, self.spec.tasks_sha256)
         self.tasks = tasks[:self.spec.limit] if self.spec.limit else tasks
-        self.writer = TrajectoryWriter(self.store, artifacts, run, self.tasks, settings.rl.segment_attempts)
+        self.writer = TrajectoryWriter(self.store, artifacts, home, run, self.tasks, settings.rl.segment_attempts)
         cap = settings.execution.workers or os.cpu_count() or 1
         self.pool = WorkerPool(self.store, home, cap)
         self.model = self.spec.adapter or self.spec.base
         self.generated = self.store.generations()
-        self._reported = 0.0
+        self._housekept = 0.0
 
     def plan(self) -> tuple[deque[Step], dict[str, Step]]:
         """What is left: answers to ask for, and answers whose execution is awaited (a resumed run
@@ -214,42 +230,45 @@ class Loop:
 
     def execute(self) -> str:
         """Run to the end (or to a cancel request: RunCancelled); the outcome in one line."""
+        self.store.requeue_orphans(executor_alive)  # held by the sandbox workers of a run that was stopped
         asks, awaited = self.plan()
         generator = Generator(self.settings, self.home, self.model)
         pending: dict[Future[Generation], Step] = {}
         concurrency = self.settings.rl.generation_concurrency
+        threads = ThreadPoolExecutor(concurrency, thread_name_prefix="generate")
         try:
-            with ThreadPoolExecutor(concurrency, thread_name_prefix="generate") as threads:
-                while asks or pending or awaited:
-                    if (self.directory / CANCEL_FILE).exists():
-                        for future in pending:
-                            future.cancel()
-                        raise RunCancelled("run stopped as asked; its attempts so far are kept")
-                    while asks and len(pending) < concurrency:
-                        step = asks.popleft()
-                        pending[threads.submit(self._generate, generator, step)] = step
-                    done, _ = wait(pending, timeout=0.1, return_when=FIRST_COMPLETED)
-                    for future in done:
-                        step = pending.pop(future)
-                        generation = future.result()
-                        self.store.save_generation(step.key, generation)
-                        self.generated[step.key] = generation
-                        self.store.enqueue(step.key, generation.code, step.task)
-                        awaited[step.key] = step
-                    self.pool.follow(self.store.depth())
-                    for key, verdict in self.store.verdicts(set(awaited)).items():
-                        step = awaited.pop(key)
-                        attempt = self._attempt(step, verdict)
-                        self.store.save_attempt(attempt)
-                        if attempt.status != "passed" and step.round < self.spec.rounds:
-                            asks.append(next_step(step, attempt))
-                    self.writer.flush()
-                    if time.monotonic() - self._reported >= 1.0:
-                        self.report()
-        except ApplianceError:
+            while asks or pending or awaited:
+                if (self.directory / CANCEL_FILE).exists():
+                    raise RunCancelled("run stopped as asked; its attempts so far are kept")
+                while asks and len(pending) < concurrency:
+                    step = asks.popleft()
+                    pending[threads.submit(self._generate, generator, step)] = step
+                if pending:
+                    done, _ = wait(pending, timeout=TICK_S, return_when=FIRST_COMPLETED)
+                else:
+                    done = set()
+                    time.sleep(TICK_S)  # only executions to wait for
+                for future in done:
+                    step = pending.pop(future)
+                    generation = future.result()
+                    self.store.save_generation(step.key, generation)
+                    self.generated[step.key] = generation
+                    self.store.enqueue(step.key, generation.code, step.task)
+                    awaited[step.key] = step
+                if time.monotonic() - self._housekept >= 1.0:
+                    self._housekeep()
+                self.pool.follow(self.store.depth())
+                for key, verdict in self.store.verdicts(set(awaited)).items():
+                    step = awaited.pop(key)
+                    attempt = self._attempt(step, verdict)
+                    self.store.save_attempt(attempt)
+                    if attempt.status != "passed" and step.round < self.spec.rounds:
+                        asks.append(next_step(step, attempt))
+        except Exception:
             self._keep_trajectories()  # a cancelled or failed run does not resume: what it did is kept
             raise
         finally:
+            threads.shutdown(wait=False, cancel_futures=True)  # a stop does not wait for answers in flight
             self.pool.stop()
             generator.close()
         manifest = self.writer.finish()
@@ -257,6 +276,17 @@ class Loop:
         return (f"{figures.attempts_done} attempts over {figures.tasks} tasks: pass rate {figures.pass_rate:.0%} "
                 f"(first answers {figures.first_pass_rate:.0%}), mean reward {figures.mean_reward:.3f}; "
                 f"trajectories {manifest}")
+
+    def _housekeep(self) -> None:
+        """Once a second: executions held by a dead sandbox worker back to the queue, full segments to
+        the artifact store (a store that fails now is tried again), the run's figures."""
+        self._housekept = time.monotonic()
+        self.store.requeue_orphans(executor_alive)
+        try:
+            self.writer.flush()
+        except ArtifactStoreError as exc:
+            log.warning("run %d: trajectory segment not stored yet (tried again): %s", self.run.id, exc.message)
+        self.report()
 
     def _generate(self, generator: Generator, step: Step) -> Generation:
         started = time.monotonic()
@@ -285,7 +315,6 @@ class Loop:
 
     def report(self) -> RunProgress:
         """Write the run's figures and return them."""
-        self._reported = time.monotonic()
         attempts = self.store.attempts()
         solved = {a.task for a in attempts if a.status == "passed"}
         first = [a for a in attempts if a.round == 0]

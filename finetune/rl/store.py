@@ -3,8 +3,9 @@ sandbox workers (separate processes).
 
 - `executions` is the micro-task queue: a program and its tests, queued -> running (claimed by a
   worker, with its pid) -> done (its verdict). A row held by a worker that died goes back to the
-  next claim; a verdict is stored only by the worker holding the row, once, so a result is never
-  lost and never written twice. Each row has the key of its attempt: enqueueing is idempotent.
+  queue (the loop looks every second and when a run resumes); a verdict is stored only by the
+  worker holding the row, once, so a result is never lost and never written twice. Each row has
+  the key of its attempt: enqueueing is idempotent.
 - `generations` keeps each answer as it arrives (a resumed run does not ask the model again).
 - `attempts` keeps each executed answer with its reward (appliance.rl.Attempt), and the number of
   the trajectory segment it went into.
@@ -19,6 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from appliance.jobs import immediate
 from appliance.rl import Attempt, Task
 from finetune.rl.execute import Verdict
 
@@ -92,14 +94,8 @@ class RunStore:
 
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
-        with self._connect() as db:
-            db.execute("begin immediate")
-            try:
-                yield db
-            except BaseException:
-                db.execute("rollback")
-                raise
-            db.execute("commit")
+        with self._connect() as db, immediate(db):
+            yield db
 
     # The queue.
 
@@ -124,6 +120,22 @@ class RunStore:
         return Execution(id=row["id"], key=row["key"], program=row["program"],
                          task=Task.model_validate_json(row["task"]), claims=row["claims"])
 
+    def requeue_orphans(self, alive: Callable[[int], bool]) -> int:
+        """Executions held by a worker that is gone back to the queue (claim takes them over too, but
+        only a worker that runs does, and the pool starts workers for queued ones); how many."""
+        with self._transaction() as db:
+            held = db.execute("select id, worker_pid from executions where state = 'running'").fetchall()
+            orphans = [row["id"] for row in held if not alive(row["worker_pid"])]
+            db.executemany("update executions set state = 'queued', worker_pid = null where id = ?",
+                           [(orphan,) for orphan in orphans])
+        return len(orphans)
+
+    def release(self, execution_id: int, worker_pid: int) -> None:
+        """Give an execution back to the queue (its worker could not run it)."""
+        with self._connect() as db:
+            db.execute("update executions set state = 'queued', worker_pid = null "
+                       "where id = ? and state = 'running' and worker_pid = ?", (execution_id, worker_pid))
+
     def complete(self, execution_id: int, worker_pid: int, verdict: Verdict) -> bool:
         """Store the verdict if this worker still holds the execution (false: another took it over)."""
         with self._connect() as db:
@@ -134,11 +146,15 @@ class RunStore:
 
     def verdicts(self, keys: set[str]) -> dict[str, Verdict]:
         """The verdicts reached so far among `keys`."""
-        if not keys:
-            return {}
+        found: dict[str, Verdict] = {}
+        ordered = sorted(keys)
         with self._connect() as db:
-            rows = db.execute("select key, verdict from executions where state = 'done'").fetchall()
-        return {row["key"]: Verdict.model_validate_json(row["verdict"]) for row in rows if row["key"] in keys}
+            for start in range(0, len(ordered), 500):  # under SQLite's limit on parameters
+                chunk = ordered[start:start + 500]
+                rows = db.execute(f"select key, verdict from executions where state = 'done' and key in "
+                                  f"({', '.join('?' * len(chunk))})", chunk).fetchall()
+                found.update((row["key"], Verdict.model_validate_json(row["verdict"])) for row in rows)
+        return found
 
     def depth(self) -> int:
         """Executions waiting for a worker (held ones not counted)."""
@@ -148,11 +164,6 @@ class RunStore:
     def unfinished(self) -> int:
         with self._connect() as db:
             return int(db.execute("select count(*) from executions where state != 'done'").fetchone()[0])
-
-    def claims(self) -> dict[str, int]:
-        """How many times each execution was taken up (more than once: its first worker died)."""
-        with self._connect() as db:
-            return {row["key"]: row["claims"] for row in db.execute("select key, claims from executions")}
 
     # Generations and attempts.
 
@@ -207,12 +218,3 @@ class RunStore:
     def segments(self) -> list[dict[str, object]]:
         with self._connect() as db:
             return [dict(row) for row in db.execute("select * from segments where key is not null order by number")]
-
-
-def worker_alive(pid: int) -> bool:
-    """Whether a sandbox worker with this pid still runs (a pid reused by another program is not
-    one; a dead worker not yet reaped has an empty command line)."""
-    try:
-        return b"finetune.rl.executor" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from appliance.artifacts import ArtifactStore
 from appliance.durable import replace_file
-from appliance.errors import IntegrityError, Invalid, NotFound
+from appliance.errors import Conflict, IntegrityError, Invalid, NotFound
 from appliance.home import Home
 from appliance.rl import NAME, Task, TaskSet, load_tasksets, tasksets_path
 from finetune.datasets import DatasetError
@@ -35,7 +35,7 @@ def parse(path: Path) -> list[Task]:
     except (OSError, UnicodeDecodeError) as exc:
         raise DatasetError(f"{path}: cannot read as UTF-8 text: {exc}") from exc
     tasks, problems, seen = [], [], dict[str, int]()
-    for number, line in enumerate(text.splitlines(), start=1):
+    for number, line in enumerate(text.split("\n"), start=1):  # not splitlines: U+2028 may sit in a string
         if not line.strip():
             continue
         try:
@@ -113,13 +113,17 @@ def store(name: str, source: str, tasks: list[Task], held_out_fraction: float, a
     return info
 
 
-def load(name: str, split_name: str, artifacts: ArtifactStore, home: Home) -> list[Task]:
-    """A stored split ('train', 'held_out' or 'all'), checked against the digest it was stored under."""
+def load(name: str, split_name: str, artifacts: ArtifactStore, home: Home, expected: str | None = None) -> list[Task]:
+    """A stored split ('train', 'held_out' or 'all'), checked against the digest it was stored under
+    (and, if given, against `expected`: the task set a run was queued with)."""
     registry = load_tasksets(home)
     if name not in registry:
         raise NotFound(f"no task set named {name!r}", hint=f"task sets: {', '.join(sorted(registry)) or 'none'}; "
                        "add one with `appliance rl tasks add FILE --name N`")
     digest = registry[name].sha256
+    if expected is not None and digest != expected:
+        raise Conflict(f"task set {name!r} was replaced since the run was queued (now {digest[:16]}..., then "
+                       f"{expected[:16]}...)", hint="queue the run again")
     parts = {part: artifacts.get(f"{PREFIX}{digest}/{part}.jsonl") for part in SPLITS}
     if (found := content_digest(parts)) != digest:
         raise IntegrityError(f"task set {name!r} in the artifact store was changed since it was added (its files "

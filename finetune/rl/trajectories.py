@@ -7,15 +7,16 @@ from __future__ import annotations
 import hashlib
 
 from appliance.artifacts import ArtifactStore
-from appliance.rl import Run, Task
+from appliance.home import Home
+from appliance.rl import Run, Task, record_manifest_digest
 from appliance.trajectories import Manifest, Segment, manifest_key, segment_key
 from finetune.rl.store import RunStore
 
 
 class TrajectoryWriter:
-    def __init__(self, store: RunStore, artifacts: ArtifactStore, run: Run, tasks: list[Task],
+    def __init__(self, store: RunStore, artifacts: ArtifactStore, home: Home, run: Run, tasks: list[Task],
                  segment_attempts: int) -> None:
-        self.store, self.artifacts, self.run, self.tasks = store, artifacts, run, tasks
+        self.store, self.artifacts, self.home, self.run, self.tasks = store, artifacts, home, run, tasks
         self.segment_attempts = segment_attempts
 
     def flush(self, at_least: int | None = None) -> None:
@@ -37,4 +38,6 @@ class TrajectoryWriter:
                             attempts=sum(s.attempts for s in segments), segments=segments)
         data = manifest.model_dump_json(indent=1).encode()
         self.artifacts.put(manifest_key(self.run.id), data, retain_days=0)
-        return f"{manifest_key(self.run.id)} (sha256 {hashlib.sha256(data).hexdigest()[:16]}...)"
+        digest = hashlib.sha256(data).hexdigest()
+        record_manifest_digest(self.home, self.run.id, digest)
+        return f"{manifest_key(self.run.id)} (sha256 {digest})"

@@ -6,19 +6,17 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
-import sys
-import time
 
 from appliance import rl
 from appliance.changes import Change, announce
 from appliance.errors import ApplianceError
-from appliance.home import HOME_ENV, Home
+from appliance.home import Home
 from appliance.jobs import JobState
 from appliance.programs import Program
-from appliance.settings import Settings, load_settings
+from appliance.settings import Settings
 from appliance.supervisor import runs_module
 from finetune.rl.loop import Loop, RunCancelled
+from finetune.worker import serve_queue, worker_program
 
 log = logging.getLogger("appliance.rl-worker")
 
@@ -29,9 +27,7 @@ def work_one(home: Home, settings: Settings) -> rl.Run | None:
     if run is None:
         return None
     log.info("run %d (%s on %s): attempt %d", run.id, run.spec.base, run.spec.tasks, run.attempts)
-    try:
-        if run.state == JobState.CANCELLING:
-            raise RunCancelled("run stopped as asked; its attempts so far are kept")
+    try:  # a run found cancelling (its worker died) stops at once, its trajectories kept
         message = Loop(home, settings, run).execute()
         state = JobState.SUCCEEDED
     except RunCancelled as exc:
@@ -56,21 +52,10 @@ def worker_alive(pid: int | None) -> bool:
     return runs_module(pid, "finetune.rl.worker")
 
 
-def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))  # unwind: the sandbox workers stop too
-    home = Home.from_env()
-    settings = load_settings(home.settings_file)
-    while True:
-        if work_one(home, settings) is None:
-            time.sleep(settings.rl.worker_poll_s)
-
-
 def worker_programs(settings: Settings, home: Home) -> list[Program]:
-    """The `appliance.programs` entry point: one RL worker, after the engines and the gateway."""
-    return [Program(name="rl-worker", command=[sys.executable, "-P", "-m", "finetune.rl.worker"],
-                    environment={HOME_ENV: str(home.root)}, priority=96, startsecs=2, stopwaitsecs=30)]
+    """The `appliance.programs` entry point: one RL worker."""
+    return [worker_program("rl-worker", "finetune.rl.worker", 96, home)]
 
 
 if __name__ == "__main__":
-    main()
+    serve_queue(work_one, lambda settings: settings.rl.worker_poll_s)

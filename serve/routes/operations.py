@@ -111,9 +111,8 @@ def router(settings: Settings, home: Home) -> APIRouter:
     def run_attempts(run_id: Annotated[int, Path(ge=1, le=2**63 - 1)],
                      task: Annotated[str | None, Query(max_length=200)] = None) -> list[rl.Attempt]:
         """A finished run's attempts from its trajectories in the artifact store, every segment checked
-        against its digest (a changed one: 409 `integrity`); `task` picks one task's attempts."""
-        rl.get(home, run_id)  # 404 for a run that never was
-        _, attempts = trajectories.read(artifact_store(settings.artifacts, home), run_id)
+        against its digest (a changed one: 409 `artifact_integrity`); `task` picks one task's attempts."""
+        _, attempts = trajectories.read_run(artifact_store(settings.artifacts, home), home, run_id)
         return [attempt for attempt in attempts if task is None or attempt.task == task]
 
     return routes

@@ -192,14 +192,20 @@ def test_a_run_survives_killed_workers_and_leaves_verifiable_trajectories_in_the
 def test_sft_and_dpo_sets_train_an_adapter_that_is_served_and_gated_on_held_out_pass_at_1(lab: Lab) -> None:
     cli = lab.cli
     [run] = [r for r in rl.listing(cli.home) if r.spec.split == "all"]
-    dpo = lab.work / "dpo.jsonl"
-    exported = cli.run("rl", "export", str(run.id), "--sft", "rl-sft", "--dpo", str(dpo))
+    exported = cli.run("rl", "export", str(run.id), "--sft", "rl-sft", "--dpo", "rl-dpo")
     assert exported.returncode == 0, exported.stdout + exported.stderr
-    assert "SFT set: dataset rl-sft" in exported.stdout and "preference set:" in exported.stdout
-    pairs = [json.loads(line) for line in dpo.read_text().splitlines()]
-    assert pairs and all({"prompt", "chosen", "rejected", "task"} == set(pair) for pair in pairs)
-    assert any(key.startswith("datasets/") for key in
-               (o.object_name for o in client(lab.s3).list_objects(BUCKET, recursive=True)))
+    assert "SFT set: dataset rl-sft" in exported.stdout and "preference set: dataset rl-dpo" in exported.stdout
+    assert {key.split("/")[0] for key in
+            (o.object_name for o in client(lab.s3).list_objects(BUCKET, recursive=True))} >= {"datasets", "tasksets",
+                                                                                              "trajectories"}
+
+    dpo = cli.run("finetune", "run", "--data", "rl-dpo", "--name", "rl-dpo", "--base", MODEL, "--method", "dpo",
+                  "--max-steps", "4", "--lr", "0.0005", "--batch-size", "2", timeout=1200)
+    assert dpo.returncode == 0, dpo.stdout + dpo.stderr
+    [preferred] = adapters.load(cli.home).versions("rl-dpo")
+    assert preferred.hyperparameters.method == "dpo" and round(preferred.metrics.base_eval_loss, 3) == 0.693  # ln 2
+    wrong = cli.run("finetune", "run", "--data", "rl-dpo", "--name", "x", "--base", MODEL, timeout=300)
+    assert wrong.returncode == 1 and "holds preference rows: train on it with --method dpo" in wrong.stderr
 
     trained = cli.run("finetune", "run", "--data", "rl-sft", "--name", "rl-coder", "--base", MODEL,
                       "--max-steps", "6", "--lr", "0.0005", "--batch-size", "4", timeout=1200)

@@ -124,3 +124,28 @@ def test_a_dataset_changed_in_the_store_is_refused_when_read() -> None:
     check_dataset("support", digest, b'{"text": "a"}\n', b'{"text": "b"}\n')
     with pytest.raises(IntegrityError, match="dataset 'support' in the artifact store was changed"):
         check_dataset("support", digest, b'{"text": "poisoned"}\n', b'{"text": "b"}\n')
+
+
+def test_preference_rows_for_dpo_are_checked_and_never_mixed_with_sft_rows(tmp_path: Path) -> None:
+    good = {"prompt": "Add 2 and 2", "chosen": "4", "rejected": [{"role": "assistant", "content": "5"}]}
+    [row] = parse(jsonl(tmp_path / "p.jsonl", good))
+    assert row.example == {"prompt": [{"role": "user", "content": "Add 2 and 2"}],
+                           "chosen": [{"role": "assistant", "content": "4"}],
+                           "rejected": [{"role": "assistant", "content": "5"}]}
+    bad = jsonl(tmp_path / "bad.jsonl", good, {**good, "rejected": "4"}, {**good, "chosen": ""},
+                {**good, "prompt": [{"role": "assistant", "content": "x"}]},
+                {**good, "rejected": [{"role": "user", "content": "5"}]})
+    with pytest.raises(DatasetError) as caught:
+        parse(bad)
+    text = str(caught.value)
+    for reason in ("line 2: 'chosen' and 'rejected' are the same answer", "line 3: 'chosen' must be non-empty",
+                   "line 4: 'prompt' must end with a user turn", "line 5: 'rejected' must be non-empty text or one "
+                   "assistant turn"):
+        assert reason in text, reason
+    with pytest.raises(DatasetError, match="line 1 holds preference rows and line 2 SFT rows: a dataset holds"):
+        parse(jsonl(tmp_path / "mixed.jsonl", good, chat("hi")))
+    scanned, found = scan([row], Scanner({}), "redact")
+    assert found == {} and scanned[0].example == row.example
+    leaky = Row(1, {**row.example, "chosen": [{"role": "assistant", "content": "mail bob@example.com"}]})
+    [redacted], found = scan([leaky], Scanner({}), "redact")
+    assert found == {"email": 1} and "bob@example.com" not in json.dumps(redacted.example)

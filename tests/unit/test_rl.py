@@ -15,19 +15,21 @@ import pytest
 
 from appliance import rl
 from appliance.artifacts import LocalStore
-from appliance.errors import IllegalTransition, IntegrityError
+from appliance.errors import IllegalTransition, IntegrityError, Unavailable
 from appliance.home import Home
 from appliance.jobs import JobState
 from appliance.rl import Attempt, RunSpec, Task
+from appliance.terminal import shown
 from appliance.trajectories import manifest_key, read
 from finetune.datasets import DatasetError
 from finetune.rl import execute as sandbox
 from finetune.rl import gate
 from finetune.rl.execute import Verdict
+from finetune.rl.executor import executor_alive
 from finetune.rl.export import dpo_rows, sft_rows
 from finetune.rl.gate import PassAt1
-from finetune.rl.loop import adapter_version, extract_code, feedback, reward
-from finetune.rl.store import Generation, RunStore, worker_alive
+from finetune.rl.loop import adapter_version, answer_of, extract_code, feedback, retry_after, reward
+from finetune.rl.store import Generation, RunStore
 from finetune.rl.tasks import humaneval, load, parse, split, store
 from finetune.rl.trajectories import TrajectoryWriter
 from tui.rl_runs import attempt_text
@@ -136,19 +138,22 @@ def test_the_queue_hands_a_dead_workers_execution_on_and_stores_a_verdict_once(t
     assert not queue.complete(first.id, 100, verdict())  # the dead worker's late verdict is not stored
     assert queue.complete(taken.id, 200, verdict("passed", 1))
     assert not queue.complete(taken.id, 200, verdict())  # once
-    assert queue.verdicts({"a", "b"})["a"].status == "passed"
-    assert queue.depth() == 1 and queue.claims() == {"a": 2, "b": 0}
+    assert queue.verdicts({"a", "b"}).keys() == {"a"} and queue.verdicts({"a"})["a"].status == "passed"
+    held = queue.claim(300, lambda pid: True)
+    assert held is not None and held.key == "b" and queue.depth() == 0
+    assert queue.requeue_orphans(lambda pid: pid != 300) == 1 and queue.depth() == 1  # its worker died
+    assert queue.requeue_orphans(lambda pid: True) == 0
 
 
 def test_a_worker_is_known_by_its_command_line_not_its_number() -> None:
-    assert not worker_alive(os.getpid())
+    assert not executor_alive(os.getpid())
     worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "finetune.rl.executor"])
     try:
-        assert worker_alive(worker.pid)
+        assert executor_alive(worker.pid)
     finally:
         worker.kill()
         worker.wait()
-    assert not worker_alive(worker.pid)
+    assert not executor_alive(worker.pid)
 
 
 def test_code_is_taken_from_the_answer_and_the_error_fed_back() -> None:
@@ -169,12 +174,12 @@ def test_code_is_taken_from_the_answer_and_the_error_fed_back() -> None:
     assert adapter_version("coder-v3", "coder") == 3 and adapter_version("demo", None) is None
 
 
-def test_trajectory_segments_are_sealed_put_once_and_checked_when_read(tmp_path: Path) -> None:
+def test_trajectory_segments_are_sealed_put_once_and_checked_when_read(tmp_path: Path, home: Home) -> None:
     queue = RunStore(tmp_path / "run.sqlite")
     artifacts = LocalStore(tmp_path / "store")
     run = rl.Run(id=7, spec=RunSpec(tasks="t", base="demo"), state=JobState.RUNNING, submitted="", started=None,
                  finished=None, attempts=1, worker_pid=1, message=None)
-    writer = TrajectoryWriter(queue, artifacts, run, [ADD], segment_attempts=2)
+    writer = TrajectoryWriter(queue, artifacts, home, run, [ADD], segment_attempts=2)
     queue.save_attempt(attempt("add", 0, 0, "failed"))
     writer.flush()
     assert queue.segments() == []  # one attempt waits for a second
@@ -183,15 +188,19 @@ def test_trajectory_segments_are_sealed_put_once_and_checked_when_read(tmp_path:
     writer.flush()
     queue.save_attempt(attempt("add", 1, 0, "passed"))
     writer.finish()
-    manifest, attempts = read(artifacts, 7)
+    digest = rl.manifest_digest(home, 7)
+    assert digest is not None
+    manifest, attempts = read(artifacts, 7, digest)
     assert [s.attempts for s in manifest.segments] == [2, 1] and len(attempts) == manifest.attempts == 3
     assert all(s.key.endswith(f"/{s.sha256}.jsonl") for s in manifest.segments)
     segment = tmp_path / "store" / manifest.segments[0].key
     segment.chmod(0o600)
     segment.write_bytes(segment.read_bytes().replace(b'"passed"', b'"failed"'))
     with pytest.raises(IntegrityError, match="was changed"):
-        read(artifacts, 7)
+        read(artifacts, 7, digest)
     assert manifest_key(7) == "trajectories/run-7/manifest.json"
+    with pytest.raises(IntegrityError, match="is not run 7's"):  # a manifest rewritten, or another run 7's
+        read(artifacts, 7, "0" * 64)
 
 
 def test_sft_takes_passing_attempts_and_dpo_pairs_them_with_failing_first_answers() -> None:
@@ -201,7 +210,7 @@ def test_sft_takes_passing_attempts_and_dpo_pairs_them_with_failing_first_answer
     assert [row["messages"][-1]["content"] for row in sft] == ["good", "fine"]
     assert all(row["messages"][-1]["role"] == "assistant" for row in sft)
     pairs = dpo_rows(attempts)
-    assert pairs == [{"prompt": [{"role": "user", "content": "a"}], "task": "a",
+    assert pairs == [{"prompt": [{"role": "user", "content": "a"}],
                       "chosen": [{"role": "assistant", "content": "good"}],
                       "rejected": [{"role": "assistant", "content": "bad"}]}]  # b has no passing answer
 
@@ -227,3 +236,43 @@ def test_an_attempt_is_shown_with_its_code_and_the_error_fed_back() -> None:
     shown = attempt_text(attempt("add", 0, 0, "failed", "def add(a, b):\n    return a - b\n")).plain
     assert "add sample 0 round 0: failed" in shown and "return a - b" in shown
     assert "fed back for the next round\nit failed" in shown
+
+
+def test_a_method_that_does_not_fit_the_datasets_rows_is_refused_before_training() -> None:
+    from appliance.jobs import Hyperparameters
+    from finetune.runner import check_method
+    from finetune.train import TrainingError
+
+    preference = json.dumps({"prompt": [{"role": "user", "content": "q"}], "chosen": [], "rejected": []}).encode()
+    chat = json.dumps({"messages": [{"role": "user", "content": "q"}]}).encode()
+    check_method("p", preference + b"\n", Hyperparameters(method="dpo"))
+    check_method("c", chat + b"\n", Hyperparameters())
+    with pytest.raises(TrainingError, match="dataset 'p' holds preference rows: train on it with --method dpo"):
+        check_method("p", preference + b"\n", Hyperparameters())
+    with pytest.raises(TrainingError, match="holds SFT rows: train on it with --method sft, not dpo"):
+        check_method("c", chat, Hyperparameters(method="dpo"))
+
+
+def test_a_gateway_answer_is_taken_apart_carefully() -> None:
+    import httpx
+
+    def answer(body: object, raw: bytes | None = None) -> httpx.Response:
+        return httpx.Response(200, content=raw if raw is not None else json.dumps(body).encode())
+
+    ok = {"model": "coder-v2", "choices": [{"message": {"content": "x = '\ud800'"}}]}
+    assert answer_of(answer(ok)) == ("x = '?'", "coder-v2")  # a lone surrogate cannot be stored: replaced
+    for bad in ({}, {"choices": []}, {"choices": [{"message": {"content": 3}}]}, [1]):
+        with pytest.raises(Unavailable, match="not a chat completion"):
+            answer_of(answer(bad))
+    with pytest.raises(Unavailable):
+        answer_of(answer(None, b"<html>"))
+    assert retry_after("7") == 7 and retry_after(None) == 2 and retry_after("soon") == 2
+    assert retry_after("99999") == 60 and retry_after("-1") == 0.1
+
+
+def test_untrusted_text_cannot_drive_the_terminal() -> None:
+    text = shown("ok\x1b]52;c;ZXZpbA==\x07\x1b[2J [bold]x[/] \x9b\ttab\nline").plain
+    assert "\x1b" not in text and "\x07" not in text and "\x9b" not in text
+    assert "[bold]x[/]" in text and "\ttab\nline" in text
+    hostile = attempt("t", 0, 0, "failed", "print('\x1b[2J')")
+    assert "\x1b" not in attempt_text(hostile).plain

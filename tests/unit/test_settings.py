@@ -91,6 +91,8 @@ def test_engines_have_no_port_to_set(tmp_path: Path) -> None:
 def test_rendered_defaults_load_back_to_defaults(tmp_path: Path) -> None:
     text = render_defaults()
     assert "# Fraction of accelerator memory" in text
+    sections = [name for name in Settings.model_fields if name != "pools"]
+    assert all(f"\n[{name}]\n" in text for name in sections), "every section is documented"
     assert load_settings(write(tmp_path, text), environ={}) == Settings()
 
 
