@@ -22,12 +22,12 @@ from minio.retention import Retention
 from urllib3.exceptions import HTTPError
 
 from appliance.durable import replace_file
-from appliance.errors import ApplianceError
+from appliance.errors import Unavailable
 from appliance.home import Home
 from appliance.settings import ArtifactSettings
 
 
-class ArtifactStoreError(ApplianceError):
+class ArtifactStoreError(Unavailable):
     """The store could not be read or written."""
 
 

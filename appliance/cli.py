@@ -11,12 +11,14 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 from rich.table import Column, Table
+from rich.text import Text
 
 from appliance import cli_access, cli_hosts, lifecycle
 from appliance.changes import records_change
 from appliance.errors import ApplianceError
 from appliance.home import Home
 from appliance.settings import load_settings, render_defaults
+from appliance.terminal import shown
 
 COMMANDS_GROUP = "appliance.commands"
 
@@ -148,7 +150,7 @@ def main() -> None:
     except ApplianceError as exc:
         line = exc.one_line()
         _record(line)
-        err.print(f"[red]error:[/red] {line}", highlight=False, soft_wrap=True)
+        err.print(Text("error: ", style="red") + shown(line), soft_wrap=True)  # never markup: it may quote input
         if _state["verbose"]:
             err.print(traceback.format_exc())
         raise SystemExit(1) from None

@@ -28,6 +28,10 @@ class LoginError(ApplianceError):
     """Keycloak refused a login or a refresh."""
 
 
+class KeycloakUnreachable(LoginError):
+    """Keycloak could not be reached (down, restarting): worth trying again."""
+
+
 @dataclass
 class CachedToken:
     username: str
@@ -62,7 +66,7 @@ def _post(settings: Settings, home: Home, name: str, data: dict[str, str]) -> ht
         return httpx.post(_endpoint(settings, name), data={"client_id": settings.keycloak.cli_client_id, **data},
                           timeout=30, verify=keycloak_ssl(settings, home))
     except httpx.HTTPError as exc:
-        raise LoginError(f"Keycloak at {settings.keycloak.base_url} is not reachable: {exc}",
+        raise KeycloakUnreachable(f"Keycloak at {settings.keycloak.base_url} is not reachable: {exc}",
                          hint="is the appliance up? (`appliance status`)") from exc
 
 
@@ -71,7 +75,7 @@ def service_token(settings: Settings, home: Home) -> CachedToken:
     it is asked for again when it nears its end."""
     response = _post(settings, home, "token", {"grant_type": "client_credentials",
                                                "client_id": settings.rl.client_id,
-                                               "client_secret": rl_client_secret(settings, home)})
+                                               "client_secret": rl_client_secret(home)})
     if response.status_code != 200:
         raise _refused(response)
     return CachedToken.from_response(f"service-account-{settings.rl.client_id}", response.json())

@@ -139,11 +139,11 @@ class Attempt(BaseModel):
     tests_total: int
     stdout: str
     stderr: str
-    feedback: str = Field(description="The parsed error fed back for the next round ('' if it passed).")
+    feedback: str = Field(description="The parsed error fed back for the next round ('' unless it failed).")
     reward: float
     generate_s: float
     execute_s: float
-    model: str
+    model: str = Field(description="The engine's name for what answered ('' if the gateway refused the request).")
     adapter: str | None
     adapter_version: int | None
 
@@ -221,6 +221,12 @@ def finish(home: Home, run_id: int, state: JobState, message: str) -> None:
         raise IllegalTransition(f"RL run {run_id} cannot finish as {state}")
     with transaction(home) as db:
         _move(db, run_id, state, "message = ?, finished = ?, worker_pid = null", (message, _now()))
+
+
+def note(home: Home, run_id: int, message: str) -> None:
+    """Say what a running run is doing (its worker waits to resume it, say), for `rl status`."""
+    with connect(home) as db:
+        db.execute("update rl_runs set message = ? where id = ? and state = 'running'", (message[:1000], run_id))
 
 
 def cancel(home: Home, run_id: int) -> Run:

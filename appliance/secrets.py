@@ -48,6 +48,6 @@ def gateway_client_secret(settings: Settings, home: Home) -> str:
 RL_CLIENT_SECRET = "rl-client-secret"
 
 
-def rl_client_secret(settings: Settings, home: Home) -> str:
+def rl_client_secret(home: Home) -> str:
     """The RL loop's service identity (client `rl.client_id`): its secret, generated on first use."""
     return secret(home, RL_CLIENT_SECRET)

@@ -369,6 +369,8 @@ class RlSettings(_Section):
         600.0, gt=0, description="How long a generation is retried while the gateway or Keycloak refuse or are "
         "unreachable (429, 502-504) before the run fails.")
     worker_poll_s: float = Field(2.0, gt=0, description="How often the rl-worker looks for queued runs.")
+    retry_s: float = Field(30.0, gt=0, description="How long a run waits before it resumes after the gateway, "
+                           "Keycloak or the artifact store failed it.")
 
 
 class FinetuneSettings(_Section):

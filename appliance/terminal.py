@@ -1,7 +1,7 @@
 """Text from untrusted sources (a model's code, a program's output, names in a task file) made safe
 to show on a terminal: control characters other than newline and tab (escape sequences that could
-move the cursor, retitle the window or write the clipboard) become U+FFFD, and it is shown as text,
-never as Rich markup."""
+move the cursor, retitle the window or write the clipboard) and invisible reordering characters
+become U+FFFD, and it is shown as text, never as Rich markup."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import re
 
 from rich.text import Text
 
-UNSAFE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+# C0 and C1 controls but newline and tab, and the invisible characters that reorder or hide text
+# (so code cannot show other than it runs).
+UNSAFE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2060-\u2069\ufeff]")
 
 
 def shown(text: str) -> Text:

@@ -221,9 +221,10 @@ def _token_counter(model_dir: Path) -> Any:
 
     def count(example: dict[str, Any]) -> int:
         if "messages" in example:
-            return len(tokenizer.apply_chat_template(example["messages"], tokenize=True))
+            return len(tokenizer.apply_chat_template(example["messages"], tokenize=True, return_dict=False))
         if "chosen" in example:  # the prompt with the longer of its two answers
-            return max(len(tokenizer.apply_chat_template(example["prompt"] + example[side], tokenize=True))
+            return max(len(tokenizer.apply_chat_template(example["prompt"] + example[side], tokenize=True,
+                                                         return_dict=False))
                        for side in ("chosen", "rejected"))
         return len(tokenizer(example["text"]).input_ids)
 

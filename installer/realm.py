@@ -128,7 +128,7 @@ def _rl_client(admin: KeycloakAdmin, settings: Settings, home: Home, report: Pro
     """The RL loop's service identity: a confidential client whose service account has role `user`
     and whose tokens carry the gateway in `aud`, so its generations are authenticated, rate-limited
     and audited as any user's."""
-    account = _service_account(admin, settings.rl.client_id, rl_client_secret(settings, home), report,
+    account = _service_account(admin, settings.rl.client_id, rl_client_secret(home), report,
                                protocolMappers=[_gateway_audience(settings)])
     if Role.USER not in {r["name"] for r in admin.get_realm_roles_of_user(account)}:
         admin.assign_realm_roles(account, [admin.get_realm_role(Role.USER)])

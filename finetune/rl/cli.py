@@ -26,10 +26,10 @@ from appliance.terminal import shown
 from appliance.trajectories import read_run
 from finetune.cli import NAME as DATASET_NAME
 from finetune.rl.execute import SOURCE, Language, execute
-from finetune.rl.export import dpo_rows, sft_rows, store_set, training_rows
-from finetune.rl.gate import measure, record, served_version, verdict
+from finetune.rl.export import dpo_rows, prepare_set, sft_rows, store_set
+from finetune.rl.gate import held_out_set, measure, record, served_version, verdict
 from finetune.rl.starter import starter_tasks
-from finetune.rl.tasks import check_name, humaneval, parse, store
+from finetune.rl.tasks import check_name, humaneval, load, parse, store
 
 rl_app = typer.Typer(help="Post-training from execution feedback: task sets, the sandbox, runs, trajectories.",
                       no_args_is_help=True)
@@ -292,13 +292,18 @@ def export(
     home = Home.from_env()
     settings = load_settings(home.settings_file)
     artifacts = artifact_store(settings.artifacts, home)
-    _, attempts = read_run(artifacts, home, run)
-    chosen = [(label, name, training_rows(run, rows, what)) for label, name, rows, what in (
-        ("SFT set", sft, sft_rows(attempts), "passing attempt"),
-        ("preference set", dpo, dpo_rows(attempts), "task with both a passing answer and a failing first one"))
-        if name is not None]  # both built before either is stored: all or nothing
-    for label, name, rows in chosen:
-        done = store_set(name, run, rows, settings, artifacts, home)
+    manifest, attempts = read_run(artifacts, home, run)
+    spec = RunSpec.model_validate(manifest.spec)
+    held_out = {task.id for task in load(spec.tasks, "held_out", artifacts, home, spec.tasks_sha256)}
+    kept = [attempt for attempt in attempts if attempt.task not in held_out]
+    if len(kept) < len(attempts):  # training on them would leave the gate measuring on training data
+        out.print(f"left out: {len(attempts) - len(kept)} attempts at the task set's held-out tasks", highlight=False)
+    chosen = [(label, name, prepare_set(run, rows, what, settings)) for label, name, rows, what in (
+        ("SFT set", sft, sft_rows(kept), "passing attempt at a training task"),
+        ("preference set", dpo, dpo_rows(kept), "training task with a passing answer and a failing first one"))
+        if name is not None]  # both built and scanned before either is stored: all or nothing
+    for label, name, prepared in chosen:
+        done = store_set(name, run, prepared, settings, artifacts, home)
         out.print(f"{label}: dataset {done.name}, {done.rows} rows ({done.train} train, {done.eval} eval), "
                   f"sha256 {done.digest}", soft_wrap=True, highlight=False)
 
@@ -321,6 +326,7 @@ def gate_command(
     settings = load_settings(home.settings_file)
     artifacts = artifact_store(settings.artifacts, home)
     version = served_version(home, adapter)
+    held_out_set(home, tasks)  # before any run is queued
     with byte_progress() as bar:
         shown = bar.add_task("gate", total=None, unit="runs")
 

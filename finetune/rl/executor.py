@@ -17,22 +17,23 @@ import sys
 import time
 from pathlib import Path
 
+from appliance.errors import Unavailable
 from appliance.home import Home
 from appliance.settings import ExecutionSettings, load_settings
 from appliance.supervisor import runs_module
-from finetune.rl.execute import Verdict, execute
-from finetune.rl.store import RunStore
+from finetune.rl.execute import execute, not_run
+from finetune.rl.store import GIVE_UP_CLAIMS, RunStore
 
 log = logging.getLogger("appliance.rl-executor")
 PR_SET_PDEATHSIG = 1
-GIVE_UP_CLAIMS = 3  # a sandbox that failed this often for one execution records it as an error
+FAILURES_PER_WORKER = 5  # sandbox workers ending in error, per worker of the cap, before the run waits
 
 
 def work(store: RunStore, settings: ExecutionSettings) -> int:
     """Run executions until none has come for `worker_idle_s`; returns how many it ran."""
     done, idle_since = 0, time.monotonic()
     while time.monotonic() - idle_since < settings.worker_idle_s:
-        execution = store.claim(os.getpid(), executor_alive)
+        execution = store.claim(os.getpid())
         if execution is None:
             time.sleep(0.05)
             continue
@@ -49,17 +50,12 @@ def work(store: RunStore, settings: ExecutionSettings) -> int:
                 store.release(execution.id, os.getpid())
                 time.sleep(1)
                 continue
-            verdict = sandbox_error(f"the sandbox could not run it ({type(exc).__name__}: {exc})"[:500])
+            verdict = not_run(f"the sandbox could not run it ({type(exc).__name__}: {exc})"[:500])
         if not store.complete(execution.id, os.getpid(), verdict):
             log.warning("execution %s was taken over by another worker; its verdict is theirs", execution.key)
         done += 1
         idle_since = time.monotonic()
     return done
-
-
-def sandbox_error(reason: str) -> Verdict:
-    return Verdict(status="error", reason=reason, tests_passed=0, tests_total=0, tests=[], stdout="", stderr="",
-                   wall_s=0.0, truncated=False, cgroup=False)
 
 
 def executor_alive(pid: int) -> bool:
@@ -75,9 +71,16 @@ class WorkerPool:
         self.home = home
         self.cap = cap
         self.workers: list[subprocess.Popen[bytes]] = []
+        self.failures = 0
 
     def alive(self) -> int:
-        self.workers = [worker for worker in self.workers if worker.poll() is None]
+        """Workers running; Unavailable once they have failed too often (they cannot start, say)."""
+        ended = [worker for worker in self.workers if worker.poll() is not None]
+        self.failures += sum(worker.returncode != 0 for worker in ended)
+        self.workers = [worker for worker in self.workers if worker.returncode is None]
+        if self.failures > FAILURES_PER_WORKER * self.cap:
+            raise Unavailable(f"sandbox workers ended in error {self.failures} times (the last: exit "
+                              f"{ended[-1].returncode if ended else '?'})", hint="see the rl-worker's log")
         return len(self.workers)
 
     def follow(self, depth: int) -> None:

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,9 +52,19 @@ def dpo_rows(attempts: list[Attempt]) -> list[dict[str, Any]]:
     return rows
 
 
-def training_rows(run_id: int, rows: list[dict[str, Any]], what: str) -> list[Row]:
-    """The rows as a dataset's (finetune.datasets.normalise), those a dataset would refuse left out
-    (an empty answer, say); Invalid if none is left."""
+@dataclass(frozen=True)
+class Prepared:
+    """A set ready to store: its rows scanned (and redacted where settings say) and split."""
+
+    train: list[dict[str, Any]]
+    evaluation: list[dict[str, Any]]
+    sensitive: dict[str, int]
+
+
+def prepare_set(run_id: int, rows: list[dict[str, Any]], what: str, settings: Settings) -> Prepared:
+    """The rows as a dataset's (finetune.datasets.normalise: those a dataset would refuse, an empty
+    answer say, left out), scanned for sensitive data and split; Invalid if none is left, and the
+    scan's refusal under `finetune.sensitive_data = block`."""
     kept: list[Row] = []
     for row in rows:
         try:
@@ -62,14 +73,14 @@ def training_rows(run_id: int, rows: list[dict[str, Any]], what: str) -> list[Ro
             continue
     if not kept:
         raise Invalid(f"run {run_id} has no {what}")
-    return kept
-
-
-def store_set(name: str, run_id: int, rows: list[Row], settings: Settings, artifacts: ArtifactStore,
-              home: Home) -> Imported:
-    """Store rows (SFT or preference) as a training dataset: scanned, split, content-addressed."""
     options = settings.finetune
-    scanned, sensitive = scan(rows, Scanner(options.sensitive_patterns), options.sensitive_data)
+    scanned, sensitive = scan(kept, Scanner(options.sensitive_patterns), options.sensitive_data)
     train, evaluation = split(scanned, options.eval_fraction)
-    return store(name, Path(f"rl-run-{run_id}.jsonl"), train, evaluation, sensitive, options.sensitive_data,
-                 artifacts, home)
+    return Prepared(train, evaluation, sensitive)
+
+
+def store_set(name: str, run_id: int, prepared: Prepared, settings: Settings, artifacts: ArtifactStore,
+              home: Home) -> Imported:
+    """Store a prepared set as a training dataset, content-addressed."""
+    return store(name, Path(f"rl-run-{run_id}.jsonl"), prepared.train, prepared.evaluation, prepared.sensitive,
+                 settings.finetune.sensitive_data, artifacts, home)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from appliance import adapters, rl
 from appliance.artifacts import ArtifactStore
-from appliance.errors import ApplianceError, Conflict, Invalid
+from appliance.errors import ApplianceError, Conflict, Invalid, NotFound
 from appliance.home import Home
 from appliance.jobs import FINISHED, JobState
 from appliance.trajectories import read_run
@@ -39,35 +39,51 @@ class PassAt1:
         return f"{self.model}: pass@1 {self.mean:.1%} +/- {self.spread:.1%} over {len(self.per_seed)} seeds ({seeds})"
 
 
-def pass_at_1(home: Home, artifacts: ArtifactStore, run_id: int, version: int | None) -> float:
+def pass_at_1(home: Home, artifacts: ArtifactStore, run_id: int, model: str) -> float:
     """Share of a run's tasks whose first answer passed (from its verified trajectories); every
-    answer must come from adapter `version` (None: the base model)."""
+    answer must come from `model` (the base's served name, or the adapter version's engine name)."""
     manifest, attempts = read_run(artifacts, home, run_id)
-    if not manifest.tasks:
-        raise Invalid(f"run {run_id} had no held-out task to measure on",
-                      hint="a task set with rl.held_out_fraction > 0 and more than one task")
-    if others := {a.adapter_version for a in attempts} - {version}:
-        raise Conflict(f"run {run_id} was answered by {sorted(map(str, others))}, not version {version}: the adapter "
-                       "changed during the gate", hint="run the gate again once it serves one version")
+    if others := {a.model for a in attempts if a.model} - {model}:  # '' : the gateway refused the request
+        raise Conflict(f"run {run_id} was answered by {sorted(others)}, not {model}: what the name serves changed "
+                       "during the gate, or --base names an adapter", hint="run the gate once one version answers")
     first = {a.task: a.status == "passed" for a in attempts if a.round == 0 and a.sample == 0}
     return sum(first.values()) / len(manifest.tasks)
 
 
 def measure(home: Home, artifacts: ArtifactStore, *, tasks: str, base: str, adapter: str | None, version: int | None,
             seeds: int, temperature: float, max_tokens: int, show: Callable[[str], None]) -> PassAt1:
-    """Queue one held-out run per seed for the model (the rl-worker runs them) and wait for them."""
-    digest = rl.load_tasksets(home)[tasks].sha256  # each run checks it still reads this task set
+    """Queue one held-out run per seed for the model (the rl-worker runs them) and wait for them (an
+    interrupted gate cancels those not finished)."""
+    digest = held_out_set(home, tasks).sha256
     specs = [rl.RunSpec(tasks=tasks, tasks_sha256=digest, split="held_out", base=base, adapter=adapter, samples=1,
                         rounds=0, temperature=temperature, max_tokens=max_tokens, seed=seed) for seed in range(seeds)]
     runs = [rl.submit(home, spec).id for spec in specs]
     name = adapter or base
-    for run_id in runs:
-        while (run := rl.get(home, run_id)).state not in FINISHED:
-            show(f"{name}: run {run_id} {run.state}")
-            time.sleep(1)
-        if run.state != JobState.SUCCEEDED:
-            raise ApplianceError(f"{name}: held-out run {run_id} {run.state}: {run.message}")
-    return PassAt1(name, runs, [pass_at_1(home, artifacts, run_id, version) for run_id in runs])
+    try:
+        for run_id in runs:
+            while (run := rl.get(home, run_id)).state not in FINISHED:
+                show(f"{name}: run {run_id} {run.state}")
+                time.sleep(1)
+            if run.state != JobState.SUCCEEDED:
+                raise ApplianceError(f"{name}: held-out run {run_id} {run.state}: {run.message}")
+    except BaseException:
+        for run_id in runs:
+            if rl.get(home, run_id).state not in FINISHED:
+                rl.cancel(home, run_id)
+        raise
+    model = base if adapter is None or version is None else adapters.engine_name(adapter, version)
+    return PassAt1(name, runs, [pass_at_1(home, artifacts, run_id, model) for run_id in runs])
+
+
+def held_out_set(home: Home, name: str) -> rl.TaskSet:
+    """The task set, if it holds held-out tasks to measure on."""
+    found = rl.load_tasksets(home).get(name)
+    if found is None:
+        raise NotFound(f"--tasks {name!r}: no such task set", hint="`appliance rl tasks list`")
+    if found.held_out == 0:
+        raise Invalid(f"task set {name!r} holds no held-out task to measure on",
+                      hint="add it again with rl.held_out_fraction > 0 (and more than one task)")
+    return found
 
 
 def verdict(base: PassAt1, tuned: PassAt1, max_drop: float) -> list[str]:

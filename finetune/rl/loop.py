@@ -14,6 +14,7 @@ Attempts go to the artifact store in sealed, content-addressed segments (finetun
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import threading
@@ -27,12 +28,12 @@ import httpx
 from appliance import login
 from appliance.admin_client import gateway_url
 from appliance.artifacts import ArtifactStoreError, artifact_store
-from appliance.errors import ApplianceError, Unavailable
+from appliance.errors import ApplianceError, Invalid, Unavailable
 from appliance.home import Home
 from appliance.jobs import CANCEL_FILE
 from appliance.rl import Attempt, Run, RunProgress, Task, attempt_key, run_dir, write_progress
 from appliance.settings import Settings
-from finetune.rl.execute import Verdict
+from finetune.rl.execute import Verdict, not_run
 from finetune.rl.executor import WorkerPool, executor_alive
 from finetune.rl.store import Generation, RunStore
 from finetune.rl.tasks import load
@@ -46,6 +47,7 @@ TAGS = {"python": ("python", "py", "python3"), "c": ("c",)}  # a fenced block's 
 STACK_LINES = 12
 TICK_S = 0.1
 RETRY_STATUSES = {429, 502, 503, 504}
+REQUEST_REFUSED = {400, 413, 422}  # this request only (too long, say): recorded as the attempt's error
 
 
 class RunCancelled(ApplianceError):
@@ -129,28 +131,35 @@ class Generator:
                 self._token = login.service_token(self.settings, self.home)
             return self._token.access_token
 
-    def generate(self, step: Step, max_tokens: int, temperature: float, seed: int) -> tuple[str, str]:
-        """(the answer, the model name that answered); Unavailable if the gateway keeps refusing."""
+    def generate(self, step: Step, max_tokens: int, temperature: float, seed: int) -> tuple[str, str, str | None]:
+        """(the answer, the model name that answered, None), or ("", "", why) when the gateway refuses
+        this request (a context too long, say). Unavailable while the gateway or Keycloak stay
+        unreachable or busy past `rl.give_up_s` (the run waits and resumes); Invalid when the gateway
+        refuses the run itself (no such model, not allowed, a service identity it rejects)."""
         body = {"model": self.model, "messages": step.messages, "max_tokens": max_tokens,
                 "temperature": temperature, "seed": seed}
         give_up_s = self.settings.rl.give_up_s
         deadline = time.monotonic() + give_up_s
+        refreshed = False
         while True:
             try:
                 response = self._http.post("/v1/chat/completions", json=body,
                                            headers={"Authorization": f"Bearer {self._bearer()}"})
             except httpx.HTTPError as exc:
                 problem, wait_s = f"gateway unreachable: {exc}", 2.0
-            except login.LoginError as exc:  # Keycloak restarting, say
+            except login.KeycloakUnreachable as exc:  # restarting, say (a refused login is not retried)
                 problem, wait_s = f"no token for the service identity: {exc.message}", 2.0
             else:
                 if response.status_code == 200:
-                    return answer_of(response)
+                    return (*answer_of(response), None)
                 problem = f"gateway answered {response.status_code}: {response.text[:300]}"
-                if response.status_code == 401:
-                    self._token = None
-                elif response.status_code not in RETRY_STATUSES:
-                    raise Unavailable(f"task {step.task.id}: {problem}")
+                if response.status_code == 401 and not refreshed:  # expired early: one fresh token
+                    self._token, refreshed = None, True
+                    continue
+                if response.status_code in REQUEST_REFUSED:
+                    return "", "", problem
+                if response.status_code not in RETRY_STATUSES:
+                    raise Invalid(f"{problem} (model {self.model!r})")
                 wait_s = retry_after(response.headers.get("retry-after"))
             if time.monotonic() + wait_s > deadline:
                 raise Unavailable(f"task {step.task.id}: {problem} (gave up after {give_up_s:g} s)")
@@ -176,9 +185,10 @@ def answer_of(response: httpx.Response) -> tuple[str, str]:
 def retry_after(header: str | None) -> float:
     """Seconds a Retry-After header asks for (2 when it is absent or not a number of seconds)."""
     try:
-        return min(max(float(header or 2), 0.1), 60.0)
+        seconds = float(header or 2)
     except ValueError:
         return 2.0
+    return min(max(seconds, 0.1), 60.0) if math.isfinite(seconds) else 2.0
 
 
 def adapter_version(model: str, adapter: str | None) -> int | None:
@@ -216,13 +226,15 @@ class Loop:
             for sample in range(self.spec.samples):
                 step = Step(task, sample, 0, first_messages(task))
                 while (attempt := attempts.get(step.key)) is not None:
-                    if attempt.status == "passed" or step.round >= self.spec.rounds:
+                    if not self.corrects(attempt):
                         break
                     step = next_step(step, attempt)
                 else:
                     generation = self.generated.get(step.key)
                     if generation is None:
                         asks.append(step)
+                    elif generation.refused is not None:  # killed before its attempt was saved
+                        self.store.save_attempt(self._attempt(step, not_run(generation.refused)))
                     else:
                         self.store.enqueue(step.key, generation.code, task)
                         awaited[step.key] = step
@@ -239,6 +251,7 @@ class Loop:
         try:
             while asks or pending or awaited:
                 if (self.directory / CANCEL_FILE).exists():
+                    self._collect(awaited, asks)  # verdicts already in become attempts
                     raise RunCancelled("run stopped as asked; its attempts so far are kept")
                 while asks and len(pending) < concurrency:
                     step = asks.popleft()
@@ -253,17 +266,17 @@ class Loop:
                     generation = future.result()
                     self.store.save_generation(step.key, generation)
                     self.generated[step.key] = generation
-                    self.store.enqueue(step.key, generation.code, step.task)
-                    awaited[step.key] = step
+                    if generation.refused is None:
+                        self.store.enqueue(step.key, generation.code, step.task)
+                        awaited[step.key] = step
+                    else:  # nothing to run: the attempt is the refusal
+                        self.store.save_attempt(self._attempt(step, not_run(generation.refused)))
                 if time.monotonic() - self._housekept >= 1.0:
                     self._housekeep()
                 self.pool.follow(self.store.depth())
-                for key, verdict in self.store.verdicts(set(awaited)).items():
-                    step = awaited.pop(key)
-                    attempt = self._attempt(step, verdict)
-                    self.store.save_attempt(attempt)
-                    if attempt.status != "passed" and step.round < self.spec.rounds:
-                        asks.append(next_step(step, attempt))
+                self._collect(awaited, asks)
+        except Unavailable:
+            raise  # the worker waits and resumes the run: nothing final to write yet
         except Exception:
             self._keep_trajectories()  # a cancelled or failed run does not resume: what it did is kept
             raise
@@ -276,6 +289,20 @@ class Loop:
         return (f"{figures.attempts_done} attempts over {figures.tasks} tasks: pass rate {figures.pass_rate:.0%} "
                 f"(first answers {figures.first_pass_rate:.0%}), mean reward {figures.mean_reward:.3f}; "
                 f"trajectories {manifest}")
+
+    def _collect(self, awaited: dict[str, Step], asks: deque[Step]) -> None:
+        """The verdicts in: each an attempt, and a failing one's correction asked for."""
+        for key, verdict in self.store.verdicts(set(awaited)).items():
+            step = awaited.pop(key)
+            attempt = self._attempt(step, verdict)
+            self.store.save_attempt(attempt)
+            if self.corrects(attempt):
+                asks.append(next_step(step, attempt))
+
+    def corrects(self, attempt: Attempt) -> bool:
+        """Whether a correction round follows: the answer ran and failed, and rounds are left (an
+        answer that could not run, or was refused, ends its sample)."""
+        return attempt.status == "failed" and attempt.round < self.spec.rounds
 
     def _housekeep(self) -> None:
         """Once a second: executions held by a dead sandbox worker back to the queue, full segments to
@@ -290,10 +317,10 @@ class Loop:
 
     def _generate(self, generator: Generator, step: Step) -> Generation:
         started = time.monotonic()
-        completion, model = generator.generate(step, self.spec.max_tokens, self.spec.temperature,
-                                               self.spec.seed * 1_000_003 + step.sample * 101 + step.round)
-        return Generation(step.messages, completion, extract_code(completion, step.task),
-                          round(time.monotonic() - started, 3), model)
+        completion, model, refusal = generator.generate(step, self.spec.max_tokens, self.spec.temperature,
+                                                        self.spec.seed * 1_000_003 + step.sample * 101 + step.round)
+        return Generation(step.messages, completion, extract_code(completion, step.task) if refusal is None else "",
+                          round(time.monotonic() - started, 3), model, refusal)
 
     def _attempt(self, step: Step, verdict: Verdict) -> Attempt:
         generation = self.generated[step.key]
@@ -302,9 +329,9 @@ class Loop:
             completion=generation.completion, code=generation.code, status=verdict.status,
             exit_reason=verdict.reason, tests_passed=verdict.tests_passed, tests_total=verdict.tests_total,
             stdout=verdict.stdout, stderr=verdict.stderr,
-            feedback="" if verdict.status == "passed" else feedback(verdict),
+            feedback=feedback(verdict) if verdict.status == "failed" else "",
             reward=reward(verdict, step.task, self.settings.rl.efficiency_weight),
-            generate_s=generation.seconds, execute_s=verdict.wall_s, model=generation.model or self.model,
+            generate_s=generation.seconds, execute_s=verdict.wall_s, model=generation.model,
             adapter=self.spec.adapter, adapter_version=adapter_version(generation.model, self.spec.adapter))
 
     def _keep_trajectories(self) -> None:

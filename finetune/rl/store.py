@@ -22,8 +22,9 @@ from pathlib import Path
 
 from appliance.jobs import immediate
 from appliance.rl import Attempt, Task
-from finetune.rl.execute import Verdict
+from finetune.rl.execute import Verdict, not_run
 
+GIVE_UP_CLAIMS = 3  # an execution taken up this often without a verdict is recorded as an error
 SCHEMA = """
 create table if not exists executions (
     id integer primary key autoincrement,
@@ -42,7 +43,8 @@ create table if not exists generations (
     completion text not null,
     code text not null,
     seconds real not null,
-    model text not null                -- the engine's name for what answered (an adapter's: name-vN)
+    model text not null,               -- the engine's name for what answered (an adapter's: name-vN)
+    refused text                       -- why the gateway would not answer this request, if it would not
 );
 create table if not exists attempts (
     key text primary key,
@@ -74,6 +76,7 @@ class Generation:
     code: str
     seconds: float
     model: str
+    refused: str | None = None
 
 
 class RunStore:
@@ -104,30 +107,33 @@ class RunStore:
             db.execute("insert or ignore into executions (key, program, task) values (?, ?, ?)",
                        (key, program, task.model_dump_json()))
 
-    def claim(self, worker_pid: int, alive: Callable[[int], bool]) -> Execution | None:
-        """The next execution for this worker: one held by a worker that died, else the oldest queued."""
+    def claim(self, worker_pid: int) -> Execution | None:
+        """The oldest queued execution, for this worker (a dead worker's go back to the queue first:
+        requeue_orphans)."""
         with self._transaction() as db:
-            held = db.execute("select id, worker_pid from executions where state = 'running' order by id").fetchall()
-            orphan = next((row["id"] for row in held if not alive(row["worker_pid"])), None)
-            if orphan is None:
-                row = db.execute("select id from executions where state = 'queued' order by id limit 1").fetchone()
-                if row is None:
-                    return None
-                orphan = row["id"]
+            row = db.execute("select id from executions where state = 'queued' order by id limit 1").fetchone()
+            if row is None:
+                return None
             db.execute("update executions set state = 'running', worker_pid = ?, claims = claims + 1 where id = ?",
-                       (worker_pid, orphan))
-            row = db.execute("select * from executions where id = ?", (orphan,)).fetchone()
+                       (worker_pid, row["id"]))
+            row = db.execute("select * from executions where id = ?", (row["id"],)).fetchone()
         return Execution(id=row["id"], key=row["key"], program=row["program"],
                          task=Task.model_validate_json(row["task"]), claims=row["claims"])
 
     def requeue_orphans(self, alive: Callable[[int], bool]) -> int:
         """Executions held by a worker that is gone back to the queue (claim takes them over too, but
-        only a worker that runs does, and the pool starts workers for queued ones); how many."""
+        only a worker that runs does, and the pool starts workers for queued ones); how many. One
+        whose workers died GIVE_UP_CLAIMS times (it kills them, or the host does) is done: an error."""
         with self._transaction() as db:
-            held = db.execute("select id, worker_pid from executions where state = 'running'").fetchall()
-            orphans = [row["id"] for row in held if not alive(row["worker_pid"])]
-            db.executemany("update executions set state = 'queued', worker_pid = null where id = ?",
-                           [(orphan,) for orphan in orphans])
+            held = db.execute("select id, worker_pid, claims from executions where state = 'running'").fetchall()
+            orphans = [row for row in held if not alive(row["worker_pid"])]
+            for row in orphans:
+                if row["claims"] >= GIVE_UP_CLAIMS:
+                    verdict = not_run(f"its sandbox worker died {row['claims']} times running it")
+                    db.execute("update executions set state = 'done', verdict = ? where id = ?",
+                               (verdict.model_dump_json(), row["id"]))
+                else:
+                    db.execute("update executions set state = 'queued', worker_pid = null where id = ?", (row["id"],))
         return len(orphans)
 
     def release(self, execution_id: int, worker_pid: int) -> None:
@@ -169,14 +175,14 @@ class RunStore:
 
     def save_generation(self, key: str, generation: Generation) -> None:
         with self._connect() as db:
-            db.execute("insert or ignore into generations values (?, ?, ?, ?, ?, ?)",
+            db.execute("insert or ignore into generations values (?, ?, ?, ?, ?, ?, ?)",
                        (key, json.dumps(generation.messages), generation.completion, generation.code,
-                        generation.seconds, generation.model))
+                        generation.seconds, generation.model, generation.refused))
 
     def generations(self) -> dict[str, Generation]:
         with self._connect() as db:
             return {row["key"]: Generation(json.loads(row["messages"]), row["completion"], row["code"],
-                                           row["seconds"], row["model"])
+                                           row["seconds"], row["model"], row["refused"])
                     for row in db.execute("select * from generations")}
 
     def save_attempt(self, attempt: Attempt) -> None:

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from appliance.artifacts import ArtifactStore
 from appliance.durable import replace_file
-from appliance.errors import Conflict, IntegrityError, Invalid, NotFound
+from appliance.errors import IntegrityError, Invalid, NotFound
 from appliance.home import Home
 from appliance.rl import NAME, Task, TaskSet, load_tasksets, tasksets_path
 from finetune.datasets import DatasetError
@@ -114,16 +114,13 @@ def store(name: str, source: str, tasks: list[Task], held_out_fraction: float, a
 
 
 def load(name: str, split_name: str, artifacts: ArtifactStore, home: Home, expected: str | None = None) -> list[Task]:
-    """A stored split ('train', 'held_out' or 'all'), checked against the digest it was stored under
-    (and, if given, against `expected`: the task set a run was queued with)."""
+    """A stored split ('train', 'held_out' or 'all') of the set named `name` (or, if given, of the
+    set stored under digest `expected`: the one a run was queued with), checked against its digest."""
     registry = load_tasksets(home)
-    if name not in registry:
+    if expected is None and name not in registry:
         raise NotFound(f"no task set named {name!r}", hint=f"task sets: {', '.join(sorted(registry)) or 'none'}; "
                        "add one with `appliance rl tasks add FILE --name N`")
-    digest = registry[name].sha256
-    if expected is not None and digest != expected:
-        raise Conflict(f"task set {name!r} was replaced since the run was queued (now {digest[:16]}..., then "
-                       f"{expected[:16]}...)", hint="queue the run again")
+    digest = expected or registry[name].sha256  # a run reads the set it was queued with, even if renamed since
     parts = {part: artifacts.get(f"{PREFIX}{digest}/{part}.jsonl") for part in SPLITS}
     if (found := content_digest(parts)) != digest:
         raise IntegrityError(f"task set {name!r} in the artifact store was changed since it was added (its files "

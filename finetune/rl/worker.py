@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 from appliance import rl
 from appliance.changes import Change, announce
-from appliance.errors import ApplianceError
+from appliance.errors import ApplianceError, Unavailable
 from appliance.home import Home
 from appliance.jobs import JobState
 from appliance.programs import Program
@@ -27,16 +28,26 @@ def work_one(home: Home, settings: Settings) -> rl.Run | None:
     if run is None:
         return None
     log.info("run %d (%s on %s): attempt %d", run.id, run.spec.base, run.spec.tasks, run.attempts)
-    try:  # a run found cancelling (its worker died) stops at once, its trajectories kept
-        message = Loop(home, settings, run).execute()
-        state = JobState.SUCCEEDED
-    except RunCancelled as exc:
-        state, message = JobState.CANCELLED, exc.message
-    except ApplianceError as exc:
-        state, message = JobState.FAILED, exc.one_line()
-    except Exception as exc:  # an unexpected answer or a bug: the run fails, the worker goes on
-        log.exception("run %d", run.id)
-        state, message = JobState.FAILED, f"internal error: {type(exc).__name__}: {exc} (see the rl-worker's log)"
+    while True:
+        try:  # a run found cancelling (its worker died) stops at once, its trajectories kept
+            message = Loop(home, settings, run).execute()
+            state = JobState.SUCCEEDED
+        except RunCancelled as exc:
+            state, message = JobState.CANCELLED, exc.message
+        except Unavailable as exc:  # the gateway, Keycloak or the artifact store: wait, then resume
+            if rl.get(home, run.id).state == JobState.CANCELLING:
+                state, message = JobState.CANCELLED, f"cancelled while waiting: {exc.one_line()}"
+            else:
+                log.warning("run %d: %s; resuming in %g s", run.id, exc.one_line(), settings.rl.retry_s)
+                rl.note(home, run.id, f"waiting to resume: {exc.one_line()}")
+                time.sleep(settings.rl.retry_s)
+                continue
+        except ApplianceError as exc:
+            state, message = JobState.FAILED, exc.one_line()
+        except Exception as exc:  # an unexpected answer or a bug: the run fails, the worker goes on
+            log.exception("run %d", run.id)
+            state, message = JobState.FAILED, f"internal error: {type(exc).__name__}: {exc} (see the rl-worker's log)"
+        break
     rl.finish(home, run.id, state, message)
     try:
         succeeded = state == JobState.SUCCEEDED

@@ -28,6 +28,7 @@ from appliance.settings import load_settings
 from appliance.tls import ca_file
 from audit.writer import log_files
 from finetune.rl.starter import starter_tasks
+from finetune.rl.tasks import split
 from installer.realm import BOOTSTRAP_SECRET
 from tests.conftest import Appliance, make_appliance
 from tests.integration.conftest import Running, client, s3_server, s3_settings
@@ -148,8 +149,8 @@ def test_a_run_survives_killed_workers_and_leaves_verifiable_trajectories_in_the
     for chain in chains.values():  # each sample's rounds: failures corrected until one passes or rounds run out
         chain.sort(key=lambda a: a.round)
         assert [a.round for a in chain] == list(range(len(chain)))
-        assert all(a.status != "passed" and a.feedback for a in chain[:-1])
-        assert chain[-1].status == "passed" or chain[-1].round == 1
+        assert all(a.status == "failed" and a.feedback for a in chain[:-1])
+        assert chain[-1].status != "failed" or chain[-1].round == 1  # passed, could not run, or no rounds left
     corrections = [a for a in attempts if a.round == 1]
     assert corrections and all(a.messages[-1]["content"] == a.messages[-1]["content"].strip() for a in corrections)
     with sqlite3.connect(rl.run_dir(cli.home, run_id) / "run.sqlite") as db:
@@ -189,27 +190,29 @@ def test_a_run_survives_killed_workers_and_leaves_verifiable_trajectories_in_the
     assert {"rl.tasks.add", "rl.submit", "rl.run"} <= changes
 
 
-def test_sft_and_dpo_sets_train_an_adapter_that_is_served_and_gated_on_held_out_pass_at_1(lab: Lab) -> None:
+def test_sft_and_dpo_sets_train_adapters_that_are_gated_served_and_canaried(lab: Lab) -> None:
     cli = lab.cli
     [run] = [r for r in rl.listing(cli.home) if r.spec.split == "all"]
     exported = cli.run("rl", "export", str(run.id), "--sft", "rl-sft", "--dpo", "rl-dpo")
     assert exported.returncode == 0, exported.stdout + exported.stderr
     assert "SFT set: dataset rl-sft" in exported.stdout and "preference set: dataset rl-dpo" in exported.stdout
+    # The run covered every task; the held-out ones' attempts stay out of training data.
+    held_out_ids = {task.id for task in split(starter_tasks(), 0.2)["held_out"]}  # rl.held_out_fraction
+    held_out = sum(a.task in held_out_ids for a in rl_attempts(cli, run.id))
+    assert f"left out: {held_out} attempts at the task set's held-out tasks" in exported.stdout
     assert {key.split("/")[0] for key in
             (o.object_name for o in client(lab.s3).list_objects(BUCKET, recursive=True))} >= {"datasets", "tasksets",
                                                                                               "trajectories"}
 
-    dpo = cli.run("finetune", "run", "--data", "rl-dpo", "--name", "rl-dpo", "--base", MODEL, "--method", "dpo",
-                  "--max-steps", "4", "--lr", "0.0005", "--batch-size", "2", timeout=1200)
-    assert dpo.returncode == 0, dpo.stdout + dpo.stderr
-    [preferred] = adapters.load(cli.home).versions("rl-dpo")
-    assert preferred.hyperparameters.method == "dpo" and round(preferred.metrics.base_eval_loss, 3) == 0.693  # ln 2
+    # v1: SFT on the passing attempts, gated on held-out loss and a regression set against forgetting.
+    regression = lab.work / "regression.jsonl"
+    regression.write_text(json.dumps({"prompt": "What is the capital of France?", "expect": "Paris"}) + "\n")
+    trained = cli.run("finetune", "run", "--data", "rl-sft", "--name", "rl-coder", "--base", MODEL,
+                      "--max-steps", "6", "--lr", "0.0005", "--batch-size", "4", "--regression", str(regression),
+                      timeout=1200)
+    assert trained.returncode == 0, trained.stdout + trained.stderr
     wrong = cli.run("finetune", "run", "--data", "rl-dpo", "--name", "x", "--base", MODEL, timeout=300)
     assert wrong.returncode == 1 and "holds preference rows: train on it with --method dpo" in wrong.stderr
-
-    trained = cli.run("finetune", "run", "--data", "rl-sft", "--name", "rl-coder", "--base", MODEL,
-                      "--max-steps", "6", "--lr", "0.0005", "--batch-size", "4", timeout=1200)
-    assert trained.returncode == 0, trained.stdout + trained.stderr
     login = cli.run("token", "--user", "admin", "--password-stdin",
                     stdin=secret(lab.realm.running.appliance.home, BOOTSTRAP_SECRET) + "\n", timeout=60)
     assert login.returncode == 0, login.stderr
@@ -219,16 +222,31 @@ def test_sft_and_dpo_sets_train_an_adapter_that_is_served_and_gated_on_held_out_
     gated = cli.run("rl", "gate", "rl-coder", "--tasks", "easy", "--base", MODEL, "--seeds", "3",
                     "--max-tokens", "96", timeout=1800)
     print(gated.stdout)
-    [record] = adapters.load(cli.home).versions("rl-coder")
-    scores = record.metrics.eval_sets["held_out_pass@1"]
+    v1 = adapters.load(cli.home).find("rl-coder", 1)
+    assert "regression" in v1.metrics.eval_sets
+    scores = v1.metrics.eval_sets["held_out_pass@1"]
     passed = scores.adapter >= scores.base  # --max-drop 0: no worse than the base model
     assert gated.returncode == (0 if passed else 1), gated.stdout + gated.stderr
     assert gated.stdout.count("over 3 seeds") == 2
-    assert ("gate: passed" in gated.stdout) == passed and passed == (record.metrics.gate_failures == [])
+    assert ("gate: passed" in gated.stdout) == passed and passed == (v1.metrics.gate_failures == [])
     adapter_runs = [r for r in rl.listing(cli.home) if r.spec.adapter == "rl-coder"]
     assert len(adapter_runs) == 3 and all(r.state == "succeeded" for r in adapter_runs)
     shown = json.loads(cli.run("rl", "trajectories", str(adapter_runs[0].id), "--json").stdout)
     assert shown and all(a["adapter"] == "rl-coder" and a["adapter_version"] == 1 for a in shown)
+
+    # v2: DPO on the preference set (its base loss is ln 2: the base prefers neither answer), tried as
+    # a canary beside v1; the gate will not measure while two versions answer.
+    dpo = cli.run("finetune", "run", "--data", "rl-dpo", "--name", "rl-coder", "--base", MODEL, "--method", "dpo",
+                  "--max-steps", "4", "--lr", "0.0005", "--batch-size", "2", timeout=1200)
+    assert dpo.returncode == 0, dpo.stdout + dpo.stderr
+    v2 = adapters.load(cli.home).find("rl-coder", 2)
+    assert v2.hyperparameters.method == "dpo" and round(v2.metrics.base_eval_loss, 3) == 0.693
+    canary = cli.run("adapters", "canary", "rl-coder", "--version", "2", "--share", "0.5", timeout=300)
+    assert canary.returncode == 0 and "v2 gets 50% of requests, v1 the rest" in canary.stdout, canary.stderr
+    refused = cli.run("rl", "gate", "rl-coder", "--tasks", "easy", "--base", MODEL, timeout=60)
+    assert refused.returncode == 1 and "has a canary" in refused.stderr
+    rolled = cli.run("adapters", "rollback", "rl-coder", timeout=300)
+    assert rolled.returncode == 0 and "rl-coder serves v1" in rolled.stdout, rolled.stderr
 
 
 def test_the_tui_shows_runs_and_one_attempt_with_its_correction(lab: Lab) -> None:

@@ -131,18 +131,23 @@ def test_the_queue_hands_a_dead_workers_execution_on_and_stores_a_verdict_once(t
     queue.enqueue("a", "print(2)", ADD)  # the same attempt again: ignored
     queue.enqueue("b", "print(3)", ADD)
     assert queue.depth() == 2
-    first = queue.claim(100, lambda pid: True)
+    first = queue.claim(100)
     assert first is not None and (first.key, first.program, first.task) == ("a", "print(1)", ADD)
-    taken = queue.claim(200, lambda pid: pid != 100)  # worker 100 died holding "a"
+    assert queue.requeue_orphans(lambda pid: pid != 100) == 1  # worker 100 died holding "a"
+    taken = queue.claim(200)
     assert taken is not None and (taken.key, taken.claims) == ("a", 2)
     assert not queue.complete(first.id, 100, verdict())  # the dead worker's late verdict is not stored
     assert queue.complete(taken.id, 200, verdict("passed", 1))
     assert not queue.complete(taken.id, 200, verdict())  # once
     assert queue.verdicts({"a", "b"}).keys() == {"a"} and queue.verdicts({"a"})["a"].status == "passed"
-    held = queue.claim(300, lambda pid: True)
+    held = queue.claim(300)
     assert held is not None and held.key == "b" and queue.depth() == 0
-    assert queue.requeue_orphans(lambda pid: pid != 300) == 1 and queue.depth() == 1  # its worker died
     assert queue.requeue_orphans(lambda pid: True) == 0
+    for pid in (301, 302):  # its workers keep dying: taken up GIVE_UP_CLAIMS times, then an error
+        assert queue.requeue_orphans(lambda p: False) == 1 and queue.claim(pid) is not None
+    assert queue.requeue_orphans(lambda p: False) == 1 and queue.depth() == 0
+    assert queue.verdicts({"b"})["b"].reason == "its sandbox worker died 3 times running it"
+    assert queue.unfinished() == 0
 
 
 def test_a_worker_is_known_by_its_command_line_not_its_number() -> None:
