@@ -51,13 +51,18 @@ def work_one(home: Home, settings: Settings) -> jobs.Job | None:
                    f"{result.adapter_eval_loss:.4f} ({result.improvement:+.1%}); {result.steps} steps{resumed}; "
                    f"gate {verdict}")
     jobs.finish(home, job.id, state, message)
-    try:  # the job's outcome in the audit log, as the CLI's changes are
-        succeeded = state == jobs.JobState.SUCCEEDED
-        announce(Change("finetune.job", "allowed" if succeeded else "error", 0 if succeeded else 1,
-                        f"job {job.id} ({job.name} on {job.data}) {state}: {message}"))
-    except ApplianceError as exc:
-        log.error("job %d: %s", job.id, exc.one_line())
+    announce_outcome("finetune.job", state, f"job {job.id} ({job.name} on {job.data}) {state}: {message}", log)
     return jobs.get(home, job.id)
+
+
+def announce_outcome(action: str, state: jobs.JobState, detail: str, log: logging.Logger) -> None:
+    """A job's or a run's outcome in the audit log, as the CLI's changes are (one that cannot be
+    recorded is logged: the work is done either way)."""
+    succeeded = state == jobs.JobState.SUCCEEDED
+    try:
+        announce(Change(action, "allowed" if succeeded else "error", 0 if succeeded else 1, detail))
+    except ApplianceError as exc:
+        log.error("%s (%s) not recorded in the audit log: %s", action, detail[:200], exc.one_line())
 
 
 def worker_alive(pid: int | None) -> bool:

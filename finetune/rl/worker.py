@@ -9,7 +9,6 @@ import os
 import time
 
 from appliance import rl
-from appliance.changes import Change, announce
 from appliance.errors import ApplianceError, Unavailable
 from appliance.home import Home
 from appliance.jobs import JobState
@@ -17,7 +16,7 @@ from appliance.programs import Program
 from appliance.settings import Settings
 from appliance.supervisor import runs_module
 from finetune.rl.loop import Loop, RunCancelled
-from finetune.worker import serve_queue, worker_program
+from finetune.worker import announce_outcome, serve_queue, worker_program
 
 log = logging.getLogger("appliance.rl-worker")
 
@@ -49,12 +48,7 @@ def work_one(home: Home, settings: Settings) -> rl.Run | None:
             state, message = JobState.FAILED, f"internal error: {type(exc).__name__}: {exc} (see the rl-worker's log)"
         break
     rl.finish(home, run.id, state, message)
-    try:
-        succeeded = state == JobState.SUCCEEDED
-        announce(Change("rl.run", "allowed" if succeeded else "error", 0 if succeeded else 1,
-                        f"run {run.id} ({run.spec.base} on {run.spec.tasks}) {state}: {message}"))
-    except ApplianceError as exc:
-        log.error("run %d: %s", run.id, exc.one_line())
+    announce_outcome("rl.run", state, f"run {run.id} ({run.spec.base} on {run.spec.tasks}) {state}: {message}", log)
     return rl.get(home, run.id)
 
 
