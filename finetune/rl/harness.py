@@ -1,6 +1,7 @@
-"""Runs inside the execution sandbox, as its first process, with the system's Python and no
-import from the appliance (it is copied into the task directory): it runs an untrusted program
-against its tests and writes the count to a file descriptor the program never holds.
+"""Runs inside the execution sandbox, as process 1 of each execution's PID namespace (imported once
+by the cell's zygote, finetune/rl/zygote.py, with the system's Python and no import from the
+appliance): it runs an untrusted program against its tests and writes the count to a file
+descriptor the program never holds.
 
 The untrusted code runs only in child processes, each in a process group of its own, which close
 the result descriptor before anything else happens, so no program can forge its score. Tests:
@@ -21,7 +22,7 @@ import time
 from typing import Any
 
 # subprocess (for C and input/output cases) and traceback (for a failing test) are imported where
-# they are needed: every execution starts this interpreter, and imports are most of its start.
+# they are needed; the zygote has them imported already.
 
 TASK = "/task"
 OUTPUT_KEPT = 65536  # of each case's output, what goes back to be compared

@@ -14,7 +14,7 @@ import pytest
 
 from appliance.home import Home
 from appliance.settings import ExecutionSettings
-from finetune.rl.execute import EXEC_UIDS, EXEC_USER, execute
+from finetune.rl.execute import EXEC_UIDS, EXEC_USER, Sandbox, execute
 from tests.conftest import APPLIANCE
 
 SETTINGS = ExecutionSettings(cpu_s=3, wall_s=15, test_wall_s=6, memory_mib=256, processes=32, tmpfs_mib=16,
@@ -215,8 +215,14 @@ def test_one_execution_cannot_starve_another_or_leave_it_state() -> None:
     assert run(find)[0] == "test_ok: exit 6", "a key left by one execution is not found by the next"
 
 
-def test_killing_the_harness_scores_a_failure_and_no_terminal_exists() -> None:
-    verdict = execute("import os\nos.kill(os.getppid(), 9)\n", "python", SETTINGS, tests=SAFE)
+def test_the_harness_cannot_be_killed_ending_it_scores_a_failure_and_no_terminal_exists() -> None:
+    # The harness is process 1 of the execution's PID namespace: a SIGKILL from inside never reaches it.
+    survived = execute("import os\nos.kill(os.getppid(), 9)\n", "python", SETTINGS,
+                       tests="import os\n\ndef test_ok():\n    assert os.getppid() == 1\n")
+    assert survived.status == "passed", survived
+    # A signal it does not ignore ends it before it reports: a failure, never a pass.
+    verdict = execute("import os, signal, time\nos.kill(os.getppid(), signal.SIGINT)\ntime.sleep(1)\n", "python",
+                      SETTINGS, tests=SAFE)
     assert verdict.status == "failed" and verdict.reason.startswith("the sandbox ended without a report")
     reason, stderr, _ = run("open('/dev/ptmx', 'rb')\n")
     assert reason == "test_ok: exit 1" and "No such file" in stderr
@@ -233,3 +239,49 @@ def test_its_processes_are_capped_together_where_the_host_allows() -> None:
         while set(groups.glob("*/")) - before and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not set(groups.glob("*/")) - before, "its cgroup is removed after it"
+
+
+# Executions forked by one cell's zygote (finetune.rl.zygote), as a sandbox worker runs them.
+
+
+def test_each_execution_has_no_privilege_and_sees_only_itself() -> None:
+    probe = ("import os\nstatus = dict(line.split(':', 1) for line in open('/proc/self/status'))\n"
+             "caps = [status[k].strip() for k in ('CapInh', 'CapPrm', 'CapEff', 'CapBnd', 'CapAmb')]\n"
+             "print(os.getuid(), status['NoNewPrivs'].strip(), set(caps), os.listdir('/cells'))\n"
+             "print(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))\n")
+    verdict = execute(probe, "python", SETTINGS, tests=SAFE)
+    assert verdict.status == "passed", verdict
+    who, processes = verdict.stdout.splitlines()
+    uid, no_new_privileges, caps, cells = who.split(" ", 3)
+    assert no_new_privileges == "1" and caps == "{'0000000000000000'}"
+    assert cells == "[]", "the cell's task directories (this one's included) are not the execution's"
+    assert processes == "[1, 2]", "only its harness and itself: not the zygote, not another execution"
+    if os.geteuid() == 0:
+        assert EXEC_UIDS[0] <= int(uid) < EXEC_UIDS[1]
+
+
+def test_a_cell_leaves_nothing_of_one_execution_to_the_next() -> None:
+    leave = ("import os, subprocess, sys\nopen('/tmp/left', 'w').write('x')\n"
+             "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True)\n"
+             "print(os.getuid())\n")
+    look = ("import os\nprint(os.getuid(), os.path.exists('/tmp/left'), "
+            "sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))\n")
+    with Sandbox(SETTINGS) as sandbox:
+        first = sandbox.run(leave, "python", tests=SAFE)
+        second = sandbox.run(look, "python", tests=SAFE)
+    assert first.status == second.status == "passed", (first, second)
+    uid, left, processes = second.stdout.strip().split(" ", 2)
+    assert (left, processes) == ("False", "[1, 2]"), second.stdout
+    if os.geteuid() == 0:
+        assert uid != first.stdout.strip(), "each execution has a user of its own"
+    assert not exec_user_processes(), "what the first left running ended with it"
+
+
+def test_a_cell_killed_for_a_limit_is_replaced() -> None:
+    with Sandbox(SETTINGS.model_copy(update={"wall_s": 2.0})) as sandbox:
+        stuck = sandbox.run("import signal, time\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\ntime.sleep(60)\n",
+                            "python", tests=SAFE)
+        after = sandbox.run("def add(a, b):\n    return a + b\n", "python",
+                            tests="def test_add():\n    assert add(1, 2) == 3\n")
+    assert stuck.reason == "wall time over 2 s" and after.status == "passed", (stuck, after)
+    assert not exec_user_processes()

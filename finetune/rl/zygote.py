@@ -1,0 +1,198 @@
+"""Runs inside a sandbox cell (finetune.rl.execute) as its first process, with the system's Python
+and no import from the appliance: it forks every execution into namespaces of its own.
+
+Starting a sandbox and an interpreter for each of thousands of short executions costs several
+times what the program itself does; this process starts once per sandbox worker, with the harness
+already imported, and for each execution the host asks for:
+1. forks a child that takes new mount, PID, network, IPC and UTS namespaces (unshare) and forks
+   again: that grandchild is process 1 of the new PID namespace, so every process the program
+   starts ends with it;
+2. the grandchild mounts a fresh tmpfs on /tmp, the execution's own task directory read-only on
+   /task (the cell's other directories are unmounted), and a /proc of its PID namespace;
+3. sets the execution's limits, drops every capability (bounding, inheritable, ambient), becomes a
+   user id drawn for this execution alone and sets no-new-privileges;
+4. only then runs the harness, which runs the untrusted program in its children.
+
+The zygote itself never runs untrusted code and no execution can see it (another PID namespace),
+reach it (no descriptor of its socket), or outlive the namespace it was given. It reports each
+execution's exit status on the socket; the verdict goes from the harness to the host on a pipe the
+host gave for that execution alone.
+"""
+
+import ctypes
+import fcntl
+import json
+import os
+import resource
+import socket
+import struct
+import subprocess  # noqa: F401 (the harness imports it where it needs it: here once, not per execution)
+import sys
+import traceback
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # type: ignore[import-not-found]  # bound next to this file in the cell
+
+libc = ctypes.CDLL(None, use_errno=True)
+CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
+CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x1, 0x2, 0x4, 0x8
+MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 0x20, 0x1000, 0x4000, 0x40000
+MNT_DETACH = 2
+PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 24, 38
+CAPABILITY_VERSION_3 = 0x20080522
+STDOUT, STDERR, RESULT = 1, 2, 3
+SETUP_FAILED = 125
+
+
+class CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+def checked(result: int, what: str) -> None:
+    if result != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"{what}: {os.strerror(errno)}")
+
+
+def mount(source: str, target: str, kind: str, flags: int, data: str = "") -> None:
+    checked(libc.mount(source.encode(), target.encode(), kind.encode(), ctypes.c_ulong(flags),
+                       data.encode() or None), f"mount {target}")
+
+
+def serve(control: socket.socket) -> None:
+    """One execution at a time, until the host closes the socket."""
+    with open("/proc/sys/kernel/cap_last_cap") as handle:
+        last_capability = int(handle.read())
+    control.sendall(b"ready\n")
+    while True:
+        message, fds, _, _ = socket.recv_fds(control, 4096, 3)
+        if not message:
+            return
+        request = json.loads(message)
+        middle = os.fork()
+        if middle == 0:
+            control.close()
+            status = SETUP_FAILED
+            try:
+                status = execution(request, fds, last_capability)
+            finally:
+                os._exit(status)
+        for fd in fds:
+            os.close(fd)
+        _, status = os.waitpid(middle, 0)
+        control.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+
+
+def execution(request: dict[str, Any], fds: list[int], last_capability: int) -> int:
+    """In the middle process: new namespaces, then process 1 of the new PID namespace runs the
+    execution; its exit status."""
+    try:
+        if len(fds) != 3 or not str(request["key"]).isdigit():
+            raise ValueError("a request is a numeric key and three descriptors")
+        checked(libc.unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS), "unshare")
+        mount("none", "/", "", MS_REC | MS_PRIVATE)  # nothing mounted here shows anywhere else
+    except Exception as exc:
+        return setup_failed(fds[2], f"its namespaces: {type(exc).__name__}: {exc}")
+    first = os.fork()
+    if first == 0:
+        status = SETUP_FAILED
+        try:
+            status = contained(request, fds, last_capability)
+        finally:
+            os._exit(status)
+    for fd in fds:
+        os.close(fd)
+    _, status = os.waitpid(first, 0)
+    return os.waitstatus_to_exitcode(status) & 0xFF
+
+
+def contained(request: dict[str, Any], fds: list[int], last_capability: int) -> int:
+    """Process 1 of the execution's PID namespace: its mounts, limits and user, then the harness."""
+    result, step = fds[2], "its mounts"
+    try:
+        limits = request["limits"]
+        mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={int(limits['tmpfs'])},mode=1777")
+        mount(f"/cells/{request['key']}", "/task", "", MS_BIND)
+        mount("none", "/task", "", MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+        checked(libc.umount2(b"/cells", MNT_DETACH), "umount /cells")
+        mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        step = "its out-of-memory score"
+        with open("/proc/self/oom_score_adj", "w") as handle:
+            handle.write("1000")  # out of memory, the cell's processes are killed after the execution's
+        step = "its loopback device"
+        loopback_up()
+        step = "its descriptors"
+        place_descriptors(fds)
+        result, step = RESULT, "its limits"
+        for kind, value in ((resource.RLIMIT_CPU, (limits["cpu"], limits["cpu"] + 1)),
+                            (resource.RLIMIT_AS, limits["memory"]), (resource.RLIMIT_NPROC, limits["processes"]),
+                            (resource.RLIMIT_NOFILE, limits["open_files"]), (resource.RLIMIT_FSIZE, limits["tmpfs"]),
+                            (resource.RLIMIT_CORE, 0)):
+            resource.setrlimit(kind, value if isinstance(value, tuple) else (value, value))
+        step = "its user and privileges"
+        drop_privileges(request.get("uid"), request.get("gid"), last_capability)
+        os.chdir("/tmp")
+        os.environ.clear()
+        os.environ.update({str(k): str(v) for k, v in request["environment"].items()})
+        os.environ["RESULT_FD"] = str(RESULT)
+    except Exception as exc:
+        return setup_failed(result, f"{step}: {type(exc).__name__}: {exc}")
+    try:
+        harness.main()
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    return 0
+
+
+def loopback_up() -> None:
+    """The execution's network namespace's loopback device up (its only device): programs that talk
+    to themselves on 127.0.0.1 work, and reach nothing else."""
+    siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        flags = struct.unpack("16sH14x", fcntl.ioctl(probe, siocgifflags, struct.pack("16sH14x", b"lo", 0)))[1]
+        fcntl.ioctl(probe, siocsifflags, struct.pack("16sH14x", b"lo", flags | iff_up))
+
+
+def place_descriptors(fds: list[int]) -> None:
+    """stdin /dev/null, then stdout, stderr and the result pipe at 1-3, and no other descriptor."""
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 10) for fd in fds]
+    os.dup2(os.open("/dev/null", os.O_RDONLY), 0)
+    for fd, target in zip(high, (STDOUT, STDERR, RESULT), strict=True):
+        os.dup2(fd, target)
+    os.closerange(RESULT + 1, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+
+
+def drop_privileges(uid: int | None, gid: int | None, last_capability: int) -> None:
+    """No capability in any set, this execution's user and group (as root), no new privileges."""
+    for capability in range(last_capability + 1):
+        checked(libc.prctl(PR_CAPBSET_DROP, capability, 0, 0, 0), "drop the bounding set")
+    if uid is not None and gid is not None:
+        os.setgroups([])
+        os.setresgid(gid, gid, gid)
+        os.setresuid(uid, uid, uid)  # clears the permitted, effective and ambient sets
+    header, data = CapHeader(CAPABILITY_VERSION_3, 0), (CapData * 2)()
+    checked(libc.capset(ctypes.byref(header), ctypes.byref(data)), "clear the capability sets")
+    checked(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no new privileges")
+
+
+def setup_failed(result_fd: int, why: str) -> int:
+    """The host's sandbox failed (not the program's doing): why, on the result pipe."""
+    try:
+        os.write(result_fd, json.dumps({"setup_failed": why[:400]}).encode())
+    except OSError:
+        pass
+    return SETUP_FAILED
+
+
+if __name__ == "__main__":
+    serve(socket.socket(fileno=0))
