@@ -49,6 +49,7 @@ MOVES: dict[JobState, frozenset[JobState]] = {
     **{state: frozenset() for state in FINISHED},
 }
 
+NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,63}$"  # an adapter's or a dataset's name
 CANCEL_FILE = "cancel"  # in the job's directory: the runner stops the trainer
 PROGRESS_FILE = "progress.json"  # in the job's directory: the trainer's latest report
 PROGRESS_MAX_BYTES = 4096
@@ -82,6 +83,22 @@ create table if not exists rl_runs (
     attempts integer not null default 0,
     worker_pid integer,
     message text
+)"""
+
+
+RL_EXPORTS_SCHEMA = """
+create table if not exists rl_exports (
+    id integer primary key autoincrement,
+    run_id integer not null,       -- the RL run whose trajectories it reads
+    sft text,                      -- the SFT dataset to make, if asked for
+    dpo text,                      -- the preference dataset to make, if asked for
+    state text not null,           -- JobState, moved by MOVES as jobs are
+    submitted text not null,
+    started text,
+    finished text,
+    attempts integer not null default 0,
+    worker_pid integer,
+    message text                   -- what it stored, or why it failed
 )"""
 
 
@@ -164,6 +181,7 @@ def connect(home: Home) -> Iterator[sqlite3.Connection]:
         db.execute("pragma journal_mode=wal")
         db.execute(SCHEMA)
         db.execute(RL_RUNS_SCHEMA)
+        db.execute(RL_EXPORTS_SCHEMA)
         yield db
     finally:
         db.close()

@@ -15,12 +15,22 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from appliance.durable import replace_file
-from appliance.errors import IllegalTransition, NotFound
+from appliance.errors import Conflict, IllegalTransition, NotFound
 from appliance.home import Home
-from appliance.jobs import CANCEL_FILE, FINISHED, PROGRESS_FILE, JobState, check_move, claimable, connect, transaction
+from appliance.jobs import (
+    CANCEL_FILE,
+    FINISHED,
+    NAME_PATTERN,
+    PROGRESS_FILE,
+    JobState,
+    check_move,
+    claimable,
+    connect,
+    transaction,
+)
 
 Language = Literal["python", "c"]
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -260,6 +270,84 @@ class RunReport(Run):
 
 def report(home: Home, run: Run) -> RunReport:
     return RunReport(**run.model_dump(), progress=read_progress(home, run.id))
+
+
+class ExportAsk(BaseModel):
+    """Datasets to make from a finished run's trajectories (held-out tasks left out)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    sft: str | None = Field(None, pattern=NAME_PATTERN, description="The SFT set: passing attempts.")
+    dpo: str | None = Field(None, pattern=NAME_PATTERN,
+                            description="The preference set: passing vs failing first answers at the same task.")
+
+    @model_validator(mode="after")
+    def _something(self) -> ExportAsk:
+        if self.sft is None and self.dpo is None:
+            raise ValueError("give sft, dpo or both: the datasets' names")
+        if self.sft == self.dpo:
+            raise ValueError("the SFT and preference sets need two names")
+        return self
+
+
+class Export(ExportAsk):
+    """An export asked of the rl-worker (the admin API's; `appliance rl export` makes them at once)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: int
+    run_id: int
+    state: JobState
+    submitted: str
+    started: str | None
+    finished: str | None
+    worker_pid: int | None
+    message: str | None
+
+
+def _export(db: sqlite3.Connection, export_id: int) -> Export:
+    row = db.execute("select * from rl_exports where id = ?", (export_id,)).fetchone()
+    if row is None:
+        raise NotFound(f"no export {export_id}")
+    return Export.model_validate(dict(row))
+
+
+def ask_export(home: Home, run_id: int, ask: ExportAsk) -> Export:
+    """Queue an export of a run that ended with its trajectories written (Conflict before)."""
+    with transaction(home) as db:
+        run = _get(db, run_id)
+        if run.state not in FINISHED or manifest_digest(home, run_id) is None:
+            raise Conflict(f"RL run {run_id} is {run.state}: only a run that ended with its trajectories written "
+                           "can be exported", hint="`appliance rl status` shows where it is")
+        cursor = db.execute("insert into rl_exports (run_id, sft, dpo, state, submitted) values (?, ?, ?, 'queued', ?)",
+                            (run_id, ask.sft, ask.dpo, _now()))
+        return _export(db, int(cursor.lastrowid or 0))
+
+
+def exports(home: Home) -> list[Export]:
+    with connect(home) as db:
+        return [Export.model_validate(dict(row)) for row in db.execute("select * from rl_exports order by id")]
+
+
+def claim_export(home: Home, worker_pid: int, alive: Callable[[int | None], bool]) -> Export | None:
+    """The next export for this worker: one whose worker died (done again), else the oldest queued."""
+    with transaction(home) as db:
+        row = claimable(db, "rl_exports", alive)
+        if row is None:
+            return None
+        check_move(f"export {row['id']}", row["state"], JobState.RUNNING)
+        db.execute("update rl_exports set state = 'running', worker_pid = ?, attempts = attempts + 1, "
+                   "started = coalesce(started, ?) where id = ?", (worker_pid, _now(), row["id"]))
+        return _export(db, row["id"])
+
+
+def finish_export(home: Home, export_id: int, state: JobState, message: str) -> None:
+    if state not in FINISHED:
+        raise IllegalTransition(f"export {export_id} cannot finish as {state}")
+    with transaction(home) as db:
+        check_move(f"export {export_id}", _export(db, export_id).state, state)
+        db.execute("update rl_exports set state = ?, message = ?, finished = ?, worker_pid = null where id = ?",
+                   (state, message[:1000], _now(), export_id))
 
 
 def tasksets_path(home: Home) -> Path:

@@ -25,7 +25,7 @@ from finetune.datasets import check_lengths, load_registry, parse, scan, split, 
 from finetune.pii import Scanner
 from finetune.runner import run_job
 
-NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+NAME = re.compile(jobs.NAME_PATTERN)
 data_app = typer.Typer(help="Training datasets: validated, scanned, stored content-addressed.",
                        no_args_is_help=True)
 finetune_app = typer.Typer(help="Train LoRA/QLoRA adapters on stored datasets.", no_args_is_help=True)

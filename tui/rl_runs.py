@@ -37,14 +37,16 @@ class RlRuns(Panel):
     Label { padding: 0 1; text-style: bold; }
     """
     BINDINGS = [Binding("c", "cancel_run", "Cancel run", show=False),
-                Binding("t", "trajectories", "Trajectories", show=False)]
+                Binding("t", "trajectories", "Trajectories", show=False),
+                Binding("x", "export", "Export SFT/DPO sets", show=False)]
 
     def __init__(self) -> None:
         super().__init__()
         self.attempts: dict[str, Attempt] = {}
 
     def body(self) -> ComposeResult:
-        yield Label("RL runs (c: cancel, t: trajectories of a finished run)")
+        yield Label("RL runs (c: cancel, t: trajectories, x: export its SFT and DPO sets as datasets "
+                    "rl-run-N-sft and rl-run-N-dpo)")
         yield DataTable(id="runs", cursor_type="row")
         yield Label("Attempts (enter: show one)")
         yield DataTable(id="attempts", cursor_type="row")
@@ -73,6 +75,13 @@ class RlRuns(Panel):
         if run is not None:
             self.act(lambda: self.client.call("POST", f"/rl/runs/{run}/cancel"), f"run {run}: cancel asked",
                      f"Cancel RL run {run}? (its attempts so far are kept)")
+
+    def action_export(self) -> None:
+        run = selected_key(self.query_one("#runs", DataTable))
+        if run is not None:
+            ask = {"sft": f"rl-run-{run}-sft", "dpo": f"rl-run-{run}-dpo"}
+            self.act(lambda: self.client.call("POST", f"/rl/runs/{run}/exports", json=ask),
+                     f"run {run}: export asked (datasets {ask['sft']} and {ask['dpo']})")
 
     def action_trajectories(self) -> None:
         run = selected_key(self.query_one("#runs", DataTable))

@@ -20,16 +20,16 @@ from appliance.errors import Invalid, NotFound
 from appliance.home import Home
 from appliance.jobs import FINISHED, JobState
 from appliance.progress import byte_progress
-from appliance.rl import RunSpec, Task, load_tasksets
+from appliance.rl import ExportAsk, RunSpec, Task, load_tasksets
 from appliance.settings import load_settings
 from appliance.terminal import shown
 from appliance.trajectories import read_run
 from finetune.cli import NAME as DATASET_NAME
 from finetune.rl.execute import SOURCE, Language, execute
-from finetune.rl.export import dpo_rows, prepare_set, sft_rows, store_set
+from finetune.rl.export import export_run
 from finetune.rl.gate import held_out_set, measure, record, served_version, verdict
 from finetune.rl.starter import starter_tasks
-from finetune.rl.tasks import check_name, humaneval, load, parse, store
+from finetune.rl.tasks import check_name, humaneval, parse, store
 
 rl_app = typer.Typer(help="Post-training from execution feedback: task sets, the sandbox, runs, trajectories.",
                       no_args_is_help=True)
@@ -289,23 +289,11 @@ def export(
     for option, name in (("--sft", sft), ("--dpo", dpo)):
         if name is not None and not DATASET_NAME.match(name):
             raise Invalid(f"{option} {name!r}: use lower-case letters, digits, '.', '_' or '-' (up to 64)")
+    if sft == dpo:
+        raise Invalid("--sft and --dpo need two names")
     home = Home.from_env()
-    settings = load_settings(home.settings_file)
-    artifacts = artifact_store(settings.artifacts, home)
-    manifest, attempts = read_run(artifacts, home, run)
-    spec = RunSpec.model_validate(manifest.spec)
-    held_out = {task.id for task in load(spec.tasks, "held_out", artifacts, home, spec.tasks_sha256)}
-    kept = [attempt for attempt in attempts if attempt.task not in held_out]
-    if len(kept) < len(attempts):  # training on them would leave the gate measuring on training data
-        out.print(f"left out: {len(attempts) - len(kept)} attempts at the task set's held-out tasks", highlight=False)
-    chosen = [(label, name, prepare_set(run, rows, what, settings)) for label, name, rows, what in (
-        ("SFT set", sft, sft_rows(kept), "passing attempt at a training task"),
-        ("preference set", dpo, dpo_rows(kept), "training task with a passing answer and a failing first one"))
-        if name is not None]  # both built and scanned before either is stored: all or nothing
-    for label, name, prepared in chosen:
-        done = store_set(name, run, prepared, settings, artifacts, home)
-        out.print(f"{label}: dataset {done.name}, {done.rows} rows ({done.train} train, {done.eval} eval), "
-                  f"sha256 {done.digest}", soft_wrap=True, highlight=False)
+    for line in export_run(run, ExportAsk(sft=sft, dpo=dpo), load_settings(home.settings_file), home).lines():
+        out.print(line, soft_wrap=True, highlight=False)
 
 
 @rl_app.command("gate")

@@ -15,13 +15,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from appliance.artifacts import ArtifactStore
+from appliance.artifacts import ArtifactStore, artifact_store
 from appliance.errors import Invalid
 from appliance.home import Home
-from appliance.rl import Attempt
+from appliance.rl import Attempt, ExportAsk, RunSpec
 from appliance.settings import Settings
+from appliance.trajectories import read_run
 from finetune.datasets import Imported, Row, normalise, scan, split, store
 from finetune.pii import Scanner
+from finetune.rl.tasks import load
 
 
 def sft_rows(attempts: list[Attempt]) -> list[dict[str, Any]]:
@@ -84,3 +86,33 @@ def store_set(name: str, run_id: int, prepared: Prepared, settings: Settings, ar
     """Store a prepared set as a training dataset, content-addressed."""
     return store(name, Path(f"rl-run-{run_id}.jsonl"), prepared.train, prepared.evaluation, prepared.sensitive,
                  settings.finetune.sensitive_data, artifacts, home)
+
+
+@dataclass
+class Exported:
+    left_out: int  # attempts at the task set's held-out tasks
+    stored: list[tuple[str, Imported]]
+
+    def lines(self) -> list[str]:
+        told = [f"left out: {self.left_out} attempts at the task set's held-out tasks"] if self.left_out else []
+        return told + [f"{label}: dataset {done.name}, {done.rows} rows ({done.train} train, {done.eval} eval), "
+                       f"sha256 {done.digest}" for label, done in self.stored]
+
+
+def export_run(run_id: int, ask: ExportAsk, settings: Settings, home: Home) -> Exported:
+    """The datasets `ask` names, made from a run's verified trajectories (`appliance rl export`, and the
+    rl-worker for the admin API). Attempts at held-out tasks are left out: training on them would
+    leave the gate measuring on training data. Both sets are built and scanned before either is
+    stored: all or nothing."""
+    artifacts = artifact_store(settings.artifacts, home)
+    manifest, attempts = read_run(artifacts, home, run_id)
+    spec = RunSpec.model_validate(manifest.spec)
+    held_out = {task.id for task in load(spec.tasks, "held_out", artifacts, home, spec.tasks_sha256)}
+    kept = [attempt for attempt in attempts if attempt.task not in held_out]
+    chosen = [(label, name, prepare_set(run_id, rows, what, settings)) for label, name, rows, what in (
+        ("SFT set", ask.sft, sft_rows(kept), "passing attempt at a training task"),
+        ("preference set", ask.dpo, dpo_rows(kept), "training task with a passing answer and a failing first one"))
+        if name is not None]
+    return Exported(len(attempts) - len(kept),
+                    [(label, store_set(name, run_id, prepared, settings, artifacts, home))
+                     for label, name, prepared in chosen])

@@ -1,6 +1,7 @@
 """The `rl-worker` program (supervised): takes queued RL runs one at a time and runs each to its end
 (finetune.rl.loop). A run left running by a worker that died is taken first and resumes from what
-its store holds."""
+its store holds. Exports asked through the admin API (datasets from a run's trajectories) are made
+between runs."""
 
 from __future__ import annotations
 
@@ -15,13 +16,36 @@ from appliance.jobs import JobState
 from appliance.programs import Program
 from appliance.settings import Settings
 from appliance.supervisor import runs_module
+from finetune.rl.export import export_run
 from finetune.rl.loop import Loop, RunCancelled
 from finetune.worker import announce_outcome, serve_queue, worker_program
 
 log = logging.getLogger("appliance.rl-worker")
 
 
-def work_one(home: Home, settings: Settings) -> rl.Run | None:
+def work_one(home: Home, settings: Settings) -> rl.Run | rl.Export | None:
+    """The next export, else the next run, done; None when there was neither."""
+    return export_one(home, settings) or run_one(home, settings)
+
+
+def export_one(home: Home, settings: Settings) -> rl.Export | None:
+    """Make the next asked export, if any; returns it as it ended."""
+    export = rl.claim_export(home, os.getpid(), worker_alive)
+    if export is None:
+        return None
+    try:
+        state, message = JobState.SUCCEEDED, "; ".join(export_run(export.run_id, export, settings, home).lines())
+    except ApplianceError as exc:
+        state, message = JobState.FAILED, exc.one_line()
+    except Exception as exc:  # a bug: this export fails, the worker goes on
+        log.exception("export %d", export.id)
+        state, message = JobState.FAILED, f"internal error: {type(exc).__name__}: {exc} (see the rl-worker's log)"
+    rl.finish_export(home, export.id, state, message)
+    announce_outcome("rl.export", state, f"export {export.id} of run {export.run_id} {state}: {message}", log)
+    return next(e for e in rl.exports(home) if e.id == export.id)
+
+
+def run_one(home: Home, settings: Settings) -> rl.Run | None:
     """Run the next run, if any, to its end; returns it as it ended."""
     run = rl.claim(home, os.getpid(), worker_alive)
     if run is None:

@@ -106,6 +106,18 @@ def router(settings: Settings, home: Home) -> APIRouter:
         No such run: 404; one that has ended: 409 (`illegal_transition`)."""
         return rl.report(home, rl.cancel(home, run_id))
 
+    @routes.post("/rl/runs/{run_id}/exports", response_model=rl.Export, status_code=202, name="rl.exports.create")
+    def ask_export(run_id: Annotated[int, Path(ge=1, le=2**63 - 1)], ask: rl.ExportAsk) -> rl.Export:
+        """Ask the rl-worker to make the SFT set and/or the preference set of a run that ended, as
+        training datasets (attempts at held-out tasks left out); `GET /admin/rl/exports` follows it.
+        No such run: 404; one still running: 409."""
+        return rl.ask_export(home, run_id, ask)
+
+    @routes.get("/rl/exports", response_model=list[rl.Export], name="rl.exports.list", openapi_extra=MONITORING)
+    def list_exports() -> list[rl.Export]:
+        """Exports asked, oldest first: queued, running, or what each stored (or why it failed)."""
+        return rl.exports(home)
+
     # Each read recorded (not summarised as monitoring): attempts hold prompts and generated code.
     @routes.get("/rl/runs/{run_id}/attempts", response_model=list[rl.Attempt], name="rl.attempts.list")
     def run_attempts(run_id: Annotated[int, Path(ge=1, le=2**63 - 1)],

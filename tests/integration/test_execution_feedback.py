@@ -23,6 +23,8 @@ import pytest
 from textual.pilot import Pilot
 
 from appliance import adapters, login, rl
+from appliance.admin_client import AdminClient, Refused
+from appliance.jobs import FINISHED, JobState
 from appliance.secrets import GATEWAY_CLIENT_SECRET, RL_CLIENT_SECRET, secret
 from appliance.settings import load_settings
 from appliance.tls import ca_file
@@ -268,8 +270,29 @@ def test_the_tui_shows_runs_and_one_attempt_with_its_correction(lab: Lab) -> Non
         await pilot.press("enter")
         await until(pilot, lambda: "fed back" in text(app, "attempt"), "the attempt")
         assert corrected.code.splitlines()[0] in text(app, "attempt")
+        await pilot.press("x")  # the run's SFT and DPO sets, made by the rl-worker
+        await until(pilot, lambda: bool(rl.exports(cli.home)), "the export asked")
 
     drive(app, scenario)
+    [export] = rl.exports(cli.home)
+    deadline = time.monotonic() + 300
+    while export.state not in FINISHED and time.monotonic() < deadline:
+        time.sleep(1)
+        [export] = rl.exports(cli.home)
+    assert export.state == JobState.SUCCEEDED, export
+    assert f"SFT set: dataset rl-run-{run.id}-sft" in (export.message or "")
+    assert f"preference set: dataset rl-run-{run.id}-dpo" in (export.message or "")
+    listed = cli.run("data", "list")
+    assert f"rl-run-{run.id}-sft" in listed.stdout and f"rl-run-{run.id}-dpo" in listed.stdout
+    # Bad asks are refused with the reason, and nothing is queued.
+    admin = AdminClient(settings, cli.home)
+    for path, body, status in ((f"/rl/runs/{run.id}/exports", {"sft": "Bad Name"}, 422),
+                               (f"/rl/runs/{run.id}/exports", {}, 422),
+                               ("/rl/runs/999999/exports", {"sft": "fine"}, 404)):
+        with pytest.raises(Refused) as refused:
+            admin.call_sync("POST", path, json=body)
+        assert refused.value.status == status, (path, body, refused.value)
+    assert len(rl.exports(cli.home)) == 1
 
 
 def rl_attempts(cli: Appliance, run_id: int) -> list[rl.Attempt]:
