@@ -5,7 +5,8 @@
   sandbox worker does, the harness running each test in a child) against a bare `subprocess.run`
   of the same program and tests in one Python process, one at a time, taking turns, in this
   invocation; and the same through the run's worker pool (one sandbox worker per core,
-  finetune.rl.executor) against bare runs as many at once.
+  finetune.rl.executor, started on a first batch: `workers_start_s`) against bare runs as many at
+  once.
 - loop (--loop; starts an appliance of its own: Keycloak, the demo model's engine, the gateway, the
   rl-worker): one iteration over the starter set's train tasks (2 answers each, no correction),
   pipelined (`appliance rl run`: answers go to the sandbox workers as they arrive) against
@@ -70,23 +71,28 @@ def pool_rates(work: list[tuple[str, str]], home: Home, scratch: Path, workers: 
     from finetune.rl.executor import WorkerPool
     from finetune.rl.store import RunStore
 
-    rates: dict[str, list[float]] = {"bare_parallel": [], "sandbox_pool": []}
+    rates: dict[str, list[float]] = {"bare_parallel": [], "sandbox_pool": [], "workers_start_s": []}
     for turn in range(ROUNDS):
         started = time.monotonic()
         with ThreadPoolExecutor(workers) as threads:
             list(threads.map(lambda pair: bare(*pair), work))
         rates["bare_parallel"].append(len(work) / (time.monotonic() - started))
         store = RunStore(scratch / f"pool-{turn}.sqlite")
-        for index, (program, tests) in enumerate(work):
-            store.enqueue(str(index), program, Task(id=str(index), prompt="-", tests=tests))
         pool = WorkerPool(store, home, workers)
-        started = time.monotonic()
-        while store.unfinished():
-            pool.follow(store.depth())
-            time.sleep(0.01)
+        # Workers (and their cells) start with a run's first executions and live while it has
+        # more: started on a first batch (timed apart), measured on the next.
+        for batch, pairs in (("warm-up", work[:2 * workers]), ("measured", work)):
+            for index, (program, tests) in enumerate(pairs):
+                store.enqueue(f"{batch}-{index}", program, Task(id=str(index), prompt="-", tests=tests))
+            started = time.monotonic()
+            while store.unfinished():
+                pool.follow(store.depth())
+                time.sleep(0.01)
+            if batch == "warm-up":
+                rates["workers_start_s"].append(time.monotonic() - started)
         rates["sandbox_pool"].append(len(work) / (time.monotonic() - started))
         pool.stop()
-    return {name: round(statistics.median(values), 1) for name, values in rates.items()}
+    return {name: round(statistics.median(values), 2 if name.endswith("_s") else 1) for name, values in rates.items()}
 
 
 def main() -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -82,18 +83,21 @@ class Generation:
 class RunStore:
     def __init__(self, path: Path) -> None:
         self.path = path
+        self._connections = threading.local()
         with self._connect() as db:
             db.executescript(SCHEMA)
 
     @contextmanager
     def _connect(self) -> Iterator[sqlite3.Connection]:
-        db = sqlite3.connect(self.path, timeout=60, isolation_level=None)
-        db.row_factory = sqlite3.Row
-        try:
+        """This thread's connection, kept: closing the last connection to a WAL database checkpoints
+        it, and a sandbox worker's claims and verdicts come every few milliseconds."""
+        db: sqlite3.Connection | None = getattr(self._connections, "db", None)
+        if db is None:
+            db = sqlite3.connect(self.path, timeout=60, isolation_level=None)
+            db.row_factory = sqlite3.Row
             db.execute("pragma journal_mode=wal")
-            yield db
-        finally:
-            db.close()
+            self._connections.db = db
+        yield db
 
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
