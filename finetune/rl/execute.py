@@ -77,6 +77,7 @@ CELL_CODE = tuple(Path(__file__).with_name(name) for name in ("zygote.py", "harn
 CELL_CAPABILITIES = ("CAP_SYS_ADMIN", "CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP", "CAP_NET_ADMIN")
 CELL_PROCESSES = 4  # the cell's own: bubblewrap's, the zygote, an execution's middle process
 SETUP_FAILED = 125  # the zygote's exit status when it could not set an execution up
+REPORT_BYTES = 64 * 2**20  # a report holds each case's output (up to 64 KiB): far more than any makes
 Language = Literal["python", "c"]
 SOURCE = {"python": "program.py", "c": "program.c"}
 
@@ -190,7 +191,7 @@ class Sandbox:
             joins = self._resources.enter_context(execution_cgroup(self.settings))
             self._cgroup = bool(joins)
             self._tasks = Path(self._resources.enter_context(tempfile.TemporaryDirectory(prefix="appliance-cell-")))
-            host_end, cell_end = socket.socketpair()
+            host_end, cell_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             self._control = host_end
             with cell_end, open(self._tasks.parent / f"{self._tasks.name}.log", "w+b") as log:
                 self._cell = subprocess.Popen(cell_command(bwrap, self._tasks, joins), stdin=cell_end.fileno(),
@@ -239,6 +240,8 @@ class Sandbox:
         outputs, limit, status = self._collect([read for read, _ in pipes], started + wall_s, wall_s)
         if limit is not None or status is None:
             self._end()  # everything it started dies with the cell; the next execution gets a new one
+        if limit is None and status is None:  # the zygote is gone: not the program's doing
+            raise SandboxError("the execution sandbox ended during an execution", hint="see the worker's log")
         return outputs, limit, status, round(time.monotonic() - started, 3)
 
     def _collect(self, reads: list[int], deadline: float,
@@ -267,9 +270,11 @@ class Sandbox:
                     buffers[key.data] += chunk
                     if key.data == "status" and buffers["status"].endswith(b"\n"):
                         selector.unregister(key.fd)
-                    elif len(buffers[key.data]) > self.settings.output_bytes:
+                    elif key.data in ("stdout", "stderr") and len(buffers[key.data]) > self.settings.output_bytes:
                         limit = f"{key.data} over {self.settings.output_bytes:,} bytes"
                         break
+                    elif len(buffers["result"]) > REPORT_BYTES:  # the harness's: never this long
+                        raise SandboxError(f"the harness's report ran past {REPORT_BYTES:,} bytes")
                 if limit:
                     break
         finally:
@@ -298,8 +303,7 @@ class Sandbox:
             outputs_seen = [str(r.get("output", "")) for r in report["results"]]
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
             # Whatever ended the harness early (a program may crash it) scores as a failure, not an error.
-            ended = "the sandbox ended" if status is None else f"exit {status}"
-            return Verdict(status="failed", reason=f"the sandbox ended without a report ({ended})",
+            return Verdict(status="failed", reason=f"the sandbox ended without a report (exit {status})",
                            tests_passed=0, tests_total=0, tests=[], **common)
         if not report.get("compiled", True):
             return Verdict(status="failed", reason=str(report.get("why", "compile error"))[:200], tests_passed=0,
@@ -452,7 +456,7 @@ def cell_command(bwrap: str, tasks: Path, cgroup: list[Path]) -> list[str]:
     mounts = [*namespaces, *capabilities, "--die-with-parent", "--new-session", "--proc", "/proc",
               "--tmpfs", "/dev",
               *(arg for device in DEVICES for arg in ("--dev-bind", f"/dev/{device}", f"/dev/{device}")),
-              "--size", str(2**20), "--tmpfs", "/tmp", "--dir", "/task"]
+              "--size", str(2**20), "--tmpfs", "/tmp", "--dir", "/task", "--remount-ro", "/dev"]
     mounts += system_mounts()
     python_home = Path(sys.base_prefix)
     bound = [Path(p) for p in (*SYSTEM_READ_ONLY, str(python_home)) if Path(p).exists()]
@@ -463,6 +467,8 @@ def cell_command(bwrap: str, tasks: Path, cgroup: list[Path]) -> list[str]:
         mounts += ["--ro-bind", str(code), f"/sandbox/{code.name}"]
     for parent in leading_directories(bound):
         mounts += ["--chmod", "0755", str(parent)]
+    # Nothing of the cell's own is writable: an execution's user may be the cell's (unprivileged).
+    mounts += ["--remount-ro", "/"]
     python = python_home / "bin" / f"python{sys.version_info.major}.{sys.version_info.minor}"
     command = [bwrap, *mounts, "--chdir", "/", "--clearenv", "--setenv", "LANG", "C.UTF-8", "--",
                str(python), "-I", "-S", "/sandbox/zygote.py"]

@@ -120,6 +120,7 @@ def run_functions(names: list[str], entry_point: str, wall_s: float, result_fd: 
                 import traceback
 
                 traceback.print_exc()
+                sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(1)
             sys.stdout.flush()

@@ -23,7 +23,9 @@ import ctypes
 import fcntl
 import json
 import os
+import platform
 import resource
+import signal
 import socket
 import struct
 import subprocess  # noqa: F401 (the harness imports it where it needs it: here once, not per execution)
@@ -31,7 +33,7 @@ import sys
 import traceback
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))
 import harness  # type: ignore[import-not-found]  # bound next to this file in the cell
 
 libc = ctypes.CDLL(None, use_errno=True)
@@ -40,9 +42,15 @@ CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x1, 0x2, 0x4, 0x8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 0x20, 0x1000, 0x4000, 0x40000
 MNT_DETACH = 2
-PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 24, 38
+PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP = 24, 38, 22
+SECCOMP_MODE_FILTER = 2
+CLONE_NEWUSER = 0x10000000
+X32_SYSCALL_BIT = 0x40000000
+# The architectures the filter knows: (AUDIT_ARCH_*, unshare, clone, clone3).
+SYSCALLS = {"x86_64": (0xC000003E, 272, 56, 435), "aarch64": (0xC00000B7, 97, 220, 435)}
 CAPABILITY_VERSION_3 = 0x20080522
 STDOUT, STDERR, RESULT = 1, 2, 3
+REQUEST_BYTES = 65536  # one request, one message (a SOCK_SEQPACKET socket)
 SETUP_FAILED = 125
 
 
@@ -71,7 +79,7 @@ def serve(control: socket.socket) -> None:
         last_capability = int(handle.read())
     control.sendall(b"ready\n")
     while True:
-        message, fds, _, _ = socket.recv_fds(control, 4096, 3)
+        message, fds, _, _ = socket.recv_fds(control, REQUEST_BYTES, 3)
         if not message:
             return
         request = json.loads(message)
@@ -122,6 +130,8 @@ def contained(request: dict[str, Any], fds: list[int], last_capability: int) -> 
         mount("none", "/task", "", MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
         checked(libc.umount2(b"/cells", MNT_DETACH), "umount /cells")
         mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        step = "its signals"
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # as process 1, nothing else reaches it from inside
         step = "its out-of-memory score"
         with open("/proc/self/oom_score_adj", "w") as handle:
             handle.write("1000")  # out of memory, the cell's processes are killed after the execution's
@@ -183,6 +193,41 @@ def drop_privileges(uid: int | None, gid: int | None, last_capability: int) -> N
     header, data = CapHeader(CAPABILITY_VERSION_3, 0), (CapData * 2)()
     checked(libc.capset(ctypes.byref(header), ctypes.byref(data)), "clear the capability sets")
     checked(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no new privileges")
+    no_user_namespaces()
+
+
+class SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+
+
+class SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
+
+
+def no_user_namespaces() -> None:
+    """A seccomp filter: no user namespace (in one, a process would hold capabilities again, and
+    could mount a tmpfs past its size limit, say). unshare and clone with CLONE_NEWUSER fail with
+    EPERM; clone3, whose flags a filter cannot read, with ENOSYS (the C library then uses clone);
+    any other architecture's system calls are refused."""
+    arch = SYSCALLS.get(platform.machine())
+    if arch is None:
+        raise OSError(f"no system call filter for {platform.machine()}")
+    audit_arch, unshare, clone, clone3 = arch
+    # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_JMP|JSET|K, BPF_RET
+    load, jump_eq, jump_ge, jump_set, ret = 0x20, 0x15, 0x35, 0x45, 0x06
+    allow, kill, eperm, enosys = 0x7FFF0000, 0x80000000, 0x00050000 | 1, 0x00050000 | 38
+    program = [
+        (load, 0, 0, 4), (jump_eq, 1, 0, audit_arch), (ret, 0, 0, kill),  # seccomp_data.arch
+        (load, 0, 0, 0),  # seccomp_data.nr
+        (jump_ge, 0, 1, X32_SYSCALL_BIT), (ret, 0, 0, kill),  # x86-64's x32 calls: numbered apart
+        (jump_eq, 0, 1, clone3), (ret, 0, 0, enosys),
+        (jump_eq, 1, 0, unshare), (jump_eq, 0, 3, clone),
+        (load, 0, 0, 16), (jump_set, 0, 1, CLONE_NEWUSER), (ret, 0, 0, eperm),  # args[0], its low 32 bits
+        (ret, 0, 0, allow),
+    ]
+    filters = (SockFilter * len(program))(*(SockFilter(*instruction) for instruction in program))
+    prog = SockFprog(len(program), filters)
+    checked(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0), "the system call filter")
 
 
 def setup_failed(result_fd: int, why: str) -> int:

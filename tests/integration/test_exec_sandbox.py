@@ -215,15 +215,15 @@ def test_one_execution_cannot_starve_another_or_leave_it_state() -> None:
     assert run(find)[0] == "test_ok: exit 6", "a key left by one execution is not found by the next"
 
 
-def test_the_harness_cannot_be_killed_ending_it_scores_a_failure_and_no_terminal_exists() -> None:
-    # The harness is process 1 of the execution's PID namespace: a SIGKILL from inside never reaches it.
-    survived = execute("import os\nos.kill(os.getppid(), 9)\n", "python", SETTINGS,
-                       tests="import os\n\ndef test_ok():\n    assert os.getppid() == 1\n")
+def test_the_harness_cannot_be_ended_from_inside_a_broken_one_scores_a_failure_and_no_terminal_exists() -> None:
+    # The harness is process 1 of the execution's PID namespace: no signal from inside reaches it.
+    program = ("import os, signal\nfor sent in (signal.SIGKILL, signal.SIGINT, signal.SIGTERM, signal.SIGHUP):\n"
+               "    os.kill(os.getppid(), sent)\n")
+    survived = execute(program, "python", SETTINGS, tests="import os\n\ndef test_ok():\n    assert os.getppid() == 1\n")
     assert survived.status == "passed", survived
-    # A signal it does not ignore ends it before it reports: a failure, never a pass.
-    verdict = execute("import os, signal, time\nos.kill(os.getppid(), signal.SIGINT)\ntime.sleep(1)\n", "python",
-                      SETTINGS, tests=SAFE)
-    assert verdict.status == "failed" and verdict.reason.startswith("the sandbox ended without a report")
+    # Tests it cannot read end it before it reports: a failure, never a pass.
+    verdict = execute("def f():\n    pass\n", "python", SETTINGS, tests="def test_ok(:\n    pass\n")
+    assert verdict.status == "failed" and verdict.reason.startswith("the sandbox ended without a report"), verdict
     reason, stderr, _ = run("open('/dev/ptmx', 'rb')\n")
     assert reason == "test_ok: exit 1" and "No such file" in stderr
 
@@ -285,3 +285,51 @@ def test_a_cell_killed_for_a_limit_is_replaced() -> None:
                             tests="def test_add():\n    assert add(1, 2) == 3\n")
     assert stuck.reason == "wall time over 2 s" and after.status == "passed", (stuck, after)
     assert not exec_user_processes()
+
+
+def test_no_user_namespace_and_threads_still_work() -> None:
+    """In a user namespace of its own a program would hold capabilities again (and could mount a
+    tmpfs past its size limit): a system call filter refuses them; threads and processes still start."""
+    program = ("import ctypes, subprocess, threading\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+               "print('unshare', libc.unshare(0x10000000), ctypes.get_errno())\n"
+               "tool = subprocess.run(['unshare', '-Urm', 'true'], capture_output=True, text=True)\n"
+               "print('tool', tool.returncode, 'Operation not permitted' in tool.stderr)\n"
+               "seen = []\nthread = threading.Thread(target=seen.append, args=(1,))\nthread.start()\nthread.join()\n"
+               "print('thread', seen)\n")
+    verdict = execute(program, "python", SETTINGS, tests=SAFE)
+    assert verdict.status == "passed", verdict
+    assert verdict.stdout.splitlines() == ["unshare -1 1", "tool 1 True", "thread [1]"], verdict.stdout
+
+
+def test_a_cell_that_ends_under_an_execution_is_an_error_not_a_failure() -> None:
+    import threading
+
+    from finetune.sandbox import SandboxError
+
+    with Sandbox(SETTINGS) as sandbox:
+        outcome: list[object] = []
+        sleeper = "import time\ntime.sleep(30)\n"
+        running = threading.Thread(target=lambda: outcome.append(_run_or_error(sandbox, sleeper)))
+        running.start()
+        time.sleep(1.5)
+        assert sandbox._cell is not None  # the test's view of the cell: killed as the host might lose it
+        os.killpg(sandbox._cell.pid, 9)
+        running.join(timeout=20)
+        assert outcome and isinstance(outcome[0], SandboxError), outcome
+        after = sandbox.run("def f():\n    pass\n", "python", tests=SAFE)
+    assert after.status == "passed", "the next execution gets a new cell"
+
+
+def _run_or_error(sandbox: Sandbox, program: str) -> object:
+    try:
+        return sandbox.run(program, "python", tests=SAFE)
+    except Exception as exc:
+        return exc
+
+
+def test_many_cases_with_long_right_answers_pass() -> None:
+    """The report carries each case's output (up to 64 KiB): it is not the program's output."""
+    program = "import sys\nn = int(sys.stdin.read())\nprint('x' * n)\n"
+    cases = [{"stdin": str(60_000 + i), "stdout": "x" * (60_000 + i)} for i in range(20)]
+    verdict = execute(program, "python", SETTINGS, io_cases=cases)
+    assert (verdict.status, verdict.tests_passed) == ("passed", 20), verdict.reason
