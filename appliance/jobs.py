@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sqlite3
 import stat
 from collections.abc import Callable, Iterator
@@ -50,6 +51,13 @@ MOVES: dict[JobState, frozenset[JobState]] = {
 }
 
 NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,63}$"  # an adapter's or a dataset's name
+
+
+def name_problem(name: str) -> str | None:
+    """What is wrong with an adapter's or a dataset's name, if anything."""
+    if re.fullmatch(NAME_PATTERN, name):
+        return None
+    return "use lower-case letters, digits, '.', '_' or '-' (up to 64, starting with a letter or digit)"
 CANCEL_FILE = "cancel"  # in the job's directory: the runner stops the trainer
 PROGRESS_FILE = "progress.json"  # in the job's directory: the trainer's latest report
 PROGRESS_MAX_BYTES = 4096

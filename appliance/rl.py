@@ -23,12 +23,12 @@ from appliance.home import Home
 from appliance.jobs import (
     CANCEL_FILE,
     FINISHED,
-    NAME_PATTERN,
     PROGRESS_FILE,
     JobState,
     check_move,
     claimable,
     connect,
+    name_problem,
     transaction,
 )
 
@@ -277,9 +277,16 @@ class ExportAsk(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    sft: str | None = Field(None, pattern=NAME_PATTERN, description="The SFT set: passing attempts.")
-    dpo: str | None = Field(None, pattern=NAME_PATTERN,
+    sft: str | None = Field(None, max_length=64, description="The SFT set: passing attempts.")
+    dpo: str | None = Field(None, max_length=64,
                             description="The preference set: passing vs failing first answers at the same task.")
+
+    @field_validator("sft", "dpo")
+    @classmethod
+    def _a_name(cls, value: str | None) -> str | None:
+        if value is not None and (problem := name_problem(value)):
+            raise ValueError(problem)
+        return value
 
     @model_validator(mode="after")
     def _something(self) -> ExportAsk:
@@ -301,6 +308,7 @@ class Export(ExportAsk):
     submitted: str
     started: str | None
     finished: str | None
+    attempts: int = Field(description="Times a worker took it up.")
     worker_pid: int | None
     message: str | None
 
@@ -312,16 +320,35 @@ def _export(db: sqlite3.Connection, export_id: int) -> Export:
     return Export.model_validate(dict(row))
 
 
+def default_export(run_id: int) -> ExportAsk:
+    """The datasets an export is asked for when no names are given (the TUI's)."""
+    return ExportAsk(sft=f"rl-run-{run_id}-sft", dpo=f"rl-run-{run_id}-dpo")
+
+
 def ask_export(home: Home, run_id: int, ask: ExportAsk) -> Export:
-    """Queue an export of a run that ended with its trajectories written (Conflict before)."""
+    """Queue an export of a run that ended with its trajectories written, unless one of it is
+    queued or running already (Conflict)."""
     with transaction(home) as db:
         run = _get(db, run_id)
-        if run.state not in FINISHED or manifest_digest(home, run_id) is None:
-            raise Conflict(f"RL run {run_id} is {run.state}: only a run that ended with its trajectories written "
-                           "can be exported", hint="`appliance rl status` shows where it is")
+        if run.state not in FINISHED:
+            raise Conflict(f"RL run {run_id} is {run.state}: it can be exported once it has ended",
+                           hint="`appliance rl status` shows where it is")
+        if manifest_digest(home, run_id) is None:
+            raise Conflict(f"RL run {run_id} ended without writing its trajectories: there is nothing to export",
+                           hint="`appliance rl status` says how it ended")
+        busy = db.execute("select id from rl_exports where run_id = ? and state in ('queued', 'running')",
+                          (run_id,)).fetchone()
+        if busy is not None:
+            raise Conflict(f"export {busy['id']} of RL run {run_id} is not finished yet",
+                           hint=f"GET /admin/rl/exports/{busy['id']} follows it")
         cursor = db.execute("insert into rl_exports (run_id, sft, dpo, state, submitted) values (?, ?, ?, 'queued', ?)",
                             (run_id, ask.sft, ask.dpo, _now()))
         return _export(db, int(cursor.lastrowid or 0))
+
+
+def get_export(home: Home, export_id: int) -> Export:
+    with connect(home) as db:
+        return _export(db, export_id)
 
 
 def exports(home: Home) -> list[Export]:
@@ -341,13 +368,18 @@ def claim_export(home: Home, worker_pid: int, alive: Callable[[int | None], bool
         return _export(db, row["id"])
 
 
-def finish_export(home: Home, export_id: int, state: JobState, message: str) -> None:
+def finish_export(home: Home, export_id: int, worker_pid: int, state: JobState, message: str) -> bool:
+    """Record how an export ended, if this worker still holds it (False: another took it over)."""
     if state not in FINISHED:
         raise IllegalTransition(f"export {export_id} cannot finish as {state}")
     with transaction(home) as db:
-        check_move(f"export {export_id}", _export(db, export_id).state, state)
+        export = _export(db, export_id)
+        if export.worker_pid != worker_pid:
+            return False
+        check_move(f"export {export_id}", export.state, state)
         db.execute("update rl_exports set state = ?, message = ?, finished = ?, worker_pid = null where id = ?",
                    (state, message[:1000], _now(), export_id))
+        return True
 
 
 def tasksets_path(home: Home) -> Path:

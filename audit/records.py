@@ -56,6 +56,9 @@ class AuditEvent(BaseModel):
     prompt: str | None = Field(None, description="Raw text, only when capture is on.")
     completion: str | None = Field(None, description="Raw text, only when capture is on.")
     tools_called: list[str] | None = Field(None, description="Names of the tools the answer called, in order.")
+    sensitive: dict[str, str] | None = Field(
+        None, description="What live compliance filtering did, by where and kind: {\"prompt.email\": \"flagged\", "
+        "\"answer.payment_card\": \"redacted\"}; never the text.")
     count: int | None = Field(None, description="A summary record: how many requests it stands for (refused "
                               "ones, or monitoring reads after the first of their interval).")
     error: str | None = Field(None, description="What went wrong on the gateway's side, if anything.")

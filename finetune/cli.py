@@ -3,7 +3,6 @@ adapters: queue jobs for the worker, follow and cancel them, or train in the for
 
 from __future__ import annotations
 
-import re
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -19,13 +18,12 @@ from appliance.errors import ApplianceError
 from appliance.home import Home
 from appliance.model_refs import checkpoint
 from appliance.progress import byte_progress
+from appliance.sensitive import Scanner
 from appliance.settings import DEMO_MODEL, load_settings
 from finetune import evalsets
 from finetune.datasets import check_lengths, load_registry, parse, scan, split, store
-from finetune.pii import Scanner
 from finetune.runner import run_job
 
-NAME = re.compile(jobs.NAME_PATTERN)
 data_app = typer.Typer(help="Training datasets: validated, scanned, stored content-addressed.",
                        no_args_is_help=True)
 finetune_app = typer.Typer(help="Train LoRA/QLoRA adapters on stored datasets.", no_args_is_help=True)
@@ -43,8 +41,7 @@ def add(
                                                 "(default: engine.max_model_len).")] = None,
 ) -> None:
     """Validate every row, scan for sensitive data, split train/eval, store; all or nothing."""
-    if not NAME.match(name):
-        raise ApplianceError(f"--name {name!r}: use lower-case letters, digits, '.', '_' or '-' (up to 64)")
+    check_name_option("--name", name)
     home = Home.from_env()
     settings = load_settings(home.settings_file)
     rows = parse(file)
@@ -78,9 +75,14 @@ def _hyperparameters(qlora: bool, rank: int, alpha: int, lr: float, epochs: floa
                                 method="dpo" if method == "dpo" else "sft", beta=beta)
 
 
+def check_name_option(option: str, name: str) -> None:
+    """An adapter's or a dataset's name given as `option`, or why not."""
+    if problem := jobs.name_problem(name):
+        raise ApplianceError(f"{option} {name!r}: {problem}")
+
+
 def _check(name: str, data: str, base: str, home: Home) -> None:
-    if not NAME.match(name):
-        raise ApplianceError(f"--name {name!r}: use lower-case letters, digits, '.', '_' or '-' (up to 64)")
+    check_name_option("--name", name)
     registry = load_registry(home)
     if data not in registry:
         raise ApplianceError(f"no dataset named {data!r}", hint=f"datasets: {sorted(registry) or 'none'}")

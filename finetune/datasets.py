@@ -5,6 +5,7 @@ Nothing is stored unless every row is good."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 from collections import Counter
@@ -18,7 +19,7 @@ from appliance.artifacts import ArtifactStore
 from appliance.durable import replace_file
 from appliance.errors import ApplianceError, IntegrityError
 from appliance.home import Home
-from finetune.pii import Scanner
+from appliance.sensitive import Scanner
 
 ROLES = ("system", "user", "assistant")
 PREFIX = "datasets/"
@@ -247,6 +248,14 @@ def store(name: str, source: Path, train: list[dict[str, Any]], evaluation: list
           sensitive: dict[str, int],
           action: str, artifacts: ArtifactStore, home: Home) -> Imported:
     """Put the dataset in the store under its content hash and name it in the local registry."""
+    done = put(name, source, train, evaluation, sensitive, action, artifacts)
+    register(home, {name: done.digest})
+    return done
+
+
+def put(name: str, source: Path, train: list[dict[str, Any]], evaluation: list[dict[str, Any]],
+        sensitive: dict[str, int], action: str, artifacts: ArtifactStore) -> Imported:
+    """Put a dataset's files in the store under its content hash (not named yet: `register`)."""
     train_bytes = b"".join(_line(e) + b"\n" for e in train)
     eval_bytes = b"".join(_line(e) + b"\n" for e in evaluation)
     digest = content_digest(train_bytes, eval_bytes)
@@ -257,11 +266,18 @@ def store(name: str, source: Path, train: list[dict[str, Any]], evaluation: list
     for key, data in (("train.jsonl", train_bytes), ("eval.jsonl", eval_bytes),
                       ("meta.json", json.dumps(meta, indent=1).encode())):
         artifacts.put(f"{PREFIX}{digest}/{key}", data, retain_days=0)
-    registry = load_registry(home)
-    registry[name] = digest
-    replace_file(registry_path(home), json.dumps(registry, indent=1, sort_keys=True).encode(), mode=0o644)
     return Imported(name=name, digest=digest, rows=rows, train=len(train), eval=len(evaluation),
                     sensitive=sensitive, action=action)
+
+
+def register(home: Home, names: dict[str, str]) -> None:
+    """Name datasets (name -> digest) in the local registry, all in one write, under a lock (the
+    CLI and the rl-worker both add datasets)."""
+    with open(registry_path(home).with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        registry = load_registry(home)
+        registry.update(names)
+        replace_file(registry_path(home), json.dumps(registry, indent=1, sort_keys=True).encode(), mode=0o644)
 
 
 def registry_path(home: Home) -> Path:

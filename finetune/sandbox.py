@@ -65,11 +65,18 @@ def sandbox_user() -> pwd.struct_passwd:
 
 def sandbox_tools(what: str, otherwise: str = "") -> tuple[str, str]:
     """bubblewrap and prlimit, or why they are needed."""
-    bwrap, prlimit = shutil.which("bwrap"), shutil.which("prlimit")
-    if bwrap is None or prlimit is None:
-        raise SandboxError(f"the {what} needs bubblewrap (`bwrap`) and `prlimit` (util-linux)",
-                           hint=f"apt-get install bubblewrap util-linux{otherwise}")
+    bwrap, prlimit = bubblewrap(what, otherwise), shutil.which("prlimit")
+    if prlimit is None:
+        raise SandboxError(f"the {what} needs `prlimit` (util-linux)", hint=f"apt-get install util-linux{otherwise}")
     return bwrap, prlimit
+
+
+def bubblewrap(what: str, otherwise: str = "") -> str:
+    """bubblewrap, or why it is needed."""
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        raise SandboxError(f"the {what} needs bubblewrap (`bwrap`)", hint=f"apt-get install bubblewrap{otherwise}")
+    return bwrap
 
 
 def become(uid: int, gid: int) -> list[str]:

@@ -16,6 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from audit import AuditEvent, AuditUnavailable, AuditWriter, TextHasher
 from serve.answer import Answer
 from serve.auth import Principal
+from serve.compliance import Marks
 from serve.errors import GatewayError
 from serve.summaries import Refusals, Summaries, cap_text
 
@@ -55,6 +56,7 @@ class Transcript:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     relayed: bool = False  # sent to an engine: always a record of its own
+    marks: Marks = field(default_factory=Marks)  # what compliance filtering did: always a record of its own
     ended: bool = False  # a stream's end marker has arrived from the engine
 
     def end(self) -> None:
@@ -167,7 +169,8 @@ class AuditMiddleware:
     async def _record(self, event: AuditEvent, scope: Scope) -> None:
         """Write the request's record, unless it is a refusal or a monitoring read counted into a summary."""
         transcript: Transcript | None = scope["state"].get("transcript")
-        if not self.refusals.own_record(event, relayed=transcript is not None and transcript.relayed):
+        marked = transcript is not None and (transcript.relayed or bool(transcript.marks.done))
+        if not self.refusals.own_record(event, relayed=marked):
             return
         if event.status < 400 and is_monitoring(scope) and not self.monitoring.first_of_interval(event, event.action):
             return
@@ -213,6 +216,7 @@ class AuditMiddleware:
             prompt=transcript.prompt if self.capture else None,
             completion=completion if self.capture else None,
             tools_called=transcript.answer.tools_called or None,
+            sensitive=dict(sorted(transcript.marks.done.items())) or None,
         )
 
     def _unavailable(self, reason: str) -> GatewayError:

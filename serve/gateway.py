@@ -37,6 +37,7 @@ from serve.adapters import AdapterRoutes, base_configs
 from serve.answer import decode_json
 from serve.audit_trail import AuditMiddleware, Transcript
 from serve.auth import Introspector, Principal, TokenValidator
+from serve.compliance import AnswerFilter, Compliance, Marks
 from serve.deps import ChatUser
 from serve.engine import ENGINE_KEY_SECRET
 from serve.errors import GatewayError, from_core
@@ -66,6 +67,7 @@ class Gateway:
     limiter: RateLimiter
     metrics: Metrics
     adapters: AdapterRoutes
+    compliance: Compliance
 
 
 class Health(BaseModel):
@@ -82,6 +84,7 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
         connect_s = settings.gateway.upstream_connect_timeout_s
         engine_timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_s)  # generation takes long
         pools = pools_from_settings(settings, home)
+        compliance = Compliance(settings.compliance)  # a policy naming an unknown kind stops the start here
         async with (httpx.AsyncClient(timeout=httpx.Timeout(10.0, connect=connect_s),  # Keycloak
                                       verify=keycloak_ssl(settings, home)) as http,
                     contextlib.AsyncExitStack() as stack):
@@ -102,7 +105,8 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
                 settings=settings, validator=validator, upstreams=upstreams,
                 limiter=RateLimiter(settings.gateway.limits), metrics=metrics,
                 adapters=AdapterRoutes(home, upstreams, artifact_store(settings.artifacts, home),
-                                       base_configs(settings, home)))
+                                       base_configs(settings, home)),
+                compliance=compliance)
             await validator.try_refresh_keys()  # Keycloak may still be starting
             await upstreams.check()  # which engines answer, before the first request
             async with anyio.create_task_group() as tasks:
@@ -245,17 +249,22 @@ async def relay(request: Request, who: Principal, path: str, body: ChatRequest |
         pool, payload["model"], adapter = routed
     else:
         pool, adapter = gateway.upstreams.route(body.model), None
+    # Compliance filtering first: the prompt hashed, counted and relayed is the screened one.
+    policy, marks = gateway.compliance.policy(who.roles), Marks()
+    request.state.transcript = Transcript(model=payload["model"], marks=marks)  # a blocked prompt's record
+    gateway.compliance.screen_prompt(payload, body.PROMPT_FIELDS, policy, marks)
+    screen = gateway.compliance.answer_filter(policy, marks)
     prompt = body.prompt_text(payload)  # max_tokens and stream_options, set below, shape no prompt
     prompt_estimate, worst_completion = body.admission(gateway.limiter.limits_for(who.roles), pool.max_model_len,
                                                        payload, prompt)
     if body.stream:
         # Ask for the final usage chunk so tokens can be counted and charged.
         payload["stream_options"] = {**(payload.get("stream_options") or {}), "include_usage": True}
-    transcript = request.state.transcript = Transcript(model=payload["model"], prompt=prompt)
+    transcript = request.state.transcript = Transcript(model=payload["model"], prompt=prompt, marks=marks)
     admission = gateway.limiter.admit(who.subject, who.roles, prompt_tokens=prompt_estimate,
                                       completion_tokens=worst_completion)
     try:
-        return await _forward(request, gateway, pool, adapter, path, payload, transcript, admission, who)
+        return await _forward(request, gateway, pool, adapter, path, payload, transcript, admission, screen)
     except GatewayError:
         admission.settle(0, 0)  # refused before the engine saw it
         raise
@@ -265,7 +274,8 @@ async def relay(request: Request, who: Principal, path: str, body: ChatRequest |
 
 
 async def _forward(request: Request, gateway: Gateway, pool: Pool, adapter: AdapterRecord | None, path: str,
-                   payload: dict[str, Any], transcript: Transcript, admission: Admission, who: Principal) -> Response:
+                   payload: dict[str, Any], transcript: Transcript, admission: Admission,
+                   screen: AnswerFilter | None) -> Response:
     request_id = request.state.request_id
     started = time.monotonic()
     transcript.relayed = True
@@ -298,6 +308,9 @@ async def _forward(request: Request, gateway: Gateway, pool: Pool, adapter: Adap
             answer = decode_json(content)
         except ValueError:
             answer = None
+        if screen is not None and response.status == 200 and isinstance(answer, dict):
+            answer = screen.answer(answer)
+            content = json.dumps(answer, separators=(",", ":")).encode()
         account(*usage_of(answer))
         if isinstance(answer, dict):
             transcript.answer.add_choices(answer.get("choices"))
@@ -309,7 +322,8 @@ async def _forward(request: Request, gateway: Gateway, pool: Pool, adapter: Adap
     def first_token() -> None:
         gateway.metrics.ttft.labels(pool.model).observe(time.monotonic() - started)
 
-    return SettlingStream(admission, relay_stream(response, transcript.answer, first_token, account, transcript.end),
+    return SettlingStream(admission, relay_stream(response, transcript.answer, first_token, account, transcript.end,
+                                                  screen),
                           media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 

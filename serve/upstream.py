@@ -8,6 +8,7 @@ of the gateway's own latency budget.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from appliance.hosts import cluster_state_file, read_cluster_state
 from appliance.model_refs import served_name
 from appliance.settings import Settings
 from serve.answer import Answer, decode_json
+from serve.compliance import AnswerFilter
 from serve.engine import ENGINE_BASE_URL
 from serve.errors import GatewayError
 
@@ -212,7 +214,7 @@ def usage_of(answer: object) -> tuple[int, int]:
 
 async def relay_stream(response: aiohttp.ClientResponse, answer: Answer, on_first_token: Callable[[], None],
                        on_usage: Callable[[int | None, int], None],
-                       on_end: Callable[[], None]) -> AsyncIterator[bytes]:
+                       on_end: Callable[[], None], screen: AnswerFilter | None = None) -> AsyncIterator[bytes]:
     """Pass SSE through line by line as it arrives; gather the answer, note the first token,
     the usage and the end marker.
 
@@ -223,6 +225,9 @@ async def relay_stream(response: aiohttp.ClientResponse, answer: Answer, on_firs
     Usage is reported once, before the end marker goes on: the last usage seen (a client that
     asked for continuous usage gets running totals in every chunk), or, for a stream cut short
     before its usage chunk, prompt unknown (None) and one completion token per text chunk seen.
+
+    With `screen` (compliance filtering), each event goes out re-encoded with its text redacted,
+    and what it still held goes out in events of its own before the end marker.
 
     When the client goes away, the server cancels this generator; closing the upstream connection
     then makes vLLM abort the request, freeing the engine.
@@ -247,8 +252,15 @@ async def relay_stream(response: aiohttp.ClientResponse, answer: Answer, on_firs
             if not cut:
                 continue
             complete, pending = pending[:cut], pending[cut:]
-            for line in complete.splitlines():
-                if line == b"data: [DONE]":
+            lines = []
+            for line in complete.splitlines(keepends=True):
+                lines.append(line)
+                if line.rstrip(b"\r\n") == b"data: [DONE]":
+                    if screen is not None:  # what it held back goes out before the end
+                        held = screen.finish()
+                        lines[-1:] = [*(_event_line(event) + b"\n" for event in held), line]
+                        for extra in held:
+                            answer.add_choices(extra.get("choices"))
                     report()
                     on_end()
                     continue
@@ -257,11 +269,13 @@ async def relay_stream(response: aiohttp.ClientResponse, answer: Answer, on_firs
                 try:
                     event = decode_json(line[len(b"data:"):])
                 except ValueError:
-                    answer.add_unparsed(line)
+                    answer.add_unparsed(line.rstrip(b"\r\n"))
                     continue
                 if not isinstance(event, dict):
-                    answer.add_unparsed(line)
+                    answer.add_unparsed(line.rstrip(b"\r\n"))
                     continue
+                if screen is not None:
+                    lines[-1] = _event_line(screen.event(event))  # changed in place
                 if answer.add_choices(event.get("choices")):
                     text_chunks += 1
                     if first:
@@ -269,7 +283,7 @@ async def relay_stream(response: aiohttp.ClientResponse, answer: Answer, on_firs
                         on_first_token()
                 if event.get("usage"):
                     usage = usage_of(event)
-            yield complete
+            yield b"".join(lines) if screen is not None else complete
         if pending:
             answer.add_unparsed(pending)
             yield pending
@@ -280,3 +294,8 @@ async def relay_stream(response: aiohttp.ClientResponse, answer: Answer, on_firs
             response.release()  # the connection goes back to the pool
         else:
             response.close()  # drop the connection: the engine sees the client leave
+
+
+def _event_line(event: dict[str, Any]) -> bytes:
+    """An SSE data line of `event` (ASCII JSON: whatever the text holds, lone surrogates included)."""
+    return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n"

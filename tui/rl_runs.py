@@ -1,6 +1,7 @@
-"""Post-training from execution feedback: RL runs with their live figures (pass rate, rewards,
-sandbox queue depth and workers; cancel), and a finished run's trajectories: its attempts, and one
-attempt's code with the error fed back for its correction."""
+"""Post-training from execution feedback: the task sets, RL runs with their live figures (pass
+rate, rewards, sandbox queue depth and workers; cancel, export of their SFT and DPO sets), and a
+finished run's trajectories: its attempts, and one attempt's code with the error fed back for its
+correction."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from textual.binding import Binding
 from textual.widgets import DataTable, Label, Static
 
 from appliance.jobs import JobState
-from appliance.rl import Attempt, RunReport
+from appliance.rl import Attempt, RunReport, TaskSet, default_export
 from appliance.terminal import shown
 from tui.panel import Panel, fill, selected_key
 
@@ -31,6 +32,7 @@ def attempt_text(attempt: Attempt) -> Text:
 class RlRuns(Panel):
     REFRESH_S = 2.0
     DEFAULT_CSS = Panel.DEFAULT_CSS + """
+    #tasksets { height: auto; max-height: 6; }
     #runs { height: 1fr; }
     #attempts { height: 1fr; }
     #attempt { height: auto; max-height: 16; overflow-y: auto; padding: 0 1; }
@@ -45,8 +47,9 @@ class RlRuns(Panel):
         self.attempts: dict[str, Attempt] = {}
 
     def body(self) -> ComposeResult:
-        yield Label("RL runs (c: cancel, t: trajectories, x: export its SFT and DPO sets as datasets "
-                    "rl-run-N-sft and rl-run-N-dpo)")
+        yield Label("Task sets")
+        yield DataTable(id="tasksets", cursor_type="row")
+        yield Label("RL runs (c: cancel, t: trajectories, x: export its SFT and DPO sets as datasets)")
         yield DataTable(id="runs", cursor_type="row")
         yield Label("Attempts (enter: show one)")
         yield DataTable(id="attempts", cursor_type="row")
@@ -54,12 +57,18 @@ class RlRuns(Panel):
 
     def on_mount(self) -> None:
         super().on_mount()
+        self.query_one("#tasksets", DataTable).add_columns("name", "tasks", "train", "held out", "source",
+                                                         "sha256", "added")
         self.query_one("#runs", DataTable).add_columns("run", "model", "tasks", "state", "attempts", "pass rate",
                                                      "first", "reward", "queue", "workers")
         self.query_one("#attempts", DataTable).add_columns("task", "sample", "round", "status", "tests", "reward",
                                                          "why")
 
     async def load(self) -> None:
+        tasksets = [TaskSet.model_validate(t) for t in await self.client.call("GET", "/rl/tasksets")]
+        fill(self.query_one("#tasksets", DataTable),
+             [(t.name, (shown(t.name), t.tasks, t.train, t.held_out, shown(t.source), t.sha256[:12], t.created))
+              for t in tasksets])
         rows = []
         for run in reversed([RunReport.model_validate(r) for r in await self.client.call("GET", "/rl/runs")]):
             p = run.progress
@@ -79,9 +88,11 @@ class RlRuns(Panel):
     def action_export(self) -> None:
         run = selected_key(self.query_one("#runs", DataTable))
         if run is not None:
-            ask = {"sft": f"rl-run-{run}-sft", "dpo": f"rl-run-{run}-dpo"}
-            self.act(lambda: self.client.call("POST", f"/rl/runs/{run}/exports", json=ask),
-                     f"run {run}: export asked (datasets {ask['sft']} and {ask['dpo']})")
+            ask = default_export(int(run))
+            self.act(lambda: self.client.call("POST", f"/rl/runs/{run}/exports", json=ask.model_dump()),
+                     f"run {run}: export asked (datasets {ask.sft} and {ask.dpo})",
+                     f"Export run {run}'s SFT and DPO sets as datasets {ask.sft} and {ask.dpo}? (datasets of "
+                     "those names are replaced)")
 
     def action_trajectories(self) -> None:
         run = selected_key(self.query_one("#runs", DataTable))

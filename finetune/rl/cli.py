@@ -24,7 +24,7 @@ from appliance.rl import ExportAsk, RunSpec, Task, load_tasksets
 from appliance.settings import load_settings
 from appliance.terminal import shown
 from appliance.trajectories import read_run
-from finetune.cli import NAME as DATASET_NAME
+from finetune.cli import check_name_option
 from finetune.rl.execute import SOURCE, Language, execute
 from finetune.rl.export import export_run
 from finetune.rl.gate import held_out_set, measure, record, served_version, verdict
@@ -284,15 +284,16 @@ def export(
 ) -> None:
     """Build the SFT set and the preference (DPO) set from a run's trajectories, each a dataset
     `appliance finetune run --data NAME --method sft|dpo` trains on."""
-    if sft is None and dpo is None:
-        raise Invalid("give --sft NAME, --dpo NAME or both")
     for option, name in (("--sft", sft), ("--dpo", dpo)):
-        if name is not None and not DATASET_NAME.match(name):
-            raise Invalid(f"{option} {name!r}: use lower-case letters, digits, '.', '_' or '-' (up to 64)")
-    if sft == dpo:
-        raise Invalid("--sft and --dpo need two names")
+        if name is not None:
+            check_name_option(option, name)
+    try:
+        ask = ExportAsk(sft=sft, dpo=dpo)
+    except ValidationError as exc:
+        raise Invalid(str(exc.errors()[0]["msg"]).removeprefix("Value error, ").replace("give sft, dpo",
+                      "give --sft NAME, --dpo NAME")) from None
     home = Home.from_env()
-    for line in export_run(run, ExportAsk(sft=sft, dpo=dpo), load_settings(home.settings_file), home).lines():
+    for line in export_run(run, ask, load_settings(home.settings_file), home).lines():
         out.print(line, soft_wrap=True, highlight=False)
 
 

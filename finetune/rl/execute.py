@@ -49,7 +49,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from types import TracebackType
-from typing import Literal
+from typing import IO, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -59,8 +59,8 @@ from finetune.sandbox import (
     ROOT_NAMESPACES,
     SYSTEM_READ_ONLY,
     SandboxError,
+    bubblewrap,
     leading_directories,
-    sandbox_tools,
     system_mounts,
     system_user,
 )
@@ -76,7 +76,6 @@ CELL_CODE = tuple(Path(__file__).with_name(name) for name in ("zygote.py", "harn
 # mounts, its user, the bounding set dropped, its own loopback device up.
 CELL_CAPABILITIES = ("CAP_SYS_ADMIN", "CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP", "CAP_NET_ADMIN")
 CELL_PROCESSES = 4  # the cell's own: bubblewrap's, the zygote, an execution's middle process
-SETUP_FAILED = 125  # the zygote's exit status when it could not set an execution up
 REPORT_BYTES = 64 * 2**20  # a report holds each case's output (up to 64 KiB): far more than any makes
 Language = Literal["python", "c"]
 SOURCE = {"python": "program.py", "c": "program.c"}
@@ -134,6 +133,7 @@ class Sandbox:
         self._control: socket.socket | None = None
         self._tasks = Path()
         self._cgroup = False
+        self._log: IO[bytes] | None = None  # the cell's own stderr (the zygote's errors)
         self._resources = ExitStack()
 
     def __enter__(self) -> Sandbox:
@@ -186,29 +186,34 @@ class Sandbox:
         self._resources.close()
 
     def _start(self) -> None:
-        bwrap, _ = sandbox_tools("execution sandbox")
+        bwrap = bubblewrap("execution sandbox")
         try:
             joins = self._resources.enter_context(execution_cgroup(self.settings))
             self._cgroup = bool(joins)
             self._tasks = Path(self._resources.enter_context(tempfile.TemporaryDirectory(prefix="appliance-cell-")))
+            self._log = self._resources.enter_context(tempfile.TemporaryFile())
             host_end, cell_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             self._control = host_end
-            with cell_end, open(self._tasks.parent / f"{self._tasks.name}.log", "w+b") as log:
+            with cell_end:
                 self._cell = subprocess.Popen(cell_command(bwrap, self._tasks, joins), stdin=cell_end.fileno(),
-                                              stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
-                host_end.settimeout(30)
-                ready = _line(host_end)
-                host_end.settimeout(None)
-                if ready != "ready":
-                    log.seek(0)
-                    why = log.read()[-2000:].decode(errors="replace").strip()
-                    raise SandboxError(f"the execution sandbox did not start: {why or 'no reason given'}",
-                                       hint="see `appliance rl exec` on this host")
+                                              stdout=subprocess.DEVNULL, stderr=self._log, start_new_session=True)
+            host_end.settimeout(30)
+            ready = _line(host_end)
+            host_end.settimeout(None)
+            if ready != "ready":
+                raise SandboxError(f"the execution sandbox did not start: {self._said() or 'no reason given'}",
+                                   hint="check `appliance rl exec` on this host")
         except BaseException:
             self.close()
             raise
-        finally:
-            (self._tasks.parent / f"{self._tasks.name}.log").unlink(missing_ok=True)
+
+    def _said(self) -> str:
+        """The end of what the cell wrote on its stderr (the zygote's errors)."""
+        if self._log is None:
+            return ""
+        self._log.seek(0, os.SEEK_END)
+        self._log.seek(max(0, self._log.tell() - 2000))
+        return self._log.read().decode(errors="replace").strip()
 
     def _execute(self, key: str, environment: dict[str, str],
                  wall_s: float) -> tuple[dict[str, bytes], str | None, int | None, float]:
@@ -237,11 +242,17 @@ class Sandbox:
         finally:
             for _, write in pipes:
                 os.close(write)
-        outputs, limit, status = self._collect([read for read, _ in pipes], started + wall_s, wall_s)
-        if limit is not None or status is None:
-            self._end()  # everything it started dies with the cell; the next execution gets a new one
+        try:
+            outputs, limit, status = self._collect([read for read, _ in pipes], started + wall_s, wall_s)
+        except BaseException:
+            self._end()  # the zygote may still be in this execution: the next one gets a new cell
+            raise
         if limit is None and status is None:  # the zygote is gone: not the program's doing
-            raise SandboxError("the execution sandbox ended during an execution", hint="see the worker's log")
+            said = self._said()
+            self._end()
+            raise SandboxError(f"the execution sandbox ended during an execution{': ' + said if said else ''}")
+        if limit is not None:
+            self._end()  # everything it started dies with the cell; the next execution gets a new one
         return outputs, limit, status, round(time.monotonic() - started, 3)
 
     def _collect(self, reads: list[int], deadline: float,
@@ -303,7 +314,7 @@ class Sandbox:
             outputs_seen = [str(r.get("output", "")) for r in report["results"]]
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
             # Whatever ended the harness early (a program may crash it) scores as a failure, not an error.
-            return Verdict(status="failed", reason=f"the sandbox ended without a report (exit {status})",
+            return Verdict(status="failed", reason=f"the sandbox ended without a report ({_exit(status)})",
                            tests_passed=0, tests_total=0, tests=[], **common)
         if not report.get("compiled", True):
             return Verdict(status="failed", reason=str(report.get("why", "compile error"))[:200], tests_passed=0,
@@ -373,15 +384,16 @@ def _trim(data: bytes, kept: int) -> str:
 
 
 def _exit(code: int | None) -> str:
-    if code is None or code >= 0:
+    """The harness's end as the zygote reports it: its exit status, or 128 + the signal that ended it."""
+    if code is None or code <= 128:
         return f"exit {code}"
-    return f"signal {signal.Signals(-code).name}"
+    return f"signal {signal.Signals(code - 128).name}"
 
 
 @contextmanager
 def execution_cgroup(settings: ExecutionSettings) -> Iterator[list[Path]]:
-    """The `cgroup.procs` files of a cgroup of this execution's own (pids and memory), removed
-    after it; none where the host's controllers cannot be used (not root, or not mounted)."""
+    """The `cgroup.procs` files of a cgroup of a cell's own (pids and memory), removed after it;
+    none where the host's controllers cannot be used (not root, or not mounted)."""
     made: list[Path] = []
     if os.geteuid() == 0:
         name = f"appliance-exec/{secrets.token_hex(8)}"
@@ -403,8 +415,8 @@ def execution_cgroup(settings: ExecutionSettings) -> Iterator[list[Path]]:
     try:
         yield [group / "cgroup.procs" for group in made]
     finally:
-        # Emptied by the kill a moment ago, but the kernel may still be tearing the processes down:
-        # removed in the background, not on the execution's time (and waited for at exit).
+        # Emptied as the cell ended, but the kernel may still be tearing its processes down:
+        # removed in the background, not on an execution's time (and waited for at exit).
         cleanup = threading.Thread(target=_remove, args=(made,), daemon=True)
         cleanup.start()
         _cleanups.append(cleanup)
@@ -431,7 +443,7 @@ def _remove_stale(parent: Path) -> None:
 
 
 def _remove(groups: list[Path]) -> None:
-    """Remove these cgroups (only this execution's: another's may be new and not yet joined)."""
+    """Remove these cgroups (only this cell's: another's may be new and not yet joined)."""
     for group in reversed(groups):
         for _ in range(250):
             try:

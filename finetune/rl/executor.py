@@ -31,8 +31,11 @@ FAILURES_PER_WORKER = 5  # sandbox workers ending in error, per worker of the ca
 
 def work(store: RunStore, settings: ExecutionSettings) -> int:
     """Run executions until none has come for `worker_idle_s`; returns how many it ran."""
-    with Sandbox(settings) as sandbox:
-        return _work(store, settings, sandbox)
+    try:
+        with Sandbox(settings) as sandbox:
+            return _work(store, settings, sandbox)
+    finally:
+        store.close()
 
 
 def _work(store: RunStore, settings: ExecutionSettings, sandbox: Sandbox) -> int:

@@ -19,10 +19,10 @@ from appliance.artifacts import ArtifactStore, artifact_store
 from appliance.errors import Invalid
 from appliance.home import Home
 from appliance.rl import Attempt, ExportAsk, RunSpec
+from appliance.sensitive import Scanner
 from appliance.settings import Settings
 from appliance.trajectories import read_run
-from finetune.datasets import Imported, Row, normalise, scan, split, store
-from finetune.pii import Scanner
+from finetune.datasets import Imported, Row, normalise, put, register, scan, split
 from finetune.rl.tasks import load
 
 
@@ -81,11 +81,10 @@ def prepare_set(run_id: int, rows: list[dict[str, Any]], what: str, settings: Se
     return Prepared(train, evaluation, sensitive)
 
 
-def store_set(name: str, run_id: int, prepared: Prepared, settings: Settings, artifacts: ArtifactStore,
-              home: Home) -> Imported:
-    """Store a prepared set as a training dataset, content-addressed."""
-    return store(name, Path(f"rl-run-{run_id}.jsonl"), prepared.train, prepared.evaluation, prepared.sensitive,
-                 settings.finetune.sensitive_data, artifacts, home)
+def put_set(name: str, run_id: int, prepared: Prepared, settings: Settings, artifacts: ArtifactStore) -> Imported:
+    """Put a prepared set's files in the store, content-addressed (named by `register`)."""
+    return put(name, Path(f"rl-run-{run_id}.jsonl"), prepared.train, prepared.evaluation, prepared.sensitive,
+               settings.finetune.sensitive_data, artifacts)
 
 
 @dataclass
@@ -102,8 +101,9 @@ class Exported:
 def export_run(run_id: int, ask: ExportAsk, settings: Settings, home: Home) -> Exported:
     """The datasets `ask` names, made from a run's verified trajectories (`appliance rl export`, and the
     rl-worker for the admin API). Attempts at held-out tasks are left out: training on them would
-    leave the gate measuring on training data. Both sets are built and scanned before either is
-    stored: all or nothing."""
+    leave the gate measuring on training data. Both sets are built, scanned and put in the store
+    before either is named: all or nothing (files put by an attempt that failed are unnamed, and put
+    again, the same bytes, by the next)."""
     artifacts = artifact_store(settings.artifacts, home)
     manifest, attempts = read_run(artifacts, home, run_id)
     spec = RunSpec.model_validate(manifest.spec)
@@ -113,6 +113,6 @@ def export_run(run_id: int, ask: ExportAsk, settings: Settings, home: Home) -> E
         ("SFT set", ask.sft, sft_rows(kept), "passing attempt at a training task"),
         ("preference set", ask.dpo, dpo_rows(kept), "training task with a passing answer and a failing first one"))
         if name is not None]
-    return Exported(len(attempts) - len(kept),
-                    [(label, store_set(name, run_id, prepared, settings, artifacts, home))
-                     for label, name, prepared in chosen])
+    stored = [(label, put_set(name, run_id, prepared, settings, artifacts)) for label, name, prepared in chosen]
+    register(home, {done.name: done.digest for _, done in stored})
+    return Exported(len(attempts) - len(kept), stored)

@@ -290,6 +290,9 @@ class Loop:
                 f"(first answers {figures.first_pass_rate:.0%}), mean reward {figures.mean_reward:.3f}; "
                 f"trajectories {manifest}")
 
+    def close(self) -> None:
+        self.store.close()
+
     def _collect(self, awaited: dict[str, Step], asks: deque[Step]) -> None:
         """The verdicts in: each an attempt, and a failing one's correction asked for."""
         for key, verdict in self.store.verdicts(set(awaited)).items():

@@ -84,6 +84,7 @@ class RunStore:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._connections = threading.local()
+        self._opened: list[sqlite3.Connection] = []
         with self._connect() as db:
             db.executescript(SCHEMA)
 
@@ -93,11 +94,20 @@ class RunStore:
         it, and a sandbox worker's claims and verdicts come every few milliseconds."""
         db: sqlite3.Connection | None = getattr(self._connections, "db", None)
         if db is None:
-            db = sqlite3.connect(self.path, timeout=60, isolation_level=None)
+            # Used by this thread only; closed by whichever thread closes the store.
+            db = sqlite3.connect(self.path, timeout=60, isolation_level=None, check_same_thread=False)
             db.row_factory = sqlite3.Row
             db.execute("pragma journal_mode=wal")
             self._connections.db = db
+            self._opened.append(db)
         yield db
+
+    def close(self) -> None:
+        """Close every thread's connection (the store is not used after)."""
+        for db in self._opened:
+            db.close()
+        self._opened.clear()
+        self._connections = threading.local()
 
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:

@@ -21,6 +21,7 @@ from finetune.rl.loop import Loop, RunCancelled
 from finetune.worker import announce_outcome, serve_queue, worker_program
 
 log = logging.getLogger("appliance.rl-worker")
+GIVE_UP_TAKES = 3  # an export whose workers died this many times while making it fails
 
 
 def work_one(home: Home, settings: Settings) -> rl.Run | rl.Export | None:
@@ -29,20 +30,33 @@ def work_one(home: Home, settings: Settings) -> rl.Run | rl.Export | None:
 
 
 def export_one(home: Home, settings: Settings) -> rl.Export | None:
-    """Make the next asked export, if any; returns it as it ended."""
+    """Make the next asked export, if any; returns it as it ended. While the artifact store is
+    away it waits `rl.retry_s` and tries again, for up to `rl.give_up_s`."""
     export = rl.claim_export(home, os.getpid(), worker_alive)
     if export is None:
         return None
-    try:
-        state, message = JobState.SUCCEEDED, "; ".join(export_run(export.run_id, export, settings, home).lines())
-    except ApplianceError as exc:
-        state, message = JobState.FAILED, exc.one_line()
-    except Exception as exc:  # a bug: this export fails, the worker goes on
-        log.exception("export %d", export.id)
-        state, message = JobState.FAILED, f"internal error: {type(exc).__name__}: {exc} (see the rl-worker's log)"
-    rl.finish_export(home, export.id, state, message)
-    announce_outcome("rl.export", state, f"export {export.id} of run {export.run_id} {state}: {message}", log)
-    return next(e for e in rl.exports(home) if e.id == export.id)
+    state, message = JobState.FAILED, f"the rl-worker died {export.attempts - 1} times making it"
+    waited_since = time.monotonic()
+    while export.attempts <= GIVE_UP_TAKES:
+        try:
+            state, message = JobState.SUCCEEDED, "; ".join(export_run(export.run_id, export, settings, home).lines())
+        except Unavailable as exc:
+            if time.monotonic() - waited_since < settings.rl.give_up_s:
+                log.warning("export %d: %s; trying again in %g s", export.id, exc.one_line(), settings.rl.retry_s)
+                time.sleep(settings.rl.retry_s)
+                continue
+            state, message = JobState.FAILED, exc.one_line()
+        except ApplianceError as exc:
+            state, message = JobState.FAILED, exc.one_line()
+        except Exception as exc:  # a bug: this export fails, the worker goes on
+            log.exception("export %d", export.id)
+            state, message = JobState.FAILED, f"internal error: {type(exc).__name__}: {exc} (see the rl-worker's log)"
+        break
+    if not rl.finish_export(home, export.id, os.getpid(), state, message):
+        log.warning("export %d was taken over by another worker; its outcome is theirs", export.id)
+    else:
+        announce_outcome("rl.export", state, f"export {export.id} of run {export.run_id} {state}: {message}", log)
+    return rl.get_export(home, export.id)
 
 
 def run_one(home: Home, settings: Settings) -> rl.Run | None:
@@ -53,7 +67,11 @@ def run_one(home: Home, settings: Settings) -> rl.Run | None:
     log.info("run %d (%s on %s): attempt %d", run.id, run.spec.base, run.spec.tasks, run.attempts)
     while True:
         try:  # a run found cancelling (its worker died) stops at once, its trajectories kept
-            message = Loop(home, settings, run).execute()
+            loop = Loop(home, settings, run)
+            try:
+                message = loop.execute()
+            finally:
+                loop.close()
             state = JobState.SUCCEEDED
         except RunCancelled as exc:
             state, message = JobState.CANCELLED, exc.message

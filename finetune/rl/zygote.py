@@ -117,7 +117,8 @@ def execution(request: dict[str, Any], fds: list[int], last_capability: int) -> 
     for fd in fds:
         os.close(fd)
     _, status = os.waitpid(first, 0)
-    return os.waitstatus_to_exitcode(status) & 0xFF
+    code = os.waitstatus_to_exitcode(status)
+    return code if code >= 0 else 128 - code  # a signal's, as a shell reports it
 
 
 def contained(request: dict[str, Any], fds: list[int], last_capability: int) -> int:

@@ -8,7 +8,7 @@ import pathlib
 from typing import Annotated
 
 import anyio
-from fastapi import APIRouter, Depends, Path, Query
+from fastapi import APIRouter, Depends, Path, Query, Response
 from pydantic import BaseModel
 
 from appliance import jobs, rl, trajectories
@@ -107,11 +107,20 @@ def router(settings: Settings, home: Home) -> APIRouter:
         return rl.report(home, rl.cancel(home, run_id))
 
     @routes.post("/rl/runs/{run_id}/exports", response_model=rl.Export, status_code=202, name="rl.exports.create")
-    def ask_export(run_id: Annotated[int, Path(ge=1, le=2**63 - 1)], ask: rl.ExportAsk) -> rl.Export:
+    def ask_export(run_id: Annotated[int, Path(ge=1, le=2**63 - 1)], ask: rl.ExportAsk,
+                   response: Response) -> rl.Export:
         """Ask the rl-worker to make the SFT set and/or the preference set of a run that ended, as
-        training datasets (attempts at held-out tasks left out); `GET /admin/rl/exports` follows it.
-        No such run: 404; one still running: 409."""
-        return rl.ask_export(home, run_id, ask)
+        training datasets (attempts at held-out tasks left out); its `Location` follows it. No such
+        run: 404; one still running, without trajectories, or with an export unfinished: 409."""
+        export = rl.ask_export(home, run_id, ask)
+        response.headers["Location"] = f"/admin/rl/exports/{export.id}"
+        return export
+
+    @routes.get("/rl/exports/{export_id}", response_model=rl.Export, name="rl.exports.read",
+                openapi_extra=MONITORING)
+    def read_export(export_id: Annotated[int, Path(ge=1, le=2**63 - 1)]) -> rl.Export:
+        """One export: queued, running, or what it stored (or why it failed). No such export: 404."""
+        return rl.get_export(home, export_id)
 
     @routes.get("/rl/exports", response_model=list[rl.Export], name="rl.exports.list", openapi_extra=MONITORING)
     def list_exports() -> list[rl.Export]:

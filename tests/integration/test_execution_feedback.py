@@ -262,6 +262,7 @@ def test_the_tui_shows_runs_and_one_attempt_with_its_correction(lab: Lab) -> Non
     async def scenario(pilot: Pilot) -> None:
         await pilot.press("e")
         await until(pilot, lambda: str(run.id) in rows(app, "runs"), "the runs")
+        assert rows(app, "tasksets")["easy"][1:4] == ["20", "16", "4"], rows(app, "tasksets")
         assert rows(app, "runs")[str(run.id)][3] == "succeeded"
         await select_row(pilot, "runs", str(run.id))
         await pilot.press("t")
@@ -271,6 +272,7 @@ def test_the_tui_shows_runs_and_one_attempt_with_its_correction(lab: Lab) -> Non
         await until(pilot, lambda: "fed back" in text(app, "attempt"), "the attempt")
         assert corrected.code.splitlines()[0] in text(app, "attempt")
         await pilot.press("x")  # the run's SFT and DPO sets, made by the rl-worker
+        await pilot.press("y")  # the confirmation dialog
         await until(pilot, lambda: bool(rl.exports(cli.home)), "the export asked")
 
     drive(app, scenario)
@@ -284,14 +286,18 @@ def test_the_tui_shows_runs_and_one_attempt_with_its_correction(lab: Lab) -> Non
     assert f"preference set: dataset rl-run-{run.id}-dpo" in (export.message or "")
     listed = cli.run("data", "list")
     assert f"rl-run-{run.id}-sft" in listed.stdout and f"rl-run-{run.id}-dpo" in listed.stdout
-    # Bad asks are refused with the reason, and nothing is queued.
     admin = AdminClient(settings, cli.home)
-    for path, body, status in ((f"/rl/runs/{run.id}/exports", {"sft": "Bad Name"}, 422),
-                               (f"/rl/runs/{run.id}/exports", {}, 422),
-                               ("/rl/runs/999999/exports", {"sft": "fine"}, 404)):
+    assert rl.Export.model_validate(admin.call_sync("GET", f"/rl/exports/{export.id}")) == export
+    # Bad asks are refused with the reason, and nothing is queued.
+    for path, body, status, reason in (
+            (f"/rl/runs/{run.id}/exports", {"sft": "Bad Name"}, 422, "use lower-case letters"),
+            (f"/rl/runs/{run.id}/exports", {"sft": "x\n"}, 422, "use lower-case letters"),
+            (f"/rl/runs/{run.id}/exports", {"sft": "<b>[/x]</b>"}, 422, "use lower-case letters"),
+            (f"/rl/runs/{run.id}/exports", {}, 422, "give sft, dpo or both"),
+            ("/rl/runs/999999/exports", {"sft": "fine"}, 404, "no RL run 999999")):
         with pytest.raises(Refused) as refused:
             admin.call_sync("POST", path, json=body)
-        assert refused.value.status == status, (path, body, refused.value)
+        assert refused.value.status == status and reason in refused.value.reason, (path, body, refused.value)
     assert len(rl.exports(cli.home)) == 1
 
 

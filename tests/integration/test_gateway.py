@@ -128,9 +128,15 @@ def _kcadmin_password(realm: Realm) -> str:
 def test_bad_tokens_are_rejected(realm: Realm, alice: str) -> None:
     cases = bad_tokens(realm, alice)
     assert len(cases) >= 20
-    # The test's realm key is newer than the gateway's cached JWKS; /readyz refetches it, as the
-    # next unknown-kid miss would after the refetch interval.
     assert httpx.get(f"{realm.gateway}/readyz").status_code == 200
+    # The test's realm key is newer than the gateway's cached JWKS: the gateway refetches the keys
+    # on an unknown kid, at most once per gateway.jwks_refetch_interval_s (the last fetch may have
+    # been the gateway's start, moments ago).
+    crafted = {"Authorization": cases["expired (crafted)"][0] or ""}
+    deadline = time.monotonic() + realm.settings.gateway.jwks_refetch_interval_s + 10
+    while httpx.get(f"{realm.gateway}/v1/models", headers=crafted, timeout=30).json()["error"]["code"] == "unknown_key":
+        assert time.monotonic() < deadline, "the gateway never fetched the realm's new key"
+        time.sleep(1)
     failures = []
     for name, (authorization, status, code) in cases.items():
         headers = {"Authorization": authorization} if authorization is not None else {}

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from appliance.home import Home
+from appliance.sensitive import Scanner, iban_ok, luhn_ok
 from audit import read_records
 from finetune.datasets import DatasetError, Row, check_lengths, load_registry, parse, scan, split
-from finetune.pii import Scanner, iban_ok, luhn_ok
 
 APPLIANCE = str(Path(sys.executable).with_name("appliance"))
 

@@ -130,30 +130,32 @@ def test_an_export_is_asked_of_a_run_that_ended_and_taken_over_from_a_dead_worke
 
     run = rl.submit(home, RunSpec(tasks="t", base="demo"))
     ask = rl.ExportAsk(sft="run-sft", dpo="run-dpo")
-    with pytest.raises(Conflict, match=f"RL run {run.id} is queued: only a run that ended"):
+    with pytest.raises(Conflict, match=f"RL run {run.id} is queued: it can be exported once it has ended"):
         rl.ask_export(home, run.id, ask)
     with pytest.raises(NotFound):
         rl.ask_export(home, 99, ask)
     for bad in ({}, {"sft": "Bad Name"}, {"sft": "same", "dpo": "same"}, {"sft": "a", "extra": 1},
-                {"sft": "../up"}, {"dpo": "x\ny"}):
+                {"sft": "../up"}, {"dpo": "x\ny"}, {"sft": "x\n"}, {"sft": "\ud800"}, {"dpo": "a" * 65}):
         with pytest.raises(ValidationError):
             rl.ExportAsk.model_validate(bad)
     rl.claim(home, 111, lambda pid: True)
     rl.finish(home, run.id, JobState.SUCCEEDED, "done")
-    with pytest.raises(Conflict, match="trajectories written"):  # it ended without a manifest
+    with pytest.raises(Conflict, match="ended without writing its trajectories"):
         rl.ask_export(home, run.id, ask)
     rl.record_manifest_digest(home, run.id, "0" * 64)
     asked = rl.ask_export(home, run.id, ask)
     assert (asked.state, asked.sft, asked.dpo) == (JobState.QUEUED, "run-sft", "run-dpo")
+    with pytest.raises(Conflict, match=f"export {asked.id} of RL run {run.id} is not finished yet"):
+        rl.ask_export(home, run.id, ask)
     taken = rl.claim_export(home, 111, lambda pid: True)
     assert taken is not None and taken.state == JobState.RUNNING
     assert rl.claim_export(home, 222, lambda pid: True) is None
     again = rl.claim_export(home, 222, lambda pid: pid != 111)  # its worker died: made again
     assert again is not None and again.worker_pid == 222
-    rl.finish_export(home, asked.id, JobState.SUCCEEDED, "SFT set: dataset run-sft")
-    assert rl.exports(home)[0].message == "SFT set: dataset run-sft"
-    with pytest.raises(IllegalTransition):
-        rl.finish_export(home, asked.id, JobState.FAILED, "twice")
+    assert not rl.finish_export(home, asked.id, 111, JobState.FAILED, "taken over")  # not its worker's any more
+    assert rl.finish_export(home, asked.id, 222, JobState.SUCCEEDED, "SFT set: dataset run-sft")
+    assert rl.get_export(home, asked.id).message == "SFT set: dataset run-sft"
+    assert not rl.finish_export(home, asked.id, 222, JobState.FAILED, "twice")
 
 
 def test_the_queue_hands_a_dead_workers_execution_on_and_stores_a_verdict_once(tmp_path: Path) -> None:

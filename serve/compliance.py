@@ -1,0 +1,279 @@
+"""Live compliance filtering: the sensitive-data scanner (appliance.sensitive) on every prompt
+before the engine sees it and on every answer before the client does, as the caller's roles'
+policy says (`compliance` settings):
+
+- `block` (prompts): the request is refused, 400 `sensitive_data`, naming the kind and the field,
+  never the text;
+- `redact`: each finding is replaced by its kind (`[PAYMENT_CARD]`), in the prompt before it is
+  relayed and in the answer before it goes out, a streamed one included: text that could still be
+  the start of a finding is held back until the next chunk settles it;
+- `flag`: it goes through, and the request's audit record says what was found;
+- `allow`: nothing.
+
+What cannot be screened is refused rather than let through: a prompt of token ids. A choice's
+logprobs (they would show the text redaction hides) are left out wherever the filter held back or
+replaced its text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from appliance.errors import SettingsError
+from appliance.roles import Role
+from appliance.sensitive import Scanner, StreamRedactor, plugged
+from appliance.settings import ComplianceSettings, RolePolicy, SensitiveAction
+from serve.errors import GatewayError
+
+APPLIANCE_ROLES = {str(role) for role in Role}
+GENEROSITY = ("block", "redact", "flag", "allow")  # a user holding several roles gets the most generous
+ANSWER_TEXT = ("content", "reasoning_content", "text", "refusal", "arguments")  # the answer's generated strings
+STREAMED_TEXT = ANSWER_TEXT[:4]  # and each tool call's arguments
+DESCRIBED = {"payment_card": "a payment card number", "iban": "an IBAN", "secret": "a secret (an API key or token)",
+             "email": "an e-mail address", "phone": "a phone number", "national_id": "a national identifier"}
+MARKS = {"block": "blocked", "redact": "redacted", "flag": "flagged"}
+
+
+@dataclass(frozen=True)
+class Policy:
+    """One caller's actions by kind, for prompts and for answers."""
+
+    prompts: dict[str, SensitiveAction]
+    answers: dict[str, SensitiveAction]
+
+    def acting(self, actions: dict[str, SensitiveAction], *wanted: str) -> set[str]:
+        return {kind for kind, action in actions.items() if action in wanted}
+
+
+@dataclass
+class Marks:
+    """What the filter did to one request, for its audit record: "prompt.email" -> "flagged"."""
+
+    done: dict[str, str] = field(default_factory=dict)
+
+    def add(self, where: str, kinds: set[str], action: str) -> None:
+        for kind in kinds:
+            self.done[f"{where}.{kind}"] = MARKS[action]
+
+
+class Compliance:
+    """The scanner and the policies, built once at the gateway's start (SettingsError there for a
+    policy naming a kind no detector finds, or a plug-in that is not installed)."""
+
+    def __init__(self, settings: ComplianceSettings) -> None:
+        self.settings = settings
+        self.scanner = Scanner(settings.patterns, plugged(settings.detectors))
+        known = self.scanner.kinds
+        for where, policy in (("default", settings.default), *settings.roles.items()):
+            for part in (policy.prompts, policy.answers):
+                if unknown := set(part) - known:
+                    raise SettingsError(f"compliance.{where if where == 'default' else 'roles.' + where}: no detector "
+                                        f"finds {sorted(unknown)}", hint=f"kinds: {sorted(known)}")
+
+    def policy(self, roles: Iterable[str]) -> Policy:
+        """The caller's: for each kind, the most generous action among the policies of the roles it
+        holds (the appliance's roles and those with a policy; one without a policy of its own has
+        the default)."""
+        default = self.settings.default
+        held: list[RolePolicy | None] = [self.settings.roles.get(role) for role in roles
+                                         if role in self.settings.roles or role in APPLIANCE_ROLES]
+        held = held or [None]
+        chosen: dict[str, dict[str, SensitiveAction]] = {"prompts": {}, "answers": {}}
+        for part in chosen:
+            for kind in self.scanner.kinds:
+                actions = [(getattr(role, part) if role else {}).get(kind) or getattr(default, part).get(kind, "flag")
+                           for role in held]
+                chosen[part][kind] = max(actions, key=GENEROSITY.index)
+        return Policy(**chosen)
+
+    def screen_prompt(self, payload: dict[str, Any], fields: tuple[str, ...], policy: Policy, marks: Marks) -> None:
+        """Block, redact (in `payload`) or flag what the prompt-shaping `fields` hold; refuse a prompt
+        of token ids (it cannot be screened)."""
+        screening = policy.acting(policy.prompts, "block", "redact", "flag")
+        if not screening:
+            return
+        found: dict[str, set[str]] = {}
+        for name in fields:
+            if name in payload:
+                for path, text in _strings(payload[name], name):
+                    for finding in self.scanner.findings(text, screening):
+                        found.setdefault(finding.kind, set()).add(path)
+                if name == "prompt" and _token_ids(payload[name]):
+                    raise GatewayError(400, "a prompt of token ids cannot be screened for sensitive data under your "
+                                       "role's compliance policy; send text", code="sensitive_data", param="prompt")
+        blocked = sorted(kind for kind in found if policy.prompts[kind] == "block")
+        if blocked:
+            marks.add("prompt", set(blocked), "block")
+            kind = blocked[0]
+            raise GatewayError(400, f"the prompt holds {DESCRIBED.get(kind, kind)} ({sorted(found[kind])[0]}), "
+                               "which your role may not send", code="sensitive_data", param=sorted(found[kind])[0])
+        redacted = {kind for kind in found if policy.prompts[kind] == "redact"}
+        for name in fields:
+            if redacted and name in payload:
+                payload[name] = _rewritten(payload[name], lambda text: self.scanner.redact(text, redacted))
+        marks.add("prompt", redacted, "redact")
+        marks.add("prompt", {kind for kind in found if policy.prompts[kind] == "flag"}, "flag")
+
+    def answer_filter(self, policy: Policy, marks: Marks) -> AnswerFilter | None:
+        redacted = policy.acting(policy.answers, "redact")
+        flagged = policy.acting(policy.answers, "flag")
+        if not redacted and not flagged:
+            return None
+        return AnswerFilter(self.scanner, redacted, flagged, self.settings.hold_chars, marks)
+
+
+class AnswerFilter:
+    """Redacts and flags one answer: whole (`answer`) or as its stream's events go by (`event`,
+    then `finish` before the end marker). What it found is marked as soon as it is settled, so a
+    stream cut short still has its marks."""
+
+    def __init__(self, scanner: Scanner, redacted: set[str], flagged: set[str], hold_chars: int,
+                 marks: Marks) -> None:
+        self.scanner = scanner
+        self.redacted = redacted
+        self.flagged = flagged
+        self.hold_chars = hold_chars
+        self.marks = marks
+        self.streams: dict[tuple[Any, str], tuple[StreamRedactor, StreamRedactor]] = {}  # redacting, flagging
+        self.last: dict[str, Any] = {}
+
+    def answer(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A whole answer's choices, redacted (a changed choice loses its logprobs)."""
+        def screened(text: str) -> str:
+            self.marks.add("answer", {f.kind for f in self.scanner.findings(text, self.flagged)}, "flag")
+            redacting = self.scanner.findings(text, self.redacted)
+            self.marks.add("answer", {f.kind for f in redacting}, "redact")
+            return self.scanner.redact(text, self.redacted) if redacting else text
+
+        if isinstance(body.get("choices"), list):
+            choices = []
+            for choice in body["choices"]:
+                screened_choice = _rewritten(choice, screened, ANSWER_TEXT)
+                if screened_choice != choice and isinstance(screened_choice, dict):
+                    screened_choice.pop("logprobs", None)
+                choices.append(screened_choice)
+            body["choices"] = choices
+        return body
+
+    def event(self, event: dict[str, Any]) -> dict[str, Any]:
+        """One streamed event, its text settled so far redacted (the rest held back); a choice's
+        held text goes out with the event that finishes it."""
+        choices = event.get("choices")
+        if not isinstance(choices, list):
+            return event
+        self.last = event
+        for position, choice in enumerate(choices):
+            if not isinstance(choice, dict):
+                continue
+            index = choice.get("index", position)
+            part: dict[str, Any] = choice["delta"] if isinstance(choice.get("delta"), dict) else choice
+            changed = False
+            for key, holder in _text_places(part):
+                out = self._feed((index, key), holder[_leaf(key)])
+                changed = changed or out != holder[_leaf(key)]
+                holder[_leaf(key)] = out
+            if choice.get("finish_reason") is not None:
+                for held_index, key in list(self.streams):
+                    if held_index == index and (rest := self._flush((held_index, key))):
+                        _append(part, key, rest)
+                        changed = True
+            if changed:
+                choice.pop("logprobs", None)
+        return event
+
+    def finish(self) -> list[dict[str, Any]]:
+        """Events carrying what is still held (a stream that ended without finishing its choices)."""
+        events = []
+        for index, key in list(self.streams):
+            if rest := self._flush((index, key)):
+                if key == "text":
+                    choice: dict[str, Any] = {"index": index, "text": rest}
+                else:
+                    choice = {"index": index, "delta": {}}
+                    _append(choice["delta"], key, rest)
+                events.append({**{k: v for k, v in self.last.items() if k in ("id", "object", "created", "model")},
+                               "choices": [choice]})
+        return events
+
+    def _feed(self, where: tuple[Any, str], text: str) -> str:
+        if where not in self.streams:
+            self.streams[where] = (StreamRedactor(self.scanner, self.redacted, self.hold_chars),
+                                   StreamRedactor(self.scanner, self.flagged, self.hold_chars))
+        redacting, flagging = self.streams[where]
+        flagging.feed(text)
+        out = redacting.feed(text)
+        self._mark(redacting, flagging)
+        return out
+
+    def _flush(self, where: tuple[Any, str]) -> str:
+        redacting, flagging = self.streams[where]
+        flagging.flush()
+        out = redacting.flush()
+        self._mark(redacting, flagging)
+        return out
+
+    def _mark(self, redacting: StreamRedactor, flagging: StreamRedactor) -> None:
+        self.marks.add("answer", redacting.found, "redact")
+        self.marks.add("answer", flagging.found, "flag")
+
+
+def _text_places(part: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """The generated strings of a streamed choice's part, each as (its stream's key, the dict
+    holding it): content and the like, and each tool call's arguments ("tool:N")."""
+    for key in STREAMED_TEXT:
+        if isinstance(part.get(key), str):
+            yield key, part
+    calls = part.get("tool_calls")
+    for position, call in enumerate(calls if isinstance(calls, list) else []):
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            yield f"tool:{call.get('index', position)}", function
+
+
+def _leaf(key: str) -> str:
+    return "arguments" if key.startswith("tool:") else key
+
+
+def _append(part: dict[str, Any], key: str, rest: str) -> None:
+    """Add held text back to a streamed choice's part, where its stream's key says."""
+    if not key.startswith("tool:"):
+        part[key] = part.get(key, "") + rest
+        return
+    call_index = int(key.split(":", 1)[1])
+    calls = part.setdefault("tool_calls", [])
+    call = next((c for c in calls if isinstance(c, dict) and c.get("index") == call_index), None)
+    if call is None:
+        call = {"index": call_index, "function": {}}
+        calls.append(call)
+    function = call.setdefault("function", {})
+    function["arguments"] = function.get("arguments", "") + rest
+
+
+def _strings(value: Any, path: str) -> Iterator[tuple[str, str]]:
+    """Every string in a JSON value, with where it is ("messages[1].content")."""
+    if isinstance(value, str):
+        yield path, value
+    elif isinstance(value, list):
+        for position, item in enumerate(value):
+            yield from _strings(item, f"{path}[{position}]")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _strings(item, f"{path}.{key}")
+
+
+def _rewritten(value: Any, change: Any, keys: tuple[str, ...] | None = None) -> Any:
+    """`value` with each string changed (only those under `keys`, when given)."""
+    if isinstance(value, str):
+        return change(value) if keys is None else value
+    if isinstance(value, list):
+        return [_rewritten(item, change, keys) for item in value]
+    if isinstance(value, dict):
+        return {key: (change(item) if keys is not None and key in keys and isinstance(item, str)
+                      else _rewritten(item, change, keys)) for key, item in value.items()}
+    return value
+
+
+def _token_ids(prompt: Any) -> bool:
+    return isinstance(prompt, list) and any(isinstance(item, (int, list)) for item in prompt)

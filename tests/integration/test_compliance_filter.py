@@ -1,0 +1,92 @@
+"""Live compliance filtering (issue 21) through the real gateway, Keycloak and vLLM: a prompt holding
+a card number is refused naming the kind, one holding an e-mail address goes through flagged, an
+answer's card number is redacted whole though the engine streams it token by token, and a role
+whose policy redacts prompts has the engine see the redacted prompt. Each request's audit record
+says what the filter did, never the text."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from audit.writer import log_files
+from tests.integration.conftest import Running
+from tests.integration.realm import Realm
+
+MODEL = "SmolLM2-135M-Instruct"
+PASSWORD = "Test-password-1"
+CARD = "4111 1111 1111 1111"
+FORCED = f"Card {CARD} ok"  # the answer the engine is made to give (structured output), token by token
+
+
+@pytest.fixture(scope="module")
+def realm(running: Running) -> Realm:
+    realm = Realm(running)
+    realm.ensure_user("carol", PASSWORD, ["user"])
+    realm.ensure_user("dave", PASSWORD, ["admin"])  # the session's compliance.roles.admin redacts cards in prompts
+    return realm
+
+
+def ask(realm: Realm, user: str, path: str, body: dict) -> httpx.Response:
+    token = realm.token(user, PASSWORD)
+    return httpx.post(f"{realm.gateway}{path}", json={"model": MODEL, **body}, timeout=300,
+                      headers={"Authorization": f"Bearer {token}"})
+
+
+def record_of(running: Running, request_id: str) -> dict:
+    for path in log_files(running.appliance.home.audit):
+        for line in path.read_bytes().splitlines():
+            record = json.loads(line)
+            if record.get("request_id") == request_id:
+                return record
+    raise AssertionError(f"no audit record of {request_id}")
+
+
+def test_a_card_in_a_prompt_is_refused_naming_the_kind_never_the_number(realm: Realm, running: Running) -> None:
+    refused = ask(realm, "carol", "/v1/chat/completions",
+                  {"messages": [{"role": "user", "content": f"Charge my card {CARD} please"}], "max_tokens": 4})
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["code"] == "sensitive_data" and error["param"] == "messages[0].content"
+    assert "a payment card number" in error["message"] and "4111" not in refused.text
+    record = record_of(running, refused.headers["x-request-id"])
+    assert record["sensitive"] == {"prompt.payment_card": "blocked"} and "4111" not in json.dumps(record)
+
+
+def test_an_email_in_a_prompt_goes_through_flagged(realm: Realm, running: Running) -> None:
+    answered = ask(realm, "carol", "/v1/chat/completions",
+                   {"messages": [{"role": "user", "content": "Write to ops@example.com"}], "max_tokens": 4})
+    assert answered.status_code == 200, answered.text
+    assert record_of(running, answered.headers["x-request-id"])["sensitive"] == {"prompt.email": "flagged"}
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_card_in_an_answer_is_redacted_whole_even_streamed_token_by_token(realm: Realm, running: Running,
+                                                                             stream: bool) -> None:
+    body = {"messages": [{"role": "user", "content": "Say it."}], "max_tokens": 32, "temperature": 0,
+            "structured_outputs": {"regex": FORCED.replace(" ", "[ ]")}, "stream": stream}
+    answered = ask(realm, "carol", "/v1/chat/completions", body)
+    assert answered.status_code == 200, answered.text
+    assert "4111" not in answered.text
+    if stream:
+        events = [json.loads(line[len("data: "):]) for line in answered.text.splitlines()
+                  if line.startswith("data: {")]
+        pieces = [e["choices"][0]["delta"].get("content") or "" for e in events if e.get("choices")]
+        text = "".join(pieces)
+        assert sum(bool(p) for p in pieces) >= 3, "the engine streamed it in pieces"
+    else:
+        text = answered.json()["choices"][0]["message"]["content"]
+    assert text == "Card [PAYMENT_CARD] ok"
+    assert record_of(running, answered.headers["x-request-id"])["sensitive"] == {"answer.payment_card": "redacted"}
+
+
+def test_a_redacting_role_has_the_engine_see_the_redacted_prompt(realm: Realm, running: Running) -> None:
+    answered = ask(realm, "dave", "/v1/completions",
+                   {"prompt": f"My card is {CARD}.", "max_tokens": 1, "echo": True, "temperature": 0})
+    assert answered.status_code == 200, answered.text
+    assert answered.json()["choices"][0]["text"].startswith("My card is [PAYMENT_CARD].")  # as the engine saw it
+    assert record_of(running, answered.headers["x-request-id"])["sensitive"] == {"prompt.payment_card": "redacted"}
+    ids = ask(realm, "carol", "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 1})
+    assert ids.status_code == 400 and ids.json()["error"]["param"] == "prompt"

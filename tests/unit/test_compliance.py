@@ -1,0 +1,177 @@
+"""Issue 21's live compliance filtering apart from the engine: the scanner's detectors (national
+identifiers and plug-ins included), redaction of a text arriving in pieces, the per-role policy,
+and the gateway's screening of prompts and answers (whole and streamed)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from pydantic import ValidationError
+
+from appliance.errors import SettingsError
+from appliance.sensitive import Scanner, StreamRedactor, national_ids, plugged
+from appliance.settings import CompliancePolicy, ComplianceSettings, RolePolicy
+from serve.compliance import Compliance, Marks
+from serve.errors import GatewayError
+
+CARD = "4111 1111 1111 1111"
+TEXT = (f"Pay with card {CARD} today, mail bob.smith@example.co.uk, SSN 123-45-6789, IBAN GB82 WEST 1234 5698 "
+        "7654 32 ok. Call +44 20 7946 0958 or use key sk-abcdefghijklmnopqrstuvwxyz123456; NINO AB 12 34 56 C.")
+CHAT = ("messages",)
+
+
+def test_every_kind_is_found_and_replaced_by_its_name() -> None:
+    scanner = Scanner(detectors=national_ids())
+    assert scanner.redact(TEXT) == ("Pay with card [PAYMENT_CARD] today, mail [EMAIL], SSN [NATIONAL_ID], IBAN [IBAN] "
+                                    "ok. Call [PHONE] or use key [SECRET]; NINO [NATIONAL_ID].")
+    wrong_checksums = Scanner().findings("4111 1111 1111 1112 and GB82 WEST 1234 5698 7654 33")
+    assert not {f.kind for f in wrong_checksums} & {"payment_card", "iban"}
+
+
+def test_a_streamed_text_is_redacted_as_the_whole_would_be_however_it_is_cut() -> None:
+    scanner = Scanner(detectors=national_ids())
+    chance = random.Random(21)
+    for text in (TEXT, CARD, "x@y.io", "GB82WEST12345698765432", "plain words and 12 numbers 3."):
+        whole = scanner.redact(text)
+        for _ in range(300):
+            stream, out, at = StreamRedactor(scanner, scanner.kinds, 256), "", 0
+            while at < len(text):
+                step = chance.randint(1, 9)
+                out += stream.feed(text[at:at + step])
+                at += step
+            assert out + stream.flush() == whole, text
+
+
+def test_a_card_split_across_two_chunks_is_held_back_then_redacted_whole() -> None:
+    stream = StreamRedactor(Scanner(), {"payment_card"}, 256)
+    assert stream.feed("My card: 4111 11") == "My card: "
+    assert stream.feed("11 1111 1111, thanks") == "[PAYMENT_CARD], thanks"
+    assert stream.flush() == "" and stream.found == {"payment_card"}
+
+
+def test_what_is_held_back_is_bounded() -> None:
+    stream = StreamRedactor(Scanner(), {"phone", "payment_card"}, 64)
+    out = "".join(stream.feed("1" * 50) for _ in range(40))
+    assert len(out) >= 2000 - 64 - 50 and len(stream.held) <= 64 + 50
+
+
+def test_a_role_policy_overrides_the_default_and_the_most_generous_role_wins() -> None:
+    settings = ComplianceSettings(roles={"auditor": RolePolicy(prompts={"payment_card": "allow"}),
+                                         "intern": RolePolicy(prompts={"email": "block"})})
+    compliance = Compliance(settings)
+    assert compliance.policy(["user"]).prompts["payment_card"] == "block"
+    assert compliance.policy(["user", "auditor"]).prompts["payment_card"] == "allow"
+    assert compliance.policy(["intern"]).prompts["email"] == "block"
+    assert compliance.policy(["intern", "user"]).prompts["email"] == "flag"
+    assert compliance.policy([]).answers["iban"] == "redact"
+
+
+def test_bad_policies_are_refused_with_the_reason() -> None:
+    with pytest.raises(ValidationError, match="an answer cannot be blocked"):
+        CompliancePolicy(answers={"email": "block"})
+    with pytest.raises(ValidationError, match="employee: not a regular expression"):
+        ComplianceSettings(patterns={"employee": "E-(\\d"})
+    with pytest.raises(ValidationError, match="a kind is lower-case"):
+        ComplianceSettings(patterns={"Bad Kind": "x"})
+    with pytest.raises(SettingsError, match="no detector finds \\['passport'\\]"):
+        Compliance(ComplianceSettings(roles={"x": RolePolicy(prompts={"passport": "block"})}))
+    with pytest.raises(SettingsError, match="no sensitive-data detector 'nope' is installed"):
+        plugged(["nope"])
+
+
+def test_a_blocked_prompt_is_refused_naming_the_kind_and_field_never_the_text() -> None:
+    compliance = Compliance(ComplianceSettings())
+    marks = Marks()
+    payload = {"messages": [{"role": "system", "content": "be brief"},
+                            {"role": "user", "content": [{"type": "text", "text": f"charge {CARD}"}]}]}
+    with pytest.raises(GatewayError) as refused:
+        compliance.screen_prompt(payload, CHAT, compliance.policy(["user"]), marks)
+    error = refused.value
+    assert (error.status, error.code) == (400, "sensitive_data")
+    assert "a payment card number (messages[1].content[0].text)" in error.message and "4111" not in error.message
+    assert marks.done == {"prompt.payment_card": "blocked"}
+
+
+def test_a_prompt_is_redacted_or_flagged_before_the_engine_sees_it() -> None:
+    compliance = Compliance(ComplianceSettings(roles={"ops": RolePolicy(prompts={"payment_card": "redact"})}))
+    marks = Marks()
+    payload = {"messages": [{"role": "user", "content": f"card {CARD}, mail me at a@b.org"}]}
+    compliance.screen_prompt(payload, CHAT, compliance.policy(["ops"]), marks)
+    assert payload["messages"][0]["content"] == "card [PAYMENT_CARD], mail me at a@b.org"
+    assert marks.done == {"prompt.payment_card": "redacted", "prompt.email": "flagged"}
+
+
+def test_a_prompt_of_token_ids_cannot_be_screened_and_is_refused() -> None:
+    compliance = Compliance(ComplianceSettings())
+    with pytest.raises(GatewayError) as refused:
+        compliance.screen_prompt({"prompt": [1, 2, 3]}, ("prompt",), compliance.policy(["user"]), Marks())
+    assert refused.value.code == "sensitive_data" and refused.value.param == "prompt"
+    allowed = Compliance(ComplianceSettings(roles={"raw": RolePolicy(prompts={k: "allow" for k in Scanner().kinds}
+                                                                     | {"national_id": "allow"})}))
+    allowed.screen_prompt({"prompt": [1, 2, 3]}, ("prompt",), allowed.policy(["raw"]), Marks())
+
+
+def test_a_whole_answer_is_redacted_tool_calls_included_and_flags_are_marked() -> None:
+    compliance = Compliance(ComplianceSettings())
+    marks = Marks()
+    answer = compliance.answer_filter(compliance.policy(["user"]), marks)
+    assert answer is not None
+    call = {"function": {"name": "pay", "arguments": '{"iban": "GB82 WEST 1234 5698 7654 32"}'}}
+    body = answer.answer({"choices": [{"index": 0, "message": {"role": "assistant", "content": f"it is {CARD}",
+                                                               "tool_calls": [call]}}],
+                          "usage": {"completion_tokens": 9}})
+    message = body["choices"][0]["message"]
+    assert message["content"] == "it is [PAYMENT_CARD]"
+    assert message["tool_calls"][0]["function"]["arguments"] == '{"iban": "[IBAN]"}'
+    assert marks.done == {"answer.payment_card": "redacted", "answer.iban": "redacted"}
+
+
+def test_a_streamed_answer_is_redacted_across_events_and_flushed_before_its_end() -> None:
+    compliance = Compliance(ComplianceSettings())
+    marks = Marks()
+    answer = compliance.answer_filter(compliance.policy(["user"]), marks)
+    assert answer is not None
+    pieces = ["Card ", "4111 1111", " 1111 11", "11 sent to", " x@y.io"]
+    delivered = []
+    for position, piece in enumerate(pieces):
+        event = {"id": "c1", "object": "chat.completion.chunk", "model": "m",
+                 "choices": [{"index": 0, "delta": {"content": piece},
+                              "finish_reason": "stop" if position == len(pieces) - 1 else None}]}
+        delivered.append(answer.event(event)["choices"][0]["delta"]["content"])
+    assert "".join(delivered) == "Card [PAYMENT_CARD] sent to x@y.io"
+    assert not any(digit in part for part in delivered for digit in "0123456789")
+    assert answer.finish() == []
+    assert marks.done == {"answer.payment_card": "redacted", "answer.email": "flagged"}
+    # A stream cut before its choice finished: what was held goes out before the end marker.
+    cut = compliance.answer_filter(compliance.policy(["user"]), Marks())
+    assert cut is not None
+    cut.event({"id": "c2", "object": "text_completion", "choices": [{"index": 0, "text": "call 4111 1111"}]})
+    [rest] = cut.finish()
+    assert rest["choices"] == [{"index": 0, "text": "4111 1111"}] and rest["id"] == "c2"
+
+
+def test_hostile_text_is_screened_without_error() -> None:
+    compliance = Compliance(ComplianceSettings())
+    marks = Marks()
+    payload = {"messages": [{"role": "user", "content": "\ud800 <b>[/x]</b> " + "9" * 65536 + " \x00"}]}
+    compliance.screen_prompt(payload, CHAT, compliance.policy(["user"]), marks)
+    assert payload["messages"][0]["content"].startswith("\ud800 <b>[/x]</b>")
+
+
+def test_streamed_tool_call_arguments_are_redacted_and_logprobs_left_out_where_text_was_held() -> None:
+    compliance = Compliance(ComplianceSettings())
+    answer = compliance.answer_filter(compliance.policy(["user"]), Marks())
+    assert answer is not None
+    pieces = ['{"card": "4111 1111', ' 1111 1111"}']
+    sent = []
+    for position, piece in enumerate(pieces):
+        event = {"choices": [{"index": 0, "logprobs": {"content": [{"token": piece}]},
+                              "delta": {"tool_calls": [{"index": 0, "function": {"arguments": piece}}]},
+                              "finish_reason": "tool_calls" if position else None}]}
+        sent.append(answer.event(event)["choices"][0])
+    arguments = "".join(c["delta"]["tool_calls"][0]["function"]["arguments"] for c in sent)
+    assert arguments == '{"card": "[PAYMENT_CARD]"}'
+    assert all("logprobs" not in choice for choice in sent)
+    untouched = answer.event({"choices": [{"index": 1, "logprobs": {"content": []}, "delta": {"content": "Hi. "}}]})
+    assert "logprobs" in untouched["choices"][0]
