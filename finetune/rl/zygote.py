@@ -31,6 +31,8 @@ import struct
 import subprocess  # noqa: F401 (the harness imports it where it needs it: here once, not per execution)
 import sys
 import traceback
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))
@@ -82,24 +84,31 @@ def serve(control: socket.socket) -> None:
         message, fds, _, _ = socket.recv_fds(control, REQUEST_BYTES, 3)
         if not message:
             return
-        request = json.loads(message)
-        middle = os.fork()
-        if middle == 0:
-            control.close()
-            status = SETUP_FAILED
-            try:
-                status = execution(request, fds, last_capability)
-            finally:
-                os._exit(status)
-        for fd in fds:
-            os.close(fd)
-        _, status = os.waitpid(middle, 0)
-        control.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+        status = in_child(partial(execution, control, json.loads(message), fds, last_capability), fds)
+        control.sendall(f"{status}\n".encode())
 
 
-def execution(request: dict[str, Any], fds: list[int], last_capability: int) -> int:
+def in_child(work: Callable[[], int], fds: list[int]) -> int:
+    """`work` in a forked child (which ends with its result), this process keeping none of `fds`;
+    the child's exit status, or 128 + the signal that ended it, as a shell reports it."""
+    child = os.fork()
+    if child == 0:
+        status = SETUP_FAILED
+        try:
+            status = work()
+        finally:
+            os._exit(status)
+    for fd in fds:
+        os.close(fd)
+    _, status = os.waitpid(child, 0)
+    code = os.waitstatus_to_exitcode(status)
+    return code if code >= 0 else 128 - code
+
+
+def execution(control: socket.socket, request: dict[str, Any], fds: list[int], last_capability: int) -> int:
     """In the middle process: new namespaces, then process 1 of the new PID namespace runs the
     execution; its exit status."""
+    control.close()  # no execution holds the host's socket
     try:
         if len(fds) != 3 or not str(request["key"]).isdigit():
             raise ValueError("a request is a numeric key and three descriptors")
@@ -107,18 +116,7 @@ def execution(request: dict[str, Any], fds: list[int], last_capability: int) -> 
         mount("none", "/", "", MS_REC | MS_PRIVATE)  # nothing mounted here shows anywhere else
     except Exception as exc:
         return setup_failed(fds[2], f"its namespaces: {type(exc).__name__}: {exc}")
-    first = os.fork()
-    if first == 0:
-        status = SETUP_FAILED
-        try:
-            status = contained(request, fds, last_capability)
-        finally:
-            os._exit(status)
-    for fd in fds:
-        os.close(fd)
-    _, status = os.waitpid(first, 0)
-    code = os.waitstatus_to_exitcode(status)
-    return code if code >= 0 else 128 - code  # a signal's, as a shell reports it
+    return in_child(lambda: contained(request, fds, last_capability), fds)
 
 
 def contained(request: dict[str, Any], fds: list[int], last_capability: int) -> int:
