@@ -11,6 +11,7 @@ is settled, so a card number split across two chunks is redacted whole.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
@@ -40,6 +41,9 @@ class Detector(Protocol):
         ...
 
 
+TRIM = 2  # groups a checksummed match may hold before or after the finding ("12/29" after a card)
+
+
 @dataclass(frozen=True)
 class PatternDetector:
     """A regular expression, and a check a match must pass (a checksum, say)."""
@@ -47,15 +51,35 @@ class PatternDetector:
     kind: str
     pattern: regex.Pattern[str]
     confirm: Callable[[str], bool] = field(default=lambda match: True)
+    windows: bool = False  # a match that fails its check may hold one that passes (checksummed kinds)
 
     @classmethod
-    def of(cls, kind: str, pattern: str, confirm: Callable[[str], bool] | None = None) -> PatternDetector:
-        return cls(kind, regex.compile(pattern), confirm or (lambda match: True))
+    def of(cls, kind: str, pattern: str, confirm: Callable[[str], bool] | None = None,
+           windows: bool = False) -> PatternDetector:
+        return cls(kind, regex.compile(pattern), confirm or (lambda match: True), windows)
 
     def find(self, text: str) -> Iterator[tuple[int, int]]:
         for match in self.pattern.finditer(text):
-            if self.confirm(match.group()):
-                yield match.span()
+            yield from self._confirmed(text, *match.span())
+
+    def _confirmed(self, text: str, start: int, end: int) -> Iterator[tuple[int, int]]:
+        """The match if it passes its check; else the longest run of its groups (what separators
+        part) with up to TRIM groups left out at either end that matches and passes, leftmost
+        first: the card in "1 4111 1111 1111 1111 12/29"."""
+        if self.confirm(text[start:end]):
+            yield start, end
+            return
+        if not self.windows:
+            return
+        groups = [(m.start(), m.end()) for m in regex.finditer(r"[^\W_]+", text[start:end])]
+        last = len(groups) - 1
+        spans = sorted(((groups[i][0], groups[last - j][1]) for i in range(TRIM + 1) for j in range(TRIM + 1)
+                        if (i or j) and i <= last - j), key=lambda span: (span[0] - span[1], span[0]))
+        for first, end_of in spans:
+            a, b = start + first, start + end_of
+            if self.confirm(text[a:b]) and self.pattern.fullmatch(text, pos=a, endpos=b):
+                yield a, b
+                return
 
     def pending(self, text: str) -> int | None:
         # A match may still grow if the rest of the text from its start is the beginning of a
@@ -86,6 +110,10 @@ def _digits(match: str) -> str:
     return "".join(c for c in match if c.isdigit())
 
 
+def iban_checked(text: str) -> bool:
+    return iban_ok("".join(c for c in text if c.isalnum()).upper())
+
+
 def _card(match: str) -> bool:
     digits = _digits(match)
     return 13 <= len(digits) <= 19 and luhn_ok(digits)
@@ -95,15 +123,21 @@ def _phone(match: str) -> bool:
     return 9 <= len(_digits(match)) <= 15 and not _card(match)
 
 
+# Every repetition is bounded and every match starts where a run starts, so a scan is linear in
+# the text however hostile it is ("a@" + "a." * 100000 took seconds with open-ended ones).
+SEPARATOR = r"[ \-./_\u00a0\u2009\u202f\u200b\u00ad]"  # between a card's or an IBAN's digits
 BUILT_IN = (  # the specific kinds; the phone number, the loosest, comes after any other detector
-    PatternDetector.of("email", r"\b[A-Za-z0-9._%+-]+@[A-Za-z0-9.-]+\.[A-Za-z]{2,}\b"),
-    PatternDetector.of("payment_card", r"(?<!\d)(?:\d[ -]?){12,18}\d(?!\d)", _card),
-    PatternDetector.of("iban", r"\b[A-Z]{2}\d{2}(?: ?[A-Z0-9]){11,30}\b", iban_ok),
-    PatternDetector.of("secret", r"\b(?:sk-[A-Za-z0-9_-]{20,}|AKIA[0-9A-Z]{16}|gh[pousr]_[A-Za-z0-9]{36,}"
-                                 r"|xox[abpr]-[A-Za-z0-9-]{10,}"
-                                 r"|eyJ[A-Za-z0-9_-]{10,}\.[A-Za-z0-9_-]{10,}\.[A-Za-z0-9_-]{10,})\b"),
+    PatternDetector.of("email", r"(?<![A-Za-z0-9._%+-])[A-Za-z0-9._%+-]{1,64}@(?:[A-Za-z0-9-]{1,63}\.){1,8}"
+                                r"[A-Za-z]{2,24}(?![A-Za-z0-9-])"),
+    PatternDetector.of("payment_card", rf"(?<!\d)(?:\d{SEPARATOR}{{0,2}}){{12,18}}\d(?!\d)", _card, windows=True),
+    PatternDetector.of("iban", rf"(?i)(?<![^\W_])[A-Z]{{2}}\d{{2}}(?:{SEPARATOR}?[A-Z0-9]){{11,30}}(?![^\W_])",
+                       iban_checked, windows=True),
+    PatternDetector.of("secret", r"(?<![A-Za-z0-9])(?:sk-[A-Za-z0-9_-]{20,256}|gh[pousr]_[A-Za-z0-9]{36,255}"
+                                 r"|xox[abpr]-[A-Za-z0-9-]{10,255}"
+                                 r"|eyJ[A-Za-z0-9_-]{10,4096}\.[A-Za-z0-9_-]{10,4096}\.[A-Za-z0-9_-]{10,4096})"
+                                 r"|AKIA[0-9A-Z]{16}"),
 )
-PHONE = PatternDetector.of("phone", r"(?<![\w+])\+?\d[\d ()./-]{7,}\d(?!\w)", _phone)
+PHONE = PatternDetector.of("phone", r"(?<![\w+])\+?\d[\d ()./-]{7,24}\d(?!\w)", _phone)
 
 
 def national_ids() -> list[Detector]:
@@ -150,12 +184,15 @@ class Scanner:
     def findings(self, text: str, kinds: set[str] | None = None) -> list[Finding]:
         """Every confirmed finding (of `kinds`, or all), earlier detectors winning overlaps: the
         digits of an IBAN are never also a phone number."""
-        taken: list[Finding] = []
+        taken: list[Finding] = []  # by start, never overlapping: only the one before a span can overlap it
+        starts: list[int] = []
         for detector in self.detectors:
             for start, end in detector.find(text):
-                if not any(f.start < end and start < f.end for f in taken):
-                    taken.append(Finding(start, end, detector.kind))
-        return sorted((f for f in taken if kinds is None or f.kind in kinds), key=lambda f: f.start)
+                at = bisect.bisect_left(starts, end)
+                if at == 0 or taken[at - 1].end <= start:
+                    taken.insert(at, Finding(start, end, detector.kind))
+                    starts.insert(at, start)
+        return [f for f in taken if kinds is None or f.kind in kinds]
 
     def spans(self, text: str) -> list[tuple[int, int, str]]:
         return [(f.start, f.end, f.kind) for f in self.findings(text)]
@@ -163,18 +200,21 @@ class Scanner:
     def redact(self, text: str, kinds: set[str] | None = None) -> str:
         return _replaced(text, self.findings(text, kinds))
 
-    def pending(self, text: str, kinds: set[str]) -> int:
+    def pending(self, text: str, kinds: set[str]) -> tuple[int, str | None]:
         """Where the settled part of `text` ends: before any finding of `kinds` more text could
-        still complete or extend."""
-        starts = [start for detector in self.detectors if detector.kind in kinds
+        still complete or extend (and its kind)."""
+        starts = [(start, detector.kind) for detector in self.detectors if detector.kind in kinds
                   if (start := detector.pending(text)) is not None]
-        return min(starts, default=len(text))
+        return min(starts, default=(len(text), None))
 
 
 def _replaced(text: str, findings: list[Finding]) -> str:
     for finding in reversed(findings):
         text = f"{text[:finding.start]}[{finding.kind.upper()}]{text[finding.end:]}"
     return text
+
+
+WORD_ENDS = frozenset(" \t\r\n\"'`<>,;()[]{}")
 
 
 class StreamRedactor:
@@ -188,18 +228,32 @@ class StreamRedactor:
         self.hold_chars = hold_chars
         self.held = ""
         self.found: set[str] = set()  # kinds redacted so far
+        self.swallowing = False  # the rest of a finding too long to hold, to the end of its word
 
     def feed(self, piece: str) -> str:
         """The part of the text so far that is settled, redacted."""
+        if self.swallowing:
+            kept = next((at for at, char in enumerate(piece) if char in WORD_ENDS), len(piece))
+            piece = piece[kept:]
+            if not piece:
+                return ""
+            self.swallowing = False
         self.held += piece
         if not self.kinds:
             out, self.held = self.held, ""
             return out
         findings = self.scanner.findings(self.held, self.kinds)
-        cut = max(self.scanner.pending(self.held, self.kinds), len(self.held) - self.hold_chars)
+        cut, kind = self.scanner.pending(self.held, self.kinds)
+        if kind is not None and len(self.held) - cut > self.hold_chars:
+            # Longer than may be held and still growing (a 1 KB token, say): redacted now, and the
+            # rest of it, to the end of its word, swallowed.
+            out = self._emit(cut, [f for f in findings if f.end <= cut])
+            self.swallowing, self.held = True, ""
+            self.found.add(kind)
+            return f"{out}[{kind.upper()}]"
         for finding in findings:  # never cut through a finding
             if finding.start < cut < finding.end:
-                cut = finding.start if len(self.held) - finding.start <= self.hold_chars else finding.end
+                cut = finding.start
         return self._emit(cut, [f for f in findings if f.end <= cut])
 
     def flush(self) -> str:

@@ -470,7 +470,7 @@ class ComplianceSettings(_Section):
         description="Plug-in detectors to use: names of `appliance.detectors` entry points (national_ids: US "
         "social security and UK national insurance numbers).")
     hold_chars: int = Field(
-        256, ge=16, le=65536, description="Of a streamed answer, how much text may be held back while it could "
+        256, ge=80, le=65536, description="Of a streamed answer, how much text may be held back while it could "
         "still be part of a finding to redact.")
 
     @field_validator("patterns")

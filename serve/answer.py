@@ -25,6 +25,7 @@ class Answer:
     """The parts of one answer, streamed or whole."""
 
     text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
     tool_calls: dict[tuple[int, int], _ToolCall] = field(default_factory=dict)  # (choice, call) -> call
     unparsed: list[str] = field(default_factory=list)
 
@@ -42,6 +43,9 @@ class Answer:
                     continue
                 if isinstance(part.get("content"), str):
                     added.append(part["content"])
+                for key in ("reasoning", "reasoning_content"):  # vLLM's name, and its older one
+                    if isinstance(part.get(key), str):
+                        self.reasoning.append(part[key])
                 self._add_tool_calls(index, part.get("tool_calls"))
             if isinstance(choice.get("text"), str):
                 added.append(choice["text"])
@@ -76,9 +80,11 @@ class Answer:
     def canonical(self) -> str | None:
         """The text the completion hash covers: canonical JSON of the text, the tool calls (name
         and arguments) and any unparsed bytes; None if the engine answered nothing."""
-        if not (self.text or self.tool_calls or self.unparsed):
+        if not (self.text or self.reasoning or self.tool_calls or self.unparsed):
             return None
         whole: dict[str, object] = {"text": "".join(self.text)}
+        if self.reasoning:
+            whole["reasoning"] = "".join(self.reasoning)
         if self.tool_calls:
             whole["tool_calls"] = [{"name": call.name, "arguments": "".join(call.arguments)}
                                    for call in self.tool_calls.values()]

@@ -17,23 +17,25 @@ replaced its text.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from appliance.errors import SettingsError
 from appliance.roles import Role
 from appliance.sensitive import Scanner, StreamRedactor, plugged
-from appliance.settings import ComplianceSettings, RolePolicy, SensitiveAction
+from appliance.settings import DEFAULT_ANSWERS, DEFAULT_PROMPTS, ComplianceSettings, RolePolicy, SensitiveAction
 from serve.errors import GatewayError
 
 APPLIANCE_ROLES = {str(role) for role in Role}
 GENEROSITY = ("block", "redact", "flag", "allow")  # a user holding several roles gets the most generous
-ANSWER_TEXT = ("content", "reasoning_content", "text", "refusal", "arguments")  # the answer's generated strings
-STREAMED_TEXT = ANSWER_TEXT[:4]  # and each tool call's arguments
+# The answer's generated strings (vLLM names its reasoning `reasoning`, older versions `reasoning_content`).
+ANSWER_TEXT = ("content", "reasoning", "reasoning_content", "text", "refusal", "arguments", "name")
+STREAMED_TEXT = ANSWER_TEXT[:5]  # and each tool call's name and arguments
 DESCRIBED = {"payment_card": "a payment card number", "iban": "an IBAN", "secret": "a secret (an API key or token)",
              "email": "an e-mail address", "phone": "a phone number", "national_id": "a national identifier"}
 MARKS = {"block": "blocked", "redact": "redacted", "flag": "flagged"}
+BUILT_IN_DEFAULTS = {"prompts": DEFAULT_PROMPTS, "answers": DEFAULT_ANSWERS}
 
 
 @dataclass(frozen=True)
@@ -83,8 +85,10 @@ class Compliance:
         chosen: dict[str, dict[str, SensitiveAction]] = {"prompts": {}, "answers": {}}
         for part in chosen:
             for kind in self.scanner.kinds:
-                actions = [(getattr(role, part) if role else {}).get(kind) or getattr(default, part).get(kind, "flag")
-                           for role in held]
+                # A kind a policy does not name: the default policy's, else the built-in default's
+                # (a default table naming only e-mail still blocks cards), else flag.
+                fallback = getattr(default, part).get(kind) or BUILT_IN_DEFAULTS[part].get(kind, "flag")
+                actions = [(getattr(role, part) if role else {}).get(kind) or fallback for role in held]
                 chosen[part][kind] = max(actions, key=GENEROSITY.index)
         return Policy(**chosen)
 
@@ -97,15 +101,17 @@ class Compliance:
         found: dict[str, set[str]] = {}
         for name in fields:
             if name in payload:
-                for path, text in _strings(payload[name], name):
-                    for finding in self.scanner.findings(text, screening):
-                        found.setdefault(finding.kind, set()).add(path)
                 if name == "prompt" and _token_ids(payload[name]):
+                    marks.done["prompt.token_ids"] = MARKS["block"]
                     raise GatewayError(400, "a prompt of token ids cannot be screened for sensitive data under your "
                                        "role's compliance policy; send text", code="sensitive_data", param="prompt")
+                for path, text in _strings(payload[name], name, self.scanner.redact):
+                    for finding in self.scanner.findings(text, screening):
+                        found.setdefault(finding.kind, set()).add(path)
+        for action in ("redact", "flag", "block"):
+            marks.add("prompt", {kind for kind in found if policy.prompts[kind] == action}, action)
         blocked = sorted(kind for kind in found if policy.prompts[kind] == "block")
         if blocked:
-            marks.add("prompt", set(blocked), "block")
             kind = blocked[0]
             raise GatewayError(400, f"the prompt holds {DESCRIBED.get(kind, kind)} ({sorted(found[kind])[0]}), "
                                "which your role may not send", code="sensitive_data", param=sorted(found[kind])[0])
@@ -113,8 +119,6 @@ class Compliance:
         for name in fields:
             if redacted and name in payload:
                 payload[name] = _rewritten(payload[name], lambda text: self.scanner.redact(text, redacted))
-        marks.add("prompt", redacted, "redact")
-        marks.add("prompt", {kind for kind in found if policy.prompts[kind] == "flag"}, "flag")
 
     def answer_filter(self, policy: Policy, marks: Marks) -> AnswerFilter | None:
         redacted = policy.acting(policy.answers, "redact")
@@ -214,6 +218,13 @@ class AnswerFilter:
         self._mark(redacting, flagging)
         return out
 
+    def settle(self) -> None:
+        """Mark what was found in a stream that ended early (its client left): what the flagging
+        still held is settled (nothing more goes out)."""
+        for _, flagging in self.streams.values():
+            flagging.flush()
+            self.marks.add("answer", flagging.found, "flag")
+
     def _mark(self, redacting: StreamRedactor, flagging: StreamRedactor) -> None:
         self.marks.add("answer", redacting.found, "redact")
         self.marks.add("answer", flagging.found, "flag")
@@ -221,19 +232,20 @@ class AnswerFilter:
 
 def _text_places(part: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
     """The generated strings of a streamed choice's part, each as (its stream's key, the dict
-    holding it): content and the like, and each tool call's arguments ("tool:N")."""
+    holding it): content and the like, and each tool call's name and arguments ("tool:N:name")."""
     for key in STREAMED_TEXT:
         if isinstance(part.get(key), str):
             yield key, part
     calls = part.get("tool_calls")
     for position, call in enumerate(calls if isinstance(calls, list) else []):
         function = call.get("function") if isinstance(call, dict) else None
-        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
-            yield f"tool:{call.get('index', position)}", function
+        for leaf in ("name", "arguments"):
+            if isinstance(function, dict) and isinstance(function.get(leaf), str):
+                yield f"tool:{call.get('index', position)}:{leaf}", function
 
 
 def _leaf(key: str) -> str:
-    return "arguments" if key.startswith("tool:") else key
+    return key.rsplit(":", 1)[-1]
 
 
 def _append(part: dict[str, Any], key: str, rest: str) -> None:
@@ -241,37 +253,40 @@ def _append(part: dict[str, Any], key: str, rest: str) -> None:
     if not key.startswith("tool:"):
         part[key] = part.get(key, "") + rest
         return
-    call_index = int(key.split(":", 1)[1])
+    _, index, leaf = key.split(":")
     calls = part.setdefault("tool_calls", [])
-    call = next((c for c in calls if isinstance(c, dict) and c.get("index") == call_index), None)
+    call = next((c for c in calls if isinstance(c, dict) and str(c.get("index")) == index), None)
     if call is None:
-        call = {"index": call_index, "function": {}}
+        call = {"index": int(index) if index.isdigit() else index, "function": {}}
         calls.append(call)
     function = call.setdefault("function", {})
-    function["arguments"] = function.get("arguments", "") + rest
+    function[leaf] = function.get(leaf, "") + rest
 
 
-def _strings(value: Any, path: str) -> Iterator[tuple[str, str]]:
-    """Every string in a JSON value, with where it is ("messages[1].content")."""
+def _strings(value: Any, path: str, shown: Callable[[str], str]) -> Iterator[tuple[str, str]]:
+    """Every string in a JSON value, the keys of its objects included, with where it is
+    ("messages[1].content"; a key in the path as `shown` makes it: a finding never named)."""
     if isinstance(value, str):
         yield path, value
     elif isinstance(value, list):
         for position, item in enumerate(value):
-            yield from _strings(item, f"{path}[{position}]")
+            yield from _strings(item, f"{path}[{position}]", shown)
     elif isinstance(value, dict):
         for key, item in value.items():
-            yield from _strings(item, f"{path}.{key}")
+            yield f"{path} (a key)", str(key)
+            yield from _strings(item, f"{path}.{shown(str(key))}", shown)
 
 
 def _rewritten(value: Any, change: Any, keys: tuple[str, ...] | None = None) -> Any:
-    """`value` with each string changed (only those under `keys`, when given)."""
+    """`value` with each string changed, keys included (only values under `keys`, when given)."""
     if isinstance(value, str):
         return change(value) if keys is None else value
     if isinstance(value, list):
         return [_rewritten(item, change, keys) for item in value]
     if isinstance(value, dict):
-        return {key: (change(item) if keys is not None and key in keys and isinstance(item, str)
-                      else _rewritten(item, change, keys)) for key, item in value.items()}
+        return {(change(key) if keys is None else key): (
+            change(item) if keys is not None and key in keys and isinstance(item, str)
+            else _rewritten(item, change, keys)) for key, item in value.items()}
     return value
 
 

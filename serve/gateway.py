@@ -249,21 +249,25 @@ async def relay(request: Request, who: Principal, path: str, body: ChatRequest |
         pool, payload["model"], adapter = routed
     else:
         pool, adapter = gateway.upstreams.route(body.model), None
-    # Compliance filtering first: the prompt hashed, counted and relayed is the screened one.
     policy, marks = gateway.compliance.policy(who.roles), Marks()
-    request.state.transcript = Transcript(model=payload["model"], marks=marks)  # a blocked prompt's record
-    gateway.compliance.screen_prompt(payload, body.PROMPT_FIELDS, policy, marks)
-    screen = gateway.compliance.answer_filter(policy, marks)
-    prompt = body.prompt_text(payload)  # max_tokens and stream_options, set below, shape no prompt
+    request.state.transcript = Transcript(model=payload["model"], marks=marks)  # a refusal's record
     prompt_estimate, worst_completion = body.admission(gateway.limiter.limits_for(who.roles), pool.max_model_len,
-                                                       payload, prompt)
+                                                       payload, body.prompt_text(payload))
     if body.stream:
         # Ask for the final usage chunk so tokens can be counted and charged.
         payload["stream_options"] = {**(payload.get("stream_options") or {}), "include_usage": True}
-    transcript = request.state.transcript = Transcript(model=payload["model"], prompt=prompt, marks=marks)
     admission = gateway.limiter.admit(who.subject, who.roles, prompt_tokens=prompt_estimate,
                                       completion_tokens=worst_completion)
     try:
+        # Compliance filtering, once admitted (a hostile 1 MiB prompt takes a second or more to
+        # scan, in a thread): every string the client sent but the model's name (stop strings and
+        # tool schemas reach the engine too). The prompt hashed and relayed is the screened one.
+        fields = tuple(name for name in payload if name != "model")
+        await anyio.to_thread.run_sync(gateway.compliance.screen_prompt, payload, fields, policy, marks)
+        screen = gateway.compliance.answer_filter(policy, marks)
+        # max_tokens and stream_options, set above, shape no prompt
+        transcript = request.state.transcript = Transcript(model=payload["model"], prompt=body.prompt_text(payload),
+                                                           marks=marks)
         return await _forward(request, gateway, pool, adapter, path, payload, transcript, admission, screen)
     except GatewayError:
         admission.settle(0, 0)  # refused before the engine saw it
@@ -308,8 +312,11 @@ async def _forward(request: Request, gateway: Gateway, pool: Pool, adapter: Adap
             answer = decode_json(content)
         except ValueError:
             answer = None
-        if screen is not None and response.status == 200 and isinstance(answer, dict):
-            answer = screen.answer(answer)
+        if screen is not None and response.status == 200:
+            if not isinstance(answer, dict):  # what cannot be screened does not go out
+                raise GatewayError(502, "the engine's answer could not be screened for sensitive data",
+                                   type="server_error", code="unscreened_answer")
+            answer = await anyio.to_thread.run_sync(screen.answer, answer)
             content = json.dumps(answer, separators=(",", ":")).encode()
         account(*usage_of(answer))
         if isinstance(answer, dict):

@@ -269,10 +269,11 @@ async def relay_stream(response: aiohttp.ClientResponse, answer: Answer, on_firs
                 try:
                     event = decode_json(line[len(b"data:"):])
                 except ValueError:
-                    answer.add_unparsed(line.rstrip(b"\r\n"))
-                    continue
+                    event = None
                 if not isinstance(event, dict):
                     answer.add_unparsed(line.rstrip(b"\r\n"))
+                    if screen is not None:
+                        lines.pop()  # what cannot be screened does not go out
                     continue
                 if screen is not None:
                     lines[-1] = _event_line(screen.event(event))  # changed in place
@@ -286,9 +287,12 @@ async def relay_stream(response: aiohttp.ClientResponse, answer: Answer, on_firs
             yield b"".join(lines) if screen is not None else complete
         if pending:
             answer.add_unparsed(pending)
-            yield pending
+            if screen is None:
+                yield pending
         finished = True
     finally:
+        if screen is not None:
+            screen.settle()
         report()
         if finished:
             response.release()  # the connection goes back to the pool

@@ -51,9 +51,9 @@ def test_a_card_split_across_two_chunks_is_held_back_then_redacted_whole() -> No
 
 
 def test_what_is_held_back_is_bounded() -> None:
-    stream = StreamRedactor(Scanner(), {"phone", "payment_card"}, 64)
+    stream = StreamRedactor(Scanner(), {"phone", "payment_card"}, 80)
     out = "".join(stream.feed("1" * 50) for _ in range(40))
-    assert len(out) >= 2000 - 64 - 50 and len(stream.held) <= 64 + 50
+    assert len(out) >= 2000 - 80 - 50 and len(stream.held) <= 80 + 50
 
 
 def test_a_role_policy_overrides_the_default_and_the_most_generous_role_wins() -> None:
@@ -175,3 +175,82 @@ def test_streamed_tool_call_arguments_are_redacted_and_logprobs_left_out_where_t
     assert all("logprobs" not in choice for choice in sent)
     untouched = answer.event({"choices": [{"index": 1, "logprobs": {"content": []}, "delta": {"content": "Hi. "}}]})
     assert "logprobs" in untouched["choices"][0]
+
+
+# Regressions from the attacker review of the filter (each got through before).
+
+
+@pytest.mark.parametrize("text", [f"card {CARD} 12/29", f"1 {CARD}", f"{CARD} 7", "4111.1111.1111.1111",
+                                  "4111/1111/1111/1111", "4111\u00a01111\u00a01111\u00a01111",
+                                  "4111\u200b1111\u200b1111\u200b1111", "4111  1111  1111  1111"])
+def test_a_card_is_found_next_to_other_digits_and_between_other_separators(text: str) -> None:
+    assert "payment_card" in {f.kind for f in Scanner().findings(text)}, text
+
+
+@pytest.mark.parametrize("text", ["Pay to GB82 WEST 1234 5698 7654 32 BY FRIDAY", "gb82 west 1234 5698 7654 32",
+                                  "GB82 WEST 1234 5698 7654 32 OK"])
+def test_an_iban_is_found_in_any_case_and_before_words(text: str) -> None:
+    assert "iban" in {f.kind for f in Scanner().findings(text)}, text
+
+
+def test_secrets_are_found_inside_words_and_hostile_text_scans_in_one_pass() -> None:
+    assert {f.kind for f in Scanner().findings("key_sk-abcdefghijklmnopqrstuvwxyz and myAKIAABCDEFGHIJKLMNOP")} \
+        == {"secret"}
+    assert not Scanner().findings("the task-management-system-configuration-files")  # not an sk- key
+    Scanner().findings("a@" + "a." * 200_000)  # an open-ended pattern took minutes on this
+    Scanner().findings("1 " * 200_000 + "x")
+
+
+def test_a_finding_longer_than_what_may_be_held_is_redacted_whole_not_let_out() -> None:
+    token = "eyJ" + "a" * 400 + "." + "b" * 400 + "." + "c" * 100
+    stream = StreamRedactor(Scanner(), {"secret"}, 80)
+    out = "".join(stream.feed(token[i:i + 4]) for i in range(0, len(token), 4)) + stream.feed(" done") + stream.flush()
+    assert out == "[SECRET] done" and stream.found == {"secret"}
+
+
+def test_reasoning_tool_names_keys_and_stop_strings_are_screened() -> None:
+    compliance = Compliance(ComplianceSettings())
+    policy = compliance.policy(["user"])
+    for payload, where in (({"messages": [], "stop": [f"x {CARD}"]}, "stop[0]"),
+                           ({"messages": [], "tools": [{"function": {"parameters": {"properties": {CARD: {}}}}}]},
+                            "tools[0].function.parameters.properties (a key)")):
+        with pytest.raises(GatewayError) as refused:
+            compliance.screen_prompt(payload, tuple(payload), policy, Marks())
+        assert refused.value.param == where and "4111" not in refused.value.message
+    marks = Marks()
+    answer = compliance.answer_filter(policy, marks)
+    assert answer is not None
+    whole = answer.answer({"choices": [{"message": {"reasoning": f"use {CARD}", "tool_calls": [
+        {"function": {"name": CARD.replace(" ", ""), "arguments": "{}"}}]}}]})
+    message = whole["choices"][0]["message"]
+    assert message["reasoning"] == "use [PAYMENT_CARD]"
+    assert message["tool_calls"][0]["function"]["name"] == "[PAYMENT_CARD]"
+    streamed = compliance.answer_filter(policy, Marks())
+    assert streamed is not None
+    parts = [streamed.event({"choices": [{"index": 0, "delta": {"reasoning": piece}, "finish_reason": end}]})
+             for piece, end in (("card 4111 1111", None), (" 1111 1111", "stop"))]
+    assert "".join(p["choices"][0]["delta"]["reasoning"] for p in parts) == "card [PAYMENT_CARD]"
+
+
+def test_a_stream_cut_short_still_marks_what_it_let_through() -> None:
+    compliance = Compliance(ComplianceSettings())
+    marks = Marks()
+    answer = compliance.answer_filter(compliance.policy(["user"]), marks)
+    assert answer is not None
+    answer.event({"choices": [{"index": 0, "delta": {"content": "Contact bob@example.com"}}]})
+    answer.settle()  # the client left before the end
+    assert marks.done == {"answer.email": "flagged"}
+
+
+def test_a_default_table_naming_one_kind_keeps_the_others_defaults_and_refusals_are_marked() -> None:
+    compliance = Compliance(ComplianceSettings(default=CompliancePolicy(prompts={"email": "redact"})))
+    policy = compliance.policy(["user"])
+    assert (policy.prompts["email"], policy.prompts["payment_card"]) == ("redact", "block")
+    marks = Marks()
+    with pytest.raises(GatewayError):
+        compliance.screen_prompt({"prompt": [1, 2]}, ("prompt",), policy, marks)
+    assert marks.done == {"prompt.token_ids": "blocked"}
+    both = Marks()
+    with pytest.raises(GatewayError):
+        compliance.screen_prompt({"messages": [{"content": f"{CARD} or ops@example.com"}]}, CHAT, policy, both)
+    assert both.done == {"prompt.payment_card": "blocked", "prompt.email": "redacted"}
