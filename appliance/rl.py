@@ -291,7 +291,7 @@ class ExportAsk(BaseModel):
     @model_validator(mode="after")
     def _something(self) -> ExportAsk:
         if self.sft is None and self.dpo is None:
-            raise ValueError("give sft, dpo or both: the datasets' names")
+            raise ValueError("name the SFT set, the preference (DPO) set or both")
         if self.sft == self.dpo:
             raise ValueError("the SFT and preference sets need two names")
         return self

@@ -12,6 +12,7 @@ is settled, so a card number split across two chunks is redacted whole.
 from __future__ import annotations
 
 import bisect
+import unicodedata
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
@@ -41,7 +42,14 @@ class Detector(Protocol):
         ...
 
 
-TRIM = 2  # groups a checksummed match may hold before or after the finding ("12/29" after a card)
+TRIM = 2  # groups a checksummed match may hold after the finding ("12/29" after a card)
+MOST_GROUPS = 8  # a match of more groups ("1 1 1 1 ...") is no written card or IBAN: not searched again inside
+
+
+def _next_group(text: str, start: int, end: int) -> int | None:
+    """Where the second group of text[start:end] starts, if it has 2 to MOST_GROUPS groups."""
+    separators = [m.end() for m in regex.finditer(r"(?<=[^\W_])[\W_]+(?=[^\W_])", text, pos=start, endpos=end)]
+    return separators[0] if 0 < len(separators) < MOST_GROUPS else None
 
 
 @dataclass(frozen=True)
@@ -59,27 +67,32 @@ class PatternDetector:
         return cls(kind, regex.compile(pattern), confirm or (lambda match: True), windows)
 
     def find(self, text: str) -> Iterator[tuple[int, int]]:
-        for match in self.pattern.finditer(text):
-            yield from self._confirmed(text, *match.span())
+        at = 0
+        while (match := self.pattern.search(text, at)) is not None:
+            found = self._confirmed(text, *match.span())
+            if found is not None:
+                yield found
+                at = found[1]
+            elif self.windows and (second := _next_group(text, *match.span())) is not None:
+                # A checksummed kind is looked for again from the match's next group: the card in
+                # "12 34 4111 1111 1111 1111" begins inside a match that failed its check.
+                at = second
+            else:
+                at = match.end()
 
-    def _confirmed(self, text: str, start: int, end: int) -> Iterator[tuple[int, int]]:
-        """The match if it passes its check; else the longest run of its groups (what separators
-        part) with up to TRIM groups left out at either end that matches and passes, leftmost
-        first: the card in "1 4111 1111 1111 1111 12/29"."""
+    def _confirmed(self, text: str, start: int, end: int) -> tuple[int, int] | None:
+        """The match if it passes its check; else (a checksummed kind) the longest of it without up
+        to TRIM of its last groups (what separators part) that matches and passes: the card in
+        "4111 1111 1111 1111 12/29"."""
         if self.confirm(text[start:end]):
-            yield start, end
-            return
+            return start, end
         if not self.windows:
-            return
-        groups = [(m.start(), m.end()) for m in regex.finditer(r"[^\W_]+", text[start:end])]
-        last = len(groups) - 1
-        spans = sorted(((groups[i][0], groups[last - j][1]) for i in range(TRIM + 1) for j in range(TRIM + 1)
-                        if (i or j) and i <= last - j), key=lambda span: (span[0] - span[1], span[0]))
-        for first, end_of in spans:
-            a, b = start + first, start + end_of
-            if self.confirm(text[a:b]) and self.pattern.fullmatch(text, pos=a, endpos=b):
-                yield a, b
-                return
+            return None
+        ends = [start + m.start() for m in regex.finditer(r"(?<=[^\W_])[\W_]+", text[start:end])]
+        for cut in reversed(ends[-TRIM:]):
+            if self.confirm(text[start:cut]) and self.pattern.fullmatch(text, pos=start, endpos=cut):
+                return start, cut
+        return None
 
     def pending(self, text: str) -> int | None:
         # A match may still grow if the rest of the text from its start is the beginning of a
@@ -107,11 +120,12 @@ def iban_ok(text: str) -> bool:
 
 
 def _digits(match: str) -> str:
-    return "".join(c for c in match if c.isdigit())
+    return "".join(str(unicodedata.decimal(c)) for c in match if c.isdecimal())
 
 
 def iban_checked(text: str) -> bool:
-    return iban_ok("".join(c for c in text if c.isalnum()).upper())
+    compact = "".join(str(unicodedata.decimal(c)) if c.isdecimal() else c for c in text if c.isalnum())
+    return compact.isascii() and iban_ok(compact.upper())
 
 
 def _card(match: str) -> bool:
@@ -123,21 +137,23 @@ def _phone(match: str) -> bool:
     return 9 <= len(_digits(match)) <= 15 and not _card(match)
 
 
-# Every repetition is bounded and every match starts where a run starts, so a scan is linear in
-# the text however hostile it is ("a@" + "a." * 100000 took seconds with open-ended ones).
+# Every repetition in these is bounded, so a scan is linear in the text however hostile it is
+# ("a@" + "a." * 100000 took seconds with open-ended ones). An operator's patterns are theirs.
 SEPARATOR = r"[ \-./_\u00a0\u2009\u202f\u200b\u00ad]"  # between a card's or an IBAN's digits
-BUILT_IN = (  # the specific kinds; the phone number, the loosest, comes after any other detector
-    PatternDetector.of("email", r"(?<![A-Za-z0-9._%+-])[A-Za-z0-9._%+-]{1,64}@(?:[A-Za-z0-9-]{1,63}\.){1,8}"
-                                r"[A-Za-z]{2,24}(?![A-Za-z0-9-])"),
+BUILT_IN = (  # the strict kinds first: in an overlap the earlier detector wins
     PatternDetector.of("payment_card", rf"(?<!\d)(?:\d{SEPARATOR}{{0,2}}){{12,18}}\d(?!\d)", _card, windows=True),
-    PatternDetector.of("iban", rf"(?i)(?<![^\W_])[A-Z]{{2}}\d{{2}}(?:{SEPARATOR}?[A-Z0-9]){{11,30}}(?![^\W_])",
+    PatternDetector.of("iban", rf"(?<![^\W_])[A-Za-z]{{2}}\d{{2}}(?:{SEPARATOR}?[A-Za-z0-9]){{11,30}}(?![^\W_])",
                        iban_checked, windows=True),
     PatternDetector.of("secret", r"(?<![A-Za-z0-9])(?:sk-[A-Za-z0-9_-]{20,256}|gh[pousr]_[A-Za-z0-9]{36,255}"
                                  r"|xox[abpr]-[A-Za-z0-9-]{10,255}"
                                  r"|eyJ[A-Za-z0-9_-]{10,4096}\.[A-Za-z0-9_-]{10,4096}\.[A-Za-z0-9_-]{10,4096})"
                                  r"|AKIA[0-9A-Z]{16}"),
 )
-PHONE = PatternDetector.of("phone", r"(?<![\w+])\+?\d[\d ()./-]{7,24}\d(?!\w)", _phone)
+LOOSE = (  # after any other detector: a card joined to an e-mail address is a card
+    PatternDetector.of("email", r"(?<![A-Za-z0-9._%+-])[A-Za-z0-9._%+-]{1,64}@(?:[A-Za-z0-9-]{1,63}\.){1,8}"
+                                r"[A-Za-z]{2,24}(?![A-Za-z0-9-])"),
+    PatternDetector.of("phone", r"(?<![\w+])\+?\d[\d ()./-]{7,24}\d(?!\w)", _phone),
+)
 
 
 def national_ids() -> list[Detector]:
@@ -175,7 +191,7 @@ class Scanner:
     def __init__(self, extra: dict[str, str] | None = None, detectors: Iterable[Detector] = ()) -> None:
         self.detectors: tuple[Detector, ...] = (
             *BUILT_IN, *(PatternDetector.of(kind, pattern) for kind, pattern in (extra or {}).items()), *detectors,
-            PHONE)
+            *LOOSE)
 
     @property
     def kinds(self) -> set[str]:
@@ -193,9 +209,6 @@ class Scanner:
                     taken.insert(at, Finding(start, end, detector.kind))
                     starts.insert(at, start)
         return [f for f in taken if kinds is None or f.kind in kinds]
-
-    def spans(self, text: str) -> list[tuple[int, int, str]]:
-        return [(f.start, f.end, f.kind) for f in self.findings(text)]
 
     def redact(self, text: str, kinds: set[str] | None = None) -> str:
         return _replaced(text, self.findings(text, kinds))
@@ -244,6 +257,9 @@ class StreamRedactor:
             return out
         findings = self.scanner.findings(self.held, self.kinds)
         cut, kind = self.scanner.pending(self.held, self.kinds)
+        for finding in findings:  # never cut through a finding
+            if finding.start < cut < finding.end:
+                cut = finding.start
         if kind is not None and len(self.held) - cut > self.hold_chars:
             # Longer than may be held and still growing (a 1 KB token, say): redacted now, and the
             # rest of it, to the end of its word, swallowed.
@@ -251,9 +267,6 @@ class StreamRedactor:
             self.swallowing, self.held = True, ""
             self.found.add(kind)
             return f"{out}[{kind.upper()}]"
-        for finding in findings:  # never cut through a finding
-            if finding.start < cut < finding.end:
-                cut = finding.start
         return self._emit(cut, [f for f in findings if f.end <= cut])
 
     def flush(self) -> str:

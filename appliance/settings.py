@@ -425,7 +425,7 @@ DEFAULT_ANSWERS: dict[str, SensitiveAction] = {"payment_card": "redact", "iban":
 class CompliancePolicy(_Section):
     """What the gateway does with each kind of sensitive data it finds: email, phone, payment_card,
     iban, secret, national_id, and the kinds of `compliance.patterns` and plug-in detectors (a kind
-    not named: flag)."""
+    not named keeps its built-in default; one without any: flag)."""
 
     IN_SUPERVISOR_CONFIG = False
 

@@ -193,7 +193,7 @@ def scan(rows: list[Row], scanner: Scanner, action: str) -> tuple[list[Row], dic
     found: list[tuple[int, str]] = []
     for row in rows:
         for text in _texts(row.example):
-            found += [(row.line, kind) for _, _, kind in scanner.spans(text)]
+            found += [(row.line, finding.kind) for finding in scanner.findings(text)]
     counts = dict(Counter(kind for _, kind in found))
     if found and action == "block":
         problems = [f"line {line}: {kind}" for line, kind in found]

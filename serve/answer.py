@@ -43,9 +43,9 @@ class Answer:
                     continue
                 if isinstance(part.get("content"), str):
                     added.append(part["content"])
-                for key in ("reasoning", "reasoning_content"):  # vLLM's name, and its older one
-                    if isinstance(part.get(key), str):
-                        self.reasoning.append(part[key])
+                for name in ("reasoning", "reasoning_content"):  # vLLM's name, and its older one
+                    if isinstance(part.get(name), str):
+                        self.reasoning.append(part[name])
                 self._add_tool_calls(index, part.get("tool_calls"))
             if isinstance(choice.get("text"), str):
                 added.append(choice["text"])

@@ -10,9 +10,10 @@ policy says (`compliance` settings):
 - `flag`: it goes through, and the request's audit record says what was found;
 - `allow`: nothing.
 
-What cannot be screened is refused rather than let through: a prompt of token ids. A choice's
-logprobs (they would show the text redaction hides) are left out wherever the filter held back or
-replaced its text.
+Every string a request sends but the model's name is screened. What cannot be screened is not let
+through: a prompt of token ids is refused, an answer or stream event that cannot be parsed is not
+sent on. A choice's logprobs (they would show the text redaction hides) are left out wherever the
+filter held back or replaced its text.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ class Policy:
     prompts: dict[str, SensitiveAction]
     answers: dict[str, SensitiveAction]
 
-    def acting(self, actions: dict[str, SensitiveAction], *wanted: str) -> set[str]:
+    @staticmethod
+    def acting(actions: dict[str, SensitiveAction], *wanted: str) -> set[str]:
         return {kind for kind, action in actions.items() if action in wanted}
 
 
@@ -108,7 +110,7 @@ class Compliance:
                 for path, text in _strings(payload[name], name, self.scanner.redact):
                     for finding in self.scanner.findings(text, screening):
                         found.setdefault(finding.kind, set()).add(path)
-        for action in ("redact", "flag", "block"):
+        for action in ("flag", "block"):
             marks.add("prompt", {kind for kind in found if policy.prompts[kind] == action}, action)
         blocked = sorted(kind for kind in found if policy.prompts[kind] == "block")
         if blocked:
@@ -116,6 +118,7 @@ class Compliance:
             raise GatewayError(400, f"the prompt holds {DESCRIBED.get(kind, kind)} ({sorted(found[kind])[0]}), "
                                "which your role may not send", code="sensitive_data", param=sorted(found[kind])[0])
         redacted = {kind for kind in found if policy.prompts[kind] == "redact"}
+        marks.add("prompt", redacted, "redact")
         for name in fields:
             if redacted and name in payload:
                 payload[name] = _rewritten(payload[name], lambda text: self.scanner.redact(text, redacted))
@@ -188,7 +191,8 @@ class AnswerFilter:
         return event
 
     def finish(self) -> list[dict[str, Any]]:
-        """Events carrying what is still held (a stream that ended without finishing its choices)."""
+        """Events carrying what is still held (a stream that ended without finishing its choices),
+        to go out before its end marker; a stream cut before that marker loses what was held."""
         events = []
         for index, key in list(self.streams):
             if rest := self._flush((index, key)):
@@ -251,7 +255,7 @@ def _leaf(key: str) -> str:
 def _append(part: dict[str, Any], key: str, rest: str) -> None:
     """Add held text back to a streamed choice's part, where its stream's key says."""
     if not key.startswith("tool:"):
-        part[key] = part.get(key, "") + rest
+        part[key] = (part.get(key) or "") + rest
         return
     _, index, leaf = key.split(":")
     calls = part.setdefault("tool_calls", [])
@@ -260,7 +264,7 @@ def _append(part: dict[str, Any], key: str, rest: str) -> None:
         call = {"index": int(index) if index.isdigit() else index, "function": {}}
         calls.append(call)
     function = call.setdefault("function", {})
-    function[leaf] = function.get(leaf, "") + rest
+    function[leaf] = (function.get(leaf) or "") + rest
 
 
 def _strings(value: Any, path: str, shown: Callable[[str], str]) -> Iterator[tuple[str, str]]:

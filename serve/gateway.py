@@ -9,10 +9,10 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 import anyio
@@ -265,9 +265,8 @@ async def relay(request: Request, who: Principal, path: str, body: ChatRequest |
         fields = tuple(name for name in payload if name != "model")
         await anyio.to_thread.run_sync(gateway.compliance.screen_prompt, payload, fields, policy, marks)
         screen = gateway.compliance.answer_filter(policy, marks)
-        # max_tokens and stream_options, set above, shape no prompt
-        transcript = request.state.transcript = Transcript(model=payload["model"], prompt=body.prompt_text(payload),
-                                                           marks=marks)
+        transcript = request.state.transcript
+        transcript.prompt = body.prompt_text(payload)  # max_tokens and stream_options, set above, shape no prompt
         return await _forward(request, gateway, pool, adapter, path, payload, transcript, admission, screen)
     except GatewayError:
         admission.settle(0, 0)  # refused before the engine saw it
@@ -314,6 +313,8 @@ async def _forward(request: Request, gateway: Gateway, pool: Pool, adapter: Adap
             answer = None
         if screen is not None and response.status == 200:
             if not isinstance(answer, dict):  # what cannot be screened does not go out
+                account(None, 0)  # the engine worked: the prompt is charged
+                gateway.metrics.upstream_errors.labels(pool.name, "unscreened").inc()
                 raise GatewayError(502, "the engine's answer could not be screened for sensitive data",
                                    type="server_error", code="unscreened_answer")
             answer = await anyio.to_thread.run_sync(screen.answer, answer)
@@ -346,6 +347,9 @@ class SettlingStream(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
+            # Close the relay now (a generator left at its `yield` is not), so that its own ending
+            # (usage, compliance marks, the engine let go) comes before the request's record.
+            await cast(AsyncGenerator[bytes, None], self.body_iterator).aclose()
             self.admission.settle(None, 0)
 
 

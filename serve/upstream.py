@@ -291,13 +291,13 @@ async def relay_stream(response: aiohttp.ClientResponse, answer: Answer, on_firs
                 yield pending
         finished = True
     finally:
-        if screen is not None:
-            screen.settle()
         report()
         if finished:
             response.release()  # the connection goes back to the pool
         else:
             response.close()  # drop the connection: the engine sees the client leave
+        if screen is not None:  # last: whatever it raises, the engine is let go first
+            screen.settle()
 
 
 def _event_line(event: dict[str, Any]) -> bytes:

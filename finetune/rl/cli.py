@@ -290,8 +290,7 @@ def export(
     try:
         ask = ExportAsk(sft=sft, dpo=dpo)
     except ValidationError as exc:
-        raise Invalid(str(exc.errors()[0]["msg"]).removeprefix("Value error, ").replace("give sft, dpo",
-                      "give --sft NAME, --dpo NAME")) from None
+        raise Invalid(str(exc.errors()[0]["msg"]).removeprefix("Value error, ")) from None
     home = Home.from_env()
     for line in export_run(run, ask, load_settings(home.settings_file), home).lines():
         out.print(line, soft_wrap=True, highlight=False)

@@ -293,7 +293,7 @@ def test_the_tui_shows_runs_and_one_attempt_with_its_correction(lab: Lab) -> Non
             (f"/rl/runs/{run.id}/exports", {"sft": "Bad Name"}, 422, "use lower-case letters"),
             (f"/rl/runs/{run.id}/exports", {"sft": "x\n"}, 422, "use lower-case letters"),
             (f"/rl/runs/{run.id}/exports", {"sft": "<b>[/x]</b>"}, 422, "use lower-case letters"),
-            (f"/rl/runs/{run.id}/exports", {}, 422, "give sft, dpo or both"),
+            (f"/rl/runs/{run.id}/exports", {}, 422, "name the SFT set, the preference (DPO) set or both"),
             ("/rl/runs/999999/exports", {"sft": "fine"}, 404, "no RL run 999999")):
         with pytest.raises(Refused) as refused:
             admin.call_sync("POST", path, json=body)

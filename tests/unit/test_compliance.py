@@ -253,4 +253,41 @@ def test_a_default_table_naming_one_kind_keeps_the_others_defaults_and_refusals_
     both = Marks()
     with pytest.raises(GatewayError):
         compliance.screen_prompt({"messages": [{"content": f"{CARD} or ops@example.com"}]}, CHAT, policy, both)
-    assert both.done == {"prompt.payment_card": "blocked", "prompt.email": "redacted"}
+    assert both.done == {"prompt.payment_card": "blocked"}  # nothing was redacted: nothing was relayed
+
+
+# Regressions from the review of the mended filter.
+
+
+def test_a_card_joined_to_an_email_or_inside_a_longer_run_is_still_a_card() -> None:
+    compliance = Compliance(ComplianceSettings())
+    answer = compliance.answer_filter(compliance.policy(["user"]), Marks())
+    assert answer is not None
+    body = answer.answer({"choices": [{"message": {"content": "pay 4111-1111-1111-1111@pay.example.com, "
+                                                              f"ref 12 34 {CARD} ok"}}]})
+    assert "4111" not in body["choices"][0]["message"]["content"]
+
+
+def test_odd_characters_never_crash_the_scan() -> None:
+    assert not {f.kind for f in Scanner().findings("GB82 WEST 1234 5698 7654 3\u212a and \u00b2\u00b3")} & {"iban"}
+    assert Scanner().findings("\uff14\uff11\uff11\uff11 1111 1111 1111")  # full-width digits: still a card
+
+
+def test_the_hold_limit_never_cuts_through_a_finding() -> None:
+    stream = StreamRedactor(Scanner(), {"phone", "email"}, 80)
+    out = stream.feed("call +44 20 7946 0958@") + stream.feed("a" * 60 + "." + "b" * 60) + stream.flush()
+    assert "7946" not in out and "0958" not in out
+
+
+def test_held_text_joins_a_null_field_and_a_blocked_prompt_marks_nothing_redacted() -> None:
+    compliance = Compliance(ComplianceSettings(roles={"ops": RolePolicy(prompts={"email": "redact"})}))
+    answer = compliance.answer_filter(compliance.policy(["user"]), Marks())
+    assert answer is not None
+    answer.event({"choices": [{"index": 0, "delta": {"content": "card 4111 1111"}}]})
+    last = answer.event({"choices": [{"index": 0, "delta": {"content": None}, "finish_reason": "stop"}]})
+    assert last["choices"][0]["delta"]["content"] == "4111 1111"
+    marks = Marks()
+    with pytest.raises(GatewayError):
+        compliance.screen_prompt({"messages": [{"content": f"{CARD} to a@b.org"}]}, CHAT,
+                                 compliance.policy(["ops"]), marks)
+    assert marks.done == {"prompt.payment_card": "blocked"}
