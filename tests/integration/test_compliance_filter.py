@@ -24,8 +24,8 @@ FORCED = f"Card {CARD} ok"  # the answer the engine is made to give (structured 
 @pytest.fixture(scope="module")
 def realm(running: Running) -> Realm:
     realm = Realm(running)
-    realm.ensure_user("carol", PASSWORD, ["user"])
-    realm.ensure_user("dave", PASSWORD, ["admin"])  # the session's compliance.roles.admin redacts cards in prompts
+    realm.ensure_user("compliance-user", PASSWORD, ["user"])
+    realm.ensure_user("compliance-admin", PASSWORD, ["admin"])  # compliance.roles.admin (session settings)
     return realm
 
 
@@ -45,7 +45,7 @@ def record_of(running: Running, request_id: str) -> dict:
 
 
 def test_a_card_in_a_prompt_is_refused_naming_the_kind_never_the_number(realm: Realm, running: Running) -> None:
-    refused = ask(realm, "carol", "/v1/chat/completions",
+    refused = ask(realm, "compliance-user", "/v1/chat/completions",
                   {"messages": [{"role": "user", "content": f"Charge my card {CARD} please"}], "max_tokens": 4})
     assert refused.status_code == 400, refused.text
     error = refused.json()["error"]
@@ -56,7 +56,7 @@ def test_a_card_in_a_prompt_is_refused_naming_the_kind_never_the_number(realm: R
 
 
 def test_an_email_in_a_prompt_goes_through_flagged(realm: Realm, running: Running) -> None:
-    answered = ask(realm, "carol", "/v1/chat/completions",
+    answered = ask(realm, "compliance-user", "/v1/chat/completions",
                    {"messages": [{"role": "user", "content": "Write to ops@example.com"}], "max_tokens": 4})
     assert answered.status_code == 200, answered.text
     assert record_of(running, answered.headers["x-request-id"])["sensitive"] == {"prompt.email": "flagged"}
@@ -67,7 +67,7 @@ def test_a_card_in_an_answer_is_redacted_whole_even_streamed_token_by_token(real
                                                                              stream: bool) -> None:
     body = {"messages": [{"role": "user", "content": "Say it."}], "max_tokens": 32, "temperature": 0,
             "structured_outputs": {"regex": FORCED.replace(" ", "[ ]")}, "stream": stream}
-    answered = ask(realm, "carol", "/v1/chat/completions", body)
+    answered = ask(realm, "compliance-user", "/v1/chat/completions", body)
     assert answered.status_code == 200, answered.text
     assert "4111" not in answered.text
     if stream:
@@ -83,10 +83,10 @@ def test_a_card_in_an_answer_is_redacted_whole_even_streamed_token_by_token(real
 
 
 def test_a_redacting_role_has_the_engine_see_the_redacted_prompt(realm: Realm, running: Running) -> None:
-    answered = ask(realm, "dave", "/v1/completions",
+    answered = ask(realm, "compliance-admin", "/v1/completions",
                    {"prompt": f"My card is {CARD}.", "max_tokens": 1, "echo": True, "temperature": 0})
     assert answered.status_code == 200, answered.text
     assert answered.json()["choices"][0]["text"].startswith("My card is [PAYMENT_CARD].")  # as the engine saw it
     assert record_of(running, answered.headers["x-request-id"])["sensitive"] == {"prompt.payment_card": "redacted"}
-    ids = ask(realm, "carol", "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 1})
+    ids = ask(realm, "compliance-user", "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 1})
     assert ids.status_code == 400 and ids.json()["error"]["param"] == "prompt"
