@@ -47,6 +47,9 @@ class ArtifactStore(Protocol):
     def keys(self, prefix: str) -> list[str]:
         """Keys under `prefix`, sorted."""
 
+    def delete(self, key: str) -> None:
+        """Remove `key` (one stored without retention; a missing key is no error)."""
+
 
 class LocalStore:
     """A directory; each key a file, written atomically and left read-only."""
@@ -73,6 +76,12 @@ class LocalStore:
             return self._path(key).read_bytes()
         except OSError as exc:
             raise ArtifactStoreError(f"cannot read {self._path(key)}: {exc.strerror or exc}") from exc
+
+    def delete(self, key: str) -> None:
+        try:
+            self._path(key).unlink(missing_ok=True)
+        except OSError as exc:
+            raise ArtifactStoreError(f"cannot remove {self._path(key)}: {exc.strerror or exc}") from exc
 
     def keys(self, prefix: str) -> list[str]:
         base = self._path(prefix)
@@ -137,6 +146,14 @@ class S3Store:
             finally:
                 response.close()
                 response.release_conn()
+
+    def delete(self, key: str) -> None:
+        """Every version of `key` (the bucket keeps versions under Object Lock: removing the key
+        alone would only hide it)."""
+        with self._errors(f"remove {key}"):
+            for found in self._client.list_objects(self.bucket, prefix=key, include_version=True):
+                if found.object_name == key:
+                    self._client.remove_object(self.bucket, key, version_id=found.version_id)
 
     def keys(self, prefix: str) -> list[str]:
         with self._errors(f"list {prefix}"):

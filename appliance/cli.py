@@ -15,6 +15,7 @@ from rich.text import Text
 
 from appliance import cli_access, cli_hosts, lifecycle
 from appliance.changes import records_change
+from appliance.cli_serving import serving_app
 from appliance.errors import ApplianceError
 from appliance.home import Home
 from appliance.settings import load_settings, render_defaults
@@ -32,6 +33,7 @@ settings_app = typer.Typer(help="Show the settings file, its defaults and the va
 app.add_typer(settings_app, name="settings")
 cli_access.register(app)
 cli_hosts.register(app)
+app.add_typer(serving_app, name="serving")
 
 out = Console()
 err = Console(stderr=True)

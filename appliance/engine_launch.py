@@ -63,6 +63,7 @@ class Rank:
     address: str | None = None
     interface: str | None = None
     python: str | None = None
+    replica: str | None = None  # which of the pool's engines (its socket's name); unset: the pool's first
 
 
 def python() -> str:
@@ -72,14 +73,22 @@ def python() -> str:
     return str(venv_python) if sys.prefix != sys.base_prefix and venv_python.exists() else sys.executable
 
 
-def engine_program(pool: str) -> str:
-    """The supervised program that runs a pool's ranks on a host (the head's or a worker's)."""
-    return f"vllm-{pool}"
+def engine_program(engine: str) -> str:
+    """The supervised program that runs an engine's ranks on a host (the head's or a worker's): a
+    pool's, or one of its replicas' (`replica_names`)."""
+    return f"vllm-{engine}"
 
 
-def engine_socket(home: Home, pool: str) -> Path:
-    """The Unix socket a pool's engine listens on, in the state dir's private (0700) run/engines/."""
-    return home.run / "engines" / f"{pool}.sock"
+def replica_names(pool: PoolSettings) -> list[str]:
+    """The engines of a pool: its own name for the first (a pool of one keeps the name it always had),
+    then <name>_1, <name>_2, ... ('_' is never in a pool's name, so no two pools' replicas clash)."""
+    return [pool.name, *(f"{pool.name}_{index}" for index in range(1, pool.replicas))]
+
+
+def engine_socket(home: Home, engine: str) -> Path:
+    """The Unix socket an engine (a pool's, or one of its replicas') listens on, in the state dir's
+    private (0700) run/engines/."""
+    return home.run / "engines" / f"{engine}.sock"
 
 
 def resolve_device(engine: EngineSettings) -> str:
@@ -143,7 +152,7 @@ def rank_command(pool: PoolSettings, settings: Settings, home: Home, layout: Poo
     ]
     argv += _across_hosts(layout, rank)
     if rank.node == 0:
-        argv += ["--uds", str(engine_socket(home, pool.name)), "--disable-uvicorn-access-log"]
+        argv += ["--uds", str(engine_socket(home, rank.replica or pool.name)), "--disable-uvicorn-access-log"]
     if eager:
         argv.append("--enforce-eager")
     if layout.ep:

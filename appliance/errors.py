@@ -7,12 +7,13 @@ ApplianceError                 root: the CLI catches only this and prints one li
  +-- Conflict                  it exists but is in a state that forbids the change (HTTP 409)
  |    +-- IllegalTransition    a job or adapter asked to move to a state its own does not lead to
  |    +-- IntegrityError       a stored artifact no longer matches the digest recorded for it
+ +-- QuotaExceeded             the caller has used what a quota allows; retry later (HTTP 429)
  +-- Unavailable               something it depends on cannot be used now; retry later (HTTP 503)
  |    +-- StateError           the state directory, a state file or a secret is unusable
  |    +-- SupervisorError      supervisord cannot be started or reached
  +-- StartError                a supervised program failed to start (carries its log path)
 
-Each class has a `code` (the machine-readable name transports use); the gateway maps the four
+Each class has a `code` (the machine-readable name transports use); the gateway maps the five
 families to HTTP once (serve.errors.from_core).
 """
 
@@ -58,6 +59,12 @@ class Conflict(ApplianceError):
     """What was named exists, but its state forbids the change."""
 
     code = "conflict"
+
+
+class QuotaExceeded(ApplianceError):
+    """The caller has used what a quota allows; it may retry once some is freed."""
+
+    code = "quota_exceeded"
 
 
 class Unavailable(ApplianceError):

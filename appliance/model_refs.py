@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from appliance.errors import Invalid
+from appliance.errors import Invalid, SettingsError
 from appliance.home import Home
 from appliance.settings import DEMO_MODEL, PoolSettings, Settings
 
@@ -24,6 +24,22 @@ def served_name(pool: PoolSettings, home: Home) -> str:
 def served_models(settings: Settings, home: Home) -> dict[str, Path]:
     """Each pool's served name -> its checkpoint directory."""
     return {served_name(pool, home): model_dir(pool, home) for pool in settings.pools}
+
+
+def tiers_of_models(settings: Settings, home: Home) -> dict[str, dict[str | None, PoolSettings]]:
+    """Each served model name's pools by tier. SettingsError where pools serving one name do not
+    each name a tier of their own (a client could not say which it means)."""
+    models: dict[str, dict[str | None, PoolSettings]] = {}
+    for pool in settings.pools:
+        name = served_name(pool, home)
+        tiers = models.setdefault(name, {})
+        if tiers and (pool.tier is None or None in tiers or pool.tier in tiers):
+            other = tiers.get(pool.tier) or next(iter(tiers.values()))
+            same = f" as tier {pool.tier!r}" if pool.tier is not None and pool.tier == other.tier else ""
+            raise SettingsError(f"pools.{pool.name}.tier: pools {other.name} and {pool.name} both serve {name!r}{same}",
+                                hint="give each pool serving one model a tier of its own (e.g. fast, full)")
+        tiers[pool.tier] = pool
+    return models
 
 
 def checkpoint(reference: str, home: Home, settings: Settings, *, what: str = "model") -> Path:

@@ -35,7 +35,8 @@ class Program(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    name: str = Field(pattern=r"^[a-z][a-z0-9-]*$")
+    name: str = Field(pattern=r"^[a-z][a-z0-9_-]*$",
+                      description="Its supervisord program name (engine replicas: vllm-<pool>_<i>).")
     command: list[str] = Field(min_length=1)
     environment: dict[str, str] = Field(default_factory=dict)
     directory: Path | None = None

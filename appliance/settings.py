@@ -122,6 +122,16 @@ class PoolSettings(_Section):
         None, description="GPU indexes the pool holds on this host (unset: its plan's, else chosen from the free "
         "GPUs, TP groups inside one NVLink domain and NUMA node). Pools may not share GPUs."
     )
+    tier: str | None = Field(
+        None, pattern=r"^[a-z][a-z0-9-]{0,15}$",
+        description="The tier of its model this pool serves (e.g. fast, full): pools serving one model name each "
+        "name a tier of their own; clients ask for `MODEL:TIER`, or for `MODEL` and the routing policy picks."
+    )
+    replicas: int = Field(
+        1, ge=1, le=32, description="Engines serving the pool side by side (vLLM data parallel as separate "
+        "engines, programs vllm-<name>, vllm-<name>_1, ...); the gateway balances requests over them. With GPUs "
+        "set, they are split among the replicas in order."
+    )
     enable_lora: bool = Field(False, description="Serve LoRA adapters (runtime loading on).")
     max_lora_rank: int = Field(16, ge=1, description="Largest adapter rank accepted.")
     max_loras: int = Field(4, ge=1, description="Adapters resident at once.")
@@ -259,6 +269,73 @@ class GatewaySettings(_Section):
             requests_per_minute=6000, tokens_per_minute=2_000_000, max_concurrent=64, max_n=16, max_logprobs=20)},
         description="Rate limits by role (the most generous role a user holds applies).",
     )
+
+
+class RoutingSettings(_Section):
+    """Which pool and which engine of it serve a request: tiers by the routing policy, replicas by
+    load and prompt-prefix affinity."""
+
+    IN_SUPERVISOR_CONFIG = False
+
+    interactive_tier: str | None = Field(
+        "fast", description="A streamed request for a model's bare name goes to this tier, where the model has it "
+        "(unset: to default_tier)."
+    )
+    default_tier: str = Field(
+        "full", description="Other requests for a bare name (not streamed, long prompts, batches) go to this tier, "
+        "where the model has it; a model without it answers from its first pool in the settings."
+    )
+    long_prompt_chars: int = Field(
+        8000, gt=0, description="A streamed request whose prompt is longer than this is long-context: it goes to "
+        "default_tier."
+    )
+    balance: Literal["affinity", "least_loaded", "round_robin"] = Field(
+        "affinity", description="How a pool's replicas share requests: affinity (the replica that served the "
+        "longest prefix of the prompt recently, unless it is busier than the least loaded by more than "
+        "affinity_max_skew), least_loaded (fewest in flight) or round_robin."
+    )
+    affinity_block_bytes: int = Field(
+        256, ge=16, le=65536, description="Prompt prefixes are remembered in blocks of this many bytes (UTF-8).")
+    affinity_max_blocks: int = Field(64, ge=1, le=4096, description="Blocks remembered of one prompt at most.")
+    affinity_max_skew: int = Field(
+        4, ge=0, description="Requests in flight the affinity replica may have above the least loaded one.")
+    affinity_entries: int = Field(65536, ge=16, description="Prefix blocks remembered at most (oldest forgotten).")
+
+
+class CacheSettings(_Section):
+    """The gateway's exact-match response cache for deterministic requests (temperature 0 or a seed)."""
+
+    IN_SUPERVISOR_CONFIG = False
+
+    enabled: bool = Field(True, description="Answer repeated deterministic requests from the cache.")
+    scope: Literal["user", "role"] = Field(
+        "user", description="Who shares entries: each user their own (user), or users holding the same roles (role).")
+    ttl_s: float = Field(300.0, gt=0, description="How long an entry is served.")
+    max_entries: int = Field(4096, ge=1, description="Entries at most (least recently used dropped).")
+    max_bytes: int = Field(64 << 20, ge=1024, description="Bytes of answers held at most.")
+    max_entry_bytes: int = Field(1 << 20, ge=1024, description="Larger answers are not kept.")
+
+
+class BatchSettings(_Section):
+    """OpenAI's Batch API: files, the durable queue and the supervised batch-worker executing it."""
+
+    IN_SUPERVISOR_CONFIG = False
+
+    max_file_bytes: int = Field(64 << 20, ge=1024, le=1 << 30, description="Largest file a client may upload "
+                                "(the gateway's max_body_bytes does not apply to /v1/files).")
+    max_stored_bytes_per_user: int = Field(
+        1 << 30, ge=1024, description="Bytes of files (uploads and batch outputs) a user may hold at once.")
+    max_requests: int = Field(50_000, ge=1, description="Requests one batch may hold.")
+    max_active_per_user: int = Field(8, ge=1, description="Batches in progress a user may have at once.")
+    max_pending_requests_per_user: int = Field(
+        200_000, ge=1, description="Requests a user may have waiting over all their batches.")
+    concurrency: int = Field(2, ge=1, le=256, description="Requests the worker sends at once.")
+    yield_to_interactive: int = Field(
+        1, ge=0, description="A batch request waits while its pool has this many interactive requests in flight "
+        "or more (0: never waits); interactive traffic goes first.")
+    max_yield_s: float = Field(120.0, gt=0, description="A batch request waits this long at most, then goes "
+                               "(batches never starve).")
+    poll_s: float = Field(1.0, gt=0, le=60, description="How often an idle worker looks for work.")
 
 
 MASK = "********"
@@ -501,10 +578,13 @@ class Settings(_Section):
     rl: RlSettings = Field(default_factory=RlSettings)
     cluster: ClusterSettings = Field(default_factory=ClusterSettings)
     compliance: ComplianceSettings = Field(default_factory=ComplianceSettings)
+    routing: RoutingSettings = Field(default_factory=RoutingSettings)
+    cache: CacheSettings = Field(default_factory=CacheSettings)
+    batch: BatchSettings = Field(default_factory=BatchSettings)
     pools: list[PoolSettings] = Field(
         default_factory=lambda: [PoolSettings(name="main")],
         min_length=1,
-        description="vLLM pools; each is one supervised vllm-<name> program.",
+        description="vLLM pools; each is one supervised vllm-<name> program per replica.",
     )
 
     @model_validator(mode="after")

@@ -14,6 +14,7 @@ from keycloak import KeycloakAdmin, KeycloakOpenIDConnection
 from keycloak.exceptions import KeycloakError
 from pydantic import BaseModel, Field
 
+from appliance import batches
 from appliance.errors import Conflict, NotFound, Unavailable
 from appliance.home import Home
 from appliance.roles import Role
@@ -87,12 +88,15 @@ class Users:
                            password=None if new.password else password)
 
     def disable(self, username: str) -> User:
-        """New logins fail; live tokens stop within the gateway's introspection interval."""
+        """New logins fail; live tokens stop within the gateway's introspection interval; their
+        batches in progress are cancelled (they run as their owner)."""
         with _keycloak(f"disabling {username!r}"):
             admin = self._admin()
             user_id = self._id(admin, username)
             admin.update_user(user_id, {"enabled": False})
-            return _user(admin, admin.get_user(user_id))
+            user = _user(admin, admin.get_user(user_id))
+        batches.cancel_all_of(self.home, user_id)  # the token subject is the user's id
+        return user
 
     def grant(self, username: str, role: Role) -> User:
         """One more realm role (granting one the user holds changes nothing)."""

@@ -59,6 +59,11 @@ class AuditEvent(BaseModel):
     sensitive: dict[str, str] | None = Field(
         None, description="What live compliance filtering did, by where and kind: {\"prompt.email\": \"flagged\", "
         "\"answer.payment_card\": \"redacted\"}; never the text.")
+    tier: str | None = Field(None, description="The tier of its model that served the request, if the pool has one.")
+    replica: str | None = Field(None, description="The engine replica that served it.")
+    cache_hit_of: int | None = Field(None, description="Answered from the response cache: the sequence number of "
+                                     "the record of the request whose answer it was.")
+    batch: str | None = Field(None, description="A request of a batch (OpenAI's Batch API): \"<batch id>:<line>\".")
     count: int | None = Field(None, description="A summary record: how many requests it stands for (refused "
                               "ones, or monitoring reads after the first of their interval).")
     error: str | None = Field(None, description="What went wrong on the gateway's side, if anything.")

@@ -42,8 +42,9 @@ class AdapterRoutes:
     versions from another process) and the operations that change what is served."""
 
     def __init__(self, home: Home, upstreams: Upstreams, store: ArtifactStore,
-                 base_configs: dict[str, str]) -> None:
+                 base_configs: dict[str, str], on_change: Callable[[str], object] | None = None) -> None:
         self.home = home
+        self.on_change = on_change  # told the name whose serving changed (the response cache forgets its answers)
         self.upstreams = upstreams
         self.store = store
         self.base_configs = base_configs  # pool name -> config.json SHA-256 of the model it serves
@@ -105,14 +106,14 @@ class AdapterRoutes:
 
     async def retire(self, name: str, version: int | None) -> list[AdapterRecord]:
         """Retire a version that is not served, or the whole name."""
-        change = await self._apply(lambda registry: registry.retire(name, version))
+        change = await self._apply(name, lambda registry: registry.retire(name, version))
         return list(change.unload)
 
     async def _change(self, name: str, rule: Callable[[Registry], ServingChange]) -> Alias:
-        await self._apply(rule)
+        await self._apply(name, rule)
         return self.registry().alias(name)
 
-    async def _apply(self, rule: Callable[[Registry], ServingChange]) -> ServingChange:
+    async def _apply(self, name: str, rule: Callable[[Registry], ServingChange]) -> ServingChange:
         """Run `rule` on a copy of the registry (a refusal there changes nothing and asks no
         engine), give the engine what the change needs, then run it for real and write it."""
         async with self._lock:
@@ -124,6 +125,8 @@ class AdapterRoutes:
             self._stamp = None  # the cached copy is re-read after the write
             # In a thread: the registry's file lock may be held by the trainer registering a version.
             change = await anyio.to_thread.run_sync(self._write, rule, planned)
+            if self.on_change is not None:
+                self.on_change(name)
             # Unloading needs no configured pool: retiring an adapter whose pool was removed works.
             configured = {pool.name: pool for pool in self.upstreams.pools}
             if change.pool in configured:
@@ -149,15 +152,16 @@ class AdapterRoutes:
             directory = await anyio.to_thread.run_sync(self._materialize, record)
         except ApplianceError as exc:  # a GatewayError, as the engine's own refusals: the request path counts them
             raise from_core(exc) from exc
-        status, text = await self.upstreams.engine_post(pool, "/v1/load_lora_adapter",
-                                                        {"lora_name": record.engine_name, "lora_path": str(directory)})
-        if status == 200 or "already been loaded" in text:
-            return
-        if status == 404:
-            raise GatewayError(409, f"engine pool {pool.name!r} does not serve adapters (set "
-                               f"pools.{pool.name}.enable_lora = true and restart it)", code="lora_disabled")
-        raise GatewayError(502, f"engine pool {pool.name!r} refused {record.engine_name}: {text[:300]}",
-                           type="upstream_error", code="engine_error")
+        answers = await self.upstreams.engine_post(pool, "/v1/load_lora_adapter",
+                                                   {"lora_name": record.engine_name, "lora_path": str(directory)})
+        for replica, status, text in answers:  # every replica that answers holds it
+            if status == 200 or "already been loaded" in text:
+                continue
+            if status == 404:
+                raise GatewayError(409, f"engine pool {pool.name!r} does not serve adapters (set "
+                                   f"pools.{pool.name}.enable_lora = true and restart it)", code="lora_disabled")
+            raise GatewayError(502, f"engine {replica.name!r} of pool {pool.name!r} refused {record.engine_name}: "
+                               f"{text[:300]}", type="upstream_error", code="engine_error")
 
     async def _unload(self, pool: Pool, engine_name: str) -> None:
         try:

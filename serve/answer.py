@@ -28,6 +28,7 @@ class Answer:
     reasoning: list[str] = field(default_factory=list)
     tool_calls: dict[tuple[int, int], _ToolCall] = field(default_factory=dict)  # (choice, call) -> call
     unparsed: list[str] = field(default_factory=list)
+    failed: bool = False  # the engine reported an error in it (a stream's error event)
 
     def add_choices(self, choices: object) -> str:
         """Take the text and tool calls of OpenAI `choices` (message, delta or completion text);

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +59,11 @@ class Transcript:
     relayed: bool = False  # sent to an engine: always a record of its own
     marks: Marks = field(default_factory=Marks)  # what compliance filtering did: always a record of its own
     ended: bool = False  # a stream's end marker has arrived from the engine
+    tier: str | None = None
+    replica: str | None = None
+    cache_hit_of: int | None = None  # answered from the cache: the original request's record
+    batch: str | None = None  # a batch's request: "<batch id>:<line>"
+    on_recorded: Callable[[int], None] | None = None  # told the sequence number of a 200's record (the cache)
 
     def end(self) -> None:
         self.ended = True
@@ -95,11 +101,11 @@ class AuditMiddleware:
         self.in_flight = 0
         self._reported_failure: str | None = None
 
-    async def _append(self, event: AuditEvent) -> None:
+    async def _append(self, event: AuditEvent) -> int:
+        """Write `event`; its sequence number."""
         if self.in_flight == 1 and self.writer.last_flush_s < INLINE_FLUSH_LIMIT_S:
-            self.writer.append(event)
-        else:
-            await anyio.to_thread.run_sync(self.writer.append, event)
+            return self.writer.append(event).seq
+        return (await anyio.to_thread.run_sync(self.writer.append, event)).seq
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not scope["path"].startswith(AUDITED_PREFIXES):
@@ -174,7 +180,9 @@ class AuditMiddleware:
             return
         if event.status < 400 and is_monitoring(scope) and not self.monitoring.first_of_interval(event, event.action):
             return
-        await self._append(event)
+        seq = await self._append(event)
+        if transcript is not None and transcript.on_recorded is not None and event.status == 200:
+            transcript.on_recorded(seq)
 
     async def _record_unfinished(self, scope: Scope, state: dict[str, Any], status: int, started: float) -> None:
         """The record of a request that never completed; if even that cannot be written, the
@@ -217,6 +225,8 @@ class AuditMiddleware:
             completion=completion if self.capture else None,
             tools_called=transcript.answer.tools_called or None,
             sensitive=dict(sorted(transcript.marks.done.items())) or None,
+            tier=transcript.tier, replica=transcript.replica, cache_hit_of=transcript.cache_hit_of,
+            batch=transcript.batch,
         )
 
     def _unavailable(self, reason: str) -> GatewayError:

@@ -1,6 +1,7 @@
-"""The engine launcher: one supervised program per pool, running the rank `appliance.engine_launch`
-builds from settings and, when a pool names one, its plan; on GPU hosts each pool gets its own GPUs
-(`appliance.gpus`) and its CPU threads are bound to their NUMA node.
+"""The engine launcher: one supervised program per engine (each replica of a pool is one), running
+the rank `appliance.engine_launch` builds from settings and, when a pool names one, its plan; on GPU
+hosts each engine gets its own GPUs (`appliance.gpus`) and its CPU threads are bound to their NUMA
+node.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ from appliance.engine_launch import (
     pool_layout,
     pool_plan,
     rank_command,
+    replica_names,
     resolve_device,
 )
 from appliance.errors import SettingsError
 from appliance.gpus import GpuRequest, assign, local_host, numa_node
 from appliance.home import Home
-from appliance.model_refs import model_dir
+from appliance.model_refs import model_dir, tiers_of_models
 from appliance.programs import Program
 from appliance.records import Host, Plan
 from appliance.secrets import secret
@@ -47,8 +49,11 @@ class EngineLaunch:
 
 
 def checked_layout(pool: PoolSettings, settings: Settings) -> PoolLayout:
-    """The pool's layout; one spanning hosts only where the cluster listener is on."""
+    """The pool's layout; one spanning hosts only where the cluster listener is on, and with one replica."""
     layout = pool_layout(pool, settings.engine)
+    if layout.hosts > 1 and pool.replicas > 1:
+        raise SettingsError(f"pools.{pool.name}.replicas: a pool spanning hosts runs one replica",
+                            hint="serve more replicas as further pools, or plan it onto one host")
     if layout.hosts > 1 and settings.cluster.bind is None:
         raise SettingsError(f"pools.{pool.name}.plan: {pool.plan}: the plan spans {layout.hosts} hosts, but "
                             "cluster.bind is unset", hint="set cluster.bind to this host's address on the cluster "
@@ -96,13 +101,14 @@ def head_rank(settings: Settings, span: SpanningPool) -> Rank:
 
 
 def build_launch(pool: PoolSettings, settings: Settings, home: Home, api_key: str,
-                 gpus: tuple[int, ...] = ()) -> EngineLaunch:
-    """vLLM's argv and environment for `pool` on its `gpus` (reads only the pool's plan file, if any)."""
+                 gpus: tuple[int, ...] = (), replica: str | None = None) -> EngineLaunch:
+    """vLLM's argv and environment for `pool` (its `replica`, by default its first) on its `gpus`
+    (reads only the pool's plan file, if any)."""
     device = resolve_device(settings.engine)
     layout = checked_layout(pool, settings)
     planned = pool_plan(pool)
     rank = head_rank(settings, SpanningPool(pool, planned[0], layout)) if planned and layout.hosts > 1 else Rank()
-    command = rank_command(pool, settings, home, layout, device, replace(rank, gpus=gpus))
+    command = rank_command(pool, settings, home, layout, device, replace(rank, gpus=gpus, replica=replica))
     # The key travels in the environment (the config file is 0600), never on the command line.
     environment = {"VLLM_API_KEY": api_key, **command.env}
     return EngineLaunch(argv=command.argv, environment=environment, model_dir=model_dir(pool, home),
@@ -110,17 +116,23 @@ def build_launch(pool: PoolSettings, settings: Settings, home: Home, api_key: st
 
 
 def gpu_sets(settings: Settings, host: Host) -> dict[str, tuple[int, ...]]:
-    """Each pool's GPUs on this host: its setting, its plan's, or chosen from those left."""
+    """Each engine's GPUs on this host, by replica name: its pool's setting (split among the
+    replicas in order), its plan's (the first replica), or chosen from those left."""
     requests = []
     for pool in settings.pools:
         layout = checked_layout(pool, settings)
-        fixed, source = None, f"pools.{pool.name}.gpus"
+        count, source = layout.gpus_per_host, f"pools.{pool.name}.gpus"
         planned = pool_plan(pool)
-        if pool.gpus is not None:
-            fixed = tuple(pool.gpus)
-        elif planned is not None and planned[0].commands and planned[0].commands[0].gpus:
-            fixed, source = tuple(planned[0].commands[0].gpus), planned[1]
-        requests.append(GpuRequest(pool.name, layout.gpus_per_host, layout.local_tp, fixed, source))
+        if pool.gpus is not None and len(pool.gpus) != count * pool.replicas:
+            raise SettingsError(f"{source}: {len(pool.gpus)} GPUs given; pool {pool.name} runs {pool.replicas} "
+                                f"replica(s) of {count} ranks here (TP x PP x DP each)")
+        for index, replica in enumerate(replica_names(pool)):
+            fixed = None
+            if pool.gpus is not None:
+                fixed = tuple(pool.gpus[index * count:(index + 1) * count])
+            elif index == 0 and planned is not None and planned[0].commands and planned[0].commands[0].gpus:
+                fixed, source = tuple(planned[0].commands[0].gpus), planned[1]
+            requests.append(GpuRequest(replica, count, layout.local_tp, fixed, source))
     return assign(requests, host)
 
 
@@ -159,7 +171,8 @@ def missing_model(path: Path) -> str | None:
 
 
 def engine_programs(settings: Settings, home: Home) -> list[Program]:
-    """One supervised vllm-<pool> program per pool (the `appliance.programs` entry point)."""
+    """One supervised program per engine (the `appliance.programs` entry point): vllm-<pool>, and
+    vllm-<pool>_<i> for a pool's further replicas."""
     api_key = secret(home, ENGINE_KEY_SECRET)
     on_gpus = resolve_device(settings.engine) == "cuda"
     host = local_host() if on_gpus else None
@@ -169,11 +182,12 @@ def engine_programs(settings: Settings, home: Home) -> list[Program]:
         if given:
             raise SettingsError(f"pools.{given[0]}.gpus: the CPU engine uses no GPUs", hint="remove it, or set "
                                 "engine.device = \"cuda\" on a host with the CUDA engine")
+    tiers_of_models(settings, home)  # pools serving one model each name a tier of their own
     programs = []
-    for pool in settings.pools:
-        gpus = sets.get(pool.name, ())
-        launch = build_launch(pool, settings, home, api_key, gpus)
-        socket = engine_socket(home, pool.name)
+    for pool, replica in ((each, replica) for each in settings.pools for replica in replica_names(each)):
+        gpus = sets.get(replica, ())
+        launch = build_launch(pool, settings, home, api_key, gpus, replica)
+        socket = engine_socket(home, replica)
         problem = missing_model(launch.model_dir)
         if problem and pool.model == DEMO_MODEL:
             problem += " (run ./bootstrap.sh, or `appliance model prepare-demo`)"
@@ -188,7 +202,7 @@ def engine_programs(settings: Settings, home: Home) -> list[Program]:
             command, problem = in_own_network(command), problem or _missing_tools()
         programs.append(
             Program(
-                name=engine_program(pool.name),
+                name=engine_program(replica),
                 command=command,
                 environment=launch.environment,
                 socket=socket,

@@ -14,7 +14,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from appliance.errors import ApplianceError, Conflict, Invalid, NotFound, Unavailable
+from appliance.errors import ApplianceError, Conflict, Invalid, NotFound, QuotaExceeded, Unavailable
 
 
 class SafeJSONResponse(JSONResponse):
@@ -66,6 +66,7 @@ CORE_ERRORS: tuple[tuple[type[ApplianceError], int, str], ...] = (
     (Invalid, 400, "invalid_request_error"),
     (NotFound, 404, "invalid_request_error"),
     (Conflict, 409, "invalid_request_error"),
+    (QuotaExceeded, 429, "rate_limit_error"),
     (Unavailable, 503, "service_unavailable"),
 )
 
@@ -75,6 +76,6 @@ def from_core(exc: ApplianceError) -> GatewayError:
     error of no family is the server's fault (500)."""
     for family, status, kind in CORE_ERRORS:
         if isinstance(exc, family):
-            headers = {"Retry-After": "5"} if status == 503 else None
+            headers = {"Retry-After": "5" if status == 503 else "60"} if status in (429, 503) else None
             return GatewayError(status, exc.message, type=kind, code=exc.code, headers=headers)
     return GatewayError(500, exc.message, type="server_error", code=exc.code)

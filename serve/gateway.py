@@ -9,7 +9,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, cast
@@ -44,6 +44,7 @@ from serve.errors import GatewayError, from_core
 from serve.limits import Admission, RateLimiter
 from serve.metrics import Metrics
 from serve.middleware import BodyLimitMiddleware, MeterMiddleware, RequestTooLarge
+from serve.response_cache import CachedAnswer, Capture, ResponseCache, deterministic, wants
 from serve.routes import admin_routers
 from serve.schemas import ChatRequest, CompletionRequest
 from serve.summaries import Refusals, Summaries, cap_text
@@ -68,6 +69,7 @@ class Gateway:
     metrics: Metrics
     adapters: AdapterRoutes
     compliance: Compliance
+    cache: ResponseCache
 
 
 class Health(BaseModel):
@@ -88,8 +90,8 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
         async with (httpx.AsyncClient(timeout=httpx.Timeout(10.0, connect=connect_s),  # Keycloak
                                       verify=keycloak_ssl(settings, home)) as http,
                     contextlib.AsyncExitStack() as stack):
-            engines = {pool.name: await stack.enter_async_context(engine_session(pool, engine_timeout))
-                       for pool in pools}
+            engines = {replica.name: await stack.enter_async_context(engine_session(replica, engine_timeout))
+                       for pool in pools for replica in pool.replicas}
             keycloak = settings.keycloak
             introspect = None
             if settings.gateway.introspect_ttl_s > 0:
@@ -100,13 +102,14 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
                                        http=http, leeway_s=settings.gateway.leeway_s,
                                        refetch_interval_s=settings.gateway.jwks_refetch_interval_s,
                                        introspect=introspect, on_fetch=metrics.jwks_fetches.inc)
-            upstreams = Upstreams(pools, engines, secret(home, ENGINE_KEY_SECRET))
+            upstreams = Upstreams(pools, engines, secret(home, ENGINE_KEY_SECRET), settings.routing, metrics)
+            cache = ResponseCache(settings.cache, metrics)
             app.state.gateway = Gateway(
                 settings=settings, validator=validator, upstreams=upstreams,
                 limiter=RateLimiter(settings.gateway.limits), metrics=metrics,
                 adapters=AdapterRoutes(home, upstreams, artifact_store(settings.artifacts, home),
-                                       base_configs(settings, home)),
-                compliance=compliance)
+                                       base_configs(settings, home), on_change=cache.invalidate),
+                compliance=compliance, cache=cache)
             await validator.try_refresh_keys()  # Keycloak may still be starting
             await upstreams.check()  # which engines answer, before the first request
             async with anyio.create_task_group() as tasks:
@@ -130,7 +133,10 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
                          max_file_bytes=audit.max_file_bytes)
     app = FastAPI(title="appliance gateway", version="1", lifespan=lifespan)
     app.state.audit = writer
-    app.add_middleware(BodyLimitMiddleware, limit=settings.gateway.max_body_bytes)
+    app.state.home = home
+    # A multipart upload carries its file and a little framing.
+    app.add_middleware(BodyLimitMiddleware, limit=settings.gateway.max_body_bytes,
+                       paths={"/v1/files": settings.batch.max_file_bytes + 64 * 1024})
     refusals = Refusals(audit.refusal_interval_s, audit.refusal_sources)
     monitoring = Summaries(audit.monitoring_interval_s, MONITORING_USERS, party_field="subject",
                            summary_action=None)
@@ -183,16 +189,20 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
              responses={503: {"model": Health, "description": "An engine, the signing keys or the audit log "
                                                               "is not available."}})
     async def readyz(request: Request) -> Any:
-        """Ready when every engine answers its health check, the realm's signing keys are loaded and
-        the audit log is writable. Anonymous: it changes nothing (no key refetch), runs its engine
+        """Ready when every pool has a replica answering its health check, the realm's signing keys
+        are loaded and the audit log is writable. Anonymous: it changes nothing (no key refetch), runs its engine
         checks at most once a second, and names no file or OS error (the gateway's log does)."""
         gateway: Gateway = request.app.state.gateway
         async with ready_lock:  # callers arriving during a check share its result
             if time.monotonic() - ready["at"] >= READY_CACHE_S:
-                checks = {f"engine:{p.name}": await gateway.upstreams.healthy(p) for p in gateway.upstreams.pools}
+                checks = {f"engine:{replica.name}": await gateway.upstreams.healthy(replica)
+                          for pool in gateway.upstreams.pools for replica in pool.replicas}
+                # A pool serves while one of its replicas does; the others are routed around.
+                serving = all(any(checks[f"engine:{replica.name}"] for replica in pool.replicas)
+                              for pool in gateway.upstreams.pools)
                 checks["jwks"] = gateway.validator.has_keys
                 checks["audit"] = request.app.state.audit.check() is None
-                ok = all(checks.values())
+                ok = serving and checks["jwks"] and checks["audit"]
                 ready["body"] = Health(status="ready" if ok else "not ready", checks=checks,
                                        reason=None if checks["audit"] else "audit log not writable")
                 ready["at"] = time.monotonic()
@@ -214,8 +224,10 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
 
     async def _models(gateway: Gateway, who: Principal) -> dict[str, Any]:
         served = {pool.model for pool in gateway.upstreams.pools}
-        # The engines also list each loaded adapter version; clients call adapters by name.
-        data = [entry for entry in await gateway.upstreams.models() if entry.get("id") in served]
+        # The engines also list each loaded adapter version; clients call adapters by name. A model
+        # served in tiers is listed once.
+        listed = {entry.get("id"): entry for entry in await gateway.upstreams.models() if entry.get("id") in served}
+        data = list(listed.values())
         if data:
             data += gateway.adapters.visible(who.roles)
         if not data:
@@ -241,16 +253,23 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
 
 
 async def relay(request: Request, who: Principal, path: str, body: ChatRequest | CompletionRequest) -> Response:
-    """Route, admit, forward; stream back as it arrives; account tokens and time to first token."""
+    """Route (tier, adapter), admit, screen, answer from the cache or forward; stream back as it
+    arrives; account tokens and time to first token."""
     gateway: Gateway = request.app.state.gateway
+    batch: str | None = getattr(request.state, "batch", None)  # a batch request the batch-worker sends
     payload = body.relayed()
     routed = gateway.adapters.resolve(body.model, who.roles)
     if routed is not None:
         pool, payload["model"], adapter = routed
+        how = "adapter"
     else:
-        pool, adapter = gateway.upstreams.route(body.model), None
+        (pool, how), adapter = gateway.upstreams.route(body.model, stream=bool(body.stream) and not batch,
+                                                       prompt_chars=len(body.prompt_text(payload))), None
+        payload["model"] = pool.model  # a tier asked for by name (MODEL:TIER) is the engine's model
+    gateway.metrics.tier_requests.labels(pool.model, pool.tier or "-", how).inc()
     policy, marks = gateway.compliance.policy(who.roles), Marks()
-    request.state.transcript = Transcript(model=payload["model"], marks=marks)  # a refusal's record
+    transcript = request.state.transcript = Transcript(model=payload["model"], marks=marks, tier=pool.tier,
+                                                       batch=batch)
     prompt_estimate, worst_completion = body.admission(gateway.limiter.limits_for(who.roles), pool.max_model_len,
                                                        payload, body.prompt_text(payload))
     if body.stream:
@@ -258,6 +277,7 @@ async def relay(request: Request, who: Principal, path: str, body: ChatRequest |
         payload["stream_options"] = {**(payload.get("stream_options") or {}), "include_usage": True}
     admission = gateway.limiter.admit(who.subject, who.roles, prompt_tokens=prompt_estimate,
                                       completion_tokens=worst_completion)
+    headers = {"X-Appliance-Tier": pool.tier} if pool.tier else {}
     try:
         # Compliance filtering, once admitted (a hostile 1 MiB prompt takes a second or more to
         # scan, in a thread): every string the client sent but the model's name (stop strings and
@@ -265,9 +285,23 @@ async def relay(request: Request, who: Principal, path: str, body: ChatRequest |
         fields = tuple(name for name in payload if name != "model")
         await anyio.to_thread.run_sync(gateway.compliance.screen_prompt, payload, fields, policy, marks)
         screen = gateway.compliance.answer_filter(policy, marks)
-        transcript = request.state.transcript
         transcript.prompt = body.prompt_text(payload)  # max_tokens and stream_options, set above, shape no prompt
-        return await _forward(request, gateway, pool, adapter, path, payload, transcript, admission, screen)
+        keep = None
+        lookup, store = wants(request.headers.get("cache-control"))
+        if gateway.cache.settings.enabled and deterministic(payload) and store:
+            key = gateway.cache.key(subject=who.subject, roles=who.roles, path=path, pool=pool.name, payload=payload)
+            if lookup and (hit := gateway.cache.get(key)) is not None:
+                gateway.cache.count("hit")
+                admission.settle(0, 0)  # the engine did nothing: no tokens are charged
+                return _replay(hit, transcript, {**headers, "X-Appliance-Cache": "hit"})
+            gateway.cache.count("miss" if lookup else "bypass")
+            headers["X-Appliance-Cache"] = "miss" if lookup else "bypass"
+            keep = _keeper(gateway.cache, key, body.model, transcript)
+        if batch is not None:
+            await gateway.upstreams.quiet(pool, gateway.settings.batch.yield_to_interactive,
+                                          gateway.settings.batch.max_yield_s)
+        return await _forward(request, gateway, pool, adapter, path, payload, transcript, admission, screen,
+                              headers, keep)
     except GatewayError:
         admission.settle(0, 0)  # refused before the engine saw it
         raise
@@ -276,21 +310,65 @@ async def relay(request: Request, who: Principal, path: str, body: ChatRequest |
         raise
 
 
+KeepWhenRecorded = Callable[[list[bytes], bool, str], None]
+
+
+def _keeper(cache: ResponseCache, key: str, model: str, transcript: Transcript) -> KeepWhenRecorded:
+    """What has an answer (the chunks the client gets) kept in the cache once its request's record
+    is written: a stream's only if it reached its end, with no error and not too large to keep."""
+    def keep_when_recorded(chunks: list[bytes], stream: bool, media_type: str) -> None:
+        def recorded(seq: int) -> None:
+            if transcript.answer.failed or (stream and not transcript.ended) or \
+                    (isinstance(chunks, Capture) and chunks.overflowed):
+                return
+            marks = tuple(sorted((where, done) for where, done in transcript.marks.done.items()
+                                 if where.startswith("answer.")))
+            cache.put(key, CachedAnswer(tuple(chunks), stream, media_type, seq, model, marks, cache.expires()))
+        transcript.on_recorded = recorded
+    return keep_when_recorded
+
+
+def _replay(hit: CachedAnswer, transcript: Transcript, headers: dict[str, str]) -> Response:
+    """A cached answer, as its first client got it; its record names the original's."""
+    transcript.cache_hit_of = hit.seq
+    transcript.marks.done.update(hit.answer_marks)
+    if not hit.stream:
+        answer = decode_json(hit.chunks[0])
+        transcript.answer.add_choices(answer.get("choices") if isinstance(answer, dict) else None)
+        return Response(hit.chunks[0], media_type=hit.media_type, headers=headers)
+    for line in b"".join(hit.chunks).splitlines():
+        event = decode_json(line[len(b"data:"):]) if line.startswith(b"data:") and line != b"data: [DONE]" else None
+        if isinstance(event, dict):
+            transcript.answer.add_choices(event.get("choices"))
+    transcript.end()
+
+    async def replayed() -> AsyncIterator[bytes]:  # on the event loop: no thread hop per chunk
+        for chunk in hit.chunks:
+            yield chunk
+
+    return StreamingResponse(replayed(), media_type=hit.media_type, headers={**headers, "Cache-Control": "no-cache"})
+
+
 async def _forward(request: Request, gateway: Gateway, pool: Pool, adapter: AdapterRecord | None, path: str,
                    payload: dict[str, Any], transcript: Transcript, admission: Admission,
-                   screen: AnswerFilter | None) -> Response:
+                   screen: AnswerFilter | None, headers: dict[str, str],
+                   keep: KeepWhenRecorded | None) -> Response:
     request_id = request.state.request_id
     started = time.monotonic()
     transcript.relayed = True
+    prefix, interactive = transcript.prompt or "", transcript.batch is None
     try:
-        response = await gateway.upstreams.send(pool, path, json.dumps(payload).encode(), request_id)
-        if adapter is not None and response.status == 404:  # the engine restarted and forgot it
-            response.release()
+        sent = await gateway.upstreams.send(pool, path, json.dumps(payload).encode(), request_id, prefix, interactive)
+        if adapter is not None and sent.response.status == 404:  # the engine restarted and forgot it
+            sent.response.release()
+            sent.done()
             await gateway.adapters.load(pool, adapter)
-            response = await gateway.upstreams.send(pool, path, json.dumps(payload).encode(), request_id)
+            sent = await gateway.upstreams.send(pool, path, json.dumps(payload).encode(), request_id, prefix,
+                                                interactive)
     except GatewayError as exc:
         gateway.metrics.upstream_errors.labels(pool.name, exc.code or "error").inc()
         raise
+    response, transcript.replica = sent.response, sent.replica.name
 
     def account(prompt: int | None, completion: int) -> None:
         prompt_tokens = admission.prompt_estimate if prompt is None else prompt
@@ -305,6 +383,8 @@ async def _forward(request: Request, gateway: Gateway, pool: Pool, adapter: Adap
         except GatewayError:
             gateway.metrics.upstream_errors.labels(pool.name, "read").inc()
             raise
+        finally:
+            sent.done()
         if response.status >= 500:
             gateway.metrics.upstream_errors.labels(pool.name, str(response.status)).inc()
         try:
@@ -324,33 +404,44 @@ async def _forward(request: Request, gateway: Gateway, pool: Pool, adapter: Adap
             transcript.answer.add_choices(answer.get("choices"))
         elif content:
             transcript.answer.add_unparsed(content)
-        return Response(content, status_code=response.status,
-                        media_type=response.headers.get("content-type", "application/json"))
+        media_type = response.headers.get("content-type", "application/json")
+        if keep is not None and response.status == 200 and isinstance(answer, dict):
+            keep([content], False, media_type)
+        return Response(content, status_code=response.status, media_type=media_type, headers=headers)
 
     def first_token() -> None:
         gateway.metrics.ttft.labels(pool.model).observe(time.monotonic() - started)
 
+    sent_chunks = None
+    if keep is not None:
+        sent_chunks = Capture(gateway.cache.settings.max_entry_bytes)
+        keep(sent_chunks, True, "text/event-stream")
     return SettlingStream(admission, relay_stream(response, transcript.answer, first_token, account, transcript.end,
-                                                  screen),
-                          media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+                                                  screen, sent_chunks),
+                          release=sent.done, media_type="text/event-stream",
+                          headers={**headers, "Cache-Control": "no-cache"})
 
 
 class SettlingStream(StreamingResponse):
     """A relayed stream that settles its admission however it ends, even when the client left
     before the first byte (the stream's generator then never runs)."""
 
-    def __init__(self, admission: Admission, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, admission: Admission, *args: Any, release: Callable[[], None], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.admission = admission
+        self.release = release  # the replica's request in flight ends
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            # Close the relay now (a generator left at its `yield` is not), so that its own ending
-            # (usage, compliance marks, the engine let go) comes before the request's record.
-            await cast(AsyncGenerator[bytes, None], self.body_iterator).aclose()
-            self.admission.settle(None, 0)
+            try:
+                # Close the relay now (a generator left at its `yield` is not), so that its own ending
+                # (usage, compliance marks, the engine let go) comes before the request's record.
+                await cast(AsyncGenerator[bytes, None], self.body_iterator).aclose()
+            finally:
+                self.release()
+                self.admission.settle(None, 0)
 
 
 async def _keys_until_fetched(validator: TokenValidator) -> None:

@@ -22,6 +22,23 @@ class Metrics:
                               ["direction", "model"], registry=self.registry)
         self.upstream_errors = Counter("gateway_upstream_errors_total", "Engine errors by kind.",
                                        ["pool", "reason"], registry=self.registry)
+        self.replica_in_flight = Gauge("gateway_replica_in_flight", "Requests in flight on each engine replica.",
+                                       ["pool", "replica"], registry=self.registry)
+        self.replica_ready = Gauge("gateway_replica_ready", "Whether each engine replica is taking requests (1) "
+                                   "or set aside until its health check passes (0).", ["pool", "replica"],
+                                   registry=self.registry)
+        self.route_choices = Counter("gateway_route_choices_total", "Requests sent to each replica, by why it was "
+                                     "chosen (affinity, least_loaded, round_robin, failover).",
+                                     ["pool", "replica", "reason"], registry=self.registry)
+        self.tier_requests = Counter("gateway_tier_requests_total", "Requests routed to each tier of a model, by "
+                                     "how the tier was chosen (named, policy, adapter).", ["model", "tier", "how"],
+                                     registry=self.registry)
+        self.cache = Counter("gateway_cache_requests_total", "Cacheable requests by outcome (hit, miss, bypass).",
+                             ["outcome"], registry=self.registry)
+        self.cache_entries = Gauge("gateway_cache_entries", "Answers held by the response cache.",
+                                   registry=self.registry)
+        self.cache_bytes = Gauge("gateway_cache_bytes", "Bytes of answers held by the response cache.",
+                                 registry=self.registry)
         self.auth_failures = Counter("gateway_auth_failures_total", "Rejected tokens by reason.",
                                      ["reason"], registry=self.registry)
         self.jwks_fetches = Counter("gateway_jwks_fetches_total", "Fetches of the realm's signing keys.",

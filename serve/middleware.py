@@ -48,17 +48,19 @@ class MeterMiddleware:
 class BodyLimitMiddleware:
     """Pure ASGI: refuse bodies over `limit` bytes with 413, by header or while reading."""
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
+    def __init__(self, app: ASGIApp, limit: int, paths: dict[str, int] | None = None) -> None:
         self.app = app
         self.limit = limit
+        self.paths = paths or {}  # paths with limits of their own (file uploads)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.paths.get(scope["path"], self.limit)
         declared = dict(scope.get("headers", [])).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await self._refuse(send)
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await self._refuse(send, limit)
             return
         seen = 0
 
@@ -67,17 +69,17 @@ class BodyLimitMiddleware:
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise RequestTooLarge(self.limit)
+                if seen > limit:
+                    raise RequestTooLarge(limit)
             return message
 
         try:
             await self.app(scope, limited_receive, send)
         except RequestTooLarge:  # raised where nothing in the app turned it into a response
-            await self._refuse(send)
+            await self._refuse(send, limit)
 
-    async def _refuse(self, send: Send) -> None:
-        await RequestTooLarge(self.limit).error.response()({"type": "http"}, _empty_receive, send)
+    async def _refuse(self, send: Send, limit: int) -> None:
+        await RequestTooLarge(limit).error.response()({"type": "http"}, _empty_receive, send)
 
 
 class RequestTooLarge(HTTPException):

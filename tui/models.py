@@ -1,5 +1,6 @@
-"""Models and plan: the engine pools, each pool's plan (layout, per-GPU memory, the rejected
-layouts and why) and the staging state of its weights."""
+"""Models and plan: the engine pools (a row per replica: its tier, health, requests in flight), the
+response cache (size, hit rate; `f` flushes it), the batches (`c` cancels one), each pool's plan
+(layout, per-GPU memory, the rejected layouts and why) and the staging state of its weights."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 from typing import Any
 
 from textual.app import ComposeResult
+from textual.binding import Binding
 from textual.containers import VerticalScroll
 from textual.widgets import DataTable, Static
 
@@ -57,35 +59,71 @@ def plan_text(view: dict[str, Any]) -> str:
 
 class Models(Panel):
     DEFAULT_CSS = Panel.DEFAULT_CSS + """
-    #pools { height: auto; max-height: 6; }
+    #pools { height: auto; max-height: 10; }
+    #cache { height: 1; padding: 0 1; }
+    #batches { height: auto; max-height: 8; }
     #plan { height: 1fr; padding: 0 1; }
     """
+
+    BINDINGS = [Binding("f", "flush_cache", "Flush cache"), Binding("c", "cancel_batch", "Cancel batch")]
 
     def __init__(self) -> None:
         super().__init__()
         self.plans: dict[str, dict[str, Any]] = {}
+        self.pool_of: dict[str, str] = {}  # replica -> its pool
 
     def body(self) -> ComposeResult:
         yield DataTable(id="pools", cursor_type="row")
+        yield Static("", id="cache", markup=False)
+        yield DataTable(id="batches", cursor_type="row")
         with VerticalScroll(id="plan"):
             yield Static("", id="plan-text", markup=False)
 
     def on_mount(self) -> None:
         super().on_mount()
-        self.query_one("#pools", DataTable).add_columns("pool", "model", "gpus", "engine", "url")
+        self.query_one("#pools", DataTable).add_columns("replica", "model", "gpus", "engine", "tier", "in flight",
+                                                        "url")
+        self.query_one("#batches", DataTable).add_columns("batch", "state", "done", "failed", "total", "endpoint")
 
     async def load(self) -> None:
-        pools, plans = await asyncio.gather(self.client.call("GET", "/pools"), self.client.call("GET", "/plans"))
+        pools, plans, cache, batches = await asyncio.gather(
+            self.client.call("GET", "/pools"), self.client.call("GET", "/plans"), self.client.call("GET", "/cache"),
+            self.client.call("GET", "/batches"))
         self.plans = {view["pool"]: view for view in plans}
+        self.pool_of = {r["name"]: p["name"] for p in pools for r in p["replicas"]}
         fill(self.query_one("#pools", DataTable),
-             [(p["name"], (p["name"], p["model"], ",".join(map(str, p["gpus"])) or "-",
-                           "healthy" if p["healthy"] else "DOWN", p["url"])) for p in pools])
+             [(r["name"], (r["name"], p["model"], ",".join(map(str, r["gpus"])) or "-", _engine_state(r),
+                           p["tier"] or "-", r["in_flight"], r["url"])) for p in pools for r in p["replicas"]])
+        rate = "-" if cache["hit_rate"] is None else f"{cache['hit_rate']:.0%}"
+        self.query_one("#cache", Static).update(
+            f"Response cache ({'on' if cache['enabled'] else 'off'}, per {cache['scope']}): {cache['entries']} "
+            f"entries, {cache['bytes'] / 2**20:.1f} MiB; hits {cache['hits']}, misses {cache['misses']}, "
+            f"bypasses {cache['bypasses']}, hit rate {rate}")
+        fill(self.query_one("#batches", DataTable),
+             [(b["id"], (b["id"], b["status"], b["request_counts"]["completed"], b["request_counts"]["failed"],
+                         b["request_counts"]["total"], b["endpoint"])) for b in batches.get("data", [])])
         self._show_plan()
+
+    def action_cancel_batch(self) -> None:
+        batch = selected_key(self.query_one("#batches", DataTable))
+        if batch is not None:
+            self.act(lambda: self.client.call("POST", f"/batches/{batch}/cancel"), f"batch {batch}: cancel asked",
+                     question=f"Cancel batch {batch}? Requests running finish; no other starts.")
+
+    def action_flush_cache(self) -> None:
+        self.act(lambda: self.client.call("POST", "/cache/flush"), "response cache flushed",
+                 question="Drop every cached answer?")
 
     def on_data_table_row_highlighted(self) -> None:
         self._show_plan()
 
     def _show_plan(self) -> None:
-        name = selected_key(self.query_one("#pools", DataTable))
-        view = self.plans.get(name or "")
+        replica = selected_key(self.query_one("#pools", DataTable))
+        view = self.plans.get(self.pool_of.get(replica or "", ""))
         self.query_one("#plan-text", Static).update(plan_text(view) if view else "")
+
+
+def _engine_state(replica: dict[str, Any]) -> str:
+    if not replica["healthy"]:
+        return "DOWN"
+    return "healthy" if replica["taking_requests"] else "returning"

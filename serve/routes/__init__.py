@@ -8,9 +8,10 @@ from fastapi import APIRouter
 
 from appliance.home import Home
 from appliance.settings import Settings
-from serve.routes import adapters, audit, operations, services, users
+from serve.routes import adapters, audit, batches, operations, services, serving, users
 
 
 def admin_routers(settings: Settings, home: Home) -> list[APIRouter]:
     return [services.router(settings, home), users.router(settings, home), adapters.router(),
-            audit.router(home), operations.router(settings, home)]
+            audit.router(home), operations.router(settings, home), serving.router(home),
+            batches.router(settings, home)]

@@ -1,5 +1,5 @@
-"""/admin/services, /admin/settings and /admin/pools (role `admin`): the supervised programs and
-their control, the settings in effect (secrets masked), the engine pools.
+"""/admin/services and /admin/settings (role `admin`): the supervised programs and their control,
+the settings in effect (secrets masked).
 
 Handlers are plain functions where they block (supervisord's XML-RPC): FastAPI runs them in its
 thread pool.
@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends
 from pydantic import BaseModel, Field
 
 from appliance.errors import SupervisorError
 from appliance.home import Home
-from appliance.lifecycle import started_programs
 from appliance.settings import Settings
 from appliance.supervisor import ProcessInfo, Supervisor
 from serve.audit_trail import MONITORING
@@ -29,14 +28,6 @@ class Service(BaseModel):
     uptime_s: int
     restarts: int = Field(0, description="Starts after the first, as supervisord's log records them.")
     log: str
-
-
-class Pool(BaseModel):
-    name: str
-    model: str
-    url: str
-    healthy: bool
-    gpus: list[int] = Field(description="GPU indexes its engine holds (none on the CPU engine).")
 
 
 def _service(info: ProcessInfo, restarts: dict[str, int]) -> Service:
@@ -80,13 +71,5 @@ def router(settings: Settings, home: Home) -> APIRouter:
     def effective_settings() -> dict[str, Any]:
         """The settings in effect, secrets masked."""
         return settings.masked()
-
-    @routes.get("/pools", response_model=list[Pool], name="pools.list", openapi_extra=MONITORING)
-    async def pools(request: Request) -> list[Pool]:
-        """Engine pools, the model each serves, and whether it answers."""
-        upstreams = request.app.state.gateway.upstreams
-        gpus = {program.pool: program.gpus for program in started_programs(home) if program.pool}
-        return [Pool(name=p.name, model=p.model, url=f"unix:{p.socket}", healthy=await upstreams.healthy(p),
-                     gpus=gpus.get(p.name, [])) for p in upstreams.pools]
 
     return routes

@@ -80,6 +80,8 @@ def test_trained_adapter_is_deployed_live_changes_answers_and_rolls_back(running
     tuned = ask(realm, user, "codeword")
     assert tuned.status_code == 200, tuned.text
     assert "PINEAPPLE" in tuned.json()["choices"][0]["message"]["content"]
+    repeated = ask(realm, user, "codeword")  # issue 21: a deterministic repeat is answered from the cache...
+    assert repeated.headers["x-appliance-cache"] == "hit" and repeated.content == tuned.content
     shown = cli.run("adapters", "list", timeout=60)
     assert "codeword: v1 on pool main, for roles user, admin" in shown.stdout
 
@@ -88,6 +90,11 @@ def test_trained_adapter_is_deployed_live_changes_answers_and_rolls_back(running
     again = ask(realm, user, "codeword")
     assert again.status_code == 200
     assert again.json()["choices"][0]["message"]["content"] == base.json()["choices"][0]["message"]["content"]
+    # ...until its serving changes: the rollback dropped v1's answers, so serving v1 again asks the engine.
+    assert cli.run("adapters", "deploy", "codeword", "--version", "1", timeout=300).returncode == 0
+    redeployed = ask(realm, user, "codeword")
+    assert redeployed.headers["x-appliance-cache"] == "miss" and redeployed.content != tuned.content  # a new id
+    assert cli.run("adapters", "rollback", "codeword", timeout=300).returncode == 0
     refused = cli.run("adapters", "rollback", "codeword", timeout=60)
     assert refused.returncode == 1 and "409" in refused.stderr and "already serves the base model" in refused.stderr
 
@@ -99,6 +106,7 @@ def test_trained_adapter_is_deployed_live_changes_answers_and_rolls_back(running
     actions = [(r["action"], r["outcome"], r["resource"]) for r in changes
                if r["action"].startswith("adapters.") and r["action"] != "adapters.list"]  # the changes, not reads
     assert actions == [("adapters.deploy", "allowed", "codeword"), ("adapters.deploy", "allowed", "codeword"),
+                       ("adapters.rollback", "allowed", "codeword"), ("adapters.deploy", "allowed", "codeword"),
                        ("adapters.rollback", "allowed", "codeword"), ("adapters.rollback", "error", "codeword"),
                        ("adapters.retire", "allowed", "codeword")]
     tuned_record = next(r for r in changes if r.get("request_id") == tuned.headers["x-request-id"])

@@ -272,7 +272,7 @@ def test_status_json_names_gateway_and_issuer(running: Running, realm: Realm) ->
     assert gateway["urls"]["openai"] == f"{realm.gateway}/v1"
     assert gateway["urls"]["issuer"] == realm.issuer
     assert {p["name"] for p in report["programs"]} == {"keycloak", "vllm-main", "gateway", "finetune-worker",
-                                                       "rl-worker"}
+                                                       "rl-worker", "batch-worker"}
 
 
 def test_tokens_and_secrets_never_reach_the_logs(realm: Realm, alice: str, running: Running) -> None:

@@ -21,7 +21,7 @@ from appliance.jobs import Hyperparameters
 from appliance.roles import Role
 from serve.adapters import AdapterRoutes
 from serve.errors import GatewayError, from_core
-from serve.upstream import Pool
+from serve.upstream import Pool, Replica
 from tests.records import metrics
 
 USERS = frozenset({"user"})
@@ -31,7 +31,8 @@ class Engine:
     """Upstreams' pool lookup and engine_post, recording what vLLM would be asked."""
 
     def __init__(self) -> None:
-        self.pools = [Pool(name="main", model="base-model", socket=Path("/nonexistent/main.sock"))]
+        replicas = (Replica("main", Path("/nonexistent/main.sock")), Replica("main_1", Path("/nonexistent/m1.sock")))
+        self.pools = [Pool(name="main", model="base-model", replicas=replicas)]
         self.loaded: set[str] = set()
         self.lora = True
 
@@ -41,15 +42,19 @@ class Engine:
                 return pool
         raise GatewayError(404, f"no engine pool named {name!r}")
 
-    async def engine_post(self, pool: Pool, path: str, body: dict) -> tuple[int, str]:
+    async def engine_post(self, pool: Pool, path: str, body: dict) -> list[tuple[Replica, int, str]]:
+        """Each replica's answer; the second as one that already holds what it is asked to load."""
         if not self.lora:
-            return 404, "Not Found"
+            return [(replica, 404, "Not Found") for replica in pool.replicas]
         if path == "/v1/load_lora_adapter":
             assert (Path(body["lora_path"]) / "adapter_config.json").is_file()
             self.loaded.add(body["lora_name"])
         else:
             self.loaded.discard(body["lora_name"])
-        return 200, "ok"
+        first, second = pool.replicas
+        if path == "/v1/load_lora_adapter":
+            return [(first, 200, "ok"), (second, 400, "The lora adapter has already been loaded")]
+        return [(first, 200, "ok"), (second, 200, "ok")]
 
 
 @pytest.fixture
@@ -99,6 +104,20 @@ def test_deploy_serves_the_newest_passing_version_and_loads_it(routes: AdapterRo
                                       "parent": "base-model"}]
     assert routes.registry().find("codes", 2).state == "deployed"
     assert (routes.home.root / "adapters" / "codes" / "v2" / "adapter_model.safetensors").read_bytes() == b"weights"
+
+
+def test_each_change_tells_the_response_cache_which_name_changed(routes: AdapterRoutes) -> None:
+    """Issue 21: deploy, canary, rollback and retire drop the cached answers given under the name."""
+    changed: list[str] = []
+    routes.on_change = changed.append
+    run(routes.deploy("codes", 1, None, None))
+    run(routes.canary("codes", 2, 0.5))
+    run(routes.rollback("codes"))
+    run(routes.retire("codes", 2))
+    assert changed == ["codes"] * 4
+    with pytest.raises(ApplianceError):
+        run(routes.canary("codes", 3, 0.5))  # refused: nothing changed, nothing dropped
+    assert changed == ["codes"] * 4
 
 
 def test_roles_limit_who_may_call_an_adapter(routes: AdapterRoutes) -> None:

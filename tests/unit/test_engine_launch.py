@@ -174,19 +174,54 @@ def test_the_printed_launch_is_what_the_launcher_runs(tmp_path: Path, monkeypatc
 def test_pools_on_gpus_get_disjoint_sets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("serve.engine.local_host", lambda: gpu_host(8))
     home = Home(tmp_path).ensure()
-    pools = [PoolSettings(name="full", tensor_parallel_size=4), PoolSettings(name="fast", gpus=[4]),
-             PoolSettings(name="small", tensor_parallel_size=2)]
+    pools = [PoolSettings(name="full", tier="full", tensor_parallel_size=4),
+             PoolSettings(name="fast", tier="fast", gpus=[4]),
+             PoolSettings(name="small", tier="small", tensor_parallel_size=2)]
     programs = engine_programs(Settings(engine=EngineSettings(device="cuda"), pools=pools), home)
     sets = {p.pool: p.gpus for p in programs}
     assert sets == {"full": [0, 1, 2, 3], "fast": [4], "small": [5, 6]}
     for program in programs:
         assert program.environment["CUDA_VISIBLE_DEVICES"] == ",".join(map(str, program.gpus))
-    clash = [PoolSettings(name="full", gpus=[0, 1], tensor_parallel_size=2), PoolSettings(name="fast", gpus=[1])]
+    clash = [PoolSettings(name="full", tier="full", gpus=[0, 1], tensor_parallel_size=2),
+             PoolSettings(name="fast", tier="fast", gpus=[1])]
     with pytest.raises(SettingsError, match="pools full and fast both hold GPU 1 on gpu-1"):
         engine_programs(Settings(engine=EngineSettings(device="cuda"), pools=clash), home)
     with pytest.raises(SettingsError, match="pools.fast.gpus: the CPU engine uses no GPUs"):
         engine_programs(Settings(engine=EngineSettings(device="cpu"), pools=[PoolSettings(name="fast", gpus=[0])]),
                         home)
+
+
+def test_replicas_are_engines_of_their_own_on_gpus_of_their_own(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 21: a pool's replicas run as programs vllm-<pool>, vllm-<pool>_1, ... each on its own
+    socket and GPU set (given GPUs split in order, else chosen); overlaps are refused at `up`."""
+    monkeypatch.setattr("serve.engine.local_host", lambda: gpu_host(8))
+    home = Home(tmp_path).ensure()
+    pools = [PoolSettings(name="full", tier="full", tensor_parallel_size=2, replicas=2, gpus=[4, 5, 6, 7]),
+             PoolSettings(name="fast", tier="fast", replicas=3)]
+    programs = engine_programs(Settings(engine=EngineSettings(device="cuda"), pools=pools), home)
+    placed = {p.name: (p.pool, p.gpus, p.environment["CUDA_VISIBLE_DEVICES"]) for p in programs}
+    assert placed == {"vllm-full": ("full", [4, 5], "4,5"), "vllm-full_1": ("full", [6, 7], "6,7"),
+                      "vllm-fast": ("fast", [0], "0"), "vllm-fast_1": ("fast", [1], "1"),
+                      "vllm-fast_2": ("fast", [2], "2")}
+    sockets = {p.name: flag(p.command, "--uds") for p in programs}
+    assert len(set(sockets.values())) == 5 and sockets["vllm-full_1"].endswith("/full_1.sock")
+    cuda = EngineSettings(device="cuda")
+    overlapping = [PoolSettings(name="full", tier="full", replicas=2, gpus=[0, 1]),
+                   PoolSettings(name="fast", tier="fast", gpus=[1])]
+    with pytest.raises(SettingsError, match="pools full_1 and fast both hold GPU 1 on gpu-1"):
+        engine_programs(Settings(engine=cuda, pools=overlapping), home)
+    short = [PoolSettings(name="full", replicas=2, tensor_parallel_size=2, gpus=[0, 1])]
+    with pytest.raises(SettingsError, match="pools.full.gpus: 2 GPUs given; pool full runs 2 replica"):
+        engine_programs(Settings(engine=cuda, pools=short), home)
+    untiered = [PoolSettings(name="full", tier="full"), PoolSettings(name="other")]
+    with pytest.raises(SettingsError, match="pools.other.tier: pools full and other both serve"):
+        engine_programs(Settings(engine=cuda, pools=untiered), home)
+    same = [PoolSettings(name="a", tier="fast"), PoolSettings(name="b", tier="fast")]
+    with pytest.raises(SettingsError, match="pools a and b both serve .* as tier 'fast'"):
+        engine_programs(Settings(engine=cuda, pools=same), home)
+    two_models = [PoolSettings(name="a"), PoolSettings(name="b", served_model_name="other")]
+    assert len(engine_programs(Settings(engine=cuda, pools=two_models), home)) == 2
 
 
 def test_a_pool_spanning_hosts_runs_its_head_rank_for_the_controller(tmp_path: Path,

@@ -23,6 +23,7 @@ from installer.model_config import load_model_config
 from installer.planner import plan
 from installer.staging import stage_subset
 from serve.metrics import Metrics
+from serve.response_cache import CacheStats
 from serve.routes.operations import staging_of
 from tests.records import metrics
 from tui.metrics import parse, quantile, rates
@@ -170,6 +171,11 @@ def test_screens_answer_keys_while_an_admin_call_is_still_pending(tmp_path: Path
         async def call(self, method: str, path: str, **kwargs: object) -> object:
             asked.append(path)
             await release.wait()
+            if path == "/batches":
+                return {"object": "list", "data": []}
+            if path == "/cache":
+                return CacheStats(enabled=True, scope="user", entries=0, bytes=0, max_entries=1, max_bytes=1,
+                                  ttl_s=1, hits=0, misses=0, bypasses=0, hit_rate=None).model_dump()
             return usage.host_usage().model_dump() if path == "/system" else []
 
         async def metrics_text(self) -> str:

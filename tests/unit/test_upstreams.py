@@ -13,12 +13,13 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from appliance.settings import RoutingSettings
 from serve.errors import GatewayError
-from serve.upstream import Pool, Upstreams, engine_session
+from serve.upstream import Pool, Replica, Upstreams, engine_session
 
 
 def pool_at(path: Path) -> Pool:
-    return Pool(name="main", model="m", socket=path)
+    return Pool(name="main", model="m", replicas=(Replica("main", path),))
 
 
 async def engine(path: Path) -> web.AppRunner:
@@ -33,7 +34,8 @@ async def engine(path: Path) -> web.AppRunner:
 
 
 def sessions(pool: Pool) -> dict[str, aiohttp.ClientSession]:
-    return {pool.name: engine_session(pool, aiohttp.ClientTimeout(total=None, sock_connect=1))}
+    return {replica.name: engine_session(replica, aiohttp.ClientTimeout(total=None, sock_connect=1))
+            for replica in pool.replicas}
 
 
 def test_a_listening_engine_that_does_not_answer_gets_no_requests(tmp_path: Path) -> None:
@@ -70,9 +72,10 @@ def test_a_pool_that_refuses_is_set_aside_until_its_health_passes(tmp_path: Path
         async with http:
             upstreams = Upstreams([pool], clients, "key")
             main = upstreams.pools[0]
-            response = await upstreams.send(main, "/v1/chat/completions", b"{}", "r1")  # checked first
-            assert response.status == 200
-            response.release()
+            sent = await upstreams.send(main, "/v1/chat/completions", b"{}", "r1")  # checked first
+            assert sent.response.status == 200
+            sent.response.release()
+            sent.done()
             await runner.cleanup()  # the engine dies
             with pytest.raises(GatewayError, match="not reachable") as refused:
                 await upstreams.send(main, "/v1/chat/completions", b"{}", "r2")
@@ -82,9 +85,59 @@ def test_a_pool_that_refuses_is_set_aside_until_its_health_passes(tmp_path: Path
             assert await upstreams.models() == [], "a pool set aside is not asked for its models"
             path.unlink(missing_ok=True)  # as the orphans wrapper removes a dead engine's socket
             restarted = await engine(path)  # back: the next request's health check passes
-            response = await upstreams.send(main, "/v1/chat/completions", b"{}", "r4")
-            assert response.status == 200
-            response.release()
+            sent = await upstreams.send(main, "/v1/chat/completions", b"{}", "r4")
+            assert sent.response.status == 200
+            sent.response.release()
+            sent.done()
             await restarted.cleanup()
+
+    asyncio.run(scenario())
+
+
+def test_a_replica_that_dies_is_routed_around_and_returns_by_itself(tmp_path: Path) -> None:
+    """Issue 21: with two replicas, a request finding one dead goes to the other at once (failover),
+    the dead one is set aside, and once its health passes again it takes requests again."""
+    replicas = (Replica("main", tmp_path / "a.sock"), Replica("main_1", tmp_path / "b.sock"))
+    pool = Pool(name="main", model="m", replicas=replicas)
+
+    async def scenario() -> None:
+        runners = {r.name: await engine(r.socket) for r in replicas}
+        clients = sessions(pool)
+        upstreams = Upstreams([pool], clients, "key", RoutingSettings(balance="round_robin"))
+        try:
+            await upstreams.check()
+            used = []
+            for index in range(4):
+                sent = await upstreams.send(pool, "/v1/chat/completions", b"{}", f"r{index}")
+                used.append(sent.replica.name)
+                sent.response.release()
+                sent.done()
+            assert sorted(used) == ["main", "main", "main_1", "main_1"]
+            await runners["main"].cleanup()  # replica 0 dies
+            for index in range(4):
+                sent = await upstreams.send(pool, "/v1/chat/completions", b"{}", f"d{index}")
+                assert sent.replica.name == "main_1" and sent.response.status == 200
+                sent.response.release()
+                sent.done()
+            assert not upstreams.is_ready(replicas[0])
+            choices = upstreams.metrics.route_choices
+            assert choices.labels("main", "main_1", "failover")._value.get() == 1
+            replicas[0].socket.unlink(missing_ok=True)
+            runners["main"] = await engine(replicas[0].socket)
+            await upstreams.check()  # as the watch loop does every second
+            assert upstreams.is_ready(replicas[0])
+            back = []
+            for index in range(2):
+                sent = await upstreams.send(pool, "/v1/chat/completions", b"{}", f"b{index}")
+                back.append(sent.replica.name)
+                sent.response.release()
+                sent.done()
+            assert "main" in back
+            assert upstreams.balancers["main"].in_flight == {"main": 0, "main_1": 0}
+        finally:
+            for client in clients.values():
+                await client.close()
+            for runner in runners.values():
+                await runner.cleanup()
 
     asyncio.run(scenario())

@@ -1,0 +1,631 @@
+"""The batch queue behind OpenAI's Batch API (issue 21): files in the artifact store, batches and
+their requests in one SQLite database in the state dir, shared by the gateway (which takes files,
+creates, lists and cancels batches) and the supervised `batch-worker` (which executes them through
+the gateway, so each request is routed, filtered, limited and audited as any other).
+
+A batch's life, as OpenAI's (every move checked against MOVES inside the transaction making it):
+
+    (validated at creation) --> in_progress --> finalizing --> completed | expired
+           |                        |                ^
+           v                     cancel              |
+         failed                     v                |
+                               cancelling -----------+--> cancelled
+
+Its requests are rows: pending, claimed by a worker (its pid), or done with the engine's answer. A
+worker that dies leaves its claims to the next one, so a request may run twice (at least once);
+the output file holds one line per request all the same, in the input file's order.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import secrets
+import sqlite3
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Field
+
+from appliance.artifacts import ArtifactStore
+from appliance.errors import Conflict, IllegalTransition, Invalid, NotFound, QuotaExceeded, StateError
+from appliance.home import Home
+from appliance.settings import BatchSettings
+
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+COMPLETION_WINDOWS = {"24h": 24 * 3600}
+PURPOSE = "batch"
+MAX_ERRORS = 100  # of an input file's faults, the first this many are named
+CUSTOM_ID_MAX = 512
+
+
+class BatchState(StrEnum):
+    IN_PROGRESS = "in_progress"
+    FAILED = "failed"
+    FINALIZING = "finalizing"
+    COMPLETED = "completed"
+    EXPIRED = "expired"
+    CANCELLING = "cancelling"
+    CANCELLED = "cancelled"
+
+
+ENDED = (BatchState.FAILED, BatchState.COMPLETED, BatchState.EXPIRED, BatchState.CANCELLED)
+MOVES: dict[BatchState, frozenset[BatchState]] = {
+    BatchState.IN_PROGRESS: frozenset({BatchState.FINALIZING, BatchState.CANCELLING}),
+    BatchState.CANCELLING: frozenset({BatchState.FINALIZING}),
+    BatchState.FINALIZING: frozenset({BatchState.COMPLETED, BatchState.EXPIRED, BatchState.CANCELLED}),
+    **{state: frozenset() for state in ENDED},
+}
+# Which timestamp a move sets (OpenAI's field names).
+STAMPS = {BatchState.FINALIZING: "finalizing_at", BatchState.COMPLETED: "completed_at",
+          BatchState.EXPIRED: "expired_at", BatchState.CANCELLING: "cancelling_at",
+          BatchState.CANCELLED: "cancelled_at"}
+
+SCHEMA = """
+create table if not exists files (
+    id text primary key,
+    owner text not null,           -- the token subject that uploaded it (a batch's outputs: its owner's)
+    filename text not null,
+    purpose text not null,         -- batch (an input), batch_output
+    bytes integer not null,
+    created_at integer not null,
+    key text not null              -- in the artifact store
+);
+create table if not exists batches (
+    id text primary key,
+    owner text not null,           -- the token subject that created it
+    username text not null,
+    roles text not null,           -- JSON: its owner's roles when created; its requests run with them
+    endpoint text not null,
+    input_file_id text not null,
+    completion_window text not null,
+    status text not null,
+    errors text,                   -- JSON: OpenAI's errors object (a failed validation)
+    output_file_id text,
+    error_file_id text,
+    created_at integer not null,
+    in_progress_at integer, expires_at integer not null, finalizing_at integer, completed_at integer,
+    failed_at integer, expired_at integer, cancelling_at integer, cancelled_at integer,
+    total integer not null default 0,
+    completed integer not null default 0,
+    failed integer not null default 0,
+    metadata text,                 -- JSON: the client's, up to 16 string pairs
+    announced integer not null default 0  -- its end is in the audit log
+);
+create table if not exists batch_requests (
+    batch_id text not null,
+    line integer not null,         -- in the input file, from 1
+    custom_id text not null,
+    body text not null,            -- JSON: the request's body
+    state text not null,           -- pending, claimed, done
+    worker_pid integer,
+    status_code integer,
+    request_id text,               -- the gateway's, in the request's audit record
+    response text,                 -- JSON: the answer's body (both dropped once in the output file)
+    retry_at integer,              -- given back (a budget spent, an engine down): not claimed before
+    primary key (batch_id, line)
+);
+create index if not exists batch_requests_state on batch_requests (state, batch_id);
+"""
+
+
+class FileObject(BaseModel):
+    """OpenAI's file object."""
+
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+    status: Literal["processed"] = "processed"
+
+
+class ErrorEntry(BaseModel):
+    code: str
+    message: str
+    param: str | None = None
+    line: int | None = None
+
+
+class Errors(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ErrorEntry]
+
+
+class RequestCounts(BaseModel):
+    total: int
+    completed: int
+    failed: int
+
+
+class Batch(BaseModel):
+    """OpenAI's batch object."""
+
+    id: str
+    object: Literal["batch"] = "batch"
+    endpoint: str
+    errors: Errors | None = None
+    input_file_id: str
+    completion_window: str
+    status: BatchState
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    created_at: int
+    in_progress_at: int | None = None
+    expires_at: int
+    finalizing_at: int | None = None
+    completed_at: int | None = None
+    failed_at: int | None = None
+    expired_at: int | None = None
+    cancelling_at: int | None = None
+    cancelled_at: int | None = None
+    request_counts: RequestCounts
+    metadata: dict[str, str] | None = None
+
+
+class BatchAsk(BaseModel):
+    """The body of POST /v1/batches."""
+
+    model_config = {"extra": "forbid"}
+
+    input_file_id: str = Field(max_length=64)
+    endpoint: Literal["/v1/chat/completions", "/v1/completions"]
+    completion_window: Literal["24h"]
+    metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = Field(
+        None, max_length=16)
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Who a batch runs for: its creator as their token said when they created it."""
+
+    subject: str
+    username: str
+    roles: frozenset[str]
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """One request of a batch, claimed by a worker to execute."""
+
+    batch_id: str
+    line: int
+    custom_id: str
+    endpoint: str
+    body: dict[str, Any]
+
+    @property
+    def ref(self) -> str:
+        """What the worker names it by to the gateway (X-Appliance-Batch-Request)."""
+        return f"{self.batch_id}:{self.line}"
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{secrets.token_hex(12)}"
+
+
+_READY: set[Path] = set()  # databases whose schema this process has made sure of
+
+
+@contextmanager
+def connect(home: Home) -> Iterator[sqlite3.Connection]:
+    """The queue's database; StateError (naming it) when it cannot be used."""
+    path = home.root / "batches.sqlite"
+    try:
+        db = sqlite3.connect(path, timeout=30, isolation_level=None)
+    except sqlite3.Error as exc:
+        raise StateError(f"batch queue {path}: {exc}") from exc
+    try:
+        db.row_factory = sqlite3.Row
+        if path not in _READY:
+            db.execute("pragma journal_mode=wal")
+            db.executescript(SCHEMA)
+            path.chmod(0o600)  # prompts are in it
+            _READY.add(path)
+        yield db
+    except sqlite3.Error as exc:
+        raise StateError(f"batch queue {path}: {exc}") from exc
+    finally:
+        db.close()
+
+
+@contextmanager
+def transaction(home: Home) -> Iterator[sqlite3.Connection]:
+    with connect(home) as db:
+        db.execute("begin immediate")
+        try:
+            yield db
+        except BaseException:
+            db.execute("rollback")
+            raise
+        db.execute("commit")
+
+
+# -- files --------------------------------------------------------------------------------------
+
+
+def add_file(home: Home, store: ArtifactStore, *, owner: str, filename: str, purpose: str, data: bytes,
+             limits: BatchSettings) -> FileObject:
+    """Keep an uploaded file (its bytes in the artifact store first, then its row), within the
+    owner's storage quota (their files, outputs included: they delete what they no longer need)."""
+    if purpose != PURPOSE:
+        raise Invalid(f"purpose {purpose[:64]!r}: only 'batch' files are accepted")
+    if not data:
+        raise Invalid("the file is empty")
+    file = FileObject(id=new_id("file-"), bytes=len(data), created_at=_now(), filename=_safe_name(filename),
+                      purpose=purpose)
+    key = f"batches/files/{file.id}"
+    with transaction(home) as db:  # counted and reserved at once: concurrent uploads cannot pass the quota
+        stored = db.execute("select coalesce(sum(bytes), 0) from files where owner = ?", (owner,)).fetchone()[0]
+        if stored + len(data) > limits.max_stored_bytes_per_user:
+            raise QuotaExceeded(f"your files hold {stored} bytes; {len(data)} more would pass "
+                                f"batch.max_stored_bytes_per_user ({limits.max_stored_bytes_per_user}): delete some")
+        db.execute("insert into files values (?, ?, ?, ?, ?, ?, ?)",
+                   (file.id, owner, file.filename, file.purpose, file.bytes, file.created_at, key))
+    try:
+        store.put(key, data, retain_days=0)
+    except BaseException:
+        with transaction(home) as db:
+            db.execute("delete from files where id = ?", (file.id,))
+        raise
+    return file
+
+
+def delete_file(home: Home, store: ArtifactStore, file_id: str, owner: str) -> None:
+    """Forget one of the owner's files and remove its bytes (a batch already made from it keeps its
+    requests)."""
+    _, key = get_file(home, file_id, owner)
+    with transaction(home) as db:
+        db.execute("delete from files where id = ?", (file_id,))
+    store.delete(key)
+
+
+def _safe_name(filename: str) -> str:
+    """A client's file name, as a name only (no path, no control characters), at most 255 characters."""
+    name = filename.replace("\\", "/").rsplit("/", 1)[-1]
+    name = "".join(char for char in name if char.isprintable() and not 0xD800 <= ord(char) <= 0xDFFF)
+    return name[:255] or "upload.jsonl"
+
+
+def get_file(home: Home, file_id: str, owner: str | None) -> tuple[FileObject, str]:
+    """A file and its key in the store; NotFound unless `owner` (None: any) owns it."""
+    with connect(home) as db:
+        row = db.execute("select * from files where id = ?", (file_id,)).fetchone()
+    if row is None or (owner is not None and row["owner"] != owner):
+        raise NotFound(f"no file {file_id!r}")
+    return FileObject(id=row["id"], bytes=row["bytes"], created_at=row["created_at"], filename=row["filename"],
+                      purpose=row["purpose"]), row["key"]
+
+
+def list_files(home: Home, owner: str) -> list[FileObject]:
+    with connect(home) as db:
+        rows = db.execute("select * from files where owner = ? order by created_at desc, id", (owner,)).fetchall()
+    return [FileObject(id=r["id"], bytes=r["bytes"], created_at=r["created_at"], filename=r["filename"],
+                       purpose=r["purpose"]) for r in rows]
+
+
+# -- batches ------------------------------------------------------------------------------------
+
+
+def parse_input(data: bytes, endpoint: str, max_requests: int, max_line_bytes: int
+                ) -> tuple[list[tuple[str, dict[str, Any]]], list[ErrorEntry]]:
+    """The requests of an input file, or what is wrong with it, line by line (the first MAX_ERRORS).
+    A line must be what the worker can send as it is: strict JSON (no NaN), no lone surrogates, at
+    most `max_line_bytes` (the gateway's body limit)."""
+    requests: list[tuple[str, dict[str, Any]]] = []
+    errors: list[ErrorEntry] = []
+    seen: set[str] = set()
+
+    def fault(line: int, param: str | None, message: str) -> None:
+        if len(errors) < MAX_ERRORS:
+            errors.append(ErrorEntry(code="invalid_request", message=message, param=param, line=line))
+
+    for number, raw in enumerate(data.split(b"\n"), 1):  # only "\n" ends a line: JSON text may hold U+2028
+        if not raw.strip():
+            continue
+        if len(raw) > max_line_bytes:
+            fault(number, None, f"the line is longer than {max_line_bytes} bytes (gateway.max_body_bytes)")
+            continue
+        try:
+            item = json.loads(raw, parse_constant=_no_constant)
+            json.dumps(item, ensure_ascii=False).encode()  # a lone surrogate cannot be sent
+        except (ValueError, UnicodeError) as exc:
+            fault(number, None, _json_fault(exc))
+            continue
+        except RecursionError:
+            fault(number, None, "nested too deeply")
+            continue
+        if not isinstance(item, dict):
+            fault(number, None, "a line must be a JSON object")
+            continue
+        if unknown := sorted(set(item) - {"custom_id", "method", "url", "body"}):
+            fault(number, unknown[0][:64], f"unknown field {unknown[0][:64]!r}")
+            continue
+        custom_id = item.get("custom_id")
+        if not isinstance(custom_id, str) or not 0 < len(custom_id) <= CUSTOM_ID_MAX:
+            fault(number, "custom_id", f"custom_id must be a string of 1 to {CUSTOM_ID_MAX} characters")
+        elif custom_id in seen:
+            fault(number, "custom_id", "custom_id is not unique in the file")
+        elif item.get("method") != "POST":
+            fault(number, "method", "method must be 'POST'")
+        elif item.get("url") != endpoint:
+            fault(number, "url", f"url must be the batch's endpoint, {endpoint}")
+        elif not isinstance(item.get("body"), dict) or not isinstance(item["body"].get("model"), str):
+            fault(number, "body", "body must be an object naming a model")
+        elif item["body"].get("stream"):
+            fault(number, "body.stream", "a batch request cannot be streamed")
+        else:
+            seen.add(custom_id)
+            requests.append((custom_id, item["body"]))
+    if not requests and not errors:
+        errors.append(ErrorEntry(code="empty_file", message="the input file holds no requests"))
+    if len(requests) > max_requests:
+        errors.insert(0, ErrorEntry(code="too_many_requests", message=f"{len(requests)} requests; a batch may "
+                                    f"hold {max_requests} (batch.max_requests)"))
+    return requests, errors
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _json_fault(exc: ValueError | UnicodeError) -> str:
+    if isinstance(exc, json.JSONDecodeError):
+        return f"not JSON ({exc.msg} at column {exc.colno})"
+    if isinstance(exc, UnicodeError):
+        return "not UTF-8, or a lone surrogate"
+    return f"not JSON ({exc})"
+
+
+def create(home: Home, store: ArtifactStore, ask: BatchAsk, who: Owner, limits: BatchSettings,
+           max_line_bytes: int) -> Batch:
+    """A batch of the requests in the caller's input file: failed (naming each bad line) if any is
+    bad, else queued in progress. Over a quota (active batches, pending requests): QuotaExceeded."""
+    file, key = get_file(home, ask.input_file_id, who.subject)
+    if file.purpose != PURPOSE:
+        raise Invalid(f"input_file_id: file {file.id} is not a batch input file")
+    requests, errors = parse_input(store.get(key), ask.endpoint, limits.max_requests, max_line_bytes)
+    now = _now()
+    batch_id = new_id("batch_")
+    status = BatchState.FAILED if errors else BatchState.IN_PROGRESS
+    with transaction(home) as db:
+        active, pending = db.execute(
+            "select count(distinct b.id), count(r.line) from batches b left join batch_requests r on r.batch_id = b.id "
+            "and r.state != 'done' where b.owner = ? and b.status in ('in_progress', 'cancelling', 'finalizing')",
+            (who.subject,)).fetchone()
+        if not errors and active >= limits.max_active_per_user:
+            raise QuotaExceeded(f"you have {active} batches in progress (batch.max_active_per_user = "
+                                f"{limits.max_active_per_user}); wait for one to end")
+        if not errors and pending + len(requests) > limits.max_pending_requests_per_user:
+            raise QuotaExceeded(f"{pending} of your batch requests are waiting; {len(requests)} more would pass "
+                                f"batch.max_pending_requests_per_user ({limits.max_pending_requests_per_user})")
+        db.execute("insert into batches (id, owner, username, roles, endpoint, input_file_id, completion_window, "
+                   "status, errors, created_at, expires_at, total, metadata, in_progress_at, failed_at) "
+                   "values (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                   (batch_id, who.subject, who.username, json.dumps(sorted(who.roles)), ask.endpoint, file.id,
+                    ask.completion_window, status,
+                    Errors(data=errors).model_dump_json() if errors else None, now,
+                    now + COMPLETION_WINDOWS[ask.completion_window], 0 if errors else len(requests),
+                    json.dumps(ask.metadata) if ask.metadata is not None else None,
+                    None if errors else now, now if errors else None))
+        if not errors:
+            db.executemany("insert into batch_requests (batch_id, line, custom_id, body, state) "
+                           "values (?, ?, ?, ?, 'pending')",
+                           [(batch_id, line, custom_id, json.dumps(body))
+                            for line, (custom_id, body) in enumerate(requests, 1)])
+    return get(home, batch_id, who.subject)
+
+
+def _batch(row: sqlite3.Row) -> Batch:
+    fields = {name: row[name] for name in Batch.model_fields if name in row.keys()}
+    return Batch(**{**fields, "errors": json.loads(row["errors"]) if row["errors"] else None,
+                    "metadata": json.loads(row["metadata"]) if row["metadata"] else None,
+                    "request_counts": RequestCounts(total=row["total"], completed=row["completed"],
+                                                    failed=row["failed"])})
+
+
+def get(home: Home, batch_id: str, owner: str | None) -> Batch:
+    """A batch; NotFound unless `owner` (None: any) created it."""
+    with connect(home) as db:
+        row = db.execute("select * from batches where id = ?", (batch_id,)).fetchone()
+    if row is None or (owner is not None and row["owner"] != owner):
+        raise NotFound(f"no batch {batch_id!r}")
+    return _batch(row)
+
+
+def listing(home: Home, owner: str | None, *, after: str | None = None, limit: int = 20) -> list[Batch]:
+    """Batches newest first (the caller's, or everyone's for None), from after the one named `after`."""
+    with connect(home) as db:
+        rows = db.execute(
+            "select * from batches where (? is null or owner = ?) and (? is null or (created_at, id) < "
+            "(select created_at, id from batches where id = ?)) order by created_at desc, id desc limit ?",
+            (owner, owner, after, after, limit)).fetchall()
+    return [_batch(row) for row in rows]
+
+
+def owner_of(home: Home, batch_id: str) -> tuple[Owner, str]:
+    """Who a batch runs for, and its state."""
+    with connect(home) as db:
+        row = db.execute("select owner, username, roles, status from batches where id = ?", (batch_id,)).fetchone()
+    if row is None:
+        raise NotFound(f"no batch {batch_id!r}")
+    return Owner(row["owner"], row["username"], frozenset(json.loads(row["roles"]))), row["status"]
+
+
+def _move(db: sqlite3.Connection, batch_id: str, to: BatchState) -> None:
+    row = db.execute("select status from batches where id = ?", (batch_id,)).fetchone()
+    if row is None:
+        raise NotFound(f"no batch {batch_id!r}")
+    current = BatchState(row["status"])
+    if to not in MOVES[current]:
+        raise IllegalTransition(f"batch {batch_id} is {current}; it cannot become {to}")
+    db.execute(f"update batches set status = ?, {STAMPS[to]} = ? where id = ?", (to, _now(), batch_id))
+
+
+def cancel(home: Home, batch_id: str, owner: str | None) -> Batch:
+    """Stop a batch: no further request starts; those running finish, then it ends cancelled with
+    the answers it has. Conflict for one that has ended."""
+    get(home, batch_id, owner)
+    with transaction(home) as db:
+        status = BatchState(db.execute("select status from batches where id = ?", (batch_id,)).fetchone()[0])
+        if status in ENDED or status == BatchState.FINALIZING:
+            raise Conflict(f"batch {batch_id} is {status}; only a batch in progress can be cancelled")
+        if status == BatchState.IN_PROGRESS:
+            _move(db, batch_id, BatchState.CANCELLING)
+    return get(home, batch_id, owner)
+
+
+def cancel_all_of(home: Home, subject: str) -> int:
+    """Cancel every batch in progress of a user (disabled: their requests stop)."""
+    with transaction(home) as db:
+        ids = [row[0] for row in db.execute("select id from batches where owner = ? and status = 'in_progress'",
+                                            (subject,))]
+        for batch_id in ids:
+            _move(db, batch_id, BatchState.CANCELLING)
+    return len(ids)
+
+
+# -- the worker's side ---------------------------------------------------------------------------
+
+
+def claim(home: Home, worker_pid: int, alive: Callable[[int | None], bool], limit: int) -> list[Claimed]:
+    """Up to `limit` pending requests of batches in progress, claimed for this worker, taken from
+    the users in turn (one user's big batch does not hold the others' back) and not before a
+    request's retry time. First, requests claimed by workers no longer alive are pending again, and
+    so are this worker's own (it claims only once its earlier requests are done: those are a dead
+    worker's whose pid it was given)."""
+    now = _now()
+    with transaction(home) as db:
+        for pid in {row[0] for row in db.execute("select distinct worker_pid from batch_requests "
+                                                   "where state = 'claimed'")}:
+            if pid == worker_pid or not alive(pid):
+                db.execute("update batch_requests set state = 'pending', worker_pid = null "
+                           "where state = 'claimed' and worker_pid = ?", (pid,))
+        rows = db.execute(
+            "select * from (select r.batch_id, r.line, r.custom_id, r.body, b.endpoint, b.created_at, "
+            "row_number() over (partition by b.owner order by b.created_at, r.batch_id, r.line) as turn "
+            "from batch_requests r join batches b on b.id = r.batch_id where r.state = 'pending' "
+            "and b.status = 'in_progress' and b.expires_at > ? and (r.retry_at is null or r.retry_at <= ?)) "
+            "order by turn, created_at limit ?", (now, now, limit)).fetchall()
+        db.executemany("update batch_requests set state = 'claimed', worker_pid = ? where batch_id = ? and line = ?",
+                       [(worker_pid, row["batch_id"], row["line"]) for row in rows])
+    return [Claimed(row["batch_id"], row["line"], row["custom_id"], row["endpoint"], json.loads(row["body"]))
+            for row in rows]
+
+
+def is_claimed(home: Home, batch_id: str, line: int) -> bool:
+    """Whether a request is claimed by a worker now (the gateway runs no other as a batch request)."""
+    with connect(home) as db:
+        row = db.execute("select r.state, b.status from batch_requests r join batches b on b.id = r.batch_id "
+                         "where r.batch_id = ? and r.line = ?", (batch_id, line)).fetchone()
+    return row is not None and row["state"] == "claimed" and row["status"] in ("in_progress", "cancelling")
+
+
+def release(home: Home, request: Claimed, retry_in_s: float) -> None:
+    """Give a claimed request back, not to be claimed again for `retry_in_s` (the gateway asked to
+    retry later: its owner's budget is spent, or its engine is down); other requests go on."""
+    with transaction(home) as db:
+        db.execute("update batch_requests set state = 'pending', worker_pid = null, retry_at = ? "
+                   "where batch_id = ? and line = ? and state = 'claimed'",
+                   (_now() + math.ceil(retry_in_s), request.batch_id, request.line))
+
+
+def finish(home: Home, request: Claimed, status_code: int, request_id: str | None, response: object) -> None:
+    """Record a request's answer, once, while its batch runs (a second worker's answer to a request
+    run twice, or an answer arriving after its batch ended, is dropped)."""
+    with transaction(home) as db:
+        changed = db.execute(
+            "update batch_requests set state = 'done', status_code = ?, request_id = ?, response = ?, "
+            "worker_pid = null where batch_id = ? and line = ? and state != 'done' and exists "
+            "(select 1 from batches where id = ? and status in ('in_progress', 'cancelling'))",
+            (status_code, request_id, json.dumps(response), request.batch_id, request.line,
+             request.batch_id)).rowcount
+        if changed:
+            column = "completed" if status_code == 200 else "failed"
+            db.execute(f"update batches set {column} = {column} + 1 where id = ?", (request.batch_id,))
+
+
+def to_finalize(home: Home) -> list[str]:
+    """Batches ready to end (none of their requests running): in progress with every request done
+    or past their window; cancelling; left finalizing by a worker that died."""
+    with connect(home) as db:
+        rows = db.execute(
+            "select id from batches b where status = 'finalizing' "
+            "or (status in ('in_progress', 'cancelling') and not exists (select 1 from batch_requests r "
+            "where r.batch_id = b.id and r.state = 'claimed') and (status = 'cancelling' or expires_at <= ? "
+            "or not exists (select 1 from batch_requests r where r.batch_id = b.id and r.state != 'done'))) "
+            "order by created_at", (_now(),)).fetchall()
+    return [row[0] for row in rows]
+
+
+def finalize(home: Home, store: ArtifactStore, batch_id: str) -> Batch:
+    """Write a batch's output and error files (one line per request done, in input order; an
+    expired batch's unrun requests in the error file) and end it. Run again after a crash, it
+    writes the same files under the same ids. The prompts and answers then leave the queue: the
+    output file holds them, and its owner may delete it."""
+    with transaction(home) as db:
+        row = db.execute("select * from batches where id = ?", (batch_id,)).fetchone()
+        if BatchState(row["status"]) != BatchState.FINALIZING:
+            _move(db, batch_id, BatchState.FINALIZING)
+        requests = db.execute("select * from batch_requests where batch_id = ? order by line", (batch_id,)).fetchall()
+    unrun = sum(1 for request in requests if request["state"] != "done")
+    if row["cancelling_at"] is not None:
+        ending = BatchState.CANCELLED
+    else:
+        ending = BatchState.EXPIRED if unrun else BatchState.COMPLETED
+    output: list[dict[str, Any]] = []
+    failures: list[dict[str, Any]] = []
+    for request in requests:
+        if request["state"] != "done":
+            if ending == BatchState.EXPIRED:
+                failures.append(_line(request, None, {"code": "batch_expired", "message": "This request could not "
+                                      "be executed before the completion window expired."}))
+            continue
+        answer = {"status_code": request["status_code"], "request_id": request["request_id"],
+                  "body": json.loads(request["response"])}
+        (output if request["status_code"] == 200 else failures).append(_line(request, answer, None))
+    ids = {}
+    for kind, lines in (("output", output), ("error", failures)):
+        if lines:
+            data = "".join(json.dumps(line) + "\n" for line in lines).encode()
+            key = f"batches/{batch_id}/{kind}.jsonl"
+            store.put(key, data, retain_days=0)
+            ids[kind] = f"file-{batch_id.removeprefix('batch_')}-{kind}"
+            with transaction(home) as db:
+                db.execute("insert or replace into files values (?, ?, ?, ?, ?, ?, ?)",
+                           (ids[kind], row["owner"], f"{batch_id}_{kind}.jsonl", "batch_output", len(data), _now(),
+                            key))
+    with transaction(home) as db:
+        db.execute("update batches set output_file_id = ?, error_file_id = ?, failed = failed + ? where id = ?",
+                   (ids.get("output"), ids.get("error"), unrun if ending == BatchState.EXPIRED else 0, batch_id))
+        _move(db, batch_id, ending)
+        db.execute("update batch_requests set body = '{}', response = null where batch_id = ?", (batch_id,))
+    return get(home, batch_id, None)
+
+
+def to_announce(home: Home) -> list[Batch]:
+    """Ended batches whose end is not yet in the audit log."""
+    with connect(home) as db:
+        rows = db.execute("select * from batches where announced = 0 and status in ('completed', 'expired', "
+                          "'cancelled') order by created_at").fetchall()
+    return [_batch(row) for row in rows]
+
+
+def announced(home: Home, batch_id: str) -> None:
+    with transaction(home) as db:
+        db.execute("update batches set announced = 1 where id = ?", (batch_id,))
+
+
+def _line(request: sqlite3.Row, response: dict[str, Any] | None, error: dict[str, str] | None) -> dict[str, Any]:
+    return {"id": f"batch_req_{request['batch_id'].removeprefix('batch_')}_{request['line']}",
+            "custom_id": request["custom_id"], "response": response, "error": error}

@@ -1,0 +1,87 @@
+"""`appliance serving ...`: the engine pools with their tiers and replicas, the routing policy, the
+response cache and the batches, through the gateway's admin API."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from appliance.cli_access import admin_api
+
+serving_app = typer.Typer(help="Tiers, replicas, routing, the response cache and batches (through the gateway's "
+                          "admin API).",
+                          no_args_is_help=True)
+out = Console()
+
+
+@serving_app.command("pools")
+def pools(as_json: Annotated[bool, typer.Option("--json", help="The admin API's answer as JSON.")] = False) -> None:
+    """Each pool's model and tier, and its replicas: health, requests in flight, GPUs."""
+    routing = admin_api("GET", "/routing")
+    if as_json:
+        typer.echo(json.dumps(routing, indent=1))
+        return
+    table = Table("pool", "model", "tier", "replica", "engine", "in flight", "gpus")
+    for pool in routing["pools"]:
+        for replica in pool["replicas"]:
+            state = "DOWN" if not replica["healthy"] else "healthy" if replica["taking_requests"] else "returning"
+            table.add_row(pool["name"], pool["model"], pool["tier"] or "-", replica["name"], state,
+                          str(replica["in_flight"]), ",".join(map(str, replica["gpus"])) or "-")
+    out.print(table)
+    policy = routing["policy"]
+    out.print(f"policy: streamed requests for a bare model name -> tier {policy['interactive_tier'] or '-'} (prompts "
+              f"up to {policy['long_prompt_chars']} characters), others -> tier {policy['default_tier']}; "
+              f"replicas balanced by {policy['balance']}", highlight=False)
+
+
+@serving_app.command("cache")
+def cache(as_json: Annotated[bool, typer.Option("--json", help="The admin API's answer as JSON.")] = False) -> None:
+    """The response cache: entries, bytes, hits, misses, hit rate."""
+    stats: dict[str, Any] = admin_api("GET", "/cache")
+    if as_json:
+        typer.echo(json.dumps(stats, indent=1))
+        return
+    rate = "-" if stats["hit_rate"] is None else f"{stats['hit_rate']:.1%}"
+    out.print(f"response cache {'on' if stats['enabled'] else 'off'} (shared per {stats['scope']}, ttl "
+              f"{stats['ttl_s']:g} s): {stats['entries']}/{stats['max_entries']} entries, {stats['bytes']:,}/"
+              f"{stats['max_bytes']:,} bytes; {stats['hits']} hits, {stats['misses']} misses, {stats['bypasses']} "
+              f"bypasses; hit rate {rate}", highlight=False)
+
+
+@serving_app.command("flush-cache")
+def flush_cache() -> None:
+    """Drop every cached answer."""
+    flushed = admin_api("POST", "/cache/flush")["flushed"]
+    out.print(f"response cache flushed: {flushed} entries dropped", highlight=False)
+
+
+@serving_app.command("batches")
+def batches_list(as_json: Annotated[bool, typer.Option("--json", help="The admin API's answer as JSON.")] = False,
+                 limit: Annotated[int, typer.Option(min=1, max=100, help="How many, newest first.")] = 20) -> None:
+    """Every user's batches: state, request counts, endpoint, when created."""
+    listed = admin_api("GET", "/batches", params={"limit": limit})
+    if as_json:
+        typer.echo(json.dumps(listed, indent=1))
+        return
+    table = Table("batch", "state", "done", "failed", "total", "endpoint", "created")
+    for batch in listed["data"]:
+        counts = batch["request_counts"]
+        table.add_row(batch["id"], batch["status"], str(counts["completed"]), str(counts["failed"]),
+                      str(counts["total"]), batch["endpoint"], _when(batch["created_at"]))
+    out.print(table)
+
+
+@serving_app.command("cancel-batch")
+def cancel_batch(batch_id: Annotated[str, typer.Argument(help="The batch's id (batch_...).")]) -> None:
+    """Stop anyone's batch: requests running finish, no other starts."""
+    batch = admin_api("POST", f"/batches/{batch_id}/cancel")
+    out.print(f"batch {batch['id']} is {batch['status']}", highlight=False)
+
+
+def _when(stamp: int) -> str:
+    return datetime.fromtimestamp(stamp, UTC).strftime("%Y-%m-%d %H:%M:%S")

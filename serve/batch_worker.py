@@ -1,0 +1,146 @@
+"""The `batch-worker` program (supervised): executes the requests of batches in progress
+(appliance.batches) through the gateway on loopback, `batch.concurrency` at a time, and writes each
+batch's output and error files when its requests are done.
+
+Each request goes to the gateway as its batch's owner (the worker's key and the request's
+reference, serve.deps.batch_principal): it is routed to the model's default tier, screened,
+limited by the owner's budgets and audited like any other, and yields to interactive traffic. A
+429 or 503 (its owner's budget spent, its engine restarting) gives the request back to the queue
+for a while, the others go on; the gateway down makes every request wait; any other answer is the
+request's result. Killed, the worker leaves its
+claims to the next one (at least once); each batch's end is an audit record of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+
+from appliance import batches
+from appliance.admin_client import gateway_url
+from appliance.artifacts import ArtifactStore, artifact_store
+from appliance.changes import Change, announce
+from appliance.errors import ApplianceError
+from appliance.home import HOME_ENV, Home
+from appliance.programs import Program
+from appliance.secrets import secret
+from appliance.settings import Settings, load_settings
+from appliance.supervisor import runs_module
+from serve.deps import BATCH_HEADER, BATCH_WORKER_SECRET
+
+log = logging.getLogger("appliance.batch-worker")
+MODULE = "serve.batch_worker"
+GATEWAY_DOWN_WAIT_S = 5.0
+MAX_RETRY_S = 60.0
+
+
+def worker_alive(pid: int | None) -> bool:
+    return runs_module(pid, MODULE)
+
+
+class Worker:
+    def __init__(self, settings: Settings, home: Home) -> None:
+        self.settings = settings
+        self.home = home
+        self.store: ArtifactStore = artifact_store(settings.artifacts, home)
+        self.http = httpx.Client(base_url=gateway_url(settings),
+                                 timeout=httpx.Timeout(None, connect=5.0),  # generation takes as long as it takes
+                                 headers={"Authorization": f"Bearer {secret(home, BATCH_WORKER_SECRET)}",
+                                          "Content-Type": "application/json"})
+        self.gateway_down_until = 0.0
+        self.lock = threading.Lock()
+
+    def execute(self, request: batches.Claimed) -> None:
+        """Send one request; record its answer, or give it back to the queue to retry later.
+        Whatever goes wrong with one request, the others go on."""
+        try:
+            self._execute(request)
+        except Exception as exc:  # one request's fault must not stop every batch
+            log.exception("batch request %s failed in the worker", request.ref)
+            batches.finish(self.home, request, 500, None, {"error": {
+                "message": f"the batch worker could not run this request ({type(exc).__name__})",
+                "type": "server_error"}})
+
+    def _execute(self, request: batches.Claimed) -> None:
+        body = json.dumps(request.body, ensure_ascii=True, allow_nan=False)
+        try:
+            response = self.http.post(request.endpoint, content=body, headers={BATCH_HEADER: request.ref})
+        except httpx.TransportError as exc:  # the gateway is down: every request waits
+            with self.lock:
+                self.gateway_down_until = time.monotonic() + GATEWAY_DOWN_WAIT_S
+            batches.release(self.home, request, GATEWAY_DOWN_WAIT_S)
+            log.info("batch request %s back in the queue: gateway not reachable (%s)", request.ref,
+                     type(exc).__name__)
+            return
+        if response.status_code in (429, 503):  # its owner's budget, or its engine: this request waits
+            try:
+                wait = min(max(float(response.headers.get("retry-after", "5")), 1.0), MAX_RETRY_S)
+            except ValueError:
+                wait = 5.0
+            batches.release(self.home, request, wait)
+            return
+        try:
+            answer: object = response.json()
+        except ValueError:
+            answer = {"error": {"message": response.text[:2000], "type": "server_error"}}
+        batches.finish(self.home, request, response.status_code, response.headers.get("x-request-id"), answer)
+
+    def finalize_ready(self) -> None:
+        for batch_id in batches.to_finalize(self.home):
+            try:
+                batches.finalize(self.home, self.store, batch_id)
+            except ApplianceError as exc:  # the store is down: the batch stays to be finalized next time
+                log.error("batch %s not finalized: %s", batch_id, exc.one_line())
+        for batch in batches.to_announce(self.home):  # each end once in the audit log, after a crash too
+            counts = batch.request_counts
+            detail = f"batch {batch.id} {batch.status}: {counts.completed} of {counts.total} requests completed, " \
+                     f"{counts.failed} failed"
+            try:
+                announce(Change(f"batches.{batch.status}", "allowed", 0, detail))
+            except ApplianceError as exc:
+                log.error("batch %s end not recorded in the audit log yet: %s", batch.id, exc.one_line())
+                return
+            batches.announced(self.home, batch.id)
+            log.info(detail)
+
+    def run(self) -> None:
+        concurrency = self.settings.batch.concurrency
+        with ThreadPoolExecutor(concurrency, thread_name_prefix="batch") as pool:
+            while True:
+                self.finalize_ready()
+                wait = self.gateway_down_until - time.monotonic()
+                if wait > 0:
+                    time.sleep(wait)
+                    continue
+                claimed = batches.claim(self.home, os.getpid(), worker_alive, concurrency)
+                if not claimed:
+                    time.sleep(self.settings.batch.poll_s)
+                    continue
+                for future in [pool.submit(self.execute, request) for request in claimed]:
+                    future.result()
+
+
+def worker_programs(settings: Settings, home: Home) -> list[Program]:
+    """The `appliance.programs` entry point: one batch worker, after the gateway."""
+    secret(home, BATCH_WORKER_SECRET)  # made once, at `up`: the gateway and the worker read it
+    return [Program(name="batch-worker", command=[sys.executable, "-P", "-m", MODULE],
+                    environment={HOME_ENV: str(home.root)}, priority=96, startsecs=2, stopwaitsecs=30)]
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+    home = Home.from_env()
+    Worker(load_settings(home.settings_file), home).run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,205 @@
+"""Issue 21: the batch queue's rules (appliance.batches): input files checked line by line, quotas,
+claims that outlive a dead worker, cancel, expiry, and output files in input order."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from appliance import batches
+from appliance.artifacts import LocalStore
+from appliance.batches import BatchAsk, BatchState, Owner
+from appliance.errors import Conflict, Invalid, NotFound, QuotaExceeded
+from appliance.home import Home
+from appliance.settings import BatchSettings
+
+ANN = Owner("sub-ann", "ann", frozenset({"user"}))
+BOB = Owner("sub-bob", "bob", frozenset({"user"}))
+CHAT = "/v1/chat/completions"
+
+
+def line(custom_id: str, **overrides: object) -> str:
+    item = {"custom_id": custom_id, "method": "POST", "url": CHAT,
+            "body": {"model": "m", "messages": [{"role": "user", "content": custom_id}]}, **overrides}
+    return json.dumps(item)
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Home:
+    return Home(tmp_path / "h").ensure()
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> LocalStore:
+    return LocalStore(tmp_path / "store")
+
+
+def upload(home: Home, store: LocalStore, lines: list[str], owner: Owner = ANN) -> str:
+    data = ("\n".join(lines) + "\n").encode()
+    return batches.add_file(home, store, owner=owner.subject, filename="../../etc/in\u202e.jsonl", purpose="batch",
+                            data=data, limits=BatchSettings()).id
+
+
+def create(home: Home, store: LocalStore, file_id: str, owner: Owner = ANN,
+           limits: BatchSettings | None = None) -> batches.Batch:
+    ask = BatchAsk(input_file_id=file_id, endpoint=CHAT, completion_window="24h", metadata={"team": "risk"})
+    return batches.create(home, store, ask, owner, limits or BatchSettings(), 1 << 20)
+
+
+def test_a_bad_input_file_fails_its_batch_naming_each_bad_line(home: Home, store: LocalStore) -> None:
+    lines = [line("a"), "{not json", line("a"), line("b", url="/v1/completions"), line("c", method="GET"),
+             json.dumps({"custom_id": "d", "method": "POST", "url": CHAT, "body": {"messages": []}}),
+             line("e", extra=1), line("f", body={"model": "m", "stream": True}), "[1]",
+             line("g", body={"model": "m", "temperature": float("nan")}),  # NaN: not JSON, the worker could not send it
+             line("h\ud800"), "[" * 100_000 + "]" * 100_000, line("i" * 600),
+             line("j", body={"model": "x" * 2_000_000}),
+             json.dumps({"custom_id": "k\u2028still one line", "method": "POST", "url": CHAT, "body": {"model": "m"}}),
+             line("ok")]
+    batch = create(home, store, upload(home, store, lines))
+    assert batch.status == BatchState.FAILED and batch.failed_at and batch.request_counts.total == 0
+    assert batch.errors is not None
+    named = [(error.line, error.param) for error in batch.errors.data]
+    assert named == [(2, None), (3, "custom_id"), (4, "url"), (5, "method"), (6, "body"), (7, "extra"),
+                     (8, "body.stream"), (9, None), (10, None), (11, None), (12, None), (13, "custom_id"), (14, None)]
+    assert "NaN is not JSON" in batch.errors.data[8].message and "lone surrogate" in batch.errors.data[9].message
+    assert "longer than 1048576 bytes" in batch.errors.data[12].message
+    assert "a" not in batch.errors.data[1].message  # names the fault, never echoes the text
+    empty = create(home, store, upload(home, store, ["", "  "]))
+    assert empty.errors is not None and empty.errors.data[0].code == "empty_file"
+    with pytest.raises(Invalid, match="the file is empty"):
+        batches.add_file(home, store, owner="x", filename="f", purpose="batch", data=b"", limits=BatchSettings())
+    with pytest.raises(Invalid, match="only 'batch' files"):
+        batches.add_file(home, store, owner="x", filename="f", purpose="fine-tune", data=b"", limits=BatchSettings())
+    files = batches.list_files(home, ANN.subject)
+    assert files and all("/" not in f.filename and "\u202e" not in f.filename for f in files)
+
+
+def test_files_and_batches_are_their_owners_alone(home: Home, store: LocalStore) -> None:
+    file_id = upload(home, store, [line("a")])
+    with pytest.raises(NotFound):
+        create(home, store, file_id, owner=BOB)  # another user's file is as one that does not exist
+    batch = create(home, store, file_id)
+    with pytest.raises(NotFound):
+        batches.get(home, batch.id, BOB.subject)
+    with pytest.raises(NotFound):
+        batches.cancel(home, batch.id, BOB.subject)
+    assert batches.listing(home, BOB.subject) == [] and batches.get(home, batch.id, None).id == batch.id
+    assert batch.metadata == {"team": "risk"} and batch.status == BatchState.IN_PROGRESS
+
+
+def test_quotas_bound_batches_and_waiting_requests_per_user(home: Home, store: LocalStore) -> None:
+    limits = BatchSettings(max_active_per_user=2, max_pending_requests_per_user=5, max_requests=4)
+    file_id = upload(home, store, [line(str(index)) for index in range(2)])
+    create(home, store, file_id, limits=limits)
+    create(home, store, file_id, limits=limits)
+    with pytest.raises(QuotaExceeded, match="2 batches in progress"):
+        create(home, store, file_id, limits=limits)
+    bobs = upload(home, store, [line("x")], owner=BOB)
+    assert create(home, store, bobs, owner=BOB, limits=limits).status == BatchState.IN_PROGRESS  # per user
+    roomy = BatchSettings(max_active_per_user=9, max_pending_requests_per_user=5)
+    with pytest.raises(QuotaExceeded, match="4 of your batch requests are waiting"):
+        create(home, store, file_id, limits=roomy)
+    big = create(home, store, upload(home, store, [line(str(index)) for index in range(5)], owner=BOB), owner=BOB,
+                 limits=limits)
+    assert big.status == BatchState.FAILED and big.errors is not None and big.errors.data[0].code == "too_many_requests"
+
+
+def test_claims_of_a_dead_worker_return_and_the_output_keeps_input_order(home: Home, store: LocalStore) -> None:
+    batch = create(home, store, upload(home, store, [line(f"req-{index}") for index in range(5)]))
+    dead = batches.claim(home, 111, lambda pid: False, 3)
+    assert batches.claim(home, 333, lambda pid: True, 0) == []  # 111 alive here: its claims stay
+    assert [request.line for request in dead] == [1, 2, 3] and dead[0].ref == f"{batch.id}:1"
+    assert batches.is_claimed(home, batch.id, 1) and not batches.is_claimed(home, batch.id, 4)
+    alive = {222}
+    mine = batches.claim(home, 222, lambda pid: pid in alive, 10)  # 111 died: its three are pending again
+    assert [request.line for request in mine] == [1, 2, 3, 4, 5]
+    for request in reversed(mine):
+        status = 400 if request.line == 2 else 200
+        batches.finish(home, request, status, f"req-id-{request.line}", {"line": request.line})
+    batches.finish(home, mine[0], 200, "twice", {"again": True})  # a request run twice counts once
+    assert batches.to_finalize(home) == [batch.id]
+    ended = batches.finalize(home, store, batch.id)
+    assert ended.status == BatchState.COMPLETED and ended.request_counts.model_dump() == \
+        {"total": 5, "completed": 4, "failed": 1}
+    assert [b.id for b in batches.to_announce(home)] == [batch.id]
+    batches.announced(home, batch.id)
+    assert batches.to_announce(home) == []
+    batches.finish(home, mine[1], 200, "late", {})  # an answer after the end counts for nothing
+    assert batches.get(home, batch.id, None).request_counts.completed == 4
+    assert ended.output_file_id and ended.error_file_id and ended.completed_at
+    output, key = batches.get_file(home, ended.output_file_id, ANN.subject)
+    rows = [json.loads(row) for row in store.get(key).splitlines()]
+    assert [row["custom_id"] for row in rows] == ["req-0", "req-2", "req-3", "req-4"]
+    assert rows[0]["response"] == {"status_code": 200, "request_id": "req-id-1", "body": {"line": 1}}
+    assert output.purpose == "batch_output"
+    _, error_key = batches.get_file(home, ended.error_file_id, ANN.subject)
+    assert [json.loads(row)["response"]["status_code"] for row in store.get(error_key).splitlines()] == [400]
+
+
+def test_cancel_lets_running_requests_finish_and_keeps_their_answers(home: Home, store: LocalStore) -> None:
+    batch = create(home, store, upload(home, store, [line(f"r{index}") for index in range(4)]))
+    [running] = batches.claim(home, 7, lambda pid: True, 1)
+    cancelling = batches.cancel(home, batch.id, ANN.subject)
+    assert cancelling.status == BatchState.CANCELLING and cancelling.cancelling_at
+    assert batches.claim(home, 8, lambda pid: True, 5) == []  # no other starts
+    assert batches.to_finalize(home) == []  # one still running
+    batches.finish(home, running, 200, "x", {"ok": True})
+    ended = batches.finalize(home, store, batches.to_finalize(home)[0])
+    assert ended.status == BatchState.CANCELLED and ended.request_counts.completed == 1 and ended.output_file_id
+    with pytest.raises(Conflict, match="only a batch in progress"):
+        batches.cancel(home, batch.id, ANN.subject)
+    other = create(home, store, upload(home, store, [line("z")]))
+    assert batches.cancel_all_of(home, ANN.subject) == 1
+    assert batches.get(home, other.id, None).status == BatchState.CANCELLING
+
+
+def test_a_batch_past_its_window_expires_with_its_unrun_requests_failed(home: Home, store: LocalStore) -> None:
+    batch = create(home, store, upload(home, store, [line("a"), line("b")]))
+    [first] = batches.claim(home, 7, lambda pid: True, 1)
+    batches.finish(home, first, 200, "x", {"ok": True})
+    db = sqlite3.connect(home.root / "batches.sqlite")
+    db.execute("update batches set expires_at = 0 where id = ?", (batch.id,))
+    db.commit()
+    db.close()
+    assert batches.claim(home, 7, lambda pid: True, 5) == []  # an expired batch starts nothing more
+    ended = batches.finalize(home, store, batches.to_finalize(home)[0])
+    assert ended.status == BatchState.EXPIRED and ended.request_counts.model_dump() == \
+        {"total": 2, "completed": 1, "failed": 1}
+    _, key = batches.get_file(home, ended.error_file_id or "", ANN.subject)
+    [expired] = [json.loads(row) for row in store.get(key).splitlines()]
+    assert expired["custom_id"] == "b" and expired["error"]["code"] == "batch_expired"
+    assert (home.root / "batches.sqlite").stat().st_mode & 0o077 == 0
+
+
+def test_files_count_against_a_storage_quota_and_deleting_frees_it(home: Home, store: LocalStore) -> None:
+    limits = BatchSettings(max_stored_bytes_per_user=2048)
+    first = batches.add_file(home, store, owner=ANN.subject, filename="a", purpose="batch", data=b"x" * 1500,
+                             limits=limits)
+    with pytest.raises(QuotaExceeded, match="your files hold 1500 bytes"):
+        batches.add_file(home, store, owner=ANN.subject, filename="b", purpose="batch", data=b"x" * 1000,
+                         limits=limits)
+    batches.add_file(home, store, owner=BOB.subject, filename="b", purpose="batch", data=b"x" * 1000, limits=limits)
+    with pytest.raises(NotFound):
+        batches.delete_file(home, store, first.id, BOB.subject)  # only its owner's
+    batches.delete_file(home, store, first.id, ANN.subject)
+    assert store.keys("batches/files/") == [key for key in store.keys("batches/files/") if first.id not in key]
+    with pytest.raises(NotFound):
+        batches.get_file(home, first.id, ANN.subject)
+    batches.add_file(home, store, owner=ANN.subject, filename="b", purpose="batch", data=b"x" * 1000, limits=limits)
+
+
+def test_a_request_given_back_waits_its_turn_and_users_take_turns(home: Home, store: LocalStore) -> None:
+    anns = create(home, store, upload(home, store, [line(f"a{index}") for index in range(4)]))
+    bobs = create(home, store, upload(home, store, [line(f"b{index}") for index in range(2)], owner=BOB), owner=BOB)
+    first = batches.claim(home, 5, lambda pid: True, 2)
+    assert [request.batch_id for request in first] == [anns.id, bobs.id]  # one each, not Ann's whole batch
+    batches.release(home, first[0], 60)  # Ann's budget is spent: her request waits, Bob's go on
+    batches.finish(home, first[1], 200, "x", {})
+    again = batches.claim(home, 5, lambda pid: True, 3)
+    assert [(r.batch_id, r.line) for r in again] == [(anns.id, 2), (bobs.id, 2), (anns.id, 3)]
+    mine_after_restart = batches.claim(home, 5, lambda pid: True, 10)  # same pid, new process: stale claims free
+    assert {(r.batch_id, r.line) for r in mine_after_restart} >= {(r.batch_id, r.line) for r in again}
+    assert (anns.id, 1) not in {(r.batch_id, r.line) for r in mine_after_restart}  # not before its retry time
