@@ -35,6 +35,7 @@ from pydantic import BaseModel, Field
 from appliance.artifacts import ArtifactStore
 from appliance.errors import Conflict, IllegalTransition, Invalid, NotFound, QuotaExceeded, StateError
 from appliance.home import Home
+from appliance.jobs import immediate
 from appliance.settings import BatchSettings
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
@@ -108,6 +109,7 @@ create table if not exists batch_requests (
     request_id text,               -- the gateway's, in the request's audit record
     response text,                 -- JSON: the answer's body (both dropped once in the output file)
     retry_at integer,              -- given back (a budget spent, an engine down): not claimed before
+    attempts integer not null default 0,  -- times given back after a failure that may pass
     primary key (batch_id, line)
 );
 create index if not exists batch_requests_state on batch_requests (state, batch_id);
@@ -199,6 +201,7 @@ class Claimed:
     custom_id: str
     endpoint: str
     body: dict[str, Any]
+    attempts: int = 0  # times it was given back after a failure that may pass
 
     @property
     def ref(self) -> str:
@@ -241,14 +244,9 @@ def connect(home: Home) -> Iterator[sqlite3.Connection]:
 
 @contextmanager
 def transaction(home: Home) -> Iterator[sqlite3.Connection]:
-    with connect(home) as db:
-        db.execute("begin immediate")
-        try:
-            yield db
-        except BaseException:
-            db.execute("rollback")
-            raise
-        db.execute("commit")
+    """A write transaction on the queue's database."""
+    with connect(home) as db, immediate(db):
+        yield db
 
 
 # -- files --------------------------------------------------------------------------------------
@@ -512,15 +510,15 @@ def claim(home: Home, worker_pid: int, alive: Callable[[int | None], bool], limi
                 db.execute("update batch_requests set state = 'pending', worker_pid = null "
                            "where state = 'claimed' and worker_pid = ?", (pid,))
         rows = db.execute(
-            "select * from (select r.batch_id, r.line, r.custom_id, r.body, b.endpoint, b.created_at, "
+            "select * from (select r.batch_id, r.line, r.custom_id, r.body, r.attempts, b.endpoint, b.created_at, "
             "row_number() over (partition by b.owner order by b.created_at, r.batch_id, r.line) as turn "
             "from batch_requests r join batches b on b.id = r.batch_id where r.state = 'pending' "
             "and b.status = 'in_progress' and b.expires_at > ? and (r.retry_at is null or r.retry_at <= ?)) "
             "order by turn, created_at limit ?", (now, now, limit)).fetchall()
         db.executemany("update batch_requests set state = 'claimed', worker_pid = ? where batch_id = ? and line = ?",
                        [(worker_pid, row["batch_id"], row["line"]) for row in rows])
-    return [Claimed(row["batch_id"], row["line"], row["custom_id"], row["endpoint"], json.loads(row["body"]))
-            for row in rows]
+    return [Claimed(row["batch_id"], row["line"], row["custom_id"], row["endpoint"], json.loads(row["body"]),
+                    row["attempts"]) for row in rows]
 
 
 def is_claimed(home: Home, batch_id: str, line: int) -> bool:
@@ -531,13 +529,14 @@ def is_claimed(home: Home, batch_id: str, line: int) -> bool:
     return row is not None and row["state"] == "claimed" and row["status"] in ("in_progress", "cancelling")
 
 
-def release(home: Home, request: Claimed, retry_in_s: float) -> None:
+def release(home: Home, request: Claimed, retry_in_s: float, *, failed: bool = False) -> None:
     """Give a claimed request back, not to be claimed again for `retry_in_s` (the gateway asked to
-    retry later: its owner's budget is spent, or its engine is down); other requests go on."""
+    retry later: its owner's budget is spent, or its engine is down or failed); other requests go
+    on. `failed`: it failed in a way that may pass, and counts as an attempt."""
     with transaction(home) as db:
-        db.execute("update batch_requests set state = 'pending', worker_pid = null, retry_at = ? "
-                   "where batch_id = ? and line = ? and state = 'claimed'",
-                   (_now() + math.ceil(retry_in_s), request.batch_id, request.line))
+        db.execute("update batch_requests set state = 'pending', worker_pid = null, retry_at = ?, "
+                   "attempts = attempts + ? where batch_id = ? and line = ? and state = 'claimed'",
+                   (_now() + math.ceil(retry_in_s), int(failed), request.batch_id, request.line))
 
 
 def finish(home: Home, request: Claimed, status_code: int, request_id: str | None, response: object) -> None:

@@ -330,6 +330,8 @@ class BatchSettings(_Section):
     max_pending_requests_per_user: int = Field(
         200_000, ge=1, description="Requests a user may have waiting over all their batches.")
     concurrency: int = Field(2, ge=1, le=256, description="Requests the worker sends at once.")
+    max_attempts: int = Field(3, ge=1, le=20, description="Times a request is sent that the gateway answers 500, "
+                              "502 or 504 (an engine failing mid-answer) before that answer is its result.")
     yield_to_interactive: int = Field(
         1, ge=0, description="A batch request waits while its pool has this many interactive requests in flight "
         "or more (0: never waits); interactive traffic goes first.")

@@ -34,23 +34,12 @@ from appliance.home import HOME_ENV, Home
 from appliance.secrets import secret
 from installer.keycloak import install_dir
 from installer.realm import BOOTSTRAP_SECRET
+from tests.tiers import TWO_TIERS
 
 APPLIANCE = str(Path(sys.executable).with_name("appliance"))
 RESULTS = Path(__file__).parent / "results" / "serving_tiers.json"
 PORT = 18580
-SETTINGS = """
-[[pools]]
-name = "full"
-served_model_name = "assistant"
-tier = "full"
-replicas = 2
-
-[[pools]]
-name = "fast"
-served_model_name = "assistant"
-tier = "fast"
-max_model_len = 1024
-"""
+KEYCLOAK_PORT = 18590
 CACHE_REQUESTS = 20
 INTERACTIVE = 20
 BATCH_REQUESTS = 80
@@ -67,11 +56,20 @@ def cli(env: dict[str, str], *args: str, stdin: str | None = None) -> str:
 
 
 class Bench:
-    def __init__(self, home: Home, token: str) -> None:
+    def __init__(self, home: Home) -> None:
         self.home = home
-        self.http = httpx.Client(base_url=f"http://127.0.0.1:{PORT}", timeout=600,
-                                 headers={"Authorization": f"Bearer {token}"})
-        self.token = token
+        self.http = httpx.Client(base_url=f"http://127.0.0.1:{PORT}", timeout=600)
+        self.token = ""
+        self.refresh()
+
+    def refresh(self) -> None:
+        """A fresh access token of the bootstrap admin (they live minutes; each phase takes one)."""
+        self.token = httpx.post(
+            f"https://127.0.0.1:{KEYCLOAK_PORT}/realms/appliance/protocol/openid-connect/token",
+            data={"grant_type": "password", "client_id": "appliance-cli", "username": "admin",
+                  "password": secret(self.home, BOOTSTRAP_SECRET)},
+            verify=str(self.home.root / "tls" / "ca.pem"), timeout=60).json()["access_token"]
+        self.http.headers["Authorization"] = f"Bearer {self.token}"
 
     def chat(self, model: str, system: str, question: str, **fields: Any) -> float:
         """Seconds to the whole answer."""
@@ -97,6 +95,7 @@ class Bench:
         return first
 
     def cache(self) -> dict[str, Any]:
+        self.refresh()
         system = "You are a terse assistant."
         misses = [self.chat("assistant:full", system, f"Cache bench question {index}?")
                   for index in range(CACHE_REQUESTS)]
@@ -108,6 +107,7 @@ class Bench:
                 "hit_over_miss": round(hit_ms / miss_ms, 4), "hit_rate": stats["hit_rate"]}
 
     def interactive(self, label: str) -> list[float]:
+        self.refresh()
         return [self.ttft("assistant:full", f"Interactive session {label} {index}.", "Say hello.")
                 for index in range(INTERACTIVE)]
 
@@ -126,7 +126,7 @@ class Bench:
         draining = self.interactive("draining")
         during = batches.get(self.home, batch.id, None).request_counts.completed
         started = time.monotonic()
-        while (done := client.batches.retrieve(batch.id)).status not in ("completed", "failed", "cancelled"):
+        while (done := batches.get(self.home, batch.id, None)).status not in ("completed", "failed", "cancelled"):
             time.sleep(1)
         assert done.status == "completed", done
 
@@ -154,6 +154,7 @@ class Bench:
         return queries, hits
 
     def routing(self, balance: str, seed: str) -> dict[str, Any]:
+        self.refresh()
         self.http.put("/admin/routing/balance", json={"balance": balance}).raise_for_status()
         systems = [(f"[{seed} {prefix}] You are the assistant of a bank's help desk. " +
                     "Answer briefly and politely; never reveal account numbers or internal procedures. " * 12)
@@ -173,19 +174,15 @@ def main() -> None:
     home = Home(root / "h").ensure()
     home.demo_model.symlink_to(default.demo_model, target_is_directory=True)
     shutil.copytree(install_dir(default), install_dir(home), symlinks=True, ignore=shutil.ignore_patterns("h2", "tmp"))
-    home.settings_file.write_text(SETTINGS)
+    home.settings_file.write_text(TWO_TIERS)
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("APPLIANCE_")}, HOME_ENV: str(home.root),
-           "APPLIANCE_GATEWAY__PORT": str(PORT), "APPLIANCE_KEYCLOAK__PORT": "18590",
+           "APPLIANCE_GATEWAY__PORT": str(PORT), "APPLIANCE_KEYCLOAK__PORT": str(KEYCLOAK_PORT),
            "APPLIANCE_KEYCLOAK__MANAGEMENT_PORT": "18591", "APPLIANCE_BATCH__POLL_S": "0.2"}
     try:
         started = time.monotonic()
         cli(env, "up")
         up_s = time.monotonic() - started
-        token = httpx.post("https://127.0.0.1:18590/realms/appliance/protocol/openid-connect/token",
-                           data={"grant_type": "password", "client_id": "appliance-cli", "username": "admin",
-                                 "password": secret(home, BOOTSTRAP_SECRET)},
-                           verify=str(home.root / "tls" / "ca.pem"), timeout=60).json()["access_token"]
-        bench = Bench(home, token)
+        bench = Bench(home)
         bench.chat("assistant:full", "warm up", "Hi")
         bench.ttft("assistant:fast", "warm up", "Hi")
         results = {"setup": {"up_s": round(up_s, 1), "tiers": {"full": 2, "fast": 1}, "engine": "vLLM CPU, demo model"},

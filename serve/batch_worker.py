@@ -6,7 +6,8 @@ Each request goes to the gateway as its batch's owner (the worker's key and the 
 reference, serve.deps.batch_principal): it is routed to the model's default tier, screened,
 limited by the owner's budgets and audited like any other, and yields to interactive traffic. A
 429 or 503 (its owner's budget spent, its engine restarting) gives the request back to the queue
-for a while, the others go on; the gateway down makes every request wait; any other answer is the
+for a while, the others go on, and so does a 500, 502 or 504 (an engine that failed mid-answer)
+until `batch.max_attempts`; the gateway down makes every request wait; any other answer is the
 request's result. Killed, the worker leaves its
 claims to the next one (at least once); each batch's end is an audit record of its own.
 """
@@ -40,6 +41,7 @@ log = logging.getLogger("appliance.batch-worker")
 MODULE = "serve.batch_worker"
 GATEWAY_DOWN_WAIT_S = 5.0
 MAX_RETRY_S = 60.0
+FAILED_RETRY_S = 5.0
 
 
 def worker_alive(pid: int | None) -> bool:
@@ -86,6 +88,9 @@ class Worker:
             except ValueError:
                 wait = 5.0
             batches.release(self.home, request, wait)
+            return
+        if response.status_code in (500, 502, 504) and request.attempts + 1 < self.settings.batch.max_attempts:
+            batches.release(self.home, request, FAILED_RETRY_S * (request.attempts + 1), failed=True)
             return
         try:
             answer: object = response.json()

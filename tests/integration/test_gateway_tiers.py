@@ -32,21 +32,9 @@ from audit.writer import log_files
 from tests.conftest import Appliance, make_appliance
 from tests.integration.conftest import Running, engine_client
 from tests.integration.realm import Realm
+from tests.tiers import TWO_TIERS
 
 PASSWORD = "Test-password-1"
-SETTINGS = """
-[[pools]]
-name = "full"
-served_model_name = "assistant"
-tier = "full"
-replicas = 2
-
-[[pools]]
-name = "fast"
-served_model_name = "assistant"
-tier = "fast"
-max_model_len = 1024
-"""
 SYSTEM = ("You are the help desk of a bank. Answer in one short sentence, politely, and never reveal account "
           "numbers, passwords or internal procedures. ") * 6  # a long shared prefix (about 150 tokens)
 
@@ -68,7 +56,7 @@ def tiers(demo_model: Path, running: Running, realm: Realm) -> Iterator[Applianc
                 "APPLIANCE_KEYCLOAK__GATEWAY_CLIENT_SECRET": gateway_client_secret(realm.settings, session.home),
                 "APPLIANCE_GATEWAY__INTROSPECT_TTL_S": "30"}
     for appliance in make_appliance(demo_model, None, **keycloak):
-        appliance.home.settings_file.write_text(SETTINGS)
+        appliance.home.settings_file.write_text(TWO_TIERS)
         started = appliance.run("up", timeout=1200)
         assert started.returncode == 0, started.stdout + started.stderr
         yield appliance
@@ -285,7 +273,9 @@ def test_a_batch_runs_through_a_worker_kill_and_a_down_up_with_the_openai_client
     while (batch := client.batches.retrieve(batch.id)).status not in ("completed", "failed", "expired", "cancelled"):
         assert time.monotonic() < deadline, batch
         time.sleep(2)
-    assert batch.status == "completed" and batch.request_counts.completed == 60 and batch.request_counts.failed == 0
+    errors = client.files.content(batch.error_file_id).text if batch.error_file_id else ""
+    assert batch.status == "completed" and batch.request_counts.completed == 60, (batch, errors[:3000])
+    assert batch.request_counts.failed == 0
     assert batch.output_file_id and batch.error_file_id is None and batch.completed_at
     output = [json.loads(row) for row in client.files.content(batch.output_file_id).text.splitlines()]
     assert [row["custom_id"] for row in output] == [f"q-{index:03d}" for index in range(60)]

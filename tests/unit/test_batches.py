@@ -203,3 +203,8 @@ def test_a_request_given_back_waits_its_turn_and_users_take_turns(home: Home, st
     mine_after_restart = batches.claim(home, 5, lambda pid: True, 10)  # same pid, new process: stale claims free
     assert {(r.batch_id, r.line) for r in mine_after_restart} >= {(r.batch_id, r.line) for r in again}
     assert (anns.id, 1) not in {(r.batch_id, r.line) for r in mine_after_restart}  # not before its retry time
+    failing = next(r for r in mine_after_restart if r.batch_id == anns.id)
+    batches.release(home, failing, 0, failed=True)  # an engine failed mid-answer: an attempt counted
+    [again] = [r for r in batches.claim(home, 6, lambda pid: True, 10) if (r.batch_id, r.line) ==
+               (failing.batch_id, failing.line)]
+    assert again.attempts == 1

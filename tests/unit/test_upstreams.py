@@ -106,19 +106,9 @@ def test_a_replica_that_dies_is_routed_around_and_returns_by_itself(tmp_path: Pa
         upstreams = Upstreams([pool], clients, "key", RoutingSettings(balance="round_robin"))
         try:
             await upstreams.check()
-            used = []
-            for index in range(4):
-                sent = await upstreams.send(pool, "/v1/chat/completions", b"{}", f"r{index}")
-                used.append(sent.replica.name)
-                sent.response.release()
-                sent.done()
-            assert sorted(used) == ["main", "main", "main_1", "main_1"]
+            assert sorted(await answered_by(upstreams, pool, 4)) == ["main", "main", "main_1", "main_1"]
             await runners["main"].cleanup()  # replica 0 dies
-            for index in range(4):
-                sent = await upstreams.send(pool, "/v1/chat/completions", b"{}", f"d{index}")
-                assert sent.replica.name == "main_1" and sent.response.status == 200
-                sent.response.release()
-                sent.done()
+            assert await answered_by(upstreams, pool, 4) == ["main_1"] * 4
             assert not upstreams.is_ready(replicas[0])
             choices = upstreams.metrics.route_choices
             assert choices.labels("main", "main_1", "failover")._value.get() == 1
@@ -126,13 +116,7 @@ def test_a_replica_that_dies_is_routed_around_and_returns_by_itself(tmp_path: Pa
             runners["main"] = await engine(replicas[0].socket)
             await upstreams.check()  # as the watch loop does every second
             assert upstreams.is_ready(replicas[0])
-            back = []
-            for index in range(2):
-                sent = await upstreams.send(pool, "/v1/chat/completions", b"{}", f"b{index}")
-                back.append(sent.replica.name)
-                sent.response.release()
-                sent.done()
-            assert "main" in back
+            assert "main" in await answered_by(upstreams, pool, 2)
             assert upstreams.balancers["main"].in_flight == {"main": 0, "main_1": 0}
         finally:
             for client in clients.values():
@@ -141,3 +125,15 @@ def test_a_replica_that_dies_is_routed_around_and_returns_by_itself(tmp_path: Pa
                 await runner.cleanup()
 
     asyncio.run(scenario())
+
+
+async def answered_by(upstreams: Upstreams, pool: Pool, requests: int) -> list[str]:
+    """The replica that answered each of `requests` requests (each answered 200)."""
+    replicas = []
+    for index in range(requests):
+        sent = await upstreams.send(pool, "/v1/chat/completions", b"{}", f"r{index}")
+        assert sent.response.status == 200
+        replicas.append(sent.replica.name)
+        sent.response.release()
+        sent.done()
+    return replicas
