@@ -60,12 +60,14 @@ def plan_text(view: dict[str, Any]) -> str:
 class Models(Panel):
     DEFAULT_CSS = Panel.DEFAULT_CSS + """
     #pools { height: auto; max-height: 10; }
-    #cache { height: 1; padding: 0 1; }
+    #cache { height: auto; padding: 0 1; }
     #batches { height: auto; max-height: 8; }
     #plan { height: 1fr; padding: 0 1; }
     """
 
-    BINDINGS = [Binding("f", "flush_cache", "Flush cache"), Binding("c", "cancel_batch", "Cancel batch")]
+    # Not in the footer (it lists the screens): the cache line names them.
+    BINDINGS = [Binding("f", "flush_cache", "Flush cache", show=False),
+                Binding("c", "cancel_batch", "Cancel batch", show=False)]
 
     def __init__(self) -> None:
         super().__init__()
@@ -96,9 +98,9 @@ class Models(Panel):
                            p["tier"] or "-", r["in_flight"], r["url"])) for p in pools for r in p["replicas"]])
         rate = "-" if cache["hit_rate"] is None else f"{cache['hit_rate']:.0%}"
         self.query_one("#cache", Static).update(
-            f"Response cache ({'on' if cache['enabled'] else 'off'}, per {cache['scope']}): {cache['entries']} "
-            f"entries, {cache['bytes'] / 2**20:.1f} MiB; hits {cache['hits']}, misses {cache['misses']}, "
-            f"bypasses {cache['bypasses']}, hit rate {rate}")
+            f"Cache ({'on' if cache['enabled'] else 'off'}, per {cache['scope']}): {cache['entries']} entries, "
+            f"{cache['bytes'] / 2**20:.1f} MiB, hit rate {rate} ({cache['hits']} hits, {cache['misses']} misses, "
+            f"{cache['bypasses']} bypasses). Keys: f flushes the cache, c cancels the selected batch.")
         fill(self.query_one("#batches", DataTable),
              [(b["id"], (b["id"], b["status"], b["request_counts"]["completed"], b["request_counts"]["failed"],
                          b["request_counts"]["total"], b["endpoint"])) for b in batches.get("data", [])])
