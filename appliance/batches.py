@@ -336,7 +336,7 @@ def parse_input(data: bytes, endpoint: str, max_requests: int, max_line_bytes: i
             continue
         try:
             item = json.loads(raw, parse_constant=_no_constant)
-            json.dumps(item, ensure_ascii=False).encode()  # a lone surrogate cannot be sent
+            json.dumps(item, ensure_ascii=False, allow_nan=False).encode()  # no lone surrogate, no 1e999
         except (ValueError, UnicodeError) as exc:
             fault(number, None, _json_fault(exc))
             continue
@@ -362,6 +362,9 @@ def parse_input(data: bytes, endpoint: str, max_requests: int, max_line_bytes: i
             fault(number, "body", "body must be an object naming a model")
         elif item["body"].get("stream"):
             fault(number, "body.stream", "a batch request cannot be streamed")
+        elif len(wire_body(item["body"])) > max_line_bytes:  # as the worker sends it
+            fault(number, "body", f"the body is longer than {max_line_bytes} bytes once encoded as the gateway "
+                  "gets it (gateway.max_body_bytes)")
         else:
             seen.add(custom_id)
             requests.append((custom_id, item["body"]))
@@ -371,6 +374,11 @@ def parse_input(data: bytes, endpoint: str, max_requests: int, max_line_bytes: i
         errors.insert(0, ErrorEntry(code="too_many_requests", message=f"{len(requests)} requests; a batch may "
                                     f"hold {max_requests} (batch.max_requests)"))
     return requests, errors
+
+
+def wire_body(body: dict[str, Any]) -> bytes:
+    """A request's body as the batch-worker sends it to the gateway."""
+    return json.dumps(body, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode()
 
 
 def _no_constant(name: str) -> None:

@@ -210,7 +210,8 @@ def immediate(db: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
     try:
         yield db
     except BaseException:
-        db.execute("rollback")
+        if db.in_transaction:  # SQLite may have rolled back already (disk full, I/O): keep the real error
+            db.execute("rollback")
         raise
     db.execute("commit")
 

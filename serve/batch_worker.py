@@ -6,15 +6,15 @@ Each request goes to the gateway as its batch's owner (the worker's key and the 
 reference, serve.deps.batch_principal): it is routed to the model's default tier, screened,
 limited by the owner's budgets and audited like any other, and yields to interactive traffic. A
 429 or 503 (its owner's budget spent, its engine restarting) gives the request back to the queue
-for a while, the others go on, and so does a 500, 502 or 504 (an engine that failed mid-answer)
-until `batch.max_attempts`; the gateway down makes every request wait; any other answer is the
+for a while, the others go on, and so does an engine failing mid-answer (500, 502, 504, or 503
+`engine_dropped`) until `batch.max_attempts`: a request that kills engines is not sent for ever. The
+gateway down, or refusing the worker's key, makes every request wait; any other answer is the
 request's result. Killed, the worker leaves its
 claims to the next one (at least once); each batch's end is an audit record of its own.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -65,6 +65,8 @@ class Worker:
         Whatever goes wrong with one request, the others go on."""
         try:
             self._execute(request)
+        except ApplianceError as exc:  # the queue or the store: the claim stays, the next claim frees it
+            log.error("batch request %s left to retry: %s", request.ref, exc.one_line())
         except Exception as exc:  # one request's fault must not stop every batch
             log.exception("batch request %s failed in the worker", request.ref)
             batches.finish(self.home, request, 500, None, {"error": {
@@ -72,31 +74,38 @@ class Worker:
                 "type": "server_error"}})
 
     def _execute(self, request: batches.Claimed) -> None:
-        body = json.dumps(request.body, ensure_ascii=True, allow_nan=False)
         try:
-            response = self.http.post(request.endpoint, content=body, headers={BATCH_HEADER: request.ref})
+            response = self.http.post(request.endpoint, content=batches.wire_body(request.body),
+                                      headers={BATCH_HEADER: request.ref})
         except httpx.TransportError as exc:  # the gateway is down: every request waits
-            with self.lock:
-                self.gateway_down_until = time.monotonic() + GATEWAY_DOWN_WAIT_S
-            batches.release(self.home, request, GATEWAY_DOWN_WAIT_S)
-            log.info("batch request %s back in the queue: gateway not reachable (%s)", request.ref,
-                     type(exc).__name__)
+            self._all_wait(request, f"gateway not reachable ({type(exc).__name__})")
             return
-        if response.status_code in (429, 503):  # its owner's budget, or its engine: this request waits
+        if response.status_code == 401:  # the gateway does not take the worker's key (a new one?): all wait
+            self._all_wait(request, "the gateway refused the worker's key")
+            return
+        dropped = response.status_code == 503 and _code(response) == "engine_dropped"
+        if (response.status_code in (500, 502, 504) or dropped) and \
+                request.attempts + 1 < self.settings.batch.max_attempts:  # an engine failed mid-answer
+            batches.release(self.home, request, FAILED_RETRY_S * (request.attempts + 1), failed=True)
+            return
+        if response.status_code in (429, 503) and not dropped:  # its owner's budget, or its engine: it waits
             try:
                 wait = min(max(float(response.headers.get("retry-after", "5")), 1.0), MAX_RETRY_S)
             except ValueError:
                 wait = 5.0
             batches.release(self.home, request, wait)
             return
-        if response.status_code in (500, 502, 504) and request.attempts + 1 < self.settings.batch.max_attempts:
-            batches.release(self.home, request, FAILED_RETRY_S * (request.attempts + 1), failed=True)
-            return
         try:
             answer: object = response.json()
         except ValueError:
             answer = {"error": {"message": response.text[:2000], "type": "server_error"}}
         batches.finish(self.home, request, response.status_code, response.headers.get("x-request-id"), answer)
+
+    def _all_wait(self, request: batches.Claimed, why: str) -> None:
+        with self.lock:
+            self.gateway_down_until = time.monotonic() + GATEWAY_DOWN_WAIT_S
+        batches.release(self.home, request, GATEWAY_DOWN_WAIT_S)
+        log.info("batch request %s back in the queue: %s", request.ref, why)
 
     def finalize_ready(self) -> None:
         for batch_id in batches.to_finalize(self.home):
@@ -131,6 +140,14 @@ class Worker:
                     continue
                 for future in [pool.submit(self.execute, request) for request in claimed]:
                     future.result()
+
+
+def _code(response: httpx.Response) -> str | None:
+    try:
+        error = response.json().get("error")
+    except (ValueError, AttributeError):
+        return None
+    return error.get("code") if isinstance(error, dict) else None
 
 
 def worker_programs(settings: Settings, home: Home) -> list[Program]:

@@ -62,7 +62,7 @@ def batch_principal(request: Request, reference: str) -> Principal:
     if not hmac.compare_digest(given.encode("utf-8", "surrogatepass"), f"Bearer {key}".encode()):
         raise AuthError("invalid_token", "batch requests need the batch worker's key")
     batch_id, _, line = reference.partition(":")
-    if request.url.path not in batches.ENDPOINTS or not line.isdigit() or \
+    if request.url.path not in batches.ENDPOINTS or not (line.isascii() and line.isdigit()) or \
             not batches.is_claimed(home, batch_id, int(line)):
         raise AuthError("invalid_token", "no such batch request in progress", status=403)
     owner, _ = batches.owner_of(home, batch_id)

@@ -37,6 +37,7 @@ WATCH_INTERVAL_S = 1.0
 CLUSTER_VERDICT_S = 1.0
 MODELS_TIMEOUT_S = 10.0
 YIELD_POLL_S = 0.02
+ENGINE_KEEPALIVE_S = 4.0
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,9 @@ def pools_from_settings(settings: Settings, home: Home) -> list[Pool]:
 
 def engine_session(replica: Replica, timeout: aiohttp.ClientTimeout) -> aiohttp.ClientSession:
     """An HTTP client that reaches a replica's engine over its Unix socket."""
-    return aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(replica.socket), limit=512),
+    # Idle connections go before the engine's own keep-alive (uvicorn: 5 s) closes them under a request.
+    return aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(replica.socket), limit=512,
+                                                                 keepalive_timeout=ENGINE_KEEPALIVE_S),
                                  timeout=timeout)
 
 
@@ -218,10 +221,13 @@ class Upstreams:
                 tried.add(replica.name)
                 continue
             except aiohttp.ServerDisconnectedError as exc:
-                # Dropped after it was sent: the engine may have died of it, so it goes to no other.
+                # Dropped after it was sent: the engine may have died of it, so it goes to no other
+                # (the batch-worker counts these against a request's attempts).
                 done()
                 self._set_aside(pool, replica, exc)
-                raise self._unavailable(pool, "not reachable") from exc
+                raise GatewayError(503, f"engine pool {pool.name!r} dropped the request; retry shortly",
+                                   type="service_unavailable", code="engine_dropped",
+                                   headers={"Retry-After": "5"}) from exc
             except (TimeoutError, aiohttp.ClientError) as exc:
                 done()
                 raise GatewayError(502, f"engine pool {pool.name!r} failed: {type(exc).__name__}",

@@ -57,13 +57,17 @@ def test_a_bad_input_file_fails_its_batch_naming_each_bad_line(home: Home, store
              line("h\ud800"), "[" * 100_000 + "]" * 100_000, line("i" * 600),
              line("j", body={"model": "x" * 2_000_000}),
              json.dumps({"custom_id": "k\u2028still one line", "method": "POST", "url": CHAT, "body": {"model": "m"}}),
+             line("l").replace('"model": "m"', '"model": "m", "temperature": 1e999'),
+             json.dumps({"custom_id": "m", "method": "POST", "url": CHAT, "body": {"model": "\u4e2d" * 300_000}},
+                        ensure_ascii=False),  # 900 KB as UTF-8, 1.8 MB as the worker sends it
              line("ok")]
     batch = create(home, store, upload(home, store, lines))
     assert batch.status == BatchState.FAILED and batch.failed_at and batch.request_counts.total == 0
     assert batch.errors is not None
     named = [(error.line, error.param) for error in batch.errors.data]
     assert named == [(2, None), (3, "custom_id"), (4, "url"), (5, "method"), (6, "body"), (7, "extra"),
-                     (8, "body.stream"), (9, None), (10, None), (11, None), (12, None), (13, "custom_id"), (14, None)]
+                     (8, "body.stream"), (9, None), (10, None), (11, None), (12, None), (13, "custom_id"), (14, None),
+                     (16, None), (17, "body")]
     assert "NaN is not JSON" in batch.errors.data[8].message and "lone surrogate" in batch.errors.data[9].message
     assert "longer than 1048576 bytes" in batch.errors.data[12].message
     assert "a" not in batch.errors.data[1].message  # names the fault, never echoes the text
