@@ -1,15 +1,20 @@
 """The batch queue behind OpenAI's Batch API (issue 21): files in the artifact store, batches and
 their requests in one SQLite database in the state dir, shared by the gateway (which takes files,
-creates, lists and cancels batches) and the supervised `batch-worker` (which executes them through
-the gateway, so each request is routed, filtered, limited and audited as any other).
+creates, lists and cancels batches) and the supervised `batch-worker` (which validates their input
+files and executes them through the gateway, so each request is routed, filtered, limited and
+audited as any other).
 
 A batch's life, as OpenAI's (every move checked against MOVES inside the transaction making it):
 
-    (validated at creation) --> in_progress --> finalizing --> completed | expired
-           |                        |                ^
-           v                     cancel              |
-         failed                     v                |
-                               cancelling -----------+--> cancelled
+    validating --> in_progress --> finalizing --> completed | expired
+       |    |           |                ^
+       v    +------> cancel              |
+     failed             v                |
+                   cancelling -----------+--> cancelled
+
+Creating a batch only checks what is cheap (the file, the quotas); the worker reads the input file
+as a stream, checks it line by line and copies its requests into the queue, a chunk per
+transaction, before the batch is in progress (or failed, naming each bad line).
 
 Its requests are rows: pending, claimed by a worker (its pid), or done with the engine's answer. A
 worker that dies leaves its claims to the next one, so a request may run twice (at least once);
@@ -23,7 +28,7 @@ import math
 import secrets
 import sqlite3
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
@@ -32,7 +37,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
-from appliance.artifacts import ArtifactStore
+from appliance.artifacts import ArtifactStore, ArtifactStoreError, LocalStore, S3Store
 from appliance.errors import Conflict, IllegalTransition, Invalid, NotFound, QuotaExceeded, StateError
 from appliance.home import Home
 from appliance.jobs import immediate
@@ -43,9 +48,14 @@ COMPLETION_WINDOWS = {"24h": 24 * 3600}
 PURPOSE = "batch"
 MAX_ERRORS = 100  # of an input file's faults, the first this many are named
 CUSTOM_ID_MAX = 512
+READ_BYTES = 1 << 20  # an input file is read this much at a time
+CHUNK_ROWS, CHUNK_BYTES = 1000, 4 << 20  # requests copied into the queue per transaction, at most
+SEEN_BITS = 1 << 23  # a filter of the custom_ids seen (1 MiB): most are new, and need no look-up
+FAILED_WINDOW_S = 3600  # batch.max_failed_validations_per_hour counts over this
 
 
 class BatchState(StrEnum):
+    VALIDATING = "validating"
     IN_PROGRESS = "in_progress"
     FAILED = "failed"
     FINALIZING = "finalizing"
@@ -57,13 +67,15 @@ class BatchState(StrEnum):
 
 ENDED = (BatchState.FAILED, BatchState.COMPLETED, BatchState.EXPIRED, BatchState.CANCELLED)
 MOVES: dict[BatchState, frozenset[BatchState]] = {
+    BatchState.VALIDATING: frozenset({BatchState.IN_PROGRESS, BatchState.FAILED, BatchState.CANCELLING}),
     BatchState.IN_PROGRESS: frozenset({BatchState.FINALIZING, BatchState.CANCELLING}),
     BatchState.CANCELLING: frozenset({BatchState.FINALIZING}),
     BatchState.FINALIZING: frozenset({BatchState.COMPLETED, BatchState.EXPIRED, BatchState.CANCELLED}),
     **{state: frozenset() for state in ENDED},
 }
 # Which timestamp a move sets (OpenAI's field names).
-STAMPS = {BatchState.FINALIZING: "finalizing_at", BatchState.COMPLETED: "completed_at",
+STAMPS = {BatchState.IN_PROGRESS: "in_progress_at", BatchState.FAILED: "failed_at",
+          BatchState.FINALIZING: "finalizing_at", BatchState.COMPLETED: "completed_at",
           BatchState.EXPIRED: "expired_at", BatchState.CANCELLING: "cancelling_at",
           BatchState.CANCELLED: "cancelled_at"}
 
@@ -96,7 +108,8 @@ create table if not exists batches (
     completed integer not null default 0,
     failed integer not null default 0,
     metadata text,                 -- JSON: the client's, up to 16 string pairs
-    announced integer not null default 0  -- its end is in the audit log
+    announced integer not null default 0,  -- its end is in the audit log
+    validator_pid integer          -- the worker validating its input file
 );
 create table if not exists batch_requests (
     batch_id text not null,
@@ -113,6 +126,13 @@ create table if not exists batch_requests (
     primary key (batch_id, line)
 );
 create index if not exists batch_requests_state on batch_requests (state, batch_id);
+create unique index if not exists batch_requests_custom_id on batch_requests (batch_id, custom_id);
+"""
+# A queue made before batches were validated by the worker: its failed batches were answered at
+# creation and are not announced.
+MIGRATION = """
+alter table batches add column validator_pid integer;
+update batches set announced = 1 where status = 'failed';
 """
 
 
@@ -233,6 +253,7 @@ def connect(home: Home) -> Iterator[sqlite3.Connection]:
         if path not in _READY:
             db.execute("pragma journal_mode=wal")
             db.executescript(SCHEMA)
+            _migrate(db)
             path.chmod(0o600)  # prompts are in it
             _READY.add(path)
         yield db
@@ -240,6 +261,13 @@ def connect(home: Home) -> Iterator[sqlite3.Connection]:
         raise StateError(f"batch queue {path}: {exc}") from exc
     finally:
         db.close()
+
+
+def _migrate(db: sqlite3.Connection) -> None:
+    with immediate(db):  # the gateway and the worker may both open an old queue at once
+        if "validator_pid" not in {row[1] for row in db.execute("pragma table_info(batches)")}:
+            for statement in MIGRATION.strip().splitlines():
+                db.execute(statement)
 
 
 @contextmanager
@@ -315,65 +343,319 @@ def list_files(home: Home, owner: str) -> list[FileObject]:
 # -- batches ------------------------------------------------------------------------------------
 
 
-def parse_input(data: bytes, endpoint: str, max_requests: int, max_line_bytes: int
-                ) -> tuple[list[tuple[str, dict[str, Any]]], list[ErrorEntry]]:
-    """The requests of an input file, or what is wrong with it, line by line (the first MAX_ERRORS).
-    A line must be what the worker can send as it is: strict JSON (no NaN), no lone surrogates, at
-    most `max_line_bytes` (the gateway's body limit)."""
-    requests: list[tuple[str, dict[str, Any]]] = []
-    errors: list[ErrorEntry] = []
-    seen: set[str] = set()
+def create(home: Home, ask: BatchAsk, who: Owner, limits: BatchSettings) -> Batch:
+    """A batch of the requests in the caller's input file, `validating` until the worker has read
+    it. Only cheap checks here (the file, the quotas), so creating one never stalls the gateway:
+    QuotaExceeded for too many batches not ended, too many validations failed in the last hour,
+    or no room left for a request."""
+    file, _ = get_file(home, ask.input_file_id, who.subject)
+    if file.purpose != PURPOSE:
+        raise Invalid(f"input_file_id: file {file.id} is not a batch input file")
+    now = _now()
+    batch_id = new_id("batch_")
+    with transaction(home) as db:
+        _check_quotas(db, who.subject, limits, now)
+        db.execute("insert into batches (id, owner, username, roles, endpoint, input_file_id, completion_window, "
+                   "status, created_at, expires_at, metadata) values (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                   (batch_id, who.subject, who.username, json.dumps(sorted(who.roles)), ask.endpoint, file.id,
+                    ask.completion_window, BatchState.VALIDATING, now,
+                    now + COMPLETION_WINDOWS[ask.completion_window],
+                    json.dumps(ask.metadata) if ask.metadata is not None else None))
+    return get(home, batch_id, who.subject)
 
-    def fault(line: int, param: str | None, message: str) -> None:
-        if len(errors) < MAX_ERRORS:
-            errors.append(ErrorEntry(code="invalid_request", message=message, param=param, line=line))
 
-    for number, raw in enumerate(data.split(b"\n"), 1):  # only "\n" ends a line: JSON text may hold U+2028
-        if not raw.strip():
-            continue
-        if len(raw) > max_line_bytes:
-            fault(number, None, f"the line is longer than {max_line_bytes} bytes (gateway.max_body_bytes)")
-            continue
-        try:
-            item = json.loads(raw, parse_constant=_no_constant)
-            json.dumps(item, ensure_ascii=False, allow_nan=False).encode()  # no lone surrogate, no 1e999
-        except (ValueError, UnicodeError) as exc:
-            fault(number, None, _json_fault(exc))
-            continue
-        except RecursionError:
-            fault(number, None, "nested too deeply")
-            continue
-        if not isinstance(item, dict):
-            fault(number, None, "a line must be a JSON object")
-            continue
-        if unknown := sorted(set(item) - {"custom_id", "method", "url", "body"}):
-            fault(number, unknown[0][:64], f"unknown field {unknown[0][:64]!r}")
-            continue
-        custom_id = item.get("custom_id")
-        if not isinstance(custom_id, str) or not 0 < len(custom_id) <= CUSTOM_ID_MAX:
-            fault(number, "custom_id", f"custom_id must be a string of 1 to {CUSTOM_ID_MAX} characters")
-        elif custom_id in seen:
-            fault(number, "custom_id", "custom_id is not unique in the file")
-        elif item.get("method") != "POST":
-            fault(number, "method", "method must be 'POST'")
-        elif item.get("url") != endpoint:
-            fault(number, "url", f"url must be the batch's endpoint, {endpoint}")
-        elif not isinstance(item.get("body"), dict) or not isinstance(item["body"].get("model"), str):
-            fault(number, "body", "body must be an object naming a model")
-        elif item["body"].get("stream"):
-            fault(number, "body.stream", "a batch request cannot be streamed")
-        elif len(wire_body(item["body"])) > max_line_bytes:  # as the worker sends it
-            fault(number, "body", f"the body is longer than {max_line_bytes} bytes once encoded as the gateway "
-                  "gets it (gateway.max_body_bytes)")
+def _check_quotas(db: sqlite3.Connection, subject: str, limits: BatchSettings, now: int) -> None:
+    active = db.execute("select count(*) from batches where owner = ? and status in "
+                        "('validating', 'in_progress', 'cancelling', 'finalizing')", (subject,)).fetchone()[0]
+    if active >= limits.max_active_per_user:
+        raise QuotaExceeded(f"you have {active} batches validating or in progress (batch.max_active_per_user = "
+                            f"{limits.max_active_per_user}); wait for one to end")
+    # A validation that did not succeed (failed, or cancelled before it ended) cost the worker a
+    # read of the whole file: counted, so that it cannot be repeated at will.
+    failed = db.execute("select count(*) from batches where owner = ? and (failed_at > ? or "
+                        "(in_progress_at is null and cancelling_at > ?))",
+                        (subject, now - FAILED_WINDOW_S, now - FAILED_WINDOW_S)).fetchone()[0]
+    if failed >= limits.max_failed_validations_per_hour:
+        raise QuotaExceeded(f"{failed} of your batches failed validation or were cancelled while validating in "
+                            f"the last hour (batch.max_failed_validations_per_hour = "
+                            f"{limits.max_failed_validations_per_hour}); check your input files, retry later")
+    pending = _pending(db, subject)
+    if pending >= limits.max_pending_requests_per_user:
+        raise QuotaExceeded(f"{pending} of your batch requests are waiting (batch.max_pending_requests_per_user "
+                            f"= {limits.max_pending_requests_per_user}); wait for some to run")
+
+
+def _pending(db: sqlite3.Connection, subject: str) -> int:
+    """The owner's requests not yet done, over their batches that have requests to run."""
+    pending: int = db.execute(
+        "select count(*) from batch_requests r join batches b on b.id = r.batch_id where b.owner = ? "
+        "and b.status in ('in_progress', 'cancelling', 'finalizing') and r.state != 'done'", (subject,)).fetchone()[0]
+    return pending
+
+
+# -- validation (the worker's side) ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Validating:
+    """A batch whose input file a worker checks and copies into the queue."""
+
+    batch_id: str
+    owner: Owner
+    endpoint: str
+    input_file_id: str
+    worker_pid: int
+
+
+class _Fault(Exception):
+    """What is wrong with one line: the field (None: the line itself) and why."""
+
+    def __init__(self, param: str | None, message: str) -> None:
+        super().__init__(message)
+        self.param, self.message = param, message
+
+
+def claim_validation(home: Home, worker_pid: int, alive: Callable[[int | None], bool]) -> Validating | None:
+    """The next batch to validate, claimed for this worker: the oldest validating batch that no
+    live worker validates (one this worker's pid holds is a dead worker's: it claims only between
+    validations), of the user whose last validation ended longest ago (users take turns)."""
+    with transaction(home) as db:
+        rows = db.execute(
+            "select *, (select max(coalesce(v.in_progress_at, v.failed_at)) from batches v where v.owner = b.owner) "
+            "as last from batches b where status = 'validating' order by coalesce(last, 0), created_at, rowid"
+        ).fetchall()
+        row = next((row for row in rows if row["validator_pid"] in (None, worker_pid)
+                    or not alive(row["validator_pid"])), None)
+        if row is None:
+            return None
+        db.execute("update batches set validator_pid = ? where id = ?", (worker_pid, row["id"]))
+    return Validating(row["id"], Owner(row["owner"], row["username"], frozenset(json.loads(row["roles"]))),
+                      row["endpoint"], row["input_file_id"], worker_pid)
+
+
+def validate(home: Home, store: ArtifactStore, job: Validating, limits: BatchSettings, max_line_bytes: int,
+             max_choices: int | None) -> Batch:
+    """Read a validating batch's input file as a stream, check it line by line and copy its
+    requests into the queue a chunk per transaction; then the batch is in progress, or failed
+    naming each bad line (its requests gone). Run again after a crash, it starts over (the rows
+    copied before are deleted first). A batch cancelled meanwhile stops it. `max_choices`: the
+    owner's max_n (None: no cap). The store unavailable: ArtifactStoreError, the batch stays."""
+    with connect(home) as db:
+        with immediate(db):
+            db.execute("delete from batch_requests where batch_id = ?", (job.batch_id,))
+        row = db.execute("select key from files where id = ? and owner = ?",
+                         (job.input_file_id, job.owner.subject)).fetchone()
+        if row is None:
+            _fail(db, job, ErrorEntry(code="invalid_file", param="input_file_id", message=(
+                f"the input file {job.input_file_id} was deleted before the batch was validated")))
         else:
-            seen.add(custom_id)
-            requests.append((custom_id, item["body"]))
-    if not requests and not errors:
-        errors.append(ErrorEntry(code="empty_file", message="the input file holds no requests"))
-    if len(requests) > max_requests:
-        errors.insert(0, ErrorEntry(code="too_many_requests", message=f"{len(requests)} requests; a batch may "
-                                    f"hold {max_requests} (batch.max_requests)"))
-    return requests, errors
+            copy = _Copy(db, job, max_line_bytes, max_choices)
+            if copy.run(_lines(_chunks(store, row["key"]), max_line_bytes)):
+                _conclude(db, job, copy.count, copy.errors, limits)
+    return get(home, job.batch_id, None)
+
+
+def fail_validation(home: Home, job: Validating, code: str, message: str) -> None:
+    """End a batch the worker could not validate (not the file's fault) as failed, saying why."""
+    with connect(home) as db:
+        _fail(db, job, ErrorEntry(code=code, message=message))
+
+
+def _fail(db: sqlite3.Connection, job: Validating, error: ErrorEntry) -> None:
+    with immediate(db):
+        if _still_mine(db, job):
+            _end(db, job, 0, [error])
+
+
+class _Copy:
+    """An input file's lines checked, their requests copied into the queue in chunks; a custom_id
+    maybe seen before (by a fixed-size filter) is looked up in the queue: memory stays bounded."""
+
+    def __init__(self, db: sqlite3.Connection, job: Validating, max_line_bytes: int, max_choices: int | None):
+        self.db, self.job, self.max_line_bytes, self.max_choices = db, job, max_line_bytes, max_choices
+        self.count = 0  # requests found, each numbered in the queue in file order
+        self.errors: list[ErrorEntry] = []
+        self.chunk: dict[str, str] = {}  # custom_id -> body (JSON, as sent) not yet copied
+        self.chunk_bytes = 0
+        self.filter = bytearray(SEEN_BITS // 8)
+
+    def run(self, lines: Iterable[tuple[int, bytes | None]]) -> bool:
+        """Every line checked and its request copied; False if the batch stopped being this
+        worker's to validate (cancelled)."""
+        for number, raw in lines:
+            try:
+                self._line(raw)
+            except _Fault as fault:
+                if len(self.errors) < MAX_ERRORS:
+                    self.errors.append(ErrorEntry(code="invalid_request", message=fault.message, param=fault.param,
+                                                  line=number))
+            if (len(self.chunk) >= CHUNK_ROWS or self.chunk_bytes >= CHUNK_BYTES) and not self._flush():
+                return False
+        return self._flush()
+
+    def _line(self, raw: bytes | None) -> None:
+        if raw is None:
+            raise _Fault(None, f"the line is longer than {self.max_line_bytes} bytes (gateway.max_body_bytes)")
+        if not raw.strip():
+            return
+        custom_id, wire = _check_line(raw, self.job.endpoint, self.max_line_bytes, self.max_choices, self._seen)
+        self.chunk[custom_id] = wire.decode("ascii")
+        self.chunk_bytes += len(wire)
+
+    def _seen(self, custom_id: str) -> bool:
+        bits = [hash(custom_id) % SEEN_BITS, hash(custom_id[::-1]) % SEEN_BITS]
+        if all(self.filter[bit >> 3] & (1 << (bit & 7)) for bit in bits):
+            return custom_id in self.chunk or self.db.execute(
+                "select 1 from batch_requests where batch_id = ? and custom_id = ?",
+                (self.job.batch_id, custom_id)).fetchone() is not None
+        for bit in bits:
+            self.filter[bit >> 3] |= 1 << (bit & 7)
+        return False
+
+    def _flush(self) -> bool:
+        with immediate(self.db):
+            if not _still_mine(self.db, self.job):
+                return False
+            first = self.count + 1
+            self.db.executemany("insert into batch_requests (batch_id, line, custom_id, body, state) "
+                                "values (?, ?, ?, ?, 'pending')",
+                                [(self.job.batch_id, line, custom_id, body)
+                                 for line, (custom_id, body) in enumerate(self.chunk.items(), first)])
+        self.count += len(self.chunk)
+        self.chunk.clear()
+        self.chunk_bytes = 0
+        return True
+
+
+def _still_mine(db: sqlite3.Connection, job: Validating) -> bool:
+    """Whether the batch is still validating under this worker; if not, cancelled meanwhile, the
+    requests copied so far go (in the caller's transaction)."""
+    row = db.execute("select status, validator_pid from batches where id = ?", (job.batch_id,)).fetchone()
+    if row is not None and row["status"] == BatchState.VALIDATING and row["validator_pid"] == job.worker_pid:
+        return True
+    if row is not None and row["status"] != BatchState.VALIDATING:
+        db.execute("delete from batch_requests where batch_id = ?", (job.batch_id,))
+    return False
+
+
+def _conclude(db: sqlite3.Connection, job: Validating, count: int, errors: list[ErrorEntry],
+              limits: BatchSettings) -> None:
+    """In progress with its `count` requests, or failed with `errors` (the lines', then the
+    batch's own: too many requests, none, no room left for them) and none."""
+    with immediate(db):
+        if not _still_mine(db, job):
+            return
+        if count > limits.max_requests:
+            errors.insert(0, ErrorEntry(code="too_many_requests", message=f"{count} requests; a batch may hold "
+                                        f"{limits.max_requests} (batch.max_requests)"))
+        elif not count and not errors:
+            errors.append(ErrorEntry(code="empty_file", message="the input file holds no requests"))
+        elif not errors and (pending := _pending(db, job.owner.subject)) + count > \
+                limits.max_pending_requests_per_user:
+            errors.append(ErrorEntry(code="too_many_pending_requests", message=(
+                f"{pending} of your batch requests are waiting; {count} more would pass "
+                f"batch.max_pending_requests_per_user ({limits.max_pending_requests_per_user})")))
+        _end(db, job, count, errors)
+
+
+def _end(db: sqlite3.Connection, job: Validating, count: int, errors: list[ErrorEntry]) -> None:
+    if errors:
+        db.execute("delete from batch_requests where batch_id = ?", (job.batch_id,))
+    db.execute("update batches set errors = ?, total = ?, validator_pid = null where id = ?",
+               (Errors(data=errors).model_dump_json() if errors else None, 0 if errors else count, job.batch_id))
+    _move(db, job.batch_id, BatchState.FAILED if errors else BatchState.IN_PROGRESS)
+
+
+def _check_line(raw: bytes, endpoint: str, max_line_bytes: int, max_choices: int | None,
+               seen: Callable[[str], bool]) -> tuple[str, bytes]:
+    """One line's request (custom_id, body as the worker sends it); _Fault naming the field if it is bad. A line must be
+    what the worker can send as it is: strict JSON (no NaN), no lone surrogates, at most
+    `max_line_bytes` (the gateway's body limit) as sent, at most `max_choices` choices, with a
+    custom_id not `seen` before."""
+    try:
+        item = json.loads(raw, parse_constant=_no_constant)
+        json.dumps(item, ensure_ascii=False, allow_nan=False).encode()  # no lone surrogate, no 1e999
+    except (ValueError, UnicodeError) as exc:
+        raise _Fault(None, _json_fault(exc)) from None
+    except RecursionError:
+        raise _Fault(None, "nested too deeply") from None
+    if not isinstance(item, dict):
+        raise _Fault(None, "a line must be a JSON object")
+    if unknown := sorted(set(item) - {"custom_id", "method", "url", "body"}):
+        raise _Fault(unknown[0][:64], f"unknown field {unknown[0][:64]!r}")
+    custom_id, body = item.get("custom_id"), item.get("body")
+    if not isinstance(custom_id, str) or not 0 < len(custom_id) <= CUSTOM_ID_MAX:
+        raise _Fault("custom_id", f"custom_id must be a string of 1 to {CUSTOM_ID_MAX} characters")
+    if seen(custom_id):
+        raise _Fault("custom_id", "custom_id is not unique in the file")
+    if item.get("method") != "POST":
+        raise _Fault("method", "method must be 'POST'")
+    if item.get("url") != endpoint:
+        raise _Fault("url", f"url must be the batch's endpoint, {endpoint}")
+    if not isinstance(body, dict) or not isinstance(body.get("model"), str):
+        raise _Fault("body", "body must be an object naming a model")
+    if body.get("stream"):
+        raise _Fault("body.stream", "a batch request cannot be streamed")
+    if len(wire := wire_body(body)) > max_line_bytes:  # as the worker sends it
+        raise _Fault("body", f"the body is longer than {max_line_bytes} bytes once encoded as the gateway gets it "
+                     "(gateway.max_body_bytes)")
+    _check_choices(body, max_choices)
+    return custom_id, wire
+
+
+def _check_choices(body: dict[str, Any], max_choices: int | None) -> None:
+    """The engine produces prompts x n x best_of choices for a body; the owner's max_n caps them
+    (as the gateway does when the request is sent)."""
+    factors = {}
+    for name in ("n", "best_of"):
+        value = body.get(name, 1)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise _Fault(f"body.{name}", f"{name} must be a positive integer")
+        factors[name] = value or 1
+    prompt = body.get("prompt")
+    # A list of strings or of token lists is several prompts; a list of token ids is one.
+    prompts = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
+    choices = prompts * factors["n"] * factors["best_of"]
+    if max_choices is not None and choices > max_choices:
+        param = next(name for name, factor in (("body.prompt", prompts), ("body.n", factors["n"]),
+                                               ("body.best_of", factors["best_of"])) if factor > 1)
+        raise _Fault(param, f"{choices} choices asked ({prompts} prompts x n {factors['n']} x best_of "
+                     f"{factors['best_of']}); your role allows {max_choices} (gateway.limits max_n)")
+
+
+def _lines(chunks: Iterable[bytes], max_line_bytes: int) -> Iterator[tuple[int, bytes | None]]:
+    """The lines of a file read in chunks, numbered from 1; only "\\n" ends one (JSON text may hold
+    U+2028). A line longer than `max_line_bytes` is None, and is not kept in memory."""
+    number, part, too_long = 1, bytearray(), False
+    for chunk in chunks:
+        start = 0
+        while (end := chunk.find(b"\n", start)) >= 0:
+            piece = chunk[start:end]
+            yield number, None if too_long or len(part) + len(piece) > max_line_bytes else bytes(part + piece)
+            number, part, too_long, start = number + 1, bytearray(), False, end + 1
+        rest = chunk[start:]
+        too_long = too_long or len(part) + len(rest) > max_line_bytes
+        part = bytearray() if too_long else part + rest
+    if part or too_long:
+        yield number, None if too_long else bytes(part)
+
+
+def _chunks(store: ArtifactStore, key: str) -> Iterator[bytes]:
+    """A stored file READ_BYTES at a time (ranged reads on S3; a store without them: at once)."""
+    if isinstance(store, LocalStore):
+        path = store.root / key
+        try:
+            with path.open("rb") as file:
+                while chunk := file.read(READ_BYTES):
+                    yield chunk
+        except OSError as exc:
+            raise ArtifactStoreError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    elif isinstance(store, S3Store):
+        size, _ = store.size_and_etag(key)
+        for offset in range(0, size, READ_BYTES):
+            yield store.get(key, offset, min(READ_BYTES, size - offset))
+    else:
+        yield store.get(key)
 
 
 def wire_body(body: dict[str, Any]) -> bytes:
@@ -391,45 +673,6 @@ def _json_fault(exc: ValueError | UnicodeError) -> str:
     if isinstance(exc, UnicodeError):
         return "not UTF-8, or a lone surrogate"
     return f"not JSON ({exc})"
-
-
-def create(home: Home, store: ArtifactStore, ask: BatchAsk, who: Owner, limits: BatchSettings,
-           max_line_bytes: int) -> Batch:
-    """A batch of the requests in the caller's input file: failed (naming each bad line) if any is
-    bad, else queued in progress. Over a quota (active batches, pending requests): QuotaExceeded."""
-    file, key = get_file(home, ask.input_file_id, who.subject)
-    if file.purpose != PURPOSE:
-        raise Invalid(f"input_file_id: file {file.id} is not a batch input file")
-    requests, errors = parse_input(store.get(key), ask.endpoint, limits.max_requests, max_line_bytes)
-    now = _now()
-    batch_id = new_id("batch_")
-    status = BatchState.FAILED if errors else BatchState.IN_PROGRESS
-    with transaction(home) as db:
-        active, pending = db.execute(
-            "select count(distinct b.id), count(r.line) from batches b left join batch_requests r on r.batch_id = b.id "
-            "and r.state != 'done' where b.owner = ? and b.status in ('in_progress', 'cancelling', 'finalizing')",
-            (who.subject,)).fetchone()
-        if not errors and active >= limits.max_active_per_user:
-            raise QuotaExceeded(f"you have {active} batches in progress (batch.max_active_per_user = "
-                                f"{limits.max_active_per_user}); wait for one to end")
-        if not errors and pending + len(requests) > limits.max_pending_requests_per_user:
-            raise QuotaExceeded(f"{pending} of your batch requests are waiting; {len(requests)} more would pass "
-                                f"batch.max_pending_requests_per_user ({limits.max_pending_requests_per_user})")
-        db.execute("insert into batches (id, owner, username, roles, endpoint, input_file_id, completion_window, "
-                   "status, errors, created_at, expires_at, total, metadata, in_progress_at, failed_at) "
-                   "values (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                   (batch_id, who.subject, who.username, json.dumps(sorted(who.roles)), ask.endpoint, file.id,
-                    ask.completion_window, status,
-                    Errors(data=errors).model_dump_json() if errors else None, now,
-                    now + COMPLETION_WINDOWS[ask.completion_window], 0 if errors else len(requests),
-                    json.dumps(ask.metadata) if ask.metadata is not None else None,
-                    None if errors else now, now if errors else None))
-        if not errors:
-            db.executemany("insert into batch_requests (batch_id, line, custom_id, body, state) "
-                           "values (?, ?, ?, ?, 'pending')",
-                           [(batch_id, line, custom_id, json.dumps(body))
-                            for line, (custom_id, body) in enumerate(requests, 1)])
-    return get(home, batch_id, who.subject)
 
 
 def _batch(row: sqlite3.Row) -> Batch:
@@ -485,17 +728,17 @@ def cancel(home: Home, batch_id: str, owner: str | None) -> Batch:
     with transaction(home) as db:
         status = BatchState(db.execute("select status from batches where id = ?", (batch_id,)).fetchone()[0])
         if status in ENDED or status == BatchState.FINALIZING:
-            raise Conflict(f"batch {batch_id} is {status}; only a batch in progress can be cancelled")
-        if status == BatchState.IN_PROGRESS:
+            raise Conflict(f"batch {batch_id} is {status}; only a batch validating or in progress can be cancelled")
+        if status in (BatchState.VALIDATING, BatchState.IN_PROGRESS):
             _move(db, batch_id, BatchState.CANCELLING)
     return get(home, batch_id, owner)
 
 
 def cancel_all_of(home: Home, subject: str) -> int:
-    """Cancel every batch in progress of a user (disabled: their requests stop)."""
+    """Cancel every batch validating or in progress of a user (disabled: their requests stop)."""
     with transaction(home) as db:
-        ids = [row[0] for row in db.execute("select id from batches where owner = ? and status = 'in_progress'",
-                                            (subject,))]
+        ids = [row[0] for row in db.execute("select id from batches where owner = ? and status in "
+                                            "('validating', 'in_progress')", (subject,))]
         for batch_id in ids:
             _move(db, batch_id, BatchState.CANCELLING)
     return len(ids)
@@ -623,8 +866,8 @@ def finalize(home: Home, store: ArtifactStore, batch_id: str) -> Batch:
 def to_announce(home: Home) -> list[Batch]:
     """Ended batches whose end is not yet in the audit log."""
     with connect(home) as db:
-        rows = db.execute("select * from batches where announced = 0 and status in ('completed', 'expired', "
-                          "'cancelled') order by created_at").fetchall()
+        rows = db.execute("select * from batches where announced = 0 and status in ('failed', 'completed', "
+                          "'expired', 'cancelled') order by created_at").fetchall()
     return [_batch(row) for row in rows]
 
 

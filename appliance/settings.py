@@ -326,7 +326,11 @@ class BatchSettings(_Section):
     max_stored_bytes_per_user: int = Field(
         1 << 30, ge=1024, description="Bytes of files (uploads and batch outputs) a user may hold at once.")
     max_requests: int = Field(50_000, ge=1, description="Requests one batch may hold.")
-    max_active_per_user: int = Field(8, ge=1, description="Batches in progress a user may have at once.")
+    max_active_per_user: int = Field(8, ge=1, description="Batches validating or in progress a user may have at "
+                                     "once.")
+    max_failed_validations_per_hour: int = Field(
+        10, ge=1, description="Batches a user may have fail validation (or cancel while validating) in an hour; "
+        "past it, creating one is a 429 (each validation reads the whole input file).")
     max_pending_requests_per_user: int = Field(
         200_000, ge=1, description="Requests a user may have waiting over all their batches.")
     concurrency: int = Field(2, ge=1, le=256, description="Requests the worker sends at once.")

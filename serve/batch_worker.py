@@ -1,6 +1,8 @@
-"""The `batch-worker` program (supervised): executes the requests of batches in progress
-(appliance.batches) through the gateway on loopback, `batch.concurrency` at a time, and writes each
-batch's output and error files when its requests are done.
+"""The `batch-worker` program (supervised): validates the input files of new batches, one at a
+time in a thread of its own (streamed from the artifact store, line by line, off the gateway),
+executes the requests of batches in progress (appliance.batches) through the gateway on loopback,
+`batch.concurrency` at a time, and writes each batch's output and error files when its requests
+are done.
 
 Each request goes to the gateway as its batch's owner (the worker's key and the request's
 reference, serve.deps.batch_principal): it is routed to the model's default tier, screened,
@@ -10,7 +12,8 @@ for a while, the others go on, and so does an engine failing mid-answer (500, 50
 `engine_dropped`) until `batch.max_attempts`: a request that kills engines is not sent for ever. The
 gateway down, or refusing the worker's key, makes every request wait; any other answer is the
 request's result. Killed, the worker leaves its
-claims to the next one (at least once); each batch's end is an audit record of its own.
+claims to the next one (at least once), and a validation it was making starts over; each
+batch's end (a failed validation too) is an audit record of its own.
 """
 
 from __future__ import annotations
@@ -36,12 +39,14 @@ from appliance.secrets import secret
 from appliance.settings import Settings, load_settings
 from appliance.supervisor import runs_module
 from serve.deps import BATCH_HEADER, BATCH_WORKER_SECRET
+from serve.limits import RateLimiter
 
 log = logging.getLogger("appliance.batch-worker")
 MODULE = "serve.batch_worker"
 GATEWAY_DOWN_WAIT_S = 5.0
 MAX_RETRY_S = 60.0
 FAILED_RETRY_S = 5.0
+STORE_DOWN_WAIT_S = 10.0  # the artifact store or the queue failed a validation: it starts over after this
 
 
 def worker_alive(pid: int | None) -> bool:
@@ -59,6 +64,43 @@ class Worker:
                                           "Content-Type": "application/json"})
         self.gateway_down_until = 0.0
         self.lock = threading.Lock()
+        self.caps = RateLimiter(settings.gateway.limits)  # its limits_for: the caps the gateway applies
+
+    def validate_next(self) -> bool:
+        """Validate the next batch waiting for it, if any (False: none). Whatever goes wrong with
+        one file, the worker goes on: the store or the queue down, the batch waits and starts over;
+        a fault of the worker's own fails the batch, saying so."""
+        job = batches.claim_validation(self.home, os.getpid(), worker_alive)
+        if job is None:
+            return False
+        try:
+            self._validate(job)
+        except ApplianceError as exc:
+            log.error("batch %s validation left to start over: %s", job.batch_id, exc.one_line())
+            time.sleep(STORE_DOWN_WAIT_S)
+        except Exception as exc:  # a file the worker cannot read must not be retried for ever
+            log.exception("batch %s validation failed in the worker", job.batch_id)
+            batches.fail_validation(self.home, job, "server_error",
+                                    f"the batch worker could not validate this file ({type(exc).__name__})")
+        return True
+
+    def _validate(self, job: batches.Validating) -> None:
+        started = time.monotonic()
+        caps = self.caps.limits_for(job.owner.roles)
+        batch = batches.validate(self.home, self.store, job, self.settings.batch, self.settings.gateway.max_body_bytes,
+                                 caps.max_n if caps is not None else None)
+        log.info("batch %s validated in %.1f s: %s, %d requests, %d errors", batch.id, time.monotonic() - started,
+                 batch.status, batch.request_counts.total, len(batch.errors.data) if batch.errors else 0)
+
+    def validate_forever(self) -> None:
+        while True:
+            try:
+                found = self.validate_next()
+            except ApplianceError as exc:  # the queue itself: this thread must outlive it
+                log.error("batch validation: %s", exc.one_line())
+                found = False
+            if not found:
+                time.sleep(self.settings.batch.poll_s)
 
     def execute(self, request: batches.Claimed) -> None:
         """Send one request; record its answer, or give it back to the queue to retry later.
@@ -114,9 +156,7 @@ class Worker:
             except ApplianceError as exc:  # the store is down: the batch stays to be finalized next time
                 log.error("batch %s not finalized: %s", batch_id, exc.one_line())
         for batch in batches.to_announce(self.home):  # each end once in the audit log, after a crash too
-            counts = batch.request_counts
-            detail = f"batch {batch.id} {batch.status}: {counts.completed} of {counts.total} requests completed, " \
-                     f"{counts.failed} failed"
+            detail = _ending(batch)
             try:
                 announce(Change(f"batches.{batch.status}", "allowed", 0, detail))
             except ApplianceError as exc:
@@ -127,6 +167,8 @@ class Worker:
 
     def run(self) -> None:
         concurrency = self.settings.batch.concurrency
+        # Validating a big file takes seconds: the requests of batches in progress go on meanwhile.
+        threading.Thread(target=self.validate_forever, name="batch-validate", daemon=True).start()
         with ThreadPoolExecutor(concurrency, thread_name_prefix="batch") as pool:
             while True:
                 self.finalize_ready()
@@ -140,6 +182,19 @@ class Worker:
                     continue
                 for future in [pool.submit(self.execute, request) for request in claimed]:
                     future.result()
+
+
+def _ending(batch: batches.Batch) -> str:
+    """A batch's end, for the audit log: its counts, or a failed validation's first error."""
+    if batch.status == batches.BatchState.FAILED and batch.errors and batch.errors.data:
+        first = batch.errors.data[0]
+        where = f"line {first.line}" if first.line is not None else "the file"
+        field = f", {first.param}" if first.param else ""
+        return f"batch {batch.id} failed validation ({len(batch.errors.data)} errors; first at {where}{field}: " \
+               f"{first.code}: {first.message})"
+    counts = batch.request_counts
+    return f"batch {batch.id} {batch.status}: {counts.completed} of {counts.total} requests completed, " \
+           f"{counts.failed} failed"
 
 
 def _code(response: httpx.Response) -> str | None:

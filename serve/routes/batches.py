@@ -26,7 +26,7 @@ from serve.deps import ChatUser, requires
 from serve.errors import GatewayError
 
 log = logging.getLogger("appliance.gateway")
-PARSING_AT_ONCE = 2
+UPLOADS_AT_ONCE = 2
 
 
 class FileList(BaseModel):
@@ -80,12 +80,12 @@ def router(settings: Settings, home: Home) -> APIRouter:
     routes = APIRouter(tags=["openai"])
     store = artifact_store(settings.artifacts, home)
     limits = settings.batch
-    parsing = anyio.CapacityLimiter(PARSING_AT_ONCE)  # whole files in memory: a few at a time
+    uploading = anyio.CapacityLimiter(UPLOADS_AT_ONCE)  # whole files in memory: a few at a time
 
     @routes.post("/v1/files", response_model=FileObject, name="files.create")
     async def upload(who: BatchUser, file: UploadFile, purpose: Annotated[str, Form(max_length=64)]) -> FileObject:
         """Upload a JSONL input file for a batch (purpose `batch`), up to batch.max_file_bytes."""
-        async with parsing:
+        async with uploading:
             data = await file.read(limits.max_file_bytes + 1)
             if len(data) > limits.max_file_bytes:
                 raise GatewayError(413, f"the file is larger than {limits.max_file_bytes} bytes "
@@ -118,11 +118,11 @@ def router(settings: Settings, home: Home) -> APIRouter:
 
     @routes.post("/v1/batches", response_model=Batch, name="batches.create")
     async def create(who: BatchUser, ask: BatchAsk) -> Batch:
-        """Queue the requests of an input file. A bad file makes a failed batch naming each bad line
-        (`errors`); too many batches or requests waiting is a 429."""
+        """Queue a batch of the requests of an input file, `validating` at once: the batch-worker
+        reads the file, then the batch is `in_progress`, or `failed` naming each bad line
+        (`errors`). Too many batches, failed validations or requests waiting is a 429."""
         owner = Owner(who.subject, who.username, who.roles)
-        return await _in_thread(lambda: batches.create(home, store, ask, owner, limits,
-                                                       settings.gateway.max_body_bytes), parsing)
+        return await _in_thread(lambda: batches.create(home, ask, owner, limits))
 
     @routes.get("/v1/batches", response_model=BatchList, name="batches.list")
     async def listing(who: BatchUser, after: Annotated[str | None, Query(max_length=64)] = None,
@@ -138,8 +138,8 @@ def router(settings: Settings, home: Home) -> APIRouter:
 
     @routes.post("/v1/batches/{batch_id}/cancel", response_model=Batch, name="batches.cancel")
     async def cancel(who: BatchUser, batch_id: str) -> Batch:
-        """Stop one of your batches: requests running finish, no other starts; it ends `cancelled`
-        with the answers it has."""
+        """Stop one of your batches (validating or in progress): requests running finish, no other
+        starts; it ends `cancelled` with the answers it has."""
         return await _in_thread(lambda: batches.cancel(home, batch_id, who.subject))
 
     admin = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(requires("admin"))])

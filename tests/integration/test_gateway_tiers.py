@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 from openai import NotFoundError, OpenAI
+from openai.types import Batch
 
 from appliance import batches
 from appliance.secrets import gateway_client_secret
@@ -245,7 +246,9 @@ def test_a_batch_runs_through_a_worker_kill_and_a_down_up_with_the_openai_client
     assert uploaded.bytes == source.stat().st_size and uploaded.filename == "batch.jsonl"
     batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
                                   completion_window="24h", metadata={"purpose": "test"})
-    assert batch.status == "in_progress" and batch.request_counts.total == 60
+    assert batch.status == "validating"  # at once: the batch-worker reads the file
+    batch = settled(client, batch.id)
+    assert batch.status == "in_progress" and batch.request_counts.total == 60, batch
 
     def completed_at_least(count: int, limit_s: float = 900) -> int:
         deadline = time.monotonic() + limit_s
@@ -307,5 +310,20 @@ def test_a_batch_runs_through_a_worker_kill_and_a_down_up_with_the_openai_client
         assert posed.status_code == 401 and "ann" not in posed.text
     bad = other.files.create(file=("bad.jsonl", b'{"custom_id": "x"}\nnot json\n'), purpose="batch")
     refused = other.batches.create(input_file_id=bad.id, endpoint="/v1/chat/completions", completion_window="24h")
-    assert refused.status == "failed" and refused.errors is not None
+    assert refused.status == "validating"
+    refused = settled(other, refused.id)
+    assert refused.status == "failed" and refused.errors is not None and refused.failed_at
     assert [(error.line, error.param) for error in refused.errors.data or []] == [(1, "method"), (2, None)]
+    deadline = time.monotonic() + 60
+    while f"batch {refused.id} failed validation" not in json.dumps(every_record(tiers)):  # the worker's record
+        assert time.monotonic() < deadline, "no audit record of the failed validation"
+        time.sleep(1)
+
+
+def settled(client: OpenAI, batch_id: str, limit_s: float = 120) -> Batch:
+    """A batch once the batch-worker has validated it (OpenAI's client polling, as a user does)."""
+    deadline = time.monotonic() + limit_s
+    while (batch := client.batches.retrieve(batch_id)).status == "validating":
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.5)
+    return batch

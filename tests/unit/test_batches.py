@@ -1,5 +1,6 @@
-"""Issue 21: the batch queue's rules (appliance.batches): input files checked line by line, quotas,
-claims that outlive a dead worker, cancel, expiry, and output files in input order."""
+"""Issue 21: the batch queue's rules (appliance.batches): input files checked line by line by the
+worker (streamed, in chunks, starting over after a crash), quotas, claims that outlive a dead
+worker, cancel, expiry, and output files in input order."""
 
 from __future__ import annotations
 
@@ -43,10 +44,28 @@ def upload(home: Home, store: LocalStore, lines: list[str], owner: Owner = ANN) 
                             data=data, limits=BatchSettings()).id
 
 
+def create_only(home: Home, file_id: str, owner: Owner = ANN, limits: BatchSettings | None = None) -> batches.Batch:
+    """A batch as the gateway answers it: validating."""
+    ask = BatchAsk(input_file_id=file_id, endpoint=CHAT, completion_window="24h", metadata={"team": "risk"})
+    return batches.create(home, ask, owner, limits or BatchSettings())
+
+
+def validate(home: Home, store: LocalStore, limits: BatchSettings | None = None, max_choices: int | None = None,
+             pid: int = 4242) -> batches.Batch:
+    """The next validating batch, validated as the worker does."""
+    job = batches.claim_validation(home, pid, lambda other: other == pid)
+    assert job is not None
+    return batches.validate(home, store, job, limits or BatchSettings(), 1 << 20, max_choices)
+
+
 def create(home: Home, store: LocalStore, file_id: str, owner: Owner = ANN,
            limits: BatchSettings | None = None) -> batches.Batch:
-    ask = BatchAsk(input_file_id=file_id, endpoint=CHAT, completion_window="24h", metadata={"team": "risk"})
-    return batches.create(home, store, ask, owner, limits or BatchSettings(), 1 << 20)
+    """A batch created, then validated by the worker."""
+    created = create_only(home, file_id, owner, limits)
+    assert created.status == BatchState.VALIDATING and created.request_counts.total == 0
+    validated = validate(home, store, limits)
+    assert validated.id == created.id
+    return validated
 
 
 def test_a_bad_input_file_fails_its_batch_naming_each_bad_line(home: Home, store: LocalStore) -> None:
@@ -99,13 +118,17 @@ def test_quotas_bound_batches_and_waiting_requests_per_user(home: Home, store: L
     file_id = upload(home, store, [line(str(index)) for index in range(2)])
     create(home, store, file_id, limits=limits)
     create(home, store, file_id, limits=limits)
-    with pytest.raises(QuotaExceeded, match="2 batches in progress"):
+    with pytest.raises(QuotaExceeded, match="2 batches validating or in progress"):
         create(home, store, file_id, limits=limits)
     bobs = upload(home, store, [line("x")], owner=BOB)
     assert create(home, store, bobs, owner=BOB, limits=limits).status == BatchState.IN_PROGRESS  # per user
     roomy = BatchSettings(max_active_per_user=9, max_pending_requests_per_user=5)
+    no_room = create(home, store, file_id, limits=roomy)  # known once the file is read: the batch fails
+    assert no_room.errors is not None and no_room.errors.data[0].code == "too_many_pending_requests"
+    assert "4 of your batch requests are waiting; 2 more" in no_room.errors.data[0].message
+    full = BatchSettings(max_active_per_user=9, max_pending_requests_per_user=4)
     with pytest.raises(QuotaExceeded, match="4 of your batch requests are waiting"):
-        create(home, store, file_id, limits=roomy)
+        create_only(home, file_id, limits=full)  # no room at all: refused at once
     big = create(home, store, upload(home, store, [line(str(index)) for index in range(5)], owner=BOB), owner=BOB,
                  limits=limits)
     assert big.status == BatchState.FAILED and big.errors is not None and big.errors.data[0].code == "too_many_requests"
@@ -153,7 +176,7 @@ def test_cancel_lets_running_requests_finish_and_keeps_their_answers(home: Home,
     batches.finish(home, running, 200, "x", {"ok": True})
     ended = batches.finalize(home, store, batches.to_finalize(home)[0])
     assert ended.status == BatchState.CANCELLED and ended.request_counts.completed == 1 and ended.output_file_id
-    with pytest.raises(Conflict, match="only a batch in progress"):
+    with pytest.raises(Conflict, match="only a batch validating or in progress"):
         batches.cancel(home, batch.id, ANN.subject)
     other = create(home, store, upload(home, store, [line("z")]))
     assert batches.cancel_all_of(home, ANN.subject) == 1
