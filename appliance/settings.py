@@ -9,6 +9,7 @@ the reason.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import json
 import os
 import re
@@ -173,7 +174,28 @@ class KeycloakSettings(_Section):
         description="External mode: the gateway client's secret (embedded mode generates one).",
     )
     cli_client_id: str = Field("appliance-cli", description="Public client (device grant) for the CLI/TUI.")
+    cli_password_grant: bool = Field(
+        True, description="The CLI client also takes a password (`appliance token --user --password-stdin`, "
+        "for scripts); false: device grant only. No other client of the realm takes one.")
     start_timeout_s: int = Field(300, gt=0, description="How long `up` waits for Keycloak.")
+    password_policy: str = Field(
+        "length(12) and maxLength(128) and notUsername and notEmail",
+        description="The realm's password policy (Keycloak's syntax), checked whenever a password is set.")
+    # Keycloak's brute-force detection: a lockout is always temporary (a permanent one would let
+    # anyone who knows a username disable the account).
+    lockout_failures: int = Field(5, ge=1, le=100, description="Wrong passwords for one account (none further "
+                                  "apart than lockout_reset_s) that lock it for a while.")
+    lockout_wait_s: int = Field(60, ge=1, le=86400, description="How long lockout_failures wrong passwords lock "
+                                "the account; each further lockout_failures add as much again.")
+    lockout_max_wait_s: int = Field(900, ge=1, le=86400, description="The longest lockout.")
+    lockout_reset_s: int = Field(43200, ge=60, description="Wrong passwords are forgotten after this long "
+                                 "without another (a successful login forgets them at once).")
+    quick_login_check_ms: int = Field(1000, ge=0, le=60000, description="Two wrong passwords for one account "
+                                      "closer together than this (a script guessing)...")
+    quick_login_wait_s: int = Field(60, ge=1, le=86400, description="...lock it this long at once.")
+    events_poll_s: float = Field(
+        10.0, ge=0, le=3600, description="How often the gateway copies Keycloak's failed logins, lockouts and "
+        "admin events into the audit log (0: never).")
 
     @property
     def base_url(self) -> str:
@@ -255,9 +277,21 @@ class GatewaySettings(_Section):
         10.0, gt=0, description="A connection must send its request headers within this time of opening "
         "(or of its previous response) or it is closed."
     )
+    body_timeout_s: float = Field(
+        20.0, gt=0, description="A request body must arrive within this time of its headers, plus a second "
+        "for every `body_min_rate` bytes delivered, or the connection is closed."
+    )
+    body_min_rate: float = Field(
+        4096.0, gt=0, description="Bytes a second a request body must keep up after `body_timeout_s`."
+    )
     max_connections: int = Field(
         4096, ge=16, description="Open connections at most; past it the oldest still sending its headers "
-        "is closed."
+        "(or, if none is, its body) is closed."
+    )
+    trusted_proxies: list[str] = Field(
+        default_factory=list, description="Addresses or networks (CIDR) of the reverse proxies whose "
+        "X-Forwarded-For names the client; from anyone else it is ignored and the peer is the source. "
+        "Empty (the default): no proxy is trusted, not even on loopback."
     )
     introspect_ttl_s: float = Field(
         10.0, ge=0,
@@ -270,6 +304,19 @@ class GatewaySettings(_Section):
         description="Rate limits by role (the most generous role a user holds applies).",
     )
 
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _networks(cls, proxies: list[str]) -> list[str]:
+        """Each an IP address or network, written canonically ("*" and host names are refused:
+        trusting everyone lets any client choose its recorded source)."""
+        canonical = []
+        for position, proxy in enumerate(proxies):
+            try:
+                canonical.append(str(ipaddress.ip_network(proxy, strict=True)))
+            except ValueError as exc:
+                raise ValueError(f"entry {position} is not an IP address or network ({exc})") from None
+        return canonical
 
 class RoutingSettings(_Section):
     """Which pool and which engine of it serve a request: tiers by the routing policy, replicas by

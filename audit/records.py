@@ -53,7 +53,12 @@ class AuditEvent(BaseModel):
     latency_ms: float | None = None
     prompt_hmac: str | None = None
     completion_hmac: str | None = None
+    params_hmac: str | None = Field(None, description="Keyed hash of the request's other fields as relayed "
+                                    "(sampling, stop strings, logit bias, token lists, n, echo, max_tokens...): with "
+                                    "prompt_hmac it covers everything that shapes the answer.")
     prompt: str | None = Field(None, description="Raw text, only when capture is on.")
+    params: str | None = Field(None, description="The request's other fields as canonical JSON, only when "
+                               "capture is on.")
     completion: str | None = Field(None, description="Raw text, only when capture is on.")
     tools_called: list[str] | None = Field(None, description="Names of the tools the answer called, in order.")
     sensitive: dict[str, str] | None = Field(

@@ -53,6 +53,7 @@ class Transcript:
 
     model: str | None = None
     prompt: str | None = None
+    params: str | None = None  # the relayed body's other fields (sampling, stops, logit bias, n...)
     answer: Answer = field(default_factory=Answer)
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -221,7 +222,9 @@ class AuditMiddleware:
             prompt_tokens=transcript.prompt_tokens, completion_tokens=transcript.completion_tokens,
             latency_ms=round((time.monotonic() - started) * 1000, 1),
             prompt_hmac=self.hasher(transcript.prompt), completion_hmac=self.hasher(completion),
+            params_hmac=self.hasher(transcript.params),
             prompt=transcript.prompt if self.capture else None,
+            params=transcript.params if self.capture else None,
             completion=completion if self.capture else None,
             tools_called=transcript.answer.tools_called or None,
             sensitive=dict(sorted(transcript.marks.done.items())) or None,

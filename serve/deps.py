@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import hmac
 from collections.abc import Awaitable, Callable
-from typing import Annotated
+from typing import Annotated, cast
 
 import anyio
 from fastapi import Depends, Request
@@ -37,6 +37,8 @@ async def authenticated(
     `credentials` is declared only so the OpenAPI document shows the bearer scheme; the raw
     header is validated, so a malformed one gets a precise reason.
     """
+    if (known := getattr(request.state, "principal", None)) is not None:
+        return cast(Principal, known)  # authenticated before its body was read (AuthenticateFirst)
     gateway = request.app.state.gateway
     try:
         if (batch_request := request.headers.get(BATCH_HEADER)) is not None:

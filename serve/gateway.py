@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -32,21 +33,23 @@ from appliance.home import Home
 from appliance.secrets import gateway_client_secret, secret
 from appliance.settings import Settings, load_settings
 from appliance.tls import keycloak_ssl
-from audit import AuditUnavailable, AuditWriter, TextHasher, archive, signing_key
+from audit import AuditEvent, AuditUnavailable, AuditWriter, TextHasher, archive, signing_key
 from serve.adapters import AdapterRoutes, base_configs
 from serve.answer import decode_json
-from serve.audit_trail import AuditMiddleware, Transcript
+from serve.audit_trail import AUDITED_PREFIXES, AuditMiddleware, Transcript
 from serve.auth import Introspector, Principal, TokenValidator
 from serve.compliance import AnswerFilter, Compliance, Marks
 from serve.deps import ChatUser
 from serve.engine import ENGINE_KEY_SECRET
 from serve.errors import GatewayError, from_core
+from serve.keycloak_events import KeycloakEvents
 from serve.limits import Admission, RateLimiter
 from serve.metrics import Metrics
-from serve.middleware import BodyLimitMiddleware, MeterMiddleware, RequestTooLarge
+from serve.middleware import AuthenticateFirst, BodyLimitMiddleware, MeterMiddleware, RequestTooLarge
 from serve.response_cache import CachedAnswer, Capture, ResponseCache, deterministic, wants
 from serve.routes import admin_routers
 from serve.schemas import ChatRequest, CompletionRequest
+from serve.slow_clients import SlowClients
 from serve.summaries import Refusals, Summaries, cap_text
 from serve.upstream import Pool, Upstreams, engine_session, pools_from_settings, read_answer, relay_stream, usage_of
 
@@ -110,6 +113,7 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
                 adapters=AdapterRoutes(home, upstreams, artifact_store(settings.artifacts, home),
                                        base_configs(settings, home), on_change=cache.invalidate),
                 compliance=compliance, cache=cache)
+            SlowClients.closed = _slow_client_accounting(writer, refusals, metrics)
             await validator.try_refresh_keys()  # Keycloak may still be starting
             await upstreams.check()  # which engines answer, before the first request
             async with anyio.create_task_group() as tasks:
@@ -118,12 +122,17 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
                 tasks.start_soon(_checkpoint_timer, writer, settings.audit.checkpoint_interval_s)
                 tasks.start_soon(_summaries_timer, writer, refusals, settings.audit.refusal_interval_s)
                 tasks.start_soon(_summaries_timer, writer, monitoring, settings.audit.monitoring_interval_s)
+                if keycloak.events_poll_s > 0:  # failed logins, lockouts, admin changes (serve.keycloak_events)
+                    tasks.start_soon(KeycloakEvents(settings, home, writer, http, logins).run)
+                    tasks.start_soon(_summaries_timer, writer, logins, settings.audit.refusal_interval_s)
                 if settings.audit.archive_interval_s > 0:
                     tasks.start_soon(_archive_timer, settings, home, metrics)
                 yield
                 tasks.cancel_scope.cancel()
+            SlowClients.closed = None
             _write_summaries(writer, refusals, all_now=True)
             _write_summaries(writer, monitoring, all_now=True)
+            _write_summaries(writer, logins, all_now=True)
             writer.close()
 
     metrics = Metrics()
@@ -138,8 +147,10 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
     app.add_middleware(BodyLimitMiddleware, limit=settings.gateway.max_body_bytes,
                        paths={"/v1/files": settings.batch.max_file_bytes + 64 * 1024})
     refusals = Refusals(audit.refusal_interval_s, audit.refusal_sources)
+    logins = Summaries(audit.refusal_interval_s, audit.refusal_sources, party_field="source", summary_action=None)
     monitoring = Summaries(audit.monitoring_interval_s, MONITORING_USERS, party_field="subject",
                            summary_action=None)
+    app.add_middleware(AuthenticateFirst, prefixes=AUDITED_PREFIXES)  # inside the audit: refusals are recorded
     app.add_middleware(AuditMiddleware, writer=writer, hasher=TextHasher(home), capture_text=audit.capture_text,
                        refusals=refusals, monitoring=monitoring)
     app.add_middleware(MeterMiddleware, metrics=metrics)  # outermost: counts 413s too
@@ -286,6 +297,7 @@ async def relay(request: Request, who: Principal, path: str, body: ChatRequest |
         await anyio.to_thread.run_sync(gateway.compliance.screen_prompt, payload, fields, policy, marks)
         screen = gateway.compliance.answer_filter(policy, marks)
         transcript.prompt = body.prompt_text(payload)  # max_tokens and stream_options, set above, shape no prompt
+        transcript.params = body.params_text(payload)  # they are among these: what the engine is asked
         keep = None
         lookup, store = wants(request.headers.get("cache-control"))
         if gateway.cache.settings.enabled and deterministic(payload) and store:
@@ -450,6 +462,31 @@ async def _keys_until_fetched(validator: TokenValidator) -> None:
     while not validator.has_keys:
         await anyio.sleep(KEYS_RETRY_S)
         await validator.try_refresh_keys()
+
+
+SLOW_CLIENT_ERRORS = {"headers": "request headers not complete in time", "body": "request body not complete in time",
+                      "evicted": "closed to make room past the connection cap while still sending its request"}
+
+
+def _slow_client_accounting(writer: AuditWriter, refusals: Refusals,
+                            metrics: Metrics) -> Callable[[str, str | None], None]:
+    """What the listener calls for each connection it closes for slowness: counted in /metrics,
+    and recorded in the audit log as a refusal of its source (408), so summarised per source and
+    interval like any other; the write goes to a thread, off the event loop."""
+    def closed(reason: str, source: str | None) -> None:
+        metrics.slow_connections.labels(reason).inc()
+        event = AuditEvent(request_id="", action="connection.closed_slow", outcome="denied", status=408,
+                           source=source, error=SLOW_CLIENT_ERRORS[reason])
+        if refusals.own_record(event):
+            asyncio.get_running_loop().run_in_executor(None, _append_quietly, writer, event)
+    return closed
+
+
+def _append_quietly(writer: AuditWriter, event: AuditEvent) -> None:
+    try:
+        writer.append(event)
+    except AuditUnavailable:
+        pass  # the writer now reports the failure; requests and /readyz fail closed
 
 
 def _write_summaries(writer: AuditWriter, summaries: Summaries, *, all_now: bool = False) -> None:

@@ -1,12 +1,20 @@
-"""The gateway's listener: uvicorn (httptools) guarded against connection floods.
+"""The gateway's listener: uvicorn (httptools) guarded against connection floods and slow clients.
 
-uvicorn itself never times out a connection that opens and sends its request headers slowly or
-not at all, and accepts connections until the process runs out of file descriptors; then no
-one gets in. Here:
+uvicorn itself never times out a connection that opens and sends its request headers or its body
+slowly or not at all, and accepts connections until the process runs out of file descriptors;
+then no one gets in. Here:
 - a connection must complete its request headers within `gateway.header_timeout_s` of opening
   (or of its previous response ending) or it is closed;
-- past `gateway.max_connections` open connections, the oldest one still waiting for its headers
-  is closed to make room (an honest client sends its headers at once);
+- a request body must arrive within `gateway.body_timeout_s` of its headers, plus a second for
+  every `gateway.body_min_rate` bytes it has delivered (Apache's mod_reqtimeout rule), or the
+  connection is closed: a body that stalls or trickles cannot hold it;
+- past `gateway.max_connections` open connections, the oldest one still sending its headers (or,
+  if none is, its body) is closed to make room;
+- each connection closed for slowness is reported (`SlowClients`): the gateway counts it in
+  /metrics and summarises it in the audit log by source; an idle kept-alive connection reaching
+  the header timeout is not a slow client and is closed quietly;
+- forwarded headers (X-Forwarded-For) are believed only from `gateway.trusted_proxies`, so a
+  request's recorded source is its peer unless the operator named a proxy;
 - the process raises its file-descriptor limit to the hard limit (supervisord's `minfds` raises
   that of every program it runs), so the cap, not the limit, decides.
 
@@ -18,39 +26,62 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from appliance.home import Home
-from appliance.settings import load_settings
+from appliance.settings import GatewaySettings, load_settings
+from serve.slow_clients import SlowClients
 
 log = logging.getLogger("appliance.gateway")
 FD_RESERVE = 128  # descriptors kept for the log, engines, Keycloak and the audit writer
 
-# Connections still waiting for their request headers, oldest first (one server per process).
+# Connections still waiting for their request headers, and connections receiving a request body,
+# oldest first (one server per process).
 _waiting: dict[GuardedHttpToolsProtocol, None] = {}
+_receiving: dict[GuardedHttpToolsProtocol, None] = {}
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
     """HttpToolsProtocol with a deadline for request headers and a cap on connections."""
 
     header_timeout_s: ClassVar[float] = 10.0
+    body_timeout_s: ClassVar[float] = 20.0
+    body_min_rate: ClassVar[float] = 4096.0
     max_connections: ClassVar[int] = 4096
     _deadline: asyncio.TimerHandle | None = None
+    _begun = False  # bytes of the awaited request have arrived (else: an idle kept-alive connection)
+    _body_started = 0.0
+    _body_bytes = 0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._await_headers()
+        self._begun = True  # a connection that opens and sends nothing is a slow client too
         if len(self.connections) > self.max_connections:
-            oldest = next((waiting for waiting in _waiting if waiting is not self), None)
+            oldest = next((slow for slow in (*_waiting, *_receiving) if slow is not self), None)
             if oldest is not None:
-                oldest._close_slow()
+                oldest._close_slow("evicted")
+
+    def data_received(self, data: bytes) -> None:
+        self._begun = True
+        super().data_received(data)
 
     def on_headers_complete(self) -> None:
         self._headers_arrived()
         super().on_headers_complete()
+        if not self.transport.is_closing():
+            self._await_body()
+
+    def on_body(self, body: bytes) -> None:
+        self._body_bytes += len(body)
+        super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        self._body_arrived()
+        super().on_message_complete()
 
     def on_response_complete(self) -> None:
         pipelined = bool(self.pipeline)  # the next request's headers are in already
@@ -60,22 +91,51 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._headers_arrived()
+        self._body_arrived()
         super().connection_lost(exc)
 
     def _await_headers(self) -> None:
         _waiting[self] = None
-        self._deadline = self.loop.call_later(self.header_timeout_s, self._close_slow)
+        self._begun = False
+        self._deadline = self.loop.call_later(self.header_timeout_s, self._headers_late)
 
     def _headers_arrived(self) -> None:
         _waiting.pop(self, None)
+        self._cancel_deadline()
+
+    def _headers_late(self) -> None:
+        self._close_slow("headers" if self._begun else None)
+
+    def _await_body(self) -> None:
+        _receiving[self] = None
+        self._body_started, self._body_bytes = self.loop.time(), 0
+        self._deadline = self.loop.call_later(self.body_timeout_s, self._body_due)
+
+    def _body_due(self) -> None:
+        """Close the connection if its body is behind its deadline; else look again when it is due."""
+        due = self._body_started + self.body_timeout_s + self._body_bytes / self.body_min_rate
+        if self.loop.time() >= due:
+            self._close_slow("body")
+        else:
+            self._deadline = self.loop.call_at(due, self._body_due)
+
+    def _body_arrived(self) -> None:
+        _receiving.pop(self, None)
+        self._cancel_deadline()
+
+    def _cancel_deadline(self) -> None:
         if self._deadline is not None:
             self._deadline.cancel()
             self._deadline = None
 
-    def _close_slow(self) -> None:
+    def _close_slow(self, reason: str | None) -> None:
+        """Close the connection; `reason` None: an idle kept-alive one (not reported)."""
         self._headers_arrived()
+        self._body_arrived()
         if not self.transport.is_closing():
             self.transport.close()
+            if reason is not None:
+                SlowClients.report(reason, self.client[0] if self.client else None)
 
 
 def raise_fd_limit() -> int:
@@ -92,10 +152,20 @@ def main() -> None:
     gateway = settings.gateway
     descriptors = raise_fd_limit()
     GuardedHttpToolsProtocol.header_timeout_s = gateway.header_timeout_s
+    GuardedHttpToolsProtocol.body_timeout_s = gateway.body_timeout_s
+    GuardedHttpToolsProtocol.body_min_rate = gateway.body_min_rate
     GuardedHttpToolsProtocol.max_connections = max(16, min(gateway.max_connections, descriptors - FD_RESERVE))
     uvicorn.run("serve.gateway:app_from_env", factory=True, host=gateway.bind, port=gateway.port,
                 http=GuardedHttpToolsProtocol, loop="uvloop", access_log=False, log_level="warning",
-                timeout_graceful_shutdown=5, backlog=2048)
+                timeout_graceful_shutdown=5, backlog=2048, **forwarding(gateway))
+
+
+def forwarding(gateway: GatewaySettings) -> dict[str, Any]:
+    """uvicorn's options for forwarded headers: believed only from the proxies the operator names
+    (left alone, uvicorn believes any client on loopback)."""
+    if not gateway.trusted_proxies:
+        return {"proxy_headers": False}
+    return {"proxy_headers": True, "forwarded_allow_ips": gateway.trusted_proxies}
 
 
 if __name__ == "__main__":

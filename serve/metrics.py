@@ -41,6 +41,9 @@ class Metrics:
                                  registry=self.registry)
         self.auth_failures = Counter("gateway_auth_failures_total", "Rejected tokens by reason.",
                                      ["reason"], registry=self.registry)
+        self.slow_connections = Counter("gateway_slow_connections_closed_total", "Connections closed for sending "
+                                        "their headers or body too slowly, or evicted past the connection cap.",
+                                        ["reason"], registry=self.registry)
         self.jwks_fetches = Counter("gateway_jwks_fetches_total", "Fetches of the realm's signing keys.",
                                     registry=self.registry)
         self.archive_failures = Counter("gateway_audit_archive_failures_total",

@@ -1,5 +1,5 @@
-"""Pure ASGI middleware (safe around streaming responses): request ids and metering, and the
-request body size limit."""
+"""Pure ASGI middleware (safe around streaming responses): request ids and metering, callers
+authenticated before their bodies are read, and the request body size limit."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ import time
 import uuid
 
 from starlette.exceptions import HTTPException
+from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from serve.errors import GatewayError
+from serve.deps import authenticated
+from serve.errors import AuthError, GatewayError
 from serve.metrics import Metrics
 
 
@@ -43,6 +45,28 @@ class MeterMiddleware:
             route = getattr(scope.get("route"), "path", "unmatched")
             self.metrics.requests.labels(route, str(status), state.get("role", "none")).inc()
             self.metrics.latency.labels(route).observe(time.monotonic() - started)
+
+
+class AuthenticateFirst:
+    """Pure ASGI: every route under `prefixes` needs a token, so the caller is authenticated from
+    the request's headers before anything reads its body; a refusal (401) closes the connection,
+    so an anonymous client cannot make the gateway read or spool a body at all. The principal is
+    left in the request's state for the routes' own dependency."""
+
+    def __init__(self, app: ASGIApp, prefixes: tuple[str, ...]) -> None:
+        self.app = app
+        self.prefixes = prefixes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(self.prefixes):
+            try:
+                await authenticated(Request(scope), None)
+            except AuthError as exc:
+                refusal = exc.response()
+                refusal.headers["Connection"] = "close"  # the body is never read
+                await refusal({"type": "http"}, _empty_receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class BodyLimitMiddleware:

@@ -1,15 +1,16 @@
 """The request bodies the gateway relays: OpenAI's fields plus the vLLM sampling and
 structured-output fields it supports, typed; any other field is refused (400, naming it).
 
-What an audit record's prompt hash covers is declared here, next to the fields: every field that
-shapes what the engine is prompted with (`PROMPT_FIELDS`), taken from the body as relayed, so a
-request cannot send one prompt to the engine and have another recorded.
+What an audit record's hashes cover is declared here, next to the fields: the prompt hash every
+field that shapes what the engine is prompted with (`PROMPT_FIELDS`), the parameters hash every
+other field (sampling, stop strings, logit bias, token lists, `n`, `echo`...), both taken from the
+body as relayed, so a request cannot send one request to the engine and have another recorded.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -21,6 +22,8 @@ from serve.errors import GatewayError
 # the gateway's), `priority` (scheduling is the operator's), `vllm_xargs`, `kv_transfer_params`,
 # multimodal and `return_*` debugging fields.
 
+T = TypeVar("T")
+NonEmpty = Annotated[list[T], Field(min_length=1)]  # an empty list of prompts would reserve nothing
 BYTES_PER_TOKEN_ESTIMATE = 4  # a prompt's tokens before the engine counts them: text is ~4 bytes/token
 
 
@@ -76,7 +79,21 @@ class _Sampling(BaseModel):
         """What the prompt hash covers: the prompt-shaping fields of the relayed body, as one
         canonical JSON text (sorted keys, compact; any string, lone surrogates included, kept)."""
         shaping = {name: relayed[name] for name in cls.PROMPT_FIELDS if name in relayed}
-        return json.dumps(shaping, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        return _canonical(shaping)
+
+    @classmethod
+    def params_text(cls, relayed: dict[str, Any]) -> str:
+        """What the parameters hash covers: every other field of the relayed body (the model or
+        adapter version the engine was asked for included), in the same canonical form."""
+        return _canonical({name: value for name, value in relayed.items() if name not in cls.PROMPT_FIELDS})
+
+    def prompts(self) -> int:
+        """How many prompts the engine is given (a completion's list of prompts: one each)."""
+        return 1
+
+    def choices(self) -> int:
+        """How many answers the engine will generate: each prompt's `n`."""
+        return self.prompts() * self.n
 
     def logprobs_asked(self) -> dict[str, int]:
         """Each logprobs field set, and how many it asks for."""
@@ -95,15 +112,15 @@ class _Sampling(BaseModel):
                 if relayed.get(name) is not None and limits.max_tokens is not None \
                         and relayed[name] > limits.max_tokens:
                     raise _over_cap(name, relayed[name], limits.max_tokens)
-            if self.n > limits.max_n:
-                raise _over_cap("n", self.n, limits.max_n)
+            if self.choices() > limits.max_n:
+                raise _over_choices(self.prompts(), self.n, limits.max_n)
             for name, value in self.logprobs_asked().items():
                 if value > limits.max_logprobs:
                     raise _over_cap(name, value, limits.max_logprobs)
             if asked is None and limits.max_tokens is not None:
                 relayed["max_tokens"] = asked = limits.max_tokens
         prompt = len(prompt_text.encode("utf-8", "surrogatepass")) // BYTES_PER_TOKEN_ESTIMATE + 1
-        return prompt, (asked or context) * self.n
+        return prompt, (asked or context) * self.choices()
 
 
 class ChatRequest(_Sampling):
@@ -137,11 +154,28 @@ class CompletionRequest(_Sampling):
     PROMPT_FIELDS = ("prompt", "response_format", "structured_outputs", "add_special_tokens",
                      "truncate_prompt_tokens")
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | NonEmpty[str] | NonEmpty[int] | NonEmpty[NonEmpty[int]]
     logprobs: int | None = Field(None, ge=0)
+
+    def prompts(self) -> int:
+        # A list of strings, or of token-id lists, is that many prompts; one list of ids is one.
+        if isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int):
+            return len(self.prompt)
+        return 1
 
     def logprobs_asked(self) -> dict[str, int]:
         return {**super().logprobs_asked(), **({"logprobs": self.logprobs} if self.logprobs else {})}
+
+
+def _canonical(fields: dict[str, Any]) -> str:
+    """One canonical JSON text (sorted keys, compact; any string, lone surrogates included, kept)."""
+    return json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def _over_choices(prompts: int, n: int, cap: int) -> GatewayError:
+    asked = f"{prompts} prompts x n={n} = {prompts * n} choices" if prompts > 1 else f"'n' is {n}"
+    return GatewayError(400, f"{asked}; your role allows at most {cap} choices a request", code="over_limit",
+                        param="n" if prompts == 1 else "prompt")
 
 
 def _over_cap(field: str, asked: int, cap: int) -> GatewayError:

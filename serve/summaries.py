@@ -113,7 +113,7 @@ class Summaries:
                 self._due.append(last.model_copy(update={
                     "action": self._summary_action or last.action, self._party_field: party,
                     "count": counted.count, "latency_ms": None, "prompt_hmac": None, "completion_hmac": None,
-                    "prompt": None, "completion": None, "error": None}))
+                    "params_hmac": None, "params": None, "prompt": None, "completion": None, "error": None}))
         self._counts.clear()
         self._parties.clear()
         self._window_ends = now + self._interval

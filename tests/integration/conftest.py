@@ -36,6 +36,7 @@ SESSION_SETTINGS = {
                                  "tokens_per_minute = 10000000, max_concurrent = 1000 } }",
     "APPLIANCE_GATEWAY__LEEWAY_S": "1",
     "APPLIANCE_GATEWAY__HEADER_TIMEOUT_S": "3",  # test_attacks: half-open connections
+    "APPLIANCE_GATEWAY__BODY_TIMEOUT_S": "3",  # test_attacks: stalled bodies
     "APPLIANCE_GATEWAY__MAX_CONNECTIONS": "1024",
     "APPLIANCE_GATEWAY__INTROSPECT_TTL_S": "1",
     "APPLIANCE_AUDIT__MAX_FILE_BYTES": "65536",
@@ -46,6 +47,13 @@ SESSION_SETTINGS = {
                                    'answers = { payment_card = "allow" } } }',
     # test_attacks: a named tool_choice (structured output) makes real tool calls; vLLM 0.32 needs both.
     "APPLIANCE_POOLS__MAIN__EXTRA_ARGS": '["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]',
+    # test_logins: 3 wrong passwords in a row lock an account for 3 s, by their count alone (no quick-login
+    # check: another test's wrong password or two locks no one); Keycloak's events copied every second.
+    "APPLIANCE_KEYCLOAK__LOCKOUT_FAILURES": "3",
+    "APPLIANCE_KEYCLOAK__LOCKOUT_WAIT_S": "3",
+    "APPLIANCE_KEYCLOAK__LOCKOUT_MAX_WAIT_S": "6",
+    "APPLIANCE_KEYCLOAK__QUICK_LOGIN_CHECK_MS": "0",
+    "APPLIANCE_KEYCLOAK__EVENTS_POLL_S": "1",
 }
 
 

@@ -332,3 +332,111 @@ def test_half_open_connections_do_not_lock_out_a_real_client(realm: Realm, eve: 
     finally:
         for connection in half_open:
             connection.close()
+
+
+# -- 12. a second attack ------------------------------------------------------------------------
+
+def test_a_list_of_prompts_counts_each_prompt_against_max_n(realm: Realm, eve: dict, running: Running) -> None:
+    """Role `user` may have 2 choices a request: 16 prompts are 16 choices, refused before the
+    engine sees them; two prompts are two choices, answered, and reserved as two."""
+    many = httpx.post(f"{realm.gateway}/v1/completions", headers=eve, timeout=60,
+                      json={"model": MODEL, "prompt": ["Hi"] * 16, "n": 1, "max_tokens": 1})
+    assert many.status_code == 400 and many.json()["error"]["param"] == "prompt", many.text
+    assert "16 prompts" in many.json()["error"]["message"]
+    two = httpx.post(f"{realm.gateway}/v1/completions", headers=eve, timeout=120,
+                     json={"model": MODEL, "prompt": ["Hi", "Bye"], "max_tokens": 2, "temperature": 0})
+    assert two.status_code == 200 and len(two.json()["choices"]) == 2
+    doubled = httpx.post(f"{realm.gateway}/v1/completions", headers=eve, timeout=60,
+                         json={"model": MODEL, "prompt": ["Hi", "Bye"], "n": 2, "max_tokens": 1})
+    assert doubled.status_code == 400 and "4 choices" in doubled.json()["error"]["message"]
+
+
+def test_the_recorded_source_is_the_peer_whatever_it_forwards(realm: Realm, eve: dict, running: Running) -> None:
+    """No proxy is trusted by default, not even on loopback: X-Forwarded-For is ignored."""
+    forged = httpx.get(f"{realm.gateway}/v1/models", timeout=30,
+                       headers={**eve, "X-Forwarded-For": "203.0.113.9", "Forwarded": "for=203.0.113.9"})
+    assert forged.status_code == 200
+    assert record_of(running, forged)["source"] == "127.0.0.1"
+
+
+def test_the_parameters_hash_tells_apart_requests_with_one_prompt(realm: Realm, eve: dict, running: Running) -> None:
+    """Fields that change the answer but not the prompt (logit bias, stop strings, n...) are
+    covered by the record's parameters hash."""
+    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 2, "temperature": 0}
+    plain = httpx.post(f"{realm.gateway}/v1/completions", headers=eve, timeout=120, json=body)
+    biased = httpx.post(f"{realm.gateway}/v1/completions", headers=eve, timeout=120,
+                        json={**body, "logit_bias": {"42": 50}, "stop": ["x"], "min_tokens": 1})
+    assert plain.status_code == biased.status_code == 200, biased.text
+    first, second = record_of(running, plain), record_of(running, biased)
+    assert first["prompt_hmac"] == second["prompt_hmac"]
+    assert first["params_hmac"] and first["params_hmac"] != second["params_hmac"]
+
+
+def _raw_request(port: int, head: bytes) -> socket.socket:
+    connection = socket.create_connection(("127.0.0.1", port), timeout=10)
+    connection.sendall(head)
+    return connection
+
+
+def _closed_within(connection: socket.socket, seconds: float) -> bytes:
+    """What the gateway sent before it closed the connection (fails if it did not, in time)."""
+    connection.settimeout(seconds)
+    received = b""
+    while chunk := connection.recv(65536):
+        received += chunk
+    return received
+
+
+def test_an_anonymous_upload_is_refused_before_its_body_is_read(realm: Realm, running: Running) -> None:
+    """A 48 MiB multipart upload with no token: 401 as soon as its headers are in, and the
+    connection closed; before, the gateway read and spooled all of it first."""
+    port = running.appliance.port("APPLIANCE_GATEWAY__PORT")
+    connection = _raw_request(port, b"POST /v1/files HTTP/1.1\r\nHost: gateway\r\nContent-Length: 50331648\r\n"
+                                    b"Content-Type: multipart/form-data; boundary=x\r\n\r\n--x\r\n")
+    try:
+        answer = _closed_within(connection, 10)
+    finally:
+        connection.close()
+    assert answer.startswith(b"HTTP/1.1 401") and b"connection: close" in answer.lower()
+
+
+def _slow_connections(realm: Realm) -> float:
+    metrics = httpx.get(f"{realm.gateway}/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith('gateway_slow_connections_closed_total{reason="body"}'))
+
+
+def test_a_stalled_or_trickled_body_is_closed_counted_and_recorded(realm: Realm, eve: dict,
+                                                                   running: Running) -> None:
+    """The session's body deadline is 3 s (and 4 KiB/s after it): a body that stops, and one
+    sent a byte a second, are closed, counted in /metrics and summarised in the audit log by
+    their source; a client meanwhile is served."""
+    port = running.appliance.port("APPLIANCE_GATEWAY__PORT")
+    before = _slow_connections(realm)
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\nAuthorization: {eve['Authorization']}\r\n"
+            "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{").encode()
+    stalled, trickled = _raw_request(port, head), _raw_request(port, head)
+    try:
+        started = time.monotonic()
+        for _ in range(20):
+            try:
+                trickled.sendall(b" ")
+            except OSError:
+                break
+            time.sleep(0.5)
+        assert httpx.get(f"{realm.gateway}/v1/models", headers=eve, timeout=30).status_code == 200
+        _closed_within(stalled, 10)
+        _closed_within(trickled, 10)
+        assert time.monotonic() - started < 15
+    finally:
+        stalled.close()
+        trickled.close()
+    deadline = time.monotonic() + 30
+    while _slow_connections(realm) < before + 2:
+        assert time.monotonic() < deadline, "slow bodies not counted"
+        time.sleep(0.2)
+    while not any(r["action"] in ("connection.closed_slow", "refused.summary") and r["status"] == 408
+                  and r["source"] == "127.0.0.1" for r in records(running)):
+        assert time.monotonic() < deadline, "slow bodies not in the audit log"
+        time.sleep(0.2)
+    verified(running)

@@ -4,6 +4,7 @@ gateway did not expect is still an OpenAI-shaped 500 with the request id, never 
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from fastapi.testclient import TestClient
@@ -22,8 +23,18 @@ from appliance.errors import (
 from appliance.home import Home
 from appliance.settings import Settings
 from audit import read_records
+from serve.auth import Principal
 from serve.errors import from_core
 from serve.gateway import create_app
+from serve.metrics import Metrics
+
+
+class Anyone:
+    """Every /v1 route needs a caller: this one, whatever the header says."""
+
+    async def validate(self, header: str | None) -> Principal:
+        return Principal(subject="s", username="u", client="c", roles=frozenset({"user"}), token_id="t",
+                         expires_at=float("inf"))
 
 
 @pytest.mark.parametrize(("error", "status", "code"), [
@@ -49,6 +60,7 @@ def test_core_and_unexpected_errors_are_openai_shaped_and_recorded(tmp_path: Pat
     async def bug() -> None:
         raise KeyError("a bug")
 
+    app.state.gateway = SimpleNamespace(validator=Anyone(), metrics=Metrics())
     app.add_api_route("/v1/broken", broken_registry, name="test.broken")
     app.add_api_route("/v1/bug", bug, name="test.bug")
     client = TestClient(app, raise_server_exceptions=False)  # not entered: no lifespan, no Keycloak needed

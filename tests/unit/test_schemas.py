@@ -78,3 +78,45 @@ def test_admission_is_the_worst_case_and_a_missing_max_tokens_gets_the_roles_cap
     assert relayed["max_tokens"] == 100 and completion == 200 and prompt >= 1
     uncapped = admit(body, RoleLimits())
     assert uncapped[1] == 2 * 2048, "no cap: the model's whole context per choice"
+
+
+@pytest.mark.parametrize(("prompt", "n", "choices"), [("one", 2, 2), (["a", "b"], 1, 2), (["a", "b"], 2, 4),
+                                                       ([1, 2, 3], 2, 2), ([[1], [2], [3]], 1, 3)])
+def test_each_prompt_of_a_list_counts_as_its_own_choices(prompt: object, n: int, choices: int) -> None:
+    body = CompletionRequest.model_validate({"model": "m", "prompt": prompt, "n": n, "max_tokens": 10})
+    assert body.choices() == choices
+    assert admit(body, RoleLimits(max_n=4))[1] == 10 * choices, "the reservation is per choice"
+
+
+def test_a_list_of_prompts_cannot_pass_max_n() -> None:
+    body = CompletionRequest.model_validate({"model": "m", "prompt": ["p"] * 16, "n": 4, "max_tokens": 1})
+    with pytest.raises(GatewayError) as caught:
+        admit(body, RoleLimits(max_n=4))
+    assert caught.value.status == 400 and caught.value.param == "prompt"
+    assert "16 prompts x n=4 = 64 choices" in caught.value.message
+
+
+@pytest.mark.parametrize("prompt", [[], [[]], [[1], []]])
+def test_an_empty_list_of_prompts_is_refused(prompt: object) -> None:
+    with pytest.raises(ValidationError):
+        CompletionRequest.model_validate({"model": "m", "prompt": prompt})
+
+
+@pytest.mark.parametrize("change", [{"logit_bias": {"50": 100}}, {"allowed_token_ids": [1, 2]},
+                                    {"bad_words": ["no"]}, {"stop": ["."]}, {"min_tokens": 5}, {"n": 2},
+                                    {"echo": True}, {"max_tokens": 7}, {"seed": 1}, {"temperature": 1.5}])
+def test_the_parameters_text_covers_every_field_that_changes_the_answer(change: dict) -> None:
+    base = CompletionRequest.model_validate({"model": "m", "prompt": "same"})
+    other = CompletionRequest.model_validate({"model": "m", "prompt": "same", **change})
+    assert base.prompt_text(base.relayed()) == other.prompt_text(other.relayed())
+    assert base.params_text(base.relayed()) != other.params_text(other.relayed())
+
+
+@pytest.mark.parametrize("kind", [ChatRequest, CompletionRequest])
+def test_prompt_and_parameters_texts_together_hold_the_whole_relayed_body(kind: type) -> None:
+    every = {name for name in kind.model_fields} - {"messages", "prompt"}
+    body = kind.model_validate({"model": "m", ("messages" if kind is ChatRequest else "prompt"):
+                                MESSAGES if kind is ChatRequest else "x"})
+    relayed = {**body.relayed(), **dict.fromkeys(every, 1)}
+    covered = {**json.loads(body.prompt_text(relayed)), **json.loads(body.params_text(relayed))}
+    assert covered.keys() == relayed.keys()

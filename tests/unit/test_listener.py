@@ -1,0 +1,136 @@
+"""The listener's guards, on a real uvicorn server on loopback: a body that stalls or trickles is
+closed at its deadline and reported; one that keeps the minimum rate is read whole; forwarded
+headers are believed only from the proxies named."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import uvicorn
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse
+from starlette.types import Receive, Scope, Send
+
+from appliance.settings import GatewaySettings
+from serve.listener import GuardedHttpToolsProtocol, forwarding
+from serve.slow_clients import SlowClients
+from tests.conftest import free_port
+
+
+async def echo(scope: Scope, receive: Receive, send: Send) -> None:
+    """The body's length and the client's address, as the app sees it."""
+    request = Request(scope, receive)
+    body = await request.body()
+    await PlainTextResponse(f"{len(body)} {scope['client'][0]}")(scope, receive, send)
+
+
+def serve(**config: object) -> Iterator[int]:
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(echo, host="127.0.0.1", port=port, http=GuardedHttpToolsProtocol,
+                                           log_level="warning", lifespan="off", **config))  # type: ignore[arg-type]
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    yield port
+    server.should_exit = True
+    thread.join(10)
+
+
+@pytest.fixture
+def reported(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str | None]]:
+    closed: list[tuple[str, str | None]] = []
+    monkeypatch.setattr(SlowClients, "closed", lambda reason, peer: closed.append((reason, peer)))
+    monkeypatch.setattr(GuardedHttpToolsProtocol, "body_timeout_s", 0.5)
+    monkeypatch.setattr(GuardedHttpToolsProtocol, "body_min_rate", 100.0)
+    return closed
+
+
+@pytest.fixture
+def port(reported: list) -> Iterator[int]:
+    yield from serve(**forwarding(GatewaySettings()))
+
+
+def post(port: int, length: int) -> socket.socket:
+    connection = socket.create_connection(("127.0.0.1", port), timeout=10)
+    connection.sendall(f"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: {length}\r\n\r\n".encode())
+    return connection
+
+
+def drained(connection: socket.socket) -> bytes:
+    received = b""
+    while chunk := connection.recv(4096):
+        received += chunk
+    return received
+
+
+def test_a_stalled_body_is_closed_and_reported(port: int, reported: list) -> None:
+    connection = post(port, 100)
+    connection.sendall(b"x" * 10)
+    started = time.monotonic()
+    assert drained(connection) == b"", "closed without an answer"
+    assert 0.4 < time.monotonic() - started < 5
+    assert reported == [("body", "127.0.0.1")]
+
+
+def test_a_trickled_body_is_closed_once_behind_the_minimum_rate(port: int, reported: list) -> None:
+    """100 bytes a second buy a second each: 1 byte every 0.2 s falls behind."""
+    connection = post(port, 1000)
+    started = time.monotonic()
+    with pytest.raises(OSError):
+        for _ in range(100):
+            connection.sendall(b"x")
+            time.sleep(0.2)
+            if connection.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK) == b"":
+                raise ConnectionResetError
+    assert time.monotonic() - started < 10
+    assert reported == [("body", "127.0.0.1")]
+
+
+def test_a_body_at_the_minimum_rate_is_read_whole(port: int, reported: list) -> None:
+    """300 bytes, 100 every 0.6 s: past the 0.5 s grace, each 100 bytes buy a second more."""
+    connection = post(port, 300)
+    for _ in range(3):
+        connection.sendall(b"x" * 100)
+        time.sleep(0.6)
+    assert drained_answer(connection).endswith(b"300 127.0.0.1")
+    assert reported == []
+
+
+def drained_answer(connection: socket.socket, source: str = "127.0.0.1") -> bytes:
+    connection.settimeout(10)
+    received = b""
+    while not received.endswith(source.encode()):
+        chunk = connection.recv(4096)
+        assert chunk, f"closed early: {received!r}"
+        received += chunk
+    return received
+
+
+def test_an_idle_kept_alive_connection_is_closed_quietly(reported: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(GuardedHttpToolsProtocol, "header_timeout_s", 0.3)
+    for port in serve(**forwarding(GatewaySettings())):
+        connection = post(port, 0)
+        drained_answer(connection)
+        assert drained(connection) == b""  # the header deadline of the next request
+        slow = socket.create_connection(("127.0.0.1", port), timeout=10)
+        slow.sendall(b"GET / HTTP/1.1\r\n")
+        assert drained(slow) == b""
+    assert reported == [("headers", "127.0.0.1")], "only the one that began a request"
+
+
+@pytest.mark.parametrize(("trusted", "source"), [([], "127.0.0.1"), (["10.0.0.0/8"], "127.0.0.1"),
+                                                 (["127.0.0.1"], "203.0.113.9")])
+def test_forwarded_for_is_believed_only_from_a_trusted_proxy(reported: list, trusted: list[str],
+                                                              source: str) -> None:
+    """The settings as the listener hands them to uvicorn (which, left alone, trusts loopback)."""
+    for port in serve(**forwarding(GatewaySettings(trusted_proxies=trusted))):
+        connection = socket.create_connection(("127.0.0.1", port), timeout=10)
+        connection.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nX-Forwarded-For: 203.0.113.9\r\nContent-Length: 0\r\n\r\n")
+        assert drained_answer(connection, source).endswith(f"0 {source}".encode())
