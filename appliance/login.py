@@ -94,7 +94,12 @@ def password_login(settings: Settings, home: Home, username: str, password: str)
     """Log in with a password (for scripts); the token is cached."""
     response = _post(settings, home, "token", {"grant_type": "password", "username": username, "password": password})
     if response.status_code != 200:
-        raise _refused(response)
+        refused = _refused(response)
+        # Keycloak tells a locked account and a wrong password apart to no one; say both.
+        refused.hint = ("the password grant is off (keycloak.cli_password_grant): log in with `appliance token`"
+                        if "direct access grants" in refused.message else
+                        "a wrong password, or an account locked for a while after repeated wrong passwords")
+        raise refused
     token = CachedToken.from_response(username, response.json())
     save(home, token)
     return token

@@ -1,10 +1,12 @@
 """Realm users (their roles are appliance.roles): the user records the admin API, CLI and TUI
 show, and the calls that read and change users in Keycloak. python-keycloak's errors are
-translated here, once: a name taken is a Conflict, no such user NotFound, anything else from
-Keycloak (down, refusing) Unavailable."""
+translated here, once: a name taken is a Conflict, no such user NotFound, what Keycloak refuses
+as bad (a password its policy refuses, naming the rule) Invalid, anything else from Keycloak (down,
+refusing) Unavailable."""
 
 from __future__ import annotations
 
+import json
 import secrets as token_source
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,7 +17,7 @@ from keycloak.exceptions import KeycloakError
 from pydantic import BaseModel, Field
 
 from appliance import batches
-from appliance.errors import Conflict, NotFound, Unavailable
+from appliance.errors import Conflict, Invalid, NotFound, Unavailable
 from appliance.home import Home
 from appliance.roles import Role
 from appliance.secrets import gateway_client_secret
@@ -32,7 +34,8 @@ class User(BaseModel):
 class NewUser(BaseModel):
     username: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]{1,63}$")
     roles: list[Role] = Field(min_length=1)
-    password: str | None = Field(None, min_length=8, description="Unset: one is generated.")
+    password: str | None = Field(None, min_length=8, description="Unset: one is generated. Keycloak checks it "
+                                 "against the realm's password policy (keycloak.password_policy).")
 
 
 class CreatedUser(User):
@@ -49,7 +52,25 @@ def _keycloak(doing: str) -> Iterator[None]:
             raise Conflict(f"{doing}: a user with that name exists") from exc
         if status == 404:
             raise NotFound(f"{doing}: Keycloak has no such user") from exc
+        if status == 400:
+            raise _refused(doing, exc) from exc
         raise Unavailable(f"{doing}: Keycloak refused ({status or 'no answer'}): {exc}") from exc
+
+
+def _refused(doing: str, exc: KeycloakError) -> Invalid:
+    """What Keycloak said was wrong with the request; for a password, the rule of the realm's
+    policy it broke (Keycloak names it, e.g. invalidPasswordMinLengthMessage: "minimum length 12")."""
+    try:
+        body = json.loads(exc.response_body or b"{}")
+    except ValueError:
+        body = {}
+    error = str(body.get("error") or body.get("errorMessage") or "")
+    said = str(body.get("error_description") or error or "no reason given")
+    if error.startswith("invalidPassword"):
+        rule = said.removeprefix("Invalid password: ").rstrip(".")
+        return Invalid(f"{doing}: the password breaks the realm's password policy: {rule} ({error})",
+                       hint="choose another password (settings: keycloak.password_policy)")
+    return Invalid(f"{doing}: Keycloak refused it: {said}")
 
 
 class Users:
