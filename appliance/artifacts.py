@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Protocol
+from typing import BinaryIO, Protocol
 
 from minio import Minio
 from minio.commonconfig import COMPLIANCE
@@ -35,9 +35,9 @@ class ArtifactStore(Protocol):
     location: str
     can_lock: bool  # the backend offers write-once retention (S3 Object Lock)
 
-    def put(self, key: str, data: bytes, *, retain_days: int) -> None:
-        """Store `data` under `key`, locked against change for `retain_days` (if > 0) where the
-        backend can."""
+    def put(self, key: str, data: bytes | BinaryIO, *, retain_days: int) -> None:
+        """Store `data` (bytes, or a seekable binary file copied from its start in pieces) under
+        `key`, locked against change for `retain_days` (if > 0) where the backend can."""
 
     def write_once(self) -> bool:
         """Whether copies put here really are locked (probed against the server, once)."""
@@ -63,10 +63,12 @@ class LocalStore:
     def write_once(self) -> bool:
         return False  # read-only files, but the host's root can still change them
 
-    def put(self, key: str, data: bytes, *, retain_days: int) -> None:
+    def put(self, key: str, data: bytes | BinaryIO, *, retain_days: int) -> None:
         path = self._path(key)
         try:
             path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if not isinstance(data, bytes):
+                data.seek(0)
             replace_file(path, data, mode=0o400)
         except OSError as exc:
             raise ArtifactStoreError(f"cannot write {path}: {exc.strerror or exc}") from exc
@@ -112,11 +114,14 @@ class S3Store:
         self._ready = False
         self._write_once: bool | None = None
 
-    def put(self, key: str, data: bytes, *, retain_days: int) -> None:
+    def put(self, key: str, data: bytes | BinaryIO, *, retain_days: int) -> None:
         until = (datetime.now(UTC) + timedelta(days=retain_days)).replace(microsecond=0)
+        source = io.BytesIO(data) if isinstance(data, bytes) else data
+        length = source.seek(0, io.SEEK_END)
+        source.seek(0)
         with self._errors(f"write {key}"):
             self._ensure_bucket()
-            self._client.put_object(self.bucket, key, io.BytesIO(data), len(data),
+            self._client.put_object(self.bucket, key, source, length,
                                     retention=Retention(COMPLIANCE, until) if retain_days > 0 else None)
 
     def write_once(self) -> bool:

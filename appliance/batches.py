@@ -23,6 +23,7 @@ the output file holds one line per request all the same, in the input file's ord
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import secrets
@@ -33,7 +34,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, BinaryIO, Literal
 
 from pydantic import BaseModel, Field
 
@@ -280,21 +281,24 @@ def transaction(home: Home) -> Iterator[sqlite3.Connection]:
 # -- files --------------------------------------------------------------------------------------
 
 
-def add_file(home: Home, store: ArtifactStore, *, owner: str, filename: str, purpose: str, data: bytes,
-             limits: BatchSettings) -> FileObject:
-    """Keep an uploaded file (its bytes in the artifact store first, then its row), within the
-    owner's storage quota (their files, outputs included: they delete what they no longer need)."""
+def add_file(home: Home, store: ArtifactStore, *, owner: str, filename: str, purpose: str,
+             data: bytes | BinaryIO, limits: BatchSettings) -> FileObject:
+    """Keep an uploaded file (bytes, or a seekable file copied to the store in pieces: an upload
+    is never held whole in memory) within the owner's storage quota (their files, outputs
+    included: they delete what they no longer need). Its row reserves the quota first and is
+    removed again if the bytes cannot be stored."""
     if purpose != PURPOSE:
         raise Invalid(f"purpose {purpose[:64]!r}: only 'batch' files are accepted")
-    if not data:
+    size = len(data) if isinstance(data, bytes) else data.seek(0, io.SEEK_END)
+    if not size:
         raise Invalid("the file is empty")
-    file = FileObject(id=new_id("file-"), bytes=len(data), created_at=_now(), filename=_safe_name(filename),
+    file = FileObject(id=new_id("file-"), bytes=size, created_at=_now(), filename=_safe_name(filename),
                       purpose=purpose)
     key = f"batches/files/{file.id}"
     with transaction(home) as db:  # counted and reserved at once: concurrent uploads cannot pass the quota
         stored = db.execute("select coalesce(sum(bytes), 0) from files where owner = ?", (owner,)).fetchone()[0]
-        if stored + len(data) > limits.max_stored_bytes_per_user:
-            raise QuotaExceeded(f"your files hold {stored} bytes; {len(data)} more would pass "
+        if stored + size > limits.max_stored_bytes_per_user:
+            raise QuotaExceeded(f"your files hold {stored} bytes; {size} more would pass "
                                 f"batch.max_stored_bytes_per_user ({limits.max_stored_bytes_per_user}): delete some")
         db.execute("insert into files values (?, ?, ?, ?, ?, ?, ?)",
                    (file.id, owner, file.filename, file.purpose, file.bytes, file.created_at, key))

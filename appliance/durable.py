@@ -5,16 +5,22 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import BinaryIO
+
+PIECE_BYTES = 1 << 20  # a file-like source is copied in pieces of this size, never read whole
 
 
-def replace_file(path: Path, data: bytes, *, mode: int = 0o600) -> None:
-    """Write `data` beside `path`, flush it to disk, rename it over `path`, flush the directory."""
+def replace_file(path: Path, data: bytes | BinaryIO, *, mode: int = 0o600) -> None:
+    """Write `data` (bytes, or a binary file read from where it stands to its end) beside `path`,
+    flush it to disk, rename it over `path`, flush the directory."""
     partial = path.with_name(f".{path.name}.partial")
     fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
+        pieces = [data] if isinstance(data, bytes) else iter(lambda: data.read(PIECE_BYTES), b"")
+        for piece in pieces:
+            view = memoryview(piece)
+            while view:
+                view = view[os.write(fd, view):]
         os.fchmod(fd, mode)
         os.fsync(fd)
     finally:

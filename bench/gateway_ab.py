@@ -7,9 +7,11 @@ the tail is where a stall on the event loop (a full garbage collection, a signat
 shows, once every few hundred requests. Both gateways validate real Keycloak tokens (the
 appliance's own Keycloak) and run the default compliance policy.
 
-Run: .venv/bin/python bench/gateway_ab.py [--before REV] [--requests N]
+Run: .venv/bin/python bench/gateway_ab.py [--before REV] [--requests N] [--probe-stalls]
 (needs ./bootstrap.sh --no-start; REV: any commit whose engines listen on Unix sockets).
-Writes bench/results/gateway_ab.json.
+Writes bench/results/gateway_ab.json; with --probe-stalls (bench/stall_probe: its own cost
+distorts the figures, so it writes them nowhere) prints what stalled each gateway's event loop:
+full garbage collections and the code the loop was in when a ping waited over 3 ms.
 """
 
 from __future__ import annotations
@@ -41,17 +43,25 @@ PORTS = {"before": 18482, "after": 18481}
 LIMITS = "{ admin = { requests_per_minute = 10000000, tokens_per_minute = 1000000000, max_concurrent = 10000 } }"
 
 
-def start_gateway(tree: Path, home: Home, port: int, base: dict[str, str]) -> list[subprocess.Popen[bytes]]:
-    """A stub engine on `home`'s engine socket and the gateway of `tree` in front of it."""
+def start_gateway(tree: Path, home: Home, port: int, base: dict[str, str],
+                  probe: Path | None) -> list[subprocess.Popen[bytes]]:
+    """A stub engine on `home`'s engine socket and the gateway of `tree` in front of it (with the
+    stall probe writing to `probe`, if given)."""
     sock = engine_socket(home, "main")
     sock.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     stub = subprocess.Popen([sys.executable, "-m", "uvicorn", "bench.stub_engine:app", "--uds", str(sock),
                              "--log-level", "warning"], cwd=PROJECT)
     gateway = subprocess.Popen([sys.executable, "-P", "-m", "serve.listener"], cwd=tree, stderr=subprocess.DEVNULL,
-                               env={**base, "PYTHONPATH": str(tree), HOME_ENV: str(home.root),
+                               env={**base, HOME_ENV: str(home.root), **probed(tree, probe),
                                     "APPLIANCE_GATEWAY__PORT": str(port), "APPLIANCE_GATEWAY__LIMITS": LIMITS,
                                     "APPLIANCE_POOLS__MAIN__SERVED_MODEL_NAME": g.MODEL})
     return [stub, gateway]
+
+
+def probed(tree: Path, probe: Path | None) -> dict[str, str]:
+    if probe is None:
+        return {"PYTHONPATH": str(tree)}
+    return {"PYTHONPATH": f"{tree}:{Path(__file__).parent / 'stall_probe'}", "STALL_PROBE_OUT": str(probe)}
 
 
 def percentiles(samples: dict[str, list[float]], q: float) -> dict[str, float]:
@@ -74,6 +84,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", default=BEFORE, help="the earlier commit")
     parser.add_argument("--requests", type=int, default=2000, help="requests per path and shape")
+    parser.add_argument("--probe-stalls", action="store_true", help="find what stalls each gateway's loop")
     options = parser.parse_args()
     old_tree = Path(tempfile.mkdtemp(prefix="gw-before-"))
     subprocess.run(["git", "worktree", "add", "--detach", "-f", str(old_tree), options.before], cwd=PROJECT,
@@ -88,8 +99,9 @@ def main() -> None:
             homes[side] = Home(home.root.with_name(f"gw-{side}")).ensure()
             shutil.copytree(home.secrets, homes[side].secrets, dirs_exist_ok=True)
             shutil.copytree(tls_dir(home), tls_dir(homes[side]), dirs_exist_ok=True)  # trusts Keycloak's CA
-        procs += start_gateway(old_tree, homes["before"], PORTS["before"], env)
-        procs += start_gateway(PROJECT, homes["after"], PORTS["after"], env)
+        probes = {side: root / f"stalls-{side}.json" if options.probe_stalls else None for side in PORTS}
+        procs += start_gateway(old_tree, homes["before"], PORTS["before"], env, probes["before"])
+        procs += start_gateway(PROJECT, homes["after"], PORTS["after"], env, probes["after"])
         for side, port in PORTS.items():
             g.wait_for(f"http://127.0.0.1:{port}/healthz")
             g.wait_for(f"unix:{engine_socket(homes[side], 'main')}::/health")
@@ -112,9 +124,16 @@ def main() -> None:
                       for name, pid in gateways.items()}
             rows.append(row(stream, options.requests, samples, cpu_ms))
             print(json.dumps(rows[-1]), flush=True)
-        RESULTS.write_text(json.dumps({"bench": "gateway_ab", "before": options.before,
-                                       "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows},
-                                      indent=1) + "\n")
+        if options.probe_stalls:
+            for process in procs:
+                process.terminate()
+                process.wait(30)
+            for side, probe in probes.items():
+                print(side, probe.read_text() if probe and probe.exists() else "(no probe report)", flush=True)
+        else:
+            RESULTS.write_text(json.dumps({"bench": "gateway_ab", "before": options.before,
+                                           "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                                           "rows": rows}, indent=1) + "\n")
     finally:
         for process in procs:
             process.terminate()

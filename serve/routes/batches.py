@@ -26,7 +26,6 @@ from serve.deps import ChatUser, requires
 from serve.errors import GatewayError
 
 log = logging.getLogger("appliance.gateway")
-UPLOADS_AT_ONCE = 2
 
 
 class FileList(BaseModel):
@@ -65,11 +64,11 @@ BatchUser = Annotated[Principal, Depends(admitted)]
 T = TypeVar("T")
 
 
-async def _in_thread(call: Callable[[], T], limiter: anyio.CapacityLimiter | None = None) -> T:
+async def _in_thread(call: Callable[[], T]) -> T:
     """`call` in a worker thread; the store's or the queue's own faults (paths, OS errors, the S3
     endpoint) go to the gateway's log, the client gets a plain 503."""
     try:
-        return await anyio.to_thread.run_sync(call, limiter=limiter)
+        return await anyio.to_thread.run_sync(call)
     except (ArtifactStoreError, StateError) as exc:
         log.error("batch API: %s", exc.one_line())
         raise GatewayError(503, "batch storage is unavailable; retry shortly", type="service_unavailable",
@@ -80,19 +79,19 @@ def router(settings: Settings, home: Home) -> APIRouter:
     routes = APIRouter(tags=["openai"])
     store = artifact_store(settings.artifacts, home)
     limits = settings.batch
-    uploading = anyio.CapacityLimiter(UPLOADS_AT_ONCE)  # whole files in memory: a few at a time
 
     @routes.post("/v1/files", response_model=FileObject, name="files.create")
     async def upload(who: BatchUser, file: UploadFile, purpose: Annotated[str, Form(max_length=64)]) -> FileObject:
         """Upload a JSONL input file for a batch (purpose `batch`), up to batch.max_file_bytes."""
-        async with uploading:
-            data = await file.read(limits.max_file_bytes + 1)
-            if len(data) > limits.max_file_bytes:
-                raise GatewayError(413, f"the file is larger than {limits.max_file_bytes} bytes "
-                                   "(batch.max_file_bytes)", code="file_too_large")
-            return await _in_thread(lambda: batches.add_file(
-                home, store, owner=who.subject, filename=file.filename or "upload.jsonl", purpose=purpose,
-                data=data, limits=limits))
+        # The caller was authenticated before the body was read, and the body was refused as soon
+        # as it outgrew the limit; the framework spooled the file (memory, then a temporary file),
+        # and it goes on to the store from there in pieces.
+        if file.size is None or file.size > limits.max_file_bytes:
+            raise GatewayError(413, f"the file is larger than {limits.max_file_bytes} bytes "
+                               "(batch.max_file_bytes)", code="file_too_large")
+        return await _in_thread(lambda: batches.add_file(
+            home, store, owner=who.subject, filename=file.filename or "upload.jsonl", purpose=purpose,
+            data=file.file, limits=limits))
 
     @routes.get("/v1/files", response_model=FileList, name="files.list")
     async def files(who: BatchUser) -> FileList:

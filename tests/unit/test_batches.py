@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import tempfile
 from pathlib import Path
 
 import pytest
 
-from appliance import batches
+from appliance import batches, durable
 from appliance.artifacts import LocalStore
 from appliance.batches import BatchAsk, BatchState, Owner
 from appliance.errors import Conflict, Invalid, NotFound, QuotaExceeded
@@ -235,3 +236,23 @@ def test_a_request_given_back_waits_its_turn_and_users_take_turns(home: Home, st
     [again] = [r for r in batches.claim(home, 6, lambda pid: True, 10) if (r.batch_id, r.line) ==
                (failing.batch_id, failing.line)]
     assert again.attempts == 1
+
+
+def test_an_upload_is_copied_to_the_store_from_its_spool_in_pieces(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The upload's spooled file goes to the store a piece at a time (never read whole), and the
+    stored bytes and the quota count are the file's."""
+    home = Home(tmp_path / "h").ensure()
+    store = LocalStore(tmp_path / "store")
+    monkeypatch.setattr(durable, "PIECE_BYTES", 1000)
+    reads: list[int] = []
+    spool = tempfile.SpooledTemporaryFile(max_size=100)
+    spool.write(b'{"custom_id": "a"}\n' * 500)
+    spool.seek(0)
+    original = spool.read
+    spool.read = lambda size=-1: reads.append(size) or original(size)  # type: ignore[method-assign]
+    file = batches.add_file(home, store, owner="x", filename="f", purpose="batch", data=spool,  # type: ignore[arg-type]
+                            limits=BatchSettings())
+    assert file.bytes == 19 * 500
+    assert store.get(f"batches/files/{file.id}") == b'{"custom_id": "a"}\n' * 500
+    assert reads and max(reads) == 1000 and -1 not in reads

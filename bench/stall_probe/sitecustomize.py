@@ -1,0 +1,96 @@
+"""Loaded by any Python process started with this folder on PYTHONPATH (bench/gateway_ab.py
+--probe-stalls does so for the gateway under test): finds what stalls its event loop.
+
+- every garbage collection of generation 2 is timed;
+- a thread pings the main thread's event loop every millisecond; when a ping waits longer than
+  STALL_MS, the main thread's stack is sampled while it still waits, so the code holding the loop
+  is named.
+
+At exit the findings go to $STALL_PROBE_OUT (JSON): collections (count, total and max ms) and the
+stalls grouped by the innermost frames of the project's code seen in their samples.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import gc
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+
+STALL_MS = float(os.environ.get("STALL_PROBE_MS", "3"))
+OUT = os.environ.get("STALL_PROBE_OUT")
+_gc: list[float] = []
+_gc_started = [0.0]
+_stalls: collections.Counter[str] = collections.Counter()
+_stall_ms: collections.defaultdict[str, float] = collections.defaultdict(float)
+
+
+def _on_gc(phase: str, info: dict[str, int]) -> None:
+    if info["generation"] != 2:
+        return
+    if phase == "start":
+        _gc_started[0] = time.perf_counter()
+    else:
+        _gc.append((time.perf_counter() - _gc_started[0]) * 1000)
+
+
+def _where(frame: object) -> str:
+    """The innermost frames of the stack that are the project's, or else the innermost ones."""
+    stack = traceback.extract_stack(frame)  # type: ignore[arg-type]
+    ours = [f for f in stack if "/site-packages/" not in f.filename and "/lib/python" not in f.filename]
+    chosen = (ours or stack)[-3:]
+    if stack and stack[-1] not in chosen:
+        chosen.append(stack[-1])
+    return " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(chosen))
+
+
+def _watch() -> None:
+    main = threading.main_thread().ident
+    loop = None
+    while loop is None:
+        time.sleep(0.5)
+        loop = _running_loop()
+    while True:
+        done = threading.Event()
+        sent = time.perf_counter()
+        try:
+            loop.call_soon_threadsafe(done.set)
+        except RuntimeError:
+            return  # the loop closed
+        if not done.wait(STALL_MS / 1000):
+            where = _where(sys._current_frames().get(main))
+            done.wait(10)
+            waited = (time.perf_counter() - sent) * 1000
+            _stalls[where] += 1
+            _stall_ms[where] += waited
+        time.sleep(0.001)
+
+
+def _running_loop() -> object | None:
+    import asyncio
+
+    for obj in gc.get_objects():
+        if isinstance(obj, asyncio.AbstractEventLoop) and obj.is_running():
+            return obj
+    return None
+
+
+def _report() -> None:
+    if not OUT:
+        return
+    top = sorted(_stalls, key=lambda where: -_stall_ms[where])[:15]
+    with open(OUT, "w") as out:
+        json.dump({"gc2": {"count": len(_gc), "total_ms": round(sum(_gc), 1), "max_ms": round(max(_gc, default=0), 1)},
+                   "stalls": [{"where": where, "count": _stalls[where], "ms": round(_stall_ms[where], 1)}
+                              for where in top]}, out, indent=1)
+
+
+if OUT:
+    gc.callbacks.append(_on_gc)
+    threading.Thread(target=_watch, daemon=True).start()
+    atexit.register(_report)
