@@ -4,6 +4,12 @@ detectors that plug in. One scanner serves training datasets (finetune) and the 
 filtering of prompts and answers (serve.compliance). Findings name the kind and where, never the
 matched text (it is what must not leak).
 
+Text is screened as a reader sees it: every detector runs on a normalised view of it (JSON
+escapes read; NFKC; invisible and format characters removed; digits of every script as ASCII
+digits; every dash as "-" and every space or line break as " "), and what it finds is mapped back
+to the span of the original text that held it. Cards and IBANs are looked for across any run of separators (anything
+but letters and digits) between their characters.
+
 A detector finds confirmed spans, and says where a finding may still be growing at the end of a
 text that arrives in pieces (a streamed answer): `StreamRedactor` holds that tail back until it
 is settled, so a card number split across two chunks is redacted whole.
@@ -12,12 +18,17 @@ is settled, so a card number split across two chunks is redacted whole.
 from __future__ import annotations
 
 import bisect
+import functools
+import itertools
+import json
 import unicodedata
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Protocol
 
+import numpy as np
+import numpy.typing as npt
 import regex
 
 from appliance.errors import SettingsError
@@ -26,7 +37,8 @@ DETECTORS_GROUP = "appliance.detectors"  # entry points: a callable returning de
 
 
 class Detector(Protocol):
-    """What the scanner asks of a detector (built in, an operator's pattern, or a plug-in)."""
+    """What the scanner asks of a detector (built in, an operator's pattern, or a plug-in). It is
+    given the normalised view of the text (see `View`)."""
 
     @property
     def kind(self) -> str:
@@ -42,114 +54,445 @@ class Detector(Protocol):
         ...
 
 
-TRIM = 2  # groups a checksummed match may hold after the finding ("12/29" after a card)
-MOST_GROUPS = 8  # a match of more groups ("1 1 1 1 ...") is no written card or IBAN: not searched again inside
+# The normalised view.
+
+INVISIBLE = regex.compile(r"[\p{Cf}\p{Default_Ignorable_Code_Point}]")  # zero-width, joiners, soft hyphen, VS...
+WORD = regex.compile(r"[\p{L}\p{N}]")  # what is not a separator
 
 
-def _next_group(text: str, start: int, end: int) -> int | None:
-    """Where the second group of text[start:end] starts, if it has 2 to MOST_GROUPS groups."""
-    separators = [m.end() for m in regex.finditer(r"(?<=[^\W_])[\W_]+(?=[^\W_])", text, pos=start, endpos=end)]
-    return separators[0] if 0 < len(separators) < MOST_GROUPS else None
+def _as_read(char: str) -> str:
+    """What one character is to a reader: NFKC, invisible ones dropped, digits as ASCII digits,
+    dashes as "-", spaces and line breaks as " "."""
+    seen = []
+    for part in unicodedata.normalize("NFKC", char):
+        if INVISIBLE.match(part):
+            continue
+        if part.isdecimal():
+            seen.append(str(unicodedata.decimal(part)))
+        elif unicodedata.category(part) == "Pd":
+            seen.append("-")
+        elif part.isspace():
+            seen.append(" ")
+        else:
+            seen.append(part)
+    return "".join(seen)
+
+
+class _AsRead(dict[int, str]):
+    """`_as_read` by code point, computed once per character (a `str.translate` table)."""
+
+    def __missing__(self, code: int) -> str:
+        self[code] = seen = _as_read(chr(code))
+        return seen
+
+
+class _Widths(dict[int, str]):
+    """By code point: how many characters the view makes of it, as a character (`str.translate`)."""
+
+    def __missing__(self, code: int) -> str:
+        self[code] = width = chr(len(AS_READ[code]))
+        return width
+
+
+AS_READ, WIDTHS = _AsRead(), _Widths()
+
+
+@dataclass(frozen=True)
+class Resized:
+    """Where a text made from another changed length: at each record, `width` characters of the
+    made text (at `at`) come from `length` characters of the other (at `origin`); between records
+    the two map one to one."""
+
+    at: list[int] = field(default_factory=list)
+    origin: list[int] = field(default_factory=list)
+    length: list[int] = field(default_factory=list)
+    width: list[int] = field(default_factory=list)
+
+    def source(self, position: int) -> tuple[int, int]:
+        """The span of the other text that the made text's character at `position` comes from."""
+        record = bisect.bisect_right(self.at, position) - 1
+        if record < 0:
+            return position, position + 1
+        at, origin, length, width = self.at[record], self.origin[record], self.length[record], self.width[record]
+        if position < at + width:
+            return origin, origin + length
+        start = origin + length + position - at - width
+        return start, start + 1
+
+    def span(self, start: int, end: int) -> tuple[int, int]:
+        """The span of the other text that [start, end) of the made text comes from."""
+        if not self.at:
+            return start, end
+        return self.source(start)[0], self.source(end - 1)[1]
+
+
+# As a tool call's arguments write text; one cut short at the end (a streamed piece) is read as a
+# separator, so the digits before it are held until the next piece says what it is.
+JSON_ESCAPE = regex.compile(r'(\\(?:u[0-9A-Fa-f]{4}|["\\/bfnrt]|(?:u[0-9A-Fa-f]{0,3})?\Z))')
+
+
+class _Unescaped(dict[str, str]):
+    """A JSON escape's character, by the escape."""
+
+    def __missing__(self, escape: str) -> str:
+        if escape == "\\" or escape[1] == "u" and len(escape) < 6:
+            char = " "
+        else:
+            char = chr(int(escape[2:], 16)) if escape[1] == "u" else json.loads(f'"{escape}"')
+        self[escape] = char
+        return char
+
+
+UNESCAPED = _Unescaped()
+
+
+def _unescaped(text: str) -> tuple[str, Resized]:
+    """`text` with JSON's escapes read ("4111\\n1111" is two lines to whoever parses it)."""
+    parts = JSON_ESCAPE.split(text) if "\\" in text else [text]  # text, escape, text, ...
+    if len(parts) == 1:
+        return text, Resized()
+    sizes = np.fromiter(map(len, parts), np.int64, len(parts))
+    starts, lengths = (np.cumsum(sizes) - sizes)[1::2], sizes[1::2]
+    at = starts - np.cumsum(lengths - 1) + lengths - 1  # shifted by the escapes before
+    parts[1::2] = map(UNESCAPED.__getitem__, parts[1::2])
+    return "".join(parts), Resized(at.tolist(), starts.tolist(), lengths.tolist(), [1] * len(at))
+
+
+def _read(text: str) -> tuple[str, Resized]:
+    """`text` as read character by character (`_as_read`)."""
+    seen = text.translate(AS_READ)
+    if text.isascii():
+        return seen, Resized()
+    widths = text.translate(WIDTHS)
+    if len(seen) == len(text) and "\0" not in widths:  # none dropped, so none widened
+        return seen, Resized()
+    every = np.frombuffer(widths.encode("latin-1"), np.uint8).astype(np.int64)
+    origin = np.flatnonzero(every != 1)
+    width = every[origin]
+    at = origin + np.cumsum(width - 1) - (width - 1)  # shifted by the resized ones before
+    return seen, Resized(at.tolist(), origin.tolist(), [1] * len(origin), width.tolist())
+
+
+@dataclass(frozen=True)
+class View:
+    """A text as a reader sees it (JSON escapes read, then each character as `_as_read` makes it),
+    and the way back to the original text's spans."""
+
+    text: str
+    unescaped: Resized = field(default_factory=Resized)
+    read: Resized = field(default_factory=Resized)
+
+    @classmethod
+    @functools.lru_cache(maxsize=4)  # a stream's held text is scanned twice: for findings, then what is pending
+    def of(cls, text: str) -> View:
+        plain, unescaped = _unescaped(text)
+        seen, read = _read(plain)
+        return cls(seen, unescaped, read)
+
+    def span(self, start: int, end: int) -> tuple[int, int]:
+        """The original span of the view's span [start, end) (what lies between its ends included)."""
+        return self.unescaped.span(*self.read.span(start, end))
+
+
+# Payment cards: every window of a run of digit groups (separators between them, no letters)
+# that starts and ends at a group's edge, holds 13 to 19 digits and passes the Luhn check. The
+# windows are checked all at once (numpy), so a megabyte of "1 1 1 ..." stays linear.
+
+CARD_DIGITS = (13, 19)
+RUN13 = regex.compile(r"[0-9](?:[^\p{L}\p{N}]*[0-9]){12}")  # a run that could hold a card at all
+TAIL_WORD = regex.compile(r"(?r)[\p{L}\p{N}--[0-9]]", regex.V1)  # the last letter or non-digit number
+GROUP = regex.compile(r"[0-9]+")
+FEW_GROUPS = 64  # up to this many digit groups, a text's windows are checked one by one (cheaper than numpy's calls)
+DOUBLED = np.array([0, 2, 4, 6, 8, 1, 3, 5, 7, 9])  # a Luhn-doubled digit's digit sum
+Ints = npt.NDArray[np.int64]
+
+
+class _Kinds(dict[int, str]):
+    """By code point of the view: a digit itself, "w" for another letter or number, "s" for a
+    separator (`str.translate`)."""
+
+    def __missing__(self, code: int) -> str:
+        char = chr(code)
+        self[code] = kind = char if "0" <= char <= "9" else "w" if WORD.match(char) else "s"
+        return kind
+
+
+KINDS = _Kinds()
+
+
+@dataclass(frozen=True)
+class _Groups:
+    """The digit groups of a text: where each starts and ends (in the text and as digit offsets),
+    the run each belongs to (runs are parted by letters), and Luhn sums of the digits so far, with
+    the even (luhn[0]) or odd (luhn[1]) digit offsets doubled."""
+
+    starts: Ints
+    ends: Ints
+    bounds: Ints  # digit offset of each group's first digit, and the count of digits last
+    runs: Ints
+    luhn: tuple[Ints, Ints]
+
+    @classmethod
+    def of(cls, text: str) -> _Groups:
+        kinds = np.frombuffer(text.translate(KINDS).encode("ascii"), np.uint8).astype(np.int64)
+        digit_at = np.flatnonzero((kinds >= ord("0")) & (kinds <= ord("9")))
+        values = kinds[digit_at] - ord("0")
+        first = np.flatnonzero(np.diff(digit_at, prepend=-2) != 1)
+        bounds = np.append(first, len(digit_at))
+        starts, ends = digit_at[first], digit_at[bounds[1:] - 1] + 1
+        words = np.concatenate(([0], np.cumsum(kinds == ord("w"))))
+        runs = np.concatenate(([0], np.cumsum(words[starts[1:]] != words[ends[:-1]])))
+        even = np.arange(len(values)) % 2 == 0
+        luhn = (np.concatenate(([0], np.cumsum(np.where(even, DOUBLED[values], values)))),
+                np.concatenate(([0], np.cumsum(np.where(even, values, DOUBLED[values])))))
+        return cls(starts, ends, bounds, runs, luhn)
+
+    def windows(self, groups: int) -> tuple[Ints, Ints]:
+        """The first groups of the windows of `groups` groups that are cards, and each window's
+        digit count (to stop once every window is too long)."""
+        count = len(self.starts) - groups + 1
+        first, last = self.bounds[:count], self.bounds[groups:]
+        digits = last - first
+        fits = (digits >= CARD_DIGITS[0]) & (digits <= CARD_DIGITS[1]) & (self.runs[:count] == self.runs[groups - 1:])
+        candidates = np.flatnonzero(fits)
+        begin, end = first[candidates], last[candidates]
+        # The last digit is not doubled, nor every second one before it: those of the other parity.
+        sums = np.where(end % 2 == 0, self.luhn[0][end] - self.luhn[0][begin], self.luhn[1][end] - self.luhn[1][begin])
+        return candidates[sums % 10 == 0], digits
+
+
+def _few_cards(text: str) -> list[tuple[int, int]]:
+    """The cards of a text of few digit groups (as `_Groups` finds them, without numpy's cost per
+    call): each window of groups checked in turn, overlapping ones merged."""
+    groups = [match.span() for match in GROUP.finditer(text)]
+    parted = [at == 0 or WORD.search(text, groups[at - 1][1], groups[at][0]) is not None for at in range(len(groups))]
+    found: list[tuple[int, int]] = []
+    for first, (start, _) in enumerate(groups):
+        digits = ""
+        for last in range(first, len(groups)):
+            digits += text[groups[last][0]:groups[last][1]]
+            if len(digits) > CARD_DIGITS[1] or last > first and parted[last]:
+                break
+            if len(digits) >= CARD_DIGITS[0] and luhn_ok(digits):
+                span = start, groups[last][1]
+                if found and span[0] < found[-1][1]:  # windows come by start: only the last can overlap
+                    span = found[-1][0], max(span[1], found.pop()[1])
+                found.append(span)
+    return found
+
+
+def _merged(starts: Ints, ends: Ints) -> Iterator[tuple[int, int]]:
+    """Overlapping spans as one: a valid number is never left half shown by another."""
+    order = np.lexsort((ends, starts))
+    starts, ends = starts[order], ends[order]
+    reach = np.maximum.accumulate(ends)
+    new = np.flatnonzero(np.concatenate(([True], starts[1:] >= reach[:-1])))
+    last = np.append(new[1:], len(starts)) - 1
+    yield from zip(starts[new].tolist(), reach[last].tolist(), strict=True)
+
+
+def _many_cards(text: str) -> Iterator[tuple[int, int]]:
+    """The cards of a text (`_Groups`), overlapping ones merged."""
+    groups = _Groups.of(text)
+    starts, ends = [], []
+    for size in range(1, min(CARD_DIGITS[1], len(groups.starts)) + 1):
+        first, digits = groups.windows(size)
+        starts.append(groups.starts[first])
+        ends.append(groups.ends[first + size - 1])
+        if digits.min() > CARD_DIGITS[1]:
+            break
+    if sum(map(len, starts)):
+        yield from _merged(np.concatenate(starts), np.concatenate(ends))
+
+
+@dataclass(frozen=True)
+class CardDetector:
+    kind: str = "payment_card"
+
+    def find(self, text: str) -> Iterator[tuple[int, int]]:
+        if RUN13.search(text) is None:
+            return
+        few = sum(1 for _ in itertools.islice(GROUP.finditer(text), FEW_GROUPS + 1)) <= FEW_GROUPS
+        yield from _few_cards(text) if few else _many_cards(text)
+
+    def pending(self, text: str) -> int | None:
+        """The first group of the run the text ends in (nothing but separators after it) from
+        which fewer than the most digits of a card have come yet."""
+        last_word = TAIL_WORD.search(text)
+        tail = last_word.end() if last_word else 0
+        groups = [(match.start(), len(match.group())) for match in GROUP.finditer(text, tail)]
+        digits = 0
+        start = None
+        for at, size in reversed(groups):
+            digits += size
+            if digits >= CARD_DIGITS[1]:
+                break
+            start = at
+        return start
+
+
+AS_DOUBLED = str.maketrans("0123456789", "0246813579")
+
+
+def luhn_ok(digits: str) -> bool:
+    """The Luhn check of ASCII digits: every second one from the last doubled (its digits summed)."""
+    kept, doubled = digits[::-1][::2], digits[::-1][1::2].translate(AS_DOUBLED)
+    return (sum(kept.encode()) + sum(doubled.encode()) - ord("0") * len(digits)) % 10 == 0
+
+
+# IBANs: a country's code, its check digits and as many letters and digits as that country's IBANs
+# have (separators anywhere after the code), passing the mod-97 check.
+
+IBAN_LENGTHS = {
+    "AD": 24, "AE": 23, "AL": 28, "AT": 20, "AZ": 28, "BA": 20, "BE": 16, "BG": 22, "BH": 22, "BI": 27, "BR": 29,
+    "BY": 28, "CH": 21, "CR": 22, "CY": 28, "CZ": 24, "DE": 22, "DJ": 27, "DK": 18, "DO": 28, "EE": 20, "EG": 29,
+    "ES": 24, "FI": 18, "FK": 18, "FO": 18, "FR": 27, "GB": 22, "GE": 22, "GI": 23, "GL": 18, "GR": 27, "GT": 28,
+    "HN": 28, "HR": 21, "HU": 28, "IE": 22, "IL": 23, "IQ": 23, "IS": 26, "IT": 27, "JO": 30, "KW": 30, "KZ": 20,
+    "LB": 28, "LC": 32, "LI": 21, "LT": 20, "LU": 20, "LV": 21, "LY": 25, "MC": 27, "MD": 24, "ME": 22, "MK": 19,
+    "MN": 20, "MR": 27, "MT": 31, "MU": 30, "NI": 28, "NL": 18, "NO": 15, "OM": 23, "PK": 24, "PL": 28, "PS": 29,
+    "PT": 25, "QA": 29, "RO": 24, "RS": 22, "RU": 33, "SA": 24, "SC": 31, "SD": 18, "SE": 24, "SI": 19, "SK": 24,
+    "SM": 27, "SO": 23, "ST": 25, "SV": 28, "TL": 23, "TN": 24, "TR": 26, "UA": 29, "VA": 22, "VG": 24, "XK": 20,
+    "YE": 30,
+}
+IBAN_SHAPE = regex.compile(r"(?<![#A-Z0-9])[A-Z]{2} *(?:[0-9] *){2}(?:[A-Z0-9] *){11,30}")
+AS_IBAN_DIGITS = {ord(c): str(int(c, 36)) for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ"}
+
+
+class _IbanChars(dict[int, str]):
+    """By code point of the view: an ASCII letter (upper-cased) or digit itself, "#" for another
+    letter or number, " " for a separator (`str.translate`): the IBAN's view of the view."""
+
+    def __missing__(self, code: int) -> str:
+        char = chr(code)
+        self[code] = seen = char.upper() if char.isascii() and char.isalnum() else "#" if WORD.match(char) else " "
+        return seen
+
+
+IBAN_CHARS = _IbanChars()
+
+
+def iban_ok(text: str) -> bool:
+    compact = text.replace(" ", "")
+    moved = compact[4:] + compact[:4]
+    return int(moved.upper().translate(AS_IBAN_DIGITS)) % 97 == 1
+
+
+def _ibans(chars: str) -> Iterator[tuple[int, int]]:
+    """Where `chars` (a view's IBAN_CHARS) holds IBANs: each start of a word with a country's code
+    and two digits, then as many letters and digits (separators skipped) as that country's IBANs
+    have, passing mod 97 (all starts at once: the remainder of any stretch comes from sums so far)."""
+    view = np.frombuffer(chars.encode("ascii"), np.uint8).astype(np.int64)
+    at = np.flatnonzero(view != ord(" "))  # the letters and digits, separators skipped
+    code = view[at]
+    letter, digit = (code >= ord("A")) & (code <= ord("Z")), (code >= ord("0")) & (code <= ord("9"))
+    starts = np.flatnonzero(np.diff(at, prepend=-2) > 1)  # at a word's start
+    starts = starts[starts + 4 <= len(at)]
+    starts = starts[letter[starts] & letter[starts + 1] & (at[starts + 1] == at[starts] + 1)
+                    & digit[starts + 2] & digit[starts + 3]]
+    lengths = IBAN_LENGTH_TABLE[(code[starts] - ord("A")) * 26 + code[starts + 1] - ord("A")]
+    starts, lengths = starts[lengths > 0], lengths[lengths > 0]
+    starts, lengths = starts[starts + lengths <= len(at)], lengths[starts + lengths <= len(at)]
+    other = np.concatenate(([0], np.cumsum(code == ord("#"))))
+    whole = other[starts + lengths] == other[starts]
+    starts, lengths = starts[whole], lengths[whole]
+    # A letter counts as two digits (A = 10); the remainder of the digits of a stretch [a, b) is
+    # (sums[b] - sums[a]) * 10^widths[b], with each digit's term scaled by 10^-(widths up to it).
+    value = np.where(letter, code - ord("A") + 10, code - ord("0"))
+    widths = np.concatenate(([0], np.cumsum(np.where(letter, 2, 1))))
+    sums = np.concatenate(([0], np.cumsum(value * POW10[-widths[1:] % 96] % 97)))
+
+    def remainder(a: Ints, b: Ints) -> Ints:
+        return (sums[b] - sums[a]) % 97 * POW10[widths[b] % 96] % 97  # type: ignore[no-any-return]
+
+    moved = (remainder(starts + 4, starts + lengths) * POW10[6] + remainder(starts, starts + 4)) % 97
+    taken = 0
+    for start, length in zip(starts[moved == 1].tolist(), lengths[moved == 1].tolist(), strict=True):
+        if at[start] >= taken:
+            yield int(at[start]), (taken := int(at[start + length - 1]) + 1)
+
+
+IBAN_LENGTH_TABLE = np.zeros(26 * 26, np.int64)
+for _code, _length in IBAN_LENGTHS.items():
+    IBAN_LENGTH_TABLE[(ord(_code[0]) - ord("A")) * 26 + ord(_code[1]) - ord("A")] = _length
+POW10 = np.array([pow(10, e, 97) for e in range(96)])  # 10^96 = 1 (mod 97)
+
+
+@dataclass(frozen=True)
+class IbanDetector:
+    kind: str = "iban"
+
+    def find(self, text: str) -> Iterator[tuple[int, int]]:
+        chars = text.translate(IBAN_CHARS)
+        if any(len(match.group().replace(" ", "")) >= IBAN_LENGTHS.get(match.group()[:2], 99)
+               for match in IBAN_SHAPE.finditer(chars, overlapped=True)):  # one could be an IBAN
+            yield from _ibans(chars)
+
+    def pending(self, text: str) -> int | None:
+        # Each start where the rest of the text could begin an IBAN that is not yet as long as its
+        # country's are.
+        chars = text.translate(IBAN_CHARS)
+        for match in IBAN_SHAPE.finditer(chars, partial=True, overlapped=True):
+            if match.partial or IBAN_SHAPE.fullmatch(chars, pos=match.start(), partial=True) is not None:
+                code = match.group()[:2]
+                if len(code) < 2 or len(match.group().replace(" ", "")) < IBAN_LENGTHS.get(code, 0):
+                    return match.start()
+        return None
 
 
 @dataclass(frozen=True)
 class PatternDetector:
-    """A regular expression, and a check a match must pass (a checksum, say)."""
+    """A regular expression, and a check a match must pass."""
 
     kind: str
     pattern: regex.Pattern[str]
     confirm: Callable[[str], bool] = field(default=lambda match: True)
-    windows: bool = False  # a match that fails its check may hold one that passes (checksummed kinds)
 
     @classmethod
-    def of(cls, kind: str, pattern: str, confirm: Callable[[str], bool] | None = None,
-           windows: bool = False) -> PatternDetector:
-        return cls(kind, regex.compile(pattern), confirm or (lambda match: True), windows)
+    def of(cls, kind: str, pattern: str, confirm: Callable[[str], bool] | None = None) -> PatternDetector:
+        return cls(kind, regex.compile(pattern), confirm or (lambda match: True))
 
     def find(self, text: str) -> Iterator[tuple[int, int]]:
-        at = 0
-        while (match := self.pattern.search(text, at)) is not None:
-            found = self._confirmed(text, *match.span())
-            if found is not None:
-                yield found
-                at = found[1]
-            elif self.windows and (second := _next_group(text, *match.span())) is not None:
-                # A checksummed kind is looked for again from the match's next group: the card in
-                # "12 34 4111 1111 1111 1111" begins inside a match that failed its check.
-                at = second
-            else:
-                at = match.end()
-
-    def _confirmed(self, text: str, start: int, end: int) -> tuple[int, int] | None:
-        """The match if it passes its check; else (a checksummed kind) the longest of it without up
-        to TRIM of its last groups (what separators part) that matches and passes: the card in
-        "4111 1111 1111 1111 12/29"."""
-        if self.confirm(text[start:end]):
-            return start, end
-        if not self.windows:
-            return None
-        ends = [start + m.start() for m in regex.finditer(r"(?<=[^\W_])[\W_]+", text[start:end])]
-        for cut in reversed(ends[-TRIM:]):
-            if self.confirm(text[start:cut]) and self.pattern.fullmatch(text, pos=start, endpos=cut):
-                return start, cut
-        return None
+        for match in self.pattern.finditer(text):
+            if self.confirm(match.group()):
+                yield match.span()
 
     def pending(self, text: str) -> int | None:
         # A match may still grow if the rest of the text from its start is the beginning of a
-        # match (`partial`): "GB82 WEST 1234 5698 " matches as far as "5698" and may go on.
+        # match (`partial`): "sk-abc" may go on.
         for match in self.pattern.finditer(text, partial=True):
             if match.partial or self.pattern.fullmatch(text, pos=match.start(), partial=True) is not None:
                 return match.start()
         return None
 
 
-def luhn_ok(digits: str) -> bool:
-    total = 0
-    for position, char in enumerate(reversed(digits)):
-        value = int(char)
-        if position % 2:
-            value = value * 2 - 9 if value > 4 else value * 2
-        total += value
-    return total % 10 == 0
-
-
-def iban_ok(text: str) -> bool:
-    compact = text.replace(" ", "")
-    moved = compact[4:] + compact[:4]
-    return int("".join(str(int(c, 36)) for c in moved)) % 97 == 1
-
-
-def _digits(match: str) -> str:
-    return "".join(str(unicodedata.decimal(c)) for c in match if c.isdecimal())
-
-
-def iban_checked(text: str) -> bool:
-    compact = "".join(str(unicodedata.decimal(c)) if c.isdecimal() else c for c in text if c.isalnum())
-    return compact.isascii() and iban_ok(compact.upper())
-
-
-def _card(match: str) -> bool:
-    digits = _digits(match)
-    return 13 <= len(digits) <= 19 and luhn_ok(digits)
+NOT_PHONE_DIGITS = str.maketrans("", "", "+ ()./-")
 
 
 def _phone(match: str) -> bool:
-    return 9 <= len(_digits(match)) <= 15 and not _card(match)
+    digits = match.translate(NOT_PHONE_DIGITS)  # the view's digits are ASCII
+    return 9 <= len(digits) <= 15 and not (CARD_DIGITS[0] <= len(digits) and luhn_ok(digits))
 
 
-# Every repetition in these is bounded, so a scan is linear in the text however hostile it is
-# ("a@" + "a." * 100000 took seconds with open-ended ones). An operator's patterns are theirs.
-SEPARATOR = r"[ \-./_\u00a0\u2009\u202f\u200b\u00ad]"  # between a card's or an IBAN's digits
-BUILT_IN = (  # the strict kinds first: in an overlap the earlier detector wins
-    PatternDetector.of("payment_card", rf"(?<!\d)(?:\d{SEPARATOR}{{0,2}}){{12,18}}\d(?!\d)", _card, windows=True),
-    PatternDetector.of("iban", rf"(?<![^\W_])[A-Za-z]{{2}}\d{{2}}(?:{SEPARATOR}?[A-Za-z0-9]){{11,30}}(?![^\W_])",
-                       iban_checked, windows=True),
-    PatternDetector.of("secret", r"(?<![A-Za-z0-9])(?:sk-[A-Za-z0-9_-]{20,256}|gh[pousr]_[A-Za-z0-9]{36,255}"
-                                 r"|xox[abpr]-[A-Za-z0-9-]{10,255}"
-                                 r"|eyJ[A-Za-z0-9_-]{10,4096}\.[A-Za-z0-9_-]{10,4096}\.[A-Za-z0-9_-]{10,4096})"
-                                 r"|AKIA[0-9A-Z]{16}"),
+def _key(prefix: str, chars: str, least: int, most: int) -> str:
+    """A key: its prefix, then its first `least` characters (spaces may split them: the view
+    already dropped zero-width ones), then up to `most` in all, unbroken."""
+    return rf"{prefix}(?: *{chars}){{{least}}}{chars}{{0,{most - least}}}+"
+
+
+# Every repetition in these is bounded or cannot overlap the next, so a scan is linear in the text
+# however hostile it is ("a@" + "a." * 100000 took seconds with open-ended ones). An operator's
+# patterns are theirs.
+JWT_PART = _key("", "[A-Za-z0-9_-]", 10, 4096)
+BUILT_IN: tuple[Detector, ...] = (  # the strict kinds first: in an overlap the earlier detector wins
+    IbanDetector(),  # before cards and keys: an IBAN's digits may hold a Luhn-valid run
+    PatternDetector.of("secret", rf"(?<![A-Za-z0-9])(?:{_key('sk-', '[A-Za-z0-9_-]', 20, 256)}"
+                                 rf"|{_key('gh[pousr]_', '[A-Za-z0-9]', 36, 255)}"
+                                 rf"|{_key('xox[abpr]-', '[A-Za-z0-9-]', 10, 255)}"
+                                 rf"|(?<![_-])eyJ{JWT_PART} *\.{JWT_PART} *\.{JWT_PART})"
+                                 rf"|{_key('AKIA', '[0-9A-Z]', 16, 16)}"),
+    CardDetector(),  # after keys: a key's digits may hold one
 )
-LOOSE = (  # after any other detector: a card joined to an e-mail address is a card
+LOOSE: tuple[Detector, ...] = (  # after any other detector: a card joined to an e-mail address is a card
     PatternDetector.of("email", r"(?<![A-Za-z0-9._%+-])[A-Za-z0-9._%+-]{1,64}@(?:[A-Za-z0-9-]{1,63}\.){1,8}"
                                 r"[A-Za-z]{2,24}(?![A-Za-z0-9-])"),
     PatternDetector.of("phone", r"(?<![\w+])\+?\d[\d ()./-]{7,24}\d(?!\w)", _phone),
@@ -186,7 +529,7 @@ class Finding:
 
 class Scanner:
     """Finds and redacts sensitive spans: the built-in detectors, `extra` (named patterns) and
-    `detectors` (plug-ins)."""
+    `detectors` (plug-ins), each on the text as a reader sees it (`View`)."""
 
     def __init__(self, extra: dict[str, str] | None = None, detectors: Iterable[Detector] = ()) -> None:
         self.detectors: tuple[Detector, ...] = (
@@ -198,12 +541,14 @@ class Scanner:
         return {detector.kind for detector in self.detectors}
 
     def findings(self, text: str, kinds: set[str] | None = None) -> list[Finding]:
-        """Every confirmed finding (of `kinds`, or all), earlier detectors winning overlaps: the
-        digits of an IBAN are never also a phone number."""
+        """Every confirmed finding (of `kinds`, or all), in the original text, earlier detectors
+        winning overlaps: the digits of an IBAN are never also a phone number."""
+        view = View.of(text)
         taken: list[Finding] = []  # by start, never overlapping: only the one before a span can overlap it
         starts: list[int] = []
         for detector in self.detectors:
-            for start, end in detector.find(text):
+            for found in detector.find(view.text):
+                start, end = view.span(*found)
                 at = bisect.bisect_left(starts, end)
                 if at == 0 or taken[at - 1].end <= start:
                     taken.insert(at, Finding(start, end, detector.kind))
@@ -211,17 +556,27 @@ class Scanner:
         return [f for f in taken if kinds is None or f.kind in kinds]
 
     def redact(self, text: str, kinds: set[str] | None = None) -> str:
-        return _replaced(text, self.findings(text, kinds))
+        return replaced(text, self.findings(text, kinds))
 
     def pending(self, text: str, kinds: set[str]) -> tuple[int, str | None]:
         """Where the settled part of `text` ends: before any finding of `kinds` more text could
         still complete or extend (and its kind)."""
-        starts = [(start, detector.kind) for detector in self.detectors if detector.kind in kinds
-                  if (start := detector.pending(text)) is not None]
-        return min(starts, default=(len(text), None))
+        view = View.of(text)
+        starts = [(start, detector.kind) for detector in self.detectors
+                  if detector.kind in kinds and (start := detector.pending(view.text)) is not None]
+        if not starts:
+            return len(text), None
+        start, kind = min(starts)
+        return view.span(start, start + 1)[0], kind
 
 
-def _replaced(text: str, findings: list[Finding]) -> str:
+def scanner_from(patterns: dict[str, str] | None = None, detectors: Iterable[str] = ()) -> Scanner:
+    """The scanner of an operator's `patterns` and the named plug-in `detectors` (entry points)."""
+    return Scanner(patterns, plugged(detectors))
+
+
+def replaced(text: str, findings: list[Finding]) -> str:
+    """`text` with each finding (by start, not overlapping) replaced by its kind: [PAYMENT_CARD]."""
     for finding in reversed(findings):
         text = f"{text[:finding.start]}[{finding.kind.upper()}]{text[finding.end:]}"
     return text
@@ -276,4 +631,4 @@ class StreamRedactor:
     def _emit(self, cut: int, findings: list[Finding]) -> str:
         out, self.held = self.held[:cut], self.held[cut:]
         self.found |= {finding.kind for finding in findings}
-        return _replaced(out, findings)
+        return replaced(out, findings)

@@ -1,8 +1,10 @@
-"""The cost of live compliance filtering per request (issue 21), in this process: screening a chat
-prompt, redacting a whole answer, and redacting a streamed answer event by event, under the default
-policy, against what the gateway does to the same request without it (parsing and re-encoding the
-same JSON: the relay's own work), taking turns; and the scan of a hostile megabyte (digits and
-spaces in card-like groups, the body limit: the slowest text known for the scanner), alone.
+"""The cost of live compliance filtering per request, in this process: screening a chat prompt,
+redacting a whole answer, and redacting a streamed answer event by event, under the default policy,
+with the scanner that normalises text first (appliance/sensitive.py) and with the one before it
+(bench/_old_sensitive.py), against what the gateway does to the same request without filtering
+(parsing and re-encoding the same JSON: the relay's own work), the three taking turns in the same
+run; and, for each scanner, the scan of each hostile megabyte (the body limit) known to be slow
+for one of its detectors, the slowest named.
 
 Run: .venv/bin/python -m bench.compliance_cost
 Writes bench/results/compliance_cost.json.
@@ -15,14 +17,24 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from appliance.settings import ComplianceSettings
+from bench import _old_sensitive
 from serve.compliance import Compliance, Marks
 
 RESULTS = Path(__file__).parent / "results" / "compliance_cost.json"
 ROUNDS = 5
 REQUESTS = 200
 WORDS = ("the", "model", "answers", "with", "a", "short", "paragraph", "about", "deployment", "on", "GPUs")
+MEGABYTE = 1_000_000
+HOSTILE = {  # a unit repeated to a megabyte
+    "card-like groups": "4111 ", "ones and spaces": "1 ", "ones and dashes": "1-", "ones and commas": "1,",
+    "one long number": "1", "an e-mail address's dots": "a.", "digits of three scripts": "\u0661\u0967\uff11 \u200b",
+    "zero-width spaces": "1\u200b", "IBAN-like groups": "GB82 ",
+    "IBANs failing mod 97": "GB82 WEST 1234 5698 7654 33, ", "sk- prefixes": "_sk-", "JWT prefixes": "eyJ-",
+    "AKIA keys": "AKIA ", "phone numbers": "+1 415 555 2671 ",
+    "JSON line breaks": "1\\n", "JSON-escaped digits": "\\u0031 "}
 
 
 def text(words: int, sensitive: str) -> str:
@@ -42,65 +54,96 @@ def events() -> list[bytes]:
             for i, piece in enumerate(PIECES)]
 
 
-def per_request(work: Callable[[], object]) -> float:
-    """Median microseconds of one request's work over ROUNDS rounds of REQUESTS."""
-    rounds = []
-    for _ in range(ROUNDS):
-        started = time.perf_counter()
-        for _ in range(REQUESTS):
-            work()
-        rounds.append((time.perf_counter() - started) / REQUESTS * 1e6)
-    return statistics.median(rounds)
+def filters() -> dict[str, Compliance]:
+    new = Compliance(ComplianceSettings())
+    old = Compliance(ComplianceSettings())
+    old.scanner = _old_sensitive.Scanner(detectors=_old_sensitive.national_ids())  # type: ignore[assignment]
+    return {"old": old, "new": new}
 
 
-def main() -> None:
-    compliance = Compliance(ComplianceSettings())
-    policy = compliance.policy(["user"])
+def work(compliance: Compliance | None) -> dict[str, Callable[[], object]]:
+    """One request of each path: relayed bare (None), or screened by `compliance`."""
     body = json.dumps(PROMPT).encode()
     answer = json.dumps({"choices": [{"index": 0, "message": {"role": "assistant", "content": ANSWER}}]}).encode()
     stream = events()
+    if compliance is None:
+        return {"prompt": lambda: json.dumps(json.loads(body)), "answer": lambda: json.dumps(json.loads(answer)),
+                "stream": lambda: [json.dumps(json.loads(event)) for event in stream]}
+    policy = compliance.policy(["user"])
 
-    def prompt_bare() -> object:
-        return json.dumps(json.loads(body))
-
-    def prompt_screened() -> object:
+    def prompt() -> object:
         payload = json.loads(body)
         compliance.screen_prompt(payload, tuple(name for name in payload if name != "model"), policy, Marks())
         return json.dumps(payload)
 
-    def answer_bare() -> object:
-        return json.dumps(json.loads(answer))
-
-    def answer_screened() -> object:
+    def whole() -> object:
         screen = compliance.answer_filter(policy, Marks())
         assert screen is not None
         return json.dumps(screen.answer(json.loads(answer)))
 
-    def stream_bare() -> object:
-        return [json.dumps(json.loads(event)) for event in stream]
-
-    def stream_screened() -> object:
+    def streamed() -> object:
         screen = compliance.answer_filter(policy, Marks())
         assert screen is not None
         sent = [json.dumps(screen.event(json.loads(event))) for event in stream]
         return sent + [json.dumps(event) for event in screen.finish()]
 
-    figures = {}
-    for name, bare, screened in (("prompt", prompt_bare, prompt_screened), ("answer", answer_bare, answer_screened),
-                                 ("stream", stream_bare, stream_screened)):
-        bare_us, screened_us = per_request(bare), per_request(screened)
-        figures[name] = {"bare_us": round(bare_us, 1), "screened_us": round(screened_us, 1),
-                         "added_us": round(screened_us - bare_us, 1), "ratio": round(screened_us / bare_us, 2)}
-    hostile = {"model": "m", "messages": [{"role": "user", "content": "4111 " * 200_000}]}  # 1 MB, the body limit
-    scans = []
-    for _ in range(3):
-        started = time.perf_counter()
-        compliance.screen_prompt(hostile, ("messages",), policy, Marks())
-        scans.append(time.perf_counter() - started)
-    result = {"prompt_chars": len(body), "answer_chars": len(ANSWER), "stream_events": len(stream),
+    return {"prompt": prompt, "answer": whole, "stream": streamed}
+
+
+def timed(run: Callable[[], object]) -> float:
+    """Microseconds per request over REQUESTS requests."""
+    started = time.perf_counter()
+    for _ in range(REQUESTS):
+        run()
+    return (time.perf_counter() - started) / REQUESTS * 1e6
+
+
+def per_request(paths: dict[str, dict[str, Callable[[], object]]]) -> dict[str, dict[str, float]]:
+    """Median microseconds per request of each path and workload, the paths taking turns each round."""
+    rounds: dict[str, dict[str, list[float]]] = {path: {} for path in paths}
+    for _ in range(ROUNDS):
+        for workload in ("prompt", "answer", "stream"):
+            for path, runs in paths.items():
+                rounds[path].setdefault(workload, []).append(timed(runs[workload]))
+    return {path: {workload: statistics.median(times) for workload, times in by.items()}
+            for path, by in rounds.items()}
+
+
+def hostile_seconds(compliance: Compliance) -> dict[str, float]:
+    """CPU seconds to screen a prompt of each hostile megabyte (the gateway's whole screening, in
+    one thread: its own time, whatever else the machine runs)."""
+    policy = compliance.policy(["user"])
+    seconds = {}
+    for name, unit in HOSTILE.items():
+        content = ("a@" if unit == "a." else "") + unit * (MEGABYTE // len(unit))
+        payload: dict[str, Any] = {"messages": [{"role": "user", "content": content}]}
+        started = time.process_time()
+        try:
+            compliance.screen_prompt(payload, ("messages",), policy, Marks())
+        except Exception:  # refused: the scan was done
+            pass
+        seconds[name] = round(time.process_time() - started, 2)
+    return seconds
+
+
+def main() -> None:
+    compliance = filters()
+    medians = per_request({"bare": work(None), **{name: work(c) for name, c in compliance.items()}})
+    stream_events = len(events())
+    figures: dict[str, Any] = {}
+    for workload in ("prompt", "answer", "stream"):
+        bare = medians["bare"][workload]
+        figures[workload] = {"bare_us": round(bare, 1), **{
+            f"{name}_added_us": round(medians[name][workload] - bare, 1) for name in compliance},
+            "new_over_old": round((medians["new"][workload] - bare) / (medians["old"][workload] - bare), 2)}
+    for name in compliance:
+        figures[f"stream_{name}_added_us_per_event"] = round(figures["stream"][f"{name}_added_us"] / stream_events, 1)
+    hostile = {name: hostile_seconds(c) for name, c in compliance.items()}
+    result = {"prompt_chars": len(json.dumps(PROMPT)), "answer_chars": len(ANSWER), "stream_events": stream_events,
               "requests_per_round": REQUESTS, "rounds": ROUNDS, **figures,
-              "stream_added_us_per_event": round(figures["stream"]["added_us"] / len(stream), 1),
-              "hostile_megabyte_prompt_ms": round(statistics.median(scans) * 1000)}
+              "hostile_megabyte_cpu_s": hostile,
+              "slowest_hostile_megabyte": {name: max(seconds.items(), key=lambda item: item[1])
+                                           for name, seconds in hostile.items()}}
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))

@@ -18,7 +18,7 @@ from appliance.errors import ApplianceError
 from appliance.home import Home
 from appliance.model_refs import checkpoint
 from appliance.progress import byte_progress
-from appliance.sensitive import Scanner
+from appliance.sensitive import scanner_from
 from appliance.settings import DEMO_MODEL, load_settings
 from finetune import evalsets
 from finetune.datasets import check_lengths, load_registry, parse, scan, split, store
@@ -48,7 +48,7 @@ def add(
     check_lengths(rows, _token_counter(checkpoint(model, home, settings, what="--model")),
                   context or settings.engine.max_model_len)
     options = settings.finetune
-    rows, sensitive = scan(rows, Scanner(options.sensitive_patterns), options.sensitive_data)
+    rows, sensitive = scan(rows, scanner_from(options.sensitive_patterns), options.sensitive_data)
     train, evaluation = split(rows, options.eval_fraction)
     done = store(name, file, train, evaluation, sensitive, options.sensitive_data,
                  artifact_store(settings.artifacts, home), home)

@@ -10,10 +10,12 @@ policy says (`compliance` settings):
 - `flag`: it goes through, and the request's audit record says what was found;
 - `allow`: nothing.
 
-Every string a request sends but the model's name is screened. What cannot be screened is not let
-through: a prompt of token ids is refused, an answer or stream event that cannot be parsed is not
-sent on. A choice's logprobs (they would show the text redaction hides) are left out wherever the
-filter held back or replaced its text.
+Every string a request sends but the model's name is screened, and every JSON number, as a template
+renders it (`str`: 4111111111111111, 4111111111111111.0): a number holding a finding is blocked like
+a string, or under `redact` replaced by its redacted rendering, a string ("[PAYMENT_CARD]"; its type
+changes). What cannot be screened is not let through: a prompt of token ids is refused, an answer
+or stream event that cannot be parsed is not sent on. A choice's logprobs (they would show the text
+redaction hides) are left out wherever the filter held back or replaced its text.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any
 
 from appliance.errors import SettingsError
 from appliance.roles import Role
-from appliance.sensitive import Scanner, StreamRedactor, plugged
+from appliance.sensitive import Scanner, StreamRedactor, replaced, scanner_from
 from appliance.settings import DEFAULT_ANSWERS, DEFAULT_PROMPTS, ComplianceSettings, RolePolicy, SensitiveAction
 from serve.errors import GatewayError
 
@@ -68,7 +70,7 @@ class Compliance:
 
     def __init__(self, settings: ComplianceSettings) -> None:
         self.settings = settings
-        self.scanner = Scanner(settings.patterns, plugged(settings.detectors))
+        self.scanner = scanner_from(settings.patterns, settings.detectors)
         known = self.scanner.kinds
         for where, policy in (("default", settings.default), *settings.roles.items()):
             for part in (policy.prompts, policy.answers):
@@ -107,7 +109,7 @@ class Compliance:
                     marks.done["prompt.token_ids"] = MARKS["block"]
                     raise GatewayError(400, "a prompt of token ids cannot be screened for sensitive data under your "
                                        "role's compliance policy; send text", code="sensitive_data", param="prompt")
-                for path, text in _strings(payload[name], name, self.scanner.redact):
+                for path, text in _texts(payload[name], name, self.scanner.redact):
                     for finding in self.scanner.findings(text, screening):
                         found.setdefault(finding.kind, set()).add(path)
         for action in ("flag", "block"):
@@ -149,10 +151,11 @@ class AnswerFilter:
     def answer(self, body: dict[str, Any]) -> dict[str, Any]:
         """A whole answer's choices, redacted (a changed choice loses its logprobs)."""
         def screened(text: str) -> str:
-            self.marks.add("answer", {f.kind for f in self.scanner.findings(text, self.flagged)}, "flag")
-            redacting = self.scanner.findings(text, self.redacted)
+            found = self.scanner.findings(text, self.flagged | self.redacted)  # one scan for both
+            self.marks.add("answer", {f.kind for f in found if f.kind in self.flagged}, "flag")
+            redacting = [f for f in found if f.kind in self.redacted]
             self.marks.add("answer", {f.kind for f in redacting}, "redact")
-            return self.scanner.redact(text, self.redacted) if redacting else text
+            return replaced(text, redacting)
 
         if isinstance(body.get("choices"), list):
             choices = []
@@ -267,24 +270,34 @@ def _append(part: dict[str, Any], key: str, rest: str) -> None:
     function[leaf] = (function.get(leaf) or "") + rest
 
 
-def _strings(value: Any, path: str, shown: Callable[[str], str]) -> Iterator[tuple[str, str]]:
-    """Every string in a JSON value, the keys of its objects included, with where it is
-    ("messages[1].content"; a key in the path as `shown` makes it: a finding never named)."""
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _texts(value: Any, path: str, shown: Callable[[str], str]) -> Iterator[tuple[str, str]]:
+    """Every string and number (as a template renders it) in a JSON value, the keys of its objects
+    included, with where it is ("messages[1].content"; a key in the path as `shown` makes it: a
+    finding never named)."""
     if isinstance(value, str):
         yield path, value
+    elif _number(value):
+        yield path, str(value)
     elif isinstance(value, list):
         for position, item in enumerate(value):
-            yield from _strings(item, f"{path}[{position}]", shown)
+            yield from _texts(item, f"{path}[{position}]", shown)
     elif isinstance(value, dict):
         for key, item in value.items():
             yield f"{path} (a key)", str(key)
-            yield from _strings(item, f"{path}.{shown(str(key))}", shown)
+            yield from _texts(item, f"{path}.{shown(str(key))}", shown)
 
 
 def _rewritten(value: Any, change: Any, keys: tuple[str, ...] | None = None) -> Any:
-    """`value` with each string changed, keys included (only values under `keys`, when given)."""
+    """`value` with each string changed, keys included (only values under `keys`, when given); with
+    no `keys`, a number too, which becomes the string it was changed to if that differs."""
     if isinstance(value, str):
         return change(value) if keys is None else value
+    if _number(value) and keys is None:
+        return value if (changed := change(str(value))) == str(value) else changed
     if isinstance(value, list):
         return [_rewritten(item, change, keys) for item in value]
     if isinstance(value, dict):

@@ -19,7 +19,7 @@ from appliance.artifacts import ArtifactStore, artifact_store
 from appliance.errors import Invalid
 from appliance.home import Home
 from appliance.rl import Attempt, ExportAsk, RunSpec
-from appliance.sensitive import Scanner
+from appliance.sensitive import scanner_from
 from appliance.settings import Settings
 from appliance.trajectories import read_run
 from finetune.datasets import Imported, Row, normalise, put, register, scan, split
@@ -76,7 +76,7 @@ def prepare_set(run_id: int, rows: list[dict[str, Any]], what: str, settings: Se
     if not kept:
         raise Invalid(f"run {run_id} has no {what}")
     options = settings.finetune
-    scanned, sensitive = scan(kept, Scanner(options.sensitive_patterns), options.sensitive_data)
+    scanned, sensitive = scan(kept, scanner_from(options.sensitive_patterns), options.sensitive_data)
     train, evaluation = split(scanned, options.eval_fraction)
     return Prepared(train, evaluation, sensitive)
 

@@ -19,6 +19,8 @@ MODEL = "SmolLM2-135M-Instruct"
 PASSWORD = "Test-password-1"
 CARD = "4111 1111 1111 1111"
 FORCED = f"Card {CARD} ok"  # the answer the engine is made to give (structured output), token by token
+# The regex that forces it must not hold the card itself: the prompt's screening reads "4111[ ]1111..." as one.
+FORCING = "Card 4111([ ]1111){3}[ ]ok"
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +68,7 @@ def test_an_email_in_a_prompt_goes_through_flagged(realm: Realm, running: Runnin
 def test_a_card_in_an_answer_is_redacted_whole_even_streamed_token_by_token(realm: Realm, running: Running,
                                                                              stream: bool) -> None:
     body = {"messages": [{"role": "user", "content": "Say it."}], "max_tokens": 32, "temperature": 0,
-            "structured_outputs": {"regex": FORCED.replace(" ", "[ ]")}, "stream": stream}
+            "structured_outputs": {"regex": FORCING}, "stream": stream}
     answered = ask(realm, "compliance-user", "/v1/chat/completions", body)
     assert answered.status_code == 200, answered.text
     assert "4111" not in answered.text
@@ -90,3 +92,33 @@ def test_a_redacting_role_has_the_engine_see_the_redacted_prompt(realm: Realm, r
     assert record_of(running, answered.headers["x-request-id"])["sensitive"] == {"prompt.payment_card": "redacted"}
     ids = ask(realm, "compliance-user", "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 1})
     assert ids.status_code == 400 and ids.json()["error"]["param"] == "prompt"
+
+
+# Regressions from the attacker review: sensitive data written in ordinary ways is refused too (the
+# default policy blocks cards, IBANs and keys in prompts), a card sent as a JSON number included.
+WRITTEN = {"commas": ("payment_card", "4111,1111,1111,1111"), "newlines": ("payment_card", "4111\n1111\n1111\n1111"),
+           "en dashes": ("payment_card", "4111\u20131111\u20131111\u20131111"),
+           "zero-width joiners": ("payment_card", "4111\u200d1111\u200d1111\u200d1111"),
+           "after short groups": ("payment_card", "12 34 56 4111 1111 1111 1111"),
+           "iban with commas": ("iban", "GB82,WEST,1234,5698,7654,32"),
+           "iban with a full-width code": ("iban", "\uff27\uff22\uff18\uff12 WEST 1234 5698 7654 32"),
+           "sk- key with a zero-width space": ("secret", "sk-abcdefgh\u200bijklmnopqrstuvwxyz12"),
+           "AKIA key with a space": ("secret", "AKIA ABCDEFGHIJKLMNOP")}
+
+
+def test_sensitive_data_however_written_is_refused_and_a_card_as_a_number_too(realm: Realm, running: Running) -> None:
+    token = realm.token("compliance-user", PASSWORD)
+    with httpx.Client(base_url=realm.gateway, timeout=60, headers={"Authorization": f"Bearer {token}"}) as client:
+        for name, (kind, written) in WRITTEN.items():
+            refused = client.post("/v1/chat/completions", json={
+                "model": MODEL, "messages": [{"role": "user", "content": f"Use {written} now"}], "max_tokens": 4})
+            assert refused.status_code == 400, (name, refused.text)
+            error = refused.json()["error"]
+            assert (error["code"], error["param"]) == ("sensitive_data", "messages[0].content"), name
+            assert "4111" not in refused.text and "WEST" not in refused.text and "ABCDEFGH" not in refused.text
+            assert record_of(running, refused.headers["x-request-id"])["sensitive"] == {f"prompt.{kind}": "blocked"}
+        number = client.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+            "chat_template_kwargs": {"account": 4111111111111111}})
+        assert number.status_code == 400, number.text
+        assert number.json()["error"]["param"] == "chat_template_kwargs.account" and "4111" not in number.text
