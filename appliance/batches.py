@@ -52,7 +52,7 @@ CUSTOM_ID_MAX = 512
 READ_BYTES = 1 << 20  # an input file is read this much at a time
 CHUNK_ROWS, CHUNK_BYTES = 1000, 4 << 20  # requests copied into the queue per transaction, at most
 SEEN_BITS = 1 << 23  # a filter of the custom_ids seen (1 MiB): most are new, and need no look-up
-FAILED_WINDOW_S = 3600  # batch.max_failed_validations_per_hour counts over this
+QUOTA_WINDOW_S = 3600  # batch.max_failed_validations_per_hour and max_validated_bytes_per_hour count over this
 
 
 class BatchState(StrEnum):
@@ -110,7 +110,8 @@ create table if not exists batches (
     failed integer not null default 0,
     metadata text,                 -- JSON: the client's, up to 16 string pairs
     announced integer not null default 0,  -- its end is in the audit log
-    validator_pid integer          -- the worker validating its input file
+    validator_pid integer,         -- the worker validating its input file
+    input_bytes integer not null default 0  -- its input file's size: validation work, counted per hour
 );
 create table if not exists batch_requests (
     batch_id text not null,
@@ -129,12 +130,13 @@ create table if not exists batch_requests (
 create index if not exists batch_requests_state on batch_requests (state, batch_id);
 create unique index if not exists batch_requests_custom_id on batch_requests (batch_id, custom_id);
 """
-# A queue made before batches were validated by the worker: its failed batches were answered at
-# creation and are not announced.
-MIGRATION = """
-alter table batches add column validator_pid integer;
-update batches set announced = 1 where status = 'failed';
-"""
+# What brings a queue made before a column to today's schema. Before the worker validated batches,
+# failed batches were answered at creation and are not announced.
+MIGRATIONS = {
+    "validator_pid": ("alter table batches add column validator_pid integer",
+                      "update batches set announced = 1 where status = 'failed'"),
+    "input_bytes": ("alter table batches add column input_bytes integer not null default 0",),
+}
 
 
 class FileObject(BaseModel):
@@ -266,9 +268,11 @@ def connect(home: Home) -> Iterator[sqlite3.Connection]:
 
 def _migrate(db: sqlite3.Connection) -> None:
     with immediate(db):  # the gateway and the worker may both open an old queue at once
-        if "validator_pid" not in {row[1] for row in db.execute("pragma table_info(batches)")}:
-            for statement in MIGRATION.strip().splitlines():
-                db.execute(statement)
+        columns = {row[1] for row in db.execute("pragma table_info(batches)")}
+        for column, statements in MIGRATIONS.items():
+            if column not in columns:
+                for statement in statements:
+                    db.execute(statement)
 
 
 @contextmanager
@@ -350,25 +354,25 @@ def list_files(home: Home, owner: str) -> list[FileObject]:
 def create(home: Home, ask: BatchAsk, who: Owner, limits: BatchSettings) -> Batch:
     """A batch of the requests in the caller's input file, `validating` until the worker has read
     it. Only cheap checks here (the file, the quotas), so creating one never stalls the gateway:
-    QuotaExceeded for too many batches not ended, too many validations failed in the last hour,
-    or no room left for a request."""
+    QuotaExceeded for too many batches not ended, too many validations failed or too many bytes
+    validated in the last hour, or no room left for a request."""
     file, _ = get_file(home, ask.input_file_id, who.subject)
     if file.purpose != PURPOSE:
         raise Invalid(f"input_file_id: file {file.id} is not a batch input file")
     now = _now()
     batch_id = new_id("batch_")
     with transaction(home) as db:
-        _check_quotas(db, who.subject, limits, now)
+        _check_quotas(db, who.subject, limits, now, file.bytes)
         db.execute("insert into batches (id, owner, username, roles, endpoint, input_file_id, completion_window, "
-                   "status, created_at, expires_at, metadata) values (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                   "status, created_at, expires_at, metadata, input_bytes) values (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                    (batch_id, who.subject, who.username, json.dumps(sorted(who.roles)), ask.endpoint, file.id,
                     ask.completion_window, BatchState.VALIDATING, now,
                     now + COMPLETION_WINDOWS[ask.completion_window],
-                    json.dumps(ask.metadata) if ask.metadata is not None else None))
+                    json.dumps(ask.metadata) if ask.metadata is not None else None, file.bytes))
     return get(home, batch_id, who.subject)
 
 
-def _check_quotas(db: sqlite3.Connection, subject: str, limits: BatchSettings, now: int) -> None:
+def _check_quotas(db: sqlite3.Connection, subject: str, limits: BatchSettings, now: int, input_bytes: int) -> None:
     active = db.execute("select count(*) from batches where owner = ? and status in "
                         "('validating', 'in_progress', 'cancelling', 'finalizing')", (subject,)).fetchone()[0]
     if active >= limits.max_active_per_user:
@@ -378,11 +382,19 @@ def _check_quotas(db: sqlite3.Connection, subject: str, limits: BatchSettings, n
     # read of the whole file: counted, so that it cannot be repeated at will.
     failed = db.execute("select count(*) from batches where owner = ? and (failed_at > ? or "
                         "(in_progress_at is null and cancelling_at > ?))",
-                        (subject, now - FAILED_WINDOW_S, now - FAILED_WINDOW_S)).fetchone()[0]
+                        (subject, now - QUOTA_WINDOW_S, now - QUOTA_WINDOW_S)).fetchone()[0]
     if failed >= limits.max_failed_validations_per_hour:
         raise QuotaExceeded(f"{failed} of your batches failed validation or were cancelled while validating in "
                             f"the last hour (batch.max_failed_validations_per_hour = "
                             f"{limits.max_failed_validations_per_hour}); check your input files, retry later")
+    # Every validation reads its whole file, whatever becomes of the batch (one cancelled as soon
+    # as it validated cost as much): the bytes the user had validated in the hour are counted.
+    validated = db.execute("select coalesce(sum(input_bytes), 0) from batches where owner = ? and created_at > ?",
+                           (subject, now - QUOTA_WINDOW_S)).fetchone()[0]
+    if validated + input_bytes > limits.max_validated_bytes_per_hour:
+        raise QuotaExceeded(f"your batches created in the last hour have {validated} bytes of input to validate; "
+                            f"{input_bytes} more would pass batch.max_validated_bytes_per_hour "
+                            f"({limits.max_validated_bytes_per_hour}); retry later")
     pending = _pending(db, subject)
     if pending >= limits.max_pending_requests_per_user:
         raise QuotaExceeded(f"{pending} of your batch requests are waiting (batch.max_pending_requests_per_user "

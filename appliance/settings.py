@@ -284,6 +284,10 @@ class GatewaySettings(_Section):
     body_min_rate: float = Field(
         4096.0, gt=0, description="Bytes a second a request body must keep up after `body_timeout_s`."
     )
+    send_timeout_s: float = Field(
+        30.0, gt=0, description="A client must read what it is sent: a connection whose send buffer stays "
+        "full this long is closed."
+    )
     max_connections: int = Field(
         4096, ge=16, description="Open connections at most; past it the oldest still sending its headers "
         "(or, if none is, its body) is closed."
@@ -378,6 +382,9 @@ class BatchSettings(_Section):
     max_failed_validations_per_hour: int = Field(
         10, ge=1, description="Batches a user may have fail validation (or cancel while validating) in an hour; "
         "past it, creating one is a 429 (each validation reads the whole input file).")
+    max_validated_bytes_per_hour: int = Field(
+        1 << 30, ge=1, description="Bytes of input files a user's batches created in an hour may hold, whatever "
+        "became of them (each validation reads its whole file); past it, creating one is a 429.")
     max_pending_requests_per_user: int = Field(
         200_000, ge=1, description="Requests a user may have waiting over all their batches.")
     concurrency: int = Field(2, ge=1, le=256, description="Requests the worker sends at once.")

@@ -31,13 +31,14 @@ from appliance.adapters import AdapterRecord
 from appliance.artifacts import artifact_store
 from appliance.errors import ApplianceError
 from appliance.home import Home
+from appliance.roles import Role
 from appliance.secrets import gateway_client_secret, secret
 from appliance.settings import Settings, load_settings
 from appliance.tls import keycloak_ssl
 from audit import AuditEvent, AuditUnavailable, AuditWriter, TextHasher, archive, signing_key
 from serve.adapters import AdapterRoutes, base_configs
 from serve.answer import decode_json
-from serve.audit_trail import AUDITED_PREFIXES, AuditMiddleware, Transcript
+from serve.audit_trail import AuditMiddleware, Transcript
 from serve.auth import Introspector, Principal, TokenValidator
 from serve.compliance import AnswerFilter, Compliance, Marks
 from serve.deps import ChatUser
@@ -58,6 +59,10 @@ log = logging.getLogger("appliance.gateway")
 # Monitoring routes need role admin, so their readers are few; past this many in one interval the
 # rest are summarised together (user "*").
 MONITORING_USERS = 64
+# Every route under these prefixes needs a token and one of these roles (each route checks its
+# own exactly): callers are refused on their headers, before their bodies are read.
+ROLES_UNDER: dict[str, frozenset[str]] = {"/v1/": frozenset({Role.USER, Role.ADMIN}),
+                                          "/admin/": frozenset({Role.ADMIN, Role.AUDITOR})}
 READY_CACHE_S = 1.0  # /readyz is anonymous: its engine checks run at most this often
 KEYS_RETRY_S = 5.0
 
@@ -156,7 +161,7 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
     logins = Summaries(audit.refusal_interval_s, audit.refusal_sources, party_field="source", summary_action=None)
     monitoring = Summaries(audit.monitoring_interval_s, MONITORING_USERS, party_field="subject",
                            summary_action=None)
-    app.add_middleware(AuthenticateFirst, prefixes=AUDITED_PREFIXES)  # inside the audit: refusals are recorded
+    app.add_middleware(AuthenticateFirst, needs=ROLES_UNDER)  # inside the audit: refusals are recorded
     app.add_middleware(AuditMiddleware, writer=writer, hasher=TextHasher(home), capture_text=audit.capture_text,
                        refusals=refusals, monitoring=monitoring)
     app.add_middleware(MeterMiddleware, metrics=metrics)  # outermost: counts 413s too
@@ -471,7 +476,9 @@ async def _keys_until_fetched(validator: TokenValidator) -> None:
 
 
 SLOW_CLIENT_ERRORS = {"headers": "request headers not complete in time", "body": "request body not complete in time",
-                      "evicted": "closed to make room past the connection cap while still sending its request"}
+                      "response": "responses left unread", "pipelined": "too many pipelined requests",
+                      "evicted": "closed to make room past the connection cap while still sending its request",
+                      "over_cap": "refused past the connection cap (no connection to close instead)"}
 
 
 def _slow_client_accounting(writer: AuditWriter, refusals: Refusals,

@@ -8,8 +8,12 @@ then no one gets in. Here:
 - a request body must arrive within `gateway.body_timeout_s` of its headers, plus a second for
   every `gateway.body_min_rate` bytes it has delivered (Apache's mod_reqtimeout rule), or the
   connection is closed: a body that stalls or trickles cannot hold it;
+- a response must be read: a connection whose client leaves its responses unread (the send
+  buffer full) for `gateway.send_timeout_s` is closed, and one that queues more than
+  MAX_PIPELINED requests behind the one being answered is closed too;
 - past `gateway.max_connections` open connections, the oldest one still sending its headers (or,
-  if none is, its body) is closed to make room;
+  if none is, its body) is closed to make room, and if there is none the new one is: the cap
+  holds whatever the connections are doing;
 - each connection closed for slowness is reported (`SlowClients`): the gateway counts it in
   /metrics and summarises it in the audit log by source; an idle kept-alive connection reaching
   the header timeout is not a slow client and is closed quietly;
@@ -37,6 +41,7 @@ from serve.slow_clients import SlowClients
 
 log = logging.getLogger("appliance.gateway")
 FD_RESERVE = 128  # descriptors kept for the log, engines, Keycloak and the audit writer
+MAX_PIPELINED = 16  # requests a connection may queue behind the one being answered
 
 # Connections still waiting for their request headers, and connections receiving a request body,
 # oldest first (one server per process).
@@ -50,8 +55,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     header_timeout_s: ClassVar[float] = 10.0
     body_timeout_s: ClassVar[float] = 20.0
     body_min_rate: ClassVar[float] = 4096.0
+    send_timeout_s: ClassVar[float] = 30.0
     max_connections: ClassVar[int] = 4096
     _deadline: asyncio.TimerHandle | None = None
+    _send_deadline: asyncio.TimerHandle | None = None
     _begun = False  # bytes of the awaited request have arrived (else: an idle kept-alive connection)
     _body_started = 0.0
     _body_bytes = 0
@@ -62,8 +69,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._begun = True  # a connection that opens and sends nothing is a slow client too
         if len(self.connections) > self.max_connections:
             oldest = next((slow for slow in (*_waiting, *_receiving) if slow is not self), None)
-            if oldest is not None:
-                oldest._close_slow("evicted")
+            (oldest or self)._close_slow("evicted" if oldest else "over_cap")
 
     def data_received(self, data: bytes) -> None:
         self._begun = True
@@ -72,7 +78,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._headers_arrived()
         super().on_headers_complete()
-        if not self.transport.is_closing():
+        if len(self.pipeline) > MAX_PIPELINED:
+            self._close_slow("pipelined")
+        elif not self.transport.is_closing():
             self._await_body()
 
     def on_body(self, body: bytes) -> None:
@@ -89,9 +97,25 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if not pipelined and not self.transport.is_closing():
             self._await_headers()  # a kept-alive connection's next request
 
+    def pause_writing(self) -> None:
+        """The send buffer is full: the client must read within `send_timeout_s`."""
+        super().pause_writing()
+        if self._send_deadline is None:
+            self._send_deadline = self.loop.call_later(self.send_timeout_s, self._close_slow, "response")
+
+    def resume_writing(self) -> None:
+        self._reading_again()
+        super().resume_writing()
+
+    def _reading_again(self) -> None:
+        if self._send_deadline is not None:
+            self._send_deadline.cancel()
+            self._send_deadline = None
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._headers_arrived()
         self._body_arrived()
+        self._reading_again()
         super().connection_lost(exc)
 
     def _await_headers(self) -> None:
@@ -129,11 +153,13 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._deadline = None
 
     def _close_slow(self, reason: str | None) -> None:
-        """Close the connection; `reason` None: an idle kept-alive one (not reported)."""
+        """Close the connection (at once: what it has not read is dropped); `reason` None: an idle
+        kept-alive one (not reported)."""
         self._headers_arrived()
         self._body_arrived()
+        self._reading_again()
         if not self.transport.is_closing():
-            self.transport.close()
+            self.transport.abort()
             if reason is not None:
                 SlowClients.report(reason, self.client[0] if self.client else None)
 
@@ -154,6 +180,7 @@ def main() -> None:
     GuardedHttpToolsProtocol.header_timeout_s = gateway.header_timeout_s
     GuardedHttpToolsProtocol.body_timeout_s = gateway.body_timeout_s
     GuardedHttpToolsProtocol.body_min_rate = gateway.body_min_rate
+    GuardedHttpToolsProtocol.send_timeout_s = gateway.send_timeout_s
     GuardedHttpToolsProtocol.max_connections = max(16, min(gateway.max_connections, descriptors - FD_RESERVE))
     uvicorn.run("serve.gateway:app_from_env", factory=True, host=gateway.bind, port=gateway.port,
                 http=GuardedHttpToolsProtocol, loop="uvloop", access_log=False, log_level="warning",

@@ -48,19 +48,27 @@ class MeterMiddleware:
 
 
 class AuthenticateFirst:
-    """Pure ASGI: every route under `prefixes` needs a token, so the caller is authenticated from
-    the request's headers before anything reads its body; a refusal (401) closes the connection,
-    so an anonymous client cannot make the gateway read or spool a body at all. The principal is
-    left in the request's state for the routes' own dependency."""
+    """Pure ASGI: every route under the `needs` prefixes needs a token, so the caller is
+    authenticated from the request's headers before anything reads its body, and refused (403) if
+    they hold none of the roles any route under the prefix admits; a refusal closes the
+    connection, so a client without the right token cannot make the gateway read or spool a body
+    at all. The principal is left in the request's state for the routes' own (exact) checks."""
 
-    def __init__(self, app: ASGIApp, prefixes: tuple[str, ...]) -> None:
+    def __init__(self, app: ASGIApp, needs: dict[str, frozenset[str]]) -> None:
         self.app = app
-        self.prefixes = prefixes
+        self.needs = needs  # path prefix -> the roles some route under it admits
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(self.prefixes):
+        roles = next((roles for prefix, roles in self.needs.items() if scope.get("path", "").startswith(prefix)),
+                     None) if scope["type"] == "http" else None
+        if roles is not None:
+            request = Request(scope)
             try:
-                await authenticated(Request(scope), None)
+                who = await authenticated(request, None)
+                if not who.roles & roles:
+                    request.app.state.gateway.metrics.auth_failures.labels("missing_role").inc()
+                    raise AuthError("missing_role", f"none of your roles may use {scope['path'].split('/')[1]}/",
+                                    status=403)
             except AuthError as exc:
                 refusal = exc.response()
                 refusal.headers["Connection"] = "close"  # the body is never read

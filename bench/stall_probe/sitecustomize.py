@@ -1,13 +1,16 @@
 """Loaded by any Python process started with this folder on PYTHONPATH (bench/gateway_ab.py
 --probe-stalls does so for the gateway under test): finds what stalls its event loop.
 
-- every garbage collection of generation 2 is timed;
+- every garbage collection of generation 2 is timed, with when it ran (seconds since the process
+  started) and how many objects were frozen out of it (gc.freeze) at the time;
 - a thread pings the main thread's event loop every millisecond; when a ping waits longer than
   STALL_MS, the main thread's stack is sampled while it still waits, so the code holding the loop
   is named.
 
-At exit the findings go to $STALL_PROBE_OUT (JSON): collections (count, total and max ms) and the
-stalls grouped by the innermost frames of the project's code seen in their samples.
+Every REPORT_S (and at exit) the findings go to $STALL_PROBE_OUT (JSON; uvicorn ends by
+raising the signal it caught, so a process it runs never reaches its exit handlers):
+collections (count, total and max ms) and the stalls grouped by the innermost frames of the
+project's code seen in their samples.
 """
 
 from __future__ import annotations
@@ -23,8 +26,10 @@ import time
 import traceback
 
 STALL_MS = float(os.environ.get("STALL_PROBE_MS", "3"))
+REPORT_S = 2.0
 OUT = os.environ.get("STALL_PROBE_OUT")
-_gc: list[float] = []
+_gc: list[tuple[float, float, int]] = []  # (at, ms, frozen objects)
+_START = time.perf_counter()
 _gc_started = [0.0]
 _stalls: collections.Counter[str] = collections.Counter()
 _stall_ms: collections.defaultdict[str, float] = collections.defaultdict(float)
@@ -36,7 +41,8 @@ def _on_gc(phase: str, info: dict[str, int]) -> None:
     if phase == "start":
         _gc_started[0] = time.perf_counter()
     else:
-        _gc.append((time.perf_counter() - _gc_started[0]) * 1000)
+        now = time.perf_counter()
+        _gc.append((round(now - _START, 1), round((now - _gc_started[0]) * 1000, 1), gc.get_freeze_count()))
 
 
 def _where(frame: object) -> str:
@@ -55,7 +61,11 @@ def _watch() -> None:
     while loop is None:
         time.sleep(0.5)
         loop = _running_loop()
+    reported = time.monotonic()
     while True:
+        if time.monotonic() - reported > REPORT_S:
+            _report()
+            reported = time.monotonic()
         done = threading.Event()
         sent = time.perf_counter()
         try:
@@ -85,7 +95,7 @@ def _report() -> None:
         return
     top = sorted(_stalls, key=lambda where: -_stall_ms[where])[:15]
     with open(OUT, "w") as out:
-        json.dump({"gc2": {"count": len(_gc), "total_ms": round(sum(_gc), 1), "max_ms": round(max(_gc, default=0), 1)},
+        json.dump({"gc2": [{"at_s": at, "ms": ms, "frozen": frozen} for at, ms, frozen in _gc],
                    "stalls": [{"where": where, "count": _stalls[where], "ms": round(_stall_ms[where], 1)}
                               for where in top]}, out, indent=1)
 

@@ -164,6 +164,26 @@ def test_failed_validations_count_against_a_quota(home: Home, store: LocalStore)
     create_only(home, upload(home, store, [line("fine")]), limits=limits)
 
 
+def test_every_validation_counts_its_bytes_whatever_becomes_of_the_batch(home: Home, store: LocalStore) -> None:
+    """A batch validated and then cancelled at once cost a read of its whole file too: the bytes
+    validated in the hour are counted, so validations cannot be repeated at will."""
+    file_id = upload(home, store, [line(str(n)) for n in range(50)])
+    size = batches.get_file(home, file_id, ANN.subject)[0].bytes
+    limits = BatchSettings(max_validated_bytes_per_hour=3 * size)
+    for _ in range(3):
+        batch = create_only(home, file_id, limits=limits)
+        assert validate(home, store, limits).status == BatchState.IN_PROGRESS
+        batches.cancel(home, batch.id, ANN.subject)
+    with pytest.raises(QuotaExceeded, match="max_validated_bytes_per_hour"):
+        create_only(home, file_id, limits=limits)
+    create_only(home, upload(home, store, [line("a")], owner=BOB), owner=BOB, limits=limits)  # per user
+    db = sqlite3.connect(home.root / "batches.sqlite")
+    db.execute("update batches set created_at = created_at - 3601")  # an hour later
+    db.commit()
+    db.close()
+    create_only(home, file_id, limits=limits)
+
+
 def test_an_input_file_deleted_before_validation_fails_the_batch(home: Home, store: LocalStore) -> None:
     file_id = upload(home, store, [line("a")])
     create_only(home, file_id)
@@ -178,9 +198,9 @@ def test_an_input_file_deleted_before_validation_fails_the_batch(home: Home, sto
 
 def test_a_queue_from_before_gets_the_new_column_and_leaves_old_failures_unannounced(tmp_path: Path) -> None:
     home = Home(tmp_path / "old").ensure()
-    old_schema = re.sub(r"\n *validator_pid [^\n]*", "", batches.SCHEMA).replace("default 0,  -- its end",
-                                                                                "default 0  -- its end")
-    assert "validator_pid" not in old_schema
+    old_schema = re.sub(r"\n *(validator_pid|input_bytes) [^\n]*", "", batches.SCHEMA).replace(
+        "default 0,  -- its end", "default 0  -- its end")
+    assert "validator_pid" not in old_schema and "input_bytes" not in old_schema
     db = sqlite3.connect(home.root / "batches.sqlite")
     db.executescript(old_schema)
     db.execute("insert into batches (id, owner, username, roles, endpoint, input_file_id, completion_window, status, "
@@ -191,7 +211,7 @@ def test_a_queue_from_before_gets_the_new_column_and_leaves_old_failures_unannou
     batches._READY.discard(home.root / "batches.sqlite")
     assert batches.to_announce(home) == []
     with batches.connect(home) as db:
-        assert "validator_pid" in {row[1] for row in db.execute("pragma table_info(batches)")}
+        assert {"validator_pid", "input_bytes"} <= {row[1] for row in db.execute("pragma table_info(batches)")}
     assert batches.get(home, "batch_old", None).status == BatchState.FAILED
 
 

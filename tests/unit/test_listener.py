@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 import uvicorn
 from starlette.requests import Request
-from starlette.responses import PlainTextResponse
+from starlette.responses import PlainTextResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from appliance.settings import GatewaySettings
@@ -22,10 +22,13 @@ from tests.conftest import free_port
 
 
 async def echo(scope: Scope, receive: Receive, send: Send) -> None:
-    """The body's length and the client's address, as the app sees it."""
+    """The body's length and the client's address, as the app sees it; 4 MiB at /big, in pieces."""
     request = Request(scope, receive)
     body = await request.body()
-    await PlainTextResponse(f"{len(body)} {scope['client'][0]}")(scope, receive, send)
+    if scope["path"] == "/big":
+        await StreamingResponse(b"x" * 65536 for _ in range(64))(scope, receive, send)
+    else:
+        await PlainTextResponse(f"{len(body)} {scope['client'][0]}")(scope, receive, send)
 
 
 def serve(**config: object) -> Iterator[int]:
@@ -49,6 +52,7 @@ def reported(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str | None]]:
     monkeypatch.setattr(SlowClients, "closed", lambda reason, peer: closed.append((reason, peer)))
     monkeypatch.setattr(GuardedHttpToolsProtocol, "body_timeout_s", 0.5)
     monkeypatch.setattr(GuardedHttpToolsProtocol, "body_min_rate", 100.0)
+    monkeypatch.setattr(GuardedHttpToolsProtocol, "send_timeout_s", 0.5)
     return closed
 
 
@@ -134,3 +138,49 @@ def test_forwarded_for_is_believed_only_from_a_trusted_proxy(reported: list, tru
         connection = socket.create_connection(("127.0.0.1", port), timeout=10)
         connection.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nX-Forwarded-For: 203.0.113.9\r\nContent-Length: 0\r\n\r\n")
         assert drained_answer(connection, source).endswith(f"0 {source}".encode())
+
+
+def reported_within(reported: list, wanted: tuple[str, str | None], seconds: float = 10) -> None:
+    deadline = time.monotonic() + seconds
+    while wanted not in reported:
+        assert time.monotonic() < deadline, reported
+        time.sleep(0.05)
+
+
+def test_a_client_that_leaves_its_responses_unread_is_closed(port: int, reported: list) -> None:
+    """Pipelined requests for a large answer, never read: the send buffer fills and stays full."""
+    connection = socket.socket()
+    connection.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+    connection.connect(("127.0.0.1", port))
+    connection.sendall(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n" * 4)
+    reported_within(reported, ("response", "127.0.0.1"))
+    connection.close()
+
+
+def test_more_pipelined_requests_than_allowed_close_the_connection(port: int, reported: list) -> None:
+    connection = socket.create_connection(("127.0.0.1", port), timeout=10)
+    connection.sendall(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n" * 40)
+    reported_within(reported, ("pipelined", "127.0.0.1"))
+    connection.close()
+
+
+def test_past_the_cap_a_new_connection_is_refused_when_none_can_be_closed(
+        reported: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both connections the cap allows are being answered (their clients read slowly), so none
+    waits for headers or a body: the newcomer is closed, not the cap passed."""
+    monkeypatch.setattr(GuardedHttpToolsProtocol, "max_connections", 2)
+    monkeypatch.setattr(GuardedHttpToolsProtocol, "send_timeout_s", 30.0)
+    for port in serve(**forwarding(GatewaySettings())):
+        held = []
+        for _ in range(2):
+            connection = socket.socket()
+            connection.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+            connection.connect(("127.0.0.1", port))
+            connection.sendall(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
+            held.append(connection)
+        time.sleep(0.5)
+        extra = socket.create_connection(("127.0.0.1", port), timeout=10)
+        reported_within(reported, ("over_cap", "127.0.0.1"))
+        assert drained(extra) == b""
+        for connection in held:
+            connection.close()

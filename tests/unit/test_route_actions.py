@@ -3,14 +3,16 @@ that can change state is ever recorded as a read or summarised as monitoring."""
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
+from fastapi.dependencies.models import Dependant
 from fastapi.routing import APIRoute
 
 from appliance.home import Home
 from appliance.settings import Settings
 from serve.audit_trail import AUDITED_PREFIXES, MONITORING, action_of
-from serve.gateway import create_app
+from serve.gateway import ROLES_UNDER, create_app
 
 READ_SUFFIXES = (".list", ".read", ".query")
 
@@ -45,3 +47,24 @@ def test_reads_of_users_settings_and_the_audit_log_are_each_recorded(tmp_path: P
     assert summarised == {"/admin/services", "/admin/system", "/admin/pools", "/admin/plans", "/admin/jobs",
                           "/admin/adapters", "/admin/rl/tasksets", "/admin/rl/runs", "/admin/rl/exports",
                           "/admin/rl/exports/{export_id}", "/admin/routing", "/admin/cache", "/admin/batches"}
+
+
+def admitted_roles(dependant: Dependant) -> list[frozenset[str]]:
+    """The roles each `requires(...)` among a route's dependencies admits."""
+    found = []
+    for dependency in dependant.dependencies:
+        call = dependency.call
+        if getattr(call, "__qualname__", "").startswith("requires.<locals>."):
+            found.append(inspect.getclosurevars(call).nonlocals["wanted"])
+        found += admitted_roles(dependency)
+    return found
+
+
+def test_the_gate_before_bodies_never_refuses_a_caller_a_route_admits(tmp_path: Path) -> None:
+    """Callers are refused on their headers by prefix (ROLES_UNDER) before any body is read:
+    every audited route requires roles, all of them among its prefix's."""
+    for route in audited_routes(tmp_path):
+        [prefix] = [prefix for prefix in ROLES_UNDER if route.path.startswith(prefix)]
+        admitted = admitted_roles(route.dependant)
+        assert admitted, f"{route.path}: no role required"
+        assert all(roles <= ROLES_UNDER[prefix] for roles in admitted), route.path
