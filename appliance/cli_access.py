@@ -13,6 +13,7 @@ from rich.table import Table
 from appliance import login
 from appliance.adapters import AdapterRecord, Alias, Registry
 from appliance.admin_client import AdminClient
+from appliance.changes import records_change
 from appliance.errors import ApplianceError
 from appliance.home import Home
 from appliance.settings import Settings, load_settings
@@ -104,6 +105,34 @@ def users_disable(name: Annotated[str, typer.Argument(help="Username.")]) -> Non
     """Disable a user; their tokens stop working within the introspection interval."""
     user = admin_api("POST", f"/users/{name}/disable")
     out.print(f"user {user['username']} disabled")
+
+
+@users_app.command("unlock")
+def users_unlock(
+    name: Annotated[str, typer.Argument(help="Username.")],
+    on_host: Annotated[bool, typer.Option("--on-host", help="Use this host's state directory instead of the admin "
+                                          "API: the way back in for an administrator locked out themselves.")] = False,
+) -> None:
+    """Clear a user's failed logins and lockout (Keycloak's brute-force detection locks per account)."""
+    if on_host:
+        user = _unlock_on_host(name)
+    else:
+        user = admin_api("POST", f"/users/{name}/unlock")
+    out.print(f"user {user['username']} unlocked", markup=False)
+
+
+@records_change("users.unlock", detail=lambda: f"user {_unlocked[-1]} unlocked on the host")
+def _unlock_on_host(name: str) -> dict[str, Any]:
+    """Through the gateway's service account, whose secret only this host's administrator reads."""
+    from appliance.users import Users  # python-keycloak: only for this command, not every CLI start
+
+    settings, home = _context()
+    user = Users(settings, home).unlock(name)
+    _unlocked.append(user.username)
+    return user.model_dump()
+
+
+_unlocked: list[str] = []  # for the change's record
 
 
 @adapters_app.command("list")

@@ -119,6 +119,17 @@ class Users:
         batches.cancel_all_of(self.home, user_id)  # the token subject is the user's id
         return user
 
+    def unlock(self, username: str) -> User:
+        """Clear the user's failed logins and any lockout brute-force detection put on them (it
+        locks per account, so anyone who can reach Keycloak can keep an account locked by guessing:
+        this is the way back in, for the administrator or, on the host, for the administrator
+        locked out themselves)."""
+        with _keycloak(f"unlocking {username!r}"):
+            admin = self._admin()
+            user_id = self._id(admin, username)
+            admin.clear_bruteforce_attempts_for_user(user_id)
+            return _user(admin, admin.get_user(user_id))
+
     def grant(self, username: str, role: Role) -> User:
         """One more realm role (granting one the user holds changes nothing)."""
         with _keycloak(f"granting {role} to {username!r}"):

@@ -40,6 +40,11 @@ def router(settings: Settings, home: Home) -> APIRouter:
         """Disable a user: new logins fail; live tokens stop within the introspection interval."""
         return Users(settings, home).disable(username)
 
+    @routes.post("/users/{username}/unlock", response_model=User, name="users.unlock")
+    def unlock_user(username: str) -> User:
+        """Clear a user's failed logins and lockout (brute-force detection locks per account)."""
+        return Users(settings, home).unlock(username)
+
     @routes.post("/users/{username}/roles", response_model=User, name="users.grant_role")
     def grant_role(username: str, grant: RoleGrant) -> User:
         """Grant a user one more realm role (granting one it holds changes nothing)."""

@@ -138,3 +138,19 @@ def test_failed_logins_lockouts_and_admin_changes_reach_the_audit_log(running: R
     assert len(copied) == len(set(copied)), "no event copied twice"
     verified = running.appliance.run("audit", "verify", timeout=120)
     assert verified.returncode == 0, verified.stdout + verified.stderr
+
+
+def test_a_locked_account_is_unlocked_by_the_administrator_on_the_host(realm: Realm, running: Running) -> None:
+    """Lockout is per account, so anyone can keep one locked by guessing: `users unlock` clears
+    it (on the host, without the admin API: the way back in for a locked-out administrator)."""
+    user_id = realm.ensure_user("unlockee", PASSWORD, ["user"])
+    for _ in range(3):
+        password_grant(realm, "unlockee", WRONG)
+    assert brute_force(realm, user_id)["disabled"]
+    result = running.appliance.run("users", "unlock", "unlockee", "--on-host", timeout=120)
+    assert result.returncode == 0 and "user unlockee unlocked" in result.stdout, result.stdout + result.stderr
+    status = brute_force(realm, user_id)
+    assert not status["disabled"] and status["numFailures"] == 0, "cleared, not waited out"
+    assert any(r["action"] == "users.unlock" and r["outcome"] == "allowed" for r in records(running))
+    missing = running.appliance.run("users", "unlock", "nobody-here", "--on-host", timeout=120)
+    assert missing.returncode != 0 and "no user named 'nobody-here'" in missing.stderr
