@@ -33,6 +33,8 @@ import regex
 
 from appliance.errors import SettingsError
 
+SHORT_TEXT = 64  # texts up to this long have their findings remembered
+SHORT_TEXTS_CACHED = 4096
 DETECTORS_GROUP = "appliance.detectors"  # entry points: a callable returning detectors
 
 
@@ -535,6 +537,9 @@ class Scanner:
         self.detectors: tuple[Detector, ...] = (
             *BUILT_IN, *(PatternDetector.of(kind, pattern) for kind, pattern in (extra or {}).items()), *detectors,
             *LOOSE)
+        # A request's keys and short values ("role", "user", "content", a max_tokens) recur from
+        # request to request: their findings are remembered (a bounded LRU of immutable results).
+        self._short = functools.lru_cache(maxsize=SHORT_TEXTS_CACHED)(self._all)
 
     @property
     def kinds(self) -> set[str]:
@@ -543,6 +548,10 @@ class Scanner:
     def findings(self, text: str, kinds: set[str] | None = None) -> list[Finding]:
         """Every confirmed finding (of `kinds`, or all), in the original text, earlier detectors
         winning overlaps: the digits of an IBAN are never also a phone number."""
+        found = self._short(text) if len(text) <= SHORT_TEXT else self._all(text)
+        return [f for f in found if kinds is None or f.kind in kinds]
+
+    def _all(self, text: str) -> tuple[Finding, ...]:
         view = View.of(text)
         taken: list[Finding] = []  # by start, never overlapping: only the one before a span can overlap it
         starts: list[int] = []
@@ -553,7 +562,7 @@ class Scanner:
                 if at == 0 or taken[at - 1].end <= start:
                     taken.insert(at, Finding(start, end, detector.kind))
                     starts.insert(at, start)
-        return [f for f in taken if kinds is None or f.kind in kinds]
+        return tuple(taken)
 
     def redact(self, text: str, kinds: set[str] | None = None) -> str:
         return replaced(text, self.findings(text, kinds))
