@@ -60,6 +60,7 @@ class Detector(Protocol):
 
 INVISIBLE = regex.compile(r"[\p{Cf}\p{Default_Ignorable_Code_Point}]")  # zero-width, joiners, soft hyphen, VS...
 WORD = regex.compile(r"[\p{L}\p{N}]")  # what is not a separator
+MINUS_SIGNS = frozenset("\u2212\u207b\u208b")  # minus signs (category Sm) read as dashes
 
 
 def _as_read(char: str) -> str:
@@ -71,7 +72,9 @@ def _as_read(char: str) -> str:
             continue
         if part.isdecimal():
             seen.append(str(unicodedata.decimal(part)))
-        elif unicodedata.category(part) == "Pd":
+        elif (value := unicodedata.digit(part, None)) is not None:  # ❹, ➀, ፬: a digit to a reader too
+            seen.append(str(value))
+        elif unicodedata.category(part) == "Pd" or part in MINUS_SIGNS:
             seen.append("-")
         elif part.isspace():
             seen.append(" ")
@@ -130,7 +133,10 @@ class Resized:
 
 # As a tool call's arguments write text; one cut short at the end (a streamed piece) is read as a
 # separator, so the digits before it are held until the next piece says what it is.
-JSON_ESCAPE = regex.compile(r'(\\(?:u[0-9A-Fa-f]{4}|["\\/bfnrt]|(?:u[0-9A-Fa-f]{0,3})?\Z))')
+JSON_ESCAPE = regex.compile(r'(\\(?:u[dD][89abAB][0-9A-Fa-f]{2}\\u[dD][c-fC-F][0-9A-Fa-f]{2}|u[0-9A-Fa-f]{4}'
+                            r'|["\\/bfnrt]|(?:u[0-9A-Fa-f]{0,3})?\Z))')  # a surrogate pair: one character
+# What the next piece of a stream may complete: an escape cut short, or a pair's first half.
+PARTIAL_ESCAPE = regex.compile(r"\\(?:u[dD][89abAB][0-9A-Fa-f]{2}(?:\\(?:u[0-9A-Fa-f]{0,3})?)?|u[0-9A-Fa-f]{0,3})?\Z")
 
 
 class _Unescaped(dict[str, str]):
@@ -139,6 +145,8 @@ class _Unescaped(dict[str, str]):
     def __missing__(self, escape: str) -> str:
         if escape == "\\" or escape[1] == "u" and len(escape) < 6:
             char = " "
+        elif len(escape) == 12:  # a surrogate pair
+            char = json.loads(f'"{escape}"')
         else:
             char = chr(int(escape[2:], 16)) if escape[1] == "u" else json.loads(f'"{escape}"')
         self[escape] = char
@@ -489,7 +497,8 @@ BUILT_IN: tuple[Detector, ...] = (  # the strict kinds first: in an overlap the 
     IbanDetector(),  # before cards and keys: an IBAN's digits may hold a Luhn-valid run
     PatternDetector.of("secret", rf"(?<![A-Za-z0-9])(?:{_key('sk-', '[A-Za-z0-9_-]', 20, 256)}"
                                  rf"|{_key('gh[pousr]_', '[A-Za-z0-9]', 36, 255)}"
-                                 rf"|{_key('xox[abpr]-', '[A-Za-z0-9-]', 10, 255)}"
+                                 rf"|{_key('github_pat_', '[A-Za-z0-9_]', 22, 255)}"
+                                 rf"|{_key('xox[abeprs]-', '[A-Za-z0-9-]', 10, 255)}"
                                  rf"|(?<![_-])eyJ{JWT_PART} *\.{JWT_PART} *\.{JWT_PART})"
                                  rf"|{_key('AKIA', '[0-9A-Z]', 16, 16)}"),
     CardDetector(),  # after keys: a key's digits may hold one
@@ -548,14 +557,16 @@ class Scanner:
     def findings(self, text: str, kinds: set[str] | None = None) -> list[Finding]:
         """Every confirmed finding (of `kinds`, or all), in the original text, earlier detectors
         winning overlaps: the digits of an IBAN are never also a phone number."""
-        found = self._short(text) if len(text) <= SHORT_TEXT else self._all(text)
-        return [f for f in found if kinds is None or f.kind in kinds]
+        asked = None if kinds is None else frozenset(kinds)
+        return list(self._short(text, asked) if len(text) <= SHORT_TEXT else self._all(text, asked))
 
-    def _all(self, text: str) -> tuple[Finding, ...]:
+    def _all(self, text: str, kinds: frozenset[str] | None) -> tuple[Finding, ...]:
+        """Overlaps are settled among the kinds asked for only: a policy that acts on cards and not
+        on IBANs must not lose a card to an IBAN written around it."""
         view = View.of(text)
         taken: list[Finding] = []  # by start, never overlapping: only the one before a span can overlap it
         starts: list[int] = []
-        for detector in self.detectors:
+        for detector in self.detectors if kinds is None else [d for d in self.detectors if d.kind in kinds]:
             for found in detector.find(view.text):
                 start, end = view.span(*found)
                 at = bisect.bisect_left(starts, end)
@@ -621,6 +632,8 @@ class StreamRedactor:
             return out
         findings = self.scanner.findings(self.held, self.kinds)
         cut, kind = self.scanner.pending(self.held, self.kinds)
+        if (partial := PARTIAL_ESCAPE.search(self.held)) is not None:
+            cut = min(cut, partial.start())  # "\u00" then "34": the next piece says what it is
         for finding in findings:  # never cut through a finding
             if finding.start < cut < finding.end:
                 cut = finding.start

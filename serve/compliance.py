@@ -276,19 +276,22 @@ def _number(value: Any) -> bool:
 
 def _texts(value: Any, path: str, shown: Callable[[str], str]) -> Iterator[tuple[str, str]]:
     """Every string and number (as a template renders it) in a JSON value, the keys of its objects
-    included, with where it is ("messages[1].content"; a key in the path as `shown` makes it: a
-    finding never named)."""
-    if isinstance(value, str):
-        yield path, value
-    elif _number(value):
-        yield path, str(value)
-    elif isinstance(value, list):
-        for position, item in enumerate(value):
-            yield from _texts(item, f"{path}[{position}]", shown)
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            yield f"{path} (a key)", str(key)
-            yield from _texts(item, f"{path}.{shown(str(key))}", shown)
+    included, in order, with where it is ("messages[1].content"; a key in the path as `shown`
+    makes it: a finding never named). Walked with a stack: however deep the value, each item costs
+    the same."""
+    stack: list[tuple[str, Any]] = [(path, value)]
+    while stack:
+        where, item = stack.pop()
+        if isinstance(item, str):
+            yield where, item
+        elif _number(item):
+            yield where, str(item)
+        elif isinstance(item, list):
+            stack.extend((f"{where}[{position}]", inner) for position, inner in reversed(list(enumerate(item))))
+        elif isinstance(item, dict):
+            for key, inner in reversed(item.items()):
+                stack.append((f"{where}.{shown(str(key))}", inner))
+                stack.append((f"{where} (a key)", str(key)))
 
 
 def _rewritten(value: Any, change: Any, keys: tuple[str, ...] | None = None) -> Any:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from appliance.settings import RoleLimits
 from serve.errors import GatewayError
@@ -24,6 +24,7 @@ from serve.errors import GatewayError
 
 T = TypeVar("T")
 NonEmpty = Annotated[list[T], Field(min_length=1)]  # an empty list of prompts would reserve nothing
+MAX_NESTING = 64  # levels of objects and lists in one field: OpenAI's shapes (tool schemas too) stay far below
 BYTES_PER_TOKEN_ESTIMATE = 4  # a prompt's tokens before the engine counts them: text is ~4 bytes/token
 
 
@@ -69,6 +70,20 @@ class _Sampling(BaseModel):
     structured_outputs: dict[str, Any] | None = None
     add_special_tokens: bool | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _not_too_deep(cls, value: Any) -> Any:
+        """Screening, hashing and the engine's template each walk the value: a field nested past
+        MAX_NESTING levels is refused (the JSON parser alone allows about a thousand)."""
+        level: list[tuple[Any, int]] = [(value, 1)]
+        while level:
+            item, depth = level.pop()
+            if isinstance(item, dict | list):
+                if depth > MAX_NESTING:
+                    raise ValueError(f"nested more than {MAX_NESTING} levels deep")
+                level.extend((inner, depth + 1) for inner in (item.values() if isinstance(item, dict) else item))
+        return value
 
     def relayed(self) -> dict[str, Any]:
         """The body sent to the engine: the fields the client set."""

@@ -1,0 +1,86 @@
+"""Classes an attacker found in the normalising scanner, one test each: an escape cut by a
+stream's piece, digits that are digits only to a reader, surrogate-pair escapes, minus signs and
+further key prefixes, a finding of a kind the policy ignores hiding one it acts on, and values
+nested deep enough to crash or slow screening."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from appliance.sensitive import Scanner
+from appliance.settings import ComplianceSettings, RolePolicy
+from serve.compliance import Compliance, Marks
+from serve.schemas import MAX_NESTING, ChatRequest
+
+SCANNER = Scanner()
+COMPLIANCE = Compliance(ComplianceSettings())
+POLICY = COMPLIANCE.policy(["user"])
+
+
+def streamed_arguments(arguments: str) -> str:
+    """A tool call's arguments as the client gets them, streamed a character an event."""
+    answer = COMPLIANCE.answer_filter(POLICY, Marks())
+    assert answer is not None
+    sent = ""
+    for position, char in enumerate(arguments):
+        event = {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": char}}]},
+                              "finish_reason": "tool_calls" if position == len(arguments) - 1 else None}]}
+        sent += answer.event(event)["choices"][0]["delta"]["tool_calls"][0]["function"]["arguments"]
+    return sent
+
+
+@pytest.mark.parametrize(("value", "kind"), [
+    ("\\u0034111 1111 1111 1111", "PAYMENT_CARD"), ("\\u0073k-abcdefghijklmnopqrstuvwxyz123", "SECRET"),
+    ("\\u0047B82 WEST 1234 5698 7654 32", "IBAN"), ("\\u0041KIAABCDEFGHIJKLMNOP", "SECRET"),
+    (json.dumps("𝟒𝟏𝟏𝟏 𝟏𝟏𝟏𝟏 𝟏𝟏𝟏𝟏 𝟏𝟏𝟏𝟏")[1:-1], "PAYMENT_CARD")])
+def test_an_escape_cut_by_a_streamed_piece_hides_nothing(value: str, kind: str) -> None:
+    arguments = f'{{"x": "{value}"}}'
+    assert json.loads(streamed_arguments(arguments)) == {"x": f"[{kind}]"}
+
+
+def test_an_escape_cut_by_a_piece_is_not_read_as_digits() -> None:
+    """The hex digits of an escape are not a card's: a stream says what the whole text says."""
+    text = "\\u00e9\\u00e9 7393 1851 1056 5403 ok"
+    assert streamed_arguments(text) == SCANNER.redact(text) == text
+
+
+@pytest.mark.parametrize("text", ["pay ❹❶❶❶ ❶❶❶❶ ❶❶❶❶ ❶❶❶❶", "፬፩፩፩ ፩፩፩፩ ፩፩፩፩ ፩፩፩፩", "➃➀➀➀ ➀➀➀➀ ➀➀➀➀ ➀➀➀➀"])
+def test_digits_that_are_digits_only_to_a_reader_are_read(text: str) -> None:
+    assert SCANNER.redact(text).endswith("[PAYMENT_CARD]")
+
+
+@pytest.mark.parametrize("key", ["sk\u2212abcdefghijklmnopqrstuvwxyz", "github_pat_11ABCDEFG0123456789abcdef_xyz",
+                                 "xoxe-1234567890abc", "xoxs-1234567890abc"])
+def test_further_key_shapes_are_secrets(key: str) -> None:
+    assert SCANNER.redact(f"key {key} end") == "key [SECRET] end"
+
+
+@pytest.mark.parametrize("text", ["DE 4111 1111 1111 1111 {}", "fi 5500-0000-0000-0004 {}"])
+def test_a_kind_the_policy_ignores_never_hides_one_it_acts_on(text: str) -> None:
+    """Two digits after a card make some IBAN valid: asked for cards only, the card is found."""
+    for tail in range(100):
+        candidate = text.format(f"{tail:02d}")
+        assert [f.kind for f in SCANNER.findings(candidate, {"payment_card"})] == ["payment_card"], candidate
+
+
+def nested(depth: int) -> object:
+    return json.loads("[" * (depth - 1) + '"4111 1111 1111 1111"' + "]" * (depth - 1))
+
+
+def test_a_field_nested_past_the_limit_is_refused_naming_it() -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    ChatRequest.model_validate({**body, "chat_template_kwargs": {"a": nested(MAX_NESTING - 1)}})
+    with pytest.raises(ValidationError) as refused:
+        ChatRequest.model_validate({**body, "chat_template_kwargs": {"a": nested(500)}})
+    assert refused.value.errors()[0]["loc"] == ("chat_template_kwargs",)
+
+
+def test_the_deepest_value_allowed_is_screened_and_redacted() -> None:
+    compliance = Compliance(ComplianceSettings(roles={"auditor": RolePolicy(prompts={"payment_card": "redact"})}))
+    payload = {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"a": nested(MAX_NESTING - 1)}}
+    marks = Marks()
+    compliance.screen_prompt(payload, ("messages", "chat_template_kwargs"), compliance.policy(["auditor"]), marks)
+    assert "[PAYMENT_CARD]" in json.dumps(payload) and "4111" not in json.dumps(payload)
