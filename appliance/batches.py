@@ -39,6 +39,7 @@ from typing import Annotated, Any, BinaryIO, Literal
 from pydantic import BaseModel, Field
 
 from appliance.artifacts import ArtifactStore, ArtifactStoreError, LocalStore, S3Store
+from appliance.choices import prompt_count
 from appliance.errors import Conflict, IllegalTransition, Invalid, NotFound, QuotaExceeded, StateError
 from appliance.home import Home
 from appliance.jobs import immediate
@@ -620,23 +621,19 @@ def _check_line(raw: bytes, endpoint: str, max_line_bytes: int, max_choices: int
 
 
 def _check_choices(body: dict[str, Any], max_choices: int | None) -> None:
-    """The engine produces prompts x n x best_of choices for a body; the owner's max_n caps them
-    (as the gateway does when the request is sent)."""
-    factors = {}
-    for name in ("n", "best_of"):
-        value = body.get(name, 1)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise _Fault(f"body.{name}", f"{name} must be a positive integer")
-        factors[name] = value or 1
-    prompt = body.get("prompt")
-    # A list of strings or of token lists is several prompts; a list of token ids is one.
-    prompts = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
-    choices = prompts * factors["n"] * factors["best_of"]
+    """The engine produces prompts x n choices for a body; the owner's max_n caps them (as the
+    gateway does when the request is sent, and as it does, `best_of` is refused)."""
+    if "best_of" in body:
+        raise _Fault("body.best_of", "best_of is not supported (the engine has none; ask for n choices)")
+    n = body.get("n", 1)
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+        raise _Fault("body.n", "n must be a positive integer")
+    prompts = prompt_count(body.get("prompt"))
+    choices = prompts * (n or 1)
     if max_choices is not None and choices > max_choices:
-        param = next(name for name, factor in (("body.prompt", prompts), ("body.n", factors["n"]),
-                                               ("body.best_of", factors["best_of"])) if factor > 1)
-        raise _Fault(param, f"{choices} choices asked ({prompts} prompts x n {factors['n']} x best_of "
-                     f"{factors['best_of']}); your role allows {max_choices} (gateway.limits max_n)")
+        raise _Fault("body.prompt" if prompts > 1 else "body.n",
+                     f"{choices} choices asked ({prompts} prompts x n {n or 1}); your role allows {max_choices} "
+                     "(gateway.limits max_n)")
 
 
 def _lines(chunks: Iterable[bytes], max_line_bytes: int) -> Iterator[tuple[int, bytes | None]]:

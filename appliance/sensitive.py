@@ -22,7 +22,7 @@ import functools
 import itertools
 import json
 import unicodedata
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Protocol
@@ -557,16 +557,20 @@ class Scanner:
     def findings(self, text: str, kinds: set[str] | None = None) -> list[Finding]:
         """Every confirmed finding (of `kinds`, or all), in the original text, earlier detectors
         winning overlaps: the digits of an IBAN are never also a phone number."""
-        asked = None if kinds is None else frozenset(kinds)
+        return self.findings_by_rank(text, [set(self.kinds) if kinds is None else kinds])
+
+    def findings_by_rank(self, text: str, ranks: Sequence[set[str]]) -> list[Finding]:
+        """The findings of the kinds in `ranks`, overlaps settled rank by rank (the first rank's
+        findings first, then the next's where they overlap none): a policy that blocks cards and
+        only flags IBANs must not lose a card to an IBAN written around it."""
+        asked = tuple(frozenset(rank) for rank in ranks)
         return list(self._short(text, asked) if len(text) <= SHORT_TEXT else self._all(text, asked))
 
-    def _all(self, text: str, kinds: frozenset[str] | None) -> tuple[Finding, ...]:
-        """Overlaps are settled among the kinds asked for only: a policy that acts on cards and not
-        on IBANs must not lose a card to an IBAN written around it."""
+    def _all(self, text: str, ranks: tuple[frozenset[str], ...]) -> tuple[Finding, ...]:
         view = View.of(text)
         taken: list[Finding] = []  # by start, never overlapping: only the one before a span can overlap it
         starts: list[int] = []
-        for detector in self.detectors if kinds is None else [d for d in self.detectors if d.kind in kinds]:
+        for detector in (d for rank in ranks for d in self.detectors if d.kind in rank):
             for found in detector.find(view.text):
                 start, end = view.span(*found)
                 at = bisect.bisect_left(starts, end)

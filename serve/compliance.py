@@ -99,8 +99,9 @@ class Compliance:
     def screen_prompt(self, payload: dict[str, Any], fields: tuple[str, ...], policy: Policy, marks: Marks) -> None:
         """Block, redact (in `payload`) or flag what the prompt-shaping `fields` hold; refuse a prompt
         of token ids (it cannot be screened)."""
-        screening = policy.acting(policy.prompts, "block", "redact", "flag")
-        if not screening:
+        # The strictest action's kinds first: a flagged finding never hides a blocked one it overlaps.
+        ranked = [policy.acting(policy.prompts, action) for action in ("block", "redact", "flag")]
+        if not any(ranked):
             return
         found: dict[str, set[str]] = {}
         for name in fields:
@@ -110,7 +111,7 @@ class Compliance:
                     raise GatewayError(400, "a prompt of token ids cannot be screened for sensitive data under your "
                                        "role's compliance policy; send text", code="sensitive_data", param="prompt")
                 for path, text in _texts(payload[name], name, self.scanner.redact):
-                    for finding in self.scanner.findings(text, screening):
+                    for finding in self.scanner.findings_by_rank(text, ranked):
                         found.setdefault(finding.kind, set()).add(path)
         for action in ("flag", "block"):
             marks.add("prompt", {kind for kind in found if policy.prompts[kind] == action}, action)
@@ -151,7 +152,7 @@ class AnswerFilter:
     def answer(self, body: dict[str, Any]) -> dict[str, Any]:
         """A whole answer's choices, redacted (a changed choice loses its logprobs)."""
         def screened(text: str) -> str:
-            found = self.scanner.findings(text, self.flagged | self.redacted)  # one scan for both
+            found = self.scanner.findings_by_rank(text, [self.redacted, self.flagged])  # redacting first
             self.marks.add("answer", {f.kind for f in found if f.kind in self.flagged}, "flag")
             redacting = [f for f in found if f.kind in self.redacted]
             self.marks.add("answer", {f.kind for f in redacting}, "redact")

@@ -500,6 +500,8 @@ def _append_quietly(writer: AuditWriter, event: AuditEvent) -> None:
         writer.append(event)
     except AuditUnavailable:
         pass  # the writer now reports the failure; requests and /readyz fail closed
+    except Exception:  # nothing awaits this write: say so here
+        log.exception("record of a slow connection not written")
 
 
 def _write_summaries(writer: AuditWriter, summaries: Summaries, *, all_now: bool = False) -> None:

@@ -28,6 +28,7 @@ supervisord runs `python -m serve.listener`.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import resource
 from typing import Any, ClassVar
@@ -57,7 +58,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     body_min_rate: ClassVar[float] = 4096.0
     send_timeout_s: ClassVar[float] = 30.0
     max_connections: ClassVar[int] = 4096
-    _deadline: asyncio.TimerHandle | None = None
+    _header_deadline: asyncio.TimerHandle | None = None
+    _body_deadline: asyncio.TimerHandle | None = None
     _send_deadline: asyncio.TimerHandle | None = None
     _begun = False  # bytes of the awaited request have arrived (else: an idle kept-alive connection)
     _body_started = 0.0
@@ -68,8 +70,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._await_headers()
         self._begun = True  # a connection that opens and sends nothing is a slow client too
         if len(self.connections) > self.max_connections:
-            oldest = next((slow for slow in (*_waiting, *_receiving) if slow is not self), None)
-            (oldest or self)._close_slow("evicted" if oldest else "over_cap")
+            oldest = next((slow for slow in itertools.chain(_waiting, _receiving) if slow is not self), None)
+            if oldest is None:
+                self._close_slow("over_cap")
+            else:  # an idle kept-alive connection closed to make room is no slow client
+                oldest._close_slow("evicted" if oldest._begun else None)
 
     def data_received(self, data: bytes) -> None:
         self._begun = True
@@ -119,38 +124,45 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def _await_headers(self) -> None:
+        self._body_arrived()  # answered before its body was all in: the rest is read and dropped, under this deadline
         _waiting[self] = None
         self._begun = False
-        self._deadline = self.loop.call_later(self.header_timeout_s, self._headers_late)
+        self._header_deadline = self.loop.call_later(self.header_timeout_s, self._headers_late)
 
     def _headers_arrived(self) -> None:
         _waiting.pop(self, None)
-        self._cancel_deadline()
+        if self._header_deadline is not None:
+            self._header_deadline.cancel()
+            self._header_deadline = None
 
     def _headers_late(self) -> None:
         self._close_slow("headers" if self._begun else None)
 
     def _await_body(self) -> None:
+        self._body_arrived()
         _receiving[self] = None
         self._body_started, self._body_bytes = self.loop.time(), 0
-        self._deadline = self.loop.call_later(self.body_timeout_s, self._body_due)
+        self._body_deadline = self.loop.call_later(self.body_timeout_s, self._body_due)
 
     def _body_due(self) -> None:
-        """Close the connection if its body is behind its deadline; else look again when it is due."""
+        """Close the connection if its body is behind its deadline; else look again when it is due.
+        While uvicorn is not reading (a pipelined request waiting its turn, an app not taking the
+        body) the client is not to blame: the clock starts again."""
+        if self.flow is not None and self.flow.read_paused:
+            self._body_started, self._body_bytes = self.loop.time(), 0
+            self._body_deadline = self.loop.call_later(self.body_timeout_s, self._body_due)
+            return
         due = self._body_started + self.body_timeout_s + self._body_bytes / self.body_min_rate
         if self.loop.time() >= due:
             self._close_slow("body")
         else:
-            self._deadline = self.loop.call_at(due, self._body_due)
+            self._body_deadline = self.loop.call_at(due, self._body_due)
 
     def _body_arrived(self) -> None:
         _receiving.pop(self, None)
-        self._cancel_deadline()
-
-    def _cancel_deadline(self) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-            self._deadline = None
+        if self._body_deadline is not None:
+            self._body_deadline.cancel()
+            self._body_deadline = None
 
     def _close_slow(self, reason: str | None) -> None:
         """Close the connection (at once: what it has not read is dropped); `reason` None: an idle

@@ -10,8 +10,9 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from appliance.errors import ApplianceError
 from serve.deps import authenticated
-from serve.errors import AuthError, GatewayError
+from serve.errors import AuthError, GatewayError, from_core
 from serve.metrics import Metrics
 
 
@@ -69,8 +70,8 @@ class AuthenticateFirst:
                     request.app.state.gateway.metrics.auth_failures.labels("missing_role").inc()
                     raise AuthError("missing_role", f"none of your roles may use {scope['path'].split('/')[1]}/",
                                     status=403)
-            except AuthError as exc:
-                refusal = exc.response()
+            except (GatewayError, ApplianceError) as exc:  # a core error (the batch queue busy): its status
+                refusal = (exc if isinstance(exc, GatewayError) else from_core(exc)).response()
                 refusal.headers["Connection"] = "close"  # the body is never read
                 await refusal({"type": "http"}, _empty_receive, send)
                 return

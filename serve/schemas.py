@@ -14,6 +14,7 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from appliance.choices import prompt_count
 from appliance.settings import RoleLimits
 from serve.errors import GatewayError
 
@@ -173,10 +174,7 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(None, ge=0)
 
     def prompts(self) -> int:
-        # A list of strings, or of token-id lists, is that many prompts; one list of ids is one.
-        if isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int):
-            return len(self.prompt)
-        return 1
+        return prompt_count(self.prompt)
 
     def logprobs_asked(self) -> dict[str, int]:
         return {**super().logprobs_asked(), **({"logprobs": self.logprobs} if self.logprobs else {})}

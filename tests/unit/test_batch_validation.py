@@ -135,15 +135,15 @@ def test_each_line_is_capped_at_the_choices_the_owner_may_ask_for(home: Home, st
     batch = validate(home, store, max_choices=4)
     assert batch.errors is not None
     named = [(error.line, error.param) for error in batch.errors.data]
-    assert named == [(1, "body.prompt"), (2, "body.n"), (3, "body.n"), (4, "body.n"), (5, "body.n"),
+    assert named == [(1, "body.prompt"), (2, "body.n"), (3, "body.best_of"), (4, "body.n"), (5, "body.n"),
                      (8, "body.best_of")]
     assert batch.errors.data[0].message == \
-        "6 choices asked (3 prompts x n 2 x best_of 1); your role allows 4 (gateway.limits max_n)"
+        "6 choices asked (3 prompts x n 2); your role allows 4 (gateway.limits max_n)"
     assert "n must be a positive integer" in batch.errors.data[3].message
     batches.create(home, ask, ANN, BatchSettings())
     uncapped = validate(home, store, max_choices=None).errors  # no cap (a role not limited): only the types
     assert uncapped is not None and [(error.line, error.param) for error in uncapped.data] == \
-        [(4, "body.n"), (5, "body.n"), (8, "body.best_of")]
+        [(3, "body.best_of"), (4, "body.n"), (5, "body.n"), (8, "body.best_of")]
 
 
 def test_failed_validations_count_against_a_quota(home: Home, store: LocalStore) -> None:

@@ -4,6 +4,7 @@ headers are believed only from the proxies named."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
@@ -23,6 +24,11 @@ from tests.conftest import free_port
 
 async def echo(scope: Scope, receive: Receive, send: Send) -> None:
     """The body's length and the client's address, as the app sees it; 4 MiB at /big, in pieces."""
+    if scope["path"] == "/early":  # answers before reading the body, as a refusal by headers does
+        await PlainTextResponse("early")(scope, receive, send)
+        return
+    if scope["path"] == "/slow":
+        await asyncio.sleep(1.5)
     request = Request(scope, receive)
     body = await request.body()
     if scope["path"] == "/big":
@@ -184,3 +190,14 @@ def test_past_the_cap_a_new_connection_is_refused_when_none_can_be_closed(
         assert drained(extra) == b""
         for connection in held:
             connection.close()
+
+
+def test_a_request_answered_before_its_body_arrived_leaves_no_deadline_behind(port: int, reported: list) -> None:
+    """The first request is answered before its body is in; the body follows, then a request
+    whose answer takes three body deadlines: the connection stays, nothing is reported."""
+    connection = socket.create_connection(("127.0.0.1", port), timeout=10)
+    connection.sendall(b"POST /early HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n")
+    assert drained_answer(connection, "early").endswith(b"early")
+    connection.sendall(b"x" * 10 + b"POST /slow HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nab")
+    assert drained_answer(connection).endswith(b"2 127.0.0.1")
+    assert reported == []

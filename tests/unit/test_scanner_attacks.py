@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from appliance.sensitive import Scanner
 from appliance.settings import ComplianceSettings, RolePolicy
 from serve.compliance import Compliance, Marks
+from serve.errors import GatewayError
 from serve.schemas import MAX_NESTING, ChatRequest
 
 SCANNER = Scanner()
@@ -84,3 +85,20 @@ def test_the_deepest_value_allowed_is_screened_and_redacted() -> None:
     marks = Marks()
     compliance.screen_prompt(payload, ("messages", "chat_template_kwargs"), compliance.policy(["auditor"]), marks)
     assert "[PAYMENT_CARD]" in json.dumps(payload) and "4111" not in json.dumps(payload)
+
+
+def test_a_flagged_finding_never_hides_a_stricter_one_it_overlaps() -> None:
+    """Ranked by action: what a policy blocks or redacts is found before what it only flags."""
+    settings = ComplianceSettings(patterns={"employee_id": r"EMP-\d{16}"},
+                                  roles={"hr": RolePolicy(prompts={"payment_card": "flag", "employee_id": "block"},
+                                                          answers={"payment_card": "flag", "email": "redact"})})
+    compliance = Compliance(settings)
+    policy = compliance.policy(["hr"])
+    payload = {"messages": [{"role": "user", "content": "id EMP-4111111111111111"}]}
+    with pytest.raises(GatewayError) as refused:
+        compliance.screen_prompt(payload, ("messages",), policy, Marks())
+    assert refused.value.code == "sensitive_data"
+    answer = compliance.answer_filter(policy, Marks())
+    assert answer is not None
+    body = answer.answer({"choices": [{"message": {"content": "mail 4111111111111111@corp.example.com"}}]})
+    assert body["choices"][0]["message"]["content"] == "mail [EMAIL]"
