@@ -16,7 +16,6 @@ Prints the figures and writes bench/results/batch_create.json.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import statistics
@@ -31,6 +30,7 @@ from types import ModuleType
 from typing import Any
 
 import httpx
+from earlier import module_at  # the sibling (this script runs itself as its server and worker)
 
 from appliance import batches
 from appliance.artifacts import artifact_store
@@ -49,16 +49,7 @@ OWNER = Owner("bench-subject", "bench", frozenset({"user"}))
 
 def old_batches() -> ModuleType:
     """appliance/batches.py as of BEFORE_COMMIT, importable under another name."""
-    source = subprocess.run(["git", "show", f"{BEFORE_COMMIT}:appliance/batches.py"], capture_output=True,
-                            check=True, cwd=Path(__file__).parent.parent).stdout
-    path = Path(tempfile.mkdtemp()) / "old_batches.py"
-    path.write_bytes(source)
-    spec = importlib.util.spec_from_file_location("old_batches", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["old_batches"] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return module_at(BEFORE_COMMIT, "appliance/batches.py", "old_batches")
 
 
 def serve(home_dir: str) -> None:

@@ -1,10 +1,10 @@
 """The cost of live compliance filtering per request, in this process: screening a chat prompt,
 redacting a whole answer, and redacting a streamed answer event by event, under the default policy,
 with the scanner that normalises text first (appliance/sensitive.py) and with the one before it
-(bench/_old_sensitive.py), against what the gateway does to the same request without filtering
-(parsing and re-encoding the same JSON: the relay's own work), the three taking turns in the same
-run; and, for each scanner, the scan of each hostile megabyte (the body limit) known to be slow
-for one of its detectors, the slowest named.
+(the same file as of BEFORE_COMMIT, loaded from git), against what the gateway does to the same
+request without filtering (parsing and re-encoding the same JSON: the relay's own work), the three
+taking turns in the same run; and, for each scanner, the scan of each hostile megabyte (the body
+limit) known to be slow for one of its detectors, the slowest named.
 
 Run: .venv/bin/python -m bench.compliance_cost
 Writes bench/results/compliance_cost.json.
@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from appliance.settings import ComplianceSettings
-from bench import _old_sensitive
+from bench.earlier import module_at
 from serve.compliance import Compliance, Marks
 
 RESULTS = Path(__file__).parent / "results" / "compliance_cost.json"
+BEFORE_COMMIT = "606ba0a"  # the last commit whose scanner did not normalise text
 ROUNDS = 5
 REQUESTS = 200
 WORDS = ("the", "model", "answers", "with", "a", "short", "paragraph", "about", "deployment", "on", "GPUs")
@@ -57,7 +58,8 @@ def events() -> list[bytes]:
 def filters() -> dict[str, Compliance]:
     new = Compliance(ComplianceSettings())
     old = Compliance(ComplianceSettings())
-    old.scanner = _old_sensitive.Scanner(detectors=_old_sensitive.national_ids())  # type: ignore[assignment]
+    earlier = module_at(BEFORE_COMMIT, "appliance/sensitive.py", "old_sensitive")
+    old.scanner = earlier.Scanner(detectors=earlier.national_ids())
     return {"old": old, "new": new}
 
 
