@@ -26,16 +26,6 @@ from tests.unit.test_batches import ANN, BOB, CHAT, create_only, line, upload, v
 COMPLETIONS = "/v1/completions"
 
 
-@pytest.fixture
-def home(tmp_path: Path) -> Home:
-    return Home(tmp_path / "h").ensure()
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> LocalStore:
-    return LocalStore(tmp_path / "store")
-
-
 def rows(home: Home, batch_id: str) -> list[tuple[int, str]]:
     with batches.connect(home) as db:
         return [(row[0], row[1]) for row in db.execute(

@@ -29,16 +29,6 @@ def line(custom_id: str, **overrides: object) -> str:
     return json.dumps(item)
 
 
-@pytest.fixture
-def home(tmp_path: Path) -> Home:
-    return Home(tmp_path / "h").ensure()
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> LocalStore:
-    return LocalStore(tmp_path / "store")
-
-
 def upload(home: Home, store: LocalStore, lines: list[str], owner: Owner = ANN) -> str:
     data = ("\n".join(lines) + "\n").encode()
     return batches.add_file(home, store, owner=owner.subject, filename="../../etc/in\u202e.jsonl", purpose="batch",
