@@ -1,47 +1,16 @@
-"""Shared fixtures: an isolated state directory and the `appliance` command run for real."""
+"""Shared fixtures: the demo model and Keycloak that the set-up step installed. Helpers that
+tests and benches share live in tests/support/."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import socket
-import subprocess
-import sys
-import tempfile
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from appliance.home import HOME_ENV, Home
+from appliance.home import Home
 from installer.keycloak import install_dir
 
-APPLIANCE = str(Path(sys.executable).with_name("appliance"))
-# Settings that keep a test appliance from needing Keycloak at all.
-NO_KEYCLOAK = {"APPLIANCE_KEYCLOAK__MODE": "external", "APPLIANCE_KEYCLOAK__URL": "https://127.0.0.1:9",
-               "APPLIANCE_KEYCLOAK__GATEWAY_CLIENT_SECRET": "unused"}
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-@dataclass
-class Appliance:
-    """One state directory and the CLI pointed at it."""
-
-    home: Home
-    env: dict[str, str] = field(default_factory=dict)
-
-    def run(self, *args: str, timeout: float = 900, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([APPLIANCE, *args], env=self.env, capture_output=True, text=True,
-                              timeout=timeout, check=False, input=stdin)
-
-    def port(self, name: str) -> int:
-        return int(self.env[name])
+pytest_plugins = ["tests.module_times"]  # each module's wall time at the end of a run
 
 
 @pytest.fixture(scope="session")
@@ -60,45 +29,3 @@ def keycloak_dist() -> Path:
     if not (path / "bin" / "kc.sh").is_file():
         pytest.fail(f"Keycloak missing at {path}: run ./bootstrap.sh --no-start first")
     return path
-
-
-def make_appliance(demo: Path | None, keycloak: Path | None = None, **overrides: str) -> Iterator[Appliance]:
-    """A fresh state directory on free ports; with the demo model and a private copy of Keycloak
-    (its database lives in its directory) if given, else configured not to need Keycloak."""
-    # Short path: supervisord's unix socket lives inside it (107-byte limit).
-    root = Path(tempfile.mkdtemp(prefix="ap-", dir="/tmp"))
-    home = Home(root / "h").ensure()
-    if demo is not None:
-        home.demo_model.symlink_to(demo, target_is_directory=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("APPLIANCE_")}
-    env.update({HOME_ENV: str(home.root), "COLUMNS": "200",
-                "APPLIANCE_GATEWAY__PORT": str(free_port())})
-    if keycloak is not None:
-        target = install_dir(home)
-        shutil.copytree(keycloak, target, symlinks=True, ignore=shutil.ignore_patterns("h2", "tmp"))
-        env.update({"APPLIANCE_KEYCLOAK__PORT": str(free_port()),
-                    "APPLIANCE_KEYCLOAK__MANAGEMENT_PORT": str(free_port())})
-    else:
-        env.update(NO_KEYCLOAK)
-    env.update(overrides)
-    appliance = Appliance(home=home, env=env)
-    try:
-        yield appliance
-    finally:
-        appliance.run("down", timeout=300)
-        shutil.rmtree(root, ignore_errors=True)
-
-
-def tiny_llama(target: Path, demo: Path) -> Path:
-    """A 2-layer Llama with random weights and the demo model's tokenizer and chat template."""
-    import torch  # heavy: only for the tests that train
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         tie_word_embeddings=False)
-    LlamaForCausalLM(config).save_pretrained(target)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(demo / name, target / name)
-    return target
