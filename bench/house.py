@@ -1,0 +1,131 @@
+"""The size of the house at two revisions: modules and lines per top-level package, the largest
+file and the largest function, read with `ast` from git (the base) and from the working tree.
+
+    python -m bench.house [--base 72fff8d] [--head REV] [--out bench/results/house.json]
+
+Without --head the second side is the working tree as it is now, uncommitted changes included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import subprocess
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+PROJECT = Path(__file__).resolve().parent.parent
+PACKAGES = ("appliance", "audit", "serve", "finetune", "installer", "tui", "bench", "tests")
+DEFAULT_BASE = "72fff8d"  # the tree before the round of work that split the largest modules
+RESULTS = PROJECT / "bench" / "results" / "house.json"
+
+
+@dataclass
+class Largest:
+    """The largest file or function seen so far: where it is and how many lines it spans."""
+
+    where: str = ""
+    lines: int = 0
+
+    def offer(self, where: str, lines: int) -> None:
+        if lines > self.lines:
+            self.where, self.lines = where, lines
+
+
+@dataclass
+class Package:
+    modules: int = 0
+    lines: int = 0
+
+
+@dataclass
+class House:
+    """One revision's measures."""
+
+    revision: str
+    packages: dict[str, Package] = field(default_factory=dict)
+    largest_file: Largest = field(default_factory=Largest)
+    largest_function: Largest = field(default_factory=Largest)
+
+    def add(self, path: str, source: str) -> None:
+        package = self.packages.setdefault(path.split("/", 1)[0], Package())
+        lines = len(source.splitlines())
+        package.modules += 1
+        package.lines += lines
+        self.largest_file.offer(path, lines)
+        for qualname, span in _function_spans(ast.parse(source, filename=path)):
+            self.largest_function.offer(f"{path}:{qualname}", span)
+
+
+def _function_spans(tree: ast.AST, prefix: str = "") -> list[tuple[str, int]]:
+    """Every function and method with its qualified name and its length in lines (decorators
+    included), nested ones too."""
+    spans: list[tuple[str, int]] = []
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            name = f"{prefix}{node.name}"
+            if not isinstance(node, ast.ClassDef):
+                first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                spans.append((name, (node.end_lineno or node.lineno) - first + 1))
+            spans.extend(_function_spans(node, f"{name}."))
+        else:
+            spans.extend(_function_spans(node, prefix))
+    return spans
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], capture_output=True, text=True, check=True,
+                          cwd=PROJECT).stdout
+
+
+def measure_revision(revision: str) -> House:
+    """The house as committed at `revision`."""
+    house = House(revision=_git("rev-parse", "--short", revision).strip())
+    for path in _git("ls-tree", "-r", "--name-only", revision, "--", *PACKAGES).splitlines():
+        if path.endswith(".py"):
+            house.add(path, _git("show", f"{revision}:{path}"))
+    return house
+
+
+def measure_worktree() -> House:
+    """The house as it stands on disk: tracked files and untracked ones git does not ignore."""
+    house = House(revision="working tree")
+    listed = _git("ls-files", "--cached", "--others", "--exclude-standard", "--", *PACKAGES)
+    for path in sorted(set(listed.splitlines())):
+        file = PROJECT / path
+        if path.endswith(".py") and file.is_file():  # a file deleted but not yet committed is gone
+            house.add(path, file.read_text())
+    return house
+
+
+def table(base: House, head: House) -> str:
+    """Both sides side by side, a row per package, then the largest file and function."""
+    rows = [f"| package | modules {base.revision} | modules {head.revision} | lines {base.revision} "
+            f"| lines {head.revision} |", "|---|---:|---:|---:|---:|"]
+    for name in PACKAGES:
+        before, after = base.packages.get(name, Package()), head.packages.get(name, Package())
+        rows.append(f"| `{name}/` | {before.modules} | {after.modules} | {before.lines:,} "
+                    f"| {after.lines:,} |")
+    for label, attribute in (("largest file", "largest_file"), ("largest function", "largest_function")):
+        before, after = getattr(base, attribute), getattr(head, attribute)
+        rows.append(f"\n{label}: `{before.where}` {before.lines:,} lines -> `{after.where}` "
+                    f"{after.lines:,} lines")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--base", default=DEFAULT_BASE, help="the earlier revision")
+    parser.add_argument("--head", help="the later revision (default: the working tree)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where the JSON goes")
+    args = parser.parse_args()
+    base = measure_revision(args.base)
+    head = measure_revision(args.head) if args.head else measure_worktree()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"base": asdict(base), "head": asdict(head)}, indent=2) + "\n")
+    print(table(base, head))
+
+
+if __name__ == "__main__":
+    main()
