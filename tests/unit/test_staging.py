@@ -22,7 +22,7 @@ from installer.hardware import parse_hardware_spec
 from installer.model_config import load_model_config
 from installer.planner import Pins, plan
 from installer.staging import MANIFEST, StagingError, pp_layers, read_header, stage_sharded, stage_subset, verify_staged
-from serve.routes.operations import staging_of
+from serve.routes.plans import staging_of
 
 APPLIANCE = str(Path(sys.executable).with_name("appliance"))
 

@@ -24,8 +24,8 @@ from installer.planner import plan
 from installer.staging import stage_subset
 from serve.metrics import Metrics
 from serve.response_cache import CacheStats
-from serve.routes.operations import staging_of
-from tests.records import metrics
+from serve.routes.plans import staging_of
+from tests.support.records import metrics
 from tui.metrics import parse, quantile, rates
 from tui.models import plan_text
 from tui.training import eval_summary, served
