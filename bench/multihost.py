@@ -32,9 +32,10 @@ import httpx
 from appliance.engine_launch import engine_socket
 from appliance.home import Home
 from appliance.secrets import secret
-from tests.conftest import APPLIANCE, Appliance, free_port, make_appliance
-from tests.integration.test_cluster import make_tiny_llama
-from tests.netns import veth_namespace
+from tests.support.appliances import APPLIANCE, Appliance, make_appliance
+from tests.support.models import tiny_llama_for_two_ranks
+from tests.support.netns import veth_namespace
+from tests.support.ports import free_port
 
 RESULTS = Path(__file__).parent / "results" / "multihost.json"
 POOL = "mh"
@@ -128,7 +129,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="multihost-") as scratch:
         work = Path(scratch)
         demo = Home.from_env().demo_model
-        model = make_tiny_llama(work / "tiny-llama", demo)
+        model = tiny_llama_for_two_ranks(work / "tiny-llama", demo)
         one = one_host(model)
         two = two_hosts(model, work)
     result = {"model": "tiny Llama (2 layers, 4 heads of 64), TP=2, CPU engine, float32",

@@ -34,7 +34,7 @@ from appliance.home import HOME_ENV, Home
 from appliance.secrets import secret
 from installer.keycloak import install_dir
 from installer.realm import BOOTSTRAP_SECRET
-from tests.tiers import TWO_TIERS
+from tests.support.tiers import TWO_TIERS
 
 APPLIANCE = str(Path(sys.executable).with_name("appliance"))
 RESULTS = Path(__file__).parent / "results" / "serving_tiers.json"

@@ -21,7 +21,8 @@ from installer.hardware import parse_hardware_spec
 from installer.model_config import load_model_config
 from installer.planner import plan
 from installer.staging import stage_subset
-from tests.conftest import Appliance, free_port, make_appliance
+from tests.support.appliances import Appliance, make_appliance
+from tests.support.ports import free_port
 
 RCLONE = str(Path(sys.executable).with_name("rclone"))
 ACCESS_KEY, SECRET_KEY = "appliance-test", "s3-secret-for-tests-only-0123456789"

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import html
 import json
 import re
-import ssl
 import subprocess
 import time
 
@@ -14,9 +12,10 @@ import pytest
 
 from appliance.secrets import secret
 from installer.realm import BOOTSTRAP_SECRET
-from tests.conftest import APPLIANCE
 from tests.integration.conftest import Running
 from tests.integration.realm import Realm
+from tests.support.appliances import APPLIANCE
+from tests.support.browser import approve_device_login
 
 
 @pytest.fixture(scope="module")
@@ -96,34 +95,6 @@ def test_openapi_lists_every_route_with_models(realm: Realm) -> None:
     assert {"NewUser", "DeployRequest", "CanaryRequest", "RetireRequest", "Alias", "Registry"} <= set(
         spec["components"]["schemas"])
     assert spec["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
-
-
-def approve_device_login(verification_url: str, username: str, password: str, tls: ssl.SSLContext) -> str:
-    """Do in Keycloak's pages what a person does in a browser: open the link, sign in, consent."""
-    with httpx.Client(timeout=30, verify=tls) as browser:
-        page = browse(browser, "GET", verification_url)
-        page = browse(browser, "POST", form_action(page, "kc-form-login"),
-                      data={"username": username, "password": password, "credentialId": ""})
-        if 'name="accept"' in page.text:  # the device grant asks the user to consent
-            page = browse(browser, "POST", form_action(page, None), data={"accept": "Yes"})
-        return page.text
-
-
-def browse(browser: httpx.Client, method: str, url: str, **kwargs: object) -> httpx.Response:
-    """Follow redirects like a browser."""
-    while True:
-        response = browser.request(method, url, **kwargs)
-        if response.status_code not in (301, 302, 303, 307) or "location" not in response.headers:
-            return response
-        url, method, kwargs = str(response.url.join(response.headers["location"])), "GET", {}
-
-
-def form_action(page: httpx.Response, form_id: str | None) -> str:
-    """The absolute action URL of the form with `form_id` (or the first form) in a page."""
-    for tag in re.findall(r"<form\b[^>]*>", page.text):
-        if form_id is None or f'id="{form_id}"' in tag:
-            return str(page.url.join(html.unescape(re.search(r'action="([^"]+)"', tag).group(1))))
-    raise AssertionError(f"no form {form_id!r} in page: {page.text[:300]}")
 
 
 def test_device_code_login_and_refresh(running: Running, realm: Realm) -> None:

@@ -12,7 +12,6 @@ import re
 import shutil
 import subprocess
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx
@@ -31,15 +30,16 @@ from appliance.settings import load_settings
 from appliance.supervisor import Supervisor
 from finetune.adapters import register
 from installer.realm import BOOTSTRAP_SECRET
-from tests.conftest import APPLIANCE
 from tests.integration.conftest import Running
 from tests.integration.realm import Realm
-from tests.integration.test_admin import approve_device_login
-from tests.records import metrics
+from tests.support.appliances import APPLIANCE
+from tests.support.browser import approve_device_login
+from tests.support.models import random_adapter
+from tests.support.pilot import drive, rows, select_row, text, until
+from tests.support.records import metrics
 from tui.app import AdminApp
 
 MODEL = "SmolLM2-135M-Instruct"
-SIZE = (80, 24)
 
 
 @pytest.fixture(scope="module")
@@ -65,58 +65,6 @@ def app(running: Running) -> AdminApp:
     settings = load_settings(cli.home.settings_file, environ=cli.env)
     login.password_login(settings, cli.home, "admin", secret(cli.home, BOOTSTRAP_SECRET))
     return AdminApp(settings, cli.home)
-
-
-def drive(app: AdminApp, scenario: Callable[[Pilot], Awaitable[None]]) -> list[str]:
-    """Run `scenario` against the app in an 80x24 headless terminal; the notifications it showed."""
-    shown: list[str] = []
-    notify = app.notify
-
-    def recorded(message: str, **kwargs: object) -> None:
-        shown.append(str(message))
-        notify(message, **kwargs)
-
-    app.notify = recorded  # type: ignore[method-assign]
-
-    async def run() -> None:
-        async with app.run_test(size=SIZE) as pilot:
-            await scenario(pilot)
-
-    asyncio.run(run())
-    return shown
-
-
-async def until(pilot: Pilot, check: Callable[[], bool], what: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return
-        await pilot.pause(0.2)
-    raise AssertionError(f"timed out waiting for {what}; screen:\n{screen_text(pilot.app)}")
-
-
-def rows(app: AdminApp, table: str) -> dict[str, list[str]]:
-    """The table's rows on the current screen by key, cells as text."""
-    found = app.screen.query_one(f"#{table}", DataTable)
-    return {str(key.value): [str(cell) for cell in found.get_row(key)] for key in found.rows}
-
-
-def text(app: AdminApp, widget: str) -> str:
-    return str(app.screen.query_one(f"#{widget}", Static).render())
-
-
-def screen_text(app: AdminApp) -> str:
-    """What a failing wait shows: the screen's text, its tables and the notifications so far."""
-    return "\n".join([*(str(s.render()) for s in app.screen.query(Static)),
-                      *(f"{t.id}: {rows(app, t.id or '')}" for t in app.screen.query(DataTable)),
-                      *(f"notified: {n.message}" for n in app._notifications)])
-
-
-async def select_row(pilot: Pilot, table: str, key: str) -> None:
-    found = pilot.app.screen.query_one(f"#{table}", DataTable)
-    found.focus()
-    found.move_cursor(row=found.get_row_index(key))
-    await pilot.pause()
 
 
 def banner(app: AdminApp) -> str | None:
@@ -180,17 +128,6 @@ def test_models_screen_shows_pool_plan_and_staging(app: AdminApp, shots: Path) -
         app.save_screenshot("models.svg", path=str(shots))
 
     drive(app, scenario)
-
-
-def random_adapter(demo: Path, out: Path) -> Path:
-    """A LoRA adapter for the demo model with random (not identity) weights: servable, untrained."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(demo)
-    get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-                   ).save_pretrained(out)
-    return out
 
 
 def test_jobs_and_adapters_screen_cancels_deploys_canaries_and_rolls_back(

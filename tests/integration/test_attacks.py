@@ -22,9 +22,9 @@ from appliance.secrets import gateway_client_secret
 from appliance.supervisor import Supervisor
 from appliance.tls import ensure_server_certificate
 from audit.writer import log_files
-from tests.impostor import Impostor
 from tests.integration.conftest import Running
 from tests.integration.realm import Realm
+from tests.support.impostor import Impostor
 
 MODEL = "SmolLM2-135M-Instruct"
 PASSWORD = "Test-password-1"

@@ -30,9 +30,8 @@ from installer.bundle import MANIFEST, PUBLIC_KEY, SIGNATURE, load_or_create_key
 from installer.bundle_files import SUMS, SUMS_SIGNATURE
 from installer.memory import GIB, Layout, kv_bytes_per_token
 from installer.model_config import DTYPE_BYTES, load_model_config
-from tests.conftest import APPLIANCE
-from tests.integration.test_admin_tui import random_adapter
-from tests.integration.test_planner_vllm import make_tiny_moe
+from tests.support.appliances import APPLIANCE
+from tests.support.models import random_adapter, tiny_moe
 
 PROJECT = Path(__file__).resolve().parents[2]
 MODEL = "tiny-moe"
@@ -138,7 +137,7 @@ def newer_bundle(old: Path, new: Path, key_file: Path, work: Path) -> str:
 def test_bundle_installs_and_serves_with_no_network_and_upgrades_keeping_state(
         tmp_path: Path, demo_model: Path, record_property: pytest.RecordProperty) -> None:
     key_file = tmp_path / "signing-key.pem"
-    moe = make_tiny_moe(tmp_path / MODEL, demo_model)
+    moe = tiny_moe(tmp_path / MODEL, demo_model)
     first, prefix, state = tmp_path / "bundle-1", tmp_path / "opt", tmp_path / "state"
     env = {k: v for k, v in os.environ.items() if k != "APPLIANCE_HOME"}  # caches of the default state dir
     started = time.monotonic()

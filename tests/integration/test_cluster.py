@@ -29,10 +29,12 @@ import pytest
 from appliance.hosts import parse_join_token
 from appliance.secrets import GATEWAY_CLIENT_SECRET, secret
 from appliance.tls import ca_file
-from tests.conftest import APPLIANCE, Appliance, free_port, make_appliance
 from tests.integration.conftest import Running
 from tests.integration.realm import Realm
-from tests.netns import Network, veth_namespace
+from tests.support.appliances import APPLIANCE, Appliance, make_appliance
+from tests.support.models import tiny_llama_for_two_ranks
+from tests.support.netns import Network, veth_namespace
+from tests.support.ports import free_port
 
 GREEDY = Path(__file__).with_name("vllm_greedy.py")
 PASSWORD = "Test-password-1"
@@ -40,27 +42,6 @@ POOL = "mh"
 QUESTION = [{"role": "user", "content": "Name three colours."}]
 MAX_TOKENS = 16
 SERVE_TIMEOUT_S = 600
-
-
-def make_tiny_llama(target: Path, tokenizer_from: Path) -> Path:
-    """2 layers, hidden 256, 4 attention and 2 KV heads of 64 (TP=2 splits both evenly); weights
-    large enough (std 0.1) that greedy answers do not hinge on rounding."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
-                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            noise = 0.1 * torch.randn_like(parameter)
-            parameter.copy_(1 + noise if name.endswith("norm.weight") else noise)
-    model.to(torch.bfloat16).save_pretrained(target)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(tokenizer_from / name, target / name)
-    return target
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +97,7 @@ def wait_serving(head: Appliance, timeout_s: float = SERVE_TIMEOUT_S) -> float:
 def cluster(running: Running, demo_model: Path, network: Network,
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     work = tmp_path_factory.mktemp("cluster")
-    model = make_tiny_llama(work / "tiny-llama", demo_model)
+    model = tiny_llama_for_two_ranks(work / "tiny-llama", demo_model)
     (work / "profile.json").write_text(json.dumps({"hosts": [
         {"name": name, "gpus": [{"index": 0, "name": "L4", "memory_bytes": 24 * 2**30}]}
         for name in ("head", "worker-1")]}))

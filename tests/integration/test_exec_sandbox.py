@@ -15,7 +15,7 @@ import pytest
 from appliance.home import Home
 from appliance.settings import ExecutionSettings
 from finetune.rl.execute import EXEC_UIDS, EXEC_USER, Sandbox, execute
-from tests.conftest import APPLIANCE
+from tests.support.appliances import APPLIANCE
 
 SETTINGS = ExecutionSettings(cpu_s=3, wall_s=15, test_wall_s=6, memory_mib=256, processes=32, tmpfs_mib=16,
                              output_bytes=65536)

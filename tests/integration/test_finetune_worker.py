@@ -18,8 +18,9 @@ import psutil
 import pytest
 
 from appliance import adapters, jobs
-from tests.conftest import Appliance, tiny_llama
 from tests.integration.conftest import Running
+from tests.support.appliances import Appliance
+from tests.support.models import tiny_llama
 
 
 @pytest.fixture(scope="module")

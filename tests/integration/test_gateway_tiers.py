@@ -30,10 +30,10 @@ from appliance import batches
 from appliance.secrets import gateway_client_secret
 from appliance.tls import ca_file
 from audit.writer import log_files
-from tests.conftest import Appliance, make_appliance
 from tests.integration.conftest import Running, engine_client
 from tests.integration.realm import Realm
-from tests.tiers import TWO_TIERS
+from tests.support.appliances import Appliance, make_appliance
+from tests.support.tiers import TWO_TIERS
 
 PASSWORD = "Test-password-1"
 SYSTEM = ("You are the help desk of a bank. Answer in one short sentence, politely, and never reveal account "

@@ -9,7 +9,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import Appliance, make_appliance
+from tests.support.appliances import Appliance, make_appliance
 
 
 @pytest.fixture

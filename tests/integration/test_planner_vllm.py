@@ -5,12 +5,8 @@ the demo model here, on the session's engine; a tiny MoE on the engine the bundl
 from __future__ import annotations
 
 import re
-import shutil
-from pathlib import Path
 
 import pytest
-import torch
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from appliance.engine_launch import resolve_device, resolve_dtype
 from appliance.settings import load_settings
@@ -33,17 +29,3 @@ def test_predicted_kv_capacity_matches_vllm(running: Running, record_property: p
     record_property("kv_capacity", {"predicted": predicted, "vllm": reported, "difference": difference})
     print(f"KV capacity: planner {predicted:,} tokens, vLLM {reported:,} tokens ({difference:+.2%})")
     assert abs(difference) < 0.10
-
-
-def make_tiny_moe(target: Path, tokenizer_from: Path) -> Path:
-    """A 4-expert, top-2 Qwen3-MoE with random weights (a few MB), with the demo model's tokenizer;
-    head_dim 64, which the CPU engine's attention kernel serves (16 starts but fails on a request)."""
-    torch.manual_seed(0)
-    config = Qwen3MoeConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                            num_experts=4, num_experts_per_tok=2, max_position_embeddings=2048,
-                            tie_word_embeddings=False, torch_dtype="bfloat16")
-    Qwen3MoeForCausalLM(config).to(torch.bfloat16).save_pretrained(target, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(tokenizer_from / name, target / name)
-    return target

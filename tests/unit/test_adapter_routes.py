@@ -22,7 +22,7 @@ from appliance.roles import Role
 from serve.adapters import AdapterRoutes
 from serve.errors import GatewayError, from_core
 from serve.upstream import Pool, Replica
-from tests.records import metrics
+from tests.support.records import metrics
 
 USERS = frozenset({"user"})
 

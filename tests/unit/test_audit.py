@@ -15,17 +15,11 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
 
-from audit import AuditEvent, AuditUnavailable, AuditVerificationError, AuditWriter, read_records, verify
+from audit import AuditUnavailable, AuditVerificationError, AuditWriter, read_records, verify
 from audit.writer import CHECKPOINTS, log_files
+from tests.support.audit import event
 
 KEY = Ed25519PrivateKey.generate()
-
-
-def event(n: int, **changes: object) -> AuditEvent:
-    fields = {"request_id": f"r{n}", "action": "chat.completions", "outcome": "allowed", "status": 200,
-              "subject": "u1", "username": "alice", "resource": "SmolLM2-135M-Instruct",
-              "prompt_tokens": 3, "completion_tokens": 5}
-    return AuditEvent(**{**fields, **changes})
 
 
 def filled(tmp_path: Path, count: int = 10, **kwargs: object) -> AuditWriter:

@@ -7,7 +7,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from appliance.artifacts import ArtifactStoreError, LocalStore
 from audit import AuditVerificationError, AuditWriter, archive, fetch, verify
-from tests.unit.test_audit import event
+from tests.support.audit import event
 
 KEY = Ed25519PrivateKey.generate()
 

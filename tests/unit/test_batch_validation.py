@@ -21,7 +21,7 @@ from appliance.errors import QuotaExceeded
 from appliance.home import Home
 from appliance.settings import BatchSettings, Settings
 from serve import batch_worker
-from tests.unit.test_batches import ANN, BOB, CHAT, create_only, line, upload, validate
+from tests.support.batches import ANN, BOB, CHAT, create_only, line, upload, validate
 
 COMPLETIONS = "/v1/completions"
 

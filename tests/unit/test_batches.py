@@ -13,50 +13,11 @@ import pytest
 
 from appliance import batches, durable
 from appliance.artifacts import LocalStore
-from appliance.batches import BatchAsk, BatchState, Owner
+from appliance.batches import BatchState
 from appliance.errors import Conflict, Invalid, NotFound, QuotaExceeded
 from appliance.home import Home
 from appliance.settings import BatchSettings
-
-ANN = Owner("sub-ann", "ann", frozenset({"user"}))
-BOB = Owner("sub-bob", "bob", frozenset({"user"}))
-CHAT = "/v1/chat/completions"
-
-
-def line(custom_id: str, **overrides: object) -> str:
-    item = {"custom_id": custom_id, "method": "POST", "url": CHAT,
-            "body": {"model": "m", "messages": [{"role": "user", "content": custom_id}]}, **overrides}
-    return json.dumps(item)
-
-
-def upload(home: Home, store: LocalStore, lines: list[str], owner: Owner = ANN) -> str:
-    data = ("\n".join(lines) + "\n").encode()
-    return batches.add_file(home, store, owner=owner.subject, filename="../../etc/in\u202e.jsonl", purpose="batch",
-                            data=data, limits=BatchSettings()).id
-
-
-def create_only(home: Home, file_id: str, owner: Owner = ANN, limits: BatchSettings | None = None) -> batches.Batch:
-    """A batch as the gateway answers it: validating."""
-    ask = BatchAsk(input_file_id=file_id, endpoint=CHAT, completion_window="24h", metadata={"team": "risk"})
-    return batches.create(home, ask, owner, limits or BatchSettings())
-
-
-def validate(home: Home, store: LocalStore, limits: BatchSettings | None = None, max_choices: int | None = None,
-             pid: int = 4242) -> batches.Batch:
-    """The next validating batch, validated as the worker does."""
-    job = batches.claim_validation(home, pid, lambda other: other == pid)
-    assert job is not None
-    return batches.validate(home, store, job, limits or BatchSettings(), 1 << 20, max_choices)
-
-
-def create(home: Home, store: LocalStore, file_id: str, owner: Owner = ANN,
-           limits: BatchSettings | None = None) -> batches.Batch:
-    """A batch created, then validated by the worker."""
-    created = create_only(home, file_id, owner, limits)
-    assert created.status == BatchState.VALIDATING and created.request_counts.total == 0
-    validated = validate(home, store, limits)
-    assert validated.id == created.id
-    return validated
+from tests.support.batches import ANN, BOB, CHAT, create, create_only, line, upload
 
 
 def test_a_bad_input_file_fails_its_batch_naming_each_bad_line(home: Home, store: LocalStore) -> None:

@@ -26,7 +26,7 @@ from installer.bundle import (
     verification_commands,
     verify,
 )
-from tests.conftest import APPLIANCE
+from tests.support.appliances import APPLIANCE
 
 INSTALL_SH = Path(installer.__file__).with_name("install.sh")
 # The engine this host needs (the rule of appliance.engine_build), and the other one.

@@ -9,7 +9,7 @@ import typer
 from typer.testing import CliRunner
 
 from appliance import cli
-from tests.conftest import APPLIANCE, Appliance, make_appliance
+from tests.support.appliances import APPLIANCE, Appliance, make_appliance
 
 
 def all_command_paths() -> list[list[str]]:

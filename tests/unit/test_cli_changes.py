@@ -14,7 +14,8 @@ import pytest
 
 from audit import read_records, verify
 from audit.keys import signing_key
-from tests.conftest import APPLIANCE, Appliance, free_port, make_appliance
+from tests.support.appliances import APPLIANCE, Appliance, make_appliance
+from tests.support.ports import free_port
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from appliance.settings import Settings
 from appliance.supervisor import ProcessInfo, ProcessState
 from audit.records import AuditEvent
 from serve.cluster_controller import Controller
-from tests.unit.test_engine_launch import plan_file
+from tests.support.plans import plan_file
 
 
 class FakeSupervisor:

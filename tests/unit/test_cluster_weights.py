@@ -17,15 +17,16 @@ from appliance.staging_manifest import StagingManifest
 from installer.memory import GIB
 from installer.model_config import load_model_config
 from installer.planner import Pins, plan
-from serve.cluster import SpanningPool, weight_files, weights_dir
-from tests.unit.test_planner import CONFIGS
+from serve.cluster_weights import weight_files, weights_dir
+from serve.engine import SpanningPool
+from tests.support.models import MODEL_CONFIGS
 
 
 def span(model: Path) -> SpanningPool:
     profile = HardwareProfile(hosts=[Host(name=name, nvlink_all_to_all=True,
                                           gpus=[Gpu(index=i, name="H100", memory_bytes=80 * GIB) for i in range(4)])
                                      for name in ("head", "worker-1")])
-    record = plan(load_model_config(CONFIGS / "mixtral-8x22b.json"), profile, context=8192, concurrency=1,
+    record = plan(load_model_config(MODEL_CONFIGS / "mixtral-8x22b.json"), profile, context=8192, concurrency=1,
                   pins=Pins(tp=8))
     return SpanningPool(PoolSettings(name="big", model=str(model)), record, PoolLayout(8, 1, 1, False, 8192, 2))
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import random
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,8 +14,7 @@ from appliance.home import Home
 from appliance.sensitive import Scanner, iban_ok, luhn_ok
 from audit import read_records
 from finetune.datasets import DatasetError, Row, check_lengths, load_registry, parse, scan, split
-
-APPLIANCE = str(Path(sys.executable).with_name("appliance"))
+from tests.support.appliances import APPLIANCE
 
 
 def jsonl(path: Path, *rows: object) -> Path:

@@ -1,9 +1,6 @@
 """The engine launcher turns settings into vLLM's command line and environment."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +11,7 @@ from appliance.home import Home
 from appliance.records import Gpu, Host, Plan
 from appliance.settings import EngineSettings, PoolSettings, Settings
 from serve.engine import build_launch, engine_programs
+from tests.support.plans import plan_file
 
 
 def flag(argv: list[str], name: str) -> str:
@@ -104,17 +102,6 @@ def test_gateway_never_imports_from_the_state_dir(tmp_path: Path) -> None:
     command = gateway_program(Settings(), Home(tmp_path)).command
     # -P keeps the working directory off sys.path; serve.listener runs uvicorn without an app dir.
     assert command[1:] == ["-P", "-m", "serve.listener"]
-
-
-def plan_file(tmp_path: Path, model: str, hardware: str, *extra: str) -> Path:
-    """A plan record written by the real `appliance plan --json`, for an appliance whose state dir is `tmp_path`."""
-    configs = Path(__file__).parent.parent / "data" / "model_configs"
-    result = subprocess.run([str(Path(sys.executable).with_name("appliance")), "plan", str(configs / f"{model}.json"),
-                             "--hardware", hardware, "--json", *extra], capture_output=True, text=True,
-                            env={**os.environ, "APPLIANCE_HOME": str(tmp_path)})
-    path = tmp_path / f"{model}-{hardware}.json"
-    path.write_text(result.stdout)
-    return path
 
 
 def test_pool_launches_the_layout_of_its_plan(tmp_path: Path) -> None:

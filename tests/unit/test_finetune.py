@@ -19,9 +19,8 @@ from appliance.adapters import Scores, load
 from appliance.home import Home
 from appliance.jobs import Hyperparameters
 from audit import read_records
-from tests.conftest import tiny_llama
-
-APPLIANCE = str(Path(sys.executable).with_name("appliance"))
+from tests.support.appliances import APPLIANCE
+from tests.support.models import tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +178,7 @@ def test_a_diverged_run_fails_the_gate_and_its_metrics_still_read_back() -> None
     from appliance.settings import FinetuneSettings
     from finetune.runner import gate_failures
     from finetune.train import Result
-    from tests.records import metrics
+    from tests.support.records import metrics
 
     nan = float("nan")
     diverged = Result(adapter_dir=Path("adapter"), base_eval_loss=2.0, adapter_eval_loss=nan, steps=4,
@@ -197,7 +196,7 @@ def test_an_adapter_holding_a_symbolic_link_is_not_registered(tmp_path: Path) ->
     from appliance.artifacts import LocalStore
     from appliance.errors import IntegrityError
     from finetune.adapters import register
-    from tests.records import metrics
+    from tests.support.records import metrics
 
     home = Home(tmp_path / "home").ensure()
     adapter = tmp_path / "adapter"

@@ -12,7 +12,7 @@ from appliance.records import Gpu, HardwareProfile, Host
 from installer.memory import GIB
 from installer.model_config import load_model_config
 from installer.planner import Pins, PlanError, plan
-from tests.unit.test_planner import CONFIGS
+from tests.support.models import MODEL_CONFIGS
 
 
 def islands(sizes: tuple[int, ...] = (4, 4), numa: tuple[int, ...] | None = None) -> Host:
@@ -71,7 +71,7 @@ def test_pools_get_disjoint_sets_and_overlaps_name_both_pools() -> None:
 
 def test_planner_offers_only_tp_an_nvlink_domain_holds() -> None:
     profile = HardwareProfile(hosts=[islands((4, 4), numa=(0, 0, 0, 0, 1, 1, 1, 1))])
-    model = load_model_config(CONFIGS / "mixtral-8x22b.json")
+    model = load_model_config(MODEL_CONFIGS / "mixtral-8x22b.json")
     record = plan(model, profile, context=8192, concurrency=1)
     assert record.layout is not None and record.layout.tp <= 4
     assert all(command.gpus for command in record.commands)

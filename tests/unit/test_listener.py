@@ -19,7 +19,7 @@ from starlette.types import Receive, Scope, Send
 from appliance.settings import GatewaySettings
 from serve.listener import GuardedHttpToolsProtocol, forwarding
 from serve.slow_clients import SlowClients
-from tests.conftest import free_port
+from tests.support.ports import free_port
 
 
 async def echo(scope: Scope, receive: Receive, send: Send) -> None:

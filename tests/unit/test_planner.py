@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,14 +16,14 @@ from installer.memory import FormatError, Layout, count_params, kv_bytes_per_tok
 from installer.model_config import ModelConfigError, load_model_config
 from installer.planner import Pins, PlanError
 from installer.planner import plan as make_plan
+from tests.support.appliances import APPLIANCE
+from tests.support.models import MODEL_CONFIGS
 
-CONFIGS = Path(__file__).parent.parent / "data" / "model_configs"
-APPLIANCE = str(Path(sys.executable).with_name("appliance"))
 GIB = 1 << 30
 
 
 def model(name: str):
-    return load_model_config(CONFIGS / f"{name}.json")
+    return load_model_config(MODEL_CONFIGS / f"{name}.json")
 
 
 def plan(*args: object, **kwargs: object) -> dict:
@@ -121,7 +120,7 @@ def test_formats() -> None:
 
 
 def test_bad_configs_are_named(tmp_path: Path) -> None:
-    config = json.loads((CONFIGS / "llama-3.1-405b.json").read_text())
+    config = json.loads((MODEL_CONFIGS / "llama-3.1-405b.json").read_text())
     del config["num_hidden_layers"]
     (tmp_path / "missing.json").write_text(json.dumps(config))
     with pytest.raises(ModelConfigError, match=r"missing.json: num_hidden_layers: missing"):
@@ -146,17 +145,17 @@ def test_impossible_profiles_are_refused() -> None:
 
 
 def test_cli_plan_json_and_exit_codes() -> None:
-    ok = subprocess.run([APPLIANCE, "plan", str(CONFIGS / "kimi-k2.json"), "--hardware", "2x8xH100-80GB", "--json"],
-                        capture_output=True, text=True)
+    ok = subprocess.run([APPLIANCE, "plan", str(MODEL_CONFIGS / "kimi-k2.json"), "--hardware", "2x8xH100-80GB",
+                         "--json"], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
     record = json.loads(ok.stdout)
     for key in ("feasible", "layout", "per_gpu", "kv_bytes_per_token", "kv_capacity_tokens", "commands", "rejected"):
         assert key in record
     assert record["model"]["total_params"] > 1e12
-    none = subprocess.run([APPLIANCE, "plan", str(CONFIGS / "kimi-k2.json"), "--hardware", "1x8xH100-80GB"],
+    none = subprocess.run([APPLIANCE, "plan", str(MODEL_CONFIGS / "kimi-k2.json"), "--hardware", "1x8xH100-80GB"],
                           capture_output=True, text=True)
     assert none.returncode == 3 and "smallest hardware that fits: 2 hosts" in none.stdout
-    both = subprocess.run([APPLIANCE, "plan", str(CONFIGS / "kimi-k2.json"), "--hardware", "1x8xH100-80GB",
+    both = subprocess.run([APPLIANCE, "plan", str(MODEL_CONFIGS / "kimi-k2.json"), "--hardware", "1x8xH100-80GB",
                            "--detect"], capture_output=True, text=True)
     assert both.returncode == 1 and "exactly one of --profile, --detect, --hardware" in both.stderr
 

@@ -14,7 +14,8 @@ import pytest
 from appliance.records import Gpu, HardwareProfile, Host
 from installer.hardware import load_profile
 from installer.preflight import MIN_RAM_BYTES, Check, run_checks
-from tests.conftest import Appliance, free_port, make_appliance
+from tests.support.appliances import Appliance, make_appliance
+from tests.support.ports import free_port
 
 GIB = 2**30
 EXAMPLE = Path(__file__).parents[2] / "installer" / "profiles" / "example-2x8xH100.toml"

@@ -22,7 +22,7 @@ from appliance.errors import StateError
 from appliance.home import Home
 from appliance.settings import KeycloakSettings, Settings
 from serve.auth import AuthError, Introspector, Principal, TokenValidator
-from tests.impostor import Impostor
+from tests.support.impostor import Impostor
 
 SECRET = "the-gateway-client-secret"
 
