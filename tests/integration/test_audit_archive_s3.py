@@ -9,9 +9,10 @@ from collections.abc import Iterator
 import pytest
 
 from audit import AuditWriter, signing_key
-from tests.conftest import Appliance, free_port, make_appliance
 from tests.integration.conftest import client, s3_settings
-from tests.unit.test_audit import event
+from tests.support.appliances import Appliance, make_appliance
+from tests.support.audit import event
+from tests.support.ports import free_port
 
 BUCKET = "audit-archive"
 

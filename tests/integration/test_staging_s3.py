@@ -9,9 +9,10 @@ import sys
 from pathlib import Path
 
 from installer.staging import MANIFEST
-from tests.conftest import Appliance, make_appliance
 from tests.integration.conftest import client, s3_settings
-from tests.unit.test_staging import llama, plan_for
+from tests.support.appliances import Appliance, make_appliance
+from tests.support.checkpoints import llama
+from tests.support.plans import plan_for
 
 APPLIANCE = str(Path(sys.executable).with_name("appliance"))
 
