@@ -83,7 +83,7 @@ create table if not exists jobs (
 RL_RUNS_SCHEMA = """
 create table if not exists rl_runs (
     id integer primary key autoincrement,
-    spec text not null,            -- JSON: appliance.rl.RunSpec
+    spec text not null,            -- JSON: appliance.rl.runs.RunSpec
     state text not null,           -- JobState, moved by MOVES as jobs are
     submitted text not null,
     started text,

@@ -1,4 +1,4 @@
-"""Trajectories in the artifact store (local or S3): a run's attempts (appliance.rl.Attempt) as JSONL
+"""Trajectories in the artifact store (local or S3): a run's attempts (appliance.rl.attempts.Attempt) as JSONL
 segments, each stored under its own SHA-256 and never written again, and, when the run ends, a
 manifest naming every segment with its digest and count (finetune.rl.trajectories writes them):
 
@@ -17,11 +17,11 @@ from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from appliance import rl
 from appliance.artifacts import ArtifactStore
 from appliance.errors import IntegrityError, NotFound
 from appliance.home import Home
-from appliance.rl import Attempt
+from appliance.rl import runs
+from appliance.rl.attempts import Attempt
 
 PREFIX = "trajectories/"
 
@@ -54,12 +54,12 @@ def segment_key(run_id: int, sha256: str) -> str:
 
 def read_run(artifacts: ArtifactStore, home: Home, run_id: int) -> tuple[Manifest, list[Attempt]]:
     """A run of this appliance's trajectories (NotFound for a run that never was), verified."""
-    rl.get(home, run_id)
-    return read(artifacts, run_id, rl.manifest_digest(home, run_id))
+    runs.get(home, run_id)
+    return read(artifacts, run_id, runs.manifest_digest(home, run_id))
 
 
 def read(artifacts: ArtifactStore, run_id: int, manifest_sha256: str | None) -> tuple[Manifest, list[Attempt]]:
-    """A run's manifest, checked against the digest its run recorded (appliance.rl.manifest_digest),
+    """A run's manifest, checked against the digest its run recorded (appliance.rl.runs.manifest_digest),
     and every attempt in its segments, each checked against the manifest; IntegrityError names the
     first thing that is not what was written."""
     if manifest_sha256 is None:

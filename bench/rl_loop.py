@@ -67,7 +67,7 @@ def pool_rates(work: list[tuple[str, str]], home: Home, scratch: Path, workers: 
     at once, taking turns."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from appliance.rl import Task
+    from appliance.rl.tasks import Task
     from finetune.rl.executor import WorkerPool
     from finetune.rl.store import RunStore
 

@@ -15,10 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from appliance import rl
 from appliance.artifacts import artifact_store
 from appliance.home import HOME_ENV, Home
 from appliance.jobs import FINISHED
+from appliance.rl import runs
+from appliance.rl.progress import read_progress
 from appliance.secrets import secret
 from appliance.settings import Settings, load_settings
 from finetune.rl.executor import WorkerPool
@@ -42,8 +43,8 @@ def cli(env: dict[str, str], *args: str, stdin: str | None = None) -> str:
     return done.stdout
 
 
-def wait_run(home: Home, run_id: int) -> rl.Run:
-    while (run := rl.get(home, run_id)).state not in FINISHED:
+def wait_run(home: Home, run_id: int) -> runs.Run:
+    while (run := runs.get(home, run_id)).state not in FINISHED:
         time.sleep(0.1)
     if run.state != "succeeded":
         raise SystemExit(f"run {run_id} {run.state}: {run.message}")
@@ -55,7 +56,7 @@ def pipelined(env: dict[str, str], home: Home, seed: int) -> float:
     started = time.monotonic()
     cli(env, "rl", "run", "--tasks", "starter", "--base", MODEL, "--samples", str(SAMPLES), "--rounds", "0",
         "--max-tokens", str(MAX_TOKENS), "--seed", str(seed))
-    wait_run(home, rl.listing(home)[-1].id)
+    wait_run(home, runs.listing(home)[-1].id)
     return time.monotonic() - started
 
 
@@ -115,7 +116,7 @@ def measure_loop() -> dict[str, Any]:
         # One policy update: a run with corrections, its SFT set, an adapter, deployed, gated.
         cli(env, "rl", "run", "--tasks", "starter", "--base", MODEL, "--samples", "4", "--rounds", "1",
             "--max-tokens", str(MAX_TOKENS))
-        update = wait_run(home, rl.listing(home)[-1].id)
+        update = wait_run(home, runs.listing(home)[-1].id)
         cli(env, "rl", "export", str(update.id), "--sft", "starter-sft")
         cli(env, "finetune", "run", "--data", "starter-sft", "--name", "starter-coder", "--base", MODEL,
             "--max-steps", "30", "--lr", "0.0005", "--batch-size", "4")
@@ -124,7 +125,7 @@ def measure_loop() -> dict[str, Any]:
         gate = subprocess.run([APPLIANCE, "rl", "gate", "starter-coder", "--tasks", "starter", "--base", MODEL,
                                "--seeds", "3", "--max-tokens", str(MAX_TOKENS)], env=env, capture_output=True,
                               text=True, timeout=3600)
-        progress = rl.read_progress(home, update.id)
+        progress = read_progress(home, update.id)
     finally:
         subprocess.run([APPLIANCE, "down"], env=env, capture_output=True)
         shutil.rmtree(root, ignore_errors=True)

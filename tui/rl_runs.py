@@ -11,7 +11,10 @@ from textual.binding import Binding
 from textual.widgets import DataTable, Label, Static
 
 from appliance.jobs import JobState
-from appliance.rl import Attempt, RunReport, TaskSet, default_export
+from appliance.rl.attempts import Attempt
+from appliance.rl.exports import default_ask
+from appliance.rl.progress import RunReport
+from appliance.rl.tasks import TaskSet
 from appliance.terminal import shown
 from tui.panel import Panel, fill, selected_key
 
@@ -88,7 +91,7 @@ class RlRuns(Panel):
     def action_export(self) -> None:
         run = selected_key(self.query_one("#runs", DataTable))
         if run is not None:
-            ask = default_export(int(run))
+            ask = default_ask(int(run))
             self.act(lambda: self.client.call("POST", f"/rl/runs/{run}/exports", json=ask.model_dump()),
                      f"run {run}: export asked (datasets {ask.sft} and {ask.dpo})",
                      f"Export run {run}'s SFT and DPO sets as datasets {ask.sft} and {ask.dpo}? (datasets of "

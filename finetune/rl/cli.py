@@ -13,14 +13,17 @@ from pydantic import TypeAdapter, ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from appliance import rl
 from appliance.artifacts import artifact_store
 from appliance.changes import records_change
 from appliance.errors import Invalid, NotFound
 from appliance.home import Home
 from appliance.jobs import FINISHED, JobState
 from appliance.progress import byte_progress
-from appliance.rl import ExportAsk, RunSpec, Task, load_tasksets
+from appliance.rl import runs
+from appliance.rl.exports import ExportAsk
+from appliance.rl.progress import read_progress, report
+from appliance.rl.runs import RunSpec
+from appliance.rl.tasks import Task, load_tasksets
 from appliance.settings import load_settings
 from appliance.terminal import shown
 from appliance.trajectories import read_run
@@ -179,15 +182,15 @@ def run_command(
     except ValidationError as exc:
         first = exc.errors()[0]
         raise Invalid(f"--{'-'.join(map(str, first['loc'])).replace('_', '-')}: {first['msg']}") from exc
-    found = rl.submit(home, spec)
+    found = runs.submit(home, spec)
     out.print(f"run {found.id} queued: {spec.samples} answers per task of {tasks} ({spec.split}), up to "
               f"{spec.rounds} corrections each", highlight=False)
     if follow:
         _follow(home, found.id)
 
 
-def _progress_text(home: Home, run: rl.Run) -> str:
-    p = rl.read_progress(home, run.id)
+def _progress_text(home: Home, run: runs.Run) -> str:
+    p = read_progress(home, run.id)
     if p is None:
         return ""
     return (f"{p.attempts_done}/{p.attempts_planned} attempts, pass rate {p.pass_rate:.0%} (first "
@@ -195,15 +198,15 @@ def _progress_text(home: Home, run: rl.Run) -> str:
 
 
 def _follow(home: Home, run_id: int) -> None:
-    found = rl.get(home, run_id)
+    found = runs.get(home, run_id)
     with byte_progress() as progress:
         bar = progress.add_task(f"run {run_id}: {found.state}", total=None, unit="attempts")
         while found.state not in FINISHED:
-            p = rl.read_progress(home, run_id)
+            p = read_progress(home, run_id)
             progress.update(bar, description=f"run {run_id}: {found.state} {_progress_text(home, found)}",
                             completed=p.attempts_done if p else 0, total=p.attempts_planned if p else None)
             time.sleep(1)
-            found = rl.get(home, run_id)
+            found = runs.get(home, run_id)
     out.print(shown(f"run {run_id} {found.state}: {found.message or ''}"), soft_wrap=True)
     if found.state != JobState.SUCCEEDED:
         raise typer.Exit(1)
@@ -222,12 +225,12 @@ def status(
             raise Invalid("--follow needs a run id")
         _follow(home, run)
         return
-    runs = [rl.get(home, run)] if run is not None else rl.listing(home)
+    listed = [runs.get(home, run)] if run is not None else runs.listing(home)
     if as_json:
-        typer.echo(json.dumps([rl.report(home, found).model_dump() for found in runs], indent=1))
+        typer.echo(json.dumps([report(home, found).model_dump() for found in listed], indent=1))
         return
     table = Table("run", "model", "tasks", "state", "progress", "submitted", "outcome")
-    for found in runs:
+    for found in listed:
         table.add_row(str(found.id), shown(found.spec.adapter or found.spec.base), found.spec.tasks, found.state,
                       _progress_text(home, found), found.submitted, shown(found.message or ""))
     out.print(table)
@@ -237,7 +240,7 @@ def status(
 @records_change("rl.cancel")
 def cancel(run: Annotated[int, typer.Argument(help="A run id.")]) -> None:
     """Cancel a queued run, or stop a running one (its attempts so far are kept)."""
-    found = rl.cancel(Home.from_env(), run)
+    found = runs.cancel(Home.from_env(), run)
     out.print(f"run {run}: {'cancelled' if found.state == JobState.CANCELLED else 'stopping'}")
 
 

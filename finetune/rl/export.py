@@ -18,7 +18,9 @@ from typing import Any
 from appliance.artifacts import ArtifactStore, artifact_store
 from appliance.errors import Invalid
 from appliance.home import Home
-from appliance.rl import Attempt, ExportAsk, RunSpec
+from appliance.rl.attempts import Attempt
+from appliance.rl.exports import ExportAsk
+from appliance.rl.runs import RunSpec
 from appliance.sensitive import scanner_from
 from appliance.settings import Settings
 from appliance.trajectories import read_run

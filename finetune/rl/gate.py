@@ -9,11 +9,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from appliance import adapters, rl
+from appliance import adapters
 from appliance.artifacts import ArtifactStore
 from appliance.errors import ApplianceError, Conflict, Invalid, NotFound
 from appliance.home import Home
 from appliance.jobs import FINISHED, JobState
+from appliance.rl import runs
+from appliance.rl.tasks import TaskSet, load_tasksets
 from appliance.trajectories import read_run
 
 SCORE = "held_out_pass@1"
@@ -55,29 +57,29 @@ def measure(home: Home, artifacts: ArtifactStore, *, tasks: str, base: str, adap
     """Queue one held-out run per seed for the model (the rl-worker runs them) and wait for them (an
     interrupted gate cancels those not finished)."""
     digest = held_out_set(home, tasks).sha256
-    specs = [rl.RunSpec(tasks=tasks, tasks_sha256=digest, split="held_out", base=base, adapter=adapter, samples=1,
+    specs = [runs.RunSpec(tasks=tasks, tasks_sha256=digest, split="held_out", base=base, adapter=adapter, samples=1,
                         rounds=0, temperature=temperature, max_tokens=max_tokens, seed=seed) for seed in range(seeds)]
-    runs = [rl.submit(home, spec).id for spec in specs]
+    run_ids = [runs.submit(home, spec).id for spec in specs]
     name = adapter or base
     try:
-        for run_id in runs:
-            while (run := rl.get(home, run_id)).state not in FINISHED:
+        for run_id in run_ids:
+            while (run := runs.get(home, run_id)).state not in FINISHED:
                 show(f"{name}: run {run_id} {run.state}")
                 time.sleep(1)
             if run.state != JobState.SUCCEEDED:
                 raise ApplianceError(f"{name}: held-out run {run_id} {run.state}: {run.message}")
     except BaseException:
-        for run_id in runs:
-            if rl.get(home, run_id).state not in FINISHED:
-                rl.cancel(home, run_id)
+        for run_id in run_ids:
+            if runs.get(home, run_id).state not in FINISHED:
+                runs.cancel(home, run_id)
         raise
     model = base if adapter is None or version is None else adapters.engine_name(adapter, version)
-    return PassAt1(name, runs, [pass_at_1(home, artifacts, run_id, model) for run_id in runs])
+    return PassAt1(name, run_ids, [pass_at_1(home, artifacts, run_id, model) for run_id in run_ids])
 
 
-def held_out_set(home: Home, name: str) -> rl.TaskSet:
+def held_out_set(home: Home, name: str) -> TaskSet:
     """The task set, if it holds held-out tasks to measure on."""
-    found = rl.load_tasksets(home).get(name)
+    found = load_tasksets(home).get(name)
     if found is None:
         raise NotFound(f"--tasks {name!r}: no such task set", hint="`appliance rl tasks list`")
     if found.held_out == 0:

@@ -1,4 +1,4 @@
-"""One RL run (appliance.rl.RunSpec): K answers per task generated through the gateway under the
+"""One RL run (appliance.rl.runs.RunSpec): K answers per task generated through the gateway under the
 run's service identity, each executed in the sandbox against the task's tests, and a failing answer
 corrected for up to R more rounds with its parsed error fed back.
 
@@ -31,7 +31,10 @@ from appliance.artifacts import ArtifactStoreError, artifact_store
 from appliance.errors import ApplianceError, Invalid, Unavailable
 from appliance.home import Home
 from appliance.jobs import CANCEL_FILE
-from appliance.rl import Attempt, Run, RunProgress, Task, attempt_key, run_dir, write_progress
+from appliance.rl.attempts import Attempt, attempt_key
+from appliance.rl.progress import RunProgress, write_progress
+from appliance.rl.runs import Run, run_dir
+from appliance.rl.tasks import Task
 from appliance.settings import Settings
 from finetune.rl.execute import Verdict, not_run
 from finetune.rl.executor import WorkerPool, executor_alive

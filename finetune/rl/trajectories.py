@@ -8,7 +8,8 @@ import hashlib
 
 from appliance.artifacts import ArtifactStore
 from appliance.home import Home
-from appliance.rl import Run, Task, record_manifest_digest
+from appliance.rl.runs import Run, record_manifest_digest
+from appliance.rl.tasks import Task
 from appliance.trajectories import Manifest, Segment, manifest_key, segment_key
 from finetune.rl.store import RunStore
 

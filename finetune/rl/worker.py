@@ -9,11 +9,11 @@ import logging
 import os
 import time
 
-from appliance import rl
 from appliance.errors import ApplianceError, Unavailable
 from appliance.home import Home
 from appliance.jobs import JobState
 from appliance.programs import Program
+from appliance.rl import exports, runs
 from appliance.settings import Settings
 from appliance.supervisor import runs_module
 from finetune.rl.export import export_run
@@ -24,15 +24,15 @@ log = logging.getLogger("appliance.rl-worker")
 GIVE_UP_TAKES = 3  # an export whose workers died this many times while making it fails
 
 
-def work_one(home: Home, settings: Settings) -> rl.Run | rl.Export | None:
+def work_one(home: Home, settings: Settings) -> runs.Run | exports.Export | None:
     """The next export, else the next run, done; None when there was neither."""
     return export_one(home, settings) or run_one(home, settings)
 
 
-def export_one(home: Home, settings: Settings) -> rl.Export | None:
+def export_one(home: Home, settings: Settings) -> exports.Export | None:
     """Make the next asked export, if any; returns it as it ended. While the artifact store is
     away it waits `rl.retry_s` and tries again, for up to `rl.give_up_s`."""
-    export = rl.claim_export(home, os.getpid(), worker_alive)
+    export = exports.claim(home, os.getpid(), worker_alive)
     if export is None:
         return None
     state, message = JobState.FAILED, f"the rl-worker died {export.attempts - 1} times making it"
@@ -52,16 +52,16 @@ def export_one(home: Home, settings: Settings) -> rl.Export | None:
             log.exception("export %d", export.id)
             state, message = JobState.FAILED, f"internal error: {type(exc).__name__}: {exc} (see the rl-worker's log)"
         break
-    if not rl.finish_export(home, export.id, os.getpid(), state, message):
+    if not exports.finish(home, export.id, os.getpid(), state, message):
         log.warning("export %d was taken over by another worker; its outcome is theirs", export.id)
     else:
         announce_outcome("rl.export", state, f"export {export.id} of run {export.run_id} {state}: {message}", log)
-    return rl.get_export(home, export.id)
+    return exports.get(home, export.id)
 
 
-def run_one(home: Home, settings: Settings) -> rl.Run | None:
+def run_one(home: Home, settings: Settings) -> runs.Run | None:
     """Run the next run, if any, to its end; returns it as it ended."""
-    run = rl.claim(home, os.getpid(), worker_alive)
+    run = runs.claim(home, os.getpid(), worker_alive)
     if run is None:
         return None
     log.info("run %d (%s on %s): attempt %d", run.id, run.spec.base, run.spec.tasks, run.attempts)
@@ -76,11 +76,11 @@ def run_one(home: Home, settings: Settings) -> rl.Run | None:
         except RunCancelled as exc:
             state, message = JobState.CANCELLED, exc.message
         except Unavailable as exc:  # the gateway, Keycloak or the artifact store: wait, then resume
-            if rl.get(home, run.id).state == JobState.CANCELLING:
+            if runs.get(home, run.id).state == JobState.CANCELLING:
                 state, message = JobState.CANCELLED, f"cancelled while waiting: {exc.one_line()}"
             else:
                 log.warning("run %d: %s; resuming in %g s", run.id, exc.one_line(), settings.rl.retry_s)
-                rl.note(home, run.id, f"waiting to resume: {exc.one_line()}")
+                runs.note(home, run.id, f"waiting to resume: {exc.one_line()}")
                 time.sleep(settings.rl.retry_s)
                 continue
         except ApplianceError as exc:
@@ -89,9 +89,9 @@ def run_one(home: Home, settings: Settings) -> rl.Run | None:
             log.exception("run %d", run.id)
             state, message = JobState.FAILED, f"internal error: {type(exc).__name__}: {exc} (see the rl-worker's log)"
         break
-    rl.finish(home, run.id, state, message)
+    runs.finish(home, run.id, state, message)
     announce_outcome("rl.run", state, f"run {run.id} ({run.spec.base} on {run.spec.tasks}) {state}: {message}", log)
-    return rl.get(home, run.id)
+    return runs.get(home, run.id)
 
 
 def worker_alive(pid: int | None) -> bool:

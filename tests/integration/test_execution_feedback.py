@@ -22,9 +22,12 @@ import psutil
 import pytest
 from textual.pilot import Pilot
 
-from appliance import adapters, login, rl
+from appliance import adapters, login
 from appliance.admin_client import AdminClient, Refused
 from appliance.jobs import FINISHED, JobState
+from appliance.rl import exports, runs
+from appliance.rl.attempts import Attempt
+from appliance.rl.progress import RunProgress, read_progress
 from appliance.secrets import GATEWAY_CLIENT_SECRET, RL_CLIENT_SECRET, secret
 from appliance.settings import load_settings
 from appliance.tls import ca_file
@@ -76,8 +79,8 @@ def lab(running: Running, demo_model: Path, tmp_path_factory: pytest.TempPathFac
             yield Lab(cli, realm, s3, work)
 
 
-def progress(cli: Appliance, run_id: int) -> rl.RunProgress | None:
-    return rl.read_progress(cli.home, run_id)
+def progress(cli: Appliance, run_id: int) -> RunProgress | None:
+    return read_progress(cli.home, run_id)
 
 
 def wait_for(what: str, check: object, timeout_s: float = 900) -> object:
@@ -96,7 +99,7 @@ def rl_worker(cli: Appliance) -> psutil.Process:
 
 def held_execution(cli: Appliance, run_id: int, workers: list[psutil.Process]) -> tuple[psutil.Process, str] | None:
     """A sandbox worker that holds an execution now, and the execution's key."""
-    path = rl.run_dir(cli.home, run_id) / "run.sqlite"
+    path = runs.run_dir(cli.home, run_id) / "run.sqlite"
     if not path.exists():  # the run's worker has not taken it up yet
         return None
     with sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30) as db:
@@ -121,7 +124,7 @@ def test_a_run_survives_killed_workers_and_leaves_verifiable_trajectories_in_the
     queued = cli.run("rl", "run", "--tasks", "easy", "--split", "all", "--base", MODEL, "--samples", "2",
                      "--rounds", "1", "--max-tokens", "96", "--temperature", "0.7")
     assert queued.returncode == 0, queued.stderr
-    run_id = rl.listing(cli.home)[-1].id
+    run_id = runs.listing(cli.home)[-1].id
 
     # A sandbox worker dies holding an execution: the execution is taken up again by another.
     worker = rl_worker(cli)
@@ -136,15 +139,15 @@ def test_a_run_survives_killed_workers_and_leaves_verifiable_trajectories_in_the
     worker.send_signal(signal.SIGKILL)
     followed = cli.run("rl", "status", str(run_id), "--follow", timeout=1800)
     assert followed.returncode == 0, followed.stdout + followed.stderr
-    run = rl.get(cli.home, run_id)
+    run = runs.get(cli.home, run_id)
     assert run.state == "succeeded" and run.attempts == 2, run
 
     listed = cli.run("rl", "trajectories", str(run_id), "--json")
     assert listed.returncode == 0, listed.stderr
-    attempts = [rl.Attempt.model_validate(a) for a in json.loads(listed.stdout)]
+    attempts = [Attempt.model_validate(a) for a in json.loads(listed.stdout)]
     keys = [a.key for a in attempts]
     assert len(keys) == len(set(keys)), "an attempt was recorded twice"
-    chains: dict[tuple[str, int], list[rl.Attempt]] = defaultdict(list)
+    chains: dict[tuple[str, int], list[Attempt]] = defaultdict(list)
     for attempt in attempts:
         chains[(attempt.task, attempt.sample)].append(attempt)
     assert len(chains) == 40  # 20 tasks x 2 samples: none lost
@@ -155,7 +158,7 @@ def test_a_run_survives_killed_workers_and_leaves_verifiable_trajectories_in_the
         assert chain[-1].status != "failed" or chain[-1].round == 1  # passed, could not run, or no rounds left
     corrections = [a for a in attempts if a.round == 1]
     assert corrections and all(a.messages[-1]["content"] == a.messages[-1]["content"].strip() for a in corrections)
-    with sqlite3.connect(rl.run_dir(cli.home, run_id) / "run.sqlite") as db:
+    with sqlite3.connect(runs.run_dir(cli.home, run_id) / "run.sqlite") as db:
         executions = db.execute("select key, state, claims, worker_pid from executions").fetchall()
     assert {key for key, *_ in executions} == set(keys) and all(state == "done" for _, state, *_ in executions)
     [(_, _, claims, finished_by)] = [row for row in executions if row[0] == interrupted]
@@ -194,7 +197,7 @@ def test_a_run_survives_killed_workers_and_leaves_verifiable_trajectories_in_the
 
 def test_sft_and_dpo_sets_train_adapters_that_are_gated_served_and_canaried(lab: Lab) -> None:
     cli = lab.cli
-    [run] = [r for r in rl.listing(cli.home) if r.spec.split == "all"]
+    [run] = [r for r in runs.listing(cli.home) if r.spec.split == "all"]
     exported = cli.run("rl", "export", str(run.id), "--sft", "rl-sft", "--dpo", "rl-dpo")
     assert exported.returncode == 0, exported.stdout + exported.stderr
     assert "SFT set: dataset rl-sft" in exported.stdout and "preference set: dataset rl-dpo" in exported.stdout
@@ -231,7 +234,7 @@ def test_sft_and_dpo_sets_train_adapters_that_are_gated_served_and_canaried(lab:
     assert gated.returncode == (0 if passed else 1), gated.stdout + gated.stderr
     assert gated.stdout.count("over 3 seeds") == 2
     assert ("gate: passed" in gated.stdout) == passed and passed == (v1.metrics.gate_failures == [])
-    adapter_runs = [r for r in rl.listing(cli.home) if r.spec.adapter == "rl-coder"]
+    adapter_runs = [r for r in runs.listing(cli.home) if r.spec.adapter == "rl-coder"]
     assert len(adapter_runs) == 3 and all(r.state == "succeeded" for r in adapter_runs)
     shown = json.loads(cli.run("rl", "trajectories", str(adapter_runs[0].id), "--json").stdout)
     assert shown and all(a["adapter"] == "rl-coder" and a["adapter_version"] == 1 for a in shown)
@@ -255,7 +258,7 @@ def test_the_tui_shows_runs_and_one_attempt_with_its_correction(lab: Lab) -> Non
     cli = lab.cli
     settings = load_settings(cli.home.settings_file, environ=cli.env)
     login.password_login(settings, cli.home, "admin", secret(lab.realm.running.appliance.home, BOOTSTRAP_SECRET))
-    [run] = [r for r in rl.listing(cli.home) if r.spec.split == "all"]
+    [run] = [r for r in runs.listing(cli.home) if r.spec.split == "all"]
     corrected = next(a for a in rl_attempts(cli, run.id) if a.round == 1)
     app = AdminApp(settings, cli.home)
 
@@ -273,21 +276,21 @@ def test_the_tui_shows_runs_and_one_attempt_with_its_correction(lab: Lab) -> Non
         assert corrected.code.splitlines()[0] in text(app, "attempt")
         await pilot.press("x")  # the run's SFT and DPO sets, made by the rl-worker
         await pilot.press("y")  # the confirmation dialog
-        await until(pilot, lambda: bool(rl.exports(cli.home)), "the export asked")
+        await until(pilot, lambda: bool(exports.listing(cli.home)), "the export asked")
 
     drive(app, scenario)
-    [export] = rl.exports(cli.home)
+    [export] = exports.listing(cli.home)
     deadline = time.monotonic() + 300
     while export.state not in FINISHED and time.monotonic() < deadline:
         time.sleep(1)
-        [export] = rl.exports(cli.home)
+        [export] = exports.listing(cli.home)
     assert export.state == JobState.SUCCEEDED, export
     assert f"SFT set: dataset rl-run-{run.id}-sft" in (export.message or "")
     assert f"preference set: dataset rl-run-{run.id}-dpo" in (export.message or "")
     listed = cli.run("data", "list")
     assert f"rl-run-{run.id}-sft" in listed.stdout and f"rl-run-{run.id}-dpo" in listed.stdout
     admin = AdminClient(settings, cli.home)
-    assert rl.Export.model_validate(admin.call_sync("GET", f"/rl/exports/{export.id}")) == export
+    assert exports.Export.model_validate(admin.call_sync("GET", f"/rl/exports/{export.id}")) == export
     # Bad asks are refused with the reason, and nothing is queued.
     for path, body, status, reason in (
             (f"/rl/runs/{run.id}/exports", {"sft": "Bad Name"}, 422, "use lower-case letters"),
@@ -298,10 +301,10 @@ def test_the_tui_shows_runs_and_one_attempt_with_its_correction(lab: Lab) -> Non
         with pytest.raises(Refused) as refused:
             admin.call_sync("POST", path, json=body)
         assert refused.value.status == status and reason in refused.value.reason, (path, body, refused.value)
-    assert len(rl.exports(cli.home)) == 1
+    assert len(exports.listing(cli.home)) == 1
 
 
-def rl_attempts(cli: Appliance, run_id: int) -> list[rl.Attempt]:
+def rl_attempts(cli: Appliance, run_id: int) -> list[Attempt]:
     listed = cli.run("rl", "trajectories", str(run_id), "--json")
     assert listed.returncode == 0, listed.stderr
-    return [rl.Attempt.model_validate(a) for a in json.loads(listed.stdout)]
+    return [Attempt.model_validate(a) for a in json.loads(listed.stdout)]

