@@ -50,10 +50,10 @@ class FakeRealm:
         return httpx.Response(200, text=keyset.export(private_keys=False))
 
 
-def validate(realm: FakeRealm, header: str | None, **kwargs: object) -> object:
+def validate(realm: FakeRealm, header: str | None, leeway_s: int = 5, **kwargs: object) -> object:
     async def go() -> object:
         async with httpx.AsyncClient(transport=httpx.MockTransport(realm.handler)) as http:
-            validator = TokenValidator(issuer=ISSUER, audience="appliance-gateway", http=http, leeway_s=5,
+            validator = TokenValidator(issuer=ISSUER, audience="appliance-gateway", http=http, leeway_s=leeway_s,
                                        **kwargs)
             return await validator.validate(header)
 
@@ -85,7 +85,12 @@ def test_claims_are_checked(changes: dict, reason: str) -> None:
 
 def test_leeway_accepts_small_skew() -> None:
     key = make_key("k1")
-    validate(FakeRealm(key), f"Bearer {sign(key, claims(exp=int(time.time()) - 2))}")
+    token = f"Bearer {sign(key, claims(exp=int(time.time()) - 2))}"  # expired 2 s ago
+    who = validate(FakeRealm(key), token, leeway_s=5)
+    assert who.subject == "u1" and who.username == "alice"
+    with pytest.raises(AuthError) as caught:  # the same token without leeway
+        validate(FakeRealm(key), token, leeway_s=0)
+    assert caught.value.reason == "expired"
 
 
 def test_unknown_kid_refetches_at_most_once_per_interval() -> None:

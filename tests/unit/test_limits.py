@@ -81,9 +81,19 @@ def test_a_client_that_left_is_charged_its_prompt_estimate_and_what_was_produced
         limiter.admit("alice", USER, prompt_tokens=0, completion_tokens=1)
 
 
-def test_most_generous_role_applies_and_unlisted_roles_are_unlimited() -> None:
-    limiter = RateLimiter({"user": RoleLimits(requests_per_minute=1),
-                           "admin": RoleLimits(requests_per_minute=1000)})
-    for _ in range(10):
+def test_most_generous_role_applies_and_unlisted_roles_are_unlimited(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("serve.limits.time.monotonic", lambda: 1000.0)  # no refill during the test
+    limiter = RateLimiter({"user": RoleLimits(requests_per_minute=1), "admin": RoleLimits(requests_per_minute=5)})
+    limiter.admit("alice", USER)
+    with pytest.raises(GatewayError):  # role `user` alone: one a minute
+        limiter.admit("alice", USER)
+    # user and admin: admin's five apply, not user's one (nor no limit at all).
+    admitted = [limiter.admit("root", frozenset({"user", "admin"})) for _ in range(5)]
+    assert all(a.limiter is limiter for a in admitted)
+    with pytest.raises(GatewayError) as caught:
         limiter.admit("root", frozenset({"user", "admin"}))
-        limiter.admit("svc", frozenset({"auditor"}))
+    assert caught.value.status == 429
+    # No listed role: never counted, never refused.
+    assert limiter.limits_for(frozenset({"auditor"})) is None
+    unlimited = [limiter.admit("svc", frozenset({"auditor"}), completion_tokens=10**9) for _ in range(100)]
+    assert all(a.limiter is None for a in unlimited)
