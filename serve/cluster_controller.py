@@ -51,7 +51,7 @@ class Controller:
     record happens under `lock`, and what `tick` decides outside it (starting the head's rank,
     declaring the pool ready) is applied only if the epoch did not change meanwhile."""
 
-    def __init__(self, settings: Settings, home: Home, audit: Callable[[AuditEvent], None]) -> None:
+    def __init__(self, settings: Settings, home: Home, audit: Callable[[AuditEvent], object]) -> None:
         self.settings = settings
         self.home = home
         self.audit = audit

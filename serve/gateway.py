@@ -52,7 +52,7 @@ from serve.response_cache import CachedAnswer, Capture, ResponseCache, determini
 from serve.routes import admin_routers
 from serve.schemas import ChatRequest, CompletionRequest
 from serve.slow_clients import SlowClients
-from serve.summaries import Refusals, Summaries, cap_text
+from serve.summaries import Refusals, Summaries, cap_text, write_due
 from serve.upstream import Pool, Upstreams, engine_session, pools_from_settings, read_answer, relay_stream, usage_of
 
 log = logging.getLogger("appliance.gateway")
@@ -141,9 +141,9 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
                 yield
                 tasks.cancel_scope.cancel()
             SlowClients.closed = None
-            _write_summaries(writer, refusals, all_now=True)
-            _write_summaries(writer, monitoring, all_now=True)
-            _write_summaries(writer, logins, all_now=True)
+            write_due(writer, refusals, all_now=True)
+            write_due(writer, monitoring, all_now=True)
+            write_due(writer, logins, all_now=True)
             writer.close()
 
     metrics = Metrics()
@@ -504,21 +504,11 @@ def _append_quietly(writer: AuditWriter, event: AuditEvent) -> None:
         log.exception("record of a slow connection not written")
 
 
-def _write_summaries(writer: AuditWriter, summaries: Summaries, *, all_now: bool = False) -> None:
-    due = summaries.due(all_now=all_now)
-    for position, event in enumerate(due):
-        try:
-            writer.append(event)
-        except AuditUnavailable:
-            summaries.retry(due[position:])  # written when the log is writable again
-            return
-
-
 async def _summaries_timer(writer: AuditWriter, summaries: Summaries, interval_s: float) -> None:
     """Write the summary records (of refused requests, of monitoring reads) when their interval ends."""
     while True:
         await anyio.sleep(interval_s)
-        await anyio.to_thread.run_sync(_write_summaries, writer, summaries)
+        await anyio.to_thread.run_sync(write_due, writer, summaries)
 
 
 def invalid_request(exc: RequestValidationError, status: int) -> GatewayError:

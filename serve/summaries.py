@@ -14,6 +14,9 @@ Monitoring reads (the services, host and pools a dashboard polls every few secon
 summarised the same way per user and action, over `audit.monitoring_interval_s`: the first read
 of each interval has its own record, the rest one record of the same action with a count.
 
+The head's cluster listener (serve.cluster_routes) summarises its refused joins and worker
+requests the same way, per source and action, each summary keeping the last refusal's reason.
+
 The counts of the current interval live in memory: a gateway that dies loses at most one
 interval's counts, never a record of an admitted request.
 """
@@ -26,7 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from audit import AuditEvent
+from audit import AuditEvent, AuditUnavailable, AuditWriter
 
 OTHER_SOURCES = "*"
 MAX_TEXT_BYTES = 256
@@ -60,14 +63,17 @@ class Summaries:
     event's `party_field`) and kind, the first event of each interval is written at once; the
     others are counted into one summary record (`summary_action`, else the event's own action,
     with `count`) due when the interval ends. At most `max_parties` parties are told apart per
-    interval; further ones are gathered under party "*"."""
+    interval; further ones are gathered under party "*". A summary says no more of what its
+    events held than its party, kind and count, unless `keep_last_error`: then its `error` is the
+    last event's, after the count."""
 
     def __init__(self, interval_s: float, max_parties: int, *, party_field: str, summary_action: str | None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 keep_last_error: bool = False, clock: Callable[[], float] = time.monotonic) -> None:
         self._interval = interval_s
         self._max_parties = max_parties
         self._party_field = party_field
         self._summary_action = summary_action
+        self._keep_last_error = keep_last_error
         self._clock = clock
         self._lock = threading.Lock()
         self._window_ends = clock() + interval_s
@@ -110,10 +116,11 @@ class Summaries:
         for (party, _), counted in self._counts.items():
             if counted.count:
                 last = counted.last
+                error = f"{counted.count} more; the last: {last.error}" if self._keep_last_error else None
                 self._due.append(last.model_copy(update={
                     "action": self._summary_action or last.action, self._party_field: party,
                     "count": counted.count, "latency_ms": None, "prompt_hmac": None, "completion_hmac": None,
-                    "params_hmac": None, "params": None, "prompt": None, "completion": None, "error": None}))
+                    "params_hmac": None, "params": None, "prompt": None, "completion": None, "error": error}))
         self._counts.clear()
         self._parties.clear()
         self._window_ends = now + self._interval
@@ -132,3 +139,15 @@ class Refusals(Summaries):
         if relayed or not refusable(event.status):
             return True
         return self.first_of_interval(event, event.status)
+
+
+def write_due(writer: AuditWriter, summaries: Summaries, *, all_now: bool = False) -> None:
+    """Write the summary records that are due (with `all_now`, the current interval's too); those
+    the log cannot take now are handed back, to be written once it is writable again."""
+    due = summaries.due(all_now=all_now)
+    for position, event in enumerate(due):
+        try:
+            writer.append(event)
+        except AuditUnavailable:
+            summaries.retry(due[position:])
+            return
