@@ -1,7 +1,3 @@
-"""Serving: the engine launcher (vLLM arguments from settings) and the authenticated gateway."""
-
-from serve.engine import EngineLaunch, build_launch, engine_programs
-from serve.gateway import create_app
-from serve.programs import serve_programs
-
-__all__ = ["EngineLaunch", "build_launch", "create_app", "engine_programs", "serve_programs"]
+"""Serving: the engine launcher (vLLM arguments from settings), the authenticated gateway
+(serve.gateway.create_app), the cluster and the batch worker. Nothing is imported here: an engine
+rank, the cluster agent and the batch worker each load only what they run, not the gateway."""
