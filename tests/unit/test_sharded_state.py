@@ -13,7 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from installer.sharded_state import SUPPORTED_ARCHITECTURES, ShardingError, copy_side_files, write_rank
+from installer.sharded_state import SUPPORTED_ARCHITECTURES, ShardingError, copy_side_files, read_config, write_rank
 
 # vocab 1000 pads to 1024: at TP=2 rank 1 holds rows 512..999 and 24 zero rows.
 SMALL = {"vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -50,8 +50,19 @@ def shard(model: Path, out: Path, tp: int, **kwargs: int) -> list[dict[str, torc
     return [rank_state(out, rank) for rank in range(tp)]
 
 
-def test_supported_architectures() -> None:
-    assert SUPPORTED_ARCHITECTURES == ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+@pytest.mark.parametrize("architecture", SUPPORTED_ARCHITECTURES)
+def test_every_supported_architecture_is_read_and_sharded(tmp_path: Path, architecture: str) -> None:
+    family = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}[architecture]
+    source = make_checkpoint(tmp_path / "m", family)
+    config = read_config(tmp_path / "m")
+    assert config.architecture == architecture and config.layers == 2 and config.head_dim == 16
+    ranks = shard(tmp_path / "m", tmp_path / "out", 2)
+    for state in ranks:  # every layer's fused projections on every rank, half the heads each
+        for i in range(2):
+            assert list(state[f"model.layers.{i}.self_attn.qkv_proj.weight"].shape) == [(2 + 1 + 1) * 16, 64]
+            assert list(state[f"model.layers.{i}.mlp.gate_up_proj.weight"].shape) == [128, 64]
+    # The ranks' unsplit tensors are the source's.
+    assert all(torch.equal(state["model.norm.weight"], source["model.norm.weight"]) for state in ranks)
 
 
 def test_llama_tp2_names_and_shapes(tmp_path: Path) -> None:
