@@ -142,11 +142,18 @@ def test_engines_are_sealed_from_other_local_users(running: Running) -> None:
     program = engine(running)
     tree = [psutil.Process(program["pid"]), *psutil.Process(program["pid"]).children(recursive=True)]
     vllm = [p for p in tree if "vllm" in " ".join(p.cmdline()) or p.name().startswith("VLLM")]
-    assert vllm and all(os.readlink(f"/proc/{p.pid}/ns/net") != os.readlink("/proc/self/ns/net") for p in vllm), \
+    assert vllm, f"no engine process among {[p.cmdline() for p in tree]}"
+    assert all(os.readlink(f"/proc/{p.pid}/ns/net") != os.readlink("/proc/self/ns/net") for p in vllm), \
         "the engine runs in a network namespace of its own"
-    # vLLM's own listeners (ZMQ, torch.distributed) are on 127.0.0.1 of that namespace: from here,
-    # which is any other local process's view, nothing answers on those ports.
-    inside = {c.laddr.port for p in vllm for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+    # psutil matches a process's sockets against this namespace's /proc/net/tcp{,6}: from here,
+    # which is any other local process's view, the engine listens on no TCP port at all.
+    seen_here = [c for p in vllm for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+    assert not seen_here, seen_here
+    # vLLM's own listeners (ZMQ, torch.distributed) are on 127.0.0.1 of its namespace (its
+    # /proc/<pid>/net/tcp, state 0A is LISTEN): nothing answers on those ports here.
+    tables = [Path(f"/proc/{vllm[0].pid}/net/{table}").read_text() for table in ("tcp", "tcp6")]
+    inside = {int(fields[1].rsplit(":", 1)[1], 16)
+              for table in tables for line in table.splitlines()[1:] if (fields := line.split())[3] == "0A"}
     import socket
     for port in inside:
         with socket.socket() as probe, pytest.raises(ConnectionRefusedError):
