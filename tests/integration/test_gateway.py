@@ -65,8 +65,19 @@ def test_openai_client_streams_token_by_token(realm: Realm, alice: str) -> None:
 
 def test_completions_route(realm: Realm, alice: str) -> None:
     api = client(realm, alice)
-    out = api.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0)
-    assert out.choices[0].text.strip()
+    prompt = "The capital of France is"
+    out = api.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0)
+    [choice] = out.choices
+    assert out.model == MODEL and choice.text.strip()
+    assert out.usage is not None and out.usage.prompt_tokens > 0
+    # max_tokens bounds the answer, and an answer cut there says so.
+    assert choice.finish_reason in ("length", "stop")
+    assert 0 < out.usage.completion_tokens <= 5
+    assert (out.usage.completion_tokens == 5) == (choice.finish_reason == "length"), (choice, out.usage)
+    # Greedy decoding: a shorter answer to the same prompt is the start of this one.
+    shorter = api.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    assert shorter.usage is not None and shorter.usage.completion_tokens <= 2
+    assert choice.text.startswith(shorter.choices[0].text), (shorter.choices[0].text, choice.text)
 
 
 def bad_tokens(realm: Realm, alice: str) -> dict[str, tuple[str | None, int, str]]:
