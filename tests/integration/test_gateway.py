@@ -73,7 +73,7 @@ def test_completions_route(realm: Realm, alice: str) -> None:
     # max_tokens bounds the answer, and an answer cut there says so.
     assert choice.finish_reason in ("length", "stop")
     assert 0 < out.usage.completion_tokens <= 5
-    assert (out.usage.completion_tokens == 5) == (choice.finish_reason == "length"), (choice, out.usage)
+    assert choice.finish_reason == "stop" or out.usage.completion_tokens == 5, (choice, out.usage)
     # Greedy decoding: a shorter answer to the same prompt is the start of this one.
     shorter = api.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
     assert shorter.usage is not None and shorter.usage.completion_tokens <= 2
