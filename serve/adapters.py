@@ -32,7 +32,8 @@ from appliance.records import config_sha256
 from appliance.roles import Role
 from appliance.settings import Settings
 from serve.errors import GatewayError, from_core
-from serve.upstream import Pool, Upstreams
+from serve.replicas import Pool
+from serve.upstream import Upstreams
 
 log = logging.getLogger("appliance.gateway")
 

@@ -37,7 +37,7 @@ from appliance.settings import Settings, load_settings
 from appliance.tls import keycloak_ssl
 from audit import AuditEvent, AuditUnavailable, AuditWriter, TextHasher, archive, signing_key
 from serve.adapters import AdapterRoutes, base_configs
-from serve.answer import decode_json
+from serve.answer import Answer, decode_json
 from serve.audit_trail import AuditMiddleware, Transcript
 from serve.auth import Introspector, Principal, TokenValidator
 from serve.compliance import AnswerFilter, Compliance, Marks
@@ -48,12 +48,14 @@ from serve.keycloak_events import KeycloakEvents
 from serve.limits import Admission, RateLimiter
 from serve.metrics import Metrics
 from serve.middleware import AuthenticateFirst, BodyLimitMiddleware, MeterMiddleware, RequestTooLarge
+from serve.replicas import Pool, engine_session, pools_from_settings
 from serve.response_cache import CachedAnswer, Capture, ResponseCache, deterministic, wants
 from serve.routes import admin_routers
 from serve.schemas import ChatRequest, CompletionRequest
 from serve.slow_clients import SlowClients
+from serve.sse_relay import relay_stream, usage_of
 from serve.summaries import Refusals, Summaries, cap_text, write_due
-from serve.upstream import Pool, Upstreams, engine_session, pools_from_settings, read_answer, relay_stream, usage_of
+from serve.upstream import Upstreams, read_answer
 
 log = logging.getLogger("appliance.gateway")
 # Monitoring routes need role admin, so their readers are few; past this many in one interval the
@@ -121,9 +123,9 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
                 compliance=compliance, cache=cache)
             SlowClients.closed = _slow_client_accounting(writer, refusals, metrics)
             await validator.try_refresh_keys()  # Keycloak may still be starting
-            await upstreams.check()  # which engines answer, before the first request
+            await upstreams.replicas.check()  # which engines answer, before the first request
             async with anyio.create_task_group() as tasks:
-                tasks.start_soon(upstreams.watch)
+                tasks.start_soon(upstreams.replicas.watch)
                 tasks.start_soon(_keys_until_fetched, validator)
                 tasks.start_soon(_checkpoint_timer, writer, settings.audit.checkpoint_interval_s)
                 tasks.start_soon(_summaries_timer, writer, refusals, settings.audit.refusal_interval_s)
@@ -217,7 +219,7 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
         gateway: Gateway = request.app.state.gateway
         async with ready_lock:  # callers arriving during a check share its result
             if time.monotonic() - ready["at"] >= READY_CACHE_S:
-                checks = {f"engine:{replica.name}": await gateway.upstreams.healthy(replica)
+                checks = {f"engine:{replica.name}": await gateway.upstreams.replicas.healthy(replica)
                           for pool in gateway.upstreams.pools for replica in pool.replicas}
                 # A pool serves while one of its replicas does; the others are routed around.
                 serving = all(any(checks[f"engine:{replica.name}"] for replica in pool.replicas)
@@ -392,13 +394,7 @@ async def _forward(request: Request, gateway: Gateway, pool: Pool, adapter: Adap
         gateway.metrics.upstream_errors.labels(pool.name, exc.code or "error").inc()
         raise
     response, transcript.replica = sent.response, sent.replica.name
-
-    def account(prompt: int | None, completion: int) -> None:
-        prompt_tokens = admission.prompt_estimate if prompt is None else prompt
-        transcript.prompt_tokens, transcript.completion_tokens = prompt_tokens, completion
-        gateway.metrics.tokens.labels("in", pool.model).inc(prompt_tokens)
-        gateway.metrics.tokens.labels("out", pool.model).inc(completion)
-        admission.settle(prompt_tokens, completion)
+    account = Accounting(gateway.metrics, pool, admission, transcript, started)
 
     if not payload.get("stream") or response.status != 200:
         try:
@@ -416,13 +412,13 @@ async def _forward(request: Request, gateway: Gateway, pool: Pool, adapter: Adap
             answer = None
         if screen is not None and response.status == 200:
             if not isinstance(answer, dict):  # what cannot be screened does not go out
-                account(None, 0)  # the engine worked: the prompt is charged
+                account.usage(None, 0)  # the engine worked: the prompt is charged
                 gateway.metrics.upstream_errors.labels(pool.name, "unscreened").inc()
                 raise GatewayError(502, "the engine's answer could not be screened for sensitive data",
                                    type="server_error", code="unscreened_answer")
             answer = await anyio.to_thread.run_sync(screen.answer, answer)
             content = json.dumps(answer, separators=(",", ":")).encode()
-        account(*usage_of(answer))
+        account.usage(*usage_of(answer))
         if isinstance(answer, dict):
             transcript.answer.add_choices(answer.get("choices"))
         elif content:
@@ -432,17 +428,43 @@ async def _forward(request: Request, gateway: Gateway, pool: Pool, adapter: Adap
             keep([content], False, media_type)
         return Response(content, status_code=response.status, media_type=media_type, headers=headers)
 
-    def first_token() -> None:
-        gateway.metrics.ttft.labels(pool.model).observe(time.monotonic() - started)
-
     sent_chunks = None
     if keep is not None:
         sent_chunks = Capture(gateway.cache.settings.max_entry_bytes)
         keep(sent_chunks, True, "text/event-stream")
-    return SettlingStream(admission, relay_stream(response, transcript.answer, first_token, account, transcript.end,
-                                                  screen, sent_chunks),
+    return SettlingStream(admission, relay_stream(response, account, screen, sent_chunks),
                           release=sent.done, media_type="text/event-stream",
                           headers={**headers, "Cache-Control": "no-cache"})
+
+
+@dataclass
+class Accounting:
+    """A relayed answer's tokens (metrics, the admission, the request's transcript) and its time to
+    first token; the stream relay (serve.sse_relay) tells it as a stream passes."""
+
+    metrics: Metrics
+    pool: Pool
+    admission: Admission
+    transcript: Transcript
+    started: float
+
+    @property
+    def answer(self) -> Answer:
+        return self.transcript.answer
+
+    def first_token(self) -> None:
+        self.metrics.ttft.labels(self.pool.model).observe(time.monotonic() - self.started)
+
+    def usage(self, prompt_tokens: int | None, completion_tokens: int) -> None:
+        """Count and charge the tokens; prompt None (a stream cut short): the admission's estimate."""
+        prompt = self.admission.prompt_estimate if prompt_tokens is None else prompt_tokens
+        self.transcript.prompt_tokens, self.transcript.completion_tokens = prompt, completion_tokens
+        self.metrics.tokens.labels("in", self.pool.model).inc(prompt)
+        self.metrics.tokens.labels("out", self.pool.model).inc(completion_tokens)
+        self.admission.settle(prompt, completion_tokens)
+
+    def end(self) -> None:
+        self.transcript.end()
 
 
 class SettlingStream(StreamingResponse):

@@ -93,7 +93,8 @@ async def _pools(upstreams: Upstreams, home: Home) -> list[PoolView]:
     for pool in upstreams.pools:
         balancer = upstreams.balancers[pool.name]
         replicas = [ReplicaView(name=replica.name, url=f"unix:{replica.socket}",
-                                healthy=await upstreams.healthy(replica), taking_requests=upstreams.is_ready(replica),
+                                healthy=await upstreams.replicas.healthy(replica),
+                                taking_requests=upstreams.replicas.is_ready(replica),
                                 in_flight=balancer.in_flight[replica.name],
                                 gpus=gpus.get(engine_program(replica.name), [])) for replica in pool.replicas]
         pools.append(PoolView(name=pool.name, model=pool.model, tier=pool.tier,

@@ -21,7 +21,7 @@ from appliance.jobs import Hyperparameters
 from appliance.roles import Role
 from serve.adapters import AdapterRoutes
 from serve.errors import GatewayError, from_core
-from serve.upstream import Pool, Replica
+from serve.replicas import Pool, Replica
 from tests.support.records import metrics
 
 USERS = frozenset({"user"})

@@ -9,7 +9,7 @@ import json
 from collections.abc import AsyncIterator
 
 from serve.answer import Answer
-from serve.upstream import relay_stream
+from serve.sse_relay import relay_stream
 
 
 def event(text: str | None = None, usage: tuple[int, int] | None = None) -> bytes:
@@ -49,9 +49,21 @@ def relay(engine: Engine, take: int | None = None, ends: list[int] | None = None
     texts = answer.text
     ends = ends if ends is not None else []
 
+    class Listener:
+        def __init__(self, answer: Answer) -> None:
+            self.answer = answer
+
+        def first_token(self) -> None:
+            pass
+
+        def usage(self, prompt_tokens: int | None, completion_tokens: int) -> None:
+            reports.append((prompt_tokens, completion_tokens, len(got)))
+
+        def end(self) -> None:
+            ends.append(len(got))
+
     async def run() -> None:
-        stream = relay_stream(engine, answer, lambda: None, lambda p, c: reports.append((p, c, len(got))),
-                              lambda: ends.append(len(got)))
+        stream = relay_stream(engine, Listener(answer))
         async for chunk in stream:
             got.append(chunk)
             if take is not None and len(got) == take:

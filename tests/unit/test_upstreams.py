@@ -15,7 +15,8 @@ from aiohttp import web
 
 from appliance.settings import RoutingSettings
 from serve.errors import GatewayError
-from serve.upstream import Pool, Replica, Upstreams, engine_session
+from serve.replicas import Pool, Replica, engine_session
+from serve.upstream import Upstreams
 
 
 def pool_at(path: Path) -> Pool:
@@ -48,7 +49,7 @@ def test_a_listening_engine_that_does_not_answer_gets_no_requests(tmp_path: Path
         [http] = (clients := sessions(pool)).values()
         async with http:
             upstreams = Upstreams([pool], clients, "key")
-            await upstreams.check()  # its health check times out: not ready
+            await upstreams.replicas.check()  # its health check times out: not ready
             asked = time.monotonic()
             with pytest.raises(GatewayError) as refused:
                 await upstreams.send(upstreams.pools[0], "/v1/chat/completions", b"{}", "r1")
@@ -105,17 +106,17 @@ def test_a_replica_that_dies_is_routed_around_and_returns_by_itself(tmp_path: Pa
         clients = sessions(pool)
         upstreams = Upstreams([pool], clients, "key", RoutingSettings(balance="round_robin"))
         try:
-            await upstreams.check()
+            await upstreams.replicas.check()
             assert sorted(await answered_by(upstreams, pool, 4)) == ["main", "main", "main_1", "main_1"]
             await runners["main"].cleanup()  # replica 0 dies
             assert await answered_by(upstreams, pool, 4) == ["main_1"] * 4
-            assert not upstreams.is_ready(replicas[0])
+            assert not upstreams.replicas.is_ready(replicas[0])
             choices = upstreams.metrics.route_choices
             assert choices.labels("main", "main_1", "failover")._value.get() == 1
             replicas[0].socket.unlink(missing_ok=True)
             runners["main"] = await engine(replicas[0].socket)
-            await upstreams.check()  # as the watch loop does every second
-            assert upstreams.is_ready(replicas[0])
+            await upstreams.replicas.check()  # as the watch loop does every second
+            assert upstreams.replicas.is_ready(replicas[0])
             assert "main" in await answered_by(upstreams, pool, 2)
             assert upstreams.balancers["main"].in_flight == {"main": 0, "main_1": 0}
         finally:

@@ -1,0 +1,140 @@
+"""Relaying an engine's server-sent events to the client, line by line as they arrive, while
+the answer is gathered for the audit record and the relay's listener (`StreamListener`) is told
+the first token, the usage and the end marker."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+import aiohttp
+
+from serve.answer import Answer, decode_json
+from serve.compliance import AnswerFilter
+from serve.response_cache import Capture
+
+
+class StreamListener(Protocol):
+    """What the relay tells as a stream passes: `answer` gathers what the engine said."""
+
+    @property
+    def answer(self) -> Answer: ...
+
+    def first_token(self) -> None:
+        """The first chunk with text (or a tool call) has arrived."""
+
+    def usage(self, prompt_tokens: int | None, completion_tokens: int) -> None:
+        """The stream's tokens, once, before its end marker goes on (prompt None: not known)."""
+
+    def end(self) -> None:
+        """The end marker has arrived; the bytes holding it go on next."""
+
+
+def usage_of(answer: object) -> tuple[int, int]:
+    """(prompt, completion) tokens from a parsed OpenAI response or final stream chunk."""
+    usage = answer.get("usage") if isinstance(answer, dict) else None
+    if not isinstance(usage, dict):
+        return 0, 0
+    return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
+
+
+async def relay_stream(response: aiohttp.ClientResponse, listener: StreamListener,
+                       screen: AnswerFilter | None = None, sent: Capture | None = None) -> AsyncIterator[bytes]:
+    """Pass SSE through line by line as it arrives; gather the answer into `listener.answer`, and
+    tell the listener the first token, the usage and the end marker.
+
+    Only complete lines are passed on, and the end is found by parsing them: `listener.end` runs when
+    the line `data: [DONE]` has arrived and before the bytes holding it go on (a prompt echoed
+    back inside an event's JSON never ends the stream early).
+
+    Usage is reported once, before the end marker goes on: the last usage seen (a client that
+    asked for continuous usage gets running totals in every chunk), or, for a stream cut short
+    before its usage chunk, prompt unknown (None) and one completion token per text chunk seen.
+
+    With `screen` (compliance filtering), each event goes out re-encoded with its text redacted,
+    and what it still held goes out in events of its own before the end marker. With `sent`, each
+    chunk is also added to it before it goes on (the response cache keeps what the client got).
+
+    When the client goes away, the server cancels this generator; closing the upstream connection
+    then makes vLLM abort the request, freeing the engine.
+    """
+    answer = listener.answer
+    first = True
+    pending = b""
+    finished = False
+    usage: tuple[int | None, int] | None = None
+    text_chunks = 0
+    reported = False
+
+    def report() -> None:
+        nonlocal reported
+        if not reported:
+            reported = True
+            listener.usage(*(usage if usage is not None else (None, text_chunks)))
+
+    try:
+        async for chunk in response.content.iter_any():
+            pending += chunk
+            cut = pending.rfind(b"\n") + 1
+            if not cut:
+                continue
+            complete, pending = pending[:cut], pending[cut:]
+            lines = []
+            for line in complete.splitlines(keepends=True):
+                lines.append(line)
+                if line.rstrip(b"\r\n") == b"data: [DONE]":
+                    if screen is not None:  # what it held back goes out before the end
+                        held = screen.finish()
+                        lines[-1:] = [*(_event_line(event) + b"\n" for event in held), line]
+                        for extra in held:
+                            answer.add_choices(extra.get("choices"))
+                    report()
+                    listener.end()
+                    continue
+                if not line.startswith(b"data:"):
+                    continue
+                try:
+                    event = decode_json(line[len(b"data:"):])
+                except ValueError:
+                    event = None
+                if not isinstance(event, dict):
+                    answer.add_unparsed(line.rstrip(b"\r\n"))
+                    if screen is not None:
+                        lines.pop()  # what cannot be screened does not go out
+                    continue
+                if "error" in event:
+                    answer.failed = True
+                if screen is not None:
+                    lines[-1] = _event_line(screen.event(event))  # changed in place
+                if answer.add_choices(event.get("choices")):
+                    text_chunks += 1
+                    if first:
+                        first = False
+                        listener.first_token()
+                if event.get("usage"):
+                    usage = usage_of(event)
+            out = b"".join(lines) if screen is not None else complete
+            if sent is not None:
+                sent.append(out)
+            yield out
+        if pending:
+            answer.add_unparsed(pending)
+            if screen is None:
+                if sent is not None:
+                    sent.append(pending)
+                yield pending
+        finished = True
+    finally:
+        report()
+        if finished:
+            response.release()  # the connection goes back to the pool
+        else:
+            response.close()  # drop the connection: the engine sees the client leave
+        if screen is not None:  # last: whatever it raises, the engine is let go first
+            screen.settle()
+
+
+def _event_line(event: dict[str, Any]) -> bytes:
+    """An SSE data line of `event` (ASCII JSON: whatever the text holds, lone surrogates included)."""
+    return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n"
