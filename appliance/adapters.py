@@ -2,8 +2,9 @@
 deploys them and routes to them): versioned adapter records (DESIGN.md) and, per adapter name,
 what is served under that name: a stable version (or, after a rollback past the first version,
 the base model), optionally a canary version taking a share of the requests, and the versions
-served before (for rollback). One JSON file in the state dir, changed under an exclusive lock
-and replaced atomically, so the trainer and the gateway never lose each other's changes.
+served before (for rollback). One JSON file in the state dir (appliance.registry: changed under an
+exclusive lock and replaced atomically), so the trainer and the gateway never lose each other's
+changes.
 
 The rules of deploy, canary, rollback and retire are the Registry's methods: each checks its
 moves and changes the registry, and returns the ServingChange the engine needs (what to load
@@ -13,23 +14,20 @@ before the change is written, what to unload after). The gateway runs a change o
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
-import json
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from appliance.durable import replace_file
-from appliance.errors import Conflict, IllegalTransition, IntegrityError, NotFound, StateError
+from appliance.errors import Conflict, IllegalTransition, IntegrityError, NotFound
 from appliance.home import Home
 from appliance.jobs import Hyperparameters
+from appliance.registry import JsonRegistry
 from appliance.roles import Role
 
 DEFAULT_ROLES = [Role.USER, Role.ADMIN]  # who may call a newly deployed name
@@ -119,6 +117,12 @@ class Alias(BaseModel):
 class Registry(BaseModel):
     adapters: list[AdapterRecord] = []
     aliases: dict[str, Alias] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_list(cls, data: Any) -> Any:
+        """Before aliases existed the file was the list of records."""
+        return {"adapters": data} if isinstance(data, list) else data
 
     def versions(self, name: str) -> list[AdapterRecord]:
         return [record for record in self.adapters if record.name == name]
@@ -270,32 +274,17 @@ def registry_path(home: Home) -> Path:
     return home.root / "adapters.json"
 
 
+def _registry(home: Home) -> JsonRegistry[Registry]:
+    return JsonRegistry(registry_path(home), Registry, "the adapter registry")
+
+
 def load(home: Home) -> Registry:
-    path = registry_path(home)
-    if not path.exists():
-        return Registry()
-    try:
-        raw = json.loads(path.read_bytes())
-        # Before aliases existed the file was the list of records.
-        return Registry.model_validate({"adapters": raw} if isinstance(raw, list) else raw)
-    except (OSError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
-        raise StateError(f"the adapter registry ({path.name} in the state directory) is unreadable: {exc}",
-                         hint=f"restore {path} from a backup") from exc
+    return _registry(home).read()
 
 
-@contextmanager
-def updating(home: Home) -> Iterator[Registry]:
+def updating(home: Home) -> AbstractContextManager[Registry]:
     """The registry to change in the block; written back (atomically) only if the block succeeds."""
-    path = registry_path(home)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    lock = os.open(path.with_name(".adapters.lock"), os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        registry = load(home)
-        yield registry
-        replace_file(path, json.dumps(registry.model_dump(), indent=1).encode())
-    finally:
-        os.close(lock)
+    return _registry(home).change()
 
 
 def check_files(record: AdapterRecord, files: dict[str, bytes]) -> None:

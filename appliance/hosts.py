@@ -10,14 +10,10 @@ ranks' state in heartbeats. The head keeps only SHA-256 digests of tokens and cr
 from __future__ import annotations
 
 import base64
-import fcntl
 import hashlib
 import hmac
-import json
-import os
 import secrets
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from pathlib import Path
@@ -25,10 +21,10 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, IPvAnyAddress, ValidationError
 
-from appliance.durable import replace_file
 from appliance.errors import ApplianceError, Conflict, Invalid, NotFound, StateError
 from appliance.home import Home
 from appliance.records import HostName
+from appliance.registry import JsonRegistry
 
 TOKEN_PREFIX = "ajt1"
 Digest = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
@@ -78,29 +74,17 @@ def registry_path(home: Home) -> Path:
     return home.root / "hosts.json"
 
 
+def _registry(home: Home) -> JsonRegistry[HostRegistry]:
+    return JsonRegistry(registry_path(home), HostRegistry, "the host registry")
+
+
 def load(home: Home) -> HostRegistry:
-    path = registry_path(home)
-    try:
-        return HostRegistry.model_validate_json(path.read_bytes())
-    except FileNotFoundError:
-        return HostRegistry()
-    except (OSError, ValueError) as exc:
-        raise StateError(f"the host registry {path} is unreadable: {exc}",
-                         hint=f"restore {path} from a backup") from exc
+    return _registry(home).read()
 
 
-@contextmanager
-def updating(home: Home) -> Iterator[HostRegistry]:
+def updating(home: Home) -> AbstractContextManager[HostRegistry]:
     """The registry to change in the block; written back (atomically) only if the block succeeds."""
-    path = registry_path(home)
-    lock = os.open(path.with_name(".hosts.lock"), os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        registry = load(home)
-        yield registry
-        replace_file(path, json.dumps(registry.model_dump(mode="json"), indent=1).encode())
-    finally:
-        os.close(lock)
+    return _registry(home).change()
 
 
 def invite(home: Home, name: str, ttl_s: int, ca_sha256: str, now: datetime | None = None) -> str:

@@ -5,7 +5,6 @@ Nothing is stored unless every row is good."""
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 from collections import Counter
@@ -16,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from appliance.artifacts import ArtifactStore
-from appliance.durable import replace_file
 from appliance.errors import ApplianceError, IntegrityError
 from appliance.home import Home
+from appliance.registry import JsonRegistry
 from appliance.sensitive import Scanner
 
 ROLES = ("system", "user", "assistant")
@@ -271,19 +270,20 @@ def put(name: str, source: Path, train: list[dict[str, Any]], evaluation: list[d
 
 
 def register(home: Home, names: dict[str, str]) -> None:
-    """Name datasets (name -> digest) in the local registry, all in one write, under a lock (the
-    CLI and the rl-worker both add datasets)."""
-    with open(registry_path(home).with_suffix(".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        registry = load_registry(home)
+    """Name datasets (name -> digest) in the local registry, all in one change (the CLI and the
+    rl-worker both add datasets)."""
+    with _registry(home).change() as registry:
         registry.update(names)
-        replace_file(registry_path(home), json.dumps(registry, indent=1, sort_keys=True).encode(), mode=0o644)
 
 
 def registry_path(home: Home) -> Path:
     return home.root / "datasets.json"
 
 
+def _registry(home: Home) -> JsonRegistry[dict[str, str]]:
+    return JsonRegistry(registry_path(home), dict[str, str], "the dataset registry", mode=0o644)
+
+
 def load_registry(home: Home) -> dict[str, str]:
-    path = registry_path(home)
-    return json.loads(path.read_text()) if path.exists() else {}
+    """Dataset names -> the digests their files are stored under."""
+    return _registry(home).read()

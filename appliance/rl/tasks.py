@@ -3,14 +3,13 @@
 
 from __future__ import annotations
 
-import json
 import re
-from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from appliance.home import Home
+from appliance.registry import JsonRegistry
 
 Language = Literal["python", "c"]
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -65,13 +64,10 @@ class TaskSet(BaseModel):
     created: str
 
 
-def tasksets_path(home: Home) -> Path:
-    """The task sets' names and digests (their files are in the artifact store: finetune.rl.tasks)."""
-    return home.root / "tasksets.json"
+def taskset_registry(home: Home) -> JsonRegistry[dict[str, TaskSet]]:
+    """The task sets by name (their files are in the artifact store: finetune.rl.tasks)."""
+    return JsonRegistry(home.root / "tasksets.json", dict[str, TaskSet], "the task-set registry", mode=0o644)
 
 
 def load_tasksets(home: Home) -> dict[str, TaskSet]:
-    path = tasksets_path(home)
-    if not path.exists():
-        return {}
-    return {name: TaskSet.model_validate(info) for name, info in json.loads(path.read_text()).items()}
+    return taskset_registry(home).read()

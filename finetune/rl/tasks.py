@@ -14,10 +14,9 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from appliance.artifacts import ArtifactStore
-from appliance.durable import replace_file
 from appliance.errors import IntegrityError, Invalid, NotFound
 from appliance.home import Home
-from appliance.rl.tasks import NAME, Task, TaskSet, load_tasksets, tasksets_path
+from appliance.rl.tasks import NAME, Task, TaskSet, load_tasksets, taskset_registry
 from finetune.datasets import DatasetError
 
 PREFIX = "tasksets/"
@@ -106,10 +105,8 @@ def store(name: str, source: str, tasks: list[Task], held_out_fraction: float, a
     for split_name, data in parts.items():
         artifacts.put(f"{PREFIX}{digest}/{split_name}.jsonl", data, retain_days=0)
     artifacts.put(f"{PREFIX}{digest}/meta.json", info.model_dump_json(indent=1).encode(), retain_days=0)
-    registry = load_tasksets(home)
-    registry[name] = info
-    replace_file(tasksets_path(home), json.dumps({k: v.model_dump() for k, v in sorted(registry.items())},
-                                                 indent=1).encode(), mode=0o644)
+    with taskset_registry(home).change() as registry:
+        registry[name] = info
     return info
 
 
