@@ -2,9 +2,9 @@
 submit|status|cancel`, the supervised `finetune-worker` and the admin API. A job's files (its data,
 checkpoints, progress and result) live in its own directory; the row holds its state.
 
-A job's life is a state machine (MOVES); every change of state is checked against it inside the
-transaction that makes it, so two processes cannot both move a job, and an illegal move raises
-IllegalTransition naming the state and the move:
+A job's life is a state machine (MOVES), moved by the appliance's one work queue (appliance.queue):
+every change of state is checked against it inside the transaction that makes it, so two processes
+cannot both move a job, and an illegal move raises IllegalTransition naming the state and the move:
 
     queued --claim--> running --finish--> succeeded | failed | cancelled
        |                 |  ^ (resumed by another worker after its worker died)
@@ -20,7 +20,7 @@ import os
 import re
 import sqlite3
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -29,8 +29,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from appliance.errors import IllegalTransition, NotFound
+from appliance import queue
+from appliance.errors import NotFound
 from appliance.home import Home
+from appliance.queue import Alive, Lifecycle, Queue
 
 
 class JobState(StrEnum):
@@ -49,6 +51,7 @@ MOVES: dict[JobState, frozenset[JobState]] = {
     JobState.CANCELLING: frozenset({JobState.CANCELLING, *FINISHED}),
     **{state: frozenset() for state in FINISHED},
 }
+HELD = frozenset({JobState.RUNNING, JobState.CANCELLING})  # a worker holds the job
 
 NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,63}$"  # an adapter's or a dataset's name
 
@@ -76,38 +79,12 @@ create table if not exists jobs (
     attempts integer not null default 0,
     worker_pid integer,
     trainer_pid integer,           -- the sandboxed training process
-    message text                   -- the outcome, or why it failed
+    message text,                  -- the outcome, or why it failed
+    lease_until real               -- appliance.queue: the worker's claim holds until then (null: while it lives)
 )"""
-
-
-RL_RUNS_SCHEMA = """
-create table if not exists rl_runs (
-    id integer primary key autoincrement,
-    spec text not null,            -- JSON: appliance.rl.runs.RunSpec
-    state text not null,           -- JobState, moved by MOVES as jobs are
-    submitted text not null,
-    started text,
-    finished text,
-    attempts integer not null default 0,
-    worker_pid integer,
-    message text
-)"""
-
-
-RL_EXPORTS_SCHEMA = """
-create table if not exists rl_exports (
-    id integer primary key autoincrement,
-    run_id integer not null,       -- the RL run whose trajectories it reads
-    sft text,                      -- the SFT dataset to make, if asked for
-    dpo text,                      -- the preference dataset to make, if asked for
-    state text not null,           -- JobState, moved by MOVES as jobs are
-    submitted text not null,
-    started text,
-    finished text,
-    attempts integer not null default 0,
-    worker_pid integer,
-    message text                   -- what it stored, or why it failed
-)"""
+# A job left by a worker that died is taken over in its state: it resumes from its last checkpoint.
+JOBS = Queue(table="jobs", lifecycle=Lifecycle("training job", MOVES), waiting=JobState.QUEUED,
+             taken=JobState.RUNNING, held=HELD)
 
 
 class Hyperparameters(BaseModel):
@@ -179,41 +156,23 @@ def job_dir(home: Home, job_id: int) -> Path:
     return jobs_dir(home) / str(job_id)
 
 
+def database(home: Home) -> Path:
+    """The queue database of training jobs, and of RL runs and exports (appliance.rl)."""
+    return jobs_dir(home) / "jobs.sqlite"
+
+
 @contextmanager
 def connect(home: Home) -> Iterator[sqlite3.Connection]:
-    """A connection in autocommit mode; `with db:` blocks are transactions."""
-    jobs_dir(home).mkdir(parents=True, exist_ok=True)
-    db = sqlite3.connect(jobs_dir(home) / "jobs.sqlite", timeout=30, isolation_level=None)
-    db.row_factory = sqlite3.Row
-    try:
-        db.execute("pragma journal_mode=wal")
-        db.execute(SCHEMA)
-        db.execute(RL_RUNS_SCHEMA)
-        db.execute(RL_EXPORTS_SCHEMA)
+    """A connection in autocommit mode; `queue.immediate(db)` blocks are transactions."""
+    with queue.connect(database(home), SCHEMA, JOBS) as db:
         yield db
-    finally:
-        db.close()
 
 
 @contextmanager
 def transaction(home: Home) -> Iterator[sqlite3.Connection]:
-    """A write transaction on the jobs' database."""
-    with connect(home) as db, immediate(db):
+    """A write transaction on the jobs' table."""
+    with connect(home) as db, queue.immediate(db):
         yield db
-
-
-@contextmanager
-def immediate(db: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
-    """A write transaction on `db` (an autocommit connection), taken at once: no other writer
-    between its read and its write."""
-    db.execute("begin immediate")
-    try:
-        yield db
-    except BaseException:
-        if db.in_transaction:  # SQLite may have rolled back already (disk full, I/O): keep the real error
-            db.execute("rollback")
-        raise
-    db.execute("commit")
 
 
 def _now() -> str:
@@ -246,47 +205,18 @@ def _get(db: sqlite3.Connection, job_id: int) -> Job:
     return _job(row)
 
 
-def _move(db: sqlite3.Connection, job_id: int, to: JobState, assignments: str, values: tuple[object, ...]) -> None:
-    """Set the job's state to `to` (and `assignments`) if MOVES allows it from its current state,
-    in the caller's transaction; IllegalTransition otherwise."""
-    check_move(f"training job {job_id}", _get(db, job_id).state, to)
-    db.execute(f"update jobs set state = ?, {assignments} where id = ?", (JobState(to), *values, job_id))
-
-
-def check_move(what: str, current: JobState, to: JobState) -> None:
-    """IllegalTransition unless MOVES leads from `current` to `to` (for jobs and RL runs alike)."""
-    if JobState(to) not in MOVES[current]:
-        was = ("has already been cancelled" if current == JobState.CANCELLED
-               else f"has already {current}" if current in FINISHED else f"is {current}")
-        raise IllegalTransition(f"{what} {was}: it cannot become {to}")
-
-
-def claimable(db: sqlite3.Connection, table: str, alive: Callable[[int | None], bool]) -> sqlite3.Row | None:
-    """The row a worker takes next from `table`: one left running (or cancelling) by a worker that
-    died, else the oldest queued one."""
-    rows = db.execute(f"select * from {table} where state in ('running', 'cancelling') order by id").fetchall()
-    orphan = next((row for row in rows if not alive(row["worker_pid"])), None)
-    queued: sqlite3.Row | None = db.execute(
-        f"select * from {table} where state = 'queued' order by id limit 1").fetchone()
-    return orphan or queued
-
-
 def listing(home: Home) -> list[Job]:
     with connect(home) as db:
         return [_job(row) for row in db.execute("select * from jobs order by id")]
 
 
-def claim(home: Home, worker_pid: int, alive: Callable[[int | None], bool]) -> Job | None:
+def claim(home: Home, worker_pid: int, alive: Alive) -> Job | None:
     """The next job for this worker: one left running by a worker that died (it resumes from its
-    last checkpoint), else the oldest queued one."""
+    last checkpoint; a cancelling one stays cancelling: its runner stops at once), else the oldest
+    queued one."""
     with transaction(home) as db:
-        row = claimable(db, "jobs", alive)
-        if row is None:
-            return None
-        resumed = JobState(row["state"])  # a cancelling orphan stays cancelling: its runner stops at once
-        _move(db, row["id"], JobState.CANCELLING if resumed == JobState.CANCELLING else JobState.RUNNING,
-              "worker_pid = ?, attempts = attempts + 1, started = coalesce(started, ?)", (worker_pid, _now()))
-        return _get(db, row["id"])
+        job_id = JOBS.claim(db, worker_pid, alive=alive, first={"started": _now()})
+        return None if job_id is None else _get(db, int(job_id))
 
 
 def set_trainer(home: Home, job_id: int, pid: int) -> None:
@@ -295,11 +225,9 @@ def set_trainer(home: Home, job_id: int, pid: int) -> None:
 
 
 def finish(home: Home, job_id: int, state: JobState, message: str) -> None:
-    if state not in FINISHED:
-        raise IllegalTransition(f"training job {job_id} cannot finish as {state}")
+    """End a job (again as it ended: nothing changes; otherwise: IllegalTransition)."""
     with transaction(home) as db:
-        _move(db, job_id, state, "message = ?, finished = ?, worker_pid = null, trainer_pid = null",
-              (message, _now()))
+        JOBS.finish(db, job_id, state, message=message, finished=_now(), trainer_pid=None)
 
 
 def cancel(home: Home, job_id: int) -> Job:
@@ -308,13 +236,12 @@ def cancel(home: Home, job_id: int) -> Job:
     directory = job_dir(home, job_id)
     with transaction(home) as db:
         if _get(db, job_id).state == JobState.QUEUED:
-            _move(db, job_id, JobState.CANCELLED, "message = ?, finished = ?", ("cancelled before it started", _now()))
+            JOBS.move(db, job_id, JobState.CANCELLED, message="cancelled before it started", finished=_now())
         else:
-            _move(db, job_id, JobState.CANCELLING, "message = ?", ("cancel requested",))
+            JOBS.move(db, job_id, JobState.CANCELLING, message="cancel requested")
             directory.mkdir(parents=True, exist_ok=True)
             (directory / CANCEL_FILE).touch()  # the runner polls it
         return _get(db, job_id)
-
 
 
 def write_progress(directory: Path, progress: Progress) -> None:

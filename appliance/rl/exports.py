@@ -4,15 +4,46 @@ the rl-worker makes them; `appliance rl export` makes them at once)."""
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Callable
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from appliance.errors import Conflict, IllegalTransition, NotFound
+from appliance import queue
+from appliance.errors import Conflict, NotFound
 from appliance.home import Home
-from appliance.jobs import FINISHED, JobState, check_move, claimable, connect, name_problem, transaction
+from appliance.jobs import FINISHED, MOVES, JobState, database, name_problem
+from appliance.queue import Alive, Lifecycle, Queue
 from appliance.rl import runs
+
+SCHEMA = """
+create table if not exists rl_exports (
+    id integer primary key autoincrement,
+    run_id integer not null,       -- the RL run whose trajectories it reads
+    sft text,                      -- the SFT dataset to make, if asked for
+    dpo text,                      -- the preference dataset to make, if asked for
+    state text not null,           -- JobState, moved by MOVES as jobs are
+    submitted text not null,
+    started text,
+    finished text,
+    attempts integer not null default 0,
+    worker_pid integer,
+    message text,                  -- what it stored, or why it failed
+    lease_until real               -- appliance.queue: the worker's claim holds until then (null: while it lives)
+);
+"""
+GIVE_UP_TAKES = 3  # an export whose workers died this many times while making it fails
+
+
+def _given_up(takes: int) -> tuple[JobState, dict[str, object]]:
+    return JobState.FAILED, {"message": f"the rl-worker died {takes} times making it", "finished": _now()}
+
+
+# An export left by a worker that died is made again by the next, up to GIVE_UP_TAKES times.
+EXPORTS = Queue(table="rl_exports", lifecycle=Lifecycle("export", MOVES), waiting=JobState.QUEUED,
+                taken=JobState.RUNNING, held=frozenset({JobState.RUNNING}), max_attempts=GIVE_UP_TAKES,
+                give_up=_given_up)
 
 
 class ExportAsk(BaseModel):
@@ -60,6 +91,19 @@ def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
 
 
+@contextmanager
+def connect(home: Home) -> Iterator[sqlite3.Connection]:
+    """A connection to the exports' table and the runs' (`queue.immediate(db)` blocks are transactions)."""
+    with queue.connect(database(home), runs.SCHEMA + SCHEMA, runs.RUNS, EXPORTS) as db:
+        yield db
+
+
+@contextmanager
+def transaction(home: Home) -> Iterator[sqlite3.Connection]:
+    with connect(home) as db, queue.immediate(db):
+        yield db
+
+
 def _export(db: sqlite3.Connection, export_id: int) -> Export:
     row = db.execute("select * from rl_exports where id = ?", (export_id,)).fetchone()
     if row is None:
@@ -76,7 +120,7 @@ def ask(home: Home, run_id: int, asked: ExportAsk) -> Export:
     """Queue an export of a run that ended with its trajectories written, unless one of it is
     queued or running already (Conflict)."""
     with transaction(home) as db:
-        run = runs._get(db, run_id)
+        run = runs.read(db, run_id)
         if run.state not in FINISHED:
             raise Conflict(f"RL run {run_id} is {run.state}: it can be exported once it has ended",
                            hint="`appliance rl status` shows where it is")
@@ -103,27 +147,17 @@ def listing(home: Home) -> list[Export]:
         return [Export.model_validate(dict(row)) for row in db.execute("select * from rl_exports order by id")]
 
 
-def claim(home: Home, worker_pid: int, alive: Callable[[int | None], bool]) -> Export | None:
-    """The next export for this worker: one whose worker died (done again), else the oldest queued."""
+def claim(home: Home, worker_pid: int, alive: Alive) -> Export | None:
+    """The next export for this worker: one whose worker died (made again), else the oldest queued.
+    One whose workers died GIVE_UP_TAKES times is failed instead, and returned so, for the worker
+    to report."""
     with transaction(home) as db:
-        row = claimable(db, "rl_exports", alive)
-        if row is None:
-            return None
-        check_move(f"export {row['id']}", row["state"], JobState.RUNNING)
-        db.execute("update rl_exports set state = 'running', worker_pid = ?, attempts = attempts + 1, "
-                   "started = coalesce(started, ?) where id = ?", (worker_pid, _now(), row["id"]))
-        return _export(db, row["id"])
+        export_id = EXPORTS.claim(db, worker_pid, alive=alive, first={"started": _now()})
+        return None if export_id is None else _export(db, int(export_id))
 
 
 def finish(home: Home, export_id: int, worker_pid: int, state: JobState, message: str) -> bool:
-    """Record how an export ended, if this worker still holds it (False: another took it over)."""
-    if state not in FINISHED:
-        raise IllegalTransition(f"export {export_id} cannot finish as {state}")
+    """Record how an export ended, if this worker still holds it (False: another took it over, or
+    it has ended)."""
     with transaction(home) as db:
-        export = _export(db, export_id)
-        if export.worker_pid != worker_pid:
-            return False
-        check_move(f"export {export_id}", export.state, state)
-        db.execute("update rl_exports set state = ?, message = ?, finished = ?, worker_pid = null where id = ?",
-                   (state, message[:1000], _now(), export_id))
-        return True
+        return EXPORTS.finish(db, export_id, state, holder=worker_pid, message=message[:1000], finished=_now())

@@ -1,22 +1,43 @@
-"""The queue of RL runs: one SQLite table beside the training jobs', moved by the same state machine
-(appliance.jobs.MOVES). A run's attempts, executions and progress live in the run's own directory
-(finetune.rl.store, appliance.rl.progress)."""
+"""The queue of RL runs: one table of the appliance's work queue (appliance.queue) in the training
+jobs' database, moved by the jobs' state machine (appliance.jobs.MOVES). A run's attempts,
+executions and progress live in the run's own directory (finetune.rl.store, appliance.rl.progress)."""
 
 from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Callable
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from appliance import queue
 from appliance.durable import replace_file
-from appliance.errors import IllegalTransition, NotFound
+from appliance.errors import NotFound
 from appliance.home import Home
-from appliance.jobs import CANCEL_FILE, FINISHED, JobState, check_move, claimable, connect, transaction
+from appliance.jobs import CANCEL_FILE, HELD, MOVES, JobState, database
+from appliance.queue import Alive, Lifecycle, Queue
+
+SCHEMA = """
+create table if not exists rl_runs (
+    id integer primary key autoincrement,
+    spec text not null,            -- JSON: RunSpec
+    state text not null,           -- JobState, moved by MOVES as jobs are
+    submitted text not null,
+    started text,
+    finished text,
+    attempts integer not null default 0,
+    worker_pid integer,
+    message text,
+    lease_until real               -- appliance.queue: the worker's claim holds until then (null: while it lives)
+);
+"""
+# A run left by a worker that died is taken over in its state: it resumes from what it has done.
+RUNS = Queue(table="rl_runs", lifecycle=Lifecycle("RL run", MOVES), waiting=JobState.QUEUED,
+             taken=JobState.RUNNING, held=HELD)
 
 
 class RunSpec(BaseModel):
@@ -61,6 +82,19 @@ def run_dir(home: Home, run_id: int) -> Path:
     return runs_dir(home) / str(run_id)
 
 
+@contextmanager
+def connect(home: Home) -> Iterator[sqlite3.Connection]:
+    """A connection to the runs' table (`queue.immediate(db)` blocks are transactions)."""
+    with queue.connect(database(home), SCHEMA, RUNS) as db:
+        yield db
+
+
+@contextmanager
+def transaction(home: Home) -> Iterator[sqlite3.Connection]:
+    with connect(home) as db, queue.immediate(db):
+        yield db
+
+
 def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
 
@@ -73,15 +107,16 @@ def submit(home: Home, spec: RunSpec) -> Run:
     with connect(home) as db:
         cursor = db.execute("insert into rl_runs (spec, state, submitted) values (?, 'queued', ?)",
                             (spec.model_dump_json(), _now()))
-        return _get(db, int(cursor.lastrowid or 0))
+        return read(db, int(cursor.lastrowid or 0))
 
 
 def get(home: Home, run_id: int) -> Run:
     with connect(home) as db:
-        return _get(db, run_id)
+        return read(db, run_id)
 
 
-def _get(db: sqlite3.Connection, run_id: int) -> Run:
+def read(db: sqlite3.Connection, run_id: int) -> Run:
+    """A run, read in the caller's transaction; NotFound if there is none."""
     row = db.execute("select * from rl_runs where id = ?", (run_id,)).fetchone()
     if row is None:
         raise NotFound(f"no RL run {run_id}", hint="`appliance rl status` lists them")
@@ -93,28 +128,17 @@ def listing(home: Home) -> list[Run]:
         return [_run(row) for row in db.execute("select * from rl_runs order by id")]
 
 
-def _move(db: sqlite3.Connection, run_id: int, to: JobState, assignments: str, values: tuple[object, ...]) -> None:
-    check_move(f"RL run {run_id}", _get(db, run_id).state, to)
-    db.execute(f"update rl_runs set state = ?, {assignments} where id = ?", (to, *values, run_id))
-
-
-def claim(home: Home, worker_pid: int, alive: Callable[[int | None], bool]) -> Run | None:
+def claim(home: Home, worker_pid: int, alive: Alive) -> Run | None:
     """The next run for this worker: one whose worker died (it resumes), else the oldest queued."""
     with transaction(home) as db:
-        row = claimable(db, "rl_runs", alive)
-        if row is None:
-            return None
-        to = JobState.CANCELLING if row["state"] == JobState.CANCELLING else JobState.RUNNING
-        _move(db, row["id"], to, "worker_pid = ?, attempts = attempts + 1, started = coalesce(started, ?)",
-              (worker_pid, _now()))
-        return _get(db, row["id"])
+        run_id = RUNS.claim(db, worker_pid, alive=alive, first={"started": _now()})
+        return None if run_id is None else read(db, int(run_id))
 
 
 def finish(home: Home, run_id: int, state: JobState, message: str) -> None:
-    if state not in FINISHED:
-        raise IllegalTransition(f"RL run {run_id} cannot finish as {state}")
+    """End a run (again as it ended: nothing changes; otherwise: IllegalTransition)."""
     with transaction(home) as db:
-        _move(db, run_id, state, "message = ?, finished = ?, worker_pid = null", (message, _now()))
+        RUNS.finish(db, run_id, state, message=message, finished=_now())
 
 
 def note(home: Home, run_id: int, message: str) -> None:
@@ -127,14 +151,14 @@ def cancel(home: Home, run_id: int) -> Run:
     """A queued run is cancelled at once; a running one becomes `cancelling` and its worker stops
     it between attempts (what is done stays in its trajectories)."""
     with transaction(home) as db:
-        if _get(db, run_id).state == JobState.QUEUED:
-            _move(db, run_id, JobState.CANCELLED, "message = ?, finished = ?", ("cancelled before it started", _now()))
+        if read(db, run_id).state == JobState.QUEUED:
+            RUNS.move(db, run_id, JobState.CANCELLED, message="cancelled before it started", finished=_now())
         else:
-            _move(db, run_id, JobState.CANCELLING, "message = ?", ("cancel requested",))
+            RUNS.move(db, run_id, JobState.CANCELLING, message="cancel requested")
             directory = run_dir(home, run_id)
             directory.mkdir(parents=True, exist_ok=True)
             (directory / CANCEL_FILE).touch()
-        return _get(db, run_id)
+        return read(db, run_id)
 
 
 def manifest_digest(home: Home, run_id: int) -> str | None:

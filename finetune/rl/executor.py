@@ -66,7 +66,7 @@ def _work(store: RunStore, settings: ExecutionSettings, sandbox: Sandbox) -> int
     return done
 
 
-def executor_alive(pid: int) -> bool:
+def executor_alive(pid: int | None) -> bool:
     """Whether a sandbox worker with this pid still runs (not another program with its number)."""
     return runs_module(pid, "finetune.rl.executor")
 

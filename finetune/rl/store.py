@@ -1,11 +1,12 @@
 """A run's durable state: one SQLite file in the run's directory, shared by the run's loop and its
 sandbox workers (separate processes).
 
-- `executions` is the micro-task queue: a program and its tests, queued -> running (claimed by a
-  worker, with its pid) -> done (its verdict). A row held by a worker that died goes back to the
-  queue (the loop looks every second and when a run resumes); a verdict is stored only by the
-  worker holding the row, once, so a result is never lost and never written twice. Each row has
-  the key of its attempt: enqueueing is idempotent.
+- `executions` is the micro-task queue (a table of the appliance's work queue, appliance.queue): a
+  program and its tests, queued -> running (claimed by a worker, with its pid) -> done (its
+  verdict). A row held by a worker that died goes back to the queue (the loop looks every second
+  and when a run resumes); a verdict is stored only by the worker holding the row, once, so a
+  result is never lost and never written twice. Each row has the key of its attempt: enqueueing is
+  idempotent.
 - `generations` keeps each answer as it arrives (a resumed run does not ask the model again).
 - `attempts` keeps each executed answer with its reward (appliance.rl.attempts.Attempt), and the number of
   the trajectory segment it went into.
@@ -16,12 +17,13 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 
-from appliance.jobs import immediate
+from appliance.queue import Alive, Lifecycle, Queue, immediate
 from appliance.rl.attempts import Attempt
 from appliance.rl.tasks import Task
 from finetune.rl.execute import Verdict, not_run
@@ -36,7 +38,8 @@ create table if not exists executions (
     state text not null default 'queued',
     worker_pid integer,
     claims integer not null default 0,
-    verdict text                       -- JSON finetune.rl.execute.Verdict
+    verdict text,                      -- JSON finetune.rl.execute.Verdict
+    lease_until real                   -- appliance.queue: the worker's claim holds until then (null: while it lives)
 );
 create index if not exists executions_state on executions (state);
 create table if not exists generations (
@@ -60,6 +63,29 @@ create table if not exists segments (
     attempts integer not null
 );
 """
+
+
+class ExecutionState(StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+
+
+def _given_up(claims: int) -> tuple[ExecutionState, dict[str, object]]:
+    return ExecutionState.DONE, {"verdict": not_run(f"its sandbox worker died {claims} times running it")
+                                 .model_dump_json()}
+
+
+# A dead worker's execution waits again, until its workers died GIVE_UP_CLAIMS times running it.
+EXECUTIONS = Queue(
+    table="executions",
+    lifecycle=Lifecycle("execution", {
+        ExecutionState.QUEUED: frozenset({ExecutionState.RUNNING}),
+        ExecutionState.RUNNING: frozenset({ExecutionState.QUEUED, ExecutionState.DONE}),
+        ExecutionState.DONE: frozenset(),
+    }),
+    waiting=ExecutionState.QUEUED, taken=ExecutionState.RUNNING, held=frozenset({ExecutionState.RUNNING}),
+    attempts="claims", orphans_resume=False, max_attempts=GIVE_UP_CLAIMS, give_up=_given_up)
 
 
 @dataclass(frozen=True)
@@ -88,6 +114,8 @@ class RunStore:
         self._opened: list[sqlite3.Connection] = []
         with self._connect() as db:
             db.executescript(SCHEMA)
+            with immediate(db):
+                EXECUTIONS.migrate(db)
 
     @contextmanager
     def _connect(self) -> Iterator[sqlite3.Connection]:
@@ -126,44 +154,30 @@ class RunStore:
         """The oldest queued execution, for this worker (a dead worker's go back to the queue first:
         requeue_orphans)."""
         with self._transaction() as db:
-            row = db.execute("select id from executions where state = 'queued' order by id limit 1").fetchone()
-            if row is None:
+            execution_id = EXECUTIONS.claim(db, worker_pid)
+            if execution_id is None:
                 return None
-            db.execute("update executions set state = 'running', worker_pid = ?, claims = claims + 1 where id = ?",
-                       (worker_pid, row["id"]))
-            row = db.execute("select * from executions where id = ?", (row["id"],)).fetchone()
+            row = db.execute("select * from executions where id = ?", (execution_id,)).fetchone()
         return Execution(id=row["id"], key=row["key"], program=row["program"],
                          task=Task.model_validate_json(row["task"]), claims=row["claims"])
 
-    def requeue_orphans(self, alive: Callable[[int], bool]) -> int:
-        """Executions held by a worker that is gone back to the queue (claim takes them over too, but
-        only a worker that runs does, and the pool starts workers for queued ones); how many. One
-        whose workers died GIVE_UP_CLAIMS times (it kills them, or the host does) is done: an error."""
+    def requeue_orphans(self, alive: Alive) -> int:
+        """Executions held by a worker that is gone back to the queue (the pool starts workers for
+        queued ones); how many. One whose workers died GIVE_UP_CLAIMS times (it kills them, or the
+        host does) is done: an error."""
         with self._transaction() as db:
-            held = db.execute("select id, worker_pid, claims from executions where state = 'running'").fetchall()
-            orphans = [row for row in held if not alive(row["worker_pid"])]
-            for row in orphans:
-                if row["claims"] >= GIVE_UP_CLAIMS:
-                    verdict = not_run(f"its sandbox worker died {row['claims']} times running it")
-                    db.execute("update executions set state = 'done', verdict = ? where id = ?",
-                               (verdict.model_dump_json(), row["id"]))
-                else:
-                    db.execute("update executions set state = 'queued', worker_pid = null where id = ?", (row["id"],))
-        return len(orphans)
+            return EXECUTIONS.requeue_orphans(db, alive)
 
     def release(self, execution_id: int, worker_pid: int) -> None:
         """Give an execution back to the queue (its worker could not run it)."""
-        with self._connect() as db:
-            db.execute("update executions set state = 'queued', worker_pid = null "
-                       "where id = ? and state = 'running' and worker_pid = ?", (execution_id, worker_pid))
+        with self._transaction() as db:
+            EXECUTIONS.release(db, execution_id, worker_pid)
 
     def complete(self, execution_id: int, worker_pid: int, verdict: Verdict) -> bool:
         """Store the verdict if this worker still holds the execution (false: another took it over)."""
-        with self._connect() as db:
-            cursor = db.execute("update executions set state = 'done', verdict = ? "
-                                "where id = ? and state = 'running' and worker_pid = ?",
-                                (verdict.model_dump_json(), execution_id, worker_pid))
-            return cursor.rowcount == 1
+        with self._transaction() as db:
+            return EXECUTIONS.finish(db, execution_id, ExecutionState.DONE, holder=worker_pid,
+                                     verdict=verdict.model_dump_json())
 
     def verdicts(self, keys: set[str]) -> dict[str, Verdict]:
         """The verdicts reached so far among `keys`."""

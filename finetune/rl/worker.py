@@ -11,7 +11,7 @@ import time
 
 from appliance.errors import ApplianceError, Unavailable
 from appliance.home import Home
-from appliance.jobs import JobState
+from appliance.jobs import FINISHED, JobState
 from appliance.programs import Program
 from appliance.rl import exports, runs
 from appliance.settings import Settings
@@ -21,7 +21,6 @@ from finetune.rl.loop import Loop, RunCancelled
 from finetune.worker import announce_outcome, serve_queue, worker_program
 
 log = logging.getLogger("appliance.rl-worker")
-GIVE_UP_TAKES = 3  # an export whose workers died this many times while making it fails
 
 
 def work_one(home: Home, settings: Settings) -> runs.Run | exports.Export | None:
@@ -35,9 +34,12 @@ def export_one(home: Home, settings: Settings) -> exports.Export | None:
     export = exports.claim(home, os.getpid(), worker_alive)
     if export is None:
         return None
-    state, message = JobState.FAILED, f"the rl-worker died {export.attempts - 1} times making it"
+    if export.state in FINISHED:  # its workers died too often: the queue gave it up
+        announce_outcome("rl.export", export.state, f"export {export.id} of run {export.run_id} {export.state}: "
+                         f"{export.message}", log)
+        return export
     waited_since = time.monotonic()
-    while export.attempts <= GIVE_UP_TAKES:
+    while True:
         try:
             state, message = JobState.SUCCEEDED, "; ".join(export_run(export.run_id, export, settings, home).lines())
         except Unavailable as exc:

@@ -1,0 +1,247 @@
+"""One work queue over a SQLite table, shared by every queue of the appliance (training jobs, RL
+runs and exports, batch requests, a run's sandbox executions): each keeps its own table and record,
+and moves its items with this.
+
+- A Lifecycle is a state enum with the table of its legal moves; every move is checked against it
+  inside the write transaction that makes it, so two processes cannot both move an item, and an
+  illegal move raises IllegalTransition naming the item, its state and the move.
+- A claim gives one waiting item to one claimer (its pid, or any integer worker id its `alive`
+  callback knows), with an optional lease that its heartbeat extends. An item is orphaned when its
+  claimer is not alive or its lease ran out: a queue either takes orphans over in their state (a
+  training job resumes from its checkpoint) or puts them back to wait (a sandbox execution).
+- Retries are bounded: an orphan whose claimers died `max_attempts` times is given up (ended, with
+  a message saying so) instead of being handed on again.
+- Finishing is idempotent: an item finished again in the same state is left as it is; another end
+  is refused (IllegalTransition), and a claimer that no longer holds the item finishes nothing.
+
+Every method takes the caller's connection and runs in its transaction (`immediate`), so a queue's
+own columns are written together with the move.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+from appliance.errors import IllegalTransition, NotFound
+
+S = TypeVar("S", bound=StrEnum)
+Key = int | str
+Alive = Callable[[int | None], bool]  # whether an item's claimer still runs (None: no claimer)
+LEASE_COLUMN = "lease_until"  # seconds since the epoch; null: the claim holds as long as its claimer lives
+
+
+@dataclass(frozen=True)
+class Lifecycle(Generic[S]):
+    """The states an item goes through and the legal moves between them."""
+
+    noun: str  # what an item is called in messages: "training job", "batch"
+    moves: Mapping[S, frozenset[S]]
+
+    @property
+    def ended(self) -> frozenset[S]:
+        """The states nothing leads out of."""
+        return frozenset(state for state, moves in self.moves.items() if not moves)
+
+    def check(self, key: Key, current: S, to: S) -> None:
+        """IllegalTransition unless a move leads from `current` to `to`."""
+        if to not in self.moves[current]:
+            was = ("has already been cancelled" if current == "cancelled"
+                   else f"has already {current}" if current in self.ended else f"is {current}")
+            raise IllegalTransition(f"{self.noun} {key} {was}: it cannot become {to}")
+
+
+@dataclass(frozen=True)
+class Queue(Generic[S]):
+    """A table of items moved by `lifecycle`: they wait in `waiting`, a claim moves one to `taken`,
+    and a claimer holds it in any of the `held` states."""
+
+    table: str
+    lifecycle: Lifecycle[S]
+    waiting: S
+    taken: S
+    held: frozenset[S]
+    key: str = "id"  # "rowid" for a table whose key spans columns
+    state: str = "state"
+    holder: str = "worker_pid"
+    attempts: str | None = "attempts"  # counts claims; None: the table does not
+    orphans_resume: bool = True  # an orphan is taken over in its state; False: it waits again
+    max_attempts: int | None = None
+    # How an item is given up once its claimers died `max_attempts` times: its end and the columns
+    # saying why (given that number).
+    give_up: Callable[[int], tuple[S, Mapping[str, object]]] | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if (self.max_attempts is None) != (self.give_up is None) or (self.max_attempts and not self.attempts):
+            raise ValueError(f"queue {self.table}: max_attempts needs give_up and an attempts column")
+
+    def migrate(self, db: sqlite3.Connection) -> None:
+        """Add the lease column to a table made before it (in the caller's transaction)."""
+        columns = {row[1] for row in db.execute(f"pragma table_info({self.table})")}
+        if LEASE_COLUMN not in columns:
+            db.execute(f"alter table {self.table} add column {LEASE_COLUMN} real")
+
+    def state_of(self, db: sqlite3.Connection, key: Key) -> S:
+        """An item's state; NotFound if there is no such item."""
+        row = db.execute(f"select {self.state} from {self.table} where {self.key} = ?", (key,)).fetchone()
+        if row is None:
+            raise NotFound(f"no {self.lifecycle.noun} {key!r}")
+        return type(self.waiting)(row[0])
+
+    def move(self, db: sqlite3.Connection, key: Key, to: S, **columns: object) -> None:
+        """Move an item to `to`, setting `columns`, if its lifecycle allows it; IllegalTransition
+        otherwise."""
+        self.lifecycle.check(key, self.state_of(db, key), to)
+        self._set(db, key, {self.state: to, **columns})
+
+    def claim(self, db: sqlite3.Connection, holder: int, *, alive: Alive | None = None, lease_s: float | None = None,
+              first: Mapping[str, object] | None = None) -> Key | None:
+        """The key of the item `holder` now holds: with `alive`, an orphan first (taken over, see
+        Queue), else the oldest waiting one; None when there is neither. An orphan past the bound
+        on retries is given up instead and its key returned, ended, for the caller to report.
+        `first`: columns set on an item's first claim only (when it started)."""
+        if alive is not None and self.orphans_resume:
+            for orphan in self._orphans(db, alive):
+                key: Key = orphan["key"]
+                if self._spent(orphan):
+                    self._give_up(db, orphan)
+                else:
+                    self.take(db, key, holder, lease_s=lease_s, first=first)
+                return key
+        row = db.execute(f"select {self.key} from {self.table} where {self.state} = ? order by {self.key} limit 1",
+                         (self.waiting,)).fetchone()
+        if row is None:
+            return None
+        key = row[0]
+        self.take(db, key, holder, lease_s=lease_s, first=first)
+        return key
+
+    def take(self, db: sqlite3.Connection, key: Key, holder: int, *, lease_s: float | None = None,
+             first: Mapping[str, object] | None = None) -> None:
+        """Give `holder` the item: a waiting one is taken, a held one (an orphan) stays in its state."""
+        current = self.state_of(db, key)
+        to = current if current in self.held else self.taken
+        self.lifecycle.check(key, current, to)
+        columns: dict[str, object] = {self.state: to, self.holder: holder, LEASE_COLUMN: _lease(lease_s)}
+        counted = f", {self.attempts} = {self.attempts} + 1" if self.attempts else ""
+        once = "".join(f", {name} = coalesce({name}, ?)" for name in first or {})
+        db.execute(f"update {self.table} set {', '.join(f'{name} = ?' for name in columns)}{counted}{once} "
+                   f"where {self.key} = ?", (*columns.values(), *(first or {}).values(), key))
+
+    def requeue_orphans(self, db: sqlite3.Connection, alive: Alive) -> int:
+        """Orphans back to waiting (or given up, past the bound on retries); how many."""
+        orphans = self._orphans(db, alive)
+        for row in orphans:
+            if self._spent(row):
+                self._give_up(db, row)
+            else:
+                self.move(db, row["key"], self.waiting, **{self.holder: None, LEASE_COLUMN: None})
+        return len(orphans)
+
+    def heartbeat(self, db: sqlite3.Connection, key: Key, holder: int, lease_s: float) -> bool:
+        """Extend the claim's lease by `lease_s` from now, if `holder` still holds the item."""
+        return db.execute(f"update {self.table} set {LEASE_COLUMN} = ? where {self.key} = ? and {self.holder} = ? "
+                          f"and {self.state} in ({_marks(self.held)})",
+                          (_lease(lease_s), key, holder, *self.held)).rowcount == 1
+
+    def release(self, db: sqlite3.Connection, key: Key, holder: int | None, **columns: object) -> bool:
+        """Give a held item back to wait, setting `columns`, if `holder` (None: whoever) holds it."""
+        row = self._row(db, key)
+        if type(self.waiting)(row["state"]) not in self.held or (holder is not None and row["holder"] != holder):
+            return False
+        self.move(db, key, self.waiting, **{self.holder: None, LEASE_COLUMN: None, **columns})
+        return True
+
+    def finish(self, db: sqlite3.Connection, key: Key, to: S, *, holder: int | None = None, **columns: object) -> bool:
+        """End an item as `to`, setting `columns`; whether it did. With `holder`, only while that
+        claimer holds it (another took it over, or it ended: False). An item already ended as `to`
+        is left as it is (False); one ended otherwise refuses the move (IllegalTransition)."""
+        if to not in self.lifecycle.ended:
+            raise IllegalTransition(f"{self.lifecycle.noun} {key} cannot finish as {to}")
+        row = self._row(db, key)
+        if holder is not None and row["holder"] != holder:
+            return False
+        if row["state"] == to:
+            return False
+        self.move(db, key, to, **{self.holder: None, LEASE_COLUMN: None, **columns})
+        return True
+
+    def _row(self, db: sqlite3.Connection, key: Key) -> sqlite3.Row:
+        row: sqlite3.Row | None = db.execute(
+            f"select {self.key} as key, {self.state} as state, {self.holder} as holder from {self.table} "
+            f"where {self.key} = ?", (key,)).fetchone()
+        if row is None:
+            raise NotFound(f"no {self.lifecycle.noun} {key!r}")
+        return row
+
+    def _orphans(self, db: sqlite3.Connection, alive: Alive) -> list[sqlite3.Row]:
+        """Held items whose claimer is gone (not alive, or its lease ran out), oldest first."""
+        attempts = self.attempts or "0"
+        rows = db.execute(f"select {self.key} as key, {self.state} as state, {self.holder} as holder, "
+                          f"{attempts} as attempts, {LEASE_COLUMN} as lease from {self.table} "
+                          f"where {self.state} in ({_marks(self.held)}) order by {self.key}", tuple(self.held))
+        now = time.time()
+        return [row for row in rows if (row["lease"] is not None and row["lease"] < now) or not alive(row["holder"])]
+
+    def _spent(self, row: sqlite3.Row) -> bool:
+        return self.max_attempts is not None and row["attempts"] >= self.max_attempts
+
+    def _give_up(self, db: sqlite3.Connection, row: sqlite3.Row) -> None:
+        assert self.give_up is not None  # _spent is true only with a bound, and __post_init__ pairs them
+        end, columns = self.give_up(row["attempts"])
+        self.move(db, row["key"], end, **{self.holder: None, LEASE_COLUMN: None, **columns})
+
+    def _set(self, db: sqlite3.Connection, key: Key, columns: Mapping[str, object]) -> None:
+        db.execute(f"update {self.table} set {', '.join(f'{name} = ?' for name in columns)} where {self.key} = ?",
+                   (*columns.values(), key))
+
+
+def _lease(lease_s: float | None) -> float | None:
+    return None if lease_s is None else time.time() + lease_s
+
+
+def _marks(values: frozenset[S]) -> str:
+    return ", ".join("?" * len(values))
+
+
+@contextmanager
+def immediate(db: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+    """A write transaction on `db` (an autocommit connection), taken at once: no other writer
+    between its read and its write."""
+    db.execute("begin immediate")
+    try:
+        yield db
+    except BaseException:
+        if db.in_transaction:  # SQLite may have rolled back already (disk full, I/O): keep the real error
+            db.execute("rollback")
+        raise
+    db.execute("commit")
+
+
+_READY: set[tuple[Path, str]] = set()  # (database, schema) this process has made sure of
+
+
+@contextmanager
+def connect(path: Path, schema: str, *queues: Queue[Any]) -> Iterator[sqlite3.Connection]:
+    """A connection to a queue database in autocommit mode (`immediate` blocks are transactions),
+    its `schema` made and its queues' tables migrated once per process."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    db = sqlite3.connect(path, timeout=30, isolation_level=None)
+    try:
+        db.row_factory = sqlite3.Row
+        if (path, schema) not in _READY:
+            db.execute("pragma journal_mode=wal")
+            db.executescript(schema)
+            with immediate(db):  # two processes may open an old database at once
+                for queue in queues:
+                    queue.migrate(db)
+            _READY.add((path, schema))
+        yield db
+    finally:
+        db.close()
