@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
+import re
+import subprocess
 
 import pytest
 import typer
@@ -60,5 +62,16 @@ def test_unknown_command_is_a_usage_error(appliance: Appliance) -> None:
     assert "No such command" in result.stderr
 
 
+@pytest.mark.integration
 def test_console_script_is_installed() -> None:
-    assert Path(APPLIANCE).is_file()
+    """The installed `appliance` script runs the app, with every package's commands registered."""
+    shown = subprocess.run([APPLIANCE, "--help"], capture_output=True, text=True, timeout=120, check=False,
+                           env={**os.environ, "COLUMNS": "200"})
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.lstrip().startswith("Usage: appliance ")
+    listed = set(re.findall(r"^\W+([a-z][a-z-]*)  ", shown.stdout, re.MULTILINE))
+    by_package = {"appliance": {"up", "down", "status", "users", "adapters"}, "serve": {"hosts", "join"},
+                  "installer": {"profile", "preflight", "plan", "stage", "bundle", "keycloak"},
+                  "finetune": {"data", "finetune", "rl"}, "audit": {"audit"}, "tui": {"tui"}}
+    missing = {package: names - listed for package, names in by_package.items() if names - listed}
+    assert not missing, shown.stdout
