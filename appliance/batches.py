@@ -4,7 +4,8 @@ creates, lists and cancels batches) and the supervised `batch-worker` (which val
 files and executes them through the gateway, so each request is routed, filtered, limited and
 audited as any other).
 
-A batch's life, as OpenAI's (every move checked against MOVES inside the transaction making it):
+A batch's life, as OpenAI's (every move checked against MOVES, its Lifecycle, inside the transaction
+making it):
 
     validating --> in_progress --> finalizing --> completed | expired
        |    |           |                ^
@@ -16,9 +17,10 @@ Creating a batch only checks what is cheap (the file, the quotas); the worker re
 as a stream, checks it line by line and copies its requests into the queue, a chunk per
 transaction, before the batch is in progress (or failed, naming each bad line).
 
-Its requests are rows: pending, claimed by a worker (its pid), or done with the engine's answer. A
-worker that dies leaves its claims to the next one, so a request may run twice (at least once);
-the output file holds one line per request all the same, in the input file's order.
+Its requests are a table of the appliance's work queue (appliance.queue): pending, claimed by a
+worker (its pid), or done with the engine's answer. A worker that dies leaves its claims to the
+next one, so a request may run twice (at least once); the output file holds one line per request
+all the same, in the input file's order.
 """
 
 from __future__ import annotations
@@ -40,9 +42,9 @@ from pydantic import BaseModel, Field
 
 from appliance.artifacts import ArtifactStore, ArtifactStoreError, LocalStore, S3Store
 from appliance.choices import prompt_count
-from appliance.errors import Conflict, IllegalTransition, Invalid, NotFound, QuotaExceeded, StateError
+from appliance.errors import Conflict, Invalid, NotFound, QuotaExceeded, StateError
 from appliance.home import Home
-from appliance.jobs import immediate
+from appliance.queue import Alive, Key, Lifecycle, Queue, immediate
 from appliance.settings import BatchSettings
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
@@ -75,6 +77,7 @@ MOVES: dict[BatchState, frozenset[BatchState]] = {
     BatchState.FINALIZING: frozenset({BatchState.COMPLETED, BatchState.EXPIRED, BatchState.CANCELLED}),
     **{state: frozenset() for state in ENDED},
 }
+BATCH_LIFECYCLE = Lifecycle("batch", MOVES)
 # Which timestamp a move sets (OpenAI's field names).
 STAMPS = {BatchState.IN_PROGRESS: "in_progress_at", BatchState.FAILED: "failed_at",
           BatchState.FINALIZING: "finalizing_at", BatchState.COMPLETED: "completed_at",
@@ -126,6 +129,7 @@ create table if not exists batch_requests (
     response text,                 -- JSON: the answer's body (both dropped once in the output file)
     retry_at integer,              -- given back (a budget spent, an engine down): not claimed before
     attempts integer not null default 0,  -- times given back after a failure that may pass
+    lease_until real,              -- appliance.queue: the worker's claim holds until then (null: while it lives)
     primary key (batch_id, line)
 );
 create index if not exists batch_requests_state on batch_requests (state, batch_id);
@@ -138,6 +142,27 @@ MIGRATIONS = {
                       "update batches set announced = 1 where status = 'failed'"),
     "input_bytes": ("alter table batches add column input_bytes integer not null default 0",),
 }
+
+
+
+
+class RequestState(StrEnum):
+    PENDING = "pending"
+    CLAIMED = "claimed"
+    DONE = "done"
+
+
+# A dead worker's requests are pending again; the first answer to a request is kept, whoever gives
+# it (a request given back may still be answered by the worker that had it).
+REQUESTS = Queue(
+    table="batch_requests",
+    lifecycle=Lifecycle("batch request", {
+        RequestState.PENDING: frozenset({RequestState.CLAIMED, RequestState.DONE}),
+        RequestState.CLAIMED: frozenset({RequestState.PENDING, RequestState.DONE}),
+        RequestState.DONE: frozenset(),
+    }),
+    key="rowid", waiting=RequestState.PENDING, taken=RequestState.CLAIMED, held=frozenset({RequestState.CLAIMED}),
+    attempts=None, orphans_resume=False)
 
 
 class FileObject(BaseModel):
@@ -274,6 +299,7 @@ def _migrate(db: sqlite3.Connection) -> None:
             if column not in columns:
                 for statement in statements:
                     db.execute(statement)
+        REQUESTS.migrate(db)
 
 
 @contextmanager
@@ -728,9 +754,7 @@ def _move(db: sqlite3.Connection, batch_id: str, to: BatchState) -> None:
     row = db.execute("select status from batches where id = ?", (batch_id,)).fetchone()
     if row is None:
         raise NotFound(f"no batch {batch_id!r}")
-    current = BatchState(row["status"])
-    if to not in MOVES[current]:
-        raise IllegalTransition(f"batch {batch_id} is {current}; it cannot become {to}")
+    BATCH_LIFECYCLE.check(batch_id, BatchState(row["status"]), to)
     db.execute(f"update batches set status = ?, {STAMPS[to]} = ? where id = ?", (to, _now(), batch_id))
 
 
@@ -760,7 +784,7 @@ def cancel_all_of(home: Home, subject: str) -> int:
 # -- the worker's side ---------------------------------------------------------------------------
 
 
-def claim(home: Home, worker_pid: int, alive: Callable[[int | None], bool], limit: int) -> list[Claimed]:
+def claim(home: Home, worker_pid: int, alive: Alive, limit: int) -> list[Claimed]:
     """Up to `limit` pending requests of batches in progress, claimed for this worker, taken from
     the users in turn (one user's big batch does not hold the others' back) and not before a
     request's retry time. First, requests claimed by workers no longer alive are pending again, and
@@ -768,19 +792,16 @@ def claim(home: Home, worker_pid: int, alive: Callable[[int | None], bool], limi
     worker's whose pid it was given)."""
     now = _now()
     with transaction(home) as db:
-        for pid in {row[0] for row in db.execute("select distinct worker_pid from batch_requests "
-                                                   "where state = 'claimed'")}:
-            if pid == worker_pid or not alive(pid):
-                db.execute("update batch_requests set state = 'pending', worker_pid = null "
-                           "where state = 'claimed' and worker_pid = ?", (pid,))
+        REQUESTS.requeue_orphans(db, lambda pid: pid != worker_pid and alive(pid))
         rows = db.execute(
-            "select * from (select r.batch_id, r.line, r.custom_id, r.body, r.attempts, b.endpoint, b.created_at, "
+            "select * from (select r.rowid as key, r.batch_id, r.line, r.custom_id, r.body, r.attempts, b.endpoint, "
+            "b.created_at, "
             "row_number() over (partition by b.owner order by b.created_at, r.batch_id, r.line) as turn "
             "from batch_requests r join batches b on b.id = r.batch_id where r.state = 'pending' "
             "and b.status = 'in_progress' and b.expires_at > ? and (r.retry_at is null or r.retry_at <= ?)) "
             "order by turn, created_at limit ?", (now, now, limit)).fetchall()
-        db.executemany("update batch_requests set state = 'claimed', worker_pid = ? where batch_id = ? and line = ?",
-                       [(worker_pid, row["batch_id"], row["line"]) for row in rows])
+        for row in rows:
+            REQUESTS.take(db, row["key"], worker_pid)
     return [Claimed(row["batch_id"], row["line"], row["custom_id"], row["endpoint"], json.loads(row["body"]),
                     row["attempts"]) for row in rows]
 
@@ -798,24 +819,30 @@ def release(home: Home, request: Claimed, retry_in_s: float, *, failed: bool = F
     retry later: its owner's budget is spent, or its engine is down or failed); other requests go
     on. `failed`: it failed in a way that may pass, and counts as an attempt."""
     with transaction(home) as db:
-        db.execute("update batch_requests set state = 'pending', worker_pid = null, retry_at = ?, "
-                   "attempts = attempts + ? where batch_id = ? and line = ? and state = 'claimed'",
-                   (_now() + math.ceil(retry_in_s), int(failed), request.batch_id, request.line))
+        key = _request_key(db, request)
+        if key is not None and REQUESTS.release(db, key, None, retry_at=_now() + math.ceil(retry_in_s)) and failed:
+            db.execute("update batch_requests set attempts = attempts + 1 where rowid = ?", (key,))
 
 
 def finish(home: Home, request: Claimed, status_code: int, request_id: str | None, response: object) -> None:
     """Record a request's answer, once, while its batch runs (a second worker's answer to a request
     run twice, or an answer arriving after its batch ended, is dropped)."""
     with transaction(home) as db:
-        changed = db.execute(
-            "update batch_requests set state = 'done', status_code = ?, request_id = ?, response = ?, "
-            "worker_pid = null where batch_id = ? and line = ? and state != 'done' and exists "
-            "(select 1 from batches where id = ? and status in ('in_progress', 'cancelling'))",
-            (status_code, request_id, json.dumps(response), request.batch_id, request.line,
-             request.batch_id)).rowcount
-        if changed:
+        running = db.execute("select 1 from batches where id = ? and status in ('in_progress', 'cancelling')",
+                             (request.batch_id,)).fetchone()
+        key = _request_key(db, request)
+        if running and key is not None and REQUESTS.finish(
+                db, key, RequestState.DONE, status_code=status_code, request_id=request_id,
+                response=json.dumps(response)):
             column = "completed" if status_code == 200 else "failed"
             db.execute(f"update batches set {column} = {column} + 1 where id = ?", (request.batch_id,))
+
+
+def _request_key(db: sqlite3.Connection, request: Claimed) -> Key | None:
+    """A request's key in the queue (None: it is gone)."""
+    row = db.execute("select rowid from batch_requests where batch_id = ? and line = ?",
+                     (request.batch_id, request.line)).fetchone()
+    return None if row is None else int(row[0])
 
 
 def to_finalize(home: Home) -> list[str]:

@@ -20,6 +20,7 @@ own columns are written together with the move.
 
 from __future__ import annotations
 
+import functools
 import sqlite3
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -186,8 +187,8 @@ class Queue(Generic[S]):
         rows = db.execute(f"select {self.key} as key, {self.state} as state, {self.holder} as holder, "
                           f"{attempts} as attempts, {LEASE_COLUMN} as lease from {self.table} "
                           f"where {self.state} in ({_marks(self.held)}) order by {self.key}", tuple(self.held))
-        now = time.time()
-        return [row for row in rows if (row["lease"] is not None and row["lease"] < now) or not alive(row["holder"])]
+        now, living = time.time(), functools.cache(alive)  # one look per claimer: it may read the process table
+        return [row for row in rows if (row["lease"] is not None and row["lease"] < now) or not living(row["holder"])]
 
     def _spent(self, row: sqlite3.Row) -> bool:
         return self.max_attempts is not None and row["attempts"] >= self.max_attempts
