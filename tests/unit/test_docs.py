@@ -1,6 +1,7 @@
 """The documentation stays true to the tree: every relative link resolves (to a heading too, where
-it names one), every `appliance ...` command it quotes exists with the options it quotes, and the
-design's module table names every module of the packages and nothing else."""
+it names one), every source file it quotes exists, every `appliance ...` command it quotes exists
+with the options it quotes, and the design's module table names every module of the packages and
+nothing else."""
 
 from __future__ import annotations
 
@@ -144,10 +145,23 @@ def test_the_command_check_catches_what_is_not_there() -> None:
     assert _problem(root, " users add alice --colour blue") is not None
 
 
+SOURCE_PATH = re.compile(r"(?:appliance|audit|serve|finetune|installer|tui|bench|tests)/[\w/*.-]*\.(?:py|sh)")
+
+
+@pytest.mark.parametrize("doc", [doc for doc in DOCS if doc.name != "CHANGELOG.md"], ids=_relative)
+def test_every_quoted_source_file_exists(doc: Path) -> None:
+    """A module, test or bench named in a code span (`serve/upstream.py`, `tests/unit/test_x*.py`)
+    is in the tree: a module moved by a refactor leaves no stale name behind. (The changelog may
+    name files that are gone.)"""
+    quoted = {span for span in CODE_SPAN.findall(FENCE.sub("", doc.read_text()))
+              if SOURCE_PATH.fullmatch(span)}
+    missing = sorted(path for path in quoted if not any(ROOT.glob(path)))
+    assert not missing, f"{_relative(doc)} names files that are not in the tree: {missing}"
+
+
 def _named_modules() -> list[str]:
     """Module paths named in the first column of the design's module tables."""
-    rows = re.findall(r"^\|\s*`([\w/]+\.py)`\s*\|", MODULE_TABLE.read_text(), re.M)
-    return rows
+    return re.findall(r"^\|\s*`([\w/]+\.py)`\s*\|", MODULE_TABLE.read_text(), re.M)
 
 
 def test_the_module_table_names_every_module_once() -> None:
