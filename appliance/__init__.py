@@ -1,22 +1,4 @@
-"""The appliance's shared core: state directory, settings, secrets, supervised programs."""
+"""The appliance's shared core: state directory, settings, secrets, supervised programs.
 
-from appliance.errors import ApplianceError, SettingsError, StartError, StateError, SupervisorError
-from appliance.home import Home
-from appliance.programs import Program
-from appliance.secrets import secret
-from appliance.settings import EngineSettings, PoolSettings, Settings, load_settings
-
-__all__ = [
-    "ApplianceError",
-    "EngineSettings",
-    "Home",
-    "PoolSettings",
-    "Program",
-    "SettingsError",
-    "Settings",
-    "StartError",
-    "StateError",
-    "SupervisorError",
-    "load_settings",
-    "secret",
-]
+Nothing is imported here: `import appliance.home` must not build the settings' schemas, so the CLI
+and every supervised program load only the modules they use."""

@@ -1,42 +1,121 @@
-"""The `appliance` command: the CLI root, its lifecycle commands, and commands packages add."""
+"""The `appliance` command: the root that composes every command group.
+
+The core's groups live in appliance.commands, one module each (CORE_COMMANDS); the packages built on
+the core add theirs through the `appliance.commands` entry points, so the core imports none of them.
+The root lists every command from SUMMARIES and imports a command's module only when that command
+runs: `appliance --help` and `appliance status` answer at once instead of importing everything.
+"""
 
 from __future__ import annotations
 
-import json
+import functools
+import pkgutil
 import time
 import traceback
-from importlib.metadata import entry_points
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.console import Console
-from rich.table import Column, Table
-from rich.text import Text
+from typer.core import TyperCommand, TyperGroup
 
-from appliance import cli_access, cli_hosts, lifecycle
-from appliance.changes import records_change
-from appliance.cli_serving import serving_app
 from appliance.errors import ApplianceError
 from appliance.home import Home
-from appliance.settings import load_settings, render_defaults
-from appliance.terminal import shown
+
+if TYPE_CHECKING:
+    from typer import _click  # the Click that Typer vendors: the types its groups are written in
 
 COMMANDS_GROUP = "appliance.commands"
 
+# The core's own commands: name -> "module:attribute", a Typer app or a command function.
+CORE_COMMANDS = {
+    "up": "appliance.commands.lifecycle:up",
+    "down": "appliance.commands.lifecycle:down",
+    "status": "appliance.commands.lifecycle:status",
+    "settings": "appliance.commands.settings:settings_app",
+    "token": "appliance.commands.token:token",
+    "users": "appliance.commands.users:users_app",
+    "adapters": "appliance.commands.adapters:adapters_app",
+    "serving": "appliance.commands.serving:serving_app",
+}
+
+# What `appliance --help` says of each command, in its order, without importing any: the first
+# sentence of the command's own help (tests/unit/test_cli.py checks that they agree).
+SUMMARIES = {
+    "up": "Start supervisord and every engine pool; wait until each answers; print what runs where.",
+    "down": "Stop every program and supervisord, and end any process they left behind.",
+    "status": "Programs as supervisord sees them (pool, pid, state, uptime, model, port) and their health.",
+    "settings": "Show the settings file, its defaults and the values in effect.",
+    "token": "Log in (device code by default; a password for scripts), cache the token 0600, refresh it.",
+    "users": "Users and roles of the realm (through the gateway's admin API).",
+    "adapters": "LoRA adapters: list, deploy into the running engine, canary, roll back, retire (through the "
+                "gateway's admin API).",
+    "serving": "Tiers, replicas, routing, the response cache and batches (through the gateway's admin API).",
+    "hosts": "Hosts of a cluster (on the head): invite a worker, list them, remove one.",
+    "join": "Join the head's cluster with the token on standard input (`appliance hosts add` printed it), get the "
+            "weights, and start this host's ranks under its own supervisord.",
+    "profile": "Detect this host's GPUs (NVML), CPU, RAM, NUMA nodes, disks and NICs (/proc, /sys).",
+    "preflight": "Pass/warn/fail checks before install or `up`: GPUs, driver, disk, RAM, ports, Java.",
+    "plan": "Plan TP x PP x DP x EP for MODEL; exit 0 with a feasible plan, 3 when none fits.",
+    "stage": "Stage SOURCE for a plan: each host gets only what its ranks load; resumable, verified.",
+    "model": "Models on this host.",
+    "keycloak": "The embedded Keycloak.",
+    "bundle": "Air-gapped bundles: build, verify the signature and every file, join split parts.",
+    "data": "Training datasets: validated, scanned, stored content-addressed.",
+    "finetune": "Train LoRA/QLoRA adapters on stored datasets.",
+    "rl": "Post-training from execution feedback: task sets, the sandbox, runs, trajectories.",
+    "audit": "The tamper-evident audit log.",
+    "tui": "The administrator's terminal UI: services, GPUs, traffic, models and plan, adapters and jobs, users, "
+           "audit.",
+}
+
+
+@functools.cache
+def command_targets() -> dict[str, str]:
+    """Every command: name -> "module:attribute", in the order `appliance --help` lists them."""
+    from importlib.metadata import distribution
+
+    # This distribution's own entry points: reading them is instant, scanning every installed one is not.
+    contributed = distribution("appliance").entry_points.select(group=COMMANDS_GROUP)
+    targets = {**CORE_COMMANDS, **{ep.name: ep.value for ep in contributed}}
+    return {name: targets[name] for name in [*(n for n in SUMMARIES if n in targets), *sorted(targets)]}
+
+
+def load_command(name: str, target: str) -> _click.Command:
+    """Import the command's module and make the Click command of its Typer app or function."""
+    found = pkgutil.resolve_name(target)
+    command: _click.Command
+    if isinstance(found, typer.Typer):
+        command = typer.main.get_group(found)
+    else:  # a command function: a Typer of one command is that command
+        single = typer.Typer(add_completion=False)  # completion is the root's option
+        single.command(name)(found)
+        command = typer.main.get_command(single)
+    command.name = name
+    return command
+
+
+class CommandTable(TyperGroup):
+    """The root group. It lists its commands from the tables above (help, completion, "did you
+    mean") and imports one only when it resolves it to run."""
+
+    def __init__(self, **attrs: Any) -> None:
+        super().__init__(**attrs)
+        for name in command_targets():
+            self.add_command(TyperCommand(name, short_help=SUMMARIES.get(name, "")))
+
+    def resolve_command(self, ctx: _click.Context, args: list[str]
+                        ) -> tuple[str | None, _click.Command | None, list[str]]:
+        name, _, rest = super().resolve_command(ctx, args)
+        if name is None:
+            return name, None, rest
+        return name, load_command(name, command_targets()[name]), rest
+
+
 app = typer.Typer(
+    cls=CommandTable,
     help="On-prem LLM appliance: serve open-weight models through vLLM under supervisord.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
-settings_app = typer.Typer(help="Show the settings file, its defaults and the values in effect.",
-                           no_args_is_help=True)
-app.add_typer(settings_app, name="settings")
-cli_access.register(app)
-cli_hosts.register(app)
-app.add_typer(serving_app, name="serving")
-
-out = Console()
-err = Console(stderr=True)
 _state = {"verbose": False}
 
 
@@ -47,111 +126,19 @@ def _root(
     _state["verbose"] = verbose
 
 
-def _settings_in_effect() -> str:
-    return f"settings {load_settings(Home.from_env().settings_file).digest()}"
-
-
-@app.command()
-@records_change("appliance.up", detail=_settings_in_effect)  # a changed digest: settings changed
-def up() -> None:
-    """Start supervisord and every engine pool; wait until each answers; print what runs where."""
-    home = Home.from_env()
-    settings = load_settings(home.settings_file)
-    with err.status("starting") as spinner:
-        report = lifecycle.up(settings, home, progress=lambda text: spinner.update(text))
-    if report.already_up:
-        out.print("already up; nothing changed (`appliance down` first to apply new settings)")
-    else:
-        out.print(f"up in {max(report.startup_s.values(), default=0):.0f}s")
-    for notice in report.notices:
-        out.print(notice, highlight=False)
-    _print_programs(lifecycle.status(home))
-
-
-@app.command()
-@records_change("appliance.down")
-def down() -> None:
-    """Stop every program and supervisord, and end any process they left behind."""
-    home = Home.from_env()
-    with err.status("stopping"):
-        report = lifecycle.down(home)
-    if not report.was_running:
-        out.print("not running; nothing to stop")
-    else:
-        out.print("down: supervisord and all programs stopped")
-    if report.ended_leftovers:
-        out.print(f"ended leftover processes: {report.ended_leftovers}")
-
-
-@app.command()
-def status(
-    as_json: Annotated[bool, typer.Option("--json", help="Every program's state and URLs as JSON.")] = False,
-) -> None:
-    """Programs as supervisord sees them (pool, pid, state, uptime, model, port) and their health."""
-    report = lifecycle.status(Home.from_env())
-    if as_json:
-        out.print_json(json.dumps(report))
-        return
-    if not report["supervisord"]["running"]:
-        out.print("down (supervisord is not running)")
-        return
-    _print_programs(report)
-
-
-def _print_programs(report: dict[str, Any]) -> None:
-    table = Table(*(Column(name, overflow="fold") for name in
-                    ("program", "pool", "gpus", "state", "pid", "uptime", "model", "serves", "health")))
-    for p in report["programs"]:
-        table.add_row(p["name"], p["pool"] or "-", ",".join(map(str, p["gpus"])) or "-", p["state"],
-                      str(p["pid"] or "-"),
-                      time.strftime("%H:%M:%S", time.gmtime(p["uptime_s"])), p["model"] or "-",
-                      " ".join(p["urls"].values()), "ok" if p["healthy"] else "no")
-    out.print(table)
-    for pool in report["cluster"]:
-        ranks = Table(*(Column(name, overflow="fold") for name in
-                        ("node", "host", "host state", "rank", "pid", "epoch", "last heartbeat")),
-                      title=f"pool {pool['pool']} across hosts: {'serving' if pool['ready'] else pool['why']} "
-                            f"(epoch {pool['epoch']})")
-        for rank in pool["ranks"]:
-            seen = rank["seen_s_ago"]
-            ranks.add_row(str(rank["node"]), rank["host"], rank["host_state"], "up" if rank["running"] else "down",
-                          str(rank["pid"] or "-"), str(rank["epoch"]), "-" if seen is None else f"{seen:.1f} s ago")
-        out.print(ranks)
-    out.print(f"logs: {report['home']}/logs")
-
-
-@settings_app.command("show")
-def settings_show() -> None:
-    """The settings in effect (file plus APPLIANCE_* overrides), as JSON; secrets masked."""
-    home = Home.from_env()
-    out.print_json(data=load_settings(home.settings_file).masked())
-
-
-@settings_app.command("defaults")
-def settings_defaults() -> None:
-    """Every setting with its default and meaning, as a commented TOML file."""
-    typer.echo(render_defaults(), nl=False)
-
-
-@settings_app.command("path")
-def settings_path() -> None:
-    """Where the settings file lives (APPLIANCE_HOME/settings.toml)."""
-    typer.echo(Home.from_env().settings_file)
-
-
-def _register_package_commands() -> None:
-    for ep in entry_points(group=COMMANDS_GROUP):
-        ep.load()(app)
-
-
 def main() -> None:
     """Console-script entry: run the app; an ApplianceError becomes one line and exit code 1."""
-    _register_package_commands()
     try:
         app()  # standalone: usage errors, --help and exit codes are handled by Typer
     except ApplianceError as exc:
+        from rich.console import Console
+        from rich.text import Text
+
+        from appliance.terminal import shown
+
         line = exc.one_line()
         _record(line)
+        err = Console(stderr=True)
         err.print(Text("error: ", style="red") + shown(line), soft_wrap=True)  # never markup: it may quote input
         if _state["verbose"]:
             err.print(traceback.format_exc())
@@ -160,8 +147,9 @@ def main() -> None:
 
 def _record(line: str) -> None:
     """Append a reported error to the appliance log, if the state directory exists."""
-    home = Home.from_env()
-    log = lifecycle.appliance_log(home)
+    from appliance.lifecycle import appliance_log
+
+    log = appliance_log(Home.from_env())
     if log.parent.is_dir():
         with log.open("a") as handle:
             handle.write(f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} error: {line}\n")

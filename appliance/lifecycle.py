@@ -14,7 +14,7 @@ from typing import Any
 
 import psutil
 
-from appliance import health, hosts
+from appliance import hosts
 from appliance.errors import StartError
 from appliance.home import Home
 from appliance.orphans import end_leftovers
@@ -23,7 +23,6 @@ from appliance.secrets import secret
 from appliance.settings import Settings
 from appliance.supervisor import (
     FAILED_STATES,
-    ProcessInfo,
     ProcessState,
     Supervisor,
     log_file,
@@ -137,6 +136,8 @@ def _wait_ready(
     waiting = {p.name: p for p in programs if p.health_url and p.autostart}
     first_pid: dict[str, int] = {}
     ready: dict[str, float] = {}
+    from appliance import health  # httpx and the appliance's CA: only to ask programs that run
+
     with health.client(home) as client:
         while waiting:
             infos = {info.name: info for info in supervisor.processes()}
@@ -212,28 +213,29 @@ def status(home: Home) -> dict[str, Any]:
     """supervisord's view of every program, plus each program's own health answer."""
     supervisor = Supervisor(home)
     running = supervisor.is_running()
-    infos: dict[str, ProcessInfo] = {}
-    if running:
-        infos = {info.name: info for info in supervisor.processes()}
     programs = []
-    with health.client(home) as client:
-        for program in started_programs(home) if running else []:
-            info = infos.get(program.name)
-            programs.append({
-                "name": program.name,
-                "pool": program.pool,
-                "gpus": program.gpus,
-                "state": info.state.name if info else "UNKNOWN",
-                "pid": info.pid if info else 0,
-                "uptime_s": info.uptime_s if info else 0,
-                "model": program.model,
-                "port": program.port,
-                "socket": str(program.socket) if program.socket else None,
-                "healthy": bool(info and info.state == ProcessState.RUNNING
-                                and health.answers(client, program)),
-                "urls": program.urls,
-                "log": str(log_file(home, program.name)),
-            })
+    if running:
+        from appliance import health  # httpx and the appliance's CA: `status` with nothing running needs neither
+
+        infos = {info.name: info for info in supervisor.processes()}
+        with health.client(home) as client:
+            for program in started_programs(home):
+                info = infos.get(program.name)
+                programs.append({
+                    "name": program.name,
+                    "pool": program.pool,
+                    "gpus": program.gpus,
+                    "state": info.state.name if info else "UNKNOWN",
+                    "pid": info.pid if info else 0,
+                    "uptime_s": info.uptime_s if info else 0,
+                    "model": program.model,
+                    "port": program.port,
+                    "socket": str(program.socket) if program.socket else None,
+                    "healthy": bool(info and info.state == ProcessState.RUNNING
+                                    and health.answers(client, program)),
+                    "urls": program.urls,
+                    "log": str(log_file(home, program.name)),
+                })
     return {
         "home": str(home.root),
         "supervisord": {

@@ -153,8 +153,3 @@ def _local_user() -> str:
         return getpass.getuser()
     except (OSError, KeyError):
         return f"uid:{os.getuid()}"
-
-
-def register(app: typer.Typer) -> None:
-    """The `appliance.commands` entry point."""
-    app.add_typer(audit_app, name="audit")

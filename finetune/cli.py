@@ -231,9 +231,3 @@ def _token_counter(model_dir: Path) -> Any:
         return len(tokenizer(example["text"]).input_ids)
 
     return count
-
-
-def register(app: typer.Typer) -> None:
-    """The `appliance.commands` entry point."""
-    app.add_typer(data_app, name="data")
-    app.add_typer(finetune_app, name="finetune")

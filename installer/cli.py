@@ -160,11 +160,3 @@ def _print_checks(checks: list[preflight.Check]) -> None:
         style = _STATUS_STYLE[check.status]
         table.add_row(check.name, f"[{style}]{check.status}[/{style}]", check.reason, check.fix or "")
     out.print(table)
-
-
-def register(app: typer.Typer) -> None:
-    """The `appliance.commands` entry point."""
-    app.add_typer(model_app, name="model")
-    app.add_typer(keycloak_app, name="keycloak")
-    app.command("profile")(profile_command)
-    app.command("preflight")(preflight_command)

@@ -82,8 +82,3 @@ def build_command(
     if part_mib is not None:
         parts = split(built.bundle, out_dir.with_name(f"{out_dir.name}-parts"), part_mib * 2**20)
         out.print(f"{len(parts)} parts in {parts[0].parent} (join with `appliance bundle join`)")
-
-
-def register(app: typer.Typer) -> None:
-    """The `appliance.commands` entry point."""
-    app.add_typer(bundle_app, name="bundle")

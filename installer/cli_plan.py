@@ -111,8 +111,3 @@ def _explain(record: Plan) -> None:
     for item in closest:
         rejected.add_row(_layout(item.layout), item.reason)
     out.print(rejected)
-
-
-def register(app: typer.Typer) -> None:
-    """The `appliance.commands` entry point."""
-    app.command("plan")(plan_command)

@@ -60,8 +60,3 @@ def stage_command(
         resumed = f", {item.resumed} already done" if item.resumed else ""
         out.print(f"{item.host}: {item.files} files, {item.bytes / 2**30:.2f} GiB in {item.directory}{resumed}",
                   soft_wrap=True)
-
-
-def register(app: typer.Typer) -> None:
-    """The `appliance.commands` entry point."""
-    app.command("stage")(stage_command)

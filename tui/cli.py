@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import typer
-
 from appliance.home import Home
 from appliance.settings import load_settings
 
@@ -15,7 +13,3 @@ def tui_command() -> None:
 
     home = Home.from_env().ensure()
     AdminApp(load_settings(home.settings_file), home).run()
-
-
-def register(app: typer.Typer) -> None:
-    app.command("tui")(tui_command)

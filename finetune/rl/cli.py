@@ -333,8 +333,3 @@ def gate_command(
               f"gate: {'passed' if not failures else 'FAILED: ' + '; '.join(failures)}", highlight=False)
     if failures:
         raise typer.Exit(1)
-
-
-def register(app: typer.Typer) -> None:
-    """The `appliance.commands` entry point."""
-    app.add_typer(rl_app, name="rl")

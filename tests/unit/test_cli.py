@@ -15,9 +15,7 @@ from tests.support.appliances import APPLIANCE, Appliance, make_appliance
 
 
 def all_command_paths() -> list[list[str]]:
-    cli._register_package_commands()
-    root = typer.main.get_command(cli.app)
-    paths: list[list[str]] = []
+    paths: list[list[str]] = [[]]
 
     def walk(command: object, path: list[str]) -> None:
         paths.append(path)
@@ -25,14 +23,15 @@ def all_command_paths() -> list[list[str]]:
             for name, sub in command.commands.items():
                 walk(sub, [*path, name])
 
-    walk(root, [])
+    for name, target in cli.command_targets().items():
+        walk(cli.load_command(name, target), [name])
     return paths
 
 
 def test_every_command_has_help() -> None:
     paths = all_command_paths()
     for expected in (["up"], ["down"], ["status"], ["token"], ["users", "add"], ["model", "prepare-demo"],
-                     ["keycloak", "install"]):
+                     ["keycloak", "install"], ["hosts", "add"], ["join"], ["serving", "pools"]):
         assert expected in paths
     runner = CliRunner()
     for path in paths:
@@ -41,11 +40,23 @@ def test_every_command_has_help() -> None:
         assert "Usage:" in result.output
 
 
+def test_the_root_lists_each_command_by_the_first_words_of_its_own_help() -> None:
+    """`appliance --help` imports no command: its summaries must say what each command's help says."""
+    listed = typer.main.get_command(cli.app)
+    assert listed.list_commands(typer.Context(listed)) == list(cli.command_targets())
+    for name, target in cli.command_targets().items():
+        command = cli.load_command(name, target)
+        own = " ".join((command.help or "").split())
+        assert cli.SUMMARIES.get(name), f"{name}: add its one-line summary to appliance.cli.SUMMARIES"
+        assert own.startswith(cli.SUMMARIES[name]), (name, own)
+
+
 @pytest.fixture
 def appliance() -> Appliance:
     yield from make_appliance(None)
 
 
+@pytest.mark.integration
 def test_bad_settings_is_one_line_and_exit_1(appliance: Appliance) -> None:
     appliance.home.settings_file.write_text("[engine]\nmax_model_len = 0\n")
     result = appliance.run("up", timeout=60)
@@ -56,6 +67,7 @@ def test_bad_settings_is_one_line_and_exit_1(appliance: Appliance) -> None:
     assert "greater than 0" in lines[0]
 
 
+@pytest.mark.integration
 def test_unknown_command_is_a_usage_error(appliance: Appliance) -> None:
     result = appliance.run("upp", timeout=60)
     assert result.returncode == 2

@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from appliance.cli_access import admin_api
+from appliance.commands.common import admin_api
 
 serving_app = typer.Typer(help="Tiers, replicas, routing, the response cache and batches (through the gateway's "
                           "admin API).",

@@ -1,8 +1,10 @@
-"""`appliance hosts add|list|remove` on the head: invite the worker hosts a pool's plan names,
-see who joined, revoke a host."""
+"""The cluster's commands. On the head, `appliance hosts add|list|remove`: invite the worker hosts a
+pool's plan names, see who joined, revoke a host. On a worker, `appliance join HEAD_URL`: become a
+worker of the head's cluster and start its ranks."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -11,18 +13,21 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from appliance import hosts
+from appliance import hosts, lifecycle
 from appliance.changes import records_change
 from appliance.errors import Invalid, SettingsError
 from appliance.home import Home
 from appliance.records import HostName
 from appliance.settings import load_settings
 from appliance.tls import ca_sha256
+from serve.cluster_worker import join, read_token
 
 hosts_app = typer.Typer(help="Hosts of a cluster (on the head): invite a worker, list them, remove one.",
                         no_args_is_help=True)
 out = Console()
+err = Console(stderr=True)
 _last: dict[str, str] = {}
+_joined: dict[str, str] = {}
 
 
 def _host_name(name: str) -> str:
@@ -49,9 +54,9 @@ def add(name: Annotated[str, typer.Argument(help="The host's name, as the pool's
     bind = str(cluster.bind)
     url = f"https://{f'[{bind}]' if ':' in bind else bind}:{cluster.port}"
     typer.echo(token)
-    Console(stderr=True).print(f"On {name}, with this token on standard input (never on a command line): "
-                               f"appliance join {url} < TOKEN_FILE  (valid {cluster.join_token_ttl_s} s, once)",
-                               soft_wrap=True, highlight=False, markup=False)
+    err.print(f"On {name}, with this token on standard input (never on a command line): "
+              f"appliance join {url} < TOKEN_FILE  (valid {cluster.join_token_ttl_s} s, once)",
+              soft_wrap=True, highlight=False, markup=False)
 
 
 @hosts_app.command("list")
@@ -75,5 +80,18 @@ def remove(name: Annotated[str, typer.Argument(help="The host to forget.")]) -> 
     out.print(f"host {name} removed")
 
 
-def register(app: typer.Typer) -> None:
-    app.add_typer(hosts_app, name="hosts")
+@records_change("cluster.join", detail=lambda: _joined.get("as", ""))
+def join_command(
+    head_url: Annotated[str, typer.Argument(help="The head's cluster URL, as `appliance hosts add` printed it.")],
+    weights: Annotated[Path | None, typer.Option(help="A pre-staged copy of the pool's weights, checked file by "
+                                                      "file against the head's list (default: pull them).")] = None,
+) -> None:
+    """Join the head's cluster with the token on standard input (`appliance hosts add` printed it),
+    get the weights, and start this host's ranks under its own supervisord."""
+    home = Home.from_env().ensure()
+    record = join(home, head_url, read_token(), weights, lambda line: err.print(line, highlight=False, markup=False))
+    _joined["as"] = f"joined {record.head_url} as {record.name}"
+    with err.status("starting") as spinner:
+        lifecycle.up(load_settings(home.settings_file), home, progress=lambda text: spinner.update(text))
+    err.print(f"{record.name} is a worker of {record.head_url}: its ranks start when the head asks "
+              "(`appliance status` on the head)", highlight=False, markup=False)

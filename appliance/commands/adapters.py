@@ -1,0 +1,76 @@
+"""`appliance adapters ...`: the served LoRA adapters, through the gateway's admin API."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from appliance.adapters import AdapterRecord, Alias, Registry
+from appliance.commands.common import admin_api
+
+adapters_app = typer.Typer(help="LoRA adapters: list, deploy into the running engine, canary, roll back, retire "
+                           "(through the gateway's admin API).", no_args_is_help=True)
+out = Console()
+
+
+@adapters_app.command("list")
+def adapters_list() -> None:
+    """Adapter versions with their held-out loss, state, and what each name serves."""
+    registry = Registry.model_validate(admin_api("GET", "/adapters"))
+    table = Table("adapter", "version", "state", "base", "held-out loss (base -> adapter)", "dataset")
+    for record in registry.adapters:
+        loss = f"{record.metrics.base_eval_loss:.4f} -> {record.metrics.adapter_eval_loss:.4f}"
+        table.add_row(record.name, str(record.version), record.state, record.base_model, loss, record.dataset)
+    out.print(table)
+    for name, alias in sorted(registry.aliases.items()):
+        serves = f"v{alias.stable}" if alias.stable is not None else "the base model"
+        if alias.canary is not None:
+            serves += f", canary v{alias.canary} ({alias.canary_share:.0%})"
+        out.print(f"{name}: {serves} on pool {alias.pool}, for roles {', '.join(alias.roles)}")
+
+
+@adapters_app.command("deploy")
+def adapters_deploy(
+    name: Annotated[str, typer.Argument(help="Adapter name.")],
+    version: Annotated[int | None, typer.Option(min=1, help="Default: the newest that passed its gate.")] = None,
+    pool: Annotated[str | None, typer.Option(help="Engine pool (default: as before, else the first).")] = None,
+    role: Annotated[list[str] | None, typer.Option("--role", help="Role allowed to call it; repeatable "
+                                                   "(default: as before, else user and admin).")] = None,
+) -> None:
+    """Hot-load a version into the running engine and serve it under its name."""
+    alias = Alias.model_validate(admin_api("POST", f"/adapters/{name}/deploy",
+                                           json={"version": version, "pool": pool, "roles": role}))
+    out.print(f"{name} serves v{alias.stable} on pool {alias.pool}")
+
+
+@adapters_app.command("canary")
+def adapters_canary(
+    name: Annotated[str, typer.Argument(help="Adapter name.")],
+    version: Annotated[int, typer.Option(min=1, help="The version to try.")],
+    share: Annotated[float, typer.Option(min=0, max=1, help="Fraction of requests it gets, e.g. 0.1.")],
+) -> None:
+    """Send a share of the name's requests to another version."""
+    answer = admin_api("POST", f"/adapters/{name}/canary", json={"version": version, "share": share})
+    alias = Alias.model_validate(answer)
+    out.print(f"{name}: v{alias.canary} gets {alias.canary_share:.0%} of requests, v{alias.stable} the rest")
+
+
+@adapters_app.command("rollback")
+def adapters_rollback(name: Annotated[str, typer.Argument(help="Adapter name.")]) -> None:
+    """Drop the canary; without one, serve the version served before (or the base model)."""
+    alias = Alias.model_validate(admin_api("POST", f"/adapters/{name}/rollback"))
+    out.print(f"{name} serves {'v' + str(alias.stable) if alias.stable is not None else 'the base model'}")
+
+
+@adapters_app.command("retire")
+def adapters_retire(
+    name: Annotated[str, typer.Argument(help="Adapter name.")],
+    version: Annotated[int | None, typer.Option(min=1, help="Default: every version, and the name.")] = None,
+) -> None:
+    """Retire a version that is not served, or the whole name."""
+    retired = [AdapterRecord.model_validate(r) for r in admin_api("POST", f"/adapters/{name}/retire",
+                                                                   json={"version": version})]
+    out.print("retired " + ", ".join(f"{r.name} v{r.version}" for r in retired))
