@@ -6,11 +6,33 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from appliance.home import Home
 from installer.keycloak import install_dir
 
 pytest_plugins = ["tests.module_times"]  # each module's wall time at the end of a run
+
+INTEGRATION = Path(__file__).parent / "integration"
+
+# Generated examples per property test: a full run checks many; the fast loop (-m "not
+# integration") fewer, so that it stays quick. --hypothesis-profile chooses either explicitly.
+settings.register_profile("thorough", max_examples=150)
+settings.register_profile("quick", max_examples=20)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("hypothesis_profile", None) is None:
+        fast_loop = "not integration" in (config.getoption("markexpr", "") or "")
+        settings.load_profile("quick" if fast_loop else "thorough")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Everything under tests/integration/ is an integration test (unit tests that start
+    processes carry the marker themselves)."""
+    for item in items:
+        if item.path.is_relative_to(INTEGRATION):
+            item.add_marker(pytest.mark.integration)
 
 
 @pytest.fixture(scope="session")

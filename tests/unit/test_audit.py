@@ -259,6 +259,7 @@ def test_forged_checkpoint_signature(big_log: Path, tmp_path: Path) -> None:
         verify(copy, KEY.public_key())
 
 
+@pytest.mark.integration
 def test_writers_in_two_processes_share_one_chain(tmp_path: Path) -> None:
     """The gateway and the CLI append to one log: each catches up with the other's records."""
     raw = KEY.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption()).hex()

@@ -146,6 +146,7 @@ def test_parts_join_back_and_a_damaged_part_is_named(bundle: tuple[Path, Ed25519
         join(tmp_path / "media", tmp_path / "again")
 
 
+@pytest.mark.integration
 def test_cli_verify_names_the_fault_and_exits_non_zero(bundle: tuple[Path, Ed25519PrivateKey],
                                                        tmp_path: Path) -> None:
     root, key = bundle
@@ -166,6 +167,7 @@ def install(root: Path, prefix: Path, key: Path | None = None, *trust: str) -> s
                            *trust], capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("tamper", [flip_a_byte, remove_a_file, add_a_file, link_a_directory, edit_the_manifest,
                                     truncate_a_file])
 def test_install_sh_refuses_a_tampered_bundle_before_touching_anything(
@@ -177,6 +179,7 @@ def test_install_sh_refuses_a_tampered_bundle_before_touching_anything(
     assert not (tmp_path / "prefix").exists()
 
 
+@pytest.mark.integration
 def test_install_sh_checks_the_signature_against_the_trusted_key(bundle: tuple[Path, Ed25519PrivateKey],
                                                                  tmp_path: Path) -> None:
     root, key = bundle
@@ -188,6 +191,7 @@ def test_install_sh_checks_the_signature_against_the_trusted_key(bundle: tuple[P
     assert fingerprint(key.public_key()) in refused.stderr and not (tmp_path / "prefix").exists()
 
 
+@pytest.mark.integration
 def test_install_sh_will_not_trust_the_bundled_key_unless_told_to(bundle: tuple[Path, Ed25519PrivateKey],
                                                                   tmp_path: Path) -> None:
     """Issue 17: with no key given, install.sh trusted whatever key the bundle carried."""
@@ -204,6 +208,7 @@ def test_install_sh_will_not_trust_the_bundled_key_unless_told_to(bundle: tuple[
     assert not list(Path(os.environ.get("TMPDIR", "/var/tmp")).glob("appliance-bundle.*")), "private copy removed"
 
 
+@pytest.mark.integration
 def test_install_sh_refuses_a_bundle_whose_engine_does_not_fit_the_host(bundle: tuple[Path, Ed25519PrivateKey],
                                                                         tmp_path: Path) -> None:
     """Issue 19: a CUDA bundle on a host without an NVIDIA driver (or a CPU bundle on a GPU host)
@@ -223,6 +228,7 @@ def test_install_sh_refuses_a_bundle_whose_engine_does_not_fit_the_host(bundle: 
     assert unstated.returncode == 1 and "manifest.json: states no engine (cpu or cuda)" in unstated.stderr
 
 
+@pytest.mark.integration
 def test_the_printed_commands_verify_a_bundle_with_openssl_and_sha256sum(bundle: tuple[Path, Ed25519PrivateKey],
                                                                          tmp_path: Path) -> None:
     """Issue 17: what `bundle build` prints checks the bundle (install.sh included) before any of

@@ -17,6 +17,8 @@ from audit.keys import signing_key
 from tests.support.appliances import APPLIANCE, Appliance, make_appliance
 from tests.support.ports import free_port
 
+pytestmark = pytest.mark.integration  # every test here starts processes
+
 
 @pytest.fixture
 def appliance() -> Iterator[Appliance]:

@@ -16,6 +16,8 @@ from audit.records import AuditEvent
 from serve.cluster_controller import Controller
 from tests.support.plans import plan_file
 
+pytestmark = pytest.mark.integration  # the fixture writes its plan with the real `appliance plan`
+
 
 class FakeSupervisor:
     """The head's supervisord as far as the controller sees it: one engine program."""

@@ -91,6 +91,7 @@ def test_split_is_reproducible_and_order_independent() -> None:
     assert len(evaluation) == 10 and len(train) == 90
 
 
+@pytest.mark.integration
 def test_cli_imports_all_or_nothing_and_audits(tmp_path: Path) -> None:
     home = Home(tmp_path / "home").ensure()
     env = {"APPLIANCE_HOME": str(home.root), "PATH": "/usr/bin:/bin", "COLUMNS": "200"}

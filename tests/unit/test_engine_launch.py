@@ -104,6 +104,7 @@ def test_gateway_never_imports_from_the_state_dir(tmp_path: Path) -> None:
     assert command[1:] == ["-P", "-m", "serve.listener"]
 
 
+@pytest.mark.integration
 def test_pool_launches_the_layout_of_its_plan(tmp_path: Path) -> None:
     plan = plan_file(tmp_path, "mixtral-8x22b", "1x8xH100-80GB", "--context", "16384", "--tp", "8")
     pool = PoolSettings(name="main", model=str(tmp_path / "Mixtral"), plan=str(plan), tensor_parallel_size=1)
@@ -115,6 +116,7 @@ def test_pool_launches_the_layout_of_its_plan(tmp_path: Path) -> None:
     assert flag(argv, "--max-model-len") == "16384"
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("model,hardware,problem", [
     ("llama-3.1-405b", "2x8xH100-80GB", "the plan spans 2 hosts, but cluster.bind is unset"),
     ("llama-3.1-405b", "1x8xH100-80GB", "the plan found no feasible layout"),
@@ -136,6 +138,7 @@ def test_broken_plan_file_is_named(tmp_path: Path) -> None:
         build_launch(pool, Settings(pools=[pool]), Home(tmp_path), api_key="k")
 
 
+@pytest.mark.integration
 def test_the_printed_launch_is_what_the_launcher_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`appliance plan` prints each host's launch through the launcher's own function: a pool
     naming the plan runs exactly that argv, on the GPUs the plan chose."""
@@ -211,6 +214,7 @@ def test_replicas_are_engines_of_their_own_on_gpus_of_their_own(tmp_path: Path,
     assert len(engine_programs(Settings(engine=cuda, pools=two_models), home)) == 2
 
 
+@pytest.mark.integration
 def test_a_pool_spanning_hosts_runs_its_head_rank_for_the_controller(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 19: rank 0 of a plan over two hosts, started by the cluster controller (not by `up`),

@@ -45,6 +45,7 @@ def finetune(env: dict[str, str], model: Path, *extra: str) -> subprocess.Comple
                            "--batch-size", "8", *extra], env=env, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.integration
 def test_lora_lowers_held_out_loss_and_is_registered(workspace: tuple[dict[str, str], Path]) -> None:
     env, model = workspace
     result = finetune(env, model, "--name", "codes-lora", "--max-steps", "20")
@@ -59,6 +60,7 @@ def test_lora_lowers_held_out_loss_and_is_registered(workspace: tuple[dict[str, 
     assert ("adapter.train", "allowed") in [(r["action"], r["outcome"]) for r in read_records(home.audit)]
 
 
+@pytest.mark.integration
 def test_qlora_runs_on_the_cpu(workspace: tuple[dict[str, str], Path]) -> None:
     env, model = workspace
     result = finetune(env, model, "--name", "codes-qlora", "--max-steps", "8", "--qlora")
@@ -67,6 +69,7 @@ def test_qlora_runs_on_the_cpu(workspace: tuple[dict[str, str], Path]) -> None:
     assert record.hyperparameters.qlora and record.metrics.adapter_eval_loss < record.metrics.base_eval_loss
 
 
+@pytest.mark.integration
 def test_gate_scores_evaluation_sets_and_refuses_below_its_thresholds(workspace: tuple[dict[str, str], Path],
                                                           tmp_path: Path) -> None:
     env, model = workspace
@@ -93,6 +96,7 @@ def test_gate_scores_evaluation_sets_and_refuses_below_its_thresholds(workspace:
     assert refused.returncode == 1 and f"{bad}:2: 'expect' must be a non-empty string" in refused.stderr
 
 
+@pytest.mark.integration
 def test_two_processes_train_one_adapter(workspace: tuple[dict[str, str], Path]) -> None:
     """torchrun with two CPU processes (gloo) stands in for two GPUs: DDP inside the sandbox, whose
     own loopback device carries their rendezvous."""
@@ -103,6 +107,7 @@ def test_two_processes_train_one_adapter(workspace: tuple[dict[str, str], Path])
     assert record.metrics.processes == 2 and record.metrics.steps == 4
 
 
+@pytest.mark.integration
 def test_killed_training_resumes_from_its_checkpoint(workspace: tuple[dict[str, str], Path]) -> None:
     env, model = workspace
     command = [APPLIANCE, "finetune", "run", "--data", "codes", "--base", str(model), "--lr", "0.01",
@@ -120,6 +125,7 @@ def test_killed_training_resumes_from_its_checkpoint(workspace: tuple[dict[str, 
     assert "resumed from checkpoint-" in resumed.stdout and "30 steps" in resumed.stdout
 
 
+@pytest.mark.integration
 def test_a_stale_pid_is_neither_taken_for_a_live_worker_nor_killed_as_a_trainer(tmp_path: Path) -> None:
     """After a reboot the numbers a dead worker recorded may belong to anything, this worker included."""
     from finetune.runner import end_stale_trainer
@@ -144,6 +150,7 @@ def test_a_stale_pid_is_neither_taken_for_a_live_worker_nor_killed_as_a_trainer(
             process.wait()
 
 
+@pytest.mark.integration
 def test_a_job_on_a_dataset_changed_in_the_store_fails_and_is_audited(workspace: tuple[dict[str, str], Path],
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 17: the worker re-hashes the dataset it reads back; a changed one fails the job

@@ -12,8 +12,11 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from appliance.orphans import boot_id, end_leftovers, pgid_file
+
+pytestmark = pytest.mark.integration  # every test here starts processes
 
 
 def sleeper_group() -> subprocess.Popen:

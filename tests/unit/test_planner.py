@@ -144,6 +144,7 @@ def test_impossible_profiles_are_refused() -> None:
         plan(model("mixtral-8x22b"), mixed, context=8192, concurrency=1)
 
 
+@pytest.mark.integration
 def test_cli_plan_json_and_exit_codes() -> None:
     ok = subprocess.run([APPLIANCE, "plan", str(MODEL_CONFIGS / "kimi-k2.json"), "--hardware", "2x8xH100-80GB",
                          "--json"], capture_output=True, text=True)

@@ -185,6 +185,7 @@ def appliance() -> Iterator[Appliance]:
     yield from make_appliance(None)
 
 
+@pytest.mark.integration
 def test_profile_json(appliance: Appliance, tmp_path: Path) -> None:
     out = tmp_path / "this-host.json"
     result = appliance.run("profile", "--json", "--out", str(out), timeout=60)
@@ -195,6 +196,7 @@ def test_profile_json(appliance: Appliance, tmp_path: Path) -> None:
     assert load_profile(out).model_dump(mode="json") == printed  # --out writes a profile load_profile reads
 
 
+@pytest.mark.integration
 def test_profile_table(appliance: Appliance) -> None:
     result = appliance.run("profile", timeout=60)
     assert result.returncode == 0, result.stderr
@@ -209,6 +211,7 @@ def preflight(appliance: Appliance, *args: str) -> tuple[int, dict[str, Any]]:
     return result.returncode, {check["name"]: check for check in report["checks"]}
 
 
+@pytest.mark.integration
 def test_preflight_on_this_host(appliance: Appliance) -> None:
     code, result = preflight(appliance)
     assert code == 0, result
@@ -217,6 +220,7 @@ def test_preflight_on_this_host(appliance: Appliance) -> None:
     assert result["java"]["reason"] == "Keycloak is external: no Java needed"
 
 
+@pytest.mark.integration
 def test_preflight_fails_on_a_taken_port(appliance: Appliance) -> None:
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", appliance.port("APPLIANCE_GATEWAY__PORT")))
@@ -228,12 +232,14 @@ def test_preflight_fails_on_a_taken_port(appliance: Appliance) -> None:
     assert table.returncode == 1 and "fail" in table.stdout and "in use" in table.stdout
 
 
+@pytest.mark.integration
 def test_preflight_of_a_cluster_profile(appliance: Appliance) -> None:
     code, result = preflight(appliance, "--profile", str(EXAMPLE), "--model-bytes", str(GIB))
     assert code == 0, result
     assert result["gpus"]["reason"] == "16 GPUs on 2 host(s)"
 
 
+@pytest.mark.integration
 def test_preflight_of_a_bad_profile_is_one_line(appliance: Appliance, tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text('[[hosts]]\nname = "node-a"\nram = 1\n')

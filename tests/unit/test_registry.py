@@ -30,6 +30,7 @@ def add_names(path: Path, writer: int, count: int) -> None:
             records[f"w{writer}-{number}"] = Record(writer=writer, number=number)
 
 
+@pytest.mark.integration
 def test_two_processes_writing_at_once_lose_nothing(tmp_path: Path) -> None:
     path = tmp_path / "state" / "records.json"
     context = multiprocessing.get_context("spawn")  # a fresh interpreter each: no lock state shared by fork

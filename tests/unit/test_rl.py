@@ -185,6 +185,7 @@ def test_the_queue_hands_a_dead_workers_execution_on_and_stores_a_verdict_once(t
     assert queue.unfinished() == 0
 
 
+@pytest.mark.integration
 def test_a_worker_is_known_by_its_command_line_not_its_number() -> None:
     assert not executor_alive(os.getpid())
     worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "finetune.rl.executor"])

@@ -72,6 +72,7 @@ def layout(tmp_path: Path) -> Path:
     return home
 
 
+@pytest.mark.integration
 def test_a_job_reaches_only_its_own_files(layout: Path) -> None:
     if os.geteuid() == 0:
         sandbox_user()  # bootstrap.sh creates it; the sandbox refuses to run without it

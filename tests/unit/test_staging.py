@@ -119,6 +119,7 @@ def test_flipped_byte_is_named_by_file_and_tensor(tmp_path: Path) -> None:
         verify_staged(tmp_path / "out")
 
 
+@pytest.mark.integration
 def test_resume_after_kill_is_byte_identical(tmp_path: Path) -> None:
     source = llama(tmp_path / "src", layers=8, hidden=512, vocab=4096, files=12)  # ~50 MB in 12 files
     record = plan_for(source, "1x1xL4-24GB")
@@ -215,6 +216,7 @@ def test_both_manifest_formats_are_one_typed_model_and_a_damaged_one_is_named(tm
     assert "to stage this host afresh" in (kept.value.hint or "")
 
 
+@pytest.mark.integration
 def test_cli_names_a_bad_plan_file(tmp_path: Path) -> None:
     source = llama(tmp_path / "src")
     bad = tmp_path / "plan.json"
