@@ -9,9 +9,8 @@ runs: `appliance --help` and `appliance status` answer at once instead of import
 from __future__ import annotations
 
 import functools
-import pkgutil
+import importlib
 import time
-import traceback
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -81,7 +80,8 @@ def command_targets() -> dict[str, str]:
 
 def load_command(name: str, target: str) -> _click.Command:
     """Import the command's module and make the Click command of its Typer app or function."""
-    found = pkgutil.resolve_name(target)
+    module, _, attribute = target.partition(":")
+    found = getattr(importlib.import_module(module), attribute)
     command: _click.Command
     if isinstance(found, typer.Typer):
         command = typer.main.get_group(found)
@@ -131,6 +131,8 @@ def main() -> None:
     try:
         app()  # standalone: usage errors, --help and exit codes are handled by Typer
     except ApplianceError as exc:
+        import traceback
+
         from rich.console import Console
         from rich.text import Text
 
