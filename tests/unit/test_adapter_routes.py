@@ -58,8 +58,7 @@ class Engine:
 
 
 @pytest.fixture
-def routes(tmp_path: Path) -> AdapterRoutes:
-    home = Home(tmp_path / "home").ensure()
+def routes(tmp_path: Path, home: Home) -> AdapterRoutes:
     store = LocalStore(tmp_path / "store")
     with adapters.updating(home) as registry:
         for version, state in ((1, "registered"), (2, "registered"), (3, "failed-gate")):
@@ -200,11 +199,10 @@ def test_retiring_an_unknown_adapter_is_a_404(routes: AdapterRoutes) -> None:
         assert refusal(routes.retire("nope" if version is None else "codes", version)).status == 404
 
 
-def test_a_version_whose_files_changed_in_the_store_is_not_deployed(tmp_path: Path) -> None:
+def test_a_version_whose_files_changed_in_the_store_is_not_deployed(tmp_path: Path, home: Home) -> None:
     """Issue 17: adapter files are re-hashed against the digests recorded at registration."""
     import hashlib
 
-    home = Home(tmp_path / "home").ensure()
     store = LocalStore(tmp_path / "store")
     artifact = "adapters/codes/v1/"
     files = {"adapter_config.json": b"{}", "adapter_model.safetensors": b"weights"}

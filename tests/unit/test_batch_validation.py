@@ -9,7 +9,6 @@ import json
 import re
 import sqlite3
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -186,8 +185,7 @@ def test_an_input_file_deleted_before_validation_fails_the_batch(home: Home, sto
     assert batch_worker._ending(batch).startswith(f"batch {batch.id} failed validation (1 errors; first at the file")
 
 
-def test_a_queue_from_before_gets_the_new_column_and_leaves_old_failures_unannounced(tmp_path: Path) -> None:
-    home = Home(tmp_path / "old").ensure()
+def test_a_queue_from_before_gets_the_new_column_and_leaves_old_failures_unannounced(home: Home) -> None:
     old_schema = re.sub(r"\n *(validator_pid|input_bytes) [^\n]*", "", batches.SCHEMA).replace(
         "default 0,  -- its end", "default 0  -- its end")
     assert "validator_pid" not in old_schema and "input_bytes" not in old_schema

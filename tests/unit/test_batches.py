@@ -189,11 +189,10 @@ def test_a_request_given_back_waits_its_turn_and_users_take_turns(home: Home, st
     assert again.attempts == 1
 
 
-def test_an_upload_is_copied_to_the_store_from_its_spool_in_pieces(tmp_path: Path,
+def test_an_upload_is_copied_to_the_store_from_its_spool_in_pieces(tmp_path: Path, home: Home,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """The upload's spooled file goes to the store a piece at a time (never read whole), and the
     stored bytes and the quota count are the file's."""
-    home = Home(tmp_path / "h").ensure()
     store = LocalStore(tmp_path / "store")
     monkeypatch.setattr(durable, "PIECE_BYTES", 1000)
     reads: list[int] = []

@@ -37,12 +37,13 @@ class FakeSupervisor:
 
 
 @pytest.fixture
-def controlled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Controller, FakeSupervisor, list[AuditEvent]]:
-    plan = plan_file(tmp_path, "llama-3.1-405b", "2x8xH100-80GB")
+def controlled(tmp_path: Path, home: Home,
+               monkeypatch: pytest.MonkeyPatch) -> tuple[Controller, FakeSupervisor, list[AuditEvent]]:
+    plan = plan_file(home.root, "llama-3.1-405b", "2x8xH100-80GB")
     settings = Settings.model_validate({"engine": {"device": "cuda"}, "cluster": {"bind": "10.9.0.1"},
                                         "pools": [{"name": "big", "model": str(tmp_path / "M"), "plan": str(plan)}]})
     audited: list[AuditEvent] = []
-    controller = Controller(settings, Home(tmp_path).ensure(), audited.append)
+    controller = Controller(settings, home, audited.append)
     fake = FakeSupervisor()
     controller.supervisor = fake  # type: ignore[assignment]
     monkeypatch.setattr(controller, "_engine_answers", lambda pool: fake.state == ProcessState.RUNNING)

@@ -39,30 +39,30 @@ def staged(directory: Path, host: str, complete: bool = True) -> Path:
     return directory
 
 
-def test_a_worker_gets_its_own_staged_subset(tmp_path: Path) -> None:
+def test_a_worker_gets_its_own_staged_subset(tmp_path: Path, home: Home) -> None:
     head = staged(tmp_path / "out" / "head", "head")
     own = staged(tmp_path / "out" / "worker-1", "worker-1")
-    assert weights_dir(span(head), Home(tmp_path), "worker-1") == own
+    assert weights_dir(span(head), home, "worker-1") == own
     files = {f.path: f for f in weight_files(own)}
     assert files["model.safetensors"].bytes == len(b"worker-1") * 100
 
 
 @pytest.mark.parametrize("problem", ["missing", "incomplete", "another host's"])
-def test_a_missing_or_partial_subset_is_refused_naming_it(tmp_path: Path, problem: str) -> None:
+def test_a_missing_or_partial_subset_is_refused_naming_it(tmp_path: Path, home: Home, problem: str) -> None:
     head = staged(tmp_path / "out" / "head", "head")
     if problem == "incomplete":
         staged(tmp_path / "out" / "worker-1", "worker-1", complete=False)
     elif problem == "another host's":
         staged(tmp_path / "out" / "worker-1", "head")
     with pytest.raises(Invalid, match=f"{tmp_path / 'out' / 'worker-1'} holds no complete subset staged for worker-1"):
-        weights_dir(span(head), Home(tmp_path), "worker-1")
+        weights_dir(span(head), home, "worker-1")
 
 
-def test_a_plain_checkpoint_goes_whole_and_links_are_not_served(tmp_path: Path) -> None:
+def test_a_plain_checkpoint_goes_whole_and_links_are_not_served(tmp_path: Path, home: Home) -> None:
     model = tmp_path / "M"
     model.mkdir()
     (model / "config.json").write_text("{}")
     (model / "secret-link").symlink_to("/etc/hostname")
     (model / "linked-dir").symlink_to("/etc", target_is_directory=True)
-    assert weights_dir(span(model), Home(tmp_path), "worker-1") == model
+    assert weights_dir(span(model), home, "worker-1") == model
     assert [f.path for f in weight_files(model)] == ["config.json"]

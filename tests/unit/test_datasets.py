@@ -92,8 +92,7 @@ def test_split_is_reproducible_and_order_independent() -> None:
 
 
 @pytest.mark.integration
-def test_cli_imports_all_or_nothing_and_audits(tmp_path: Path) -> None:
-    home = Home(tmp_path / "home").ensure()
+def test_cli_imports_all_or_nothing_and_audits(tmp_path: Path, home: Home) -> None:
     env = {"APPLIANCE_HOME": str(home.root), "PATH": "/usr/bin:/bin", "COLUMNS": "200"}
     model = str(Home.from_env().demo_model)
     good = jsonl(tmp_path / "good.jsonl", *(chat(f"question {n}", f"answer {n}") for n in range(20)))

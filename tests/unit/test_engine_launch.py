@@ -25,15 +25,14 @@ def gpu_host(count: int) -> Host:
                       for i in range(count)])
 
 
-def test_cpu_demo_pool(tmp_path: Path) -> None:
-    home = Home(tmp_path)
+def test_cpu_demo_pool(home: Home) -> None:
     settings = Settings(engine=EngineSettings(device="cpu"))
     launch = build_launch(settings.pools[0], settings, home, api_key="k")
     argv = launch.argv
     assert argv[:4] == [python(), "-P", "-m", "serve.vllm_rank"]
     assert flag(argv, "--model") == str(home.demo_model)
     assert flag(argv, "--served-model-name") == "SmolLM2-135M-Instruct"
-    assert flag(argv, "--uds") == str(tmp_path / "run" / "engines" / "main.sock") and "--port" not in argv
+    assert flag(argv, "--uds") == str(home.run / "engines" / "main.sock") and "--port" not in argv
     assert flag(argv, "--dtype") == "float32" and flag(argv, "--max-model-len") == "2048"
     assert flag(argv, "--gpu-memory-utilization") == "0.3"
     assert "--enforce-eager" in argv and "--enable-lora" not in argv
@@ -43,13 +42,13 @@ def test_cpu_demo_pool(tmp_path: Path) -> None:
     assert "VLLM_CPU_OMP_THREADS_BIND" not in launch.environment
 
 
-def test_cuda_pool_with_parallelism_and_lora(tmp_path: Path) -> None:
+def test_cuda_pool_with_parallelism_and_lora(tmp_path: Path, home: Home) -> None:
     pool = PoolSettings(name="full", model=str(tmp_path / "Big-Model"),
                         tensor_parallel_size=8, pipeline_parallel_size=2, data_parallel_size=1,
                         enable_expert_parallel=True, enable_lora=True, max_lora_rank=64,
                         max_model_len=32768, extra_args=["--kv-cache-dtype", "fp8"])
     settings = Settings(engine=EngineSettings(device="cuda"), pools=[pool])
-    launch = build_launch(pool, settings, Home(tmp_path), api_key="k")
+    launch = build_launch(pool, settings, home, api_key="k")
     argv = launch.argv
     assert flag(argv, "--served-model-name") == "Big-Model"
     assert flag(argv, "--tensor-parallel-size") == "8"
@@ -64,15 +63,14 @@ def test_cuda_pool_with_parallelism_and_lora(tmp_path: Path) -> None:
     assert not any(key.startswith("VLLM_CPU") for key in launch.environment)
 
 
-def test_cpu_tensor_parallel_binds_cores_per_rank(tmp_path: Path) -> None:
+def test_cpu_tensor_parallel_binds_cores_per_rank(home: Home) -> None:
     pool = PoolSettings(name="tp", tensor_parallel_size=2)
     settings = Settings(engine=EngineSettings(device="cpu"), pools=[pool])
-    bind = build_launch(pool, settings, Home(tmp_path), api_key="k").environment["VLLM_CPU_OMP_THREADS_BIND"]
+    bind = build_launch(pool, settings, home, api_key="k").environment["VLLM_CPU_OMP_THREADS_BIND"]
     assert bind.count("|") == 1
 
 
-def test_programs_report_missing_model(tmp_path: Path) -> None:
-    home = Home(tmp_path).ensure()
+def test_programs_report_missing_model(home: Home) -> None:
     [program] = engine_programs(Settings(engine=EngineSettings(device="cpu")), home)
     assert program.name == "vllm-main" and program.pool == "main" and program.port is None
     assert program.socket == home.run / "engines" / "main.sock" and program.health_url == "http://engine/health"
@@ -83,9 +81,8 @@ def test_programs_report_missing_model(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_programs_ready_when_model_present(tmp_path: Path, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_programs_ready_when_model_present(home: Home, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("serve.engine.local_host", lambda: gpu_host(1))
-    home = Home(tmp_path).ensure()
     home.demo_model.mkdir(parents=True)
     (home.demo_model / "config.json").write_text("{}")
     (home.demo_model / "model.safetensors").write_bytes(b"")
@@ -93,23 +90,23 @@ def test_programs_ready_when_model_present(tmp_path: Path, device: str, monkeypa
     assert program.missing is None
 
 
-def test_gateway_never_imports_from_the_state_dir(tmp_path: Path) -> None:
+def test_gateway_never_imports_from_the_state_dir(home: Home) -> None:
     """Regression (issue 4): uvicorn puts its working directory, the state dir, first on
     sys.path by default, and the state dir's audit/ folder then shadowed the audit package on
     every gateway restart."""
     from serve.programs import gateway_program
 
-    command = gateway_program(Settings(), Home(tmp_path)).command
+    command = gateway_program(Settings(), home).command
     # -P keeps the working directory off sys.path; serve.listener runs uvicorn without an app dir.
     assert command[1:] == ["-P", "-m", "serve.listener"]
 
 
 @pytest.mark.integration
-def test_pool_launches_the_layout_of_its_plan(tmp_path: Path) -> None:
-    plan = plan_file(tmp_path, "mixtral-8x22b", "1x8xH100-80GB", "--context", "16384", "--tp", "8")
+def test_pool_launches_the_layout_of_its_plan(tmp_path: Path, home: Home) -> None:
+    plan = plan_file(home.root, "mixtral-8x22b", "1x8xH100-80GB", "--context", "16384", "--tp", "8")
     pool = PoolSettings(name="main", model=str(tmp_path / "Mixtral"), plan=str(plan), tensor_parallel_size=1)
     settings = Settings(engine=EngineSettings(device="cuda"), pools=[pool])
-    argv = build_launch(pool, settings, Home(tmp_path), api_key="k").argv
+    argv = build_launch(pool, settings, home, api_key="k").argv
     record = json.loads(plan.read_text())
     assert flag(argv, "--tensor-parallel-size") == "8" == str(record["layout"]["tp"])
     assert flag(argv, "--pipeline-parallel-size") == str(record["layout"]["pp"])
@@ -121,30 +118,30 @@ def test_pool_launches_the_layout_of_its_plan(tmp_path: Path) -> None:
     ("llama-3.1-405b", "2x8xH100-80GB", "the plan spans 2 hosts, but cluster.bind is unset"),
     ("llama-3.1-405b", "1x8xH100-80GB", "the plan found no feasible layout"),
 ])
-def test_unusable_plans_are_refused(tmp_path: Path, model: str, hardware: str, problem: str) -> None:
-    pool = PoolSettings(name="main", plan=str(plan_file(tmp_path, model, hardware)))
+def test_unusable_plans_are_refused(home: Home, model: str, hardware: str, problem: str) -> None:
+    pool = PoolSettings(name="main", plan=str(plan_file(home.root, model, hardware)))
     with pytest.raises(SettingsError, match=problem):
-        build_launch(pool, Settings(pools=[pool]), Home(tmp_path), api_key="k")
+        build_launch(pool, Settings(pools=[pool]), home, api_key="k")
 
 
-def test_broken_plan_file_is_named(tmp_path: Path) -> None:
+def test_broken_plan_file_is_named(tmp_path: Path, home: Home) -> None:
     broken = tmp_path / "plan.json"
     broken.write_text('{"feasible": true}')
     pool = PoolSettings(name="main", plan=str(broken))
     with pytest.raises(SettingsError, match=r"pools.main.plan: .*plan.json: not a plan record: model: Field required"):
-        build_launch(pool, Settings(pools=[pool]), Home(tmp_path), api_key="k")
+        build_launch(pool, Settings(pools=[pool]), home, api_key="k")
     pool = PoolSettings(name="main", plan=str(tmp_path / "absent.json"))
     with pytest.raises(SettingsError, match="cannot read the plan"):
-        build_launch(pool, Settings(pools=[pool]), Home(tmp_path), api_key="k")
+        build_launch(pool, Settings(pools=[pool]), home, api_key="k")
 
 
 @pytest.mark.integration
-def test_the_printed_launch_is_what_the_launcher_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_printed_launch_is_what_the_launcher_runs(home: Home, monkeypatch: pytest.MonkeyPatch) -> None:
     """`appliance plan` prints each host's launch through the launcher's own function: a pool
     naming the plan runs exactly that argv, on the GPUs the plan chose."""
-    (tmp_path / "settings.toml").write_text('[engine]\ndevice = "cuda"\n[[pools]]\nname = "full"\n'
-                                            'enable_lora = true\nextra_args = ["--kv-cache-dtype", "fp8"]\n')
-    path = plan_file(tmp_path, "mixtral-8x22b", "1x8xH100-80GB", "--context", "16384", "--tp", "4",
+    home.settings_file.write_text('[engine]\ndevice = "cuda"\n[[pools]]\nname = "full"\n'
+                                  'enable_lora = true\nextra_args = ["--kv-cache-dtype", "fp8"]\n')
+    path = plan_file(home.root, "mixtral-8x22b", "1x8xH100-80GB", "--context", "16384", "--tp", "4",
                      "--pool", "full")
     printed = Plan.model_validate_json(path.read_text())
     [head] = printed.commands
@@ -153,7 +150,6 @@ def test_the_printed_launch_is_what_the_launcher_runs(tmp_path: Path, monkeypatc
                         extra_args=["--kv-cache-dtype", "fp8"])
     settings = Settings(engine=EngineSettings(device="cuda", isolate_network=False), pools=[pool])
     monkeypatch.setattr("serve.engine.local_host", lambda: gpu_host(8))
-    home = Home(tmp_path).ensure()
     [program] = engine_programs(settings, home)
     assert head.gpus == program.gpus == [0, 1, 2, 3]
     assert program.command == ["taskset", "-c", "0-15", *head.argv], "bound to the GPUs' NUMA node"
@@ -161,9 +157,8 @@ def test_the_printed_launch_is_what_the_launcher_runs(tmp_path: Path, monkeypatc
     assert flag(head.argv, "--uds") == str(home.run / "engines" / "full.sock") and "--enable-lora" in head.argv
 
 
-def test_pools_on_gpus_get_disjoint_sets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pools_on_gpus_get_disjoint_sets(home: Home, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("serve.engine.local_host", lambda: gpu_host(8))
-    home = Home(tmp_path).ensure()
     pools = [PoolSettings(name="full", tier="full", tensor_parallel_size=4),
              PoolSettings(name="fast", tier="fast", gpus=[4]),
              PoolSettings(name="small", tier="small", tensor_parallel_size=2)]
@@ -181,12 +176,11 @@ def test_pools_on_gpus_get_disjoint_sets(tmp_path: Path, monkeypatch: pytest.Mon
                         home)
 
 
-def test_replicas_are_engines_of_their_own_on_gpus_of_their_own(tmp_path: Path,
+def test_replicas_are_engines_of_their_own_on_gpus_of_their_own(home: Home,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 21: a pool's replicas run as programs vllm-<pool>, vllm-<pool>_1, ... each on its own
     socket and GPU set (given GPUs split in order, else chosen); overlaps are refused at `up`."""
     monkeypatch.setattr("serve.engine.local_host", lambda: gpu_host(8))
-    home = Home(tmp_path).ensure()
     pools = [PoolSettings(name="full", tier="full", tensor_parallel_size=2, replicas=2, gpus=[4, 5, 6, 7]),
              PoolSettings(name="fast", tier="fast", replicas=3)]
     programs = engine_programs(Settings(engine=EngineSettings(device="cuda"), pools=pools), home)
@@ -215,16 +209,16 @@ def test_replicas_are_engines_of_their_own_on_gpus_of_their_own(tmp_path: Path,
 
 
 @pytest.mark.integration
-def test_a_pool_spanning_hosts_runs_its_head_rank_for_the_controller(tmp_path: Path,
+def test_a_pool_spanning_hosts_runs_its_head_rank_for_the_controller(tmp_path: Path, home: Home,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 19: rank 0 of a plan over two hosts, started by the cluster controller (not by `up`),
     in the host's network (the other ranks reach it over the cluster network)."""
     monkeypatch.setattr("serve.engine.local_host", lambda: gpu_host(8))
-    plan = plan_file(tmp_path, "llama-3.1-405b", "2x8xH100-80GB")
+    plan = plan_file(home.root, "llama-3.1-405b", "2x8xH100-80GB")
     pool = PoolSettings(name="big", model=str(tmp_path / "Llama"), plan=str(plan))
     settings = Settings.model_validate({"engine": {"device": "cuda"}, "cluster": {"bind": "10.9.0.1"},
                                         "pools": [pool.model_dump()]})
-    [program] = engine_programs(settings, Home(tmp_path).ensure())
+    [program] = engine_programs(settings, home)
     assert not program.autostart and program.command[0] != "unshare"
     argv = program.command[program.command.index("-P") - 1:]
     assert flag(argv, "--nnodes") == "2" and flag(argv, "--node-rank") == "0"

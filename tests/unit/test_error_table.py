@@ -3,7 +3,6 @@ gateway did not expect is still an OpenAI-shaped 500 with the request id, never 
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -50,8 +49,7 @@ def test_each_core_error_family_has_one_status(error: ApplianceError, status: in
     assert ("Retry-After" in answer.headers) == (status == 503)
 
 
-def test_core_and_unexpected_errors_are_openai_shaped_and_recorded(tmp_path: Path) -> None:
-    home = Home(tmp_path).ensure()
+def test_core_and_unexpected_errors_are_openai_shaped_and_recorded(home: Home) -> None:
     app = create_app(Settings(), home)
 
     async def broken_registry() -> None:

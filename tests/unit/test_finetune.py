@@ -196,7 +196,7 @@ def test_a_diverged_run_fails_the_gate_and_its_metrics_still_read_back() -> None
     assert '"NaN"' in sent and math.isnan(AdapterMetrics.model_validate_json(sent).adapter_eval_loss)
 
 
-def test_an_adapter_holding_a_symbolic_link_is_not_registered(tmp_path: Path) -> None:
+def test_an_adapter_holding_a_symbolic_link_is_not_registered(tmp_path: Path, home: Home) -> None:
     """The trainer is sandboxed; the worker that copies its adapter to the store is not: a link the
     trainer planted must not make the worker copy a file of its choosing."""
     from appliance.adapters import AdapterState
@@ -205,7 +205,6 @@ def test_an_adapter_holding_a_symbolic_link_is_not_registered(tmp_path: Path) ->
     from finetune.adapters import register
     from tests.support.records import metrics
 
-    home = Home(tmp_path / "home").ensure()
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text("{}")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
 import pytest
 
@@ -16,8 +15,7 @@ from appliance.home import Home
 CA = "ab" * 32
 
 
-def test_a_token_checked_but_not_spent_still_joins(tmp_path: Path) -> None:
-    home = Home(tmp_path).ensure()
+def test_a_token_checked_but_not_spent_still_joins(home: Home) -> None:
     secret = hosts.parse_join_token(hosts.invite(home, "worker-1", 3600, CA)).secret
     hosts.check_token(home, "worker-1", secret)  # a join that fails after this leaves the token usable
     assert hosts.redeem(home, "worker-1", secret, "10.0.0.2")
@@ -25,8 +23,7 @@ def test_a_token_checked_but_not_spent_still_joins(tmp_path: Path) -> None:
         hosts.check_token(home, "worker-1", secret)
 
 
-def test_a_token_joins_once_and_the_registry_keeps_only_digests(tmp_path: Path) -> None:
-    home = Home(tmp_path).ensure()
+def test_a_token_joins_once_and_the_registry_keeps_only_digests(home: Home) -> None:
     token = hosts.invite(home, "worker-1", 3600, CA)
     parsed = hosts.parse_join_token(token)
     assert (parsed.name, parsed.ca_sha256) == ("worker-1", CA)
@@ -41,8 +38,7 @@ def test_a_token_joins_once_and_the_registry_keeps_only_digests(tmp_path: Path) 
         hosts.invite(home, "worker-1", 3600, CA)
 
 
-def test_wrong_expired_unknown_and_revoked_are_refused(tmp_path: Path) -> None:
-    home = Home(tmp_path).ensure()
+def test_wrong_expired_unknown_and_revoked_are_refused(home: Home) -> None:
     secret = hosts.parse_join_token(hosts.invite(home, "worker-1", 60, CA)).secret
     with pytest.raises(hosts.Refused, match="host worker-1: wrong join token") as wrong:
         hosts.redeem(home, "worker-1", secret[::-1], "10.0.0.2")
@@ -67,8 +63,7 @@ def test_malformed_tokens_are_refused_with_the_reason(token: str) -> None:
         hosts.parse_join_token(token)
 
 
-def test_a_refused_host_names_its_problem_and_a_damaged_registry_is_named(tmp_path: Path) -> None:
-    home = Home(tmp_path).ensure()
+def test_a_refused_host_names_its_problem_and_a_damaged_registry_is_named(home: Home) -> None:
     secret = hosts.parse_join_token(hosts.invite(home, "worker-1", 60, CA)).secret
     credential = hosts.redeem(home, "worker-1", secret, "10.0.0.2")
     hosts.refuse(home, "worker-1", "/w/model.safetensors: SHA-256 differs from the head's")

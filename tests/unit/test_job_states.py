@@ -17,8 +17,7 @@ def submitted(home: Home) -> jobs.Job:
     return jobs.submit(home, name="a", data="d", base="demo", hyperparameters=Hyperparameters(), eval_sets={})
 
 
-def test_a_job_runs_and_finishes_once(tmp_path: Path) -> None:
-    home = Home(tmp_path).ensure()
+def test_a_job_runs_and_finishes_once(home: Home) -> None:
     job = submitted(home)
     with pytest.raises(IllegalTransition, match=f"training job {job.id} is queued: it cannot become succeeded"):
         jobs.finish(home, job.id, JobState.SUCCEEDED, "too early")
@@ -36,8 +35,7 @@ def test_a_job_runs_and_finishes_once(tmp_path: Path) -> None:
         jobs.cancel(home, 99)
 
 
-def test_cancel_a_queued_job_at_once_and_a_running_one_through_its_worker(tmp_path: Path) -> None:
-    home = Home(tmp_path).ensure()
+def test_cancel_a_queued_job_at_once_and_a_running_one_through_its_worker(home: Home) -> None:
     queued, running = submitted(home), submitted(home)
     assert jobs.cancel(home, queued.id).state == JobState.CANCELLED
     with pytest.raises(IllegalTransition, match="has already been cancelled"):

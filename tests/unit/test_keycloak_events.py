@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -116,11 +115,6 @@ class FakeKeycloak:
             chosen = [e for e in chosen if e["type"] in params.get_list("type")]
         first, most = int(params["first"]), int(params["max"])
         return httpx.Response(200, json=sorted(chosen, key=lambda e: e["time"])[first:first + most])
-
-
-@pytest.fixture
-def home(tmp_path: Path) -> Home:
-    return Home(tmp_path / "h").ensure()
 
 
 def poll(home: Home, keycloak: FakeKeycloak, summaries: Summaries) -> None:

@@ -12,8 +12,7 @@ from installer.keycloak import BUILD_OPTIONS, KeycloakError, build, keycloak_pro
 from installer.realm import provision
 
 
-def test_external_keycloak_runs_nothing_and_provisions_nothing(tmp_path: Path) -> None:
-    home = Home(tmp_path).ensure()
+def test_external_keycloak_runs_nothing_and_provisions_nothing(home: Home) -> None:
     settings = Settings(keycloak=KeycloakSettings(mode="external", url="https://idp.corp:8443/",
                                                   realm="llm", gateway_client_secret="s"))
     assert keycloak_programs(settings, home) == []
@@ -21,8 +20,7 @@ def test_external_keycloak_runs_nothing_and_provisions_nothing(tmp_path: Path) -
     assert settings.keycloak.issuer == "https://idp.corp:8443/realms/llm"
 
 
-def test_embedded_keycloak_is_a_loopback_program_on_tls_only(tmp_path: Path) -> None:
-    home = Home(tmp_path).ensure()
+def test_embedded_keycloak_is_a_loopback_program_on_tls_only(home: Home) -> None:
     [program] = keycloak_programs(Settings(), home)
     assert program.command[1:4] == ["start", *BUILD_OPTIONS]  # development mode keeps a plain-HTTP listener
     assert "--cache=local" in program.command  # no cluster listeners

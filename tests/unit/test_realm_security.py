@@ -5,7 +5,6 @@ what may be wrong (a lockout looks like a wrong password)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -123,9 +122,9 @@ def test_a_refused_password_names_the_rule_it_broke(body: bytes, says: str) -> N
     ({"error": "unauthorized_client", "error_description": "Client not allowed for direct access grants"},
      "keycloak.cli_password_grant"),
 ])
-def test_a_refused_password_login_says_what_may_be_wrong(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+def test_a_refused_password_login_says_what_may_be_wrong(monkeypatch: pytest.MonkeyPatch, home: Home,
                                                          answer: dict[str, str], hint: str) -> None:
     monkeypatch.setattr(login, "_post", lambda *args: httpx.Response(400, json=answer))
     with pytest.raises(login.LoginError) as refused:
-        login.password_login(Settings(), Home(tmp_path), "kate", "guess")
+        login.password_login(Settings(), home, "kate", "guess")
     assert refused.value.message.startswith("Keycloak refused the login") and hint in (refused.value.hint or "")

@@ -40,13 +40,6 @@ ADD = Task(id="add", prompt="def add(a, b):\n    \"\"\"Sum.\"\"\"\n", tests="def
            "    assert candidate(1, 2) == 3\n", entry_point="add")
 
 
-@pytest.fixture
-def home(tmp_path: Path) -> Home:
-    home = Home(tmp_path / "home")
-    home.root.mkdir()
-    return home
-
-
 def verdict(status: str = "failed", passed: int = 0, total: int = 1, stderr: str = "", wall_s: float = 1.0,
             reason: str = "check: exit 1") -> Verdict:
     return Verdict(status=status, reason="passed" if status == "passed" else reason, tests_passed=passed,

@@ -4,7 +4,6 @@ that can change state is ever recorded as a read or summarised as monitoring."""
 from __future__ import annotations
 
 import inspect
-from pathlib import Path
 
 from fastapi.dependencies.models import Dependant
 from fastapi.routing import APIRoute
@@ -17,13 +16,13 @@ from serve.gateway import ROLES_UNDER, create_app
 READ_SUFFIXES = (".list", ".read", ".query")
 
 
-def audited_routes(tmp_path: Path) -> list[APIRoute]:
-    app = create_app(Settings(), Home(tmp_path).ensure())
+def audited_routes(home: Home) -> list[APIRoute]:
+    app = create_app(Settings(), home)
     return [r for r in app.routes if isinstance(r, APIRoute) and r.path.startswith(AUDITED_PREFIXES)]
 
 
-def test_every_audited_route_names_its_action(tmp_path: Path) -> None:
-    routes = audited_routes(tmp_path)
+def test_every_audited_route_names_its_action(home: Home) -> None:
+    routes = audited_routes(home)
     assert len(routes) >= 20
     for route in routes:
         assert route.name != route.endpoint.__name__, f"{route.path}: no audit action declared (name=...)"
@@ -32,8 +31,8 @@ def test_every_audited_route_names_its_action(tmp_path: Path) -> None:
         assert action_of(scope, 200)[0] == route.name.format(**params)
 
 
-def test_no_state_changing_route_is_recorded_as_a_read(tmp_path: Path) -> None:
-    for route in audited_routes(tmp_path):
+def test_no_state_changing_route_is_recorded_as_a_read(home: Home) -> None:
+    for route in audited_routes(home):
         changes = bool(route.methods - {"GET", "HEAD"})
         if changes:
             assert not route.name.endswith(READ_SUFFIXES), f"{route.methods} {route.path} is named a read"
@@ -42,8 +41,8 @@ def test_no_state_changing_route_is_recorded_as_a_read(tmp_path: Path) -> None:
             assert route.name.endswith(READ_SUFFIXES)
 
 
-def test_reads_of_users_settings_and_the_audit_log_are_each_recorded(tmp_path: Path) -> None:
-    summarised = {r.path for r in audited_routes(tmp_path) if r.openapi_extra == MONITORING}
+def test_reads_of_users_settings_and_the_audit_log_are_each_recorded(home: Home) -> None:
+    summarised = {r.path for r in audited_routes(home) if r.openapi_extra == MONITORING}
     assert summarised == {"/admin/services", "/admin/system", "/admin/pools", "/admin/plans", "/admin/jobs",
                           "/admin/adapters", "/admin/rl/tasksets", "/admin/rl/runs", "/admin/rl/exports",
                           "/admin/rl/exports/{export_id}", "/admin/routing", "/admin/cache", "/admin/batches"}
@@ -60,10 +59,10 @@ def admitted_roles(dependant: Dependant) -> list[frozenset[str]]:
     return found
 
 
-def test_the_gate_before_bodies_never_refuses_a_caller_a_route_admits(tmp_path: Path) -> None:
+def test_the_gate_before_bodies_never_refuses_a_caller_a_route_admits(home: Home) -> None:
     """Callers are refused on their headers by prefix (ROLES_UNDER) before any body is read:
     every audited route requires roles, all of them among its prefix's."""
-    for route in audited_routes(tmp_path):
+    for route in audited_routes(home):
         [prefix] = [prefix for prefix in ROLES_UNDER if route.path.startswith(prefix)]
         admitted = admitted_roles(route.dependant)
         assert admitted, f"{route.path}: no role required"

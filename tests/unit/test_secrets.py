@@ -2,7 +2,6 @@
 
 import os
 import stat
-from pathlib import Path
 
 import pytest
 
@@ -11,8 +10,7 @@ from appliance.home import Home
 from appliance.secrets import secret
 
 
-def test_generated_once_private_and_stable(tmp_path: Path) -> None:
-    home = Home(tmp_path / "home").ensure()
+def test_generated_once_private_and_stable(home: Home) -> None:
     first = secret(home, "engine-api-key")
     assert len(first) >= 40
     path = home.secrets / "engine-api-key"
@@ -23,8 +21,7 @@ def test_generated_once_private_and_stable(tmp_path: Path) -> None:
     assert secret(home, "other") != first
 
 
-def test_readable_secret_is_refused(tmp_path: Path) -> None:
-    home = Home(tmp_path / "home").ensure()
+def test_readable_secret_is_refused(home: Home) -> None:
     secret(home, "s")
     os.chmod(home.secrets / "s", 0o644)
     with pytest.raises(StateError, match="readable by others") as caught:

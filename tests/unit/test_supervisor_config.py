@@ -2,7 +2,6 @@
 supervisord's log."""
 
 import configparser
-from pathlib import Path
 
 import pytest
 
@@ -12,8 +11,7 @@ from appliance.programs import Program
 from appliance.supervisor import Supervisor, render_config
 
 
-def test_config_parses_and_keeps_processes_in_groups(tmp_path: Path) -> None:
-    home = Home(tmp_path)
+def test_config_parses_and_keeps_processes_in_groups(home: Home) -> None:
     program = Program(name="vllm-main", command=["python", "-m", "x", "--name", "a b", "50%"],
                       environment={"B": "2"}, port=8100, startsecs=10)
     text = render_config(home, [program], password="pw")
@@ -29,24 +27,23 @@ def test_config_parses_and_keeps_processes_in_groups(tmp_path: Path) -> None:
     assert "inet_http_server" not in parser, "supervisord must not listen on TCP"
 
 
-def test_environment_round_trips_through_supervisors_parser(tmp_path: Path) -> None:
+def test_environment_round_trips_through_supervisors_parser(home: Home) -> None:
     from supervisor.datatypes import dict_of_key_value_pairs
 
     env = {"KEY": 'va"l%ue\\x', "B": "2", "C": "a,b c", "D": "it's", "E": ""}
-    text = render_config(Home(tmp_path), [Program(name="p", command=["true"], environment=env)], "pw")
+    text = render_config(home, [Program(name="p", command=["true"], environment=env)], "pw")
     parser = configparser.ConfigParser()  # interpolating, as supervisord reads it
     parser.read_string(text)
     assert dict_of_key_value_pairs(parser["program:p"]["environment"]) == env
 
 
 @pytest.mark.parametrize("value", ['"both\'', '"lead', "trail'"])
-def test_environment_supervisor_cannot_carry_is_refused(tmp_path: Path, value: str) -> None:
+def test_environment_supervisor_cannot_carry_is_refused(home: Home, value: str) -> None:
     with pytest.raises(SupervisorError, match="environment variable K"):
-        render_config(Home(tmp_path), [Program(name="p", command=["true"], environment={"K": value})], "pw")
+        render_config(home, [Program(name="p", command=["true"], environment={"K": value})], "pw")
 
 
-def test_restarts_are_counted_from_the_log_as_it_grows_and_after_rotation(tmp_path: Path) -> None:
-    home = Home(tmp_path).ensure()
+def test_restarts_are_counted_from_the_log_as_it_grows_and_after_rotation(home: Home) -> None:
     log = home.logs / "supervisord.log"
 
     def spawn(name: str, pid: int) -> str:

@@ -48,8 +48,7 @@ def _serve_tls_once(certificate: tuple[Path, Path]) -> tuple[int, threading.Thre
     return listener.getsockname()[1], thread
 
 
-def test_the_ca_issues_a_loopback_certificate_its_clients_verify(tmp_path: Path) -> None:
-    home = Home(tmp_path).ensure()
+def test_the_ca_issues_a_loopback_certificate_its_clients_verify(home: Home) -> None:
     certificate = tls.ensure_server_certificate(home, "keycloak")
     assert stat.S_IMODE(certificate[1].stat().st_mode) == 0o600
     assert stat.S_IMODE((home.secrets / tls.CA_KEY).stat().st_mode) == 0o600
@@ -64,8 +63,7 @@ def test_the_ca_issues_a_loopback_certificate_its_clients_verify(tmp_path: Path)
         httpx.get(f"https://127.0.0.1:{port}/")
 
 
-def test_certificates_are_kept_and_reissued_near_their_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    home = Home(tmp_path).ensure()
+def test_certificates_are_kept_and_reissued_near_their_end(home: Home, monkeypatch: pytest.MonkeyPatch) -> None:
     cert_path, _ = tls.ensure_server_certificate(home, "keycloak")
     first = cert_path.read_bytes()
     ca = tls.ca_file(home).read_bytes()
@@ -76,8 +74,7 @@ def test_certificates_are_kept_and_reissued_near_their_end(tmp_path: Path, monke
     assert tls.ca_file(home).read_bytes() == ca  # the same CA: clients keep trusting
 
 
-def test_a_broken_ca_is_an_error_not_a_new_ca(tmp_path: Path) -> None:
-    home = Home(tmp_path).ensure()
+def test_a_broken_ca_is_an_error_not_a_new_ca(home: Home) -> None:
     tls.ensure_ca(home)
     (home.secrets / tls.CA_KEY).unlink()
     with pytest.raises(StateError, match="exists without its pair"):
@@ -89,8 +86,7 @@ def test_a_broken_ca_is_an_error_not_a_new_ca(tmp_path: Path) -> None:
         tls.ensure_ca(home)
 
 
-def test_trust_is_the_appliance_ca_or_the_external_keycloak_s(tmp_path: Path) -> None:
-    home = Home(tmp_path).ensure()
+def test_trust_is_the_appliance_ca_or_the_external_keycloak_s(tmp_path: Path, home: Home) -> None:
     with pytest.raises(StateError, match="CA .* does not exist yet"):
         tls.keycloak_trust(Settings(), home)
     tls.ensure_ca(home)

@@ -155,7 +155,7 @@ def test_host_usage_reads_each_gpu_from_nvml(monkeypatch: pytest.MonkeyPatch) ->
     assert found.gpus == [] and "NVML Shared Library Not Found" in (found.gpu_error or "")
 
 
-def test_screens_answer_keys_while_an_admin_call_is_still_pending(tmp_path: Path) -> None:
+def test_screens_answer_keys_while_an_admin_call_is_still_pending(home: Home) -> None:
     """Every call runs in a worker: the app switches screens while the gateway has not answered."""
     from tui.app import AdminApp
 
@@ -185,7 +185,7 @@ def test_screens_answer_keys_while_an_admin_call_is_still_pending(tmp_path: Path
         async def close(self) -> None:
             pass
 
-    app = AdminApp(Settings(), Home(tmp_path / "h").ensure())
+    app = AdminApp(Settings(), home)
     app.client = Stalled()  # type: ignore[assignment]
 
     async def scenario() -> None:
@@ -204,7 +204,7 @@ def test_screens_answer_keys_while_an_admin_call_is_still_pending(tmp_path: Path
 HOSTILE = "[/x] [link=https://example.invalid]click[/link] [bold red]"
 
 
-def test_values_from_the_appliance_are_shown_as_text_never_as_markup(tmp_path: Path) -> None:
+def test_values_from_the_appliance_are_shown_as_text_never_as_markup(home: Home) -> None:
     """Issue 17: an audit record whose resource is `[/x]` crashed the audit screen (DataTable reads
     a str as Rich markup); the chain's verdict, a refusal and the detail view show such text too."""
     from textual.widgets import DataTable, Static
@@ -235,7 +235,7 @@ def test_values_from_the_appliance_are_shown_as_text_never_as_markup(tmp_path: P
         async def close(self) -> None:
             pass
 
-    app = AdminApp(Settings(), Home(tmp_path / "h").ensure())
+    app = AdminApp(Settings(), home)
     app.client = Hostile()  # type: ignore[assignment]
 
     async def scenario() -> None:
