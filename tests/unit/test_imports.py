@@ -14,6 +14,8 @@ import pytest
 
 from appliance import cli
 
+pytestmark = pytest.mark.integration  # every test here starts a fresh interpreter
+
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("serve", "installer", "finetune", "audit", "tui")
 GATEWAY = ("serve.gateway", "fastapi", "aiohttp")
