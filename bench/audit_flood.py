@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -38,7 +39,8 @@ ROUNDS = 2
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+        port: int = probe.getsockname()[1]
+        return port
 
 
 def log_bytes(home: Home) -> int:
@@ -95,7 +97,7 @@ def main() -> None:
             before = log_bytes(shipped.home)
             assert httpx.get(f"{shipped.url}{PATH}").status_code == 404
             single = log_bytes(shipped.home) - before
-            rows = []
+            rows: list[dict[str, Any]] = []
             for _ in range(ROUNDS):
                 for name, gateway in (("shipped", shipped), ("baseline", baseline)):
                     sent, seconds, grown = gateway.flood()
@@ -111,7 +113,7 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
 
     def total(name: str, key: str) -> float:
-        return sum(row[key] for row in rows if row["gateway"] == name)
+        return float(sum(row[key] for row in rows if row["gateway"] == name))
 
     growth = {name: total(name, "bytes") / total(name, "seconds") for name in ("shipped", "baseline")}
     summary = {"path_bytes": len(PATH), "single_request_record_bytes": single,

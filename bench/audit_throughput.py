@@ -15,6 +15,7 @@ import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -35,7 +36,7 @@ def event(n: int) -> AuditEvent:
                       completion_tokens=8, latency_ms=512.3, prompt_hmac="a" * 64, completion_hmac="b" * 64)
 
 
-def run_threads(writers: int, total: int, work) -> float:
+def run_threads(writers: int, total: int, work: Callable[[int], object]) -> float:
     """Seconds for `writers` threads to do `total` calls of work(n) between them."""
     per = total // writers
     threads = [threading.Thread(target=lambda i=i: [work(i * per + j) for j in range(per)]) for i in range(writers)]

@@ -22,7 +22,7 @@ TARGET = os.environ.get("BARE_PROXY_TARGET", "http://127.0.0.1:8000")
 DURABLE_FILE = os.environ.get("BARE_PROXY_DURABLE_FILE")
 
 
-async def app(scope: dict, receive: Any, send: Any) -> None:
+async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     if scope["type"] == "lifespan":
         await _lifespan(receive, send)
         return

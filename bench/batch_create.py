@@ -30,15 +30,17 @@ from types import ModuleType
 from typing import Any
 
 import httpx
-from earlier import module_at  # the sibling (this script runs itself as its server and worker)
 
 from appliance import batches
 from appliance.artifacts import artifact_store
 from appliance.batches import BatchAsk, Owner
 from appliance.home import Home
 from appliance.settings import Settings
+from bench.earlier import module_at
 
 RESULTS = Path(__file__).parent / "results" / "batch_create.json"
+PROJECT = Path(__file__).resolve().parent.parent
+SELF = [sys.executable, "-m", "bench.batch_create"]  # as its server and its worker
 BEFORE_COMMIT = "606ba0a"  # the last commit validating input files inside the gateway
 PORT = 18620
 FILE_BYTES = 32 << 20
@@ -175,7 +177,7 @@ def main() -> None:
     file_id = batches.add_file(home, artifact_store(settings.artifacts, home), owner=OWNER.subject,
                                filename="big.jsonl", purpose="batch", data=data, limits=settings.batch).id
     lines = data.count(b"\n")
-    server = subprocess.Popen([sys.executable, __file__, "serve", str(home.root)])
+    server = subprocess.Popen([*SELF, "serve", str(home.root)], cwd=PROJECT)
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -195,8 +197,8 @@ def main() -> None:
 
         def after_round() -> None:
             after_latencies.extend(creations("/v1/batches", file_id))
-            worker = subprocess.run([sys.executable, __file__, "validate", str(home.root)], capture_output=True,
-                                    text=True, check=True)
+            worker = subprocess.run([*SELF, "validate", str(home.root)], capture_output=True, text=True,
+                                    check=True, cwd=PROJECT)
             worker_runs.extend(json.loads(row) for row in worker.stdout.splitlines())
 
         after = timed(after_round)

@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -84,8 +85,9 @@ def transformers_tokens_per_s(model_dir: Path, dtype: str, runs: int = 3) -> flo
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+    # Any: transformers' generate() and chat template results are unions mypy cannot narrow here.
+    tokenizer: Any = AutoTokenizer.from_pretrained(model_dir)
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
     inputs = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}],
                                            add_generation_prompt=True, return_tensors="pt",
                                            return_dict=True)

@@ -21,19 +21,20 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 RESULTS = Path(__file__).parent / "results" / "finetune_throughput.json"
 ROUNDS = 2
 BATCH = 4
 
 
-def rows(count: int = 64) -> list[dict]:
+def rows(count: int = 64) -> list[dict[str, Any]]:
     return [{"messages": [{"role": "user", "content": f"Which shelf holds item {i} of the {i % 7}th aisle?"},
                           {"role": "assistant", "content": f"Item {i} sits on shelf {i % 5} in aisle {i % 7}, "
                                                            "next to the blue crates."}]} for i in range(count)]
 
 
-def appliance_run(model: Path, steps: int, qlora: bool) -> dict:
+def appliance_run(model: Path, steps: int, qlora: bool) -> dict[str, float]:
     from appliance.jobs import Hyperparameters
     from finetune.train import train_adapter
 
@@ -41,10 +42,11 @@ def appliance_run(model: Path, steps: int, qlora: bool) -> dict:
     with tempfile.TemporaryDirectory() as work:
         result = train_adapter(model, data[:-8], data[-8:], Path(work), Hyperparameters(
             max_steps=steps, batch_size=BATCH, save_steps=10_000, qlora=qlora, learning_rate=1e-4))
+    assert result is not None, "one process is rank 0, which gets the result"
     return {"tokens": result.train_tokens, "seconds": result.seconds}
 
 
-def plain_run(model_dir: Path, steps: int, qlora: bool) -> dict:
+def plain_run(model_dir: Path, steps: int, qlora: bool) -> dict[str, float]:
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -52,8 +54,9 @@ def plain_run(model_dir: Path, steps: int, qlora: bool) -> dict:
     from appliance.jobs import Hyperparameters
     from finetune.train import _quantization  # the same 4-bit config when --qlora
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32,
+    # Any: transformers' and PEFT's annotations do not follow a model through get_peft_model.
+    tokenizer: Any = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32,
                                                  **_quantization(Hyperparameters(qlora=qlora)))
     model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05, target_modules="all-linear",
                                              task_type="CAUSAL_LM"))
@@ -81,13 +84,13 @@ def plain_run(model_dir: Path, steps: int, qlora: bool) -> dict:
     return {"tokens": tokens, "seconds": time.monotonic() - started}
 
 
-def measured(mode: str, model: Path, steps: int, qlora: bool) -> dict:
+def measured(mode: str, model: Path, steps: int, qlora: bool) -> dict[str, float]:
     """One run in its own process: its figures and its peak RSS."""
     with tempfile.NamedTemporaryFile(suffix=".time") as report:
         command = ["/usr/bin/time", "-o", report.name, "-f", "%M", sys.executable, __file__, "--child", mode,
                    "--model", str(model), "--steps", str(steps), *(["--qlora"] if qlora else [])]
         done = subprocess.run(command, check=True, capture_output=True, text=True)
-        figures = json.loads(done.stdout.strip().splitlines()[-1])
+        figures: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
         figures["peak_rss_bytes"] = int(Path(report.name).read_text().split()[-1]) * 1024
     figures["tokens_per_s"] = figures["tokens"] / figures["seconds"]
     return figures
@@ -108,7 +111,7 @@ def main() -> None:
         run = appliance_run if args.child == "appliance" else plain_run
         print(json.dumps(run(args.model, args.steps, args.qlora)))
         return
-    runs: dict[str, list[dict]] = {"appliance": [], "plain": []}
+    runs: dict[str, list[dict[str, float]]] = {"appliance": [], "plain": []}
     for round_ in range(ROUNDS):
         for mode in (("appliance", "plain") if round_ % 2 == 0 else ("plain", "appliance")):
             runs[mode].append(measured(mode, args.model, args.steps, args.qlora))

@@ -7,7 +7,7 @@ the tail is where a stall on the event loop (a full garbage collection, a signat
 shows, once every few hundred requests. Both gateways validate real Keycloak tokens (the
 appliance's own Keycloak) and run the default compliance policy.
 
-Run: .venv/bin/python bench/gateway_ab.py [--before REV] [--requests N] [--probe-stalls]
+Run: .venv/bin/python -m bench.gateway_ab [--before REV] [--requests N] [--probe-stalls]
 (needs ./bootstrap.sh --no-start; REV: any commit whose engines listen on Unix sockets).
 Writes bench/results/gateway_ab.json; with --probe-stalls (bench/stall_probe: its own cost
 distorts the figures, so it writes them nowhere) prints what stalled each gateway's event loop:
@@ -26,7 +26,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import gateway_overhead as g  # the sibling bench: its appliance set-up, paths and interleaved load
 import httpx
 
 from appliance.engine_launch import engine_socket
@@ -34,6 +33,7 @@ from appliance.home import HOME_ENV, Home
 from appliance.secrets import secret
 from appliance.settings import load_settings
 from appliance.tls import keycloak_ssl, tls_dir
+from bench import gateway_overhead as g  # the sibling bench: its appliance set-up, paths and interleaved load
 from installer.realm import BOOTSTRAP_SECRET
 
 PROJECT = Path(__file__).resolve().parent.parent

@@ -42,6 +42,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -85,7 +86,7 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def one(client: httpx.AsyncClient, url: str, headers: dict, stream: bool) -> float:
+async def one(client: httpx.AsyncClient, url: str, headers: dict[str, str], stream: bool) -> float:
     body = {"model": MODEL, "max_tokens": 4, "temperature": 0, "stream": stream,
             "messages": [{"role": "user", "content": "Say OK."}]}
     started = time.perf_counter()
@@ -100,7 +101,7 @@ async def one(client: httpx.AsyncClient, url: str, headers: dict, stream: bool) 
     return time.perf_counter() - started
 
 
-def http_client(url: str, **options: object) -> tuple[httpx.AsyncClient, str]:
+def http_client(url: str, **options: Any) -> tuple[httpx.AsyncClient, str]:
     """A client for `url` and the URL to ask: `unix:SOCKET::PATH` reaches an engine over its Unix
     socket (engines listen on no TCP port), anything else as it is."""
     if url.startswith("unix:"):
@@ -109,7 +110,7 @@ def http_client(url: str, **options: object) -> tuple[httpx.AsyncClient, str]:
     return httpx.AsyncClient(**options), url
 
 
-async def load(url: str, headers: dict, concurrency: int, stream: bool,
+async def load(url: str, headers: dict[str, str], concurrency: int, stream: bool,
                per_worker: int) -> tuple[list[float], float]:
     """Latencies of every request and requests/s, `concurrency` workers in parallel."""
     limits = httpx.Limits(max_connections=concurrency * 2)
@@ -150,7 +151,7 @@ def start_appliance() -> tuple[Path, dict[str, str]]:
 Headers = Callable[[], dict[str, str]]
 
 
-async def load_interleaved(paths: dict[str, tuple[str, dict]], stream: bool,
+async def load_interleaved(paths: dict[str, tuple[str, dict[str, str]]], stream: bool,
                            requests: int) -> dict[str, list[float]]:
     """Concurrency 1 on every path, the paths taking turns request by request (in a fresh random
     order each turn), so the engine's and the machine's drift hits every path alike."""
@@ -171,7 +172,7 @@ async def load_interleaved(paths: dict[str, tuple[str, dict]], stream: bool,
 
 
 def measure(paths: dict[str, tuple[str, Headers]], per_worker: dict[int, int],
-            gateway_pid: int | None = None) -> list[dict]:
+            gateway_pid: int | None = None) -> list[dict[str, Any]]:
     """Rows of p50/p99/rps per path, and for each path but `direct` its added p50 (with a
     bootstrap 95 % interval), added p99 and throughput ratio, for each load shape (stream or
     not, each concurrency in `per_worker` with its requests per worker). Concurrency 1
@@ -196,7 +197,7 @@ def measure(paths: dict[str, tuple[str, Headers]], per_worker: dict[int, int],
                         rates[name].append(rate)
                 warm_ups = ROUNDS
             gateway_cpu_s = cpu_seconds(gateway_pid) - cpu_before if gateway_pid else 0.0
-            row: dict = {"stream": stream, "concurrency": concurrency, "requests": len(samples["gateway"])}
+            row: dict[str, Any] = {"stream": stream, "concurrency": concurrency, "requests": len(samples["gateway"])}
             for name in paths:
                 row[f"{name}_p50_ms"] = round(percentile(samples[name], 0.5) * 1000, 2)
                 row[f"{name}_p99_ms"] = round(percentile(samples[name], 0.99) * 1000, 2)
@@ -236,14 +237,14 @@ async def _status(url: str) -> int:
         return (await http.get(url)).status_code
 
 
-def serve(app: str, port: int | Path, env: dict[str, str]) -> subprocess.Popen:
+def serve(app: str, port: int | Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
     """An ASGI app from this repository under uvicorn on a loopback port (or a Unix socket)."""
     where = ["--uds", str(port)] if isinstance(port, Path) else ["--port", str(port)]
     return _start([sys.executable, "-P", "-m", "uvicorn", app, *where, "--no-access-log", "--log-level", "warning"],
                   port, env)
 
 
-def _start(command: list[str], port: int | Path, env: dict[str, str]) -> subprocess.Popen:
+def _start(command: list[str], port: int | Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
     name = port.name if isinstance(port, Path) else port
     log = (LOGS / f"gateway-overhead-{name}.log").open("w")
     return subprocess.Popen(command, cwd=Path(__file__).parent.parent, env=env, stdout=subprocess.DEVNULL, stderr=log)
@@ -266,7 +267,7 @@ def bare_proxy(target: str, port: int, durable_file: Path | None = None) -> Iter
 
 
 def stub_section(env: dict[str, str], token: Headers, per_worker: dict[int, int],
-                 delay_s: float = 0.0) -> list[dict]:
+                 delay_s: float = 0.0) -> list[dict[str, Any]]:
     """A stand-in engine answering after `delay_s`, the bare proxy (also with one fdatasync per
     request) and a second gateway in front of it (same realm, same settings)."""
     # The second gateway gets a state dir of its own (the realm's secrets copied), so that its

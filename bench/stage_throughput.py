@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -51,7 +52,8 @@ def make_checkpoint(directory: Path) -> tuple[int, int]:
                      | {f"{p}.mlp.{n}.weight": (INTER, HIDDEN) for n in ("gate_proj", "up_proj")}
                      | {f"{p}.mlp.down_proj.weight": (HIDDEN, INTER),
                         f"{p}.input_layernorm.weight": (HIDDEN,), f"{p}.post_attention_layernorm.weight": (HIDDEN,)})
-    weight_map, total, largest = {}, 0, 0
+    weight_map: dict[str, str] = {}
+    total, largest = 0, 0
     generator = torch.Generator().manual_seed(0)
     for number, tensors in enumerate(files):
         name = f"model-{number + 1:05d}-of-{len(files):05d}.safetensors"
@@ -87,11 +89,15 @@ def main() -> None:
         plan_file.write_text(record.model_dump_json())
         runs: dict[str, list[float]] = {"cp": [], "cp_sync": [], "subset": [], "sharded": []}
         peaks: dict[str, list[int]] = {}
-        commands = {"cp": lambda target: ["cp", "-r", str(source), str(target)],
-                    "cp_sync": lambda target: ["sh", "-c", f"cp -r '{source}' '{target}' && sync -f '{target}'"],
-                    **{fmt: lambda target, fmt=fmt: [APPLIANCE, "stage", str(source), "--plan", str(plan_file),
-                                                     "--out", str(target), "--format", fmt]
-                       for fmt in ("subset", "sharded")}}
+
+        def stage(fmt: str) -> Callable[[Path], list[str]]:
+            return lambda target: [APPLIANCE, "stage", str(source), "--plan", str(plan_file), "--out", str(target),
+                                   "--format", fmt]
+
+        commands: dict[str, Callable[[Path], list[str]]] = {
+            "cp": lambda target: ["cp", "-r", str(source), str(target)],
+            "cp_sync": lambda target: ["sh", "-c", f"cp -r '{source}' '{target}' && sync -f '{target}'"],
+            **{fmt: stage(fmt) for fmt in ("subset", "sharded")}}
         names = list(commands)
         for round_ in range(ROUNDS):
             for name in names[round_ % len(names):] + names[:round_ % len(names)]:  # each goes first once
@@ -101,7 +107,7 @@ def main() -> None:
                 peaks.setdefault(name, []).append(peak)
                 shutil.rmtree(target)
         median = {name: statistics.median(values) for name, values in runs.items()}
-        row = {"bytes": total, "largest_tensor_bytes": largest,
+        row: dict[str, float] = {"bytes": total, "largest_tensor_bytes": largest,
                **{f"{name}_seconds": round(value, 2) for name, value in median.items()},
                **{f"{name}_mb_per_s": round(total / value / 1e6) for name, value in median.items()}}
         for fmt in ("subset", "sharded"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+from collections.abc import AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -38,7 +39,7 @@ async def chat(request: Request) -> Response:
     if not body.get("stream"):
         return JSONResponse(COMPLETION)
 
-    async def events():
+    async def events() -> AsyncIterator[bytes]:
         for piece in ("O", "K", "."):
             chunk = {"id": "stub", "object": "chat.completion.chunk", "model": MODEL,
                      "choices": [{"index": 0, "delta": {"content": piece}}]}

@@ -24,6 +24,10 @@ import sys
 import threading
 import time
 import traceback
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import asyncio
 
 STALL_MS = float(os.environ.get("STALL_PROBE_MS", "3"))
 REPORT_S = 2.0
@@ -73,7 +77,7 @@ def _watch() -> None:
         except RuntimeError:
             return  # the loop closed
         if not done.wait(STALL_MS / 1000):
-            where = _where(sys._current_frames().get(main))
+            where = _where(sys._current_frames().get(main) if main is not None else None)
             done.wait(10)
             waited = (time.perf_counter() - sent) * 1000
             _stalls[where] += 1
@@ -81,8 +85,8 @@ def _watch() -> None:
         time.sleep(0.001)
 
 
-def _running_loop() -> object | None:
-    import asyncio
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    import asyncio  # only once the watch starts: not at every interpreter's start-up
 
     for obj in gc.get_objects():
         if isinstance(obj, asyncio.AbstractEventLoop) and obj.is_running():

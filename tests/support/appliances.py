@@ -8,7 +8,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,7 +37,8 @@ class Appliance:
         return int(self.env[name])
 
 
-def make_appliance(demo: Path | None, keycloak: Path | None = None, **overrides: str) -> Iterator[Appliance]:
+def make_appliance(demo: Path | None, keycloak: Path | None = None,
+                   **overrides: str) -> Generator[Appliance, None, None]:
     """A fresh state directory on free ports; with the demo model and a private copy of Keycloak
     (its database lives in its directory) if given, else configured not to need Keycloak."""
     # Short path: supervisord's unix socket lives inside it (107-byte limit).

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -20,6 +23,15 @@ def test_ci_runs_the_linter_and_the_type_checker() -> None:
     assert ".venv/bin/ruff check ." in script and "\n.venv/bin/mypy" in script and "set -euo pipefail" in script
 
 
+def test_the_type_checker_covers_every_package_and_the_benches() -> None:
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())
+    packages = {path.parent.name for path in REPO.glob("*/__init__.py")} - {"tests"}
+    assert packages >= {"appliance", "serve", "audit", "installer", "finetune", "tui", "bench"}
+    assert set(config["tool"]["mypy"]["files"]) == packages
+    assert not {"bench", *packages} & set(config["tool"]["ruff"].get("extend-exclude", []))
+
+
+@pytest.mark.integration
 def test_a_type_error_fails_the_type_check(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
     bad.write_text("def half(n):\n    return n / 2\n\n\ncount: int = 'three'\n")
@@ -29,6 +41,7 @@ def test_a_type_error_fails_the_type_check(tmp_path: Path) -> None:
     assert '(expression has type "str", variable has type "int")' in checked.stdout
 
 
+@pytest.mark.integration
 def test_a_lint_error_fails_the_lint(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
     bad.write_text("import os\nimport sys\n\nprint(sys.argv)\n")
