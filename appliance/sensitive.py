@@ -1,8 +1,9 @@
 """Sensitive data in text: e-mail addresses, phone numbers, payment card numbers (Luhn-checked),
 IBANs (mod-97-checked), API-key-like secrets, national identifiers, patterns the operator adds and
-detectors that plug in. One scanner serves training datasets (finetune) and the gateway's live
-filtering of prompts and answers (serve.compliance). Findings name the kind and where, never the
-matched text (it is what must not leak).
+detectors that plug in. One scanner, built by `scanner_from` from the `compliance` settings,
+serves dataset ingestion and RL export (finetune) and the gateway's live filtering of prompts and
+answers (serve.compliance). Findings name the kind and where, never the matched text (it is what
+must not leak).
 
 Text is screened as a reader sees it: every detector runs on a normalised view of it (JSON
 escapes read; NFKC; invisible and format characters removed; digits of every script as ASCII
@@ -32,6 +33,7 @@ import numpy.typing as npt
 import regex
 
 from appliance.errors import SettingsError
+from appliance.settings import ComplianceSettings
 
 SHORT_TEXT = 64  # texts up to this long have their findings remembered
 SHORT_TEXTS_CACHED = 4096
@@ -594,9 +596,10 @@ class Scanner:
         return view.span(start, start + 1)[0], kind
 
 
-def scanner_from(patterns: dict[str, str] | None = None, detectors: Iterable[str] = ()) -> Scanner:
-    """The scanner of an operator's `patterns` and the named plug-in `detectors` (entry points)."""
-    return Scanner(patterns, plugged(detectors))
+def scanner_from(settings: ComplianceSettings) -> Scanner:
+    """The scanner every use screens with: the built-in kinds, the operator's `compliance.patterns`
+    and the plug-in `compliance.detectors` (SettingsError for one that is not installed)."""
+    return Scanner(settings.patterns, plugged(settings.detectors))
 
 
 def replaced(text: str, findings: list[Finding]) -> str:

@@ -511,17 +511,11 @@ class RlSettings(_Section):
 
 
 class FinetuneSettings(_Section):
-    """Post-training: datasets, the sensitive-data scan, training jobs and their gate."""
+    """Post-training: datasets, training jobs and their gate (what sensitive data in a dataset gets:
+    `compliance.training_data`)."""
 
     IN_SUPERVISOR_CONFIG = False  # read by the programs from the settings file
 
-    sensitive_data: Literal["block", "redact", "allow"] = Field(
-        "block", description="What `appliance data add` does with e-mails, phone numbers, card numbers, "
-        "IBANs and secrets found in a dataset: refuse it, replace them, or keep them (always reported)."
-    )
-    sensitive_patterns: dict[str, str] = Field(
-        default_factory=dict, description="Further patterns to scan for: name = regular expression."
-    )
     eval_fraction: float = Field(0.1, ge=0, lt=1, description="Share of rows held out for evaluation.")
     gate_min_improvement: float = Field(
         0.0, ge=0, lt=1, description="An adapter passes the gate when its held-out loss is at least this "
@@ -591,21 +585,29 @@ class RolePolicy(CompliancePolicy):
 
 
 class ComplianceSettings(_Section):
-    """Live compliance filtering by the gateway: the sensitive-data scanner on every prompt before the
-    engine sees it and every answer before the client does, as the caller's roles' policy says (a
-    user holding several roles gets, kind by kind, the most generous of their policies)."""
+    """Sensitive data, wherever it is screened: the one scanner's kinds (built in, `patterns`,
+    plug-in `detectors`) and what each use does with a finding. The gateway screens every prompt
+    before the engine sees it and every answer before the client does, as the caller's roles'
+    policy says (`default`, `roles`: a user holding several roles gets, kind by kind, the most
+    generous of their policies); dataset ingestion (`appliance data add`) and RL export screen
+    every training row (`training_data`)."""
 
     IN_SUPERVISOR_CONFIG = False
 
-    default: CompliancePolicy = Field(default_factory=CompliancePolicy,
-                                      description="The policy of every role without one of its own.")
-    roles: dict[str, RolePolicy] = Field(default_factory=dict, description="Policies of roles, by role name.")
     patterns: dict[str, str] = Field(
-        default_factory=dict, description="Further kinds to find: name = regular expression (Python `regex`).")
+        default_factory=dict, description="Further kinds to find in prompts, answers and training data: name = "
+        "regular expression (Python `regex`).")
     detectors: list[str] = Field(
         default_factory=lambda: ["national_ids"],
-        description="Plug-in detectors to use: names of `appliance.detectors` entry points (national_ids: US "
-        "social security and UK national insurance numbers).")
+        description="Plug-in detectors to use in prompts, answers and training data: names of `appliance.detectors` "
+        "entry points (national_ids: US social security and UK national insurance numbers).")
+    training_data: Literal["block", "redact", "allow"] = Field(
+        "block", description="What dataset ingestion (`appliance data add`) and RL export do with any kind found "
+        "in a training row: refuse the whole set, replace each finding by its kind, or keep it (always reported).")
+    default: CompliancePolicy = Field(default_factory=CompliancePolicy,
+                                      description="The gateway's policy for every role without one of its own.")
+    roles: dict[str, RolePolicy] = Field(default_factory=dict,
+                                         description="The gateway's policies of roles, by role name.")
     hold_chars: int = Field(
         256, ge=80, le=65536, description="Of a streamed answer, how much text may be held back while it could "
         "still be part of a finding to redact.")
@@ -677,6 +679,12 @@ class Settings(_Section):
         raise SettingsError(f"no pool named {name!r}", hint=f"pools: {[p.name for p in self.pools]}")
 
 
+# Settings that moved, old name -> new: a file or variable still naming the old one is refused with
+# the new name (left unread, it would leave the operator's policy silently unapplied).
+MOVED = {("finetune", "sensitive_data"): "compliance.training_data",
+         ("finetune", "sensitive_patterns"): "compliance.patterns"}
+
+
 def load_settings(path: Path, environ: Mapping[str, str] | None = None) -> Settings:
     """Read `path` (missing means all defaults), apply APPLIANCE_* overrides, validate."""
     environ = os.environ if environ is None else environ
@@ -689,6 +697,7 @@ def load_settings(path: Path, environ: Mapping[str, str] | None = None) -> Setti
         except tomllib.TOMLDecodeError as exc:
             raise SettingsError(f"{path}: not valid TOML: {exc}") from exc
     overrides = _apply_env(data, environ)
+    _refuse_moved(path, text, data, overrides)
     try:
         return Settings.model_validate(data)
     except ValidationError as exc:
@@ -697,6 +706,17 @@ def load_settings(path: Path, environ: Mapping[str, str] | None = None) -> Setti
         source = overrides.get(field) or _locate(path, text, error["loc"], data)
         more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
         raise SettingsError(f"{source}: {field or 'settings'}: {error['msg']}{more}") from exc
+
+
+def _refuse_moved(path: Path, text: str, data: dict[str, Any], overrides: dict[str, str]) -> None:
+    """SettingsError naming the source and the new name of the first setting in MOVED that is set."""
+    for (section, key), new in MOVED.items():
+        table = data.get(section)
+        if isinstance(table, dict) and key in table:
+            old = f"{section}.{key}"
+            source = overrides.get(old) or _locate(path, text, (section, key), data)
+            raise SettingsError(f"{source}: {old} is no longer a setting: it moved to {new}",
+                                hint=f"rename it {new} (see `appliance settings defaults`)")
 
 
 def _apply_env(data: dict[str, Any], environ: Mapping[str, str]) -> dict[str, str]:

@@ -18,10 +18,9 @@ from appliance.errors import ApplianceError
 from appliance.home import Home
 from appliance.model_refs import checkpoint
 from appliance.progress import byte_progress
-from appliance.sensitive import scanner_from
 from appliance.settings import DEMO_MODEL, load_settings
 from finetune import evalsets
-from finetune.datasets import check_lengths, load_registry, parse, scan, split, store
+from finetune.datasets import check_lengths, load_registry, parse, screen, split, store
 from finetune.runner import run_job
 
 data_app = typer.Typer(help="Training datasets: validated, scanned, stored content-addressed.",
@@ -47,10 +46,9 @@ def add(
     rows = parse(file)
     check_lengths(rows, _token_counter(checkpoint(model, home, settings, what="--model")),
                   context or settings.engine.max_model_len)
-    options = settings.finetune
-    rows, sensitive = scan(rows, scanner_from(options.sensitive_patterns), options.sensitive_data)
-    train, evaluation = split(rows, options.eval_fraction)
-    done = store(name, file, train, evaluation, sensitive, options.sensitive_data,
+    rows, sensitive = screen(rows, settings.compliance)
+    train, evaluation = split(rows, settings.finetune.eval_fraction)
+    done = store(name, file, train, evaluation, sensitive, settings.compliance.training_data,
                  artifact_store(settings.artifacts, home), home)
     found = ", ".join(f"{kind} {count}" for kind, count in sorted(sensitive.items())) or "none"
     out.print(f"dataset {done.name}: {done.rows} rows ({done.train} train, {done.eval} eval), sha256 {done.digest}; "

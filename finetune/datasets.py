@@ -18,7 +18,8 @@ from appliance.artifacts import ArtifactStore
 from appliance.errors import ApplianceError, IntegrityError
 from appliance.home import Home
 from appliance.registry import JsonRegistry
-from appliance.sensitive import Scanner
+from appliance.sensitive import Scanner, scanner_from
+from appliance.settings import ComplianceSettings
 
 ROLES = ("system", "user", "assistant")
 PREFIX = "datasets/"
@@ -186,6 +187,12 @@ def check_lengths(rows: list[Row], count_tokens: Callable[[dict[str, Any]], int]
         raise DatasetError(f"{len(problems)} rows are too long, nothing imported:", problems)
 
 
+def screen(rows: list[Row], settings: ComplianceSettings) -> tuple[list[Row], dict[str, int]]:
+    """`scan` with the scanner the gateway screens with too and the action for training data, as
+    the `compliance` settings say."""
+    return scan(rows, scanner_from(settings), settings.training_data)
+
+
 def scan(rows: list[Row], scanner: Scanner, action: str) -> tuple[list[Row], dict[str, int]]:
     """Counts of sensitive findings by kind; under 'block' any finding refuses the dataset (naming
     lines and kinds, never the text), under 'redact' they are replaced."""
@@ -197,7 +204,7 @@ def scan(rows: list[Row], scanner: Scanner, action: str) -> tuple[list[Row], dic
     if found and action == "block":
         problems = [f"line {line}: {kind}" for line, kind in found]
         raise DatasetError(f"sensitive data found ({', '.join(f'{k}: {n}' for k, n in sorted(counts.items()))}); "
-                           "nothing imported (finetune.sensitive_data = block; remove it, or set it to redact "
+                           "nothing imported (compliance.training_data = block; remove it, or set it to redact "
                            "or allow):", problems)
     if found and action == "redact":
         rows = [Row(row.line, _redacted(row.example, scanner)) for row in rows]

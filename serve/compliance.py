@@ -70,7 +70,7 @@ class Compliance:
 
     def __init__(self, settings: ComplianceSettings) -> None:
         self.settings = settings
-        self.scanner = scanner_from(settings.patterns, settings.detectors)
+        self.scanner = scanner_from(settings)
         known = self.scanner.kinds
         for where, policy in (("default", settings.default), *settings.roles.items()):
             for part in (policy.prompts, policy.answers):

@@ -21,10 +21,9 @@ from appliance.home import Home
 from appliance.rl.attempts import Attempt
 from appliance.rl.exports import ExportAsk
 from appliance.rl.runs import RunSpec
-from appliance.sensitive import scanner_from
 from appliance.settings import Settings
 from appliance.trajectories import read_run
-from finetune.datasets import Imported, Row, normalise, put, register, scan, split
+from finetune.datasets import Imported, Row, normalise, put, register, screen, split
 from finetune.rl.tasks import load
 
 
@@ -68,7 +67,7 @@ class Prepared:
 def prepare_set(run_id: int, rows: list[dict[str, Any]], what: str, settings: Settings) -> Prepared:
     """The rows as a dataset's (finetune.datasets.normalise: those a dataset would refuse, an empty
     answer say, left out), scanned for sensitive data and split; Invalid if none is left, and the
-    scan's refusal under `finetune.sensitive_data = block`."""
+    scan's refusal under `compliance.training_data = block`."""
     kept: list[Row] = []
     for row in rows:
         try:
@@ -77,16 +76,15 @@ def prepare_set(run_id: int, rows: list[dict[str, Any]], what: str, settings: Se
             continue
     if not kept:
         raise Invalid(f"run {run_id} has no {what}")
-    options = settings.finetune
-    scanned, sensitive = scan(kept, scanner_from(options.sensitive_patterns), options.sensitive_data)
-    train, evaluation = split(scanned, options.eval_fraction)
+    scanned, sensitive = screen(kept, settings.compliance)
+    train, evaluation = split(scanned, settings.finetune.eval_fraction)
     return Prepared(train, evaluation, sensitive)
 
 
 def put_set(name: str, run_id: int, prepared: Prepared, settings: Settings, artifacts: ArtifactStore) -> Imported:
     """Put a prepared set's files in the store, content-addressed (named by `register`)."""
     return put(name, Path(f"rl-run-{run_id}.jsonl"), prepared.train, prepared.evaluation, prepared.sensitive,
-               settings.finetune.sensitive_data, artifacts)
+               settings.compliance.training_data, artifacts)
 
 
 @dataclass

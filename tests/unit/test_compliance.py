@@ -1,17 +1,25 @@
 """Issue 21's live compliance filtering apart from the engine: the scanner's detectors (national
 identifiers and plug-ins included), redaction of a text arriving in pieces, the per-role policy,
-and the gateway's screening of prompts and answers (whole and streamed)."""
+and the gateway's screening of prompts and answers (whole and streamed); and training data
+(dataset ingestion, RL export) screened by the same scanner."""
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
+from typer.testing import CliRunner
 
 from appliance.errors import SettingsError
+from appliance.home import Home
 from appliance.sensitive import Scanner, StreamRedactor, national_ids, plugged
-from appliance.settings import CompliancePolicy, ComplianceSettings, RolePolicy
+from appliance.settings import CompliancePolicy, ComplianceSettings, RolePolicy, Settings
+from finetune.cli import data_app
+from finetune.datasets import DatasetError, load_registry
+from finetune.rl.export import prepare_set
 from serve.compliance import Compliance, Marks
 from serve.errors import GatewayError
 
@@ -291,3 +299,28 @@ def test_held_text_joins_a_null_field_and_a_blocked_prompt_marks_nothing_redacte
         compliance.screen_prompt({"messages": [{"content": f"{CARD} to a@b.org"}]}, CHAT,
                                  compliance.policy(["ops"]), marks)
     assert marks.done == {"prompt.payment_card": "blocked"}
+
+
+# The national_ids plug-in's example (a UK national insurance number): no built-in kind finds it.
+NINO_ROW = {"messages": [{"role": "user", "content": "my NINO is AB 12 34 56 C"},
+                         {"role": "assistant", "content": "noted"}]}
+
+
+def test_dataset_ingestion_and_rl_export_screen_with_the_gateways_plug_in_detectors(
+        tmp_path: Path, home: Home, demo_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert not Scanner().findings(NINO_ROW["messages"][0]["content"]), "only the plug-in finds it"
+    monkeypatch.setenv("APPLIANCE_HOME", str(home.root))
+    dataset = tmp_path / "ids.jsonl"
+    dataset.write_text(json.dumps({"prompt": "hello", "completion": "hi"}) + "\n" + json.dumps(NINO_ROW) + "\n")
+    added = CliRunner().invoke(data_app, ["add", str(dataset), "--name", "ids", "--model", str(demo_model)])
+    assert isinstance(added.exception, DatasetError), added.output
+    assert added.exception.problems == ["line 2: national_id"]
+    assert "compliance.training_data = block" in added.exception.message
+    assert load_registry(home) == {}, "nothing imported"
+    with pytest.raises(DatasetError) as exported:
+        prepare_set(1, [{"prompt": "hello", "completion": "hi"}, NINO_ROW], "passing attempts", Settings())
+    assert exported.value.problems == ["line 2: national_id"]
+    redacted = prepare_set(1, [NINO_ROW], "passing attempts",
+                           Settings(compliance=ComplianceSettings(training_data="redact")))
+    assert redacted.sensitive == {"national_id": 1}
+    assert "AB 12 34 56 C" not in json.dumps([*redacted.train, *redacted.evaluation])

@@ -63,7 +63,7 @@ def test_what_is_not_a_card_stays_and_redaction_changes_only_the_finding() -> No
 
 
 def test_one_factory_builds_the_scanner_of_patterns_and_plug_ins() -> None:
-    scanner = scanner_from({"employee_id": r"E-\d{6}"}, ["national_ids"])
+    scanner = scanner_from(ComplianceSettings(patterns={"employee_id": r"E-\d{6}"}, detectors=["national_ids"]))
     assert {"employee_id", "national_id", "payment_card"} <= scanner.kinds
     assert scanner.redact("E\u2013123456 and 123\u201345\u20136789") == "[EMPLOYEE_ID] and [NATIONAL_ID]"
 

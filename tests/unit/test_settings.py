@@ -134,5 +134,24 @@ def test_a_newline_in_an_environment_override_is_refused_naming_the_variable(tmp
 
 
 def test_values_read_only_from_the_settings_file_may_hold_comment_characters(tmp_path: Path) -> None:
-    settings = load_settings(write(tmp_path, '[finetune.sensitive_patterns]\nticket = "TICKET #[0-9]+"\n'), environ={})
-    assert settings.finetune.sensitive_patterns == {"ticket": "TICKET #[0-9]+"}
+    settings = load_settings(write(tmp_path, '[compliance.patterns]\nticket = "TICKET #[0-9]+"\n'), environ={})
+    assert settings.compliance.patterns == {"ticket": "TICKET #[0-9]+"}
+
+
+@pytest.mark.parametrize(("text", "where", "new"), [
+    ('[finetune]\neval_fraction = 0.2\nsensitive_data = "redact"\n', "settings.toml:3: finetune.sensitive_data",
+     "compliance.training_data"),
+    ('[finetune.sensitive_patterns]\nticket = "T-[0-9]+"\n', "settings.toml:1: finetune.sensitive_patterns",
+     "compliance.patterns"),
+])
+def test_a_moved_setting_is_refused_naming_its_new_key(tmp_path: Path, text: str, where: str, new: str) -> None:
+    with pytest.raises(SettingsError) as caught:
+        load_settings(write(tmp_path, text), environ={})
+    assert where in caught.value.message and f"moved to {new}" in caught.value.message
+
+
+def test_a_moved_setting_in_the_environment_is_refused_naming_the_variable(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError) as caught:
+        load_settings(tmp_path / "absent.toml", environ={"APPLIANCE_FINETUNE__SENSITIVE_DATA": "allow"})
+    assert caught.value.message == ("APPLIANCE_FINETUNE__SENSITIVE_DATA: finetune.sensitive_data is no longer a "
+                                    "setting: it moved to compliance.training_data")
