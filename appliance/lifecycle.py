@@ -10,17 +10,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from appliance import hosts
 from appliance.errors import StartError
 from appliance.home import Home
 from appliance.orphans import end_leftovers
 from appliance.programs import Program, discover_programs, run_provisioners
 from appliance.secrets import secret
-from appliance.settings import Settings
 from appliance.supervisor import (
     FAILED_STATES,
     ProcessState,
@@ -29,6 +27,9 @@ from appliance.supervisor import (
     render_config,
     socket_path,
 )
+
+if TYPE_CHECKING:  # `status` builds neither the settings' nor the hosts' schemas
+    from appliance.settings import Settings
 
 Progress = Callable[[str], None]
 
@@ -250,6 +251,8 @@ def status(home: Home) -> dict[str, Any]:
 
 def _cluster(home: Home) -> list[dict[str, Any]]:
     """Each pool spanning hosts: its epoch, whether it serves, and every host's rank (on the head)."""
+    from appliance import hosts
+
     registry = hosts.load(home)
     pools = []
     for path in sorted((home.run / "cluster").glob("*.json")):

@@ -11,12 +11,14 @@ import re
 from collections.abc import Callable
 from importlib.metadata import entry_points
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from appliance.home import Home
-from appliance.hosts import membership_file
-from appliance.settings import Settings
+
+if TYPE_CHECKING:  # `appliance status` reads programs without building the settings' and hosts' schemas
+    from appliance.settings import Settings
 
 CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -75,14 +77,16 @@ class Program(BaseModel):
         return self
 
 
-ProgramSource = Callable[[Settings, Home], list[Program]]
+ProgramSource = Callable[["Settings", Home], list[Program]]
 # Runs after every program is ready (e.g. Keycloak realm provisioning); returns lines to print.
-Provisioner = Callable[[Settings, Home], list[str]]
+Provisioner = Callable[["Settings", Home], list[str]]
 PROVISIONERS_GROUP = "appliance.provisioners"
 
 
 def discover_programs(settings: Settings, home: Home) -> list[Program]:
     """All programs every installed package contributes, in start order (a worker's own only)."""
+    from appliance.hosts import membership_file
+
     programs: list[Program] = []
     group = WORKER_PROGRAMS_GROUP if membership_file(home).exists() else PROGRAMS_GROUP
     for ep in sorted(entry_points(group=group), key=lambda ep: ep.name):
@@ -93,6 +97,8 @@ def discover_programs(settings: Settings, home: Home) -> list[Program]:
 
 def run_provisioners(settings: Settings, home: Home) -> list[str]:
     """Run every `appliance.provisioners` entry point (none on a worker); collect what they want printed."""
+    from appliance.hosts import membership_file
+
     lines: list[str] = []
     if membership_file(home).exists():
         return lines

@@ -5,10 +5,13 @@ from __future__ import annotations
 import os
 import secrets
 import stat
+from typing import TYPE_CHECKING
 
 from appliance.errors import StateError
 from appliance.home import Home
-from appliance.settings import Settings
+
+if TYPE_CHECKING:  # building the settings' schemas is most of what `appliance status` would import
+    from appliance.settings import Settings
 
 
 def secret(home: Home, name: str) -> str:

@@ -12,19 +12,22 @@ from rich.console import Console
 from appliance import lifecycle
 from appliance.changes import records_change
 from appliance.home import Home
-from appliance.settings import load_settings
 
 out = Console()
 err = Console(stderr=True)
 
 
 def _settings_in_effect() -> str:
+    from appliance.settings import load_settings
+
     return f"settings {load_settings(Home.from_env().settings_file).digest()}"
 
 
 @records_change("appliance.up", detail=_settings_in_effect)  # a changed digest: settings changed
 def up() -> None:
     """Start supervisord and every engine pool; wait until each answers; print what runs where."""
+    from appliance.settings import load_settings  # `status` needs no settings
+
     home = Home.from_env()
     settings = load_settings(home.settings_file)
     with err.status("starting") as spinner:

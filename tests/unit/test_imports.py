@@ -64,9 +64,10 @@ def test_help_lists_every_command_group_and_imports_none(tmp_path: Path) -> None
     assert not any(name.startswith("appliance.commands.") for name in loaded)
 
 
-def test_status_with_nothing_running_loads_no_package_and_no_http_client(tmp_path: Path) -> None:
+def test_status_with_nothing_running_loads_no_package_no_http_client_no_settings(tmp_path: Path) -> None:
     loaded, printed = imported_by("sys.argv[1:] = ['status']; from appliance.cli import main; main()",
                                   env={"APPLIANCE_HOME": str(tmp_path)})
     assert printed.strip() == "down (supervisord is not running)"
     assert not tops(loaded) & set(PACKAGES)
     assert not {"httpx", "cryptography", "fastapi"} & tops(loaded)
+    assert not {"appliance.settings", "appliance.hosts"} & loaded  # their schemas: only when something runs
