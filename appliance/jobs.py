@@ -20,8 +20,7 @@ import os
 import re
 import sqlite3
 import stat
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
@@ -30,7 +29,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from appliance import queue
-from appliance.errors import NotFound
 from appliance.home import Home
 from appliance.queue import Alive, Lifecycle, Queue
 
@@ -52,6 +50,17 @@ MOVES: dict[JobState, frozenset[JobState]] = {
     **{state: frozenset() for state in FINISHED},
 }
 HELD = frozenset({JobState.RUNNING, JobState.CANCELLING})  # a worker holds the job
+# The columns of every table of JobState items (training jobs, RL runs and exports): appliance.queue
+# moves them.
+STATE_COLUMNS = """
+    state text not null,           -- JobState, moved by MOVES
+    submitted text not null,
+    started text,
+    finished text,
+    attempts integer not null default 0,  -- times a worker took it up (more than one: it was resumed)
+    worker_pid integer,
+    message text,                  -- the outcome, or why it failed
+    lease_until real               -- appliance.queue: the worker's claim holds until then (null: while it lives)"""
 
 NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,63}$"  # an adapter's or a dataset's name
 
@@ -64,7 +73,7 @@ def name_problem(name: str) -> str | None:
 CANCEL_FILE = "cancel"  # in the job's directory: the runner stops the trainer
 PROGRESS_FILE = "progress.json"  # in the job's directory: the trainer's latest report
 PROGRESS_MAX_BYTES = 4096
-SCHEMA = """
+SCHEMA = f"""
 create table if not exists jobs (
     id integer primary key autoincrement,
     name text not null,            -- the adapter's name
@@ -72,19 +81,12 @@ create table if not exists jobs (
     base text not null,            -- 'demo' or a checkpoint directory
     hyperparameters text not null, -- JSON
     eval_sets text not null,       -- JSON: kind -> items (finetune.evalsets)
-    state text not null,
-    submitted text not null,
-    started text,
-    finished text,
-    attempts integer not null default 0,
-    worker_pid integer,
     trainer_pid integer,           -- the sandboxed training process
-    message text,                  -- the outcome, or why it failed
-    lease_until real               -- appliance.queue: the worker's claim holds until then (null: while it lives)
-)"""
+{STATE_COLUMNS}
+);"""
 # A job left by a worker that died is taken over in its state: it resumes from its last checkpoint.
 JOBS = Queue(table="jobs", lifecycle=Lifecycle("training job", MOVES), waiting=JobState.QUEUED,
-             taken=JobState.RUNNING, held=HELD)
+             taken=JobState.RUNNING, held=HELD, hint="`appliance finetune status` lists them")
 
 
 class Hyperparameters(BaseModel):
@@ -161,22 +163,37 @@ def database(home: Home) -> Path:
     return jobs_dir(home) / "jobs.sqlite"
 
 
-@contextmanager
-def connect(home: Home) -> Iterator[sqlite3.Connection]:
-    """A connection in autocommit mode; `queue.immediate(db)` blocks are transactions."""
-    with queue.connect(database(home), SCHEMA, JOBS) as db:
-        yield db
+def connect(home: Home) -> AbstractContextManager[sqlite3.Connection]:
+    """A connection to the jobs' table in autocommit mode; `queue.immediate(db)` blocks are transactions."""
+    return queue.connect(database(home), SCHEMA, JOBS)
 
 
-@contextmanager
-def transaction(home: Home) -> Iterator[sqlite3.Connection]:
+def transaction(home: Home) -> AbstractContextManager[sqlite3.Connection]:
     """A write transaction on the jobs' table."""
-    with connect(home) as db, queue.immediate(db):
-        yield db
+    return queue.transaction(database(home), SCHEMA, JOBS)
 
 
-def _now() -> str:
+def now() -> str:
+    """The time, as the tables of JobState items keep it."""
     return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def claimed(db: sqlite3.Connection, items: Queue[JobState], worker_pid: int, alive: Alive) -> sqlite3.Row | None:
+    """The row of the item a worker takes next from a table of JobState items (Queue.claim), when
+    it first started kept."""
+    key = items.claim(db, worker_pid, alive=alive, first={"started": now()})
+    return None if key is None else items.row(db, key)
+
+
+def request_cancel(db: sqlite3.Connection, items: Queue[JobState], key: int, directory: Path) -> None:
+    """Cancel a queued item at once; a running one becomes `cancelling`, and CANCEL_FILE in its
+    directory tells its worker to stop it."""
+    if items.state_of(db, key) == JobState.QUEUED:
+        items.move(db, key, JobState.CANCELLED, message="cancelled before it started", finished=now())
+    else:
+        items.move(db, key, JobState.CANCELLING, message="cancel requested")
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / CANCEL_FILE).touch()  # the worker polls it
 
 
 def _job(row: sqlite3.Row) -> Job:
@@ -189,25 +206,18 @@ def submit(home: Home, *, name: str, data: str, base: str, hyperparameters: Hype
     with connect(home) as db:
         cursor = db.execute("insert into jobs (name, data, base, hyperparameters, eval_sets, state, submitted) "
                             "values (?, ?, ?, ?, ?, 'queued', ?)",
-                            (name, data, base, hyperparameters.model_dump_json(), json.dumps(eval_sets), _now()))
-        return get(home, int(cursor.lastrowid or 0))
+                            (name, data, base, hyperparameters.model_dump_json(), json.dumps(eval_sets), now()))
+        return _job(JOBS.row(db, int(cursor.lastrowid or 0)))
 
 
 def get(home: Home, job_id: int) -> Job:
     with connect(home) as db:
-        return _get(db, job_id)
-
-
-def _get(db: sqlite3.Connection, job_id: int) -> Job:
-    row = db.execute("select * from jobs where id = ?", (job_id,)).fetchone()
-    if row is None:
-        raise NotFound(f"no training job {job_id}", hint="`appliance finetune status` lists them")
-    return _job(row)
+        return _job(JOBS.row(db, job_id))
 
 
 def listing(home: Home) -> list[Job]:
     with connect(home) as db:
-        return [_job(row) for row in db.execute("select * from jobs order by id")]
+        return [_job(row) for row in JOBS.rows(db)]
 
 
 def claim(home: Home, worker_pid: int, alive: Alive) -> Job | None:
@@ -215,8 +225,8 @@ def claim(home: Home, worker_pid: int, alive: Alive) -> Job | None:
     last checkpoint; a cancelling one stays cancelling: its runner stops at once), else the oldest
     queued one."""
     with transaction(home) as db:
-        job_id = JOBS.claim(db, worker_pid, alive=alive, first={"started": _now()})
-        return None if job_id is None else _get(db, int(job_id))
+        row = claimed(db, JOBS, worker_pid, alive)
+    return None if row is None else _job(row)
 
 
 def set_trainer(home: Home, job_id: int, pid: int) -> None:
@@ -227,21 +237,15 @@ def set_trainer(home: Home, job_id: int, pid: int) -> None:
 def finish(home: Home, job_id: int, state: JobState, message: str) -> None:
     """End a job (again as it ended: nothing changes; otherwise: IllegalTransition)."""
     with transaction(home) as db:
-        JOBS.finish(db, job_id, state, message=message, finished=_now(), trainer_pid=None)
+        JOBS.finish(db, job_id, state, message=message, finished=now(), trainer_pid=None)
 
 
 def cancel(home: Home, job_id: int) -> Job:
     """A queued job is cancelled at once; a running one becomes `cancelling` and its worker stops
     it (within a second, checkpoints kept) and finishes it as cancelled."""
-    directory = job_dir(home, job_id)
     with transaction(home) as db:
-        if _get(db, job_id).state == JobState.QUEUED:
-            JOBS.move(db, job_id, JobState.CANCELLED, message="cancelled before it started", finished=_now())
-        else:
-            JOBS.move(db, job_id, JobState.CANCELLING, message="cancel requested")
-            directory.mkdir(parents=True, exist_ok=True)
-            (directory / CANCEL_FILE).touch()  # the runner polls it
-        return _get(db, job_id)
+        request_cancel(db, JOBS, job_id, job_dir(home, job_id))
+        return _job(JOBS.row(db, job_id))
 
 
 def write_progress(directory: Path, progress: Progress) -> None:

@@ -73,6 +73,7 @@ class Queue(Generic[S]):
     holder: str = "worker_pid"
     attempts: str | None = "attempts"  # counts claims; None: the table does not
     orphans_resume: bool = True  # an orphan is taken over in its state; False: it waits again
+    hint: str | None = None  # where a missing item's NotFound points the user
     max_attempts: int | None = None
     # How an item is given up once its claimers died `max_attempts` times: its end and the columns
     # saying why (given that number).
@@ -88,12 +89,20 @@ class Queue(Generic[S]):
         if LEASE_COLUMN not in columns:
             db.execute(f"alter table {self.table} add column {LEASE_COLUMN} real")
 
+    def row(self, db: sqlite3.Connection, key: Key) -> sqlite3.Row:
+        """An item's row; NotFound if there is no such item."""
+        row: sqlite3.Row | None = db.execute(f"select * from {self.table} where {self.key} = ?", (key,)).fetchone()
+        if row is None:
+            raise NotFound(f"no {self.lifecycle.noun} {key}", hint=self.hint)
+        return row
+
+    def rows(self, db: sqlite3.Connection) -> list[sqlite3.Row]:
+        """Every item's row, oldest first."""
+        return db.execute(f"select * from {self.table} order by {self.key}").fetchall()
+
     def state_of(self, db: sqlite3.Connection, key: Key) -> S:
         """An item's state; NotFound if there is no such item."""
-        row = db.execute(f"select {self.state} from {self.table} where {self.key} = ?", (key,)).fetchone()
-        if row is None:
-            raise NotFound(f"no {self.lifecycle.noun} {key!r}")
-        return type(self.waiting)(row[0])
+        return type(self.waiting)(self.row(db, key)[self.state])
 
     def move(self, db: sqlite3.Connection, key: Key, to: S, **columns: object) -> None:
         """Move an item to `to`, setting `columns`, if its lifecycle allows it; IllegalTransition
@@ -153,8 +162,8 @@ class Queue(Generic[S]):
 
     def release(self, db: sqlite3.Connection, key: Key, holder: int | None, **columns: object) -> bool:
         """Give a held item back to wait, setting `columns`, if `holder` (None: whoever) holds it."""
-        row = self._row(db, key)
-        if type(self.waiting)(row["state"]) not in self.held or (holder is not None and row["holder"] != holder):
+        row = self.row(db, key)
+        if row[self.state] not in self.held or (holder is not None and row[self.holder] != holder):
             return False
         self.move(db, key, self.waiting, **{self.holder: None, LEASE_COLUMN: None, **columns})
         return True
@@ -165,21 +174,13 @@ class Queue(Generic[S]):
         is left as it is (False); one ended otherwise refuses the move (IllegalTransition)."""
         if to not in self.lifecycle.ended:
             raise IllegalTransition(f"{self.lifecycle.noun} {key} cannot finish as {to}")
-        row = self._row(db, key)
-        if holder is not None and row["holder"] != holder:
+        row = self.row(db, key)
+        if holder is not None and row[self.holder] != holder:
             return False
-        if row["state"] == to:
+        if row[self.state] == to:
             return False
         self.move(db, key, to, **{self.holder: None, LEASE_COLUMN: None, **columns})
         return True
-
-    def _row(self, db: sqlite3.Connection, key: Key) -> sqlite3.Row:
-        row: sqlite3.Row | None = db.execute(
-            f"select {self.key} as key, {self.state} as state, {self.holder} as holder from {self.table} "
-            f"where {self.key} = ?", (key,)).fetchone()
-        if row is None:
-            raise NotFound(f"no {self.lifecycle.noun} {key!r}")
-        return row
 
     def _orphans(self, db: sqlite3.Connection, alive: Alive) -> list[sqlite3.Row]:
         """Held items whose claimer is gone (not alive, or its lease ran out), oldest first."""
@@ -246,3 +247,10 @@ def connect(path: Path, schema: str, *queues: Queue[Any]) -> Iterator[sqlite3.Co
         yield db
     finally:
         db.close()
+
+
+@contextmanager
+def transaction(path: Path, schema: str, *queues: Queue[Any]) -> Iterator[sqlite3.Connection]:
+    """A write transaction on a queue database (see connect)."""
+    with connect(path, schema, *queues) as db, immediate(db):
+        yield db

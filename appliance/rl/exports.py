@@ -4,40 +4,31 @@ the rl-worker makes them; `appliance rl export` makes them at once)."""
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterator
-from contextlib import contextmanager
-from datetime import UTC, datetime
+from contextlib import AbstractContextManager
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from appliance import queue
-from appliance.errors import Conflict, NotFound
+from appliance.errors import Conflict
 from appliance.home import Home
-from appliance.jobs import FINISHED, MOVES, JobState, database, name_problem
+from appliance.jobs import FINISHED, MOVES, STATE_COLUMNS, JobState, claimed, database, name_problem, now
 from appliance.queue import Alive, Lifecycle, Queue
 from appliance.rl import runs
 
-SCHEMA = """
+SCHEMA = f"""
 create table if not exists rl_exports (
     id integer primary key autoincrement,
     run_id integer not null,       -- the RL run whose trajectories it reads
     sft text,                      -- the SFT dataset to make, if asked for
     dpo text,                      -- the preference dataset to make, if asked for
-    state text not null,           -- JobState, moved by MOVES as jobs are
-    submitted text not null,
-    started text,
-    finished text,
-    attempts integer not null default 0,
-    worker_pid integer,
-    message text,                  -- what it stored, or why it failed
-    lease_until real               -- appliance.queue: the worker's claim holds until then (null: while it lives)
+{STATE_COLUMNS}
 );
 """
 GIVE_UP_TAKES = 3  # an export whose workers died this many times while making it fails
 
 
 def _given_up(takes: int) -> tuple[JobState, dict[str, object]]:
-    return JobState.FAILED, {"message": f"the rl-worker died {takes} times making it", "finished": _now()}
+    return JobState.FAILED, {"message": f"the rl-worker died {takes} times making it", "finished": now()}
 
 
 # An export left by a worker that died is made again by the next, up to GIVE_UP_TAKES times.
@@ -87,28 +78,17 @@ class Export(ExportAsk):
     message: str | None
 
 
-def _now() -> str:
-    return datetime.now(UTC).isoformat(timespec="seconds")
-
-
-@contextmanager
-def connect(home: Home) -> Iterator[sqlite3.Connection]:
+def connect(home: Home) -> AbstractContextManager[sqlite3.Connection]:
     """A connection to the exports' table and the runs' (`queue.immediate(db)` blocks are transactions)."""
-    with queue.connect(database(home), runs.SCHEMA + SCHEMA, runs.RUNS, EXPORTS) as db:
-        yield db
+    return queue.connect(database(home), runs.SCHEMA + SCHEMA, runs.RUNS, EXPORTS)
 
 
-@contextmanager
-def transaction(home: Home) -> Iterator[sqlite3.Connection]:
-    with connect(home) as db, queue.immediate(db):
-        yield db
+def transaction(home: Home) -> AbstractContextManager[sqlite3.Connection]:
+    return queue.transaction(database(home), runs.SCHEMA + SCHEMA, runs.RUNS, EXPORTS)
 
 
 def _export(db: sqlite3.Connection, export_id: int) -> Export:
-    row = db.execute("select * from rl_exports where id = ?", (export_id,)).fetchone()
-    if row is None:
-        raise NotFound(f"no export {export_id}")
-    return Export.model_validate(dict(row))
+    return Export.model_validate(dict(EXPORTS.row(db, export_id)))
 
 
 def default_ask(run_id: int) -> ExportAsk:
@@ -133,7 +113,7 @@ def ask(home: Home, run_id: int, asked: ExportAsk) -> Export:
             raise Conflict(f"export {busy['id']} of RL run {run_id} is not finished yet",
                            hint=f"GET /admin/rl/exports/{busy['id']} follows it")
         cursor = db.execute("insert into rl_exports (run_id, sft, dpo, state, submitted) values (?, ?, ?, 'queued', ?)",
-                            (run_id, asked.sft, asked.dpo, _now()))
+                            (run_id, asked.sft, asked.dpo, now()))
         return _export(db, int(cursor.lastrowid or 0))
 
 
@@ -144,7 +124,7 @@ def get(home: Home, export_id: int) -> Export:
 
 def listing(home: Home) -> list[Export]:
     with connect(home) as db:
-        return [Export.model_validate(dict(row)) for row in db.execute("select * from rl_exports order by id")]
+        return [Export.model_validate(dict(row)) for row in EXPORTS.rows(db)]
 
 
 def claim(home: Home, worker_pid: int, alive: Alive) -> Export | None:
@@ -152,12 +132,12 @@ def claim(home: Home, worker_pid: int, alive: Alive) -> Export | None:
     One whose workers died GIVE_UP_TAKES times is failed instead, and returned so, for the worker
     to report."""
     with transaction(home) as db:
-        export_id = EXPORTS.claim(db, worker_pid, alive=alive, first={"started": _now()})
-        return None if export_id is None else _export(db, int(export_id))
+        row = claimed(db, EXPORTS, worker_pid, alive)
+    return None if row is None else Export.model_validate(dict(row))
 
 
 def finish(home: Home, export_id: int, worker_pid: int, state: JobState, message: str) -> bool:
     """Record how an export ended, if this worker still holds it (False: another took it over, or
     it has ended)."""
     with transaction(home) as db:
-        return EXPORTS.finish(db, export_id, state, holder=worker_pid, message=message[:1000], finished=_now())
+        return EXPORTS.finish(db, export_id, state, holder=worker_pid, message=message[:1000], finished=now())

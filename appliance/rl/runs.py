@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Iterator
-from contextlib import contextmanager
-from datetime import UTC, datetime
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Literal
 
@@ -16,28 +14,20 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from appliance import queue
 from appliance.durable import replace_file
-from appliance.errors import NotFound
 from appliance.home import Home
-from appliance.jobs import CANCEL_FILE, HELD, MOVES, JobState, database
+from appliance.jobs import HELD, MOVES, STATE_COLUMNS, JobState, claimed, database, now, request_cancel
 from appliance.queue import Alive, Lifecycle, Queue
 
-SCHEMA = """
+SCHEMA = f"""
 create table if not exists rl_runs (
     id integer primary key autoincrement,
     spec text not null,            -- JSON: RunSpec
-    state text not null,           -- JobState, moved by MOVES as jobs are
-    submitted text not null,
-    started text,
-    finished text,
-    attempts integer not null default 0,
-    worker_pid integer,
-    message text,
-    lease_until real               -- appliance.queue: the worker's claim holds until then (null: while it lives)
+{STATE_COLUMNS}
 );
 """
 # A run left by a worker that died is taken over in its state: it resumes from what it has done.
 RUNS = Queue(table="rl_runs", lifecycle=Lifecycle("RL run", MOVES), waiting=JobState.QUEUED,
-             taken=JobState.RUNNING, held=HELD)
+             taken=JobState.RUNNING, held=HELD, hint="`appliance rl status` lists them")
 
 
 class RunSpec(BaseModel):
@@ -82,21 +72,13 @@ def run_dir(home: Home, run_id: int) -> Path:
     return runs_dir(home) / str(run_id)
 
 
-@contextmanager
-def connect(home: Home) -> Iterator[sqlite3.Connection]:
+def connect(home: Home) -> AbstractContextManager[sqlite3.Connection]:
     """A connection to the runs' table (`queue.immediate(db)` blocks are transactions)."""
-    with queue.connect(database(home), SCHEMA, RUNS) as db:
-        yield db
+    return queue.connect(database(home), SCHEMA, RUNS)
 
 
-@contextmanager
-def transaction(home: Home) -> Iterator[sqlite3.Connection]:
-    with connect(home) as db, queue.immediate(db):
-        yield db
-
-
-def _now() -> str:
-    return datetime.now(UTC).isoformat(timespec="seconds")
+def transaction(home: Home) -> AbstractContextManager[sqlite3.Connection]:
+    return queue.transaction(database(home), SCHEMA, RUNS)
 
 
 def _run(row: sqlite3.Row) -> Run:
@@ -106,7 +88,7 @@ def _run(row: sqlite3.Row) -> Run:
 def submit(home: Home, spec: RunSpec) -> Run:
     with connect(home) as db:
         cursor = db.execute("insert into rl_runs (spec, state, submitted) values (?, 'queued', ?)",
-                            (spec.model_dump_json(), _now()))
+                            (spec.model_dump_json(), now()))
         return read(db, int(cursor.lastrowid or 0))
 
 
@@ -117,28 +99,25 @@ def get(home: Home, run_id: int) -> Run:
 
 def read(db: sqlite3.Connection, run_id: int) -> Run:
     """A run, read in the caller's transaction; NotFound if there is none."""
-    row = db.execute("select * from rl_runs where id = ?", (run_id,)).fetchone()
-    if row is None:
-        raise NotFound(f"no RL run {run_id}", hint="`appliance rl status` lists them")
-    return _run(row)
+    return _run(RUNS.row(db, run_id))
 
 
 def listing(home: Home) -> list[Run]:
     with connect(home) as db:
-        return [_run(row) for row in db.execute("select * from rl_runs order by id")]
+        return [_run(row) for row in RUNS.rows(db)]
 
 
 def claim(home: Home, worker_pid: int, alive: Alive) -> Run | None:
     """The next run for this worker: one whose worker died (it resumes), else the oldest queued."""
     with transaction(home) as db:
-        run_id = RUNS.claim(db, worker_pid, alive=alive, first={"started": _now()})
-        return None if run_id is None else read(db, int(run_id))
+        row = claimed(db, RUNS, worker_pid, alive)
+    return None if row is None else _run(row)
 
 
 def finish(home: Home, run_id: int, state: JobState, message: str) -> None:
     """End a run (again as it ended: nothing changes; otherwise: IllegalTransition)."""
     with transaction(home) as db:
-        RUNS.finish(db, run_id, state, message=message, finished=_now())
+        RUNS.finish(db, run_id, state, message=message, finished=now())
 
 
 def note(home: Home, run_id: int, message: str) -> None:
@@ -151,13 +130,7 @@ def cancel(home: Home, run_id: int) -> Run:
     """A queued run is cancelled at once; a running one becomes `cancelling` and its worker stops
     it between attempts (what is done stays in its trajectories)."""
     with transaction(home) as db:
-        if read(db, run_id).state == JobState.QUEUED:
-            RUNS.move(db, run_id, JobState.CANCELLED, message="cancelled before it started", finished=_now())
-        else:
-            RUNS.move(db, run_id, JobState.CANCELLING, message="cancel requested")
-            directory = run_dir(home, run_id)
-            directory.mkdir(parents=True, exist_ok=True)
-            (directory / CANCEL_FILE).touch()
+        request_cancel(db, RUNS, run_id, run_dir(home, run_id))
         return read(db, run_id)
 
 
