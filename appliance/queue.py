@@ -102,13 +102,12 @@ class Queue(Generic[S]):
 
     def state_of(self, db: sqlite3.Connection, key: Key) -> S:
         """An item's state; NotFound if there is no such item."""
-        return type(self.waiting)(self.row(db, key)[self.state])
+        return self._claim_of(db, key)[0]
 
     def move(self, db: sqlite3.Connection, key: Key, to: S, **columns: object) -> None:
         """Move an item to `to`, setting `columns`, if its lifecycle allows it; IllegalTransition
         otherwise."""
-        self.lifecycle.check(key, self.state_of(db, key), to)
-        self._set(db, key, {self.state: to, **columns})
+        self._move(db, key, self.state_of(db, key), to, columns)
 
     def claim(self, db: sqlite3.Connection, holder: int, *, alive: Alive | None = None, lease_s: float | None = None,
               first: Mapping[str, object] | None = None) -> Key | None:
@@ -151,7 +150,7 @@ class Queue(Generic[S]):
             if self._spent(row):
                 self._give_up(db, row)
             else:
-                self.move(db, row["key"], self.waiting, **{self.holder: None, LEASE_COLUMN: None})
+                self._move(db, row["key"], type(self.waiting)(row["state"]), self.waiting, self._unclaimed)
         return len(orphans)
 
     def heartbeat(self, db: sqlite3.Connection, key: Key, holder: int, lease_s: float) -> bool:
@@ -162,10 +161,10 @@ class Queue(Generic[S]):
 
     def release(self, db: sqlite3.Connection, key: Key, holder: int | None, **columns: object) -> bool:
         """Give a held item back to wait, setting `columns`, if `holder` (None: whoever) holds it."""
-        row = self.row(db, key)
-        if row[self.state] not in self.held or (holder is not None and row[self.holder] != holder):
+        current, held_by = self._claim_of(db, key)
+        if current not in self.held or (holder is not None and held_by != holder):
             return False
-        self.move(db, key, self.waiting, **{self.holder: None, LEASE_COLUMN: None, **columns})
+        self._move(db, key, current, self.waiting, {**self._unclaimed, **columns})
         return True
 
     def finish(self, db: sqlite3.Connection, key: Key, to: S, *, holder: int | None = None, **columns: object) -> bool:
@@ -174,13 +173,27 @@ class Queue(Generic[S]):
         is left as it is (False); one ended otherwise refuses the move (IllegalTransition)."""
         if to not in self.lifecycle.ended:
             raise IllegalTransition(f"{self.lifecycle.noun} {key} cannot finish as {to}")
-        row = self.row(db, key)
-        if holder is not None and row[self.holder] != holder:
+        current, held_by = self._claim_of(db, key)
+        if (holder is not None and held_by != holder) or current == to:
             return False
-        if row[self.state] == to:
-            return False
-        self.move(db, key, to, **{self.holder: None, LEASE_COLUMN: None, **columns})
+        self._move(db, key, current, to, {**self._unclaimed, **columns})
         return True
+
+    @property
+    def _unclaimed(self) -> dict[str, object]:
+        return {self.holder: None, LEASE_COLUMN: None}
+
+    def _claim_of(self, db: sqlite3.Connection, key: Key) -> tuple[S, int | None]:
+        """An item's state and claimer; NotFound if there is no such item."""
+        row = db.execute(f"select {self.state}, {self.holder} from {self.table} where {self.key} = ?",
+                         (key,)).fetchone()
+        if row is None:
+            raise NotFound(f"no {self.lifecycle.noun} {key}", hint=self.hint)
+        return type(self.waiting)(row[0]), row[1]
+
+    def _move(self, db: sqlite3.Connection, key: Key, current: S, to: S, columns: Mapping[str, object]) -> None:
+        self.lifecycle.check(key, current, to)
+        self._set(db, key, {self.state: to, **columns})
 
     def _orphans(self, db: sqlite3.Connection, alive: Alive) -> list[sqlite3.Row]:
         """Held items whose claimer is gone (not alive, or its lease ran out), oldest first."""
@@ -197,7 +210,7 @@ class Queue(Generic[S]):
     def _give_up(self, db: sqlite3.Connection, row: sqlite3.Row) -> None:
         assert self.give_up is not None  # _spent is true only with a bound, and __post_init__ pairs them
         end, columns = self.give_up(row["attempts"])
-        self.move(db, row["key"], end, **{self.holder: None, LEASE_COLUMN: None, **columns})
+        self._move(db, row["key"], type(self.waiting)(row["state"]), end, {**self._unclaimed, **columns})
 
     def _set(self, db: sqlite3.Connection, key: Key, columns: Mapping[str, object]) -> None:
         db.execute(f"update {self.table} set {', '.join(f'{name} = ?' for name in columns)} where {self.key} = ?",
