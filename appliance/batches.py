@@ -144,8 +144,6 @@ MIGRATIONS = {
 }
 
 
-
-
 class RequestState(StrEnum):
     PENDING = "pending"
     CLAIMED = "claimed"
