@@ -21,10 +21,21 @@ settings.register_profile("thorough", max_examples=150)
 settings.register_profile("quick", max_examples=20)
 
 
+def fast_loop(config: pytest.Config) -> bool:
+    """Whether this run leaves the integration tests out (-m "not integration")."""
+    return "not integration" in (config.getoption("markexpr", "") or "")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("hypothesis_profile", None) is None:
-        fast_loop = "not integration" in (config.getoption("markexpr", "") or "")
-        settings.load_profile("quick" if fast_loop else "thorough")
+        settings.load_profile("quick" if fast_loop(config) else "thorough")
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """The fast loop deselects everything under tests/integration/: it does not import it either."""
+    if fast_loop(config) and collection_path.is_relative_to(INTEGRATION):
+        return True
+    return None
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
