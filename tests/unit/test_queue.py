@@ -103,6 +103,7 @@ def claim_all(path: Path, holder: int, start: Barrier, results: SimpleQueue[tupl
     results.put((holder, taken))
 
 
+@pytest.mark.integration
 def test_processes_claiming_at_once_never_get_the_same_item(tmp_path: Path) -> None:
     path = tmp_path / "q.sqlite"
     keys = added(path, 60)
