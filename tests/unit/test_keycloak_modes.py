@@ -50,6 +50,7 @@ def test_an_external_keycloak_over_plain_http_is_refused(tmp_path: Path) -> None
         load_settings(path, environ={})
 
 
+@pytest.mark.integration
 def test_the_build_step_runs_once_per_install_and_its_failure_is_reported(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     dist = tmp_path / "keycloak"
