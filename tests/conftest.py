@@ -13,7 +13,27 @@ from installer.keycloak import install_dir
 
 pytest_plugins = ["tests.module_times"]  # each module's wall time at the end of a run
 
-INTEGRATION = Path(__file__).parent / "integration"
+ROOT = Path(__file__).parents[1]
+INTEGRATION = ROOT / "tests" / "integration"
+
+# The suite runs on two pytest-xdist workers (pyproject.toml's addopts), a module at a time each.
+# Modules that must not run at the same time share a group, so that one worker runs them in turn:
+# test_exec_sandbox asserts that no process of an execution's user is left on the host, which
+# test_execution_feedback's RL run starts.
+TOGETHER = {"tests/integration/test_exec_sandbox.py": "sandbox-users",
+            "tests/integration/test_execution_feedback.py": "sandbox-users"}
+# The slowest modules, slowest first (the "wall time per module" report at the end of a run says
+# which): started first, they run side by side, and the short ones fill in around them.
+SLOWEST_FIRST = [
+    "tests/integration/test_execution_feedback.py",
+    "tests/integration/test_exec_sandbox.py",
+    "tests/integration/test_bundle_install.py",
+    "tests/integration/test_gateway_tiers.py",
+    "tests/integration/test_cluster.py",
+    "tests/integration/test_adapters.py",
+    "tests/integration/test_finetune_worker.py",
+    "tests/integration/test_sharded_state.py",
+]
 
 # Generated examples per property test: a full run checks many; the fast loop (-m "not
 # integration") fewer, so that it stays quick. --hypothesis-profile chooses either explicitly.
@@ -38,12 +58,22 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     return None
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Everything under tests/integration/ is an integration test (unit tests that start
-    processes carry the marker themselves)."""
+    processes carry the marker themselves). Each module is one unit of work for pytest-xdist's
+    workers, so that its module-scoped appliance starts once; the slowest go first."""
     for item in items:
         if item.path.is_relative_to(INTEGRATION):
             item.add_marker(pytest.mark.integration)
+        module = item.path.relative_to(ROOT).as_posix()
+        item.add_marker(pytest.mark.xdist_group(TOGETHER.get(module, module)))
+    items.sort(key=lambda item: slowness(item.path.relative_to(ROOT).as_posix()))
+
+
+def slowness(module: str) -> int:
+    """A module's place in the run: the slowest first, then the others in their own order."""
+    return SLOWEST_FIRST.index(module) if module in SLOWEST_FIRST else len(SLOWEST_FIRST)
 
 
 @pytest.fixture(scope="session")

@@ -48,8 +48,7 @@ SESSION_SETTINGS = {
                                    'answers = { payment_card = "allow" } } }',
     # test_attacks: a named tool_choice (structured output) makes real tool calls; vLLM 0.32 needs both.
     "APPLIANCE_POOLS__MAIN__EXTRA_ARGS": '["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]',
-    # test_keycloak_logins (it must sort before test_lifecycle, whose last test stops the session
-    # appliance): 3 wrong passwords in a row lock an account for 3 s, by their count alone (no
+    # test_keycloak_logins: 3 wrong passwords in a row lock an account for 3 s, by their count alone (no
     # quick-login check: another test's wrong password or two locks no one); Keycloak's events
     # copied every second.
     "APPLIANCE_KEYCLOAK__LOCKOUT_FAILURES": "3",
@@ -87,8 +86,13 @@ def staged_demo(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> S
     return Staged(staged.directory, plan_file)
 
 
+_session: list[Running] = []  # the session appliance, once a test asked for it
+
+
 @pytest.fixture(scope="session")
 def running(demo_model: Path, keycloak_dist: Path, staged_demo: Staged) -> Iterator[Running]:
+    """The appliance the integration tests share: started once per worker, by the first module
+    that asks for it."""
     served = {"APPLIANCE_POOLS__MAIN__MODEL": str(staged_demo.directory),
               "APPLIANCE_POOLS__MAIN__PLAN": str(staged_demo.plan_file),
               "APPLIANCE_POOLS__MAIN__SERVED_MODEL_NAME": demo_model.name}
@@ -96,7 +100,27 @@ def running(demo_model: Path, keycloak_dist: Path, staged_demo: Staged) -> Itera
         started = time.monotonic()
         result = appliance.run("up")
         assert result.returncode == 0, result.stdout + result.stderr
-        yield Running(appliance, result.stdout, time.monotonic() - started)
+        _session.append(Running(appliance, result.stdout, time.monotonic() - started))
+        yield _session[0]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def session_running_again() -> None:
+    """Each module finds the session appliance running if it was started: a module before it may
+    have stopped it (test_lifecycle's last test does), and modules run in no fixed order on the
+    suite's workers, so a module waits for the state it starts from instead of assuming it.
+    Autouse and module-scoped, so this comes before the module's own fixtures that use it."""
+    if _session and not answers(_session[0].appliance):
+        result = _session[0].appliance.run("up")
+        assert result.returncode == 0, result.stdout + result.stderr
+
+
+def answers(appliance: Appliance) -> bool:
+    """Whether the appliance's gateway answers its health check."""
+    try:
+        return httpx.get(f"http://127.0.0.1:{appliance.port('APPLIANCE_GATEWAY__PORT')}/healthz", timeout=5).is_success
+    except httpx.HTTPError:
+        return False
 
 
 @pytest.fixture
