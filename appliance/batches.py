@@ -1,4 +1,4 @@
-"""The batch queue behind OpenAI's Batch API (issue 21): files in the artifact store, batches and
+"""The batch queue behind OpenAI's Batch API: files in the artifact store, batches and
 their requests in one SQLite database in the state dir, shared by the gateway (which takes files,
 creates, lists and cancels batches) and the supervised `batch-worker` (which validates their input
 files and executes them through the gateway, so each request is routed, filtered, limited and

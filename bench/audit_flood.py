@@ -1,10 +1,10 @@
-"""Audit log growth under a flood of refused requests (issue 17): one client sending, as fast as
+"""Audit log growth under a flood of refused requests: one client sending, as fast as
 it can, unauthenticated requests for 64 KiB paths to the real gateway (serve.listener, its own
 state dir, no engine or Keycloak needed: such requests never reach them).
 
 Two gateways in the same run, taking turns: the shipped one (refusals summarised per source and
 interval, resources capped at 256 bytes) and, as the baseline, the same code with a summary
-interval of 1 ms, where every refused request gets its own record, as before issue 17 (though
+interval of 1 ms, where every refused request gets its own record, as before refusals were summarised (though
 with the capped resource; the old raw 64 KiB path made each record about 260 times larger).
 Reports the bytes one refused request adds on its own, the log's growth per second and per
 request under the flood, and the ratio of the two gateways' growth.

@@ -3,7 +3,7 @@ no audit record, no metrics). The gateway overhead bench runs it beside the gate
 figures show what this machine charges for one Python hop at all; the gateway's own work is the
 difference.
 
-With BARE_PROXY_DURABLE_FILE set it also keeps the audit log's rule (issue 4: a request's record
+With BARE_PROXY_DURABLE_FILE set it also keeps the audit log's rule (a request's record
 is on disk before its response is complete) in its barest form: one line appended to that file
 and fdatasync'd before the response's end is sent.
 

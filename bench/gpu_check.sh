@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check of issue 19, for a lent GPU machine (the `device` tool; one H200, no network,
+# The GPU check, for a lent GPU machine (the `device` tool; one H200, no network,
 # 64 MiB carried with the working tree, 10 minutes a command). Run it there from the repo root:
 #
 #   here:   bench/gpu_check.sh --prepare      # wheels the device lacks -> .gpuwheels/ (git-ignored)

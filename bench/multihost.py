@@ -1,4 +1,4 @@
-"""One model across two hosts (issue 19): start time and decode tokens/s of a TP=2 pool whose
+"""One model across two hosts: start time and decode tokens/s of a TP=2 pool whose
 ranks are on two hosts (the head here, a worker in a network namespace joined by a veth pair),
 against the same TP=2 pool on one host, in the same invocation.
 

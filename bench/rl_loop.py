@@ -1,4 +1,4 @@
-"""The loop of issue 20, measured.
+"""The RL loop (execution feedback), measured.
 
 - sandbox: executions per second with full isolation (finetune.rl.execute: each execution in
   namespaces, a tmpfs and a user of its own with its limits, forked by a sandbox cell's zygote as a

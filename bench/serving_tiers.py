@@ -1,4 +1,4 @@
-"""Serving tiers (issue 21), measured in one run on an appliance of its own: the demo model as
+"""Serving tiers, measured in one run on an appliance of its own: the demo model as
 `assistant` in two tiers, `full` (two replicas) and `fast` (one), behind the gateway, with
 embedded Keycloak; started here and taken down after.
 

@@ -1,1 +1,1 @@
-"""LoRA/QLoRA post-training (issue 7)."""
+"""LoRA/QLoRA post-training and the RL loop rewarded by sandboxed code execution (finetune.rl)."""

@@ -1,5 +1,5 @@
 """Installation: the demo model, the embedded Keycloak and its realm; profiling, planning,
-staging and bundles come with their issues."""
+staging and bundles live in their own modules."""
 
 from installer.demo_model import prepare, verify
 from installer.keycloak import install as install_keycloak

@@ -1,1 +1,1 @@
-"""Post-training from execution feedback (issue 20): the execution sandbox so far."""
+"""Post-training from execution feedback: task sets, the execution sandbox, the RL loop, its exports."""

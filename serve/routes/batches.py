@@ -1,4 +1,4 @@
-"""OpenAI's Batch API (issue 21): /v1/files and /v1/batches for their owners (roles `user` or
+"""OpenAI's Batch API: /v1/files and /v1/batches for their owners (roles `user` or
 `admin`), /admin/batches for the administrator. The rules are the core's (appliance.batches);
 these routes only translate. A file or batch of another user is a 404, as one that does not exist.
 """
