@@ -3,6 +3,10 @@ tests and benches share live in tests/support/."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -10,6 +14,8 @@ from hypothesis import settings
 
 from appliance.home import Home
 from installer.keycloak import install_dir
+from tests.support.session import stop_session_appliance
+from tests.support.shared import SHARED_ENV, locked, shared_dir
 
 pytest_plugins = ["tests.module_times"]  # each module's wall time at the end of a run
 
@@ -17,22 +23,18 @@ ROOT = Path(__file__).parents[1]
 INTEGRATION = ROOT / "tests" / "integration"
 
 # The suite runs on two pytest-xdist workers (pyproject.toml's addopts), a module at a time each.
-# Modules that must not run at the same time share a group, so that one worker runs them in turn:
-# test_exec_sandbox asserts that no process of an execution's user is left on the host, which
-# test_execution_feedback's RL run starts.
-TOGETHER = {"tests/integration/test_exec_sandbox.py": "sandbox-users",
-            "tests/integration/test_execution_feedback.py": "sandbox-users"}
 # The slowest modules, slowest first (the "wall time per module" report at the end of a run says
-# which): started first, they run side by side, and the short ones fill in around them.
+# which): started first, they run side by side, and the short ones fill in around them. Modules
+# that would wait for each other's locks (tests/integration/conftest.py) are kept apart.
 SLOWEST_FIRST = [
     "tests/integration/test_execution_feedback.py",
-    "tests/integration/test_exec_sandbox.py",
     "tests/integration/test_bundle_install.py",
-    "tests/integration/test_gateway_tiers.py",
     "tests/integration/test_cluster.py",
+    "tests/integration/test_sharded_state.py",
+    "tests/integration/test_gateway_tiers.py",
     "tests/integration/test_adapters.py",
     "tests/integration/test_finetune_worker.py",
-    "tests/integration/test_sharded_state.py",
+    "tests/integration/test_exec_sandbox.py",
 ]
 
 # Generated examples per property test: a full run checks many; the fast loop (-m "not
@@ -49,6 +51,17 @@ def fast_loop(config: pytest.Config) -> bool:
 def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("hypothesis_profile", None) is None:
         settings.load_profile("quick" if fast_loop(config) else "thorough")
+    if not hasattr(config, "workerinput"):  # the run's main process: its workers inherit the directory
+        os.environ[SHARED_ENV] = tempfile.mkdtemp(prefix="tests-shared-")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The run's main process stops the session appliance its workers shared (the worker that
+    started it cannot: another may still use it) and removes the shared directory."""
+    if hasattr(config, "workerinput") or SHARED_ENV not in os.environ:
+        return
+    stop_session_appliance()
+    shutil.rmtree(shared_dir(), ignore_errors=True)
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
@@ -58,16 +71,12 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     return None
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Everything under tests/integration/ is an integration test (unit tests that start
-    processes carry the marker themselves). Each module is one unit of work for pytest-xdist's
-    workers, so that its module-scoped appliance starts once; the slowest go first."""
+    processes carry the marker themselves); the slowest modules go first."""
     for item in items:
         if item.path.is_relative_to(INTEGRATION):
             item.add_marker(pytest.mark.integration)
-        module = item.path.relative_to(ROOT).as_posix()
-        item.add_marker(pytest.mark.xdist_group(TOGETHER.get(module, module)))
     items.sort(key=lambda item: slowness(item.path.relative_to(ROOT).as_posix()))
 
 
@@ -92,3 +101,12 @@ def keycloak_dist() -> Path:
     if not (path / "bin" / "kc.sh").is_file():
         pytest.fail(f"Keycloak missing at {path}: run ./bootstrap.sh --no-start first")
     return path
+
+
+@pytest.fixture(scope="module")
+def sandbox_users_to_itself() -> Iterator[None]:
+    """The execution sandbox's users for this module alone, while the other workers wait: a module
+    that asserts no process of an execution's user is left on the host (test_exec_sandbox) must not
+    run while another starts executions (test_execution_feedback's RL run)."""
+    with locked("sandbox-users", exclusive=True):
+        yield

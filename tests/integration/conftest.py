@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,8 +22,10 @@ from installer.hardware import parse_hardware_spec
 from installer.model_config import load_model_config
 from installer.planner import plan
 from installer.staging import stage_subset
-from tests.support.appliances import Appliance, make_appliance
+from tests.support.appliances import Appliance
 from tests.support.ports import free_port
+from tests.support.session import Running, running_again, start_or_join
+from tests.support.shared import locked, shared_dir
 
 RCLONE = str(Path(sys.executable).with_name("rclone"))
 ACCESS_KEY, SECRET_KEY = "appliance-test", "s3-secret-for-tests-only-0123456789"
@@ -60,67 +63,60 @@ SESSION_SETTINGS = {
 
 
 @dataclass
-class Running:
-    appliance: Appliance
-    up_output: str
-    up_seconds: float
-
-
-@dataclass
 class Staged:
     directory: Path
     plan_file: Path
 
 
 @pytest.fixture(scope="session")
-def staged_demo(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Staged:
-    """The demo model staged (`subset`) for a one-host plan: the session's engine serves this
-    copy with that plan, so every integration test also shows that staged weights load and
-    answer in vLLM."""
-    record = plan(load_model_config(demo_model), parse_hardware_spec("1x1xL4-24GB"), context=2048, concurrency=1,
-                  model_ref=str(demo_model))
-    out = tmp_path_factory.mktemp("staged")
-    [staged] = stage_subset(demo_model, record, out)
+def staged_demo(demo_model: Path) -> Staged:
+    """The demo model staged (`subset`) for a one-host plan, once per run: the session's engine
+    serves this copy with that plan, so every integration test also shows that staged weights load
+    and answer in vLLM."""
+    out = shared_dir() / "staged"
     plan_file = out / "plan.json"
-    plan_file.write_text(record.model_dump_json(indent=1))
-    return Staged(staged.directory, plan_file)
-
-
-_session: list[Running] = []  # the session appliance, once a test asked for it
+    with locked("staged", exclusive=True):
+        if not plan_file.exists():
+            record = plan(load_model_config(demo_model), parse_hardware_spec("1x1xL4-24GB"), context=2048,
+                          concurrency=1, model_ref=str(demo_model))
+            [staged] = stage_subset(demo_model, record, out)
+            (out / "directory").write_text(str(staged.directory))
+            plan_file.write_text(record.model_dump_json(indent=1))  # last: the copy is whole
+    return Staged(Path((out / "directory").read_text()), plan_file)
 
 
 @pytest.fixture(scope="session")
-def running(demo_model: Path, keycloak_dist: Path, staged_demo: Staged) -> Iterator[Running]:
-    """The appliance the integration tests share: started once per worker, by the first module
-    that asks for it."""
+def running(demo_model: Path, keycloak_dist: Path, staged_demo: Staged) -> Running:
+    """The appliance the integration tests share (tests.support.session): one per run, whichever
+    worker asks first starts it."""
     served = {"APPLIANCE_POOLS__MAIN__MODEL": str(staged_demo.directory),
               "APPLIANCE_POOLS__MAIN__PLAN": str(staged_demo.plan_file),
               "APPLIANCE_POOLS__MAIN__SERVED_MODEL_NAME": demo_model.name}
-    for appliance in make_appliance(demo_model, keycloak_dist, **SESSION_SETTINGS, **served):
-        started = time.monotonic()
-        result = appliance.run("up")
-        assert result.returncode == 0, result.stdout + result.stderr
-        _session.append(Running(appliance, result.stdout, time.monotonic() - started))
-        yield _session[0]
+    return start_or_join(demo_model, keycloak_dist, SESSION_SETTINGS | served)
 
 
 @pytest.fixture(scope="module", autouse=True)
-def session_running_again() -> None:
-    """Each module finds the session appliance running if it was started: a module before it may
-    have stopped it (test_lifecycle's last test does), and modules run in no fixed order on the
-    suite's workers, so a module waits for the state it starts from instead of assuming it.
-    Autouse and module-scoped, so this comes before the module's own fixtures that use it."""
-    if _session and not answers(_session[0].appliance):
-        result = _session[0].appliance.run("up")
-        assert result.returncode == 0, result.stdout + result.stderr
-
-
-def answers(appliance: Appliance) -> bool:
-    """Whether the appliance's gateway answers its health check."""
-    try:
-        return httpx.get(f"http://127.0.0.1:{appliance.port('APPLIANCE_GATEWAY__PORT')}/healthz", timeout=5).is_success
-    except httpx.HTTPError:
-        return False
+def module_locks(request: pytest.FixtureRequest) -> Iterator[None]:
+    """What a module may share while it runs, held for the whole module (each worker runs one
+    module at a time, taking these in this order, so two workers never wait on each other in a
+    circle):
+    - the machine: a module marked `alone` (it starts several engines of its own) runs while no
+      other integration module does, so that the appliances running at once fit in memory;
+    - the session appliance: a module marked `session_exclusive` (it stops, kills or restarts its
+      parts, or counts what reaches its engine or audit log) has it to itself; the others share it.
+    An exclusive module leaves the session appliance running, and every module finds it so:
+    modules run in no fixed order, so none assumes what one before it left."""
+    module = request.node
+    uses_session = any("running" in item.fixturenames for item in request.session.items if item.path == module.path)
+    exclusive = module.get_closest_marker("session_exclusive") is not None
+    with ExitStack() as held:
+        held.enter_context(locked("machine", exclusive=module.get_closest_marker("alone") is not None))
+        if uses_session:
+            held.enter_context(locked("session", exclusive=exclusive))
+            running_again(request.getfixturevalue("running"))
+        yield
+        if uses_session and exclusive:
+            running_again(request.getfixturevalue("running"))
 
 
 @pytest.fixture

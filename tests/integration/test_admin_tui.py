@@ -39,6 +39,9 @@ from tests.support.pilot import drive, rows, select_row, text, until
 from tests.support.records import metrics
 from tui.app import AdminApp
 
+# Its dashboard stops and starts the session's programs.
+pytestmark = pytest.mark.session_exclusive
+
 MODEL = "SmolLM2-135M-Instruct"
 
 

@@ -26,6 +26,9 @@ from tests.integration.conftest import Running
 from tests.integration.realm import Realm
 from tests.support.impostor import Impostor
 
+# It restarts the session's Keycloak and measures how its audit log grows.
+pytestmark = pytest.mark.session_exclusive
+
 MODEL = "SmolLM2-135M-Instruct"
 PASSWORD = "Test-password-1"
 

@@ -17,6 +17,9 @@ from appliance.settings import ExecutionSettings
 from finetune.rl.execute import EXEC_UIDS, EXEC_USER, Sandbox, execute
 from tests.support.appliances import APPLIANCE
 
+# It asserts that no execution's process is left on the host.
+pytestmark = pytest.mark.usefixtures("sandbox_users_to_itself")
+
 SETTINGS = ExecutionSettings(cpu_s=3, wall_s=15, test_wall_s=6, memory_mib=256, processes=32, tmpfs_mib=16,
                              output_bytes=65536)
 SAFE = "def test_ok():\n    pass\n"  # the hostile code runs when the tests import it

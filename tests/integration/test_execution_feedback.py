@@ -41,6 +41,9 @@ from tests.support.appliances import Appliance, make_appliance
 from tests.support.pilot import drive, rows, select_row, text, until
 from tui.app import AdminApp
 
+# Its RL run starts executions as the sandbox's users.
+pytestmark = pytest.mark.usefixtures("sandbox_users_to_itself")
+
 MODEL = "SmolLM2-135M-Instruct"
 BUCKET = "appliance-artifacts"
 

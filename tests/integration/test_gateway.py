@@ -14,6 +14,9 @@ from jwcrypto import jwk
 from tests.integration.conftest import Running, engine_client
 from tests.integration.realm import Realm, b64, parts
 
+# It counts the requests the session's engine holds and spends users' rate limits.
+pytestmark = pytest.mark.session_exclusive
+
 MODEL = "SmolLM2-135M-Instruct"
 PASSWORD = "Test-password-1"
 

@@ -35,6 +35,9 @@ from tests.integration.realm import Realm
 from tests.support.appliances import Appliance, make_appliance
 from tests.support.tiers import TWO_TIERS
 
+# Three engines of its own: nothing else runs beside it but the session appliance.
+pytestmark = pytest.mark.alone
+
 PASSWORD = "Test-password-1"
 SYSTEM = ("You are the help desk of a bank. Answer in one short sentence, politely, and never reveal account "
           "numbers, passwords or internal procedures. ") * 6  # a long shared prefix (about 150 tokens)

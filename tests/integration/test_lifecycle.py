@@ -19,6 +19,9 @@ from installer.staging import verify_staged
 from tests.integration.conftest import Running, Staged, engine_client
 from tests.integration.realm import Realm
 
+# It kills the session's engine and stops the whole session appliance.
+pytestmark = pytest.mark.session_exclusive
+
 
 def status(running: Running) -> dict:
     result = running.appliance.run("status", "--json")

@@ -39,6 +39,15 @@ class Appliance:
 
 def make_appliance(demo: Path | None, keycloak: Path | None = None,
                    **overrides: str) -> Generator[Appliance, None, None]:
+    """A fresh appliance (new_appliance) for as long as the generator lives, then removed."""
+    appliance = new_appliance(demo, keycloak, **overrides)
+    try:
+        yield appliance
+    finally:
+        remove_appliance(appliance)
+
+
+def new_appliance(demo: Path | None, keycloak: Path | None = None, **overrides: str) -> Appliance:
     """A fresh state directory on free ports; with the demo model and a private copy of Keycloak
     (its database lives in its directory) if given, else configured not to need Keycloak."""
     # Short path: supervisord's unix socket lives inside it (107-byte limit).
@@ -57,9 +66,10 @@ def make_appliance(demo: Path | None, keycloak: Path | None = None,
     else:
         env.update(NO_KEYCLOAK)
     env.update(overrides)
-    appliance = Appliance(home=home, env=env)
-    try:
-        yield appliance
-    finally:
-        appliance.run("down", timeout=300)
-        shutil.rmtree(root, ignore_errors=True)
+    return Appliance(home=home, env=env)
+
+
+def remove_appliance(appliance: Appliance) -> None:
+    """Everything it runs stopped, and its state directory removed."""
+    appliance.run("down", timeout=300)
+    shutil.rmtree(appliance.home.root.parent, ignore_errors=True)
