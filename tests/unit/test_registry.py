@@ -84,15 +84,6 @@ def test_a_file_that_cannot_be_read_is_an_error_naming_it(tmp_path: Path) -> Non
         registry(path).read()
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads a file whatever its mode")
-def test_a_file_without_read_permission_is_an_error_naming_it(tmp_path: Path) -> None:
-    path = tmp_path / "records.json"
-    path.write_text("{}")
-    path.chmod(0)
-    with pytest.raises(StateError, match=f"the test registry {path} is unreadable"):
-        registry(path).read()
-
-
 @pytest.mark.parametrize("mode", [0o600, 0o644])
 def test_the_file_gets_its_mode_whatever_the_umask_and_the_lock_is_private(tmp_path: Path, mode: int) -> None:
     path = tmp_path / "records.json"
