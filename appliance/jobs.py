@@ -234,10 +234,11 @@ def set_trainer(home: Home, job_id: int, pid: int) -> None:
         db.execute("update jobs set trainer_pid = ? where id = ?", (pid, job_id))
 
 
-def finish(home: Home, job_id: int, state: JobState, message: str) -> None:
-    """End a job (again as it ended: nothing changes; otherwise: IllegalTransition)."""
+def finish(home: Home, job_id: int, state: JobState, message: str) -> bool:
+    """End a job; whether this ended it (False: it had already ended so, and keeps what it said
+    then; ended otherwise: IllegalTransition)."""
     with transaction(home) as db:
-        JOBS.finish(db, job_id, state, message=message, finished=now(), trainer_pid=None)
+        return JOBS.finish(db, job_id, state, message=message, finished=now(), trainer_pid=None)
 
 
 def cancel(home: Home, job_id: int) -> Job:

@@ -46,8 +46,10 @@ class JsonRegistry(Generic[T]):
 
     @property
     def lock_path(self) -> Path:
-        """The file whose exclusive lock a change holds (beside the registry, never replaced)."""
-        return self.path.with_name(f".{self.path.name}.lock")
+        """The file whose exclusive lock a change holds (beside the registry, never replaced; named
+        as the hand-written locks of the adapter and host registries were, so that a process still
+        running the code from before an upgrade and a new one exclude each other)."""
+        return self.path.with_name(f".{self.path.stem}.lock")
 
     def read(self) -> T:
         """The registry as it stands; StateError naming the file if it cannot be read or is not

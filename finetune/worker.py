@@ -50,8 +50,10 @@ def work_one(home: Home, settings: Settings) -> jobs.Job | None:
         message = (f"adapter {record.name} v{record.version}: held-out loss {result.base_eval_loss:.4f} -> "
                    f"{result.adapter_eval_loss:.4f} ({result.improvement:+.1%}); {result.steps} steps{resumed}; "
                    f"gate {verdict}")
-    jobs.finish(home, job.id, state, message)
-    announce_outcome("finetune.job", state, f"job {job.id} ({job.name} on {job.data}) {state}: {message}", log)
+    if jobs.finish(home, job.id, state, message):
+        announce_outcome("finetune.job", state, f"job {job.id} ({job.name} on {job.data}) {state}: {message}", log)
+    else:  # another worker ended it first: its outcome is the one the queue and the audit log keep
+        log.warning("job %d had already ended %s; this worker's outcome is not recorded: %s", job.id, state, message)
     return jobs.get(home, job.id)
 
 

@@ -114,10 +114,11 @@ def claim(home: Home, worker_pid: int, alive: Alive) -> Run | None:
     return None if row is None else _run(row)
 
 
-def finish(home: Home, run_id: int, state: JobState, message: str) -> None:
-    """End a run (again as it ended: nothing changes; otherwise: IllegalTransition)."""
+def finish(home: Home, run_id: int, state: JobState, message: str) -> bool:
+    """End a run; whether this ended it (False: it had already ended so, and keeps what it said
+    then; ended otherwise: IllegalTransition)."""
     with transaction(home) as db:
-        RUNS.finish(db, run_id, state, message=message, finished=now())
+        return RUNS.finish(db, run_id, state, message=message, finished=now())
 
 
 def note(home: Home, run_id: int, message: str) -> None:

@@ -91,8 +91,10 @@ def run_one(home: Home, settings: Settings) -> runs.Run | None:
             log.exception("run %d", run.id)
             state, message = JobState.FAILED, f"internal error: {type(exc).__name__}: {exc} (see the rl-worker's log)"
         break
-    runs.finish(home, run.id, state, message)
-    announce_outcome("rl.run", state, f"run {run.id} ({run.spec.base} on {run.spec.tasks}) {state}: {message}", log)
+    if runs.finish(home, run.id, state, message):
+        announce_outcome("rl.run", state, f"run {run.id} ({run.spec.base} on {run.spec.tasks}) {state}: {message}", log)
+    else:  # another worker ended it first: its outcome is the one the queue and the audit log keep
+        log.warning("run %d had already ended %s; this worker's outcome is not recorded: %s", run.id, state, message)
     return runs.get(home, run.id)
 
 

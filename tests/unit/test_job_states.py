@@ -25,7 +25,9 @@ def test_a_job_runs_and_finishes_once(home: Home) -> None:
     assert claimed is not None and (claimed.state, claimed.worker_pid, claimed.attempts) == ("running", 123, 1)
     with pytest.raises(IllegalTransition, match="cannot finish as running"):
         jobs.finish(home, job.id, JobState.RUNNING, "not an end")
-    jobs.finish(home, job.id, JobState.SUCCEEDED, "done")
+    assert jobs.finish(home, job.id, JobState.SUCCEEDED, "done")
+    # Ended so again (a second worker that took it for dead): nothing changes, and the caller is told.
+    assert not jobs.finish(home, job.id, JobState.SUCCEEDED, "a second worker's outcome")
     with pytest.raises(IllegalTransition, match="has already succeeded: it cannot become failed"):
         jobs.finish(home, job.id, JobState.FAILED, "twice")
     with pytest.raises(IllegalTransition, match="has already succeeded: it cannot become cancelling"):
