@@ -22,19 +22,23 @@ pytest_plugins = ["tests.module_times"]  # each module's wall time at the end of
 ROOT = Path(__file__).parents[1]
 INTEGRATION = ROOT / "tests" / "integration"
 
-# The suite runs on two pytest-xdist workers (pyproject.toml's addopts), a module at a time each.
-# The slowest modules, slowest first (the "wall time per module" report at the end of a run says
-# which): started first, they run side by side, and the short ones fill in around them. Modules
-# that would wait for each other's locks (tests/integration/conftest.py) are kept apart.
-SLOWEST_FIRST = [
+# The suite runs on two pytest-xdist workers (pyproject.toml's addopts), a module at a time each,
+# in this order (a folder stands for its modules; those named nowhere come last): the slowest
+# first, so that they run side by side and the short ones fill in around them. The unit tests
+# follow the tiers module, which runs alone among the integration modules (its lock,
+# tests/integration/conftest.py): they need no lock, so the other worker has work meanwhile. The
+# unit module that trains models waits until the tiers module's engines are gone (memory).
+RUN_ORDER = [
     "tests/integration/test_execution_feedback.py",
     "tests/integration/test_bundle_install.py",
     "tests/integration/test_cluster.py",
     "tests/integration/test_sharded_state.py",
     "tests/integration/test_gateway_tiers.py",
+    "tests/unit/",
     "tests/integration/test_adapters.py",
     "tests/integration/test_finetune_worker.py",
     "tests/integration/test_exec_sandbox.py",
+    "tests/unit/test_finetune.py",
 ]
 
 # Generated examples per property test: a full run checks many; the fast loop (-m "not
@@ -73,7 +77,7 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Everything under tests/integration/ is an integration test (unit tests that start
-    processes carry the marker themselves); the slowest modules go first."""
+    processes carry the marker themselves); modules run in RUN_ORDER."""
     for item in items:
         if item.path.is_relative_to(INTEGRATION):
             item.add_marker(pytest.mark.integration)
@@ -81,8 +85,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def slowness(module: str) -> int:
-    """A module's place in the run: the slowest first, then the others in their own order."""
-    return SLOWEST_FIRST.index(module) if module in SLOWEST_FIRST else len(SLOWEST_FIRST)
+    """A module's place in RUN_ORDER: where it is named, else where its folder is, else last."""
+    if module in RUN_ORDER:
+        return RUN_ORDER.index(module)
+    folders = [place for place, entry in enumerate(RUN_ORDER) if entry.endswith("/") and module.startswith(entry)]
+    return folders[0] if folders else len(RUN_ORDER)
 
 
 @pytest.fixture(scope="session")
