@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import getpass
+import itertools
 import json
 import os
 import sys
@@ -11,7 +12,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -24,8 +25,9 @@ from appliance.home import Home
 from appliance.settings import load_settings
 from audit.archive import archive, fetch
 from audit.keys import load_public, public_pem, signing_key, verification_key
-from audit.reader import read_records
+from audit.reader import OUTCOMES, ObjectFilter, RecordFilter, parse_outcome, read_records
 from audit.records import AuditEvent
+from audit.times import FORMS, parse_instant
 from audit.verify import AuditVerificationError, verify
 from audit.writer import AuditUnavailable, AuditWriter
 
@@ -88,36 +90,48 @@ def public_key_command() -> None:
     typer.echo(public_pem(verification_key(Home.from_env())).decode(), nl=False)
 
 
+UserOption = Annotated[str | None, typer.Option("--user", help="Only records of this username.")]
+ActionOption = Annotated[str | None, typer.Option("--action", help="Only this action, e.g. users.add.")]
+OutcomeOption = Annotated[str | None, typer.Option("--outcome", help=f"Only this outcome: {', '.join(OUTCOMES)}.")]
+ObjectOption = Annotated[str | None, typer.Option("--object", help="Only records acting on this object: "
+                                                  "KIND:NAME (user:alice, adapter:support-bot) or NAME.")]
+
+
 @audit_app.command("tail")
 def tail(
     lines: Annotated[int, typer.Option("-n", min=0, help="How many records.")] = 10,
     follow: Annotated[bool, typer.Option("-f", "--follow", help="Keep printing new records.")] = False,
+    user: UserOption = None, action: ActionOption = None, outcome: OutcomeOption = None, target: ObjectOption = None,
 ) -> None:
-    """Print the last records (JSON lines), and with -f new ones as they are written."""
+    """Print the last matching records (JSON lines), and with -f new ones as they are written."""
+    where = _filter(user, action, outcome, target)
     directory = Home.from_env().audit
-    records = list(read_records(directory))
-    for record in records[-lines:] if lines else []:
+    seen = _newest_seq(directory)  # first: a record written meanwhile is printed by -f, not lost
+    last = (record for record in read_records(directory, where=where, newest_first=True) if record["seq"] <= seen)
+    for record in reversed(list(itertools.islice(last, lines))):
         typer.echo(json.dumps(record))
-    seen = records[-1]["seq"] if records else 0  # -n 0 -f: only what comes next
     while follow:
         time.sleep(0.5)
-        for record in read_records(directory):
-            if record["seq"] > seen:
+        for record in _written_after(directory, seen):
+            seen = record["seq"]
+            if where.matches(record):
                 typer.echo(json.dumps(record))
-                seen = record["seq"]
 
 
 @audit_app.command("export")
 def export(
-    since: Annotated[str | None, typer.Option(help="From this UTC time (ISO 8601), inclusive.")] = None,
-    until: Annotated[str | None, typer.Option(help="Before this UTC time (ISO 8601).")] = None,
-    user: Annotated[str | None, typer.Option(help="Only this username.")] = None,
+    since: Annotated[str | None, typer.Option(help=f"From this time, inclusive: {FORMS}.")] = None,
+    until: Annotated[str | None, typer.Option(help="Before this time (the same forms as --since).")] = None,
+    user: UserOption = None, action: ActionOption = None, outcome: OutcomeOption = None, target: ObjectOption = None,
     format: Annotated[str, typer.Option(help="jsonl or csv.")] = "jsonl",
 ) -> None:
     """Write matching records to stdout as JSON lines or CSV."""
     if format not in ("jsonl", "csv"):
         raise ApplianceError(f"--format must be jsonl or csv, not {format!r}")
-    selected = read_records(Home.from_env().audit, since=since, until=until, user=user)
+    start = parse_instant(since, name="--since") if since is not None else None
+    end = parse_instant(until, name="--until") if until is not None else None
+    selected = read_records(Home.from_env().audit, since=start, until=end,
+                            where=_filter(user, action, outcome, target))
     if format == "jsonl":
         for record in selected:
             typer.echo(json.dumps(record))
@@ -126,6 +140,24 @@ def export(
     writer.writeheader()
     for record in selected:
         writer.writerow(record)
+
+
+def _filter(user: str | None, action: str | None, outcome: str | None, target: str | None) -> RecordFilter:
+    """The filter the options ask for; Invalid naming the option for a value no record can have."""
+    return RecordFilter(user=user, action=action,
+                        outcome=parse_outcome(outcome, option="--outcome") if outcome is not None else None,
+                        target=ObjectFilter.parse(target, option="--object") if target is not None else None)
+
+
+def _newest_seq(directory: Path) -> int:
+    newest = next(read_records(directory, newest_first=True), None)
+    return int(newest["seq"]) if newest else 0
+
+
+def _written_after(directory: Path, seq: int) -> list[dict[str, Any]]:
+    """The records after `seq`, oldest first, read back from the log's end only as far as `seq`."""
+    newer = itertools.takewhile(lambda record: record["seq"] > seq, read_records(directory, newest_first=True))
+    return list(newer)[::-1]
 
 
 def record_change(home: Home, change: Change) -> None:

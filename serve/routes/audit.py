@@ -4,15 +4,22 @@ and verify its chain and signed checkpoints against this host's key (never one m
 from __future__ import annotations
 
 import itertools
-from typing import Any, Literal
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, Field
 
-from appliance.errors import StateError
+from appliance.errors import Invalid, StateError
 from appliance.home import Home
 from audit import AuditVerificationError, read_records, verification_key, verify
+from audit.reader import OBJECT_FORMS, OUTCOMES, ObjectFilter, RecordFilter, parse_outcome
+from audit.times import FORMS, parse_instant
 from serve.deps import requires
+from serve.errors import GatewayError
+
+Parsed = TypeVar("Parsed")
 
 
 class ChainCheck(BaseModel):
@@ -32,18 +39,22 @@ def router(home: Home) -> APIRouter:
     routes = APIRouter(prefix="/admin", tags=["audit"], dependencies=[Depends(requires("auditor", "admin"))])
 
     @routes.get("/audit", response_model=list[dict[str, Any]], name="audit.query")
-    def audit_records(since: str | None = None, until: str | None = None, user: str | None = None,
+    def audit_records(since: str | None = Query(None, description=f"From this time, inclusive: {FORMS}."),
+                      until: str | None = Query(None, description="Before this time (the same forms as since)."),
+                      user: str | None = Query(None, description="Exact username."),
                       action: str | None = Query(None, description="Exact action, e.g. users.add."),
-                      outcome: Literal["allowed", "denied", "error"] | None = None,
+                      outcome: str | None = Query(None, description=f"One of {', '.join(OUTCOMES)}."),
+                      target: str | None = Query(None, alias="object",
+                                                 description=f"The object acted on: {OBJECT_FORMS}."),
                       newest: bool = Query(False, description="The newest `limit` records, newest first."),
                       limit: int = Query(1000, ge=1, le=10_000)) -> list[dict[str, Any]]:
-        """Audit records, oldest first (or newest first), filtered by UTC time range [since, until),
-        username, action and outcome. Reading stops when the page is full (newest first reads
-        the log backwards from its end)."""
-        found = (record for record in read_records(home.audit, since=since, until=until, user=user,
-                                                   newest_first=newest)
-                 if (action is None or record.get("action") == action)
-                 and (outcome is None or record.get("outcome") == outcome))
+        """Audit records, oldest first (or newest first), filtered by time range [since, until),
+        username, action, outcome and object. Reading stops when the page is full (newest first
+        reads the log backwards from its end)."""
+        where = RecordFilter(user=user, action=action, outcome=_query(outcome, "outcome", _outcome),
+                             target=_query(target, "object", _object))
+        found = read_records(home.audit, since=_query(since, "since", _instant),
+                             until=_query(until, "until", _instant), where=where, newest_first=newest)
         return list(itertools.islice(found, limit))
 
     @routes.post("/audit/verify", response_model=ChainCheck, name="audit.verify")
@@ -59,3 +70,25 @@ def router(home: Home) -> APIRouter:
                           last_checkpoint_seq=summary.last_checkpoint_seq)
 
     return routes
+
+
+def _instant(text: str, name: str) -> datetime:
+    return parse_instant(text, name=name)
+
+
+def _object(text: str, name: str) -> ObjectFilter:
+    return ObjectFilter.parse(text, option=name)
+
+
+def _outcome(text: str, name: str) -> str:
+    return parse_outcome(text, option=name)
+
+
+def _query(value: str | None, param: str, parse: Callable[[str, str], Parsed]) -> Parsed | None:
+    """`value` parsed, or None if absent; a 400 naming the query parameter if it cannot be."""
+    if value is None:
+        return None
+    try:
+        return parse(value, f"query parameter {param!r}")
+    except Invalid as exc:
+        raise GatewayError(400, exc.message, code=exc.code, param=param) from exc
