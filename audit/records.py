@@ -9,9 +9,11 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from appliance.changes import Outcome, Target
 
 GENESIS = "0" * 64
 
@@ -41,13 +43,23 @@ class AuditEvent(BaseModel):
 
     request_id: str
     action: str = Field(description="e.g. chat.completions, auth.denied, users.add")
-    outcome: Literal["allowed", "denied", "error"]
+    outcome: Outcome = Field(description="allowed; denied (no or bad credentials, a missing role, over a limit); "
+                             "invalid (the caller's fault: a bad request, no such object); error (the "
+                             "appliance's fault). Records before this field had four values said error for "
+                             "invalid too.")
     status: int
     subject: str | None = None
     username: str | None = None
-    client: str | None = None
+    client: str | None = Field(None, description="What called: an API key's name, the token's client (azp), or "
+                               "the appliance's own service (batch-worker, finetune-worker, cluster).")
+    key: str | None = Field(None, description="The API key the request was made with.")
     source: str | None = None
-    resource: str | None = None
+    resource: str | None = Field(None, description="Where the action was asked: the HTTP path and query "
+                                 "(capped), `cli` for a command on the host, `keycloak` for the realm's events.")
+    target: Target | None = Field(None, description="The object acted on: kind, name, version, roles.")
+    model: str | None = Field(None, description="The model (pool, tier or adapter alias) that was asked.")
+    reason: str | None = Field(None, description="A refusal's or failure's reason code (the error's `code`).")
+    detail: str | None = Field(None, description="What a change did, in words.")
     prompt_tokens: int = 0
     completion_tokens: int = 0
     latency_ms: float | None = None

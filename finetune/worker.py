@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 
 from appliance import jobs
-from appliance.changes import Change, announce
+from appliance.changes import Change, Target, announce
 from appliance.errors import ApplianceError
 from appliance.home import HOME_ENV, Home
 from appliance.programs import Program
@@ -51,18 +51,20 @@ def work_one(home: Home, settings: Settings) -> jobs.Job | None:
                    f"{result.adapter_eval_loss:.4f} ({result.improvement:+.1%}); {result.steps} steps{resumed}; "
                    f"gate {verdict}")
     if jobs.finish(home, job.id, state, message):
-        announce_outcome("finetune.job", state, f"job {job.id} ({job.name} on {job.data}) {state}: {message}", log)
+        announce_outcome("finetune.job", state, Target(kind="job", name=str(job.id)),
+                         f"job {job.id} ({job.name} on {job.data}) {state}: {message}", log)
     else:  # another worker ended it first: its outcome is the one the queue and the audit log keep
         log.warning("job %d had already ended %s; this worker's outcome is not recorded: %s", job.id, state, message)
     return jobs.get(home, job.id)
 
 
-def announce_outcome(action: str, state: jobs.JobState, detail: str, log: logging.Logger) -> None:
-    """A job's or a run's outcome in the audit log, as the CLI's changes are (one that cannot be
-    recorded is logged: the work is done either way)."""
+def announce_outcome(action: str, state: jobs.JobState, target: Target, detail: str, log: logging.Logger) -> None:
+    """A job's or a run's outcome in the audit log, as the CLI's changes are, by the training
+    worker (one that cannot be recorded is logged: the work is done either way)."""
     succeeded = state == jobs.JobState.SUCCEEDED
     try:
-        announce(Change(action, "allowed" if succeeded else "error", 0 if succeeded else 1, detail))
+        announce(Change(action, "allowed" if succeeded else "error", 0 if succeeded else 1, target,
+                        detail if succeeded else None, error=None if succeeded else detail, actor="finetune-worker"))
     except ApplianceError as exc:
         log.error("%s (%s) not recorded in the audit log: %s", action, detail[:200], exc.one_line())
 

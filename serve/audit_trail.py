@@ -5,6 +5,7 @@ mid-stream, 500 when the server failed); if the log cannot be written the gatewa
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -12,8 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from appliance.changes import Outcome, Target
 from audit import AuditEvent, AuditUnavailable, AuditWriter, TextHasher
 from serve.answer import Answer
 from serve.auth import Principal
@@ -25,26 +28,79 @@ log = logging.getLogger("appliance.gateway")
 
 AUDITED_PREFIXES = ("/v1/", "/admin/")
 INLINE_FLUSH_LIMIT_S = 0.005
+ERROR_BODY_BYTES = 4096
 CLIENT_GONE = 499  # as nginx logs it: the client closed the connection before the response ended
 # Declared on a route (`openapi_extra=MONITORING`): a read a dashboard polls, summarised per user.
 MONITORING = {"x-audit": "summarised per user and interval"}
 
 
-def action_of(scope: Scope, status: int) -> tuple[str, str | None]:
-    """(action, resource named in the path) for a request: its matched route's name, which each
-    route declares (`name="users.disable"`, `name="services.{action}"`); a request no route
-    matched is `unmatched`, its method and path (capped) the resource."""
+# A path parameter and the kind of object it names; `name` names an object of the route's group.
+PARAM_KINDS = {"username": "user", "job_id": "job", "batch_id": "batch", "file_id": "file", "run_id": "rl_run",
+               "export_id": "rl_export", "key_name": "key"}
+GROUP_KINDS = {"adapters": "adapter", "services": "service", "keys": "key"}
+
+
+def action_of(scope: Scope, status: int) -> str:
+    """A request's action: its matched route's name, which each route declares
+    (`name="users.disable"`, `name="services.{action}"`); `unmatched` when no route matched."""
     if status in (401, 403):
-        return "auth.denied", None
+        return "auth.denied"
     route = scope.get("route")
     if route is None:
-        return "unmatched", f"{scope['method']} {scope['path']}"
-    params = scope.get("path_params") or {}
-    return route.name.format(**params), params.get("username") or params.get("name") or params.get("job_id")
+        return "unmatched"
+    return str(route.name.format(**(scope.get("path_params") or {})))
 
 
-def is_monitoring(scope: Scope) -> bool:
-    return (getattr(scope.get("route"), "openapi_extra", None) or {}) == MONITORING
+def target_of(scope: Scope, action: str) -> Target | None:
+    """The object a request acted on: what its route noted (`note_target`), else the object its
+    path names."""
+    noted: Target | None = scope.get("state", {}).get("target")
+    if noted is not None:
+        return noted
+    for param, value in (scope.get("path_params") or {}).items():
+        kind = PARAM_KINDS.get(param) or (GROUP_KINDS.get(action.split(".")[0]) if param == "name" else None)
+        if kind is not None:
+            return Target(kind=kind, name=cap_text(str(value)))
+    return None
+
+
+def note_target(request: Request, kind: str, name: str, *, version: int | None = None,
+                roles: list[str] | None = None) -> None:
+    """Name the object a route acts on, for its audit record (when the path does not name it, or
+    not all of it: a version, the roles granted)."""
+    request.state.target = Target(kind=kind, name=cap_text(name), version=version, roles=roles)
+
+
+def resource_of(scope: Scope) -> str:
+    """Where the request was addressed: its path and query, capped."""
+    query = scope.get("query_string", b"").decode("latin-1")
+    return cap_text(scope["path"] + (f"?{query}" if query else ""))
+
+
+def read_kind(scope: Scope, event: AuditEvent) -> str | None:
+    """A successful read an admin screen polls, counted as one per user and interval: a
+    monitoring route per action; any other admin read per path and query, so a new query is
+    recorded and a refresh of the same view is counted."""
+    if event.status >= 400 or scope["method"] != "GET":
+        return None
+    if (getattr(scope.get("route"), "openapi_extra", None) or {}) == MONITORING:
+        return event.action
+    return event.resource if scope["path"].startswith("/admin/") else None
+
+
+def reason_of(status: int, body: bytes) -> str | None:
+    """A refusal's or failure's reason code: the `code` (else `type`) of its OpenAI-shaped error
+    body, else `http_<status>`."""
+    if status < 400:
+        return None
+    if status == CLIENT_GONE:
+        return "client_gone"
+    try:
+        error = json.loads(body).get("error")
+        code = error.get("code") or error.get("type")
+    except (ValueError, AttributeError):
+        code = None
+    return cap_text(str(code), 64) if code else f"http_{status}"
 
 
 @dataclass
@@ -70,10 +126,14 @@ class Transcript:
         self.ended = True
 
 
-def outcome_of(status: int) -> str:
+def outcome_of(status: int) -> Outcome:
+    """allowed; denied (credentials, role, a limit); invalid (any other 4xx: the client's
+    fault, a client gone mid-answer too); error (5xx: the appliance's)."""
     if status < 400:
         return "allowed"
-    return "denied" if status in (401, 403, 429) else "error"
+    if status in (401, 403, 429):
+        return "denied"
+    return "invalid" if status < 500 else "error"
 
 
 class AuditMiddleware:
@@ -122,6 +182,7 @@ class AuditMiddleware:
         streaming = False
         status = 200
         settled = False
+        error_body = bytearray()  # an error's body, for its reason code
 
         async def audited_send(message: Message) -> None:
             nonlocal held, streaming, status, settled
@@ -135,6 +196,9 @@ class AuditMiddleware:
                     held = message
                 return
             body_ends = message["type"] == "http.response.body" and not message.get("more_body", False)
+            if status >= 400 and not streaming and len(error_body) < ERROR_BODY_BYTES:
+                error_body.extend(message.get("body", b"")[:ERROR_BODY_BYTES])
+                state["error_body"] = bytes(error_body)
             transcript: Transcript | None = state.get("transcript")
             # A stream's end marker waits for the record too: a client must not see a complete
             # answer whose record is not on disk.
@@ -179,7 +243,7 @@ class AuditMiddleware:
         marked = transcript is not None and (transcript.relayed or bool(transcript.marks.done))
         if not self.refusals.own_record(event, relayed=marked):
             return
-        if event.status < 400 and is_monitoring(scope) and not self.monitoring.first_of_interval(event, event.action):
+        if (kind := read_kind(scope, event)) is not None and not self.monitoring.first_of_interval(event, kind):
             return
         seq = await self._append(event)
         if transcript is not None and transcript.on_recorded is not None and event.status == 200:
@@ -210,15 +274,17 @@ class AuditMiddleware:
                source: str | None) -> AuditEvent:
         who: Principal | None = state.get("principal")
         transcript: Transcript = state.get("transcript") or Transcript()
-        action, named = action_of(scope, status)
+        action = cap_text(action_of(scope, status))
         completion = transcript.answer.canonical()
         return AuditEvent(
             request_id=state.get("request_id", ""),
-            action=cap_text(action),
+            action=action,
             outcome=outcome_of(status), status=status,
             subject=who.subject if who else None, username=who.username if who else None,
-            client=who.client if who else None, source=source,
-            resource=cap_text(transcript.model or named or scope["path"]),
+            client=who.client if who else None, key=who.key if who else None, source=source,
+            resource=resource_of(scope), target=target_of(scope, action),
+            model=cap_text(transcript.model) if transcript.model else None,
+            reason=reason_of(status, state.get("error_body", b"")),
             prompt_tokens=transcript.prompt_tokens, completion_tokens=transcript.completion_tokens,
             latency_ms=round((time.monotonic() - started) * 1000, 1),
             prompt_hmac=self.hasher(transcript.prompt), completion_hmac=self.hasher(completion),

@@ -38,6 +38,12 @@ class Principal:
     roles: frozenset[str]
     token_id: str
     expires_at: float
+    key: str | None = None  # the API key it acts by (serve.api_keys)
+    models: frozenset[str] | None = None  # the models that key is limited to
+
+    def may_use(self, model: str) -> bool:
+        """Whether its key's scope admits `model` (a tier asked by name, MODEL:TIER, by its model)."""
+        return self.models is None or model in self.models or model.partition(":")[0] in self.models
 
 
 class TokenValidator:

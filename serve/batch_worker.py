@@ -31,7 +31,7 @@ import httpx
 from appliance import batches
 from appliance.admin_client import gateway_url
 from appliance.artifacts import ArtifactStore, artifact_store
-from appliance.changes import Change, announce
+from appliance.changes import Change, Target, announce
 from appliance.errors import ApplianceError
 from appliance.home import HOME_ENV, Home
 from appliance.programs import Program
@@ -158,7 +158,8 @@ class Worker:
         for batch in batches.to_announce(self.home):  # each end once in the audit log, after a crash too
             detail = _ending(batch)
             try:
-                announce(Change(f"batches.{batch.status}", "allowed", 0, detail))
+                announce(Change(f"batches.{batch.status}", "allowed", 0, Target(kind="batch", name=batch.id),
+                                detail, actor="batch-worker"))
             except ApplianceError as exc:
                 log.error("batch %s end not recorded in the audit log yet: %s", batch.id, exc.one_line())
                 return

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from appliance.changes import Target
 from appliance.durable import replace_file
 from appliance.engine_launch import engine_program, engine_socket
 from appliance.home import Home
@@ -93,7 +94,8 @@ class Controller:
         control.why = f"restarting: {why}"
         self._write(control)
         self.audit(AuditEvent(request_id=uuid.uuid4().hex, action="cluster.restart", outcome="error", status=503,
-                              client="cluster", source="head", resource=f"pool {control.span.pool.name}",
+                              client="cluster", source="head", resource="cluster",
+                              target=Target(kind="pool", name=control.span.pool.name), reason="rank_exited",
                               error=f"{why}; every rank restarts (epoch {control.epoch})"))
 
     def tick(self) -> None:

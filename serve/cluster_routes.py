@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import uuid
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated
 
 from fastapi import APIRouter, Header, HTTPException, Request
 from fastapi.responses import FileResponse, PlainTextResponse
 
+from appliance.changes import Outcome, Target
 from appliance.engine_launch import Rank, rank_command, resolve_device
 from appliance.errors import ApplianceError, Invalid
 from appliance.home import Home
@@ -36,18 +37,19 @@ from audit.writer import AuditWriter
 from serve.cluster_controller import Controller
 from serve.cluster_weights import WeightService
 from serve.engine import SpanningPool
-from serve.summaries import Summaries
+from serve.summaries import Summaries, cap_text
 
 JOIN_REFUSED = ("join refused: the token is wrong, used or expired, or names a host this head did not invite "
                 "(the head's audit log says which)")
 
 
-def cluster_event(action: str, outcome: Literal["allowed", "denied", "error"], status: int, request: Request,
+def cluster_event(action: str, outcome: Outcome, status: int, request: Request,
                   host: str, detail: str, error: str | None = None) -> AuditEvent:
     """The audit record of a request to the cluster listener, on behalf of `host`."""
     return AuditEvent(request_id=uuid.uuid4().hex, action=action, outcome=outcome, status=status,
-                      subject=f"host:{host}", client="cluster",
-                      source=request.client.host if request.client else "?", resource=detail, error=error)
+                      subject=f"host:{host}", client="cluster", source=request.client.host if request.client else "?",
+                      resource=cap_text(request.url.path), target=Target(kind="host", name=cap_text(host)),
+                      detail=cap_text(detail), reason=None if outcome == "allowed" else f"http_{status}", error=error)
 
 
 def record_refusal(writer: AuditWriter, refusals: Summaries, denied: AuditEvent) -> None:

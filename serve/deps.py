@@ -12,6 +12,7 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from appliance import batches
+from appliance.api_keys import looks_like_key
 from appliance.home import Home
 from appliance.roles import ROLE_ORDER
 from appliance.secrets import secret
@@ -20,7 +21,8 @@ from serve.errors import AuthError
 
 BATCH_HEADER = "x-appliance-batch-request"
 BATCH_WORKER_SECRET = "batch-worker-key"
-bearer = HTTPBearer(auto_error=False, description="A Keycloak access token of realm `appliance`.")
+bearer = HTTPBearer(auto_error=False, description="An API key (`apk-...`, from `appliance keys create`) or a "
+                    "Keycloak access token of realm `appliance`.")
 
 
 def best_role(roles: frozenset[str]) -> str:
@@ -40,17 +42,30 @@ async def authenticated(
     if (known := getattr(request.state, "principal", None)) is not None:
         return cast(Principal, known)  # authenticated before its body was read (AuthenticateFirst)
     gateway = request.app.state.gateway
+    authorization = request.headers.get("authorization")
     try:
         if (batch_request := request.headers.get(BATCH_HEADER)) is not None:
             who = await anyio.to_thread.run_sync(batch_principal, request, batch_request)
+        elif (key := _api_key(authorization)) is not None:
+            if request.url.path.startswith("/admin/"):
+                raise AuthError("key_not_allowed", "API keys cannot use the admin API; log in with "
+                                "`appliance login` (or a Keycloak token)", status=403)
+            who = await gateway.keys.principal(key)
         else:
-            who = await gateway.validator.validate(request.headers.get("authorization"))
+            who = await gateway.validator.validate(authorization)
     except AuthError as exc:
         gateway.metrics.auth_failures.labels(exc.reason).inc()
         raise
     request.state.role = best_role(who.roles)
     request.state.principal = who
     return who
+
+
+def _api_key(authorization: str | None) -> str | None:
+    """The bearer credential if it is an API key (appliance.api_keys), else None."""
+    scheme, _, credential = (authorization or "").partition(" ")
+    credential = credential.strip()
+    return credential if scheme.lower() == "bearer" and looks_like_key(credential) else None
 
 
 def batch_principal(request: Request, reference: str) -> Principal:

@@ -36,6 +36,7 @@ from typing import Any
 import anyio
 import httpx
 
+from appliance.changes import Target
 from appliance.durable import replace_file
 from appliance.home import Home
 from appliance.secrets import gateway_client_secret
@@ -112,11 +113,11 @@ def login_record(event: dict[str, Any], username: str | None) -> AuditEvent | No
     error = str(event.get("error") or "")
     if action == "keycloak.lockout":
         permanent = event.get("type") == "USER_DISABLED_BY_PERMANENT_LOCKOUT"
-        resource = "permanent lockout" if permanent else f"locked until {details.get('not_before', '?')}"
+        detail = "permanent lockout" if permanent else f"locked until {details.get('not_before', '?')}"
         error = f"{details.get('num_failures', '?')} failed logins: {details.get('reason', 'brute force')}"
         status = 423
     else:
-        resource = str(details.get("grant_type") or details.get("auth_method") or "login")
+        detail = str(details.get("grant_type") or details.get("auth_method") or "login")
         if user_id:
             username = username or details.get("username")
         elif details.get("username"):
@@ -124,7 +125,9 @@ def login_record(event: dict[str, Any], username: str | None) -> AuditEvent | No
         status = 401
     return AuditEvent(request_id=f"keycloak:{event.get('id')}", action=action, outcome="denied", status=status,
                       subject=user_id, username=_capped(username), client=_capped(event.get("clientId")),
-                      source=_capped(event.get("ipAddress")), resource=cap_text(resource),
+                      source=_capped(event.get("ipAddress")), resource="keycloak",
+                      target=Target(kind="user", name=cap_text(username)) if username else None,
+                      detail=cap_text(detail), reason=_capped(event.get("error")) or "lockout",
                       error=cap_text(error) if error else None)
 
 
@@ -137,8 +140,10 @@ def admin_record(event: dict[str, Any], username: str | None) -> AuditEvent:
     return AuditEvent(request_id=f"keycloak:{event.get('id')}", action=cap_text(f"keycloak.admin.{operation}"),
                       outcome="error" if error else "allowed", status=400 if error else 200,
                       subject=_capped(auth.get("userId")), username=_capped(username),
-                      source=_capped(auth.get("ipAddress")),
-                      resource=cap_text(f"{event.get('resourceType', '?')} {event.get('resourcePath', '')}".strip()),
+                      source=_capped(auth.get("ipAddress")), resource="keycloak",
+                      target=Target(kind=cap_text(str(event.get("resourceType", "?")).lower(), 64),
+                                    name=cap_text(str(event.get("resourcePath", "")))),
+                      reason=cap_text(str(error), 64) if error else None,
                       error=cap_text(str(error)) if error else None)
 
 

@@ -9,6 +9,7 @@ import logging
 import os
 import time
 
+from appliance.changes import Target
 from appliance.errors import ApplianceError, Unavailable
 from appliance.home import Home
 from appliance.jobs import FINISHED, JobState
@@ -35,8 +36,8 @@ def export_one(home: Home, settings: Settings) -> exports.Export | None:
     if export is None:
         return None
     if export.state in FINISHED:  # its workers died too often: the queue gave it up
-        announce_outcome("rl.export", export.state, f"export {export.id} of run {export.run_id} {export.state}: "
-                         f"{export.message}", log)
+        announce_outcome("rl.export", export.state, Target(kind="rl_export", name=str(export.id)),
+                         f"export {export.id} of run {export.run_id} {export.state}: {export.message}", log)
         return export
     waited_since = time.monotonic()
     while True:
@@ -57,7 +58,8 @@ def export_one(home: Home, settings: Settings) -> exports.Export | None:
     if not exports.finish(home, export.id, os.getpid(), state, message):
         log.warning("export %d was taken over by another worker; its outcome is theirs", export.id)
     else:
-        announce_outcome("rl.export", state, f"export {export.id} of run {export.run_id} {state}: {message}", log)
+        announce_outcome("rl.export", state, Target(kind="rl_export", name=str(export.id)),
+                         f"export {export.id} of run {export.run_id} {state}: {message}", log)
     return exports.get(home, export.id)
 
 
@@ -92,7 +94,8 @@ def run_one(home: Home, settings: Settings) -> runs.Run | None:
             state, message = JobState.FAILED, f"internal error: {type(exc).__name__}: {exc} (see the rl-worker's log)"
         break
     if runs.finish(home, run.id, state, message):
-        announce_outcome("rl.run", state, f"run {run.id} ({run.spec.base} on {run.spec.tasks}) {state}: {message}", log)
+        announce_outcome("rl.run", state, Target(kind="rl_run", name=str(run.id)),
+                         f"run {run.id} ({run.spec.base} on {run.spec.tasks}) {state}: {message}", log)
     else:  # another worker ended it first: its outcome is the one the queue and the audit log keep
         log.warning("run %d had already ended %s; this worker's outcome is not recorded: %s", run.id, state, message)
     return runs.get(home, run.id)

@@ -20,7 +20,7 @@ from appliance.batches import Batch, BatchAsk, FileObject, Owner
 from appliance.errors import StateError
 from appliance.home import Home
 from appliance.settings import Settings
-from serve.audit_trail import MONITORING
+from serve.audit_trail import MONITORING, note_target
 from serve.auth import Principal
 from serve.deps import ChatUser, requires
 from serve.errors import GatewayError
@@ -116,12 +116,17 @@ def router(settings: Settings, home: Home) -> APIRouter:
         return Response(await _in_thread(lambda: store.get(key)), media_type="application/jsonl")
 
     @routes.post("/v1/batches", response_model=Batch, name="batches.create")
-    async def create(who: BatchUser, ask: BatchAsk) -> Batch:
+    async def create(request: Request, who: BatchUser, ask: BatchAsk) -> Batch:
         """Queue a batch of the requests of an input file, `validating` at once: the batch-worker
         reads the file, then the batch is `in_progress`, or `failed` naming each bad line
         (`errors`). Too many batches, failed validations or requests waiting is a 429."""
+        if who.models is not None:  # its requests run as the owner, where the key's limit would not hold
+            raise GatewayError(403, f"API key {who.key!r} is limited to models and cannot make batches; use a key "
+                               "without a model limit", type="permission_error", code="key_cannot_batch")
         owner = Owner(who.subject, who.username, who.roles)
-        return await _in_thread(lambda: batches.create(home, ask, owner, limits))
+        made = await _in_thread(lambda: batches.create(home, ask, owner, limits))
+        note_target(request, "batch", made.id)
+        return made
 
     @routes.get("/v1/batches", response_model=BatchList, name="batches.list")
     async def listing(who: BatchUser, after: Annotated[str | None, Query(max_length=64)] = None,

@@ -13,9 +13,10 @@ from typing import Any
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from starlette.requests import Request
 
 from audit import AuditEvent, AuditRecord, AuditUnavailable, AuditWriter, read_records
-from serve.audit_trail import INLINE_FLUSH_LIMIT_S, MONITORING, AuditMiddleware, Transcript
+from serve.audit_trail import INLINE_FLUSH_LIMIT_S, MONITORING, AuditMiddleware, Transcript, note_target
 from serve.summaries import Refusals, Summaries
 
 
@@ -62,7 +63,8 @@ ROUTE_NAMES = {"/v1/chat/completions": "chat.completions"}  # as the gateway dec
 
 
 async def request(audited: AuditMiddleware, path: str, on_send: Any = None, method: str = "POST",
-                  route_extra: dict | None = None) -> list[dict]:
+                  route_extra: dict | None = None, query: bytes = b"", route_name: str | None = None,
+                  path_params: dict | None = None) -> list[dict]:
     """`method path` through the middleware; the messages the client was sent."""
     sent: list[dict] = []
 
@@ -75,9 +77,10 @@ async def request(audited: AuditMiddleware, path: str, on_send: Any = None, meth
         sent.append(message)
 
     # As the router leaves it: the matched route names the action.
+    name = route_name or ROUTE_NAMES.get(path, "test" + path.replace("/", "."))
     await audited({"type": "http", "method": method, "path": path, "headers": [], "client": ("127.0.0.1", 1),
-                   "route": SimpleNamespace(path=path, name=ROUTE_NAMES.get(path, "test" + path.replace("/", ".")),
-                                            openapi_extra=route_extra)}, receive, send)
+                   "query_string": query, "path_params": path_params or {},
+                   "route": SimpleNamespace(path=path, name=name, openapi_extra=route_extra)}, receive, send)
     return sent
 
 
@@ -180,7 +183,8 @@ def test_requests_that_never_complete_are_recorded(tmp_path: Path, app: Any, sta
     except RuntimeError:
         assert status == 500, "the server's failure goes on to the server, recorded"
     [record] = read_records(tmp_path)
-    assert record["status"] == status and record["outcome"] == "error" and record["action"] == "chat.completions"
+    assert record["status"] == status and record["action"] == "chat.completions"
+    assert (record["outcome"], record["reason"]) == (("invalid", "client_gone") if status == 499 else ("error", "http_500"))
     assert audited.in_flight == 0
 
 
@@ -231,19 +235,91 @@ def test_repeated_refusals_from_one_source_are_summarised_not_written_each(tmp_p
     assert summary.count == 49 and summary.source == "127.0.0.1"
 
 
-def test_monitoring_reads_are_summarised_and_other_reads_are_not(tmp_path: Path) -> None:
-    """A dashboard polling the services every few seconds adds one record per interval, not one per poll."""
+def test_repeated_reads_are_counted_and_a_new_query_is_recorded(tmp_path: Path) -> None:
+    """A dashboard polling the services, or a screen refreshing the same view of the users or the
+    audit log, adds one record per interval; a new query has a record of its own."""
     writer = AuditWriter(tmp_path, Ed25519PrivateKey.generate())
     audited = middleware(writer, {})
 
     async def polls() -> None:
         for _ in range(5):
             await request(audited, "/admin/services", method="GET", route_extra=MONITORING)
+        for _ in range(3):
+            await request(audited, "/admin/audit", method="GET", query=b"newest=true&limit=200")
+        await request(audited, "/admin/audit", method="GET", query=b"newest=true&limit=200&user=bob")
         for _ in range(2):
             await request(audited, "/admin/users", method="GET")
+        await request(audited, "/admin/users", method="POST")
+        await request(audited, "/admin/users", method="POST")  # a change is never counted away
 
     asyncio.run(polls())
-    written = [r["action"] for r in read_records(tmp_path)]
-    assert written == ["test.admin.services", "test.admin.users", "test.admin.users"]
-    [summary] = audited.monitoring.due(all_now=True)
-    assert (summary.action, summary.count) == ("test.admin.services", 4)
+    written = [(r["action"], r["resource"]) for r in read_records(tmp_path)]
+    assert written == [("test.admin.services", "/admin/services"),
+                       ("test.admin.audit", "/admin/audit?newest=true&limit=200"),
+                       ("test.admin.audit", "/admin/audit?newest=true&limit=200&user=bob"),
+                       ("test.admin.users", "/admin/users"),
+                       ("test.admin.users", "/admin/users"), ("test.admin.users", "/admin/users")]
+    summaries = {(s.action, s.count) for s in audited.monitoring.due(all_now=True)}
+    assert summaries == {("test.admin.services", 4), ("test.admin.audit", 2), ("test.admin.users", 1)}
+
+
+def answering(status: int, body: bytes) -> Any:
+    async def app(scope: dict, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": body})
+    return app
+
+
+@pytest.mark.parametrize(("status", "body", "outcome", "reason"), [
+    (200, b"{}", "allowed", None),
+    (401, b'{"error":{"code":"expired","type":"authentication_error"}}', "denied", "expired"),
+    (403, b'{"error":{"code":"model_not_allowed"}}', "denied", "model_not_allowed"),
+    (429, b'{"error":{"code":"rate_limit_exceeded"}}', "denied", "rate_limit_exceeded"),
+    (400, b'{"error":{"code":null,"type":"invalid_request_error"}}', "invalid", "invalid_request_error"),
+    (404, b'{"detail":"Not Found"}', "invalid", "http_404"),
+    (422, b"not json \xff", "invalid", "http_422"),
+    (500, b'{"error":{"code":"internal"}}', "error", "internal"),
+    (503, b'{"error":{"code":"engine_unavailable"}}', "error", "engine_unavailable"),
+])
+def test_outcome_tells_denied_invalid_and_error_apart_and_every_refusal_has_its_reason(
+        tmp_path: Path, status: int, body: bytes, outcome: str, reason: str | None) -> None:
+    writer = AuditWriter(tmp_path, Ed25519PrivateKey.generate())
+    asyncio.run(request(audit_middleware(answering(status, body), writer), "/v1/chat/completions"))
+    [record] = read_records(tmp_path)
+    assert (record["outcome"], record["reason"]) == (outcome, reason)
+
+
+@pytest.mark.parametrize(("path", "params", "target"), [
+    ("/admin/users/bob/disable", {"username": "bob"}, {"kind": "user", "name": "bob"}),
+    ("/admin/adapters/coder/deploy", {"name": "coder"}, {"kind": "adapter", "name": "coder"}),
+    ("/admin/jobs/7/cancel", {"job_id": "7"}, {"kind": "job", "name": "7"}),
+    ("/v1/batches/batch_1/cancel", {"batch_id": "batch_1"}, {"kind": "batch", "name": "batch_1"}),
+    ("/admin/keys/ci/revoke", {"key_name": "ci"}, {"kind": "key", "name": "ci"}),
+    ("/admin/services/engine/restart", {"name": "engine", "action": "restart"}, {"kind": "service", "name": "engine"}),
+    ("/admin/users", {}, None),
+])
+def test_the_object_a_path_names_is_the_records_target(tmp_path: Path, path: str, params: dict,
+                                                        target: dict | None) -> None:
+    writer = AuditWriter(tmp_path, Ed25519PrivateKey.generate())
+    name = {"username": "users.disable", "name": "adapters.deploy" if "adapters" in path else "services.restart",
+            "job_id": "jobs.cancel", "batch_id": "batches.cancel", "key_name": "keys.revoke"}
+    route = name[next(iter(params))] if params else "users.add"
+    asyncio.run(request(audit_middleware(answering(200, b"{}"), writer), path, method="POST", route_name=route,
+                        path_params=params))
+    [record] = read_records(tmp_path)
+    got = record["target"] and {k: v for k, v in record["target"].items() if v is not None}
+    assert got == target and record["resource"] == path and record["action"] == route
+
+
+def test_a_route_names_its_object_itself_with_version_and_roles(tmp_path: Path) -> None:
+    writer = AuditWriter(tmp_path, Ed25519PrivateKey.generate())
+
+    async def granting(scope: dict, receive: Any, send: Any) -> None:
+        note_target(Request(scope), "user", "bob", roles=["trainer"])
+        await answering(200, b"{}")(scope, receive, send)
+
+    asyncio.run(request(audit_middleware(granting, writer), "/admin/users/bob/roles", route_name="users.grant_role",
+                        path_params={"username": "bob"}))
+    [record] = read_records(tmp_path)
+    assert record["target"] == {"kind": "user", "name": "bob", "version": None, "roles": ["trainer"]}

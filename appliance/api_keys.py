@@ -1,0 +1,156 @@
+"""API keys for applications: a long-lived bearer credential that acts as one realm user.
+
+A key is `apk-` followed by 256 random bits (base64url, 43 characters); it is shown once, when it
+is made. The registry keeps only its HMAC-SHA256 under a secret of this host (`api-key-hmac`), so
+a copy of the registry (a backup, a support bundle) cannot be used to call the gateway, and a
+lookup needs no scan: the keyed hash is the index. Each key has a name (unique on the appliance),
+its owner, an optional expiry and optional models it is limited to. A revoked key stays in the
+registry (its name is not reused, its audit records keep meaning something).
+
+The gateway reads the registry again whenever the file changes, so a revocation takes effect on
+the next request. When a key was last used is kept apart (`api-key-use.json`), written at most
+once a minute a key, so a busy key does not rewrite the registry on every request.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import re
+import secrets as token_source
+from datetime import UTC, datetime, timedelta
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from appliance.errors import Conflict, Invalid, NotFound
+from appliance.home import Home
+from appliance.registry import JsonRegistry
+from appliance.secrets import secret
+
+PREFIX = "apk-"
+KEY_BYTES = 32
+HMAC_SECRET = "api-key-hmac"
+USE_WRITE_INTERVAL_S = 60.0
+KeyName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$")]
+_KEY_SHAPE = re.compile(rf"^{PREFIX}[A-Za-z0-9_-]{{43}}$")
+_DURATION = re.compile(r"^([1-9][0-9]{0,5})([hdw])$")
+_UNITS = {"h": timedelta(hours=1), "d": timedelta(days=1), "w": timedelta(weeks=1)}
+
+
+class ApiKey(BaseModel):
+    """A key as the registry keeps it: everything but the key itself."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: KeyName
+    owner: str = Field(description="The realm user the key acts as.")
+    created: datetime
+    created_by: str
+    expires: datetime | None = None
+    models: list[str] | None = Field(None, description="The models (pools, tiers, adapter aliases) it may use; "
+                                     "unset: those its owner may use.")
+    prefix: str = Field(description="The key's first characters, to recognise it by.")
+    digest: str = Field(pattern=r"^[0-9a-f]{64}$", description="HMAC-SHA256 of the key under this host's secret.")
+    revoked: datetime | None = None
+
+    def state(self, now: datetime) -> str:
+        if self.revoked is not None:
+            return "revoked"
+        if self.expires is not None and now >= self.expires:
+            return "expired"
+        return "active"
+
+
+class NewKey(BaseModel):
+    """What `keys create` asks for."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: KeyName
+    owner: str = Field(min_length=1, max_length=64)
+    expires_in: str | None = Field(None, description="e.g. 12h, 30d, 52w; unset: until revoked.")
+    models: list[str] | None = Field(None, min_length=1, max_length=64)
+
+
+class CreatedKey(BaseModel):
+    key: ApiKey
+    secret: str = Field(description="The key itself: shown only here, never again.")
+
+
+Registry = dict[str, ApiKey]
+
+
+def registry(home: Home) -> JsonRegistry[Registry]:
+    return JsonRegistry(home.root / "api-keys.json", Registry, "the API key registry")
+
+
+def expiry(expires_in: str | None, now: datetime) -> datetime | None:
+    """When a key made now for `expires_in` ("12h", "30d", "52w") expires; Invalid naming the
+    field for anything else."""
+    if expires_in is None:
+        return None
+    found = _DURATION.fullmatch(expires_in)
+    if found is None:
+        raise Invalid(f"expires_in {expires_in!r} is not a duration", hint="give hours, days or weeks: 12h, 30d, 52w")
+    return now + int(found.group(1)) * _UNITS[found.group(2)]
+
+
+def digest(home: Home, key: str) -> str:
+    """The key's HMAC under this host's secret (made on first use, mode 0600)."""
+    return hmac.new(secret(home, HMAC_SECRET).encode(), key.encode("utf-8", "surrogatepass"),
+                    hashlib.sha256).hexdigest()
+
+
+def looks_like_key(bearer: str) -> bool:
+    """Whether a bearer credential is an API key (and not a Keycloak token)."""
+    return bearer.startswith(PREFIX)
+
+
+def well_formed(bearer: str) -> bool:
+    return _KEY_SHAPE.fullmatch(bearer) is not None
+
+
+def create(home: Home, new: NewKey, created_by: str, now: datetime | None = None) -> CreatedKey:
+    """Make a key for `new.owner` (who must exist: the caller checks that against the realm)."""
+    now = now or datetime.now(UTC)
+    value = PREFIX + base64.urlsafe_b64encode(token_source.token_bytes(KEY_BYTES)).rstrip(b"=").decode()
+    key = ApiKey(name=new.name, owner=new.owner, created=now, created_by=created_by,
+                 expires=expiry(new.expires_in, now), models=new.models,
+                 prefix=value[:len(PREFIX) + 6], digest=digest(home, value))
+    with registry(home).change() as keys:
+        if new.name in keys:
+            raise Conflict(f"an API key named {new.name!r} exists (owned by {keys[new.name].owner})",
+                           hint="choose another name; a revoked key's name is not reused")
+        keys[new.name] = key
+    return CreatedKey(key=key, secret=value)
+
+
+def listing(home: Home, owner: str | None = None) -> list[ApiKey]:
+    """The keys, by name; only `owner`'s when given."""
+    return [key for key in registry(home).read().values() if owner is None or key.owner == owner]
+
+
+def get(home: Home, name: str) -> ApiKey:
+    key = registry(home).read().get(name)
+    if key is None:
+        raise NotFound(f"no API key named {name!r}", hint="`appliance keys list` shows them")
+    return key
+
+
+def revoke(home: Home, name: str, now: datetime | None = None) -> ApiKey:
+    """Revoke `name` (at once: the gateway rereads the registry when it changes); revoking a
+    revoked key changes nothing."""
+    with registry(home).change() as keys:
+        key = keys.get(name)
+        if key is None:
+            raise NotFound(f"no API key named {name!r}", hint="`appliance keys list` shows them")
+        if key.revoked is None:
+            keys[name] = key = key.model_copy(update={"revoked": now or datetime.now(UTC)})
+    return key
+
+
+def uses(home: Home) -> JsonRegistry[dict[str, datetime]]:
+    """When each key was last used (to the minute), as the gateway writes it."""
+    return JsonRegistry(home.root / "api-key-use.json", dict[str, datetime], "the API key use record")

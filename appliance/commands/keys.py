@@ -1,0 +1,72 @@
+"""`appliance keys ...`: API keys for applications, through the gateway's admin API (a user
+manages their own keys, an administrator anyone's)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from appliance.commands.common import admin_api, print_json
+
+keys_app = typer.Typer(help="API keys for applications: create (shown once), list, revoke.", no_args_is_help=True)
+out = Console()
+Name = Annotated[str, typer.Argument(help="The key's name: lower-case letters, digits, '.', '_' and '-'.")]
+Json = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+
+
+@keys_app.command("create")
+def keys_create(
+    name: Name,
+    user: Annotated[str, typer.Option("--user", help="The user the key acts as (only an administrator may name "
+                                      "another user).")],
+    expires_in: Annotated[str | None, typer.Option("--expires-in", help="12h, 30d, 52w; unset: until "
+                                                   "revoked.")] = None,
+    model: Annotated[list[str] | None, typer.Option("--model", help="A model it may use; repeatable; unset: every "
+                                                    "model its user may use.")] = None,
+    json: Json = False,
+) -> None:
+    """Create an API key and print it once: the appliance keeps only a keyed hash of it."""
+    body: dict[str, Any] = {"name": name, "owner": user, "expires_in": expires_in, "models": model or None}
+    created = admin_api("POST", "/keys", json=body)
+    if json:
+        print_json(created)
+        return
+    out.print(f"API key {created['name']} created for {created['owner']}"
+              f"{', expires ' + created['expires'] if created['expires'] else ''}", markup=False)
+    out.print("the key (shown once; store it as the application's secret):", markup=False)
+    typer.echo(created["secret"])
+
+
+@keys_app.command("list")
+def keys_list(
+    user: Annotated[str | None, typer.Option("--user", help="Only this user's keys (administrators).")] = None,
+    json: Json = False,
+) -> None:
+    """API keys: name, prefix, owner, state, created, expires, last used."""
+    keys = admin_api("GET", "/keys", params={"owner": user} if user else None)
+    if json:
+        print_json(keys)
+        return
+    if not keys:
+        out.print("no API keys yet: `appliance keys create NAME --user USER` makes one", markup=False)
+        return
+    table = Table("name", "prefix", "owner", "state", "created", "expires", "last used")
+    for key in keys:
+        table.add_row(key["name"], key["prefix"], key["owner"], key["state"], _day(key["created"]),
+                      _day(key["expires"]) or "never", _day(key["last_used"]) or "never")
+    out.print(table)
+
+
+@keys_app.command("revoke")
+def keys_revoke(name: Name) -> None:
+    """Revoke an API key: its next request is refused."""
+    key = admin_api("POST", f"/keys/{name}/revoke")
+    out.print(f"API key {key['name']} of {key['owner']} revoked", markup=False)
+
+
+def _day(stamp: str | None) -> str:
+    """An ISO time to the minute, UTC."""
+    return stamp[:16].replace("T", " ") if stamp else ""

@@ -1,0 +1,115 @@
+"""API keys at the gateway: the principal of a bearer credential that is an API key.
+
+The key's record (appliance.api_keys) is looked up by its keyed hash in the registry, read again
+whenever the file changes (a revocation counts from the next request). The key then acts as its
+owner with the roles Keycloak gives them now: the owner's record is fetched with the gateway's
+service account and kept for the introspection interval, so a disabled owner's keys stop within
+it, as their tokens do. If Keycloak cannot be asked the request is refused (503), never let through.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import anyio
+
+from appliance import api_keys
+from appliance.errors import ApplianceError, NotFound
+from appliance.home import Home
+from appliance.users import User
+from serve.auth import Principal
+from serve.errors import AuthError
+
+OWNER_CACHE_MAX = 10_000
+
+
+@dataclass(frozen=True)
+class _Owner:
+    subject: str
+    user: User
+    fetched: float
+
+
+class KeyAuthenticator:
+    """Principals for API keys; `lookup_owner` is the realm's user lookup (blocking: run in a thread)."""
+
+    def __init__(self, home: Home, lookup_owner: Callable[[str], tuple[str, User]], owner_ttl_s: float) -> None:
+        self.home = home
+        self._lookup_owner = lookup_owner
+        self._owner_ttl = owner_ttl_s
+        self._registry = api_keys.registry(home)
+        self._seen: tuple[int, int, int] | None = None  # the registry file's (inode, size, mtime) when read
+        self._by_digest: dict[str, api_keys.ApiKey] = {}
+        self._owners: dict[str, _Owner] = {}
+        self._used: dict[str, float] = {}  # key name -> when its last use was written
+
+    async def principal(self, bearer: str) -> Principal:
+        """The principal an API key acts as, else AuthError saying why."""
+        if not api_keys.well_formed(bearer):
+            raise AuthError("malformed", "not a well-formed API key (apk- and 43 characters)")
+        key = self._key(api_keys.digest(self.home, bearer))
+        if key is None:
+            raise AuthError("invalid_key", "API key is not valid")
+        now = datetime.now(UTC)
+        if key.revoked is not None:
+            raise AuthError("revoked_key", f"API key {key.name!r} was revoked")
+        if key.expires is not None and now >= key.expires:
+            raise AuthError("expired_key", f"API key {key.name!r} expired at {key.expires:%Y-%m-%dT%H:%M:%SZ}")
+        owner = await self._owner(key.owner)
+        if not owner.user.enabled:
+            raise AuthError("inactive", f"the owner of API key {key.name!r} is disabled")
+        await self._note_use(key.name, now)
+        return Principal(subject=owner.subject, username=key.owner, client=key.name,
+                         roles=frozenset(role.value for role in owner.user.roles), token_id=f"key:{key.name}",
+                         expires_at=key.expires.timestamp() if key.expires else float("inf"), key=key.name,
+                         models=frozenset(key.models) if key.models is not None else None)
+
+    def _key(self, digest: str) -> api_keys.ApiKey | None:
+        try:
+            found = os.stat(self._registry.path)
+            seen = (found.st_ino, found.st_size, found.st_mtime_ns)
+        except FileNotFoundError:
+            seen = None
+        if seen != self._seen or seen is None:
+            try:
+                keys = self._registry.read()
+            except ApplianceError as exc:
+                raise AuthError("keys_unavailable", "API keys cannot be checked now; try again", status=503) from exc
+            self._by_digest = {key.digest: key for key in keys.values()}
+            self._seen = seen
+        return self._by_digest.get(digest)
+
+    async def _owner(self, username: str) -> _Owner:
+        cached = self._owners.get(username)
+        if cached is not None and time.monotonic() - cached.fetched <= self._owner_ttl:
+            return cached
+        try:
+            subject, user = await anyio.to_thread.run_sync(self._lookup_owner, username)
+        except NotFound as exc:
+            raise AuthError("inactive", "the owner of this API key no longer exists") from exc
+        except ApplianceError as exc:  # Keycloak down or refusing: fail closed
+            raise AuthError("introspection_unavailable", "cannot confirm the API key's owner; try again",
+                            status=503) from exc
+        if len(self._owners) >= OWNER_CACHE_MAX:
+            self._owners.clear()
+        self._owners[username] = found = _Owner(subject, user, time.monotonic())
+        return found
+
+    async def _note_use(self, name: str, now: datetime) -> None:
+        """Write when the key was used, at most once a USE_WRITE_INTERVAL_S a key (a failed write
+        is tried again on the next use: last use is for display, never for a decision)."""
+        if time.monotonic() - self._used.get(name, float("-inf")) < api_keys.USE_WRITE_INTERVAL_S:
+            return
+        self._used[name] = time.monotonic()
+        await anyio.to_thread.run_sync(self._write_use, name, now)
+
+    def _write_use(self, name: str, now: datetime) -> None:
+        try:
+            with api_keys.uses(self.home).change() as uses:
+                uses[name] = now.replace(second=0, microsecond=0)
+        except (ApplianceError, OSError):
+            self._used.pop(name, None)

@@ -1,0 +1,175 @@
+"""API keys through the official OpenAI client against the real gateway, Keycloak and vLLM: chat,
+stream and batch; revoked mid-use; its owner disabled; expiry; a model limit; the audit records
+naming the key; keys kept out of /admin; the gateway's added latency with a key against a token."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from appliance import api_keys
+from audit.writer import log_files
+from tests.integration.conftest import Running
+from tests.integration.realm import Realm
+
+MODEL = "SmolLM2-135M-Instruct"
+PASSWORD = "Test-password-1"
+INTROSPECT_TTL_S = 10  # the gateway's default: a disabled owner's keys stop within it
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def realm(running: Running) -> Realm:
+    realm = Realm(running)
+    for user in ("kate", "kurt", "kim"):
+        realm.ensure_user(user, PASSWORD, ["user"])
+    return realm
+
+
+def admin(realm: Realm, method: str, path: str, token: str | None = None, **kwargs: Any) -> httpx.Response:
+    return httpx.request(method, f"{realm.gateway}/admin{path}", timeout=60,
+                         headers={"Authorization": f"Bearer {token or realm.admin_token()}"}, **kwargs)
+
+
+def new_key(realm: Realm, name: str, owner: str, **fields: Any) -> str:
+    made = admin(realm, "POST", "/keys", json={"name": name, "owner": owner, **fields})
+    assert made.status_code == 201, made.text
+    return str(made.json()["secret"])
+
+
+def client(realm: Realm, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{realm.gateway}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def records(running: Running) -> list[dict[str, Any]]:
+    return [json.loads(line) for path in log_files(running.appliance.home.audit)
+            for line in path.read_bytes().splitlines()]
+
+
+def refused(call: Any) -> openai.APIStatusError:
+    with pytest.raises(openai.APIStatusError) as caught:
+        call()
+    return caught.value
+
+
+def test_a_key_chats_streams_and_batches_and_every_record_names_it(realm: Realm, running: Running,
+                                                                     tmp_path: Path) -> None:
+    key = new_key(realm, "kate-app", "kate")
+    assert key.startswith("apk-") and len(key) == 47
+    stored = (running.appliance.home.root / "api-keys.json").read_text()
+    assert key not in stored and key[4:] not in stored  # only a keyed hash is kept
+    api = client(realm, key)
+    assert [m.id for m in api.models.list()] == [MODEL]
+    answer = api.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=8, temperature=0)
+    assert answer.choices[0].message.content
+    pieces = [c.choices[0].delta.content for c in api.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=8, temperature=0, stream=True) if c.choices]
+    assert "".join(p for p in pieces if p)
+    lines = [json.dumps({"custom_id": f"k-{n}", "method": "POST", "url": "/v1/chat/completions",
+                         "body": {"model": MODEL, "max_tokens": 4, "messages": QUESTION}}) for n in range(2)]
+    source = tmp_path / "batch.jsonl"
+    source.write_text("\n".join(lines) + "\n")
+    uploaded = api.files.create(file=source.open("rb"), purpose="batch")
+    batch = api.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    deadline = time.monotonic() + 300
+    while (batch := api.batches.retrieve(batch.id)).status not in ("completed", "failed", "cancelled"):
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.5)
+    assert batch.status == "completed" and batch.request_counts.completed == 2, batch
+
+    mine = [r for r in records(running) if r.get("key") == "kate-app"]
+    actions = {r["action"] for r in mine}
+    assert {"models.list", "chat.completions", "files.create", "batches.create"} <= actions, actions
+    assert all(r["client"] == "kate-app" and r["username"] == "kate" for r in mine)
+    [created] = [r for r in mine if r["action"] == "batches.create"]
+    assert created["target"] == {"kind": "batch", "name": batch.id, "version": None, "roles": None}
+    ended = [r for r in records(running) if r["action"] == "batches.completed"
+             and (r.get("target") or {}).get("name") == batch.id]
+    assert ended and ended[0]["username"] == ended[0]["client"] == "batch-worker"
+    made = [r for r in records(running) if r["action"] == "keys.create"
+            and r.get("target", {}).get("name") == "kate-app"]
+    assert made and made[0]["outcome"] == "allowed" and made[0]["resource"] == "/admin/keys"
+    assert key not in json.dumps(records(running))
+
+
+def test_revoked_expired_disabled_and_scoped_keys_are_refused(realm: Realm, running: Running) -> None:
+    key = new_key(realm, "kurt-app", "kurt")
+    api = client(realm, key)
+    api.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2)
+    listed = admin(realm, "GET", "/keys", realm.token("kurt", PASSWORD)).json()
+    assert [k["name"] for k in listed] == ["kurt-app"] and listed[0]["state"] == "active"
+    assert "digest" not in listed[0] and listed[0]["last_used"] is not None
+    # Revoked mid-use: the next call is refused.
+    assert admin(realm, "POST", "/keys/kurt-app/revoke", realm.token("kurt", PASSWORD)).status_code == 200
+    error = refused(lambda: api.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2))
+    assert error.status_code == 401 and error.body["code"] == "revoked_key"
+
+    # Expired: a key whose expiry has passed (the registry written as time would have it).
+    stale = new_key(realm, "kurt-old", "kurt", expires_in="1h")
+    with api_keys.registry(running.appliance.home).change() as keys:
+        keys["kurt-old"] = keys["kurt-old"].model_copy(update={"expires": datetime.now(UTC) - timedelta(seconds=1)})
+    error = refused(lambda: client(realm, stale).models.list())
+    assert error.status_code == 401 and error.body["code"] == "expired_key"
+
+    # A model limit: other models are refused, the listing shows only its own.
+    scoped = client(realm, new_key(realm, "kim-scoped", "kim", models=["some-other-model"]))
+    error = refused(lambda: scoped.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2))
+    assert error.status_code == 403 and error.body["code"] == "model_not_allowed"
+    assert scoped.models.list().data == []
+
+    # Keys never reach /admin, not even to make keys.
+    keyed = admin(realm, "GET", "/keys", key)
+    assert keyed.status_code in (401, 403)
+    other = new_key(realm, "kim-app", "kim")
+    assert admin(realm, "GET", "/keys", other).json()["error"]["code"] == "key_not_allowed"
+    # A user manages their own keys only.
+    assert admin(realm, "POST", "/keys", realm.token("kim", PASSWORD),
+                 json={"name": "kim-for-kate", "owner": "kate"}).status_code == 403
+    # A bad name or duration names the field.
+    bad = admin(realm, "POST", "/keys", json={"name": "../x", "owner": "kim"})
+    assert bad.status_code in (400, 422) and "name" in bad.text
+    bad = admin(realm, "POST", "/keys", json={"name": "kim-x", "owner": "kim", "expires_in": "tomorrow"})
+    assert bad.status_code == 400 and "expires_in" in bad.text
+
+    # Its owner disabled: their keys stop within the introspection interval.
+    working = client(realm, other)
+    working.models.list()
+    assert admin(realm, "POST", "/users/kim/disable").status_code == 200
+    deadline = time.monotonic() + INTROSPECT_TTL_S + 30
+    while True:
+        try:
+            working.models.list()
+        except openai.AuthenticationError as exc:
+            assert exc.body["code"] == "inactive"
+            break
+        assert time.monotonic() < deadline, "a disabled user's key kept working"
+        time.sleep(0.5)
+    denied = [r for r in records(running) if r.get("key") == "kim-app" and r["outcome"] == "denied"]
+    assert denied and denied[-1]["reason"] == "inactive"
+
+
+def test_the_gateway_adds_no_more_with_a_key_than_with_a_token(realm: Realm, running: Running,
+                                                                 record_property: pytest.RecordProperty) -> None:
+    """/v1/models answered by the gateway alone (its engine listing): a key against a cached token,
+    taking turns, 200 rounds each; the ratio of their medians is the figure."""
+    key = new_key(realm, "kate-bench", "kate")
+    token = realm.token("kate", PASSWORD)
+    timings: dict[str, list[float]] = {"key": [], "token": []}
+    with httpx.Client(base_url=realm.gateway, timeout=60) as http:
+        for _ in range(200):
+            for name, credential in (("token", token), ("key", key)):
+                started = time.perf_counter()
+                assert http.get("/v1/models", headers={"Authorization": f"Bearer {credential}"}).status_code == 200
+                timings[name].append(time.perf_counter() - started)
+    medians = {name: statistics.median(times) * 1000 for name, times in timings.items()}
+    record_property("p50_ms", medians)
+    print(f"gateway /v1/models p50: key {medians['key']:.2f} ms, token {medians['token']:.2f} ms, "
+          f"ratio {medians['key'] / medians['token']:.3f}")

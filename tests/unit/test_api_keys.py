@@ -1,0 +1,134 @@
+"""API keys: made once and kept only as a keyed hash; the gateway's principal for a key (revoked,
+expired, owner disabled or gone, Keycloak away: each refused, never let through); hostile keys."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from appliance import api_keys
+from appliance.errors import Conflict, Invalid, NotFound, Unavailable
+from appliance.home import Home
+from appliance.roles import Role
+from appliance.users import User
+from serve.api_keys import KeyAuthenticator
+from serve.errors import AuthError
+
+
+class Realm:
+    """The realm's users as the gateway's lookup would find them; counts lookups."""
+
+    def __init__(self) -> None:
+        self.users = {"kate": User(username="kate", enabled=True, roles=[Role.USER])}
+        self.lookups = 0
+        self.down = False
+
+    def lookup(self, username: str) -> tuple[str, User]:
+        self.lookups += 1
+        if self.down:
+            raise Unavailable("Keycloak refused (no answer)")
+        if username not in self.users:
+            raise NotFound(f"no user named {username!r}")
+        return f"id-{username}", self.users[username]
+
+
+def make(home: Home, name: str = "app", **fields: object) -> str:
+    return api_keys.create(home, api_keys.NewKey(name=name, owner="kate", **fields), created_by="admin").secret
+
+
+def who(keys: KeyAuthenticator, secret: str) -> object:
+    return asyncio.run(keys.principal(secret))
+
+
+def refusal(keys: KeyAuthenticator, secret: str) -> AuthError:
+    with pytest.raises(AuthError) as caught:
+        asyncio.run(keys.principal(secret))
+    return caught.value
+
+
+def test_a_key_is_shown_once_and_kept_only_as_a_keyed_hash(home: Home) -> None:
+    secret = make(home)
+    assert secret.startswith("apk-") and len(secret) == 47 and api_keys.well_formed(secret)
+    stored = api_keys.registry(home).path.read_text()
+    assert secret not in stored and secret[4:] not in stored
+    assert os.stat(api_keys.registry(home).path).st_mode & 0o777 == 0o600
+    assert (home.secrets / api_keys.HMAC_SECRET).stat().st_mode & 0o777 == 0o600
+    assert make(home, "other") != secret
+    with pytest.raises(Conflict):
+        make(home)
+
+
+def test_the_principal_acts_as_its_owner_with_the_roles_keycloak_gives_now(home: Home) -> None:
+    realm = Realm()
+    keys = KeyAuthenticator(home, realm.lookup, owner_ttl_s=60)
+    secret = make(home, models=["m1"])
+    principal = who(keys, secret)
+    assert (principal.subject, principal.username, principal.client, principal.key) == ("id-kate", "kate", "app",
+                                                                                          "app")
+    assert principal.roles == {"user"} and principal.models == {"m1"}
+    assert principal.may_use("m1") and principal.may_use("m1:fast") and not principal.may_use("m2")
+    who(keys, secret)
+    assert realm.lookups == 1, "the owner is looked up once per interval"
+    assert "app" in api_keys.uses(home).read()
+
+
+def test_revoked_expired_unknown_disabled_and_gone_keys_are_refused(home: Home) -> None:
+    realm = Realm()
+    keys = KeyAuthenticator(home, realm.lookup, owner_ttl_s=0)
+    secret = make(home)
+    who(keys, secret)
+    api_keys.revoke(home, "app")
+    assert refusal(keys, secret).reason == "revoked_key"  # at once: the registry changed
+    assert api_keys.revoke(home, "app").revoked is not None  # again: no change, no error
+    with pytest.raises(NotFound):
+        api_keys.revoke(home, "nothing")
+
+    stale = make(home, "stale", expires_in="1h")
+    with api_keys.registry(home).change() as registry:
+        registry["stale"] = registry["stale"].model_copy(update={"expires": datetime.now(UTC) - timedelta(seconds=1)})
+    assert refusal(keys, stale).reason == "expired_key"
+
+    assert refusal(keys, "apk-" + "A" * 43).reason == "invalid_key"
+    assert refusal(keys, secret + "\n").reason == "malformed"
+    live = make(home, "live")
+    realm.users["kate"] = User(username="kate", enabled=False, roles=[Role.USER])
+    assert refusal(keys, live).reason == "inactive"
+    del realm.users["kate"]
+    assert refusal(keys, live).reason == "inactive"
+    realm.down = True
+    failed = refusal(keys, live)
+    assert failed.reason == "introspection_unavailable" and failed.status == 503  # closed, not open
+
+
+def test_a_corrupt_registry_fails_closed(home: Home) -> None:
+    keys = KeyAuthenticator(home, Realm().lookup, owner_ttl_s=60)
+    secret = make(home)
+    api_keys.registry(home).path.write_text("{not json")
+    failed = refusal(keys, secret)
+    assert failed.status == 503 and failed.reason == "keys_unavailable"
+
+
+@pytest.mark.parametrize("expires_in", ["1d\n", "tomorrow", "0h", "1", "-1d", "1.5d", "1d ", "１d", "9999999d", ""])
+def test_a_bad_duration_names_the_field(home: Home, expires_in: str) -> None:
+    with pytest.raises(Invalid, match="expires_in"):
+        make(home, expires_in=expires_in)
+
+
+@pytest.mark.parametrize("name", ["../x", "A", "", "a" * 65, "a\nb", "kéy", "a b", "a\u200bb", ".hidden"])
+def test_a_bad_name_is_refused(home: Home, name: str) -> None:
+    with pytest.raises(ValueError, match="name"):
+        api_keys.NewKey(name=name, owner="kate")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=80))
+def test_any_hostile_bearer_is_refused_not_crashed(tmp_path_factory: pytest.TempPathFactory, bearer: str) -> None:
+    home = Home(tmp_path_factory.mktemp("h") / "h").ensure()
+    keys = KeyAuthenticator(home, Realm().lookup, owner_ttl_s=60)
+    failed = refusal(keys, "apk-" + bearer)
+    assert failed.reason in ("malformed", "invalid_key")
