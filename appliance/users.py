@@ -42,6 +42,16 @@ class CreatedUser(User):
     password: str | None = Field(None, description="The generated password, shown only here.")
 
 
+class NewPassword(BaseModel):
+    password: str | None = Field(None, min_length=8, description="Unset: one is generated. Keycloak checks it "
+                                 "against the realm's password policy (keycloak.password_policy).")
+
+
+class PasswordReset(BaseModel):
+    username: str
+    password: str | None = Field(None, description="The generated password, shown only here.")
+
+
 @contextmanager
 def _keycloak(doing: str) -> Iterator[None]:
     try:
@@ -95,6 +105,13 @@ class Users:
             return [_user(admin, raw) for raw in admin.get_users({"briefRepresentation": True})
                     if not raw["username"].startswith("service-account-")]
 
+    def lookup(self, username: str) -> tuple[str, User]:
+        """The user's id (their tokens' subject) and record as Keycloak holds them now."""
+        with _keycloak(f"looking up {username!r}"):
+            admin = self._admin()
+            user_id = self._id(admin, username)
+            return user_id, _user(admin, admin.get_user(user_id))
+
     def add(self, new: NewUser) -> CreatedUser:
         """An enabled user with roles; without a password, one is generated and returned once."""
         password = new.password or token_source.token_urlsafe(18)
@@ -119,6 +136,14 @@ class Users:
         batches.cancel_all_of(self.home, user_id)  # the token subject is the user's id
         return user
 
+    def enable(self, username: str) -> User:
+        """Let a disabled user log in again (their batches cancelled on disabling stay cancelled)."""
+        with _keycloak(f"enabling {username!r}"):
+            admin = self._admin()
+            user_id = self._id(admin, username)
+            admin.update_user(user_id, {"enabled": True})
+            return _user(admin, admin.get_user(user_id))
+
     def unlock(self, username: str) -> User:
         """Clear the user's failed logins and any lockout brute-force detection put on them (it
         locks per account, so anyone who can reach Keycloak can keep an account locked by guessing:
@@ -138,12 +163,39 @@ class Users:
             admin.assign_realm_roles(user_id, [admin.get_realm_role(role)])
             return _user(admin, admin.get_user(user_id))
 
+    def revoke(self, username: str, role: Role) -> User:
+        """One realm role fewer (revoking one the user lacks changes nothing). The admin role is
+        never revoked from the last enabled administrator: no one could grant it back."""
+        with _keycloak(f"revoking {role} from {username!r}"):
+            admin = self._admin()
+            user_id = self._id(admin, username)
+            if role == Role.ADMIN and not _other_admins(admin, username):
+                raise Conflict(f"revoking admin from {username!r}: they are the last enabled administrator",
+                               hint="grant admin to another user first")
+            admin.delete_realm_roles_of_user(user_id, [admin.get_realm_role(role)])
+            return _user(admin, admin.get_user(user_id))
+
+    def reset_password(self, username: str, password: str | None) -> PasswordReset:
+        """A new password (not temporary); without one, one is generated and returned once."""
+        chosen = password or token_source.token_urlsafe(18)
+        with _keycloak(f"resetting the password of {username!r}"):
+            admin = self._admin()
+            admin.set_user_password(self._id(admin, username), chosen, temporary=False)
+        return PasswordReset(username=username, password=None if password else chosen)
+
     @staticmethod
     def _id(admin: KeycloakAdmin, username: str) -> str:
         user_id = admin.get_user_id(username)
         if user_id is None:
             raise NotFound(f"no user named {username!r}")
         return str(user_id)
+
+
+def _other_admins(admin: KeycloakAdmin, username: str) -> list[str]:
+    """Enabled users other than `username` who hold the admin role (service accounts left out)."""
+    return [member["username"] for member in admin.get_realm_role_members(Role.ADMIN)
+            if member["username"] != username and member.get("enabled", False)
+            and not member["username"].startswith("service-account-")]
 
 
 def _user(admin: KeycloakAdmin, raw: dict[str, Any]) -> User:

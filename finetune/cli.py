@@ -3,24 +3,39 @@ adapters: queue jobs for the worker, follow and cancel them, or train in the for
 
 from __future__ import annotations
 
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from appliance import jobs
 from appliance.artifacts import artifact_store
 from appliance.changes import records_change
+from appliance.commands.common import AsJson, print_json
 from appliance.errors import ApplianceError
 from appliance.home import Home
 from appliance.model_refs import checkpoint
 from appliance.progress import byte_progress
 from appliance.settings import DEMO_MODEL, load_settings
 from finetune import evalsets
-from finetune.datasets import check_lengths, load_registry, parse, screen, split, store
+from finetune.datasets import (
+    OnProgress,
+    check,
+    check_name_free,
+    load_registry,
+    remove,
+    split,
+    store,
+    verify_current,
+    versions,
+)
 from finetune.runner import run_job
 
 data_app = typer.Typer(help="Training datasets: validated, scanned, stored content-addressed.",
@@ -38,30 +53,91 @@ def add(
                                             "template measure each row.")] = DEMO_MODEL,
     context: Annotated[int | None, typer.Option(min=1, help="Longest row in tokens "
                                                 "(default: engine.max_model_len).")] = None,
+    replace: Annotated[bool, typer.Option("--replace", help="Make this the new version of a dataset of that name "
+                                          "(without it, a name taken is refused).")] = False,
 ) -> None:
-    """Validate every row, scan for sensitive data, split train/eval, store; all or nothing."""
+    """Check every row (format, length, sensitive data: every problem reported at once, by line),
+    split train/eval, store; all or nothing."""
     check_name_option("--name", name)
     home = Home.from_env()
     settings = load_settings(home.settings_file)
-    rows = parse(file)
-    check_lengths(rows, _token_counter(checkpoint(model, home, settings, what="--model")),
-                  context or settings.engine.max_model_len)
-    rows, sensitive = screen(rows, settings.compliance)
-    train, evaluation = split(rows, settings.finetune.eval_fraction)
-    done = store(name, file, train, evaluation, sensitive, settings.compliance.training_data,
-                 artifact_store(settings.artifacts, home), home)
-    found = ", ".join(f"{kind} {count}" for kind, count in sorted(sensitive.items())) or "none"
+    check_name_free(load_registry(home), name, replace)  # before the long checks, not after them
+    with _progress() as progress:
+        progress("loading the tokenizer", 0, 0)
+        counter = _token_counter(checkpoint(model, home, settings, what="--model"))
+        checked = check(file, counter, context or settings.engine.max_model_len, settings.compliance, progress)
+    train, evaluation = split(checked.rows, settings.finetune.eval_fraction)
+    done = store(name, file, train, evaluation, checked.sensitive, settings.compliance.training_data,
+                 artifact_store(settings.artifacts, home), home, replace=replace)
+    found = ", ".join(f"{kind} {count}" for kind, count in sorted(checked.sensitive.items())) or "none"
     out.print(f"dataset {done.name}: {done.rows} rows ({done.train} train, {done.eval} eval), sha256 {done.digest}; "
-              f"sensitive data: {found} ({done.action})", soft_wrap=True)
+              f"sensitive data: {found} ({done.action})", soft_wrap=True, markup=False)
 
 
 @data_app.command("list")
-def list_datasets() -> None:
+def list_datasets(as_json: AsJson = False) -> None:
     """Datasets by name and content hash."""
+    registry = load_registry(Home.from_env())
+    if as_json:
+        print_json([{"name": name, "sha256": digest} for name, digest in sorted(registry.items())])
+        return
     table = Table("name", "sha256")
-    for name, digest in sorted(load_registry(Home.from_env()).items()):
+    for name, digest in sorted(registry.items()):
         table.add_row(name, digest)
     out.print(table)
+
+
+@data_app.command("show")
+def show(name: Annotated[str, typer.Argument(help="A dataset name from `appliance data list`.")],
+         as_json: AsJson = False) -> None:
+    """A dataset's versions (newest first), their rows and what their checks found; the files of
+    the version in use are checked against its content hash."""
+    home = Home.from_env()
+    artifacts = artifact_store(load_settings(home.settings_file).artifacts, home)
+    found = versions(home, artifacts, name)
+    verify_current(home, artifacts, name)
+    if as_json:
+        print_json({"name": name, "versions": found})
+        return
+    table = Table("sha256", "in use", "created", "source", "kind", "rows", "train", "eval", "sensitive data")
+    for version in found:
+        sensitive = ", ".join(f"{kind} {n}" for kind, n in sorted(version.sensitive.items())) or "none"
+        table.add_row(version.sha256[:16], "yes" if version.current else "", version.created, version.source,
+                      version.kind or "-", str(version.rows), str(version.train), str(version.eval),
+                      f"{sensitive} ({version.sensitive_action})")
+    out.print(table)
+    out.print(f"dataset {name}: files of the version in use match its sha256", markup=False, highlight=False)
+
+
+@data_app.command("remove")
+@records_change("data.remove", detail=lambda: f"dataset {_removed[-1]} removed")
+def remove_dataset(name: Annotated[str, typer.Argument(help="A dataset name from `appliance data list`.")]) -> None:
+    """Forget a dataset and delete its stored versions; refused while a queued or running training
+    job uses it."""
+    home = Home.from_env()
+    gone = remove(home, artifact_store(load_settings(home.settings_file).artifacts, home), name)
+    _removed.append(name)
+    out.print(f"dataset {name} removed ({len(gone)} stored versions deleted)", markup=False, highlight=False)
+
+
+_removed: list[str] = []  # for the change's record
+
+
+@contextmanager
+def _progress() -> Iterator[OnProgress]:
+    """A progress bar on standard error for the checks of `data add` when it is a terminal;
+    nothing otherwise (a script's log gets no bar redraws)."""
+    if not sys.stderr.isatty():
+        yield lambda what, done, total: None
+        return
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                  console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("checking", total=None)
+
+        def show(what: str, done: int, total: int) -> None:
+            bar.update(task, description=what, completed=done, total=total or None)
+
+        yield show
 
 
 def _hyperparameters(qlora: bool, rank: int, alpha: int, lr: float, epochs: float, max_steps: int, batch_size: int,
@@ -83,7 +159,8 @@ def _check(name: str, data: str, base: str, home: Home) -> None:
     check_name_option("--name", name)
     registry = load_registry(home)
     if data not in registry:
-        raise ApplianceError(f"no dataset named {data!r}", hint=f"datasets: {sorted(registry) or 'none'}")
+        raise ApplianceError(f"no dataset named {data!r}",
+                             hint=f"datasets: {', '.join(sorted(registry)) or 'none'}")
     checkpoint(base, home, load_settings(home.settings_file), what="--base")
 
 
@@ -131,16 +208,21 @@ def submit(data: Data, name: Name, base: Base = DEMO_MODEL, qlora: QLoRA = False
 def status(
     job: Annotated[int | None, typer.Argument(help="A job id (default: every job).")] = None,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Show the job's progress until it ends.")] = False,
+    as_json: AsJson = False,
 ) -> None:
     """Training jobs: state, progress (step, loss, tokens/s, ETA) and outcome."""
     home = Home.from_env()
     if follow:
-        if job is None:
-            raise ApplianceError("--follow needs a job id")
+        if job is None or as_json:
+            raise ApplianceError("--follow needs a job id, and shows a progress bar, not JSON")
         _follow(home, job)
         return
+    listed = [jobs.get(home, job)] if job is not None else jobs.listing(home)
+    if as_json:
+        print_json([jobs.report(home, found) for found in listed])
+        return
     table = Table("job", "adapter", "dataset", "state", "progress", "submitted", "outcome")
-    for found in [jobs.get(home, job)] if job is not None else jobs.listing(home):
+    for found in listed:
         table.add_row(str(found.id), found.name, found.data, found.state, _progress_text(home, found),
                       found.submitted, found.message or "")
     out.print(table)

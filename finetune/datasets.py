@@ -14,14 +14,18 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from appliance import jobs
 from appliance.artifacts import ArtifactStore
-from appliance.errors import ApplianceError, IntegrityError
+from appliance.errors import ApplianceError, Conflict, IntegrityError, NotFound
 from appliance.home import Home
 from appliance.registry import JsonRegistry
 from appliance.sensitive import Scanner, scanner_from
 from appliance.settings import ComplianceSettings
 
 ROLES = ("system", "user", "assistant")
+Problem = tuple[int, str]  # a line of the file, and what is wrong there
+# How far a long check is: what it does, rows done, rows in all (the CLI draws a progress bar).
+OnProgress = Callable[[str, int, int], None]
 PREFIX = "datasets/"
 SHOWN_PROBLEMS = 20
 
@@ -56,33 +60,46 @@ class Imported:
 def parse(path: Path) -> list[Row]:
     """Rows of a JSONL (chat or prompt/completion) or plain-text file; DatasetError lists every
     bad line. Plain text: one example per paragraph (blank-line separated)."""
+    rows, problems = read(path)
+    if problems:
+        raise DatasetError(f"{path}: {len(problems)} bad rows, nothing imported:", _lines(problems))
+    if mixed := _mixed_kinds(rows):
+        first, other = mixed
+        raise DatasetError(f"{path}: line {first.line} holds {kind(first.example)} and line {other.line} "
+                           f"{kind(other.example)}: a dataset holds SFT rows or preference rows, not both")
+    return rows
+
+
+def read(path: Path) -> tuple[list[Row], list[Problem]]:
+    """Every row of the file that is good, and what is wrong with each line that is not (an
+    unreadable or empty file raises DatasetError at once: there is nothing to check)."""
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise DatasetError(f"{path}: cannot read as UTF-8 text: {exc}") from exc
     if path.suffix == ".txt":
-        return _paragraphs(path, text)
-    rows, problems = [], []
+        return _paragraphs(path, text), []
+    rows: list[Row] = []
+    problems: list[Problem] = []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            example = normalise(json.loads(line))
+            rows.append(Row(number, normalise(json.loads(line))))
         except ValueError as exc:
-            problems.append(f"line {number}: {exc}")
-            continue
-        rows.append(Row(number, example))
-    if problems:
-        raise DatasetError(f"{path}: {len(problems)} bad rows, nothing imported:", problems)
-    if not rows:
+            problems.append((number, str(exc)))
+    if not rows and not problems:
         raise DatasetError(f"{path}: no rows")
-    kinds = {kind(row.example) for row in rows}
-    if len(kinds) > 1:
-        first = rows[0]
-        other = next(row for row in rows if kind(row.example) != kind(first.example))
-        raise DatasetError(f"{path}: line {first.line} holds {kind(first.example)} and line {other.line} "
-                           f"{kind(other.example)}: a dataset holds SFT rows or preference rows, not both")
-    return rows
+    return rows, problems
+
+
+def _mixed_kinds(rows: list[Row]) -> tuple[Row, Row] | None:
+    """The first row and the first of another kind, if the rows mix SFT and preference rows."""
+    if not rows:
+        return None
+    first = rows[0]
+    other = next((row for row in rows if kind(row.example) != kind(first.example)), None)
+    return None if other is None else (first, other)
 
 
 def kind(example: dict[str, Any]) -> str:
@@ -181,10 +198,62 @@ def _turns(messages: list[Any], field: str) -> list[dict[str, str]]:
 
 def check_lengths(rows: list[Row], count_tokens: Callable[[dict[str, Any]], int], context: int) -> None:
     """Every row fits the model's context once its chat template is applied."""
-    problems = [f"line {row.line}: {tokens} tokens after the chat template, over the {context}-token context"
-                for row in rows if (tokens := count_tokens(row.example)) > context]
+    if problems := _too_long(rows, count_tokens, context):
+        raise DatasetError(f"{len(problems)} rows are too long, nothing imported:", _lines(problems))
+
+
+def _too_long(rows: list[Row], count_tokens: Callable[[dict[str, Any]], int], context: int,
+              on_progress: OnProgress | None = None) -> list[Problem]:
+    problems = []
+    for done, row in enumerate(rows, start=1):
+        if (tokens := count_tokens(row.example)) > context:
+            problems.append((row.line, f"{tokens} tokens after the chat template, over the {context}-token context"))
+        if on_progress:
+            on_progress("measuring rows", done, len(rows))
+    return problems
+
+
+@dataclass(frozen=True)
+class Checked:
+    rows: list[Row]  # redacted where compliance.training_data says so
+    sensitive: dict[str, int]  # findings by kind
+
+
+def check(path: Path, count_tokens: Callable[[dict[str, Any]], int], context: int, settings: ComplianceSettings,
+          on_progress: OnProgress | None = None) -> Checked:
+    """Every check of a dataset file in one pass: each line a good row, one kind of row, each row
+    within the context, sensitive data as `compliance.training_data` says. Every problem found is
+    reported together, by line, in one DatasetError (nothing imported). Lines that are not rows
+    cannot be measured or scanned: they are reported for what is wrong with them."""
+    rows, problems = read(path)
+    if mixed := _mixed_kinds(rows):
+        first, other = mixed
+        problems.append((other.line, f"{kind(other.example)} among the {kind(first.example)} of line {first.line}: "
+                                     "a dataset holds SFT rows or preference rows, not both"))
+    problems += _too_long(rows, count_tokens, context, on_progress)
+    scanner = scanner_from(settings)
+    found = _findings(rows, scanner, on_progress)
+    counts = dict(Counter(kind for _, kind in found))
+    if found and settings.training_data == "block":
+        problems += found
     if problems:
-        raise DatasetError(f"{len(problems)} rows are too long, nothing imported:", problems)
+        raise DatasetError(_refusal(path, problems, counts if settings.training_data == "block" else {}),
+                           _lines(sorted(problems)))
+    if found and settings.training_data == "redact":
+        rows = [Row(row.line, _redacted(row.example, scanner)) for row in rows]
+    return Checked(rows, counts)
+
+
+def _refusal(path: Path, problems: list[Problem], blocked: dict[str, int]) -> str:
+    lines = len({line for line, _ in problems})
+    said = f"{path}: {len(problems)} problems on {lines} lines"
+    if blocked:
+        said += f", {_sensitive_summary(blocked)}"
+    return said + "; nothing imported:"
+
+
+def _lines(problems: list[Problem]) -> list[str]:
+    return [f"line {line}: {what}" for line, what in problems]
 
 
 def screen(rows: list[Row], settings: ComplianceSettings) -> tuple[list[Row], dict[str, int]]:
@@ -196,19 +265,29 @@ def screen(rows: list[Row], settings: ComplianceSettings) -> tuple[list[Row], di
 def scan(rows: list[Row], scanner: Scanner, action: str) -> tuple[list[Row], dict[str, int]]:
     """Counts of sensitive findings by kind; under 'block' any finding refuses the dataset (naming
     lines and kinds, never the text), under 'redact' they are replaced."""
-    found: list[tuple[int, str]] = []
-    for row in rows:
-        for text in _texts(row.example):
-            found += [(row.line, finding.kind) for finding in scanner.findings(text)]
+    found = _findings(rows, scanner)
     counts = dict(Counter(kind for _, kind in found))
     if found and action == "block":
-        problems = [f"line {line}: {kind}" for line, kind in found]
-        raise DatasetError(f"sensitive data found ({', '.join(f'{k}: {n}' for k, n in sorted(counts.items()))}); "
-                           "nothing imported (compliance.training_data = block; remove it, or set it to redact "
-                           "or allow):", problems)
+        raise DatasetError(f"{_sensitive_summary(counts)}; nothing imported:", _lines(found))
     if found and action == "redact":
         rows = [Row(row.line, _redacted(row.example, scanner)) for row in rows]
     return rows, counts
+
+
+def _findings(rows: list[Row], scanner: Scanner, on_progress: OnProgress | None = None) -> list[Problem]:
+    """Each sensitive finding: its line and kind (never the text)."""
+    found: list[Problem] = []
+    for done, row in enumerate(rows, start=1):
+        for text in _texts(row.example):
+            found += [(row.line, finding.kind) for finding in scanner.findings(text)]
+        if on_progress:
+            on_progress("scanning for sensitive data", done, len(rows))
+    return found
+
+
+def _sensitive_summary(counts: dict[str, int]) -> str:
+    return (f"sensitive data found ({', '.join(f'{k}: {n}' for k, n in sorted(counts.items()))}) "
+            "(compliance.training_data = block; remove it, or set it to redact or allow)")
 
 
 def _texts(example: dict[str, Any]) -> list[str]:
@@ -252,11 +331,22 @@ def check_dataset(name: str, digest: str, train: bytes, evaluation: bytes) -> No
 
 def store(name: str, source: Path, train: list[dict[str, Any]], evaluation: list[dict[str, Any]],
           sensitive: dict[str, int],
-          action: str, artifacts: ArtifactStore, home: Home) -> Imported:
-    """Put the dataset in the store under its content hash and name it in the local registry."""
+          action: str, artifacts: ArtifactStore, home: Home, *, replace: bool) -> Imported:
+    """Put the dataset in the store under its content hash and name it in the local registry; a
+    name already taken only with `replace` (its earlier versions stay in the store)."""
     done = put(name, source, train, evaluation, sensitive, action, artifacts)
-    register(home, {name: done.digest})
+    with _registry(home).change() as registry:
+        check_name_free(registry, name, replace)
+        registry[name] = done.digest
     return done
+
+
+def check_name_free(registry: dict[str, str], name: str, replace: bool) -> None:
+    """Refuse to name a dataset `name` when one is so named, unless replacing it is asked for."""
+    if name in registry and not replace:
+        raise Conflict(f"a dataset named {name!r} exists (sha256 {registry[name][:16]}...)",
+                       hint=f"add it with --replace to make this its new version, or choose another name; "
+                            f"`appliance data show {name}` shows it")
 
 
 def put(name: str, source: Path, train: list[dict[str, Any]], evaluation: list[dict[str, Any]],
@@ -267,6 +357,7 @@ def put(name: str, source: Path, train: list[dict[str, Any]], evaluation: list[d
     digest = content_digest(train_bytes, eval_bytes)
     rows = len(train) + len(evaluation)
     meta = {"name": name, "sha256": digest, "source": source.name, "rows": rows,
+            "kind": kind((train or evaluation)[0]) if rows else None,
             "train": len(train), "eval": len(evaluation), "sensitive": sensitive, "sensitive_action": action,
             "created": datetime.now(UTC).isoformat(timespec="seconds")}
     for key, data in (("train.jsonl", train_bytes), ("eval.jsonl", eval_bytes),
@@ -294,3 +385,62 @@ def _registry(home: Home) -> JsonRegistry[dict[str, str]]:
 def load_registry(home: Home) -> dict[str, str]:
     """Dataset names -> the digests their files are stored under."""
     return _registry(home).read()
+
+
+@dataclass(frozen=True)
+class Version:
+    """One stored version of a named dataset, as its meta.json records it."""
+
+    sha256: str
+    current: bool  # the version the name trains on now
+    created: str
+    source: str
+    kind: str | None  # SFT rows or preference rows (None: stored before it was recorded)
+    rows: int
+    train: int
+    eval: int
+    sensitive: dict[str, int]
+    sensitive_action: str
+
+
+def versions(home: Home, artifacts: ArtifactStore, name: str) -> list[Version]:
+    """Every stored version of the dataset `name`, newest first; NotFound unless it is named."""
+    registry = load_registry(home)
+    if name not in registry:
+        raise NotFound(f"no dataset named {name!r}", hint=f"datasets: {', '.join(sorted(registry)) or 'none'}")
+    found = [_version(meta, registry[name]) for meta in _metas(artifacts) if meta.get("name") == name]
+    return sorted(found, key=lambda version: (version.current, version.created), reverse=True)
+
+
+def _metas(artifacts: ArtifactStore) -> list[dict[str, Any]]:
+    return [json.loads(artifacts.get(key)) for key in artifacts.keys(PREFIX) if key.endswith("/meta.json")]
+
+
+def _version(meta: dict[str, Any], current: str) -> Version:
+    return Version(sha256=meta["sha256"], current=meta["sha256"] == current, created=meta["created"],
+                   source=meta["source"], kind=meta.get("kind"), rows=meta["rows"], train=meta["train"],
+                   eval=meta["eval"], sensitive=meta["sensitive"], sensitive_action=meta["sensitive_action"])
+
+
+def verify_current(home: Home, artifacts: ArtifactStore, name: str) -> None:
+    """IntegrityError unless the files of the version `name` trains on hash to its digest."""
+    digest = load_registry(home)[name]
+    check_dataset(name, digest, artifacts.get(f"{PREFIX}{digest}/train.jsonl"),
+                  artifacts.get(f"{PREFIX}{digest}/eval.jsonl"))
+
+
+def remove(home: Home, artifacts: ArtifactStore, name: str) -> list[str]:
+    """Forget the dataset `name` and delete the files of its versions that no other name uses;
+    refused while a training job that has not ended uses it. The digests deleted."""
+    stored = versions(home, artifacts, name)
+    with _registry(home).change() as registry:
+        if users := [str(job.id) for job in jobs.listing(home) if job.data == name and job.state not in jobs.FINISHED]:
+            raise Conflict(f"dataset {name!r} is used by training job {', '.join(users)}, queued or running",
+                           hint="wait until it ends, or `appliance finetune cancel JOB`")
+        registry.pop(name, None)
+        kept = set(registry.values())
+    gone = [version.sha256 for version in stored if version.sha256 not in kept]
+    for digest in gone:
+        for key in artifacts.keys(f"{PREFIX}{digest}/"):
+            artifacts.delete(key)
+    return gone

@@ -15,6 +15,7 @@ from rich.table import Table
 
 from appliance import hosts, lifecycle
 from appliance.changes import records_change
+from appliance.commands.common import AsJson, print_json
 from appliance.errors import Invalid, SettingsError
 from appliance.home import Home
 from appliance.records import HostName
@@ -60,9 +61,14 @@ def add(name: Annotated[str, typer.Argument(help="The host's name, as the pool's
 
 
 @hosts_app.command("list")
-def list_hosts() -> None:
+def list_hosts(as_json: AsJson = False) -> None:
     """Invited and joined hosts, their address and state."""
     registry = hosts.load(Home.from_env())
+    if as_json:
+        # the digests of tokens and credentials stay on the head: nothing a script needs
+        print_json([host.model_dump(mode="json", exclude={"token_sha256", "credential_sha256"})
+                    for host in registry.hosts.values()])
+        return
     table = Table("host", "state", "address", "joined", "problem")
     for host in registry.hosts.values():
         table.add_row(host.name, host.state.value, host.address or "-",

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from appliance.adapters import AdapterRecord, Alias, Registry
-from appliance.commands.common import admin_api
+from appliance.commands.common import AsJson, admin_api, print_json
 
 adapters_app = typer.Typer(help="LoRA adapters: list, deploy into the running engine, canary, roll back, retire "
                            "(through the gateway's admin API).", no_args_is_help=True)
@@ -17,9 +17,12 @@ out = Console()
 
 
 @adapters_app.command("list")
-def adapters_list() -> None:
+def adapters_list(as_json: AsJson = False) -> None:
     """Adapter versions with their held-out loss, state, and what each name serves."""
     registry = Registry.model_validate(admin_api("GET", "/adapters"))
+    if as_json:
+        print_json(registry)
+        return
     table = Table("adapter", "version", "state", "base", "held-out loss (base -> adapter)", "dataset")
     for record in registry.adapters:
         loss = f"{record.metrics.base_eval_loss:.4f} -> {record.metrics.adapter_eval_loss:.4f}"

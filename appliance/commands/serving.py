@@ -1,9 +1,10 @@
 """`appliance serving ...`: the engine pools with their tiers and replicas, the routing policy, the
-response cache and the batches, through the gateway's admin API."""
+response cache and the batches, through the gateway's admin API. Each is a group of its own
+(`serving pools list`, `serving cache flush`, `serving batches cancel ID`); the old spellings
+(`serving pools`, `serving flush-cache`, `serving cancel-batch`, ...) keep working for one release."""
 
 from __future__ import annotations
 
-import json
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
@@ -11,20 +12,27 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from appliance.commands.common import admin_api
+from appliance.commands.common import AsJson, admin_api, defaulting_to, old_spelling, print_json
 
 serving_app = typer.Typer(help="Tiers, replicas, routing, the response cache and batches (through the gateway's "
                           "admin API).",
                           no_args_is_help=True)
+pools_app = typer.Typer(cls=defaulting_to("list", "serving pools"),
+                        help="Engine pools: their model, tier and replicas, and the routing policy.")
+cache_app = typer.Typer(cls=defaulting_to("show", "serving cache"), help="The response cache.")
+batches_app = typer.Typer(cls=defaulting_to("list", "serving batches"), help="Every user's batches.")
+serving_app.add_typer(pools_app, name="pools")
+serving_app.add_typer(cache_app, name="cache")
+serving_app.add_typer(batches_app, name="batches")
 out = Console()
 
 
-@serving_app.command("pools")
-def pools(as_json: Annotated[bool, typer.Option("--json", help="The admin API's answer as JSON.")] = False) -> None:
+@pools_app.command("list")
+def pools_list(as_json: AsJson = False) -> None:
     """Each pool's model and tier, and its replicas: health, requests in flight, GPUs."""
     routing = admin_api("GET", "/routing")
     if as_json:
-        typer.echo(json.dumps(routing, indent=1))
+        print_json(routing)
         return
     table = Table("pool", "model", "tier", "replica", "engine", "in flight", "gpus")
     for pool in routing["pools"]:
@@ -39,12 +47,12 @@ def pools(as_json: Annotated[bool, typer.Option("--json", help="The admin API's 
               f"replicas balanced by {policy['balance']}", highlight=False)
 
 
-@serving_app.command("cache")
-def cache(as_json: Annotated[bool, typer.Option("--json", help="The admin API's answer as JSON.")] = False) -> None:
+@cache_app.command("show")
+def cache_show(as_json: AsJson = False) -> None:
     """The response cache: entries, bytes, hits, misses, hit rate."""
     stats: dict[str, Any] = admin_api("GET", "/cache")
     if as_json:
-        typer.echo(json.dumps(stats, indent=1))
+        print_json(stats)
         return
     rate = "-" if stats["hit_rate"] is None else f"{stats['hit_rate']:.1%}"
     out.print(f"response cache {'on' if stats['enabled'] else 'off'} (shared per {stats['scope']}, ttl "
@@ -53,20 +61,20 @@ def cache(as_json: Annotated[bool, typer.Option("--json", help="The admin API's 
               f"bypasses; hit rate {rate}", highlight=False)
 
 
-@serving_app.command("flush-cache")
-def flush_cache() -> None:
+@cache_app.command("flush")
+def cache_flush() -> None:
     """Drop every cached answer."""
     flushed = admin_api("POST", "/cache/flush")["flushed"]
     out.print(f"response cache flushed: {flushed} entries dropped", highlight=False)
 
 
-@serving_app.command("batches")
-def batches_list(as_json: Annotated[bool, typer.Option("--json", help="The admin API's answer as JSON.")] = False,
+@batches_app.command("list")
+def batches_list(as_json: AsJson = False,
                  limit: Annotated[int, typer.Option(min=1, max=100, help="How many, newest first.")] = 20) -> None:
     """Every user's batches: state, request counts, endpoint, when created."""
     listed = admin_api("GET", "/batches", params={"limit": limit})
     if as_json:
-        typer.echo(json.dumps(listed, indent=1))
+        print_json(listed)
         return
     table = Table("batch", "state", "done", "failed", "total", "endpoint", "created")
     for batch in listed["data"]:
@@ -76,11 +84,15 @@ def batches_list(as_json: Annotated[bool, typer.Option("--json", help="The admin
     out.print(table)
 
 
-@serving_app.command("cancel-batch")
-def cancel_batch(batch_id: Annotated[str, typer.Argument(help="The batch's id (batch_...).")]) -> None:
+@batches_app.command("cancel")
+def batches_cancel(batch_id: Annotated[str, typer.Argument(help="The batch's id (batch_...).")]) -> None:
     """Stop anyone's batch: requests running finish, no other starts."""
     batch = admin_api("POST", f"/batches/{batch_id}/cancel")
     out.print(f"batch {batch['id']} is {batch['status']}", highlight=False)
+
+
+old_spelling(serving_app, "serving flush-cache", "serving cache flush", cache_flush)
+old_spelling(serving_app, "serving cancel-batch", "serving batches cancel", batches_cancel)
 
 
 def _when(stamp: int) -> str:

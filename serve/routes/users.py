@@ -9,7 +9,7 @@ from pydantic import BaseModel
 from appliance.home import Home
 from appliance.roles import Role
 from appliance.settings import Settings
-from appliance.users import CreatedUser, NewUser, User, Users
+from appliance.users import CreatedUser, NewPassword, NewUser, PasswordReset, User, Users
 from serve.deps import requires
 
 
@@ -40,14 +40,29 @@ def router(settings: Settings, home: Home) -> APIRouter:
         """Disable a user: new logins fail; live tokens stop within the introspection interval."""
         return Users(settings, home).disable(username)
 
+    @routes.post("/users/{username}/enable", response_model=User, name="users.enable")
+    def enable_user(username: str) -> User:
+        """Let a disabled user log in again."""
+        return Users(settings, home).enable(username)
+
     @routes.post("/users/{username}/unlock", response_model=User, name="users.unlock")
     def unlock_user(username: str) -> User:
         """Clear a user's failed logins and lockout (brute-force detection locks per account)."""
         return Users(settings, home).unlock(username)
 
-    @routes.post("/users/{username}/roles", response_model=User, name="users.grant_role")
+    @routes.post("/users/{username}/roles", response_model=User, name="users.grant")
     def grant_role(username: str, grant: RoleGrant) -> User:
         """Grant a user one more realm role (granting one it holds changes nothing)."""
         return Users(settings, home).grant(username, grant.role)
+
+    @routes.delete("/users/{username}/roles/{role}", response_model=User, name="users.revoke")
+    def revoke_role(username: str, role: Role) -> User:
+        """Revoke a realm role from a user; never the last enabled administrator's admin role."""
+        return Users(settings, home).revoke(username, role)
+
+    @routes.post("/users/{username}/password", response_model=PasswordReset, name="users.reset_password")
+    def reset_password(username: str, new: NewPassword) -> PasswordReset:
+        """Set a user's password; without one, one is generated and returned once."""
+        return Users(settings, home).reset_password(username, new.password)
 
     return routes
