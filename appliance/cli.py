@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from typer.core import TyperCommand, TyperGroup
 
+from appliance.commands.common import plain_help
 from appliance.errors import ApplianceError
 from appliance.home import Home
 
@@ -80,7 +81,8 @@ def command_targets() -> dict[str, str]:
 
 
 def load_command(name: str, target: str) -> _click.Command:
-    """Import the command's module and make the Click command of its Typer app or function."""
+    """Import the command's module and make the Click command of its Typer app or function, its
+    help in the root's style (common.plain_help)."""
     module, _, attribute = target.partition(":")
     found = getattr(importlib.import_module(module), attribute)
     command: _click.Command
@@ -91,7 +93,7 @@ def load_command(name: str, target: str) -> _click.Command:
         single.command(name)(found)
         command = typer.main.get_command(single)
     command.name = name
-    return command
+    return plain_help(command)
 
 
 class CommandTable(TyperGroup):
@@ -109,6 +111,10 @@ class CommandTable(TyperGroup):
         if name is None:
             return name, None, rest
         return name, load_command(name, command_targets()[name]), rest
+
+    def format_help(self, ctx: _click.Context, formatter: _click.HelpFormatter) -> None:
+        plain_help(self)  # here: Typer adds the completion options after the group is made
+        super().format_help(ctx, formatter)
 
 
 app = typer.Typer(
