@@ -1,5 +1,7 @@
-"""Dataset import: every bad row reported by line, sensitive data found and blocked/redacted,
-reproducible splits, content-addressed storage, all or nothing (issue 7, datasets part)."""
+"""Dataset import: every bad row reported by line, and every problem of a file (format, length,
+sensitive data) in one pass; sensitive data found and blocked/redacted, reproducible splits,
+content-addressed storage, all or nothing; a name taken only with --replace, its versions shown,
+removal refused while a job uses it."""
 
 from __future__ import annotations
 
@@ -7,13 +9,30 @@ import json
 import random
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from appliance import jobs
+from appliance.artifacts import LocalStore
+from appliance.errors import Conflict, NotFound
 from appliance.home import Home
 from appliance.sensitive import Scanner, iban_ok, luhn_ok
+from appliance.settings import ComplianceSettings
 from audit import read_records
-from finetune.datasets import DatasetError, Row, check_lengths, load_registry, parse, scan, split
+from finetune.datasets import (
+    DatasetError,
+    Row,
+    check,
+    check_lengths,
+    load_registry,
+    parse,
+    remove,
+    scan,
+    split,
+    store,
+    versions,
+)
 from tests.support.appliances import APPLIANCE
 
 
@@ -22,7 +41,7 @@ def jsonl(path: Path, *rows: object) -> Path:
     return path
 
 
-def chat(user: str, assistant: str = "ok") -> dict:
+def chat(user: str, assistant: str = "ok") -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]}
 
 
@@ -147,3 +166,87 @@ def test_preference_rows_for_dpo_are_checked_and_never_mixed_with_sft_rows(tmp_p
     leaky = Row(1, {**row.example, "chosen": [{"role": "assistant", "content": "mail bob@example.com"}]})
     [redacted], found = scan([leaky], Scanner({}), "redact")
     assert found == {"email": 1} and "bob@example.com" not in json.dumps(redacted.example)
+
+
+def words(example: dict[str, Any]) -> int:
+    """A token counter for tests: words of the row's JSON."""
+    return len(json.dumps(example).split())
+
+
+def test_every_problem_of_a_file_comes_back_in_one_pass_by_line(tmp_path: Path) -> None:
+    path = jsonl(tmp_path / "d.jsonl", chat("fine"), "{not json", chat("long " * 50),
+                 chat("mail alice@example.org"), {"prompt": "no completion"},
+                 {"prompt": "p", "chosen": "a", "rejected": "b"})
+    seen: set[str] = set()
+    with pytest.raises(DatasetError) as caught:
+        check(path, words, 20, ComplianceSettings(), lambda what, done, total: seen.add(what))
+    assert [p.split(":")[0] for p in caught.value.problems] == [f"line {n}" for n in (2, 3, 4, 5, 6)]
+    text = str(caught.value)
+    for said in ("line 3: 59 tokens after the chat template, over the 20-token context", "line 4: email",
+                 "line 6: preference rows among the SFT rows of line 1", "5 problems on 5 lines",
+                 "compliance.training_data = block", "nothing imported"):
+        assert said in text, said
+    assert "alice@" not in text, "findings never echo the text"
+    assert seen == {"measuring rows", "scanning for sensitive data"}
+
+
+def test_a_clean_file_passes_the_one_pass_check_redacted_as_the_settings_say(tmp_path: Path) -> None:
+    path = jsonl(tmp_path / "d.jsonl", chat("hi"), chat("mail alice@example.org"))
+    checked = check(path, words, 100, ComplianceSettings(training_data="redact"))
+    assert checked.sensitive == {"email": 1}
+    assert "alice@" not in json.dumps([row.example for row in checked.rows])
+    assert check(path, words, 100, ComplianceSettings(training_data="allow")).rows[1].example == chat(
+        "mail alice@example.org")
+
+
+def stored(name: str, text: str, home: Home, artifacts: LocalStore, *, replace: bool = False) -> str:
+    return store(name, Path(f"{name}.jsonl"), [chat(text)], [chat(f"{text}?")], {}, "block", artifacts, home,
+                 replace=replace).digest
+
+
+def test_a_name_taken_needs_replace_and_keeps_its_versions(home: Home, store: LocalStore) -> None:
+    first = stored("faq", "one", home, store)
+    with pytest.raises(Conflict, match="a dataset named 'faq' exists") as caught:
+        stored("faq", "two", home, store)
+    assert "--replace" in (caught.value.hint or "")
+    assert load_registry(home) == {"faq": first}
+    second = stored("faq", "two", home, store, replace=True)
+    assert load_registry(home) == {"faq": second}
+    found = versions(home, store, "faq")
+    assert [(v.sha256, v.current, v.rows, v.kind) for v in found] == [(second, True, 2, "SFT rows"),
+                                                                      (first, False, 2, "SFT rows")]
+    with pytest.raises(NotFound, match="no dataset named 'other'"):
+        versions(home, store, "other")
+
+
+def test_removal_is_refused_while_a_job_that_has_not_ended_uses_it(home: Home, store: LocalStore) -> None:
+    digest = stored("faq", "one", home, store)
+    shared = stored("copy", "one", home, store)  # the same content under another name
+    assert shared == digest
+    job = jobs.submit(home, name="bot", data="faq", base="demo", hyperparameters=jobs.Hyperparameters(),
+                      eval_sets={})
+    with pytest.raises(Conflict, match=f"dataset 'faq' is used by training job {job.id}, queued or running"):
+        remove(home, store, "faq")
+    jobs.cancel(home, job.id)
+    assert remove(home, store, "faq") == [], "files another name uses stay"
+    assert set(load_registry(home)) == {"copy"} and store.keys(f"datasets/{digest}/")
+    assert remove(home, store, "copy") == [digest]
+    assert store.keys("datasets/") == [] and load_registry(home) == {}
+
+
+def test_the_cli_lists_and_shows_as_json(monkeypatch: pytest.MonkeyPatch, home: Home) -> None:
+    from typer.testing import CliRunner
+
+    from finetune.cli import data_app
+
+    monkeypatch.setenv("APPLIANCE_HOME", str(home.root))
+    digest = stored("faq", "one", home, LocalStore(home.root / "artifacts"))
+    runner = CliRunner()
+    listed = runner.invoke(data_app, ["list", "--json"])
+    assert json.loads(listed.stdout) == [{"name": "faq", "sha256": digest}]
+    shown = runner.invoke(data_app, ["show", "faq", "--json"])
+    assert shown.exit_code == 0, shown.output
+    [version] = json.loads(shown.stdout)["versions"]
+    assert version["sha256"] == digest and version["current"] and version["train"] == 1
+    removed = runner.invoke(data_app, ["remove", "faq"])
+    assert removed.exit_code == 0 and "dataset faq removed (1 stored versions deleted)" in removed.stdout
