@@ -32,8 +32,8 @@ class Refused(ApplianceError):
 
     code = "refused"
 
-    def __init__(self, status: int, reason: str, request: str = "") -> None:
-        super().__init__(f"{request}: {status} {reason}" if request else f"{status} {reason}")
+    def __init__(self, status: int, reason: str, request: str = "", *, hint: str | None = None) -> None:
+        super().__init__(f"{request}: {status} {reason}" if request else f"{status} {reason}", hint=hint)
         self.status = status
         self.reason = reason
 
@@ -45,7 +45,7 @@ def gateway_url(settings: Settings) -> str:
     return f"http://{host}:{gateway.port}"
 
 
-def _answer(response: httpx.Response, method: str, path: str) -> Any:
+def _answer(response: httpx.Response, method: str, path: str, token: login.CachedToken) -> Any:
     if response.status_code == 401:
         raise NotLoggedIn("the gateway refused the login (expired or revoked)", hint="log in again: `appliance token`")
     if response.status_code >= 400:
@@ -53,8 +53,20 @@ def _answer(response: httpx.Response, method: str, path: str) -> Any:
             reason = response.json()["error"]["message"]
         except (ValueError, KeyError, TypeError):
             reason = response.text[:300]
-        raise Refused(response.status_code, str(reason), f"{method} /admin{path}")
+        # A 403 is the login's roles: say whose, so a token of another user is noticed.
+        hint = (f"{_who(token)}: log in as a user with the role it needs (`appliance token`)"
+                if response.status_code == 403 else None)
+        raise Refused(response.status_code, str(reason), f"{method} /admin{path}", hint=hint)
     return response.json()
+
+
+def _who(token: login.CachedToken) -> str:
+    """'logged in as alice (roles: user)', from the cached token's own claims."""
+    try:
+        roles = login.realm_roles(login.token_claims(token.access_token))
+    except login.LoginError:
+        return f"logged in as {token.username} (roles unreadable)"
+    return f"logged in as {token.username} (roles: {', '.join(roles) or 'none'})"
 
 
 class AdminClient:
@@ -93,7 +105,7 @@ class AdminClient:
                                         headers={"Authorization": f"Bearer {token.access_token}"})
         except httpx.HTTPError as exc:
             raise self._unreachable(exc) from exc
-        return _answer(response, method, path)
+        return _answer(response, method, path, token)
 
     async def call(self, method: str, path: str, **kwargs: Any) -> Any:
         """As `call_sync`, without blocking the event loop (a token refresh runs in a thread)."""
@@ -103,7 +115,7 @@ class AdminClient:
                                                 headers={"Authorization": f"Bearer {token.access_token}"})
         except httpx.HTTPError as exc:
             raise self._unreachable(exc) from exc
-        return _answer(response, method, path)
+        return _answer(response, method, path, token)
 
     async def username(self) -> str:
         return (await asyncio.to_thread(self._token)).username

@@ -90,8 +90,10 @@ def _refused(response: httpx.Response) -> LoginError:
     return LoginError(f"Keycloak refused the login: {reason}")
 
 
-def password_login(settings: Settings, home: Home, username: str, password: str) -> CachedToken:
-    """Log in with a password (for scripts); the token is cached."""
+def password_login(settings: Settings, home: Home, username: str, password: str, *,
+                   cache: bool = True) -> CachedToken:
+    """Log in with a password (for scripts); the token is cached unless `cache` is False (a token
+    printed for another user must not replace the cached login)."""
     response = _post(settings, home, "token", {"grant_type": "password", "username": username, "password": password})
     if response.status_code != 200:
         refused = _refused(response)
@@ -101,7 +103,8 @@ def password_login(settings: Settings, home: Home, username: str, password: str)
                         "a wrong password, or an account locked for a while after repeated wrong passwords")
         raise refused
     token = CachedToken.from_response(username, response.json())
-    save(home, token)
+    if cache:
+        save(home, token)
     return token
 
 
@@ -133,17 +136,60 @@ def device_login(settings: Settings, home: Home, show: Callable[[str, str], None
 
 
 def _username(access_token: str) -> str:
-    payload = access_token.split(".")[1]
-    claims = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+    claims = token_claims(access_token)
     return str(claims.get("preferred_username") or claims.get("sub"))
+
+
+def token_claims(access_token: str) -> dict[str, Any]:
+    """An access token's claims, decoded here without checking its signature: it is only read to
+    tell who the CLI's own login is (the gateway checks every token it is sent)."""
+    parts = access_token.split(".")
+    if len(parts) != 3:
+        raise LoginError(f"the access token is not a JWT: {len(parts)} dot-separated parts, not 3")
+    try:
+        claims = json.loads(base64.urlsafe_b64decode(parts[1] + "=" * (-len(parts[1]) % 4)))
+    except ValueError as exc:  # bad base64, bad UTF-8 and bad JSON alike
+        raise LoginError(f"the access token's claims cannot be decoded: {exc}") from exc
+    if not isinstance(claims, dict):
+        raise LoginError(f"the access token's claims are a JSON {type(claims).__name__}, not an object")
+    return claims
+
+
+def realm_roles(claims: dict[str, Any]) -> list[str]:
+    """The realm roles a token carries (what the gateway authorises by), sorted."""
+    access = claims.get("realm_access")
+    roles = access.get("roles") if isinstance(access, dict) else None
+    return sorted(map(str, roles)) if isinstance(roles, list) else []
+
+
+def cached_login(home: Home) -> CachedToken:
+    """The cached login as stored, not refreshed. LoginError when there is none or it cannot be read."""
+    path = _cache_path(home)
+    try:
+        raw = path.read_text()
+    except FileNotFoundError as exc:
+        raise LoginError("not logged in", hint="run `appliance token` first") from exc
+    except OSError as exc:
+        raise LoginError(f"not logged in: cannot read {path}: {exc.strerror}") from exc
+    try:
+        return _checked(CachedToken(**json.loads(raw)))
+    except (ValueError, TypeError) as exc:
+        raise LoginError(f"not logged in: {path} is not a cached login ({exc})",
+                         hint="log in again: `appliance token`") from exc
+
+
+def _checked(token: CachedToken) -> CachedToken:
+    """TypeError naming the first field of the wrong type (a cache edited or cut short by hand)."""
+    for name, kind in (("username", str), ("access_token", str), ("refresh_token", str),
+                       ("expires_at", (int, float)), ("refresh_expires_at", (int, float))):
+        if not isinstance(getattr(token, name), kind) or isinstance(getattr(token, name), bool):
+            raise TypeError(f"{name} is {type(getattr(token, name)).__name__}")
+    return token
 
 
 def current_token(settings: Settings, home: Home) -> CachedToken:
     """The cached token, refreshed if it is about to expire."""
-    try:
-        token = CachedToken(**json.loads(_cache_path(home).read_text()))
-    except (OSError, ValueError, TypeError) as exc:
-        raise LoginError("not logged in", hint="run `appliance token` first") from exc
+    token = cached_login(home)
     now = time.time()
     if token.expires_at - now > MARGIN_S:
         return token

@@ -11,10 +11,14 @@ from collections import Counter
 from pathlib import Path
 from typing import Literal
 
+import psutil
 from pydantic import BaseModel, ConfigDict
 
 from appliance.engine_build import Engine
+from appliance.errors import ApplianceError
+from appliance.home import Home
 from appliance.records import HardwareProfile
+from appliance.supervisor import Supervisor
 from installer.keycloak import JDK_CANDIDATES
 
 # The CUDA the locked engine is built for (requirements/lock-cuda.txt: nvidia-cuda-runtime 13.0), used
@@ -40,12 +44,14 @@ class Check(BaseModel):
 
 def run_checks(profile: HardwareProfile, *, model_bytes: int | None, staging_dir: Path, ports: list[int],
                java_home: str | None, engine: Engine | None, engine_cuda: tuple[int, int] | None,
-               need_java: bool = True) -> list[Check]:
+               need_java: bool = True, home: Home | None = None) -> list[Check]:
     """Every check, in the order an operator fixes things: GPUs, engine, driver, disk, memory,
     ports, Java.
 
     `need_java` is False when Keycloak is external (the appliance runs no Java then). `engine` is the
-    installed vLLM build (None: none) and `engine_cuda` the CUDA version it was built for.
+    installed vLLM build (None: none) and `engine_cuda` the CUDA version it was built for. `home` is
+    the appliance whose own programs may hold `ports` (None: APPLIANCE_HOME's): a port it holds
+    while it runs is no conflict.
     """
     return [
         _gpus(profile),
@@ -56,7 +62,7 @@ def run_checks(profile: HardwareProfile, *, model_bytes: int | None, staging_dir
         _cuda(profile, engine, engine_cuda or MIN_CUDA),
         _disk(staging_dir, model_bytes),
         _ram(profile),
-        _ports(ports),
+        _ports(ports, home or Home.from_env()),
         _java(java_home) if need_java else Check(name="java", status="pass",
                                                   reason="Keycloak is external: no Java needed"),
     ]
@@ -80,6 +86,16 @@ def _gpus(profile: HardwareProfile) -> Check:
     return Check(name="gpus", status="pass", reason=f"{count} GPUs on {len(profile.hosts)} host(s)")
 
 
+def _any_gpu(profile: HardwareProfile) -> bool:
+    return any(host.gpus for host in profile.hosts)
+
+
+def _skipped(name: str) -> Check:
+    """A GPU check on hosts without GPUs: nothing was checked, so it claims nothing (it blocks
+    nothing either: the gpus check already warns)."""
+    return Check(name=name, status="pass", reason="skipped (no GPU)")
+
+
 def _mixed_gpus(profile: HardwareProfile) -> Check:
     """One GPU type per host: tensor parallelism runs at the slowest GPU and sizes by the smallest."""
     mixed = []
@@ -95,6 +111,8 @@ def _mixed_gpus(profile: HardwareProfile) -> Check:
 
 def _gpu_health(profile: HardwareProfile) -> Check:
     """Uncorrected ECC errors or pending row remaps: the GPU may corrupt or lose data."""
+    if not _any_gpu(profile):
+        return _skipped("gpu memory health")
     bad = []
     for host in profile.hosts:
         for gpu in host.gpus:
@@ -112,6 +130,8 @@ def _gpu_health(profile: HardwareProfile) -> Check:
 
 def _mig(profile: HardwareProfile) -> Check:
     """MIG splits a GPU into slices the engine sees as small separate GPUs."""
+    if not _any_gpu(profile):
+        return _skipped("mig")
     on = [f"{host.name} GPU {gpu.index}" for host in profile.hosts for gpu in host.gpus if gpu.mig_enabled]
     if on:
         return Check(name="mig", status="warn", reason=f"MIG enabled on {', '.join(on)}",
@@ -226,18 +246,53 @@ def _port_problem(port: int) -> str | None:
     return None
 
 
-def _ports(ports: list[int]) -> Check:
-    """The appliance's loopback ports must be free before `appliance up`."""
+def _ports(ports: list[int], home: Home) -> Check:
+    """The appliance's loopback ports must be free before `appliance up`, or held by this very
+    appliance while it runs (then `up` has nothing to start)."""
     wanted = list(dict.fromkeys(ports))
     problems = {port: problem for port in wanted if (problem := _port_problem(port))}
+    held = appliance_ports(home) if problems else {}
+    problems = {port: problem for port, problem in problems.items() if port not in held}
     if problems:
         said = ", ".join(f"{port} ({problem})" for port, problem in problems.items())
         return Check(name="ports", status="fail",
                      reason=f"cannot listen on 127.0.0.1: {said}; {len(wanted)} ports needed",
                      fix="stop what listens there (`ss -ltnp`; `appliance down` if it is the appliance) "
                          "or change the port in settings.toml")
-    return Check(name="ports", status="pass",
-                 reason=f"free on 127.0.0.1: {', '.join(map(str, wanted)) or 'none needed'}")
+    free = ", ".join(str(port) for port in wanted if port not in held)
+    ours = ", ".join(f"{port} ({held[port]})" for port in wanted if port in held)
+    parts = [f"free on 127.0.0.1: {free or 'none needed'}"] if free or not ours else []
+    if ours:
+        parts.append(f"held by this appliance, which is running: {ours}")
+    return Check(name="ports", status="pass", reason="; ".join(parts))
+
+
+def appliance_ports(home: Home) -> dict[int, str]:
+    """The TCP ports the running appliance of `home` listens on -> the supervisord program that
+    holds each (its process or one it started); none when it is not running."""
+    try:
+        supervisor = Supervisor(home)
+        programs = supervisor.processes() if supervisor.is_running() else []
+    except ApplianceError:  # a state directory supervisord cannot use runs nothing
+        return {}
+    return {port: info.name for info in programs if info.pid for port in _listening(info.pid)}
+
+
+def _listening(pid: int) -> set[int]:
+    """The TCP ports a process and its descendants listen on (those still alive and readable)."""
+    try:
+        root = psutil.Process(pid)
+        family = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return set()
+    ports: set[int] = set()
+    for process in family:
+        try:
+            connections = process.net_connections(kind="tcp")
+        except psutil.Error:
+            continue
+        ports |= {c.laddr.port for c in connections if c.status == psutil.CONN_LISTEN}
+    return ports
 
 
 def _java(java_home: str | None) -> Check:

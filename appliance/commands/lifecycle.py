@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import json
-import time
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
+from urllib.parse import urlsplit
 
 import typer
 from rich.console import Console
+from rich.measure import Measurement
+
+if TYPE_CHECKING:  # rich.table is imported only when something runs: `status` of a stopped appliance is instant
+    from rich.console import ConsoleOptions, RenderableType, RenderResult
+    from rich.table import Column, Table
 
 from appliance import lifecycle
 from appliance.changes import records_change
 from appliance.home import Home
+from appliance.terminal import duration
 
 out = Console()
 err = Console(stderr=True)
@@ -38,7 +44,7 @@ def up() -> None:
         out.print(f"up in {max(report.startup_s.values(), default=0):.0f}s")
     for notice in report.notices:
         out.print(notice, highlight=False)
-    _print_programs(lifecycle.status(home))
+    print_status(out, lifecycle.status(home))
 
 
 @records_change("appliance.down")
@@ -56,9 +62,18 @@ def down() -> None:
 
 
 def status(
-    as_json: Annotated[bool, typer.Option("--json", help="Every program's state and URLs as JSON.")] = False,
+    wide: Annotated[bool, typer.Option(
+        "--wide", help="Also the pool, pid and every URL each program serves, one per line; lines may "
+        "then be longer than the terminal, but no URL is split.")] = False,
+    as_json: Annotated[bool, typer.Option(
+        "--json", help="Everything, machine-readable: every program's state, pid, URLs and log, and the cluster.")
+    ] = False,
 ) -> None:
-    """Programs as supervisord sees them (pool, pid, state, uptime, model, port) and their health."""
+    """Programs as supervisord sees them: state, health, uptime, GPUs, model and what each serves.
+
+    The table fits 80 columns: `serves` is the port (`:8080`) or `socket` (an engine's Unix
+    socket); `--wide` adds the pool, the pid and the full URLs, `--json` everything.
+    """
     report = lifecycle.status(Home.from_env())
     if as_json:
         out.print_json(json.dumps(report))
@@ -66,28 +81,119 @@ def status(
     if not report["supervisord"]["running"]:
         out.print("down (supervisord is not running)")
         return
-    _print_programs(report)
+    print_status(out, report, wide=wide)
 
 
-def _print_programs(report: dict[str, Any]) -> None:
-    from rich.table import Column, Table  # only when something runs
-
-    table = Table(*(Column(name, overflow="fold") for name in
-                    ("program", "pool", "gpus", "state", "pid", "uptime", "model", "serves", "health")))
-    for p in report["programs"]:
-        table.add_row(p["name"], p["pool"] or "-", ",".join(map(str, p["gpus"])) or "-", p["state"],
-                      str(p["pid"] or "-"),
-                      time.strftime("%H:%M:%S", time.gmtime(p["uptime_s"])), p["model"] or "-",
-                      " ".join(p["urls"].values()), "ok" if p["healthy"] else "no")
-    out.print(table)
+def print_status(console: Console, report: dict[str, Any], *, wide: bool = False) -> None:
+    """The programs, each pool spanning hosts, and where the logs are."""
+    if wide:
+        console.print(Unbounded(wide_table(report["programs"])), crop=False)
+    else:
+        console.print(programs_table(report["programs"]))
     for pool in report["cluster"]:
-        ranks = Table(*(Column(name, overflow="fold") for name in
-                        ("node", "host", "host state", "rank", "pid", "epoch", "last heartbeat")),
-                      title=f"pool {pool['pool']} across hosts: {'serving' if pool['ready'] else pool['why']} "
-                            f"(epoch {pool['epoch']})")
-        for rank in pool["ranks"]:
-            seen = rank["seen_s_ago"]
-            ranks.add_row(str(rank["node"]), rank["host"], rank["host_state"], "up" if rank["running"] else "down",
-                          str(rank["pid"] or "-"), str(rank["epoch"]), "-" if seen is None else f"{seen:.1f} s ago")
-        out.print(ranks)
-    out.print(f"logs: {report['home']}/logs")
+        console.print(cluster_table(pool))
+    # soft_wrap: a long state directory stays one line rather than being cut mid-path
+    console.print(f"logs: {report['home']}/logs", soft_wrap=True, highlight=False)
+
+
+def _table(*columns: Column, title: str | None = None) -> Table:
+    """No borders, one space between columns (as `ps`): room for the data at 80 columns."""
+    from rich.table import Table
+
+    return Table(*columns, title=title, title_justify="left", box=None, padding=(0, 1, 0, 0), pad_edge=False,
+                 header_style="bold")
+
+
+def _word(header: str) -> Column:
+    """A column of single words (names, states, numbers): never broken inside one; shortened with
+    an ellipsis only if the terminal is too narrow even for the words themselves."""
+    from rich.table import Column
+
+    return Column(header, no_wrap=True, overflow="ellipsis")
+
+
+def _prose(header: str) -> Column:
+    """A column of a few words, wrapped between them."""
+    from rich.table import Column
+
+    return Column(header)
+
+
+def _whole(header: str) -> Column:
+    """A column whose lines are never wrapped or cut (URLs): the table grows instead."""
+    from rich.table import Column
+
+    return Column(header, no_wrap=True, overflow="ignore")
+
+
+def programs_table(programs: list[dict[str, Any]]) -> Table:
+    """The compact table: every value is short, so it fits 80 columns without breaking a word."""
+    table = _table(*map(_word, ("program", "state", "health", "uptime", "gpus", "serves", "model")))
+    for p in programs:
+        table.add_row(p["name"], p["state"], _health(p), duration(p["uptime_s"]), gpu_ranges(p["gpus"]),
+                      short_serves(p), p["model"] or "-")
+    return table
+
+
+def wide_table(programs: list[dict[str, Any]]) -> Table:
+    """Every column and every URL (`name url`, one per line), at the table's natural width."""
+    table = _table(*map(_word, ("program", "pool", "state", "health", "pid", "uptime", "gpus", "model")),
+                   _whole("serves"))
+    for p in programs:
+        urls = "\n".join(f"{name} {url}" for name, url in p["urls"].items()) or "-"
+        table.add_row(p["name"], p["pool"] or "-", p["state"], _health(p), str(p["pid"] or "-"),
+                      duration(p["uptime_s"]), gpu_ranges(p["gpus"]), p["model"] or "-", urls)
+    return table
+
+
+def cluster_table(pool: dict[str, Any]) -> Table:
+    """A pool spanning hosts: each rank's host, state, epoch and last heartbeat."""
+    title = f"pool {pool['pool']} across hosts: {'serving' if pool['ready'] else pool['why']} (epoch {pool['epoch']})"
+    table = _table(_word("node"), _word("host"), _prose("host state"), _word("rank"), _word("pid"), _word("epoch"),
+                   _prose("last heartbeat"), title=title)
+    for rank in pool["ranks"]:
+        seen = rank["seen_s_ago"]
+        table.add_row(str(rank["node"]), rank["host"], rank["host_state"], "up" if rank["running"] else "down",
+                      str(rank["pid"] or "-"), str(rank["epoch"]), "-" if seen is None else f"{seen:.1f} s ago")
+    return table
+
+
+class Unbounded:
+    """A renderable drawn at its natural width even past the console's: lines may run long (the
+    terminal wraps them; a log keeps them whole), but Rich never breaks a value inside."""
+
+    def __init__(self, renderable: RenderableType) -> None:
+        self.renderable = renderable
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        natural = Measurement.get(console, options.update(width=_UNBOUNDED), self.renderable).maximum
+        yield from console.render(self.renderable, options.update(width=max(natural, options.max_width)))
+
+
+_UNBOUNDED = 100_000  # wider than any table status draws
+
+
+def _health(program: dict[str, Any]) -> str:
+    return "ok" if program["healthy"] else "no"
+
+
+def gpu_ranges(gpus: list[int]) -> str:
+    """GPU indexes as one word with runs joined: [0, 1, 2, 3, 6] -> 0-3,6; none -> -."""
+    runs: list[list[int]] = []
+    for gpu in sorted(gpus):
+        if runs and gpu == runs[-1][-1] + 1:
+            runs[-1].append(gpu)
+        else:
+            runs.append([gpu])
+    return ",".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs) or "-"
+
+
+def short_serves(program: dict[str, Any]) -> str:
+    """Where a program listens, short: its loopback port (:8080), `socket` (a Unix socket), else the
+    ports of the URLs it serves."""
+    if program["port"]:
+        return f":{program['port']}"
+    if program["socket"]:
+        return "socket"
+    ports = [f":{port}" for url in program["urls"].values() if (port := urlsplit(url).port)]
+    return ",".join(dict.fromkeys(ports)) or "-"

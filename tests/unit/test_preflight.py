@@ -4,14 +4,20 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from appliance.home import Home
 from appliance.records import Gpu, HardwareProfile, Host
+from appliance.supervisor import ProcessInfo, ProcessState
+from installer import preflight as checks_module
 from installer.hardware import load_profile
 from installer.preflight import MIN_RAM_BYTES, Check, run_checks
 from tests.support.appliances import Appliance, make_appliance
@@ -66,6 +72,9 @@ def test_no_gpu_warns_and_needs_no_driver(tmp_path: Path) -> None:
     assert result["gpus"].reason == "no NVIDIA GPU: the CPU engine will be used"
     assert result["gpus"].fix
     assert result["cuda driver"].status == "pass"
+    # Nothing to check on no GPU: the GPU checks say so rather than claim the GPUs are fine.
+    assert result["mig"].reason == result["gpu memory health"].reason == "skipped (no GPU)"
+    assert result["mig"].status == result["gpu memory health"].status == "pass"
 
 
 def test_unreadable_gpu_fails(tmp_path: Path) -> None:
@@ -163,6 +172,64 @@ def test_a_taken_port_fails_and_says_which(tmp_path: Path, busy_port: int) -> No
     assert check.status == "fail"
     assert check.reason == f"cannot listen on 127.0.0.1: {busy_port} (in use); 2 ports needed"
     assert checks(host(), tmp_path, ports=[free])["ports"].reason == f"free on 127.0.0.1: {free}"
+
+
+class RunningAppliance:
+    """supervisord of an appliance that runs, as appliance_ports asks it: these programs and pids."""
+
+    def __init__(self, programs: dict[str, int]) -> None:
+        self.programs = programs
+
+    def __call__(self, home: Home) -> RunningAppliance:
+        return self
+
+    def is_running(self) -> bool:
+        return True
+
+    def processes(self) -> list[ProcessInfo]:
+        return [ProcessInfo(name=name, state=ProcessState.RUNNING, pid=pid, uptime_s=60, log=Path("/dev/null"),
+                            description="") for name, pid in self.programs.items()]
+
+
+@pytest.fixture
+def listener_child() -> Iterator[int]:
+    """A child process of this one listening on a port, as a program's own child (an engine's) would."""
+    code = ("import socket, sys, time\ns = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()\n"
+            "print(s.getsockname()[1], flush=True); time.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        yield int(child.stdout.readline())
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_ports_the_running_appliance_holds_are_no_conflict(tmp_path: Path, home: Home, busy_port: int,
+                                                          listener_child: int,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # This test process and the child it started stand for two programs of a running appliance.
+    monkeypatch.setattr(checks_module, "Supervisor", RunningAppliance({"gateway": os.getpid(), "stopped": 0}))
+    free = free_port()
+    check = checks(host(), tmp_path, ports=[busy_port, free, listener_child], home=home)["ports"]
+    assert check.status == "pass", check
+    assert check.reason == (f"free on 127.0.0.1: {free}; held by this appliance, which is running: "
+                            f"{busy_port} (gateway), {listener_child} (gateway)")
+    only_ours = checks(host(), tmp_path, ports=[busy_port], home=home)["ports"]
+    assert only_ours.reason == f"held by this appliance, which is running: {busy_port} (gateway)"
+
+
+def test_a_port_held_by_something_else_fails_though_the_appliance_runs(tmp_path: Path, home: Home, busy_port: int,
+                                                                       listener_child: int,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(checks_module, "Supervisor", RunningAppliance({"keycloak": 999_999_999}))  # no such process
+    check = checks(host(), tmp_path, ports=[busy_port], home=home)["ports"]
+    assert check.status == "fail" and f"{busy_port} (in use)" in check.reason
+
+
+def test_an_appliance_that_is_not_running_holds_no_port(home: Home, busy_port: int) -> None:
+    assert checks_module.appliance_ports(home) == {}
+    assert checks_module.appliance_ports(Home(Path("/tmp") / ("x" * 120))) == {}  # no supervisord could run there
 
 
 def test_java(tmp_path: Path, java_home: str, monkeypatch: pytest.MonkeyPatch) -> None:
