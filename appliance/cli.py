@@ -32,6 +32,7 @@ CORE_COMMANDS = {
     "status": "appliance.commands.lifecycle:status",
     "settings": "appliance.commands.settings:settings_app",
     "token": "appliance.commands.token:token",
+    "whoami": "appliance.commands.token:whoami",
     "users": "appliance.commands.users:users_app",
     "adapters": "appliance.commands.adapters:adapters_app",
     "serving": "appliance.commands.serving:serving_app",
@@ -42,9 +43,10 @@ CORE_COMMANDS = {
 SUMMARIES = {
     "up": "Start supervisord and every engine pool; wait until each answers; print what runs where.",
     "down": "Stop every program and supervisord, and end any process they left behind.",
-    "status": "Programs as supervisord sees them (pool, pid, state, uptime, model, port) and their health.",
+    "status": "Programs as supervisord sees them: state, health, uptime, GPUs, model and what each serves.",
     "settings": "Show the settings file, its defaults and the values in effect.",
     "token": "Log in (device code by default; a password for scripts), cache the token 0600, refresh it.",
+    "whoami": "Who the cached login is: user, roles, client, and when its access and refresh tokens expire.",
     "users": "Users and roles of the realm (through the gateway's admin API).",
     "adapters": "LoRA adapters: list, deploy into the running engine, canary, roll back, retire (through the "
                 "gateway's admin API).",
