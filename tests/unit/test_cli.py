@@ -11,6 +11,7 @@ import typer
 from typer.testing import CliRunner
 
 from appliance import cli
+from appliance.home import Home
 from tests.support.appliances import APPLIANCE, Appliance, make_appliance
 
 
@@ -87,3 +88,27 @@ def test_console_script_is_installed() -> None:
                   "finetune": {"data", "finetune", "rl"}, "audit": {"audit"}, "tui": {"tui"}}
     missing = {package: names - listed for package, names in by_package.items() if names - listed}
     assert not missing, shown.stdout
+
+
+def test_json_is_the_answer_whole_and_nothing_else(monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    from appliance.commands import users
+
+    answer = [{"username": "alice", "enabled": True, "roles": ["user"]}]
+    monkeypatch.setattr(users, "admin_api", lambda method, path, **_: answer)
+    shown = CliRunner().invoke(cli.app, ["users", "list", "--json"])
+    assert shown.exit_code == 0, shown.output
+    assert json.loads(shown.stdout) == answer
+
+
+def test_no_python_repr_reaches_the_reader(home: Home) -> None:
+    """An unknown dataset's hint names the datasets as words, not as a Python list."""
+    from appliance.errors import ApplianceError
+    from finetune import cli as finetune_cli
+    from finetune.datasets import register
+
+    register(home, {"faq": "0" * 64, "support": "1" * 64})
+    with pytest.raises(ApplianceError) as caught:
+        finetune_cli._check("bot", "missing", "demo", home)
+    assert caught.value.hint == "datasets: faq, support"
