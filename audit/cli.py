@@ -19,7 +19,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from rich.console import Console
 
 from appliance.artifacts import artifact_store
-from appliance.changes import Change, records_change
+from appliance.changes import Change, note_target, records_change
+from appliance.commands.common import old_spelling
 from appliance.errors import ApplianceError
 from appliance.home import Home
 from appliance.settings import load_settings
@@ -77,6 +78,7 @@ def archive_command() -> None:
     done = archive(home.audit, artifact_store(settings.artifacts, home),
                    retain_days=settings.audit.archive_retention_days,
                    require_lock=settings.audit.archive_require_lock)
+    note_target("archive", done.location)
     lock = (f"write-once (Object Lock COMPLIANCE, {settings.audit.archive_retention_days} days)"
             if done.locked else "NOT write-once (the store does not lock copies)")
     copied = ", ".join(Path(key).name for key in done.files) or "nothing new"
@@ -84,7 +86,7 @@ def archive_command() -> None:
               f"{Path(done.checkpoints).name if done.checkpoints else 'unchanged'}; copies are {lock}")
 
 
-@audit_app.command("public-key")
+@audit_app.command("export-public-key")
 def public_key_command() -> None:
     """Print the checkpoint-signing public key (PEM) to give to auditors."""
     typer.echo(public_pem(verification_key(Home.from_env())).decode(), nl=False)
@@ -166,8 +168,10 @@ def record_change(home: Home, change: Change) -> None:
     settings = load_settings(home.settings_file)
     home.ensure()  # the signing key lives in its secrets
     event = AuditEvent(request_id=uuid.uuid4().hex, action=change.action, outcome=change.outcome,
-                       status=change.exit_status, subject=f"uid:{os.getuid()}", username=_local_user(),
-                       client="appliance-cli", source="local", resource=change.detail)
+                       status=change.exit_status, subject=f"uid:{os.getuid()}",
+                       username=change.actor or _local_user(), client=change.actor or "appliance-cli",
+                       source="local", resource="cli", target=change.target, detail=change.detail,
+                       error=change.error, reason=change.reason)
     try:
         writer = AuditWriter(home.audit, signing_key(home), max_file_bytes=settings.audit.max_file_bytes)
         try:
@@ -185,3 +189,6 @@ def _local_user() -> str:
         return getpass.getuser()
     except (OSError, KeyError):
         return f"uid:{os.getuid()}"
+
+
+old_spelling(audit_app, "audit public-key", "audit export-public-key", public_key_command)

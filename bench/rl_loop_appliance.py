@@ -105,7 +105,7 @@ def measure_loop() -> dict[str, Any]:
     try:
         cli(env, "up")
         settings = load_settings(home.settings_file, environ=env)
-        cli(env, "rl", "tasks", "starter")
+        cli(env, "rl", "tasks", "add-starter")
         times: dict[str, list[float]] = {"pipelined": [], "sequential": [], "generate": [], "execute": []}
         for turn in range(TURNS):
             generated, executed = sequential(settings, home, root, turn)

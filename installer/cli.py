@@ -151,7 +151,7 @@ def _java_home(settings: Settings) -> str | None:
         return settings.keycloak.java_home
 
 
-_STATUS_STYLE = {"pass": "green", "warn": "yellow", "fail": "red"}
+_STATUS_STYLE = {"pass": "green", "skip": "dim", "warn": "yellow", "fail": "red"}
 
 
 def _print_checks(checks: list[preflight.Check]) -> None:

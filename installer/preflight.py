@@ -37,7 +37,7 @@ class Check(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str
-    status: Literal["pass", "warn", "fail"]
+    status: Literal["pass", "skip", "warn", "fail"]
     reason: str
     fix: str | None = None
 
@@ -93,7 +93,7 @@ def _any_gpu(profile: HardwareProfile) -> bool:
 def _skipped(name: str) -> Check:
     """A GPU check on hosts without GPUs: nothing was checked, so it claims nothing (it blocks
     nothing either: the gpus check already warns)."""
-    return Check(name=name, status="pass", reason="skipped (no GPU)")
+    return Check(name=name, status="skip", reason="skipped (no GPU)")
 
 
 def _mixed_gpus(profile: HardwareProfile) -> Check:
@@ -177,7 +177,7 @@ def _cuda(profile: HardwareProfile, engine: Engine | None, build: tuple[int, int
         return Check(name="cuda driver", status="pass",
                      reason="the CPU engine needs no CUDA driver" if engine else "no engine installed (see engine)")
     if not gpu_hosts:
-        return Check(name="cuda driver", status="pass", reason="no GPU here to drive (see engine)")
+        return Check(name="cuda driver", status="skip", reason="skipped (no GPU)")
     old = [h for h in gpu_hosts if (v := _cuda_tuple(h.cuda_version)) is not None and v < build]
     if old:
         said = "; ".join(f"{h.name}: driver {h.driver_version or '?'} supports CUDA {h.cuda_version}"

@@ -47,13 +47,15 @@ class KeyAuthenticator:
         self._owners: dict[str, _Owner] = {}
         self._used: dict[str, float] = {}  # key name -> when its last use was written
 
-    async def principal(self, bearer: str) -> Principal:
-        """The principal an API key acts as, else AuthError saying why."""
+    async def principal(self, bearer: str, known: Callable[[api_keys.ApiKey], None] = lambda key: None) -> Principal:
+        """The principal an API key acts as, else AuthError saying why; `known` is told the key
+        once it is found, so that a refusal's record can name it and its owner."""
         if not api_keys.well_formed(bearer):
             raise AuthError("malformed", "not a well-formed API key (apk- and 43 characters)")
         key = self._key(api_keys.digest(self.home, bearer))
         if key is None:
             raise AuthError("invalid_key", "API key is not valid")
+        known(key)
         now = datetime.now(UTC)
         if key.revoked is not None:
             raise AuthError("revoked_key", f"API key {key.name!r} was revoked")

@@ -16,6 +16,7 @@ import anyio
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from appliance.api_keys import ApiKey
 from appliance.changes import Outcome, Target
 from audit import AuditEvent, AuditUnavailable, AuditWriter, TextHasher
 from serve.answer import Answer
@@ -273,6 +274,7 @@ class AuditMiddleware:
     def _build(self, scope: Scope, state: dict[str, Any], status: int, started: float,
                source: str | None) -> AuditEvent:
         who: Principal | None = state.get("principal")
+        key: ApiKey | None = None if who else state.get("refused_key")  # a key found, then refused
         transcript: Transcript = state.get("transcript") or Transcript()
         action = cap_text(action_of(scope, status))
         completion = transcript.answer.canonical()
@@ -280,8 +282,8 @@ class AuditMiddleware:
             request_id=state.get("request_id", ""),
             action=action,
             outcome=outcome_of(status), status=status,
-            subject=who.subject if who else None, username=who.username if who else None,
-            client=who.client if who else None, key=who.key if who else None, source=source,
+            subject=who.subject if who else None, username=who.username if who else key and key.owner,
+            client=who.client if who else key and key.name, key=who.key if who else key and key.name, source=source,
             resource=resource_of(scope), target=target_of(scope, action),
             model=cap_text(transcript.model) if transcript.model else None,
             reason=reason_of(status, state.get("error_body", b"")),

@@ -50,7 +50,7 @@ async def authenticated(
             if request.url.path.startswith("/admin/"):
                 raise AuthError("key_not_allowed", "API keys cannot use the admin API; log in with "
                                 "`appliance login` (or a Keycloak token)", status=403)
-            who = await gateway.keys.principal(key)
+            who = await gateway.keys.principal(key, known=lambda found: setattr(request.state, "refused_key", found))
         else:
             who = await gateway.validator.validate(authorization)
     except AuthError as exc:

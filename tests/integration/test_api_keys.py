@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -21,8 +22,12 @@ from tests.integration.conftest import Running
 from tests.integration.realm import Realm
 
 MODEL = "SmolLM2-135M-Instruct"
+RUN = uuid.uuid4().hex[:6]  # key names are never reused: each run makes its own
+K = {name: f"{name}-{RUN}" for name in ("kate-app", "kurt-app", "kurt-old", "kim-scoped", "kim-app", "kbench-app",
+                                        "kim-for-kate", "kim-x")}
 PASSWORD = "Test-password-1"
 INTROSPECT_TTL_S = 10  # the gateway's default: a disabled owner's keys stop within it
+REFUSAL_INTERVAL_S = 10  # audit.refusal_interval_s's default
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
@@ -30,7 +35,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 def realm(running: Running) -> Realm:
     realm = Realm(running)
     for user in ("kate", "kurt", "kim"):
-        realm.ensure_user(user, PASSWORD, ["user"])
+        realm.admin.update_user(realm.ensure_user(user, PASSWORD, ["user"]), {"enabled": True})  # kim: disabled before
     return realm
 
 
@@ -62,7 +67,7 @@ def refused(call: Any) -> openai.APIStatusError:
 
 def test_a_key_chats_streams_and_batches_and_every_record_names_it(realm: Realm, running: Running,
                                                                      tmp_path: Path) -> None:
-    key = new_key(realm, "kate-app", "kate")
+    key = new_key(realm, K["kate-app"], "kate")
     assert key.startswith("apk-") and len(key) == 47
     stored = (running.appliance.home.root / "api-keys.json").read_text()
     assert key not in stored and key[4:] not in stored  # only a keyed hash is kept
@@ -85,42 +90,47 @@ def test_a_key_chats_streams_and_batches_and_every_record_names_it(realm: Realm,
         time.sleep(0.5)
     assert batch.status == "completed" and batch.request_counts.completed == 2, batch
 
-    mine = [r for r in records(running) if r.get("key") == "kate-app"]
+    mine = [r for r in records(running) if r.get("key") == K["kate-app"]]
     actions = {r["action"] for r in mine}
     assert {"models.list", "chat.completions", "files.create", "batches.create"} <= actions, actions
-    assert all(r["client"] == "kate-app" and r["username"] == "kate" for r in mine)
+    assert all(r["client"] == K["kate-app"] and r["username"] == "kate" for r in mine)
     [created] = [r for r in mine if r["action"] == "batches.create"]
     assert created["target"] == {"kind": "batch", "name": batch.id, "version": None, "roles": None}
-    ended = [r for r in records(running) if r["action"] == "batches.completed"
-             and (r.get("target") or {}).get("name") == batch.id]
-    assert ended and ended[0]["username"] == ended[0]["client"] == "batch-worker"
+    deadline = time.monotonic() + 60  # the worker records a batch's end after it has ended
+    while not (ended := [r for r in records(running) if r["action"] == "batches.completed"
+                         and (r.get("target") or {}).get("name") == batch.id]):
+        assert time.monotonic() < deadline, "no record of the batch's end"
+        time.sleep(0.5)
+    assert ended[0]["username"] == ended[0]["client"] == "batch-worker"
     made = [r for r in records(running) if r["action"] == "keys.create"
-            and r.get("target", {}).get("name") == "kate-app"]
+            and r.get("target", {}).get("name") == K["kate-app"]]
     assert made and made[0]["outcome"] == "allowed" and made[0]["resource"] == "/admin/keys"
     assert key not in json.dumps(records(running))
 
 
 def test_revoked_expired_disabled_and_scoped_keys_are_refused(realm: Realm, running: Running) -> None:
-    key = new_key(realm, "kurt-app", "kurt")
+    key = new_key(realm, K["kurt-app"], "kurt")
     api = client(realm, key)
     api.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2)
     listed = admin(realm, "GET", "/keys", realm.token("kurt", PASSWORD)).json()
-    assert [k["name"] for k in listed] == ["kurt-app"] and listed[0]["state"] == "active"
-    assert "digest" not in listed[0] and listed[0]["last_used"] is not None
+    [listed] = [k for k in listed if k["name"] == K["kurt-app"]]
+    assert listed["state"] == "active" and listed["owner"] == "kurt"
+    assert "digest" not in listed and listed["last_used"] is not None
     # Revoked mid-use: the next call is refused.
-    assert admin(realm, "POST", "/keys/kurt-app/revoke", realm.token("kurt", PASSWORD)).status_code == 200
+    assert admin(realm, "POST", f"/keys/{K['kurt-app']}/revoke", realm.token("kurt", PASSWORD)).status_code == 200
     error = refused(lambda: api.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2))
     assert error.status_code == 401 and error.body["code"] == "revoked_key"
 
     # Expired: a key whose expiry has passed (the registry written as time would have it).
-    stale = new_key(realm, "kurt-old", "kurt", expires_in="1h")
+    stale = new_key(realm, K["kurt-old"], "kurt", expires_in="1h")
     with api_keys.registry(running.appliance.home).change() as keys:
-        keys["kurt-old"] = keys["kurt-old"].model_copy(update={"expires": datetime.now(UTC) - timedelta(seconds=1)})
+        past = datetime.now(UTC) - timedelta(seconds=1)
+        keys[K["kurt-old"]] = keys[K["kurt-old"]].model_copy(update={"expires": past})
     error = refused(lambda: client(realm, stale).models.list())
     assert error.status_code == 401 and error.body["code"] == "expired_key"
 
     # A model limit: other models are refused, the listing shows only its own.
-    scoped = client(realm, new_key(realm, "kim-scoped", "kim", models=["some-other-model"]))
+    scoped = client(realm, new_key(realm, K["kim-scoped"], "kim", models=["some-other-model"]))
     error = refused(lambda: scoped.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2))
     assert error.status_code == 403 and error.body["code"] == "model_not_allowed"
     assert scoped.models.list().data == []
@@ -128,15 +138,15 @@ def test_revoked_expired_disabled_and_scoped_keys_are_refused(realm: Realm, runn
     # Keys never reach /admin, not even to make keys.
     keyed = admin(realm, "GET", "/keys", key)
     assert keyed.status_code in (401, 403)
-    other = new_key(realm, "kim-app", "kim")
+    other = new_key(realm, K["kim-app"], "kim")
     assert admin(realm, "GET", "/keys", other).json()["error"]["code"] == "key_not_allowed"
     # A user manages their own keys only.
     assert admin(realm, "POST", "/keys", realm.token("kim", PASSWORD),
-                 json={"name": "kim-for-kate", "owner": "kate"}).status_code == 403
+                 json={"name": K["kim-for-kate"], "owner": "kate"}).status_code == 403
     # A bad name or duration names the field.
     bad = admin(realm, "POST", "/keys", json={"name": "../x", "owner": "kim"})
     assert bad.status_code in (400, 422) and "name" in bad.text
-    bad = admin(realm, "POST", "/keys", json={"name": "kim-x", "owner": "kim", "expires_in": "tomorrow"})
+    bad = admin(realm, "POST", "/keys", json={"name": K["kim-x"], "owner": "kim", "expires_in": "tomorrow"})
     assert bad.status_code == 400 and "expires_in" in bad.text
 
     # Its owner disabled: their keys stop within the introspection interval.
@@ -152,16 +162,22 @@ def test_revoked_expired_disabled_and_scoped_keys_are_refused(realm: Realm, runn
             break
         assert time.monotonic() < deadline, "a disabled user's key kept working"
         time.sleep(0.5)
-    denied = [r for r in records(running) if r.get("key") == "kim-app" and r["outcome"] == "denied"]
-    assert denied and denied[-1]["reason"] == "inactive"
+    # Its refusal names the key and its owner: in a record of its own, or (refusals from one source
+    # are summarised per interval) in the summary the interval ends with.
+    deadline = time.monotonic() + REFUSAL_INTERVAL_S + 30
+    while not [r for r in records(running) if r.get("key") == K["kim-app"] and r["reason"] == "inactive"
+               and r["username"] == "kim" and r["outcome"] == "denied"]:
+        assert time.monotonic() < deadline, "no record of the disabled owner's key refused"
+        time.sleep(0.5)
 
 
 def test_the_gateway_adds_no_more_with_a_key_than_with_a_token(realm: Realm, running: Running,
                                                                  record_property: pytest.RecordProperty) -> None:
     """/v1/models answered by the gateway alone (its engine listing): a key against a cached token,
     taking turns, 200 rounds each; the ratio of their medians is the figure."""
-    key = new_key(realm, "kate-bench", "kate")
-    token = realm.token("kate", PASSWORD)
+    realm.ensure_user("kbench", PASSWORD, ["admin"])  # an administrator's rate limit: 400 calls pass
+    key = new_key(realm, K["kbench-app"], "kbench")
+    token = realm.token("kbench", PASSWORD)
     timings: dict[str, list[float]] = {"key": [], "token": []}
     with httpx.Client(base_url=realm.gateway, timeout=60) as http:
         for _ in range(200):

@@ -145,7 +145,7 @@ def test_a_run_survives_killed_workers_and_leaves_verifiable_trajectories_in_the
     run = runs.get(cli.home, run_id)
     assert run.state == "succeeded" and run.attempts == 2, run
 
-    listed = cli.run("rl", "trajectories", str(run_id), "--json")
+    listed = cli.run("rl", "show-trajectories", str(run_id), "--json")
     assert listed.returncode == 0, listed.stderr
     attempts = [Attempt.model_validate(a) for a in json.loads(listed.stdout)]
     keys = [a.key for a in attempts]
@@ -182,10 +182,10 @@ def test_a_run_survives_killed_workers_and_leaves_verifiable_trajectories_in_the
     original = bucket.get_object(BUCKET, segments[0]).read()
     changed = original.replace(b'"reward":', b'"reward": ', 1)
     bucket.put_object(BUCKET, segments[0], io.BytesIO(changed), len(changed))
-    tampered = cli.run("rl", "trajectories", str(run_id))
+    tampered = cli.run("rl", "show-trajectories", str(run_id))
     assert tampered.returncode == 1 and "was changed" in tampered.stderr, tampered.stdout + tampered.stderr
     bucket.put_object(BUCKET, segments[0], io.BytesIO(original), len(original))
-    shown = cli.run("rl", "trajectories", str(run_id), "--task", corrections[0].task)
+    shown = cli.run("rl", "show-trajectories", str(run_id), "--task", corrections[0].task)
     assert shown.returncode == 0 and "fed back" in shown.stdout, shown.stderr
 
     # Every generation went through the gateway as the service identity, and was audited.
@@ -322,6 +322,6 @@ def test_the_tui_shows_runs_and_one_attempt_with_its_correction(lab: Lab) -> Non
 
 
 def rl_attempts(cli: Appliance, run_id: int) -> list[Attempt]:
-    listed = cli.run("rl", "trajectories", str(run_id), "--json")
+    listed = cli.run("rl", "show-trajectories", str(run_id), "--json")
     assert listed.returncode == 0, listed.stderr
     return [Attempt.model_validate(a) for a in json.loads(listed.stdout)]

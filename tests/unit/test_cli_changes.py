@@ -73,7 +73,7 @@ def test_audit_tail_prints_the_last_records_then_only_new_ones(appliance: Applia
 def test_audit_verify_never_makes_the_key_it_verifies_with(appliance: Appliance) -> None:
     """A key made at verification would sign nothing in the log: verifying against it proves nothing."""
     key_file = appliance.home.secrets / "audit-signing-key.pem"
-    for command in (("audit", "verify"), ("audit", "public-key")):
+    for command in (("audit", "verify"), ("audit", "export-public-key")):
         refused = appliance.run(*command)
         assert refused.returncode == 1 and "no audit signing key" in refused.stderr, refused.stderr
         assert "--public-key" in refused.stderr

@@ -20,8 +20,7 @@ VERBS = {"add", "archive", "build", "cancel", "canary", "create", "deploy", "dis
          "revoke", "rollback", "run", "show", "status", "submit", "tail", "unlock", "verify"}
 READS = {"list", "show", "status"}  # these take --json
 # Commands in groups that other people's modules own, not yet renamed to the style: path -> the owner.
-NOT_YET = {"rl trajectories": "finetune/rl/cli.py", "rl tasks humaneval": "finetune/rl/cli.py",
-           "rl tasks starter": "finetune/rl/cli.py", "audit public-key": "audit/cli.py"}
+NOT_YET: dict[str, str] = {}
 TYPE_LABELS = ("<bool>", "<str>", "<int", "<float", "<path>", "TEXT", "INTEGER", "FLOAT", "BOOLEAN")
 
 

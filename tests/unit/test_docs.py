@@ -140,7 +140,7 @@ def test_every_quoted_appliance_command_exists() -> None:
 def test_the_command_check_catches_what_is_not_there() -> None:
     root = _root_command()
     assert _problem(root, " users add alice --role user") is None
-    assert _problem(root, " -v rl tasks starter [--name N]") is None
+    assert _problem(root, " -v rl tasks add-starter [--name N]") is None
     assert _problem(root, " users purge alice") is not None
     assert _problem(root, " users add alice --colour blue") is not None
 

@@ -1,0 +1,70 @@
+"""Keys: the API keys applications call with (yours, or everyone's for an administrator); create
+one (shown once), revoke an active one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.widgets import DataTable
+
+from tui.dialogs import Detail, Field, Form
+from tui.panel import Panel
+
+EXPIRIES = ("90d", "30d", "7d", "365d", "never")
+
+
+class Keys(Panel):
+    DEFAULT_CSS = Panel.DEFAULT_CSS + "#keys { height: 1fr; }"
+    BINDINGS = [Binding("n", "create", "Create"), Binding("x", "revoke", "Revoke")]
+    EMPTY = {"keys": "No API keys yet: create one with n (or `appliance keys create NAME --user USER`)."}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.keys: dict[str, dict[str, Any]] = {}
+
+    def body(self) -> ComposeResult:
+        yield from self.listing("keys")
+
+    def on_mount(self) -> None:
+        self.query_one("#keys", DataTable).add_columns("name", "owner", "state", "expires", "last used")
+
+    async def load(self) -> None:
+        keys = await self.client.call("GET", "/keys")
+        self.keys = {key["name"]: key for key in keys}
+        self.fill("keys", [(key["name"], (key["name"], key["owner"], key["state"], _day(key["expires"]) or "never",
+                                          _day(key["last_used"]) or "never")) for key in keys])
+
+    def offers(self, action: str, parameters: tuple[object, ...]) -> bool:
+        if action == "revoke":
+            name = self.selected("keys")
+            return name is not None and self.keys.get(name, {}).get("state") == "active"
+        return True
+
+    def action_create(self) -> None:
+        def chosen(values: dict[str, str] | None) -> None:
+            if values is None:
+                return
+
+            async def create() -> None:
+                expiry = None if values["expires"] == "never" else values["expires"]
+                made: Any = await self.client.call("POST", "/keys", json={
+                    "name": values["name"], "owner": values["owner"], "expires_in": expiry})
+                self.app.push_screen(Detail(f"API key {made['name']} for {made['owner']}",
+                                            f"The key (shown only now):\n{made['secret']}"))
+
+            self.act(create, f"API key {values['name']} created")
+
+        self.app.push_screen(Form("Create an API key", [Field("name", "name"), Field("owner", "user"),
+                                                        Field("expires", "expires in", EXPIRIES)]), chosen)
+
+    def action_revoke(self) -> None:
+        name = self.selected("keys")
+        if name is not None:
+            self.act(lambda: self.client.call("POST", f"/keys/{name}/revoke"), f"API key {name} revoked",
+                     f"Revoke API key {name!r}? Its next request is refused.")
+
+
+def _day(stamp: str | None) -> str:
+    return stamp[:16].replace("T", " ") if stamp else ""
