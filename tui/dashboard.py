@@ -1,5 +1,5 @@
-"""Dashboard: supervised services with start/stop/restart, host usage (GPUs from NVML, else CPU
-and memory) and the gateway's live traffic with small charts."""
+"""Dashboard: supervised services with start/stop/restart (each offered where it applies), host
+usage (GPUs from NVML, else CPU and memory) and the gateway's live traffic with small charts."""
 
 from __future__ import annotations
 
@@ -11,12 +11,27 @@ from typing import Any
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal
-from textual.widgets import DataTable, Sparkline, Static
+from textual.widgets import DataTable, Label, Sparkline, Static
 
 from tui.metrics import Rates, Scrape, parse, rates
-from tui.panel import Panel, duration, fill, gib, selected_key
+from tui.panel import Panel, duration, fill, gib
 
 HISTORY = 60  # samples per chart
+# supervisord's states in which each action applies; the gateway serves this screen and takes none.
+STARTABLE = ("STOPPED", "EXITED", "FATAL")
+STOPPABLE = ("RUNNING", "STARTING", "BACKOFF")
+RESTARTABLE = ("RUNNING",)
+ACTIONS = {"start": STARTABLE, "stop": STOPPABLE, "restart": RESTARTABLE}
+# NVML's words when there is no NVIDIA driver at all, as on a CPU-only host.
+NO_DRIVER = ("Shared Library Not Found", "Driver Not Loaded")
+
+
+def gpu_line(usage: dict[str, Any]) -> str:
+    """Why there are no GPU figures: no GPU here (said plainly), or NVML failing on a GPU host."""
+    error = usage.get("gpu_error")
+    if not error or any(words in error for words in NO_DRIVER):
+        return "This host has no GPU: the CPU engine serves the models."
+    return f"GPU figures unavailable: {error}"
 
 
 class Dashboard(Panel):
@@ -28,18 +43,25 @@ class Dashboard(Panel):
     .chart { height: 1; }
     .chart Static { width: 14; padding: 0 1; }
     .chart Sparkline { width: 1fr; }
+    Label { padding: 0 1; text-style: bold; }
     """
-    BINDINGS = [Binding("s", "service('start')", "Start"), Binding("t", "service('stop')", "Stop"),
-                Binding("r", "service('restart')", "Restart")]
+    # Listed in the services' title (the footer lists the screens).
+    BINDINGS = [Binding("s", "service('start')", "start", show=False),
+                Binding("t", "service('stop')", "stop", show=False),
+                Binding("r", "service('restart')", "restart", show=False)]
+
+    EMPTY = {"services": "No services: supervisord runs none. Start the appliance with `appliance up`."}
 
     def __init__(self) -> None:
         super().__init__()
+        self.states: dict[str, str] = {}  # service -> its supervisord state
         self.last: Scrape | None = None
         self.history: dict[str, deque[float]] = {name: deque([0.0], maxlen=HISTORY)
                                                  for name in ("requests", "tokens", "p50")}
 
     def body(self) -> ComposeResult:
-        yield DataTable(id="services", cursor_type="row")
+        yield Label("Services", id="services-title")
+        yield from self.listing("services")
         yield Static("", id="host", markup=False)
         yield DataTable(id="gpus", cursor_type="none", show_cursor=False)
         yield Static("Gateway: waiting for a second sample", id="traffic", markup=False)
@@ -49,7 +71,6 @@ class Dashboard(Panel):
                 yield Sparkline(list(self.history[name]), id=f"chart-{name}")
 
     def on_mount(self) -> None:
-        super().on_mount()
         self.query_one("#services", DataTable).add_columns("service", "state", "pid", "uptime", "restarts")
         self.query_one("#gpus", DataTable).add_columns("gpu", "name", "util", "memory", "temp")
         self.query_one("#gpus", DataTable).display = False
@@ -57,9 +78,10 @@ class Dashboard(Panel):
     async def load(self) -> None:
         services, usage, text = await asyncio.gather(
             self.client.call("GET", "/services"), self.client.call("GET", "/system"), self.client.metrics_text())
-        fill(self.query_one("#services", DataTable),
-             [(s["name"], (s["name"], s["state"], s["pid"] or "-", duration(s["uptime_s"]) if s["pid"] else "-",
-                           s["restarts"])) for s in services])
+        self.states = {s["name"]: s["state"] for s in services}
+        self.fill("services", [(s["name"], (s["name"], s["state"], s["pid"] or "-",
+                                            duration(s["uptime_s"]) if s["pid"] else "-", s["restarts"]))
+                               for s in services])
         self._show_host(usage)
         scrape = parse(text, time.monotonic())
         if self.last is not None:
@@ -76,7 +98,7 @@ class Dashboard(Panel):
                                            "-" if g["temperature_c"] is None else f"{g['temperature_c']} C"))
                         for g in usage["gpus"]])
         else:
-            line += f"\nNo GPU figures: {usage.get('gpu_error') or 'no GPUs'}"
+            line += f"\n{gpu_line(usage)}"
         gpus.display = bool(usage["gpus"])
         self.query_one("#host", Static).update(line)
 
@@ -93,8 +115,20 @@ class Dashboard(Panel):
             self.history[name].append(value)
             self.query_one(f"#chart-{name}", Sparkline).data = list(self.history[name])
 
+    def offers(self, action: str, parameters: tuple[object, ...]) -> bool:
+        if action != "service":
+            return True
+        name, applies = self.selected("services"), ACTIONS.get(str(parameters[0]) if parameters else "", ())
+        return name is not None and name != "gateway" and self.states.get(name, "") in applies
+
+    def show_keys(self) -> None:
+        title = self.titled("Services", ["service"])
+        if self.selected("services") == "gateway":  # it serves this screen: say where it is stopped
+            title = "Services (the gateway stops with `appliance down`)"
+        self.query_one("#services-title", Label).update(title)
+
     def action_service(self, action: str) -> None:
-        name = selected_key(self.query_one("#services", DataTable))
+        name = self.selected("services")
         if name is None:
             return
         question = None if action == "start" else f"{action.capitalize()} the service {name!r}?"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rich.console import RenderableType
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
@@ -110,12 +111,12 @@ class Form(ModalScreen[dict[str, str] | None]):
 
 
 class Detail(ModalScreen[None]):
-    """Read-only text (a record, a generated password); Escape or Enter closes it."""
+    """Read-only text or a laid-out view (a record, a generated password); Escape or Enter closes it."""
 
     DEFAULT_CSS = DIALOG_CSS
     BINDINGS = [Binding("escape,enter,q", "close", "Close")]
 
-    def __init__(self, title: str, body: str) -> None:
+    def __init__(self, title: str, body: RenderableType) -> None:
         super().__init__()
         self.title_text = title
         self.body = body

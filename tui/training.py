@@ -1,5 +1,6 @@
 """Adapters and jobs: training jobs with live progress (cancel), adapter versions with their
-evaluation metrics, and deploy / canary / rollback of an adapter name, each confirmed first."""
+evaluation metrics, and deploy / canary / rollback of an adapter name, each confirmed first and
+offered only on a row it applies to."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.widgets import DataTable, Label
 
-from appliance.adapters import AdapterMetrics, AdapterRecord, Alias, Registry
+from appliance.adapters import AdapterMetrics, AdapterRecord, AdapterState, Alias, Registry
 from appliance.jobs import JobReport, JobState
 from tui.dialogs import Field, Form
-from tui.panel import Panel, duration, fill, selected_key
+from tui.panel import Panel, clip, duration
 
 
 def served(name: str, version: int, aliases: dict[str, Alias]) -> str:
@@ -34,6 +35,18 @@ def eval_summary(metrics: AdapterMetrics) -> str:
     return ", ".join(parts)
 
 
+CANCELLABLE = (JobState.QUEUED, JobState.RUNNING)
+DEPLOYABLE = (AdapterState.REGISTERED, AdapterState.CANARY)
+
+
+def rollback_question(name: str, alias: Alias) -> str:
+    """What rolling back `name` does, said before it is done."""
+    if alias.canary is not None:
+        return f"Roll back {name!r}: drop its canary v{alias.canary}?"
+    before = f"v{alias.history[-1]}" if alias.history else "the base model"
+    return f"Roll back {name!r} from v{alias.stable} to {before}?"
+
+
 class Training(Panel):
     REFRESH_S = 2.0
     DEFAULT_CSS = Panel.DEFAULT_CSS + """
@@ -41,47 +54,80 @@ class Training(Panel):
     Label { padding: 0 1; text-style: bold; }
     """
     # Listed above each table rather than in the footer, which holds the screen keys at 80 columns.
-    BINDINGS = [Binding("c", "cancel_job", "Cancel job", show=False), Binding("p", "deploy", "Deploy", show=False),
-                Binding("n", "canary", "Canary", show=False), Binding("b", "rollback", "Rollback", show=False)]
+    BINDINGS = [Binding("c", "cancel_job", "cancel", show=False), Binding("p", "deploy", "deploy", show=False),
+                Binding("n", "canary", "canary", show=False), Binding("b", "rollback", "rollback", show=False)]
+    EMPTY = {"jobs": "No training jobs yet: queue one with `appliance finetune submit --data DATASET --name "
+                     "ADAPTER` (store the dataset first with `appliance data add`).",
+             "adapters": "No adapters yet: train one with `appliance finetune submit`; each version it "
+                         "registers shows here, to deploy or try as a canary."}
 
     def __init__(self) -> None:
         super().__init__()
+        self.job_states: dict[str, JobState] = {}
         self.records: dict[str, AdapterRecord] = {}
+        self.aliases: dict[str, Alias] = {}
 
     def body(self) -> ComposeResult:
-        yield Label("Training jobs (c: cancel)")
-        yield DataTable(id="jobs", cursor_type="row")
-        yield Label("Adapters (p: deploy, n: canary, b: rollback)")
-        yield DataTable(id="adapters", cursor_type="row")
+        yield Label("Training jobs", id="jobs-title")
+        yield from self.listing("jobs")
+        yield Label("Adapters", id="adapters-title")
+        yield from self.listing("adapters")
 
     def on_mount(self) -> None:
-        super().on_mount()
         self.query_one("#jobs", DataTable).add_columns("job", "adapter", "state", "step", "loss", "tok/s", "ETA")
         self.query_one("#adapters", DataTable).add_columns("adapter", "v", "state", "served", "evaluation")
 
     async def load(self) -> None:
         job_list, answer = await asyncio.gather(self.client.call("GET", "/jobs"),
                                                 self.client.call("GET", "/adapters"))
+        self._show_jobs([JobReport.model_validate(j) for j in job_list])
+        self._show_adapters(Registry.model_validate(answer))
+
+    def _show_jobs(self, listed: list[JobReport]) -> None:
+        self.job_states = {str(job.id): job.state for job in listed}
         rows = []
-        for job in reversed([JobReport.model_validate(j) for j in job_list]):  # newest first
+        for job in reversed(listed):  # newest first
             p = job.progress
             rows.append((str(job.id), (
-                job.id, job.name, job.state, f"{p.step}/{p.max_steps}" if p else "-",
+                job.id, clip(job.name, 20), job.state, f"{p.step}/{p.max_steps}" if p else "-",
                 f"{p.loss:.3f}" if p and p.loss is not None else "-",
                 f"{p.tokens_per_s:.0f}" if p else "-",
                 duration(p.eta_s) if p and job.state == JobState.RUNNING else "-")))
-        fill(self.query_one("#jobs", DataTable), rows)
-        registry = Registry.model_validate(answer)
+        self.fill("jobs", rows)
+
+    def _show_adapters(self, registry: Registry) -> None:
         self.records = {f"{r.name}:{r.version}": r for r in registry.adapters}
-        fill(self.query_one("#adapters", DataTable),
-             [(key, (r.name, r.version, r.state, served(r.name, r.version, registry.aliases), eval_summary(r.metrics)))
-              for key, r in sorted(self.records.items(), key=lambda item: (item[1].name, -item[1].version))])
+        self.aliases = registry.aliases
+        self.fill("adapters", [
+            (key, (clip(r.name, 20), r.version, r.state, served(r.name, r.version, registry.aliases),
+                   eval_summary(r.metrics)))
+            for key, r in sorted(self.records.items(), key=lambda item: (item[1].name, -item[1].version))])
 
     def _adapter(self) -> AdapterRecord | None:
-        return self.records.get(selected_key(self.query_one("#adapters", DataTable)) or "")
+        return self.records.get(self.selected("adapters") or "")
+
+    def offers(self, action: str, parameters: tuple[object, ...]) -> bool:
+        if action == "cancel_job":
+            return self.job_states.get(self.selected("jobs") or "") in CANCELLABLE
+        if action not in ("deploy", "canary", "rollback"):
+            return True
+        r = self._adapter()
+        if r is None:
+            return False
+        alias = self.aliases.get(r.name)
+        if action == "deploy":
+            return r.state in DEPLOYABLE
+        if action == "canary":  # beside the stable version of a name already served
+            return r.state == AdapterState.REGISTERED and alias is not None
+        # on the version a rollback takes out of service: the canary if there is one, else the stable
+        return alias is not None and r.version == (alias.canary if alias.canary is not None else alias.stable)
+
+    def show_keys(self) -> None:
+        self.query_one("#jobs-title", Label).update(self.titled("Training jobs", ["cancel_job"]))
+        self.query_one("#adapters-title", Label).update(self.titled("Adapters", ["deploy", "canary", "rollback"]))
 
     def action_cancel_job(self) -> None:
-        job = selected_key(self.query_one("#jobs", DataTable))
+        job = self.selected("jobs")
         if job is not None:
             self.act(lambda: self.client.call("POST", f"/jobs/{job}/cancel"), f"job {job}: cancel asked",
                      f"Cancel training job {job}? (its checkpoints are kept)")
@@ -93,9 +139,10 @@ class Training(Panel):
                      f"Deploy {r.name} v{r.version}? All of {r.name!r}'s traffic moves to it.")
 
     def action_rollback(self) -> None:
-        if (r := self._adapter()) is not None:
+        r = self._adapter()
+        if r is not None and (alias := self.aliases.get(r.name)) is not None:
             self.act(lambda: self.client.call("POST", f"/adapters/{r.name}/rollback"), f"{r.name} rolled back",
-                     f"Roll back {r.name!r}? (drops its canary, else returns to the version served before)")
+                     rollback_question(r.name, alias))
 
     def action_canary(self) -> None:
         r = self._adapter()

@@ -1,5 +1,5 @@
-"""Users: the realm's users and their roles; add (a generated password is shown once), disable,
-grant a role."""
+"""Users: the realm's users and their roles; add (a generated password is shown once), disable
+an enabled user, grant a role the user does not hold yet."""
 
 from __future__ import annotations
 
@@ -7,31 +7,58 @@ from typing import Any
 
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.widgets import DataTable
+from textual.widgets import DataTable, Label
 
 from appliance.roles import Role
 from tui.dialogs import Detail, Field, Form
-from tui.panel import Panel, fill, selected_key
+from tui.panel import Panel
 
 ROLES = (Role.USER, Role.TRAINER, Role.AUDITOR, Role.ADMIN)  # the least power first: the form's default
 
 
 class Users(Panel):
-    DEFAULT_CSS = Panel.DEFAULT_CSS + "#users { height: 1fr; }"
-    BINDINGS = [Binding("n", "add", "Add"), Binding("x", "disable", "Disable"), Binding("g", "grant", "Grant")]
+    DEFAULT_CSS = Panel.DEFAULT_CSS + """
+    #users { height: 1fr; }
+    Label { padding: 0 1; text-style: bold; }
+    """
+    # Listed in the title (the footer lists the screens).
+    BINDINGS = [Binding("n", "add", "add", show=False), Binding("x", "disable", "disable", show=False),
+                Binding("g", "grant", "grant a role", show=False)]
+    EMPTY = {"users": "No users in the realm: add one with n (or `appliance users add`)."}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.users: dict[str, dict[str, Any]] = {}
 
     def body(self) -> ComposeResult:
-        yield DataTable(id="users", cursor_type="row")
+        yield Label("Users", id="users-title")
+        yield from self.listing("users")
 
     def on_mount(self) -> None:
-        super().on_mount()
         self.query_one("#users", DataTable).add_columns("user", "enabled", "roles")
 
     async def load(self) -> None:
         users = await self.client.call("GET", "/users")
-        fill(self.query_one("#users", DataTable),
-             [(u["username"], (u["username"], "yes" if u["enabled"] else "DISABLED", ", ".join(u["roles"]) or "-"))
-              for u in sorted(users, key=lambda u: u["username"])])
+        self.users = {u["username"]: u for u in users}
+        self.fill("users", [(u["username"], (u["username"], "yes" if u["enabled"] else "DISABLED",
+                                             ", ".join(u["roles"]) or "-"))
+                            for u in sorted(users, key=lambda u: u["username"])])
+
+    def grantable(self, name: str) -> tuple[str, ...]:
+        """The roles `name` does not hold yet."""
+        held = set(self.users.get(name, {}).get("roles", ()))
+        return tuple(role for role in ROLES if role not in held)
+
+    def offers(self, action: str, parameters: tuple[object, ...]) -> bool:
+        name = self.selected("users")
+        if action == "disable":
+            return name is not None and bool(self.users.get(name, {}).get("enabled"))
+        if action == "grant":
+            return name is not None and bool(self.grantable(name))
+        return True
+
+    def show_keys(self) -> None:
+        self.query_one("#users-title", Label).update(self.titled("Users", ["add", "disable", "grant"]))
 
     def action_add(self) -> None:
         def chosen(values: dict[str, str] | None) -> None:
@@ -50,13 +77,13 @@ class Users(Panel):
                              chosen)
 
     def action_disable(self) -> None:
-        name = selected_key(self.query_one("#users", DataTable))
+        name = self.selected("users")
         if name is not None:
             self.act(lambda: self.client.call("POST", f"/users/{name}/disable"), f"user {name} disabled",
                      f"Disable user {name!r}? New logins fail and live tokens stop within seconds.")
 
     def action_grant(self) -> None:
-        name = selected_key(self.query_one("#users", DataTable))
+        name = self.selected("users")
         if name is None:
             return
 
@@ -65,4 +92,4 @@ class Users(Panel):
                 self.act(lambda: self.client.call("POST", f"/users/{name}/roles", json={"role": values["role"]}),
                          f"{name} now holds {values['role']}", f"Grant {values['role']!r} to {name!r}?")
 
-        self.app.push_screen(Form(f"Grant a role to {name}", [Field("role", "role", ROLES)]), chosen)
+        self.app.push_screen(Form(f"Grant a role to {name}", [Field("role", "role", self.grantable(name))]), chosen)

@@ -1,21 +1,35 @@
-"""The TUI's pure parts: gateway rates from two /metrics scrapes, plan and evaluation text, the
-admin client's error mapping, host usage from NVML, and a staged directory's summary."""
+"""The TUI: its pure parts (gateway rates from two /metrics scrapes, plan and evaluation text, the
+admin client's error mapping, host usage from NVML, a staged directory's summary, an audit
+record's layout) and every screen against a fake admin API at 80x24: titles and columns whole, the
+selection kept across refreshes, empty tables that say what belongs in them, refreshes that resend
+their query, and only the actions that apply to the selected row."""
 
 from __future__ import annotations
 
 import asyncio
+import io
 import json
+import re
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
 from prometheus_client import generate_latest
+from rich.console import Console
+from textual.app import App
+from textual.containers import VerticalScroll
+from textual.pilot import Pilot
+from textual.widgets import DataTable, Input, Label, Select, Static
 
 from appliance import usage
-from appliance.adapters import Alias
+from appliance.adapters import AdapterRecord, AdapterState, Alias
 from appliance.admin_client import AdminClient, NotLoggedIn, Refused, Unreachable
 from appliance.home import Home
+from appliance.jobs import Hyperparameters, JobReport
+from appliance.rl.progress import RunReport
 from appliance.roles import Role
 from appliance.settings import Settings
 from installer.hardware import parse_hardware_spec
@@ -28,7 +42,11 @@ from serve.routes.plans import staging_of
 from tests.support.records import metrics
 from tui.metrics import parse, quantile, rates
 from tui.models import plan_text
+from tui.panel import Panel, selected_key
 from tui.training import eval_summary, served
+
+if TYPE_CHECKING:
+    from tui.app import AdminApp
 
 
 def test_rates_count_only_v1_traffic_between_two_scrapes() -> None:
@@ -255,3 +273,500 @@ def test_values_from_the_appliance_are_shown_as_text_never_as_markup(home: Home)
             assert type(app.screen).__name__ == "Detail"
 
     asyncio.run(scenario())
+
+
+# -- every screen against a fake admin API: layout at 80x24, selection, empty tables, offers ----
+
+NO_DRIVER = "NVML unavailable: NVML Shared Library Not Found"
+HASH = "9f" * 32
+
+
+def host(gpu_error: str | None = NO_DRIVER) -> dict[str, Any]:
+    return usage.HostUsage(cpu_percent=12.0, cpu_count=4, load_1m=0.5, memory_used_bytes=2**30,
+                           memory_total_bytes=8 * 2**30, gpus=[], gpu_error=gpu_error).model_dump()
+
+
+def cache_stats() -> dict[str, Any]:
+    return CacheStats(enabled=True, scope="user", entries=3, bytes=2**20, max_entries=100, max_bytes=2**30,
+                      ttl_s=60, hits=5, misses=7, bypasses=1, hit_rate=5 / 12).model_dump()
+
+
+# What each read answers on a fresh install: nothing yet.
+EMPTY_ANSWERS: dict[str, Any] = {"/services": [], "/system": host(), "/pools": [], "/plans": [],
+                                 "/cache": cache_stats(), "/batches": {"object": "list", "data": []}, "/jobs": [],
+                                 "/adapters": {"adapters": [], "aliases": {}}, "/rl/tasksets": [], "/rl/runs": [],
+                                 "/users": [], "/audit": []}
+
+
+def service(name: str, state: str) -> dict[str, Any]:
+    running = state == "RUNNING"
+    return {"name": name, "state": state, "pid": 100 if running else 0, "uptime_s": 65 if running else 0,
+            "restarts": 0, "log": f"/var/log/{name}.log"}
+
+
+def replica(name: str) -> dict[str, Any]:
+    return {"name": name, "gpus": [], "healthy": True, "taking_requests": True, "in_flight": 0,
+            "url": "http://127.0.0.1:8100"}
+
+
+def batch(batch_id: str, status: str) -> dict[str, Any]:
+    return {"id": batch_id, "status": status, "endpoint": "/v1/chat/completions",
+            "request_counts": {"total": 10, "completed": 4, "failed": 1}}
+
+
+def job(job_id: int, state: str, name: str = "support-bot") -> dict[str, Any]:
+    progress = {"step": 3, "max_steps": 10, "loss": 1.25, "tokens_per_s": 321.0, "eta_s": 42}
+    return JobReport.model_validate({
+        "id": job_id, "name": name, "data": "tickets", "base": "demo", "hyperparameters": {}, "eval_sets": {},
+        "state": state, "submitted": "2026-12-01T03:00:00Z", "started": None, "finished": None, "attempts": 1,
+        "worker_pid": None, "trainer_pid": None, "message": None,
+        "progress": progress if state == "running" else None}).model_dump(mode="json")
+
+
+def adapter(name: str, version: int, state: str) -> dict[str, Any]:
+    return AdapterRecord(name=name, version=version, base_model="SmolLM2-135M-Instruct", base_config_sha256=HASH,
+                         dataset="tickets", dataset_sha256=HASH, hyperparameters=Hyperparameters(),
+                         metrics=metrics(), artifact=f"adapters/{name}/{version}",
+                         state=AdapterState(state)).model_dump(mode="json")
+
+
+def rl_run(run_id: int, state: str) -> dict[str, Any]:
+    progress = {"tasks": 20, "attempts_done": 30, "attempts_planned": 40, "passed": 12, "pass_rate": 0.6,
+                "first_pass_rate": 0.45, "mean_reward": 0.512, "queue_depth": 3, "workers": 4,
+                "trajectory_segments": 2}
+    return RunReport.model_validate({
+        "id": run_id, "spec": {"tasks": "starter-python-functions", "base": "Qwen2.5-Coder-32B-Instruct-AWQ"},
+        "state": state, "submitted": "2026-12-01T03:00:00Z", "started": None, "finished": None, "attempts": 1,
+        "worker_pid": None, "message": None, "progress": progress}).model_dump(mode="json")
+
+
+def taskset(name: str) -> dict[str, Any]:
+    return {"name": name, "sha256": HASH, "source": "/srv/tasks/starter-python.jsonl", "tasks": 20, "train": 16,
+            "held_out": 4, "created": "2026-12-01T03:00:00+00:00"}
+
+
+def user(name: str, enabled: bool = True, roles: tuple[str, ...] = ("user",)) -> dict[str, Any]:
+    return {"username": name, "enabled": enabled, "roles": list(roles)}
+
+
+def audit_record(seq: int, **fields: Any) -> dict[str, Any]:
+    return {"seq": seq, "time": f"2026-12-01T03:00:{seq % 60:02d}.000000Z", "request_id": f"req-{seq}",
+            "action": "chat.completions", "outcome": "allowed", "status": 200, "username": "alice",
+            "resource": "/v1/chat/completions", "prompt_tokens": 0, "completion_tokens": 0, "prev_hash": HASH,
+            "hash": HASH, **fields}
+
+
+def sample_answers() -> dict[str, Any]:
+    """A busy appliance: rows in every table, in every state an action depends on."""
+    return {
+        **EMPTY_ANSWERS,
+        "/services": [service("finetune-worker", "STOPPED"), service("gateway", "RUNNING"),
+                      service("keycloak", "RUNNING"), service("rl-worker", "FATAL"), service("vllm-main", "RUNNING")],
+        "/pools": [{"name": "main", "model": "SmolLM2-135M-Instruct", "tier": None,
+                    "replicas": [replica("main"), replica("main-1")]}],
+        "/batches": {"object": "list", "data": [batch("batch_" + "a" * 24, "in_progress"),
+                                                batch("batch_" + "b" * 24, "completed"),
+                                                batch("batch_" + "c" * 24, "failed")]},
+        "/jobs": [job(1, "succeeded"), job(2, "failed"), job(3, "running")],
+        "/adapters": {"adapters": [adapter("support-bot", 1, "deployed"), adapter("support-bot", 2, "canary"),
+                                   adapter("support-bot", 3, "registered"), adapter("support-bot", 4, "failed-gate"),
+                                   adapter("fresh", 1, "registered")],
+                      "aliases": {"support-bot": {"pool": "main", "roles": ["user"], "stable": 1, "canary": 2,
+                                                  "canary_share": 0.1}}},
+        "/rl/tasksets": [taskset("starter")],
+        "/rl/runs": [rl_run(1, "succeeded"), rl_run(2, "running")],
+        "/users": [user("admin", roles=("admin",)), user("frank", enabled=False),
+                   user("root", roles=("user", "trainer", "auditor", "admin"))],
+        "/audit": [audit_record(seq) for seq in (12, 11, 10)],
+    }
+
+
+class Fake:
+    """The admin API as the screens call it: an answer per path (changed by a test between two
+    refreshes), every call recorded with its query."""
+
+    base_url = "http://127.0.0.1:9"
+
+    def __init__(self, answers: dict[str, Any]) -> None:
+        self.answers = answers
+        self.calls: list[tuple[str, str, Any]] = []
+
+    async def username(self) -> str:
+        return "admin"
+
+    async def call(self, method: str, path: str, **kwargs: Any) -> Any:
+        self.calls.append((method, path, kwargs.get("params")))
+        if method == "POST":
+            return {"ok": True, "records": 1, "checkpoints": 0, "last_checkpoint_seq": 0}
+        return self.answers[path]
+
+    async def metrics_text(self) -> str:
+        return ""
+
+    async def close(self) -> None:
+        pass
+
+    def asked(self, path: str) -> list[Any]:
+        """The queries of the reads of `path`, in order."""
+        return [params for method, path_, params in self.calls if method == "GET" and path_ == path]
+
+    def posted(self) -> list[str]:
+        return [path for method, path, _ in self.calls if method == "POST"]
+
+
+SCREENS = {"d": "Dashboard", "m": "Models", "j": "Training", "e": "RlRuns", "u": "Users", "a": "AuditLog"}
+
+
+def with_fake(home: Home, answers: dict[str, Any], scenario: Callable[[Pilot[None], AdminApp, Fake], Awaitable[None]],
+              size: tuple[int, int] = (80, 24)) -> None:
+    """Run `scenario` against the app at `size` with a Fake client answering `answers`."""
+    from tui.app import AdminApp
+
+    app = AdminApp(Settings(), home)
+    fake = Fake(answers)
+    app.client = fake  # type: ignore[assignment]
+
+    async def run() -> None:
+        async with app.run_test(size=size) as pilot:
+            await scenario(pilot, app, fake)
+
+    asyncio.run(run())
+
+
+async def show(pilot: Pilot[None], key: str) -> None:
+    """Switch to a screen by its key and let it load."""
+    await pilot.press(key)
+    await pilot.pause(0.3)
+    assert type(pilot.app.screen).__name__ in (SCREENS[key], "Detail")
+
+
+async def refreshed(pilot: Pilot[None]) -> None:
+    """Reload the current screen now, as its timer does, and let the answer show."""
+    screen = pilot.app.screen
+    assert isinstance(screen, Panel)
+    screen.reload()
+    await pilot.pause(0.3)
+
+
+def screen_lines(app: App[Any]) -> list[str]:
+    """What the terminal shows, line by line."""
+    console = Console(width=app.size.width, height=app.size.height, file=io.StringIO(), record=True,
+                      legacy_windows=False, safe_box=False)
+    console.print(app.screen._compositor.render_update(full=True, screen_stack=app._background_screens))
+    return console.export_text().splitlines()
+
+
+def tables(app: App[Any]) -> list[DataTable[Any]]:
+    return [t for t in app.screen.query(DataTable) if t.display]
+
+
+def header_line(app: App[Any], table: DataTable[Any]) -> str:
+    return screen_lines(app)[table.region.y]
+
+
+async def select(pilot: Pilot[None], table_id: str, key: str) -> None:
+    table = pilot.app.screen.query_one(f"#{table_id}", DataTable)
+    table.focus()
+    table.move_cursor(row=table.get_row_index(key))
+    await pilot.pause()
+
+
+def cursor_key(app: App[Any], table_id: str) -> str | None:
+    return selected_key(app.screen.query_one(f"#{table_id}", DataTable))
+
+
+def shown_text(app: App[Any], widget_id: str) -> str:
+    return str(app.screen.query_one(f"#{widget_id}", Static).render())
+
+
+def test_every_screen_fits_80x24_with_its_titles_and_column_headers_whole(home: Home) -> None:
+    """Long names (a 30-character model, a 24-character task set) do not push a column off the
+    screen; each title (with the keys of the selected row) is whole on its line."""
+
+    async def scenario(pilot: Pilot[None], app: AdminApp, fake: Fake) -> None:
+        for key in SCREENS:
+            await show(pilot, key)
+            lines = screen_lines(app)
+            assert len(lines) == 24 and all(len(line) <= 80 for line in lines)
+            for table in tables(app):
+                header = header_line(app, table)
+                labels = [str(column.label) for column in table.columns.values()]
+                assert re.search(r"\s+".join(map(re.escape, labels)), header), (key, labels, header)
+                assert table.virtual_size.width <= table.scrollable_content_region.width, (key, table.id, "scrolls")
+            for label in app.screen.query(Label):
+                title = str(label.render())
+                assert any(title in line for line in lines), (key, title)
+            assert lines[-1].startswith("d Dashboard") and "q Quit" in lines[-1], "the footer: the screens"
+
+    with_fake(home, sample_answers(), scenario)
+
+
+# (screen key, table, the row selected) -> the answers changed: rows added before it, the order changed
+REORDERED: dict[tuple[str, str, str], Callable[[dict[str, Any]], dict[str, Any]]] = {
+    ("d", "services", "keycloak"): lambda a: {"/services": [service("aaa-new", "RUNNING"), *reversed(a["/services"])]},
+    ("m", "pools", "main-1"): lambda a: {"/pools": [{**a["/pools"][0], "replicas": [
+        replica("main-2"), replica("main"), replica("main-1")]}]},
+    ("m", "batches", "batch_" + "b" * 24): lambda a: {"/batches": {"object": "list", "data": [
+        batch("batch_" + "d" * 24, "validating"), *reversed(a["/batches"]["data"])]}},
+    ("j", "jobs", "2"): lambda a: {"/jobs": [*a["/jobs"], job(4, "queued"), job(5, "queued")]},
+    ("j", "adapters", "support-bot:2"): lambda a: {"/adapters": {**a["/adapters"], "adapters": [
+        adapter("another", 1, "registered"), *a["/adapters"]["adapters"]]}},
+    ("e", "runs", "1"): lambda a: {"/rl/runs": [*a["/rl/runs"], rl_run(3, "queued")]},
+    ("e", "tasksets", "starter"): lambda a: {"/rl/tasksets": [taskset("aardvark"), *a["/rl/tasksets"]]},
+    ("u", "users", "frank"): lambda a: {"/users": [user("bob"), user("carol"), *reversed(a["/users"])]},
+    ("a", "records", "11"): lambda a: {"/audit": [audit_record(14), audit_record(13), *a["/audit"]]},
+}
+
+
+@pytest.mark.parametrize(("key", "table", "selected"), list(REORDERED), ids=[t for _, t, _ in REORDERED])
+def test_the_selection_stays_on_its_record_when_a_refresh_adds_and_reorders_rows(
+        home: Home, key: str, table: str, selected: str) -> None:
+    answers = sample_answers()
+
+    async def scenario(pilot: Pilot[None], app: AdminApp, fake: Fake) -> None:
+        await show(pilot, key)
+        await select(pilot, table, selected)
+        before = app.screen.query_one(f"#{table}", DataTable).cursor_row
+        answers.update(REORDERED[key, table, selected](answers))
+        await refreshed(pilot)
+        assert cursor_key(app, table) == selected
+        assert app.screen.query_one(f"#{table}", DataTable).cursor_row != before, "the rows did move"
+
+    with_fake(home, answers, scenario)
+
+
+def test_the_selected_record_stays_where_it_is_on_the_screen_when_records_arrive_above_it(home: Home) -> None:
+    """A long table scrolled to the middle: the refresh neither jumps the view to the top nor
+    slides the selected record away; the new records scroll in above it."""
+    answers = {**sample_answers(), "/audit": [audit_record(seq) for seq in range(100, 40, -1)]}
+
+    async def scenario(pilot: Pilot[None], app: AdminApp, fake: Fake) -> None:
+        await show(pilot, "a")
+        table = app.screen.query_one("#records", DataTable)
+        await select(pilot, "records", "70")
+        table.scroll_to(y=table.cursor_row - 5, animate=False)
+        await pilot.pause(0.2)
+        assert (table.cursor_row, table.scroll_y) == (30, 25)
+        answers["/audit"] = [audit_record(102), audit_record(101), *answers["/audit"]]
+        await refreshed(pilot)
+        assert cursor_key(app, "records") == "70"
+        assert (table.cursor_row, table.scroll_y) == (32, 27), "five rows below the top of the view, as before"
+
+    with_fake(home, answers, scenario)
+
+
+def test_a_refresh_sends_the_query_of_the_view_it_refreshes_and_a_new_filter_a_new_one(home: Home) -> None:
+    """The gateway tells a refresh (not recorded again) from a new query (recorded) by the query:
+    polling resends it unchanged, even while a filter is being typed; submitting sends a new one."""
+    async def scenario(pilot: Pilot[None], app: AdminApp, fake: Fake) -> None:
+        await show(pilot, "a")
+        await refreshed(pilot)
+        first = fake.asked("/audit")[0]
+        assert first == {"newest": True, "limit": 200}
+        app.screen.query_one("#user", Input).value = "ali"  # typed, not submitted yet
+        await refreshed(pilot)
+        await refreshed(pilot)
+        assert all(query == first for query in fake.asked("/audit"))
+        app.screen.query_one("#user", Input).value = "alice"
+        app.screen.query_one("#user", Input).focus()
+        await pilot.press("enter")
+        await pilot.pause(0.3)
+        assert fake.asked("/audit")[-1] == {**first, "user": "alice"}
+        app.screen.query_one("#outcome", Select).value = "invalid"
+        await pilot.pause(0.3)
+        applied = {**first, "user": "alice", "outcome": "invalid"}
+        assert fake.asked("/audit")[-1] == applied
+        await refreshed(pilot)
+        assert fake.asked("/audit")[-1] == applied
+        await show(pilot, "u")
+        await refreshed(pilot)
+        assert set(map(str, fake.asked("/users"))) == {"None"}, "the users list takes no query"
+
+    with_fake(home, sample_answers(), scenario)
+
+
+def cli_problem(invocation: str) -> str | None:
+    """Why `appliance ...` (words, options; UPPER-CASE placeholders) is not a command, or None."""
+    import typer
+
+    from appliance import cli
+
+    command = typer.main.get_command(cli.app)
+    context = typer.Context(command, info_name="appliance", resilient_parsing=True)
+    for word in invocation.split()[1:]:
+        if word.startswith("-"):
+            if word not in {name for param in command.params for name in param.opts}:
+                return f"{invocation}: no option {word}"
+        elif not word.isupper():
+            found = command.resolve_command(context, [word])[1] if hasattr(command, "resolve_command") else None
+            if found is None:
+                return f"{invocation}: no command {word!r}"
+            command, context = found, typer.Context(found, info_name=word, parent=context, resilient_parsing=True)
+    return None
+
+
+def test_every_empty_table_says_what_would_be_there_and_how_to_get_it(home: Home) -> None:
+    """A fresh install: each table is empty and says so, with a command that exists."""
+    found: dict[str, str] = {}
+
+    async def scenario(pilot: Pilot[None], app: AdminApp, fake: Fake) -> None:
+        for key in SCREENS:
+            await show(pilot, key)
+            for table in app.screen.query(DataTable):
+                if table.id == "gpus":
+                    continue  # hidden without GPUs: the host line says there are none
+                note = app.screen.query_one(f"#{table.id}-empty", Static)
+                assert table.row_count == 0 and note.display and note.has_class("shown"), table.id
+                found[str(table.id)] = shown_text(app, f"{table.id}-empty")
+                assert any(found[str(table.id)][:30] in line for line in screen_lines(app)), table.id
+        app.screen.query_one("#action", Input).value = "users.add"
+        app.screen.query_one("#action", Input).focus()
+        await pilot.press("enter")
+        await pilot.pause(0.3)
+        assert "No records match these filters" in shown_text(app, "records-empty")
+
+    with_fake(home, dict(EMPTY_ANSWERS), scenario)
+    assert set(found) == {"services", "pools", "batches", "jobs", "adapters", "tasksets", "runs", "attempts",
+                          "users", "records"}
+    assert "`appliance finetune submit" in found["adapters"]
+    commands = [quoted for text in found.values() for quoted in re.findall(r"`(appliance [^`]+)`", text)]
+    assert len(commands) >= 8
+    assert [problem for command in commands if (problem := cli_problem(command))] == []
+
+
+def test_actions_that_cannot_apply_to_the_selected_row_are_not_offered(home: Home) -> None:
+    """Neither shown (footer or the table's title) nor taken: the key does nothing, no dialog."""
+
+    async def pressed(pilot: Pilot[None], key: str) -> str:
+        """Press `key`; the dialog it opened (closed again), if any."""
+        await pilot.press(key)
+        await pilot.pause(0.2)
+        opened = type(pilot.app.screen).__name__
+        if opened in ("Confirm", "Form"):
+            await pilot.press("escape")
+            await pilot.pause(0.1)
+        return opened
+
+    async def scenario(pilot: Pilot[None], app: AdminApp, fake: Fake) -> None:
+        await show(pilot, "d")
+        await select(pilot, "services", "gateway")
+        assert shown_text(app, "services-title") == "Services (the gateway stops with `appliance down`)"
+        assert [await pressed(pilot, k) for k in "str"] == ["Dashboard"] * 3
+        await select(pilot, "services", "finetune-worker")  # STOPPED
+        assert shown_text(app, "services-title") == "Services (s: start)"
+        await select(pilot, "services", "vllm-main")
+        assert shown_text(app, "services-title") == "Services (t: stop, r: restart)"
+        assert await pressed(pilot, "t") == "Confirm"
+
+        await show(pilot, "m")
+        for key, offered in (("batch_" + "b" * 24, False), ("batch_" + "c" * 24, False), ("batch_" + "a" * 24, True)):
+            await select(pilot, "batches", key)
+            assert ("c: cancel" in shown_text(app, "batches-title")) is offered
+            assert (await pressed(pilot, "c") == "Confirm") is offered
+
+        await show(pilot, "j")
+        for key, offered in (("1", False), ("2", False), ("3", True)):
+            await select(pilot, "jobs", key)
+            assert ("c: cancel" in shown_text(app, "jobs-title")) is offered
+            assert (await pressed(pilot, "c") == "Confirm") is offered
+        expected = {"support-bot:1": "", "support-bot:2": "p: deploy, b: rollback",  # v1 stable, v2 its canary
+                    "support-bot:3": "p: deploy, n: canary", "support-bot:4": "", "fresh:1": "p: deploy"}
+        for key, keys in expected.items():
+            await select(pilot, "adapters", key)
+            assert shown_text(app, "adapters-title") == (f"Adapters ({keys})" if keys else "Adapters"), key
+        await select(pilot, "adapters", "support-bot:4")  # failed its gate: nothing applies
+        assert [await pressed(pilot, k) for k in "pnb"] == ["Training"] * 3
+
+        await show(pilot, "e")
+        await select(pilot, "runs", "1")
+        assert shown_text(app, "runs-title") == "RL runs (t: trajectories, x: export SFT and DPO sets)"
+        assert await pressed(pilot, "c") == "RlRuns"
+        await select(pilot, "runs", "2")
+        assert shown_text(app, "runs-title") == "RL runs (c: cancel)"
+        assert [await pressed(pilot, k) for k in "tx"] == ["RlRuns"] * 2
+        assert "sandbox queue 3, 4 workers" in shown_text(app, "run")
+
+        await show(pilot, "u")
+        await select(pilot, "users", "frank")  # disabled already
+        assert shown_text(app, "users-title") == "Users (n: add, g: grant a role)"
+        assert await pressed(pilot, "x") == "Users"
+        await select(pilot, "users", "root")  # holds every role
+        assert shown_text(app, "users-title") == "Users (n: add, x: disable)"
+        assert await pressed(pilot, "g") == "Users"
+        await select(pilot, "users", "admin")
+        await pilot.press("g")
+        await pilot.pause(0.2)
+        choices = [str(option[0]) for option in app.screen.query_one("#field-role", Select)._options]
+        assert "admin" not in choices and "user" in choices, "only roles not held yet"
+        await pilot.press("escape")
+        assert fake.posted() == [], "nothing was asked of the appliance"
+
+    with_fake(home, sample_answers(), scenario)
+
+
+def test_a_cpu_host_says_plainly_it_has_no_gpu(home: Home) -> None:
+    answers = sample_answers()
+
+    async def scenario(pilot: Pilot[None], app: AdminApp, fake: Fake) -> None:
+        await show(pilot, "d")
+        line = shown_text(app, "host")
+        assert "This host has no GPU: the CPU engine serves the models." in line
+        assert "NVML" not in line and "Not Found" not in line
+        answers["/system"] = host("NVML query failed: Unknown Error")  # a GPU host whose driver fails
+        await refreshed(pilot)
+        assert "GPU figures unavailable: NVML query failed: Unknown Error" in shown_text(app, "host")
+
+    with_fake(home, answers, scenario)
+
+
+NEW_RECORD = audit_record(
+    42, action="adapters.deploy", outcome="denied", status=403, reason="role_missing", key="ci-bot",
+    model="support-bot", username="frank", subject="7c9e6679-7425-40de-944b-e07fc1f90ae7", source="10.0.0.7",
+    target={"kind": "adapter", "name": "support-bot", "version": 3, "roles": ["user", "trainer"]},
+    sensitive={"prompt.email": "flagged", "answer.payment_card": "redacted"}, prompt_hmac="ab" * 32,
+    latency_ms=12.4, prompt_tokens=7, completion_tokens=0, tier=None, error=None, future_field="kept")
+OLD_RECORD = {key: value for key, value in audit_record(7).items()}
+
+
+def rendered(view: Any, width: int) -> list[str]:
+    console = Console(width=width, file=io.StringIO(), record=True)
+    console.print(view)
+    return [line.rstrip() for line in console.export_text().splitlines()]
+
+
+def test_a_record_s_detail_is_laid_out_by_field_with_hashes_whole() -> None:
+    from tui.audit_log import record_view
+
+    lines = rendered(record_view(NEW_RECORD), 66)
+    text = "\n".join(lines)
+    expected = [r"time\s+2026-12-01 03:00:42\.000000 UTC", r"action\s+adapters\.deploy", r"outcome\s+denied",
+                r"reason\s+role_missing", r"HTTP status\s+403", r"user\s+frank", r"API key\s+ci-bot",
+                r"model\s+support-bot", r"target\s+adapter support-bot v3", r"^\s+roles: user, trainer",
+                r"sensitive data\s+prompt\.email: flagged", r"^\s+answer\.payment_card: redacted",
+                r"tokens\s+7 in, 0 out", r"latency\s+12 ms", r"future_field\s+kept"]
+    for pattern in expected:
+        assert re.search(pattern, text, re.M), pattern
+    for label, value in (("prompt HMAC", "ab" * 32), ("previous record's hash", HASH), ("this record's hash", HASH)):
+        assert lines[lines.index(label) + 1] == f"  {value}", "on a line of its own, unbroken"
+    assert "{" not in text and '"' not in text, "no JSON"
+    assert not re.search(r"^(tier|error)\b", text, re.M), "empty fields are left out"
+
+    old = "\n".join(rendered(record_view(OLD_RECORD), 66))
+    assert re.search(r"outcome\s+allowed", old) and re.search(r"resource\s+/v1/chat/completions", old)
+    assert not re.search(r"^(reason|target|API key|model|tokens)\b", old, re.M), "an old record shows what it has"
+
+
+def test_the_audit_screen_shows_a_record_s_detail_whole_at_80x24(home: Home) -> None:
+    answers = {**sample_answers(), "/audit": [NEW_RECORD, OLD_RECORD]}
+
+    async def scenario(pilot: Pilot[None], app: AdminApp, fake: Fake) -> None:
+        await show(pilot, "a")
+        await pilot.press("enter")
+        await pilot.pause(0.3)
+        assert type(app.screen).__name__ == "Detail"
+        assert any(re.search(r"target\s+adapter support-bot v3", line) for line in screen_lines(app))
+        app.screen.query_one(VerticalScroll).scroll_end(animate=False)
+        await pilot.pause(0.2)
+        assert any(f"  {HASH}" in line for line in screen_lines(app)), "the hash whole on an 80-column screen"
+
+    with_fake(home, answers, scenario)
