@@ -221,6 +221,9 @@ class KeycloakSettings(_Section):
         return self
 
 
+WHOLE_CONTEXT = 1 << 24  # a max_tokens cap past any model's context (16M tokens): the whole context
+
+
 class RoleLimits(_Section):
     """Per-user limits for users whose best role is this one."""
 
@@ -230,9 +233,10 @@ class RoleLimits(_Section):
         "reserves its worst case (prompt + max_tokens x n) when admitted, the unused rest is refunded."
     )
     max_concurrent: int = Field(16, gt=0, description="Requests a user may have in flight at once.")
-    max_tokens: int | None = Field(
-        None, gt=0, description="Largest max_tokens a request may ask for (unset: the model's context); "
-        "a request without max_tokens gets this one."
+    max_tokens: int = Field(
+        4096, gt=0, description="Largest max_tokens (or max_completion_tokens) a request may ask for, and "
+        "what a request asking none gets; past it the request is refused (400). Never more than the "
+        "model's context: a value at or above it allows the whole context."
     )
     max_n: int = Field(4, gt=0, description="Largest n (choices per request).")
     max_logprobs: int = Field(
@@ -304,7 +308,8 @@ class GatewaySettings(_Section):
     )
     limits: dict[str, RoleLimits] = Field(
         default_factory=lambda: {"user": RoleLimits(), "admin": RoleLimits(
-            requests_per_minute=6000, tokens_per_minute=2_000_000, max_concurrent=64, max_n=16, max_logprobs=20)},
+            requests_per_minute=6000, tokens_per_minute=2_000_000, max_concurrent=64, max_tokens=WHOLE_CONTEXT,
+            max_n=16, max_logprobs=20)},
         description="Rate limits by role (the most generous role a user holds applies).",
     )
 

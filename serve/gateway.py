@@ -43,7 +43,7 @@ from serve.auth import Introspector, Principal, TokenValidator
 from serve.compliance import AnswerFilter, Compliance, Marks
 from serve.deps import ChatUser
 from serve.engine import ENGINE_KEY_SECRET
-from serve.errors import GatewayError, from_core
+from serve.errors import GatewayError, ModelNotFound, from_core, validation_error
 from serve.keycloak_events import KeycloakEvents
 from serve.limits import Admission, RateLimiter
 from serve.metrics import Metrics
@@ -54,7 +54,7 @@ from serve.routes import admin_routers
 from serve.schemas import ChatRequest, CompletionRequest
 from serve.slow_clients import SlowClients
 from serve.sse_relay import relay_stream, usage_of
-from serve.summaries import Refusals, Summaries, cap_text, write_due
+from serve.summaries import Refusals, Summaries, write_due
 from serve.upstream import Upstreams, read_answer
 
 log = logging.getLogger("appliance.gateway")
@@ -172,10 +172,17 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
     async def gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
         return exc.response()
 
+    @app.exception_handler(ModelNotFound)
+    async def model_not_found(request: Request, exc: ModelNotFound) -> JSONResponse:
+        # The router knows the served models; the adapters a caller may use depend on their roles.
+        who: Principal | None = getattr(request.state, "principal", None)
+        adapters = request.app.state.gateway.adapters.visible(who.roles) if who is not None else []
+        return exc.adding(entry["id"] for entry in adapters).response()
+
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
         # The OpenAI routes answer 400 as OpenAI does; the admin API keeps FastAPI's 422.
-        return invalid_request(exc, 400 if request.url.path.startswith("/v1/") else 422).response()
+        return validation_error(exc.errors(), 400 if request.url.path.startswith("/v1/") else 422).response()
 
     @app.exception_handler(RequestTooLarge)
     async def too_large(request: Request, exc: RequestTooLarge) -> JSONResponse:
@@ -247,10 +254,9 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
             return await _models(gateway, who)
 
     async def _models(gateway: Gateway, who: Principal) -> dict[str, Any]:
-        served = {pool.model for pool in gateway.upstreams.pools}
-        # The engines also list each loaded adapter version; clients call adapters by name. A model
-        # served in tiers is listed once.
-        listed = {entry.get("id"): entry for entry in await gateway.upstreams.models() if entry.get("id") in served}
+        # By served name, never a path (serve.upstream.model_entry); clients call adapters by their
+        # names (below), not the engines' versions. A model served in tiers is listed once.
+        listed = {entry["id"]: entry for entry in await gateway.upstreams.models()}
         data = list(listed.values())
         if data:
             data += gateway.adapters.visible(who.roles)
@@ -531,24 +537,6 @@ async def _summaries_timer(writer: AuditWriter, summaries: Summaries, interval_s
     while True:
         await anyio.sleep(interval_s)
         await anyio.to_thread.run_sync(write_due, writer, summaries)
-
-
-def invalid_request(exc: RequestValidationError, status: int) -> GatewayError:
-    """An error naming the first bad field and what is wrong with it (never echoing its value)."""
-    errors = exc.errors()
-    first = errors[0] if errors else {}
-    location = [str(part) for part in first.get("loc", ()) if part != "body"]
-    field_name = ".".join(location) or "body"
-    if first.get("type") == "json_invalid":  # its location is a character offset, not a field
-        field_name = "body"
-        message = f"the body is not valid JSON ({first.get('ctx', {}).get('error', 'invalid')} at character " \
-                  f"{location[-1] if location else '?'})"
-    elif first.get("type") == "extra_forbidden":
-        message = f"unknown field '{field_name}'"
-    else:
-        message = f"'{field_name}': {first.get('msg', 'invalid')}"
-    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-    return GatewayError(status, cap_text(message + more, 512), code="invalid_request", param=cap_text(field_name))
 
 
 async def _checkpoint_timer(writer: AuditWriter, interval_s: float) -> None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Literal, TypeVar
 
 from appliance.settings import RoutingSettings
-from serve.errors import GatewayError
+from serve.errors import ModelNotFound
 
 Reason = Literal["affinity", "least_loaded", "round_robin"]
 T = TypeVar("T")
@@ -42,9 +42,8 @@ def pick_tier(model: str, tiers: Mapping[str | None, T], tier: str | None, *, st
     without the tier the policy names: its first pool)."""
     if tier is not None:
         if tier not in tiers:
-            named = sorted(f"{model}:{name}" for name in tiers if name is not None)
-            raise GatewayError(404, f"model {model!r} has no tier {tier!r}" + (f" (it has {', '.join(named)})"
-                               if named else ""), code="model_not_found")
+            named = [f"{model}:{name}" for name in tiers if name is not None]
+            raise ModelNotFound(f"model {model!r} has no tier {tier!r}", [model, *named])
         return tiers[tier]
     interactive = stream and prompt_chars <= policy.long_prompt_chars
     for wanted in ((policy.interactive_tier,) if interactive else ()) + (policy.default_tier,):

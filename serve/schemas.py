@@ -27,12 +27,31 @@ T = TypeVar("T")
 NonEmpty = Annotated[list[T], Field(min_length=1)]  # an empty list of prompts would reserve nothing
 MAX_NESTING = 64  # levels of objects and lists in one field: OpenAI's shapes (tool schemas too) stay far below
 BYTES_PER_TOKEN_ESTIMATE = 4  # a prompt's tokens before the engine counts them: text is ~4 bytes/token
+TOOL_NAME = r"^[a-zA-Z0-9_.-]{1,64}$"  # what OpenAI accepts as a function's name
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool | None = None
     continuous_usage_stats: bool | None = None
+
+
+class FunctionDefinition(BaseModel):
+    """A function the model may call: OpenAI's fields."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=TOOL_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    """One entry of a chat request's `tools` (vLLM, like OpenAI's chat API, knows functions only)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
 
 
 class _Sampling(BaseModel):
@@ -80,6 +99,8 @@ class _Sampling(BaseModel):
         level: list[tuple[Any, int]] = [(value, 1)]
         while level:
             item, depth = level.pop()
+            if isinstance(item, BaseModel):  # a typed entry (a tool) holds untyped JSON too
+                item = dict(item)
             if isinstance(item, dict | list):
                 if depth > MAX_NESTING:
                     raise ValueError(f"nested more than {MAX_NESTING} levels deep")
@@ -119,22 +140,15 @@ class _Sampling(BaseModel):
     def admission(self, limits: RoleLimits | None, context: int, relayed: dict[str, Any],
                   prompt_text: str) -> tuple[int, int]:
         """Check the caller's caps (400 naming the field); return (prompt estimate from
-        `prompt_text`, worst-case completion tokens). A missing max_tokens becomes the role's cap
-        in `relayed`."""
-        # vLLM prefers max_completion_tokens (chat) over max_tokens.
-        asked = relayed.get("max_completion_tokens") or relayed.get("max_tokens")
+        `prompt_text`, worst-case completion tokens). A missing max_tokens becomes the role's
+        default (its cap, at most the model's context) in `relayed`."""
+        asked = _completion_tokens(limits, context, relayed)
         if limits is not None:
-            for name in ("max_tokens", "max_completion_tokens"):
-                if relayed.get(name) is not None and limits.max_tokens is not None \
-                        and relayed[name] > limits.max_tokens:
-                    raise _over_cap(name, relayed[name], limits.max_tokens)
             if self.choices() > limits.max_n:
                 raise _over_choices(self.prompts(), self.n, limits.max_n)
             for name, value in self.logprobs_asked().items():
                 if value > limits.max_logprobs:
                     raise _over_cap(name, value, limits.max_logprobs)
-            if asked is None and limits.max_tokens is not None:
-                relayed["max_tokens"] = asked = limits.max_tokens
         prompt = len(prompt_text.encode("utf-8", "surrogatepass")) // BYTES_PER_TOKEN_ESTIMATE + 1
         return prompt, (asked or context) * self.choices()
 
@@ -150,7 +164,7 @@ class ChatRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool | None = None
@@ -185,6 +199,23 @@ def _canonical(fields: dict[str, Any]) -> str:
     return json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
+def _completion_tokens(limits: RoleLimits | None, context: int, relayed: dict[str, Any]) -> int | None:
+    """The completion tokens a request may use: a field asked past the role's cap or the model's
+    context is refused (as OpenAI refuses max_tokens past a model's limit, rather than cutting it),
+    a request asking none gets the role's cap (at most the context) set in `relayed`; None: the
+    caller has no role limits and asked none."""
+    cap = min(limits.max_tokens, context) if limits is not None else context
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = relayed.get(name)
+        if value is not None and value > cap:
+            raise _over_cap(name, value, cap) if cap < context else _over_context(name, value, context)
+    # vLLM prefers max_completion_tokens (chat) over max_tokens.
+    asked: int | None = relayed.get("max_completion_tokens") or relayed.get("max_tokens")
+    if asked is None and limits is not None:
+        relayed["max_tokens"] = asked = cap
+    return asked
+
+
 def _over_choices(prompts: int, n: int, cap: int) -> GatewayError:
     asked = f"{prompts} prompts x n={n} = {prompts * n} choices" if prompts > 1 else f"'n' is {n}"
     return GatewayError(400, f"{asked}; your role allows at most {cap} choices a request", code="over_limit",
@@ -194,3 +225,8 @@ def _over_choices(prompts: int, n: int, cap: int) -> GatewayError:
 def _over_cap(field: str, asked: int, cap: int) -> GatewayError:
     return GatewayError(400, f"'{field}' is {asked}; your role allows at most {cap}", code="over_limit",
                         param=field)
+
+
+def _over_context(field: str, asked: int, context: int) -> GatewayError:
+    return GatewayError(400, f"'{field}' is {asked}; the model's context is {context} tokens (prompt and "
+                        "completion together)", code="over_limit", param=field)

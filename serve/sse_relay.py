@@ -1,6 +1,7 @@
 """Relaying an engine's server-sent events to the client, line by line as they arrive, while
 the answer is gathered for the audit record and the relay's listener (`StreamListener`) is told
-the first token, the usage and the end marker."""
+the first token, the usage and the end marker. An error event the engine sends inside the stream
+goes on in OpenAI's error shape (serve.errors.stream_error)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import aiohttp
 
 from serve.answer import Answer, decode_json
 from serve.compliance import AnswerFilter
+from serve.errors import stream_error
 from serve.response_cache import Capture
 
 
@@ -52,6 +54,9 @@ async def relay_stream(response: aiohttp.ClientResponse, listener: StreamListene
     asked for continuous usage gets running totals in every chunk), or, for a stream cut short
     before its usage chunk, prompt unknown (None) and one completion token per text chunk seen.
 
+    An error event goes out re-encoded in the gateway's error shape, whatever else the chunk held
+    going out unchanged.
+
     With `screen` (compliance filtering), each event goes out re-encoded with its text redacted,
     and what it still held goes out in events of its own before the end marker. With `sent`, each
     chunk is also added to it before it goes on (the response cache keeps what the client got).
@@ -81,6 +86,7 @@ async def relay_stream(response: aiohttp.ClientResponse, listener: StreamListene
                 continue
             complete, pending = pending[:cut], pending[cut:]
             lines = []
+            rewritten = screen is not None
             for line in complete.splitlines(keepends=True):
                 lines.append(line)
                 if line.rstrip(b"\r\n") == b"data: [DONE]":
@@ -105,6 +111,8 @@ async def relay_stream(response: aiohttp.ClientResponse, listener: StreamListene
                     continue
                 if "error" in event:
                     answer.failed = True
+                    event = stream_error(event)
+                    lines[-1], rewritten = _event_line(event), True
                 if screen is not None:
                     lines[-1] = _event_line(screen.event(event))  # changed in place
                 if answer.add_choices(event.get("choices")):
@@ -114,7 +122,7 @@ async def relay_stream(response: aiohttp.ClientResponse, listener: StreamListene
                         listener.first_token()
                 if event.get("usage"):
                     usage = usage_of(event)
-            out = b"".join(lines) if screen is not None else complete
+            out = b"".join(lines) if rewritten else complete
             if sent is not None:
                 sent.append(out)
             yield out

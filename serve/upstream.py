@@ -5,11 +5,15 @@ knows to answer), a lease counting it in flight, and failover to another replica
 The relay uses aiohttp rather than httpx: on the per-request path it costs about half as much
 (measured 0.6 vs 1.3 ms a round trip to an instant engine on this 2-core machine), which is most
 of the gateway's own latency budget. The answer's stream is relayed by serve.sse_relay.
+
+What comes back from the engines is put in the gateway's terms here: an error answer in OpenAI's
+error shape (serve.errors.engine_error), a model list with names, never the checkpoints' paths.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -17,8 +21,9 @@ from typing import Any
 import aiohttp
 
 from appliance.settings import RoutingSettings
+from serve.answer import decode_json
 from serve.engine import ENGINE_BASE_URL
-from serve.errors import GatewayError
+from serve.errors import GatewayError, ModelNotFound, engine_error
 from serve.metrics import Metrics
 from serve.replicas import Pool, Replica, ReplicaSet
 from serve.router import Balancer, pick_tier, split_model
@@ -77,7 +82,7 @@ class Upstreams:
         name, tier = split_model(model, self._tiers)
         tiers = self._tiers.get(name)
         if tiers is None:
-            raise GatewayError(404, f"model {model!r} does not exist", code="model_not_found")
+            raise ModelNotFound(f"model {model!r} does not exist", self._tiers)
         pool = pick_tier(name, tiers, tier, stream=stream, prompt_chars=prompt_chars, policy=self.routing)
         return pool, "named" if tier is not None else "policy"
 
@@ -183,7 +188,8 @@ class Upstreams:
         return answers
 
     async def models(self) -> list[dict[str, Any]]:
-        """Every ready pool's /v1/models entries (from one replica); pools that do not answer are left out."""
+        """Each ready pool's model as its engine lists it (from one replica), by its served name;
+        pools that do not answer are left out, and so are the adapters the engines list."""
         data: list[dict[str, Any]] = []
         for pool in self.pools:
             for replica in await self.replicas.ready(pool):
@@ -191,19 +197,40 @@ class Upstreams:
                     async with self._sessions[replica.name].get(
                             f"{ENGINE_BASE_URL}/v1/models", headers=self._headers, raise_for_status=True,
                             timeout=aiohttp.ClientTimeout(total=MODELS_TIMEOUT_S)) as response:
-                        data.extend((await response.json(content_type=None)).get("data", []))
+                        listed = (await response.json(content_type=None)).get("data", [])
+                    data.extend(model_entry(entry) for entry in listed
+                                if isinstance(entry, dict) and entry.get("id") == pool.model)
                     break
                 except (TimeoutError, aiohttp.ClientError, ValueError, AttributeError):
                     continue
         return data
 
 
+# What of an engine's model object reaches clients: vLLM's `root` is the checkpoint's path, and its
+# `permission` entries are made up per call.
+MODEL_FIELDS = ("id", "object", "created", "owned_by", "max_model_len")
+
+
+def model_entry(entry: dict[str, Any]) -> dict[str, Any]:
+    """An engine's /v1/models entry with its served name as its root and nothing else of the server's."""
+    kept = {name: entry[name] for name in MODEL_FIELDS if name in entry}
+    return {**kept, "object": "model", "root": entry["id"], "parent": None}
+
+
 async def read_answer(response: aiohttp.ClientResponse, pool: Pool) -> bytes:
-    """A whole (non-streamed) answer from the engine; 502 if the engine fails mid-answer."""
+    """A whole (non-streamed) answer from the engine, an error answer in OpenAI's shape
+    (serve.errors.engine_error); 502 if the engine fails mid-answer."""
     try:
-        return await response.read()
+        content = await response.read()
     except (aiohttp.ClientError, TimeoutError) as exc:
         raise GatewayError(502, f"engine pool {pool.name!r} failed: {type(exc).__name__}",
                            type="upstream_error", code="engine_error") from exc
     finally:
         response.release()
+    if response.status < 400:
+        return content
+    try:
+        body = decode_json(content)
+    except ValueError:
+        body = None  # a plain-text error page
+    return json.dumps(engine_error(response.status, body).body(), separators=(",", ":")).encode()

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import openai
 import pytest
 from cryptography.hazmat.primitives.asymmetric import rsa
 from jwcrypto import jwk
+from openai.types.chat import ChatCompletionMessageParam
 
 from tests.integration.conftest import Running, engine_client
 from tests.integration.realm import Realm, b64, parts
@@ -180,9 +182,12 @@ def test_openai_error_shapes(realm: Realm, alice: str) -> None:
     unknown = httpx.post(f"{realm.gateway}/v1/chat/completions", headers=headers,
                          json={"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]})
     assert unknown.status_code == 404
-    assert unknown.json()["error"] == {"message": "model 'no-such-model' does not exist",
-                                       "type": "invalid_request_error", "param": None,
-                                       "code": "model_not_found"}
+    error = unknown.json()["error"]
+    # Other modules may have deployed adapters alice's role may use: they are listed too.
+    assert error["message"].startswith("model 'no-such-model' does not exist; models available to you: ")
+    assert MODEL in error["message"].split(": ", 1)[1].split(", ")
+    assert {key: error[key] for key in ("type", "param", "code")} == {"type": "invalid_request_error",
+                                                                       "param": None, "code": "model_not_found"}
     big = httpx.post(f"{realm.gateway}/v1/chat/completions", headers=headers,
                      content=b'{"model": "' + b"x" * 2_000_000 + b'"}')
     assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
@@ -195,6 +200,38 @@ def test_openai_error_shapes(realm: Realm, alice: str) -> None:
 
     chunked = httpx.post(f"{realm.gateway}/v1/chat/completions", headers=headers, content=chunks())
     assert chunked.status_code == 413 and chunked.json()["error"]["code"] == "request_too_large"
+
+
+def test_engine_and_validation_errors_reach_the_openai_client_in_openais_shape(realm: Realm, alice: str) -> None:
+    """vLLM's own 400 (`top_logprobs` without `logprobs`: within the role's cap, so the gateway lets
+    it through, and vLLM refuses it as a `BadRequestError` with a numeric code), streamed or not,
+    and the gateway's refusal of a bad `tools` entry both come back as OpenAI's error object with
+    string codes; the model list names the model, never the path of its checkpoint."""
+    api = client(realm, alice)
+    hello: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
+
+    def refused(messages: list[ChatCompletionMessageParam], **request: Any) -> dict[str, Any]:
+        """The error object of a chat request the client raised BadRequestError for."""
+        with pytest.raises(openai.BadRequestError) as caught:
+            api.chat.completions.create(model=MODEL, max_tokens=8, messages=messages, **request)
+        body = caught.value.body
+        assert isinstance(body, dict) and set(body) == {"message", "type", "param", "code"}, body
+        assert isinstance(body["code"], str) and body["type"] == "invalid_request_error", body
+        assert "\n" not in body["message"] and "/" not in body["message"], body
+        return body
+
+    for stream in (False, True):
+        engine = refused(hello, stream=stream, logprobs=False, top_logprobs=2)
+        assert (engine["code"], engine["param"]) == ("invalid_value", "top_logprobs"), engine
+        assert "`logprobs` must be set to true" in engine["message"], engine
+        assert "validation error" not in engine["message"] and "{" not in engine["message"], engine
+    tool = refused(hello, tools=[{"type": "function", "function": {"description": "no name"}}])
+    assert tool == {"message": "'tools.0.function.name': Field required", "type": "invalid_request_error",
+                    "param": "tools.0.function.name", "code": "missing_required_parameter"}
+    [model] = [entry for entry in httpx.get(f"{realm.gateway}/v1/models", headers={
+        "Authorization": f"Bearer {alice}"}, timeout=30).json()["data"] if entry["id"] == MODEL]
+    assert model["root"] == MODEL and model["parent"] is None and model["object"] == "model", model
+    assert not any("/" in str(value) for value in model.values()), model
 
 
 def test_a_corrupt_adapter_registry_is_a_clear_503_not_a_plain_500(realm: Realm, alice: str,

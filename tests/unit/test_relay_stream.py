@@ -127,3 +127,17 @@ def test_tool_calls_and_invalid_utf8_are_kept_for_the_completion_hash() -> None:
     assert whole["tool_calls"] == [{"name": "get_weather", "arguments": '{"city": "Oslo"}'},
                                    {"name": "get_time", "arguments": "{}"}]
     assert whole["text"] == "caf\udce9" and whole["unparsed"] == ["data: not json \udcff"]
+
+
+def test_an_engine_error_inside_the_stream_goes_on_in_openais_shape() -> None:
+    failure = {"error": {"message": "Internal server error\n  File \"/opt/vllm/x.py\" in /data/models/m",
+                         "type": "InternalServerError", "param": None, "code": 500}}
+    error_line = b"data: " + json.dumps(failure).encode() + b"\n"
+    answer = Answer()
+    got, reports, texts = relay(Engine([event("O"), event("K") + error_line + b"\n" + b"data: [DONE]\n\n"]),
+                                answer=answer)
+    assert got[0] == event("O") and got[1].startswith(event("K")), "what else the chunk held goes on unchanged"
+    sent = [json.loads(line[len(b"data: "):]) for line in got[1].splitlines() if b'"error"' in line]
+    assert sent == [{"error": {"message": "Internal server error File \"<path>\" in <path>",
+                               "type": "server_error", "param": None, "code": "engine_error"}}]
+    assert got[1].endswith(b"\n\ndata: [DONE]\n\n") and answer.failed and texts == ["O", "K"]

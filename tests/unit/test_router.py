@@ -25,9 +25,10 @@ def test_a_tier_is_asked_for_by_name_or_chosen_by_the_policy() -> None:
     assert pick_tier("a", TIERS, None, stream=True, prompt_chars=1, policy=no_fast) == "full-pool"
     assert pick_tier("a", {None: "only"}, None, stream=True, prompt_chars=1, policy=POLICY) == "only"
     assert pick_tier("a", {"gold": "g", "tin": "t"}, None, stream=False, prompt_chars=1, policy=POLICY) == "g"
-    with pytest.raises(GatewayError, match=r"model 'a' has no tier 'huge' \(it has a:fast, a:full\)") as missing:
+    with pytest.raises(GatewayError, match=r"model 'a' has no tier 'huge'; models available to you: a, a:fast, "
+                       r"a:full$") as missing:
         pick_tier("a", TIERS, "huge", stream=False, prompt_chars=1, policy=POLICY)
-    assert missing.value.status == 404
+    assert (missing.value.status, missing.value.code) == (404, "model_not_found")
 
 
 def test_prefix_chains_share_their_common_blocks() -> None:

@@ -8,7 +8,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from appliance.settings import RoleLimits
+from appliance.settings import WHOLE_CONTEXT, GatewaySettings, RoleLimits
 from serve.errors import GatewayError
 from serve.schemas import ChatRequest, CompletionRequest
 
@@ -76,8 +76,54 @@ def test_admission_is_the_worst_case_and_a_missing_max_tokens_gets_the_roles_cap
     relayed = body.relayed()
     prompt, completion = body.admission(LIMITS, 2048, relayed, body.prompt_text(relayed))
     assert relayed["max_tokens"] == 100 and completion == 200 and prompt >= 1
-    uncapped = admit(body, RoleLimits())
-    assert uncapped[1] == 2 * 2048, "no cap: the model's whole context per choice"
+    whole = admit(body, RoleLimits(max_tokens=WHOLE_CONTEXT))
+    assert whole[1] == 2 * 2048, "a cap past the context: the model's whole context per choice"
+    relayed = body.relayed()
+    assert body.admission(None, 2048, relayed, body.prompt_text(relayed))[1] == 2 * 2048 and \
+        "max_tokens" not in relayed, "no role limits: nothing is set, the engine's own default applies"
+
+
+def test_the_default_caps_are_4096_for_users_and_the_models_context_for_admins() -> None:
+    limits = GatewaySettings().limits
+    assert (RoleLimits().max_tokens, limits["user"].max_tokens, limits["admin"].max_tokens) == (4096, 4096,
+                                                                                                WHOLE_CONTEXT)
+
+
+@pytest.mark.parametrize(("cap", "context", "given"), [(4096, 2048, 2048), (100, 2048, 100),
+                                                      (WHOLE_CONTEXT, 512, 512)])
+def test_a_request_asking_no_max_tokens_gets_the_roles_cap_within_the_context(cap: int, context: int,
+                                                                               given: int) -> None:
+    body = CompletionRequest.model_validate({"model": "m", "prompt": "x"})
+    relayed = body.relayed()
+    _, completion = body.admission(RoleLimits(max_tokens=cap), context, relayed, body.prompt_text(relayed))
+    assert relayed["max_tokens"] == completion == given
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_asking_past_the_roles_cap_is_a_400_naming_the_field_and_the_cap(field: str) -> None:
+    body = ChatRequest.model_validate({"model": "m", "messages": MESSAGES, field: 4097})
+    relayed = body.relayed()
+    with pytest.raises(GatewayError) as caught:
+        body.admission(RoleLimits(), 8192, relayed, body.prompt_text(relayed))
+    error = caught.value
+    assert (error.status, error.param, error.code) == (400, field, "over_limit")
+    assert error.message == f"'{field}' is 4097; your role allows at most 4096"
+    at_cap = ChatRequest.model_validate({"model": "m", "messages": MESSAGES, field: 4096})
+    relayed = at_cap.relayed()
+    assert at_cap.admission(RoleLimits(), 8192, relayed, at_cap.prompt_text(relayed))[1] == 4096
+
+
+@pytest.mark.parametrize("limits", [RoleLimits(max_tokens=WHOLE_CONTEXT), RoleLimits(max_tokens=10_000), None])
+def test_asking_past_the_models_context_is_a_400_whatever_the_role(limits: RoleLimits | None) -> None:
+    body = ChatRequest.model_validate({"model": "m", "messages": MESSAGES, "max_tokens": 2049})
+    relayed = body.relayed()
+    with pytest.raises(GatewayError) as caught:
+        body.admission(limits, 2048, relayed, body.prompt_text(relayed))
+    assert (caught.value.status, caught.value.param) == (400, "max_tokens")
+    assert "2049" in caught.value.message and "context is 2048 tokens" in caught.value.message
+    at_context = ChatRequest.model_validate({"model": "m", "messages": MESSAGES, "max_tokens": 2048})
+    relayed = at_context.relayed()
+    assert at_context.admission(limits, 2048, relayed, at_context.prompt_text(relayed))[1] == 2048
 
 
 @pytest.mark.parametrize(("prompt", "n", "choices"), [("one", 2, 2), (["a", "b"], 1, 2), (["a", "b"], 2, 4),
