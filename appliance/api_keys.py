@@ -4,7 +4,8 @@ A key is `apk-` followed by 256 random bits (base64url, 43 characters); it is sh
 is made. The registry keeps only its HMAC-SHA256 under a secret of this host (`api-key-hmac`), so
 a copy of the registry (a backup, a support bundle) cannot be used to call the gateway, and a
 lookup needs no scan: the keyed hash is the index. Each key has a name (unique on the appliance),
-its owner, an optional expiry and optional models it is limited to. A revoked key stays in the
+its owner, an optional expiry, optional models it is limited to and an optional token budget a
+minute on top of its owner's. A revoked key stays in the
 registry (its name is not reused, its audit records keep meaning something).
 
 The gateway reads the registry again whenever the file changes, so a revocation takes effect on
@@ -51,6 +52,7 @@ class ApiKey(BaseModel):
     expires: datetime | None = None
     models: list[str] | None = Field(None, description="The models (pools, tiers, adapter aliases) it may use; "
                                      "unset: those its owner may use.")
+    tokens_per_minute: int | None = Field(None, gt=0, description="Its own token budget, on top of its owner's.")
     prefix: str = Field(description="The key's first characters, to recognise it by.")
     digest: str = Field(pattern=r"^[0-9a-f]{64}$", description="HMAC-SHA256 of the key under this host's secret.")
     revoked: datetime | None = None
@@ -72,6 +74,7 @@ class NewKey(BaseModel):
     owner: str = Field(min_length=1, max_length=64)
     expires_in: str | None = Field(None, description="e.g. 12h, 30d, 52w; unset: until revoked.")
     models: list[str] | None = Field(None, min_length=1, max_length=64)
+    tokens_per_minute: int | None = Field(None, gt=0, le=1_000_000_000)
 
 
 class CreatedKey(BaseModel):
@@ -118,6 +121,7 @@ def create(home: Home, new: NewKey, created_by: str, now: datetime | None = None
     value = PREFIX + base64.urlsafe_b64encode(token_source.token_bytes(KEY_BYTES)).rstrip(b"=").decode()
     key = ApiKey(name=new.name, owner=new.owner, created=now, created_by=created_by,
                  expires=expiry(new.expires_in, now), models=new.models,
+                 tokens_per_minute=new.tokens_per_minute,
                  prefix=value[:len(PREFIX) + 6], digest=digest(home, value))
     with registry(home).change() as keys:
         if new.name in keys:

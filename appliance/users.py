@@ -127,10 +127,14 @@ class Users:
 
     def disable(self, username: str) -> User:
         """New logins fail; live tokens stop within the gateway's introspection interval; their
-        batches in progress are cancelled (they run as their owner)."""
+        batches in progress are cancelled (they run as their owner). The last enabled
+        administrator is never disabled: no one could enable them again."""
         with _keycloak(f"disabling {username!r}"):
             admin = self._admin()
             user_id = self._id(admin, username)
+            if Role.ADMIN in _user(admin, admin.get_user(user_id)).roles and not _other_admins(admin, username):
+                raise Conflict(f"disabling {username!r}: they are the last enabled administrator",
+                               hint="grant admin to another user first")
             admin.update_user(user_id, {"enabled": False})
             user = _user(admin, admin.get_user(user_id))
         batches.cancel_all_of(self.home, user_id)  # the token subject is the user's id

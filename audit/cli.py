@@ -34,8 +34,8 @@ from audit.writer import AuditUnavailable, AuditWriter
 
 audit_app = typer.Typer(help="The tamper-evident audit log.", no_args_is_help=True)
 out = Console()
-FIELDS = ("seq", "time", "request_id", "username", "subject", "client", "source", "action", "resource",
-          "outcome", "status", "prompt_tokens", "completion_tokens", "latency_ms")
+FIELDS = ("seq", "time", "request_id", "username", "subject", "client", "key", "source", "action", "resource",
+          "target", "model", "outcome", "reason", "status", "prompt_tokens", "completion_tokens", "latency_ms", "error")
 
 
 @audit_app.command("verify")
@@ -141,7 +141,16 @@ def export(
     writer = csv.DictWriter(sys.stdout, fieldnames=FIELDS, extrasaction="ignore")
     writer.writeheader()
     for record in selected:
-        writer.writerow(record)
+        writer.writerow({**record, "target": _target_text(record.get("target"))})
+
+
+def _target_text(target: dict[str, Any] | None) -> str:
+    """A record's object in one CSV cell: KIND:NAME, then @VERSION and [ROLES] when it has them."""
+    if not target:
+        return ""
+    version = f"@{target['version']}" if target.get("version") is not None else ""
+    roles = f"[{' '.join(target['roles'])}]" if target.get("roles") else ""
+    return f"{target['kind']}:{target['name']}{version}{roles}"
 
 
 def _filter(user: str | None, action: str | None, outcome: str | None, target: str | None) -> RecordFilter:

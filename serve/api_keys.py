@@ -68,7 +68,8 @@ class KeyAuthenticator:
         return Principal(subject=owner.subject, username=key.owner, client=key.name,
                          roles=frozenset(role.value for role in owner.user.roles), token_id=f"key:{key.name}",
                          expires_at=key.expires.timestamp() if key.expires else float("inf"), key=key.name,
-                         models=frozenset(key.models) if key.models is not None else None)
+                         models=frozenset(key.models) if key.models is not None else None,
+                         tokens_per_minute=key.tokens_per_minute)
 
     def _key(self, digest: str) -> api_keys.ApiKey | None:
         try:

@@ -40,6 +40,7 @@ class Principal:
     expires_at: float
     key: str | None = None  # the API key it acts by (serve.api_keys)
     models: frozenset[str] | None = None  # the models that key is limited to
+    tokens_per_minute: int | None = None  # that key's own token budget, on top of its owner's
 
     def may_use(self, model: str) -> bool:
         """Whether its key's scope admits `model` (a tier asked by name, MODEL:TIER, by its model)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -87,9 +87,10 @@ class ModelNotFound(GatewayError):
         more = f" and {len(self.usable) - len(shown)} more" if len(self.usable) > len(shown) else ""
         return f"{self.what}; models available to you: {', '.join(shown)}{more}"
 
-    def adding(self, usable: Iterable[str]) -> ModelNotFound:
-        """The same error, also naming `usable` (what only the request's caller may use, such as adapters)."""
-        return ModelNotFound(self.what, [*self.usable, *usable])
+    def for_caller(self, usable: Iterable[str], may_use: Callable[[str], bool]) -> ModelNotFound:
+        """The same error for one caller: also naming `usable` (what only they may use, such as
+        adapters), leaving out what they may not (an API key's model limit)."""
+        return ModelNotFound(self.what, [name for name in [*self.usable, *usable] if may_use(name)])
 
 
 # The core's error families and what the gateway answers for them (status, OpenAI error type).

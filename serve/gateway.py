@@ -35,9 +35,11 @@ from appliance.roles import Role
 from appliance.secrets import gateway_client_secret, secret
 from appliance.settings import Settings, load_settings
 from appliance.tls import keycloak_ssl
+from appliance.users import Users
 from audit import AuditEvent, AuditUnavailable, AuditWriter, TextHasher, archive, signing_key
 from serve.adapters import AdapterRoutes, base_configs
 from serve.answer import Answer, decode_json
+from serve.api_keys import KeyAuthenticator
 from serve.audit_trail import AuditMiddleware, Transcript
 from serve.auth import Introspector, Principal, TokenValidator
 from serve.compliance import AnswerFilter, Compliance, Marks
@@ -63,7 +65,9 @@ log = logging.getLogger("appliance.gateway")
 MONITORING_USERS = 64
 # Every route under these prefixes needs a token and one of these roles (each route checks its
 # own exactly): callers are refused on their headers, before their bodies are read.
+# The first prefix a path starts with applies: a user manages their own API keys.
 ROLES_UNDER: dict[str, frozenset[str]] = {"/v1/": frozenset({Role.USER, Role.ADMIN}),
+                                          "/admin/keys": frozenset({Role.USER, Role.ADMIN}),
                                           "/admin/": frozenset({Role.ADMIN, Role.AUDITOR})}
 READY_CACHE_S = 1.0  # /readyz is anonymous: its engine checks run at most this often
 KEYS_RETRY_S = 5.0
@@ -81,6 +85,7 @@ class Gateway:
     adapters: AdapterRoutes
     compliance: Compliance
     cache: ResponseCache
+    keys: KeyAuthenticator
 
 
 class Health(BaseModel):
@@ -120,7 +125,8 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
                 limiter=RateLimiter(settings.gateway.limits), metrics=metrics,
                 adapters=AdapterRoutes(home, upstreams, artifact_store(settings.artifacts, home),
                                        base_configs(settings, home), on_change=cache.invalidate),
-                compliance=compliance, cache=cache)
+                compliance=compliance, cache=cache,
+                keys=KeyAuthenticator(home, Users(settings, home).lookup, settings.gateway.introspect_ttl_s))
             SlowClients.closed = _slow_client_accounting(writer, refusals, metrics)
             await validator.try_refresh_keys()  # Keycloak may still be starting
             await upstreams.replicas.check()  # which engines answer, before the first request
@@ -176,8 +182,10 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
     async def model_not_found(request: Request, exc: ModelNotFound) -> JSONResponse:
         # The router knows the served models; the adapters a caller may use depend on their roles.
         who: Principal | None = getattr(request.state, "principal", None)
-        adapters = request.app.state.gateway.adapters.visible(who.roles) if who is not None else []
-        return exc.adding(entry["id"] for entry in adapters).response()
+        if who is None:
+            return exc.response()
+        adapters = request.app.state.gateway.adapters.visible(who.roles)
+        return exc.for_caller((entry["id"] for entry in adapters), who.may_use).response()
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -264,7 +272,7 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
             raise GatewayError(503, "no engine pool is reachable; retry shortly",
                                type="service_unavailable", code="engine_unavailable",
                                headers={"Retry-After": "5"})
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": [entry for entry in data if who.may_use(str(entry.get("id")))]}
 
     @app.post("/v1/chat/completions", tags=["openai"], name="chat.completions")
     async def chat_completions(request: Request, who: ChatUser, body: ChatRequest) -> Response:
@@ -287,6 +295,9 @@ async def relay(request: Request, who: Principal, path: str, body: ChatRequest |
     arrives; account tokens and time to first token."""
     gateway: Gateway = request.app.state.gateway
     batch: str | None = getattr(request.state, "batch", None)  # a batch request the batch-worker sends
+    if not who.may_use(body.model):
+        raise GatewayError(403, f"API key {who.key!r} may use only: {', '.join(sorted(who.models or ()))}",
+                           type="permission_error", code="model_not_allowed", param="model")
     payload = body.relayed()
     routed = gateway.adapters.resolve(body.model, who.roles)
     if routed is not None:
@@ -307,6 +318,13 @@ async def relay(request: Request, who: Principal, path: str, body: ChatRequest |
         payload["stream_options"] = {**(payload.get("stream_options") or {}), "include_usage": True}
     admission = gateway.limiter.admit(who.subject, who.roles, prompt_tokens=prompt_estimate,
                                       completion_tokens=worst_completion)
+    if who.key is not None and who.tokens_per_minute is not None:
+        try:
+            admission.also = gateway.limiter.admit_key(who.key, who.tokens_per_minute, prompt_tokens=prompt_estimate,
+                                                       completion_tokens=worst_completion)
+        except GatewayError:
+            admission.settle(0, 0)  # the owner's hold goes back: the key's budget refused it
+            raise
     headers = {"X-Appliance-Tier": pool.tier} if pool.tier else {}
     try:
         # Compliance filtering, once admitted (a hostile 1 MiB prompt takes a second or more to
@@ -429,7 +447,9 @@ async def _forward(request: Request, gateway: Gateway, pool: Pool, adapter: Adap
             transcript.answer.add_choices(answer.get("choices"))
         elif content:
             transcript.answer.add_unparsed(content)
-        media_type = response.headers.get("content-type", "application/json")
+        # An engine error is translated to JSON whatever the engine's own type said (read_answer).
+        media_type = response.headers.get("content-type", "application/json") if response.status == 200 \
+            else "application/json"
         if keep is not None and response.status == 200 and isinstance(answer, dict):
             keep([content], False, media_type)
         return Response(content, status_code=response.status, media_type=media_type, headers=headers)

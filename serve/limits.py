@@ -16,6 +16,10 @@ from dataclasses import dataclass, field
 from appliance.settings import RoleLimits
 from serve.errors import GatewayError
 
+# An API key's own budget counts tokens; its requests and concurrency are its owner's to limit.
+KEY_REQUESTS_PER_MINUTE = 1_000_000
+KEY_MAX_CONCURRENT = 1_000_000
+
 
 @dataclass
 class Bucket:
@@ -56,6 +60,7 @@ class Admission:
     reserved: int
     prompt_estimate: int
     settled: bool = False
+    also: Admission | None = None  # a second budget held with this one (an API key's), settled with it
 
     def settle(self, prompt_tokens: int | None, completion_tokens: int) -> None:
         """Charge the tokens used (prompt None: not known, the estimate is charged), refund the
@@ -66,6 +71,8 @@ class Admission:
         if self.limiter is not None:
             used = (self.prompt_estimate if prompt_tokens is None else prompt_tokens) + completion_tokens
             self.limiter._release(self.user, self.reserved - used)
+        if self.also is not None:
+            self.also.settle(prompt_tokens, completion_tokens)
 
     def __enter__(self) -> Admission:
         return self
@@ -89,10 +96,9 @@ class RateLimiter:
             return None
         return max(mine, key=lambda limit: (limit.requests_per_minute, limit.tokens_per_minute))
 
-    def _for(self, user: str, roles: frozenset[str]) -> _User | None:
+    def _for(self, user: str, best: RoleLimits | None) -> _User | None:
         state = self._users.get(user)
         if state is None:
-            best = self.limits_for(roles)
             if best is None:
                 return None
             now = time.monotonic()
@@ -106,7 +112,15 @@ class RateLimiter:
         """Take one request and the worst case of its tokens from the user's budget and an
         in-flight slot; raise 429 with Retry-After when any is short, 400 when the request could
         never fit the budget."""
-        state = self._for(user, roles)
+        return self._admit(user, self._for(user, self.limits_for(roles)), prompt_tokens, completion_tokens)
+
+    def admit_key(self, name: str, tokens_per_minute: int, *, prompt_tokens: int, completion_tokens: int) -> Admission:
+        """The same against an API key's own token budget, held beside its owner's."""
+        budget = RoleLimits(tokens_per_minute=tokens_per_minute, requests_per_minute=KEY_REQUESTS_PER_MINUTE,
+                            max_concurrent=KEY_MAX_CONCURRENT)
+        return self._admit(f"API key {name}", self._for(f"API key {name}", budget), prompt_tokens, completion_tokens)
+
+    def _admit(self, user: str, state: _User | None, prompt_tokens: int, completion_tokens: int) -> Admission:
         reserve = prompt_tokens + completion_tokens
         if state is None:
             return Admission(None, user, reserve, prompt_tokens)

@@ -26,10 +26,13 @@ def keys_create(
                                                    "revoked.")] = None,
     model: Annotated[list[str] | None, typer.Option("--model", help="A model it may use; repeatable; unset: every "
                                                     "model its user may use.")] = None,
+    tokens_per_minute: Annotated[int | None, typer.Option("--tokens-per-minute", help="Its own token budget, on "
+                                                          "top of its user's.")] = None,
     json: Json = False,
 ) -> None:
     """Create an API key and print it once: the appliance keeps only a keyed hash of it."""
-    body: dict[str, Any] = {"name": name, "owner": user, "expires_in": expires_in, "models": model or None}
+    body: dict[str, Any] = {"name": name, "owner": user, "expires_in": expires_in, "models": model or None,
+                            "tokens_per_minute": tokens_per_minute}
     created = admin_api("POST", "/keys", json=body)
     if json:
         print_json(created)

@@ -58,7 +58,7 @@ def down() -> None:
     else:
         out.print("down: supervisord and all programs stopped")
     if report.ended_leftovers:
-        out.print(f"ended leftover processes: {report.ended_leftovers}")
+        out.print(f"ended leftover processes (pids): {', '.join(map(str, report.ended_leftovers))}")
 
 
 def status(

@@ -36,6 +36,7 @@ class KeyView(BaseModel):
     expires: datetime | None
     last_used: datetime | None
     models: list[str] | None
+    tokens_per_minute: int | None
 
 
 class CreatedKeyView(KeyView):
@@ -45,7 +46,7 @@ class CreatedKeyView(KeyView):
 def view(key: api_keys.ApiKey, used: datetime | None) -> KeyView:
     return KeyView(name=key.name, owner=key.owner, prefix=key.prefix, state=key.state(datetime.now(key.created.tzinfo)),
                    created=key.created, created_by=key.created_by, expires=key.expires, last_used=used,
-                   models=key.models)
+                   models=key.models, tokens_per_minute=key.tokens_per_minute)
 
 
 def _may_manage(who: Principal, owner: str) -> None:

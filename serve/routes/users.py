@@ -3,13 +3,14 @@ appliance.users (which translates Keycloak's errors). Plain functions: Keycloak'
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel
 
 from appliance.home import Home
 from appliance.roles import Role
 from appliance.settings import Settings
 from appliance.users import CreatedUser, NewPassword, NewUser, PasswordReset, User, Users
+from serve.audit_trail import note_target
 from serve.deps import requires
 
 
@@ -31,8 +32,9 @@ def router(settings: Settings, home: Home) -> APIRouter:
         return Users(settings, home).listing()
 
     @routes.post("/users", response_model=CreatedUser, status_code=201, name="users.add")
-    def add_user(new: NewUser) -> CreatedUser:
+    def add_user(request: Request, new: NewUser) -> CreatedUser:
         """Create an enabled user with roles; without a password, one is generated and returned once."""
+        note_target(request, "user", new.username, roles=sorted(new.roles))
         return Users(settings, home).add(new)
 
     @routes.post("/users/{username}/disable", response_model=User, name="users.disable")
@@ -51,13 +53,15 @@ def router(settings: Settings, home: Home) -> APIRouter:
         return Users(settings, home).unlock(username)
 
     @routes.post("/users/{username}/roles", response_model=User, name="users.grant")
-    def grant_role(username: str, grant: RoleGrant) -> User:
+    def grant_role(request: Request, username: str, grant: RoleGrant) -> User:
         """Grant a user one more realm role (granting one it holds changes nothing)."""
+        note_target(request, "user", username, roles=[grant.role])
         return Users(settings, home).grant(username, grant.role)
 
     @routes.delete("/users/{username}/roles/{role}", response_model=User, name="users.revoke")
-    def revoke_role(username: str, role: Role) -> User:
+    def revoke_role(request: Request, username: str, role: Role) -> User:
         """Revoke a realm role from a user; never the last enabled administrator's admin role."""
+        note_target(request, "user", username, roles=[role])
         return Users(settings, home).revoke(username, role)
 
     @routes.post("/users/{username}/password", response_model=PasswordReset, name="users.reset_password")

@@ -24,7 +24,7 @@ from tests.integration.realm import Realm
 MODEL = "SmolLM2-135M-Instruct"
 RUN = uuid.uuid4().hex[:6]  # key names are never reused: each run makes its own
 K = {name: f"{name}-{RUN}" for name in ("kate-app", "kurt-app", "kurt-old", "kim-scoped", "kim-app", "kbench-app",
-                                        "kim-for-kate", "kim-x")}
+                                        "kim-for-kate", "kim-x", "kurt-tight")}
 PASSWORD = "Test-password-1"
 INTROSPECT_TTL_S = 10  # the gateway's default: a disabled owner's keys stop within it
 REFUSAL_INTERVAL_S = 10  # audit.refusal_interval_s's default
@@ -103,7 +103,7 @@ def test_a_key_chats_streams_and_batches_and_every_record_names_it(realm: Realm,
         time.sleep(0.5)
     assert ended[0]["username"] == ended[0]["client"] == "batch-worker"
     made = [r for r in records(running) if r["action"] == "keys.create"
-            and r.get("target", {}).get("name") == K["kate-app"]]
+            and (r.get("target") or {}).get("name") == K["kate-app"]]
     assert made and made[0]["outcome"] == "allowed" and made[0]["resource"] == "/admin/keys"
     assert key not in json.dumps(records(running))
 
@@ -128,6 +128,13 @@ def test_revoked_expired_disabled_and_scoped_keys_are_refused(realm: Realm, runn
         keys[K["kurt-old"]] = keys[K["kurt-old"]].model_copy(update={"expires": past})
     error = refused(lambda: client(realm, stale).models.list())
     assert error.status_code == 401 and error.body["code"] == "expired_key"
+
+    # Its own token budget, on top of its owner's.
+    tight = client(realm, new_key(realm, K["kurt-tight"], "kurt", tokens_per_minute=60))
+    tight.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4)
+    error = refused(lambda: tight.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=100))
+    assert error.status_code == 400 and error.body["code"] == "exceeds_token_budget"
+    assert f"API key {K['kurt-tight']}" in error.body["message"]
 
     # A model limit: other models are refused, the listing shows only its own.
     scoped = client(realm, new_key(realm, K["kim-scoped"], "kim", models=["some-other-model"]))

@@ -15,9 +15,11 @@ from appliance import api_keys
 from appliance.errors import Conflict, Invalid, NotFound, Unavailable
 from appliance.home import Home
 from appliance.roles import Role
+from appliance.settings import RoleLimits
 from appliance.users import User
 from serve.api_keys import KeyAuthenticator
-from serve.errors import AuthError
+from serve.errors import AuthError, GatewayError
+from serve.limits import RateLimiter
 
 
 class Realm:
@@ -132,3 +134,18 @@ def test_any_hostile_bearer_is_refused_not_crashed(tmp_path_factory: pytest.Temp
     keys = KeyAuthenticator(home, Realm().lookup, owner_ttl_s=60)
     failed = refusal(keys, "apk-" + bearer)
     assert failed.reason in ("malformed", "invalid_key")
+
+
+def test_a_keys_token_budget_holds_beside_its_owners_and_gives_back_both() -> None:
+    limiter = RateLimiter({"user": RoleLimits(tokens_per_minute=10_000)})
+    owner = limiter.admit("id-kate", frozenset({"user"}), prompt_tokens=100, completion_tokens=200)
+    owner.also = limiter.admit_key("app", 500, prompt_tokens=100, completion_tokens=200)
+    with pytest.raises(GatewayError) as refused:  # 300 of the key's 500 are held
+        limiter.admit_key("app", 500, prompt_tokens=100, completion_tokens=200)
+    assert refused.value.status == 429 and "API key app" in refused.value.message
+    owner.settle(50, 10)  # both budgets charged what was used, the rest given back
+    again = limiter.admit_key("app", 500, prompt_tokens=100, completion_tokens=300)
+    again.settle(0, 0)
+    with pytest.raises(GatewayError) as never:
+        limiter.admit_key("app", 500, prompt_tokens=400, completion_tokens=200)
+    assert never.value.status == 400 and never.value.code == "exceeds_token_budget"

@@ -12,10 +12,13 @@ import threading
 from pathlib import Path
 
 import pytest
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
 
-from audit import AuditUnavailable, AuditVerificationError, AuditWriter, read_records, verify
+from appliance.changes import Target
+from audit import AuditEvent, AuditUnavailable, AuditVerificationError, AuditWriter, read_records, verify
+from audit.reader import ObjectFilter, RecordFilter
 from audit.writer import CHECKPOINTS, log_files
 from tests.support.audit import event
 
@@ -413,3 +416,31 @@ def test_newest_first_leaves_a_line_still_being_written(tmp_path: Path) -> None:
     with log_files(tmp_path)[0].open("ab") as handle:
         handle.write(b'{"seq": 2, "half')
     assert [r["request_id"] for r in read_records(tmp_path, newest_first=True)] == ["r0"]
+
+
+def test_a_log_written_before_targets_verifies_displays_and_takes_new_records(tmp_path: Path) -> None:
+    """A log the previous release wrote (no target, key, model or reason; a refusal's outcome was
+    `error`; a CLI failure's text in `resource`) still verifies, reads and exports, and the chain
+    goes on with records of the new shape."""
+    log = tmp_path / "audit"
+    shutil.copytree(Path(__file__).parent / "data" / "audit-before-targets", log)
+    public = serialization.load_pem_public_key((log / "public.pem").read_bytes())
+    assert isinstance(public, Ed25519PublicKey)
+    assert verify(log, public).records == 3
+    old = list(read_records(log))
+    assert [r["outcome"] for r in old] == ["allowed", "error", "error"] and "target" not in old[0]
+    assert list(read_records(log, where=RecordFilter(outcome="error"))) == old[1:]
+    assert not list(read_records(log, where=RecordFilter(target=ObjectFilter(name="admin", kind="user"))))
+
+    signer = Ed25519PrivateKey.generate()
+    writer = AuditWriter(log, signer)
+    writer.append(AuditEvent(request_id="r4", action="users.grant", outcome="allowed", status=200,
+                             resource="/admin/users/bob/roles",
+                             target=Target(kind="user", name="bob", roles=["trainer"])))
+    writer.append(AuditEvent(request_id="r5", action="chat.completions", outcome="invalid", status=404,
+                             resource="/v1/chat/completions", model="nope", reason="model_not_found"))
+    writer.close()
+    records = list(read_records(log))
+    assert [r["seq"] for r in records] == [1, 2, 3, 4, 5] and records[3]["prev_hash"] == records[2]["hash"]
+    bob = RecordFilter(target=ObjectFilter(name="bob", kind="user"))
+    assert [r["target"]["name"] for r in read_records(log, where=bob)] == ["bob"]

@@ -254,7 +254,9 @@ def test_the_list_in_model_not_found_is_capped() -> None:
         not in error.message
     assert ModelNotFound("model 'x' does not exist", []).message == "model 'x' does not exist; no model is " \
         "available to you"
-    assert ModelNotFound("w", ["b"]).adding(["a", "b"]).usable == ["a", "b"], "sorted, each once"
+    assert ModelNotFound("w", ["b"]).for_caller(["a", "b"], lambda name: True).usable == ["a", "b"], "sorted, once"
+    assert ModelNotFound("w", ["b", "c"]).for_caller(["a"], lambda name: name != "b").usable == ["a", "c"], \
+        "what an API key may not use is not named"
 
 
 class Anyone:

@@ -53,7 +53,9 @@ def test_a_failed_login_names_user_source_client_and_why() -> None:
     assert record is not None
     assert (record.action, record.outcome, record.status) == ("keycloak.login_error", "denied", 401)
     assert (record.subject, record.username, record.source) == (USER_ID, "lockee", "10.0.0.7")
-    assert (record.client, record.resource, record.error) == ("appliance-cli", "password", "invalid_user_credentials")
+    assert (record.client, record.resource, record.detail) == ("appliance-cli", "keycloak", "password")
+    assert record.reason == record.error == "invalid_user_credentials"
+    assert record.target is not None and (record.target.kind, record.target.name) == ("user", "lockee")
     assert record.request_id == "keycloak:e1"
 
 
@@ -70,12 +72,14 @@ def test_a_lockout_and_an_admin_change_are_attributed() -> None:
     assert locked is not None
     assert (locked.action, locked.status, locked.subject, locked.username) == ("keycloak.lockout", 423, USER_ID,
                                                                               "lockee")
-    assert locked.resource == "locked until 2026-12-02T05:37:44" and locked.error is not None
+    assert locked.detail == "locked until 2026-12-02T05:37:44" and locked.error is not None
+    assert locked.resource == "keycloak" and locked.target is not None and locked.target.name == "lockee"
     assert "3 failed logins" in locked.error
     changed = admin_record(admin_event("a1", 1), "kcadmin")
     assert (changed.action, changed.outcome, changed.subject, changed.username, changed.source) == (
         "keycloak.admin.create", "allowed", "admin-id", "kcadmin", "127.0.0.1")
-    assert changed.resource == "USER users/u-1"
+    assert changed.resource == "keycloak" and changed.target is not None
+    assert (changed.target.kind, changed.target.name) == ("user", "users/u-1")
     assert login_record({"id": "x", "time": 1, "type": "LOGIN"}, None) is None
 
 

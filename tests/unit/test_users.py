@@ -103,6 +103,11 @@ def test_the_last_enabled_admin_keeps_admin(realm: tuple[Users, FakeAdmin]) -> N
     with pytest.raises(Conflict):
         users.revoke("alice", Role.ADMIN)
     assert "admin" in admin.users["alice"]["roles"]
+    with pytest.raises(Conflict, match="disabling 'alice': they are the last enabled administrator"):
+        users.disable("alice")
+    assert admin.users["alice"]["enabled"]
+    users.grant("root", Role.ADMIN)
+    assert not users.disable("alice").enabled, "with another administrator, an administrator may be disabled"
 
 
 def test_a_reset_password_is_generated_once_or_the_one_given(realm: tuple[Users, FakeAdmin]) -> None:
