@@ -83,7 +83,7 @@ class Models(Panel):
     EMPTY = {"pools": "No engine replicas: each pool in the settings (`appliance settings`) runs its replicas "
                       "once `appliance up` starts them.",
              "batches": "No batches yet: users send them with OpenAI's Batch API (POST /v1/batches, see "
-                        "docs/serve/batches.md); `appliance serving batches` lists them too."}
+                        "docs/serve/batches.md); `appliance serving batches list` lists them too."}
 
     def __init__(self) -> None:
         super().__init__()

@@ -67,7 +67,7 @@ class RlRuns(Panel):
     BINDINGS = [Binding("c", "cancel_run", "cancel", show=False),
                 Binding("t", "trajectories", "trajectories", show=False),
                 Binding("x", "export", "export SFT and DPO sets", show=False)]
-    EMPTY = {"tasksets": "No task sets yet: add the starter set with `appliance rl tasks starter`, or your own "
+    EMPTY = {"tasksets": "No task sets yet: add the starter set with `appliance rl tasks add-starter`, or your own "
                          "with `appliance rl tasks add`.",
              "runs": "No RL runs yet: queue one on a task set with `appliance rl run`.",
              "attempts": "Select a finished run above and press t to read its attempts."}

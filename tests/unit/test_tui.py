@@ -586,7 +586,7 @@ def test_a_refresh_sends_the_query_of_the_view_it_refreshes_and_a_new_filter_a_n
 
 
 def cli_problem(invocation: str) -> str | None:
-    """Why `appliance ...` (words, options; UPPER-CASE placeholders) is not a command, or None."""
+    """Why `appliance ...` (words, options; UPPER-CASE placeholders) is not a current command, or None."""
     import typer
 
     from appliance import cli
@@ -599,7 +599,7 @@ def cli_problem(invocation: str) -> str | None:
                 return f"{invocation}: no option {word}"
         elif not word.isupper():
             found = command.resolve_command(context, [word])[1] if hasattr(command, "resolve_command") else None
-            if found is None:
+            if found is None or found.hidden:  # hidden: an old spelling, kept for a release
                 return f"{invocation}: no command {word!r}"
             command, context = found, typer.Context(found, info_name=word, parent=context, resilient_parsing=True)
     return None
