@@ -36,7 +36,7 @@ class Target(BaseModel):
 
     kind: str = Field(description="user, dataset, adapter, batch, job, key, host, service, pool, rl_run...")
     name: str
-    version: int | None = None
+    version: int | str | None = Field(None, description="An adapter's version number, a dataset's sha256.")
     roles: list[str] | None = Field(None, description="Roles granted, revoked or held by a user acted on.")
 
 
@@ -55,7 +55,7 @@ class Change:
 _noted: ContextVar[Target | None] = ContextVar("noted_target", default=None)
 
 
-def note_target(kind: str, name: str, *, version: int | None = None, roles: list[str] | None = None) -> None:
+def note_target(kind: str, name: str, *, version: int | str | None = None, roles: list[str] | None = None) -> None:
     """Name the object the running command acts on (called as soon as it is known, so a failure
     names it too)."""
     _noted.set(Target(kind=kind, name=name, version=version, roles=roles))

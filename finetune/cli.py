@@ -17,7 +17,7 @@ from rich.table import Table
 
 from appliance import jobs
 from appliance.artifacts import artifact_store
-from appliance.changes import records_change
+from appliance.changes import note_target, records_change
 from appliance.commands.common import AsJson, print_json
 from appliance.errors import ApplianceError
 from appliance.home import Home
@@ -58,6 +58,7 @@ def add(
 ) -> None:
     """Check every row (format, length, sensitive data: every problem reported at once, by line),
     split train/eval, store; all or nothing."""
+    note_target("dataset", name)
     check_name_option("--name", name)
     home = Home.from_env()
     settings = load_settings(home.settings_file)
@@ -69,6 +70,7 @@ def add(
     train, evaluation = split(checked.rows, settings.finetune.eval_fraction)
     done = store(name, file, train, evaluation, checked.sensitive, settings.compliance.training_data,
                  artifact_store(settings.artifacts, home), home, replace=replace)
+    note_target("dataset", name, version=done.digest)
     found = ", ".join(f"{kind} {count}" for kind, count in sorted(checked.sensitive.items())) or "none"
     out.print(f"dataset {done.name}: {done.rows} rows ({done.train} train, {done.eval} eval), sha256 {done.digest}; "
               f"sensitive data: {found} ({done.action})", soft_wrap=True, markup=False)
@@ -110,17 +112,15 @@ def show(name: Annotated[str, typer.Argument(help="A dataset name from `applianc
 
 
 @data_app.command("remove")
-@records_change("data.remove", detail=lambda: f"dataset {_removed[-1]} removed")
+@records_change("data.remove")
 def remove_dataset(name: Annotated[str, typer.Argument(help="A dataset name from `appliance data list`.")]) -> None:
     """Forget a dataset and delete its stored versions; refused while a queued or running training
     job uses it."""
+    note_target("dataset", name)
     home = Home.from_env()
     gone = remove(home, artifact_store(load_settings(home.settings_file).artifacts, home), name)
-    _removed.append(name)
     out.print(f"dataset {name} removed ({len(gone)} stored versions deleted)", markup=False, highlight=False)
 
-
-_removed: list[str] = []  # for the change's record
 
 
 @contextmanager
@@ -201,6 +201,7 @@ def submit(data: Data, name: Name, base: Base = DEMO_MODEL, qlora: QLoRA = False
     hp = _hyperparameters(qlora, rank, alpha, lr, epochs, max_steps, batch_size, save_steps, method, beta)
     job = jobs.submit(home, name=name, data=data, base=base, hyperparameters=hp,
                       eval_sets=_eval_sets(scenarios, regression))
+    note_target("job", str(job.id))
     out.print(f"job {job.id} queued: adapter {name} on dataset {data} (base {base})")
 
 
@@ -232,6 +233,7 @@ def status(
 @records_change("finetune.cancel")
 def cancel(job: Annotated[int, typer.Argument(help="A job id.")]) -> None:
     """Cancel a queued job, or stop a running one (its checkpoints stay)."""
+    note_target("job", str(job))
     found = jobs.cancel(Home.from_env(), job)
     out.print(f"job {job}: "
               f"{'cancelled' if found.state == jobs.JobState.CANCELLED else 'stopping (its checkpoints stay)'}")
@@ -244,6 +246,7 @@ def run(data: Data, name: Name, base: Base = DEMO_MODEL, qlora: QLoRA = False, r
         save_steps: SaveSteps = 10, scenarios: Scenarios = None, regression: Regression = None,
         method: Method = "sft", beta: Beta = 0.1) -> None:
     """Train an adapter in the foreground (as the worker would), gate it, register it."""
+    note_target("adapter", name)
     home = Home.from_env()
     _check(name, data, base, home)
     sets = _eval_sets(scenarios, regression)
@@ -260,6 +263,7 @@ def run(data: Data, name: Name, base: Base = DEMO_MODEL, qlora: QLoRA = False, r
         outcome = run_job(work, name=name, data=data, base=base, hp=hp, settings=settings, home=home,
                           eval_sets=sets, on_progress=show)
     result, record = outcome.result, outcome.record
+    note_target("adapter", record.name, version=record.version)
     resumed = f" (resumed from {result.resumed_from})" if result.resumed_from else ""
     scores = "".join(f"; {kind} {s['base']:.0%} -> {s['adapter']:.0%}" for kind, s in result.eval_sets.items())
     out.print(f"adapter {record.name} v{record.version}: held-out loss {result.base_eval_loss:.4f} -> "

@@ -14,7 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from appliance import hosts, lifecycle
-from appliance.changes import records_change
+from appliance.changes import note_target, records_change
 from appliance.commands.common import AsJson, print_json
 from appliance.errors import Invalid, SettingsError
 from appliance.home import Home
@@ -27,8 +27,6 @@ hosts_app = typer.Typer(help="Hosts of a cluster (on the head): invite a worker,
                         no_args_is_help=True)
 out = Console()
 err = Console(stderr=True)
-_last: dict[str, str] = {}
-_joined: dict[str, str] = {}
 
 
 def _host_name(name: str) -> str:
@@ -40,7 +38,7 @@ def _host_name(name: str) -> str:
 
 
 @hosts_app.command("add")
-@records_change("hosts.add", detail=lambda: f"host {_last['host']} invited")
+@records_change("hosts.add")
 def add(name: Annotated[str, typer.Argument(help="The host's name, as the pool's plan names it.")]) -> None:
     """Invite NAME: print its one-time join token (shown only now; it expires after cluster.join_token_ttl_s)."""
     home = Home.from_env().ensure()
@@ -50,8 +48,9 @@ def add(name: Annotated[str, typer.Argument(help="The host's name, as the pool's
         raise SettingsError("cluster.bind is unset: workers have nothing to join",
                             hint="set it to this host's address on the cluster network, then `appliance down` "
                                  "and `appliance up`")
-    _last["host"] = _host_name(name)
-    token = hosts.invite(home, _last["host"], cluster.join_token_ttl_s, ca_sha256(home))
+    host = _host_name(name)
+    note_target("host", host)
+    token = hosts.invite(home, host, cluster.join_token_ttl_s, ca_sha256(home))
     bind = str(cluster.bind)
     url = f"https://{f'[{bind}]' if ':' in bind else bind}:{cluster.port}"
     typer.echo(token)
@@ -78,15 +77,16 @@ def list_hosts(as_json: AsJson = False) -> None:
 
 
 @hosts_app.command("remove")
-@records_change("hosts.remove", detail=lambda: f"host {_last['host']} removed")
+@records_change("hosts.remove")
 def remove(name: Annotated[str, typer.Argument(help="The host to forget.")]) -> None:
     """Forget NAME: its join token and credential stop working at once."""
-    _last["host"] = _host_name(name)
-    hosts.remove(Home.from_env(), _last["host"])
+    host = _host_name(name)
+    note_target("host", host)
+    hosts.remove(Home.from_env(), host)
     out.print(f"host {name} removed")
 
 
-@records_change("cluster.join", detail=lambda: _joined.get("as", ""))
+@records_change("cluster.join")
 def join_command(
     head_url: Annotated[str, typer.Argument(help="The head's cluster URL, as `appliance hosts add` printed it.")],
     weights: Annotated[Path | None, typer.Option(help="A pre-staged copy of the pool's weights, checked file by "
@@ -96,7 +96,7 @@ def join_command(
     get the weights, and start this host's ranks under its own supervisord."""
     home = Home.from_env().ensure()
     record = join(home, head_url, read_token(), weights, lambda line: err.print(line, highlight=False, markup=False))
-    _joined["as"] = f"joined {record.head_url} as {record.name}"
+    note_target("host", record.name)
     with err.status("starting") as spinner:
         lifecycle.up(load_settings(home.settings_file), home, progress=lambda text: spinner.update(text))
     err.print(f"{record.name} is a worker of {record.head_url}: its ranks start when the head asks "

@@ -16,6 +16,7 @@ from appliance.settings import Settings
 from tui.audit_log import AuditLog
 from tui.dashboard import Dashboard
 from tui.dialogs import DIALOG_CSS
+from tui.keys import Keys
 from tui.models import Models
 from tui.panel import Panel
 from tui.rl_runs import RlRuns
@@ -64,12 +65,13 @@ class Login(ModalScreen[bool]):
 class AdminApp(App[None]):
     TITLE = "appliance"
     MODES = {"dashboard": Dashboard, "models": Models, "training": Training, "rl": RlRuns, "users": Users,
-             "audit": AuditLog}
+             "keys": Keys, "audit": AuditLog}
     BINDINGS = [Binding("d", "switch_mode('dashboard')", "Dashboard"),
                 Binding("m", "switch_mode('models')", "Models"),
                 Binding("j", "switch_mode('training')", "Jobs"),
                 Binding("e", "switch_mode('rl')", "RL"),
                 Binding("u", "switch_mode('users')", "Users"),
+                Binding("k", "switch_mode('keys')", "Keys"),
                 Binding("a", "switch_mode('audit')", "Audit"),
                 Binding("L", "login", "Login", show=False),
                 Binding("q", "quit", "Quit")]

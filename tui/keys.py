@@ -7,7 +7,7 @@ from typing import Any
 
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.widgets import DataTable
+from textual.widgets import DataTable, Label
 
 from tui.dialogs import Detail, Field, Form
 from tui.panel import Panel
@@ -16,8 +16,12 @@ EXPIRIES = ("90d", "30d", "7d", "365d", "never")
 
 
 class Keys(Panel):
-    DEFAULT_CSS = Panel.DEFAULT_CSS + "#keys { height: 1fr; }"
-    BINDINGS = [Binding("n", "create", "Create"), Binding("x", "revoke", "Revoke")]
+    DEFAULT_CSS = Panel.DEFAULT_CSS + """
+    #keys { height: 1fr; }
+    Label { padding: 0 1; text-style: bold; }
+    """
+    # Listed in the title (the footer lists the screens).
+    BINDINGS = [Binding("n", "create", "create", show=False), Binding("x", "revoke", "revoke", show=False)]
     EMPTY = {"keys": "No API keys yet: create one with n (or `appliance keys create NAME --user USER`)."}
 
     def __init__(self) -> None:
@@ -25,6 +29,7 @@ class Keys(Panel):
         self.keys: dict[str, dict[str, Any]] = {}
 
     def body(self) -> ComposeResult:
+        yield Label("API keys", id="keys-title")
         yield from self.listing("keys")
 
     def on_mount(self) -> None:
@@ -41,6 +46,9 @@ class Keys(Panel):
             name = self.selected("keys")
             return name is not None and self.keys.get(name, {}).get("state") == "active"
         return True
+
+    def show_keys(self) -> None:
+        self.query_one("#keys-title", Label).update(self.titled("API keys", ["create", "revoke"]))
 
     def action_create(self) -> None:
         def chosen(values: dict[str, str] | None) -> None:

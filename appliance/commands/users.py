@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from appliance.changes import records_change
+from appliance.changes import note_target, records_change
 from appliance.commands.common import AsJson, admin_api, context, old_spelling, print_json, read_password
 from appliance.roles import Role
 
@@ -121,15 +121,11 @@ def _show_generated(answer: dict[str, Any]) -> None:
         out.print(f"generated password (shown once): {answer['password']}", highlight=False, markup=False)
 
 
-@records_change("users.unlock", detail=lambda: f"user {_unlocked[-1]} unlocked on the host")
+@records_change("users.unlock", detail=lambda: "unlocked on the host")
 def _unlock_on_host(name: str) -> dict[str, Any]:
     """Through the gateway's service account, whose secret only this host's administrator reads."""
     from appliance.users import Users  # python-keycloak: only for this command, not every CLI start
 
+    note_target("user", name)
     settings, home = context()
-    user = Users(settings, home).unlock(name)
-    _unlocked.append(user.username)
-    return user.model_dump()
-
-
-_unlocked: list[str] = []  # for the change's record
+    return Users(settings, home).unlock(name).model_dump()

@@ -295,7 +295,7 @@ def cache_stats() -> dict[str, Any]:
 EMPTY_ANSWERS: dict[str, Any] = {"/services": [], "/system": host(), "/pools": [], "/plans": [],
                                  "/cache": cache_stats(), "/batches": {"object": "list", "data": []}, "/jobs": [],
                                  "/adapters": {"adapters": [], "aliases": {}}, "/rl/tasksets": [], "/rl/runs": [],
-                                 "/users": [], "/audit": []}
+                                 "/users": [], "/keys": [], "/audit": []}
 
 
 def service(name: str, state: str) -> dict[str, Any]:
@@ -377,8 +377,16 @@ def sample_answers() -> dict[str, Any]:
         "/rl/runs": [rl_run(1, "succeeded"), rl_run(2, "running")],
         "/users": [user("admin", roles=("admin",)), user("frank", enabled=False),
                    user("root", roles=("user", "trainer", "auditor", "admin"))],
+        "/keys": [api_key("ci-bot", "active"), api_key("old-bot", "revoked"), api_key("tmp-bot", "expired")],
         "/audit": [audit_record(seq) for seq in (12, 11, 10)],
     }
+
+
+def api_key(name: str, state: str) -> dict[str, Any]:
+    return {"name": name, "owner": "alice", "prefix": "apk-AbCdEf", "state": state,
+            "created": "2026-12-01T10:00:00Z", "created_by": "admin", "expires": None,
+            "last_used": "2026-12-02T09:30:00Z" if state == "active" else None, "models": None,
+            "tokens_per_minute": None}
 
 
 class Fake:
@@ -414,7 +422,8 @@ class Fake:
         return [path for method, path, _ in self.calls if method == "POST"]
 
 
-SCREENS = {"d": "Dashboard", "m": "Models", "j": "Training", "e": "RlRuns", "u": "Users", "a": "AuditLog"}
+SCREENS = {"d": "Dashboard", "m": "Models", "j": "Training", "e": "RlRuns", "u": "Users", "k": "Keys",
+           "a": "AuditLog"}
 
 
 def with_fake(home: Home, answers: dict[str, Any], scenario: Callable[[Pilot[None], AdminApp, Fake], Awaitable[None]],
@@ -514,6 +523,7 @@ REORDERED: dict[tuple[str, str, str], Callable[[dict[str, Any]], dict[str, Any]]
     ("e", "runs", "1"): lambda a: {"/rl/runs": [*a["/rl/runs"], rl_run(3, "queued")]},
     ("e", "tasksets", "starter"): lambda a: {"/rl/tasksets": [taskset("aardvark"), *a["/rl/tasksets"]]},
     ("u", "users", "frank"): lambda a: {"/users": [user("bob"), user("carol"), *reversed(a["/users"])]},
+    ("k", "keys", "old-bot"): lambda a: {"/keys": [api_key("aa-bot", "active"), *reversed(a["/keys"])]},
     ("a", "records", "11"): lambda a: {"/audit": [audit_record(14), audit_record(13), *a["/audit"]]},
 }
 
@@ -627,7 +637,7 @@ def test_every_empty_table_says_what_would_be_there_and_how_to_get_it(home: Home
 
     with_fake(home, dict(EMPTY_ANSWERS), scenario)
     assert set(found) == {"services", "pools", "batches", "jobs", "adapters", "tasksets", "runs", "attempts",
-                          "users", "records"}
+                          "users", "keys", "records"}
     assert "`appliance finetune submit" in found["adapters"]
     commands = [quoted for text in found.values() for quoted in re.findall(r"`(appliance [^`]+)`", text)]
     assert len(commands) >= 8
@@ -698,6 +708,14 @@ def test_actions_that_cannot_apply_to_the_selected_row_are_not_offered(home: Hom
         await pilot.pause(0.2)
         choices = [str(option[0]) for option in app.screen.query_one("#field-role", Select)._options]
         assert "admin" not in choices and "user" in choices, "only roles not held yet"
+        await pilot.press("escape")
+        await pilot.pause(0.1)
+
+        await show(pilot, "k")
+        for key, offered in (("old-bot", False), ("tmp-bot", False), ("ci-bot", True)):
+            await select(pilot, "keys", key)
+            assert ("x: revoke" in shown_text(app, "keys-title")) is offered
+            assert (await pressed(pilot, "x") == "Confirm") is offered
         await pilot.press("escape")
         assert fake.posted() == [], "nothing was asked of the appliance"
 
