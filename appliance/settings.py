@@ -458,7 +458,12 @@ class AuditSettings(_Section):
     monitoring_interval_s: float = Field(
         300.0, gt=0, description="Monitoring reads a dashboard polls (services, host, pools, plans, jobs, "
         "adapters): the first of each per user and interval gets its own record, the rest one record "
-        "with a count at the interval's end. Reads of users, settings and the audit log are each recorded."
+        "with a count at the interval's end. Other admin reads (users, settings, the audit log) too, per "
+        "user, path and query, when audit.count_repeated_reads: a new query always has its own record."
+    )
+    count_repeated_reads: bool = Field(
+        True, description="Count an admin read repeated with the same query (a screen refreshing) into "
+        "its interval's summary record; false records every read of users, settings and the audit log."
     )
     refusal_sources: int = Field(
         256, ge=1, description="Sources tracked apart per interval; refusals from further sources are "

@@ -78,15 +78,15 @@ def resource_of(scope: Scope) -> str:
     return cap_text(scope["path"] + (f"?{query}" if query else ""))
 
 
-def read_kind(scope: Scope, event: AuditEvent) -> str | None:
+def read_kind(scope: Scope, event: AuditEvent, count_repeated_reads: bool) -> str | None:
     """A successful read an admin screen polls, counted as one per user and interval: a
-    monitoring route per action; any other admin read per path and query, so a new query is
-    recorded and a refresh of the same view is counted."""
+    monitoring route per action; with `count_repeated_reads`, any other admin read per path and
+    query, so a new query is recorded and a refresh of the same view is counted."""
     if event.status >= 400 or scope["method"] != "GET":
         return None
     if (getattr(scope.get("route"), "openapi_extra", None) or {}) == MONITORING:
         return event.action
-    return event.resource if scope["path"].startswith("/admin/") else None
+    return event.resource if count_repeated_reads and scope["path"].startswith("/admin/") else None
 
 
 def reason_of(status: int, body: bytes) -> str | None:
@@ -153,13 +153,14 @@ class AuditMiddleware:
     records share one flush: a slow disk stalls neither their streams nor health checks."""
 
     def __init__(self, app: ASGIApp, writer: AuditWriter, hasher: TextHasher, capture_text: bool,
-                 refusals: Refusals, monitoring: Summaries) -> None:
+                 refusals: Refusals, monitoring: Summaries, count_repeated_reads: bool = True) -> None:
         self.app = app
         self.writer = writer
         self.hasher = hasher
         self.capture = capture_text
         self.refusals = refusals
         self.monitoring = monitoring
+        self.count_repeated_reads = count_repeated_reads
         self.in_flight = 0
         self._reported_failure: str | None = None
 
@@ -244,7 +245,8 @@ class AuditMiddleware:
         marked = transcript is not None and (transcript.relayed or bool(transcript.marks.done))
         if not self.refusals.own_record(event, relayed=marked):
             return
-        if (kind := read_kind(scope, event)) is not None and not self.monitoring.first_of_interval(event, kind):
+        kind = read_kind(scope, event, self.count_repeated_reads)
+        if kind is not None and not self.monitoring.first_of_interval(event, kind):
             return
         seq = await self._append(event)
         if transcript is not None and transcript.on_recorded is not None and event.status == 200:

@@ -171,7 +171,7 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
                            summary_action=None)
     app.add_middleware(AuthenticateFirst, needs=ROLES_UNDER)  # inside the audit: refusals are recorded
     app.add_middleware(AuditMiddleware, writer=writer, hasher=TextHasher(home), capture_text=audit.capture_text,
-                       refusals=refusals, monitoring=monitoring)
+                       refusals=refusals, monitoring=monitoring, count_repeated_reads=audit.count_repeated_reads)
     app.add_middleware(MeterMiddleware, metrics=metrics)  # outermost: counts 413s too
 
     @app.exception_handler(GatewayError)
@@ -295,6 +295,7 @@ async def relay(request: Request, who: Principal, path: str, body: ChatRequest |
     arrives; account tokens and time to first token."""
     gateway: Gateway = request.app.state.gateway
     batch: str | None = getattr(request.state, "batch", None)  # a batch request the batch-worker sends
+    request.state.transcript = Transcript(model=body.model, batch=batch)  # a refusal's record names the model asked
     if not who.may_use(body.model):
         raise GatewayError(403, f"API key {who.key!r} may use only: {', '.join(sorted(who.models or ()))}",
                            type="permission_error", code="model_not_allowed", param="model")

@@ -10,7 +10,7 @@ from pydantic import BaseModel, Field
 from appliance.adapters import AdapterRecord, Alias, Registry
 from appliance.roles import Role
 from serve.adapters import AdapterRoutes
-from serve.audit_trail import MONITORING
+from serve.audit_trail import MONITORING, note_target
 from serve.deps import requires
 
 
@@ -46,21 +46,28 @@ def router() -> APIRouter:
     @routes.post("/adapters/{name}/deploy", response_model=Alias, name="adapters.deploy")
     async def deploy_adapter(request: Request, name: str, deploy: DeployRequest) -> Alias:
         """Load a version into its pool's engine (no restart) and serve it under `name`."""
-        return await _adapters(request).deploy(name, deploy.version, deploy.pool, deploy.roles)
+        note_target(request, "adapter", name, version=deploy.version)
+        alias = await _adapters(request).deploy(name, deploy.version, deploy.pool, deploy.roles)
+        note_target(request, "adapter", name, version=alias.stable)
+        return alias
 
     @routes.post("/adapters/{name}/canary", response_model=Alias, name="adapters.canary")
     async def canary_adapter(request: Request, name: str, canary: CanaryRequest) -> Alias:
         """Send a share of `name`'s requests to another version."""
+        note_target(request, "adapter", name, version=canary.version)
         return await _adapters(request).canary(name, canary.version, canary.share)
 
     @routes.post("/adapters/{name}/rollback", response_model=Alias, name="adapters.rollback")
     async def rollback_adapter(request: Request, name: str) -> Alias:
         """Drop the canary; without one, serve the version served before (or the base model)."""
-        return await _adapters(request).rollback(name)
+        alias = await _adapters(request).rollback(name)
+        note_target(request, "adapter", name, version=alias.stable)  # what it serves now (None: the base model)
+        return alias
 
     @routes.post("/adapters/{name}/retire", response_model=list[AdapterRecord], name="adapters.retire")
     async def retire_adapter(request: Request, name: str, retire: RetireRequest) -> list[AdapterRecord]:
         """Retire a version that is not served, or the whole name."""
+        note_target(request, "adapter", name, version=retire.version)
         return await _adapters(request).retire(name, retire.version)
 
     return routes

@@ -104,11 +104,16 @@ def test_trained_adapter_is_deployed_live_changes_answers_and_rolls_back(running
 
     changes = [json.loads(line) for path in log_files(cli.home.audit) for line in path.read_bytes().splitlines()]
     # This adapter's changes, not reads (other modules change adapters of their own on the session appliance).
-    actions = [(r["action"], r["outcome"], r["resource"]) for r in changes if r["action"].startswith("adapters.")
-               and r["action"] != "adapters.list" and r["resource"] == "codeword"]
-    assert actions == [("adapters.deploy", "allowed", "codeword"), ("adapters.deploy", "allowed", "codeword"),
-                       ("adapters.rollback", "allowed", "codeword"), ("adapters.deploy", "allowed", "codeword"),
-                       ("adapters.rollback", "allowed", "codeword"), ("adapters.rollback", "error", "codeword"),
-                       ("adapters.retire", "allowed", "codeword")]
+    actions = [(r["action"], r["outcome"], r["target"]["version"]) for r in changes
+               if r["action"].startswith("adapters.") and r["action"] != "adapters.list"
+               and (r.get("target") or {}).get("name") == "codeword"]
+    # A change names the version it served (a rollback: what it serves after; None, the base model).
+    assert actions == [("adapters.deploy", "allowed", 1), ("adapters.deploy", "allowed", 1),
+                       ("adapters.rollback", "allowed", None), ("adapters.deploy", "allowed", 1),
+                       ("adapters.rollback", "allowed", None), ("adapters.rollback", "invalid", None),
+                       ("adapters.retire", "allowed", None)]
+    refused = [r for r in changes if r["action"] == "adapters.rollback" and r["outcome"] == "invalid"
+               and (r.get("target") or {}).get("name") == "codeword"]
+    assert refused[0]["reason"] and refused[0]["status"] == 409, "a refusal's record says why"
     tuned_record = next(r for r in changes if r.get("request_id") == tuned.headers["x-request-id"])
-    assert tuned_record["resource"] == "codeword-v1"  # the record names the version that answered
+    assert tuned_record["model"] == "codeword-v1"  # the record names the version that answered

@@ -336,7 +336,7 @@ def test_every_screen_in_a_real_terminal(running: Running, app: AdminApp, tmp_pa
     captures: dict[str, str] = {}
     try:
         for key, expect in (("d", "restarts"), ("m", "Layout: TP1"), ("j", "Training jobs"), ("e", "RL runs"),
-                            ("u", "enabled"), ("a", "Chain not verified")):
+                            ("u", "enabled"), ("k", "API keys"), ("a", "Chain not verified")):
             subprocess.run(["tmux", "send-keys", "-t", session, key], check=True)
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
@@ -351,8 +351,8 @@ def test_every_screen_in_a_real_terminal(running: Running, app: AdminApp, tmp_pa
             lines = pane.splitlines()
             assert len(lines) <= 24 and all(len(line) <= 80 for line in lines)
             assert all(f"{key} {name}" in lines[-1] for key, name in (
-                ("d", "Dashboard"), ("m", "Models"), ("j", "Jobs"), ("e", "RL"), ("u", "Users"), ("a", "Audit"),
-                ("q", "Quit"))
+                ("d", "Dashboard"), ("m", "Models"), ("j", "Jobs"), ("e", "RL"), ("u", "Users"), ("k", "Keys"),
+                ("a", "Audit"), ("q", "Quit"))
             ), f"the footer lists every screen's key: {lines[-1]}"
         subprocess.run(["tmux", "send-keys", "-t", session, "q"], check=True)
         deadline = time.monotonic() + 15
@@ -361,5 +361,34 @@ def test_every_screen_in_a_real_terminal(running: Running, app: AdminApp, tmp_pa
             time.sleep(0.2)
         assert subprocess.run(["tmux", "has-session", "-t", session], capture_output=True).returncode != 0, \
             "q quits the app (and so ends the tmux session)"
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+
+
+def test_the_audit_screen_left_open_a_minute_adds_at_most_one_record(running: Running, app: AdminApp) -> None:
+    """`appliance tui` in tmux on the Audit screen, idle for a minute while it refreshes: the
+    gateway counts the repeated query into its interval's summary instead of a record a poll."""
+    session = f"appliance-tui-idle-{running.appliance.home.root.name}"
+    environment = [arg for key, value in running.appliance.env.items() if key.startswith(("APPLIANCE_", "PATH"))
+                   for arg in ("-e", f"{key}={value}")]
+
+    def queries() -> int:
+        return sum(1 for path in sorted(running.appliance.home.audit.glob("audit-*.jsonl"))
+                   for line in path.read_bytes().splitlines() if b'"action":"audit.query"' in line)
+
+    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "80", "-y", "24", *environment,
+                    APPLIANCE, "tui"], check=True)
+    try:
+        time.sleep(3)
+        subprocess.run(["tmux", "send-keys", "-t", session, "a"], check=True)
+        deadline = time.monotonic() + 60
+        while "Chain not verified" not in subprocess.run(["tmux", "capture-pane", "-p", "-t", session],
+                                                         capture_output=True, text=True).stdout:
+            assert time.monotonic() < deadline, "the audit screen never showed"
+            time.sleep(0.3)
+        time.sleep(2)  # its first query answered and recorded
+        before = queries()
+        time.sleep(60)
+        assert queries() - before <= 1, "an idle audit screen adds at most one record a minute"
     finally:
         subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)

@@ -23,8 +23,8 @@ from tests.integration.realm import Realm
 
 MODEL = "SmolLM2-135M-Instruct"
 RUN = uuid.uuid4().hex[:6]  # key names are never reused: each run makes its own
-K = {name: f"{name}-{RUN}" for name in ("kate-app", "kurt-app", "kurt-old", "kim-scoped", "kim-app", "kbench-app",
-                                        "kim-for-kate", "kim-x", "kurt-tight")}
+K = {name: f"{name}-{RUN}" for name in ("kara-app", "kurt-app", "kurt-old", "kim-scoped", "kim-app", "kbench-app",
+                                        "kim-for-kara", "kim-x", "kurt-tight")}
 PASSWORD = "Test-password-1"
 INTROSPECT_TTL_S = 10  # the gateway's default: a disabled owner's keys stop within it
 REFUSAL_INTERVAL_S = 10  # audit.refusal_interval_s's default
@@ -34,7 +34,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 @pytest.fixture(scope="module")
 def realm(running: Running) -> Realm:
     realm = Realm(running)
-    for user in ("kate", "kurt", "kim"):
+    for user in ("kara", "kurt", "kim"):
         realm.admin.update_user(realm.ensure_user(user, PASSWORD, ["user"]), {"enabled": True})  # kim: disabled before
     return realm
 
@@ -67,7 +67,7 @@ def refused(call: Any) -> openai.APIStatusError:
 
 def test_a_key_chats_streams_and_batches_and_every_record_names_it(realm: Realm, running: Running,
                                                                      tmp_path: Path) -> None:
-    key = new_key(realm, K["kate-app"], "kate")
+    key = new_key(realm, K["kara-app"], "kara")
     assert key.startswith("apk-") and len(key) == 47
     stored = (running.appliance.home.root / "api-keys.json").read_text()
     assert key not in stored and key[4:] not in stored  # only a keyed hash is kept
@@ -90,10 +90,10 @@ def test_a_key_chats_streams_and_batches_and_every_record_names_it(realm: Realm,
         time.sleep(0.5)
     assert batch.status == "completed" and batch.request_counts.completed == 2, batch
 
-    mine = [r for r in records(running) if r.get("key") == K["kate-app"]]
+    mine = [r for r in records(running) if r.get("key") == K["kara-app"]]
     actions = {r["action"] for r in mine}
     assert {"models.list", "chat.completions", "files.create", "batches.create"} <= actions, actions
-    assert all(r["client"] == K["kate-app"] and r["username"] == "kate" for r in mine)
+    assert all(r["client"] == K["kara-app"] and r["username"] == "kara" for r in mine)
     [created] = [r for r in mine if r["action"] == "batches.create"]
     assert created["target"] == {"kind": "batch", "name": batch.id, "version": None, "roles": None}
     deadline = time.monotonic() + 60  # the worker records a batch's end after it has ended
@@ -103,7 +103,7 @@ def test_a_key_chats_streams_and_batches_and_every_record_names_it(realm: Realm,
         time.sleep(0.5)
     assert ended[0]["username"] == ended[0]["client"] == "batch-worker"
     made = [r for r in records(running) if r["action"] == "keys.create"
-            and (r.get("target") or {}).get("name") == K["kate-app"]]
+            and (r.get("target") or {}).get("name") == K["kara-app"]]
     assert made and made[0]["outcome"] == "allowed" and made[0]["resource"] == "/admin/keys"
     assert key not in json.dumps(records(running))
 
@@ -149,7 +149,7 @@ def test_revoked_expired_disabled_and_scoped_keys_are_refused(realm: Realm, runn
     assert admin(realm, "GET", "/keys", other).json()["error"]["code"] == "key_not_allowed"
     # A user manages their own keys only.
     assert admin(realm, "POST", "/keys", realm.token("kim", PASSWORD),
-                 json={"name": K["kim-for-kate"], "owner": "kate"}).status_code == 403
+                 json={"name": K["kim-for-kara"], "owner": "kara"}).status_code == 403
     # A bad name or duration names the field.
     bad = admin(realm, "POST", "/keys", json={"name": "../x", "owner": "kim"})
     assert bad.status_code in (400, 422) and "name" in bad.text

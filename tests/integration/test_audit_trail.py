@@ -11,11 +11,14 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 import pytest
 
+from appliance.secrets import secret
 from audit.writer import log_files
+from installer.realm import BOOTSTRAP_SECRET
 from tests.integration.conftest import Running
 from tests.integration.realm import Realm
 
@@ -54,7 +57,8 @@ def test_allowed_and_denied_requests_are_recorded(realm: Realm, running: Running
     record = by_id[chat.headers["x-request-id"]]
     assert record["action"] == "chat.completions" and record["outcome"] == "allowed"
     assert record["username"] == "ivan" and record["client"] == "appliance-cli"
-    assert record["source"] == "127.0.0.1" and record["resource"] == MODEL and record["status"] == 200
+    assert record["source"] == "127.0.0.1" and record["model"] == MODEL and record["status"] == 200
+    assert record["resource"] == "/v1/chat/completions" and record["reason"] is None
     assert record["prompt_tokens"] > 0 and record["completion_tokens"] > 0
     assert len(record["prompt_hmac"]) == 64 and len(record["completion_hmac"]) == 64
     assert record["prompt"] is None and record["completion"] is None, "raw text only when capture is on"
@@ -63,6 +67,7 @@ def test_allowed_and_denied_requests_are_recorded(realm: Realm, running: Running
     assert stream_record["completion_tokens"] > 0 and stream_record["completion_hmac"]
     denial = by_id[denied.headers["x-request-id"]]
     assert denial["action"] == "auth.denied" and denial["outcome"] == "denied" and denial["status"] == 401
+    assert denial["reason"] == "missing_token"
 
     verified = running.appliance.run("audit", "verify", timeout=60)
     assert verified.returncode == 0 and "audit log OK" in verified.stdout, verified.stderr
@@ -82,7 +87,8 @@ def test_up_is_recorded_as_a_local_change(running: Running) -> None:
     # The first: a module may have stopped the session appliance and started it again since.
     up, *_again = [r for r in records(running) if r["action"] == "appliance.up"]
     assert (up["outcome"], up["client"], up["source"]) == ("allowed", "appliance-cli", "local")
-    assert re.fullmatch(r"settings [0-9a-f]{16}", up["resource"]), "which settings the start used"
+    assert up["resource"] == "cli"
+    assert re.fullmatch(r"settings [0-9a-f]{16}", up["detail"]), "which settings the start used"
 
 
 def test_admin_changes_are_recorded(realm: Realm, running: Running) -> None:
@@ -96,21 +102,26 @@ def test_admin_changes_are_recorded(realm: Realm, running: Running) -> None:
     add = by_id[added.headers["x-request-id"]]
     assert (add["action"], add["username"], add["outcome"], add["status"]) == ("users.add", "admin", "allowed", 201)
     disable = by_id[disabled.headers["x-request-id"]]
-    assert (disable["action"], disable["resource"]) == ("users.disable", "kate")
+    assert (disable["action"], disable["resource"]) == ("users.disable", "/admin/users/kate/disable")
+    assert add["target"] == {"kind": "user", "name": "kate", "version": None, "roles": ["user"]}
+    assert disable["target"] == {"kind": "user", "name": "kate", "version": None, "roles": None}
 
 
 def test_a_polling_dashboard_adds_a_record_per_interval_not_per_poll(realm: Realm, running: Running) -> None:
     """Monitoring reads (services, host, pools...) are summarised per user and interval (5 min);
-    reads of users are each recorded, as are changes."""
+    other admin reads per user, path and query: a new query has its own record, a refresh not."""
     admin = {"Authorization": f"Bearer {realm.admin_token()}"}
+    query = {"newest": "true", "limit": "7", "action": f"never.{time.monotonic_ns()}"}  # a query of this run's
     with httpx.Client(headers=admin, timeout=60) as http:
         polls = [http.get(f"{realm.gateway}/admin/{what}") for _ in range(5) for what in ("services", "system")]
-        reads = [http.get(f"{realm.gateway}/admin/users") for _ in range(2)]
-    assert all(r.status_code == 200 for r in polls + reads)
+        reads = [http.get(f"{realm.gateway}/admin/audit", params=query) for _ in range(3)]
+        other = http.get(f"{realm.gateway}/admin/audit", params={**query, "limit": "8"})
+    assert all(r.status_code == 200 for r in [*polls, *reads, other])
     written = {r["request_id"]: r["action"] for r in records(running)}
     polled = [written[r.headers["x-request-id"]] for r in polls if r.headers["x-request-id"] in written]
     assert polled.count("services.list") <= 1 and polled.count("system.read") <= 1, polled
-    assert [written.get(r.headers["x-request-id"]) for r in reads] == ["users.list", "users.list"]
+    assert [written.get(r.headers["x-request-id"]) for r in reads] == ["audit.query", None, None]
+    assert written.get(other.headers["x-request-id"]) == "audit.query", "a new query has its own record"
 
 
 def test_full_disk_fails_closed_and_recovers(realm: Realm, running: Running) -> None:
@@ -215,3 +226,59 @@ def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 120)
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.1)
+
+
+def test_each_change_names_its_object_and_each_refusal_its_reason(realm: Realm, running: Running,
+                                                                   tmp_path: Path) -> None:
+    """The CLI's changes, through the admin API or on the host: each record names what it acted on
+    (user and roles, key, dataset and its sha256, job); a refusal says why and whose fault."""
+    cli = running.appliance
+    login = cli.run("token", "--user", "admin", "--password-stdin",
+                    stdin=secret(cli.home, BOOTSTRAP_SECRET) + "\n", timeout=60)
+    assert login.returncode == 0, login.stderr
+    name = f"dora{time.monotonic_ns() % 10**9}"
+    for step in (("users", "add", name, "--role", "user"), ("users", "grant", name, "trainer"),
+                 ("users", "revoke", name, "trainer"), ("users", "disable", name), ("users", "enable", name),
+                 ("users", "reset-password", name), ("keys", "create", f"{name}-ci", "--user", name),
+                 ("keys", "revoke", f"{name}-ci")):
+        done = cli.run(*step, timeout=120)
+        assert done.returncode == 0, (step, done.stderr)
+    rows = [{"messages": [{"role": "user", "content": f"Item {i}?"}, {"role": "assistant", "content": f"It is {i}."}]}
+            for i in range(20)]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert cli.run("data", "add", str(data), "--name", f"{name}-set", timeout=300).returncode == 0
+    taken = cli.run("data", "add", str(data), "--name", f"{name}-set", timeout=300)
+    assert taken.returncode == 1 and "--replace" in taken.stderr
+    queued = cli.run("finetune", "submit", "--data", f"{name}-set", "--name", f"{name}-bot", timeout=60)
+    assert queued.returncode == 0, queued.stderr
+    job = re.search(r"job (\d+) queued", queued.stdout).group(1)  # type: ignore[union-attr]
+    assert cli.run("finetune", "cancel", job, timeout=60).returncode == 0
+    token = realm.token("ivan", "Test-password-1")
+    missing = httpx.post(f"{realm.gateway}/v1/chat/completions", headers={"Authorization": f"Bearer {token}"},
+                         json={"model": "no-such-model", "messages": [{"role": "user", "content": "Hi"}]}, timeout=60)
+    assert missing.status_code == 404
+
+    def about(kind: str, target: str) -> list[dict]:
+        return [r for r in records(running) if (r.get("target") or {}).get("kind") == kind
+                and r["target"]["name"] == target]
+
+    users = {r["action"]: r for r in about("user", name)}
+    assert users["users.add"]["target"]["roles"] == ["user"]
+    assert users["users.grant"]["target"]["roles"] == users["users.revoke"]["target"]["roles"] == ["trainer"]
+    assert {"users.disable", "users.enable", "users.reset_password"} <= set(users)
+    assert all(r["outcome"] == "allowed" and r["username"] == "admin" and r["client"] == "appliance-cli"
+               for r in users.values())
+    assert [r["action"] for r in about("key", f"{name}-ci")] == ["keys.create", "keys.revoke"]
+    added, refused = about("dataset", f"{name}-set")
+    assert (added["action"], added["outcome"], added["resource"]) == ("data.add", "allowed", "cli")
+    assert re.fullmatch(r"[0-9a-f]{64}", str(added["target"]["version"])), "the version stored: its sha256"
+    assert (refused["outcome"], refused["reason"], refused["status"]) == ("invalid", "conflict", 1)
+    assert "exists" in refused["error"] and refused["target"]["version"] is None
+    jobs = about("job", job)
+    assert [r["action"] for r in jobs if r["client"] == "appliance-cli"] == ["finetune.submit", "finetune.cancel"]
+    assert all(r["username"] == "finetune-worker" for r in jobs if r["action"] == "finetune.job"), \
+        "the worker records the job's end as itself, never as root"
+    [not_found] = [r for r in records(running) if r["request_id"] == missing.headers["x-request-id"]]
+    assert (not_found["outcome"], not_found["reason"], not_found["model"]) == ("invalid", "model_not_found",
+                                                                               "no-such-model")

@@ -131,7 +131,8 @@ def test_failed_logins_lockouts_and_admin_changes_reach_the_audit_log(running: R
     until(lambda: counted() >= 5, "every failed login counted", timeout_s=45)
     assert counted() == 5 and any(r["count"] for r in mine("keycloak.login_error")()), "summarised, none twice"
     created = until(lambda: [r for r in records(running) if r["action"] == "keycloak.admin.create"
-                             and r["resource"] == f"USER users/{user_id}"], "the admin event of the user's creation")
+                             and (r.get("target") or {}).get("name") == f"users/{user_id}"],
+                    "the admin event of the user's creation")
     assert created[0]["source"] == "127.0.0.1" and created[0]["subject"]
 
     copied = [r["request_id"] for r in records(running) if r["request_id"].startswith("keycloak:")]

@@ -184,7 +184,8 @@ def test_requests_that_never_complete_are_recorded(tmp_path: Path, app: Any, sta
         assert status == 500, "the server's failure goes on to the server, recorded"
     [record] = read_records(tmp_path)
     assert record["status"] == status and record["action"] == "chat.completions"
-    assert (record["outcome"], record["reason"]) == (("invalid", "client_gone") if status == 499 else ("error", "http_500"))
+    expected = ("invalid", "client_gone") if status == 499 else ("error", "http_500")
+    assert (record["outcome"], record["reason"]) == expected
     assert audited.in_flight == 0
 
 
@@ -323,3 +324,18 @@ def test_a_route_names_its_object_itself_with_version_and_roles(tmp_path: Path) 
                         path_params={"username": "bob"}))
     [record] = read_records(tmp_path)
     assert record["target"] == {"kind": "user", "name": "bob", "version": None, "roles": ["trainer"]}
+
+
+def test_every_read_is_recorded_when_repeated_reads_are_not_counted(tmp_path: Path) -> None:
+    writer = AuditWriter(tmp_path, Ed25519PrivateKey.generate())
+    audited = audit_middleware(answering(200, b"[]"), writer)
+    audited.count_repeated_reads = False
+
+    async def polls() -> None:
+        for _ in range(3):
+            await request(audited, "/admin/audit", method="GET", query=b"newest=true")
+        for _ in range(3):
+            await request(audited, "/admin/services", method="GET", route_extra=MONITORING)
+
+    asyncio.run(polls())
+    assert [r["resource"] for r in read_records(tmp_path)] == ["/admin/audit?newest=true"] * 3 + ["/admin/services"]
