@@ -100,10 +100,14 @@ def expiry(expires_in: str | None, now: datetime) -> datetime | None:
     return now + int(found.group(1)) * _UNITS[found.group(2)]
 
 
-def digest(home: Home, key: str) -> str:
-    """The key's HMAC under this host's secret (made on first use, mode 0600)."""
-    return hmac.new(secret(home, HMAC_SECRET).encode(), key.encode("utf-8", "surrogatepass"),
-                    hashlib.sha256).hexdigest()
+def hmac_secret(home: Home) -> bytes:
+    """This host's secret the keys are hashed under (made on first use, mode 0600)."""
+    return secret(home, HMAC_SECRET).encode()
+
+
+def digest(hmac_key: bytes, key: str) -> str:
+    """The key's HMAC-SHA256 under `hmac_key` (`hmac_secret`)."""
+    return hmac.new(hmac_key, key.encode("utf-8", "surrogatepass"), hashlib.sha256).hexdigest()
 
 
 def looks_like_key(bearer: str) -> bool:
@@ -122,7 +126,7 @@ def create(home: Home, new: NewKey, created_by: str, now: datetime | None = None
     key = ApiKey(name=new.name, owner=new.owner, created=now, created_by=created_by,
                  expires=expiry(new.expires_in, now), models=new.models,
                  tokens_per_minute=new.tokens_per_minute,
-                 prefix=value[:len(PREFIX) + 6], digest=digest(home, value))
+                 prefix=value[:len(PREFIX) + 6], digest=digest(hmac_secret(home), value))
     with registry(home).change() as keys:
         if new.name in keys:
             raise Conflict(f"an API key named {new.name!r} exists (owned by {keys[new.name].owner})",

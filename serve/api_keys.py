@@ -42,6 +42,7 @@ class KeyAuthenticator:
         self._lookup_owner = lookup_owner
         self._owner_ttl = owner_ttl_s
         self._registry = api_keys.registry(home)
+        self._hmac_key = api_keys.hmac_secret(home)  # read once: not a file read a request
         self._seen: tuple[int, int, int] | None = None  # the registry file's (inode, size, mtime) when read
         self._by_digest: dict[str, api_keys.ApiKey] = {}
         self._owners: dict[str, _Owner] = {}
@@ -52,7 +53,7 @@ class KeyAuthenticator:
         once it is found, so that a refusal's record can name it and its owner."""
         if not api_keys.well_formed(bearer):
             raise AuthError("malformed", "not a well-formed API key (apk- and 43 characters)")
-        key = self._key(api_keys.digest(self.home, bearer))
+        key = self._key(api_keys.digest(self._hmac_key, bearer))
         if key is None:
             raise AuthError("invalid_key", "API key is not valid")
         known(key)
