@@ -41,10 +41,18 @@ def pools_list(as_json: AsJson = False) -> None:
             table.add_row(pool["name"], pool["model"], pool["tier"] or "-", replica["name"], state,
                           str(replica["in_flight"]), ",".join(map(str, replica["gpus"])) or "-")
     out.print(table)
-    policy = routing["policy"]
-    out.print(f"policy: streamed requests for a bare model name -> tier {policy['interactive_tier'] or '-'} (prompts "
-              f"up to {policy['long_prompt_chars']} characters), others -> tier {policy['default_tier']}; "
-              f"replicas balanced by {policy['balance']}", highlight=False)
+    out.print(policy_line(routing["policy"], {pool["tier"] for pool in routing["pools"] if pool["tier"]}),
+              highlight=False)
+
+
+def policy_line(policy: dict[str, Any], tiers: set[str]) -> str:
+    """The routing policy in words; its tier rules only where the pools have tiers (the policy's
+    defaults name tiers that may not exist)."""
+    balance = f"replicas balanced by {policy['balance']}"
+    if not tiers:
+        return f"policy: no pool has tiers; {balance}"
+    return (f"policy: streamed requests for a bare model name -> tier {policy['interactive_tier'] or '-'} (prompts "
+            f"up to {policy['long_prompt_chars']} characters), others -> tier {policy['default_tier']}; {balance}")
 
 
 @cache_app.command("show")

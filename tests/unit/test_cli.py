@@ -112,3 +112,11 @@ def test_no_python_repr_reaches_the_reader(home: Home) -> None:
     with pytest.raises(ApplianceError) as caught:
         finetune_cli._check("bot", "missing", "demo", home)
     assert caught.value.hint == "datasets: faq, support"
+
+
+def test_the_routing_policy_names_tiers_only_where_pools_have_them() -> None:
+    from appliance.commands.serving import policy_line
+
+    policy = {"interactive_tier": "fast", "default_tier": "full", "long_prompt_chars": 8000, "balance": "affinity"}
+    assert policy_line(policy, set()) == "policy: no pool has tiers; replicas balanced by affinity"
+    assert "tier fast" in policy_line(policy, {"fast", "full"}) and "tier full" in policy_line(policy, {"fast", "full"})
