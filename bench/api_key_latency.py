@@ -14,11 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -26,24 +22,16 @@ from typing import Any
 import httpx
 
 from appliance.engine_launch import engine_socket
-from appliance.home import HOME_ENV, Home
+from appliance.home import Home
 from appliance.secrets import secret
-from installer.keycloak import install_dir
+from bench.own_appliance import cli, own_appliance
 from installer.realm import BOOTSTRAP_SECRET
 from serve.engine import ENGINE_KEY_SECRET
 
-APPLIANCE = str(Path(sys.executable).with_name("appliance"))
 RESULTS = Path(__file__).parent / "results" / "api_key_latency.json"
 ROUNDS = 600
 WARMUP = 20
 PORT = 18680
-
-
-def cli(env: dict[str, str], *args: str, stdin: str | None = None) -> str:
-    done = subprocess.run([APPLIANCE, *args], env=env, capture_output=True, text=True, input=stdin, timeout=1800)
-    if done.returncode != 0:
-        raise SystemExit(f"appliance {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}")
-    return done.stdout
 
 
 def token(env: dict[str, str], user: str, password: str) -> str:
@@ -71,24 +59,16 @@ def measure(home: Home, bearer_token: str, key: str) -> dict[str, list[float]]:
 
 
 def main() -> None:
-    default = Home.from_env()
-    root = Path(tempfile.mkdtemp(prefix="akl-", dir="/tmp"))
-    home = Home(root / "h").ensure()
-    home.demo_model.symlink_to(default.demo_model, target_is_directory=True)
-    shutil.copytree(install_dir(default), install_dir(home), symlinks=True, ignore=shutil.ignore_patterns("h2", "tmp"))
-    # An administrator's rate limit, so that ROUNDS x 2 requests a minute pass.
-    env = {**os.environ, HOME_ENV: str(home.root), "APPLIANCE_GATEWAY__PORT": str(PORT),
-           "APPLIANCE_KEYCLOAK__PORT": "18690", "APPLIANCE_KEYCLOAK__MANAGEMENT_PORT": "18691"}
-    try:
+    ports = {"APPLIANCE_GATEWAY__PORT": str(PORT), "APPLIANCE_KEYCLOAK__PORT": "18690",
+             "APPLIANCE_KEYCLOAK__MANAGEMENT_PORT": "18691"}
+    with own_appliance("akl-", ports) as (home, env):
         cli(env, "up")
         password = secret(home, BOOTSTRAP_SECRET)
         cli(env, "token", "--user", "admin", "--password-stdin", stdin=password + "\n")  # the login keys need
         admin_token = token(env, "admin", password)
+        # The administrator's rate limit lets ROUNDS x 2 requests a minute pass.
         made = json.loads(cli(env, "keys", "create", "bench", "--user", "admin", "--json"))
         times = measure(home, admin_token, made["secret"])
-    finally:
-        subprocess.run([APPLIANCE, "down"], env=env, capture_output=True)
-        shutil.rmtree(root, ignore_errors=True)
     p50 = {name: statistics.median(values) for name, values in times.items()}
     added = {name: p50[name] - p50["engine"] for name in ("token", "key")}
     result: dict[str, Any] = {

@@ -5,42 +5,31 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import statistics
 import subprocess
-import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from appliance.artifacts import artifact_store
-from appliance.home import HOME_ENV, Home
+from appliance.home import Home
 from appliance.jobs import FINISHED
 from appliance.rl import runs
 from appliance.rl.progress import read_progress
 from appliance.secrets import secret
 from appliance.settings import Settings, load_settings
+from bench.own_appliance import APPLIANCE, cli, own_appliance
 from finetune.rl.executor import WorkerPool
 from finetune.rl.loop import Generator, Step, extract_code, first_messages
 from finetune.rl.store import RunStore
 from finetune.rl.tasks import load
-from installer.keycloak import install_dir
 from installer.realm import BOOTSTRAP_SECRET
 
-APPLIANCE = str(Path(sys.executable).with_name("appliance"))
 MODEL = "SmolLM2-135M-Instruct"
 SAMPLES = 2
 MAX_TOKENS = 96
 TURNS = 2
-
-
-def cli(env: dict[str, str], *args: str, stdin: str | None = None) -> str:
-    done = subprocess.run([APPLIANCE, *args], env=env, capture_output=True, text=True, input=stdin, timeout=3600)
-    if done.returncode != 0:
-        raise SystemExit(f"appliance {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}")
-    return done.stdout
 
 
 def wait_run(home: Home, run_id: int) -> runs.Run:
@@ -94,15 +83,11 @@ def gate_figures(output: str) -> dict[str, Any]:
 
 
 def measure_loop() -> dict[str, Any]:
-    default = Home.from_env()
-    root = Path(tempfile.mkdtemp(prefix="apr-", dir="/tmp"))
-    home = Home(root / "h").ensure()
-    home.demo_model.symlink_to(default.demo_model, target_is_directory=True)
-    shutil.copytree(install_dir(default), install_dir(home), symlinks=True, ignore=shutil.ignore_patterns("h2", "tmp"))
-    env = {**os.environ, HOME_ENV: str(home.root), "APPLIANCE_GATEWAY__PORT": "18480",
-           "APPLIANCE_KEYCLOAK__PORT": "18490", "APPLIANCE_KEYCLOAK__MANAGEMENT_PORT": "18491",
-           "APPLIANCE_POOLS__MAIN__ENABLE_LORA": "true", "APPLIANCE_RL__WORKER_POLL_S": "0.2"}
-    try:
+    settings_in_env = {"APPLIANCE_GATEWAY__PORT": "18480", "APPLIANCE_KEYCLOAK__PORT": "18490",
+                       "APPLIANCE_KEYCLOAK__MANAGEMENT_PORT": "18491", "APPLIANCE_POOLS__MAIN__ENABLE_LORA": "true",
+                       "APPLIANCE_RL__WORKER_POLL_S": "0.2"}
+    with own_appliance("apr-", settings_in_env) as (home, env):
+        root = home.root.parent  # scratch beside the home, removed with it
         cli(env, "up")
         settings = load_settings(home.settings_file, environ=env)
         cli(env, "rl", "tasks", "add-starter")
@@ -126,9 +111,6 @@ def measure_loop() -> dict[str, Any]:
                                "--seeds", "3", "--max-tokens", str(MAX_TOKENS)], env=env, capture_output=True,
                               text=True, timeout=3600)
         progress = read_progress(home, update.id)
-    finally:
-        subprocess.run([APPLIANCE, "down"], env=env, capture_output=True)
-        shutil.rmtree(root, ignore_errors=True)
     median = {name: round(statistics.median(values), 1) for name, values in times.items()}
     return {
         "tasks": "starter (train split)", "samples": SAMPLES, "max_tokens": MAX_TOKENS, "turns": TURNS,

@@ -14,13 +14,8 @@ Prints the figures and writes bench/results/serving_tiers.json.
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -30,13 +25,12 @@ from openai import OpenAI
 
 from appliance import batches
 from appliance.engine_launch import engine_socket
-from appliance.home import HOME_ENV, Home
+from appliance.home import Home
 from appliance.secrets import secret
-from installer.keycloak import install_dir
+from bench.own_appliance import cli, own_appliance
 from installer.realm import BOOTSTRAP_SECRET
 from tests.support.tiers import TWO_TIERS
 
-APPLIANCE = str(Path(sys.executable).with_name("appliance"))
 RESULTS = Path(__file__).parent / "results" / "serving_tiers.json"
 PORT = 18580
 KEYCLOAK_PORT = 18590
@@ -46,13 +40,6 @@ BATCH_REQUESTS = 80
 PREFIXES = 5  # odd: round robin does not send a prefix to the same replica by accident
 QUESTIONS = 8
 QUESTION_TOPICS = ["card", "loan", "fees", "hours", "transfer", "savings", "mortgage", "fraud"]
-
-
-def cli(env: dict[str, str], *args: str, stdin: str | None = None) -> str:
-    done = subprocess.run([APPLIANCE, *args], env=env, capture_output=True, text=True, input=stdin, timeout=3600)
-    if done.returncode != 0:
-        raise SystemExit(f"appliance {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}")
-    return done.stdout
 
 
 class Bench:
@@ -169,16 +156,9 @@ class Bench:
 
 
 def main() -> None:
-    default = Home.from_env()
-    root = Path(tempfile.mkdtemp(prefix="aps-", dir="/tmp"))
-    home = Home(root / "h").ensure()
-    home.demo_model.symlink_to(default.demo_model, target_is_directory=True)
-    shutil.copytree(install_dir(default), install_dir(home), symlinks=True, ignore=shutil.ignore_patterns("h2", "tmp"))
-    home.settings_file.write_text(TWO_TIERS)
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("APPLIANCE_")}, HOME_ENV: str(home.root),
-           "APPLIANCE_GATEWAY__PORT": str(PORT), "APPLIANCE_KEYCLOAK__PORT": str(KEYCLOAK_PORT),
-           "APPLIANCE_KEYCLOAK__MANAGEMENT_PORT": "18591", "APPLIANCE_BATCH__POLL_S": "0.2"}
-    try:
+    settings_in_env = {"APPLIANCE_GATEWAY__PORT": str(PORT), "APPLIANCE_KEYCLOAK__PORT": str(KEYCLOAK_PORT),
+                       "APPLIANCE_KEYCLOAK__MANAGEMENT_PORT": "18591", "APPLIANCE_BATCH__POLL_S": "0.2"}
+    with own_appliance("aps-", settings_in_env, settings_file=TWO_TIERS) as (home, env):
         started = time.monotonic()
         cli(env, "up")
         up_s = time.monotonic() - started
@@ -194,9 +174,6 @@ def main() -> None:
                         "streamed one at a time, two replicas",
             "round_robin": round_robin, "affinity": affinity,
             "ttft_affinity_over_round_robin": round(affinity["ttft_mean_ms"] / round_robin["ttft_mean_ms"], 3)}
-    finally:
-        subprocess.run([APPLIANCE, "down"], env=env, capture_output=True, timeout=600)
-        shutil.rmtree(root, ignore_errors=True)
     RESULTS.write_text(json.dumps(results, indent=1) + "\n")
     print(json.dumps(results, indent=1))
 

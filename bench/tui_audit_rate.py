@@ -15,34 +15,24 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from appliance.home import HOME_ENV, Home
+from appliance.home import Home
 from appliance.secrets import secret
 from audit.reader import read_records
-from installer.keycloak import install_dir
+from bench.own_appliance import APPLIANCE, cli, own_appliance
 from installer.realm import BOOTSTRAP_SECRET
 
-APPLIANCE = str(Path(sys.executable).with_name("appliance"))
 SUPERVISORCTL = str(Path(sys.executable).with_name("supervisorctl"))
 RESULTS = Path(__file__).parent / "results" / "tui_audit_rate.json"
 SCREENS = {"d": "dashboard", "m": "models", "j": "jobs", "e": "rl", "u": "users", "k": "keys", "a": "audit"}
 WINDOW_S = 60.0
 SETTLE_S = 5.0  # the screen's first load, before the window opens
 MODES = {"every read recorded (before)": "false", "repeated reads counted (now)": "true"}
-
-
-def cli(env: dict[str, str], *args: str, stdin: str | None = None) -> str:
-    done = subprocess.run([APPLIANCE, *args], env=env, capture_output=True, text=True, input=stdin, timeout=1800)
-    if done.returncode != 0:
-        raise SystemExit(f"appliance {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}")
-    return done.stdout
 
 
 def set_mode(home: Home, count_repeated_reads: str) -> None:
@@ -77,15 +67,10 @@ def idle_screen(env: dict[str, str], home: Home, key: str) -> int:
 
 
 def main() -> None:
-    default = Home.from_env()
-    root = Path(tempfile.mkdtemp(prefix="tar-", dir="/tmp"))
-    home = Home(root / "h").ensure()
-    home.demo_model.symlink_to(default.demo_model, target_is_directory=True)
-    shutil.copytree(install_dir(default), install_dir(home), symlinks=True, ignore=shutil.ignore_patterns("h2", "tmp"))
-    env = {**os.environ, HOME_ENV: str(home.root), "APPLIANCE_GATEWAY__PORT": "18580",
-           "APPLIANCE_KEYCLOAK__PORT": "18590", "APPLIANCE_KEYCLOAK__MANAGEMENT_PORT": "18591"}
+    ports = {"APPLIANCE_GATEWAY__PORT": "18580", "APPLIANCE_KEYCLOAK__PORT": "18590",
+             "APPLIANCE_KEYCLOAK__MANAGEMENT_PORT": "18591"}
     per_minute: dict[str, dict[str, float]] = {name: {} for name in SCREENS.values()}
-    try:
+    with own_appliance("tar-", ports) as (home, env):
         cli(env, "up")
         cli(env, "token", "--user", "admin", "--password-stdin", stdin=secret(home, BOOTSTRAP_SECRET) + "\n")
         for turn, (key, screen) in enumerate(SCREENS.items()):
@@ -94,9 +79,6 @@ def main() -> None:
                 set_mode(home, value)
                 per_minute[screen][mode] = round(idle_screen(env, home, key) * 60 / WINDOW_S, 1)
                 print(f"{screen:10} {mode:32} {per_minute[screen][mode]:5.1f} records/min", flush=True)
-    finally:
-        subprocess.run([APPLIANCE, "down"], env=env, capture_output=True)
-        shutil.rmtree(root, ignore_errors=True)
     totals = {mode: round(sum(screen[mode] for screen in per_minute.values()), 1) for mode in MODES}
     result: dict[str, Any] = {
         "bench": "tui_audit_rate", "window_s": WINDOW_S, "monitoring_interval_s": 60,
