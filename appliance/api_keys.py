@@ -25,7 +25,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from appliance.errors import Conflict, Invalid, NotFound
+from appliance.errors import Conflict, Invalid, NotFound, QuotaExceeded
 from appliance.home import Home
 from appliance.registry import JsonRegistry
 from appliance.secrets import secret
@@ -35,6 +35,11 @@ KEY_BYTES = 32
 HMAC_SECRET = "api-key-hmac"
 USE_WRITE_INTERVAL_S = 60.0
 KeyName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$")]
+ModelName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")]
+MAX_MODELS = 16
+MAX_KEYS_PER_OWNER = 100  # revoked and expired ones included: they stay in the registry
+MAX_KEYS = 5000
+MAX_LIFETIME = timedelta(days=3653)  # ten years
 _KEY_SHAPE = re.compile(rf"^{PREFIX}[A-Za-z0-9_-]{{43}}$")
 _DURATION = re.compile(r"^([1-9][0-9]{0,5})([hdw])$")
 _UNITS = {"h": timedelta(hours=1), "d": timedelta(days=1), "w": timedelta(weeks=1)}
@@ -47,6 +52,8 @@ class ApiKey(BaseModel):
 
     name: KeyName
     owner: str = Field(description="The realm user the key acts as.")
+    owner_id: str = Field(description="That user's id in Keycloak: a user made later under the same name is "
+                          "another user, whom the key does not act as.")
     created: datetime
     created_by: str
     expires: datetime | None = None
@@ -73,7 +80,7 @@ class NewKey(BaseModel):
     name: KeyName
     owner: str = Field(min_length=1, max_length=64)
     expires_in: str | None = Field(None, description="e.g. 12h, 30d, 52w; unset: until revoked.")
-    models: list[str] | None = Field(None, min_length=1, max_length=64)
+    models: list[ModelName] | None = Field(None, min_length=1, max_length=MAX_MODELS)
     tokens_per_minute: int | None = Field(None, gt=0, le=1_000_000_000)
 
 
@@ -97,7 +104,11 @@ def expiry(expires_in: str | None, now: datetime) -> datetime | None:
     found = _DURATION.fullmatch(expires_in)
     if found is None:
         raise Invalid(f"expires_in {expires_in!r} is not a duration", hint="give hours, days or weeks: 12h, 30d, 52w")
-    return now + int(found.group(1)) * _UNITS[found.group(2)]
+    lifetime = int(found.group(1)) * _UNITS[found.group(2)]
+    if lifetime > MAX_LIFETIME:
+        raise Invalid(f"expires_in {expires_in!r} is longer than ten years", hint="leave it unset for a key that "
+                      "lives until it is revoked")
+    return now + lifetime
 
 
 def hmac_secret(home: Home) -> bytes:
@@ -119,18 +130,24 @@ def well_formed(bearer: str) -> bool:
     return _KEY_SHAPE.fullmatch(bearer) is not None
 
 
-def create(home: Home, new: NewKey, created_by: str, now: datetime | None = None) -> CreatedKey:
-    """Make a key for `new.owner` (who must exist: the caller checks that against the realm)."""
+def create(home: Home, new: NewKey, owner_id: str, created_by: str, now: datetime | None = None) -> CreatedKey:
+    """Make a key for `new.owner`, whose id in Keycloak is `owner_id` (the caller looked them up)."""
     now = now or datetime.now(UTC)
     value = PREFIX + base64.urlsafe_b64encode(token_source.token_bytes(KEY_BYTES)).rstrip(b"=").decode()
-    key = ApiKey(name=new.name, owner=new.owner, created=now, created_by=created_by,
+    key = ApiKey(name=new.name, owner=new.owner, owner_id=owner_id, created=now, created_by=created_by,
                  expires=expiry(new.expires_in, now), models=new.models,
                  tokens_per_minute=new.tokens_per_minute,
                  prefix=value[:len(PREFIX) + 6], digest=digest(hmac_secret(home), value))
     with registry(home).change() as keys:
         if new.name in keys:
-            raise Conflict(f"an API key named {new.name!r} exists (owned by {keys[new.name].owner})",
-                           hint="choose another name; a revoked key's name is not reused")
+            raise Conflict(f"an API key named {new.name!r} exists", hint="choose another name; a revoked key's "
+                           "name is not reused")
+        if sum(1 for other in keys.values() if other.owner == new.owner) >= MAX_KEYS_PER_OWNER:
+            raise QuotaExceeded(f"{new.owner} has {MAX_KEYS_PER_OWNER} API keys, revoked and expired ones included "
+                                "(the most one user may have)", hint="an administrator removes revoked and expired "
+                                "ones with `appliance keys remove NAME`")
+        if len(keys) >= MAX_KEYS:
+            raise QuotaExceeded(f"the appliance holds {MAX_KEYS} API keys (the most it keeps)")
         keys[new.name] = key
     return CreatedKey(key=key, secret=value)
 
@@ -156,6 +173,19 @@ def revoke(home: Home, name: str, now: datetime | None = None) -> ApiKey:
             raise NotFound(f"no API key named {name!r}", hint="`appliance keys list` shows them")
         if key.revoked is None:
             keys[name] = key = key.model_copy(update={"revoked": now or datetime.now(UTC)})
+    return key
+
+
+def remove(home: Home, name: str, now: datetime | None = None) -> ApiKey:
+    """Delete a revoked or expired key from the registry (its name may then be used again; its
+    audit records keep naming it). An active key is refused: revoke it first."""
+    with registry(home).change() as keys:
+        key = keys.get(name)
+        if key is None:
+            raise NotFound(f"no API key named {name!r}", hint="`appliance keys list` shows them")
+        if key.state(now or datetime.now(UTC)) == "active":
+            raise Conflict(f"API key {name!r} is active", hint=f"`appliance keys revoke {name}` first")
+        del keys[name]
     return key
 
 

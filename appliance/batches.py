@@ -115,7 +115,8 @@ create table if not exists batches (
     metadata text,                 -- JSON: the client's, up to 16 string pairs
     announced integer not null default 0,  -- its end is in the audit log
     validator_pid integer,         -- the worker validating its input file
-    input_bytes integer not null default 0  -- its input file's size: validation work, counted per hour
+    input_bytes integer not null default 0,  -- its input file's size: validation work, counted per hour
+    api_key text                   -- the API key it was made with: its requests stop when the key does
 );
 create table if not exists batch_requests (
     batch_id text not null,
@@ -141,6 +142,7 @@ MIGRATIONS = {
     "validator_pid": ("alter table batches add column validator_pid integer",
                       "update batches set announced = 1 where status = 'failed'"),
     "input_bytes": ("alter table batches add column input_bytes integer not null default 0",),
+    "api_key": ("alter table batches add column api_key text",),
 }
 
 
@@ -237,6 +239,7 @@ class Owner:
     subject: str
     username: str
     roles: frozenset[str]
+    key: str | None = None  # the API key it was made with, if one was
 
 
 @dataclass(frozen=True)
@@ -389,11 +392,12 @@ def create(home: Home, ask: BatchAsk, who: Owner, limits: BatchSettings) -> Batc
     with transaction(home) as db:
         _check_quotas(db, who.subject, limits, now, file.bytes)
         db.execute("insert into batches (id, owner, username, roles, endpoint, input_file_id, completion_window, "
-                   "status, created_at, expires_at, metadata, input_bytes) values (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                   "status, created_at, expires_at, metadata, input_bytes, api_key) "
+                   "values (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                    (batch_id, who.subject, who.username, json.dumps(sorted(who.roles)), ask.endpoint, file.id,
                     ask.completion_window, BatchState.VALIDATING, now,
                     now + COMPLETION_WINDOWS[ask.completion_window],
-                    json.dumps(ask.metadata) if ask.metadata is not None else None, file.bytes))
+                    json.dumps(ask.metadata) if ask.metadata is not None else None, file.bytes, who.key))
     return get(home, batch_id, who.subject)
 
 
@@ -470,8 +474,7 @@ def claim_validation(home: Home, worker_pid: int, alive: Callable[[int | None], 
         if row is None:
             return None
         db.execute("update batches set validator_pid = ? where id = ?", (worker_pid, row["id"]))
-    return Validating(row["id"], Owner(row["owner"], row["username"], frozenset(json.loads(row["roles"]))),
-                      row["endpoint"], row["input_file_id"], worker_pid)
+    return Validating(row["id"], _owner(row), row["endpoint"], row["input_file_id"], worker_pid)
 
 
 def validate(home: Home, store: ArtifactStore, job: Validating, limits: BatchSettings, max_line_bytes: int,
@@ -742,10 +745,15 @@ def listing(home: Home, owner: str | None, *, after: str | None = None, limit: i
 def owner_of(home: Home, batch_id: str) -> tuple[Owner, str]:
     """Who a batch runs for, and its state."""
     with connect(home) as db:
-        row = db.execute("select owner, username, roles, status from batches where id = ?", (batch_id,)).fetchone()
+        row = db.execute("select owner, username, roles, api_key, status from batches where id = ?",
+                         (batch_id,)).fetchone()
     if row is None:
         raise NotFound(f"no batch {batch_id!r}")
-    return Owner(row["owner"], row["username"], frozenset(json.loads(row["roles"]))), row["status"]
+    return _owner(row), row["status"]
+
+
+def _owner(row: sqlite3.Row) -> Owner:
+    return Owner(row["owner"], row["username"], frozenset(json.loads(row["roles"])), row["api_key"])
 
 
 def _move(db: sqlite3.Connection, batch_id: str, to: BatchState) -> None:

@@ -49,7 +49,7 @@ SUMMARIES = {
     "token": "Log in (device code by default; a password for scripts), cache the token 0600, refresh it.",
     "whoami": "Who the cached login is: user, roles, client, and when its access and refresh tokens expire.",
     "users": "Users and roles of the realm (through the gateway's admin API).",
-    "keys": "API keys for applications: create (shown once), list, revoke.",
+    "keys": "API keys for applications: create (shown once), list, revoke, remove.",
     "adapters": "LoRA adapters: list, deploy into the running engine, canary, roll back, retire (through the "
                 "gateway's admin API).",
     "serving": "Tiers, replicas, routing, the response cache and batches (through the gateway's admin API).",

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from pydantic import TypeAdapter
+from pydantic import TypeAdapter, ValidationError
 
 from appliance.durable import replace_file
 from appliance.errors import StateError
@@ -86,4 +86,17 @@ class JsonRegistry(Generic[T]):
         return self._shape.dump_json(value, indent=1) + b"\n"
 
     def _unreadable(self, exc: Exception) -> StateError:
-        return StateError(f"{self.what} {self.path} is unreadable: {exc}", hint=f"restore {self.path} from a backup")
+        return StateError(f"{self.what} {self.path} is unreadable: {_first_problem(exc)}",
+                          hint=f"restore {self.path} from a backup")
+
+
+def _first_problem(exc: Exception) -> str:
+    """One line for what is wrong: a validation's first error (where, what) and how many more,
+    never pydantic's whole dump with every input in it."""
+    if isinstance(exc, ValidationError):
+        errors = exc.errors()
+        first = errors[0]
+        where = ".".join(map(str, first["loc"])) or "the document"
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        return f"{where}: {first['msg']}{more}"
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__

@@ -89,14 +89,19 @@ class Users:
     def __init__(self, settings: Settings, home: Home) -> None:
         self.settings = settings
         self.home = home
+        self._connected: KeycloakAdmin | None = None
 
     def _admin(self) -> KeycloakAdmin:
-        keycloak = self.settings.keycloak
-        connection = KeycloakOpenIDConnection(
-            server_url=keycloak.base_url, realm_name=keycloak.realm, client_id=keycloak.gateway_client_id,
-            client_secret_key=gateway_client_secret(self.settings, self.home), timeout=15,
-            verify=keycloak_trust(self.settings, self.home))
-        return KeycloakAdmin(connection=connection)
+        """The service account's client, logged in once per Users (python-keycloak renews its
+        token when it runs out): a long-lived Users, such as the gateway's, logs in once."""
+        if self._connected is None:
+            keycloak = self.settings.keycloak
+            connection = KeycloakOpenIDConnection(
+                server_url=keycloak.base_url, realm_name=keycloak.realm, client_id=keycloak.gateway_client_id,
+                client_secret_key=gateway_client_secret(self.settings, self.home), timeout=15,
+                verify=keycloak_trust(self.settings, self.home))
+            self._connected = KeycloakAdmin(connection=connection)
+        return self._connected
 
     def listing(self) -> list[User]:
         """Users of the realm with their appliance roles (service accounts left out)."""
@@ -106,11 +111,16 @@ class Users:
                     if not raw["username"].startswith("service-account-")]
 
     def lookup(self, username: str) -> tuple[str, User]:
-        """The user's id (their tokens' subject) and record as Keycloak holds them now."""
-        with _keycloak(f"looking up {username!r}"):
-            admin = self._admin()
-            user_id = self._id(admin, username)
-            return user_id, _user(admin, admin.get_user(user_id))
+        """The user's id (their tokens' subject) and record as Keycloak holds them now. After a
+        failure the next lookup logs in again (Keycloak may have restarted)."""
+        try:
+            with _keycloak(f"looking up {username!r}"):
+                admin = self._admin()
+                user_id = self._id(admin, username)
+                return user_id, _user(admin, admin.get_user(user_id))
+        except Unavailable:
+            self._connected = None
+            raise
 
     def add(self, new: NewUser) -> CreatedUser:
         """An enabled user with roles; without a password, one is generated and returned once."""

@@ -29,9 +29,17 @@ OWNER_CACHE_MAX = 10_000
 
 @dataclass(frozen=True)
 class _Owner:
-    subject: str
-    user: User
+    subject: str | None  # None: no such user (remembered too, so a key of a deleted user costs no lookup)
+    user: User | None
     fetched: float
+
+
+def usable(key: api_keys.ApiKey, now: datetime) -> None:
+    """AuthError unless `key` is neither revoked nor expired."""
+    if key.revoked is not None:
+        raise AuthError("revoked_key", f"API key {key.name!r} was revoked")
+    if key.expires is not None and now >= key.expires:
+        raise AuthError("expired_key", f"API key {key.name!r} expired at {key.expires:%Y-%m-%dT%H:%M:%SZ}")
 
 
 class KeyAuthenticator:
@@ -58,21 +66,32 @@ class KeyAuthenticator:
             raise AuthError("invalid_key", "API key is not valid")
         known(key)
         now = datetime.now(UTC)
-        if key.revoked is not None:
-            raise AuthError("revoked_key", f"API key {key.name!r} was revoked")
-        if key.expires is not None and now >= key.expires:
-            raise AuthError("expired_key", f"API key {key.name!r} expired at {key.expires:%Y-%m-%dT%H:%M:%SZ}")
+        usable(key, now)
         owner = await self._owner(key.owner)
+        if owner.user is None or owner.subject is None or owner.subject != key.owner_id:
+            raise AuthError("inactive", f"the owner of API key {key.name!r} no longer exists")
         if not owner.user.enabled:
             raise AuthError("inactive", f"the owner of API key {key.name!r} is disabled")
         await self._note_use(key.name, now)
-        return Principal(subject=owner.subject, username=key.owner, client=key.name,
+        return Principal(subject=owner.subject, username=key.owner, client=f"key:{key.name}",
                          roles=frozenset(role.value for role in owner.user.roles), token_id=f"key:{key.name}",
                          expires_at=key.expires.timestamp() if key.expires else float("inf"), key=key.name,
                          models=frozenset(key.models) if key.models is not None else None,
                          tokens_per_minute=key.tokens_per_minute)
 
+    def named(self, name: str) -> api_keys.ApiKey:
+        """The usable key called `name` (a batch made with it: its requests stop when the key does)."""
+        key = next((key for key in self._keys().values() if key.name == name), None)
+        if key is None:
+            raise AuthError("revoked_key", f"API key {name!r} no longer exists")
+        usable(key, datetime.now(UTC))
+        return key
+
     def _key(self, digest: str) -> api_keys.ApiKey | None:
+        return self._keys().get(digest)
+
+    def _keys(self) -> dict[str, api_keys.ApiKey]:
+        """The registry by keyed hash, read again whenever its file changed."""
         try:
             found = os.stat(self._registry.path)
             seen = (found.st_ino, found.st_size, found.st_mtime_ns)
@@ -85,16 +104,18 @@ class KeyAuthenticator:
                 raise AuthError("keys_unavailable", "API keys cannot be checked now; try again", status=503) from exc
             self._by_digest = {key.digest: key for key in keys.values()}
             self._seen = seen
-        return self._by_digest.get(digest)
+        return self._by_digest
 
     async def _owner(self, username: str) -> _Owner:
         cached = self._owners.get(username)
         if cached is not None and time.monotonic() - cached.fetched <= self._owner_ttl:
             return cached
+        subject: str | None
+        user: User | None
         try:
             subject, user = await anyio.to_thread.run_sync(self._lookup_owner, username)
-        except NotFound as exc:
-            raise AuthError("inactive", "the owner of this API key no longer exists") from exc
+        except NotFound:
+            subject, user = None, None
         except ApplianceError as exc:  # Keycloak down or refusing: fail closed
             raise AuthError("introspection_unavailable", "cannot confirm the API key's owner; try again",
                             status=503) from exc

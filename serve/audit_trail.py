@@ -33,6 +33,9 @@ ERROR_BODY_BYTES = 4096
 CLIENT_GONE = 499  # as nginx logs it: the client closed the connection before the response ended
 # Declared on a route (`openapi_extra=MONITORING`): a read a dashboard polls, summarised per user.
 MONITORING = {"x-audit": "summarised per user and interval"}
+# Declared on a route a screen refreshes (`openapi_extra=REFRESHED`): a repeat of the same query by
+# the same user is counted into the interval's summary; a new query has its own record.
+REFRESHED = {"x-audit": "a repeated query summarised per user and interval; a new query recorded"}
 
 
 # A path parameter and the kind of object it names; `name` names an object of the route's group.
@@ -80,13 +83,15 @@ def resource_of(scope: Scope) -> str:
 
 def read_kind(scope: Scope, event: AuditEvent, count_repeated_reads: bool) -> str | None:
     """A successful read an admin screen polls, counted as one per user and interval: a
-    monitoring route per action; with `count_repeated_reads`, any other admin read per path and
-    query, so a new query is recorded and a refresh of the same view is counted."""
+    monitoring route per action; with `count_repeated_reads`, a route a screen refreshes per path
+    and query, so a new query is recorded and a refresh of the same view is counted. Every other
+    read (an RL run's attempts, a file's content, the settings) has a record each time."""
     if event.status >= 400 or scope["method"] != "GET":
         return None
-    if (getattr(scope.get("route"), "openapi_extra", None) or {}) == MONITORING:
+    declared = getattr(scope.get("route"), "openapi_extra", None) or {}
+    if declared == MONITORING:
         return event.action
-    return event.resource if count_repeated_reads and scope["path"].startswith("/admin/") else None
+    return event.resource if count_repeated_reads and declared == REFRESHED else None
 
 
 def reason_of(status: int, body: bytes) -> str | None:

@@ -44,7 +44,7 @@ class Principal:
 
     def may_use(self, model: str) -> bool:
         """Whether its key's scope admits `model` (a tier asked by name, MODEL:TIER, by its model)."""
-        return self.models is None or model in self.models or model.partition(":")[0] in self.models
+        return self.models is None or model in self.models or model.rpartition(":")[0] in self.models
 
 
 class TokenValidator:

@@ -84,8 +84,21 @@ def batch_principal(request: Request, reference: str) -> Principal:
         raise AuthError("invalid_token", "no such batch request in progress", status=403)
     owner, _ = batches.owner_of(home, batch_id)
     request.state.batch = reference
+    if owner.key is None:
+        return Principal(subject=owner.subject, username=owner.username, client="batch-worker", roles=owner.roles,
+                         token_id=reference, expires_at=float("inf"))
+    # Made with an API key: its requests stop when the key is revoked or expires, within its limits.
+    try:
+        key = request.app.state.gateway.keys.named(owner.key)
+    except AuthError as exc:
+        if exc.status != 401:
+            raise  # the registry unreadable (503): the worker gives the request back and retries
+        # 403, not 401: the worker's own key is good (a 401 makes every batch wait); this request fails.
+        raise AuthError(exc.reason, exc.message, status=403) from exc
     return Principal(subject=owner.subject, username=owner.username, client="batch-worker", roles=owner.roles,
-                     token_id=reference, expires_at=float("inf"))
+                     token_id=reference, expires_at=float("inf"), key=key.name,
+                     models=frozenset(key.models) if key.models is not None else None,
+                     tokens_per_minute=key.tokens_per_minute)
 
 
 @functools.cache

@@ -68,12 +68,14 @@ class Summaries:
     last event's, after the count."""
 
     def __init__(self, interval_s: float, max_parties: int, *, party_field: str, summary_action: str | None,
-                 keep_last_error: bool = False, clock: Callable[[], float] = time.monotonic) -> None:
+                 keep_last_error: bool = False, forget: tuple[str, ...] = (),
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._interval = interval_s
         self._max_parties = max_parties
         self._party_field = party_field
         self._summary_action = summary_action
         self._keep_last_error = keep_last_error
+        self._forget = forget  # fields the events of one summary need not share: left out of it
         self._clock = clock
         self._lock = threading.Lock()
         self._window_ends = clock() + interval_s
@@ -120,25 +122,28 @@ class Summaries:
                 self._due.append(last.model_copy(update={
                     "action": self._summary_action or last.action, self._party_field: party,
                     "count": counted.count, "latency_ms": None, "prompt_hmac": None, "completion_hmac": None,
-                    "params_hmac": None, "params": None, "prompt": None, "completion": None, "error": error}))
+                    "params_hmac": None, "params": None, "prompt": None, "completion": None, "error": error,
+                    **dict.fromkeys(self._forget)}))
         self._counts.clear()
         self._parties.clear()
         self._window_ends = now + self._interval
 
 
 class Refusals(Summaries):
-    """Refused requests, per source and status (summary action "refused.summary")."""
+    """Refused requests, per source, status and user (summary action "refused.summary"): one
+    user's refusals are never counted under another's name. What the refused requests asked for
+    (path, object, model, key) differs from one to the next and is left out of the summary."""
 
     def __init__(self, interval_s: float, max_sources: int, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(interval_s, max_sources, party_field="source", summary_action="refused.summary",
-                         clock=clock)
+                         forget=("resource", "target", "model", "key"), clock=clock)
 
     def own_record(self, event: AuditEvent, relayed: bool = False) -> bool:
         """Whether `event` is written now. A request the engine saw (`relayed`) always has its
         own record, whatever the engine said; so has any that was not refused."""
         if relayed or not refusable(event.status):
             return True
-        return self.first_of_interval(event, event.status)
+        return self.first_of_interval(event, f"{event.status} {event.username or ''}")
 
 
 def write_due(writer: AuditWriter, summaries: Summaries, *, all_now: bool = False) -> None:

@@ -11,7 +11,8 @@ from rich.table import Table
 
 from appliance.commands.common import admin_api, print_json
 
-keys_app = typer.Typer(help="API keys for applications: create (shown once), list, revoke.", no_args_is_help=True)
+keys_app = typer.Typer(help="API keys for applications: create (shown once), list, revoke, remove.",
+                       no_args_is_help=True)
 out = Console()
 Name = Annotated[str, typer.Argument(help="The key's name: lower-case letters, digits, '.', '_' and '-'.")]
 Json = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
@@ -68,6 +69,13 @@ def keys_revoke(name: Name) -> None:
     """Revoke an API key: its next request is refused."""
     key = admin_api("POST", f"/keys/{name}/revoke")
     out.print(f"API key {key['name']} of {key['owner']} revoked", markup=False)
+
+
+@keys_app.command("remove")
+def keys_remove(name: Name) -> None:
+    """Delete a revoked or expired API key from the registry (administrators); its name is free again."""
+    key = admin_api("DELETE", f"/keys/{name}")
+    out.print(f"API key {key['name']} of {key['owner']} removed", markup=False)
 
 
 def _day(stamp: str | None) -> str:

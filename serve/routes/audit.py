@@ -16,6 +16,7 @@ from appliance.home import Home
 from audit import AuditVerificationError, read_records, verification_key, verify
 from audit.reader import OBJECT_FORMS, OUTCOMES, ObjectFilter, RecordFilter, parse_outcome
 from audit.times import FORMS, parse_instant
+from serve.audit_trail import REFRESHED
 from serve.deps import requires
 from serve.errors import GatewayError
 
@@ -38,7 +39,7 @@ def router(home: Home) -> APIRouter:
     """Query and verify the audit log (role `auditor` or `admin`)."""
     routes = APIRouter(prefix="/admin", tags=["audit"], dependencies=[Depends(requires("auditor", "admin"))])
 
-    @routes.get("/audit", response_model=list[dict[str, Any]], name="audit.query")
+    @routes.get("/audit", response_model=list[dict[str, Any]], name="audit.query", openapi_extra=REFRESHED)
     def audit_records(since: str | None = Query(None, description=f"From this time, inclusive: {FORMS}."),
                       until: str | None = Query(None, description="Before this time (the same forms as since)."),
                       user: str | None = Query(None, description="Exact username."),

@@ -120,10 +120,7 @@ def router(settings: Settings, home: Home) -> APIRouter:
         """Queue a batch of the requests of an input file, `validating` at once: the batch-worker
         reads the file, then the batch is `in_progress`, or `failed` naming each bad line
         (`errors`). Too many batches, failed validations or requests waiting is a 429."""
-        if who.models is not None:  # its requests run as the owner, where the key's limit would not hold
-            raise GatewayError(403, f"API key {who.key!r} is limited to models and cannot make batches; use a key "
-                               "without a model limit", type="permission_error", code="key_cannot_batch")
-        owner = Owner(who.subject, who.username, who.roles)
+        owner = Owner(who.subject, who.username, who.roles, who.key)  # a key's limits hold for its requests too
         made = await _in_thread(lambda: batches.create(home, ask, owner, limits))
         note_target(request, "batch", made.id)
         return made

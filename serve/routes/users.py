@@ -10,7 +10,7 @@ from appliance.home import Home
 from appliance.roles import Role
 from appliance.settings import Settings
 from appliance.users import CreatedUser, NewPassword, NewUser, PasswordReset, User, Users
-from serve.audit_trail import note_target
+from serve.audit_trail import REFRESHED, note_target
 from serve.deps import requires
 
 
@@ -26,7 +26,7 @@ def router(settings: Settings, home: Home) -> APIRouter:
         """The realm roles the appliance uses."""
         return list(Role)
 
-    @routes.get("/users", response_model=list[User], name="users.list")
+    @routes.get("/users", response_model=list[User], name="users.list", openapi_extra=REFRESHED)
     def users() -> list[User]:
         """Users of the realm with their appliance roles."""
         return Users(settings, home).listing()

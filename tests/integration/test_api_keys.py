@@ -24,7 +24,7 @@ from tests.integration.realm import Realm
 MODEL = "SmolLM2-135M-Instruct"
 RUN = uuid.uuid4().hex[:6]  # key names are never reused: each run makes its own
 K = {name: f"{name}-{RUN}" for name in ("kara-app", "kurt-app", "kurt-old", "kim-scoped", "kim-app", "kbench-app",
-                                        "kim-for-kara", "kim-x", "kurt-tight")}
+                                        "kim-for-kara", "kim-x", "kurt-tight", "kurt-batch")}
 PASSWORD = "Test-password-1"
 INTROSPECT_TTL_S = 10  # the gateway's default: a disabled owner's keys stop within it
 REFUSAL_INTERVAL_S = 10  # audit.refusal_interval_s's default
@@ -93,7 +93,7 @@ def test_a_key_chats_streams_and_batches_and_every_record_names_it(realm: Realm,
     mine = [r for r in records(running) if r.get("key") == K["kara-app"]]
     actions = {r["action"] for r in mine}
     assert {"models.list", "chat.completions", "files.create", "batches.create"} <= actions, actions
-    assert all(r["client"] == K["kara-app"] and r["username"] == "kara" for r in mine)
+    assert all(r["client"] in (f"key:{K['kara-app']}", "batch-worker") and r["username"] == "kara" for r in mine)
     [created] = [r for r in mine if r["action"] == "batches.create"]
     assert created["target"] == {"kind": "batch", "name": batch.id, "version": None, "roles": None}
     deadline = time.monotonic() + 60  # the worker records a batch's end after it has ended
@@ -102,6 +102,9 @@ def test_a_key_chats_streams_and_batches_and_every_record_names_it(realm: Realm,
         assert time.monotonic() < deadline, "no record of the batch's end"
         time.sleep(0.5)
     assert ended[0]["username"] == ended[0]["client"] == "batch-worker"
+    lines = [r for r in records(running) if (r.get("batch") or "").startswith(f"{batch.id}:")]
+    assert len(lines) == 2 and all(r["key"] == K["kara-app"] and r["client"] == "batch-worker" for r in lines), \
+        "a batch's requests name the key it was made with"
     made = [r for r in records(running) if r["action"] == "keys.create"
             and (r.get("target") or {}).get("name") == K["kara-app"]]
     assert made and made[0]["outcome"] == "allowed" and made[0]["resource"] == "/admin/keys"
@@ -196,3 +199,44 @@ def test_the_gateway_adds_no_more_with_a_key_than_with_a_token(realm: Realm, run
     record_property("p50_ms", medians)
     print(f"gateway /v1/models p50: key {medians['key']:.2f} ms, token {medians['token']:.2f} ms, "
           f"ratio {medians['key'] / medians['token']:.3f}")
+
+
+def test_a_keys_limits_hold_for_its_batches_and_revoking_it_stops_them(realm: Realm, tmp_path: Path) -> None:
+    """A batch made with a key runs within the key's budget, and stops when the key is revoked:
+    its requests are refused (403) and the batch ends with them failed."""
+    def batch_of(api: openai.OpenAI, lines: int, max_tokens: int) -> str:
+        source = tmp_path / f"b{lines}-{max_tokens}.jsonl"
+        source.write_text("".join(json.dumps({"custom_id": f"r{n}", "method": "POST", "url": "/v1/chat/completions",
+                                              "body": {"model": MODEL, "max_tokens": max_tokens,
+                                                       "messages": QUESTION}}) + "\n" for n in range(lines)))
+        uploaded = api.files.create(file=source.open("rb"), purpose="batch")
+        return api.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h").id
+
+    def ended(api: openai.OpenAI, batch_id: str) -> Any:
+        deadline = time.monotonic() + 300
+        while (batch := api.batches.retrieve(batch_id)).status not in ("completed", "failed", "cancelled"):
+            assert time.monotonic() < deadline, batch
+            time.sleep(0.5)
+        return batch
+
+    def errors(api: openai.OpenAI, batch: Any) -> list[dict[str, Any]]:
+        return [json.loads(line)["response"]["body"]["error"]
+                for line in api.files.content(batch.error_file_id).text.splitlines()]
+
+    tight = client(realm, new_key(realm, K["kurt-tight"] + "-b", "kurt", tokens_per_minute=60))
+    over = ended(tight, batch_of(tight, 2, 100))
+    assert over.request_counts.failed == 2, over
+    assert {error["code"] for error in errors(tight, over)} == {"exceeds_token_budget"}
+
+    key = new_key(realm, K["kurt-batch"], "kurt")
+    api = client(realm, key)
+    made = batch_of(api, 3, 4)
+    assert admin(realm, "POST", f"/keys/{K['kurt-batch']}/revoke").status_code == 200
+    stopped = ended(client(realm, realm.token("kurt", PASSWORD)), made)  # the key no longer reads it
+    assert stopped.request_counts.failed == 3, stopped
+    assert {error["code"] for error in errors(client(realm, realm.token("kurt", PASSWORD)), stopped)} == {
+        "revoked_key"}
+    # Revoked, it can be removed (administrators), and its name used again.
+    assert admin(realm, "DELETE", f"/keys/{K['kurt-batch']}").status_code == 200
+    new_key(realm, K["kurt-batch"], "kurt")

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from appliance import api_keys
-from appliance.errors import Conflict, Invalid, NotFound, Unavailable
+from appliance.errors import Conflict, Invalid, NotFound, QuotaExceeded, Unavailable
 from appliance.home import Home
 from appliance.roles import Role
 from appliance.settings import RoleLimits
@@ -29,6 +29,7 @@ class Realm:
         self.users = {"kate": User(username="kate", enabled=True, roles=[Role.USER])}
         self.lookups = 0
         self.down = False
+        self.ids: dict[str, str] = {}  # a user's id, when not id-NAME (one made again under the name)
 
     def lookup(self, username: str) -> tuple[str, User]:
         self.lookups += 1
@@ -36,11 +37,12 @@ class Realm:
             raise Unavailable("Keycloak refused (no answer)")
         if username not in self.users:
             raise NotFound(f"no user named {username!r}")
-        return f"id-{username}", self.users[username]
+        return self.ids.get(username, f"id-{username}"), self.users[username]
 
 
 def make(home: Home, name: str = "app", **fields: object) -> str:
-    return api_keys.create(home, api_keys.NewKey(name=name, owner="kate", **fields), created_by="admin").secret
+    return api_keys.create(home, api_keys.NewKey(name=name, owner="kate", **fields), owner_id="id-kate",
+                           created_by="admin").secret
 
 
 def who(keys: KeyAuthenticator, secret: str) -> object:
@@ -70,8 +72,8 @@ def test_the_principal_acts_as_its_owner_with_the_roles_keycloak_gives_now(home:
     keys = KeyAuthenticator(home, realm.lookup, owner_ttl_s=60)
     secret = make(home, models=["m1"])
     principal = who(keys, secret)
-    assert (principal.subject, principal.username, principal.client, principal.key) == ("id-kate", "kate", "app",
-                                                                                          "app")
+    assert (principal.subject, principal.username, principal.client, principal.key) == ("id-kate", "kate",
+                                                                                          "key:app", "app")
     assert principal.roles == {"user"} and principal.models == {"m1"}
     assert principal.may_use("m1") and principal.may_use("m1:fast") and not principal.may_use("m2")
     who(keys, secret)
@@ -113,6 +115,59 @@ def test_a_corrupt_registry_fails_closed(home: Home) -> None:
     api_keys.registry(home).path.write_text("{not json")
     failed = refusal(keys, secret)
     assert failed.status == 503 and failed.reason == "keys_unavailable"
+
+
+def test_a_user_made_later_under_the_same_name_is_not_the_keys_owner(home: Home) -> None:
+    """A key is bound to its owner's id in Keycloak: delete the user, make another of that name
+    (with more roles), and the old key stays refused."""
+    realm = Realm()
+    keys = KeyAuthenticator(home, realm.lookup, owner_ttl_s=0)
+    secret = make(home)
+    who(keys, secret)
+    realm.users["kate"] = User(username="kate", enabled=True, roles=[Role.USER, Role.ADMIN])
+    realm.ids["kate"] = "id-kate-2"
+    assert refusal(keys, secret).reason == "inactive"
+
+
+def test_a_deleted_owners_key_costs_one_lookup_per_interval(home: Home) -> None:
+    realm = Realm()
+    keys = KeyAuthenticator(home, realm.lookup, owner_ttl_s=60)
+    secret = make(home)
+    del realm.users["kate"]
+    for _ in range(5):
+        assert refusal(keys, secret).reason == "inactive"
+    assert realm.lookups == 1, "a user found missing is remembered as missing for the interval"
+
+
+def test_a_revoked_or_expired_key_is_removed_an_active_one_is_not(home: Home) -> None:
+    make(home, "live")
+    make(home, "old")
+    api_keys.revoke(home, "old")
+    with pytest.raises(Conflict, match="active"):
+        api_keys.remove(home, "live")
+    assert api_keys.remove(home, "old").name == "old"
+    make(home, "old")  # its name is free again
+
+
+def test_one_user_holds_a_bounded_number_of_keys(home: Home, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(api_keys, "MAX_KEYS_PER_OWNER", 2)
+    make(home, "a")
+    make(home, "b")
+    api_keys.revoke(home, "b")
+    with pytest.raises(QuotaExceeded, match="kate has 2 API keys"):
+        make(home, "c")
+
+
+@pytest.mark.parametrize("models", [["x" * 129], ["a\nb"], ["../m"], [f"m{n}" for n in range(17)], [], [""]])
+def test_a_keys_models_are_names_and_few(models: list[str]) -> None:
+    with pytest.raises(ValueError, match="models"):
+        api_keys.NewKey(name="k", owner="kate", models=models)
+
+
+@pytest.mark.parametrize("expires_in", ["999999w", "522w", "3654d", "87700h"])
+def test_an_expiry_past_ten_years_is_refused_not_a_crash(home: Home, expires_in: str) -> None:
+    with pytest.raises(Invalid, match="ten years"):
+        make(home, expires_in=expires_in)
 
 
 @pytest.mark.parametrize("expires_in", ["1d\n", "tomorrow", "0h", "1", "-1d", "1.5d", "1d ", "１d", "9999999d", ""])

@@ -16,7 +16,14 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from starlette.requests import Request
 
 from audit import AuditEvent, AuditRecord, AuditUnavailable, AuditWriter, read_records
-from serve.audit_trail import INLINE_FLUSH_LIMIT_S, MONITORING, AuditMiddleware, Transcript, note_target
+from serve.audit_trail import (
+    INLINE_FLUSH_LIMIT_S,
+    MONITORING,
+    REFRESHED,
+    AuditMiddleware,
+    Transcript,
+    note_target,
+)
 from serve.summaries import Refusals, Summaries
 
 
@@ -246,12 +253,15 @@ def test_repeated_reads_are_counted_and_a_new_query_is_recorded(tmp_path: Path) 
         for _ in range(5):
             await request(audited, "/admin/services", method="GET", route_extra=MONITORING)
         for _ in range(3):
-            await request(audited, "/admin/audit", method="GET", query=b"newest=true&limit=200")
-        await request(audited, "/admin/audit", method="GET", query=b"newest=true&limit=200&user=bob")
+            await request(audited, "/admin/audit", method="GET", query=b"newest=true&limit=200", route_extra=REFRESHED)
+        await request(audited, "/admin/audit", method="GET", query=b"newest=true&limit=200&user=bob",
+                      route_extra=REFRESHED)
         for _ in range(2):
-            await request(audited, "/admin/users", method="GET")
-        await request(audited, "/admin/users", method="POST")
-        await request(audited, "/admin/users", method="POST")  # a change is never counted away
+            await request(audited, "/admin/users", method="GET", route_extra=REFRESHED)
+        await request(audited, "/admin/users", method="POST", route_extra=REFRESHED)
+        await request(audited, "/admin/users", method="POST", route_extra=REFRESHED)  # a change is never counted
+        for _ in range(2):  # a read no screen refreshes (an RL run's attempts: prompts and code) is each recorded
+            await request(audited, "/admin/rl/runs/1/attempts", method="GET")
 
     asyncio.run(polls())
     written = [(r["action"], r["resource"]) for r in read_records(tmp_path)]
@@ -259,7 +269,9 @@ def test_repeated_reads_are_counted_and_a_new_query_is_recorded(tmp_path: Path) 
                        ("test.admin.audit", "/admin/audit?newest=true&limit=200"),
                        ("test.admin.audit", "/admin/audit?newest=true&limit=200&user=bob"),
                        ("test.admin.users", "/admin/users"),
-                       ("test.admin.users", "/admin/users"), ("test.admin.users", "/admin/users")]
+                       ("test.admin.users", "/admin/users"), ("test.admin.users", "/admin/users"),
+                       ("test.admin.rl.runs.1.attempts", "/admin/rl/runs/1/attempts"),
+                       ("test.admin.rl.runs.1.attempts", "/admin/rl/runs/1/attempts")]
     summaries = {(s.action, s.count) for s in audited.monitoring.due(all_now=True)}
     assert summaries == {("test.admin.services", 4), ("test.admin.audit", 2), ("test.admin.users", 1)}
 
@@ -333,7 +345,7 @@ def test_every_read_is_recorded_when_repeated_reads_are_not_counted(tmp_path: Pa
 
     async def polls() -> None:
         for _ in range(3):
-            await request(audited, "/admin/audit", method="GET", query=b"newest=true")
+            await request(audited, "/admin/audit", method="GET", query=b"newest=true", route_extra=REFRESHED)
         for _ in range(3):
             await request(audited, "/admin/services", method="GET", route_extra=MONITORING)
 

@@ -3,6 +3,7 @@ audit log (issue 17)."""
 
 from __future__ import annotations
 
+from appliance.changes import Target
 from audit import AuditEvent
 from serve.summaries import Refusals, cap_text
 
@@ -46,3 +47,21 @@ def test_capped_text_is_at_most_256_bytes_and_tells_long_texts_apart() -> None:
     assert len(cap_text(long_a).encode()) <= 256 and cap_text(long_a) != cap_text(long_b)
     assert cap_text("/v1/[link=x]\n\ud800") == "/v1/[link=x]??"
     assert len(cap_text("é" * 300).encode()) <= 256
+
+
+def test_one_users_refusals_are_never_counted_under_another_and_a_summary_names_no_object() -> None:
+    """A user trying another's key three times, then a second user refused once, from one source:
+    each user's refusals are their own, and a summary says nothing of what the counted ones asked."""
+    refusals = Refusals(interval_s=10, max_sources=8)
+
+    def by(user: str, resource: str, key_name: str) -> AuditEvent:
+        return AuditEvent(request_id="r", action="keys.revoke", outcome="denied", status=403, source="127.0.0.1",
+                          username=user, resource=resource, key=key_name, model="m",
+                          target=Target(kind="key", name=key_name))
+
+    assert [refusals.own_record(by("mallory", f"/admin/keys/k{n}/revoke", f"k{n}")) for n in range(3)] == [
+        True, False, False]
+    assert refusals.own_record(by("bob", "/admin/users", "b")), "another user's first refusal: a record of its own"
+    [summary] = refusals.due(all_now=True)
+    assert (summary.username, summary.count) == ("mallory", 2)
+    assert (summary.resource, summary.target, summary.model, summary.key) == (None, None, None, None)
