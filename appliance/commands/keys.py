@@ -25,8 +25,8 @@ def keys_create(
                                       "another user).")],
     expires_in: Annotated[str | None, typer.Option("--expires-in", help="12h, 30d, 52w; unset: until "
                                                    "revoked.")] = None,
-    model: Annotated[list[str] | None, typer.Option("--model", help="A model it may use; repeatable; unset: every "
-                                                    "model its user may use.")] = None,
+    model: Annotated[list[str] | None, typer.Option("--model", "--models", help="A model it may use; repeatable; "
+                                                    "unset: every model its user may use.")] = None,
     tokens_per_minute: Annotated[int | None, typer.Option("--tokens-per-minute", help="Its own token budget, on "
                                                           "top of its user's.")] = None,
     json: Json = False,

@@ -39,6 +39,7 @@ from tests.support.browser import approve_device_login
 from tests.support.models import random_adapter
 from tests.support.pilot import drive, rows, select_row, text, until
 from tests.support.records import metrics
+from tests.support.terminal import Pane, broken
 from tui.app import AdminApp
 
 # Its dashboard stops and starts the session's programs.
@@ -392,3 +393,25 @@ def test_the_audit_screen_left_open_a_minute_adds_at_most_one_record(running: Ru
         assert queries() - before <= 1, "an idle audit screen adds at most one record a minute"
     finally:
         subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+
+
+def test_status_of_the_running_appliance_breaks_no_word_at_80_columns(running: Running) -> None:
+    """`appliance status` in an 80 x 24 tmux pane against the running session appliance: every
+    program's name and state, and each column's heading, stand whole; `--wide` keeps each URL whole."""
+    environment = {key: value for key, value in os.environ.items()
+                   if not key.startswith("APPLIANCE_") and key not in ("COLUMNS", "LINES")}
+    environment.update({key: value for key, value in running.appliance.env.items() if key.startswith("APPLIANCE_")})
+    environment["TERM"] = "xterm-256color"
+    report = json.loads(running.appliance.run("status", "--json", timeout=60).stdout)
+    pane = Pane(environment)
+    try:
+        screen = pane.run(f"{APPLIANCE} status", timeout_s=120)
+        wide = pane.run(f"{APPLIANCE} status --wide", timeout_s=120)
+    finally:
+        pane.close()
+    words = {"program", "state", "health", "uptime", "serves", "model"}
+    words |= {program["name"] for program in report["programs"]} | {program["state"] for program in report["programs"]}
+    assert not broken(words, screen), "\n".join(screen)
+    assert all(len(line) <= 80 for line in screen)
+    urls = {url for program in report["programs"] for url in program["urls"].values()}
+    assert urls and not broken(urls, wide), "\n".join(wide)

@@ -6,11 +6,8 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
-import time
-import uuid
 from collections.abc import Iterator
 from io import StringIO
 from pathlib import Path
@@ -24,6 +21,7 @@ from appliance.commands.lifecycle import gpu_ranges, print_status, short_serves
 from appliance.home import Home
 from appliance.terminal import duration
 from tests.support.appliances import APPLIANCE
+from tests.support.terminal import Pane, broken, whole_on_a_line
 from tests.unit.test_whoami import ISSUER, admin_token
 
 HOME = "/var/lib/appliance"
@@ -68,16 +66,6 @@ def rendered(wide: bool, width: int = 80) -> list[str]:
     text = StringIO()
     print_status(Console(width=width, file=text), REPORT, wide=wide)
     return text.getvalue().splitlines()
-
-
-def whole_on_a_line(word: str, lines: list[str]) -> bool:
-    """The word stands whole (between spaces or line ends) on one of the lines."""
-    pattern = re.compile(rf"(?<!\S){re.escape(word)}(?!\S)")
-    return any(pattern.search(line) for line in lines)
-
-
-def broken(words: set[str], lines: list[str]) -> list[str]:
-    return sorted(word for word in words if not whole_on_a_line(word, lines))
 
 
 def compact_words() -> set[str]:
@@ -138,36 +126,6 @@ def test_serves_is_the_port_the_socket_or_the_urls_ports() -> None:
 
 
 # --- the real command in an 80-column terminal ---------------------------------------------
-
-
-class Pane:
-    """A detached tmux session of 80 x 24 on a server of its own (its own socket name)."""
-
-    def __init__(self, env: dict[str, str]) -> None:
-        self.server = f"status-test-{uuid.uuid4().hex[:8]}"
-        self.env = env
-
-    def tmux(self, *args: str) -> str:
-        return subprocess.run(["tmux", "-L", self.server, "-f", "/dev/null", *args], env=self.env,
-                              capture_output=True, text=True, timeout=30, check=True).stdout
-
-    def run(self, *commands: str) -> list[str]:
-        """Run the shell commands in a fresh 80 x 24 session; the whole screen and scrollback,
-        lines the terminal wrapped joined again (-J), so only breaks the program wrote remain."""
-        script = "; ".join([*commands, "echo __done__", "sleep 60"])
-        self.tmux("new-session", "-d", "-x", "80", "-y", "24", "-s", "status", script)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            screen = self.tmux("capture-pane", "-p", "-J", "-S", "-", "-t", "status")
-            if "__done__" in screen:
-                self.tmux("kill-session", "-t", "status")
-                return screen.splitlines()
-            time.sleep(0.2)
-        raise AssertionError(f"the commands did not finish in 60 s: {screen}")
-
-    def close(self) -> None:
-        subprocess.run(["tmux", "-L", self.server, "kill-server"], env=self.env, capture_output=True, timeout=30,
-                       check=False)
 
 
 @pytest.fixture
