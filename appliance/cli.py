@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-from appliance.commands.common import plain_help
 from appliance.errors import ApplianceError
+from appliance.help_style import plain_help
 from appliance.home import Home
 
 if TYPE_CHECKING:
@@ -86,7 +86,7 @@ def command_targets() -> dict[str, str]:
 
 def load_command(name: str, target: str) -> _click.Command:
     """Import the command's module and make the Click command of its Typer app or function, its
-    help in the root's style (common.plain_help)."""
+    help in the root's style (help_style.plain_help)."""
     module, _, attribute = target.partition(":")
     found = getattr(importlib.import_module(module), attribute)
     command: _click.Command

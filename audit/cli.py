@@ -83,7 +83,8 @@ def archive_command() -> None:
             if done.locked else "NOT write-once (the store does not lock copies)")
     copied = ", ".join(Path(key).name for key in done.files) or "nothing new"
     out.print(f"archived to {done.location}: {copied}; checkpoints "
-              f"{Path(done.checkpoints).name if done.checkpoints else 'unchanged'}; copies are {lock}")
+              f"{Path(done.checkpoints).name if done.checkpoints else 'unchanged'}; copies are {lock}",
+              soft_wrap=True)  # one line, as a log takes it
 
 
 @audit_app.command("export-public-key")

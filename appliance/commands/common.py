@@ -1,8 +1,7 @@
 """What the core's commands share: this host's settings and state directory, the gateway's admin
-API, a password from standard input, the one way every `--json` prints, and how every command
-reads (docs/operate/cli.md): help without type labels and with unbroken sentences (the root applies
-`plain_help` to each command it loads), the old spellings of renamed commands kept for one release.
-Light to import (the root imports it for `appliance --help`): what is heavy is imported where used."""
+API, a password from standard input, the one way every `--json` prints, and the old spellings of
+renamed commands kept for one release (docs/operate/cli.md; how help reads is appliance.help_style).
+What is heavy is imported where used."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from typer.core import TyperArgument, TyperGroup, TyperOption
+from typer.core import TyperGroup
 
 from appliance.errors import ApplianceError
 from appliance.home import Home
@@ -89,31 +88,3 @@ def defaulting_to(default: str, old: str) -> type[TyperGroup]:
             return super().parse_args(ctx, args)
 
     return Defaulting
-
-
-class _UntypedOption(TyperOption):
-    def display_type_rich(self, ctx: _click.Context) -> str | None:
-        return None
-
-
-class _UntypedArgument(TyperArgument):
-    def display_type_rich(self, ctx: _click.Context) -> str | None:
-        return None
-
-
-def plain_help(command: _click.Command) -> _click.Command:
-    """Help as a reader wants it, for `command` and everything under it: no type labels (<bool>,
-    <str>, <int range>) beside the options and arguments, arguments named in capitals (USER),
-    and each paragraph of a command's help one flowing sentence however its source wraps."""
-    if command.help:
-        command.help = "\n\n".join(" ".join(paragraph.split()) for paragraph in command.help.split("\n\n"))
-    help_option = command.get_help_option(typer.Context(command))  # made on first use: make it now
-    for param in [*command.params, *([help_option] if help_option else [])]:
-        if isinstance(param, TyperOption):
-            param.__class__ = _UntypedOption  # the same option, minus the label
-        elif isinstance(param, TyperArgument):
-            param.__class__ = _UntypedArgument
-            param.metavar = param.metavar or (param.name or "").upper()
-    for sub in getattr(command, "commands", {}).values():
-        plain_help(sub)
-    return command

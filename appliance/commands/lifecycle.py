@@ -44,7 +44,7 @@ def up() -> None:
         out.print(f"up in {max(report.startup_s.values(), default=0):.0f}s")
     for notice in report.notices:
         out.print(notice, highlight=False)
-    print_status(out, lifecycle.status(home))
+    print_status(out, lifecycle.status(home), wide=True)  # what runs where: every URL, each whole
 
 
 @records_change("appliance.down")

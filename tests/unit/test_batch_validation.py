@@ -186,9 +186,9 @@ def test_an_input_file_deleted_before_validation_fails_the_batch(home: Home, sto
 
 
 def test_a_queue_from_before_gets_the_new_column_and_leaves_old_failures_unannounced(home: Home) -> None:
-    old_schema = re.sub(r"\n *(validator_pid|input_bytes) [^\n]*", "", batches.SCHEMA).replace(
+    old_schema = re.sub(r"\n *(validator_pid|input_bytes|api_key) [^\n]*", "", batches.SCHEMA).replace(
         "default 0,  -- its end", "default 0  -- its end")
-    assert "validator_pid" not in old_schema and "input_bytes" not in old_schema
+    assert "validator_pid" not in old_schema and "input_bytes" not in old_schema and "api_key" not in old_schema
     db = sqlite3.connect(home.root / "batches.sqlite")
     db.executescript(old_schema)
     db.execute("insert into batches (id, owner, username, roles, endpoint, input_file_id, completion_window, status, "
@@ -199,7 +199,8 @@ def test_a_queue_from_before_gets_the_new_column_and_leaves_old_failures_unannou
     batches._READY.discard(home.root / "batches.sqlite")
     assert batches.to_announce(home) == []
     with batches.connect(home) as db:
-        assert {"validator_pid", "input_bytes"} <= {row[1] for row in db.execute("pragma table_info(batches)")}
+        columns = {row[1] for row in db.execute("pragma table_info(batches)")}
+    assert {"validator_pid", "input_bytes", "api_key"} <= columns
     assert batches.get(home, "batch_old", None).status == BatchState.FAILED
 
 

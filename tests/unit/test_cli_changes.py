@@ -37,7 +37,7 @@ def test_cli_changes_are_recorded_with_their_outcome(appliance: Appliance) -> No
         ("appliance.down", "allowed", 0, "appliance-cli", "local")
     assert down["username"] and down["subject"].startswith("uid:")
     assert (archive["action"], archive["outcome"], archive["status"]) == ("audit.archive", "error", 1)
-    assert "cannot" in archive["resource"]
+    assert "cannot" in archive["error"] and archive["resource"] == "cli"
     assert verify(appliance.home.audit, signing_key(appliance.home).public_key()).records == 2
 
 

@@ -177,7 +177,8 @@ def test_a_job_on_a_dataset_changed_in_the_store_fails_and_is_audited(workspace:
     assert ended is not None and ended.id == job.id and ended.state == "failed"
     assert "dataset 'codes' in the artifact store was changed" in (ended.message or "")
     [record] = [r for r in read_records(home.audit) if r["action"] == "finetune.job"]
-    assert record["outcome"] == "error" and "was changed" in record["resource"]
+    assert record["outcome"] == "error" and "was changed" in record["error"]
+    assert record["client"] == record["username"] == "finetune-worker" and record["target"]["kind"] == "job"
 
 
 def test_a_diverged_run_fails_the_gate_and_its_metrics_still_read_back() -> None:
