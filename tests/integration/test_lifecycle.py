@@ -135,7 +135,7 @@ def test_engine_killed_with_sigkill_is_restarted_and_serves(running: Running) ->
 
 
 def test_engines_are_sealed_from_other_local_users(running: Running) -> None:
-    """Issue 17: vLLM's own routes (/tokenize, /pause, /abort_requests ...) take no key, and a TCP
+    """vLLM's own routes (/tokenize, /pause, /abort_requests ...) take no key, and a TCP
     port can be reached by any local user (or taken while the engine restarts). The engine's API
     is on a socket in a 0700 directory only, and its internal ports live in a network namespace
     of its own."""
@@ -157,6 +157,10 @@ def test_engines_are_sealed_from_other_local_users(running: Running) -> None:
     tables = [Path(f"/proc/{vllm[0].pid}/net/{table}").read_text() for table in ("tcp", "tcp6")]
     inside = {int(fields[1].rsplit(":", 1)[1], 16)
               for table in tables for line in table.splitlines()[1:] if (fields := line.split())[3] == "0A"}
+    # Its namespace holds loopback alone: whatever listens inside (a one-rank CPU engine: nothing)
+    # has no interface to be reached through or to reach out by.
+    devices = Path(f"/proc/{vllm[0].pid}/net/dev").read_text().splitlines()[2:]
+    assert [line.split(":")[0].strip() for line in devices] == ["lo"], devices
     import socket
     for port in inside:
         with socket.socket() as probe, pytest.raises(ConnectionRefusedError):

@@ -315,6 +315,7 @@ def test_export_refuses_garbage_by_name(home: Home, args: list[str], says: str) 
     assert says in refused.exception.message and refused.output == ""
 
 
+@pytest.mark.integration  # runs the installed command
 def test_the_command_says_what_was_wrong_and_exits_1(home: Home) -> None:
     run = subprocess.run([APPLIANCE, "audit", "export", "--since", "yesterday"], capture_output=True, text=True,
                          timeout=120, check=False, env={HOME_ENV: str(home.root), "COLUMNS": "400"})

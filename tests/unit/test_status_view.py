@@ -22,7 +22,7 @@ from appliance.home import Home
 from appliance.terminal import duration
 from tests.support.appliances import APPLIANCE
 from tests.support.terminal import Pane, broken, whole_on_a_line
-from tests.unit.test_whoami import ISSUER, admin_token
+from tests.support.tokens import ISSUER, admin_token
 
 HOME = "/var/lib/appliance"
 
@@ -142,6 +142,7 @@ def pane(home: Home) -> Iterator[Pane]:
         opened.close()
 
 
+@pytest.mark.integration  # a tmux pane running the installed command
 def test_status_whoami_and_their_help_in_an_80_column_terminal(pane: Pane, home: Home) -> None:
     login.save(home, admin_token(roles=("admin", "auditor")))
     screen = pane.run(f"{APPLIANCE} status", f"{APPLIANCE} status --json", f"{APPLIANCE} whoami",
@@ -161,6 +162,7 @@ def test_status_whoami_and_their_help_in_an_80_column_terminal(pane: Pane, home:
     assert not [line for line in screen if len(line) > 80 and str(home.root) not in line], text
 
 
+@pytest.mark.integration  # runs the installed command
 def test_status_json_of_a_stopped_appliance(home: Home) -> None:
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("APPLIANCE_")}, "APPLIANCE_HOME": str(home.root)}
     result = subprocess.run([APPLIANCE, "status", "--json"], env=env, capture_output=True, text=True, timeout=60,

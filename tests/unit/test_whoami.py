@@ -16,24 +16,7 @@ from typer.testing import CliRunner
 from appliance import admin_client, cli, login
 from appliance.errors import ApplianceError
 from appliance.home import Home
-
-ISSUER = "https://127.0.0.1:8443/realms/appliance"
-
-
-def jwt(**claims: Any) -> str:
-    """An unsigned token of the shape Keycloak issues (whoami never checks signatures)."""
-    def part(value: dict[str, Any]) -> str:
-        return base64.urlsafe_b64encode(json.dumps(value).encode()).rstrip(b"=").decode()
-    return f"{part({'alg': 'RS256', 'typ': 'JWT'})}.{part(claims)}.c2lnbmF0dXJl"
-
-
-def admin_token(username: str = "admin", roles: tuple[str, ...] = ("admin", "offline_access"),
-                access_s: float = 300, refresh_s: float = 1800) -> login.CachedToken:
-    now = time.time()
-    access = jwt(preferred_username=username, sub="0b5c-uuid", azp="appliance-cli", iss=ISSUER,
-                 realm_access={"roles": list(roles)}, exp=int(now + access_s))
-    return login.CachedToken(username=username, access_token=access, refresh_token="refresh",
-                             expires_at=now + access_s, refresh_expires_at=now + refresh_s)
+from tests.support.tokens import ISSUER, admin_token
 
 
 @pytest.fixture
