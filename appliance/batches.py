@@ -55,6 +55,10 @@ CUSTOM_ID_MAX = 512
 READ_BYTES = 1 << 20  # an input file is read this much at a time
 CHUNK_ROWS, CHUNK_BYTES = 1000, 4 << 20  # requests copied into the queue per transaction, at most
 SEEN_BITS = 1 << 23  # a filter of the custom_ids seen (1 MiB): most are new, and need no look-up
+# The batch worker sends each request to the gateway with this header ("<batch id>:<line>") and the
+# key kept under this secret's name: the gateway runs it as the batch's owner.
+BATCH_HEADER = "x-appliance-batch-request"
+BATCH_WORKER_SECRET = "batch-worker-key"
 QUOTA_WINDOW_S = 3600  # batch.max_failed_validations_per_hour and max_validated_bytes_per_hour count over this
 
 

@@ -31,6 +31,7 @@ import httpx
 from appliance import batches
 from appliance.admin_client import gateway_url
 from appliance.artifacts import ArtifactStore, artifact_store
+from appliance.batches import BATCH_HEADER, BATCH_WORKER_SECRET
 from appliance.changes import Change, Target, announce
 from appliance.errors import ApplianceError
 from appliance.home import HOME_ENV, Home
@@ -38,7 +39,6 @@ from appliance.programs import Program
 from appliance.secrets import secret
 from appliance.settings import Settings, load_settings
 from appliance.supervisor import runs_module
-from serve.deps import BATCH_HEADER, BATCH_WORKER_SECRET
 from serve.limits import RateLimiter
 
 log = logging.getLogger("appliance.batch-worker")

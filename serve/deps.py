@@ -13,14 +13,13 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from appliance import batches
 from appliance.api_keys import looks_like_key
+from appliance.batches import BATCH_HEADER, BATCH_WORKER_SECRET
 from appliance.home import Home
 from appliance.roles import ROLE_ORDER
 from appliance.secrets import secret
 from serve.auth import Principal
 from serve.errors import AuthError
 
-BATCH_HEADER = "x-appliance-batch-request"
-BATCH_WORKER_SECRET = "batch-worker-key"
 bearer = HTTPBearer(auto_error=False, description="An API key (`apk-...`, from `appliance keys create`) or a "
                     "Keycloak access token of realm `appliance`.")
 

@@ -11,26 +11,18 @@ the one translation of an engine's (vLLM's) error bodies into the same shape, `c
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
-
-from fastapi.responses import JSONResponse
+from typing import TYPE_CHECKING, Any
 
 from appliance.errors import ApplianceError, Conflict, Invalid, NotFound, QuotaExceeded, Unavailable
 from serve.summaries import cap_text
 
+if TYPE_CHECKING:
+    from fastapi.responses import JSONResponse
+
 MAX_LISTED_MODELS = 20  # a model_not_found error names at most this many models
 MAX_ENGINE_MESSAGE_BYTES = 1024
-
-
-class SafeJSONResponse(JSONResponse):
-    """JSON with every non-ASCII character escaped: a lone surrogate from a hostile request
-    (echoed in an error's message) cannot make the body unencodable."""
-
-    def render(self, content: Any) -> bytes:
-        return json.dumps(content, separators=(",", ":")).encode()
 
 
 class GatewayError(Exception):
@@ -53,6 +45,7 @@ class GatewayError(Exception):
 
     def response(self) -> JSONResponse:
         """This error's body with its status and headers."""
+        from serve.responses import SafeJSONResponse  # here: the batch worker shares these types, not FastAPI
         return SafeJSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 

@@ -37,8 +37,7 @@ def tops(modules: set[str]) -> set[str]:
 @pytest.mark.parametrize(("module", "kept_out"), [
     ("serve.vllm_rank", GATEWAY),
     ("serve.cluster_agent", GATEWAY),
-    # It shares the gateway's error types through serve.limits (FastAPI's JSONResponse), not the gateway.
-    ("serve.batch_worker", ("serve.gateway", "aiohttp")),
+    ("serve.batch_worker", GATEWAY),
 ])
 def test_programs_that_are_not_the_gateway_do_not_load_it(module: str, kept_out: tuple[str, ...]) -> None:
     loaded, _ = imported_by(f"import {module}")
