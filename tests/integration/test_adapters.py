@@ -1,4 +1,4 @@
-"""A LoRA adapter from dataset to served and back (issue 7), on the session appliance: a small
+"""A LoRA adapter from dataset to served and back, on the session appliance: a small
 chat dataset trains an adapter on the demo model whose held-out loss beats the base's; deployed
 through the CLI (admin API), the running vLLM engine loads it with no restart, the gateway lists
 it for the roles allowed and its answers change; rollback restores the base answers; each
@@ -80,7 +80,7 @@ def test_trained_adapter_is_deployed_live_changes_answers_and_rolls_back(running
     tuned = ask(realm, user, "codeword")
     assert tuned.status_code == 200, tuned.text
     assert "PINEAPPLE" in tuned.json()["choices"][0]["message"]["content"]
-    repeated = ask(realm, user, "codeword")  # issue 21: a deterministic repeat is answered from the cache...
+    repeated = ask(realm, user, "codeword")  # A deterministic repeat is answered from the cache...
     assert repeated.headers["x-appliance-cache"] == "hit" and repeated.content == tuned.content
     shown = cli.run("adapters", "list", timeout=60)
     assert "codeword: v1 on pool main, for roles user, admin" in shown.stdout

@@ -1,4 +1,4 @@
-"""The admin API and the CLI that uses it: token login, users, services (issue 3)."""
+"""The admin API and the CLI that uses it: token login, users, services."""
 
 from __future__ import annotations
 

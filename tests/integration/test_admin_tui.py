@@ -1,4 +1,4 @@
-"""The administrator's terminal UI (issue 8), driven by Textual's pilot against the session
+"""The administrator's terminal UI, driven by Textual's pilot against the session
 appliance (real gateway, supervisord, Keycloak, vLLM): every screen and every action, the banner
 for a stopped gateway and an expired login, the device-code login, and a run in a real terminal
 (tmux, 80x24)."""
@@ -267,7 +267,7 @@ def test_audit_screen_filters_shows_a_record_and_verifies_the_chain(app: AdminAp
 
 
 def test_audit_records_holding_markup_are_shown_as_text(app: AdminApp, realm: Realm) -> None:
-    """Issue 17: a record whose resource is Rich markup (`[/x]` crashed DataTable, `[link=...]`
+    """A record whose resource is Rich markup (`[/x]` crashed DataTable, `[link=...]`
     would have restyled it) made by a real request through the gateway, from a source of its own
     (so that it has its own record, not a refusal summary's)."""
     hostile = "/v1/[/x][link=https://example.invalid]click[/link]"

@@ -1,4 +1,4 @@
-"""Issue 17: the gateway tried as an attacker would, against the real appliance (real gateway,
+"""The gateway tried as an attacker would, against the real appliance (real gateway,
 Keycloak, vLLM and supervisord, shared with the other integration tests). Each test makes one
 attack and asserts what it now gets."""
 

@@ -1,5 +1,5 @@
 """The audit archive against a real S3-compatible server (rclone serve s3, started here), through
-the `appliance` CLI: copy, read back, verify the copies, detect tampering in them (issue 4)."""
+the `appliance` CLI: copy, read back, verify the copies, detect tampering in them."""
 
 from __future__ import annotations
 

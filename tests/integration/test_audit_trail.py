@@ -1,5 +1,5 @@
 """Every /v1 request through the real gateway leaves a durable, verifiable audit record; an
-unwritable log makes the gateway fail closed (issue 4, first part)."""
+unwritable log makes the gateway fail closed."""
 
 from __future__ import annotations
 
@@ -149,7 +149,7 @@ def test_full_disk_fails_closed_and_recovers(realm: Realm, running: Running) -> 
         ready = httpx.get(f"{realm.gateway}/readyz")
         assert ready.status_code == 503 and ready.json()["checks"]["audit"] is False
         assert ready.json()["reason"] == "audit log not writable"
-        # Issue 17: anonymous callers learn no path or OS error; the gateway's log has them.
+        # Anonymous callers learn no path or OS error; the gateway's log has them.
         for answer in (refused.text, again.text, ready.text):
             assert "File too large" not in answer and str(running.appliance.home.root) not in answer
         assert "File too large" in (running.appliance.home.logs / "gateway.log").read_text()

@@ -1,11 +1,11 @@
-"""Air-gapped install (issue 9), for real: a bundle built here (carrying a given model: a tiny
+"""Air-gapped install, for real: a bundle built here (carrying a given model: a tiny
 Qwen3-MoE made by the test) installs into a fresh directory inside a network namespace that
 holds nothing but loopback; there `appliance up` starts, a user is added and a chat completion
 answers through the gateway, an adapter is registered. A newer bundle installed over it (also
 offline) upgrades the software and leaves settings, secrets, users (Keycloak's database), the
 audit log and adapters untouched, and the audit chain verifies.
 
-The engine started here also serves issue 5's check of the planner's KV capacity for an MoE
+The engine started here also serves the check of the planner's KV capacity for an MoE
 against what vLLM reports (one vLLM start for both, to keep the suite within CI's time)."""
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ print("ADAPTER", record.name, record.version)
 
 
 def check_moe_kv_capacity(state: Path, moe: Path, record_property: pytest.RecordProperty) -> None:
-    """Issue 5: the planner's KV capacity for the MoE against what the engine reported at start."""
+    """The planner's KV capacity for the MoE against what the engine reported at start."""
     log = (state / "logs" / "vllm-main.log").read_text()
     reported = int(re.findall(r"KV cache size: ([\d,]+) tokens", log)[-1].replace(",", ""))
     shape = load_model_config(moe)
@@ -155,7 +155,7 @@ def test_bundle_installs_and_serves_with_no_network_and_upgrades_keeping_state(
     trusted.write_bytes(load_or_create_key(key_file).public_key().public_bytes(
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
     assert trusted.read_text() in built.stdout, "the build prints the public key to carry out of band"
-    # Issue 17: the printed commands (openssl, sha256sum) verify the bundle before any script of it runs.
+    # The printed commands (openssl, sha256sum) verify the bundle before any script of it runs.
     commands = re.findall(r"^  ((?:openssl|base64|\(cd).*?)(?:   # .*)?$", built.stdout, re.MULTILINE)
     assert len(commands) == 3, built.stdout[-2000:]
     checked = in_namespace(f"cd {tmp_path} && set -o pipefail && " + " && ".join(commands))

@@ -1,4 +1,4 @@
-"""Issue 19: one model served across two hosts through vLLM's own multi-node launch, for real.
+"""One model served across two hosts through vLLM's own multi-node launch, for real.
 
 The head is an appliance of its own in this network namespace (its gateway validates tokens from
 the session's Keycloak); the worker is another state dir and supervisord in a network namespace

@@ -1,4 +1,4 @@
-"""Live compliance filtering (issue 21) through the real gateway, Keycloak and vLLM: a prompt holding
+"""Live compliance filtering through the real gateway, Keycloak and vLLM: a prompt holding
 a card number is refused naming the kind, one holding an e-mail address goes through flagged, an
 answer's card number is redacted whole though the engine streams it token by token, and a role
 whose policy redacts prompts has the engine see the redacted prompt. Each request's audit record

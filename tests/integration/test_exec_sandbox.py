@@ -1,4 +1,4 @@
-"""Issue 20's execution sandbox against hostile programs, for real (bubblewrap, prlimit, the
+"""The execution sandbox against hostile programs, for real (bubblewrap, prlimit, the
 dedicated user): each is contained, and scored as a failure with its reason; the host and the
 other processes are untouched."""
 

@@ -1,9 +1,10 @@
-"""Issue 20 end to end, on an appliance of this module's own whose artifact store is a real S3 server
-(its tokens from the session's Keycloak): a run over 20 tasks on the demo model through the gateway
-under the RL service identity, with self-correction rounds; a sandbox worker and then the run's own
-worker killed mid-run, and the run resumes with every execution's result kept once; trajectories in
-the bucket, verified (and a tampered segment refused); SFT and DPO sets built from them; an adapter
-trained on the SFT set, deployed, and gated on held-out pass@1 over three seeds."""
+"""Post-training from execution feedback end to end, on an appliance of this module's own whose
+artifact store is a real S3 server (its tokens from the session's Keycloak): a run over 20 tasks on
+the demo model through the gateway under the RL service identity, with self-correction rounds; a
+sandbox worker and then the run's own worker killed mid-run, and the run resumes with every
+execution's result kept once; trajectories in the bucket, verified (and a tampered segment
+refused); SFT and DPO sets built from them; an adapter trained on the SFT set, deployed, and gated
+on held-out pass@1 over three seeds."""
 
 from __future__ import annotations
 

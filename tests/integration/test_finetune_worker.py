@@ -1,4 +1,4 @@
-"""Training jobs through the supervised finetune-worker on the session appliance (issue 7): a
+"""Training jobs through the supervised finetune-worker on the session appliance: a
 submitted job trains in the training sandbox (no way out, nothing of the state dir but its job), reports progress, and
 when the worker is killed mid-training supervisord restarts it and the job resumes from its last
 checkpoint; queued and running jobs can be cancelled; bad submissions change nothing."""
@@ -64,7 +64,7 @@ def test_job_trains_cut_off_from_the_network_and_survives_a_killed_worker(runnin
     assert job.state == "running" and job.trainer_pid and job.worker_pid
 
     # The trainer (inside the sandbox bubblewrap started) is in a network namespace of its own,
-    # holding nothing but a loopback device, and sees none of the state dir but its job (issue 17).
+    # holding nothing but a loopback device, and sees none of the state dir but its job.
     [trainer] = [p for p in psutil.Process(job.trainer_pid).children(recursive=True)
                  if p.cmdline()[1:4] == ["-P", "-m", "finetune.job"]]  # not bubblewrap's own processes
     assert os.readlink(f"/proc/{trainer.pid}/ns/net") != os.readlink("/proc/self/ns/net")

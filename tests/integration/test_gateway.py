@@ -1,4 +1,4 @@
-"""The gateway against real Keycloak, real vLLM and real supervisord (issue 3)."""
+"""The gateway against real Keycloak, real vLLM and real supervisord."""
 
 from __future__ import annotations
 
@@ -236,7 +236,7 @@ def test_engine_and_validation_errors_reach_the_openai_client_in_openais_shape(r
 
 def test_a_corrupt_adapter_registry_is_a_clear_503_not_a_plain_500(realm: Realm, alice: str,
                                                                    running: Running) -> None:
-    """Issue 18: before, a damaged adapters.json made every chat request a plain-text 500."""
+    """Regression: a damaged adapters.json made every chat request a plain-text 500."""
     registry = running.appliance.home.root / "adapters.json"
     kept = registry.read_bytes() if registry.exists() else None
     headers = {"Authorization": f"Bearer {alice}"}

@@ -1,4 +1,4 @@
-"""Schemathesis against the running gateway's own OpenAPI document (bounded run, issue 3).
+"""Schemathesis against the running gateway's own OpenAPI document (bounded run).
 
 Any 5xx must be one the gateway meant (an OpenAI-shaped error such as engine_unavailable) or one
 passed through from the engine; an unhandled exception in the gateway fails the test.

@@ -1,4 +1,4 @@
-"""Serving tiers (issue 21) with real engines: an appliance of its own serving the demo model as
+"""Serving tiers with real engines: an appliance of its own serving the demo model as
 `assistant` in two tiers, `full` (two replicas) and `fast` (one, a smaller context), three vLLM
 CPU engines under supervisord behind the gateway, which takes its tokens from the session
 appliance's Keycloak (external mode: one Keycloak start for the whole run).

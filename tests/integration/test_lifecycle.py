@@ -1,5 +1,5 @@
-"""up / status / chat / kill -9 / down against a real supervisord and a real vLLM (issue 2); the
-engine serves the demo model as staged for a one-host plan (issue 6)."""
+"""up / status / chat / kill -9 / down against a real supervisord and a real vLLM; the
+engine serves the demo model as staged for a one-host plan."""
 
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ def test_status_json_has_every_program_and_its_urls(running: Running) -> None:
 
 
 def test_engine_killed_with_sigkill_is_restarted_and_serves(running: Running) -> None:
-    """Also issue 3: while the engine is down the gateway answers 503 at once, never hangs."""
+    """While the engine is down the gateway answers 503 at once, never hangs."""
     realm = Realm(running)
     token = realm.admin_token()
     through_gateway = {"url": f"{realm.gateway}/v1/chat/completions",

@@ -1,4 +1,4 @@
-"""`appliance up` refuses, with one line and the log to read, what cannot start (issue 2)."""
+"""`appliance up` refuses, with one line and the log to read, what cannot start."""
 
 from __future__ import annotations
 

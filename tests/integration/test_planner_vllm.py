@@ -1,4 +1,4 @@
-"""The planner's KV capacity against what the real vLLM CPU engine reports at start-up (issue 5):
+"""The planner's KV capacity against what the real vLLM CPU engine reports at start-up:
 the demo model here, on the session's engine; a tiny MoE on the engine the bundle test
 (test_bundle_install.py) starts from the bundle, which carries it."""
 

@@ -1,4 +1,4 @@
-"""Pre-sharded weights in the real vLLM CPU engine (issue 6, `--format sharded`): a tiny Llama
+"""Pre-sharded weights in the real vLLM CPU engine (`--format sharded`): a tiny Llama
 checkpoint written as TP=2 `sharded_state` rank files answers exactly as the original checkpoint
 served at TP=2 with the default loader."""
 

@@ -1,5 +1,5 @@
 """Staging from a checkpoint in a real S3-compatible bucket (rclone serve s3): parallel ranged
-reads, checked, and the staged result identical to staging the local copy (issue 6)."""
+reads, checked, and the staged result identical to staging the local copy."""
 
 from __future__ import annotations
 

@@ -106,7 +106,7 @@ def test_deploy_serves_the_newest_passing_version_and_loads_it(routes: AdapterRo
 
 
 def test_each_change_tells_the_response_cache_which_name_changed(routes: AdapterRoutes) -> None:
-    """Issue 21: deploy, canary, rollback and retire drop the cached answers given under the name."""
+    """Deploy, canary, rollback and retire drop the cached answers given under the name."""
     changed: list[str] = []
     routes.on_change = changed.append
     run(routes.deploy("codes", 1, None, None))
@@ -200,7 +200,7 @@ def test_retiring_an_unknown_adapter_is_a_404(routes: AdapterRoutes) -> None:
 
 
 def test_a_version_whose_files_changed_in_the_store_is_not_deployed(tmp_path: Path, home: Home) -> None:
-    """Issue 17: adapter files are re-hashed against the digests recorded at registration."""
+    """Adapter files are re-hashed against the digests recorded at registration."""
     import hashlib
 
     store = LocalStore(tmp_path / "store")

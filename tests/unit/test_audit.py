@@ -1,5 +1,5 @@
 """The audit log: chain, durability, group commit, rotation, checkpoints, and verification that
-names the first bad record for each kind of tampering (issue 4)."""
+names the first bad record for each kind of tampering."""
 
 from __future__ import annotations
 
@@ -379,7 +379,7 @@ def test_a_failed_checkpoint_keeps_the_durable_records_and_fails_closed_after(
 
 
 def test_any_string_is_recorded_and_verifies(tmp_path: Path) -> None:
-    """Issue 17: a lone surrogate or a NUL in any field made the record unencodable (and stopped
+    """Regression: a lone surrogate or a NUL in any field made the record unencodable (and stopped
     the writer for every request); now it is written as its JSON escape and verifies."""
     writer = AuditWriter(tmp_path, KEY)
     writer.append(event(0, resource="model\ud800", username="a\x00b", prompt="\udcff"))
@@ -391,7 +391,7 @@ def test_any_string_is_recorded_and_verifies(tmp_path: Path) -> None:
 
 
 def test_newest_first_reads_from_the_end_and_stops_with_the_page(tmp_path: Path) -> None:
-    """Issue 17: a page of the newest records reads about a page, not the whole log: here the
+    """A page of the newest records reads about a page, not the whole log: here the
     oldest file is unreadable garbage and is never reached."""
     writer = AuditWriter(tmp_path, KEY, max_file_bytes=4096)
     for n in range(200):

@@ -1,4 +1,4 @@
-"""Archiving the audit log to the local artifact store and verifying the copies (issue 4)."""
+"""Archiving the audit log to the local artifact store and verifying the copies."""
 
 from __future__ import annotations
 

@@ -197,7 +197,7 @@ def test_requests_that_never_complete_are_recorded(tmp_path: Path, app: Any, sta
 
 
 def test_a_record_that_cannot_be_built_withholds_the_answer_and_records_the_failure(tmp_path: Path) -> None:
-    """Issue 17: an exception while building a record let the answer out with no record."""
+    """Regression: an exception while building a record let the answer out with no record."""
     writer = Recorded(tmp_path)
     audited = middleware(writer, {})
 

@@ -1,4 +1,4 @@
-"""Issue 21: the batch queue's rules (appliance.batches): input files checked line by line by the
+"""The batch queue's rules (appliance.batches): input files checked line by line by the
 worker (streamed, in chunks, starting over after a crash), quotas, claims that outlive a dead
 worker, cancel, expiry, and output files in input order."""
 

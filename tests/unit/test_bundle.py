@@ -1,4 +1,4 @@
-"""The bundle's manifest, signature and verification (issue 9, first part): every kind of
+"""The bundle's manifest, signature and verification: every kind of
 tampering is caught and names the file; split parts join back to a bundle that verifies."""
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ def test_install_sh_checks_the_signature_against_the_trusted_key(bundle: tuple[P
 @pytest.mark.integration
 def test_install_sh_will_not_trust_the_bundled_key_unless_told_to(bundle: tuple[Path, Ed25519PrivateKey],
                                                                   tmp_path: Path) -> None:
-    """Issue 17: with no key given, install.sh trusted whatever key the bundle carried."""
+    """Regression: with no key given, install.sh trusted whatever key the bundle carried."""
     root, key = bundle
     bare = subprocess.run(["bash", str(INSTALL_SH), str(root), "--prefix", str(tmp_path / "prefix")],
                           capture_output=True, text=True, timeout=60)
@@ -211,7 +211,7 @@ def test_install_sh_will_not_trust_the_bundled_key_unless_told_to(bundle: tuple[
 @pytest.mark.integration
 def test_install_sh_refuses_a_bundle_whose_engine_does_not_fit_the_host(bundle: tuple[Path, Ed25519PrivateKey],
                                                                         tmp_path: Path) -> None:
-    """Issue 19: a CUDA bundle on a host without an NVIDIA driver (or a CPU bundle on a GPU host)
+    """A CUDA bundle on a host without an NVIDIA driver (or a CPU bundle on a GPU host)
     is refused with the reason, before anything is installed, unless --force-engine."""
     root, key = bundle
     seal(root, key, description={"platform": "linux_x86_64", "python": "3.11", "engine": OTHER_ENGINE})
@@ -231,7 +231,7 @@ def test_install_sh_refuses_a_bundle_whose_engine_does_not_fit_the_host(bundle: 
 @pytest.mark.integration
 def test_the_printed_commands_verify_a_bundle_with_openssl_and_sha256sum(bundle: tuple[Path, Ed25519PrivateKey],
                                                                          tmp_path: Path) -> None:
-    """Issue 17: what `bundle build` prints checks the bundle (install.sh included) before any of
+    """What `bundle build` prints checks the bundle (install.sh included) before any of
     its scripts runs."""
     root, key = bundle
     (tmp_path / "builder.pub").write_bytes((root / PUBLIC_KEY).read_bytes())
@@ -252,7 +252,7 @@ def test_the_printed_commands_verify_a_bundle_with_openssl_and_sha256sum(bundle:
 
 @pytest.mark.parametrize("member", ["link", "dotdot", "absolute"])
 def test_join_refuses_archives_with_links_or_paths_outside(tmp_path: Path, member: str) -> None:
-    """Issue 17: join checks every member itself rather than rely on tarfile's filters."""
+    """Join checks every member itself rather than rely on tarfile's filters."""
     import hashlib
     import io
     import tarfile

@@ -1,5 +1,4 @@
-"""CLI changes on this host leave audit records of the local user, whether they succeed or fail
-(issue 4: the CLI writes records for its changes)."""
+"""CLI changes on this host leave audit records of the local user, whether they succeed or fail."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 19: a joining worker trusts exactly the head CA its token names (regression: a second
+"""A joining worker trusts exactly the head CA its token names (regression: a second
 certificate sent after the real one was trusted too)."""
 
 from __future__ import annotations

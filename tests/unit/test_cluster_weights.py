@@ -1,4 +1,4 @@
-"""Issue 19: the weights a worker's ranks load. A pool serving a subset staged for its plan
+"""The weights a worker's ranks load. A pool serving a subset staged for its plan
 (`appliance stage`: OUT/<host>/) sends each worker the subset staged for that worker, never the
 head's own (the layers of another pipeline stage); a missing one is refused, naming it."""
 

@@ -1,4 +1,4 @@
-"""Issue 21's live compliance filtering apart from the engine: the scanner's detectors (national
+"""Live compliance filtering apart from the engine: the scanner's detectors (national
 identifiers and plug-ins included), redaction of a text arriving in pieces, the per-role policy,
 and the gateway's screening of prompts and answers (whole and streamed); and training data
 (dataset ingestion, RL export) screened by the same scanner."""

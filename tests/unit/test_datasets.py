@@ -133,7 +133,7 @@ def test_cli_imports_all_or_nothing_and_audits(tmp_path: Path, home: Home) -> No
 
 
 def test_a_dataset_changed_in_the_store_is_refused_when_read() -> None:
-    """Issue 17: a job re-hashes its dataset's files against the recorded digest."""
+    """A job re-hashes its dataset's files against the recorded digest."""
     from appliance.errors import IntegrityError
     from finetune.datasets import check_dataset, content_digest
 

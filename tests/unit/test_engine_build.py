@@ -1,4 +1,4 @@
-"""The vLLM build per host (issue 19): CUDA where an NVIDIA driver is loaded, CPU elsewhere, both
+"""The vLLM build per host: CUDA where an NVIDIA driver is loaded, CPU elsewhere, both
 pinned to one version in their locks; the bundle carries the lists of the build it is for."""
 
 from __future__ import annotations

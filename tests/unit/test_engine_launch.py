@@ -91,7 +91,7 @@ def test_programs_ready_when_model_present(home: Home, device: str, monkeypatch:
 
 
 def test_gateway_never_imports_from_the_state_dir(home: Home) -> None:
-    """Regression (issue 4): uvicorn puts its working directory, the state dir, first on
+    """Regression: uvicorn puts its working directory, the state dir, first on
     sys.path by default, and the state dir's audit/ folder then shadowed the audit package on
     every gateway restart."""
     from serve.programs import gateway_program
@@ -178,7 +178,7 @@ def test_pools_on_gpus_get_disjoint_sets(home: Home, monkeypatch: pytest.MonkeyP
 
 def test_replicas_are_engines_of_their_own_on_gpus_of_their_own(home: Home,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 21: a pool's replicas run as programs vllm-<pool>, vllm-<pool>_1, ... each on its own
+    """A pool's replicas run as programs vllm-<pool>, vllm-<pool>_1, ... each on its own
     socket and GPU set (given GPUs split in order, else chosen); overlaps are refused at `up`."""
     monkeypatch.setattr("serve.engine.local_host", lambda: gpu_host(8))
     pools = [PoolSettings(name="full", tier="full", tensor_parallel_size=2, replicas=2, gpus=[4, 5, 6, 7]),
@@ -211,7 +211,7 @@ def test_replicas_are_engines_of_their_own_on_gpus_of_their_own(home: Home,
 @pytest.mark.integration
 def test_a_pool_spanning_hosts_runs_its_head_rank_for_the_controller(tmp_path: Path, home: Home,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 19: rank 0 of a plan over two hosts, started by the cluster controller (not by `up`),
+    """Rank 0 of a plan over two hosts, started by the cluster controller (not by `up`),
     in the host's network (the other ranks reach it over the cluster network)."""
     monkeypatch.setattr("serve.engine.local_host", lambda: gpu_host(8))
     plan = plan_file(home.root, "llama-3.1-405b", "2x8xH100-80GB")

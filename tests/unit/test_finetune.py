@@ -1,6 +1,6 @@
 """LoRA and QLoRA training through the CLI on a tiny model made here (CPU): the held-out loss
 drops, the gate passes or fails by the setting, the adapter is registered and audited, and a
-killed run resumes from its checkpoint (issue 7, training part)."""
+killed run resumes from its checkpoint."""
 
 from __future__ import annotations
 
@@ -153,7 +153,7 @@ def test_a_stale_pid_is_neither_taken_for_a_live_worker_nor_killed_as_a_trainer(
 @pytest.mark.integration
 def test_a_job_on_a_dataset_changed_in_the_store_fails_and_is_audited(workspace: tuple[dict[str, str], Path],
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 17: the worker re-hashes the dataset it reads back; a changed one fails the job
+    """The worker re-hashes the dataset it reads back; a changed one fails the job
     before any training, and the job's outcome is in the audit log."""
     from appliance import jobs
     from appliance.settings import load_settings

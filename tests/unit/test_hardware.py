@@ -1,4 +1,4 @@
-"""Hardware profiles (issue 5): detection from NVML, /proc and /sys; hand-written cluster files;
+"""Hardware profiles: detection from NVML, /proc and /sys; hand-written cluster files;
 the HOSTSxGPUSxNAME-MEMORY shorthand."""
 
 from __future__ import annotations

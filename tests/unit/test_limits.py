@@ -34,7 +34,7 @@ def test_tokens_used_beyond_the_reservation_overdraw_the_budget(monkeypatch: pyt
 
 
 def test_parallel_requests_cannot_pass_a_budget_their_worst_case_exceeds() -> None:
-    """Issue 17: 60 parallel streams all passed a 1,000 tokens/min budget, charged only after."""
+    """Regression: 60 parallel streams all passed a 1,000 tokens/min budget, charged only after."""
     limiter = RateLimiter({"user": RoleLimits(requests_per_minute=1000, tokens_per_minute=1000)})
     admitted, refused = [], []
     for _ in range(60):

@@ -1,4 +1,4 @@
-"""Leftover-process cleanup acts only on the group it recorded (issue 17): not on a record from
+"""Leftover-process cleanup acts only on the group it recorded: not on a record from
 another boot, and not on a group id another program now holds."""
 
 from __future__ import annotations

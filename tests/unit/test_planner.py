@@ -162,7 +162,7 @@ def test_cli_plan_json_and_exit_codes() -> None:
 
 
 def test_tp_over_whole_hosts_only_when_pinned() -> None:
-    """Issue 19: a pinned TP may span whole hosts (vLLM's --nnodes); it is never chosen unasked."""
+    """A pinned TP may span whole hosts (vLLM's --nnodes); it is never chosen unasked."""
     two = hosts(2, gpus=4)
     assert plan(model("mixtral-8x22b"), two, context=8192, concurrency=1)["layout"]["tp"] <= 4
     pinned = plan(model("mixtral-8x22b"), two, context=8192, concurrency=1, pins=Pins(tp=8))

@@ -1,4 +1,4 @@
-"""Preflight (issue 5): each check's pass, warn and fail, with its reason in numbers; and the
+"""Preflight: each check's pass, warn and fail, with its reason in numbers; and the
 `appliance profile` and `appliance preflight` commands run for real."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Refused requests are summarised per source and interval, so that no client can flood the
-audit log (issue 17)."""
+audit log."""
 
 from __future__ import annotations
 

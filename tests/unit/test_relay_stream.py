@@ -1,6 +1,6 @@
 """Relaying an engine's SSE stream: bytes pass through unchanged (whole lines at a time), usage is
 reported once, before the end marker goes on (running totals or not, cut short or not), and the
-end is found by parsing lines, never by a substring (issue 17)."""
+end is found by parsing lines, never by a substring."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 21: the response cache's rules: deterministic requests only, keys by scope and content,
+"""The response cache's rules: deterministic requests only, keys by scope and content,
 TTL, bounds, invalidation by model name, Cache-Control."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""Issue 20's pieces apart from the engine: task sets (validated line by line, HumanEval, split by a
-hash, stored and checked), a run's life, the run store's execution queue (a dead worker's execution
-taken over, a verdict stored once), the loop's parsing and rewards, trajectory segments (sealed
-before they are put, checked when read) and the SFT/DPO builders."""
+"""Post-training from execution feedback apart from the engine: task sets (validated line by line,
+HumanEval, split by a hash, stored and checked), a run's life, the run store's execution queue (a
+dead worker's execution taken over, a verdict stored once), the loop's parsing and rewards,
+trajectory segments (sealed before they are put, checked when read) and the SFT/DPO builders."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 21: tiers by name and by the routing policy; replicas by load and prompt-prefix affinity
+"""Tiers by name and by the routing policy; replicas by load and prompt-prefix affinity
 with a load bound; round robin for comparison."""
 
 from __future__ import annotations

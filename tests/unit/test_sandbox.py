@@ -1,4 +1,4 @@
-"""The training sandbox (issue 17): from inside it, the appliance's secrets, another job's data,
+"""The training sandbox: from inside it, the appliance's secrets, another job's data,
 the supervisor's socket, the network and every place but the job's directory are out of reach,
 and its memory and processes are capped; the job still trains (tests/unit/test_finetune.py and
 tests/integration/test_finetune_worker.py train in it)."""

@@ -1,4 +1,4 @@
-"""The relayed request bodies (issue 17): typed, unknown fields refused, the prompt hash covering
+"""The relayed request bodies: typed, unknown fields refused, the prompt hash covering
 every prompt-shaping field as relayed, and the per-role caps."""
 
 from __future__ import annotations

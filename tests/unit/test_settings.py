@@ -82,7 +82,7 @@ def test_pools_must_be_distinct(tmp_path: Path) -> None:
 
 
 def test_engines_have_no_port_to_set(tmp_path: Path) -> None:
-    """Issue 17: engines listen on Unix sockets only; a TCP port or address for them is refused."""
+    """Engines listen on Unix sockets only; a TCP port or address for them is refused."""
     for text in ('[[pools]]\nname = "a"\nport = 8200\n', '[network]\nbind = "0.0.0.0"\n'):
         with pytest.raises(SettingsError, match="Extra inputs are not permitted"):
             load_settings(write(tmp_path, text), environ={})
@@ -119,7 +119,7 @@ def test_s3_store_needs_endpoint_and_keys(tmp_path: Path) -> None:
 ])
 def test_values_that_would_inject_into_supervisords_config_are_refused(tmp_path: Path, text: str, where: str,
                                                                       why: str) -> None:
-    """Issue 17: settings reach supervisord's config file; a newline or a comment there would add
+    """Settings reach supervisord's config file; a newline or a comment there would add
     or hide configuration."""
     with pytest.raises(SettingsError) as caught:
         load_settings(write(tmp_path, text), environ={})

@@ -1,4 +1,4 @@
-"""Pre-sharding into vLLM's sharded_state layout (issue 6, `--format sharded`), without vLLM:
+"""Pre-sharding into vLLM's sharded_state layout (`--format sharded`), without vLLM:
 the names and shapes of each rank's tensors, their values against the source, and the refusals.
 tests/integration/test_sharded_state.py proves vLLM loads the result and answers the same."""
 

@@ -1,5 +1,5 @@
 """Staging a checkpoint for a plan (`subset`): per-host tensor sets, byte-exact copies, the
-manifest, resume after kill -9, verification, and bad inputs (issue 6)."""
+manifest, resume after kill -9, verification, and bad inputs."""
 
 from __future__ import annotations
 
@@ -176,7 +176,7 @@ def test_sharded_format_per_tp_rank_with_manifest(tmp_path: Path) -> None:
     assert names == ["model-rank-0-part-0.safetensors", "model-rank-1-part-0.safetensors"]
     assert (staged.directory / "config.json").is_file()
     assert verify_staged(tmp_path / "out")
-    # Issue 18: what the admin API and the TUI show counts the parts and their bytes, not the ranks.
+    # What the admin API and the TUI show counts the parts and their bytes, not the ranks.
     view = staging_of(staged.directory)
     assert (view.format, view.files, view.complete) == ("sharded", 2, True)
     assert view.bytes == sum((staged.directory / n).stat().st_size for n in names) > 0
@@ -228,7 +228,7 @@ def test_cli_names_a_bad_plan_file(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("key", ["ckpt/../../etc/cron.d/x", "ckpt//config.json", "ckpt/./a", "ckpt/a\\..\\b"])
 def test_object_keys_that_could_leave_the_target_are_refused(key: str) -> None:
-    """Issue 17: a bucket's key became a path under the target directory as it was."""
+    """Regression: a bucket's key became a path under the target directory as it was."""
     from installer.remote_source import RemoteSourceError, relative_key
 
     assert relative_key("ckpt/sub/model.safetensors", "ckpt/") == "sub/model.safetensors"
@@ -238,7 +238,7 @@ def test_object_keys_that_could_leave_the_target_are_refused(key: str) -> None:
 
 @pytest.mark.parametrize("host", ["../../etc", "a/b", ".hidden", "node..1", ""])
 def test_a_plan_whose_host_names_are_not_plain_names_is_refused(tmp_path: Path, host: str) -> None:
-    """Issue 17: a plan's host name becomes the staging directory out_dir/<host>."""
+    """A plan's host name becomes the staging directory out_dir/<host>."""
     from pydantic import ValidationError
 
     from appliance.records import HostCommand

@@ -223,7 +223,7 @@ HOSTILE = "[/x] [link=https://example.invalid]click[/link] [bold red]"
 
 
 def test_values_from_the_appliance_are_shown_as_text_never_as_markup(home: Home) -> None:
-    """Issue 17: an audit record whose resource is `[/x]` crashed the audit screen (DataTable reads
+    """Regression: an audit record whose resource is `[/x]` crashed the audit screen (DataTable reads
     a str as Rich markup); the chain's verdict, a refusal and the detail view show such text too."""
     from textual.widgets import DataTable, Static
 

@@ -96,7 +96,7 @@ def test_a_pool_that_refuses_is_set_aside_until_its_health_passes(tmp_path: Path
 
 
 def test_a_replica_that_dies_is_routed_around_and_returns_by_itself(tmp_path: Path) -> None:
-    """Issue 21: with two replicas, a request finding one dead goes to the other at once (failover),
+    """With two replicas, a request finding one dead goes to the other at once (failover),
     the dead one is set aside, and once its health passes again it takes requests again."""
     replicas = (Replica("main", tmp_path / "a.sock"), Replica("main_1", tmp_path / "b.sock"))
     pool = Pool(name="main", model="m", replicas=replicas)
