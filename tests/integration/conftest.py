@@ -4,6 +4,7 @@ integration tests."""
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from installer.hardware import parse_hardware_spec
 from installer.model_config import load_model_config
 from installer.planner import plan
 from installer.staging import stage_subset
+from tests.module_times import WAITS
 from tests.support.appliances import Appliance
 from tests.support.ports import free_port
 from tests.support.session import Running, running_again, start_or_join
@@ -110,13 +112,23 @@ def module_locks(request: pytest.FixtureRequest) -> Iterator[None]:
     uses_session = any("running" in item.fixturenames for item in request.session.items if item.path == module.path)
     exclusive = module.get_closest_marker("session_exclusive") is not None
     with ExitStack() as held:
+        asked = time.monotonic()
         held.enter_context(locked("machine", exclusive=module.get_closest_marker("alone") is not None))
         if uses_session:
             held.enter_context(locked("session", exclusive=exclusive))
+        record_wait(module.path, time.monotonic() - asked)
+        if uses_session:
             running_again(request.getfixturevalue("running"))
         yield
         if uses_session and exclusive:
             running_again(request.getfixturevalue("running"))
+
+
+def record_wait(module: Path, seconds: float) -> None:
+    """How long a module waited for its locks, for the run's report of module times."""
+    name = module.relative_to(Path(__file__).parents[2]).as_posix()
+    with (shared_dir() / WAITS).open("a") as waits:
+        waits.write(json.dumps({"module": name, "waited_s": round(seconds, 1)}) + "\n")
 
 
 @pytest.fixture
