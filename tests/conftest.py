@@ -23,22 +23,40 @@ ROOT = Path(__file__).parents[1]
 INTEGRATION = ROOT / "tests" / "integration"
 
 # The suite runs on two pytest-xdist workers (pyproject.toml's addopts), a module at a time each,
-# in this order (a folder stands for its modules; those named nowhere come last): the slowest
-# first, so that they run side by side and the short ones fill in around them. The unit tests
-# follow the tiers module, which runs alone among the integration modules (its lock,
-# tests/integration/conftest.py): they need no lock, so the other worker has work meanwhile. The
-# unit module that trains models waits until the tiers module's engines are gone (memory).
+# in this order (a folder stands for its modules; those named nowhere come last), so that a module
+# rarely waits for another's lock (tests/integration/conftest.py; each module's wait is in the
+# report at the end of a run):
+# - the slowest first, side by side;
+# - the tiers module runs alone among the integration modules: the unit tests, which take no lock,
+#   follow it, so the other worker has work meanwhile;
+# - then the modules that share the session appliance, side by side;
+# - last, each module that has the session appliance to itself (it stops or restarts its parts,
+#   or counts what reaches it) next to one that does not use it, so the other worker is not idle
+#   meanwhile. The unit module that trains models is one of those: its training runs when no
+#   engines of the tiers module are left (memory).
 RUN_ORDER = [
     "tests/integration/test_execution_feedback.py",
     "tests/integration/test_bundle_install.py",
     "tests/integration/test_cluster.py",
-    "tests/integration/test_sharded_state.py",
     "tests/integration/test_gateway_tiers.py",
     "tests/unit/",
     "tests/integration/test_adapters.py",
     "tests/integration/test_finetune_worker.py",
-    "tests/integration/test_exec_sandbox.py",
+    "tests/integration/test_api_keys.py",
+    "tests/integration/test_gateway_fuzz.py",
+    "tests/integration/test_keycloak_logins.py",
+    "tests/integration/test_compliance_filter.py",
+    "tests/integration/test_admin.py",
+    "tests/integration/test_admin_tui.py",
     "tests/unit/test_finetune.py",
+    "tests/integration/test_lifecycle.py",
+    "tests/integration/test_sharded_state.py",
+    "tests/integration/test_audit_trail.py",
+    "tests/integration/test_lifecycle_errors.py",
+    "tests/integration/test_attacks.py",
+    "tests/integration/test_exec_sandbox.py",
+    "tests/integration/test_gateway.py",
+    "tests/integration/test_audit_archive_s3.py",
 ]
 
 OWN_SHARED_DIR = pytest.StashKey[bool]()  # this run made the shared directory, and so removes it
