@@ -118,7 +118,7 @@ create table if not exists batches (
     failed integer not null default 0,
     metadata text,                 -- JSON: the client's, up to 16 string pairs
     announced integer not null default 0,  -- its end is in the audit log
-    validator_pid integer,         -- the worker validating its input file
+    validator_pid integer,         -- unused: validations are queued in batch_validations (a marker of this schema)
     input_bytes integer not null default 0,  -- its input file's size: validation work, counted per hour
     api_key text                   -- the API key it was made with: its requests stop when the key does
 );
@@ -138,6 +138,12 @@ create table if not exists batch_requests (
     primary key (batch_id, line)
 );
 create index if not exists batch_requests_state on batch_requests (state, batch_id);
+create table if not exists batch_validations (
+    batch_id text primary key,     -- a batch whose input file waits for the worker to check and copy it
+    state text not null,           -- pending, claimed, done
+    worker_pid integer,            -- the worker checking it
+    lease_until real               -- appliance.queue: the worker's claim holds until then (null: while it lives)
+);
 create unique index if not exists batch_requests_custom_id on batch_requests (batch_id, custom_id);
 """
 # What brings a queue made before a column to today's schema. Before the worker validated batches,
@@ -156,16 +162,21 @@ class RequestState(StrEnum):
     DONE = "done"
 
 
+CLAIM_MOVES = {
+    RequestState.PENDING: frozenset({RequestState.CLAIMED, RequestState.DONE}),
+    RequestState.CLAIMED: frozenset({RequestState.PENDING, RequestState.DONE}),
+    RequestState.DONE: frozenset(),
+}
 # A dead worker's requests are pending again; the first answer to a request is kept, whoever gives
 # it (a request given back may still be answered by the worker that had it).
 REQUESTS = Queue(
-    table="batch_requests",
-    lifecycle=Lifecycle("batch request", {
-        RequestState.PENDING: frozenset({RequestState.CLAIMED, RequestState.DONE}),
-        RequestState.CLAIMED: frozenset({RequestState.PENDING, RequestState.DONE}),
-        RequestState.DONE: frozenset(),
-    }),
+    table="batch_requests", lifecycle=Lifecycle("batch request", CLAIM_MOVES),
     key="rowid", waiting=RequestState.PENDING, taken=RequestState.CLAIMED, held=frozenset({RequestState.CLAIMED}),
+    attempts=None, orphans_resume=False)
+# A batch's validation: a dead worker's is pending again, and the next worker starts it over.
+VALIDATIONS = Queue(
+    table="batch_validations", lifecycle=Lifecycle("batch validation", CLAIM_MOVES),
+    key="batch_id", waiting=RequestState.PENDING, taken=RequestState.CLAIMED, held=frozenset({RequestState.CLAIMED}),
     attempts=None, orphans_resume=False)
 
 
@@ -305,6 +316,9 @@ def _migrate(db: sqlite3.Connection) -> None:
                 for statement in statements:
                     db.execute(statement)
         REQUESTS.migrate(db)
+        # A queue made before validations were queued: its validating batches wait for a worker.
+        db.execute("insert or ignore into batch_validations (batch_id, state) "
+                   "select id, 'pending' from batches where status = 'validating'")
 
 
 @contextmanager
@@ -402,6 +416,7 @@ def create(home: Home, ask: BatchAsk, who: Owner, limits: BatchSettings) -> Batc
                     ask.completion_window, BatchState.VALIDATING, now,
                     now + COMPLETION_WINDOWS[ask.completion_window],
                     json.dumps(ask.metadata) if ask.metadata is not None else None, file.bytes, who.key))
+        db.execute("insert into batch_validations (batch_id, state) values (?, ?)", (batch_id, RequestState.PENDING))
     return get(home, batch_id, who.subject)
 
 
@@ -466,18 +481,18 @@ class _Fault(Exception):
 
 def claim_validation(home: Home, worker_pid: int, alive: Callable[[int | None], bool]) -> Validating | None:
     """The next batch to validate, claimed for this worker: the oldest validating batch that no
-    live worker validates (one this worker's pid holds is a dead worker's: it claims only between
-    validations), of the user whose last validation ended longest ago (users take turns)."""
+    live worker validates (a validation this worker's pid holds is a dead worker's: it claims only
+    between validations), of the user whose last validation ended longest ago (users take turns)."""
     with transaction(home) as db:
-        rows = db.execute(
-            "select *, (select max(coalesce(v.in_progress_at, v.failed_at)) from batches v where v.owner = b.owner) "
-            "as last from batches b where status = 'validating' order by coalesce(last, 0), created_at, rowid"
-        ).fetchall()
-        row = next((row for row in rows if row["validator_pid"] in (None, worker_pid)
-                    or not alive(row["validator_pid"])), None)
+        VALIDATIONS.requeue_orphans(db, lambda pid: pid != worker_pid and alive(pid))
+        row = db.execute(
+            "select b.*, (select max(coalesce(v.in_progress_at, v.failed_at)) from batches v where v.owner = b.owner) "
+            "as last from batch_validations q join batches b on b.id = q.batch_id "
+            "where q.state = 'pending' and b.status = 'validating' order by coalesce(last, 0), b.created_at, b.rowid "
+            "limit 1").fetchone()
         if row is None:
             return None
-        db.execute("update batches set validator_pid = ? where id = ?", (worker_pid, row["id"]))
+        VALIDATIONS.take(db, row["id"], worker_pid)
     return Validating(row["id"], _owner(row), row["endpoint"], row["input_file_id"], worker_pid)
 
 
@@ -578,11 +593,14 @@ class _Copy:
 def _still_mine(db: sqlite3.Connection, job: Validating) -> bool:
     """Whether the batch is still validating under this worker; if not, cancelled meanwhile, the
     requests copied so far go (in the caller's transaction)."""
-    row = db.execute("select status, validator_pid from batches where id = ?", (job.batch_id,)).fetchone()
-    if row is not None and row["status"] == BatchState.VALIDATING and row["validator_pid"] == job.worker_pid:
+    row = db.execute("select b.status, q.state, q.worker_pid from batches b join batch_validations q "
+                     "on q.batch_id = b.id where b.id = ?", (job.batch_id,)).fetchone()
+    if row is not None and row["status"] == BatchState.VALIDATING and row["state"] == RequestState.CLAIMED \
+            and row["worker_pid"] == job.worker_pid:
         return True
     if row is not None and row["status"] != BatchState.VALIDATING:
         db.execute("delete from batch_requests where batch_id = ?", (job.batch_id,))
+        VALIDATIONS.finish(db, job.batch_id, RequestState.DONE)
     return False
 
 
@@ -609,8 +627,9 @@ def _conclude(db: sqlite3.Connection, job: Validating, count: int, errors: list[
 def _end(db: sqlite3.Connection, job: Validating, count: int, errors: list[ErrorEntry]) -> None:
     if errors:
         db.execute("delete from batch_requests where batch_id = ?", (job.batch_id,))
-    db.execute("update batches set errors = ?, total = ?, validator_pid = null where id = ?",
+    db.execute("update batches set errors = ?, total = ? where id = ?",
                (Errors(data=errors).model_dump_json() if errors else None, 0 if errors else count, job.batch_id))
+    VALIDATIONS.finish(db, job.batch_id, RequestState.DONE, holder=job.worker_pid)
     _move(db, job.batch_id, BatchState.FAILED if errors else BatchState.IN_PROGRESS)
 
 
@@ -777,18 +796,25 @@ def cancel(home: Home, batch_id: str, owner: str | None) -> Batch:
         if status in ENDED or status == BatchState.FINALIZING:
             raise Conflict(f"batch {batch_id} is {status}; only a batch validating or in progress can be cancelled")
         if status in (BatchState.VALIDATING, BatchState.IN_PROGRESS):
-            _move(db, batch_id, BatchState.CANCELLING)
+            _stop(db, batch_id, status)
     return get(home, batch_id, owner)
 
 
 def cancel_all_of(home: Home, subject: str) -> int:
     """Cancel every batch validating or in progress of a user (disabled: their requests stop)."""
     with transaction(home) as db:
-        ids = [row[0] for row in db.execute("select id from batches where owner = ? and status in "
-                                            "('validating', 'in_progress')", (subject,))]
-        for batch_id in ids:
-            _move(db, batch_id, BatchState.CANCELLING)
-    return len(ids)
+        rows = db.execute("select id, status from batches where owner = ? and status in "
+                          "('validating', 'in_progress')", (subject,)).fetchall()
+        for batch_id, status in rows:
+            _stop(db, batch_id, BatchState(status))
+    return len(rows)
+
+
+def _stop(db: sqlite3.Connection, batch_id: str, status: BatchState) -> None:
+    """Cancelling, and a validation not begun is not begun (one under way stops at its next chunk)."""
+    _move(db, batch_id, BatchState.CANCELLING)
+    if status == BatchState.VALIDATING:
+        VALIDATIONS.finish(db, batch_id, RequestState.DONE)
 
 
 # -- the worker's side ---------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """One work queue over a SQLite table, shared by every queue of the appliance (training jobs, RL
-runs and exports, batch requests, a run's sandbox executions): each keeps its own table and record,
-and moves its items with this.
+runs and exports, batch validations and requests, a run's sandbox executions): each keeps its own
+table and record, and moves its items with this.
 
 - A Lifecycle is a state enum with the table of its legal moves; every move is checked against it
   inside the write transaction that makes it, so two processes cannot both move an item, and an

@@ -204,6 +204,21 @@ def test_a_queue_from_before_gets_the_new_column_and_leaves_old_failures_unannou
     assert batches.get(home, "batch_old", None).status == BatchState.FAILED
 
 
+def test_a_batch_left_validating_by_a_queue_from_before_queued_validations_is_validated(
+        home: Home, store: LocalStore) -> None:
+    """A queue written before validations had a table of their own: its batch waiting for the
+    worker (claimed by a worker since gone) is validated after the upgrade, once."""
+    batch = create_only(home, upload(home, store, [line("r0"), line("r1")]))
+    with batches.connect(home) as db:
+        db.execute("drop table batch_validations")
+        db.execute("update batches set validator_pid = 999999 where id = ?", (batch.id,))
+        db.commit()
+    batches._READY.discard(home.root / "batches.sqlite")
+    done = validate(home, store)
+    assert done.id == batch.id and done.status == BatchState.IN_PROGRESS and done.request_counts.total == 2
+    assert batches.claim_validation(home, 4243, lambda pid: False) is None  # done: no worker takes it again
+
+
 def test_the_worker_validates_and_a_line_the_gateway_refuses_ends_in_the_error_file(
         home: Home, store: LocalStore, monkeypatch: pytest.MonkeyPatch) -> None:
     settings = Settings()
