@@ -144,6 +144,7 @@ create table if not exists batch_validations (
     worker_pid integer,            -- the worker checking it
     lease_until real               -- appliance.queue: the worker's claim holds until then (null: while it lives)
 );
+create index if not exists batch_validations_state on batch_validations (state);
 create unique index if not exists batch_requests_custom_id on batch_requests (batch_id, custom_id);
 """
 # What brings a queue made before a column to today's schema. Before the worker validated batches,
@@ -813,7 +814,9 @@ def cancel_all_of(home: Home, subject: str) -> int:
 def _stop(db: sqlite3.Connection, batch_id: str, status: BatchState) -> None:
     """Cancelling, and a validation not begun is not begun (one under way stops at its next chunk)."""
     _move(db, batch_id, BatchState.CANCELLING)
-    if status == BatchState.VALIDATING:
+    if status == BatchState.VALIDATING:  # (a row first: one made by a process older than this one's migration)
+        db.execute("insert or ignore into batch_validations (batch_id, state) values (?, ?)",
+                   (batch_id, RequestState.PENDING))
         VALIDATIONS.finish(db, batch_id, RequestState.DONE)
 
 

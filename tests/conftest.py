@@ -14,6 +14,7 @@ from hypothesis import settings
 
 from appliance.home import Home
 from installer.keycloak import install_dir
+from tests.module_times import WAITS
 from tests.support.session import stop_session_appliance
 from tests.support.shared import SHARED_ENV, locked, shared_dir
 
@@ -80,6 +81,8 @@ def pytest_configure(config: pytest.Config) -> None:
         # theirs, with the session appliance in it kept running between runs (see docs).
         os.environ[SHARED_ENV] = tempfile.mkdtemp(prefix="tests-shared-")
         config.stash[OWN_SHARED_DIR] = True
+    if not hasattr(config, "workerinput"):  # a kept directory's waits are an earlier run's
+        (shared_dir() / WAITS).unlink(missing_ok=True)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -23,6 +23,8 @@ _span: dict[str, tuple[float, float]] = {}
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     module = report.nodeid.split("::", 1)[0]
     _seconds[module] += report.duration
+    if not report.start:  # a crashed worker's report carries no times
+        return
     first, last = _span.get(module, (report.start, report.stop))
     _span[module] = (min(first, report.start), max(last, report.stop))
 
@@ -34,7 +36,10 @@ def waits() -> dict[str, float]:
     if os.environ.get(SHARED_ENV) and os.path.exists(path):
         with open(path) as lines:
             for line in lines:
-                entry = json.loads(line)
+                try:
+                    entry = json.loads(line)
+                except ValueError:  # a line cut short (a worker killed as it wrote): the report goes on
+                    continue
                 waited[entry["module"]] += entry["waited_s"]
     return waited
 
@@ -42,11 +47,11 @@ def waits() -> dict[str, float]:
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if not _seconds:
         return
-    waited, origin = waits(), min(first for first, _ in _span.values())
+    waited, origin = waits(), min((first for first, _ in _span.values()), default=0.0)
     terminalreporter.section("wall time per module")
     terminalreporter.write_line("    wall  waited    from      to  module")
     for module, seconds in sorted(_seconds.items(), key=lambda item: -item[1]):
-        first, last = _span[module]
+        first, last = _span.get(module, (origin, origin))
         terminalreporter.write_line(f"{seconds:8.1f} {waited.get(module, 0.0):7.1f} {(first - origin) / 60:7.1f} "
                                     f"{(last - origin) / 60:7.1f}  {module}")
     terminalreporter.write_line(f"{sum(_seconds.values()):8.1f} {sum(waited.values()):7.1f}  in all (seconds; "
