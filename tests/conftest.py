@@ -14,9 +14,8 @@ from hypothesis import settings
 
 from appliance.home import Home
 from installer.keycloak import install_dir
-from tests.module_times import WAITS
 from tests.support.session import stop_session_appliance
-from tests.support.shared import SHARED_ENV, locked, shared_dir
+from tests.support.shared import SHARED_ENV, WAITS, locked, shared_dir
 
 pytest_plugins = ["tests.module_times"]  # each module's wall time at the end of a run
 

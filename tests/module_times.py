@@ -12,9 +12,7 @@ from collections import defaultdict
 
 import pytest
 
-from tests.support.shared import SHARED_ENV
-
-WAITS = "lock-waits.jsonl"  # in the run's shared directory: {"module": ..., "waited_s": ...} a line
+from tests.support.shared import SHARED_ENV, WAITS
 
 _seconds: defaultdict[str, float] = defaultdict(float)
 _span: dict[str, tuple[float, float]] = {}

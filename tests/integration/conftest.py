@@ -23,11 +23,10 @@ from installer.hardware import parse_hardware_spec
 from installer.model_config import load_model_config
 from installer.planner import plan
 from installer.staging import stage_subset
-from tests.module_times import WAITS
 from tests.support.appliances import Appliance
 from tests.support.ports import free_port
 from tests.support.session import Running, running_again, start_or_join
-from tests.support.shared import locked, shared_dir
+from tests.support.shared import WAITS, locked, shared_dir
 
 RCLONE = str(Path(sys.executable).with_name("rclone"))
 ACCESS_KEY, SECRET_KEY = "appliance-test", "s3-secret-for-tests-only-0123456789"

@@ -12,6 +12,8 @@ from pathlib import Path
 
 # Set by the run's main process before it starts its workers, which inherit it.
 SHARED_ENV = "TESTS_SHARED_DIR"
+# In it: how long each module waited for its locks, a JSON line each (tests/module_times.py reports them).
+WAITS = "lock-waits.jsonl"
 
 
 def shared_dir() -> Path:
