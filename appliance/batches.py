@@ -142,6 +142,7 @@ create table if not exists batch_validations (
     batch_id text primary key,     -- a batch whose input file waits for the worker to check and copy it
     state text not null,           -- pending, claimed, done
     worker_pid integer,            -- the worker checking it
+    attempts integer not null default 0,  -- workers that took it (each one past the first found the last dead)
     lease_until real               -- appliance.queue: the worker's claim holds until then (null: while it lives)
 );
 create index if not exists batch_validations_state on batch_validations (state);
@@ -174,11 +175,14 @@ REQUESTS = Queue(
     table="batch_requests", lifecycle=Lifecycle("batch request", CLAIM_MOVES),
     key="rowid", waiting=RequestState.PENDING, taken=RequestState.CLAIMED, held=frozenset({RequestState.CLAIMED}),
     attempts=None, orphans_resume=False)
-# A batch's validation: a dead worker's is pending again, and the next worker starts it over.
+# A batch's validation: a dead worker's is pending again, and the next worker starts it over; a file
+# whose validation the worker died in MAX_VALIDATION_ATTEMPTS times fails its batch instead (a file
+# that kills the worker must not stop everyone's batches for good).
+MAX_VALIDATION_ATTEMPTS = 3
 VALIDATIONS = Queue(
     table="batch_validations", lifecycle=Lifecycle("batch validation", CLAIM_MOVES),
     key="batch_id", waiting=RequestState.PENDING, taken=RequestState.CLAIMED, held=frozenset({RequestState.CLAIMED}),
-    attempts=None, orphans_resume=False)
+    orphans_resume=False, max_attempts=MAX_VALIDATION_ATTEMPTS, give_up=lambda attempts: (RequestState.DONE, {}))
 
 
 class FileObject(BaseModel):
@@ -317,6 +321,8 @@ def _migrate(db: sqlite3.Connection) -> None:
                 for statement in statements:
                     db.execute(statement)
         REQUESTS.migrate(db)
+        if "attempts" not in {row[1] for row in db.execute("pragma table_info(batch_validations)")}:
+            db.execute("alter table batch_validations add column attempts integer not null default 0")
         # A queue made before validations were queued: its validating batches wait for a worker.
         db.execute("insert or ignore into batch_validations (batch_id, state) "
                    "select id, 'pending' from batches where status = 'validating'")
@@ -486,6 +492,7 @@ def claim_validation(home: Home, worker_pid: int, alive: Callable[[int | None], 
     between validations), of the user whose last validation ended longest ago (users take turns)."""
     with transaction(home) as db:
         VALIDATIONS.requeue_orphans(db, lambda pid: pid != worker_pid and alive(pid))
+        _fail_given_up(db)
         row = db.execute(
             "select b.*, (select max(coalesce(v.in_progress_at, v.failed_at)) from batches v where v.owner = b.owner) "
             "as last from batch_validations q join batches b on b.id = q.batch_id "
@@ -523,6 +530,21 @@ def fail_validation(home: Home, job: Validating, code: str, message: str) -> Non
     """End a batch the worker could not validate (not the file's fault) as failed, saying why."""
     with connect(home) as db:
         _fail(db, job, ErrorEntry(code=code, message=message))
+
+
+def _fail_given_up(db: sqlite3.Connection) -> None:
+    """Fail each batch whose validation was given up (its workers died on it too often); only the
+    bound on retries ends a validation while its batch still validates."""
+    given_up = db.execute("select q.batch_id from batch_validations q join batches b on b.id = q.batch_id "
+                          "where q.state = 'done' and b.status = 'validating'").fetchall()
+    error = ErrorEntry(code="validation_failed", message=(
+        f"the batch worker stopped {MAX_VALIDATION_ATTEMPTS} times while checking this input file; "
+        "it is not tried again (ask an administrator to look at the batch worker's log)"))
+    for (batch_id,) in given_up:
+        db.execute("delete from batch_requests where batch_id = ?", (batch_id,))
+        db.execute("update batches set errors = ?, total = 0 where id = ?",
+                   (Errors(data=[error]).model_dump_json(), batch_id))
+        _move(db, batch_id, BatchState.FAILED)
 
 
 def _fail(db: sqlite3.Connection, job: Validating, error: ErrorEntry) -> None:

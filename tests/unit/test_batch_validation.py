@@ -219,6 +219,36 @@ def test_a_batch_left_validating_by_a_queue_from_before_queued_validations_is_va
     assert batches.claim_validation(home, 4243, lambda pid: False) is None  # done: no worker takes it again
 
 
+def test_a_file_the_worker_dies_on_fails_its_batch_after_the_bound_on_retries(home: Home, store: LocalStore) -> None:
+    """Each worker that takes the validation dies on it; after MAX_VALIDATION_ATTEMPTS the batch
+    fails saying so, and the next batch is validated (one poisonous file stops no one else)."""
+    poison = create_only(home, upload(home, store, [line("r0")]))
+    pids = range(11, 11 + batches.MAX_VALIDATION_ATTEMPTS)
+    for pid in pids:  # each claims it, then dies (the next knows only itself alive)
+        taken = batches.claim_validation(home, pid, lambda alive: False)
+        assert taken is not None and taken.batch_id == poison.id
+    after = create_only(home, upload(home, store, [line("r1")]))
+    assert validate(home, store, pid=99).id == after.id
+    failed = batches.get(home, poison.id, ANN.subject)
+    assert failed.status == BatchState.FAILED and failed.failed_at and failed.request_counts.total == 0
+    assert failed.errors is not None and [error.code for error in failed.errors.data] == ["validation_failed"]
+    assert str(batches.MAX_VALIDATION_ATTEMPTS) in failed.errors.data[0].message
+    assert batches.claim_validation(home, 100, lambda alive: False) is None
+
+
+def test_a_validation_queue_from_before_retries_were_counted_counts_them(home: Home, store: LocalStore) -> None:
+    batch = create_only(home, upload(home, store, [line("r0")]))
+    with batches.connect(home) as db:
+        db.execute("drop index batch_validations_state")
+        db.execute("alter table batch_validations drop column attempts")
+        db.commit()
+    batches._READY.discard(home.root / "batches.sqlite")
+    done = validate(home, store)
+    assert done.id == batch.id and done.status == BatchState.IN_PROGRESS
+    with batches.connect(home) as db:
+        assert db.execute("select attempts from batch_validations").fetchone()[0] == 1
+
+
 def test_the_worker_validates_and_a_line_the_gateway_refuses_ends_in_the_error_file(
         home: Home, store: LocalStore, monkeypatch: pytest.MonkeyPatch) -> None:
     settings = Settings()
