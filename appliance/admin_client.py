@@ -12,6 +12,7 @@ import httpx
 from appliance import login
 from appliance.errors import ApplianceError, Unavailable
 from appliance.home import Home
+from appliance.local_gateway import async_client_options, client_options, gateway_url
 from appliance.settings import Settings
 
 
@@ -36,13 +37,6 @@ class Refused(ApplianceError):
         super().__init__(f"{request}: {status} {reason}" if request else f"{status} {reason}", hint=hint)
         self.status = status
         self.reason = reason
-
-
-def gateway_url(settings: Settings) -> str:
-    """Where this host reaches its gateway (loopback when it listens on every address)."""
-    gateway = settings.gateway
-    host = "127.0.0.1" if gateway.bind in ("0.0.0.0", "::") else gateway.bind
-    return f"http://{host}:{gateway.port}"
 
 
 def _answer(response: httpx.Response, method: str, path: str, token: login.CachedToken) -> Any:
@@ -81,7 +75,7 @@ class AdminClient:
 
     def _async_http(self) -> httpx.AsyncClient:
         if self._http is None:
-            self._http = httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout_s)
+            self._http = httpx.AsyncClient(**async_client_options(self.settings, self.home), timeout=self.timeout_s)
         return self._http
 
     def _token(self) -> login.CachedToken:
@@ -100,7 +94,7 @@ class AdminClient:
         """`method /admin{path}`'s JSON body (blocking); Refused, NotLoggedIn or Unreachable otherwise."""
         token = self._token()
         try:
-            with httpx.Client(base_url=self.base_url, timeout=self.timeout_s) as http:
+            with httpx.Client(**client_options(self.settings, self.home), timeout=self.timeout_s) as http:
                 response = http.request(method, f"/admin{path}", **kwargs,
                                         headers={"Authorization": f"Bearer {token.access_token}"})
         except httpx.HTTPError as exc:

@@ -37,6 +37,7 @@ CORE_COMMANDS = {
     "keys": "appliance.commands.keys:keys_app",
     "adapters": "appliance.commands.adapters:adapters_app",
     "serving": "appliance.commands.serving:serving_app",
+    "tls": "appliance.commands.tls:tls_app",
 }
 
 # What `appliance --help` says of each command, in its order, without importing any: the first
@@ -62,6 +63,7 @@ SUMMARIES = {
     "stage": "Stage SOURCE for a plan: each host gets only what its ranks load; resumable, verified.",
     "model": "Models on this host.",
     "keycloak": "The embedded Keycloak.",
+    "tls": "The gateway's HTTPS: the CA certificate to give clients, the certificate it shows, renewal.",
     "bundle": "Air-gapped bundles: build, verify the signature and every file, join split parts.",
     "data": "Training datasets: validated, scanned, stored content-addressed.",
     "finetune": "Train LoRA/QLoRA adapters on stored datasets.",

@@ -3,19 +3,16 @@ not answer is simply not healthy yet)."""
 
 from __future__ import annotations
 
-import ssl
-
 import httpx
 
 from appliance.home import Home
+from appliance.local_gateway import health_transport
 from appliance.programs import Program
-from appliance.tls import ca_file
 
 
 def client(home: Home) -> httpx.Client:
     """For health URLs: plain HTTP, or HTTPS from a server the appliance's own CA certified."""
-    ca = ca_file(home)
-    return httpx.Client(timeout=2.0, verify=ssl.create_default_context(cafile=ca) if ca.is_file() else True)
+    return httpx.Client(timeout=2.0, transport=health_transport(home))
 
 
 def answers(client: httpx.Client, program: Program) -> bool:

@@ -31,6 +31,19 @@ DEMO_MODEL = "demo"
 Port = Annotated[int, Field(ge=1024, le=65535)]
 
 
+_DNS_NAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?", re.ASCII)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a listener bound to `host` is reachable from this host only."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _CONFIG_COMMENT = re.compile(r"\s[;#]")  # supervisord's config reads these as the start of a comment
 
@@ -266,9 +279,29 @@ class GatewaySettings(_Section):
     """The public, authenticated OpenAI-compatible endpoint."""
 
     bind: str = Field(
-        "127.0.0.1", description="Address the gateway listens on; set 0.0.0.0 to serve the network."
+        "127.0.0.1", description="Address the gateway listens on; 0.0.0.0 (or a network address) serves the "
+        "network, over HTTPS (see tls)."
     )
     port: Port = Field(8080, description="Gateway port.")
+    tls: Literal["auto", "on", "off"] = Field(
+        "auto", description="HTTPS: auto serves it exactly when bind is not a loopback address; off on a "
+        "network address needs allow_plain_http."
+    )
+    allow_plain_http: bool = Field(
+        False, description="Let the gateway serve plain HTTP on a network address (tls = off): every bearer "
+        "token and prompt crosses the network in clear. Only behind a TLS-terminating proxy on a trusted segment."
+    )
+    certificate: str | None = Field(
+        None, description="PEM file of the organisation's certificate for the gateway, its chain after it "
+        "(leaf first); unset: the appliance's CA issues one for `names`."
+    )
+    private_key: str | None = Field(
+        None, description="PEM file of the private key of `certificate` (0600, unencrypted)."
+    )
+    names: list[str] = Field(
+        default_factory=list, description="Host names and addresses clients reach the gateway by, named in "
+        "the certificate the appliance's CA issues (localhost, 127.0.0.1 and a specific bind address always are)."
+    )
     max_body_bytes: int = Field(1_048_576, gt=0, description="Largest request body accepted.")
     leeway_s: int = Field(30, ge=0, le=300, description="Clock skew allowed on exp/nbf.")
     jwks_refetch_interval_s: int = Field(
@@ -313,6 +346,36 @@ class GatewaySettings(_Section):
         description="Rate limits by role (the most generous role a user holds applies).",
     )
 
+
+    @field_validator("names")
+    @classmethod
+    def _certificate_names(cls, names: list[str]) -> list[str]:
+        """Each an IP address or a DNS name of ASCII letters, digits and hyphens (a name that only looks
+        like another, or a wildcard, is refused)."""
+        for position, name in enumerate(names):
+            try:
+                ipaddress.ip_address(name)
+            except ValueError:
+                if not _DNS_NAME.fullmatch(name):
+                    raise ValueError(f"entry {position} ({name[:80]!r}) is neither an IP address nor a DNS name "
+                                     "(letters a-z, digits and hyphens, labels split by dots)") from None
+        return [name.lower() for name in names]
+
+    @model_validator(mode="after")
+    def _no_clear_tokens_on_the_network(self) -> GatewaySettings:
+        if (self.certificate is None) != (self.private_key is None):
+            raise ValueError("certificate and private_key go together: set both (the organisation's) or neither "
+                             "(the appliance's CA issues one)")
+        if self.tls == "off" and not is_loopback(self.bind) and not self.allow_plain_http:
+            raise ValueError(f"bind {self.bind} is a network address and tls is off: every bearer token would "
+                             "cross the network in clear; set tls to auto (HTTPS), or allow_plain_http = true "
+                             "behind a TLS-terminating proxy")
+        return self
+
+    @property
+    def https(self) -> bool:
+        """Whether the gateway serves HTTPS."""
+        return self.tls == "on" or (self.tls == "auto" and not is_loopback(self.bind))
 
     @field_validator("trusted_proxies")
     @classmethod
@@ -713,7 +776,9 @@ def load_settings(path: Path, environ: Mapping[str, str] | None = None) -> Setti
     except ValidationError as exc:
         error = exc.errors()[0]
         field = _dotted(error["loc"], data)
-        source = overrides.get(field) or _locate(path, text, error["loc"], data)
+        # A section's own rule (fields that must agree) names the variables that set any of them.
+        within = [variable for name, variable in overrides.items() if name.startswith(f"{field}.")]
+        source = overrides.get(field) or ", ".join(within) or _locate(path, text, error["loc"], data)
         more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
         raise SettingsError(f"{source}: {field or 'settings'}: {error['msg']}{more}") from exc
 

@@ -29,12 +29,12 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from appliance import batches
-from appliance.admin_client import gateway_url
 from appliance.artifacts import ArtifactStore, artifact_store
 from appliance.batches import BATCH_HEADER, BATCH_WORKER_SECRET
 from appliance.changes import Change, Target, announce
 from appliance.errors import ApplianceError
 from appliance.home import HOME_ENV, Home
+from appliance.local_gateway import client_options
 from appliance.programs import Program
 from appliance.secrets import secret
 from appliance.settings import Settings, load_settings
@@ -58,7 +58,7 @@ class Worker:
         self.settings = settings
         self.home = home
         self.store: ArtifactStore = artifact_store(settings.artifacts, home)
-        self.http = httpx.Client(base_url=gateway_url(settings),
+        self.http = httpx.Client(**client_options(settings, home),
                                  timeout=httpx.Timeout(None, connect=5.0),  # generation takes as long as it takes
                                  headers={"Authorization": f"Bearer {secret(home, BATCH_WORKER_SECRET)}",
                                           "Content-Type": "application/json"})

@@ -19,6 +19,8 @@ then no one gets in. Here:
   the header timeout is not a slow client and is closed quietly;
 - forwarded headers (X-Forwarded-For) are believed only from `gateway.trusted_proxies`, so a
   request's recorded source is its peer unless the operator named a proxy;
+- served on a network address, it speaks HTTPS only (serve.https: the certificates, renewed and
+  swapped in while it serves);
 - the process raises its file-descriptor limit to the hard limit (supervisord's `minfds` raises
   that of every program it runs), so the cap, not the limit, decides.
 
@@ -31,6 +33,8 @@ import asyncio
 import itertools
 import logging
 import resource
+import socket
+import sys
 from typing import Any, ClassVar
 
 import uvicorn
@@ -38,6 +42,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from appliance.home import Home
 from appliance.settings import GatewaySettings, load_settings
+from serve.https import GatewayTLS
 from serve.slow_clients import SlowClients
 
 log = logging.getLogger("appliance.gateway")
@@ -194,9 +199,29 @@ def main() -> None:
     GuardedHttpToolsProtocol.body_min_rate = gateway.body_min_rate
     GuardedHttpToolsProtocol.send_timeout_s = gateway.send_timeout_s
     GuardedHttpToolsProtocol.max_connections = max(16, min(gateway.max_connections, descriptors - FD_RESERVE))
-    uvicorn.run("serve.gateway:app_from_env", factory=True, host=gateway.bind, port=gateway.port,
-                http=GuardedHttpToolsProtocol, loop="uvloop", access_log=False, log_level="warning",
-                timeout_graceful_shutdown=5, backlog=2048, **forwarding(gateway))
+    tls = GatewayTLS(settings, home) if gateway.https else None
+    config = uvicorn.Config("serve.gateway:app_from_env", factory=True, host=gateway.bind, port=gateway.port,
+                            http=GuardedHttpToolsProtocol, loop="uvloop", access_log=False, log_level="warning",
+                            timeout_graceful_shutdown=5, backlog=2048, **forwarding(gateway),
+                            ssl_context_factory=(lambda *_: tls.context) if tls else None)
+    server = _Server(config, tls)
+    server.run()
+    if not server.started:
+        sys.exit(3)  # as uvicorn.run: the app or the socket failed at start
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, with the gateway's certificates kept current while it serves HTTPS."""
+
+    def __init__(self, config: uvicorn.Config, tls: GatewayTLS | None) -> None:
+        super().__init__(config)
+        self.tls = tls
+        self.watching: asyncio.Task[None] | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.tls is not None:
+            self.watching = asyncio.create_task(self.tls.watch())
 
 
 def forwarding(gateway: GatewaySettings) -> dict[str, Any]:

@@ -26,11 +26,11 @@ from dataclasses import dataclass
 import httpx
 
 from appliance import login
-from appliance.admin_client import gateway_url
 from appliance.artifacts import ArtifactStoreError, artifact_store
 from appliance.errors import ApplianceError, Invalid, Unavailable
 from appliance.home import Home
 from appliance.jobs import CANCEL_FILE
+from appliance.local_gateway import client_options
 from appliance.rl.attempts import Attempt, attempt_key
 from appliance.rl.progress import RunProgress, write_progress
 from appliance.rl.runs import Run, run_dir
@@ -124,7 +124,7 @@ class Generator:
 
     def __init__(self, settings: Settings, home: Home, model: str) -> None:
         self.settings, self.home, self.model = settings, home, model
-        self._http = httpx.Client(base_url=gateway_url(settings), timeout=settings.rl.gateway_timeout_s)
+        self._http = httpx.Client(**client_options(settings, home), timeout=settings.rl.gateway_timeout_s)
         self._token: login.CachedToken | None = None
         self._lock = threading.Lock()
 
