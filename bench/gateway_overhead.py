@@ -11,7 +11,10 @@ fdatasync per request before the response ends (the audit log's durability rule 
 - stub_idle: the same stand-in answering after 0.4 s, about as long as the CPU engine takes
   (concurrency 1 only): the gateway then idles between its two bursts of work per request, and
   on this VM work done right after idling costs many times more than back to back
-  (bench/idle_penalty.py), which the stub section's back-to-back requests never see.
+  (bench/idle_penalty.py), which the stub section's back-to-back requests never see;
+- tls: the stand-in engine behind two gateways, one on plain HTTP and one on HTTPS (its
+  certificate from the appliance's CA, each client keeping its connection as the official
+  clients do), paths taking turns: what TLS adds to the gateway (`tls_added_p50_ms`).
 
 For concurrency 1 the paths take turns request by request; for 8 and 32 they take turns run by
 run (ROUNDS each); streamed and not; so drift hits every path alike. Reports p50/p99 of each
@@ -21,7 +24,7 @@ throughput ratio (path / direct). The stub section also reports the gateway's CP
 request (less sensitive to load than latency, though a slower phase of this shared VM raises it
 too).
 
-Run: .venv/bin/python bench/gateway_overhead.py [--sections vllm,stub,stub_idle]
+Run: .venv/bin/python bench/gateway_overhead.py [--sections vllm,stub,stub_idle,tls]
 (needs ./bootstrap.sh --no-start first). Writes bench/results/gateway_overhead.json.
 """
 
@@ -35,6 +38,7 @@ import os
 import random
 import shutil
 import signal
+import ssl
 import statistics
 import subprocess
 import sys
@@ -57,12 +61,14 @@ from installer.realm import BOOTSTRAP_SECRET
 RESULTS = Path(__file__).parent / "results" / "gateway_overhead.json"
 APPLIANCE = str(Path(sys.executable).with_name("appliance"))
 MODEL = "SmolLM2-135M-Instruct"
-REQUESTS_PER_WORKER = {"vllm": {1: 60, 8: 4, 32: 1}, "stub": {1: 600, 8: 100, 32: 40}, "stub_idle": {1: 60}}
+REQUESTS_PER_WORKER = {"vllm": {1: 60, 8: 4, 32: 1}, "stub": {1: 600, 8: 100, 32: 40}, "stub_idle": {1: 60},
+                       "tls": {1: 600, 8: 100}}
 STUB_IDLE_DELAY_S = 0.4
 ROUNDS = 3
 BOOTSTRAP_RESAMPLES = 2000
-PORTS = {"gateway": 18480, "stub_gateway": 18481,
+PORTS = {"gateway": 18480, "stub_gateway": 18481, "stub_gateway_tls": 18484,
          "bare_proxy": 18482, "bare_proxy_durable": 18483, "keycloak": 18490, "keycloak_management": 18491}
+CA_FILE = "BENCH_GATEWAY_CA"  # where the tls section's clients find the CA (set by tls_section)
 LOGS = Path(tempfile.gettempdir())  # what the helper servers said, kept if a run fails
 
 
@@ -107,6 +113,8 @@ def http_client(url: str, **options: Any) -> tuple[httpx.AsyncClient, str]:
     if url.startswith("unix:"):
         socket, _, path = url[len("unix:"):].partition("::")
         return httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=socket), **options), f"http://engine{path}"
+    if url.startswith("https:"):  # the tls section's gateway: its certificate from the CA in CA_FILE
+        return httpx.AsyncClient(verify=ssl.create_default_context(cafile=os.environ[CA_FILE]), **options), url
     return httpx.AsyncClient(**options), url
 
 
@@ -266,24 +274,60 @@ def bare_proxy(target: str, port: int, durable_file: Path | None = None) -> Iter
         proxy.wait(30)
 
 
+def stub_engine(env: dict[str, str], delay_s: float) -> tuple[Home, str, subprocess.Popen[bytes]]:
+    """The stand-in engine, on the Unix socket of a state dir of its own (the realm's secrets and
+    the CA copied), where a gateway started for that state dir finds it instead of the vLLM."""
+    appliance = Home(Path(env[HOME_ENV]))
+    home = Home(appliance.root.with_name("stub")).ensure()
+    shutil.copytree(appliance.secrets, home.secrets, dirs_exist_ok=True)
+    shutil.copytree(appliance.root / "tls", home.root / "tls", dirs_exist_ok=True)
+    socket = engine_socket(home, "main")
+    socket.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    socket.unlink(missing_ok=True)
+    # STUB_ENGINE_DELAY_S: see stub_engine.py
+    stub = serve("bench.stub_engine:app", socket, {**os.environ, "STUB_ENGINE_DELAY_S": str(delay_s)})
+    return home, f"unix:{socket}", stub
+
+
+def stub_gateway(env: dict[str, str], home: Home, port: int, **settings: str) -> subprocess.Popen[bytes]:
+    """A gateway for the stand-in engine, as supervisord runs it (serve.listener), settings from
+    the environment."""
+    return _start([sys.executable, "-P", "-m", "serve.listener"], port,
+                  {**env, HOME_ENV: str(home.root), "APPLIANCE_POOLS__MAIN__SERVED_MODEL_NAME": MODEL,
+                   "APPLIANCE_GATEWAY__PORT": str(port), **settings})
+
+
+def tls_section(env: dict[str, str], token: Headers, per_worker: dict[int, int]) -> list[dict[str, Any]]:
+    """The stand-in engine behind a plain gateway and an HTTPS one (loopback, tls = on)."""
+    home, stub_url, stub = stub_engine(env, 0.0)
+    plain = stub_gateway(env, home, PORTS["stub_gateway"])
+    https = stub_gateway(env, home, PORTS["stub_gateway_tls"], APPLIANCE_GATEWAY__TLS="on")
+    os.environ[CA_FILE] = str(home.root / "tls" / "ca.pem")
+    try:
+        wait_for(f"{stub_url}::/health")
+        wait_for(f"http://127.0.0.1:{PORTS['stub_gateway']}/healthz")
+        wait_for(f"https://127.0.0.1:{PORTS['stub_gateway_tls']}/healthz")
+        rows = measure({
+            "direct": (f"{stub_url}::/v1/chat/completions", dict),
+            "gateway": (f"http://127.0.0.1:{PORTS['stub_gateway']}/v1/chat/completions", token),
+            "gateway_tls": (f"https://127.0.0.1:{PORTS['stub_gateway_tls']}/v1/chat/completions", token),
+        }, per_worker)
+        for row in rows:
+            row["tls_added_p50_ms"] = round(row["gateway_tls_p50_ms"] - row["gateway_p50_ms"], 2)
+            row["tls_throughput_ratio"] = round(row["gateway_tls_rps"] / row["gateway_rps"], 3)
+        return rows
+    finally:
+        for process in (https, plain, stub):
+            process.terminate()
+            process.wait(30)
+
+
 def stub_section(env: dict[str, str], token: Headers, per_worker: dict[int, int],
                  delay_s: float = 0.0) -> list[dict[str, Any]]:
     """A stand-in engine answering after `delay_s`, the bare proxy (also with one fdatasync per
     request) and a second gateway in front of it (same realm, same settings)."""
-    # The second gateway gets a state dir of its own (the realm's secrets copied), so that its
-    # pool's engine socket is the stand-in's, not the appliance's vLLM.
-    home = Home(Path(env[HOME_ENV]).with_name("stub")).ensure()
-    shutil.copytree(Home(Path(env[HOME_ENV])).secrets, home.secrets, dirs_exist_ok=True)
-    socket = engine_socket(home, "main")
-    socket.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    socket.unlink(missing_ok=True)
-    stub_url = f"unix:{socket}"
-    # STUB_ENGINE_DELAY_S: see stub_engine.py
-    stub = serve("bench.stub_engine:app", socket, {**os.environ, "STUB_ENGINE_DELAY_S": str(delay_s)})
-    # The gateway as supervisord runs it (serve.listener), settings from the environment.
-    gateway = _start([sys.executable, "-P", "-m", "serve.listener"], PORTS["stub_gateway"],
-                     {**env, HOME_ENV: str(home.root), "APPLIANCE_POOLS__MAIN__SERVED_MODEL_NAME": MODEL,
-                      "APPLIANCE_GATEWAY__PORT": str(PORTS["stub_gateway"])})
+    home, stub_url, stub = stub_engine(env, delay_s)
+    gateway = stub_gateway(env, home, PORTS["stub_gateway"])
     try:
         wait_for(f"{stub_url}::/health")
         wait_for(f"http://127.0.0.1:{PORTS['stub_gateway']}/healthz")
@@ -308,7 +352,8 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sections", default="vllm,stub,stub_idle", help="comma-separated: vllm, stub, stub_idle")
+    parser.add_argument("--sections", default="vllm,stub,stub_idle,tls",
+                        help="comma-separated: vllm, stub, stub_idle, tls")
     sections = [s for s in parser.parse_args().sections.split(",") if s]
     root, env = start_appliance()
     home = Home(Path(env[HOME_ENV]))
@@ -340,6 +385,8 @@ def main() -> None:
             results["stub_idle"] = {"time": stamp, "delay_s": STUB_IDLE_DELAY_S,
                                     "rows": stub_section(env, token, REQUESTS_PER_WORKER["stub_idle"],
                                                          STUB_IDLE_DELAY_S)}
+        if "tls" in sections:
+            results["tls"] = {"time": stamp, "rows": tls_section(env, token, REQUESTS_PER_WORKER["tls"])}
     finally:
         subprocess.run([APPLIANCE, "down"], env=env, capture_output=True)
         shutil.rmtree(root, ignore_errors=True)
