@@ -10,10 +10,8 @@ from typing import Any
 import httpx
 
 from appliance import login
+from appliance.connection import Connection
 from appliance.errors import ApplianceError, Unavailable
-from appliance.home import Home
-from appliance.local_gateway import async_client_options, client_options, gateway_url
-from appliance.settings import Settings
 
 
 class Unreachable(Unavailable):
@@ -66,25 +64,24 @@ def _who(token: login.CachedToken) -> str:
 class AdminClient:
     """Calls to /admin with a bearer token from the login cache."""
 
-    def __init__(self, settings: Settings, home: Home, timeout_s: float = 60.0) -> None:
-        self.settings = settings
-        self.home = home
-        self.base_url = gateway_url(settings)
+    def __init__(self, connection: Connection, timeout_s: float = 60.0) -> None:
+        self.connection = connection
+        self.base_url = connection.gateway
         self.timeout_s = timeout_s
         self._http: httpx.AsyncClient | None = None  # made on the first async call (the CLI makes none)
 
     def _async_http(self) -> httpx.AsyncClient:
         if self._http is None:
-            self._http = httpx.AsyncClient(**async_client_options(self.settings, self.home), timeout=self.timeout_s)
+            self._http = httpx.AsyncClient(**self.connection.async_gateway_options(), timeout=self.timeout_s)
         return self._http
 
     def _token(self) -> login.CachedToken:
         try:
-            return login.current_token(self.settings, self.home)
+            return login.current_token(self.connection)
         except login.LoginError as exc:
             raise NotLoggedIn(exc.one_line()) from exc
         except httpx.HTTPError as exc:
-            raise Unreachable(f"Keycloak at {self.settings.keycloak.issuer} does not answer: {exc}") from exc
+            raise Unreachable(f"Keycloak at {self.connection.realm_url} does not answer: {exc}") from exc
 
     def _unreachable(self, exc: httpx.HTTPError) -> Unreachable:
         return Unreachable(f"the gateway at {self.base_url} does not answer ({type(exc).__name__})",
@@ -94,7 +91,7 @@ class AdminClient:
         """`method /admin{path}`'s JSON body (blocking); Refused, NotLoggedIn or Unreachable otherwise."""
         token = self._token()
         try:
-            with httpx.Client(**client_options(self.settings, self.home), timeout=self.timeout_s) as http:
+            with httpx.Client(**self.connection.gateway_options(), timeout=self.timeout_s) as http:
                 response = http.request(method, f"/admin{path}", **kwargs,
                                         headers={"Authorization": f"Bearer {token.access_token}"})
         except httpx.HTTPError as exc:

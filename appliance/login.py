@@ -1,4 +1,6 @@
-"""Tokens for the CLI: device-code or password login against the realm, cached 0600, refreshed."""
+"""Tokens for the CLI and TUI: device-code or password login against the realm of a connection
+(this host's appliance or a remote one, appliance.connection), cached 0600 per user and realm,
+refreshed."""
 
 from __future__ import annotations
 
@@ -7,19 +9,18 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
 
+from appliance import connection as connections
+from appliance.connection import Connection
 from appliance.durable import replace_file
 from appliance.errors import ApplianceError
 from appliance.home import Home
 from appliance.secrets import rl_client_secret
 from appliance.settings import Settings
-from appliance.tls import keycloak_ssl
 
-CACHE = "cli-token.json"
 # Refresh when less than this is left, so a command never starts with a token about to expire.
 MARGIN_S = 30
 
@@ -49,33 +50,28 @@ class CachedToken:
                    refresh_expires_at=now + float(body.get("refresh_expires_in", 0)))
 
 
-def _cache_path(home: Home) -> Path:
-    return home.secrets / CACHE
+def save(connection: Connection, token: CachedToken) -> None:
+    path = connection.token_cache
+    path.parent.mkdir(mode=0o700, exist_ok=True)
+    replace_file(path, json.dumps(asdict(token)).encode())
 
 
-def save(home: Home, token: CachedToken) -> None:
-    replace_file(_cache_path(home), json.dumps(asdict(token)).encode())
-
-
-def _endpoint(settings: Settings, name: str) -> str:
-    return f"{settings.keycloak.issuer}/protocol/openid-connect/{name}"
-
-
-def _post(settings: Settings, home: Home, name: str, data: dict[str, str]) -> httpx.Response:
+def _post(connection: Connection, name: str, data: dict[str, str]) -> httpx.Response:
     try:
-        return httpx.post(_endpoint(settings, name), data={"client_id": settings.keycloak.cli_client_id, **data},
-                          timeout=30, verify=keycloak_ssl(settings, home))
+        return httpx.post(f"{connection.realm_url}/protocol/openid-connect/{name}",
+                          data={"client_id": connection.client_id, **data}, timeout=30,
+                          verify=connection.keycloak_trust())
     except httpx.HTTPError as exc:
-        raise KeycloakUnreachable(f"Keycloak at {settings.keycloak.base_url} is not reachable: {exc}",
-                         hint="is the appliance up? (`appliance status`)") from exc
+        raise KeycloakUnreachable(f"Keycloak at {connection.realm_url} is not reachable: {exc}",
+                                  hint="is the appliance up? (`appliance status`)") from exc
 
 
 def service_token(settings: Settings, home: Home) -> CachedToken:
     """A token of the RL loop's service identity (client credentials of `rl.client_id`), not cached:
     it is asked for again when it nears its end."""
-    response = _post(settings, home, "token", {"grant_type": "client_credentials",
-                                               "client_id": settings.rl.client_id,
-                                               "client_secret": rl_client_secret(home)})
+    response = _post(connections.local(settings, home), "token", {
+        "grant_type": "client_credentials", "client_id": settings.rl.client_id,
+        "client_secret": rl_client_secret(home)})
     if response.status_code != 200:
         raise _refused(response)
     return CachedToken.from_response(f"service-account-{settings.rl.client_id}", response.json())
@@ -90,11 +86,10 @@ def _refused(response: httpx.Response) -> LoginError:
     return LoginError(f"Keycloak refused the login: {reason}")
 
 
-def password_login(settings: Settings, home: Home, username: str, password: str, *,
-                   cache: bool = True) -> CachedToken:
+def password_login(connection: Connection, username: str, password: str, *, cache: bool = True) -> CachedToken:
     """Log in with a password (for scripts); the token is cached unless `cache` is False (a token
     printed for another user must not replace the cached login)."""
-    response = _post(settings, home, "token", {"grant_type": "password", "username": username, "password": password})
+    response = _post(connection, "token", {"grant_type": "password", "username": username, "password": password})
     if response.status_code != 200:
         refused = _refused(response)
         # Keycloak tells a locked account and a wrong password apart to no one; say both.
@@ -104,13 +99,13 @@ def password_login(settings: Settings, home: Home, username: str, password: str,
         raise refused
     token = CachedToken.from_response(username, response.json())
     if cache:
-        save(home, token)
+        save(connection, token)
     return token
 
 
-def device_login(settings: Settings, home: Home, show: Callable[[str, str], None]) -> CachedToken:
+def device_login(connection: Connection, show: Callable[[str, str], None]) -> CachedToken:
     """The device authorization grant: `show(url, code)` tells the person where to approve."""
-    response = _post(settings, home, "auth/device", {})
+    response = _post(connection, "auth/device", {})
     if response.status_code != 200:
         raise _refused(response)
     grant = response.json()
@@ -119,12 +114,12 @@ def device_login(settings: Settings, home: Home, show: Callable[[str, str], None
     deadline = time.monotonic() + float(grant.get("expires_in", 600))
     while time.monotonic() < deadline:
         time.sleep(interval)
-        response = _post(settings, home, "token", {"grant_type": "urn:ietf:params:oauth:grant-type:device_code",
-                                             "device_code": grant["device_code"]})
+        response = _post(connection, "token", {"grant_type": "urn:ietf:params:oauth:grant-type:device_code",
+                                               "device_code": grant["device_code"]})
         if response.status_code == 200:
             body = response.json()
             token = CachedToken.from_response(_username(body["access_token"]), body)
-            save(home, token)
+            save(connection, token)
             return token
         error = response.json().get("error") if response.headers.get("content-type", "").startswith(
             "application/json") else None
@@ -162,9 +157,9 @@ def realm_roles(claims: dict[str, Any]) -> list[str]:
     return sorted(map(str, roles)) if isinstance(roles, list) else []
 
 
-def cached_login(home: Home) -> CachedToken:
+def cached_login(connection: Connection) -> CachedToken:
     """The cached login as stored, not refreshed. LoginError when there is none or it cannot be read."""
-    path = _cache_path(home)
+    path = connection.token_cache
     try:
         raw = path.read_text()
     except FileNotFoundError as exc:
@@ -187,17 +182,17 @@ def _checked(token: CachedToken) -> CachedToken:
     return token
 
 
-def current_token(settings: Settings, home: Home) -> CachedToken:
+def current_token(connection: Connection) -> CachedToken:
     """The cached token, refreshed if it is about to expire."""
-    token = cached_login(home)
+    token = cached_login(connection)
     now = time.time()
     if token.expires_at - now > MARGIN_S:
         return token
     if not token.refresh_token or token.refresh_expires_at <= now:
         raise LoginError("the cached login has expired", hint="run `appliance token` again")
-    response = _post(settings, home, "token", {"grant_type": "refresh_token", "refresh_token": token.refresh_token})
+    response = _post(connection, "token", {"grant_type": "refresh_token", "refresh_token": token.refresh_token})
     if response.status_code != 200:
         raise _refused(response)
     token = CachedToken.from_response(token.username, response.json())
-    save(home, token)
+    save(connection, token)
     return token

@@ -14,12 +14,22 @@ import json
 import os
 import re
 import tomllib
+import urllib.parse
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
 import tomli_w
-from pydantic import BaseModel, ConfigDict, Field, IPvAnyAddress, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    IPvAnyAddress,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from appliance.errors import SettingsError
 
@@ -34,10 +44,17 @@ Port = Annotated[int, Field(ge=1024, le=65535)]
 _DNS_NAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?", re.ASCII)
 
 
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
 def is_loopback(host: str) -> bool:
-    """Whether a listener bound to `host` is reachable from this host only."""
-    if host.lower() == "localhost":
-        return True
+    """Whether a listener bound to `host` is reachable from this host only: a loopback address (a
+    name, even `localhost`, is whatever the resolver says, so it is not)."""
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
@@ -217,10 +234,24 @@ class KeycloakSettings(_Section):
             return self.url.rstrip("/")
         return f"https://127.0.0.1:{self.port}"
 
+    # Where users' browsers and other machines reach the embedded Keycloak: the gateway's
+    # public_url (Settings sets it), else nowhere but here.
+    _frontend: str | None = PrivateAttr(default=None)
+
     @property
     def issuer(self) -> str:
-        """The realm's `iss`, exactly as it appears in its tokens."""
+        """The realm's `iss`, exactly as it appears in its tokens (its frontend URL)."""
+        return f"{self._frontend or self.base_url}/realms/{self.realm}"
+
+    @property
+    def realm_url(self) -> str:
+        """Where this host's processes reach the realm's endpoints (token, keys, introspection)."""
         return f"{self.base_url}/realms/{self.realm}"
+
+    @property
+    def frontend_url(self) -> str | None:
+        """The embedded Keycloak's public base URL, published through the gateway; None: loopback only."""
+        return self._frontend
 
     @model_validator(mode="after")
     def _external_needs_url(self) -> KeycloakSettings:
@@ -302,6 +333,11 @@ class GatewaySettings(_Section):
         default_factory=list, description="Host names and addresses clients reach the gateway by, named in "
         "the certificate the appliance's CA issues (localhost, 127.0.0.1 and a specific bind address always are)."
     )
+    public_url: str | None = Field(
+        None, description="https://HOST[:PORT] at which users and applications on other machines reach the "
+        "gateway. Set, the embedded Keycloak's login endpoints (token, device login and its page, keys) are "
+        "published through the gateway under /realms/ and /resources/, and every token names it as issuer."
+    )
     max_body_bytes: int = Field(1_048_576, gt=0, description="Largest request body accepted.")
     leeway_s: int = Field(30, ge=0, le=300, description="Clock skew allowed on exp/nbf.")
     jwks_refetch_interval_s: int = Field(
@@ -361,11 +397,33 @@ class GatewaySettings(_Section):
                                      "(letters a-z, digits and hyphens, labels split by dots)") from None
         return [name.lower() for name in names]
 
+    @field_validator("public_url")
+    @classmethod
+    def _public_url(cls, url: str | None) -> str | None:
+        """https://HOST[:PORT] and nothing more, the host a DNS name or an IP address."""
+        if url is None:
+            return None
+        parsed = urllib.parse.urlsplit(url)
+        try:
+            port = parsed.port
+        except ValueError:
+            port = -1
+        host = parsed.hostname or ""
+        if (parsed.scheme != "https" or parsed.path not in ("", "/") or parsed.query or parsed.fragment
+                or parsed.username is not None or parsed.password is not None or port == -1
+                or not (_DNS_NAME.fullmatch(host) or _is_address(host))):
+            raise ValueError(f"{url[:120]!r} is not https://HOST[:PORT] (a DNS name or address, no path, "
+                             "user or query)")
+        shown = f"[{host}]" if ":" in host else host
+        return f"https://{shown.lower()}{f':{port}' if port else ''}"
+
     @model_validator(mode="after")
     def _no_clear_tokens_on_the_network(self) -> GatewaySettings:
         if (self.certificate is None) != (self.private_key is None):
             raise ValueError("certificate and private_key go together: set both (the organisation's) or neither "
                              "(the appliance's CA issues one)")
+        if self.public_url and not self.https:
+            raise ValueError("public_url is served over HTTPS: set tls to auto with a network bind, or on")
         if self.tls == "off" and not is_loopback(self.bind) and not self.allow_plain_http:
             raise ValueError(f"bind {self.bind} is a network address and tls is off: every bearer token would "
                              "cross the network in clear; set tls to auto (HTTPS), or allow_plain_http = true "
@@ -721,6 +779,12 @@ class Settings(_Section):
         min_length=1,
         description="vLLM pools; each is one supervised vllm-<name> program per replica.",
     )
+
+    @model_validator(mode="after")
+    def _keycloak_frontend(self) -> Settings:
+        """The embedded Keycloak is published through the gateway at its public URL, if it has one."""
+        self.keycloak._frontend = self.gateway.public_url if self.keycloak.mode == "embedded" else None
+        return self
 
     @model_validator(mode="after")
     def _pools_distinct(self) -> Settings:

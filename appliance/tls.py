@@ -4,7 +4,7 @@ The embedded Keycloak listens only on TLS, with a certificate this CA issued for
 gateway, CLI, TUI and installer verify it against the CA, so they take Keycloak's signing keys only
 from Keycloak and send the gateway's client secret or a password to no other listener: a local
 process that takes Keycloak's port while it restarts cannot complete the handshake. The CA's key
-stays in `secrets/` (0600); its certificate, `tls/ca.pem`, is public (`appliance tls ca-cert`).
+stays in `secrets/` (0600); its certificate, `tls/ca.pem`, is public (`appliance tls export-ca`).
 
 The gateway serving the network uses the same CA (or the organisation's certificate). Every
 certificate the CA issues names `localhost`: the appliance's own processes reach any of its
@@ -19,10 +19,12 @@ import hashlib
 import ipaddress
 import os
 import ssl
+import urllib.parse
 from collections.abc import Iterable
 from pathlib import Path
 
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
@@ -110,8 +112,11 @@ def _current(cert_path: Path, key_path: Path, ca: x509.Certificate, names: list[
         return False
     cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
     sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    return (cert.issuer == ca.subject and cert.not_valid_after_utc - RENEW_BEFORE > _now()
-            and set(sans) == set(names))
+    try:
+        cert.verify_directly_issued_by(ca)  # by this CA, not merely one of the same name (a CA made anew)
+    except (ValueError, TypeError, InvalidSignature):
+        return False
+    return cert.not_valid_after_utc - RENEW_BEFORE > _now() and set(sans) == set(names)
 
 
 def certificate_sha256(certificate: x509.Certificate) -> str:
@@ -234,13 +239,14 @@ def organisation_certificate_problem(certificate: Path, private_key: Path) -> st
 
 def gateway_names(settings: Settings) -> list[str]:
     """What the gateway's certificate from the CA names besides loopback: a specific bind
-    address, then `gateway.names`."""
+    address, `gateway.names` and the host of `gateway.public_url`."""
     bind = settings.gateway.bind
     try:
         specific = [] if ipaddress.ip_address(bind).is_unspecified else [bind]
     except ValueError:
-        specific = [bind.lower()]
-    return list(dict.fromkeys([*specific, *settings.gateway.names]))
+        specific = []  # a host name to bind is not a name the CA vouches for: gateway.names are checked
+    public = urllib.parse.urlsplit(settings.gateway.public_url).hostname if settings.gateway.public_url else None
+    return list(dict.fromkeys([*specific, *settings.gateway.names, *([public] if public else [])]))
 
 
 def gateway_certificate(settings: Settings, home: Home, *, renew: bool = False) -> tuple[Path, Path]:

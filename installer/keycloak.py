@@ -186,6 +186,11 @@ def keycloak_programs(settings: Settings, home: Home) -> list[Program]:
         f"--hostname={base}",
         "--health-enabled=true",
     ]
+    if keycloak.frontend_url:
+        # Published through the gateway (the realm's frontend URL, installer.realm): it forwards a
+        # workstation's login with X-Forwarded-For, which names the source in Keycloak's events,
+        # believed from loopback only.
+        command += ["--proxy-headers=xforwarded", "--proxy-trusted-addresses=127.0.0.1/32"]
     env = {
         "JAVA_HOME": jdk,
         "KC_BOOTSTRAP_ADMIN_USERNAME": ADMIN_USER,

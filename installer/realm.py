@@ -107,6 +107,9 @@ def realm_security(keycloak: KeycloakSettings) -> dict[str, object]:
         "eventsEnabled": True, "eventsExpiration": EVENTS_EXPIRATION_S, "enabledEventTypes": sorted(EVENT_ACTIONS),
         # Details would copy what an admin sent (a user's representation) into Keycloak's store.
         "adminEventsEnabled": True, "adminEventsDetailsEnabled": False,
+        # Published through the gateway: browsers, other machines and every token's `iss` use its
+        # public URL, while this host's processes go on asking on loopback; "": loopback only.
+        "attributes": {"frontendUrl": keycloak.frontend_url or ""},
     }
 
 
@@ -125,6 +128,8 @@ def _differs(current: object, wanted: object) -> bool:
     map (client attributes) only the keys wanted count."""
     if isinstance(wanted, dict):
         return not isinstance(current, dict) or any(_differs(current.get(k), v) for k, v in wanted.items())
+    if wanted == "" and current is None:  # an attribute unset is an attribute empty
+        return False
     if isinstance(wanted, list):
         return not isinstance(current, list) or sorted(map(str, current)) != sorted(map(str, wanted))
     return current != wanted

@@ -52,10 +52,12 @@ class TokenValidator:
 
     def __init__(self, *, issuer: str, audience: str, http: httpx.AsyncClient, leeway_s: int = 30,
                  refetch_interval_s: float = 30.0, introspect: Introspector | None = None,
-                 on_fetch: Callable[[], None] = lambda: None) -> None:
+                 on_fetch: Callable[[], None] = lambda: None, realm_url: str | None = None) -> None:
+        """`issuer`: the tokens' `iss`; `realm_url`: where the realm's keys are fetched (its
+        backchannel on this host), the issuer itself if None."""
         self.issuer = issuer
         self.audience = audience
-        self.jwks_url = f"{issuer}/protocol/openid-connect/certs"
+        self.jwks_url = f"{realm_url or issuer}/protocol/openid-connect/certs"
         self._http = http
         self._leeway = leeway_s
         self._refetch_interval = refetch_interval_s
@@ -180,8 +182,8 @@ class Introspector:
     answer per token for `ttl_s`: a disabled user's token stops working within `ttl_s`."""
 
     def __init__(self, *, issuer: str, client_id: str, client_secret: str, http: httpx.AsyncClient,
-                 ttl_s: float) -> None:
-        self._url = f"{issuer}/protocol/openid-connect/token/introspect"
+                 ttl_s: float, realm_url: str | None = None) -> None:
+        self._url = f"{realm_url or issuer}/protocol/openid-connect/token/introspect"
         self._auth = (client_id, client_secret)
         self._http = http
         self._ttl = ttl_s

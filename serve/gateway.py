@@ -46,6 +46,8 @@ from serve.compliance import AnswerFilter, Compliance, Marks
 from serve.deps import ChatUser
 from serve.engine import ENGINE_KEY_SECRET
 from serve.errors import GatewayError, ModelNotFound, from_core, validation_error
+from serve.identity_proxy import IdentityProxy
+from serve.identity_proxy import router as identity_router
 from serve.keycloak_events import KeycloakEvents
 from serve.limits import Admission, RateLimiter
 from serve.metrics import Metrics
@@ -86,6 +88,7 @@ class Gateway:
     compliance: Compliance
     cache: ResponseCache
     keys: KeyAuthenticator
+    identity: IdentityProxy | None  # Keycloak's login endpoints, when published (serve.identity_proxy)
 
 
 class Health(BaseModel):
@@ -111,10 +114,12 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
             keycloak = settings.keycloak
             introspect = None
             if settings.gateway.introspect_ttl_s > 0:
-                introspect = Introspector(issuer=keycloak.issuer, client_id=keycloak.gateway_client_id,
+                introspect = Introspector(issuer=keycloak.issuer, realm_url=keycloak.realm_url,
+                                          client_id=keycloak.gateway_client_id,
                                           client_secret=gateway_client_secret(settings, home),
                                           http=http, ttl_s=settings.gateway.introspect_ttl_s)
-            validator = TokenValidator(issuer=keycloak.issuer, audience=keycloak.gateway_client_id,
+            validator = TokenValidator(issuer=keycloak.issuer, realm_url=keycloak.realm_url,
+                                       audience=keycloak.gateway_client_id,
                                        http=http, leeway_s=settings.gateway.leeway_s,
                                        refetch_interval_s=settings.gateway.jwks_refetch_interval_s,
                                        introspect=introspect, on_fetch=metrics.jwks_fetches.inc)
@@ -126,7 +131,8 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
                 adapters=AdapterRoutes(home, upstreams, artifact_store(settings.artifacts, home),
                                        base_configs(settings, home), on_change=cache.invalidate),
                 compliance=compliance, cache=cache,
-                keys=KeyAuthenticator(home, Users(settings, home).lookup, settings.gateway.introspect_ttl_s))
+                keys=KeyAuthenticator(home, Users(settings, home).lookup, settings.gateway.introspect_ttl_s),
+                identity=IdentityProxy(settings, http) if keycloak.frontend_url else None)
             SlowClients.closed = _slow_client_accounting(writer, refusals, metrics)
             await validator.try_refresh_keys()  # Keycloak may still be starting
             await upstreams.replicas.check()  # which engines answer, before the first request
@@ -285,7 +291,7 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
         return await relay(request, who, "/v1/completions", body)
 
     # After the /v1 routes: routes are matched in order, and /v1 carries the traffic.
-    for router in admin_routers(settings, home):
+    for router in [*admin_routers(settings, home), identity_router(settings)]:
         app.include_router(router)
     return app
 

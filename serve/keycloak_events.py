@@ -163,7 +163,7 @@ class KeycloakEvents:
                  summaries: Summaries) -> None:
         keycloak = settings.keycloak
         self._interval = keycloak.events_poll_s
-        self._token_url = f"{keycloak.issuer}/protocol/openid-connect/token"
+        self._token_url = f"{keycloak.realm_url}/protocol/openid-connect/token"
         self._admin_url = f"{keycloak.base_url}/admin/realms/{keycloak.realm}"
         self._credentials = (keycloak.gateway_client_id, gateway_client_secret(settings, home))
         self._writer = writer

@@ -38,11 +38,12 @@ import sys
 from typing import Any, ClassVar
 
 import uvicorn
+import uvloop
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from appliance.home import Home
 from appliance.settings import GatewaySettings, load_settings
-from serve.https import GatewayTLS
+from serve.https import GatewayTLS, quiet_undecodable_names
 from serve.slow_clients import SlowClients
 
 log = logging.getLogger("appliance.gateway")
@@ -200,14 +201,33 @@ def main() -> None:
     GuardedHttpToolsProtocol.send_timeout_s = gateway.send_timeout_s
     GuardedHttpToolsProtocol.max_connections = max(16, min(gateway.max_connections, descriptors - FD_RESERVE))
     tls = GatewayTLS(settings, home) if gateway.https else None
+    if tls is not None:
+        quiet_undecodable_names()
     config = uvicorn.Config("serve.gateway:app_from_env", factory=True, host=gateway.bind, port=gateway.port,
-                            http=GuardedHttpToolsProtocol, loop="uvloop", access_log=False, log_level="warning",
+                            http=GuardedHttpToolsProtocol, loop="serve.listener:guarded_loop", access_log=False,
+                            log_level="warning",
                             timeout_graceful_shutdown=5, backlog=2048, **forwarding(gateway),
                             ssl_context_factory=(lambda *_: tls.context) if tls else None)
     server = _Server(config, tls)
     server.run()
     if not server.started:
         sys.exit(3)  # as uvicorn.run: the app or the socket failed at start
+
+
+class _GuardedLoop(uvloop.Loop):
+    """uvloop's loop whose TLS listeners give a handshake the header deadline: a connection is
+    handed to its protocol (and its deadlines and the connection cap) only once its handshake is
+    done, so until then this is all that bounds it (asyncio's default is 60 s)."""
+
+    async def create_server(self, *args: Any, **kwargs: Any) -> asyncio.AbstractServer:  # type: ignore[override]
+        if kwargs.get("ssl") is not None:
+            kwargs.setdefault("ssl_handshake_timeout", GuardedHttpToolsProtocol.header_timeout_s)
+        return await super().create_server(*args, **kwargs)
+
+
+def guarded_loop() -> asyncio.AbstractEventLoop:
+    """uvicorn's loop factory (`loop="serve.listener:guarded_loop"`)."""
+    return _GuardedLoop()
 
 
 class _Server(uvicorn.Server):

@@ -118,6 +118,15 @@ def slowness(module: str) -> int:
     return folders[0] if folders else len(RUN_ORDER)
 
 
+@pytest.fixture(autouse=True)
+def user_config(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """This test's user configuration directory (cached logins, a remote appliance chosen), never
+    the real user's."""
+    path = tmp_path_factory.mktemp("config")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(path))
+    return path
+
+
 @pytest.fixture(scope="session")
 def demo_model() -> Path:
     """The demo model the set-up step prepared in the default state directory."""

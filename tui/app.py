@@ -9,6 +9,7 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Static
 
+from appliance import connection as connections
 from appliance import login
 from appliance.admin_client import AdminClient, NotLoggedIn, Unreachable
 from appliance.home import Home
@@ -54,7 +55,7 @@ class Login(ModalScreen[bool]):
 
     def _login(self) -> None:
         try:
-            login.device_login(self.app.settings, self.app.home, self._show)
+            login.device_login(self.app.client.connection, self._show)
         except login.LoginError as exc:
             self.app.call_from_thread(self.query_one("#login-text", Static).update,
                                       f"Login failed: {exc.one_line()}\nPress r to try again.")
@@ -80,7 +81,7 @@ class AdminApp(App[None]):
         super().__init__()
         self.settings = settings
         self.home = home
-        self.client = AdminClient(settings, home)
+        self.client = AdminClient(connections.current(lambda: (settings, home)))
 
     async def on_mount(self) -> None:
         self.sub_title = self.client.base_url

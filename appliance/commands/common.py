@@ -20,6 +20,7 @@ from appliance.home import Home
 if TYPE_CHECKING:
     from typer import _click  # the Click that Typer vendors
 
+    from appliance.connection import Connection
     from appliance.settings import Settings
 
 # Every list and show command takes it; the JSON is what the table shows, whole.
@@ -34,12 +35,18 @@ def context() -> tuple[Settings, Home]:
     return load_settings(home.settings_file), home
 
 
+def connection() -> Connection:
+    """Where this user's logins and admin calls go: the remote appliance they chose, else this host's."""
+    from appliance import connection as connections
+
+    return connections.current(context)
+
+
 def admin_api(method: str, path: str, **kwargs: Any) -> Any:
     """One call of the gateway's admin API with the cached administrator token; its JSON answer."""
     from appliance.admin_client import AdminClient
 
-    settings, home = context()
-    return AdminClient(settings, home).call_sync(method, path, **kwargs)
+    return AdminClient(connection()).call_sync(method, path, **kwargs)
 
 
 def read_password() -> str:

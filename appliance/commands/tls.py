@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import datetime
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.console import Console
 
-from appliance.commands.common import context
+from appliance.commands.common import AsJson, context, print_json
 
 tls_app = typer.Typer(help="The gateway's HTTPS: the CA certificate to give clients, the certificate it shows, "
                       "renewal.", no_args_is_help=True)
 out = Console()
 
 
-@tls_app.command("ca-cert")
-def ca_cert() -> None:
+@tls_app.command("export-ca")
+def export_ca() -> None:
     """Print the appliance's CA certificate (PEM): what clients on other machines trust for the gateway
     and Keycloak when the organisation's certificate is not set."""
     from appliance import tls
@@ -27,7 +28,7 @@ def ca_cert() -> None:
 
 
 @tls_app.command("show")
-def show() -> None:
+def show(json: AsJson = False) -> None:
     """What the gateway shows the network: whose certificate, the names in it, until when."""
     from cryptography import x509
 
@@ -35,21 +36,31 @@ def show() -> None:
 
     settings, home = context()
     gateway = settings.gateway
+    view: dict[str, Any] = {"https": gateway.https, "bind": gateway.bind, "port": gateway.port}
+    if gateway.https:
+        if gateway.certificate:
+            path, whose = Path(gateway.certificate), "organisation"
+        else:
+            path, whose = tls.gateway_certificate(settings, home)[0], "appliance CA"
+        leaf = x509.load_pem_x509_certificate(path.read_bytes())
+        names = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        view |= {"certificate": str(path), "issued_by": whose, "names": [str(name.value) for name in names],
+                 "not_after": leaf.not_valid_after_utc.isoformat(), "sha256": tls.certificate_sha256(leaf),
+                 "ca_certificate": str(tls.ca_file(home))}
+    if json:
+        print_json(view)
+        return
     if not gateway.https:
         out.print(f"the gateway serves plain HTTP on {gateway.bind}:{gateway.port} (gateway.tls = {gateway.tls})",
                   markup=False)
         return
-    if gateway.certificate:
-        path, whose = Path(gateway.certificate), "the organisation's (gateway.certificate)"
-    else:
-        path, whose = tls.gateway_certificate(settings, home)[0], "issued by the appliance's CA"
-    leaf = x509.load_pem_x509_certificate(path.read_bytes())
-    names = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    left = leaf.not_valid_after_utc - datetime.datetime.now(datetime.UTC)
-    out.print(f"https on {gateway.bind}:{gateway.port}, certificate {whose}: {path}\n"
-              f"  names: {', '.join(str(name.value) for name in names)}\n"
-              f"  valid until {leaf.not_valid_after_utc:%Y-%m-%d %H:%M} UTC ({left.days} days)\n"
-              f"  sha256: {tls.certificate_sha256(leaf)}", markup=False)
+    left = datetime.datetime.fromisoformat(view["not_after"]) - datetime.datetime.now(datetime.UTC)
+    whose_text = ("the organisation's (gateway.certificate)" if view["issued_by"] == "organisation"
+                  else "issued by the appliance's CA")
+    out.print(f"https on {gateway.bind}:{gateway.port}, certificate {whose_text}: {view['certificate']}\n"
+              f"  names: {', '.join(view['names'])}\n"
+              f"  valid until {view['not_after'][:16].replace('T', ' ')} UTC ({left.days} days)\n"
+              f"  sha256: {view['sha256']}", markup=False)
 
 
 @tls_app.command("renew")

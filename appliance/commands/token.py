@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 
+from appliance import connection as connections
 from appliance import login
-from appliance.commands.common import context, read_password
+from appliance.commands.common import connection, read_password
 from appliance.errors import ApplianceError
-from appliance.home import Home
 from appliance.terminal import duration, shown
-from appliance.tls import ca_file
 
 out = Console()
 
@@ -28,6 +28,12 @@ def token(
     save: Annotated[bool, typer.Option(
         "--save", help="With --user and --print: also cache that user's token, replacing the cached login.")
     ] = False,
+    gateway: Annotated[str | None, typer.Option(
+        "--gateway", help="Log in to the appliance whose gateway is at https://HOST[:PORT] (from a workstation, or "
+        "a non-root account) and make it this user's current appliance; `local`: this host's again.")] = None,
+    ca_file: Annotated[Path | None, typer.Option(
+        "--ca-file", help="With --gateway: the CA certificate that verifies the gateway (`appliance tls export-ca` "
+        "prints it); unset: the system's trust store.")] = None,
 ) -> None:
     """Log in (device code by default; a password for scripts), cache the token 0600, refresh it.
 
@@ -37,22 +43,31 @@ def token(
     """
     if save and not (user and print_token):
         raise ApplianceError("--save goes with --user and --print: a login without --print is always cached")
-    settings, home = context()
-    if user and password_stdin:
-        cached = login.password_login(settings, home, user, read_password(), cache=save or not print_token)
-    elif user or password_stdin:
+    if (user is None) != (not password_stdin):
         raise ApplianceError("--user and --password-stdin go together")
-    elif print_token:
-        cached = login.current_token(settings, home)
+    if ca_file is not None and gateway in (None, "local"):
+        raise ApplianceError("--ca-file goes with --gateway https://HOST[:PORT]")
+    if gateway == "local":
+        connections.forget()
+        target = connection()
+    elif gateway is not None:
+        target = connections.discover(gateway, ca_file)  # made current only once logged in
     else:
-        trust = "" if settings.keycloak.mode == "external" else (
-            f" (the page's certificate is from the appliance's own CA, {ca_file(home)}: trust it in the browser)")
-        cached = login.device_login(settings, home, lambda url, code: typer.echo(
-            f"Open {url} and enter the code {code} to approve this login.{trust}", err=True))
+        target = connection()
+    if user:
+        cached = login.password_login(target, user, read_password(), cache=save or not print_token)
+    elif print_token:
+        cached = login.current_token(target)
+    else:
+        cached = login.device_login(target, lambda url, code: typer.echo(
+            f"Open {url} and enter the code {code} to approve this login.", err=True))
+    if gateway not in (None, "local"):
+        connections.remember(target, ca_file)
     if print_token:
         typer.echo(cached.access_token)
     else:
-        out.print(f"logged in as {cached.username}; token cached in {home.secrets / login.CACHE}")
+        out.print(f"logged in as {cached.username} at {target.gateway}; token cached in {target.token_cache}",
+                  markup=False)
 
 
 def whoami(
@@ -64,15 +79,16 @@ def whoami(
     Read from the login cache on this host (no network). Exits 1 when there is no login or it has
     expired; `appliance token` logs in.
     """
-    home = Home.from_env()
+    target = connection()
     try:
-        view = login_view(login.cached_login(home), time.time())
+        view = login_view(login.cached_login(target), time.time())
     except login.LoginError as exc:
         if not as_json:
             raise
         out.print_json(json.dumps({"logged_in": False, "reason": exc.one_line()}))
         raise typer.Exit(1) from None
-    view["cache"] = str(home.secrets / login.CACHE)
+    view["cache"] = str(target.token_cache)
+    view["gateway"] = target.gateway
     if as_json:
         out.print_json(json.dumps(view))
     else:
@@ -125,6 +141,7 @@ def _print_login(view: dict[str, Any]) -> None:
         ("issuer", view["issuer"] or "-"),
         ("access token", _when(view["access_token_expires_at"], access_left) + state),
         ("refresh token", _when(view["refresh_token_expires_at"], view["refresh_token_expires_in_s"])),
+        ("gateway", view["gateway"]),
         ("cache", view["cache"]),
     ]
     for label, value in lines:

@@ -35,7 +35,7 @@ def test_cli_token_login_and_users_round_trip(running: Running, realm: Realm) ->
     password = secret(cli.home, BOOTSTRAP_SECRET)
     login = cli.run("token", "--user", "admin", "--password-stdin", stdin=password + "\n", timeout=60)
     assert login.returncode == 0, login.stderr
-    assert (cli.home.secrets / "cli-token.json").stat().st_mode & 0o777 == 0o600
+    assert cli.login_cache().stat().st_mode & 0o777 == 0o600
     assert password not in login.stdout + login.stderr
     printed = cli.run("token", "--print", timeout=60).stdout.strip()
     assert printed.count(".") == 2
@@ -116,7 +116,7 @@ def test_device_code_login_and_refresh(running: Running, realm: Realm) -> None:
     assert "logged in as gina" in stdout
 
     # An expiring cached token is refreshed, not reused.
-    cache = cli.home.secrets / "cli-token.json"
+    cache = cli.login_cache()
     cached = json.loads(cache.read_text())
     cache.write_text(json.dumps({**cached, "expires_at": time.time()}))
     refreshed = cli.run("token", "--print", timeout=60).stdout.strip()

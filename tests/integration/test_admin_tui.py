@@ -22,6 +22,7 @@ from textual.pilot import Pilot
 from textual.widgets import Input, Select, Static
 
 from appliance import adapters, jobs, login
+from appliance import connection as connections
 from appliance.adapters import AdapterState
 from appliance.artifacts import artifact_store
 from appliance.home import Home
@@ -69,7 +70,7 @@ def app(running: Running) -> AdminApp:
     """The app with a fresh admin login in the cache, as `appliance token` leaves it."""
     cli = running.appliance
     settings = load_settings(cli.home.settings_file, environ=cli.env)
-    login.password_login(settings, cli.home, "admin", secret(cli.home, BOOTSTRAP_SECRET))
+    login.password_login(connections.local(settings, cli.home), "admin", secret(cli.home, BOOTSTRAP_SECRET))
     return AdminApp(settings, cli.home)
 
 
@@ -202,7 +203,7 @@ def test_jobs_and_adapters_screen_cancels_deploys_canaries_and_rolls_back(
     alias = adapters.load(home).aliases["tui-adapter"]  # the UI changed the real registry
     assert (alias.stable, alias.canary) == (1, None)
     retired = httpx.post(f"{app.client.base_url}/admin/adapters/tui-adapter/retire", json={}, timeout=120,
-                         headers={"Authorization": f"Bearer {login.current_token(app.settings, home).access_token}"})
+                         headers={"Authorization": f"Bearer {login.current_token(app.client.connection).access_token}"})
     assert retired.status_code == 200, retired.text  # the other tests expect the base model alone
 
 
@@ -297,7 +298,7 @@ def test_banner_for_a_stopped_gateway_and_an_expired_login_then_device_login(app
                                                                             realm: Realm) -> None:
     home = running.appliance.home
     supervisor = Supervisor(home)
-    cache = home.secrets / "cli-token.json"
+    cache = app.client.connection.token_cache
 
     async def scenario(pilot: Pilot) -> None:
         await until(pilot, lambda: "gateway" in rows(app, "services"), "the dashboard")

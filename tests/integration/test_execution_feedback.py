@@ -24,6 +24,7 @@ import pytest
 from textual.pilot import Pilot
 
 from appliance import adapters, login
+from appliance import connection as connections
 from appliance.admin_client import AdminClient, Refused
 from appliance.jobs import FINISHED, JobState
 from appliance.rl import exports, runs
@@ -275,7 +276,8 @@ def test_sft_and_dpo_sets_train_adapters_that_are_gated_served_and_canaried(lab:
 def test_the_tui_shows_runs_and_one_attempt_with_its_correction(lab: Lab) -> None:
     cli = lab.cli
     settings = load_settings(cli.home.settings_file, environ=cli.env)
-    login.password_login(settings, cli.home, "admin", secret(lab.realm.running.appliance.home, BOOTSTRAP_SECRET))
+    login.password_login(connections.local(settings, cli.home), "admin",
+                         secret(lab.realm.running.appliance.home, BOOTSTRAP_SECRET))
     [run] = [r for r in runs.listing(cli.home) if r.spec.split == "all"]
     corrected = next(a for a in rl_attempts(cli, run.id) if a.round == 1)
     app = AdminApp(settings, cli.home)
@@ -307,7 +309,7 @@ def test_the_tui_shows_runs_and_one_attempt_with_its_correction(lab: Lab) -> Non
     assert f"preference set: dataset rl-run-{run.id}-dpo" in (export.message or "")
     listed = cli.run("data", "list")
     assert f"rl-run-{run.id}-sft" in listed.stdout and f"rl-run-{run.id}-dpo" in listed.stdout
-    admin = AdminClient(settings, cli.home)
+    admin = AdminClient(connections.local(settings, cli.home))
     assert exports.Export.model_validate(admin.call_sync("GET", f"/rl/exports/{export.id}")) == export
     # Bad asks are refused with the reason, and nothing is queued.
     for path, body, status, reason in (

@@ -29,7 +29,7 @@ from appliance.local_gateway import client_options
 from appliance.secrets import secret
 from appliance.settings import load_settings
 from appliance.supervisor import Supervisor
-from installer.realm import BOOTSTRAP_SECRET
+from installer.realm import BOOTSTRAP_SECRET, provision
 from tests.integration.realm import Realm
 from tests.support.appliances import new_appliance, remove_appliance
 from tests.support.certificates import organisation_chain
@@ -63,6 +63,7 @@ def gateway_settings(running: Running, **gateway: Any) -> Iterator[None]:
     data.setdefault("gateway", {}).update(gateway)
     home.settings_file.write_text(tomli_w.dumps(data))
     try:
+        provision(load_settings(home.settings_file, environ=running.appliance.env), home)  # as `up` does
         restart_gateway(running)
         yield
     finally:
@@ -70,7 +71,11 @@ def gateway_settings(running: Running, **gateway: Any) -> Iterator[None]:
             home.settings_file.unlink()
         else:
             home.settings_file.write_bytes(original)
+        provision(load_settings(home.settings_file, environ=running.appliance.env), home)
         restart_gateway(running)
+        # Tokens issued meanwhile name the public URL as issuer: the modules after need a login
+        # the restored gateway takes.
+        local_cli_reaches_the_gateway(running)
 
 
 def restart_gateway(running: Running) -> None:
@@ -176,7 +181,7 @@ def local_cli_reaches_the_gateway(running: Running) -> None:
                                   stdin=secret(running.appliance.home, BOOTSTRAP_SECRET) + "\n")
     assert login.returncode == 0, login.stdout + login.stderr
     listed = running.appliance.run("users", "list", "--json", timeout=60)
-    assert listed.returncode == 0 and "remote" in listed.stdout, listed.stdout + listed.stderr
+    assert listed.returncode == 0 and "admin" in listed.stdout, listed.stdout + listed.stderr
 
 
 def test_https_with_the_appliance_ca_from_a_workstation(running: Running, realm: Realm, network: Network,
@@ -185,7 +190,7 @@ def test_https_with_the_appliance_ca_from_a_workstation(running: Running, realm:
     port = realm.settings.gateway.port
     url = f"https://{network.head}:{port}"
     ca = tmp_path / "appliance-ca.pem"
-    shown = running.appliance.run("tls", "ca-cert")
+    shown = running.appliance.run("tls", "export-ca")
     assert shown.returncode == 0, shown.stderr
     ca.write_text(shown.stdout)  # all the workstation is given
     token = realm.token("remote", PASSWORD)
@@ -239,3 +244,99 @@ def test_plain_http_on_a_network_address_is_refused_at_up() -> None:
         assert not (appliance.home.run / "supervisord.pid").exists()
     finally:
         remove_appliance(appliance)
+
+
+DEVICE_APPROVAL = """
+    import json, os, ssl, sys
+    sys.path.insert(0, os.environ["REPO"])
+    from tests.support.browser import approve_device_login
+    page = approve_device_login(os.environ["LINK"], os.environ["USER_NAME"], os.environ["PASSWORD"],
+                                ssl.create_default_context(cafile=os.environ["CA"]))
+    print(json.dumps({"page": page[-300:]}))
+"""
+
+TUI_FIRST_SCREEN = """
+    import json, os, sys
+    sys.path.insert(0, os.environ["REPO"])
+    from appliance.home import Home
+    from appliance.settings import Settings
+    from tests.support.pilot import drive, rows, until
+    from tui.app import AdminApp
+
+    app = AdminApp(Settings(), Home.from_env().ensure())
+    seen = {}
+
+    async def scenario(pilot):
+        await until(pilot, lambda: "gateway" in rows(app, "services"), "the dashboard", 120)
+        seen.update(services=sorted(rows(app, "services")), title=app.sub_title)
+
+    drive(app, scenario)
+    print(json.dumps(seen))
+"""
+
+
+def test_logins_and_the_tui_from_a_workstation(running: Running, realm: Realm, network: Network,
+                                                tmp_path: Path) -> None:
+    """A workstation with only the CA certificate: a password login and a device login approved
+    through the published verification page, admin commands and the TUI's first screen, all
+    through the gateway; its logins are its own (its user's configuration directory)."""
+    port = realm.settings.gateway.port
+    public = f"https://{network.head}:{port}"
+    ca = tmp_path / "appliance-ca.pem"
+    ca.write_text(running.appliance.run("tls", "export-ca").stdout)
+    desk = tmp_path / "workstation"
+    env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": str(desk),
+           "XDG_CONFIG_HOME": str(desk / "config"), "APPLIANCE_HOME": str(desk / "state"), "COLUMNS": "200",
+           "REPO": str(Path(__file__).parents[2])}
+    admin_password = secret(running.appliance.home, BOOTSTRAP_SECRET)
+
+    def cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["ip", "netns", "exec", network.namespace, str(Path(sys.executable).parent / "appliance"),
+                               *args], env=env, input=stdin, capture_output=True, text=True, timeout=180)
+
+    with gateway_settings(running, bind="0.0.0.0", public_url=public):
+        # Keycloak's admin console and the master realm are not published.
+        hidden = workstation(network, """
+            import json, os, httpx
+            base = os.environ["URL"]
+            print(json.dumps({path: httpx.get(base + path, verify=os.environ["CA"]).status_code
+                              for path in ("/admin/master/console/", "/realms/master/protocol/openid-connect/certs",
+                                           "/realms/appliance/protocol/openid-connect/certs")}))
+        """, URL=public, CA=str(ca))
+        assert hidden == {"/admin/master/console/": 401, "/realms/master/protocol/openid-connect/certs": 404,
+                          "/realms/appliance/protocol/openid-connect/certs": 200}, hidden
+
+        logged = cli("token", "--gateway", public, "--ca-file", str(ca), "--user", "remote", "--password-stdin",
+                     stdin=PASSWORD + "\n")
+        assert logged.returncode == 0, logged.stdout + logged.stderr
+        assert f"logged in as remote at {public}" in logged.stdout, logged.stdout
+        who = cli("whoami", "--json")
+        view = json.loads(who.stdout)
+        assert view["issuer"] == f"{public}/realms/appliance" and view["gateway"] == public, view
+        cache = Path(view["cache"])
+        assert cache.is_relative_to(desk / "config") and cache.stat().st_mode & 0o777 == 0o600
+        refused = cli("users", "list")
+        assert refused.returncode != 0 and "403" in refused.stderr, refused.stderr  # remote is no administrator
+
+        # The device login, approved in the workstation's browser through the published page.
+        device = subprocess.Popen(["ip", "netns", "exec", network.namespace,
+                                   str(Path(sys.executable).parent / "appliance"), "token"],
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert device.stderr is not None
+        prompt = device.stderr.readline()
+        link = prompt.split("Open ", 1)[1].split(" and enter", 1)[0]
+        assert link.startswith(f"{public}/realms/appliance/device"), prompt
+        workstation(network, DEVICE_APPROVAL, LINK=link, USER_NAME="admin", PASSWORD=admin_password, CA=str(ca),
+                    REPO=env["REPO"])
+        out, err = device.communicate(timeout=120)
+        assert device.returncode == 0 and "logged in as admin" in out, out + err
+        listed = cli("users", "list", "--json")
+        assert listed.returncode == 0 and "remote" in listed.stdout, listed.stdout + listed.stderr
+
+        first = workstation(network, TUI_FIRST_SCREEN, **{k: v for k, v in env.items() if k != "PATH"})
+        assert "gateway" in first["services"] and first["title"] == f"admin @ {public}", first
+
+        back = cli("token", "--gateway", "local", "--print")  # this workstation has no appliance of its own
+        assert back.returncode != 0
+    # The host's own CLI kept its own login all along (another user's configuration directory).
+    assert not (Path(running.appliance.env["XDG_CONFIG_HOME"]) / "appliance" / "remote.json").exists()

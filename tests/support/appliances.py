@@ -36,6 +36,11 @@ class Appliance:
     def port(self, name: str) -> int:
         return int(self.env[name])
 
+    def login_cache(self) -> Path:
+        """The cached login of its CLI (one realm: one file)."""
+        [cache] = (Path(self.env["XDG_CONFIG_HOME"]) / "appliance" / "logins").glob("*.json")
+        return cache
+
 
 def make_appliance(demo: Path | None, keycloak: Path | None = None,
                    **overrides: str) -> Generator[Appliance, None, None]:
@@ -56,7 +61,7 @@ def new_appliance(demo: Path | None, keycloak: Path | None = None, **overrides: 
     if demo is not None:
         home.demo_model.symlink_to(demo, target_is_directory=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("APPLIANCE_")}
-    env.update({HOME_ENV: str(home.root), "COLUMNS": "200",
+    env.update({HOME_ENV: str(home.root), "COLUMNS": "200", "XDG_CONFIG_HOME": str(root / "config"),
                 "APPLIANCE_GATEWAY__PORT": str(free_port())})
     if keycloak is not None:
         target = install_dir(home)

@@ -61,13 +61,14 @@ def write_key(path: Path, key: PrivateKey) -> None:
 
 
 def organisation_chain(directory: Path, names: list[str], *, days: tuple[int, int] = (-1, 90),
-                       tag: str = "") -> Chain:
+                       tag: str = "", rsa_leaf: bool = False) -> Chain:
     """A root, an intermediate (RSA, as many enterprise CAs still are) and a server certificate
-    for `names` (EC), written under `directory`."""
+    for `names` (EC, or RSA), written under `directory`."""
     directory.mkdir(parents=True, exist_ok=True)
     root_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
     middle_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-    leaf_key = ec.generate_private_key(ec.SECP256R1())
+    leaf_key: PrivateKey = (rsa.generate_private_key(public_exponent=65537, key_size=2048) if rsa_leaf
+                            else ec.generate_private_key(ec.SECP256R1()))
     root = _certificate("Bank Root CA", root_key, "Bank Root CA", root_key, ca=True, days=(-10, 3650))
     middle = _certificate("Bank Issuing CA", middle_key, "Bank Root CA", root_key, ca=True, days=(-10, 1000))
     leaf = _certificate(names[0], leaf_key, "Bank Issuing CA", middle_key, ca=False, names=names, days=days)

@@ -8,7 +8,11 @@ import json
 import time
 from typing import Any
 
+from appliance import connection as connections
 from appliance import login
+from appliance.connection import Connection
+from appliance.home import Home
+from appliance.settings import Settings
 
 ISSUER = "https://127.0.0.1:8443/realms/appliance"
 
@@ -28,3 +32,8 @@ def admin_token(username: str = "admin", roles: tuple[str, ...] = ("admin", "off
                  realm_access={"roles": list(roles)}, exp=int(now + access_s))
     return login.CachedToken(username=username, access_token=access, refresh_token="refresh",
                              expires_at=now + access_s, refresh_expires_at=now + refresh_s)
+
+
+def here(home: Home) -> Connection:
+    """This host's appliance at `home` with default settings: where its CLI logs in."""
+    return connections.local(Settings(), home)

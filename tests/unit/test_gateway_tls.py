@@ -7,10 +7,13 @@ leaves the one in use serving)."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import logging
 import os
 import ssl
+import time
+import types
 from pathlib import Path
 
 import pytest
@@ -45,7 +48,7 @@ def network(**gateway: object) -> Settings:
     return Settings(gateway=GatewaySettings.model_validate({"bind": "0.0.0.0", **gateway}))
 
 
-@pytest.mark.parametrize("bind", ["0.0.0.0", "::", "10.1.2.3", "llm.bank.test"])
+@pytest.mark.parametrize("bind", ["0.0.0.0", "::", "10.1.2.3", "llm.bank.test", "localhost", "::ffff:127.0.0.1"])
 def test_plain_http_on_a_network_address_is_refused_unless_forced(tmp_path: Path, bind: str) -> None:
     settings_file = tmp_path / "settings.toml"
     settings_file.write_text(f'[gateway]\nbind = "{bind}"\ntls = "off"\n')
@@ -58,7 +61,7 @@ def test_plain_http_on_a_network_address_is_refused_unless_forced(tmp_path: Path
     assert load_settings(settings_file, environ={}).gateway.https  # auto: HTTPS on the network
 
 
-@pytest.mark.parametrize("bind", ["127.0.0.1", "::1", "localhost", "127.0.0.2"])
+@pytest.mark.parametrize("bind", ["127.0.0.1", "::1", "127.0.0.2"])
 def test_loopback_stays_plain_unless_asked(bind: str) -> None:
     assert not GatewaySettings(bind=bind).https
     assert GatewaySettings(bind=bind, tls="on").https
@@ -192,3 +195,99 @@ def test_local_clients_reach_the_gateway_over_https_as_localhost(home: Home) -> 
     assert "transport" not in client_options(Settings(), home)
     tls.ensure_ca(home)
     assert client_options(network(), home)["transport"] is not None
+
+
+def test_a_new_pair_replaces_the_old_whole_even_of_another_key_type(tmp_path: Path, home: Home) -> None:
+    """OpenSSL keeps a certificate per key type in one context: the old RSA certificate must not
+    go on being shown to clients that ask for RSA after an EC pair replaced it."""
+    chain = organisation_chain(tmp_path / "pki", ["llm.bank.test"], rsa_leaf=True)
+    settings = network(certificate=str(chain.certificate), private_key=str(chain.private_key))
+    served = GatewayTLS(settings, home)
+    rsa_only = trusting(chain.root)
+    rsa_only.maximum_version = ssl.TLSVersion.TLSv1_2
+    rsa_only.set_ciphers("ECDHE+aRSA+AESGCM")
+    before = handshake(served.context, rsa_only, "llm.bank.test")
+    fresh = organisation_chain(tmp_path / "next", ["llm.bank.test"])  # EC
+    chain.private_key.write_bytes(fresh.private_key.read_bytes())
+    chain.certificate.write_bytes(fresh.certificate.read_bytes())
+    served.refresh()
+    with pytest.raises(ssl.SSLError):  # no RSA certificate any more: not the old one
+        handshake(served.context, rsa_only, "llm.bank.test")
+    assert handshake(served.context, trusting(fresh.root), "llm.bank.test").serial_number != before.serial_number
+
+
+@pytest.mark.parametrize("fault", ["open_key", "expired"])
+def test_a_replacement_up_would_refuse_is_not_served(tmp_path: Path, home: Home, fault: str,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    settings, chain = organisation(tmp_path)
+    served = GatewayTLS(settings, home)
+    before = handshake(served.context, trusting(chain.root), "llm.bank.test")
+    fresh = organisation_chain(tmp_path / "next", ["llm.bank.test"], days=(-30, -1) if fault == "expired" else (-1, 90))
+    chain.certificate.write_bytes(fresh.certificate.read_bytes())
+    chain.private_key.write_bytes(fresh.private_key.read_bytes())
+    if fault == "open_key":
+        chain.private_key.chmod(0o644)
+    with caplog.at_level(logging.ERROR, logger="appliance.gateway"):
+        served.refresh()
+    assert handshake(served.context, trusting(chain.root), "llm.bank.test").serial_number == before.serial_number
+    [said] = [record.message for record in caplog.records]
+    assert str(chain.certificate) in said or str(chain.private_key) in said  # the files, not private copies
+
+
+def test_a_tls_handshake_has_the_header_deadline(home: Home, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connection that opens and never completes its handshake is closed at the header deadline
+    (before its protocol, and so the connection cap, ever sees it)."""
+    from serve import listener
+
+    monkeypatch.setattr(listener.GuardedHttpToolsProtocol, "header_timeout_s", 0.5)
+    context = tls.server_context(*tls.gateway_certificate(network(), home))
+
+    async def silent_client_is_dropped() -> float:
+        server = await asyncio.get_running_loop().create_server(asyncio.Protocol, "127.0.0.1", 0, ssl=context)
+        port = server.sockets[0].getsockname()[1]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        started = time.monotonic()
+        assert await asyncio.wait_for(reader.read(), 10) == b""  # closed by the server
+        writer.close()
+        server.close()
+        return time.monotonic() - started
+
+    loop = listener.guarded_loop()
+    try:
+        assert loop.run_until_complete(silent_client_is_dropped()) < 5
+    finally:
+        loop.close()
+
+
+def test_server_certificates_of_a_ca_made_anew_are_issued_again(home: Home) -> None:
+    first = x509.load_pem_x509_certificate(tls.gateway_certificate(network(), home)[0].read_bytes())
+    tls.ca_file(home).unlink()
+    (home.secrets / tls.CA_KEY).unlink()
+    tls.ensure_ca(home)  # same name, another key
+    again = x509.load_pem_x509_certificate(tls.gateway_certificate(network(), home)[0].read_bytes())
+    assert again.serial_number != first.serial_number
+    assert handshake(tls.server_context(*tls.gateway_certificate(network(), home)), tls.local_trust(home),
+                     "localhost")
+
+
+@pytest.mark.parametrize("bind", ["*.corp.example", "*", "llm.bank.test"])
+def test_a_host_name_to_bind_is_not_put_in_the_certificate(home: Home, bind: str) -> None:
+    issued = x509.load_pem_x509_certificate(
+        tls.gateway_certificate(Settings(gateway=GatewaySettings(bind=bind)), home)[0].read_bytes())
+    assert names_of(issued) == {"localhost", "127.0.0.1"}
+
+
+def test_a_name_that_is_not_ascii_is_reported_once_a_minute(caplog: pytest.LogCaptureFixture) -> None:
+    from serve.https import _QuietUndecodableNames
+
+    hook = _QuietUndecodableNames()
+    passed_on: list[object] = []
+    hook.previous = passed_on.append
+    bad = types.SimpleNamespace(exc_value=UnicodeDecodeError("ascii", b"\xff", 0, 1, "bad"))
+    with caplog.at_level(logging.WARNING, logger="appliance.gateway"):
+        for _ in range(100):
+            hook(bad)
+    assert len(caplog.records) == 1 and passed_on == []
+    other = types.SimpleNamespace(exc_value=ValueError("x"))
+    hook(other)
+    assert passed_on == [other]

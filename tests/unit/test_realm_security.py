@@ -25,6 +25,7 @@ from installer.realm import (
     realm_security,
 )
 from serve.keycloak_events import EVENT_ACTIONS
+from tests.support.tokens import here
 
 
 class FakeAdmin:
@@ -126,5 +127,5 @@ def test_a_refused_password_login_says_what_may_be_wrong(monkeypatch: pytest.Mon
                                                          answer: dict[str, str], hint: str) -> None:
     monkeypatch.setattr(login, "_post", lambda *args: httpx.Response(400, json=answer))
     with pytest.raises(login.LoginError) as refused:
-        login.password_login(Settings(), home, "kate", "guess")
+        login.password_login(here(home), "kate", "guess")
     assert refused.value.message.startswith("Keycloak refused the login") and hint in (refused.value.hint or "")

@@ -22,7 +22,7 @@ from appliance.home import Home
 from appliance.terminal import duration
 from tests.support.appliances import APPLIANCE
 from tests.support.terminal import Pane, broken, whole_on_a_line
-from tests.support.tokens import ISSUER, admin_token
+from tests.support.tokens import ISSUER, admin_token, here
 
 HOME = "/var/lib/appliance"
 
@@ -144,7 +144,7 @@ def pane(home: Home) -> Iterator[Pane]:
 
 @pytest.mark.integration  # a tmux pane running the installed command
 def test_status_whoami_and_their_help_in_an_80_column_terminal(pane: Pane, home: Home) -> None:
-    login.save(home, admin_token(roles=("admin", "auditor")))
+    login.save(here(home), admin_token(roles=("admin", "auditor")))
     screen = pane.run(f"{APPLIANCE} status", f"{APPLIANCE} status --json", f"{APPLIANCE} whoami",
                       f"{APPLIANCE} status --help")
     text = "\n".join(screen)
@@ -152,7 +152,7 @@ def test_status_whoami_and_their_help_in_an_80_column_terminal(pane: Pane, home:
     start = next(i for i, line in enumerate(screen) if line.startswith("{"))
     end = next(i for i, line in enumerate(screen) if line.startswith("}"))
     assert json.loads("\n".join(screen[start:end + 1]))["supervisord"]["running"] is False
-    cache = str(home.secrets / login.CACHE)
+    cache = str(here(home).token_cache)
     assert not broken({"admin", "admin, auditor", "appliance-cli", ISSUER, cache}, screen), text
     help_words = {"--wide", "--json", "state,", "health,", "uptime,", "GPUs,", "model", "serves.", "`serves`",
                   "(`:8080`)", "`socket`", "pool,", "pid", "URLs,"}

@@ -24,7 +24,7 @@ from textual.containers import VerticalScroll
 from textual.pilot import Pilot
 from textual.widgets import DataTable, Input, Label, Select, Static
 
-from appliance import usage
+from appliance import login, usage
 from appliance.adapters import AdapterRecord, AdapterState, Alias
 from appliance.admin_client import AdminClient, NotLoggedIn, Refused, Unreachable
 from appliance.home import Home
@@ -40,6 +40,7 @@ from serve.metrics import Metrics
 from serve.response_cache import CacheStats
 from serve.routes.plans import staging_of
 from tests.support.records import metrics
+from tests.support.tokens import here
 from tui.metrics import parse, quantile, rates
 from tui.models import plan_text
 from tui.panel import Panel, selected_key
@@ -106,11 +107,11 @@ def test_adapter_rows_say_what_is_served_and_how_it_evaluated() -> None:
 
 def client_with(tmp_path: Path, handler: httpx.MockTransport | None, token: bool = True) -> AdminClient:
     home = Home(tmp_path / "h").ensure()
+    here(home).token_cache.unlink(missing_ok=True)  # one user, one realm: one cache, whichever home
     if token:
-        (home.secrets / "cli-token.json").write_text(json.dumps({
-            "username": "admin", "access_token": "a.b.c", "refresh_token": "r", "expires_at": 4e9,
-            "refresh_expires_at": 4e9}))
-    client = AdminClient(Settings(), home)
+        login.save(here(home), login.CachedToken(username="admin", access_token="a.b.c", refresh_token="r",
+                                                 expires_at=4e9, refresh_expires_at=4e9))
+    client = AdminClient(here(home))
     if handler is not None:
         client._http = httpx.AsyncClient(base_url=client.base_url, transport=handler)
     return client

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from appliance import admin_client, cli, login
 from appliance.errors import ApplianceError
 from appliance.home import Home
-from tests.support.tokens import ISSUER, admin_token
+from tests.support.tokens import ISSUER, admin_token, here
 
 
 @pytest.fixture
@@ -33,7 +33,7 @@ def run(*args: str, stdin: str | None = None) -> Any:
 
 
 def test_whoami_says_who_with_roles_client_and_both_expiries(cli_home: Home) -> None:
-    login.save(cli_home, admin_token(access_s=270, refresh_s=1770))
+    login.save(here(cli_home), admin_token(access_s=270, refresh_s=1770))
     result = run("whoami")
     assert result.exit_code == 0, result.output
     lines = dict(line.split(":", 1) for line in result.output.splitlines())
@@ -42,11 +42,12 @@ def test_whoami_says_who_with_roles_client_and_both_expiries(cli_home: Home) -> 
     assert lines["client"].strip() == "appliance-cli"
     assert lines["issuer"].strip() == ISSUER
     assert "(in 4m" in lines["access token"] and "(in 29m" in lines["refresh token"]
-    assert lines["cache"].strip() == str(cli_home.secrets / login.CACHE)
+    assert lines["cache"].strip() == str(here(cli_home).token_cache)
+    assert lines["gateway"].strip() == "http://127.0.0.1:8080"
 
 
 def test_whoami_json(cli_home: Home) -> None:
-    login.save(cli_home, admin_token(roles=("auditor",)))
+    login.save(here(cli_home), admin_token(roles=("auditor",)))
     result = run("whoami", "--json")
     assert result.exit_code == 0, result.output
     view = json.loads(result.output)
@@ -58,14 +59,14 @@ def test_whoami_json(cli_home: Home) -> None:
 
 
 def test_an_expired_access_token_with_a_live_refresh_token_is_still_a_login(cli_home: Home) -> None:
-    login.save(cli_home, admin_token(access_s=-200))
+    login.save(here(cli_home), admin_token(access_s=-200))
     result = run("whoami")
     assert result.exit_code == 0, result.output
     assert "(expired 3m" in result.output and "the next command refreshes it" in result.output
 
 
 def test_an_expired_login_says_so_and_how_to_log_in(cli_home: Home) -> None:
-    login.save(cli_home, admin_token(access_s=-4000, refresh_s=-3700))
+    login.save(here(cli_home), admin_token(access_s=-4000, refresh_s=-3700))
     result = run("whoami")
     assert isinstance(result.exception, ApplianceError)
     assert result.exception.one_line() == "the cached login of admin has expired; log in again: `appliance token`"
@@ -91,10 +92,11 @@ def test_no_login_says_so_and_how_to_log_in(cli_home: Home) -> None:
                  "expires_at": "soon", "refresh_expires_at": 0}), "(expires_at is str)"),
 ])
 def test_a_damaged_cache_is_named_with_what_is_wrong(cli_home: Home, cache: str, says: str) -> None:
-    (cli_home.secrets / login.CACHE).write_text(cache)
+    here(cli_home).token_cache.parent.mkdir(parents=True, exist_ok=True)
+    here(cli_home).token_cache.write_text(cache)
     result = run("whoami")
     assert isinstance(result.exception, login.LoginError)
-    assert str(cli_home.secrets / login.CACHE) in result.exception.message and says in result.exception.message
+    assert str(here(cli_home).token_cache) in result.exception.message and says in result.exception.message
 
 
 @pytest.mark.parametrize(("access", "says"), [
@@ -103,7 +105,7 @@ def test_a_damaged_cache_is_named_with_what_is_wrong(cli_home: Home, cache: str,
     (f"a.{base64.urlsafe_b64encode(b'[1]').decode()}.c", "the access token's claims are a JSON list, not an object"),
 ])
 def test_an_access_token_that_is_not_a_jwt_is_said_plainly(cli_home: Home, access: str, says: str) -> None:
-    login.save(cli_home, login.CachedToken("admin", access, "", time.time() + 60, 0))
+    login.save(here(cli_home), login.CachedToken("admin", access, "", time.time() + 60, 0))
     result = run("whoami")
     assert isinstance(result.exception, login.LoginError) and says in result.exception.message
 
@@ -116,7 +118,7 @@ def keycloak(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, str]]:
     """Keycloak's token endpoint, answering every password login with a token of that user."""
     asked: list[dict[str, str]] = []
 
-    def post(settings: Any, home: Home, name: str, data: dict[str, str]) -> httpx.Response:
+    def post(connection: Any, name: str, data: dict[str, str]) -> httpx.Response:
         asked.append(data)
         return httpx.Response(200, json={"access_token": admin_token(data["username"], ("user",)).access_token,
                                          "refresh_token": "r", "expires_in": 300, "refresh_expires_in": 1800})
@@ -125,11 +127,11 @@ def keycloak(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, str]]:
 
 
 def cached_user(home: Home) -> str:
-    return login.cached_login(home).username
+    return login.cached_login(here(home)).username
 
 
 def test_printing_another_users_token_leaves_the_cached_login(cli_home: Home, keycloak: list[Any]) -> None:
-    login.save(cli_home, admin_token("admin"))
+    login.save(here(cli_home), admin_token("admin"))
     result = run("token", "--user", "alice", "--password-stdin", "--print", stdin="pw\n")
     assert result.exit_code == 0, result.output
     assert login.token_claims(result.output.strip())["preferred_username"] == "alice"
@@ -138,7 +140,7 @@ def test_printing_another_users_token_leaves_the_cached_login(cli_home: Home, ke
 
 
 def test_save_caches_the_printed_token(cli_home: Home, keycloak: list[Any]) -> None:
-    login.save(cli_home, admin_token("admin"))
+    login.save(here(cli_home), admin_token("admin"))
     result = run("token", "--user", "alice", "--password-stdin", "--print", "--save", stdin="pw\n")
     assert result.exit_code == 0, result.output
     assert cached_user(cli_home) == "alice"
@@ -155,7 +157,7 @@ def test_save_without_user_and_print_is_refused(cli_home: Home, keycloak: list[A
     result = run("token", *args, stdin="pw\n")
     assert isinstance(result.exception, ApplianceError)
     assert result.exception.message == "--save goes with --user and --print: a login without --print is always cached"
-    assert not keycloak and not (cli_home.secrets / login.CACHE).exists()
+    assert not keycloak and not here(cli_home).token_cache.exists()
 
 
 # --- a 403 says who is logged in -----------------------------------------------------------
