@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import ssl
 import urllib.parse
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from appliance.home import Home
 from appliance.settings import Settings
 
 PROFILE = "remote.json"
+REALM_PATH = re.compile(r"/realms/[A-Za-z0-9_-]{1,64}")
 REMOTE_CA = "remote-ca.pem"
 
 
@@ -94,6 +96,8 @@ def current(settings_and_home: Callable[[], tuple[Settings, Home]]) -> Connectio
 
 def _remote(profile: dict[str, Any]) -> Connection:
     gateway, ca = str(profile["gateway"]), profile.get("ca_file")
+    if not REALM_PATH.fullmatch(str(profile["realm_path"])):
+        raise ValueError(f"realm_path {str(profile['realm_path'])[:80]!r} is not /realms/NAME")
 
     def verify() -> ssl.SSLContext | bool:
         return ssl.create_default_context(cafile=str(ca)) if ca else True
@@ -127,7 +131,7 @@ def discover(gateway: str, ca_file: Path | None) -> Connection:
         raise Unavailable(f"the gateway at {base} does not say where to log in ({type(exc).__name__}: "
                           f"{str(exc)[:200]})", hint="is it the appliance's gateway, and is --ca-file the CA that "
                           "signed its certificate (`appliance tls export-ca`)?") from exc
-    if not published or not realm_path.startswith("/realms/"):
+    if not published or not REALM_PATH.fullmatch(realm_path):
         raise Unavailable(f"the gateway at {base} does not publish its logins to other machines",
                           hint="set gateway.public_url on the appliance")
     return _remote(profile)
