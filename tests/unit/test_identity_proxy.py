@@ -58,8 +58,9 @@ def client(seen: list[httpx.Request]) -> Iterator[TestClient]:
 ])
 def test_the_login_endpoints_are_forwarded_with_the_clients_address(
         client: TestClient, seen: list[httpx.Request], method: str, path: str) -> None:
-    answer = client.request(method, path, headers={"Authorization": "Bearer gateway-token", "X-Forwarded-For": "6.6.6.6",
-                                                    "Cookie": "KC_RESTART=b", "X-Custom": "x"}, content=b"a=1")
+    answer = client.request(method, path, content=b"a=1", headers={
+        "Authorization": "Bearer gateway-token", "X-Forwarded-For": "6.6.6.6", "Cookie": "KC_RESTART=b",
+        "X-Custom": "x"})
     assert answer.status_code == 302 and answer.headers["location"].startswith(PUBLIC)
     assert answer.headers.get_list("set-cookie") == ["AUTH_SESSION_ID=a; Path=/realms/appliance/; Secure",
                                                      "KC_RESTART=b; Path=/realms/appliance/; Secure"]
