@@ -17,6 +17,7 @@ import json
 import os
 import re
 import ssl
+import stat
 import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from appliance.home import Home
 from appliance.settings import Settings
 
 PROFILE = "remote.json"
+DISCOVERY_BYTES = 64 * 1024
 REALM_PATH = re.compile(r"/realms/[A-Za-z0-9_-]{1,64}")
 REMOTE_CA = "remote-ca.pem"
 
@@ -41,9 +43,19 @@ def config_dir() -> Path:
     base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
     path = Path(base) / "appliance"
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _owned(path)
     if path.stat().st_mode & 0o077:
         path.chmod(0o700)
     return path
+
+
+def _owned(path: Path) -> None:
+    """Invalid unless this user owns `path` (not a link): a directory or profile another user
+    planted (an XDG_CONFIG_HOME kept across `su`) would send logins where they choose."""
+    found = path.lstat()
+    if found.st_uid != os.geteuid() or stat.S_ISLNK(found.st_mode):
+        raise Invalid(f"{path} belongs to another user (uid {found.st_uid}) or is a link: it is not used",
+                      hint="run the CLI with your own configuration directory ($XDG_CONFIG_HOME, ~/.config)")
 
 
 @dataclass(frozen=True)
@@ -63,8 +75,9 @@ class Connection:
 
     @property
     def token_cache(self) -> Path:
-        """This user's cached login for this realm."""
-        digest = hashlib.sha256(self.issuer.encode()).hexdigest()[:16]
+        """This user's cached login for this realm at this gateway (a gateway that claims another's
+        realm gets a cache of its own, never that realm's tokens)."""
+        digest = hashlib.sha256(f"{self.gateway}\n{self.issuer}".encode()).hexdigest()[:16]
         return config_dir() / "logins" / f"{digest}.json"
 
 
@@ -85,6 +98,7 @@ def current(settings_and_home: Callable[[], tuple[Settings, Home]]) -> Connectio
     """The remote appliance this user chose, else this host's (`settings_and_home` is called only then)."""
     profile = config_dir() / PROFILE
     if profile.is_file():
+        _owned(profile)
         try:
             return _remote(json.loads(profile.read_text()))
         except (ValueError, KeyError, TypeError) as exc:
@@ -120,14 +134,19 @@ def discover(gateway: str, ca_file: Path | None) -> Connection:
     base = f"https://{parsed.netloc}"
     verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=str(ca_file)) if ca_file else True
     try:
-        answer = httpx.get(f"{base}/.well-known/appliance", verify=verify, timeout=15)
-        answer.raise_for_status()
-        found = answer.json()
+        with httpx.stream("GET", f"{base}/.well-known/appliance", verify=verify, timeout=15) as answer:
+            answer.raise_for_status()
+            body = b""
+            for chunk in answer.iter_bytes():
+                body += chunk
+                if len(body) > DISCOVERY_BYTES:
+                    raise ValueError(f"its answer passes {DISCOVERY_BYTES} bytes")
+        found = json.loads(body)
         realm_path = str(found["realm_path"])
         profile = {"gateway": base, "issuer": str(found["issuer"]), "realm_path": realm_path,
                    "client_id": str(found["client_id"]), "ca_file": str(ca_file) if ca_file else None}
         published = bool(found.get("published"))
-    except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, RecursionError) as exc:
         raise Unavailable(f"the gateway at {base} does not say where to log in ({type(exc).__name__}: "
                           f"{str(exc)[:200]})", hint="is it the appliance's gateway, and is --ca-file the CA that "
                           "signed its certificate (`appliance tls export-ca`)?") from exc

@@ -4,6 +4,7 @@ an empty or half-written file."""
 from __future__ import annotations
 
 import os
+import secrets
 from pathlib import Path
 from typing import BinaryIO
 
@@ -12,9 +13,11 @@ PIECE_BYTES = 1 << 20  # a file-like source is copied in pieces of this size, ne
 
 def replace_file(path: Path, data: bytes | BinaryIO, *, mode: int = 0o600) -> None:
     """Write `data` (bytes, or a binary file read from where it stands to its end) beside `path`,
-    flush it to disk, rename it over `path`, flush the directory."""
-    partial = path.with_name(f".{path.name}.partial")
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    flush it to disk, rename it over `path`, flush the directory. The file written first has a
+    name of its own, made new (never a file or link already there): two writers at once each
+    replace `path` whole, and a link planted under a predictable name is not followed."""
+    partial = path.with_name(f".{path.name}.{secrets.token_hex(8)}.partial")
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
         pieces = [data] if isinstance(data, bytes) else iter(lambda: data.read(PIECE_BYTES), b"")
         for piece in pieces:
@@ -23,8 +26,11 @@ def replace_file(path: Path, data: bytes | BinaryIO, *, mode: int = 0o600) -> No
                 view = view[os.write(fd, view):]
         os.fchmod(fd, mode)
         os.fsync(fd)
-    finally:
+    except BaseException:
         os.close(fd)
+        partial.unlink(missing_ok=True)
+        raise
+    os.close(fd)
     os.replace(partial, path)
     fsync_directory(path.parent)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -21,6 +22,8 @@ from appliance.home import Home
 from appliance.secrets import rl_client_secret
 from appliance.settings import Settings
 
+DEVICE_CODE = re.compile(r"[A-Z0-9-]{4,32}")  # Keycloak's user codes: XXXX-XXXX
+PRINTABLE = re.compile(r"[\x21-\x7e]{1,2048}")  # a link shown as it is: no spaces, controls or escapes
 # Refresh when less than this is left, so a command never starts with a token about to expire.
 MARGIN_S = 30
 
@@ -109,9 +112,18 @@ def device_login(connection: Connection, show: Callable[[str, str], None]) -> Ca
     if response.status_code != 200:
         raise _refused(response)
     grant = response.json()
-    show(grant.get("verification_uri_complete") or grant["verification_uri"], grant["user_code"])
-    interval = float(grant.get("interval", 5))
-    deadline = time.monotonic() + float(grant.get("expires_in", 600))
+    link, code = str(grant.get("verification_uri_complete") or grant["verification_uri"]), str(grant["user_code"])
+    if not (link.startswith(f"{connection.issuer}/") and PRINTABLE.fullmatch(link) and DEVICE_CODE.fullmatch(code)):
+        raise LoginError(f"the device login's link or code is not the realm's ({link[:200]!r}): not shown",
+                         hint="the gateway or Keycloak answering is not the appliance's")
+    show(link, code)
+    try:
+        interval = min(max(float(grant.get("interval", 5)), 1.0), 60.0)
+        deadline = time.monotonic() + min(float(grant.get("expires_in", 600)), 3600.0)
+    except ValueError as exc:
+        raise LoginError(f"Keycloak's device grant is malformed ({exc})") from exc
+    if interval != interval or deadline != deadline:  # NaN
+        raise LoginError("Keycloak's device grant is malformed (NaN)")
     while time.monotonic() < deadline:
         time.sleep(interval)
         response = _post(connection, "token", {"grant_type": "urn:ietf:params:oauth:grant-type:device_code",

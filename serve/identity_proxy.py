@@ -40,7 +40,9 @@ FORWARDED = [
     ("GET", r"login-actions/[a-z-]+"),
     ("POST", r"login-actions/[a-z-]+"),
 ]
-RESOURCE = re.compile(r"[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*")  # /resources/<version>/<theme>/...: no "..", no "%"
+# /resources/<version>/<theme>/...: each segment starts with a letter, digit, "_" or "-" (no "." or
+# ".." segment, which a client library or Keycloak would resolve to another path).
+RESOURCE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*(/[A-Za-z0-9_-][A-Za-z0-9._-]*)*")
 # Request headers a login needs; everything else (Authorization included) stays behind.
 REQUEST_HEADERS = ("content-type", "accept", "accept-language", "cookie", "user-agent", "origin")
 # Response headers not passed back: the connection's own, and the body's framing (re-made here).
@@ -72,7 +74,10 @@ class IdentityProxy:
 
     async def forward(self, request: Request) -> Response:
         path = request.url.path
-        if not self.permits(request.method, path) or "%" in request.scope.get("raw_path", b"").decode("latin-1"):
+        target = httpx.URL(f"{self.base_url}{path}")
+        # What is checked is what is sent: no escapes, and a path the client library leaves as it is.
+        if (not self.permits(request.method, path) or "%" in request.scope.get("raw_path", b"").decode("latin-1")
+                or target.path != path):
             raise GatewayError(404, f"{request.method} {path[:200]} is not published", code="not_found")
         headers = {name: value for name, value in request.headers.items() if name in REQUEST_HEADERS}
         peer = request.client.host if request.client else ""

@@ -66,7 +66,7 @@ def token(
     if print_token:
         typer.echo(cached.access_token)
     else:
-        out.print(f"logged in as {cached.username} at {target.gateway}; token cached in {target.token_cache}",
+        out.print(shown(f"logged in as {cached.username} at {target.gateway}; token cached in {target.token_cache}"),
                   markup=False)
 
 

@@ -4,8 +4,11 @@ foreign profile is refused."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +27,17 @@ FOUND = {"issuer": f"{GATEWAY}/realms/appliance", "realm_path": "/realms/applian
          "published": True}
 
 
-def answering(monkeypatch: pytest.MonkeyPatch, body: Any, status: int = 200) -> list[str]:
+def answering(monkeypatch: pytest.MonkeyPatch, body: Any, status: int = 200, raw: bytes | None = None) -> list[str]:
+    """The gateway's discovery, answered here (no request leaves the process)."""
     asked: list[str] = []
 
-    def get(url: str, **_: Any) -> httpx.Response:
+    @contextlib.contextmanager
+    def stream(method: str, url: str, **_: Any) -> Iterator[httpx.Response]:
         asked.append(url)
-        return httpx.Response(status, json=body, request=httpx.Request("GET", url))
+        content = raw if raw is not None else json.dumps(body).encode()
+        yield httpx.Response(status, content=content, request=httpx.Request(method, url))
 
-    monkeypatch.setattr(connections.httpx, "get", get)
+    monkeypatch.setattr(connections.httpx, "stream", stream)
     return asked
 
 
@@ -87,10 +93,10 @@ def test_a_discovery_that_does_not_say_where_to_log_in_is_refused(monkeypatch: p
 
 
 def test_an_unreachable_gateway_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
-    def get(url: str, **_: Any) -> httpx.Response:
+    def stream(method: str, url: str, **_: Any) -> httpx.Response:
         raise httpx.ConnectError("refused")
 
-    monkeypatch.setattr(connections.httpx, "get", get)
+    monkeypatch.setattr(connections.httpx, "stream", stream)
     with pytest.raises(Unavailable, match="does not say where to log in"):
         connections.discover(GATEWAY, None)
 
@@ -101,3 +107,38 @@ def test_a_damaged_profile_is_refused_naming_it(user_config: Path) -> None:
         profile.write_text(text)
         with pytest.raises(Invalid, match="remote.json is not a remote appliance's profile"):
             connections.current(lambda: pytest.fail("not asked"))
+
+
+@pytest.mark.parametrize("raw", [b"[" * 100_000, b'{"issuer": "' + b"x" * 200_000 + b'"}'])
+def test_a_discovery_too_deep_or_too_large_is_refused(monkeypatch: pytest.MonkeyPatch, raw: bytes) -> None:
+    answering(monkeypatch, None, raw=raw)
+    with pytest.raises(Unavailable):
+        connections.discover(GATEWAY, None)
+
+
+def test_a_gateway_claiming_anothers_realm_gets_a_login_cache_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    answering(monkeypatch, FOUND)
+    genuine = connections.discover(GATEWAY, None)
+    answering(monkeypatch, FOUND)  # the same issuer, claimed by another gateway
+    rogue = connections.discover("https://rogue.test:8443", None)
+    assert rogue.issuer == genuine.issuer and rogue.token_cache != genuine.token_cache
+
+
+def test_a_configuration_directory_of_another_user_is_not_used(user_config: Path) -> None:
+    directory = user_config / "appliance"
+    directory.mkdir(mode=0o700)
+    os.chown(directory, 65534, 65534)  # planted by nobody (root can make it so; so could a `su` that kept the variable)
+    with pytest.raises(Invalid, match="belongs to another user"):
+        connections.config_dir()
+
+
+def test_a_planted_link_beside_the_cache_is_not_followed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    answering(monkeypatch, FOUND)
+    remote = connections.discover(GATEWAY, None)
+    precious = tmp_path / "precious"
+    precious.write_text("keep")
+    remote.token_cache.parent.mkdir(parents=True, exist_ok=True)
+    for guess in (f".{remote.token_cache.name}.partial",):  # the name writes once used
+        (remote.token_cache.parent / guess).symlink_to(precious)
+    login.save(remote, admin_token())
+    assert precious.read_text() == "keep" and login.cached_login(remote).username == "admin"

@@ -5,12 +5,13 @@ discovery document says where to log in."""
 
 from __future__ import annotations
 
+import asyncio
 import types
 from collections.abc import Iterator
 
 import httpx
 import pytest
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 
 from appliance.settings import GatewaySettings, Settings
@@ -127,3 +128,21 @@ def test_keycloak_down_is_a_503_naming_it(seen: list[httpx.Request]) -> None:
     with TestClient(app) as test_client:
         answer = test_client.post("/realms/appliance/protocol/openid-connect/token")
     assert answer.status_code == 503 and answer.json()["error"]["code"] == "keycloak_unavailable"
+
+
+@pytest.mark.parametrize("path", [
+    "/resources/../admin/realms/master/users", "/resources/x/../../admin/master/console/index.html",
+    "/resources/../realms/master/protocol/openid-connect/auth", "/resources/..", "/resources/.", "/resources/./x",
+    "/resources/a/./b", "/realms/appliance/login-actions/..", "/realms/appliance/device/../../master/device",
+])
+def test_dot_segments_are_never_forwarded_as_the_client_sent_them(path: str, seen: list[httpx.Request]) -> None:
+    """A path as the client sent it (no library in between normalising it): a dot segment would
+    be resolved by the proxy's own HTTP client or by Keycloak into another path than the one checked."""
+    proxy = IdentityProxy(SETTINGS, httpx.AsyncClient(transport=httpx.MockTransport(
+        lambda request: seen.append(request) or httpx.Response(200))))
+    assert not proxy.permits("GET", path)
+    scope = {"type": "http", "method": "GET", "path": path, "raw_path": path.encode(), "query_string": b"",
+             "headers": [], "client": ("10.0.0.9", 5000), "server": ("llm.bank.test", 8443), "scheme": "https"}
+    with pytest.raises(GatewayError) as refused:
+        asyncio.run(proxy.forward(Request(scope)))
+    assert refused.value.status == 404 and seen == []
