@@ -24,7 +24,8 @@ def gateway_program(settings: Settings, home: Home) -> Program:
         port=gateway.port,
         health_url=f"{base}/healthz",
         urls={"openai": f"{base}/v1", "admin": f"{base}/admin", "metrics": f"{base}/metrics",
-              "issuer": settings.keycloak.issuer},
+              "issuer": settings.keycloak.issuer,
+              **({"public": f"{gateway.public_url}/v1"} if gateway.public_url else {})},
         priority=90, startsecs=2, stopwaitsecs=10, start_timeout_s=60, missing=_certificate_problem(settings),
     )
 
