@@ -70,13 +70,14 @@ class Home:
         return self.root / "cache"
 
     def ensure(self) -> Home:
-        """Create the directory tree; private parts are 0700. Returns self."""
+        """Create the directory tree; private parts are 0700 (the root and run/ keep a group's
+        right to pass through, which the supervised PostgreSQL's own user is given). Returns self."""
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            os.chmod(self.root, 0o700)
+            _private(self.root, keep_passage=True)
             for private in (self.secrets, self.run, self.logs):
                 private.mkdir(mode=0o700, exist_ok=True)
-                os.chmod(private, 0o700)
+                _private(private, keep_passage=private == self.run)
             self.models.mkdir(exist_ok=True)
             self.cache.mkdir(exist_ok=True)
         except OSError as exc:
@@ -85,3 +86,9 @@ class Home:
                 hint=f"set {HOME_ENV} to a writable directory",
             ) from exc
         return self
+
+
+def _private(path: Path, *, keep_passage: bool) -> None:
+    """0700, or 0710 where it was granted exactly that (0710: the group passes, no one lists)."""
+    granted = keep_passage and path.stat().st_mode & 0o077 == 0o010
+    os.chmod(path, 0o710 if granted else 0o700)

@@ -11,7 +11,7 @@ import re
 from collections.abc import Callable
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -58,7 +58,9 @@ class Program(BaseModel):
         "(the cluster controller, for the head's ranks of a pool spanning hosts), and `up` does not wait for it."
     )
     startsecs: int = Field(5, ge=0, description="Seconds up before supervisord counts it started.")
-    stopwaitsecs: int = Field(30, ge=1, description="Grace period between SIGTERM and SIGKILL.")
+    stopwaitsecs: int = Field(30, ge=1, description="Grace period between the stop signal and SIGKILL.")
+    stop_signal: Literal["TERM", "INT"] = Field("TERM", description="What asks it to stop (PostgreSQL: INT, "
+                                                "its fast shutdown; TERM would wait for every client to leave).")
     start_timeout_s: int = Field(120, gt=0, description="How long `up` waits for health.")
     missing: str | None = Field(
         None, description="Why it cannot start (e.g. model not prepared), checked before start."

@@ -136,6 +136,7 @@ def render_config(home: Home, programs: list[Program], password: str) -> str:
             "stopasgroup=true",
             "killasgroup=true",
             f"stopwaitsecs={program.stopwaitsecs}",
+            f"stopsignal={program.stop_signal}",
             "redirect_stderr=true",
             f"stdout_logfile={log_file(home, program.name)}",
             "stdout_logfile_maxbytes=50MB",

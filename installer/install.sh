@@ -116,7 +116,7 @@ fi
 
 # As root, training sandboxes (finetune/sandbox.py) and the execution sandbox for untrusted code
 # (finetune/rl/execute.py) each run as an unprivileged user of their own.
-for user in appliance-train appliance-exec; do
+for user in appliance-train appliance-exec appliance-db; do
   if [ "$(id -u)" = 0 ] && ! id "$user" >/dev/null 2>&1; then
     useradd --system --user-group --no-create-home --shell /usr/sbin/nologin "$user" \
       || fail "cannot create the sandbox user $user"

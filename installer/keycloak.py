@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from appliance.progress import byte_progress
 from appliance.secrets import secret
 from appliance.settings import KeycloakSettings, Settings
 from appliance.tls import ensure_server_certificate
+from installer.postgres import KEYCLOAK_ROLE, KEYCLOAK_SECRET, jdbc_url, postgres_made, postgres_program
 
 VERSION = "26.7.3"
 SHA256 = "27a6535553c3cdcd083872ba40629efafb3475e3b758e0c6f691395561dd0f1f"
@@ -35,6 +37,7 @@ JDK_CANDIDATES = ("/usr/lib/jvm/temurin-25-jdk-amd64", "/usr/lib/jvm/java-17-ope
 # Build-time options of the production server: Keycloak's build step (Quarkus augmentation, ~20 s)
 # bakes them in once at install, so each start is quick. `start` rebuilds if they ever differ.
 BUILD_OPTIONS = ("--db=dev-file", "--health-enabled=true")
+POSTGRES_BUILD_OPTIONS = ("--db=postgres", "--health-enabled=true")
 BUILT_MARKER = ".appliance-build"
 
 
@@ -100,13 +103,13 @@ def install(home: Home, java: Path) -> tuple[Path, bool]:
     return target, True
 
 
-def build(target: Path, java: Path) -> bool:
-    """Run Keycloak's build step with BUILD_OPTIONS unless this install already has; return whether run."""
+def build(target: Path, java: Path, options: tuple[str, ...] = BUILD_OPTIONS) -> bool:
+    """Run Keycloak's build step with `options` unless this install already has; return whether run."""
     marker = target / "lib" / BUILT_MARKER
-    wanted = " ".join(BUILD_OPTIONS)
+    wanted = " ".join(options)
     if marker.is_file() and marker.read_text() == wanted:
         return False
-    result = subprocess.run([str(target / "bin" / "kc.sh"), "build", *BUILD_OPTIONS], capture_output=True,
+    result = subprocess.run([str(target / "bin" / "kc.sh"), "build", *options], capture_output=True,
                             text=True, env={**os.environ, "JAVA_HOME": str(java)}, check=False)
     if result.returncode != 0:
         raise KeycloakError(f"`kc.sh build` failed in {target}: {(result.stdout + result.stderr)[-2000:]}")
@@ -173,9 +176,10 @@ def keycloak_programs(settings: Settings, home: Home) -> list[Program]:
         jdk, missing = "", missing or exc.message
     base = keycloak.base_url
     certificate, private_key = ensure_server_certificate(home, "keycloak")
+    on_postgres = keycloak.database == "postgres"
     command = [
         # The production server: development mode would open a plain-HTTP listener whatever it is told.
-        str(kc_dir / "bin" / "kc.sh"), "start", *BUILD_OPTIONS,
+        str(kc_dir / "bin" / "kc.sh"), "start", *(POSTGRES_BUILD_OPTIONS if on_postgres else BUILD_OPTIONS),
         "--cache=local",  # one node: no JGroups cluster listeners on the host's interfaces
         # TLS only, with the appliance CA's certificate: clients authenticate Keycloak before they
         # trust its keys or send it a secret (the management port inherits the same TLS).
@@ -200,7 +204,21 @@ def keycloak_programs(settings: Settings, home: Home) -> list[Program]:
         # Virtual threads misbehave on few cores in 26.6.x.
         "JAVA_OPTS_APPEND": "-Dorg.infinispan.threads.virtual=false",
     }
-    return [Program(
+    programs = []
+    h2 = data_dir(home) / "h2"
+    if on_postgres and not missing and h2.is_dir() and any(h2.iterdir()) and not postgres_made(home):
+        missing = (f"keycloak.database is postgres, but this appliance's users, roles and clients are in "
+                   f"Keycloak's dev-file database ({h2}); this version does not move them: set keycloak.database "
+                   "back to dev-file (nothing was changed)")
+    if on_postgres and not missing:
+        # Its database first; Keycloak starts once it accepts connections. The password goes by
+        # the environment (KC_DB_PASSWORD), never the command line.
+        programs.append(postgres_program(home, keycloak.postgres_port))
+        build(kc_dir, Path(jdk), POSTGRES_BUILD_OPTIONS)  # once: `--db` is a build option
+        command = [sys.executable, "-P", "-m", "installer.wait_for_database", str(keycloak.postgres_port), "60", "--",
+                   *command, f"--db-url={jdbc_url(keycloak.postgres_port)}", f"--db-username={KEYCLOAK_ROLE}"]
+        env["KC_DB_PASSWORD"] = secret(home, KEYCLOAK_SECRET)
+    return [*programs, Program(
         name="keycloak", command=command, environment=env, directory=kc_dir,
         port=keycloak.port, health_url=f"https://127.0.0.1:{keycloak.management_port}/health/ready",
         urls={"issuer": keycloak.issuer, "admin": f"{base}/admin/"},

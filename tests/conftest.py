@@ -39,6 +39,7 @@ RUN_ORDER = [
     "tests/integration/test_bundle_install.py",
     "tests/integration/test_cluster.py",
     "tests/integration/test_gateway_tiers.py",
+    "tests/integration/test_keycloak_postgres.py",
     "tests/unit/",
     "tests/integration/test_adapters.py",
     "tests/integration/test_finetune_worker.py",

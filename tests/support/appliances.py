@@ -57,6 +57,7 @@ def new_appliance(demo: Path | None, keycloak: Path | None = None, **overrides: 
     (its database lives in its directory) if given, else configured not to need Keycloak."""
     # Short path: supervisord's unix socket lives inside it (107-byte limit).
     root = Path(tempfile.mkdtemp(prefix="ap-", dir="/tmp"))
+    root.chmod(0o711)  # as /var/lib is: a service user (PostgreSQL's) may pass through to its own directory
     home = Home(root / "h").ensure()
     if demo is not None:
         home.demo_model.symlink_to(demo, target_is_directory=True)

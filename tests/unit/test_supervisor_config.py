@@ -18,7 +18,7 @@ def test_config_parses_and_keeps_processes_in_groups(home: Home) -> None:
     parser = configparser.RawConfigParser()
     parser.read_string(text)
     section = parser["program:vllm-main"]
-    assert section["stopasgroup"] == "true" and section["killasgroup"] == "true"
+    assert section["stopasgroup"] == "true" and section["killasgroup"] == "true" and section["stopsignal"] == "TERM"
     assert section["autorestart"] == "true" and section["startsecs"] == "10"
     assert section["command"] == "python -m x --name 'a b' 50%%"
     assert section["stdout_logfile"] == str(home.logs / "vllm-main.log")
@@ -60,3 +60,11 @@ def test_restarts_are_counted_from_the_log_as_it_grows_and_after_rotation(home: 
     log.rename(log.with_suffix(".log.1"))  # supervisord rotates its log: counting starts again
     log.write_text(spawn("gateway", 6))
     assert Supervisor(home).restarts() == {"gateway": 0}
+
+
+def test_a_program_may_be_stopped_by_another_signal(home: Home) -> None:
+    """PostgreSQL's fast shutdown is SIGINT; SIGTERM would wait for every client to leave."""
+    program = Program(name="postgres", command=["postgres"], stop_signal="INT")
+    parser = configparser.RawConfigParser()
+    parser.read_string(render_config(home, [program], password="pw"))
+    assert parser["program:postgres"]["stopsignal"] == "INT"

