@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
@@ -36,6 +36,12 @@ def client(seen: list[httpx.Request]) -> Iterator[TestClient]:
                                             ("set-cookie", "KC_RESTART=b; Path=/realms/appliance/; Secure"),
                                             ("connection", "close")], content=b"moved")
 
+    with TestClient(published(keycloak), base_url=PUBLIC, follow_redirects=False) as test_client:
+        yield test_client
+
+
+def published(keycloak: Callable[[httpx.Request], httpx.Response]) -> FastAPI:
+    """The published routes in an app of their own, `keycloak` answering behind them."""
     app = FastAPI()
     app.state.gateway = types.SimpleNamespace(
         identity=IdentityProxy(SETTINGS, httpx.AsyncClient(transport=httpx.MockTransport(keycloak))))
@@ -45,8 +51,7 @@ def client(seen: list[httpx.Request]) -> Iterator[TestClient]:
         return exc.response()
 
     app.include_router(router(SETTINGS))
-    with TestClient(app, base_url=PUBLIC, follow_redirects=False) as test_client:
-        yield test_client
+    return app
 
 
 @pytest.mark.parametrize(("method", "path"), [
@@ -116,16 +121,7 @@ def test_keycloak_down_is_a_503_naming_it(seen: list[httpx.Request]) -> None:
     def down(request: httpx.Request) -> httpx.Response:
         raise httpx.ConnectError("refused")
 
-    app = FastAPI()
-    app.state.gateway = types.SimpleNamespace(
-        identity=IdentityProxy(SETTINGS, httpx.AsyncClient(transport=httpx.MockTransport(down))))
-
-    @app.exception_handler(GatewayError)
-    async def refused(_: object, exc: GatewayError) -> object:
-        return exc.response()
-
-    app.include_router(router(SETTINGS))
-    with TestClient(app) as test_client:
+    with TestClient(published(down)) as test_client:
         answer = test_client.post("/realms/appliance/protocol/openid-connect/token")
     assert answer.status_code == 503 and answer.json()["error"]["code"] == "keycloak_unavailable"
 
