@@ -65,6 +65,8 @@ SUMMARIES = {
     "keycloak": "The embedded Keycloak.",
     "tls": "The gateway's HTTPS: the CA certificate to give clients, the certificate it shows, renewal.",
     "bundle": "Air-gapped bundles: build, verify the signature and every file, join split parts.",
+    "backup": "Backups of the state: create while serving, verify, restore into a fresh state directory, list "
+              "those in the artifact store.",
     "data": "Training datasets: validated, scanned, stored content-addressed.",
     "finetune": "Train LoRA/QLoRA adapters on stored datasets.",
     "rl": "Post-training from execution feedback: task sets, the sandbox, runs, trajectories.",

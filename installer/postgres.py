@@ -18,6 +18,8 @@ import pwd
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from appliance.errors import StateError
@@ -108,10 +110,8 @@ def ensure_cluster(home: Home) -> bool:
 
 def postgres_program(home: Home, port: int) -> Program:
     """The supervised server: loopback and its own socket directory only, stopped by its fast shutdown."""
-    user = db_user()
     ensure_cluster(home)
-    _let_through(home.run, user)
-    _owned_private(socket_dir(home), user)
+    _owned_socket_dir(home, db_user())
     command = ["runuser", "-u", DB_USER, "--", str(binaries() / "postgres"), "-D", str(data_dir(home)),
                "-c", "listen_addresses=127.0.0.1", "-p", str(port), "-k", str(socket_dir(home)),
                "-c", "unix_socket_permissions=0700", "-c", "password_encryption=scram-sha-256",
@@ -127,3 +127,41 @@ def jdbc_url(port: int) -> str:
 def wait_ready(port: int, timeout_s: float) -> list[str]:
     """pg_isready's command line for `port`, retried by installer.wait_for_database."""
     return [str(binaries() / "pg_isready"), "-q", "-h", "127.0.0.1", "-p", str(port), "-t", str(int(timeout_s))]
+
+
+def _owned_socket_dir(home: Home, user: pwd.struct_passwd) -> Path:
+    _let_through(home.run, user)
+    _owned_private(socket_dir(home), user)
+    return socket_dir(home)
+
+
+def _answers(environment: dict[str, str]) -> bool:
+    return subprocess.run([str(binaries() / "pg_isready"), "-q", "-t", "2"], env=environment,
+                          check=False).returncode == 0
+
+
+@contextmanager
+def reachable(home: Home, port: int) -> Iterator[dict[str, str]]:
+    """The environment that lets libpq's tools (pg_dump, pg_restore, psql) reach this appliance's
+    PostgreSQL as Keycloak's role through its own socket (never a loopback port another server may
+    hold; the password by the environment, never argv): the supervised server if it runs, else one
+    started here for the duration, listening on its socket only."""
+    user = db_user()
+    ensure_cluster(home)
+    environment = {**os.environ, "PGHOST": str(_owned_socket_dir(home, user)), "PGPORT": str(port),
+                   "PGUSER": KEYCLOAK_ROLE, "PGDATABASE": "postgres", "PGPASSWORD": secret(home, KEYCLOAK_SECRET),
+                   "PGCONNECT_TIMEOUT": "10"}
+    if _answers(environment):
+        yield environment
+        return
+    control = ["runuser", "-u", DB_USER, "--", str(binaries() / "pg_ctl"), "-D", str(data_dir(home))]
+    options = f"-c listen_addresses= -p {port} -k {socket_dir(home)} -c unix_socket_permissions=0700"
+    started = subprocess.run([*control, "-w", "-t", "60", "-o", options, "-l", str(socket_dir(home) / "server.log"),
+                              "start"], capture_output=True, text=True, check=False)
+    if started.returncode != 0:
+        raise StateError(f"cannot start PostgreSQL on {data_dir(home)}: {(started.stdout + started.stderr)[-800:]}",
+                         log=socket_dir(home) / "server.log")
+    try:
+        yield environment
+    finally:
+        subprocess.run([*control, "-m", "fast", "-w", "-t", "60", "stop"], capture_output=True, check=False)

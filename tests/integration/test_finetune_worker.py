@@ -44,10 +44,11 @@ def submit(cli: Appliance, model: Path, name: str, steps: int) -> int:
     return int(re.search(r"job (\d+) queued", queued.stdout).group(1))  # type: ignore[union-attr]
 
 
-def wait_for(what: str, check: Callable[[], object], timeout_s: float = 300) -> object:
+def wait_for(what: str, check: Callable[[], object], timeout_s: float = 300,
+             explain: Callable[[], str] = lambda: "") -> object:
     deadline = time.monotonic() + timeout_s
     while not (found := check()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what} {explain()}"
         time.sleep(0.2)
     return found
 
@@ -59,7 +60,11 @@ def checkpointed(cli: Appliance, job_id: int) -> bool:
 def test_job_trains_cut_off_from_the_network_and_survives_a_killed_worker(running: Running, tiny: Path) -> None:
     cli = running.appliance
     job_id = submit(cli, tiny, "codes-job", steps=40)
-    wait_for("a checkpoint", lambda: checkpointed(cli, job_id))
+    # The session appliance's one worker may still be busy with another module's job: wait for this one to start
+    # (bounded generously: a loaded 2-core machine), then for its first checkpoint.
+    wait_for("the job to leave the queue", lambda: jobs.get(cli.home, job_id).state != "queued", 900)
+    wait_for("a checkpoint", lambda: checkpointed(cli, job_id), 600,
+             lambda: f"job {job_id}: {jobs.get(cli.home, job_id)}")
     job = jobs.get(cli.home, job_id)
     assert job.state == "running" and job.trainer_pid and job.worker_pid
 

@@ -1,0 +1,465 @@
+"""Backups of one appliance's state: taken while it serves, checked whole before anything is used,
+restored only into a fresh state directory (built beside it and moved into place at the end, so
+a refused or failed restore leaves the target as it was).
+
+What a backup holds, as a tar inside the sealed envelope (installer.backup_archive), which
+encrypts all of it: settings can hold S3 keys and secrets/ every generated secret.
+    state/...        the state directory's files: settings, secrets, the CA, the registries of
+                     adapters, datasets, task sets, API keys and hosts with their files, the local
+                     artifact store; the SQLite queues through SQLite's backup API (a consistent
+                     copy while they are written); the audit log up to its last complete record,
+                     checkpoints read first, so every checkpoint names a record the copy holds
+    keycloak.dump    Keycloak's PostgreSQL database: pg_dump's custom format, one snapshot
+    manifest.json    last: each member's size and SHA-256, and what stands for Keycloak
+Left out: what is installed from the bundle or made again (run/, logs/, cache/, models/, the
+Keycloak install, PostgreSQL's files, for which the dump stands, training checkpoints) and
+backups kept in the local artifact store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import grp
+import hashlib
+import io
+import json
+import os
+import pwd
+import secrets
+import shutil
+import sqlite3
+import subprocess
+import tarfile
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from importlib.metadata import version
+from pathlib import Path, PurePosixPath
+from typing import Any, BinaryIO, Literal
+
+from appliance.durable import fsync_directory
+from appliance.errors import Conflict, StateError
+from appliance.home import Home
+from appliance.settings import Settings, load_settings
+from audit.writer import CHECKPOINTS, LOCK, complete_lines
+from installer import postgres
+from installer.backup_archive import BackupError, SealedReader, SealedWriter
+from installer.keycloak import data_dir as keycloak_data
+
+MANIFEST = "manifest.json"
+KEYCLOAK_DUMP = "keycloak.dump"
+STATE = "state"
+LEFT_OUT = {("run",), ("logs",), ("cache",), ("models",), ("postgres",), ("artifacts", "backups")}
+MAX_MANIFEST = 1 << 26
+PERMITTED = 0o755  # modes restored: no set-id bits, nothing writable by group or others
+SQLITE_MAGIC = b"SQLite format 3\x00"
+SQLITE_SIDE_FILES = ("-wal", "-shm", "-journal")
+KeycloakPart = Literal["postgres", "dev-file", "external"]
+
+
+@dataclass
+class Manifest:
+    """What a backup holds: written last, checked against every member on verify and restore."""
+
+    created: str
+    appliance_version: str
+    source: str
+    keycloak: KeycloakPart
+    members: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def files(self) -> int:
+        return sum(1 for name, member in self.members.items()
+                   if name.startswith(f"{STATE}/") and not member.get("directory"))
+
+    @property
+    def size(self) -> int:
+        return sum(int(member["size"]) for member in self.members.values())
+
+    def to_json(self) -> bytes:
+        return json.dumps({"format": 1, "created": self.created, "appliance_version": self.appliance_version,
+                           "source": self.source, "keycloak": self.keycloak, "members": self.members},
+                          sort_keys=True, indent=1).encode()
+
+    @classmethod
+    def parse(cls, data: bytes, name: str) -> Manifest:
+        try:
+            fields = json.loads(data)
+            manifest = cls(str(fields["created"]), str(fields["appliance_version"]), str(fields["source"]),
+                           fields["keycloak"], dict(fields["members"]))
+            for member in manifest.members.values():
+                int(member["size"]), bytes.fromhex(member["sha256"])
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise BackupError(f"{name}: its manifest is damaged ({type(exc).__name__})") from None
+        if manifest.keycloak not in ("postgres", "dev-file", "external"):
+            raise BackupError(f"{name}: its manifest names an unknown Keycloak part {manifest.keycloak!r}")
+        return manifest
+
+
+def appliance_version() -> str:
+    return version("appliance")
+
+
+# --- create -------------------------------------------------------------------------------------
+
+
+def _left_out(relative: PurePosixPath) -> bool:
+    """Whether a path of the state dir (a file or a directory) stays out of backups."""
+    parts = relative.parts
+    if any(parts[:len(prefix)] == prefix for prefix in LEFT_OUT) or parts[-1] == "checkpoints":
+        return True
+    if parts[0] == "keycloak" and len(parts) > 1:  # its install comes from the bundle; of its data, dev-file's
+        return not (parts[1:] == ("events-cursor.json",) or parts[1:] == ("data",) or parts[1:3] == ("data", "h2"))
+    return parts[-1].endswith(SQLITE_SIDE_FILES) or (parts[0] == "audit" and parts[-1] == LOCK)
+
+
+def _state_paths(home: Home) -> Iterator[tuple[Path, bool]]:
+    """The state directory's directories and regular files that go into a backup, each directory
+    before what it holds, and the audit log's checkpoints before its records (see the docstring)."""
+    for directory, subdirs, files in os.walk(home.root):
+        here = Path(directory)
+        relative = PurePosixPath(here.relative_to(home.root).as_posix())
+        subdirs[:] = sorted(name for name in subdirs if not _left_out(relative / name))
+        for name in subdirs:
+            if not (here / name).is_symlink():
+                yield here / name, True
+        ordered = sorted(files, key=lambda name: (here != home.audit or name != CHECKPOINTS, name))
+        for name in ordered:
+            path = here / name
+            if not path.is_symlink() and path.is_file() and not _left_out(relative / name):
+                yield path, False
+
+
+def _sqlite_copy(path: Path, into: Path) -> None:
+    source = sqlite3.connect(path, timeout=60)
+    target = sqlite3.connect(into)
+    try:
+        with target:
+            source.backup(target)
+    finally:
+        target.close()
+        source.close()
+
+
+def _snapshot(path: Path, home: Home, scratch: Path) -> Path:
+    """A consistent copy of a file that may be written while the backup runs (a SQLite database,
+    an audit file), in `scratch`; other files as they are."""
+    with path.open("rb") as head:
+        magic = head.read(len(SQLITE_MAGIC))
+    copy = scratch / secrets.token_hex(8)
+    if magic == SQLITE_MAGIC:
+        _sqlite_copy(path, copy)
+    elif path.parent == home.audit and path.suffix == ".jsonl":
+        copy.write_bytes(b"".join(line + b"\n" for line in complete_lines(path.read_bytes())))
+    else:
+        return path
+    return copy
+
+
+class _Adder:
+    """Adds members to the tar, hashing each into the manifest."""
+
+    def __init__(self, archive: tarfile.TarFile, manifest: Manifest) -> None:
+        self.archive, self.manifest = archive, manifest
+
+    def add(self, name: str, copy: Path, original: Path) -> None:
+        """The file `original` (its mode and owner), as read from `copy` (a snapshot, or itself)."""
+        digest = hashlib.sha256()
+        with copy.open("rb") as source:
+            info = _info(name, original)
+            info.size = os.fstat(source.fileno()).st_size
+            self.archive.addfile(info, _Hashing(source, digest))
+        self.manifest.members[name] = {"size": info.size, "sha256": digest.hexdigest()}
+
+    def add_directory(self, name: str, path: Path) -> None:
+        info = _info(name, path)
+        info.type = tarfile.DIRTYPE
+        self.archive.addfile(info)
+        self.manifest.members[name] = {"size": 0, "sha256": "", "directory": True}
+
+
+def _info(name: str, path: Path) -> tarfile.TarInfo:
+    """A member named `name` with the mode and owner of `path`, by name (uids differ between hosts)."""
+    status = path.stat()
+    info = tarfile.TarInfo(name)
+    info.mode, info.mtime = status.st_mode & 0o777, int(status.st_mtime)
+    with contextlib.suppress(KeyError):
+        info.uname = pwd.getpwuid(status.st_uid).pw_name
+    with contextlib.suppress(KeyError):
+        info.gname = grp.getgrgid(status.st_gid).gr_name
+    return info
+
+
+class _Hashing(io.RawIOBase):
+    def __init__(self, source: BinaryIO, digest: Any) -> None:
+        self.source, self.digest = source, digest
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.source.read(size)
+        self.digest.update(data)
+        return data
+
+
+def _keycloak_part(settings: Settings, home: Home) -> KeycloakPart:
+    keycloak = settings.keycloak
+    if keycloak.mode == "external":
+        return "external"
+    if keycloak.database == "postgres":
+        return "postgres"
+    for database in (keycloak_data(home) / "h2").glob("*.mv.db"):
+        with database.open("rb+") as file:
+            try:  # H2 holds a lock on its file while Keycloak runs
+                fcntl.lockf(file, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError:
+                raise Conflict("Keycloak runs on its dev-file database, which cannot be copied while it is open",
+                               hint="stop it (appliance down), or move Keycloak to PostgreSQL "
+                                    "(keycloak.database = \"postgres\"), whose backups are taken while it serves"
+                               ) from None
+    return "dev-file"
+
+
+def create(settings: Settings, home: Home, out: BinaryIO, passphrase: bytes) -> Manifest:
+    """Write a backup of `home` to `out`, sealed with `passphrase`."""
+    created = datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+    manifest = Manifest(created, appliance_version(), str(home.root), _keycloak_part(settings, home))
+    sealed = SealedWriter(out, passphrase, created=created, appliance_version=manifest.appliance_version)
+    with tempfile.TemporaryDirectory(prefix="backup-", dir=home.run) as scratch, \
+            tarfile.open(fileobj=sealed, mode="w|", format=tarfile.PAX_FORMAT) as archive:  # type: ignore[call-overload]
+        adder = _Adder(archive, manifest)
+        if manifest.keycloak == "postgres":  # first: the snapshot the rest is nearest to
+            dump = Path(scratch) / KEYCLOAK_DUMP
+            with postgres.reachable(home, settings.keycloak.postgres_port) as environment:
+                dumped = subprocess.run([str(postgres.binaries() / "pg_dump"), "--format=custom", f"--file={dump}"],
+                                        env=environment, capture_output=True, text=True, check=False)
+            if dumped.returncode != 0:
+                raise StateError(f"pg_dump of Keycloak's database failed: {dumped.stderr.strip()[-800:]}")
+            adder.add(KEYCLOAK_DUMP, dump, dump)
+        for path, is_directory in _state_paths(home):
+            relative = path.relative_to(home.root).as_posix()
+            if is_directory:
+                adder.add_directory(f"{STATE}/{relative}", path)
+                continue
+            try:
+                copy = _snapshot(path, home, Path(scratch))
+            except FileNotFoundError:
+                continue  # removed since it was listed (a finished upload, a rotated temporary file)
+            except (OSError, sqlite3.Error) as exc:
+                raise StateError(f"cannot copy {path} into the backup: {exc}") from exc
+            adder.add(f"{STATE}/{relative}", copy, path)
+            if copy != path:
+                copy.unlink()
+        data = manifest.to_json()
+        info = tarfile.TarInfo(MANIFEST)
+        info.size, info.mode, info.mtime = len(data), 0o600, int(time.time())
+        archive.addfile(info, io.BytesIO(data))
+    sealed.close()
+    return manifest
+
+
+# --- verify and restore -------------------------------------------------------------------------
+
+
+def _member_path(name: str, backup: str) -> PurePosixPath | None:
+    """Where a `state/` member goes, relative to the state dir; None for the other known members.
+    Anything else (absolute, `..`, empty or odd parts) is refused: a backup is hostile until read."""
+    if name in (MANIFEST, KEYCLOAK_DUMP):
+        return None
+    path = PurePosixPath(name)
+    parts = path.parts
+    if (len(parts) < 2 or parts[0] != STATE or path.is_absolute() or name != path.as_posix()
+            or any(part in ("", ".", "..") or "\x00" in part or "\\" in part for part in parts)):
+        raise BackupError(f"{backup}: member {name!r} is not a path this appliance writes")
+    return PurePosixPath(*parts[1:])
+
+
+def read_backup(source: BinaryIO, passphrase: bytes, name: str, into: Path | None) -> Manifest:
+    """Read the whole backup, checking every member against the manifest; with `into`, write the
+    state files under it (and the Keycloak dump as into/KEYCLOAK_DUMP). BackupError if anything
+    does not check out; then what was written under `into` is the caller's to remove."""
+    reader = SealedReader(source, passphrase, name)
+    seen: dict[str, dict[str, Any]] = {}
+    manifest_data: bytes | None = None
+    try:
+        with tarfile.open(fileobj=reader, mode="r|") as archive:  # type: ignore[call-overload]
+            for member in archive:
+                if member.name in seen or (manifest_data is not None):
+                    raise BackupError(f"{name}: member {member.name!r} is repeated or follows the manifest")
+                relative = _member_path(member.name, name)
+                if member.isdir() and relative is not None:
+                    if into is not None:
+                        _make_directory(into / STATE / relative, member)
+                    seen[member.name] = {"size": 0, "sha256": "", "directory": True}
+                    continue
+                if not member.isfile():
+                    raise BackupError(f"{name}: member {member.name!r} is neither a regular file nor a directory")
+                if member.name == MANIFEST and member.size > MAX_MANIFEST:
+                    raise BackupError(f"{name}: its manifest is {member.size} bytes; the file is damaged")
+                extracted = archive.extractfile(member)
+                assert extracted is not None  # a regular file
+                if member.name == MANIFEST:
+                    manifest_data = extracted.read()
+                    continue
+                target = None
+                if into is not None:
+                    target = into / KEYCLOAK_DUMP if relative is None else into / STATE / relative
+                seen[member.name] = _extract(extracted, member, target, name)
+    except tarfile.TarError as exc:
+        raise BackupError(f"{name}: its archive is damaged ({exc})") from None
+    reader.read()  # the rest, to its authenticated end
+    if manifest_data is None:
+        raise BackupError(f"{name} has no manifest: it is cut short or not a backup of this appliance")
+    manifest = Manifest.parse(manifest_data, name)
+    listed = {member: (info["size"], info["sha256"], bool(info.get("directory")))
+              for member, info in manifest.members.items()}
+    found = {member: (info["size"], info["sha256"], bool(info.get("directory"))) for member, info in seen.items()}
+    if listed != found:
+        differ = sorted(set(listed.items()) ^ set(found.items()))
+        raise BackupError(f"{name}: {len(differ)} member(s) differ from its manifest, first {differ[0][0]!r}")
+    if (manifest.keycloak == "postgres") != (KEYCLOAK_DUMP in seen):
+        raise BackupError(f"{name}: its manifest and its Keycloak dump disagree")
+    return manifest
+
+
+def _extract(source: BinaryIO, member: tarfile.TarInfo, target: Path | None, backup: str) -> dict[str, Any]:
+    digest, size = hashlib.sha256(), 0
+    out = None
+    if target is not None:
+        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        out = os.fdopen(fd, "wb")
+    with out or contextlib.nullcontext():
+        while chunk := source.read(1 << 20):
+            digest.update(chunk)
+            size += len(chunk)
+            if out is not None:
+                out.write(chunk)
+        if out is not None:
+            os.fchmod(out.fileno(), member.mode & PERMITTED if member.name != KEYCLOAK_DUMP else 0o600)
+            _chown(out.fileno(), member)
+    if size != member.size:
+        raise BackupError(f"{backup}: member {member.name!r} is cut short")
+    return {"size": size, "sha256": digest.hexdigest()}
+
+
+def _make_directory(path: Path, member: tarfile.TarInfo) -> None:
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        os.fchmod(fd, member.mode & PERMITTED)
+        _chown(fd, member)
+    finally:
+        os.close(fd)
+
+
+def _chown(fd: int, member: tarfile.TarInfo) -> None:
+    """The owner and group the file had, by name, where those exist here and we may give files away."""
+    if os.geteuid() != 0:
+        return
+    uid = gid = -1
+    with contextlib.suppress(KeyError):
+        uid = pwd.getpwnam(member.uname).pw_uid if member.uname else -1
+    with contextlib.suppress(KeyError):
+        gid = grp.getgrnam(member.gname).gr_gid if member.gname else -1
+    os.fchown(fd, uid, gid)
+
+
+def fresh_target(root: Path) -> None:
+    """Refuse a state directory that holds anything but empty directories (a restore never merges)."""
+    if not root.exists():
+        return
+    if not root.is_dir():
+        raise Conflict(f"{root} is not a directory")
+    for directory, _, files in os.walk(root):
+        if files:
+            raise Conflict(f"{root} is not a fresh state directory (it holds {Path(directory) / files[0]})",
+                           hint="restore into an empty or new APPLIANCE_HOME; this one was left as it was")
+
+
+def restore(source: BinaryIO, passphrase: bytes, name: str, root: Path) -> Manifest:
+    """Restore the backup into the fresh state directory `root`, built beside it first."""
+    fresh_target(root)
+    root.parent.mkdir(parents=True, exist_ok=True)
+    building = Path(tempfile.mkdtemp(prefix=f".{root.name}.restoring-", dir=root.parent))
+    try:
+        manifest = read_backup(source, passphrase, name, building)
+        staged = Home(building / STATE)
+        staged.root.mkdir(mode=0o700, exist_ok=True)
+        staged.ensure()
+        if manifest.keycloak == "postgres":
+            _restore_keycloak(staged, building / KEYCLOAK_DUMP)
+        fresh_target(root)  # still: nothing else wrote there meanwhile
+        if root.exists():
+            shutil.rmtree(root)  # only empty directories (checked)
+        staged.root.rename(root)
+        fsync_directory(root.parent)
+    finally:
+        shutil.rmtree(building, ignore_errors=True)
+    return manifest
+
+
+def _restore_keycloak(staged: Home, dump: Path) -> None:
+    settings = load_settings(staged.settings_file)
+    with postgres.reachable(staged, settings.keycloak.postgres_port) as environment:
+        restored = subprocess.run([str(postgres.binaries() / "pg_restore"), "--exit-on-error", "--no-password",
+                                   "--dbname=postgres", str(dump)], env=environment, capture_output=True, text=True,
+                                  check=False)
+    if restored.returncode != 0:
+        raise StateError(f"pg_restore of Keycloak's database failed: {restored.stderr.strip()[-800:]}")
+
+
+# --- files and the artifact store ---------------------------------------------------------------
+
+STORE_PREFIX = "backups/"
+
+
+def create_file(settings: Settings, home: Home, path: Path, passphrase: bytes) -> Manifest:
+    """A backup written to `path` (0600), which must not exist: written beside it, then moved in."""
+    if path.exists() or path.is_symlink():
+        raise Conflict(f"{path} exists", hint="choose a new file name; a backup never overwrites one")
+    partial = path.with_name(f".{path.name}.{secrets.token_hex(4)}.partial")
+    try:
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:
+        raise StateError(f"cannot write {path}: {exc.strerror}") from exc
+    try:
+        with os.fdopen(fd, "wb") as out:
+            manifest = create(settings, home, out, passphrase)
+            out.flush()
+            os.fsync(out.fileno())
+        os.link(partial, path)  # fails, rather than replaces, if a file appeared meanwhile
+        fsync_directory(path.parent)
+    finally:
+        partial.unlink(missing_ok=True)
+    return manifest
+
+
+def store_key(created: str) -> str:
+    return f"{STORE_PREFIX}appliance-{created.replace(':', '').replace('-', '')}-{secrets.token_hex(3)}.backup"
+
+
+def create_in_store(settings: Settings, home: Home, passphrase: bytes, keep: int | None = None) -> tuple[str, Manifest]:
+    """A backup put in the artifact store (under backups/); with `keep`, older ones beyond the
+    newest `keep` are removed afterwards. Returns its key."""
+    from appliance.artifacts import artifact_store
+
+    store = artifact_store(settings.artifacts, home)
+    with tempfile.TemporaryDirectory(prefix="backup-", dir=home.run) as scratch:
+        path = Path(scratch) / "backup"
+        manifest = create_file(settings, home, path, passphrase)
+        key = store_key(manifest.created)
+        with path.open("rb") as data:
+            store.put(key, data, retain_days=0)
+    if keep is not None:
+        for old in stored(settings, home)[:-keep]:
+            store.delete(old)
+    return key, manifest
+
+
+def stored(settings: Settings, home: Home) -> list[str]:
+    """Keys of the backups in the artifact store, oldest first (their names sort by time)."""
+    from appliance.artifacts import artifact_store
+
+    return artifact_store(settings.artifacts, home).keys(STORE_PREFIX)

@@ -1,0 +1,300 @@
+"""Backups without Keycloak's database (an external Keycloak): what goes in and what stays out, a
+restore that gives back the same files, modes and a verifying audit chain, copies of the SQLite
+queues and the audit log taken while they are written, and every kind of bad backup or target
+refused with nothing written (the PostgreSQL part: tests/integration/test_backup.py)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import sqlite3
+import tarfile
+import threading
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from appliance.errors import Conflict, Invalid
+from appliance.home import Home
+from appliance.settings import load_settings
+from audit.keys import signing_key, verification_key
+from audit.verify import verify
+from audit.writer import AuditWriter
+from installer import backup
+from installer.backup_archive import CHUNK, FORMAT, MAGIC, BackupError, SealedWriter, passphrase_from
+from tests.support.audit import event
+
+PASSPHRASE = b"correct horse battery staple"
+
+
+@pytest.fixture
+def state(home: Home) -> Home:
+    """A state directory with something of each kind, and things that stay out of backups."""
+    home.settings_file.write_text('[keycloak]\nmode = "external"\nurl = "https://idp:8443"\n'
+                                  'gateway_client_secret = "s3cret"\n')
+    (home.secrets / "gateway-client-secret").write_text("generated\n")
+    (home.secrets / "gateway-client-secret").chmod(0o600)
+    (home.root / "adapters.json").write_text('{"codes": 1}')
+    (home.root / "adapters" / "codes" / "v1").mkdir(parents=True)
+    (home.root / "adapters" / "codes" / "v1" / "adapter_model.safetensors").write_bytes(os.urandom(5 * CHUNK // 2))
+    (home.root / "tasksets.json").write_text("{}")
+    (home.root / "tasksets.json").chmod(0o644)
+    with sqlite3.connect(home.root / "batches.sqlite") as db:
+        db.execute("create table requests (id integer primary key, body text)")
+        db.executemany("insert into requests (body) values (?)", [(f"r{i}",) for i in range(100)])
+    writer = AuditWriter(home.audit, signing_key(home), checkpoint_every=5)
+    for n in range(12):
+        writer.append(event(n))
+    writer.close()
+    for left_out in ("logs/gateway.log", "models/m/config.json", "cache/k.zip", "run/x.pid",
+                     "artifacts/backups/old.backup", "finetune/jobs/1/checkpoints/checkpoint-5/weights.bin",
+                     "keycloak/keycloak-26.7.3/bin/kc.sh", "postgres/data/PG_VERSION"):
+        (home.root / left_out).parent.mkdir(parents=True, exist_ok=True)
+        (home.root / left_out).write_text("not in a backup")
+    (home.root / "finetune" / "jobs" / "1" / "job.json").write_text("{}")
+    (home.root / "keycloak" / "events-cursor.json").write_text("{}")
+    return home
+
+
+def made(home: Home, tmp_path: Path, passphrase: bytes = PASSPHRASE) -> Path:
+    path = tmp_path / "state.backup"
+    backup.create_file(load_settings(home.settings_file), home, path, passphrase)
+    return path
+
+
+def files_under(root: Path) -> dict[str, tuple[bytes, int]]:
+    return {p.relative_to(root).as_posix(): (p.read_bytes(), p.stat().st_mode & 0o777)
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_restore_gives_back_the_state_and_leaves_out_what_is_made_again(state: Home, tmp_path: Path) -> None:
+    path = made(state, tmp_path)
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert b"s3cret" not in path.read_bytes() and b"generated" not in path.read_bytes()  # sealed, settings too
+    target = tmp_path / "restored"
+    with path.open("rb") as source:
+        manifest = backup.restore(source, PASSPHRASE, "state.backup", target)
+    assert manifest.keycloak == "external"
+    before, after = files_under(state.root), files_under(target)
+    left_out = {name for name in before if name not in after}
+    assert left_out == {"logs/gateway.log", "models/m/config.json", "cache/k.zip", "run/x.pid",
+                        "artifacts/backups/old.backup", "finetune/jobs/1/checkpoints/checkpoint-5/weights.bin",
+                        "keycloak/keycloak-26.7.3/bin/kc.sh", "postgres/data/PG_VERSION", "audit/.lock"}
+    for name, (data, mode) in after.items():  # same bytes (a queue: a copy of its rows), same mode (secrets 0600)
+        assert before[name] == (data, mode) or name.endswith(".sqlite") and before[name][1] == mode, name
+    assert (target / "secrets").stat().st_mode & 0o777 == 0o700
+    assert verify(target / "audit", verification_key(Home(target))).records == 12
+    with sqlite3.connect(target / "batches.sqlite") as db:
+        assert db.execute("select count(*) from requests").fetchone() == (100,)
+    assert not list(tmp_path.glob(".restored.restoring-*"))
+
+
+def test_verify_reads_it_whole_and_names_what_it_holds(state: Home, tmp_path: Path) -> None:
+    path = made(state, tmp_path)
+    with path.open("rb") as source:
+        manifest = backup.read_backup(source, PASSPHRASE, "state.backup", None)
+    assert manifest.source == str(state.root) and manifest.files == len(files_under(state.root)) - 9
+    assert "state/secrets/gateway-client-secret" in manifest.members
+
+
+def test_copies_of_a_queue_and_the_audit_log_written_meanwhile_are_whole(state: Home, tmp_path: Path) -> None:
+    stop = threading.Event()
+
+    def write_queue() -> None:
+        with sqlite3.connect(state.root / "batches.sqlite", timeout=30, isolation_level=None) as db:
+            db.execute("pragma journal_mode=wal")
+            while not stop.is_set():
+                db.execute("begin immediate")
+                db.executemany("insert into requests (body) values (?)", [("x" * 500,)] * 20)
+                db.execute("commit")
+
+    def write_audit() -> None:
+        writer = AuditWriter(state.audit, signing_key(state), checkpoint_every=3)
+        n = 100
+        while not stop.is_set():
+            writer.append(event(n))
+            n += 1
+        writer.close()
+
+    threads = [threading.Thread(target=write_queue), threading.Thread(target=write_audit)]
+    for thread in threads:
+        thread.start()
+    try:
+        paths = [made(state, tmp_path / str(i)) for i in range(3) if (tmp_path / str(i)).mkdir() is None]
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    for i, path in enumerate(paths):
+        target = tmp_path / f"restored-{i}"
+        with path.open("rb") as source:
+            backup.restore(source, PASSPHRASE, path.name, target)
+        assert verify(target / "audit", verification_key(Home(target))).records >= 12
+        with sqlite3.connect(target / "batches.sqlite") as db:
+            assert db.execute("pragma integrity_check").fetchone() == ("ok",)
+            assert db.execute("select count(*) % 20 from requests where body != 'r'").fetchone() is not None
+
+
+def refused(path: Path, tmp_path: Path, message: str, passphrase: bytes = PASSPHRASE) -> None:
+    """Restoring `path` fails with `message` and leaves the target as it was (here: absent)."""
+    target = tmp_path / "target"
+    with path.open("rb") as source, pytest.raises(BackupError, match=message):
+        backup.restore(source, passphrase, path.name, target)
+    assert not target.exists() and not list(tmp_path.glob(".target.restoring-*"))
+    with path.open("rb") as source, pytest.raises(BackupError, match=message):
+        backup.read_backup(source, passphrase, path.name, None)
+
+
+def test_a_wrong_passphrase_is_refused(state: Home, tmp_path: Path) -> None:
+    refused(made(state, tmp_path), tmp_path, "wrong passphrase or key file", b"incorrect horse battery")
+
+
+@pytest.mark.parametrize("content", [b"", b"PK\x03\x04 a zip", b"APPLIANCE-BACKUP", MAGIC + b"not json\n"])
+def test_what_is_not_a_backup_is_refused(tmp_path: Path, content: bytes) -> None:
+    path = tmp_path / "foreign"
+    path.write_bytes(content)
+    refused(path, tmp_path, "not an appliance backup|header is damaged")
+
+
+def test_a_plain_tar_of_a_state_dir_is_refused(state: Home, tmp_path: Path) -> None:
+    path = tmp_path / "plain.tar"
+    with tarfile.open(path, "w") as archive:
+        archive.add(state.root, arcname="state")
+    refused(path, tmp_path, "not an appliance backup")
+
+
+def test_a_backup_from_a_newer_appliance_is_refused(state: Home, tmp_path: Path) -> None:
+    path = made(state, tmp_path)
+    data = path.read_bytes()
+    header_end = data.index(b"\n", len(MAGIC)) + 1
+    header = json.loads(data[len(MAGIC):header_end])
+    header["format"] = FORMAT + 1
+    path.write_bytes(MAGIC + json.dumps(header).encode() + b"\n" + data[header_end:])
+    refused(path, tmp_path, "written by a newer appliance")
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(where=st.floats(0.0, 0.999))
+def test_a_backup_cut_short_anywhere_is_refused(state: Home, tmp_path: Path, where: float) -> None:
+    path = tmp_path / "cut.backup"
+    if not path.exists():
+        made(state, tmp_path).rename(path)
+    whole = path.read_bytes()
+    cut = tmp_path / "cut-short.backup"
+    cut.write_bytes(whole[:int(len(whole) * where)])
+    refused(cut, tmp_path, "cut short|not an appliance backup|header is damaged")
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(where=st.floats(0.0, 0.999), bit=st.integers(0, 7))
+def test_a_bit_flipped_anywhere_is_refused(state: Home, tmp_path: Path, where: float, bit: int) -> None:
+    path = tmp_path / "whole.backup"
+    if not path.exists():
+        made(state, tmp_path).rename(path)
+    data = bytearray(path.read_bytes())
+    data[int(len(data) * where)] ^= 1 << bit
+    flipped = tmp_path / "flipped.backup"
+    flipped.write_bytes(bytes(data))
+    refused(flipped, tmp_path, "damaged|wrong passphrase|not an appliance backup|cut short|newer|does not know")
+
+
+def chunks(data: bytes) -> tuple[bytes, list[bytes]]:
+    """The header part and the sealed chunks of a backup file."""
+    start = data.index(b"\n", len(MAGIC)) + 1
+    head, rest, parts = data[:start], data[start:], []
+    while rest:
+        size = int.from_bytes(rest[:4], "big") + 4
+        parts.append(rest[:size])
+        rest = rest[size:]
+    return head, parts
+
+
+def test_chunks_dropped_swapped_or_appended_are_refused(state: Home, tmp_path: Path) -> None:
+    head, parts = chunks(made(state, tmp_path).read_bytes())
+    assert len(parts) >= 3
+    for name, altered, message in [
+        ("dropped", [parts[0], *parts[2:]], "out of place"),
+        ("swapped", [parts[1], parts[0], *parts[2:]], "wrong passphrase|out of place"),
+        ("last-dropped", parts[:-1], "cut short"),
+        ("appended", [*parts, parts[-1]], "data after its last chunk"),
+    ]:
+        path = tmp_path / f"{name}.backup"
+        path.write_bytes(head + b"".join(altered))
+        refused(path, tmp_path, message)
+
+
+def sealed_tar(tmp_path: Path, members: list[tuple[tarfile.TarInfo, bytes]]) -> Path:
+    """A correctly sealed backup whose archive holds `members` (what an attacker with the key could write)."""
+    path = tmp_path / "crafted.backup"
+    with path.open("wb") as out:
+        writer = SealedWriter(out, PASSPHRASE, created="2026-01-01T00:00:00Z", appliance_version="0.1.0")
+        with tarfile.open(fileobj=writer, mode="w|") as archive:  # type: ignore[call-overload]
+            for info, data in members:
+                info.size = len(data) if info.isfile() else 0
+                archive.addfile(info, io.BytesIO(data) if info.isfile() else None)
+        writer.close()
+    return path
+
+
+def member(name: str, kind: bytes = tarfile.REGTYPE, link: str = "") -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname, info.mode = kind, link, 0o644
+    return info
+
+
+@pytest.mark.parametrize("hostile", [
+    member("state/../../escaped"), member("/etc/passwd"), member("state/a/./b"), member("state"),
+    member("elsewhere/file"), member("state/link", tarfile.SYMTYPE, "/etc/shadow"),
+    member("state/hard", tarfile.LNKTYPE, "state/settings.toml"), member("state/dev", tarfile.CHRTYPE),
+    member("state/fifo", tarfile.FIFOTYPE), member("state/a\\..\\b"),
+])
+def test_members_that_are_not_plain_files_of_the_state_dir_are_refused(tmp_path: Path,
+                                                                       hostile: tarfile.TarInfo) -> None:
+    refused(sealed_tar(tmp_path, [(hostile, b"x")]), tmp_path, "not a path this appliance writes|neither a regular")
+    assert not (tmp_path.parent / "escaped").exists()
+
+
+def test_a_manifest_that_does_not_match_the_files_is_refused(tmp_path: Path) -> None:
+    manifest = backup.Manifest("2026-01-01T00:00:00Z", "0.1.0", "/x", "external",
+                               {"state/settings.toml": {"size": 1, "sha256": "00" * 32}})
+    refused(sealed_tar(tmp_path, [(member("state/settings.toml"), b"y"),
+                                  (member("manifest.json"), manifest.to_json())]), tmp_path, "differ from its manifest")
+    refused(sealed_tar(tmp_path, [(member("state/settings.toml"), b"y")]), tmp_path, "has no manifest")
+    refused(sealed_tar(tmp_path, [(member("manifest.json"), b"[]")]), tmp_path, "manifest is damaged")
+
+
+def test_only_a_fresh_state_dir_is_restored_into(state: Home, tmp_path: Path) -> None:
+    path = made(state, tmp_path)
+    target = tmp_path / "target"
+    (target / "secrets").mkdir(parents=True)  # empty directories only: still fresh
+    with path.open("rb") as source:
+        backup.restore(source, PASSPHRASE, path.name, target)
+    assert (target / "settings.toml").is_file()
+    with path.open("rb") as source, pytest.raises(Conflict, match="not a fresh state directory"):
+        backup.restore(source, PASSPHRASE, path.name, target)
+
+
+def test_a_backup_never_overwrites_a_file(state: Home, tmp_path: Path) -> None:
+    path = made(state, tmp_path)
+    before = path.read_bytes()
+    with pytest.raises(Conflict, match="exists"):
+        made(state, tmp_path)
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir() if "partial" in p.name] == []
+
+
+def test_the_passphrase_comes_from_a_private_key_file_the_environment_or_stdin(tmp_path: Path) -> None:
+    key = tmp_path / "key"
+    key.write_text("k" * 40 + "\n")
+    key.chmod(0o644)
+    with pytest.raises(Invalid, match="readable by others"):
+        passphrase_from(key, io.BytesIO())
+    key.chmod(0o600)
+    assert passphrase_from(key, io.BytesIO()) == b"k" * 40
+    assert passphrase_from(None, io.BytesIO(), {"APPLIANCE_BACKUP_PASSPHRASE": "p" * 12}) == b"p" * 12
+    assert passphrase_from(None, io.BytesIO(b"s" * 20 + b"\nmore"), {}) == b"s" * 20
+    for short in (b"", b"short\n"):
+        with pytest.raises(Invalid, match="needs at least 12"):
+            passphrase_from(None, io.BytesIO(short), {})
