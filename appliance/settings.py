@@ -192,9 +192,10 @@ class KeycloakSettings(_Section):
                        "own CA issues its certificate; there is no plain-HTTP listener).")
     management_port: Port = Field(9180, description="Health endpoints of the embedded Keycloak.")
     database: Literal["dev-file", "postgres"] = Field(
-        "dev-file", description="The embedded Keycloak's database: postgres, a PostgreSQL server the appliance "
-        "supervises on loopback (its password generated, 0600); dev-file, Keycloak's H2 file, which its "
-        "production guide says not to use in production.")
+        "postgres", description="The embedded Keycloak's database: postgres, a PostgreSQL server the appliance "
+        "supervises on loopback (its password generated, 0600; an appliance still on dev-file has its realms "
+        "moved over at `up`); dev-file, Keycloak's H2 file, which its production guide says not to use in "
+        "production.")
     postgres_port: Port = Field(5433, description="Loopback port of the supervised PostgreSQL (database = postgres).")
     ca_file: str | None = Field(
         None, description="External mode: PEM file of the CA(s) that issued the external Keycloak's "

@@ -19,7 +19,6 @@ backups kept in the local artifact store.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import grp
 import hashlib
 import io
@@ -47,7 +46,7 @@ from appliance.settings import Settings, load_settings
 from audit.writer import CHECKPOINTS, LOCK, complete_lines
 from installer import postgres
 from installer.backup_archive import BackupError, SealedReader, SealedWriter
-from installer.keycloak import data_dir as keycloak_data
+from installer.keycloak_migration import h2_open
 
 MANIFEST = "manifest.json"
 KEYCLOAK_DUMP = "keycloak.dump"
@@ -209,15 +208,10 @@ def _keycloak_part(settings: Settings, home: Home) -> KeycloakPart:
         return "external"
     if keycloak.database == "postgres":
         return "postgres"
-    for database in (keycloak_data(home) / "h2").glob("*.mv.db"):
-        with database.open("rb+") as file:
-            try:  # H2 holds a lock on its file while Keycloak runs
-                fcntl.lockf(file, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except OSError:
-                raise Conflict("Keycloak runs on its dev-file database, which cannot be copied while it is open",
-                               hint="stop it (appliance down), or move Keycloak to PostgreSQL "
-                                    "(keycloak.database = \"postgres\"), whose backups are taken while it serves"
-                               ) from None
+    if h2_open(home):
+        raise Conflict("Keycloak runs on its dev-file database, which cannot be copied while it is open",
+                       hint="stop it (appliance down), or move Keycloak to PostgreSQL (keycloak.database = "
+                            "\"postgres\"), whose backups are taken while it serves")
     return "dev-file"
 
 

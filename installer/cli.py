@@ -49,7 +49,7 @@ def keycloak_install() -> None:
     home = Home.from_env().ensure()
     settings = load_settings(home.settings_file)
     java = keycloak.java_home(settings.keycloak)
-    path, made = keycloak.install(home, java)
+    path, made = keycloak.install(home, java, keycloak.build_options(settings.keycloak))
     out.print(f"keycloak {keycloak.VERSION} {'installed and built' if made else 'already installed and built'}: {path}")
     out.print(f"java: {java} ({keycloak.java_version(java)})")
 

@@ -8,7 +8,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, BinaryIO
+from typing import TYPE_CHECKING, Annotated, BinaryIO
 
 import typer
 from rich.console import Console
@@ -17,6 +17,9 @@ from appliance.changes import Change, Target, announce, note_target, records_cha
 from appliance.commands.common import AsJson, context, print_json
 from appliance.errors import Invalid
 from appliance.home import Home
+
+if TYPE_CHECKING:
+    from installer.backup import Manifest
 
 backup_app = typer.Typer(help="Backups of the state: create while serving, verify, restore into a fresh state "
                          "directory, list those in the artifact store.", no_args_is_help=True)
@@ -39,10 +42,11 @@ def passphrase(key_file: Path | None, *, confirm: bool) -> bytes:
     return passphrase_from(key_file, sys.stdin.buffer)
 
 
-def _summary(manifest_files: int, size: int, keycloak: str, seconds: float) -> str:
+def _summary(manifest: Manifest, started: float) -> str:
     part = {"postgres": "Keycloak's PostgreSQL database", "dev-file": "Keycloak's dev-file database",
-            "external": "no Keycloak database (external Keycloak)"}[keycloak]
-    return f"{manifest_files} files, {size / (1 << 20):.1f} MiB before sealing, with {part}, in {seconds:.1f} s"
+            "external": "no Keycloak database (external Keycloak)"}[manifest.keycloak]
+    return (f"{manifest.files} files, {manifest.size / (1 << 20):.1f} MiB before sealing, with {part}, "
+            f"in {time.monotonic() - started:.1f} s")
 
 
 @backup_app.command("create")
@@ -69,7 +73,7 @@ def create_command(
     else:
         where, manifest = backup.create_in_store(settings, home, sealing)
         note_target("backup", where)
-    out.print(f"backup {where}: {_summary(manifest.files, manifest.size, manifest.keycloak, time.monotonic() - started)}",
+    out.print(f"backup {where}: {_summary(manifest, started)}",
               markup=False, soft_wrap=True)
 
 
@@ -87,7 +91,7 @@ def verify_command(
         manifest = read_backup(source, sealing, str(file), None)
     out.print(f"{file}: a backup of {manifest.source} taken {manifest.created} by appliance "
               f"{manifest.appliance_version}, intact: "
-              f"{_summary(manifest.files, manifest.size, manifest.keycloak, time.monotonic() - started)}",
+              f"{_summary(manifest, started)}",
               markup=False, soft_wrap=True)
 
 
@@ -105,10 +109,10 @@ def restore_command(
     started = time.monotonic()
     with _open(file) as source:
         manifest = restore(source, sealing, str(file), root)
-    announce(Change("backup.restore", "allowed", 0, Target(kind="backup", name=str(file)), f"restored from {file}, taken {manifest.created} of "
-                    f"{manifest.source} by appliance {manifest.appliance_version}"))
+    detail = f"restored from {file}, taken {manifest.created} of {manifest.source} by {manifest.appliance_version}"
+    announce(Change("backup.restore", "allowed", 0, Target(kind="backup", name=str(file)), detail))
     out.print(f"restored {file} into {root}: "
-              f"{_summary(manifest.files, manifest.size, manifest.keycloak, time.monotonic() - started)}\n"
+              f"{_summary(manifest, started)}\n"
               "next: `appliance keycloak install` if Keycloak is not installed here, then `appliance up`",
               markup=False, soft_wrap=True)
 

@@ -24,7 +24,7 @@ from appliance.progress import byte_progress
 from appliance.secrets import secret
 from appliance.settings import KeycloakSettings, Settings
 from appliance.tls import ensure_server_certificate
-from installer.postgres import KEYCLOAK_ROLE, KEYCLOAK_SECRET, jdbc_url, postgres_made, postgres_program
+from installer.postgres import KEYCLOAK_ROLE, KEYCLOAK_SECRET, jdbc_url, postgres_program
 
 VERSION = "26.7.3"
 SHA256 = "27a6535553c3cdcd083872ba40629efafb3475e3b758e0c6f691395561dd0f1f"
@@ -68,12 +68,17 @@ def _share_data(target: Path, home: Home) -> None:
     inside.symlink_to(Path("..") / "data")
 
 
-def install(home: Home, java: Path) -> tuple[Path, bool]:
-    """Fetch (SHA-256 checked), unpack and build the distribution once; return (its dir, whether made)."""
+def build_options(keycloak: KeycloakSettings) -> tuple[str, ...]:
+    return POSTGRES_BUILD_OPTIONS if keycloak.database == "postgres" else BUILD_OPTIONS
+
+
+def install(home: Home, java: Path, options: tuple[str, ...] = POSTGRES_BUILD_OPTIONS) -> tuple[Path, bool]:
+    """Fetch (SHA-256 checked), unpack and build the distribution once, for `options` (see
+    build_options); return (its dir, whether made)."""
     target = install_dir(home)
     if (target / "bin" / "kc.sh").is_file():
         _share_data(target, home)
-        return target, build(target, java)  # an install made before the build step
+        return target, build(target, java, options)  # an install made before the build step
     zip_path = fetch(home)
     partial = target.with_name(f".{target.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)
@@ -99,7 +104,7 @@ def install(home: Home, java: Path) -> tuple[Path, bool]:
             progress.advance(task, member.file_size)
     partial.rename(target)
     _share_data(target, home)
-    build(target, java)
+    build(target, java, options)
     return target, True
 
 
@@ -179,7 +184,7 @@ def keycloak_programs(settings: Settings, home: Home) -> list[Program]:
     on_postgres = keycloak.database == "postgres"
     command = [
         # The production server: development mode would open a plain-HTTP listener whatever it is told.
-        str(kc_dir / "bin" / "kc.sh"), "start", *(POSTGRES_BUILD_OPTIONS if on_postgres else BUILD_OPTIONS),
+        str(kc_dir / "bin" / "kc.sh"), "start", *build_options(keycloak),
         "--cache=local",  # one node: no JGroups cluster listeners on the host's interfaces
         # TLS only, with the appliance CA's certificate: clients authenticate Keycloak before they
         # trust its keys or send it a secret (the management port inherits the same TLS).
@@ -205,19 +210,21 @@ def keycloak_programs(settings: Settings, home: Home) -> list[Program]:
         "JAVA_OPTS_APPEND": "-Dorg.infinispan.threads.virtual=false",
     }
     programs = []
-    h2 = data_dir(home) / "h2"
-    if on_postgres and not missing and h2.is_dir() and any(h2.iterdir()) and not postgres_made(home):
-        missing = (f"keycloak.database is postgres, but this appliance's users, roles and clients are in "
-                   f"Keycloak's dev-file database ({h2}); this version does not move them: set keycloak.database "
-                   "back to dev-file (nothing was changed)")
     if on_postgres and not missing:
+        from installer.keycloak_migration import migrate, needs_migration
+
+        if needs_migration(home):  # an appliance from before PostgreSQL: its realms move once
+            print("moving Keycloak's realms from its dev-file database to PostgreSQL (a few minutes)",
+                  file=sys.stderr, flush=True)
+            print(migrate(home, keycloak, Path(jdk)), file=sys.stderr, flush=True)
         # Its database first; Keycloak starts once it accepts connections. The password goes by
         # the environment (KC_DB_PASSWORD), never the command line.
         programs.append(postgres_program(home, keycloak.postgres_port))
-        build(kc_dir, Path(jdk), POSTGRES_BUILD_OPTIONS)  # once: `--db` is a build option
         command = [sys.executable, "-P", "-m", "installer.wait_for_database", str(keycloak.postgres_port), "60", "--",
                    *command, f"--db-url={jdbc_url(keycloak.postgres_port)}", f"--db-username={KEYCLOAK_ROLE}"]
         env["KC_DB_PASSWORD"] = secret(home, KEYCLOAK_SECRET)
+    if not missing:
+        build(kc_dir, Path(jdk), build_options(keycloak))  # when the database changed: `--db` is a build option
     return [*programs, Program(
         name="keycloak", command=command, environment=env, directory=kc_dir,
         port=keycloak.port, health_url=f"https://127.0.0.1:{keycloak.management_port}/health/ready",

@@ -50,12 +50,20 @@ def socket_dir(home: Home) -> Path:
 
 
 def db_user() -> pwd.struct_passwd:
+    """The account PostgreSQL runs as: appliance-db under root, else the appliance's own user."""
+    if os.geteuid() != 0:
+        return pwd.getpwuid(os.geteuid())
     try:
         return pwd.getpwnam(DB_USER)
     except KeyError:
         raise StateError(f"PostgreSQL's user {DB_USER!r} does not exist", hint=(
             f"useradd --system --user-group --no-create-home --shell /usr/sbin/nologin {DB_USER} (as root; "
             "bootstrap.sh and install.sh do it)")) from None
+
+
+def as_db_user(command: list[str]) -> list[str]:
+    """`command` run as PostgreSQL's account (root hands it over; anyone else already is it)."""
+    return ["runuser", "-u", DB_USER, "--", *command] if os.geteuid() == 0 else command
 
 
 def _owned_private(path: Path, user: pwd.struct_passwd) -> None:
@@ -80,7 +88,7 @@ def ensure_cluster(home: Home) -> bool:
     data, user = data_dir(home), db_user()
     _let_through(home.root, user)
     _owned_private(data.parent, user)
-    if subprocess.run(["runuser", "-u", DB_USER, "--", "test", "-x", str(data.parent)], check=False).returncode:
+    if subprocess.run(as_db_user(["test", "-x", str(data.parent)]), check=False).returncode:
         raise StateError(f"PostgreSQL's user {DB_USER} cannot reach {data.parent}: a directory above the state "
                          f"directory {home.root} does not let others pass through",
                          hint="chmod o+x that directory (listing stays closed), or keep keycloak.database = dev-file")
@@ -97,9 +105,9 @@ def ensure_cluster(home: Home) -> bool:
             out.write(password)
         os.chown(password_file, user.pw_uid, user.pw_gid)
         made = subprocess.run(
-            ["runuser", "-u", DB_USER, "--", str(binaries() / "initdb"), "-D", str(partial), "-U", KEYCLOAK_ROLE,
+            as_db_user([str(binaries() / "initdb"), "-D", str(partial), "-U", KEYCLOAK_ROLE,
              "--auth-local=scram-sha-256", "--auth-host=scram-sha-256", f"--pwfile={password_file}",
-             "--encoding=UTF8", "--locale=C", "--no-instructions"],
+             "--encoding=UTF8", "--locale=C", "--no-instructions"]),
             capture_output=True, text=True, check=False)
     if made.returncode != 0:
         shutil.rmtree(partial, ignore_errors=True)
@@ -112,7 +120,7 @@ def postgres_program(home: Home, port: int) -> Program:
     """The supervised server: loopback and its own socket directory only, stopped by its fast shutdown."""
     ensure_cluster(home)
     _owned_socket_dir(home, db_user())
-    command = ["runuser", "-u", DB_USER, "--", str(binaries() / "postgres"), "-D", str(data_dir(home)),
+    command = [*as_db_user([str(binaries() / "postgres"), "-D", str(data_dir(home))]),
                "-c", "listen_addresses=127.0.0.1", "-p", str(port), "-k", str(socket_dir(home)),
                "-c", "unix_socket_permissions=0700", "-c", "password_encryption=scram-sha-256",
                "-c", "log_connections=off", "-c", "max_connections=50"]
@@ -141,11 +149,12 @@ def _answers(environment: dict[str, str]) -> bool:
 
 
 @contextmanager
-def reachable(home: Home, port: int) -> Iterator[dict[str, str]]:
+def reachable(home: Home, port: int, *, loopback: bool = False) -> Iterator[dict[str, str]]:
     """The environment that lets libpq's tools (pg_dump, pg_restore, psql) reach this appliance's
     PostgreSQL as Keycloak's role through its own socket (never a loopback port another server may
     hold; the password by the environment, never argv): the supervised server if it runs, else one
-    started here for the duration, listening on its socket only."""
+    started here for the duration, listening on its socket only (`loopback`: on 127.0.0.1 too, for
+    a JDBC client such as Keycloak's import)."""
     user = db_user()
     ensure_cluster(home)
     environment = {**os.environ, "PGHOST": str(_owned_socket_dir(home, user)), "PGPORT": str(port),
@@ -154,8 +163,9 @@ def reachable(home: Home, port: int) -> Iterator[dict[str, str]]:
     if _answers(environment):
         yield environment
         return
-    control = ["runuser", "-u", DB_USER, "--", str(binaries() / "pg_ctl"), "-D", str(data_dir(home))]
-    options = f"-c listen_addresses= -p {port} -k {socket_dir(home)} -c unix_socket_permissions=0700"
+    control = as_db_user([str(binaries() / "pg_ctl"), "-D", str(data_dir(home))])
+    listen = "127.0.0.1" if loopback else ""
+    options = f"-c listen_addresses={listen} -p {port} -k {socket_dir(home)} -c unix_socket_permissions=0700"
     started = subprocess.run([*control, "-w", "-t", "60", "-o", options, "-l", str(socket_dir(home) / "server.log"),
                               "start"], capture_output=True, text=True, check=False)
     if started.returncode != 0:

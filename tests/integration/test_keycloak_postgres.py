@@ -1,12 +1,11 @@
 """Keycloak on the PostgreSQL the appliance supervises (`keycloak.database = "postgres"`), with an
 appliance of its own: PostgreSQL runs as its own user on loopback only, its password generated and
 never on a command line; Keycloak survives a PostgreSQL restart (it is not restarted itself, a
-token issued before keeps working at the gateway, logins resume); and an appliance whose users
-are in the dev-file database is not switched over and loses nothing."""
+token issued before keeps working at the gateway, logins resume). The move of an appliance from
+dev-file: tests/integration/test_backup.py."""
 
 from __future__ import annotations
 
-import os
 import stat
 import time
 from collections.abc import Callable, Iterator
@@ -16,11 +15,9 @@ import httpx
 import psutil
 import pytest
 
-from appliance.home import Home
 from appliance.secrets import secret
-from appliance.settings import KeycloakSettings, Settings
 from appliance.supervisor import Supervisor
-from installer.keycloak import data_dir, install_dir, keycloak_programs
+from installer.keycloak import data_dir
 from installer.postgres import DB_USER, KEYCLOAK_SECRET, socket_dir
 from installer.postgres import data_dir as postgres_data
 from tests.integration.realm import Realm
@@ -101,19 +98,3 @@ def test_keycloak_survives_a_postgres_restart(on_postgres: Appliance, realm: Rea
     until(lambda: httpx.get(f"{gateway}/v1/models", headers=bearer, timeout=60).status_code == 200,
           "the earlier token at the gateway")
     assert program_pids(on_postgres, "keycloak") == keycloak  # Keycloak itself went on running
-
-
-def test_an_appliance_on_dev_file_is_not_switched_over(keycloak_dist: Path, tmp_path: Path) -> None:
-    """Its users would be left behind in the H2 file: the start is refused, naming why, before
-    anything is made."""
-    home = Home(tmp_path / "h").ensure()
-    install_dir(home).parent.mkdir(parents=True)
-    install_dir(home).symlink_to(keycloak_dist, target_is_directory=True)
-    h2 = data_dir(home) / "h2"
-    h2.mkdir(parents=True)
-    (h2 / "keycloakdb.mv.db").write_bytes(b"users")
-    programs = keycloak_programs(Settings(keycloak=KeycloakSettings(database="postgres")), home)
-    assert [p.name for p in programs] == ["keycloak"]
-    refused = programs[0].missing or ""
-    assert "dev-file database" in refused and "nothing was changed" in refused
-    assert not postgres_data(home).parent.exists() and not os.path.exists(home.secrets / KEYCLOAK_SECRET)

@@ -68,7 +68,8 @@ def new_appliance(demo: Path | None, keycloak: Path | None = None, **overrides: 
         target = install_dir(home)
         shutil.copytree(keycloak, target, symlinks=True, ignore=shutil.ignore_patterns("h2", "tmp"))
         env.update({"APPLIANCE_KEYCLOAK__PORT": str(free_port()),
-                    "APPLIANCE_KEYCLOAK__MANAGEMENT_PORT": str(free_port())})
+                    "APPLIANCE_KEYCLOAK__MANAGEMENT_PORT": str(free_port()),
+                    "APPLIANCE_KEYCLOAK__POSTGRES_PORT": str(free_port())})
     else:
         env.update(NO_KEYCLOAK)
     env.update(overrides)

@@ -8,7 +8,7 @@ from appliance.errors import SettingsError
 from appliance.home import Home
 from appliance.settings import KeycloakSettings, Settings, load_settings
 from appliance.tls import server_files
-from installer.keycloak import BUILD_OPTIONS, KeycloakError, build, keycloak_programs
+from installer.keycloak import BUILD_OPTIONS, POSTGRES_BUILD_OPTIONS, KeycloakError, build, keycloak_programs
 from installer.realm import provision
 
 
@@ -22,7 +22,7 @@ def test_external_keycloak_runs_nothing_and_provisions_nothing(home: Home) -> No
 
 def test_embedded_keycloak_is_a_loopback_program_on_tls_only(home: Home) -> None:
     [program] = keycloak_programs(Settings(), home)
-    assert program.command[1:4] == ["start", *BUILD_OPTIONS]  # development mode keeps a plain-HTTP listener
+    assert program.command[1:4] == ["start", *POSTGRES_BUILD_OPTIONS]  # development mode keeps a plain-HTTP listener
     assert "--cache=local" in program.command  # no cluster listeners
     assert "--http-host=127.0.0.1" in program.command and "--http-enabled=false" in program.command
     assert "--https-port=8180" in program.command

@@ -1,0 +1,176 @@
+"""An appliance's life across an upgrade and a disaster, with an appliance of its own: installed on
+Keycloak's dev-file database, it moves to PostgreSQL at `up` keeping its users' passwords and the
+gateway client's secret; a backup is taken while it serves; each kind of bad backup is refused
+with the target left as it was; the backup restored into a fresh state directory starts, its
+users log in, its adapter answers and its audit chain verifies."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from appliance.adapters import AdapterState
+from appliance.artifacts import artifact_store
+from appliance.home import Home
+from appliance.jobs import Hyperparameters
+from appliance.records import config_sha256
+from appliance.secrets import GATEWAY_CLIENT_SECRET, secret
+from appliance.settings import load_settings
+from finetune.adapters import register
+from installer.keycloak import data_dir, install_dir
+from installer.postgres import postgres_made
+from installer.realm import BOOTSTRAP_SECRET
+from tests.integration.realm import Realm
+from tests.support.appliances import NO_KEYCLOAK, Appliance, make_appliance, new_appliance, remove_appliance
+from tests.support.models import random_adapter
+from tests.support.ports import free_port
+from tests.support.records import metrics
+from tests.support.session import Running
+
+pytestmark = pytest.mark.alone
+MODEL = "SmolLM2-135M-Instruct"
+PASSWORD = "mover-password-1"
+PASSPHRASE = "a passphrase for the vault"
+
+
+@pytest.fixture(scope="module")
+def appliance(demo_model: Path, keycloak_dist: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Appliance]:
+    """Installed as before PostgreSQL (dev-file), with a user and a registered adapter, then stopped."""
+    for appliance in make_appliance(demo_model, keycloak_dist, APPLIANCE_KEYCLOAK__DATABASE="dev-file",
+                                    APPLIANCE_BACKUP_PASSPHRASE=PASSPHRASE):
+        started = appliance.run("up")
+        assert started.returncode == 0, started.stdout + started.stderr
+        Realm(Running(appliance, "", 0.0)).ensure_user("mover", PASSWORD, ["user"])
+        adapter = random_adapter(demo_model, tmp_path_factory.mktemp("adapter") / "adapter")
+        store = artifact_store(load_settings(appliance.home.settings_file).artifacts, appliance.home)
+        register(appliance.home, store, adapter, name="kept", base_model=MODEL,
+                 base_config_sha256=config_sha256(json.loads((demo_model / "config.json").read_text())),
+                 dataset="none", dataset_sha256="-", hyperparameters=Hyperparameters(),
+                 state=AdapterState.REGISTERED, metrics=metrics())
+        assert appliance.run("down").returncode == 0
+        yield appliance
+
+
+def realm(appliance: Appliance) -> Realm:
+    return Realm(Running(appliance, "", 0.0))
+
+
+def test_an_upgrade_moves_keycloak_from_dev_file_to_postgres_keeping_users_and_secrets(
+        appliance: Appliance) -> None:
+    del appliance.env["APPLIANCE_KEYCLOAK__DATABASE"]  # the default now: postgres
+    started = appliance.run("up")
+    assert started.returncode == 0, started.stdout + started.stderr
+    assert "moved Keycloak's realms" in started.stderr and "from dev-file to PostgreSQL" in started.stderr
+    assert postgres_made(appliance.home) and not (data_dir(appliance.home) / "h2").exists()
+    assert list(data_dir(appliance.home).glob("h2.moved-to-postgres-*"))  # kept for the operator
+    on_postgres = realm(appliance)
+    assert on_postgres.token("mover", PASSWORD)  # the password hash came over
+    granted = httpx.post(f"{on_postgres.issuer}/protocol/openid-connect/token", verify=on_postgres.tls, data={
+        "grant_type": "client_credentials", "client_id": "appliance-gateway",
+        "client_secret": secret(appliance.home, GATEWAY_CLIENT_SECRET)}, timeout=60)
+    assert granted.status_code == 200, granted.text  # the client's secret came over
+    again = appliance.run("down"), appliance.run("up")  # once only: the next start moves nothing
+    assert again[1].returncode == 0 and "moved" not in again[1].stderr
+
+
+@pytest.fixture(scope="module")
+def taken(appliance: Appliance, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A backup taken while users chat through the gateway."""
+    served = realm(appliance)
+    token = served.token("mover", PASSWORD)
+    failures: list[str] = []
+    stop = threading.Event()
+
+    def chat() -> None:
+        while not stop.is_set():
+            answer = httpx.post(f"{served.gateway}/v1/chat/completions", headers={"Authorization": f"Bearer {token}"},
+                                json={"model": MODEL, "max_tokens": 4,
+                                      "messages": [{"role": "user", "content": "Hi"}]}, timeout=120)
+            if answer.status_code != 200:
+                failures.append(answer.text)
+
+    chatting = threading.Thread(target=chat)
+    chatting.start()
+    try:
+        path = tmp_path_factory.mktemp("backups") / "appliance.backup"
+        created = appliance.run("backup", "create", "--out", str(path), timeout=600)
+    finally:
+        stop.set()
+        chatting.join()
+    assert created.returncode == 0, created.stdout + created.stderr
+    assert "with Keycloak's PostgreSQL database" in created.stdout and not failures, failures
+    return path
+
+
+def test_a_backup_taken_while_serving_verifies(appliance: Appliance, taken: Path) -> None:
+    verified = appliance.run("backup", "verify", str(taken))
+    assert verified.returncode == 0 and "intact" in verified.stdout, verified.stdout + verified.stderr
+    wrong = appliance.run("backup", "verify", str(taken), "--key-file", "/nonexistent")
+    assert wrong.returncode == 1 and "cannot read key file /nonexistent" in wrong.stderr
+    logged = appliance.run("audit", "tail", "--action", "backup.create")
+    assert logged.returncode == 0 and str(taken) in logged.stdout, logged.stdout + logged.stderr
+
+
+@pytest.fixture(scope="module")
+def restored(appliance: Appliance, taken: Path, keycloak_dist: Path, demo_model: Path) -> Iterator[Appliance]:
+    """A new state directory on ports of its own, the backup refused in bad forms, then restored;
+    the first appliance is stopped (a host that was lost)."""
+    assert appliance.run("down").returncode == 0
+    target = new_appliance(None)
+    shutil.rmtree(target.home.root)  # nothing at all: a lost host's replacement
+    for key in NO_KEYCLOAK:
+        del target.env[key]
+    target.env.update({f"APPLIANCE_KEYCLOAK__{name}": str(free_port())
+                       for name in ("PORT", "MANAGEMENT_PORT", "POSTGRES_PORT")})
+    whole = taken.read_bytes()
+    bad = taken.with_name("bad.backup")
+    for content, passphrase, message in [
+        (whole[: len(whole) // 2], PASSPHRASE, "is cut short"),
+        (whole, "not the passphrase at all", "wrong passphrase or key file"),
+        (whole[:-1] + bytes([whole[-1] ^ 1]), PASSPHRASE, "is damaged or out of place"),
+        (b"PK\x03\x04" + whole[4:], PASSPHRASE, "is not an appliance backup"),
+    ]:
+        bad.write_bytes(content)
+        refused = target.run("backup", "restore", str(bad), stdin=passphrase + "\n")
+        assert refused.returncode == 1 and message in refused.stderr, refused.stderr
+        assert not target.home.root.exists(), "a refused restore leaves the target as it was"
+    done = target.run("backup", "restore", str(taken), stdin=PASSPHRASE + "\n", timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"restored {taken} into {target.home.root}" in done.stdout
+    install_dir(target.home).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(keycloak_dist, install_dir(target.home), symlinks=True,
+                    ignore=shutil.ignore_patterns("h2", "tmp"))
+    target.home.demo_model.symlink_to(demo_model, target_is_directory=True)
+    try:
+        started = target.run("up")
+        assert started.returncode == 0, started.stdout + started.stderr
+        yield target
+    finally:
+        remove_appliance(target)
+
+
+def test_the_restored_appliance_has_the_users_adapters_settings_and_audit(
+        appliance: Appliance, restored: Appliance) -> None:
+    assert restored.home.settings_file.read_bytes() == appliance.home.settings_file.read_bytes()
+    again = realm(restored)
+    token = again.token("mover", PASSWORD)
+    login = restored.run("token", "--user", "admin", "--password-stdin",
+                         stdin=secret(restored.home, BOOTSTRAP_SECRET) + "\n", timeout=60)
+    assert login.returncode == 0, login.stderr
+    deployed = restored.run("adapters", "deploy", "kept", timeout=300)
+    assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+    answer = httpx.post(f"{again.gateway}/v1/chat/completions", headers={"Authorization": f"Bearer {token}"},
+                        json={"model": "kept", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]},
+                        timeout=120)
+    assert answer.status_code == 200, answer.text
+    verified = restored.run("audit", "verify")
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    restores = restored.run("audit", "tail", "--action", "backup.restore")
+    assert restores.returncode == 0 and "backup.restore" in restores.stdout, restores.stdout + restores.stderr
+    assert Home(restored.home.root).secrets.stat().st_mode & 0o777 == 0o700
