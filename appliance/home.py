@@ -10,6 +10,8 @@ from appliance.errors import StateError
 
 # Read once, here: the only environment variable that moves the whole state directory.
 HOME_ENV = "APPLIANCE_HOME"
+# A backup's passphrase, read by `appliance backup` alone: not a setting, kept from every supervised program.
+BACKUP_PASSPHRASE_ENV = "APPLIANCE_BACKUP_PASSPHRASE"
 DEMO_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 

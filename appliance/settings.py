@@ -32,10 +32,11 @@ from pydantic import (
 )
 
 from appliance.errors import SettingsError
+from appliance.home import BACKUP_PASSPHRASE_ENV, HOME_ENV
 
 ENV_PREFIX = "APPLIANCE_"
-# Not settings: APPLIANCE_HOME picks the state directory itself (appliance.home).
-_ENV_NOT_SETTINGS = {"APPLIANCE_HOME"}
+# Not settings: APPLIANCE_HOME picks the state directory itself; a backup passphrase (appliance.home).
+_ENV_NOT_SETTINGS = {HOME_ENV, BACKUP_PASSPHRASE_ENV}
 
 DEMO_MODEL = "demo"
 Port = Annotated[int, Field(ge=1024, le=65535)]
@@ -499,6 +500,27 @@ class CacheSettings(_Section):
     max_entry_bytes: int = Field(1 << 20, ge=1024, description="Larger answers are not kept.")
 
 
+class BackupSettings(_Section):
+    """Backups taken on a schedule into the artifact store (`appliance backup create` takes one at any time)."""
+
+    IN_SUPERVISOR_CONFIG = False
+
+    every_hours: float | None = Field(
+        None, gt=0, le=24 * 366, description="Take a backup into the artifact store this often, while the appliance "
+        "runs (unset: no scheduled backups).")
+    keep: int = Field(7, ge=1, le=10000, description="Scheduled backups kept in the store: after each new one, "
+                      "older ones beyond this many are removed.")
+    key_file: str | None = Field(
+        None, description="The key file (0600, at least 12 bytes) whose contents seal scheduled backups; keep a copy "
+        "away from the appliance: without it no backup can be restored.")
+
+    @model_validator(mode="after")
+    def _schedule_needs_a_key(self) -> BackupSettings:
+        if self.every_hours is not None and not self.key_file:
+            raise ValueError("every_hours needs key_file: a scheduled backup is sealed with the key file's contents")
+        return self
+
+
 class BatchSettings(_Section):
     """OpenAI's Batch API: files, the durable queue and the supervised batch-worker executing it."""
 
@@ -780,6 +802,7 @@ class Settings(_Section):
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
     cache: CacheSettings = Field(default_factory=CacheSettings)
     batch: BatchSettings = Field(default_factory=BatchSettings)
+    backup: BackupSettings = Field(default_factory=BackupSettings)
     pools: list[PoolSettings] = Field(
         default_factory=lambda: [PoolSettings(name="main")],
         min_length=1,

@@ -21,7 +21,7 @@ import psutil
 from supervisor.xmlrpc import SupervisorTransport
 
 from appliance.errors import SupervisorError
-from appliance.home import Home
+from appliance.home import BACKUP_PASSPHRASE_ENV, Home
 from appliance.programs import OFFLINE_ENVIRONMENT, Program
 from appliance.secrets import secret
 
@@ -224,8 +224,9 @@ class Supervisor:
             out.write(config_text)
         os.replace(tmp, conf)
         supervisord = Path(sys.executable).with_name("supervisord")
+        environment = {key: value for key, value in os.environ.items() if key != BACKUP_PASSPHRASE_ENV}
         result = subprocess.run(
-            [str(supervisord), "-c", str(conf)], capture_output=True, text=True, check=False
+            [str(supervisord), "-c", str(conf)], capture_output=True, text=True, check=False, env=environment
         )
         if result.returncode != 0:
             reason = (result.stderr or result.stdout).strip().splitlines()

@@ -28,6 +28,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
 
 from appliance.errors import Invalid
+from appliance.home import BACKUP_PASSPHRASE_ENV
 
 MAGIC = b"APPLIANCE-BACKUP\n"
 FORMAT = 1  # the newest envelope this version reads and writes
@@ -184,6 +185,6 @@ def passphrase_from(key_file: Path | None, stdin: BinaryIO, environ: Mapping[str
             return check_passphrase(key_file.read_bytes()[:4096].strip(), f"key file {key_file}")
         except OSError as exc:
             raise Invalid(f"cannot read key file {key_file}: {exc.strerror}") from exc
-    if (value := environ.get("APPLIANCE_BACKUP_PASSPHRASE")) is not None:
-        return check_passphrase(value.encode(), "APPLIANCE_BACKUP_PASSPHRASE")
+    if (value := environ.get(BACKUP_PASSPHRASE_ENV)) is not None:
+        return check_passphrase(value.encode(), BACKUP_PASSPHRASE_ENV)
     return check_passphrase(stdin.readline(4096), "standard input")

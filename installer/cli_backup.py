@@ -16,7 +16,7 @@ from rich.console import Console
 from appliance.changes import Change, Target, announce, note_target, records_change
 from appliance.commands.common import AsJson, context, print_json
 from appliance.errors import Invalid
-from appliance.home import Home
+from appliance.home import BACKUP_PASSPHRASE_ENV, Home
 
 if TYPE_CHECKING:
     from installer.backup import Manifest
@@ -34,7 +34,7 @@ def passphrase(key_file: Path | None, *, confirm: bool) -> bytes:
     """The backup's passphrase, from the key file, the environment or standard input; never argv."""
     from installer.backup_archive import check_passphrase, passphrase_from
 
-    if key_file is None and "APPLIANCE_BACKUP_PASSPHRASE" not in os.environ and sys.stdin.isatty():
+    if key_file is None and BACKUP_PASSPHRASE_ENV not in os.environ and sys.stdin.isatty():
         first = getpass.getpass("backup passphrase: ")
         if confirm and getpass.getpass("again: ") != first:
             raise Invalid("the two passphrases differ")

@@ -69,14 +69,15 @@ def migrate(home: Home, keycloak: KeycloakSettings, java: Path) -> str:
     with tempfile.TemporaryDirectory(prefix="keycloak-export-", dir=home.run) as export:
         # Password hashes and client secrets pass through here: run/ is private, and it is removed.
         build(kc_dir, java, BUILD_OPTIONS)
-        _kc(home, java, "export", f"--dir={export}", "--users=same_file", "--db=dev-file")
+        # Each command names the build options it was built with: without them Keycloak rebuilds for its defaults.
+        _kc(home, java, "export", *BUILD_OPTIONS, f"--dir={export}", "--users=same_file")
         realms = sorted(path.name.removesuffix("-realm.json") for path in Path(export).glob("*-realm.json"))
         if keycloak.realm not in realms:
             raise KeycloakError(f"Keycloak's export holds the realms {realms}, not {keycloak.realm!r}: nothing moved")
         build(kc_dir, java, POSTGRES_BUILD_OPTIONS)
         try:
             with postgres.reachable(home, keycloak.postgres_port, loopback=True):
-                _kc(home, java, "import", f"--dir={export}", "--override=true",
+                _kc(home, java, "import", *POSTGRES_BUILD_OPTIONS, f"--dir={export}", "--override=true",
                     f"--db-url={postgres.jdbc_url(keycloak.postgres_port)}",
                     f"--db-username={postgres.KEYCLOAK_ROLE}", password=secret(home, postgres.KEYCLOAK_SECRET))
         except BaseException:
