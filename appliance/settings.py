@@ -178,6 +178,11 @@ class PoolSettings(_Section):
     )
 
 
+_PG_HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252})")
+_PG_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,62}")
+_PG_CA_FILE = re.compile(r"/[A-Za-z0-9/._-]{1,4095}")
+
+
 class KeycloakSettings(_Section):
     """The identity provider: the appliance's own Keycloak, or the organisation's."""
 
@@ -198,6 +203,14 @@ class KeycloakSettings(_Section):
         "moved over at `up`); dev-file, Keycloak's H2 file, which its production guide says not to use in "
         "production.")
     postgres_port: Port = Field(5433, description="Loopback port of the supervised PostgreSQL (database = postgres).")
+    postgres_url: str | None = Field(
+        None, description="An external PostgreSQL for the embedded Keycloak instead of the supervised one: "
+        "postgresql://USER@HOST[:PORT]/DATABASE (no password in it). Reached over TLS with the server's certificate "
+        "verified against postgres_ca_file and its host name checked (sslmode verify-full).")
+    postgres_password_file: str | None = Field(
+        None, description="With postgres_url: the file (0600) holding USER's password.")
+    postgres_ca_file: str | None = Field(
+        None, description="With postgres_url: the PEM file of the CA(s) that issued the server's certificate.")
     ca_file: str | None = Field(
         None, description="External mode: PEM file of the CA(s) that issued the external Keycloak's "
         "certificate (unset: the system's trust store)."
@@ -259,6 +272,41 @@ class KeycloakSettings(_Section):
     def frontend_url(self) -> str | None:
         """The embedded Keycloak's public base URL, published through the gateway; None: loopback only."""
         return self._frontend
+
+    @property
+    def external_postgres(self) -> urllib.parse.SplitResult | None:
+        """postgres_url, parsed (checked by the validator), or None for the supervised server."""
+        return urllib.parse.urlsplit(self.postgres_url) if self.postgres_url else None
+
+    @model_validator(mode="after")
+    def _external_postgres_complete(self) -> KeycloakSettings:
+        url = self.external_postgres
+        if url is None:
+            if self.postgres_password_file or self.postgres_ca_file:
+                raise ValueError("postgres_password_file and postgres_ca_file go with postgres_url")
+            return self
+        if self.database != "postgres":
+            raise ValueError("postgres_url needs database = \"postgres\"")
+        try:
+            port = url.port
+        except ValueError:
+            port = -1
+        database = url.path.removeprefix("/")
+        if url.password is not None:
+            raise ValueError("postgres_url holds a password: put it in postgres_password_file (0600) instead")
+        # What reaches Keycloak's JDBC URL: plain names only, or a parameter could ride along (socketFactory=...).
+        if (url.scheme != "postgresql" or port == -1 or not _PG_HOST.fullmatch(url.hostname or "")
+                or not _PG_NAME.fullmatch(url.username or "") or not _PG_NAME.fullmatch(database)
+                or url.query or url.fragment):
+            raise ValueError(f"postgres_url {self.postgres_url!r}: use postgresql://USER@HOST[:PORT]/DATABASE "
+                             "(a host name or IPv4 address; USER and DATABASE of letters, digits, _ and -)")
+        if not (self.postgres_password_file and self.postgres_ca_file):
+            raise ValueError("postgres_url needs postgres_password_file and postgres_ca_file (the server's "
+                             "certificate is always verified)")
+        if not _PG_CA_FILE.fullmatch(self.postgres_ca_file):
+            raise ValueError(f"postgres_ca_file {self.postgres_ca_file!r}: an absolute path of letters, digits and "
+                             "/._- (it becomes part of Keycloak's JDBC URL)")
+        return self
 
     @model_validator(mode="after")
     def _external_needs_url(self) -> KeycloakSettings:

@@ -71,7 +71,7 @@ def main() -> None:
                 tar = work / f"{i}.tar"
                 dump = work / f"{i}.dump"
                 started = time.perf_counter()
-                with postgres.reachable(home, int(PORTS["APPLIANCE_KEYCLOAK__POSTGRES_PORT"])) as pg_env:
+                with postgres.reachable(home, load_settings(home.settings_file, env).keycloak) as pg_env:
                     timed([str(postgres.binaries() / "pg_dump"), "--format=custom", f"--file={dump}"], pg_env)
                 timed(["tar", "-cf", str(tar), *excludes, "-C", str(home.root), "."], env)
                 plain.append(time.perf_counter() - started)

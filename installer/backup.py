@@ -225,7 +225,7 @@ def create(settings: Settings, home: Home, out: BinaryIO, passphrase: bytes) -> 
         adder = _Adder(archive, manifest)
         if manifest.keycloak == "postgres":  # first: the snapshot the rest is nearest to
             dump = Path(scratch) / KEYCLOAK_DUMP
-            with postgres.reachable(home, settings.keycloak.postgres_port) as environment:
+            with postgres.reachable(home, settings.keycloak) as environment:
                 dumped = subprocess.run([str(postgres.binaries() / "pg_dump"), "--format=custom", f"--file={dump}"],
                                         env=environment, capture_output=True, text=True, check=False)
             if dumped.returncode != 0:
@@ -377,6 +377,7 @@ def restore(source: BinaryIO, passphrase: bytes, name: str, root: Path) -> Manif
     fresh_target(root)
     root.parent.mkdir(parents=True, exist_ok=True)
     building = Path(tempfile.mkdtemp(prefix=f".{root.name}.restoring-", dir=root.parent))
+    building.chmod(0o711)  # PostgreSQL's user passes through to its new cluster (nothing here is listable)
     try:
         manifest = read_backup(source, passphrase, name, building)
         staged = Home(building / STATE)
@@ -395,11 +396,24 @@ def restore(source: BinaryIO, passphrase: bytes, name: str, root: Path) -> Manif
 
 
 def _restore_keycloak(staged: Home, dump: Path) -> None:
+    """Keycloak's database into the restored settings' server: a new supervised cluster, or the
+    external one, which must hold no tables yet (a restore never merges)."""
     settings = load_settings(staged.settings_file)
-    with postgres.reachable(staged, settings.keycloak.postgres_port) as environment:
-        restored = subprocess.run([str(postgres.binaries() / "pg_restore"), "--exit-on-error", "--no-password",
-                                   "--dbname=postgres", str(dump)], env=environment, capture_output=True, text=True,
-                                  check=False)
+    tools = postgres.binaries()
+    with postgres.reachable(staged, settings.keycloak) as environment:
+        tables = subprocess.run([str(tools / "psql"), "--no-password", "-tAc",
+                                 "select count(*) from pg_tables where schemaname = current_schema()"],
+                                env=environment, capture_output=True, text=True, check=False)
+        if tables.returncode != 0:
+            raise StateError(f"cannot reach Keycloak's database {environment['PGHOST']}:{environment['PGPORT']}/"
+                             f"{environment['PGDATABASE']}: {tables.stderr.strip()[-800:]}")
+        if tables.stdout.strip() != "0":
+            raise Conflict(f"Keycloak's database {environment['PGDATABASE']} on {environment['PGHOST']} already "
+                           f"holds {tables.stdout.strip()} tables", hint="restore only into an empty database")
+        # Owned by whoever restores: the role that made the dump may not exist on this server.
+        restored = subprocess.run([str(tools / "pg_restore"), "--exit-on-error", "--no-password", "--no-owner",
+                                   "--no-privileges", f"--dbname={environment['PGDATABASE']}", str(dump)],
+                                  env=environment, capture_output=True, text=True, check=False)
     if restored.returncode != 0:
         raise StateError(f"pg_restore of Keycloak's database failed: {restored.stderr.strip()[-800:]}")
 

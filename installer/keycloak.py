@@ -24,7 +24,7 @@ from appliance.progress import byte_progress
 from appliance.secrets import secret
 from appliance.settings import KeycloakSettings, Settings
 from appliance.tls import ensure_server_certificate
-from installer.postgres import KEYCLOAK_ROLE, KEYCLOAK_SECRET, jdbc_url, postgres_program
+from installer.postgres import db_password, db_username, jdbc_url, postgres_program
 
 VERSION = "26.7.3"
 SHA256 = "27a6535553c3cdcd083872ba40629efafb3475e3b758e0c6f691395561dd0f1f"
@@ -213,16 +213,22 @@ def keycloak_programs(settings: Settings, home: Home) -> list[Program]:
     if on_postgres and not missing:
         from installer.keycloak_migration import migrate, needs_migration
 
+        if needs_migration(home) and keycloak.external_postgres is not None:
+            raise KeycloakError("this appliance's realms are in Keycloak's dev-file database: they move only into "
+                                "the appliance's own PostgreSQL", hint="start once without keycloak.postgres_url "
+                                "(they move at `up`), then back them up and restore them into the external server")
         if needs_migration(home):  # an appliance from before PostgreSQL: its realms move once
             print("moving Keycloak's realms from its dev-file database to PostgreSQL (a few minutes)",
                   file=sys.stderr, flush=True)
             print(migrate(home, keycloak, Path(jdk)), file=sys.stderr, flush=True)
-        # Its database first; Keycloak starts once it accepts connections. The password goes by
-        # the environment (KC_DB_PASSWORD), never the command line.
-        programs.append(postgres_program(home, keycloak.postgres_port))
-        command = [sys.executable, "-P", "-m", "installer.wait_for_database", str(keycloak.postgres_port), "60", "--",
-                   *command, f"--db-url={jdbc_url(keycloak.postgres_port)}", f"--db-username={KEYCLOAK_ROLE}"]
-        env["KC_DB_PASSWORD"] = secret(home, KEYCLOAK_SECRET)
+        # The password goes by the environment (KC_DB_PASSWORD), never the command line.
+        command += [f"--db-url={jdbc_url(keycloak)}", f"--db-username={db_username(keycloak)}"]
+        env["KC_DB_PASSWORD"] = db_password(home, keycloak)
+        if keycloak.external_postgres is None:
+            # Its database first; Keycloak starts once it accepts connections.
+            programs.append(postgres_program(home, keycloak.postgres_port))
+            command = [sys.executable, "-P", "-m", "installer.wait_for_database", str(keycloak.postgres_port), "60",
+                       "--", *command]
     if not missing:
         build(kc_dir, Path(jdk), build_options(keycloak))  # when the database changed: `--db` is a build option
     return [*programs, Program(

@@ -19,7 +19,6 @@ from pathlib import Path
 
 from appliance.errors import Conflict
 from appliance.home import Home
-from appliance.secrets import secret
 from appliance.settings import KeycloakSettings
 from installer import postgres
 from installer.keycloak import BUILD_OPTIONS, POSTGRES_BUILD_OPTIONS, KeycloakError, build, data_dir, install_dir
@@ -76,10 +75,10 @@ def migrate(home: Home, keycloak: KeycloakSettings, java: Path) -> str:
             raise KeycloakError(f"Keycloak's export holds the realms {realms}, not {keycloak.realm!r}: nothing moved")
         build(kc_dir, java, POSTGRES_BUILD_OPTIONS)
         try:
-            with postgres.reachable(home, keycloak.postgres_port, loopback=True):
+            with postgres.reachable(home, keycloak, loopback=True):
                 _kc(home, java, "import", *POSTGRES_BUILD_OPTIONS, f"--dir={export}", "--override=true",
-                    f"--db-url={postgres.jdbc_url(keycloak.postgres_port)}",
-                    f"--db-username={postgres.KEYCLOAK_ROLE}", password=secret(home, postgres.KEYCLOAK_SECRET))
+                    f"--db-url={postgres.jdbc_url(keycloak)}", f"--db-username={postgres.db_username(keycloak)}",
+                    password=postgres.db_password(home, keycloak))
         except BaseException:
             shutil.rmtree(postgres.data_dir(home), ignore_errors=True)  # half-filled: the next `up` starts over
             raise

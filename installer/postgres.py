@@ -16,6 +16,7 @@ import importlib.util
 import os
 import pwd
 import shutil
+import stat
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -26,6 +27,7 @@ from appliance.errors import StateError
 from appliance.home import Home
 from appliance.programs import Program
 from appliance.secrets import secret
+from appliance.settings import KeycloakSettings
 
 DB_USER = "appliance-db"
 KEYCLOAK_SECRET = "postgres-keycloak"
@@ -91,7 +93,7 @@ def ensure_cluster(home: Home) -> bool:
     if subprocess.run(as_db_user(["test", "-x", str(data.parent)]), check=False).returncode:
         raise StateError(f"PostgreSQL's user {DB_USER} cannot reach {data.parent}: a directory above the state "
                          f"directory {home.root} does not let others pass through",
-                         hint="chmod o+x that directory (listing stays closed), or keep keycloak.database = dev-file")
+                         hint="chmod o+x that directory (listing stays closed)")
     if postgres_made(home):
         return False
     password = secret(home, KEYCLOAK_SECRET)
@@ -128,8 +130,38 @@ def postgres_program(home: Home, port: int) -> Program:
                    stop_signal="INT", start_timeout_s=60, urls={"database": f"postgresql://127.0.0.1:{port}"})
 
 
-def jdbc_url(port: int) -> str:
-    return f"jdbc:postgresql://127.0.0.1:{port}/postgres"
+def jdbc_url(keycloak: KeycloakSettings) -> str:
+    """Keycloak's JDBC URL: the supervised server on loopback, or the external one over TLS with its
+    certificate verified and its host name checked (the settings allow plain names only in it)."""
+    external = keycloak.external_postgres
+    if external is None:
+        return f"jdbc:postgresql://127.0.0.1:{keycloak.postgres_port}/postgres"
+    return (f"jdbc:postgresql://{external.hostname}:{external.port or 5432}{external.path}"
+            f"?sslmode=verify-full&sslrootcert={keycloak.postgres_ca_file}")
+
+
+def db_username(keycloak: KeycloakSettings) -> str:
+    external = keycloak.external_postgres
+    return external.username or "" if external is not None else KEYCLOAK_ROLE
+
+
+def db_password(home: Home, keycloak: KeycloakSettings) -> str:
+    """Keycloak's database password: generated for the supervised server, else read from
+    postgres_password_file (which must be private to its owner)."""
+    if keycloak.postgres_password_file is None:
+        return secret(home, KEYCLOAK_SECRET)
+    path = Path(keycloak.postgres_password_file)
+    try:
+        mode = path.stat().st_mode
+        password = path.read_text().strip() if stat.S_ISREG(mode) else ""
+    except (OSError, UnicodeDecodeError) as exc:
+        raise StateError(f"keycloak.postgres_password_file {path}: cannot read it ({exc})") from exc
+    if mode & 0o077:
+        raise StateError(f"keycloak.postgres_password_file {path} is readable by others (mode {mode & 0o777:o})",
+                         hint=f"chmod 600 {path}")
+    if not password:
+        raise StateError(f"keycloak.postgres_password_file {path} holds no password (or is not a regular file)")
+    return password
 
 
 def wait_ready(port: int, timeout_s: float) -> list[str]:
@@ -149,12 +181,20 @@ def _answers(environment: dict[str, str]) -> bool:
 
 
 @contextmanager
-def reachable(home: Home, port: int, *, loopback: bool = False) -> Iterator[dict[str, str]]:
-    """The environment that lets libpq's tools (pg_dump, pg_restore, psql) reach this appliance's
-    PostgreSQL as Keycloak's role through its own socket (never a loopback port another server may
-    hold; the password by the environment, never argv): the supervised server if it runs, else one
-    started here for the duration, listening on its socket only (`loopback`: on 127.0.0.1 too, for
-    a JDBC client such as Keycloak's import)."""
+def reachable(home: Home, keycloak: KeycloakSettings, *, loopback: bool = False) -> Iterator[dict[str, str]]:
+    """The environment that lets libpq's tools (pg_dump, pg_restore, psql) reach Keycloak's database
+    as its role, the password by the environment, never argv. An external server: over TLS, its
+    certificate verified (verify-full). The supervised one: through its own socket (never a loopback
+    port another server may hold); if it does not run, one is started here for the duration,
+    listening on its socket only (`loopback`: on 127.0.0.1 too, for a JDBC client such as
+    Keycloak's import)."""
+    if (external := keycloak.external_postgres) is not None:
+        yield {**os.environ, "PGHOST": external.hostname or "", "PGPORT": str(external.port or 5432),
+               "PGUSER": db_username(keycloak), "PGDATABASE": external.path.removeprefix("/"),
+               "PGPASSWORD": db_password(home, keycloak), "PGSSLMODE": "verify-full",
+               "PGSSLROOTCERT": keycloak.postgres_ca_file or "", "PGCONNECT_TIMEOUT": "10"}
+        return
+    port = keycloak.postgres_port
     user = db_user()
     ensure_cluster(home)
     environment = {**os.environ, "PGHOST": str(_owned_socket_dir(home, user)), "PGPORT": str(port),

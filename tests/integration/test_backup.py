@@ -1,14 +1,17 @@
 """An appliance's life across an upgrade and a disaster, with an appliance of its own: installed on
 Keycloak's dev-file database, it moves to PostgreSQL at `up` keeping its users' passwords and the
 gateway client's secret; a backup is taken while it serves; each kind of bad backup is refused
-with the target left as it was; the backup restored into a fresh state directory starts, its
-users log in, its adapter answers and its audit chain verifies."""
+with the target left as it was; the backup restored into a fresh state directory, its Keycloak
+now on the organisation's PostgreSQL over verified TLS (a server the CA did not certify refused),
+starts, its users log in, its adapter answers, its audit chain verifies, and its scheduled backups
+go to the artifact store. (The supervised server's restore: test_bundle_install.)"""
 
 from __future__ import annotations
 
 import json
 import shutil
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,12 +25,15 @@ from appliance.jobs import Hyperparameters
 from appliance.records import config_sha256
 from appliance.secrets import GATEWAY_CLIENT_SECRET, secret
 from appliance.settings import load_settings
+from appliance.supervisor import Supervisor
 from finetune.adapters import register
 from installer.keycloak import data_dir, install_dir
 from installer.postgres import postgres_made
 from installer.realm import BOOTSTRAP_SECRET
 from tests.integration.realm import Realm
 from tests.support.appliances import NO_KEYCLOAK, Appliance, make_appliance, new_appliance, remove_appliance
+from tests.support.certificates import organisation_chain
+from tests.support.external_postgres import ExternalPostgres, external_postgres
 from tests.support.models import random_adapter
 from tests.support.ports import free_port
 from tests.support.records import metrics
@@ -118,8 +124,16 @@ def test_a_backup_taken_while_serving_verifies(appliance: Appliance, taken: Path
 
 
 @pytest.fixture(scope="module")
-def restored(appliance: Appliance, taken: Path, keycloak_dist: Path, demo_model: Path) -> Iterator[Appliance]:
-    """A new state directory on ports of its own, the backup refused in bad forms, then restored;
+def external() -> Iterator[ExternalPostgres]:
+    with external_postgres() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def restored(appliance: Appliance, taken: Path, keycloak_dist: Path, demo_model: Path,
+             external: ExternalPostgres) -> Iterator[Appliance]:
+    """A new state directory on ports of its own whose Keycloak keeps its realms on the organisation's
+    PostgreSQL (TLS, its certificate verified); the backup refused in bad forms, then restored;
     the first appliance is stopped (a host that was lost)."""
     assert appliance.run("down").returncode == 0
     target = new_appliance(None)
@@ -128,6 +142,11 @@ def restored(appliance: Appliance, taken: Path, keycloak_dist: Path, demo_model:
         del target.env[key]
     target.env.update({f"APPLIANCE_KEYCLOAK__{name}": str(free_port())
                        for name in ("PORT", "MANAGEMENT_PORT", "POSTGRES_PORT")})
+    key_file = taken.with_name("scheduled.key")
+    key_file.write_text("a key file's contents, long enough\n")
+    key_file.chmod(0o600)
+    target.env.update({"APPLIANCE_BACKUP__EVERY_HOURS": "0.002", "APPLIANCE_BACKUP__KEEP": "2",  # every 7 s
+                       "APPLIANCE_BACKUP__KEY_FILE": str(key_file)})
     whole = taken.read_bytes()
     bad = taken.with_name("bad.backup")
     for content, passphrase, message in [
@@ -140,6 +159,13 @@ def restored(appliance: Appliance, taken: Path, keycloak_dist: Path, demo_model:
         refused = target.run("backup", "restore", str(bad), stdin=passphrase + "\n")
         assert refused.returncode == 1 and message in refused.stderr, refused.stderr
         assert not target.home.root.exists(), "a refused restore leaves the target as it was"
+    target.env.update(external.settings)
+    stranger = organisation_chain(taken.with_name("stranger"), ["localhost"]).root
+    target.env["APPLIANCE_KEYCLOAK__POSTGRES_CA_FILE"] = str(stranger)  # a server this CA did not certify
+    untrusting = target.run("backup", "restore", str(taken), stdin=PASSPHRASE + "\n", timeout=600)
+    assert untrusting.returncode == 1 and "certificate verify failed" in untrusting.stderr, untrusting.stderr
+    assert not target.home.root.exists()
+    target.env.update(external.settings)
     done = target.run("backup", "restore", str(taken), stdin=PASSPHRASE + "\n", timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"restored {taken} into {target.home.root}" in done.stdout
@@ -158,6 +184,8 @@ def restored(appliance: Appliance, taken: Path, keycloak_dist: Path, demo_model:
 def test_the_restored_appliance_has_the_users_adapters_settings_and_audit(
         appliance: Appliance, restored: Appliance) -> None:
     assert restored.home.settings_file.read_bytes() == appliance.home.settings_file.read_bytes()
+    running = {process.name for process in Supervisor(restored.home).processes()}
+    assert "keycloak" in running and "postgres" not in running  # its realms are on the external server
     again = realm(restored)
     token = again.token("mover", PASSWORD)
     login = restored.run("token", "--user", "admin", "--password-stdin",
@@ -174,3 +202,25 @@ def test_the_restored_appliance_has_the_users_adapters_settings_and_audit(
     restores = restored.run("audit", "tail", "--action", "backup.restore")
     assert restores.returncode == 0 and "backup.restore" in restores.stdout, restores.stdout + restores.stderr
     assert Home(restored.home.root).secrets.stat().st_mode & 0o777 == 0o700
+
+
+def test_scheduled_backups_go_to_the_store_and_only_the_newest_are_kept(restored: Appliance) -> None:
+    def listed() -> list[str]:
+        shown = restored.run("backup", "list", "--json")
+        assert shown.returncode == 0, shown.stderr
+        return list(json.loads(shown.stdout)["backups"])
+
+    seen: set[str] = set()
+    deadline = time.monotonic() + 300
+    while len(seen) < 3:  # three taken, never more than two kept
+        assert time.monotonic() < deadline, f"scheduled backups seen: {sorted(seen)}"
+        keys = listed()
+        assert len(keys) <= 2, keys
+        seen |= set(keys)
+        time.sleep(1)
+    newest = restored.home.root / "artifacts" / listed()[-1]
+    key_file = restored.env["APPLIANCE_BACKUP__KEY_FILE"]
+    verified = restored.run("backup", "verify", str(newest), "--key-file", key_file)
+    assert verified.returncode == 0 and "intact" in verified.stdout, verified.stdout + verified.stderr
+    scheduled = restored.run("audit", "tail", "--action", "backup.create", "--user", "backup-scheduler")
+    assert scheduled.stdout.count("backup.create") >= 3, scheduled.stdout

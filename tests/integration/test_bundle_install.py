@@ -1,9 +1,11 @@
 """Air-gapped install, for real: a bundle built here (carrying a given model: a tiny
 Qwen3-MoE made by the test) installs into a fresh directory inside a network namespace that
-holds nothing but loopback; there `appliance up` starts, a user is added and a chat completion
-answers through the gateway, an adapter is registered. A newer bundle installed over it (also
-offline) upgrades the software and leaves settings, secrets, users (Keycloak's database), the
-audit log and adapters untouched, and the audit chain verifies.
+holds nothing but loopback; there `appliance up` starts (Keycloak on the bundle's PostgreSQL, the
+gateway on HTTPS), a user is added and a chat completion answers through the gateway, an adapter
+is registered and a backup is taken while it serves. A newer bundle installed over it (also
+offline) upgrades the software and leaves settings, secrets, the audit log and adapters untouched,
+and the audit chain verifies; the backup restored into a fresh state directory with the newer
+software starts, and the user it holds chats over HTTPS.
 
 The engine started here also serves the check of the planner's KV capacity for an MoE
 against what vLLM reports (one vLLM start for both, to keep the suite within CI's time)."""
@@ -17,6 +19,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -35,18 +38,19 @@ from tests.support.models import random_adapter, tiny_moe
 
 PROJECT = Path(__file__).resolve().parents[2]
 MODEL = "tiny-moe"
-KEPT = ("settings.toml", "secrets", "keycloak/data", "adapters.json", "artifacts")
+KEPT = ("settings.toml", "secrets", "adapters.json", "artifacts")
+PASSPHRASE = "the bundle test's passphrase"
 
 # Run inside the namespace with the installed software only (not this checkout's).
 CHAT = """
 import ssl, sys, httpx
-issuer, ca, user, password = sys.argv[1:5]
+issuer, ca, user, password = sys.argv[1:5]  # the gateway serves HTTPS (gateway.tls = "on") with the same CA
 token = httpx.post(f"{issuer}/protocol/openid-connect/token", data={"grant_type": "password",
     "client_id": "appliance-cli", "username": user, "password": password}, timeout=60,
     verify=ssl.create_default_context(cafile=ca)).json()["access_token"]
-answer = httpx.post("http://127.0.0.1:8080/v1/chat/completions", headers={"Authorization": f"Bearer {token}"},
+answer = httpx.post("https://localhost:8080/v1/chat/completions", headers={"Authorization": f"Bearer {token}"},
     json={"model": "tiny-moe", "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]},
-    timeout=300)
+    timeout=300, verify=ssl.create_default_context(cafile=ca))
 print("CHAT", answer.status_code, answer.json()["choices"][0]["message"]["content"].replace("\\n", " "))
 """
 ADAPTER = """
@@ -138,7 +142,10 @@ def test_bundle_installs_and_serves_with_no_network_and_upgrades_keeping_state(
         tmp_path: Path, demo_model: Path, record_property: pytest.RecordProperty) -> None:
     key_file = tmp_path / "signing-key.pem"
     moe = tiny_moe(tmp_path / MODEL, demo_model)
-    first, prefix, state = tmp_path / "bundle-1", tmp_path / "opt", tmp_path / "state"
+    # State dirs where PostgreSQL's user may pass (pytest's own temp dirs are closed to others).
+    homes = Path(tempfile.mkdtemp(prefix="bundle-homes-", dir="/tmp"))
+    homes.chmod(0o711)
+    first, prefix, state, restored = tmp_path / "bundle-1", tmp_path / "opt", homes / "state", homes / "restored"
     env = {k: v for k, v in os.environ.items() if k != "APPLIANCE_HOME"}  # caches of the default state dir
     started = time.monotonic()
     built = subprocess.run([APPLIANCE, "bundle", "build", "--out", str(first), "--key", str(key_file),
@@ -167,7 +174,8 @@ def test_bundle_installs_and_serves_with_no_network_and_upgrades_keeping_state(
     assert installed.returncode == 0, installed.stdout[-3000:] + installed.stderr[-3000:]
     assert f"signed by the trusted key: {printed}" in installed.stdout
     assert f"the bundle's model is in {state}/models/" in installed.stdout  # not the demo: the operator names it
-    (state / "settings.toml").write_text(f'[[pools]]\nname = "main"\nmodel = "{state}/models/{MODEL}"\n')
+    (state / "settings.toml").write_text(f'[gateway]\ntls = "on"\n\n'
+                                         f'[[pools]]\nname = "main"\nmodel = "{state}/models/{MODEL}"\n')
     app, python = prefix / "venv/bin/appliance", prefix / "venv/bin/python"
     issuer = "https://127.0.0.1:8180/realms/appliance"
     (tmp_path / "chat.py").write_text(CHAT)
@@ -184,14 +192,16 @@ def test_bundle_installs_and_serves_with_no_network_and_upgrades_keeping_state(
         {app} users add carol --role user --password-stdin <<< 'Carol-password-1'
         {python} {tmp_path}/chat.py {issuer} {state}/tls/ca.pem carol Carol-password-1
         {python} {tmp_path}/adapter.py {adapter}
+        APPLIANCE_BACKUP_PASSPHRASE="{PASSPHRASE}" {app} backup create --out {homes}/state.backup
         {app} down""")
         new_version = newer.result()
     assert first_run.returncode == 0, first_run.stdout[-3000:] + first_run.stderr[-3000:]
     assert re.search(r"^CHAT 200 .*\S", first_run.stdout, re.MULTILINE), first_run.stdout[-2000:]
     assert "ADAPTER kept-adapter 1" in first_run.stdout
+    assert "with Keycloak's PostgreSQL database" in first_run.stdout, first_run.stdout[-2000:]
     check_moe_kv_capacity(state, moe, record_property)
     kept = tree_digest(state, KEPT)
-    assert any(name.startswith("keycloak/data/h2/") for name in kept)  # the users' database is in there
+    assert (state / "postgres" / "data" / "PG_VERSION").is_file()  # the users' database
     records = audit_records(state)
     assert any(r["action"] == "users.add" and r["outcome"] == "allowed" for r in records)
 
@@ -215,7 +225,22 @@ print("ADAPTERS", [r.name for r in adapters.load(home.Home.from_env()).adapters]
     assert tree_digest(state, KEPT) == kept  # byte for byte: settings, secrets, users, adapters
     assert audit_records(state)[:len(records)] == records  # the trail kept; the install's own steps appended
 
+    # A lost host: the backup restored into a fresh state dir with the newer software, Keycloak
+    # installed there from the bundle, then up; the user it holds logs in and chats over HTTPS.
+    again = in_namespace(f"""
+        export APPLIANCE_HOME={restored}
+        {app} backup restore {homes}/state.backup <<< '{PASSPHRASE}'
+        cp {second}/keycloak/*.zip {restored}/cache/
+        {app} keycloak install
+        {app} up
+        {python} {tmp_path}/chat.py {issuer} {restored}/tls/ca.pem carol Carol-password-1
+        {app} audit verify
+        {app} down""")
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert re.search(r"^CHAT 200 .*\S", again.stdout, re.MULTILINE), again.stdout[-2000:]
+    assert f"restored {homes}/state.backup into {restored}" in again.stdout
+
     sizes = dict(re.findall(r"(wheels|keycloak|model|scripts) ([\d,.]+) MiB", built.stdout))
     print(f"\nbundle: {sizes} MiB; build {build_s:.0f} s, install {install_s:.0f} s, upgrade {upgrade_s:.0f} s")
-    for big in (first, second, prefix):  # 10 GB between them; pytest keeps its last three temp dirs
+    for big in (first, second, prefix, homes):  # 10 GB between them; pytest keeps its last three temp dirs
         shutil.rmtree(big)

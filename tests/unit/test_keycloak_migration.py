@@ -42,7 +42,7 @@ def on_h2(home: Home, monkeypatch: pytest.MonkeyPatch) -> Home:
     monkeypatch.setenv("REALM", "appliance")
 
     @contextlib.contextmanager
-    def reachable(home: Home, port: int, *, loopback: bool = False) -> Iterator[dict[str, str]]:
+    def reachable(home: Home, keycloak: KeycloakSettings, *, loopback: bool = False) -> Iterator[dict[str, str]]:
         (postgres.data_dir(home) / "PG_VERSION").parent.mkdir(parents=True)
         (postgres.data_dir(home) / "PG_VERSION").write_text("18")
         yield {}

@@ -4,11 +4,18 @@ from pathlib import Path
 
 import pytest
 
-from appliance.errors import SettingsError
+from appliance.errors import SettingsError, StateError
 from appliance.home import Home
 from appliance.settings import KeycloakSettings, Settings, load_settings
 from appliance.tls import server_files
-from installer.keycloak import BUILD_OPTIONS, POSTGRES_BUILD_OPTIONS, KeycloakError, build, keycloak_programs
+from installer.keycloak import (
+    BUILD_OPTIONS,
+    POSTGRES_BUILD_OPTIONS,
+    KeycloakError,
+    build,
+    install_dir,
+    keycloak_programs,
+)
 from installer.realm import provision
 
 
@@ -68,3 +75,42 @@ def test_the_build_step_runs_once_per_install_and_its_failure_is_reported(tmp_pa
     with pytest.raises(KeycloakError, match="kc.sh build` failed.*broken"):
         build(dist, tmp_path / "jdk")
     assert not (dist / "lib" / ".appliance-build").exists()
+
+
+def test_keycloak_on_an_external_postgres_verifies_its_certificate_and_keeps_the_password_off_argv(
+        home: Home, tmp_path: Path) -> None:
+    password = tmp_path / "password"
+    password.write_text("the-external-password\n")
+    password.chmod(0o600)
+    keycloak = KeycloakSettings(postgres_url="postgresql://kc@db.bank.internal:6432/keycloak",
+                                postgres_password_file=str(password), postgres_ca_file="/etc/bank/root.pem")
+    dist = install_dir(home) / "bin"
+    dist.mkdir(parents=True)
+    (dist / "kc.sh").write_text("#!/bin/sh\n")
+    (dist / "kc.sh").chmod(0o755)
+    (install_dir(home) / "lib").mkdir()
+    (install_dir(home) / "lib" / ".appliance-build").write_text(" ".join(POSTGRES_BUILD_OPTIONS))
+    [program] = keycloak_programs(Settings(keycloak=keycloak), home)  # no supervised PostgreSQL
+    assert ("--db-url=jdbc:postgresql://db.bank.internal:6432/keycloak?sslmode=verify-full"
+            "&sslrootcert=/etc/bank/root.pem") in program.command
+    assert "--db-username=kc" in program.command and program.command[0].endswith("kc.sh")
+    assert program.environment["KC_DB_PASSWORD"] == "the-external-password"
+    password.chmod(0o640)
+    with pytest.raises(StateError, match="readable by others"):
+        keycloak_programs(Settings(keycloak=keycloak), home)
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"postgres_url": "postgresql://kc@db/kc", "postgres_ca_file": None}, "needs postgres_password_file and"),
+    ({"postgres_url": "postgresql://kc:pw@db/kc"}, "holds a password"),
+    ({"postgres_url": "postgresql://kc@db/kc?socketFactory=x"}, "use postgresql://USER@HOST"),
+    ({"postgres_url": "postgresql://kc@db/kc&sslmode=disable"}, "use postgresql://USER@HOST"),
+    ({"postgres_url": "postgresql://kc@db/kc", "postgres_ca_file": "/ca.pem&sslmode=disable"}, "an absolute path"),
+    ({"postgres_url": "mysql://kc@db/kc"}, "use postgresql://USER@HOST"),
+    ({"postgres_url": "postgresql://kc@db/kc", "database": "dev-file"}, "needs database"),
+    ({"postgres_ca_file": "/ca.pem"}, "go with postgres_url"),
+])
+def test_an_external_postgres_that_cannot_be_reached_safely_is_refused(fields: dict[str, str], message: str) -> None:
+    defaults = {"postgres_password_file": "/p", "postgres_ca_file": "/ca.pem"} if "postgres_url" in fields else {}
+    with pytest.raises(ValueError, match=message):
+        KeycloakSettings(**{**defaults, **fields})
