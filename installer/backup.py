@@ -19,12 +19,14 @@ backups kept in the local artifact store.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import grp
 import hashlib
 import io
 import json
 import os
 import pwd
+import re
 import secrets
 import shutil
 import sqlite3
@@ -40,7 +42,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO, Literal
 
 from appliance.durable import fsync_directory
-from appliance.errors import Conflict, StateError
+from appliance.errors import Conflict, Invalid, StateError
 from appliance.home import Home
 from appliance.settings import Settings, load_settings
 from audit.writer import CHECKPOINTS, LOCK, complete_lines
@@ -53,10 +55,15 @@ KEYCLOAK_DUMP = "keycloak.dump"
 STATE = "state"
 LEFT_OUT = {("run",), ("logs",), ("cache",), ("models",), ("postgres",), ("artifacts", "backups")}
 MAX_MANIFEST = 1 << 26
-PERMITTED = 0o755  # modes restored: no set-id bits, nothing writable by group or others
+MAX_EXTENDED_HEADER = 1 << 16  # a PAX or GNU long-name header: tarfile holds it in memory whole
+# Modes restored: no set-id or execute bits on files, nothing writable by group or others.
+FILE_MODES, DIRECTORY_MODES = 0o644, 0o755
+# The accounts restored files may belong to (by name); anything else is the restoring user's.
+SERVICE_ACCOUNTS = ("appliance-train", "appliance-exec", "appliance-db")
+LOCK_FILE = "backup.lock"
 SQLITE_MAGIC = b"SQLite format 3\x00"
 SQLITE_SIDE_FILES = ("-wal", "-shm", "-journal")
-KeycloakPart = Literal["postgres", "dev-file", "external"]
+KeycloakPart = Literal["postgres", "dev-file", "external", "external-postgres"]
 
 
 @dataclass
@@ -93,7 +100,7 @@ class Manifest:
                 int(member["size"]), bytes.fromhex(member["sha256"])
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise BackupError(f"{name}: its manifest is damaged ({type(exc).__name__})") from None
-        if manifest.keycloak not in ("postgres", "dev-file", "external"):
+        if manifest.keycloak not in ("postgres", "dev-file", "external", "external-postgres"):
             raise BackupError(f"{name}: its manifest names an unknown Keycloak part {manifest.keycloak!r}")
         return manifest
 
@@ -105,30 +112,42 @@ def appliance_version() -> str:
 # --- create -------------------------------------------------------------------------------------
 
 
-def _left_out(relative: PurePosixPath) -> bool:
-    """Whether a path of the state dir (a file or a directory) stays out of backups."""
+def _left_out(relative: PurePosixPath, also: tuple[tuple[str, ...], ...] = ()) -> bool:
+    """Whether a path of the state dir (a file or a directory) stays out of backups (and is
+    refused in one: what a backup never holds, a crafted one may not plant)."""
     parts = relative.parts
-    if any(parts[:len(prefix)] == prefix for prefix in LEFT_OUT) or parts[-1] == "checkpoints":
+    if (any(parts[:len(prefix)] == prefix for prefix in (*LEFT_OUT, *also)) or "checkpoints" in parts
+            or parts[-1].endswith(".partial")):
         return True
     if parts[0] == "keycloak" and len(parts) > 1:  # its install comes from the bundle; of its data, dev-file's
         return not (parts[1:] == ("events-cursor.json",) or parts[1:] == ("data",) or parts[1:3] == ("data", "h2"))
     return parts[-1].endswith(SQLITE_SIDE_FILES) or (parts[0] == "audit" and parts[-1] == LOCK)
 
 
-def _state_paths(home: Home) -> Iterator[tuple[Path, bool]]:
+def _store_inside(settings: Settings, home: Home) -> tuple[tuple[str, ...], ...]:
+    """The backups of a local artifact store kept inside the state dir: never in a backup."""
+    if settings.artifacts.store != "local" or not settings.artifacts.path:
+        return ()
+    store = Path(settings.artifacts.path).resolve()
+    if not store.is_relative_to(home.root.resolve()):
+        return ()
+    return ((*store.relative_to(home.root.resolve()).parts, STORE_PREFIX.strip("/")),)
+
+
+def _state_paths(home: Home, also: tuple[tuple[str, ...], ...]) -> Iterator[tuple[Path, bool]]:
     """The state directory's directories and regular files that go into a backup, each directory
     before what it holds, and the audit log's checkpoints before its records (see the docstring)."""
     for directory, subdirs, files in os.walk(home.root):
         here = Path(directory)
         relative = PurePosixPath(here.relative_to(home.root).as_posix())
-        subdirs[:] = sorted(name for name in subdirs if not _left_out(relative / name))
+        subdirs[:] = sorted(name for name in subdirs if not _left_out(relative / name, also))
         for name in subdirs:
             if not (here / name).is_symlink():
                 yield here / name, True
         ordered = sorted(files, key=lambda name: (here != home.audit or name != CHECKPOINTS, name))
         for name in ordered:
             path = here / name
-            if not path.is_symlink() and path.is_file() and not _left_out(relative / name):
+            if not path.is_symlink() and path.is_file() and not _left_out(relative / name, also):
                 yield path, False
 
 
@@ -167,10 +186,13 @@ class _Adder:
     def add(self, name: str, copy: Path, original: Path) -> None:
         """The file `original` (its mode and owner), as read from `copy` (a snapshot, or itself)."""
         digest = hashlib.sha256()
-        with copy.open("rb") as source:
-            info = _info(name, original)
-            info.size = os.fstat(source.fileno()).st_size
-            self.archive.addfile(info, _Hashing(source, digest))
+        try:
+            with copy.open("rb") as source:
+                info = _info(name, original)
+                info.size = os.fstat(source.fileno()).st_size
+                self.archive.addfile(info, _Hashing(source, digest))
+        except OSError as exc:  # e.g. a file cut shorter while it was read: this backup is not whole
+            raise StateError(f"cannot copy {original} into the backup ({exc}); take the backup again") from exc
         self.manifest.members[name] = {"size": info.size, "sha256": digest.hexdigest()}
 
     def add_directory(self, name: str, path: Path) -> None:
@@ -206,6 +228,8 @@ def _keycloak_part(settings: Settings, home: Home) -> KeycloakPart:
     keycloak = settings.keycloak
     if keycloak.mode == "external":
         return "external"
+    if keycloak.external_postgres is not None:
+        return "external-postgres"  # the organisation's server, backed up by its own means
     if keycloak.database == "postgres":
         return "postgres"
     if h2_open(home):
@@ -215,8 +239,25 @@ def _keycloak_part(settings: Settings, home: Home) -> KeycloakPart:
     return "dev-file"
 
 
+@contextlib.contextmanager
+def _one_at_a_time(home: Home) -> Iterator[None]:
+    """One backup of an appliance at a time (scheduled or not); the scratch copies of one that was
+    killed (plain SQLite copies, a database dump) are removed before the next begins."""
+    fd = os.open(home.run / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise Conflict("another backup of this appliance is being taken", hint="wait for it") from None
+        for stale in home.run.glob("backup-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        yield
+    finally:
+        os.close(fd)
+
+
 def create(settings: Settings, home: Home, out: BinaryIO, passphrase: bytes) -> Manifest:
-    """Write a backup of `home` to `out`, sealed with `passphrase`."""
+    """Write a backup of `home` to `out`, sealed with `passphrase` (callers hold _one_at_a_time)."""
     created = datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
     manifest = Manifest(created, appliance_version(), str(home.root), _keycloak_part(settings, home))
     sealed = SealedWriter(out, passphrase, created=created, appliance_version=manifest.appliance_version)
@@ -231,7 +272,7 @@ def create(settings: Settings, home: Home, out: BinaryIO, passphrase: bytes) -> 
             if dumped.returncode != 0:
                 raise StateError(f"pg_dump of Keycloak's database failed: {dumped.stderr.strip()[-800:]}")
             adder.add(KEYCLOAK_DUMP, dump, dump)
-        for path, is_directory in _state_paths(home):
+        for path, is_directory in _state_paths(home, _store_inside(settings, home)):
             relative = path.relative_to(home.root).as_posix()
             if is_directory:
                 adder.add_directory(f"{STATE}/{relative}", path)
@@ -275,19 +316,29 @@ def read_backup(source: BinaryIO, passphrase: bytes, name: str, into: Path | Non
     does not check out; then what was written under `into` is the caller's to remove."""
     reader = SealedReader(source, passphrase, name)
     seen: dict[str, dict[str, Any]] = {}
+    files: set[PurePosixPath] = set()
+    directories: set[PurePosixPath] = set()
     manifest_data: bytes | None = None
     try:
-        with tarfile.open(fileobj=reader, mode="r|") as archive:  # type: ignore[call-overload]
+        with tarfile.open(fileobj=reader, mode="r|", tarinfo=_BoundedInfo) as archive:  # type: ignore[call-overload]
             for member in archive:
                 if member.name in seen or (manifest_data is not None):
                     raise BackupError(f"{name}: member {member.name!r} is repeated or follows the manifest")
                 relative = _member_path(member.name, name)
+                if relative is not None:
+                    if _left_out(relative):
+                        raise BackupError(f"{name}: member {member.name!r} is a path a backup never holds")
+                    if relative in files or any(parent in files for parent in relative.parents) or (
+                            not member.isdir() and relative in directories):
+                        raise BackupError(f"{name}: its members collide at {member.name!r}")
+                    (directories if member.isdir() else files).add(relative)
+                    directories.update(relative.parents)
                 if member.isdir() and relative is not None:
                     if into is not None:
                         _make_directory(into / STATE / relative, member)
                     seen[member.name] = {"size": 0, "sha256": "", "directory": True}
                     continue
-                if not member.isfile():
+                if member.type not in (tarfile.REGTYPE, tarfile.AREGTYPE) or member.issparse():
                     raise BackupError(f"{name}: member {member.name!r} is neither a regular file nor a directory")
                 if member.name == MANIFEST and member.size > MAX_MANIFEST:
                     raise BackupError(f"{name}: its manifest is {member.size} bytes; the file is damaged")
@@ -317,6 +368,17 @@ def read_backup(source: BinaryIO, passphrase: bytes, name: str, into: Path | Non
     return manifest
 
 
+class _BoundedInfo(tarfile.TarInfo):
+    """Refuses an extended header (PAX, GNU long name) larger than a path needs before tarfile
+    reads it whole into memory."""
+
+    def _proc_member(self, tarfile_: tarfile.TarFile) -> tarfile.TarInfo:
+        extended = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK)
+        if self.type in extended and self.size > MAX_EXTENDED_HEADER:
+            raise BackupError(f"an extended tar header of {self.size} bytes; the backup is damaged or crafted")
+        return super()._proc_member(tarfile_)  # type: ignore[misc, no-any-return]
+
+
 def _extract(source: BinaryIO, member: tarfile.TarInfo, target: Path | None, backup: str) -> dict[str, Any]:
     digest, size = hashlib.sha256(), 0
     out = None
@@ -331,7 +393,7 @@ def _extract(source: BinaryIO, member: tarfile.TarInfo, target: Path | None, bac
             if out is not None:
                 out.write(chunk)
         if out is not None:
-            os.fchmod(out.fileno(), member.mode & PERMITTED if member.name != KEYCLOAK_DUMP else 0o600)
+            os.fchmod(out.fileno(), member.mode & FILE_MODES if member.name != KEYCLOAK_DUMP else 0o600)
             _chown(out.fileno(), member)
     if size != member.size:
         raise BackupError(f"{backup}: member {member.name!r} is cut short")
@@ -342,26 +404,29 @@ def _make_directory(path: Path, member: tarfile.TarInfo) -> None:
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
-        os.fchmod(fd, member.mode & PERMITTED)
+        os.fchmod(fd, member.mode & DIRECTORY_MODES)
         _chown(fd, member)
     finally:
         os.close(fd)
 
 
 def _chown(fd: int, member: tarfile.TarInfo) -> None:
-    """The owner and group the file had, by name, where those exist here and we may give files away."""
+    """The service account the file belonged to (by name), where it exists here; any other owner
+    named in a backup (which may be crafted) is not given files: they stay the restoring user's."""
     if os.geteuid() != 0:
         return
     uid = gid = -1
     with contextlib.suppress(KeyError):
-        uid = pwd.getpwnam(member.uname).pw_uid if member.uname else -1
+        uid = pwd.getpwnam(member.uname).pw_uid if member.uname in SERVICE_ACCOUNTS else -1
     with contextlib.suppress(KeyError):
-        gid = grp.getgrnam(member.gname).gr_gid if member.gname else -1
+        gid = grp.getgrnam(member.gname).gr_gid if member.gname in SERVICE_ACCOUNTS else -1
     os.fchown(fd, uid, gid)
 
 
 def fresh_target(root: Path) -> None:
     """Refuse a state directory that holds anything but empty directories (a restore never merges)."""
+    if root.is_symlink():
+        raise Conflict(f"{root} is a symbolic link", hint="name the state directory itself")
     if not root.exists():
         return
     if not root.is_dir():
@@ -376,14 +441,15 @@ def restore(source: BinaryIO, passphrase: bytes, name: str, root: Path) -> Manif
     """Restore the backup into the fresh state directory `root`, built beside it first."""
     fresh_target(root)
     root.parent.mkdir(parents=True, exist_ok=True)
-    building = Path(tempfile.mkdtemp(prefix=f".{root.name}.restoring-", dir=root.parent))
-    building.chmod(0o711)  # PostgreSQL's user passes through to its new cluster (nothing here is listable)
+    building = Path(tempfile.mkdtemp(prefix=f".{root.name}.restoring-", dir=root.parent))  # 0700
     try:
+        (building / STATE).mkdir(mode=0o700)
         manifest = read_backup(source, passphrase, name, building)
-        staged = Home(building / STATE)
-        staged.root.mkdir(mode=0o700, exist_ok=True)
-        staged.ensure()
-        if manifest.keycloak == "postgres":
+        staged = Home(building / STATE).ensure()
+        if manifest.keycloak == "postgres" and load_settings(staged.settings_file).keycloak.external_postgres is None:
+            # Only now, every file in place behind the state dir's 0700/0710: PostgreSQL's user
+            # passes through to its new cluster (the state dir lets only its group on).
+            building.chmod(0o711)
             _restore_keycloak(staged, building / KEYCLOAK_DUMP)
         fresh_target(root)  # still: nothing else wrote there meanwhile
         if root.exists():
@@ -396,24 +462,12 @@ def restore(source: BinaryIO, passphrase: bytes, name: str, root: Path) -> Manif
 
 
 def _restore_keycloak(staged: Home, dump: Path) -> None:
-    """Keycloak's database into the restored settings' server: a new supervised cluster, or the
-    external one, which must hold no tables yet (a restore never merges)."""
+    """Keycloak's database into a new cluster of the supervised server."""
     settings = load_settings(staged.settings_file)
-    tools = postgres.binaries()
     with postgres.reachable(staged, settings.keycloak) as environment:
-        tables = subprocess.run([str(tools / "psql"), "--no-password", "-tAc",
-                                 "select count(*) from pg_tables where schemaname = current_schema()"],
-                                env=environment, capture_output=True, text=True, check=False)
-        if tables.returncode != 0:
-            raise StateError(f"cannot reach Keycloak's database {environment['PGHOST']}:{environment['PGPORT']}/"
-                             f"{environment['PGDATABASE']}: {tables.stderr.strip()[-800:]}")
-        if tables.stdout.strip() != "0":
-            raise Conflict(f"Keycloak's database {environment['PGDATABASE']} on {environment['PGHOST']} already "
-                           f"holds {tables.stdout.strip()} tables", hint="restore only into an empty database")
-        # Owned by whoever restores: the role that made the dump may not exist on this server.
-        restored = subprocess.run([str(tools / "pg_restore"), "--exit-on-error", "--no-password", "--no-owner",
-                                   "--no-privileges", f"--dbname={environment['PGDATABASE']}", str(dump)],
-                                  env=environment, capture_output=True, text=True, check=False)
+        restored = subprocess.run([str(postgres.binaries() / "pg_restore"), "--exit-on-error", "--no-password",
+                                   "--dbname=postgres", str(dump)], env=environment, capture_output=True, text=True,
+                                  check=False)
     if restored.returncode != 0:
         raise StateError(f"pg_restore of Keycloak's database failed: {restored.stderr.strip()[-800:]}")
 
@@ -425,6 +479,14 @@ STORE_PREFIX = "backups/"
 
 def create_file(settings: Settings, home: Home, path: Path, passphrase: bytes) -> Manifest:
     """A backup written to `path` (0600), which must not exist: written beside it, then moved in."""
+    if path.parent.resolve().is_relative_to(home.root.resolve()):
+        raise Invalid(f"{path} is inside the state directory {home.root}: the next backup would hold it, and it "
+                      "would be lost with the host", hint="write backups elsewhere, or use --to-store")
+    with _one_at_a_time(home):
+        return _write_file(settings, home, path, passphrase)
+
+
+def _write_file(settings: Settings, home: Home, path: Path, passphrase: bytes) -> Manifest:
     if path.exists() or path.is_symlink():
         raise Conflict(f"{path} exists", hint="choose a new file name; a backup never overwrites one")
     partial = path.with_name(f".{path.name}.{secrets.token_hex(4)}.partial")
@@ -444,20 +506,28 @@ def create_file(settings: Settings, home: Home, path: Path, passphrase: bytes) -
     return manifest
 
 
-def store_key(created: str) -> str:
-    return f"{STORE_PREFIX}appliance-{created.replace(':', '').replace('-', '')}-{secrets.token_hex(3)}.backup"
+STORE_NAME = re.compile(r"appliance-\d{8}T\d{6}Z-\d{6}-[0-9a-f]{6}\.backup")  # time, its microseconds, chance
+
+
+def store_prefix(home: Home) -> str:
+    """This appliance's folder of backups in the artifact store (several may share one store): named
+    by its CA, which a restore keeps, so a restored appliance goes on with the same series."""
+    from appliance.tls import certificate_sha256, ensure_ca
+
+    return f"{STORE_PREFIX}{certificate_sha256(ensure_ca(home)[0])[:16]}/"
 
 
 def create_in_store(settings: Settings, home: Home, passphrase: bytes, keep: int | None = None) -> tuple[str, Manifest]:
-    """A backup put in the artifact store (under backups/); with `keep`, older ones beyond the
-    newest `keep` are removed afterwards. Returns its key."""
+    """A backup put in the artifact store (in this appliance's folder under backups/); with `keep`,
+    older ones of this appliance beyond the newest `keep` are removed afterwards. Returns its key."""
     from appliance.artifacts import artifact_store
 
     store = artifact_store(settings.artifacts, home)
-    with tempfile.TemporaryDirectory(prefix="backup-", dir=home.run) as scratch:
+    with _one_at_a_time(home), tempfile.TemporaryDirectory(prefix="backup-", dir=home.run) as scratch:
         path = Path(scratch) / "backup"
-        manifest = create_file(settings, home, path, passphrase)
-        key = store_key(manifest.created)
+        manifest = _write_file(settings, home, path, passphrase)
+        now = datetime.now(UTC)
+        key = f"{store_prefix(home)}appliance-{now:%Y%m%dT%H%M%SZ-%f}-{secrets.token_hex(3)}.backup"
         with path.open("rb") as data:
             store.put(key, data, retain_days=0)
     if keep is not None:
@@ -467,7 +537,9 @@ def create_in_store(settings: Settings, home: Home, passphrase: bytes, keep: int
 
 
 def stored(settings: Settings, home: Home) -> list[str]:
-    """Keys of the backups in the artifact store, oldest first (their names sort by time)."""
+    """Keys of this appliance's backups in the artifact store, oldest first (their names sort by
+    time); other objects there (an operator's own copies) are neither listed nor removed."""
     from appliance.artifacts import artifact_store
 
-    return artifact_store(settings.artifacts, home).keys(STORE_PREFIX)
+    keys = artifact_store(settings.artifacts, home).keys(store_prefix(home))
+    return [key for key in keys if STORE_NAME.fullmatch(key.rsplit("/", 1)[-1])]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import stat
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ MAGIC = b"APPLIANCE-BACKUP\n"
 FORMAT = 1  # the newest envelope this version reads and writes
 CHUNK = 1 << 20
 MAX_HEADER = 4096
-SCRYPT = {"n": 1 << 15, "r": 8, "p": 1}  # ~32 MiB and ~0.1 s a derivation
+SCRYPT = {"n": 1 << 17, "r": 8, "p": 1}  # 128 MiB and ~0.5 s a derivation: each guess costs as much
 MIN_PASSPHRASE = 12
 
 
@@ -61,8 +62,12 @@ class Header:
 
 
 def check_passphrase(passphrase: bytes, source: str) -> bytes:
-    """The passphrase's bytes, refused (naming where it came from) when too short to guard secrets."""
-    passphrase = passphrase.rstrip(b"\r\n")
+    """The passphrase's bytes without its line end (the one rule for every source, so a key file
+    piped to standard input opens what it sealed), refused naming where it came from when it is
+    more than one line or too short to guard secrets."""
+    passphrase = passphrase.removesuffix(b"\n").removesuffix(b"\r")
+    if b"\n" in passphrase:
+        raise Invalid(f"the backup passphrase from {source} is more than one line", hint="a key file holds one line")
     if len(passphrase) < MIN_PASSPHRASE:
         raise Invalid(f"the backup passphrase from {source} is {len(passphrase)} bytes: it needs at least "
                       f"{MIN_PASSPHRASE}", hint="a key file made with `head -c 32 /dev/urandom | base64 > FILE` "
@@ -173,18 +178,30 @@ class SealedReader:
         return data
 
 
+def _read_key_file(path: Path) -> bytes:
+    """A key file's first 4 KiB: a regular file (no link followed, no FIFO waited on) of this
+    user's, private to them."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        raise Invalid(f"cannot read key file {path}: {exc.strerror}") from exc
+    try:
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode):
+            raise Invalid(f"key file {path} is not a regular file")
+        if status.st_uid != os.geteuid() or status.st_mode & 0o077:
+            raise Invalid(f"key file {path} is readable by others or not this user's (mode "
+                          f"{status.st_mode & 0o777:o}, uid {status.st_uid})", hint=f"chmod 600 {path}")
+        return os.read(fd, 4096)
+    finally:
+        os.close(fd)
+
+
 def passphrase_from(key_file: Path | None, stdin: BinaryIO, environ: Mapping[str, str] = os.environ) -> bytes:
     """The backup passphrase: a key file's contents (private to its owner), else
     APPLIANCE_BACKUP_PASSPHRASE, else standard input's first line. Never an argument: argv is public."""
     if key_file is not None:
-        try:
-            mode = key_file.stat().st_mode
-            if mode & 0o077:
-                raise Invalid(f"key file {key_file} is readable by others (mode {mode & 0o777:o})",
-                              hint=f"chmod 600 {key_file}")
-            return check_passphrase(key_file.read_bytes()[:4096].strip(), f"key file {key_file}")
-        except OSError as exc:
-            raise Invalid(f"cannot read key file {key_file}: {exc.strerror}") from exc
+        return check_passphrase(_read_key_file(key_file), f"key file {key_file}")
     if (value := environ.get(BACKUP_PASSPHRASE_ENV)) is not None:
         return check_passphrase(value.encode(), BACKUP_PASSPHRASE_ENV)
     return check_passphrase(stdin.readline(4096), "standard input")

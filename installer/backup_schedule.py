@@ -18,7 +18,7 @@ from appliance.errors import ApplianceError
 from appliance.home import HOME_ENV, Home
 from appliance.programs import Program
 from appliance.settings import Settings, load_settings
-from installer.backup import STORE_PREFIX, create_in_store, stored
+from installer.backup import create_in_store, stored
 from installer.backup_archive import passphrase_from
 
 MODULE = "installer.backup_schedule"
@@ -38,7 +38,7 @@ def scheduler_programs(settings: Settings, home: Home) -> list[Program]:
 
 def taken_at(key: str) -> datetime | None:
     """When the backup stored under `key` was taken (from its name); None for a name not the appliance's."""
-    stamp = key.removeprefix(STORE_PREFIX).removeprefix("appliance-")[:16]
+    stamp = key.rsplit("/", 1)[-1].removeprefix("appliance-")[:16]
     try:
         return datetime.strptime(stamp, "%Y%m%dT%H%M%SZ").replace(tzinfo=UTC)
     except ValueError:
@@ -64,6 +64,10 @@ def take(settings: Settings, home: Home) -> str:
         announce(Change("backup.create", failure_outcome(exc), 1, None, error=exc.message, reason=exc.code,
                         actor=ACTOR))
         raise
+    except Exception as exc:
+        announce(Change("backup.create", "error", 1, None, error=repr(exc)[:500], reason=type(exc).__name__,
+                        actor=ACTOR))
+        raise
     announce(Change("backup.create", "allowed", 0, Target(kind="backup", name=key),
                     f"{manifest.files} files, {manifest.size} bytes before sealing; keeping the newest "
                     f"{settings.backup.keep}", actor=ACTOR))
@@ -82,8 +86,9 @@ def main() -> None:
             if wait <= 0:
                 log.info("backup taken: %s", take(settings, home))
                 continue
-        except ApplianceError as exc:
-            log.error("backup failed: %s; trying again in %.0f s", exc.one_line(), RETRY_S)
+        except Exception as exc:  # whatever failed, the scheduler lives on and says so
+            log.error("backup failed: %s; trying again in %.0f s",
+                      exc.one_line() if isinstance(exc, ApplianceError) else repr(exc), RETRY_S)
             not_before = time.monotonic() + RETRY_S
             wait = RETRY_S
         time.sleep(min(max(wait, 1.0), CHECK_EVERY_S))

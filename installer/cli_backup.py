@@ -39,7 +39,10 @@ def passphrase(key_file: Path | None, *, confirm: bool) -> bytes:
         if confirm and getpass.getpass("again: ") != first:
             raise Invalid("the two passphrases differ")
         return check_passphrase(first.encode(), "the terminal")
-    return passphrase_from(key_file, sys.stdin.buffer)
+    try:
+        return passphrase_from(key_file, sys.stdin.buffer)
+    finally:
+        os.environ.pop(BACKUP_PASSPHRASE_ENV, None)  # read: no child process of ours inherits it
 
 
 def _summary(manifest: Manifest, started: float) -> str:

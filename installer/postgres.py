@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from appliance.errors import StateError
-from appliance.home import Home
+from appliance.home import BACKUP_PASSPHRASE_ENV, Home
 from appliance.programs import Program
 from appliance.secrets import secret
 from appliance.settings import KeycloakSettings
@@ -180,24 +180,27 @@ def _answers(environment: dict[str, str]) -> bool:
                           check=False).returncode == 0
 
 
+def _without_passphrase() -> dict[str, str]:
+    """This process's environment for a child, less a backup's passphrase (the server would keep it)."""
+    return {key: value for key, value in os.environ.items() if key != BACKUP_PASSPHRASE_ENV}
+
+
 @contextmanager
 def reachable(home: Home, keycloak: KeycloakSettings, *, loopback: bool = False) -> Iterator[dict[str, str]]:
-    """The environment that lets libpq's tools (pg_dump, pg_restore, psql) reach Keycloak's database
-    as its role, the password by the environment, never argv. An external server: over TLS, its
-    certificate verified (verify-full). The supervised one: through its own socket (never a loopback
-    port another server may hold); if it does not run, one is started here for the duration,
-    listening on its socket only (`loopback`: on 127.0.0.1 too, for a JDBC client such as
-    Keycloak's import)."""
-    if (external := keycloak.external_postgres) is not None:
-        yield {**os.environ, "PGHOST": external.hostname or "", "PGPORT": str(external.port or 5432),
-               "PGUSER": db_username(keycloak), "PGDATABASE": external.path.removeprefix("/"),
-               "PGPASSWORD": db_password(home, keycloak), "PGSSLMODE": "verify-full",
-               "PGSSLROOTCERT": keycloak.postgres_ca_file or "", "PGCONNECT_TIMEOUT": "10"}
-        return
+    """The environment that lets libpq's tools (pg_dump, pg_restore, psql) reach the supervised
+    PostgreSQL as Keycloak's role through its own socket (never a loopback port another server may
+    hold; the password by the environment, never argv); if it does not run, one is started here for
+    the duration, listening on its socket only (`loopback`: on 127.0.0.1 too, for a JDBC client such
+    as Keycloak's import)."""
+    if keycloak.external_postgres is not None:
+        # This build of libpq has no TLS, and an external server is reached over TLS only.
+        raise StateError("Keycloak's database is the organisation's PostgreSQL (keycloak.postgres_url): the "
+                         "appliance's tools do not reach it", hint="back it up and restore it with the "
+                         "organisation's own PostgreSQL tools")
     port = keycloak.postgres_port
     user = db_user()
     ensure_cluster(home)
-    environment = {**os.environ, "PGHOST": str(_owned_socket_dir(home, user)), "PGPORT": str(port),
+    environment = {**_without_passphrase(), "PGHOST": str(_owned_socket_dir(home, user)), "PGPORT": str(port),
                    "PGUSER": KEYCLOAK_ROLE, "PGDATABASE": "postgres", "PGPASSWORD": secret(home, KEYCLOAK_SECRET),
                    "PGCONNECT_TIMEOUT": "10"}
     if _answers(environment):
@@ -207,7 +210,7 @@ def reachable(home: Home, keycloak: KeycloakSettings, *, loopback: bool = False)
     listen = "127.0.0.1" if loopback else ""
     options = f"-c listen_addresses={listen} -p {port} -k {socket_dir(home)} -c unix_socket_permissions=0700"
     started = subprocess.run([*control, "-w", "-t", "60", "-o", options, "-l", str(socket_dir(home) / "server.log"),
-                              "start"], capture_output=True, text=True, check=False)
+                              "start"], capture_output=True, text=True, check=False, env=_without_passphrase())
     if started.returncode != 0:
         raise StateError(f"cannot start PostgreSQL on {data_dir(home)}: {(started.stdout + started.stderr)[-800:]}",
                          log=socket_dir(home) / "server.log")

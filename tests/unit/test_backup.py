@@ -82,7 +82,8 @@ def test_restore_gives_back_the_state_and_leaves_out_what_is_made_again(state: H
     left_out = {name for name in before if name not in after}
     assert left_out == {"logs/gateway.log", "models/m/config.json", "cache/k.zip", "run/x.pid",
                         "artifacts/backups/old.backup", "finetune/jobs/1/checkpoints/checkpoint-5/weights.bin",
-                        "keycloak/keycloak-26.7.3/bin/kc.sh", "postgres/data/PG_VERSION", "audit/.lock"}
+                        "keycloak/keycloak-26.7.3/bin/kc.sh", "postgres/data/PG_VERSION", "audit/.lock",
+                        "run/backup.lock"}
     for name, (data, mode) in after.items():  # same bytes (a queue: a copy of its rows), same mode (secrets 0600)
         assert before[name] == (data, mode) or name.endswith(".sqlite") and before[name][1] == mode, name
     assert (target / "secrets").stat().st_mode & 0o777 == 0o700
@@ -96,7 +97,7 @@ def test_verify_reads_it_whole_and_names_what_it_holds(state: Home, tmp_path: Pa
     path = made(state, tmp_path)
     with path.open("rb") as source:
         manifest = backup.read_backup(source, PASSPHRASE, "state.backup", None)
-    assert manifest.source == str(state.root) and manifest.files == len(files_under(state.root)) - 9
+    assert manifest.source == str(state.root) and manifest.files == len(files_under(state.root)) - 10
     assert "state/secrets/gateway-client-secret" in manifest.members
 
 
@@ -176,7 +177,7 @@ def test_a_backup_from_a_newer_appliance_is_refused(state: Home, tmp_path: Path)
     refused(path, tmp_path, "written by a newer appliance")
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(where=st.floats(0.0, 0.999))
 def test_a_backup_cut_short_anywhere_is_refused(state: Home, tmp_path: Path, where: float) -> None:
     path = tmp_path / "cut.backup"
@@ -188,7 +189,7 @@ def test_a_backup_cut_short_anywhere_is_refused(state: Home, tmp_path: Path, whe
     refused(cut, tmp_path, "cut short|not an appliance backup|header is damaged")
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(where=st.floats(0.0, 0.999), bit=st.integers(0, 7))
 def test_a_bit_flipped_anywhere_is_refused(state: Home, tmp_path: Path, where: float, bit: int) -> None:
     path = tmp_path / "whole.backup"
@@ -245,15 +246,25 @@ def member(name: str, kind: bytes = tarfile.REGTYPE, link: str = "") -> tarfile.
     return info
 
 
+def sparse(name: str) -> tarfile.TarInfo:
+    info = member(name, tarfile.GNUTYPE_SPARSE)
+    info.sparse = [(0, 0)]  # type: ignore[attr-defined]
+    return info
+
+
 @pytest.mark.parametrize("hostile", [
+    member("state/keycloak/keycloak-26.7.3/bin/kc.sh"), member("state/postgres/data/PG_VERSION"),
+    member("state/run/supervisord.conf"), member("state/models/m/config.json"), member("state/x.partial"),
+    member("state/finetune/jobs/1/checkpoints/c"), member("state/audit/.lock"),
     member("state/../../escaped"), member("/etc/passwd"), member("state/a/./b"), member("state"),
     member("elsewhere/file"), member("state/link", tarfile.SYMTYPE, "/etc/shadow"),
     member("state/hard", tarfile.LNKTYPE, "state/settings.toml"), member("state/dev", tarfile.CHRTYPE),
-    member("state/fifo", tarfile.FIFOTYPE), member("state/a\\..\\b"),
+    member("state/fifo", tarfile.FIFOTYPE), member("state/a\\..\\b"), sparse("state/sparse"),
 ])
 def test_members_that_are_not_plain_files_of_the_state_dir_are_refused(tmp_path: Path,
                                                                        hostile: tarfile.TarInfo) -> None:
-    refused(sealed_tar(tmp_path, [(hostile, b"x")]), tmp_path, "not a path this appliance writes|neither a regular")
+    refused(sealed_tar(tmp_path, [(hostile, b"x")]), tmp_path,
+            "not a path this appliance writes|neither a regular|a path a backup never holds")
     assert not (tmp_path.parent / "escaped").exists()
 
 
@@ -291,6 +302,12 @@ def test_the_passphrase_comes_from_a_private_key_file_the_environment_or_stdin(t
     key.chmod(0o644)
     with pytest.raises(Invalid, match="readable by others"):
         passphrase_from(key, io.BytesIO())
+    os.mkfifo(tmp_path / "fifo", 0o600)  # would block a reader for ever
+    (tmp_path / "link").symlink_to(key)
+    for odd, message in [(tmp_path / "fifo", "not a regular file"), (tmp_path / "link", "cannot read key file"),
+                         (tmp_path / "missing", "cannot read key file")]:
+        with pytest.raises(Invalid, match=message):
+            passphrase_from(odd, io.BytesIO())
     key.chmod(0o600)
     assert passphrase_from(key, io.BytesIO()) == b"k" * 40
     assert passphrase_from(None, io.BytesIO(), {"APPLIANCE_BACKUP_PASSPHRASE": "p" * 12}) == b"p" * 12
@@ -298,3 +315,80 @@ def test_the_passphrase_comes_from_a_private_key_file_the_environment_or_stdin(t
     for short in (b"", b"short\n"):
         with pytest.raises(Invalid, match="needs at least 12"):
             passphrase_from(None, io.BytesIO(short), {})
+    key.write_bytes(b"first line of a key\nsecond line\n")
+    with pytest.raises(Invalid, match="more than one line"):
+        passphrase_from(key, io.BytesIO())
+    key.write_bytes(b" spaced key file contents \r\n")  # the same passphrase whichever way it comes
+    spaced = b" spaced key file contents "
+    assert passphrase_from(key, io.BytesIO()) == passphrase_from(None, key.open("rb"), {}) == spaced
+
+
+def test_a_bomb_of_extended_headers_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    info = member("state/settings.toml")
+    info.pax_headers = {"comment": "x" * (1 << 20)}  # a megabyte of header, held whole by tarfile
+    path = tmp_path / "crafted.backup"
+    with path.open("wb") as out:
+        writer = SealedWriter(out, PASSPHRASE, created="2026-01-01T00:00:00Z", appliance_version="0.1.0")
+        with tarfile.open(fileobj=writer, mode="w|", format=tarfile.PAX_FORMAT) as archive:  # type: ignore[call-overload]
+            info.size = 1
+            archive.addfile(info, io.BytesIO(b"x"))
+        writer.close()
+    refused(path, tmp_path, "extended tar header")
+
+
+def test_restored_files_lose_execute_bits_and_are_given_to_service_accounts_only(tmp_path: Path) -> None:
+    script = member("state/adapters/run.sh")
+    script.mode, script.uname, script.gname = 0o4777, "nobody", "nogroup"
+    directory = member("state/adapters", tarfile.DIRTYPE)
+    directory.mode = 0o777
+    data = b"#!/bin/sh\n"
+    manifest = backup.Manifest("2026-01-01T00:00:00Z", "0.1.0", "/x", "external", {
+        "state/adapters": {"size": 0, "sha256": "", "directory": True},
+        "state/adapters/run.sh": {"size": len(data), "sha256": __import__("hashlib").sha256(data).hexdigest()}})
+    path = sealed_tar(tmp_path, [(directory, b""), (script, data), (member("manifest.json"), manifest.to_json())])
+    with path.open("rb") as source:
+        backup.restore(source, PASSPHRASE, path.name, tmp_path / "target")
+    restored = (tmp_path / "target" / "adapters" / "run.sh").stat()
+    assert restored.st_mode & 0o7777 == 0o644 and restored.st_uid == os.geteuid()
+    assert (tmp_path / "target" / "adapters").stat().st_mode & 0o777 == 0o755
+
+
+@pytest.mark.parametrize("members", [
+    [member("state/a"), member("state/a/b")], [member("state/a"), member("state/a/b", tarfile.DIRTYPE)],
+    [member("state/a/b"), member("state/a")],
+])
+def test_members_that_collide_are_refused(tmp_path: Path, members: list[tarfile.TarInfo]) -> None:
+    refused(sealed_tar(tmp_path, [(info, b"x") for info in members]), tmp_path, "collide")
+
+
+def test_backups_are_not_written_inside_the_state_dir_nor_two_at_once(state: Home, tmp_path: Path) -> None:
+    settings = load_settings(state.settings_file)
+    with pytest.raises(Invalid, match="inside the state directory"):
+        backup.create_file(settings, state, state.root / "adapters" / "x.backup", PASSPHRASE)
+    with backup._one_at_a_time(state), pytest.raises(Conflict, match="another backup"):
+        backup.create_file(settings, state, tmp_path / "second.backup", PASSPHRASE)
+    (state.run / "backup-killed").mkdir()  # the scratch copies of one killed mid-way
+    made(state, tmp_path)
+    assert not (state.run / "backup-killed").exists()
+
+
+def test_the_store_keeps_each_appliance_its_own_and_leaves_other_objects(state: Home, tmp_path: Path) -> None:
+    settings = load_settings(state.settings_file)
+    store = state.root / "artifacts"
+    others = [store / "backups" / "2025-12-31-before-upgrade.backup",
+              store / backup.store_prefix(state) / "pre-upgrade-manual.backup",
+              store / "backups" / "0123456789abcdef" / "appliance-20260101T000000Z-abcdef.backup"]
+    for other in others:
+        other.parent.mkdir(parents=True, exist_ok=True)
+        other.write_text("not ours to remove")
+    keys = [backup.create_in_store(settings, state, PASSPHRASE, keep=1)[0] for _ in range(2)]
+    assert backup.stored(settings, state) == [keys[-1]]
+    assert all(other.exists() for other in others)
+
+
+def test_a_restore_target_that_is_a_link_is_refused(state: Home, tmp_path: Path) -> None:
+    path = made(state, tmp_path)
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "target").symlink_to(tmp_path / "elsewhere")
+    with path.open("rb") as source, pytest.raises(Conflict, match="symbolic link"):
+        backup.restore(source, PASSPHRASE, path.name, tmp_path / "target")

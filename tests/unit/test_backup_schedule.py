@@ -77,7 +77,7 @@ def test_a_failed_backup_is_an_audit_record_and_changes_nothing(home: Home, tmp_
     assert failed["outcome"] == "invalid" and "readable by others" in str(failed["error"])
 
 
-@pytest.mark.parametrize("key", ["backups/appliance-20261203T080102Z-abc123.backup"])
+@pytest.mark.parametrize("key", ["backups/0123456789abcdef/appliance-20261203T080102Z-000042-abc123.backup"])
 def test_a_backup_is_dated_by_its_name(key: str) -> None:
     assert backup_schedule.taken_at(key) == datetime(2026, 12, 3, 8, 1, 2, tzinfo=UTC)
     for foreign in ("backups/other.tar", "backups/appliance-2026.backup", "backups/appliance-99999999T999999Z"):
