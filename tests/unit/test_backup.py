@@ -392,3 +392,15 @@ def test_a_restore_target_that_is_a_link_is_refused(state: Home, tmp_path: Path)
     (tmp_path / "target").symlink_to(tmp_path / "elsewhere")
     with path.open("rb") as source, pytest.raises(Conflict, match="symbolic link"):
         backup.restore(source, PASSPHRASE, path.name, tmp_path / "target")
+
+
+def test_an_external_keycloak_database_is_left_to_the_organisation(home: Home, tmp_path: Path) -> None:
+    password = tmp_path / "password"
+    password.write_text("p" * 20)
+    password.chmod(0o600)
+    home.settings_file.write_text(f'[keycloak]\npostgres_url = "postgresql://kc@db.bank:5432/keycloak"\n'
+                                  f'postgres_password_file = "{password}"\npostgres_ca_file = "/etc/bank/ca.pem"\n')
+    path = made(home, tmp_path)
+    with path.open("rb") as source:
+        manifest = backup.read_backup(source, PASSPHRASE, path.name, None)
+    assert manifest.keycloak == "external-postgres" and backup.KEYCLOAK_DUMP not in manifest.members
