@@ -51,7 +51,6 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     rounds = parser.parse_args().rounds
     with own_appliance("bk-", PORTS) as (home, env):
-        home.root.parent.chmod(0o711)  # PostgreSQL's user passes through to its own directory
         cli(env, "up")
         demo = Home.from_env().demo_model
         adapter = random_adapter(demo, home.root.parent / "adapter")

@@ -109,13 +109,15 @@ def main() -> None:
     default = Home.from_env()
     demo = default.demo_model
     root = Path(tempfile.mkdtemp(prefix="apb-", dir="/tmp"))
+    root.chmod(0o711)  # PostgreSQL's user passes through to its own directory
     home = Home(root / "h").ensure()
     home.demo_model.symlink_to(demo, target_is_directory=True)
     # `up` starts the whole appliance (Keycloak and the gateway too), as an operator's would.
     shutil.copytree(install_dir(default), install_dir(home), symlinks=True,
                     ignore=shutil.ignore_patterns("h2", "tmp"))
     env = {**os.environ, HOME_ENV: str(home.root), "APPLIANCE_GATEWAY__PORT": "18380",
-           "APPLIANCE_KEYCLOAK__PORT": "18390", "APPLIANCE_KEYCLOAK__MANAGEMENT_PORT": "18391"}
+           "APPLIANCE_KEYCLOAK__PORT": "18390", "APPLIANCE_KEYCLOAK__MANAGEMENT_PORT": "18391",
+           "APPLIANCE_KEYCLOAK__POSTGRES_PORT": "18392"}
     key = secret(home, "engine-api-key")
     socket = engine_socket(home, "main")
     try:
@@ -151,7 +153,7 @@ def main() -> None:
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "host_cpus": len(os.sched_getaffinity(0)),
         "model": f"SmolLM2-135M-Instruct {dtype}, vLLM CPU 0.32.0, --enforce-eager",
-        "up_starts": "keycloak + vllm-main + gateway, then realm provisioning",
+        "up_starts": "postgres + keycloak + vllm-main + gateway + workers, then realm provisioning",
         "up_to_first_token_s": round(up_first, 1),
         "direct_vllm_to_first_token_s": round(direct_first, 1),
         "start_ratio_up_vs_direct": round(up_first / direct_first, 2),

@@ -138,6 +138,7 @@ async def load(url: str, headers: dict[str, str], concurrency: int, stream: bool
 
 def start_appliance() -> tuple[Path, dict[str, str]]:
     root = Path(tempfile.mkdtemp(prefix="apg-", dir="/tmp"))
+    root.chmod(0o711)  # PostgreSQL's user passes through to its own directory
     home = Home(root / "h").ensure()
     default = Home.from_env()
     home.demo_model.symlink_to(default.demo_model, target_is_directory=True)
@@ -146,6 +147,7 @@ def start_appliance() -> tuple[Path, dict[str, str]]:
     env = {**os.environ, HOME_ENV: str(home.root), "APPLIANCE_GATEWAY__PORT": str(PORTS["gateway"]),
            "APPLIANCE_KEYCLOAK__PORT": str(PORTS["keycloak"]),
            "APPLIANCE_KEYCLOAK__MANAGEMENT_PORT": str(PORTS["keycloak_management"]),
+           "APPLIANCE_KEYCLOAK__POSTGRES_PORT": str(PORTS["keycloak"] + 2),
            # The bench measures overhead, not the limiter: give the admin a budget it never meets.
            "APPLIANCE_GATEWAY__LIMITS": ("{ admin = { requests_per_minute = 10000000, tokens_per_minute = 1000000000, "
                                          "max_concurrent = 10000 } }")}

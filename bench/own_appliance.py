@@ -15,6 +15,7 @@ from pathlib import Path
 
 from appliance.home import HOME_ENV, Home
 from installer.keycloak import install_dir
+from tests.support.ports import free_port
 
 APPLIANCE = str(Path(sys.executable).with_name("appliance"))
 
@@ -35,13 +36,14 @@ def own_appliance(prefix: str, settings: dict[str, str], *, settings_file: str |
     home's settings. The caller starts it (`appliance up`); it is taken down and removed after."""
     default = Home.from_env()
     root = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    root.chmod(0o711)  # PostgreSQL's user passes through to its own directory
     home = Home(root / "h").ensure()
     home.demo_model.symlink_to(default.demo_model, target_is_directory=True)
     shutil.copytree(install_dir(default), install_dir(home), symlinks=True, ignore=shutil.ignore_patterns("h2", "tmp"))
     if settings_file is not None:
         home.settings_file.write_text(settings_file)
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("APPLIANCE_")}, HOME_ENV: str(home.root),
-           **settings}
+           "APPLIANCE_KEYCLOAK__POSTGRES_PORT": str(free_port()), **settings}
     try:
         yield home, env
     finally:

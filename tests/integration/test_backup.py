@@ -46,7 +46,9 @@ def appliance(demo_model: Path, keycloak_dist: Path, tmp_path_factory: pytest.Te
     """Installed as before PostgreSQL (dev-file), with a user and a registered adapter, then stopped."""
     for appliance in make_appliance(demo_model, keycloak_dist, APPLIANCE_KEYCLOAK__DATABASE="dev-file",
                                     APPLIANCE_BACKUP_PASSPHRASE=PASSPHRASE):
-        appliance.home.settings_file.write_text('[cache]\nttl_s = 123.0\n')  # a setting the restore must keep
+        # Settings the restore must keep (the engine serving adapters among them).
+        appliance.home.settings_file.write_text(
+            '[cache]\nttl_s = 123.0\n\n[[pools]]\nname = "main"\nenable_lora = true\n')
         started = appliance.run("up")
         assert started.returncode == 0, started.stdout + started.stderr
         Realm(Running(appliance, "", 0.0)).ensure_user("mover", PASSWORD, ["user"])
