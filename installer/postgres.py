@@ -90,6 +90,10 @@ def ensure_cluster(home: Home) -> bool:
     data, user = data_dir(home), db_user()
     _let_through(home.root, user)
     _owned_private(data.parent, user)
+    if subprocess.run(as_db_user(["test", "-x", str(binaries() / "initdb")]), check=False).returncode:
+        raise StateError(f"PostgreSQL's user {DB_USER} cannot run {binaries()}: a directory above it (the "
+                         "appliance's install) does not let others read and pass through",
+                         hint="install the appliance where others may read it (e.g. /opt/appliance, 0755)")
     if subprocess.run(as_db_user(["test", "-x", str(data.parent)]), check=False).returncode:
         raise StateError(f"PostgreSQL's user {DB_USER} cannot reach {data.parent}: a directory above the state "
                          f"directory {home.root} does not let others pass through",

@@ -69,12 +69,13 @@ def test_admin_routes_need_the_admin_role(realm: Realm) -> None:
 
 def test_admin_sees_services_settings_and_pools(realm: Realm) -> None:
     services = {s["name"]: s for s in admin_get(realm, "/services").json()}
-    assert set(services) == {"keycloak", "vllm-main", "gateway", "finetune-worker", "rl-worker", "batch-worker"}
+    assert set(services) == {"postgres", "keycloak", "vllm-main", "gateway", "finetune-worker", "rl-worker",
+                             "batch-worker"}
     assert all(s["state"] == "RUNNING" and s["pid"] > 0 for s in services.values())
     settings = admin_get(realm, "/settings").json()
     assert settings["gateway"]["port"] == int(realm.running.appliance.env["APPLIANCE_GATEWAY__PORT"])
     text = json.dumps(settings)
-    for name in ("engine-api-key", "gateway-client-secret", "supervisor-password"):
+    for name in ("engine-api-key", "gateway-client-secret", "supervisor-password", "postgres-keycloak"):
         assert secret(realm.running.appliance.home, name) not in text
     [pool] = admin_get(realm, "/pools").json()
     assert pool["name"] == "main" and pool["healthy"] is True

@@ -39,7 +39,7 @@ from tests.support.models import random_adapter, tiny_moe
 PROJECT = Path(__file__).resolve().parents[2]
 MODEL = "tiny-moe"
 KEPT = ("settings.toml", "secrets", "adapters.json", "artifacts")
-PASSPHRASE = "the bundle test's passphrase"
+PASSPHRASE = "the passphrase of the bundle test"
 
 # Run inside the namespace with the installed software only (not this checkout's).
 CHAT = """
@@ -142,10 +142,10 @@ def test_bundle_installs_and_serves_with_no_network_and_upgrades_keeping_state(
         tmp_path: Path, demo_model: Path, record_property: pytest.RecordProperty) -> None:
     key_file = tmp_path / "signing-key.pem"
     moe = tiny_moe(tmp_path / MODEL, demo_model)
-    # State dirs where PostgreSQL's user may pass (pytest's own temp dirs are closed to others).
+    # The install and state dirs where PostgreSQL's user may pass (pytest's temp dirs are closed to others).
     homes = Path(tempfile.mkdtemp(prefix="bundle-homes-", dir="/tmp"))
     homes.chmod(0o711)
-    first, prefix, state, restored = tmp_path / "bundle-1", tmp_path / "opt", homes / "state", homes / "restored"
+    first, prefix, state, restored = tmp_path / "bundle-1", homes / "opt", homes / "state", homes / "restored"
     env = {k: v for k, v in os.environ.items() if k != "APPLIANCE_HOME"}  # caches of the default state dir
     started = time.monotonic()
     built = subprocess.run([APPLIANCE, "bundle", "build", "--out", str(first), "--key", str(key_file),
