@@ -2,8 +2,8 @@
 Keycloak's dev-file database, it moves to PostgreSQL at `up` keeping its users' passwords and the
 gateway client's secret; a backup is taken while it serves; each kind of bad backup is refused
 with the target left as it was; the backup restored into a fresh state directory starts, its
-users log in, its adapter answers, its audit chain verifies, and its scheduled backups go to the
-artifact store."""
+users log in, its adapter answers, its dataset checks out, its audit chain verifies, and its
+scheduled backups go to the artifact store."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ PASSPHRASE = "a passphrase for the vault"
 
 @pytest.fixture(scope="module")
 def appliance(demo_model: Path, keycloak_dist: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Appliance]:
-    """Installed as before PostgreSQL (dev-file), with a user and a registered adapter, then stopped."""
+    """Installed as before PostgreSQL (dev-file), with a user, a registered adapter and a dataset, then stopped."""
     for appliance in make_appliance(demo_model, keycloak_dist, APPLIANCE_KEYCLOAK__DATABASE="dev-file",
                                     APPLIANCE_BACKUP_PASSPHRASE=PASSPHRASE):
         # Settings the restore must keep (the engine serving adapters among them).
@@ -58,6 +58,12 @@ def appliance(demo_model: Path, keycloak_dist: Path, tmp_path_factory: pytest.Te
                  base_config_sha256=config_sha256(json.loads((demo_model / "config.json").read_text())),
                  dataset="none", dataset_sha256="-", hyperparameters=Hyperparameters(),
                  state=AdapterState.REGISTERED, metrics=metrics())
+        rows = tmp_path_factory.mktemp("data") / "codes.jsonl"
+        rows.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Code {i}?"},
+                                                          {"role": "assistant", "content": f"ZEBRA-{i}"}]}) + "\n"
+                                for i in range(20)))
+        added = appliance.run("data", "add", str(rows), "--name", "codes", timeout=300)
+        assert added.returncode == 0, added.stdout + added.stderr
         assert appliance.run("down").returncode == 0
         yield appliance
 
@@ -165,7 +171,7 @@ def restored(appliance: Appliance, taken: Path, keycloak_dist: Path, demo_model:
         remove_appliance(target)
 
 
-def test_the_restored_appliance_has_the_users_adapters_settings_and_audit(
+def test_the_restored_appliance_has_the_users_adapters_datasets_settings_and_audit(
         appliance: Appliance, restored: Appliance) -> None:
     assert restored.home.settings_file.read_bytes() == appliance.home.settings_file.read_bytes()
     again = realm(restored)
@@ -179,6 +185,9 @@ def test_the_restored_appliance_has_the_users_adapters_settings_and_audit(
                         json={"model": "kept", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]},
                         timeout=120)
     assert answer.status_code == 200, answer.text
+    shown = restored.run("data", "show", "codes")  # its files checked against its content hash
+    assert shown.returncode == 0 and "ZEBRA" not in shown.stderr, shown.stdout + shown.stderr
+    assert restored.run("data", "list", "--json").stdout == appliance.run("data", "list", "--json").stdout
     verified = restored.run("audit", "verify")
     assert verified.returncode == 0, verified.stdout + verified.stderr
     restores = restored.run("audit", "tail", "--action", "backup.restore")
