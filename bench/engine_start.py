@@ -1,9 +1,10 @@
 """Engine start-up and single-stream speed of the demo model.
 
 Figures, each against a baseline measured in the same invocation:
-- time from `appliance up` (Keycloak, realm provisioning, engine and gateway) to the engine's
-  first streamed token, vs. launching the same vLLM command directly (no supervisord, no
-  appliance) to its first token: the appliance's start overhead;
+- time from `appliance up` (PostgreSQL, Keycloak, engine, gateway, workers) to the engine's first
+  streamed token, asked for while `up` runs (the engine waits on nothing else), vs. launching the
+  same vLLM command directly (no supervisord, no appliance) to its first token: the appliance's
+  start overhead; and when `up` itself returns (every program ready, the realm provisioned);
 - steady single-stream decode tokens/s through the supervised engine, vs. transformers'
   `generate` on the same model, prompt and greedy settings in this process.
 
@@ -138,8 +139,12 @@ def main() -> None:
         time.sleep(3)
         # The appliance: `appliance up` to first token, then steady decode speed.
         t0 = time.monotonic()
-        subprocess.run([APPLIANCE, "up"], env=env, check=True, capture_output=True)
+        up = subprocess.Popen([APPLIANCE, "up"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         up_first = first_token_s(socket, key, t0)
+        output, _ = up.communicate()
+        up_returned = time.monotonic() - t0
+        if up.returncode != 0:
+            raise SystemExit(f"appliance up failed:\n{output}")
         engine_tps = decode_tokens_per_s(socket, key)
         subprocess.run([APPLIANCE, "down"], env=env, check=True, capture_output=True)
         dtype = launch.argv[launch.argv.index("--dtype") + 1]
@@ -157,6 +162,8 @@ def main() -> None:
         "up_to_first_token_s": round(up_first, 1),
         "direct_vllm_to_first_token_s": round(direct_first, 1),
         "start_ratio_up_vs_direct": round(up_first / direct_first, 2),
+        "up_returned_s": round(up_returned, 1),
+        "up_returned_ratio_vs_direct": round(up_returned / direct_first, 2),
         "engine_decode_tokens_per_s": round(engine_tps, 1),
         "transformers_generate_tokens_per_s": round(hf_tps, 1),
         "decode_ratio_engine_vs_transformers": round(engine_tps / hf_tps, 2),

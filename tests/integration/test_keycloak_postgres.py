@@ -54,8 +54,10 @@ def program_pids(appliance: Appliance, name: str) -> int:
 def test_postgres_runs_as_its_own_user_on_loopback_with_a_generated_password(on_postgres: Appliance) -> None:
     home = on_postgres.home
     port = on_postgres.port("APPLIANCE_KEYCLOAK__POSTGRES_PORT")
-    servers = [p for p in psutil.process_iter(["username", "cmdline"]) if p.info["username"] == DB_USER]
-    assert servers, "no process of PostgreSQL's user"
+    # This appliance's server and its children (the session appliance runs a PostgreSQL of its own).
+    [postmaster] = [p for p in psutil.process_iter(["username", "cmdline"]) if p.info["username"] == DB_USER
+                    and str(postgres_data(home)) in " ".join(p.info["cmdline"] or [])]
+    servers = [postmaster, *postmaster.children(recursive=True)]
     listening = {conn.laddr for conn in psutil.net_connections("tcp") if conn.status == psutil.CONN_LISTEN
                  and conn.pid in {p.pid for p in servers}}
     assert listening and all(address.ip == "127.0.0.1" and address.port == port for address in listening), listening
