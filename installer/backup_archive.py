@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import stat
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
 
 from appliance.errors import Invalid
 from appliance.home import BACKUP_PASSPHRASE_ENV
+from appliance.secrets import read_private_file
 
 MAGIC = b"APPLIANCE-BACKUP\n"
 FORMAT = 1  # the newest envelope this version reads and writes
@@ -178,30 +178,11 @@ class SealedReader:
         return data
 
 
-def _read_key_file(path: Path) -> bytes:
-    """A key file's first 4 KiB: a regular file (no link followed, no FIFO waited on) of this
-    user's, private to them."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError as exc:
-        raise Invalid(f"cannot read key file {path}: {exc.strerror}") from exc
-    try:
-        status = os.fstat(fd)
-        if not stat.S_ISREG(status.st_mode):
-            raise Invalid(f"key file {path} is not a regular file")
-        if status.st_uid != os.geteuid() or status.st_mode & 0o077:
-            raise Invalid(f"key file {path} is readable by others or not this user's (mode "
-                          f"{status.st_mode & 0o777:o}, uid {status.st_uid})", hint=f"chmod 600 {path}")
-        return os.read(fd, 4096)
-    finally:
-        os.close(fd)
-
-
 def passphrase_from(key_file: Path | None, stdin: BinaryIO, environ: Mapping[str, str] = os.environ) -> bytes:
     """The backup passphrase: a key file's contents (private to its owner), else
     APPLIANCE_BACKUP_PASSPHRASE, else standard input's first line. Never an argument: argv is public."""
     if key_file is not None:
-        return check_passphrase(_read_key_file(key_file), f"key file {key_file}")
+        return check_passphrase(read_private_file(key_file, "key file", Invalid), f"key file {key_file}")
     if (value := environ.get(BACKUP_PASSPHRASE_ENV)) is not None:
         return check_passphrase(value.encode(), BACKUP_PASSPHRASE_ENV)
     return check_passphrase(stdin.readline(4096), "standard input")

@@ -16,7 +16,6 @@ import importlib.util
 import os
 import pwd
 import shutil
-import stat
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -26,7 +25,7 @@ from pathlib import Path
 from appliance.errors import StateError
 from appliance.home import BACKUP_PASSPHRASE_ENV, Home
 from appliance.programs import Program
-from appliance.secrets import secret
+from appliance.secrets import read_private_file, secret
 from appliance.settings import KeycloakSettings
 
 DB_USER = "appliance-db"
@@ -156,15 +155,11 @@ def db_password(home: Home, keycloak: KeycloakSettings) -> str:
         return secret(home, KEYCLOAK_SECRET)
     path = Path(keycloak.postgres_password_file)
     try:
-        mode = path.stat().st_mode
-        password = path.read_text().strip() if stat.S_ISREG(mode) else ""
-    except (OSError, UnicodeDecodeError) as exc:
-        raise StateError(f"keycloak.postgres_password_file {path}: cannot read it ({exc})") from exc
-    if mode & 0o077:
-        raise StateError(f"keycloak.postgres_password_file {path} is readable by others (mode {mode & 0o777:o})",
-                         hint=f"chmod 600 {path}")
+        password = read_private_file(path, "keycloak.postgres_password_file").decode().strip()
+    except UnicodeDecodeError as exc:
+        raise StateError(f"keycloak.postgres_password_file {path} is not text") from exc
     if not password:
-        raise StateError(f"keycloak.postgres_password_file {path} holds no password (or is not a regular file)")
+        raise StateError(f"keycloak.postgres_password_file {path} holds no password")
     return password
 
 
