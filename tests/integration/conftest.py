@@ -52,12 +52,13 @@ SESSION_SETTINGS = {
                                    'answers = { payment_card = "allow" } } }',
     # test_attacks: a named tool_choice (structured output) makes real tool calls; vLLM 0.32 needs both.
     "APPLIANCE_POOLS__MAIN__EXTRA_ARGS": '["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]',
-    # test_keycloak_logins: 3 wrong passwords in a row lock an account for 3 s, by their count alone (no
+    # test_keycloak_logins: 3 wrong passwords in a row lock an account for 10 s (long enough to see on a
+    # loaded machine, where Keycloak on PostgreSQL records a failure a moment late), by their count alone (no
     # quick-login check: another test's wrong password or two locks no one); Keycloak's events
     # copied every second.
     "APPLIANCE_KEYCLOAK__LOCKOUT_FAILURES": "3",
-    "APPLIANCE_KEYCLOAK__LOCKOUT_WAIT_S": "3",
-    "APPLIANCE_KEYCLOAK__LOCKOUT_MAX_WAIT_S": "6",
+    "APPLIANCE_KEYCLOAK__LOCKOUT_WAIT_S": "10",
+    "APPLIANCE_KEYCLOAK__LOCKOUT_MAX_WAIT_S": "20",
     "APPLIANCE_KEYCLOAK__QUICK_LOGIN_CHECK_MS": "0",
     "APPLIANCE_KEYCLOAK__EVENTS_POLL_S": "1",
 }

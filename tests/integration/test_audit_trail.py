@@ -19,7 +19,7 @@ import pytest
 from appliance.secrets import secret
 from audit.writer import log_files
 from installer.realm import BOOTSTRAP_SECRET
-from tests.integration.conftest import Running
+from tests.integration.conftest import SESSION_SETTINGS, Running
 from tests.integration.realm import Realm
 
 # It kills the session's gateway, fills its disk and counts what reaches its audit log.
@@ -132,11 +132,14 @@ def test_full_disk_fails_closed_and_recovers(realm: Realm, running: Running) -> 
     past it fail with EFBIG; Python ignores SIGXFSZ): requests get 503, /readyz says why, and
     once space returns the gateway goes on by itself, chain intact."""
     pid = gateway_pid(running)
-    current = log_files(running.appliance.home.audit)[-1]
     token = realm.token("ivan", "Test-password-1")
     headers = {"Authorization": f"Bearer {token}"}
     chat = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]}
-    size = current.stat().st_size
+    # A file at its rotation size would send the next record to a fresh file, which the limit
+    # below lets grow: a request first moves the log on to a file with room.
+    rotate_at = int(SESSION_SETTINGS["APPLIANCE_AUDIT__MAX_FILE_BYTES"])
+    while (size := log_files(running.appliance.home.audit)[-1].stat().st_size) >= rotate_at:
+        assert httpx.get(f"{realm.gateway}/v1/models", headers=headers).status_code == 200
     # Only the soft limit moves: raising a hard limit back needs privileges the host may not give.
     soft, hard = resource.prlimit(pid, resource.RLIMIT_FSIZE)
     resource.prlimit(pid, resource.RLIMIT_FSIZE, (size, hard))
