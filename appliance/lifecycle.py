@@ -16,7 +16,7 @@ import psutil
 
 from appliance.errors import StartError
 from appliance.home import Home
-from appliance.orphans import end_leftovers
+from appliance.orphans import end_leftovers, end_starting, mark_starting, restore_priority
 from appliance.programs import Program, discover_programs, run_provisioners
 from appliance.secrets import secret
 from appliance.supervisor import (
@@ -71,11 +71,16 @@ def up(settings: Settings, home: Home, progress: Progress = _no_progress) -> UpR
     with os.fdopen(fd, "w") as handle:
         handle.write(json.dumps([p.model_dump(mode="json") for p in programs]))
     progress("starting supervisord")
-    supervisor.start(render_config(home, wrapped, secret(home, "supervisor-password")))
+    mark_starting(home.run)  # programs with a start_nice start at it until end_starting
     try:
-        startup = _wait_ready(supervisor, programs, home, progress)
+        supervisor.start(render_config(home, wrapped, secret(home, "supervisor-password")))
+        try:
+            startup = _wait_ready(supervisor, programs, home, progress)
+        finally:
+            end_starting(home.run)
+        notices = [why for p in programs if p.start_nice and (why := restore_priority(home.run, p.name))]
         progress("provisioning")
-        notices = run_provisioners(settings, home)
+        notices += run_provisioners(settings, home)
     except BaseException:
         progress("start failed: stopping what was started")
         _stop(supervisor, home)
@@ -84,10 +89,12 @@ def up(settings: Settings, home: Home, progress: Progress = _no_progress) -> UpR
 
 
 def _wrap(program: Program, home: Home) -> Program:
-    """Run the program through appliance.orphans, which ends a dead predecessor's workers."""
+    """Run the program through appliance.orphans, which ends a dead predecessor's workers (and
+    starts it at its start_nice while `up` runs)."""
     socket = ["--socket", str(program.socket)] if program.socket else []
-    command = [sys.executable, "-P", "-m", "appliance.orphans", program.name, str(home.run), *socket, "--",
-               *program.command]
+    nice = ["--nice", str(program.start_nice)] if program.start_nice else []
+    command = [sys.executable, "-P", "-m", "appliance.orphans", program.name, str(home.run), *socket, *nice,
+               "--", *program.command]
     return program.model_copy(update={"command": command})
 
 

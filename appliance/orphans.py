@@ -13,10 +13,16 @@ COMMAND, so the pid supervisord sees is COMMAND's own. A record is acted on only
 that wrote it and only for processes that started no earlier than its leader, so a group id
 reused by another program after a reboot, or later, is never signalled.
 `appliance up` and `down` end whatever groups remain recorded.
+
+The same records let `up` start some programs at a lower CPU priority (`--nice N`: Keycloak,
+which the engines do not need, yields the cores to them while they load) and return them to
+normal once everything is ready. The wrapper lowers the priority only while the `up` that wrote
+RUN_DIR/up.starting still runs: a later restart by supervisord starts at normal priority.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -66,7 +72,11 @@ def boot_id() -> str:
 
 def group_record() -> str:
     """What a pgid file says of this process's group: its id, the boot and its leader's start."""
-    return f"{os.getpgrp()} {boot_id()} {psutil.Process(os.getpgrp()).create_time():.3f}\n"
+    return _process_record(os.getpgrp())
+
+
+def _process_record(pid: int) -> str:
+    return f"{pid} {boot_id()} {psutil.Process(pid).create_time():.3f}\n"
 
 
 def recorded_members(record: str) -> list[psutil.Process]:
@@ -97,6 +107,57 @@ def recorded_members(record: str) -> list[psutil.Process]:
     return members
 
 
+def starting_file(run_dir: Path) -> Path:
+    return run_dir / "up.starting"
+
+
+def mark_starting(run_dir: Path) -> None:
+    """Say that this process (`appliance up`) is starting the programs, until `end_starting`."""
+    path = starting_file(run_dir)
+    path.write_text(_process_record(os.getpid()))
+    path.chmod(0o600)
+
+
+def end_starting(run_dir: Path) -> None:
+    starting_file(run_dir).unlink(missing_ok=True)
+
+
+def up_is_starting(run_dir: Path) -> bool:
+    """Whether the `up` that marked the run directory is still running (in this boot)."""
+    try:
+        record = starting_file(run_dir).read_text()
+        return record == _process_record(int(record.split()[0]))
+    except (OSError, ValueError, IndexError, psutil.Error):
+        return False
+
+
+def restore_priority(run_dir: Path, program: str) -> str | None:
+    """Return a program started with `--nice` to niceness 0, every process and thread of its
+    group; why not, if the kernel refused (lowering niceness needs root or CAP_SYS_NICE)."""
+    try:
+        record = pgid_file(run_dir, program).read_text()
+    except OSError:
+        return None  # not running: a restart starts at normal priority anyway
+    members = recorded_members(record)
+    try:
+        if members:
+            os.setpriority(os.PRIO_PGRP, int(record.split()[0]), 0)
+        # Processes that left the group (PostgreSQL's backends lead sessions of their own) keep the
+        # priority they were forked with: each of them too, every thread.
+        for member in members:
+            with contextlib.suppress(psutil.Error, ProcessLookupError):
+                for child in member.children(recursive=True):
+                    with contextlib.suppress(psutil.Error, ProcessLookupError):
+                        for thread in child.threads():
+                            os.setpriority(os.PRIO_PROCESS, thread.id, 0)
+    except PermissionError:
+        return (f"{program} keeps the low CPU priority it started at: raising it again needs root or "
+                "CAP_SYS_NICE (set keycloak.start_nice to 0 to start it at normal priority)")
+    except ProcessLookupError:
+        pass  # it ended meanwhile
+    return None
+
+
 def end_leftovers(run_dir: Path, program: str | None = None) -> list[int]:
     """End the recorded process group of `program` (or of every program); return ended pids."""
     files = [pgid_file(run_dir, program)] if program else sorted(run_dir.glob("*.pgid"))
@@ -111,17 +172,24 @@ def end_leftovers(run_dir: Path, program: str | None = None) -> list[int]:
     return ended
 
 
+USAGE = "usage: python -m appliance.orphans NAME RUN_DIR [--socket PATH] [--nice N] -- COMMAND..."
+
+
 def main(argv: list[str]) -> None:
-    """`NAME RUN_DIR [--socket PATH] -- COMMAND...`: end NAME's leftovers, make the socket's
-    directory private (0700) and remove a stale socket there (a dead engine leaves its socket
-    behind, and binding it again fails), record this group, exec COMMAND."""
-    socket = None
-    if len(argv) > 3 and argv[2] == "--socket":
-        socket, argv = Path(argv[3]), argv[:2] + argv[4:]
-    if len(argv) < 4 or argv[2] != "--":
-        sys.exit("usage: python -m appliance.orphans NAME RUN_DIR [--socket PATH] -- COMMAND...")
+    """`NAME RUN_DIR [--socket PATH] [--nice N] -- COMMAND...`: end NAME's leftovers, make the
+    socket's directory private (0700) and remove a stale socket there (a dead engine leaves its
+    socket behind, and binding it again fails), lower the CPU priority by N while `up` is starting
+    the appliance, record this group, exec COMMAND."""
+    options: dict[str, str] = {}
+    while len(argv) > 3 and argv[2] in ("--socket", "--nice") and argv[2] not in options:
+        options[argv[2]], argv = argv[3], argv[:2] + argv[4:]
+    if len(argv) < 4 or argv[2] != "--" or not options.get("--nice", "0").isdigit():
+        sys.exit(USAGE)
     name, run_dir, command = argv[0], Path(argv[1]), argv[3:]
+    socket = Path(options["--socket"]) if "--socket" in options else None
     ended = end_leftovers(run_dir, name)
+    if int(options.get("--nice", "0")) and up_is_starting(run_dir):
+        os.nice(int(options["--nice"]))
     if socket is not None:
         socket.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         socket.parent.chmod(0o700)

@@ -62,6 +62,8 @@ class Program(BaseModel):
     stop_signal: Literal["TERM", "INT"] = Field("TERM", description="What asks it to stop (PostgreSQL: INT, "
                                                 "its fast shutdown; TERM would wait for every client to leave).")
     start_timeout_s: int = Field(120, gt=0, description="How long `up` waits for health.")
+    start_nice: int = Field(0, ge=0, le=19, description="CPU niceness while `up` starts the appliance (what "
+                            "the engines do not need yields the cores to them); back to 0 once all are ready.")
     missing: str | None = Field(
         None, description="Why it cannot start (e.g. model not prepared), checked before start."
     )

@@ -228,6 +228,10 @@ class KeycloakSettings(_Section):
         True, description="The CLI client also takes a password (`appliance token --user --password-stdin`, "
         "for scripts); false: device grant only. No other client of the realm takes one.")
     start_timeout_s: int = Field(300, gt=0, description="How long `up` waits for Keycloak.")
+    start_nice: int = Field(19, ge=0, le=19, description="CPU niceness Keycloak and its PostgreSQL start at "
+                            "during `up`, so that the engines load first where cores are few; `up` returns them "
+                            "to 0 once everything is ready (that needs root or CAP_SYS_NICE; `up` says if it "
+                            "could not). 0: start at normal priority.")
     password_policy: str = Field(
         "length(12) and maxLength(128) and notUsername and notEmail",
         description="The realm's password policy (Keycloak's syntax), checked whenever a password is set.")

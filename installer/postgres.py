@@ -121,8 +121,9 @@ def ensure_cluster(home: Home) -> bool:
     return True
 
 
-def postgres_program(home: Home, port: int) -> Program:
-    """The supervised server: loopback and its own socket directory only, stopped by its fast shutdown."""
+def postgres_program(home: Home, port: int, start_nice: int) -> Program:
+    """The supervised server: loopback and its own socket directory only, stopped by its fast
+    shutdown; at `start_nice` while `up` starts the appliance, as Keycloak, its one client."""
     ensure_cluster(home)
     _owned_socket_dir(home, db_user())
     command = [*as_db_user([str(binaries() / "postgres"), "-D", str(data_dir(home))]),
@@ -130,7 +131,7 @@ def postgres_program(home: Home, port: int) -> Program:
                "-c", "unix_socket_permissions=0700", "-c", "password_encryption=scram-sha-256",
                "-c", "log_connections=off", "-c", "max_connections=50"]
     return Program(name="postgres", command=command, port=port, priority=5, startsecs=1, stopwaitsecs=30,
-                   stop_signal="INT", start_timeout_s=60, urls={"database": f"postgresql://127.0.0.1:{port}"})
+                   stop_signal="INT", start_timeout_s=60, start_nice=start_nice, urls={"database": f"postgresql://127.0.0.1:{port}"})
 
 
 def jdbc_url(keycloak: KeycloakSettings) -> str:

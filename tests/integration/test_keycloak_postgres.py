@@ -6,6 +6,7 @@ dev-file: tests/integration/test_backup.py."""
 
 from __future__ import annotations
 
+import os
 import stat
 import time
 from collections.abc import Callable, Iterator
@@ -70,6 +71,24 @@ def test_postgres_runs_as_its_own_user_on_loopback_with_a_generated_password(on_
         assert stat.S_IMODE(found.st_mode) == 0o700 and found.st_uid == servers[0].uids().real, private
     h2 = data_dir(home) / "h2"
     assert not h2.exists() or not any(h2.iterdir())  # Keycloak's data is in PostgreSQL
+
+
+def niceness_of_each_thread(process: psutil.Process) -> set[int]:
+    tasks = Path(f"/proc/{process.pid}/task")
+    return {int((task / "stat").read_text().rsplit(")", 1)[1].split()[16]) for task in tasks.iterdir()}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="returning a process to niceness 0 needs root or CAP_SYS_NICE")
+def test_keycloak_and_postgres_start_niced_and_run_at_normal_priority_once_up(on_postgres: Appliance) -> None:
+    """They start at keycloak.start_nice (the engines load first); `up` puts every process and
+    thread of theirs back to 0, PostgreSQL's backends (sessions of their own) included."""
+    config = (on_postgres.home.run / "supervisord.conf").read_text()
+    niced = {line.split("appliance.orphans ")[1].split()[0] for line in config.splitlines() if "--nice 19" in line}
+    assert niced == {"keycloak", "postgres"}
+    for name in ("keycloak", "postgres"):
+        leader = psutil.Process(program_pids(on_postgres, name))
+        for process in [leader, *leader.children(recursive=True)]:
+            assert niceness_of_each_thread(process) == {0}, (name, process.cmdline()[:3])
 
 
 def until(check: Callable[[], bool], what: str, timeout_s: float = 90) -> float:
