@@ -26,14 +26,17 @@ esac
 
 # Training jobs run in a sandbox (bwrap from bubblewrap, prlimit and setpriv from util-linux);
 # engines get a network namespace of their own (unshare, and ip from iproute2 for its loopback);
-# the TUI's test runs it in a real terminal (tmux).
+# the TUI's test runs it in a real terminal (tmux); metrics and alerts are Debian's Prometheus and
+# Alertmanager (promtool and amtool check their configuration and rules).
 missing=()
-for tool in unshare:util-linux prlimit:util-linux setpriv:util-linux bwrap:bubblewrap ip:iproute2 tmux:tmux gcc:gcc; do
+for tool in unshare:util-linux prlimit:util-linux setpriv:util-linux bwrap:bubblewrap ip:iproute2 tmux:tmux gcc:gcc \
+            prometheus:prometheus promtool:prometheus prometheus-alertmanager:prometheus-alertmanager \
+            amtool:prometheus-alertmanager; do
   command -v "${tool%%:*}" >/dev/null || missing+=("${tool#*:}")
 done
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    apt-get update -q && apt-get install -y -q "${missing[@]}"
+    apt-get update -q && apt-get install -y -q --no-install-recommends "${missing[@]}"
   else
     echo "bootstrap.sh: missing tools: install the packages ${missing[*]}" >&2; exit 1
   fi

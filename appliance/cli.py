@@ -38,6 +38,7 @@ CORE_COMMANDS = {
     "adapters": "appliance.commands.adapters:adapters_app",
     "serving": "appliance.commands.serving:serving_app",
     "tls": "appliance.commands.tls:tls_app",
+    "alerts": "appliance.commands.alerts:alerts",
 }
 
 # What `appliance --help` says of each command, in its order, without importing any: the first
@@ -51,6 +52,7 @@ SUMMARIES = {
     "whoami": "Who the cached login is: user, roles, client, and when its access and refresh tokens expire.",
     "users": "Users and roles of the realm (through the gateway's admin API).",
     "keys": "API keys for applications: create (shown once), list, revoke, remove.",
+    "alerts": "Alerts firing now, the most urgent first: name, severity, since, what it is about, summary.",
     "adapters": "LoRA adapters: list, deploy into the running engine, canary, roll back, retire (through the "
                 "gateway's admin API).",
     "serving": "Tiers, replicas, routing, the response cache and batches (through the gateway's admin API).",

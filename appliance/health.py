@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import httpx
 
+from appliance.alerts import MONITORING_USER
 from appliance.home import Home
 from appliance.local_gateway import health_transport
 from appliance.programs import Program
+from appliance.secrets import secret
 
 
 def client(home: Home) -> httpx.Client:
@@ -15,14 +17,16 @@ def client(home: Home) -> httpx.Client:
     return httpx.Client(timeout=2.0, transport=health_transport(home))
 
 
-def answers(client: httpx.Client, program: Program) -> bool:
-    """Whether the program's health URL answers 200 (over its Unix socket, if it has one)."""
+def answers(client: httpx.Client, program: Program, home: Home) -> bool:
+    """Whether the program's health URL answers 200 (over its Unix socket, if it has one; with its
+    password, if it asks for one)."""
     if program.health_url is None:
         return True
+    auth = (MONITORING_USER, secret(home, program.health_password_secret)) if program.health_password_secret else None
     try:
         if program.socket is not None:
             with httpx.Client(transport=httpx.HTTPTransport(uds=str(program.socket)), timeout=client.timeout) as uds:
                 return uds.get(program.health_url).status_code == 200
-        return client.get(program.health_url).status_code == 200
+        return client.get(program.health_url, auth=auth).status_code == 200
     except httpx.HTTPError:
         return False

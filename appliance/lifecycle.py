@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from appliance.errors import StartError
+from appliance.errors import ApplianceError, StartError
 from appliance.home import Home
 from appliance.orphans import end_leftovers, end_starting, mark_starting, restore_priority
 from appliance.programs import Program, discover_programs, run_provisioners
@@ -160,7 +160,7 @@ def _wait_ready(
                         log=log_file(home, name),
                     )
                 elapsed = time.monotonic() - started
-                if info.state == ProcessState.RUNNING and health.answers(client, program):
+                if info.state == ProcessState.RUNNING and health.answers(client, program, home):
                     ready[name] = round(elapsed, 1)
                     del waiting[name]
                     progress(f"{name} ready after {elapsed:.0f}s")
@@ -240,7 +240,7 @@ def status(home: Home) -> dict[str, Any]:
                     "port": program.port,
                     "socket": str(program.socket) if program.socket else None,
                     "healthy": bool(info and info.state == ProcessState.RUNNING
-                                    and health.answers(client, program)),
+                                    and health.answers(client, program, home)),
                     "urls": program.urls,
                     "log": str(log_file(home, program.name)),
                 })
@@ -253,7 +253,22 @@ def status(home: Home) -> dict[str, Any]:
         },
         "programs": programs,
         "cluster": _cluster(home) if running else [],
+        "alerts": _alerts(home, programs),
     }
+
+
+def _alerts(home: Home, programs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The firing alerts, from the appliance's Alertmanager if it runs (None if it does not)."""
+    alertmanager = next((p for p in programs if p["name"] == "alertmanager"), None)
+    if alertmanager is None or alertmanager["state"] != ProcessState.RUNNING.name:
+        return None
+    from appliance import alerts  # httpx: only when there is an Alertmanager to ask
+
+    try:
+        return {"firing": [a.model_dump(mode="json") for a in alerts.firing_at(alertmanager["urls"]["alertmanager"],
+                                                                                 home)], "error": None}
+    except ApplianceError as exc:
+        return {"firing": [], "error": exc.one_line()}
 
 
 def _cluster(home: Home) -> list[dict[str, Any]]:

@@ -48,6 +48,8 @@ class Program(BaseModel):
         "it starts, and its health_url is asked over it."
     )
     health_url: str | None = Field(None, description="Answers 200 once the program is ready.")
+    health_password_secret: str | None = Field(
+        None, description="The appliance secret that is the health URL's basic-auth password (user `appliance`).")
     urls: dict[str, str] = Field(default_factory=dict, description="What it serves, for status.")
     model: str | None = Field(None, description="Model name it serves, if any.")
     pool: str | None = Field(None, description="The engine pool it belongs to, if any.")

@@ -63,6 +63,7 @@ def is_loopback(host: str) -> bool:
 
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_URL_TAIL = re.compile(r"[A-Za-z0-9._~!$&'()*+,;=:@%/?-]*", re.ASCII)  # RFC 3986's path and query characters
 _CONFIG_COMMENT = re.compile(r"\s[;#]")  # supervisord's config reads these as the start of a comment
 
 
@@ -573,6 +574,52 @@ class BackupSettings(_Section):
         return self
 
 
+class MonitoringSettings(_Section):
+    """Prometheus and Alertmanager under supervisord, on loopback only, each behind a password of
+    the appliance's: the metrics, the shipped alert rules, and where alerts go."""
+
+    enabled: bool = Field(True, description="Run Prometheus and Alertmanager (Debian's `prometheus` and "
+                          "`prometheus-alertmanager` packages; bootstrap installs them).")
+    prometheus_port: Port = Field(9090, description="Prometheus's loopback port.")
+    alertmanager_port: Port = Field(9093, description="Alertmanager's loopback port.")
+    scrape_interval_s: int = Field(15, ge=1, le=300, description="How often Prometheus scrapes and evaluates the "
+                                   "alert rules.")
+    retention_days: int = Field(15, ge=1, le=3650, description="Prometheus keeps samples this long...")
+    retention_mb: int = Field(2048, ge=64, le=1 << 24, description="...and at most this much disk (the oldest "
+                              "blocks go first).")
+    webhook_url: str | None = Field(
+        None, description="Where Alertmanager posts firing and resolved alerts (its webhook format): an https "
+        "URL, or http to a loopback address; unset: alerts are only shown (`appliance alerts`, status, the TUI).")
+
+    @field_validator("webhook_url")
+    @classmethod
+    def _webhook(cls, url: str | None) -> str | None:
+        """http(s)://HOST[:PORT][/PATH]: no user or password in it, plain http to loopback only."""
+        if url is None:
+            return None
+        parsed = urllib.parse.urlsplit(url)
+        try:
+            parsed.port  # noqa: B018 (a bad port raises)
+        except ValueError:
+            raise ValueError(f"{url[:120]!r}: its port is not a number from 1 to 65535") from None
+        host = parsed.hostname or ""
+        if (parsed.scheme not in ("http", "https") or parsed.username is not None or parsed.password is not None
+                or parsed.fragment or not (_DNS_NAME.fullmatch(host) or _is_address(host))
+                or not _URL_TAIL.fullmatch(f"{parsed.path}{'?' if parsed.query else ''}{parsed.query}")):
+            raise ValueError(f"{url[:120]!r} is not http(s)://HOST[:PORT][/PATH][?QUERY] (a DNS name or address, "
+                             "no user or password, the path and query in URL characters: others %-escaped)")
+        if parsed.scheme == "http" and not is_loopback(host):
+            raise ValueError(f"{url[:120]!r}: alerts leave this host over https only (plain http to a loopback "
+                             "address)")
+        return url
+
+    @model_validator(mode="after")
+    def _ports_differ(self) -> MonitoringSettings:
+        if self.prometheus_port == self.alertmanager_port:
+            raise ValueError("prometheus_port and alertmanager_port must differ")
+        return self
+
+
 class BatchSettings(_Section):
     """OpenAI's Batch API: files, the durable queue and the supervised batch-worker executing it."""
 
@@ -855,6 +902,7 @@ class Settings(_Section):
     cache: CacheSettings = Field(default_factory=CacheSettings)
     batch: BatchSettings = Field(default_factory=BatchSettings)
     backup: BackupSettings = Field(default_factory=BackupSettings)
+    monitoring: MonitoringSettings = Field(default_factory=MonitoringSettings)
     pools: list[PoolSettings] = Field(
         default_factory=lambda: [PoolSettings(name="main")],
         min_length=1,

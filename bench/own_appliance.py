@@ -43,7 +43,9 @@ def own_appliance(prefix: str, settings: dict[str, str], *, settings_file: str |
     if settings_file is not None:
         home.settings_file.write_text(settings_file)
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("APPLIANCE_")}, HOME_ENV: str(home.root),
-           "APPLIANCE_KEYCLOAK__POSTGRES_PORT": str(free_port()), **settings}
+           "APPLIANCE_KEYCLOAK__POSTGRES_PORT": str(free_port()),
+           "APPLIANCE_MONITORING__PROMETHEUS_PORT": str(free_port()),
+           "APPLIANCE_MONITORING__ALERTMANAGER_PORT": str(free_port()), **settings}
     try:
         yield home, env
     finally:

@@ -50,7 +50,7 @@ from serve.identity_proxy import IdentityProxy
 from serve.identity_proxy import router as identity_router
 from serve.keycloak_events import KeycloakEvents
 from serve.limits import Admission, RateLimiter
-from serve.metrics import Metrics
+from serve.metrics import Metrics, StateCollector
 from serve.middleware import AuthenticateFirst, BodyLimitMiddleware, MeterMiddleware, RequestTooLarge
 from serve.replicas import Pool, engine_session, pools_from_settings
 from serve.response_cache import CachedAnswer, Capture, ResponseCache, deterministic, wants
@@ -165,6 +165,7 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
     writer = AuditWriter(home.audit, signing_key(home), checkpoint_every=audit.checkpoint_every,
                          checkpoint_interval_s=audit.checkpoint_interval_s,
                          max_file_bytes=audit.max_file_bytes)
+    metrics.registry.register(StateCollector(home, writer, settings.gateway.certificate))
     app = FastAPI(title="appliance gateway", version="1", lifespan=lifespan)
     app.state.audit = writer
     app.state.home = home
@@ -259,6 +260,11 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
         """Prometheus metrics of the gateway."""
         return Response(generate_latest(request.app.state.gateway.metrics.registry),
                         media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/metrics/engines", tags=["health"], response_class=Response)
+    async def engines_prometheus(request: Request) -> Response:
+        """The engines' own metrics (vLLM's), each replica's labelled with its pool, replica and tier."""
+        return Response(await request.app.state.gateway.upstreams.engine_metrics(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", tags=["openai"], name="models.list")
     async def list_models(request: Request, who: ChatUser) -> dict[str, Any]:

@@ -1,8 +1,20 @@
-"""The gateway's Prometheus metrics, in a registry of its own."""
+"""The gateway's Prometheus metrics, in a registry of its own, and the state it reads at each scrape."""
 
 from __future__ import annotations
 
+import contextlib
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+from cryptography import x509
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from appliance.home import Home
+from appliance.tls import tls_dir
+from audit import AuditWriter
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -52,3 +64,41 @@ class Metrics:
         self.archived_at = Gauge("gateway_audit_archived_timestamp_seconds",
                                  "When the audit log was last archived (Unix time).",
                                  registry=self.registry)
+
+
+class StateCollector(Collector):
+    """Read at each scrape: whether the audit log takes records and how long its last flush took,
+    the state directory's disk, and when each certificate the appliance serves runs out."""
+
+    def __init__(self, home: Home, writer: AuditWriter, organisation_certificate: str | None) -> None:
+        self.home, self.writer = home, writer
+        self.organisation_certificate = Path(organisation_certificate) if organisation_certificate else None
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily("gateway_audit_writable", "Whether the audit log takes records (0: requests "
+                                "are refused until it does).", value=float(self.writer.failure is None))
+        yield GaugeMetricFamily("gateway_audit_flush_seconds", "How long the audit writer's latest batch took "
+                                "to chain, write and flush.", value=self.writer.last_flush_s)
+        free = GaugeMetricFamily("appliance_disk_free_bytes", "Free bytes on a volume the appliance writes.",
+                                 labels=["volume"])
+        size = GaugeMetricFamily("appliance_disk_size_bytes", "Size of a volume the appliance writes.",
+                                 labels=["volume"])
+        with contextlib.suppress(OSError):
+            usage = shutil.disk_usage(self.home.root)
+            free.add_metric(["state"], usage.free)
+            size.add_metric(["state"], usage.total)
+        yield free
+        yield size
+        expiry = GaugeMetricFamily("appliance_certificate_expiry_timestamp_seconds", "When a certificate the "
+                                   "appliance serves or trusts ends (Unix time).", labels=["certificate"])
+        for name, path in self._certificates():
+            with contextlib.suppress(OSError, ValueError):
+                ends = x509.load_pem_x509_certificate(path.read_bytes()).not_valid_after_utc
+                expiry.add_metric([name], ends.timestamp())
+        yield expiry
+
+    def _certificates(self) -> Iterator[tuple[str, Path]]:
+        for path in sorted(tls_dir(self.home).glob("*.pem")):
+            yield path.stem, path
+        if self.organisation_certificate is not None:
+            yield "gateway-organisation", self.organisation_certificate

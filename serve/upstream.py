@@ -23,6 +23,7 @@ import aiohttp
 from appliance.settings import RoutingSettings
 from serve.answer import decode_json
 from serve.engine import ENGINE_BASE_URL
+from serve.engine_metrics import engine_metrics
 from serve.errors import GatewayError, ModelNotFound, engine_error
 from serve.metrics import Metrics
 from serve.replicas import Pool, Replica, ReplicaSet
@@ -186,6 +187,10 @@ class Upstreams:
         if not answers:
             raise self._unavailable(pool, "not reachable")
         return answers
+
+    async def engine_metrics(self) -> bytes:
+        """Every replica's own metrics, labelled with its pool, replica and tier (serve.engine_metrics)."""
+        return await engine_metrics(self.pools, self._sessions, self._headers)
 
     async def models(self) -> list[dict[str, Any]]:
         """Each ready pool's model as its engine lists it (from one replica), by its served name;

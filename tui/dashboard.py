@@ -1,5 +1,6 @@
-"""Dashboard: supervised services with start/stop/restart (each offered where it applies), host
-usage (GPUs from NVML, else CPU and memory) and the gateway's live traffic with small charts."""
+"""Dashboard: supervised services with start/stop/restart (each offered where it applies), the
+alerts firing, host usage (GPUs from NVML, else CPU and memory) and the gateway's live traffic with
+small charts."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ from textual.binding import Binding
 from textual.containers import Horizontal
 from textual.widgets import DataTable, Label, Sparkline, Static
 
+from appliance.admin_client import Refused
+from appliance.alerts import summary
+from appliance.errors import Unavailable
 from tui.metrics import Rates, Scrape, parse, rates
 from tui.panel import Panel, duration, fill, gib
 
@@ -62,6 +66,7 @@ class Dashboard(Panel):
     def body(self) -> ComposeResult:
         yield Label("Services", id="services-title")
         yield from self.listing("services")
+        yield Static("Alerts: waiting for Alertmanager", id="alerts", markup=False)
         yield Static("", id="host", markup=False)
         yield DataTable(id="gpus", cursor_type="none", show_cursor=False)
         yield Static("Gateway: waiting for a second sample", id="traffic", markup=False)
@@ -76,8 +81,10 @@ class Dashboard(Panel):
         self.query_one("#gpus", DataTable).display = False
 
     async def load(self) -> None:
-        services, usage, text = await asyncio.gather(
-            self.client.call("GET", "/services"), self.client.call("GET", "/system"), self.client.metrics_text())
+        services, usage, text, alerts = await asyncio.gather(
+            self.client.call("GET", "/services"), self.client.call("GET", "/system"), self.client.metrics_text(),
+            self._alerts())
+        self.query_one("#alerts", Static).update(alerts)
         self.states = {s["name"]: s["state"] for s in services}
         self.fill("services", [(s["name"], (s["name"], s["state"], s["pid"] or "-",
                                             duration(s["uptime_s"]) if s["pid"] else "-", s["restarts"]))
@@ -87,6 +94,13 @@ class Dashboard(Panel):
         if self.last is not None:
             self._show_traffic(rates(self.last, scrape))
         self.last = scrape
+
+    async def _alerts(self) -> str:
+        """The firing alerts that need someone; why there are none to show, if so."""
+        try:
+            return f"Alerts: {summary(await self.client.call('GET', '/alerts'))}"
+        except (Refused, Unavailable) as exc:  # monitoring off, or Alertmanager not answering
+            return f"Alerts: unknown ({exc.message})"
 
     def _show_host(self, usage: dict[str, Any]) -> None:
         gpus = self.query_one("#gpus", DataTable)

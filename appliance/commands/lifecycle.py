@@ -92,8 +92,17 @@ def print_status(console: Console, report: dict[str, Any], *, wide: bool = False
         console.print(programs_table(report["programs"]))
     for pool in report["cluster"]:
         console.print(cluster_table(pool))
+    if (alerts := report.get("alerts")) is not None:
+        console.print(alerts_line(alerts), soft_wrap=True, highlight=False, markup=False)
     # soft_wrap: a long state directory stays one line rather than being cut mid-path
     console.print(f"logs: {report['home']}/logs", soft_wrap=True, highlight=False)
+
+
+def alerts_line(alerts: dict[str, Any]) -> str:
+    """The firing alerts that need someone (`appliance alerts` has all), or why they are unknown."""
+    from appliance.alerts import summary
+
+    return f"alerts: unknown ({alerts['error']})" if alerts["error"] else f"alerts: {summary(alerts['firing'])}"
 
 
 def _table(*columns: Column, title: str | None = None) -> Table:

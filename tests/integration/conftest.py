@@ -61,6 +61,8 @@ SESSION_SETTINGS = {
     "APPLIANCE_KEYCLOAK__LOCKOUT_MAX_WAIT_S": "20",
     "APPLIANCE_KEYCLOAK__QUICK_LOGIN_CHECK_MS": "0",
     "APPLIANCE_KEYCLOAK__EVENTS_POLL_S": "1",
+    # test_monitoring: rules evaluated every 2 s.
+    "APPLIANCE_MONITORING__SCRAPE_INTERVAL_S": "2",
 }
 
 
@@ -93,7 +95,9 @@ def running(demo_model: Path, keycloak_dist: Path, staged_demo: Staged) -> Runni
     worker asks first starts it."""
     served = {"APPLIANCE_POOLS__MAIN__MODEL": str(staged_demo.directory),
               "APPLIANCE_POOLS__MAIN__PLAN": str(staged_demo.plan_file),
-              "APPLIANCE_POOLS__MAIN__SERVED_MODEL_NAME": demo_model.name}
+              "APPLIANCE_POOLS__MAIN__SERVED_MODEL_NAME": demo_model.name,
+              # test_monitoring listens there (the port is in the session's record, for every worker).
+              "APPLIANCE_MONITORING__WEBHOOK_URL": f"http://127.0.0.1:{free_port()}/alerts"}
     return start_or_join(demo_model, keycloak_dist, SESSION_SETTINGS | served)
 
 

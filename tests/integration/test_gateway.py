@@ -323,7 +323,8 @@ def test_status_json_names_gateway_and_issuer(running: Running, realm: Realm) ->
     assert gateway["urls"]["openai"] == f"{realm.gateway}/v1"
     assert gateway["urls"]["issuer"] == realm.issuer
     assert {p["name"] for p in report["programs"]} == {"postgres", "keycloak", "vllm-main", "gateway",
-                                                       "finetune-worker", "rl-worker", "batch-worker"}
+                                                       "finetune-worker", "rl-worker", "batch-worker",
+                                                       "prometheus", "alertmanager"}
 
 
 def test_tokens_and_secrets_never_reach_the_logs(realm: Realm, alice: str, running: Running) -> None:

@@ -63,7 +63,9 @@ def new_appliance(demo: Path | None, keycloak: Path | None = None, **overrides: 
         home.demo_model.symlink_to(demo, target_is_directory=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("APPLIANCE_")}
     env.update({HOME_ENV: str(home.root), "COLUMNS": "200", "XDG_CONFIG_HOME": str(root / "config"),
-                "APPLIANCE_GATEWAY__PORT": str(free_port())})
+                "APPLIANCE_GATEWAY__PORT": str(free_port()),
+                "APPLIANCE_MONITORING__PROMETHEUS_PORT": str(free_port()),
+                "APPLIANCE_MONITORING__ALERTMANAGER_PORT": str(free_port())})
     if keycloak is not None:
         target = install_dir(home)
         shutil.copytree(keycloak, target, symlinks=True, ignore=shutil.ignore_patterns("h2", "tmp"))

@@ -172,3 +172,18 @@ def test_status_json_of_a_stopped_appliance(home: Home) -> None:
     report = json.loads(result.stdout)
     assert report["programs"] == [] and report["home"] == str(home.root)
     assert Path(report["supervisord"]["socket"]).parent == home.run
+
+
+def test_status_names_the_alerts_that_need_someone() -> None:
+    firing = [{"name": "Watchdog", "severity": "none"}, {"name": "DiskNearFull", "severity": "page"},
+              {"name": "KVCacheNearFull", "severity": "ticket"}]
+    for alerts, line in [({"firing": firing, "error": None}, "alerts: 2 firing: DiskNearFull (page), KVCacheNearFull "
+                          "(ticket)"),
+                         ({"firing": firing[:1], "error": None}, "alerts: none firing"),
+                         ({"firing": [], "error": "Alertmanager at http://127.0.0.1:9093 did not list its alerts: "
+                                                  "[b]boom"}, "alerts: unknown (Alertmanager at http://127.0.0.1:9093 "
+                                                              "did not list its alerts: [b]boom)")]:
+        text = StringIO()
+        print_status(Console(width=200, file=text), {**REPORT, "alerts": alerts})
+        assert line in text.getvalue().splitlines(), text.getvalue()
+    assert not any(line.startswith("alerts:") for line in rendered(wide=False)), "no Alertmanager: no line"

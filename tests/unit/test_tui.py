@@ -11,6 +11,7 @@ import io
 import json
 import re
 from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
@@ -27,6 +28,7 @@ from textual.widgets import DataTable, Input, Label, Select, Static
 from appliance import login, usage
 from appliance.adapters import AdapterRecord, AdapterState, Alias
 from appliance.admin_client import AdminClient, NotLoggedIn, Refused, Unreachable
+from appliance.alerts import Alert
 from appliance.home import Home
 from appliance.jobs import Hyperparameters, JobReport
 from appliance.rl.progress import RunReport
@@ -287,6 +289,11 @@ def host(gpu_error: str | None = NO_DRIVER) -> dict[str, Any]:
                            memory_total_bytes=8 * 2**30, gpus=[], gpu_error=gpu_error).model_dump()
 
 
+def alert(name: str, severity: str, **labels: str) -> dict[str, Any]:
+    return Alert(name=name, severity=severity, since=datetime(2026, 12, 3, 9, tzinfo=UTC), summary=f"{name} [b]now",
+                 labels=labels).model_dump(mode="json")
+
+
 def cache_stats() -> dict[str, Any]:
     return CacheStats(enabled=True, scope="user", entries=3, bytes=2**20, max_entries=100, max_bytes=2**30,
                       ttl_s=60, hits=5, misses=7, bypasses=1, hit_rate=5 / 12).model_dump()
@@ -296,7 +303,7 @@ def cache_stats() -> dict[str, Any]:
 EMPTY_ANSWERS: dict[str, Any] = {"/services": [], "/system": host(), "/pools": [], "/plans": [],
                                  "/cache": cache_stats(), "/batches": {"object": "list", "data": []}, "/jobs": [],
                                  "/adapters": {"adapters": [], "aliases": {}}, "/rl/tasksets": [], "/rl/runs": [],
-                                 "/users": [], "/keys": [], "/audit": []}
+                                 "/users": [], "/keys": [], "/audit": [], "/alerts": []}
 
 
 def service(name: str, state: str) -> dict[str, Any]:
@@ -363,6 +370,7 @@ def sample_answers() -> dict[str, Any]:
         **EMPTY_ANSWERS,
         "/services": [service("finetune-worker", "STOPPED"), service("gateway", "RUNNING"),
                       service("keycloak", "RUNNING"), service("rl-worker", "FATAL"), service("vllm-main", "RUNNING")],
+        "/alerts": [alert("Watchdog", "none"), alert("DiskNearFull", "page", volume="state")],
         "/pools": [{"name": "main", "model": "SmolLM2-135M-Instruct", "tier": None,
                     "replicas": [replica("main"), replica("main-1")]}],
         "/batches": {"object": "list", "data": [batch("batch_" + "a" * 24, "in_progress"),
@@ -407,6 +415,8 @@ class Fake:
         self.calls.append((method, path, kwargs.get("params")))
         if method == "POST":
             return {"ok": True, "records": 1, "checkpoints": 0, "last_checkpoint_seq": 0}
+        if isinstance(self.answers[path], Exception):
+            raise self.answers[path]
         return self.answers[path]
 
     async def metrics_text(self) -> str:
@@ -734,6 +744,24 @@ def test_a_cpu_host_says_plainly_it_has_no_gpu(home: Home) -> None:
         answers["/system"] = host("NVML query failed: Unknown Error")  # a GPU host whose driver fails
         await refreshed(pilot)
         assert "GPU figures unavailable: NVML query failed: Unknown Error" in shown_text(app, "host")
+
+    with_fake(home, answers, scenario)
+
+
+def test_the_dashboard_shows_the_alerts_that_need_someone(home: Home) -> None:
+    answers = sample_answers()
+
+    async def scenario(pilot: Pilot[None], app: AdminApp, fake: Fake) -> None:
+        await show(pilot, "d")
+        assert shown_text(app, "alerts") == "Alerts: 1 firing: DiskNearFull (page)", "the heartbeat left out"
+        answers["/alerts"] = [alert("Watchdog", "none")]
+        await refreshed(pilot)
+        assert shown_text(app, "alerts") == "Alerts: none firing"
+        answers["/alerts"] = Refused(409, "monitoring is off (monitoring.enabled = false)", "GET /admin/alerts")
+        await refreshed(pilot)
+        assert shown_text(app, "alerts").startswith("Alerts: unknown (") and "monitoring is off" in shown_text(
+            app, "alerts")
+        assert "This host has no GPU" in shown_text(app, "host"), "the rest of the screen goes on"
 
     with_fake(home, answers, scenario)
 

@@ -1,0 +1,32 @@
+"""`appliance alerts`: the alerts firing now (through the gateway's admin API)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from appliance.commands.common import admin_api, print_json
+
+out = Console()
+
+
+def alerts(json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False) -> None:
+    """Alerts firing now, the most urgent first: name, severity, since, what it is about, summary."""
+    firing = admin_api("GET", "/alerts")
+    if json:
+        print_json(firing)
+        return
+    if not firing:
+        out.print("no alerts firing", markup=False)
+        return
+    table = Table("alert", "severity", "since", "about", "summary")
+    for alert in firing:
+        about = ", ".join(f"{k}={v}" for k, v in alert["labels"].items() if k not in ("job", "instance"))
+        # Text: a summary or label in brackets is shown as written, never read as markup.
+        table.add_row(*(Text(cell) for cell in (alert["name"], alert["severity"],
+                                                 alert["since"][:19].replace("T", " "), about, alert["summary"])))
+    out.print(table)

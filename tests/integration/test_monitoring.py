@@ -1,0 +1,117 @@
+"""Prometheus and Alertmanager on the session appliance: both supervised and listed by `status`,
+on loopback behind the appliance's password; Prometheus scrapes the gateway and both servers and
+holds the gateway's state metrics; an alert goes from the shipped rules through Alertmanager to
+the webhook of the settings, and `appliance alerts` lists it."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+
+from appliance.alerts import monitoring_auth
+from appliance.secrets import secret
+from installer.realm import BOOTSTRAP_SECRET
+from tests.integration.conftest import Running
+
+
+def until(check: Callable[[], Any], what: str, timeout_s: float = 120) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while not (found := check()):
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        time.sleep(0.5)
+    return found
+
+
+@pytest.fixture(scope="module")
+def urls(running: Running) -> dict[str, str]:
+    status = json.loads(running.appliance.run("status", "--json", timeout=60).stdout)
+    programs = {p["name"]: p for p in status["programs"]}
+    for name in ("prometheus", "alertmanager"):
+        assert programs[name]["state"] == "RUNNING" and programs[name]["healthy"], programs[name]
+    return {"prometheus": programs["prometheus"]["urls"]["prometheus"],
+            "alertmanager": programs["alertmanager"]["urls"]["alertmanager"]}
+
+
+@pytest.fixture(scope="module")
+def webhook(running: Running) -> Iterator[list[dict[str, Any]]]:
+    """What Alertmanager posts to the session's webhook URL, as it arrives."""
+    received: list[dict[str, Any]] = []
+
+    class Receiver(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    port = urlsplit(running.appliance.env["APPLIANCE_MONITORING__WEBHOOK_URL"]).port
+    server = HTTPServer(("127.0.0.1", port or 0), Receiver)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield received
+    server.shutdown()
+    server.server_close()
+
+
+def test_both_servers_listen_on_loopback_behind_the_appliances_password(running: Running,
+                                                                        urls: dict[str, str]) -> None:
+    auth = monitoring_auth(running.appliance.home)
+    for url in urls.values():
+        assert urlsplit(url).hostname == "127.0.0.1"
+        assert httpx.get(f"{url}/-/ready", timeout=10).status_code == 401, "no password: refused"
+        assert httpx.get(f"{url}/-/ready", auth=(auth[0], "guessed"), timeout=10).status_code == 401
+        assert httpx.get(f"{url}/-/ready", auth=auth, timeout=10).status_code == 200
+
+
+def test_prometheus_scrapes_the_gateway_and_holds_its_state(running: Running, urls: dict[str, str]) -> None:
+    auth = monitoring_auth(running.appliance.home)
+
+    def query(expression: str) -> list[dict[str, Any]]:
+        answer = httpx.get(f"{urls['prometheus']}/api/v1/query", params={"query": expression}, auth=auth, timeout=10)
+        answer.raise_for_status()
+        return list(answer.json()["data"]["result"])
+
+    def targets_up() -> bool:
+        answer = httpx.get(f"{urls['prometheus']}/api/v1/targets", auth=auth, timeout=10).json()
+        health = {t["labels"]["job"]: t["health"] for t in answer["data"]["activeTargets"]}
+        return health == {"gateway": "up", "engines": "up", "prometheus": "up", "alertmanager": "up"}
+
+    until(targets_up, "the gateway, Prometheus and Alertmanager scraped")
+    [writable] = until(lambda: query("gateway_audit_writable"), "the audit writer's state")
+    assert writable["value"][1] == "1"
+    [ca] = until(lambda: query('appliance_certificate_expiry_timestamp_seconds{certificate="ca"}'), "the CA's end")
+    assert float(ca["value"][1]) > time.time() + 300 * 86400
+    [free] = query('appliance_disk_free_bytes{volume="state"}')
+    assert float(free["value"][1]) > 0
+    labels = httpx.get(f"{urls['prometheus']}/api/v1/labels", auth=auth, timeout=10).json()["data"]
+    assert not {"user", "username", "subject", "prompt", "key"} & set(labels), labels
+
+
+def test_an_alert_reaches_the_webhook_and_appliance_alerts(running: Running, urls: dict[str, str],
+                                                           webhook: list[dict[str, Any]]) -> None:
+    """The Watchdog rule always fires: it crosses the whole path, rules to receiver. Alertmanager
+    retries a receiver that was not listening at its next group interval (a minute)."""
+    def watchdog_posted() -> bool:
+        return any(alert["labels"]["alertname"] == "Watchdog" and post["status"] == "firing"
+                   for post in webhook for alert in post["alerts"])
+
+    until(watchdog_posted, "the Watchdog alert at the webhook", timeout_s=180)
+    cli = running.appliance
+    login = cli.run("token", "--user", "admin", "--password-stdin",
+                    stdin=secret(cli.home, BOOTSTRAP_SECRET) + "\n", timeout=60)
+    assert login.returncode == 0, login.stderr
+    listed = cli.run("alerts", "--json", timeout=60)
+    assert listed.returncode == 0, listed.stderr
+    watchdog = [a for a in json.loads(listed.stdout) if a["name"] == "Watchdog"]
+    assert watchdog and watchdog[0]["severity"] == "none" and "pipeline" in watchdog[0]["summary"]
+    table = cli.run("alerts", timeout=60)
+    assert table.returncode == 0 and "Watchdog" in table.stdout, table.stdout + table.stderr
