@@ -37,6 +37,7 @@ from tests.support.ports import free_port
 PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool (Debian's prometheus package) is not installed")
 TESTS = Path(__file__).parent / "promtool" / "alert_rules_test.yml"
+GRAFANA = Path(__file__).parents[2] / "docs" / "operate" / "grafana" / "appliance.json"
 # What a rule names: a metric (a word before `{`, `[`, a space or the end) of the gateway's or the appliance's.
 NAMED = re.compile(r"\b((?:gateway|appliance)_[a-z_]+?)(?:_bucket)?\b(?=[{\[\s)]|$)")
 VLLM_NAMED = re.compile(r"\b(vllm:[a-z_]+)")
@@ -52,17 +53,30 @@ def exported(home: Home) -> set[str]:
     return {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")}
 
 
-def test_every_metric_a_rule_names_is_exported(home: Home) -> None:
-    rules = monitoring.rules_file().read_text()
-    named = set(NAMED.findall(rules))
-    assert len(named) >= 8
-    assert named <= exported(home), f"rules name metrics nothing exports: {sorted(named - exported(home))}"
-    # The engines' (relayed by serve.engine_metrics): names the installed vLLM registers.
-    engines = {name.removesuffix("_total").removesuffix("_bucket") for name in VLLM_NAMED.findall(rules)}
+def unexported(expressions: str, home: Home) -> set[str]:
+    """The metrics `expressions` name that neither the gateway (/metrics, /metrics/engines) nor the
+    installed vLLM (relayed by serve.engine_metrics) exports."""
     vllm = importlib.util.find_spec("vllm")  # found, not imported (seconds of CPU)
     assert vllm is not None and vllm.origin is not None
     source = (Path(vllm.origin).parent / "v1" / "metrics" / "loggers.py").read_text()
-    assert len(engines) >= 4 and all(f'"{name}"' in source for name in engines), engines
+    engines = {name for name in VLLM_NAMED.findall(expressions)
+               if f'"{name.removesuffix("_total").removesuffix("_bucket")}"' not in source}
+    return (set(NAMED.findall(expressions)) - exported(home)) | engines
+
+
+def test_every_metric_a_rule_names_is_exported(home: Home) -> None:
+    rules = monitoring.rules_file().read_text()
+    assert len(NAMED.findall(rules)) >= 8 and len(VLLM_NAMED.findall(rules)) >= 4
+    assert not unexported(rules, home), f"rules name metrics nothing exports: {sorted(unexported(rules, home))}"
+
+
+def test_every_grafana_panel_queries_exported_metrics(home: Home) -> None:
+    """The dashboard for operators who run Grafana (docs/operate/grafana/appliance.json)."""
+    dashboard = json.loads(GRAFANA.read_text())
+    expressions = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+    assert len(expressions) >= 12 and all(NAMED.search(e) or VLLM_NAMED.search(e) for e in expressions)
+    missing = unexported("\n".join(expressions), home)
+    assert not missing, f"panels query metrics nothing exports: {sorted(missing)}"
 
 
 @pytest.mark.integration
