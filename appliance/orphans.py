@@ -152,7 +152,7 @@ def restore_priority(run_dir: Path, program: str) -> str | None:
                             os.setpriority(os.PRIO_PROCESS, thread.id, 0)
     except PermissionError:
         return (f"{program} keeps the low CPU priority it started at: raising it again needs root or "
-                "CAP_SYS_NICE (set keycloak.start_nice to 0 to start it at normal priority)")
+                "CAP_SYS_NICE (set engine.yield_nice to 0 to start it at normal priority)")
     except ProcessLookupError:
         pass  # it ended meanwhile
     return None

@@ -123,6 +123,11 @@ class EngineSettings(_Section):
     start_timeout_s: int = Field(
         600, gt=0, description="How long `appliance up` waits for an engine to answer."
     )
+    yield_nice: int = Field(19, ge=0, le=19, description="While `up` starts the appliance, the programs the "
+                            "engines do not need (Keycloak, its PostgreSQL, Prometheus, Alertmanager) run at this CPU "
+                            "niceness, so that the engines load first where cores are few; `up` returns them to 0 "
+                            "once all are ready (that needs root or CAP_SYS_NICE; `up` says if it could not). "
+                            "0: all start alike.")
     isolate_network: bool = Field(
         True, description="Run each engine in a network namespace of its own (loopback only): the ports "
         "vLLM opens inside (ZMQ, torch.distributed) are out of every other local process's reach; "
@@ -229,10 +234,6 @@ class KeycloakSettings(_Section):
         True, description="The CLI client also takes a password (`appliance token --user --password-stdin`, "
         "for scripts); false: device grant only. No other client of the realm takes one.")
     start_timeout_s: int = Field(300, gt=0, description="How long `up` waits for Keycloak.")
-    start_nice: int = Field(19, ge=0, le=19, description="CPU niceness Keycloak and its PostgreSQL start at "
-                            "during `up`, so that the engines load first where cores are few; `up` returns them "
-                            "to 0 once everything is ready (that needs root or CAP_SYS_NICE; `up` says if it "
-                            "could not). 0: start at normal priority.")
     password_policy: str = Field(
         "length(12) and maxLength(128) and notUsername and notEmail",
         description="The realm's password policy (Keycloak's syntax), checked whenever a password is set.")

@@ -233,8 +233,8 @@ def main() -> None:
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "host_cpus": len(os.sched_getaffinity(0)),
         "model": f"SmolLM2-135M-Instruct {dtype}, vLLM CPU 0.32.0, --enforce-eager",
-        "up_starts": "postgres + keycloak (both at nice 19 until every program is ready) + vllm-main + gateway "
-                     "+ workers, then realm provisioning",
+        "up_starts": "postgres + keycloak + prometheus + alertmanager (at engine.yield_nice 19 until every program "
+                     "is ready) + vllm-main + gateway + workers, then realm provisioning",
         "rounds": ROUNDS,
         "direct_vllm_to_first_token_s": round(baseline, 1),
         "first_up_to_engine_token_s": round(median(first, "engine_token_s"), 1),

@@ -226,7 +226,7 @@ def keycloak_programs(settings: Settings, home: Home) -> list[Program]:
         env["KC_DB_PASSWORD"] = db_password(home, keycloak)
         if keycloak.external_postgres is None:
             # Its database first; Keycloak starts once it accepts connections.
-            programs.append(postgres_program(home, keycloak.postgres_port, keycloak.start_nice))
+            programs.append(postgres_program(home, keycloak.postgres_port, settings.engine.yield_nice))
             command = [sys.executable, "-P", "-m", "installer.wait_for_database", str(keycloak.postgres_port), "60",
                        "--", *command]
     if not missing:
@@ -236,5 +236,5 @@ def keycloak_programs(settings: Settings, home: Home) -> list[Program]:
         port=keycloak.port, health_url=f"https://127.0.0.1:{keycloak.management_port}/health/ready",
         urls={"issuer": keycloak.issuer, "admin": f"{base}/admin/"},
         priority=10, startsecs=5, stopwaitsecs=30, start_timeout_s=keycloak.start_timeout_s,
-        start_nice=keycloak.start_nice, missing=missing,
+        start_nice=settings.engine.yield_nice, missing=missing,
     )]

@@ -123,7 +123,8 @@ def monitoring_programs(settings: Settings, home: Home) -> list[Program]:
     servers = [Program(
         name="prometheus", command=command, port=monitoring.prometheus_port, priority=95, startsecs=2,
         health_url=f"{prometheus_url(monitoring)}/-/ready", health_password_secret=MONITORING_SECRET,
-        urls={"prometheus": prometheus_url(monitoring)}, start_timeout_s=120, missing=missing)]
+        urls={"prometheus": prometheus_url(monitoring)}, start_timeout_s=120,
+        start_nice=settings.engine.yield_nice, missing=missing)]
     missing = None if alertmanager else f"no alertmanager binary: {INSTALL_HINT}"
     command = [alertmanager or "alertmanager",
                f"--config.file={_write(directory / 'alertmanager.yml', alertmanager_config(monitoring))}",
@@ -133,5 +134,6 @@ def monitoring_programs(settings: Settings, home: Home) -> list[Program]:
     servers.append(Program(
         name="alertmanager", command=command, port=monitoring.alertmanager_port, priority=95, startsecs=2,
         health_url=f"{alertmanager_url(monitoring)}/-/ready", health_password_secret=MONITORING_SECRET,
-        urls={"alertmanager": alertmanager_url(monitoring)}, start_timeout_s=120, missing=missing))
+        urls={"alertmanager": alertmanager_url(monitoring)}, start_timeout_s=120,
+        start_nice=settings.engine.yield_nice, missing=missing))
     return servers
