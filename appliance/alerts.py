@@ -12,10 +12,11 @@ from typing import Any
 import httpx
 from pydantic import BaseModel, Field
 
-from appliance.errors import Conflict, Unavailable
+from appliance.errors import Conflict, StateError, Unavailable
 from appliance.home import Home
 from appliance.secrets import secret
 from appliance.settings import MonitoringSettings
+from appliance.tls import local_trust
 
 MONITORING_SECRET = "monitoring-password"
 MONITORING_USER = "appliance"  # the one user of Prometheus's and Alertmanager's web configuration
@@ -32,7 +33,7 @@ class Alert(BaseModel):
 
 
 def alertmanager_url(monitoring: MonitoringSettings) -> str:
-    return f"http://127.0.0.1:{monitoring.alertmanager_port}"
+    return f"https://127.0.0.1:{monitoring.alertmanager_port}"
 
 
 def monitoring_auth(home: Home) -> tuple[str, str]:
@@ -55,11 +56,12 @@ def firing(monitoring: MonitoringSettings, home: Home) -> list[Alert]:
 def firing_at(url: str, home: Home) -> list[Alert]:
     """The alerts the Alertmanager at `url` holds firing now, the most urgent first."""
     try:
-        response = httpx.get(f"{url}/api/v2/alerts", auth=monitoring_auth(home),
+        # The server is verified before the password goes: a local user on the port gets nothing.
+        response = httpx.get(f"{url}/api/v2/alerts", auth=monitoring_auth(home), verify=local_trust(home),
                              params={"active": "true", "silenced": "false", "inhibited": "false"}, timeout=5)
         response.raise_for_status()
         alerts = [_alert(found) for found in response.json()]
-    except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, StateError) as exc:
         raise Unavailable(f"Alertmanager at {url} did not list its alerts: {exc}",
                           hint="`appliance status` shows whether alertmanager runs") from exc
     order = {"page": 0, "ticket": 1}

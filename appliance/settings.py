@@ -598,9 +598,12 @@ class MonitoringSettings(_Section):
         """http(s)://HOST[:PORT][/PATH]: no user or password in it, plain http to loopback only."""
         if url is None:
             return None
+        if len(url) > 2048 or url != url.strip():
+            raise ValueError(f"{url[:120]!r}: at most 2048 characters, no space around it")
         parsed = urllib.parse.urlsplit(url)
         try:
-            parsed.port  # noqa: B018 (a bad port raises)
+            if parsed.port == 0:
+                raise ValueError
         except ValueError:
             raise ValueError(f"{url[:120]!r}: its port is not a number from 1 to 65535") from None
         host = parsed.hostname or ""

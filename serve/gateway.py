@@ -6,8 +6,10 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import gc
+import hmac
 import json
 import logging
 import time
@@ -28,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from appliance.adapters import AdapterRecord
+from appliance.alerts import MONITORING_SECRET, MONITORING_USER
 from appliance.artifacts import artifact_store
 from appliance.errors import ApplianceError
 from appliance.home import Home
@@ -261,9 +264,18 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
         return Response(generate_latest(request.app.state.gateway.metrics.registry),
                         media_type=CONTENT_TYPE_LATEST)
 
+    # What the appliance's Prometheus sends: the monitoring password (appliance.alerts).
+    monitoring_credential = "Basic " + base64.b64encode(
+        f"{MONITORING_USER}:{secret(home, MONITORING_SECRET)}".encode()).decode()
+
     @app.get("/metrics/engines", tags=["health"], response_class=Response)
     async def engines_prometheus(request: Request) -> Response:
-        """The engines' own metrics (vLLM's), each replica's labelled with its pool, replica and tier."""
+        """The engines' own metrics (vLLM's), each replica's labelled with its pool, replica and tier;
+        for the appliance's Prometheus only (its password), since each scrape reaches every engine."""
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(errors="replace"), monitoring_credential.encode()):
+            return Response("the monitoring password is needed\n", status_code=401,
+                            headers={"WWW-Authenticate": 'Basic realm="appliance monitoring"'})
         return Response(await request.app.state.gateway.upstreams.engine_metrics(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", tags=["openai"], name="models.list")

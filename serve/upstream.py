@@ -23,7 +23,7 @@ import aiohttp
 from appliance.settings import RoutingSettings
 from serve.answer import decode_json
 from serve.engine import ENGINE_BASE_URL
-from serve.engine_metrics import engine_metrics
+from serve.engine_metrics import EngineMetricsRelay
 from serve.errors import GatewayError, ModelNotFound, engine_error
 from serve.metrics import Metrics
 from serve.replicas import Pool, Replica, ReplicaSet
@@ -61,6 +61,7 @@ class Upstreams:
             self._tiers.setdefault(pool.model, {})[pool.tier] = pool
         self._sessions = sessions  # by replica name: each reaches its engine's socket
         self._headers = {"Authorization": f"Bearer {engine_key}"}
+        self._engine_metrics = EngineMetricsRelay(pools, sessions, self._headers)
         self.replicas = ReplicaSet(pools, sessions, self.metrics)
         self.balancers = {pool.name: Balancer([r.name for r in pool.replicas], self.routing) for pool in pools}
         self.interactive = {pool.name: 0 for pool in pools}  # interactive (not batch) requests in flight
@@ -190,7 +191,7 @@ class Upstreams:
 
     async def engine_metrics(self) -> bytes:
         """Every replica's own metrics, labelled with its pool, replica and tier (serve.engine_metrics)."""
-        return await engine_metrics(self.pools, self._sessions, self._headers)
+        return await self._engine_metrics.exposition()
 
     async def models(self) -> list[dict[str, Any]]:
         """Each ready pool's model as its engine lists it (from one replica), by its served name;

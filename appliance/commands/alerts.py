@@ -7,9 +7,9 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.table import Table
-from rich.text import Text
 
 from appliance.commands.common import admin_api, print_json
+from appliance.terminal import shown
 
 out = Console()
 
@@ -26,7 +26,7 @@ def alerts(json: Annotated[bool, typer.Option("--json", help="Print JSON instead
     table = Table("alert", "severity", "since", "about", "summary")
     for alert in firing:
         about = ", ".join(f"{k}={v}" for k, v in alert["labels"].items() if k not in ("job", "instance"))
-        # Text: a summary or label in brackets is shown as written, never read as markup.
-        table.add_row(*(Text(cell) for cell in (alert["name"], alert["severity"],
-                                                 alert["since"][:19].replace("T", " "), about, alert["summary"])))
+        # Shown as text: no markup, and no escape sequence of a label's (an engine's) reaches the terminal.
+        table.add_row(*(shown(cell) for cell in (alert["name"], alert["severity"],
+                                                  alert["since"][:19].replace("T", " "), about, alert["summary"])))
     out.print(table)

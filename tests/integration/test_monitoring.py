@@ -18,6 +18,7 @@ import pytest
 
 from appliance.alerts import monitoring_auth
 from appliance.secrets import secret
+from appliance.tls import local_trust
 from installer.realm import BOOTSTRAP_SECRET
 from tests.integration.conftest import Running
 
@@ -62,26 +63,35 @@ def webhook(running: Running) -> Iterator[list[dict[str, Any]]]:
     server.server_close()
 
 
-def test_both_servers_listen_on_loopback_behind_the_appliances_password(running: Running,
-                                                                        urls: dict[str, str]) -> None:
-    auth = monitoring_auth(running.appliance.home)
+def test_both_servers_listen_on_loopback_over_https_behind_the_appliances_password(running: Running,
+                                                                                   urls: dict[str, str]) -> None:
+    home = running.appliance.home
+    auth, trust = monitoring_auth(home), local_trust(home)
     for url in urls.values():
-        assert urlsplit(url).hostname == "127.0.0.1"
-        assert httpx.get(f"{url}/-/ready", timeout=10).status_code == 401, "no password: refused"
-        assert httpx.get(f"{url}/-/ready", auth=(auth[0], "guessed"), timeout=10).status_code == 401
-        assert httpx.get(f"{url}/-/ready", auth=auth, timeout=10).status_code == 200
+        assert urlsplit(url).hostname == "127.0.0.1" and url.startswith("https://")
+        assert httpx.get(f"{url}/-/ready", verify=trust, timeout=10).status_code == 401, "no password: refused"
+        assert httpx.get(f"{url}/-/ready", auth=(auth[0], "guessed"), verify=trust, timeout=10).status_code == 401
+        assert httpx.get(f"{url}/-/ready", auth=auth, verify=trust, timeout=10).status_code == 200
+    # The engines' relay at the gateway reaches every engine: the monitoring password only.
+    gateway = f"http://127.0.0.1:{running.appliance.port('APPLIANCE_GATEWAY__PORT')}/metrics/engines"
+    assert httpx.get(gateway, timeout=30).status_code == 401
+    assert httpx.get(gateway, auth=(auth[0], "guessed"), timeout=30).status_code == 401
+    relayed = httpx.get(gateway, auth=auth, timeout=30)
+    assert relayed.status_code == 200 and 'appliance_engine_scrape_up{pool="main",replica="main"' in relayed.text
+    assert "vllm:num_requests_waiting{" in relayed.text and "gateway_" not in relayed.text
 
 
 def test_prometheus_scrapes_the_gateway_and_holds_its_state(running: Running, urls: dict[str, str]) -> None:
-    auth = monitoring_auth(running.appliance.home)
+    auth, trust = monitoring_auth(running.appliance.home), local_trust(running.appliance.home)
 
     def query(expression: str) -> list[dict[str, Any]]:
-        answer = httpx.get(f"{urls['prometheus']}/api/v1/query", params={"query": expression}, auth=auth, timeout=10)
+        answer = httpx.get(f"{urls['prometheus']}/api/v1/query", params={"query": expression}, auth=auth,
+                           verify=trust, timeout=10)
         answer.raise_for_status()
         return list(answer.json()["data"]["result"])
 
     def targets_up() -> bool:
-        answer = httpx.get(f"{urls['prometheus']}/api/v1/targets", auth=auth, timeout=10).json()
+        answer = httpx.get(f"{urls['prometheus']}/api/v1/targets", auth=auth, verify=trust, timeout=10).json()
         health = {t["labels"]["job"]: t["health"] for t in answer["data"]["activeTargets"]}
         return health == {"gateway": "up", "engines": "up", "prometheus": "up", "alertmanager": "up"}
 
@@ -92,7 +102,9 @@ def test_prometheus_scrapes_the_gateway_and_holds_its_state(running: Running, ur
     assert float(ca["value"][1]) > time.time() + 300 * 86400
     [free] = query('appliance_disk_free_bytes{volume="state"}')
     assert float(free["value"][1]) > 0
-    labels = httpx.get(f"{urls['prometheus']}/api/v1/labels", auth=auth, timeout=10).json()["data"]
+    [waiting, *_] = until(lambda: query('vllm:num_requests_waiting{pool="main"}'), "an engine's own metric")
+    assert waiting["metric"]["replica"] == "main" and waiting["metric"]["job"] == "engines"
+    labels = httpx.get(f"{urls['prometheus']}/api/v1/labels", auth=auth, verify=trust, timeout=10).json()["data"]
     assert not {"user", "username", "subject", "prompt", "key"} & set(labels), labels
 
 

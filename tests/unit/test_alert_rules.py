@@ -27,7 +27,7 @@ from appliance.errors import Conflict, Unavailable
 from appliance.home import Home
 from appliance.secrets import secret
 from appliance.settings import MonitoringSettings, Settings
-from appliance.tls import ensure_ca
+from appliance.tls import ensure_ca, ensure_server_certificate, server_context
 from audit import AuditWriter
 from installer import monitoring
 from serve.engine_metrics import relabelled
@@ -124,7 +124,9 @@ def test_missing_servers_name_the_package(home: Home, monkeypatch: pytest.Monkey
 
 @pytest.mark.parametrize("url", ["http://10.1.2.3/alerts", "https://user:pw@hooks.example.org/",
                                  "ftp://hooks.example.org/", "https://hooks.example.org:99999/",
-                                 "https://hooks.example.org/\u2028x", "https://hook s.example.org/"])
+                                 "https://hooks.example.org/\u2028x", "https://hook s.example.org/",
+                                 " https://hooks.example.org/", "https://hooks.example.org:0/",
+                                 "https://hooks.example.org/" + "a" * 2100])
 def test_a_bad_webhook_is_refused(url: str) -> None:
     with pytest.raises(ValueError, match="webhook_url"):
         MonitoringSettings(webhook_url=url)
@@ -152,9 +154,11 @@ class FakeAlertmanager(BaseHTTPRequestHandler):
     """Alertmanager's /api/v2/alerts for the password `right`, an answer set by the test."""
 
     answer: bytes = b"[]"
+    passwords: list[str]  # every Authorization header it was sent
 
     def do_GET(self) -> None:
         expected = "Basic " + base64.b64encode(b"appliance:right").decode()
+        self.passwords.append(self.headers.get("Authorization", ""))
         if self.headers.get("Authorization") != expected:
             self.send_response(401)
             self.end_headers()
@@ -171,11 +175,18 @@ class FakeAlertmanager(BaseHTTPRequestHandler):
 Fake = tuple[MonitoringSettings, type[FakeAlertmanager]]
 
 
+def serve_tls(handler: type[FakeAlertmanager], certificate: Path, key: Path) -> HTTPServer:
+    server = HTTPServer(("127.0.0.1", 0), handler)
+    server.socket = server_context(certificate, key).wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
 @pytest.fixture
 def alertmanager(home: Home) -> Iterator[Fake]:
-    handler = type("Handler", (FakeAlertmanager,), {})
-    server = HTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    """An Alertmanager with the certificate `up` gives the real one (the appliance's CA's)."""
+    handler = type("Handler", (FakeAlertmanager,), {"passwords": []})
+    server = serve_tls(handler, *ensure_server_certificate(home, "monitoring"))
     (home.secrets / MONITORING_SECRET).write_text("right")
     (home.secrets / MONITORING_SECRET).chmod(0o600)
     yield MonitoringSettings(alertmanager_port=server.server_address[1]), handler
@@ -217,3 +228,19 @@ def test_a_wrong_password_or_no_alertmanager_is_unavailable_and_off_is_said(
         alerts.firing(MonitoringSettings(alertmanager_port=free_port()), home)
     with pytest.raises(Conflict, match="monitoring is off"):
         alerts.firing(MonitoringSettings(enabled=False), home)
+
+
+def test_a_server_the_appliances_ca_did_not_certify_gets_no_password(home: Home, tmp_path: Path) -> None:
+    """A local user who takes Alertmanager's port (while it restarts) with a certificate of their
+    own: the client refuses it before sending the password."""
+    ensure_ca(home)
+    squatter = Home(tmp_path / "squatter").ensure()  # another CA, with the same names
+    handler: type[FakeAlertmanager] = type("Handler", (FakeAlertmanager,), {"passwords": []})
+    server = serve_tls(handler, *ensure_server_certificate(squatter, "monitoring"))
+    try:
+        with pytest.raises(Unavailable, match="CERTIFICATE_VERIFY_FAILED"):
+            alerts.firing(MonitoringSettings(alertmanager_port=server.server_address[1]), home)
+        assert handler.passwords == [], "the password never went"
+    finally:
+        server.shutdown()
+        server.server_close()
