@@ -6,8 +6,9 @@ Prometheus scrapes at the gateway's /metrics/engines with the monitoring passwor
 of as missing series.
 
 An engine's answer is not trusted: only its `vllm:` families pass (an engine cannot pose as the
-gateway's metrics and forge or hide the gateway's alerts), not the one naming LoRA adapters in use
-(what /v1/models hides by role), without timestamps or exemplars, each label value shown-safe and
+gateway's metrics and forge or hide the gateway's alerts), not its `_info` families (its
+configuration as dozens of labels, model paths among them, and the LoRA adapters in use, which
+/v1/models hides by role), without timestamps or exemplars, each label value shown-safe and
 at most LABEL_VALUE_MAX characters; an answer over MAX_BYTES, or one that does not parse, counts as
 no answer. One relay runs at a time, its result kept for REUSE_S, so a flood of scrapes costs the
 engines one scrape a second, and the parsing runs off the event loop."""
@@ -33,7 +34,6 @@ MAX_BYTES = 16 << 20  # a replica's exposition; vLLM's is tens of kilobytes
 LABEL_VALUE_MAX = 200
 REUSE_S = 1.0
 OWN_LABELS = ("pool", "replica", "tier")  # set here: an engine's own label of the same name is replaced
-DROPPED = frozenset({"vllm:lora_requests_info"})  # names the adapters running: not for every reader
 
 
 class _Families:
@@ -81,7 +81,7 @@ def relabelled(answers: Iterable[tuple[Pool, Replica, str | None]]) -> bytes:
                 text = None
         up.add_metric(list(where.values()), 0.0 if text is None else 1.0)
         for family in parsed:
-            if not family.name.startswith("vllm:") or family.name in DROPPED:
+            if not family.name.startswith("vllm:") or family.name.endswith("_info"):
                 continue
             merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type,
                                                               family.unit))

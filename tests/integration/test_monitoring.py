@@ -23,10 +23,10 @@ from installer.realm import BOOTSTRAP_SECRET
 from tests.integration.conftest import Running
 
 
-def until(check: Callable[[], Any], what: str, timeout_s: float = 120) -> Any:
+def until(check: Callable[[], Any], what: str | Callable[[], str], timeout_s: float = 120) -> Any:
     deadline = time.monotonic() + timeout_s
     while not (found := check()):
-        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what if isinstance(what, str) else what()}"
         time.sleep(0.5)
     return found
 
@@ -90,12 +90,15 @@ def test_prometheus_scrapes_the_gateway_and_holds_its_state(running: Running, ur
         answer.raise_for_status()
         return list(answer.json()["data"]["result"])
 
+    seen: dict[str, str] = {}
+
     def targets_up() -> bool:
         answer = httpx.get(f"{urls['prometheus']}/api/v1/targets", auth=auth, verify=trust, timeout=10).json()
-        health = {t["labels"]["job"]: t["health"] for t in answer["data"]["activeTargets"]}
-        return health == {"gateway": "up", "engines": "up", "prometheus": "up", "alertmanager": "up"}
+        seen.update({t["labels"]["job"]: f"{t['health']} {t['lastError']}" for t in answer["data"]["activeTargets"]})
+        return {job: state.split()[0] for job, state in seen.items()} == {
+            "gateway": "up", "engines": "up", "prometheus": "up", "alertmanager": "up"}
 
-    until(targets_up, "the gateway, Prometheus and Alertmanager scraped")
+    until(targets_up, lambda: f"every target scraped: {seen}")
     [writable] = until(lambda: query("gateway_audit_writable"), "the audit writer's state")
     assert writable["value"][1] == "1"
     [ca] = until(lambda: query('appliance_certificate_expiry_timestamp_seconds{certificate="ca"}'), "the CA's end")

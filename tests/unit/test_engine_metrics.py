@@ -67,12 +67,14 @@ def test_only_the_engines_own_families_pass_safe_and_without_timestamps() -> Non
     hostile = (exposition(1, 5)
                + "# TYPE gateway_audit_writable gauge\ngateway_audit_writable 0\n"
                + '# TYPE vllm:lora_requests_info gauge\nvllm:lora_requests_info{running_lora_adapters="secret-v3"} 1\n'
+               + '# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{model="/srv/models/secret"} 1\n'
                + '# TYPE vllm:kv_cache_usage_perc gauge\n'
                + 'vllm:kv_cache_usage_perc{engine="\\u001b]52;c;evil\\u0007' + "x" * 500
                + '"} 0.5 99999999999999999999\n')
     text = relabelled([(pool, pool.replicas[0], hostile.replace("\\u001b", "\x1b").replace("\\u0007", "\x07"))])
     families = {f.name: f for f in text_string_to_metric_families(text.decode())}
     assert "gateway_audit_writable" not in families and "vllm:lora_requests_info" not in families
+    assert "vllm:cache_config_info" not in families, "configuration as labels stays with the engine"
     [kv] = families["vllm:kv_cache_usage_perc"].samples
     assert kv.timestamp is None and "\x1b" not in kv.labels["engine"] and "\x07" not in kv.labels["engine"]
     assert len(kv.labels["engine"]) <= 200
