@@ -36,7 +36,7 @@ from serve.engine import ENGINE_KEY_SECRET
 from tests.support.ports import free_port
 
 RESULTS = Path(__file__).parent / "results" / "monitoring.json"
-WINDOWS = 6  # scraping and stopped, taking turns
+WINDOWS = 6  # stopped and scraping, taking turns (an even number: it ends scraping)
 ROUNDS = 150
 WARMUP = 10
 SCRAPE_S = 1
@@ -86,8 +86,8 @@ def main() -> None:
         added_ms(home, gateway_port, key, WARMUP)
         windows: dict[str, list[float]] = {"scraping": [], "stopped": []}
         wal_growth: list[float] = []
-        for window in range(WINDOWS):
-            scraping = window % 2 == 0
+        for window in range(WINDOWS):  # Prometheus runs after `up`: stopped first, then taking turns
+            scraping = window % 2 == 1
             if scraping:
                 supervisor.call("startProcess", "prometheus", True)
                 time.sleep(3 * SCRAPE_S)  # its first scrapes are done
@@ -97,8 +97,7 @@ def main() -> None:
             windows["scraping" if scraping else "stopped"] += added_ms(home, gateway_port, key, ROUNDS)
             if scraping:
                 wal_growth.append((wal_bytes(home) - wal_before) / (time.monotonic() - started))
-        supervisor.call("startProcess", "prometheus", True)
-        time.sleep(5 * SCRAPE_S)
+        time.sleep(5 * SCRAPE_S)  # the last window scraped: Prometheus runs
         [prometheus] = [p for p in supervisor.processes() if p.name == "prometheus"]
         resident = psutil.Process(prometheus.pid).memory_info().rss
         series = prometheus_figure(home, prometheus_url, "prometheus_tsdb_head_series")
