@@ -53,7 +53,8 @@ from installer.keycloak_migration import h2_open
 MANIFEST = "manifest.json"
 KEYCLOAK_DUMP = "keycloak.dump"
 STATE = "state"
-LEFT_OUT = {("run",), ("logs",), ("cache",), ("models",), ("postgres",), ("artifacts", "backups")}
+# Rebuilt at `up` or not worth keeping: metrics history (monitoring/) is Prometheus's, kept by its retention.
+LEFT_OUT = {("run",), ("logs",), ("cache",), ("models",), ("postgres",), ("monitoring",), ("artifacts", "backups")}
 MAX_MANIFEST = 1 << 26
 MAX_EXTENDED_HEADER = 1 << 16  # a PAX or GNU long-name header: tarfile holds it in memory whole
 # Modes restored: no set-id or execute bits on files, nothing writable by group or others.

@@ -45,7 +45,8 @@ def test_reads_of_users_settings_and_the_audit_log_are_each_recorded(home: Home)
     summarised = {r.path for r in audited_routes(home) if r.openapi_extra == MONITORING}
     assert summarised == {"/admin/services", "/admin/system", "/admin/pools", "/admin/plans", "/admin/jobs",
                           "/admin/adapters", "/admin/rl/tasksets", "/admin/rl/runs", "/admin/rl/exports",
-                          "/admin/rl/exports/{export_id}", "/admin/routing", "/admin/cache", "/admin/batches"}
+                          "/admin/rl/exports/{export_id}", "/admin/routing", "/admin/cache", "/admin/batches",
+                          "/admin/alerts"}
 
 
 def admitted_roles(dependant: Dependant) -> list[frozenset[str]]:
