@@ -7,7 +7,7 @@ import base64
 import json
 import ssl
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import httpx
@@ -26,6 +26,7 @@ from tests.integration.conftest import Running
 @dataclass
 class Realm:
     running: Running
+    _admin: tuple[float, str] | None = field(default=None, init=False, repr=False)  # (renew after, token)
 
     @cached_property
     def settings(self) -> Settings:
@@ -63,7 +64,13 @@ class Realm:
         return self.token_response(username, password, **kwargs)["access_token"]
 
     def admin_token(self) -> str:
-        return self.token("admin", secret(self.running.appliance.home, BOOTSTRAP_SECRET))
+        """The administrator's access token, fetched again only when it has under 30 s left: one
+        password login a module, not one a call (each login is a chance for another module's
+        wrong password on the shared realm to meet this one)."""
+        if self._admin is None or time.monotonic() > self._admin[0]:
+            answer = self.token_response("admin", secret(self.running.appliance.home, BOOTSTRAP_SECRET))
+            self._admin = (time.monotonic() + int(answer["expires_in"]) - 30, answer["access_token"])
+        return self._admin[1]
 
     def ensure_user(self, username: str, password: str, roles: list[str]) -> str:
         user_id = self.admin.get_user_id(username)
