@@ -169,12 +169,14 @@ CLAIM_MOVES = {
     RequestState.CLAIMED: frozenset({RequestState.PENDING, RequestState.DONE}),
     RequestState.DONE: frozenset(),
 }
+# A batch's requests and its validation wait from when the batch was made.
+BATCH_CREATED_AT = "(select created_at from batches where batches.id = batch_id)"
 # A dead worker's requests are pending again; the first answer to a request is kept, whoever gives
 # it (a request given back may still be answered by the worker that had it).
 REQUESTS = Queue(
     table="batch_requests", lifecycle=Lifecycle("batch request", CLAIM_MOVES),
     key="rowid", waiting=RequestState.PENDING, taken=RequestState.CLAIMED, held=frozenset({RequestState.CLAIMED}),
-    attempts=None, orphans_resume=False)
+    attempts=None, orphans_resume=False, waiting_since=BATCH_CREATED_AT)
 # A batch's validation: a dead worker's is pending again, and the next worker starts it over; a file
 # whose validation the worker died in MAX_VALIDATION_ATTEMPTS times fails its batch instead (a file
 # that kills the worker must not stop everyone's batches for good).
@@ -182,7 +184,8 @@ MAX_VALIDATION_ATTEMPTS = 3
 VALIDATIONS = Queue(
     table="batch_validations", lifecycle=Lifecycle("batch validation", CLAIM_MOVES),
     key="batch_id", waiting=RequestState.PENDING, taken=RequestState.CLAIMED, held=frozenset({RequestState.CLAIMED}),
-    orphans_resume=False, max_attempts=MAX_VALIDATION_ATTEMPTS, give_up=lambda attempts: (RequestState.DONE, {}))
+    orphans_resume=False, max_attempts=MAX_VALIDATION_ATTEMPTS, give_up=lambda attempts: (RequestState.DONE, {}),
+    waiting_since=BATCH_CREATED_AT)
 
 
 class FileObject(BaseModel):

@@ -52,6 +52,8 @@ MOVES: dict[JobState, frozenset[JobState]] = {
 HELD = frozenset({JobState.RUNNING, JobState.CANCELLING})  # a worker holds the job
 # The columns of every table of JobState items (training jobs, RL runs and exports): appliance.queue
 # moves them.
+# The Unix time a JobState item was submitted (its `submitted` column, ISO 8601 with its offset).
+SUBMITTED_AT = "cast(strftime('%s', submitted) as real)"
 STATE_COLUMNS = """
     state text not null,           -- JobState, moved by MOVES
     submitted text not null,
@@ -86,7 +88,8 @@ create table if not exists jobs (
 );"""
 # A job left by a worker that died is taken over in its state: it resumes from its last checkpoint.
 JOBS = Queue(table="jobs", lifecycle=Lifecycle("training job", MOVES), waiting=JobState.QUEUED,
-             taken=JobState.RUNNING, held=HELD, hint="`appliance finetune status` lists them")
+             taken=JobState.RUNNING, held=HELD, hint="`appliance finetune status` lists them",
+             waiting_since=SUBMITTED_AT)
 
 
 class Hyperparameters(BaseModel):

@@ -8,6 +8,7 @@ imports the packages that build on it. Each entry point is a callable
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Callable
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from appliance.home import Home
+from appliance.home import HOME_ENV, Home
 
 if TYPE_CHECKING:  # `appliance status` reads programs without building the settings' and hosts' schemas
     from appliance.settings import Settings
@@ -81,6 +82,14 @@ class Program(BaseModel):
             if not ENV_KEY.fullmatch(key):
                 raise ValueError(f"program {self.name}: {key[:80]!r} is not an environment variable name")
         return self
+
+
+def python_module_program(name: str, module: str, home: Home, *, priority: int, start_nice: int = 0,
+                          stopwaitsecs: int = 30) -> Program:
+    """A background Python process of the appliance (`python -P -m module`, a queue worker or a
+    scheduler): no port, no health URL; `up` counts it started once it stays up 2 s."""
+    return Program(name=name, command=[sys.executable, "-P", "-m", module], environment={HOME_ENV: str(home.root)},
+                   priority=priority, startsecs=2, stopwaitsecs=stopwaitsecs, start_nice=start_nice)
 
 
 ProgramSource = Callable[["Settings", Home], list[Program]]

@@ -59,6 +59,15 @@ class Lifecycle(Generic[S]):
 
 
 @dataclass(frozen=True)
+class Depth:
+    """A queue at one moment (its metrics)."""
+
+    waiting: int
+    held: int
+    oldest_waiting_s: float | None  # None: nothing waits, or the queue does not keep when items began to
+
+
+@dataclass(frozen=True)
 class Queue(Generic[S]):
     """A table of items moved by `lifecycle`: they wait in `waiting`, a claim moves one to `taken`,
     and a claimer holds it in any of the `held` states."""
@@ -75,6 +84,8 @@ class Queue(Generic[S]):
     orphans_resume: bool = True  # an orphan is taken over in its state; False: it waits again
     hint: str | None = None  # where a missing item's NotFound points the user
     max_attempts: int | None = None
+    # An SQL expression over the table's row: the Unix time an item began to wait (None: not kept).
+    waiting_since: str | None = None
     # How an item is given up once its claimers died `max_attempts` times: its end and the columns
     # saying why (given that number).
     give_up: Callable[[int], tuple[S, Mapping[str, object]]] | None = field(default=None, compare=False)
@@ -99,6 +110,16 @@ class Queue(Generic[S]):
     def rows(self, db: sqlite3.Connection) -> list[sqlite3.Row]:
         """Every item's row, oldest first."""
         return db.execute(f"select * from {self.table} order by {self.key}").fetchall()
+
+    def depth(self, db: sqlite3.Connection) -> Depth:
+        """How many items wait and how many are held, and how long the oldest waiting one has waited."""
+        since = self.waiting_since or "null"
+        row = db.execute(f"select count(*), min({since}) from {self.table} where {self.state} = ?",
+                         (self.waiting,)).fetchone()
+        held = db.execute(f"select count(*) from {self.table} where {self.state} in ({_marks(self.held)})",
+                          tuple(self.held)).fetchone()[0]
+        oldest = None if row[1] is None else max(0.0, time.time() - float(row[1]))
+        return Depth(waiting=row[0], held=held, oldest_waiting_s=oldest)
 
     def state_of(self, db: sqlite3.Connection, key: Key) -> S:
         """An item's state; NotFound if there is no such item."""

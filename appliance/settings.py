@@ -124,10 +124,10 @@ class EngineSettings(_Section):
         600, gt=0, description="How long `appliance up` waits for an engine to answer."
     )
     yield_nice: int = Field(19, ge=0, le=19, description="While `up` starts the appliance, the programs the "
-                            "engines do not need (Keycloak, its PostgreSQL, Prometheus, Alertmanager) run at this CPU "
-                            "niceness, so that the engines load first where cores are few; `up` returns them to 0 "
-                            "once all are ready (that needs root or CAP_SYS_NICE; `up` says if it could not). "
-                            "0: all start alike.")
+                            "engines do not need (Keycloak, its PostgreSQL, Prometheus, Alertmanager, the queue "
+                            "workers) run at this CPU niceness, so that the engines load first where cores are few; "
+                            "`up` returns them to 0 once all are ready (that needs root or CAP_SYS_NICE; `up` says if "
+                            "it could not). 0: all start alike.")
     isolate_network: bool = Field(
         True, description="Run each engine in a network namespace of its own (loopback only): the ports "
         "vLLM opens inside (ZMQ, torch.distributed) are out of every other local process's reach; "
@@ -187,6 +187,7 @@ class PoolSettings(_Section):
 _PG_HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252})")
 _PG_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,62}")
 _PG_CA_FILE = re.compile(r"/[A-Za-z0-9/._-]{1,4095}")
+_LIBRARY_PATH = re.compile(r"/[A-Za-z0-9/._+-]{1,4095}", re.ASCII)
 
 
 class KeycloakSettings(_Section):
@@ -591,6 +592,18 @@ class MonitoringSettings(_Section):
     webhook_url: str | None = Field(
         None, description="Where Alertmanager posts firing and resolved alerts (its webhook format): an https "
         "URL, or http to a loopback address; unset: alerts are only shown (`appliance alerts`, status, the TUI).")
+    nvml_library: str | None = Field(
+        None, description="The NVML library the GPU metrics and dashboards read, where the driver's "
+        "libnvidia-ml.so.1 is not on the loader's path: an absolute path to a file owned by root (or the "
+        "appliance's user) that no one else may write; unset: the loader's.")
+
+    @field_validator("nvml_library")
+    @classmethod
+    def _nvml_library(cls, path: str | None) -> str | None:
+        if path is not None and (not _LIBRARY_PATH.fullmatch(path) or ".." in path.split("/")):
+            raise ValueError(f"{path[:120]!r}: an absolute path of letters, digits and . _ + - (no '..' part, "
+                             "at most 4096 characters)")
+        return path
 
     @field_validator("webhook_url")
     @classmethod

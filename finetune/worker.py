@@ -14,8 +14,7 @@ from collections.abc import Callable
 from appliance import jobs
 from appliance.changes import Change, Target, announce
 from appliance.errors import ApplianceError
-from appliance.home import HOME_ENV, Home
-from appliance.programs import Program
+from appliance.home import Home
 from appliance.settings import Settings, load_settings
 from appliance.supervisor import runs_module
 from finetune.runner import end_stale_trainer, run_job
@@ -84,17 +83,6 @@ def serve_queue(work_one: Callable[[Home, Settings], object | None], poll_s: Cal
     while True:
         if work_one(home, settings) is None:
             time.sleep(poll_s(settings))
-
-
-def worker_program(name: str, module: str, priority: int, home: Home) -> Program:
-    """A queue worker as a supervised program, after the engines and the gateway."""
-    return Program(name=name, command=[sys.executable, "-P", "-m", module], environment={HOME_ENV: str(home.root)},
-                   priority=priority, startsecs=2, stopwaitsecs=30)
-
-
-def worker_programs(settings: Settings, home: Home) -> list[Program]:
-    """The `appliance.programs` entry point: one training worker."""
-    return [worker_program("finetune-worker", "finetune.worker", 95, home)]
 
 
 if __name__ == "__main__":

@@ -1,9 +1,8 @@
-"""Installation: the demo model, the embedded Keycloak and its realm; profiling, planning,
-staging and bundles live in their own modules."""
+"""Installation: the demo model, the embedded Keycloak and its realm, PostgreSQL, monitoring;
+profiling, planning, staging, bundles and backups, each in a module of its own.
 
-from installer.demo_model import prepare, verify
-from installer.keycloak import install as install_keycloak
-from installer.keycloak import keycloak_programs
-from installer.realm import provision
+Nothing is imported here: `appliance up` reads program specs from some of these modules, and
+importing one must not import the rest.
+"""
 
-__all__ = ["install_keycloak", "keycloak_programs", "prepare", "provision", "verify"]
+__all__: list[str] = []

@@ -15,25 +15,16 @@ from pathlib import Path
 
 from appliance.changes import Change, Target, announce, failure_outcome
 from appliance.errors import ApplianceError
-from appliance.home import HOME_ENV, Home
-from appliance.programs import Program
+from appliance.home import Home
 from appliance.settings import Settings, load_settings
 from installer.backup import create_in_store, stored
 from installer.backup_archive import passphrase_from
+from installer.programs import BACKUP_SCHEDULER
 
-MODULE = "installer.backup_schedule"
-ACTOR = "backup-scheduler"
+ACTOR = BACKUP_SCHEDULER
 RETRY_S = 300.0
 CHECK_EVERY_S = 60.0
 log = logging.getLogger(ACTOR)
-
-
-def scheduler_programs(settings: Settings, home: Home) -> list[Program]:
-    """The `appliance.programs` entry point: the scheduler, when backups are scheduled."""
-    if settings.backup.every_hours is None:
-        return []
-    return [Program(name=ACTOR, command=[sys.executable, "-P", "-m", MODULE], environment={HOME_ENV: str(home.root)},
-                    priority=97, startsecs=2, stopwaitsecs=60)]
 
 
 def taken_at(key: str) -> datetime | None:

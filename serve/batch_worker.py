@@ -33,9 +33,8 @@ from appliance.artifacts import ArtifactStore, artifact_store
 from appliance.batches import BATCH_HEADER, BATCH_WORKER_SECRET
 from appliance.changes import Change, Target, announce
 from appliance.errors import ApplianceError
-from appliance.home import HOME_ENV, Home
+from appliance.home import Home
 from appliance.local_gateway import client_options
-from appliance.programs import Program
 from appliance.secrets import secret
 from appliance.settings import Settings, load_settings
 from appliance.supervisor import runs_module
@@ -204,13 +203,6 @@ def _code(response: httpx.Response) -> str | None:
     except (ValueError, AttributeError):
         return None
     return error.get("code") if isinstance(error, dict) else None
-
-
-def worker_programs(settings: Settings, home: Home) -> list[Program]:
-    """The `appliance.programs` entry point: one batch worker, after the gateway."""
-    secret(home, BATCH_WORKER_SECRET)  # made once, at `up`: the gateway and the worker read it
-    return [Program(name="batch-worker", command=[sys.executable, "-P", "-m", MODULE],
-                    environment={HOME_ENV: str(home.root)}, priority=96, startsecs=2, stopwaitsecs=30)]
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
 """The head's cluster program (`python -m serve.cluster`, supervised as `cluster`) for pools
-whose plan spans hosts: its supervised-program spec and its process, which serves the cluster
+whose plan spans hosts (its supervised-program spec is in serve.programs), which serves the cluster
 listener (serve.cluster_app) over HTTPS from the appliance's CA. Workers join with their one-time
 token (appliance.hosts), receive their ranks' launch (built by the launcher's own `rank_command`),
 pull the weights (serve.cluster_weights), then report their ranks every `cluster.heartbeat_s` to
@@ -10,34 +10,11 @@ from __future__ import annotations
 
 import uvicorn
 
-from appliance.engine_launch import python
-from appliance.home import HOME_ENV, Home
-from appliance.programs import Program
-from appliance.settings import Settings, load_settings
+from appliance.home import Home
+from appliance.settings import load_settings
 from appliance.tls import ensure_server_certificate
 from serve.cluster_app import create_app
 from serve.listener import GuardedHttpToolsProtocol
-
-
-def cluster_programs(settings: Settings, home: Home) -> list[Program]:
-    """The `cluster` program, where settings name a cluster address."""
-    cluster = settings.cluster
-    if cluster.bind is None:
-        return []
-    # Made now, so that `up` checks its health against the CA (the program reuses it).
-    ensure_server_certificate(home, "cluster", (str(cluster.bind),))
-    return [Program(
-        name="cluster",
-        command=[python(), "-P", "-m", "serve.cluster"],
-        environment={HOME_ENV: str(home.root)},
-        health_url=f"https://{_url_host(str(cluster.bind))}:{cluster.port}/cluster/healthz",
-        urls={"cluster": f"https://{_url_host(str(cluster.bind))}:{cluster.port}"},
-        priority=80, startsecs=2, stopwaitsecs=10, start_timeout_s=60,
-    )]
-
-
-def _url_host(address: str) -> str:
-    return f"[{address}]" if ":" in address else address
 
 
 def main() -> None:

@@ -53,7 +53,7 @@ from serve.identity_proxy import IdentityProxy
 from serve.identity_proxy import router as identity_router
 from serve.keycloak_events import KeycloakEvents
 from serve.limits import Admission, RateLimiter
-from serve.metrics import Metrics, StateCollector
+from serve.metrics import GpuCollector, Metrics, QueueCollector, StateCollector
 from serve.middleware import AuthenticateFirst, BodyLimitMiddleware, MeterMiddleware, RequestTooLarge
 from serve.replicas import Pool, engine_session, pools_from_settings
 from serve.response_cache import CachedAnswer, Capture, ResponseCache, deterministic, wants
@@ -169,6 +169,8 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
                          checkpoint_interval_s=audit.checkpoint_interval_s,
                          max_file_bytes=audit.max_file_bytes)
     metrics.registry.register(StateCollector(home, writer, settings.gateway.certificate))
+    metrics.registry.register(QueueCollector(home))
+    metrics.registry.register(GpuCollector(home, settings.monitoring.nvml_library))
     app = FastAPI(title="appliance gateway", version="1", lifespan=lifespan)
     app.state.audit = writer
     app.state.home = home
@@ -261,8 +263,9 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
     @app.get("/metrics", tags=["health"], response_class=Response)
     async def prometheus(request: Request) -> Response:
         """Prometheus metrics of the gateway."""
-        return Response(generate_latest(request.app.state.gateway.metrics.registry),
-                        media_type=CONTENT_TYPE_LATEST)
+        # In a thread: collectors read databases and the disk at each scrape.
+        body = await asyncio.to_thread(generate_latest, request.app.state.gateway.metrics.registry)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     # What the appliance's Prometheus sends: the monitoring password (appliance.alerts).
     monitoring_credential = "Basic " + base64.b64encode(

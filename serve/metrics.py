@@ -3,19 +3,30 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import shutil
-from collections.abc import Iterator
+import sqlite3
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import Any
 
 from cryptography import x509
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from appliance import batches, jobs
+from appliance.errors import ApplianceError
 from appliance.home import Home
+from appliance.lifecycle import started_programs
+from appliance.queue import Queue
+from appliance.rl import exports, runs
 from appliance.tls import tls_dir
+from appliance.usage import SLOWDOWNS, gpu_usage
 from audit import AuditWriter
 
+log = logging.getLogger(__name__)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
@@ -102,3 +113,103 @@ class StateCollector(Collector):
             yield path.stem, path
         if self.organisation_certificate is not None:
             yield "gateway-organisation", self.organisation_certificate
+
+
+Connect = Callable[[Home], AbstractContextManager[sqlite3.Connection]]
+# The appliance's work queues, by the name their series carry: (their database, the queue).
+QUEUES: dict[str, tuple[Connect, Queue[Any]]] = {
+    "finetune_jobs": (jobs.connect, jobs.JOBS),
+    "rl_runs": (runs.connect, runs.RUNS),
+    "rl_exports": (exports.connect, exports.EXPORTS),
+    "batch_requests": (batches.connect, batches.REQUESTS),
+    "batch_validations": (batches.connect, batches.VALIDATIONS),
+}
+
+
+class QueueCollector(Collector):
+    """Read at each scrape: each work queue's waiting and held items and how long the oldest
+    waiting one has waited. A queue whose database cannot be read has no series that scrape
+    (and appliance_queue_readable 0): no number is made up."""
+
+    def __init__(self, home: Home) -> None:
+        self.home = home
+
+    def collect(self) -> Iterator[Metric]:
+        readable = GaugeMetricFamily("appliance_queue_readable", "Whether the queue's database could be read.",
+                                     labels=["queue"])
+        waiting = GaugeMetricFamily("appliance_queue_waiting", "Items waiting for a worker.", labels=["queue"])
+        held = GaugeMetricFamily("appliance_queue_held", "Items a worker holds (running).", labels=["queue"])
+        oldest = GaugeMetricFamily("appliance_queue_oldest_waiting_seconds", "How long the oldest waiting item "
+                                   "has waited (0: none waits).", labels=["queue"])
+        for name, (connect, queue) in QUEUES.items():
+            try:
+                with connect(self.home) as db:
+                    depth = queue.depth(db)
+            except (sqlite3.Error, ApplianceError, OSError) as exc:
+                log.warning("queue %s not readable for metrics: %s", name, exc)
+                readable.add_metric([name], 0)
+                continue
+            readable.add_metric([name], 1)
+            waiting.add_metric([name], depth.waiting)
+            held.add_metric([name], depth.held)
+            oldest.add_metric([name], depth.oldest_waiting_s or 0.0)
+        yield from (readable, waiting, held, oldest)
+
+
+class GpuCollector(Collector):
+    """Read at each scrape: each GPU's figures from NVML (appliance.usage), labelled with its index
+    and the pool whose engine holds it. `appliance_gpu_nvml_up` 0 (and no GPU series) where NVML
+    cannot be read; a figure a GPU does not report has no series: no number is made up."""
+
+    def __init__(self, home: Home, nvml_library: str | None) -> None:
+        self.home, self.nvml_library = home, nvml_library
+
+    def collect(self) -> Iterator[Metric]:
+        gpus, error = gpu_usage(self.nvml_library)
+        yield GaugeMetricFamily("appliance_gpu_nvml_up", "Whether NVML answered (0: no GPU figures; the "
+                                "gateway's log says why).", value=float(error is None))
+        if error is not None:
+            log.debug("no GPU metrics: %s", error)
+        holders = {gpu: program.pool for program in started_programs(self.home) if program.pool
+                   for gpu in program.gpus}
+        labels = ["gpu", "pool"]
+        info = GaugeMetricFamily("appliance_gpu_info", "Each GPU's model and UUID (value 1).",
+                                 labels=[*labels, "name", "uuid"])
+        families = {
+            "utilization": GaugeMetricFamily("appliance_gpu_utilization_ratio", "Share of the last sample "
+                                             "period a kernel ran.", labels=labels),
+            "memory_used": GaugeMetricFamily("appliance_gpu_memory_used_bytes", "GPU memory in use.", labels=labels),
+            "memory_total": GaugeMetricFamily("appliance_gpu_memory_total_bytes", "GPU memory.", labels=labels),
+            "temperature": GaugeMetricFamily("appliance_gpu_temperature_celsius", "GPU core temperature.",
+                                             labels=labels),
+            "power": GaugeMetricFamily("appliance_gpu_power_watts", "Power drawn by the board.", labels=labels),
+            "retired": GaugeMetricFamily("appliance_gpu_retired_pages", "Memory pages retired for ECC errors.",
+                                         labels=labels),
+            "remapped": GaugeMetricFamily("appliance_gpu_remapped_rows_uncorrectable", "Memory rows remapped for "
+                                          "uncorrectable errors.", labels=labels),
+            "remap_failed": GaugeMetricFamily("appliance_gpu_row_remap_failed", "Whether a row remapping failed "
+                                              "(the board needs service).", labels=labels),
+        }
+        ecc = CounterMetricFamily("appliance_gpu_ecc_errors", "ECC errors since the board was made.",
+                                  labels=[*labels, "kind"])
+        slowdown = GaugeMetricFamily("appliance_gpu_slowdown", "Whether the GPU's clocks are held down, by "
+                                     "reason (power cap, thermal, hardware slowdown, power brake).",
+                                     labels=[*labels, "reason"])
+        for gpu in gpus:
+            at = [str(gpu.index), holders.get(gpu.index, "")]
+            info.add_metric([*at, gpu.name, gpu.uuid or ""], 1)
+            figures = {"utilization": None if gpu.utilization_percent is None else gpu.utilization_percent / 100,
+                       "memory_used": gpu.memory_used_bytes, "memory_total": gpu.memory_total_bytes,
+                       "temperature": gpu.temperature_c, "power": gpu.power_watts, "retired": gpu.retired_pages,
+                       "remapped": gpu.remapped_rows_uncorrectable,
+                       "remap_failed": None if gpu.row_remap_failed is None else int(gpu.row_remap_failed)}
+            for key, value in figures.items():
+                if value is not None:
+                    families[key].add_metric(at, value)
+            for kind, count in (("corrected", gpu.ecc_corrected), ("uncorrected", gpu.ecc_uncorrected)):
+                if count is not None:
+                    ecc.add_metric([*at, kind], count)
+            if gpu.slowdowns is not None:
+                for reason in SLOWDOWNS.values():
+                    slowdown.add_metric([*at, reason], int(reason in gpu.slowdowns))
+        yield from (info, *families.values(), ecc, slowdown)

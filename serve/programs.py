@@ -1,14 +1,22 @@
-"""The supervised programs serve contributes: one vLLM server per pool, and the gateway."""
+"""The supervised programs serve contributes: one vLLM server per pool, the gateway, the batch
+worker and, where settings name a cluster address, the cluster listener.
+
+Only their specs, so that `appliance up` starts supervisord without importing the gateway.
+"""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
+from appliance.batches import BATCH_WORKER_SECRET
+from appliance.engine_launch import python
 from appliance.home import HOME_ENV, Home
 from appliance.local_gateway import gateway_url
-from appliance.programs import Program
+from appliance.programs import Program, python_module_program
+from appliance.secrets import secret
 from appliance.settings import Settings
+from appliance.tls import ensure_server_certificate
 from serve.engine import engine_programs
 
 
@@ -41,6 +49,37 @@ def _certificate_problem(settings: Settings) -> str | None:
     return f"gateway.certificate: {problem}" if problem else None
 
 
+def batch_worker_program(settings: Settings, home: Home) -> Program:
+    """The batch worker, after the gateway it sends its requests through; it serves no request of
+    its own, so it yields the cores while `up` runs."""
+    secret(home, BATCH_WORKER_SECRET)  # made once, at `up`: the gateway and the worker read it
+    return python_module_program("batch-worker", "serve.batch_worker", home, priority=96,
+                                 start_nice=settings.engine.yield_nice)
+
+
+def cluster_programs(settings: Settings, home: Home) -> list[Program]:
+    """The `cluster` program, where settings name a cluster address."""
+    cluster = settings.cluster
+    if cluster.bind is None:
+        return []
+    # Made now, so that `up` checks its health against the CA (the program reuses it).
+    ensure_server_certificate(home, "cluster", (str(cluster.bind),))
+    return [Program(
+        name="cluster",
+        command=[python(), "-P", "-m", "serve.cluster"],
+        environment={HOME_ENV: str(home.root)},
+        health_url=f"https://{_url_host(str(cluster.bind))}:{cluster.port}/cluster/healthz",
+        urls={"cluster": f"https://{_url_host(str(cluster.bind))}:{cluster.port}"},
+        priority=80, startsecs=2, stopwaitsecs=10, start_timeout_s=60,
+    )]
+
+
+def _url_host(address: str) -> str:
+    return f"[{address}]" if ":" in address else address
+
+
 def serve_programs(settings: Settings, home: Home) -> list[Program]:
-    """The `appliance.programs` entry point: engines first, then the gateway in front of them."""
-    return [*engine_programs(settings, home), gateway_program(settings, home)]
+    """The `appliance.programs` entry point: engines first, the cluster listener, the gateway in
+    front of them, then the batch worker."""
+    return [*engine_programs(settings, home), *cluster_programs(settings, home), gateway_program(settings, home),
+            batch_worker_program(settings, home)]

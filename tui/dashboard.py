@@ -107,7 +107,7 @@ class Dashboard(Panel):
         line = (f"CPU {usage['cpu_percent']:.0f}% of {usage['cpu_count']} cores (load {usage['load_1m']:.2f})   "
                 f"RAM {gib(usage['memory_used_bytes'])} / {gib(usage['memory_total_bytes'])}")
         if usage["gpus"]:
-            fill(gpus, [(str(g["index"]), (g["index"], g["name"], f"{g['utilization_percent']}%",
+            fill(gpus, [(str(g["index"]), (g["index"], g["name"], _percent(g["utilization_percent"]),
                                            f"{gib(g['memory_used_bytes'])} / {gib(g['memory_total_bytes'])}",
                                            "-" if g["temperature_c"] is None else f"{g['temperature_c']} C"))
                         for g in usage["gpus"]])
@@ -147,3 +147,8 @@ class Dashboard(Panel):
             return
         question = None if action == "start" else f"{action.capitalize()} the service {name!r}?"
         self.act(lambda: self.client.call("POST", f"/services/{name}/{action}"), f"{name}: {action} done", question)
+
+
+def _percent(value: int | None) -> str:
+    """A GPU's utilisation, or "-" where it does not report one."""
+    return "-" if value is None else f"{value}%"

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from appliance import queue
 from appliance.errors import Conflict
 from appliance.home import Home
-from appliance.jobs import FINISHED, MOVES, STATE_COLUMNS, JobState, claimed, database, name_problem, now
+from appliance.jobs import FINISHED, MOVES, STATE_COLUMNS, SUBMITTED_AT, JobState, claimed, database, name_problem, now
 from appliance.queue import Alive, Lifecycle, Queue
 from appliance.rl import runs
 
@@ -34,7 +34,7 @@ def _given_up(takes: int) -> tuple[JobState, dict[str, object]]:
 # An export left by a worker that died is made again by the next, up to GIVE_UP_TAKES times.
 EXPORTS = Queue(table="rl_exports", lifecycle=Lifecycle("export", MOVES), waiting=JobState.QUEUED,
                 taken=JobState.RUNNING, held=frozenset({JobState.RUNNING}), max_attempts=GIVE_UP_TAKES,
-                give_up=_given_up)
+                give_up=_given_up, waiting_since=SUBMITTED_AT)
 
 
 class ExportAsk(BaseModel):

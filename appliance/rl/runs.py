@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from appliance import queue
 from appliance.durable import replace_file
 from appliance.home import Home
-from appliance.jobs import HELD, MOVES, STATE_COLUMNS, JobState, claimed, database, now, request_cancel
+from appliance.jobs import HELD, MOVES, STATE_COLUMNS, SUBMITTED_AT, JobState, claimed, database, now, request_cancel
 from appliance.queue import Alive, Lifecycle, Queue
 
 SCHEMA = f"""
@@ -27,7 +27,8 @@ create table if not exists rl_runs (
 """
 # A run left by a worker that died is taken over in its state: it resumes from what it has done.
 RUNS = Queue(table="rl_runs", lifecycle=Lifecycle("RL run", MOVES), waiting=JobState.QUEUED,
-             taken=JobState.RUNNING, held=HELD, hint="`appliance rl status` lists them")
+             taken=JobState.RUNNING, held=HELD, hint="`appliance rl status` lists them",
+             waiting_since=SUBMITTED_AT)
 
 
 class RunSpec(BaseModel):

@@ -13,13 +13,12 @@ from appliance.changes import Target
 from appliance.errors import ApplianceError, Unavailable
 from appliance.home import Home
 from appliance.jobs import FINISHED, JobState
-from appliance.programs import Program
 from appliance.rl import exports, runs
 from appliance.settings import Settings
 from appliance.supervisor import runs_module
 from finetune.rl.export import export_run
 from finetune.rl.loop import Loop, RunCancelled
-from finetune.worker import announce_outcome, serve_queue, worker_program
+from finetune.worker import announce_outcome, serve_queue
 
 log = logging.getLogger("appliance.rl-worker")
 
@@ -104,11 +103,6 @@ def run_one(home: Home, settings: Settings) -> runs.Run | None:
 def worker_alive(pid: int | None) -> bool:
     """Whether the worker that claimed it still runs."""
     return runs_module(pid, "finetune.rl.worker")
-
-
-def worker_programs(settings: Settings, home: Home) -> list[Program]:
-    """The `appliance.programs` entry point: one RL worker."""
-    return [worker_program("rl-worker", "finetune.rl.worker", 96, home)]
 
 
 if __name__ == "__main__":

@@ -13,6 +13,6 @@ from serve.routes import adapters, alerts, audit, batches, jobs, keys, plans, rl
 
 def admin_routers(settings: Settings, home: Home) -> list[APIRouter]:
     return [services.router(settings, home), users.router(settings, home), adapters.router(),
-            audit.router(home), system.router(), plans.router(settings, home), jobs.router(home),
+            audit.router(home), system.router(settings), plans.router(settings, home), jobs.router(home),
             rl.router(settings, home), serving.router(home),
             batches.router(settings, home), keys.router(settings, home), alerts.router(settings, home)]

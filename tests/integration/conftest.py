@@ -24,6 +24,7 @@ from installer.model_config import load_model_config
 from installer.planner import plan
 from installer.staging import stage_subset
 from tests.support.appliances import Appliance
+from tests.support.nvml import build_fake_nvml
 from tests.support.ports import free_port
 from tests.support.session import Running, running_again, start_or_join
 from tests.support.shared import WAITS, locked, shared_dir
@@ -93,7 +94,12 @@ def staged_demo(demo_model: Path) -> Staged:
 def running(demo_model: Path, keycloak_dist: Path, staged_demo: Staged) -> Running:
     """The appliance the integration tests share (tests.support.session): one per run, whichever
     worker asks first starts it."""
+    with locked("fake-nvml", exclusive=True):  # test_monitoring: GPU figures through Prometheus
+        nvml = shared_dir() / "libnvidia-ml.so.1"
+        if not nvml.exists():
+            build_fake_nvml(shared_dir()).chmod(0o755)
     served = {"APPLIANCE_POOLS__MAIN__MODEL": str(staged_demo.directory),
+              "APPLIANCE_MONITORING__NVML_LIBRARY": str(nvml),
               "APPLIANCE_POOLS__MAIN__PLAN": str(staged_demo.plan_file),
               "APPLIANCE_POOLS__MAIN__SERVED_MODEL_NAME": demo_model.name,
               # test_monitoring listens there (the port is in the session's record, for every worker).

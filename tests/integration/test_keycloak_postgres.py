@@ -80,12 +80,15 @@ def niceness_of_each_thread(process: psutil.Process) -> set[int]:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="returning a process to niceness 0 needs root or CAP_SYS_NICE")
 def test_keycloak_and_postgres_start_niced_and_run_at_normal_priority_once_up(on_postgres: Appliance) -> None:
-    """They start at engine.yield_nice (the engines load first); `up` puts every process and
-    thread of theirs back to 0, PostgreSQL's backends (sessions of their own) included."""
+    """What the engines do not need (Keycloak, PostgreSQL, monitoring, the queue workers) starts at
+    engine.yield_nice, so the engines load first; `up` puts every process and thread of theirs back
+    to 0, PostgreSQL's backends (sessions of their own) included. The engines and the gateway are
+    never niced."""
     config = (on_postgres.home.run / "supervisord.conf").read_text()
     niced = {line.split("appliance.orphans ")[1].split()[0] for line in config.splitlines() if "--nice 19" in line}
-    assert niced == {"keycloak", "postgres", "prometheus", "alertmanager"}
-    for name in ("keycloak", "postgres"):
+    assert niced == {"keycloak", "postgres", "prometheus", "alertmanager", "finetune-worker", "rl-worker",
+                     "batch-worker"}
+    for name in sorted(niced):
         leader = psutil.Process(program_pids(on_postgres, name))
         for process in [leader, *leader.children(recursive=True)]:
             assert niceness_of_each_thread(process) == {0}, (name, process.cmdline()[:3])

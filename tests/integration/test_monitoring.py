@@ -111,6 +111,29 @@ def test_prometheus_scrapes_the_gateway_and_holds_its_state(running: Running, ur
     assert not {"user", "username", "subject", "prompt", "key"} & set(labels), labels
 
 
+def test_prometheus_holds_the_queues_and_each_gpu_as_nvml_reports_it(running: Running, urls: dict[str, str]) -> None:
+    """The session reads its GPUs through a stand-in NVML library (tests/support/fake_nvml.c):
+    its figures reach Prometheus as they are, and a figure it does not report has no series."""
+    auth, trust = monitoring_auth(running.appliance.home), local_trust(running.appliance.home)
+
+    def query(expression: str) -> list[dict[str, Any]]:
+        answer = httpx.get(f"{urls['prometheus']}/api/v1/query", params={"query": expression}, auth=auth,
+                           verify=trust, timeout=10)
+        answer.raise_for_status()
+        return list(answer.json()["data"]["result"])
+
+    [up] = until(lambda: query('appliance_gpu_nvml_up{job="gateway"}'), "NVML's state")
+    assert up["value"][1] == "1"
+    used = {r["metric"]["gpu"]: float(r["value"][1]) for r in query('appliance_gpu_memory_used_bytes{job="gateway"}')}
+    assert used == {"0": 144e9, "1": 30e9}
+    assert [r["metric"]["gpu"] for r in query('appliance_gpu_power_watts{job="gateway"}')] == ["0"]
+    [errors] = query('appliance_gpu_ecc_errors_total{job="gateway", gpu="1", kind="uncorrected"}')
+    assert errors["value"][1] == "2"
+    queues = {r["metric"]["queue"] for r in query('appliance_queue_readable{job="gateway"} == 1')}
+    assert queues == {"finetune_jobs", "rl_runs", "rl_exports", "batch_requests", "batch_validations"}
+    assert query('appliance_queue_oldest_waiting_seconds{job="gateway", queue="finetune_jobs"}')
+
+
 def test_an_alert_reaches_the_webhook_and_appliance_alerts(running: Running, urls: dict[str, str],
                                                            webhook: list[dict[str, Any]]) -> None:
     """The Watchdog rule always fires: it crosses the whole path, rules to receiver. Alertmanager

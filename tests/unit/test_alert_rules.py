@@ -31,7 +31,8 @@ from appliance.tls import ensure_ca, ensure_server_certificate, server_context
 from audit import AuditWriter
 from installer import monitoring
 from serve.engine_metrics import relabelled
-from serve.metrics import Metrics, StateCollector
+from serve.metrics import Metrics, QueueCollector, StateCollector
+from tests.support.nvml import build_fake_nvml, gpu_metrics
 from tests.support.ports import free_port
 
 PROMTOOL = shutil.which("promtool")
@@ -44,12 +45,15 @@ VLLM_NAMED = re.compile(r"\b(vllm:[a-z_]+)")
 
 
 def exported(home: Home) -> set[str]:
-    """Every metric name the gateway's /metrics serves, its state collector's included."""
+    """Every metric name the gateway's /metrics serves, its state, queue and GPU collectors'
+    included (the GPUs read through the stand-in NVML library)."""
     metrics = Metrics()
     writer = AuditWriter(home.audit, Ed25519PrivateKey.generate())
     ensure_ca(home)
     metrics.registry.register(StateCollector(home, writer, None))
+    metrics.registry.register(QueueCollector(home))
     text = generate_latest(metrics.registry).decode() + relabelled([]).decode()  # /metrics and /metrics/engines
+    text += gpu_metrics(home.root, build_fake_nvml(home.root))
     return {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")}
 
 

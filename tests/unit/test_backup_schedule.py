@@ -15,6 +15,7 @@ from appliance.settings import load_settings
 from audit.writer import log_files
 from installer import backup_schedule
 from installer.backup import stored
+from installer.programs import scheduler_programs
 
 EXTERNAL = '[keycloak]\nmode = "external"\nurl = "https://idp:8443"\ngateway_client_secret = "s"\n'
 
@@ -41,9 +42,9 @@ def test_a_schedule_needs_a_key_file(home: Home) -> None:
 
 def test_the_scheduler_runs_only_when_backups_are_scheduled(home: Home, tmp_path: Path) -> None:
     home.settings_file.write_text(EXTERNAL)
-    assert backup_schedule.scheduler_programs(load_settings(home.settings_file), home) == []
+    assert scheduler_programs(load_settings(home.settings_file), home) == []
     scheduled(home, tmp_path)
-    [program] = backup_schedule.scheduler_programs(load_settings(home.settings_file), home)
+    [program] = scheduler_programs(load_settings(home.settings_file), home)
     assert program.name == "backup-scheduler" and "APPLIANCE_BACKUP_PASSPHRASE" not in program.environment
 
 

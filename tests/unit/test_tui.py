@@ -13,7 +13,6 @@ import re
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -143,37 +142,6 @@ def test_client_maps_answers_to_errors_the_screens_show(tmp_path: Path) -> None:
         asyncio.run(down.call("GET", "/services"))
     with pytest.raises(NotLoggedIn, match="not logged in"):
         asyncio.run(client_with(tmp_path / "none", None, token=False).call("GET", "/services"))
-
-
-def test_host_usage_reads_each_gpu_from_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
-    class Fake:
-        NVMLError = type("NVMLError", (Exception,), {})
-        NVML_TEMPERATURE_GPU = 0
-        nvmlInit = nvmlShutdown = staticmethod(lambda: None)
-        nvmlDeviceGetCount = staticmethod(lambda: 2)
-        nvmlDeviceGetHandleByIndex = staticmethod(lambda i: i)
-        nvmlDeviceGetName = staticmethod(lambda h: b"NVIDIA H200")
-        nvmlDeviceGetMemoryInfo = staticmethod(lambda h: SimpleNamespace(used=(h + 1) * 2**30, total=141 * 2**30))
-        nvmlDeviceGetUtilizationRates = staticmethod(lambda h: SimpleNamespace(gpu=50 + h))
-
-        @staticmethod
-        def nvmlDeviceGetTemperature(handle: int, sensor: int) -> int:
-            if handle == 1:
-                raise Fake.NVMLError("not supported")
-            return 41
-
-    monkeypatch.setattr(usage, "pynvml", Fake)
-    found = usage.host_usage()
-    assert [(g.name, g.utilization_percent, g.memory_used_bytes, g.temperature_c) for g in found.gpus] == [
-        ("NVIDIA H200", 50, 2**30, 41), ("NVIDIA H200", 51, 2 * 2**30, None)]
-    assert found.gpu_error is None and found.memory_total_bytes > 0
-
-    def no_driver() -> None:
-        raise Fake.NVMLError("NVML Shared Library Not Found")
-
-    monkeypatch.setattr(Fake, "nvmlInit", staticmethod(no_driver))
-    found = usage.host_usage()
-    assert found.gpus == [] and "NVML Shared Library Not Found" in (found.gpu_error or "")
 
 
 def test_screens_answer_keys_while_an_admin_call_is_still_pending(home: Home) -> None:

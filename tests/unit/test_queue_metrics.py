@@ -1,0 +1,63 @@
+"""The work queues in the gateway's /metrics: depth, held items and the oldest item's wait."""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime, timedelta
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from appliance import batches, jobs
+from appliance.home import Home
+from appliance.jobs import Hyperparameters
+from serve.metrics import QUEUES, QueueCollector
+
+
+def scraped(home: Home) -> dict[tuple[str, str], float]:
+    registry = CollectorRegistry()
+    registry.register(QueueCollector(home))
+    return {(sample.name, sample.labels["queue"]): sample.value
+            for family in text_string_to_metric_families(generate_latest(registry).decode())
+            for sample in family.samples}
+
+
+def submit_job(home: Home, name: str, waited_s: float) -> int:
+    job = jobs.submit(home, name=name, data="d", base="demo", hyperparameters=Hyperparameters(), eval_sets={})
+    submitted = (datetime.now(UTC) - timedelta(seconds=waited_s)).isoformat(timespec="seconds")
+    with jobs.transaction(home) as db:
+        db.execute("update jobs set submitted = ? where id = ?", (submitted, job.id))
+    return job.id
+
+
+def test_each_queue_reports_waiting_held_and_the_oldest_wait(home: Home) -> None:
+    submit_job(home, "a", waited_s=600)
+    submit_job(home, "b", waited_s=90)
+    submit_job(home, "c", waited_s=30)
+    jobs.claim(home, 4242, alive=lambda pid: True)  # the oldest, "a", runs now
+    with batches.connect(home) as db:
+        db.execute("insert into batches (id, owner, username, roles, endpoint, input_file_id, completion_window, "
+                   "status, created_at, expires_at) values ('b1', 'o', 'u', '[]', '/v1/chat/completions', 'f', "
+                   "'24h', 'in_progress', ?, ?)", (int(time.time()) - 300, int(time.time()) + 86400))
+        db.executemany("insert into batch_requests (batch_id, line, custom_id, body, state) values "
+                       "('b1', ?, ?, '{}', 'pending')", [(n, f"r{n}") for n in (1, 2)])
+    figures = scraped(home)
+    assert figures[("appliance_queue_waiting", "finetune_jobs")] == 2
+    assert figures[("appliance_queue_held", "finetune_jobs")] == 1
+    assert 85 <= figures[("appliance_queue_oldest_waiting_seconds", "finetune_jobs")] < 120  # "b", not "a"
+    assert figures[("appliance_queue_waiting", "batch_requests")] == 2
+    assert 295 <= figures[("appliance_queue_oldest_waiting_seconds", "batch_requests")] < 330
+    assert figures[("appliance_queue_waiting", "rl_runs")] == 0
+    assert figures[("appliance_queue_oldest_waiting_seconds", "rl_runs")] == 0  # none waits
+    readable = {queue for (name, queue), value in figures.items() if name == "appliance_queue_readable" and value}
+    assert readable == set(QUEUES)
+
+
+def test_an_unreadable_queue_says_so_and_invents_no_figures(home: Home) -> None:
+    jobs.database(home).parent.mkdir(parents=True, exist_ok=True)
+    jobs.database(home).mkdir()  # a directory where the database should be
+    figures = scraped(home)
+    for queue in ("finetune_jobs", "rl_runs", "rl_exports"):
+        assert figures[("appliance_queue_readable", queue)] == 0
+        assert ("appliance_queue_waiting", queue) not in figures
+    assert figures[("appliance_queue_readable", "batch_requests")] == 1
