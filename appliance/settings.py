@@ -698,6 +698,22 @@ class ArtifactSettings(_Section):
         return self
 
 
+class WatchdogSettings(_Section):
+    """The supervised watchdog: an engine replica alive but making no progress is restarted."""
+
+    enabled: bool = Field(True, description="Run the watchdog.")
+    check_interval_s: float = Field(5.0, ge=0.5, le=300, description="How often it asks every engine replica "
+                                    "for its health and its counters.")
+    engine_stall_s: float = Field(120.0, ge=5, le=86400, description="A replica whose health check has not "
+                                  "answered, or that has held requests without producing a token, for this long "
+                                  "is restarted. A replica still starting is not judged until it has answered once "
+                                  "or its start timeout has passed.")
+    backoff_s: float = Field(60.0, ge=1, le=86400, description="After a replica's restart, its next one waits at "
+                             "least this long, doubling with each restart...")
+    max_backoff_s: float = Field(900.0, ge=1, le=86400, description="...up to this; a replica that then makes "
+                                 "progress this long starts over from backoff_s.")
+
+
 class AuditSettings(_Section):
     """The tamper-evident audit log."""
 
@@ -920,6 +936,7 @@ class Settings(_Section):
     batch: BatchSettings = Field(default_factory=BatchSettings)
     backup: BackupSettings = Field(default_factory=BackupSettings)
     monitoring: MonitoringSettings = Field(default_factory=MonitoringSettings)
+    watchdog: WatchdogSettings = Field(default_factory=WatchdogSettings)
     pools: list[PoolSettings] = Field(
         default_factory=lambda: [PoolSettings(name="main")],
         min_length=1,

@@ -1,5 +1,5 @@
 """The supervised programs serve contributes: one vLLM server per pool, the gateway, the batch
-worker and, where settings name a cluster address, the cluster listener.
+worker, the engines' watchdog and, where settings name a cluster address, the cluster listener.
 
 Only their specs, so that `appliance up` starts supervisord without importing the gateway.
 """
@@ -57,6 +57,14 @@ def batch_worker_program(settings: Settings, home: Home) -> Program:
                                  start_nice=settings.engine.yield_nice)
 
 
+def watchdog_programs(settings: Settings, home: Home, engines: list[Program]) -> list[Program]:
+    """The watchdog (serve.watchdog), where there are engines on this host for it to watch."""
+    if not settings.watchdog.enabled or not any(engine.autostart for engine in engines):
+        return []
+    return [python_module_program("watchdog", "serve.watchdog", home, priority=97,
+                                  start_nice=settings.engine.yield_nice)]
+
+
 def cluster_programs(settings: Settings, home: Home) -> list[Program]:
     """The `cluster` program, where settings name a cluster address."""
     cluster = settings.cluster
@@ -80,6 +88,7 @@ def _url_host(address: str) -> str:
 
 def serve_programs(settings: Settings, home: Home) -> list[Program]:
     """The `appliance.programs` entry point: engines first, the cluster listener, the gateway in
-    front of them, then the batch worker."""
-    return [*engine_programs(settings, home), *cluster_programs(settings, home), gateway_program(settings, home),
-            batch_worker_program(settings, home)]
+    front of them, then the batch worker and the engines' watchdog."""
+    engines = engine_programs(settings, home)
+    return [*engines, *cluster_programs(settings, home), gateway_program(settings, home),
+            batch_worker_program(settings, home), *watchdog_programs(settings, home, engines)]

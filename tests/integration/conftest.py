@@ -64,6 +64,11 @@ SESSION_SETTINGS = {
     "APPLIANCE_KEYCLOAK__EVENTS_POLL_S": "1",
     # test_monitoring: rules evaluated every 2 s.
     "APPLIANCE_MONITORING__SCRAPE_INTERVAL_S": "2",
+    # test_watchdog: an engine wedged for 20 s is restarted (long enough that a loaded machine's slow
+    # answer is not taken for a wedge).
+    "APPLIANCE_WATCHDOG__ENGINE_STALL_S": "20",
+    "APPLIANCE_WATCHDOG__CHECK_INTERVAL_S": "1",
+    "APPLIANCE_WATCHDOG__BACKOFF_S": "5",
 }
 
 

@@ -70,7 +70,7 @@ def test_admin_routes_need_the_admin_role(realm: Realm) -> None:
 def test_admin_sees_services_settings_and_pools(realm: Realm) -> None:
     services = {s["name"]: s for s in admin_get(realm, "/services").json()}
     assert set(services) == {"postgres", "keycloak", "vllm-main", "gateway", "finetune-worker", "rl-worker",
-                             "batch-worker", "prometheus", "alertmanager"}
+                             "batch-worker", "prometheus", "alertmanager", "watchdog"}
     assert all(s["state"] == "RUNNING" and s["pid"] > 0 for s in services.values())
     settings = admin_get(realm, "/settings").json()
     assert settings["gateway"]["port"] == int(realm.running.appliance.env["APPLIANCE_GATEWAY__PORT"])

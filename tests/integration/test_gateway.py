@@ -324,7 +324,7 @@ def test_status_json_names_gateway_and_issuer(running: Running, realm: Realm) ->
     assert gateway["urls"]["issuer"] == realm.issuer
     assert {p["name"] for p in report["programs"]} == {"postgres", "keycloak", "vllm-main", "gateway",
                                                        "finetune-worker", "rl-worker", "batch-worker",
-                                                       "prometheus", "alertmanager"}
+                                                       "prometheus", "alertmanager", "watchdog"}
 
 
 def test_tokens_and_secrets_never_reach_the_logs(realm: Realm, alice: str, running: Running) -> None:

@@ -87,7 +87,7 @@ def test_keycloak_and_postgres_start_niced_and_run_at_normal_priority_once_up(on
     config = (on_postgres.home.run / "supervisord.conf").read_text()
     niced = {line.split("appliance.orphans ")[1].split()[0] for line in config.splitlines() if "--nice 19" in line}
     assert niced == {"keycloak", "postgres", "prometheus", "alertmanager", "finetune-worker", "rl-worker",
-                     "batch-worker"}
+                     "batch-worker", "watchdog"}
     for name in sorted(niced):
         leader = psutil.Process(program_pids(on_postgres, name))
         for process in [leader, *leader.children(recursive=True)]:

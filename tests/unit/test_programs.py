@@ -23,7 +23,8 @@ def test_what_serves_starts_at_normal_priority_and_the_rest_yields_the_cores(hom
                                                            "APPLIANCE_BACKUP__KEY_FILE": str(home.root / "k")})
     nice = {p.name: p.start_nice for p in discover_programs(settings, home)}
     assert nice["vllm-main"] == nice["gateway"] == 0
-    background = {"prometheus", "alertmanager", "finetune-worker", "rl-worker", "batch-worker", "backup-scheduler"}
+    background = {"prometheus", "alertmanager", "finetune-worker", "rl-worker", "batch-worker", "backup-scheduler",
+                  "watchdog"}
     assert {name for name, n in nice.items() if n} == background
     assert {nice[name] for name in background} == {settings.engine.yield_nice}
 

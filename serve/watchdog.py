@@ -1,0 +1,213 @@
+"""The supervised `watchdog` (`python -m serve.watchdog`): restarts an engine replica that is alive
+but makes no progress.
+
+Every `watchdog.check_interval_s` it asks each engine replica, over its Unix socket, for its health
+and its vLLM counters. A replica is stalled when, for `watchdog.engine_stall_s`, its health check
+has not answered 200, or it has held requests (running or waiting) without producing a token. A
+replica still starting is not judged until it has answered once or its start timeout has passed.
+
+A stalled replica's processes are killed (a wedged process may not heed SIGTERM: SIGSTOP, a
+deadlock); supervisord starts it again, and the gateway's router, whose health check of it fails
+meanwhile, sends it nothing until it answers. A replica's restarts back off (`backoff_s`, doubling
+up to `max_backoff_s`), so one that wedges again at once does not thrash; one that then makes
+progress that long starts over. Each restart, and each one held back, is an audit record of the
+watchdog with its reason and figures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+import httpx
+import psutil
+from prometheus_client.parser import text_string_to_metric_families
+
+from appliance.changes import Change, Target, announce
+from appliance.errors import ApplianceError
+from appliance.home import Home
+from appliance.lifecycle import started_programs
+from appliance.programs import Program
+from appliance.secrets import secret
+from appliance.settings import Settings, WatchdogSettings, load_settings
+from appliance.supervisor import ProcessState, Supervisor
+from serve.engine import ENGINE_BASE_URL
+
+ACTOR = "watchdog"
+ASK_TIMEOUT_S = 5.0
+BUSY = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+PROGRESS = ("vllm:generation_tokens", "vllm:prompt_tokens")  # counters (the exposition adds _total)
+log = logging.getLogger(ACTOR)
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One look at a replica: whether its health check answered, and its counters (None: no answer)."""
+
+    healthy: bool
+    held: float | None = None  # requests running or waiting
+    tokens: float | None = None  # prompt and generated tokens so far
+
+
+@dataclass
+class Replica:
+    """What the watchdog remembers of one replica between looks."""
+
+    name: str
+    start_timeout_s: float
+    started_at: float  # its process's start (monotonic), as the watchdog first saw it or restarted it
+    pid: int = 0
+    progress_at: float | None = None  # last seen answering and idle or producing; None: not since it started
+    tokens: float | None = None
+    restarts: int = 0
+    next_restart_at: float = 0.0
+    held_back: bool = False  # a restart held back by the backoff was recorded
+
+
+def stall(replica: Replica, seen: Observation, now: float, settings: WatchdogSettings) -> str | None:
+    """Why `replica` must be restarted after `seen`, or None. Updates what it remembers."""
+    busy = seen.held is not None and seen.held > 0
+    produced = seen.tokens is not None and replica.tokens is not None and seen.tokens > replica.tokens
+    if seen.healthy and (not busy or produced or seen.tokens is None or replica.tokens is None):
+        replica.progress_at = now  # answering, and idle or producing (or its counters are not readable)
+        if replica.restarts and now - replica.next_restart_at >= settings.max_backoff_s:
+            replica.restarts = 0  # it has made progress past the longest backoff: start over
+    if seen.tokens is not None:
+        replica.tokens = seen.tokens
+    if replica.progress_at is None:  # not answered since it started: judged once its start timeout passed
+        started_s = now - replica.started_at
+        if started_s < max(replica.start_timeout_s, settings.engine_stall_s):
+            return None
+        return f"it has not answered since it started {started_s:.0f} s ago (its start timeout: " \
+               f"{replica.start_timeout_s:.0f} s)"
+    stalled_s = now - replica.progress_at
+    if stalled_s < settings.engine_stall_s:
+        return None
+    if not seen.healthy:
+        return f"its health check has not answered for {stalled_s:.0f} s"
+    return f"it has held {seen.held:.0f} requests and produced no token for {stalled_s:.0f} s"
+
+
+def backoff_s(restarts: int, settings: WatchdogSettings) -> float:
+    """How long after its `restarts`-th restart a replica may be restarted again."""
+    return float(min(settings.max_backoff_s, settings.backoff_s * 2 ** max(0, restarts - 1)))
+
+
+def observe(program: Program, key: str) -> Observation:
+    """Ask the replica for its health and its counters, over its Unix socket."""
+    assert program.socket is not None  # engine programs listen on one
+    transport = httpx.HTTPTransport(uds=str(program.socket))
+    with httpx.Client(transport=transport, base_url=ENGINE_BASE_URL, timeout=ASK_TIMEOUT_S) as engine:
+        try:
+            healthy = engine.get("/health").status_code == 200
+        except httpx.HTTPError:
+            return Observation(healthy=False)
+        try:
+            answer = engine.get("/metrics", headers={"Authorization": f"Bearer {key}"})
+            answer.raise_for_status()
+            totals = _totals(answer.text)
+        except (httpx.HTTPError, ValueError):
+            return Observation(healthy=healthy)
+    return Observation(healthy=healthy, held=sum(totals.get(name, 0.0) for name in BUSY),
+                       tokens=sum(totals.get(name, 0.0) for name in PROGRESS))
+
+
+def _totals(exposition: str) -> dict[str, float]:
+    """Each family's samples summed (over engines and labels), by family name."""
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(exposition):
+        if family.name in BUSY or family.name in PROGRESS:
+            totals[family.name] = sum(s.value for s in family.samples if not s.name.endswith("_created"))
+    return totals
+
+
+def kill(pid: int) -> None:
+    """End the program's processes at once: its group (supervisord starts each program in its own)
+    and any descendant that left it."""
+    try:
+        descendants = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        descendants = []
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+    for process in descendants:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+
+
+class Watchdog:
+    def __init__(self, settings: Settings, home: Home) -> None:
+        self.settings, self.home = settings, home
+        self.supervisor = Supervisor(home)
+        self.key = secret(home, "engine-api-key")
+        self.replicas: dict[str, Replica] = {}
+
+    def check(self) -> None:
+        """One look at every engine replica; restart those stalled (as the backoff allows)."""
+        now = time.monotonic()
+        engines = {p.name: p for p in started_programs(self.home) if p.pool and p.socket and p.autostart}
+        states = {info.name: info for info in self.supervisor.processes() if info.name in engines}
+        for name, program in engines.items():
+            info = states.get(name)
+            if info is None or info.state != ProcessState.RUNNING:
+                self.replicas.pop(name, None)  # starting, stopped or restarting: supervisord's business
+                continue
+            replica = self.replicas.get(name)
+            if replica is None or replica.pid != info.pid:  # new, or started again since the last look
+                restarts = replica.restarts if replica else 0
+                next_at = replica.next_restart_at if replica else 0.0
+                replica = Replica(name=name, start_timeout_s=program.start_timeout_s,
+                                  started_at=now - info.uptime_s, pid=info.pid, restarts=restarts,
+                                  next_restart_at=next_at)
+                self.replicas[name] = replica
+            why = stall(replica, observe(program, self.key), now, self.settings.watchdog)
+            if why is not None:
+                self._restart(replica, program, why, now)
+
+    def _restart(self, replica: Replica, program: Program, why: str, now: float) -> None:
+        target = Target(kind="engine", name=replica.name)
+        if now < replica.next_restart_at:
+            if not replica.held_back:
+                replica.held_back = True
+                self._record(Change("engine.restart_held_back", "error", 1, target,
+                                    f"{why}; restart {replica.restarts + 1} held back "
+                                    f"{replica.next_restart_at - now:.0f} s more (backoff)", actor=ACTOR))
+            return
+        replica.restarts += 1
+        replica.next_restart_at = now + backoff_s(replica.restarts, self.settings.watchdog)
+        replica.held_back = False
+        detail = (f"pool {program.pool}: {why}; restart {replica.restarts} (pid {replica.pid}); the next is allowed "
+                  f"after {backoff_s(replica.restarts, self.settings.watchdog):.0f} s")
+        log.warning("restarting %s: %s", replica.name, detail)
+        kill(replica.pid)  # supervisord starts it again; the router sets it aside until it answers
+        replica.progress_at, replica.tokens = None, None
+        self._record(Change("engine.restarted", "allowed", 0, target, detail, actor=ACTOR))
+
+    def _record(self, change: Change) -> None:
+        try:
+            announce(change)
+        except ApplianceError as exc:  # the restart stands; the record is retried by no one: say so loudly
+            log.error("%s %s not recorded in the audit log: %s", change.action, change.target, exc.one_line())
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+    home = Home.from_env()
+    settings = load_settings(home.settings_file)
+    watchdog = Watchdog(settings, home)
+    while True:
+        try:
+            watchdog.check()
+        except (ApplianceError, OSError) as exc:  # supervisord restarting, a state file mid-write: next look
+            log.warning("check failed: %s", exc)
+        time.sleep(settings.watchdog.check_interval_s)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""The watchdog on the real appliance: an engine wedged with SIGSTOP (alive, its socket accepting,
+answering nothing) is restarted by the watchdog through supervisord, with an audit record of why,
+and traffic through the gateway recovers."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import time
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+
+from appliance.supervisor import ProcessState, Supervisor
+from audit.writer import log_files
+from tests.integration.conftest import Running
+from tests.integration.realm import Realm
+
+# It wedges the session's engine.
+pytestmark = pytest.mark.session_exclusive
+
+
+def engine_info(running: Running) -> tuple[ProcessState, int]:
+    [info] = [p for p in Supervisor(running.appliance.home).processes() if p.name == "vllm-main"]
+    return info.state, info.pid
+
+
+def records(running: Running) -> list[dict[str, Any]]:
+    return [json.loads(line) for path in log_files(running.appliance.home.audit)
+            for line in path.read_bytes().splitlines()]
+
+
+def test_a_wedged_engine_is_restarted_and_traffic_recovers(running: Running) -> None:
+    realm = Realm(running)
+    chat = {"url": f"{realm.gateway}/v1/chat/completions", "timeout": 30,
+            "headers": {"Authorization": f"Bearer {realm.admin_token()}"},
+            "json": {"model": "SmolLM2-135M-Instruct", "max_tokens": 4,
+                     "messages": [{"role": "user", "content": "Hi"}]}}
+    assert httpx.post(**chat).status_code == 200
+    state, wedged = engine_info(running)
+    assert state == ProcessState.RUNNING
+    group = [wedged, *(p.pid for p in psutil.Process(wedged).children(recursive=True))]
+    os.killpg(wedged, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    try:
+        while engine_info(running)[1] in (wedged, 0):
+            assert time.monotonic() - stopped_at < 240, "the watchdog did not restart the wedged engine"
+            time.sleep(1)
+        restarted_s = time.monotonic() - stopped_at
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(wedged, signal.SIGCONT)  # the test failed: leave no stopped engine behind
+    # Nothing of the wedged engine is left (its processes were killed, not asked to stop).
+    assert not [pid for pid in group if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    while (answer := httpx.post(**chat)).status_code != 200:
+        assert answer.status_code == 503, answer.text  # set aside while it restarts: a fast 503, never a hang
+        assert time.monotonic() - stopped_at < 600, "traffic did not recover"
+        time.sleep(1)
+    recovered_s = time.monotonic() - stopped_at
+    [restart] = [r for r in records(running) if r["action"] == "engine.restarted"
+                 and f"(pid {wedged})" in (r.get("detail") or "")]
+    assert restart["username"] == restart["client"] == "watchdog"
+    assert restart["target"]["name"] == "vllm-main" and "health check has not answered" in restart["detail"]
+    print(f"wedged -> restarted {restarted_s:.0f} s, -> traffic recovered {recovered_s:.0f} s")
