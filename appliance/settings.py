@@ -713,6 +713,12 @@ class WatchdogSettings(_Section):
     max_backoff_s: float = Field(900.0, ge=1, le=86400, description="...up to this; a replica that then makes "
                                  "progress this long starts over from backoff_s.")
 
+    @model_validator(mode="after")
+    def _backoff_bounds(self) -> WatchdogSettings:
+        if self.max_backoff_s < self.backoff_s:
+            raise ValueError(f"max_backoff_s ({self.max_backoff_s:g}) is less than backoff_s ({self.backoff_s:g})")
+        return self
+
 
 class AuditSettings(_Section):
     """The tamper-evident audit log."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import stat
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -81,16 +82,34 @@ def gpu_usage(nvml_library: str | None = None) -> tuple[list[GpuUsage], str | No
 
 def _load(library: str | None) -> None:
     """pynvml loads libnvidia-ml.so.1 from the loader's path at its first call; a named library is
-    loaded in its place (once: a process reads one NVML)."""
+    loaded in its place (once: a process reads one NVML). Loading a library runs its code in this
+    process, so it is loaded only where no other user could have put or swapped it: the file it
+    resolves to and every directory above that are owned by root (or this user) and writable by no
+    one else (a sticky directory excepted), and it is loaded from the descriptor that was checked."""
     if library is None or pynvml.nvmlLib is not None:
         return
-    # Loading a library runs its code in this process: refuse one another local user could change.
-    status = os.stat(library)
-    if status.st_uid not in (0, os.geteuid()) or status.st_mode & 0o022:
-        raise OSError(f"{library} is writable by others or owned by uid {status.st_uid}: not loaded")
-    with pynvml.libLoadLock:
-        if pynvml.nvmlLib is None:
-            pynvml.nvmlLib = ctypes.CDLL(library)
+    resolved = os.path.realpath(library)
+    fd = os.open(resolved, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        _owned(resolved, os.fstat(fd), directory=False)
+        parent = os.path.dirname(resolved)
+        while True:
+            _owned(parent, os.stat(parent), directory=True)
+            if parent == "/":
+                break
+            parent = os.path.dirname(parent)
+        with pynvml.libLoadLock:
+            if pynvml.nvmlLib is None:
+                pynvml.nvmlLib = ctypes.CDLL(f"/proc/self/fd/{fd}")
+    finally:
+        os.close(fd)
+
+
+def _owned(path: str, status: os.stat_result, *, directory: bool) -> None:
+    """OSError unless `path` is root's (or this user's) and no one else may change it."""
+    others_write = status.st_mode & 0o022 and not (directory and status.st_mode & stat.S_ISVTX)
+    if status.st_uid not in (0, os.geteuid()) or others_write:
+        raise OSError(f"{path} is writable by others or owned by uid {status.st_uid}: not loaded")
 
 
 def _optional(query: Callable[..., T], *args: Any) -> T | None:

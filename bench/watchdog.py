@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -28,6 +29,9 @@ from tests.support.ports import free_port
 RESULTS = Path(__file__).parent / "results" / "watchdog.json"
 TRIALS = 3
 STALL_S = 20
+# Between trials: the watchdog sees the replica answer before it is wedged again (a replica that
+# never answered since it started is judged only after its start timeout, 600 s).
+SETTLE_S = 5
 
 
 def engine_pid(supervisor: Supervisor) -> int:
@@ -65,6 +69,9 @@ def recovery_s(supervisor: Supervisor, how: signal.Signals, url: str, key: str) 
 
 
 def main() -> None:
+    # Unwind on SIGTERM/SIGINT, so that the appliance is taken down (own_appliance's `finally`).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     port = free_port()
     settings = {"APPLIANCE_GATEWAY__PORT": str(port), "APPLIANCE_KEYCLOAK__PORT": str(free_port()),
                 "APPLIANCE_KEYCLOAK__MANAGEMENT_PORT": str(free_port()),
@@ -78,7 +85,9 @@ def main() -> None:
         supervisor, url = Supervisor(home), f"http://127.0.0.1:{port}/v1/chat/completions"
         for _ in range(TRIALS):
             crashed.append(recovery_s(supervisor, signal.SIGKILL, url, key))
+            time.sleep(SETTLE_S)
             wedged.append(recovery_s(supervisor, signal.SIGSTOP, url, key))
+            time.sleep(SETTLE_S)
         restarts = [r for r in (json.loads(line) for path in log_files(home.audit)
                                 for line in path.read_bytes().splitlines()) if r["action"] == "engine.restarted"]
     crash, wedge = statistics.median(crashed), statistics.median(wedged)

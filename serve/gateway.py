@@ -53,7 +53,7 @@ from serve.identity_proxy import IdentityProxy
 from serve.identity_proxy import router as identity_router
 from serve.keycloak_events import KeycloakEvents
 from serve.limits import Admission, RateLimiter
-from serve.metrics import GpuCollector, Metrics, QueueCollector, StateCollector
+from serve.metrics import GpuCollector, Metrics, QueueCollector, Reused, StateCollector
 from serve.middleware import AuthenticateFirst, BodyLimitMiddleware, MeterMiddleware, RequestTooLarge
 from serve.replicas import Pool, engine_session, pools_from_settings
 from serve.response_cache import CachedAnswer, Capture, ResponseCache, deterministic, wants
@@ -169,8 +169,8 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
                          checkpoint_interval_s=audit.checkpoint_interval_s,
                          max_file_bytes=audit.max_file_bytes)
     metrics.registry.register(StateCollector(home, writer, settings.gateway.certificate))
-    metrics.registry.register(QueueCollector(home))
-    metrics.registry.register(GpuCollector(home, settings.monitoring.nvml_library))
+    metrics.registry.register(Reused(QueueCollector(home)))
+    metrics.registry.register(Reused(GpuCollector(home, settings.monitoring.nvml_library)))
     app = FastAPI(title="appliance gateway", version="1", lifespan=lifespan)
     app.state.audit = writer
     app.state.home = home
@@ -260,11 +260,15 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
         body: Health = ready["body"]
         return JSONResponse(body.model_dump(), status_code=200 if body.status == "ready" else 503)
 
+    # One scrape at a time, in a thread of its own: collectors read databases, the disk and NVML,
+    # and a flood of scrapes must not take the threads the rest of the gateway works in.
+    scrapes = anyio.CapacityLimiter(1)
+
     @app.get("/metrics", tags=["health"], response_class=Response)
     async def prometheus(request: Request) -> Response:
         """Prometheus metrics of the gateway."""
-        # In a thread: collectors read databases and the disk at each scrape.
-        body = await asyncio.to_thread(generate_latest, request.app.state.gateway.metrics.registry)
+        body = await anyio.to_thread.run_sync(generate_latest, request.app.state.gateway.metrics.registry,
+                                              limiter=scrapes)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     # What the appliance's Prometheus sends: the monitoring password (appliance.alerts).

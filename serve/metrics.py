@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import shutil
 import sqlite3
+import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -113,6 +116,23 @@ class StateCollector(Collector):
             yield path.stem, path
         if self.organisation_certificate is not None:
             yield "gateway-organisation", self.organisation_certificate
+
+
+class Reused(Collector):
+    """`collector` read at most once every `reuse_s`, by one scrape at a time: a flood of scrapes
+    costs one read of the databases or of NVML a period."""
+
+    def __init__(self, collector: Collector, reuse_s: float = 2.0) -> None:
+        self.collector, self.reuse_s = collector, reuse_s
+        self._lock = threading.Lock()
+        self._families: list[Metric] = []
+        self._at = -math.inf
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            if time.monotonic() - self._at >= self.reuse_s:
+                self._families, self._at = list(self.collector.collect()), time.monotonic()
+            return iter(self._families)
 
 
 Connect = Callable[[Home], AbstractContextManager[sqlite3.Connection]]

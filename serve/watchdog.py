@@ -35,11 +35,13 @@ from appliance.lifecycle import started_programs
 from appliance.programs import Program
 from appliance.secrets import secret
 from appliance.settings import Settings, WatchdogSettings, load_settings
-from appliance.supervisor import ProcessState, Supervisor
+from appliance.supervisor import ProcessInfo, ProcessState, Supervisor
 from serve.engine import ENGINE_BASE_URL
 
 ACTOR = "watchdog"
-ASK_TIMEOUT_S = 5.0
+ASK_TIMEOUT_S = 5.0  # each read
+ASK_DEADLINE_S = 10.0  # a whole answer
+MAX_ANSWER_BYTES = 4 << 20  # vLLM's /metrics is tens of kilobytes
 BUSY = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 PROGRESS = ("vllm:generation_tokens", "vllm:prompt_tokens")  # counters (the exposition adds _total)
 log = logging.getLogger(ACTOR)
@@ -99,22 +101,41 @@ def backoff_s(restarts: int, settings: WatchdogSettings) -> float:
 
 
 def observe(program: Program, key: str) -> Observation:
-    """Ask the replica for its health and its counters, over its Unix socket."""
+    """Ask the replica for its health and its counters, over its Unix socket. Its answers are
+    bounded (MAX_ANSWER_BYTES, ASK_DEADLINE_S each, no compression): an engine that trickles or
+    floods is a replica that did not answer, never a watchdog that hangs or runs out of memory."""
     assert program.socket is not None  # engine programs listen on one
     transport = httpx.HTTPTransport(uds=str(program.socket))
     with httpx.Client(transport=transport, base_url=ENGINE_BASE_URL, timeout=ASK_TIMEOUT_S) as engine:
         try:
-            healthy = engine.get("/health").status_code == 200
-        except httpx.HTTPError:
+            healthy = _ask(engine, "/health", {}, keep_body=False)[0] == 200
+        except (httpx.HTTPError, ValueError):
             return Observation(healthy=False)
         try:
-            answer = engine.get("/metrics", headers={"Authorization": f"Bearer {key}"})
-            answer.raise_for_status()
-            totals = _totals(answer.text)
+            status, body = _ask(engine, "/metrics", {"Authorization": f"Bearer {key}"}, keep_body=True)
+            if status != 200:
+                return Observation(healthy=healthy)
+            totals = _totals(body.decode("utf-8", errors="replace"))
         except (httpx.HTTPError, ValueError):
             return Observation(healthy=healthy)
     return Observation(healthy=healthy, held=sum(totals.get(name, 0.0) for name in BUSY),
                        tokens=sum(totals.get(name, 0.0) for name in PROGRESS))
+
+
+def _ask(engine: httpx.Client, path: str, headers: dict[str, str], *, keep_body: bool) -> tuple[int, bytes]:
+    """GET `path`: its status and (if `keep_body`) its body, as sent (no decompression); ValueError
+    for an answer too large, too slow or compressed."""
+    deadline = time.monotonic() + ASK_DEADLINE_S
+    with engine.stream("GET", path, headers={"Accept-Encoding": "identity", **headers}) as answer:
+        if answer.headers.get("content-encoding", "identity").lower() != "identity":
+            raise ValueError(f"{path}: a compressed answer")
+        body = bytearray()
+        if keep_body:
+            for chunk in answer.iter_raw():
+                body += chunk
+                if len(body) > MAX_ANSWER_BYTES or time.monotonic() > deadline:
+                    raise ValueError(f"{path}: an answer over {MAX_ANSWER_BYTES} bytes or {ASK_DEADLINE_S} s")
+        return answer.status_code, bytes(body)
 
 
 def _totals(exposition: str) -> dict[str, float]:
@@ -129,6 +150,8 @@ def _totals(exposition: str) -> dict[str, float]:
 def kill(pid: int) -> None:
     """End the program's processes at once: its group (supervisord starts each program in its own)
     and any descendant that left it."""
+    if pid <= 1:
+        raise ValueError(f"refusing to kill process group {pid}")
     try:
         descendants = psutil.Process(pid).children(recursive=True)
     except psutil.Error:
@@ -148,26 +171,37 @@ class Watchdog:
         self.replicas: dict[str, Replica] = {}
 
     def check(self) -> None:
-        """One look at every engine replica; restart those stalled (as the backoff allows)."""
-        now = time.monotonic()
+        """One look at every engine replica; restart those stalled (as the backoff allows). A
+        replica's restarts are remembered while it is one of the engines, whatever its state."""
         engines = {p.name: p for p in started_programs(self.home) if p.pool and p.socket and p.autostart}
+        if not engines:
+            log.warning("no engine replica to watch in %s", self.home.run)
+        for gone in set(self.replicas) - set(engines):
+            del self.replicas[gone]
         states = {info.name: info for info in self.supervisor.processes() if info.name in engines}
         for name, program in engines.items():
-            info = states.get(name)
-            if info is None or info.state != ProcessState.RUNNING:
-                self.replicas.pop(name, None)  # starting, stopped or restarting: supervisord's business
-                continue
-            replica = self.replicas.get(name)
-            if replica is None or replica.pid != info.pid:  # new, or started again since the last look
-                restarts = replica.restarts if replica else 0
-                next_at = replica.next_restart_at if replica else 0.0
-                replica = Replica(name=name, start_timeout_s=program.start_timeout_s,
-                                  started_at=now - info.uptime_s, pid=info.pid, restarts=restarts,
-                                  next_restart_at=next_at)
-                self.replicas[name] = replica
-            why = stall(replica, observe(program, self.key), now, self.settings.watchdog)
-            if why is not None:
-                self._restart(replica, program, why, now)
+            try:
+                self._look(program, states.get(name))
+            except Exception:  # one replica's odd answer or state must not leave the others unwatched
+                log.exception("looking at %s failed", name)
+
+    def _look(self, program: Program, info: ProcessInfo | None) -> None:
+        now = time.monotonic()
+        replica = self.replicas.get(program.name)
+        if replica is None:
+            replica = self.replicas[program.name] = Replica(name=program.name, start_timeout_s=program.start_timeout_s,
+                                                            started_at=now)
+        if info is None or info.state != ProcessState.RUNNING:
+            replica.pid = 0  # starting, stopped or restarting: supervisord's business until it runs
+            return
+        if replica.pid != info.pid:  # first seen, or started again since the last look
+            replica.pid, replica.started_at, replica.tokens = info.pid, now - info.uptime_s, None
+            # Already past its start when first seen (the watchdog itself restarted): a whole stall
+            # window from now, never judged on what happened before the watchdog looked.
+            replica.progress_at = now if info.uptime_s >= program.start_timeout_s else None
+        why = stall(replica, observe(program, self.key), now, self.settings.watchdog)
+        if why is not None:
+            self._restart(replica, program, why, now)
 
     def _restart(self, replica: Replica, program: Program, why: str, now: float) -> None:
         target = Target(kind="engine", name=replica.name)
@@ -178,6 +212,9 @@ class Watchdog:
                                     f"{why}; restart {replica.restarts + 1} held back "
                                     f"{replica.next_restart_at - now:.0f} s more (backoff)", actor=ACTOR))
             return
+        current = ProcessInfo.from_rpc(self.supervisor.call("getProcessInfo", replica.name))
+        if current.state != ProcessState.RUNNING or current.pid != replica.pid:
+            return  # it ended or was started again meanwhile: the pid is no longer the replica's
         replica.restarts += 1
         replica.next_restart_at = now + backoff_s(replica.restarts, self.settings.watchdog)
         replica.held_back = False
@@ -197,6 +234,7 @@ class Watchdog:
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line for every look
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     home = Home.from_env()
     settings = load_settings(home.settings_file)
@@ -204,8 +242,8 @@ def main() -> None:
     while True:
         try:
             watchdog.check()
-        except (ApplianceError, OSError) as exc:  # supervisord restarting, a state file mid-write: next look
-            log.warning("check failed: %s", exc)
+        except Exception:  # supervisord restarting, a state file mid-write: the next look; never a dead watchdog
+            log.exception("check failed")
         time.sleep(settings.watchdog.check_interval_s)
 
 

@@ -62,7 +62,14 @@ def test_without_nvml_there_are_no_gpu_figures_and_the_reason_is_given(home: Hom
     writable = tmp_path / "libnvidia-ml.so.1"
     writable.write_bytes(fake_nvml.read_bytes())
     writable.chmod(0o777)  # another local user could put code in the gateway
-    for library in (None, tmp_path / "missing.so", writable):  # None: this host's own (it has no GPU driver)
+    shared = tmp_path / "shared"  # ...or swap a good library in a directory anyone may write
+    shared.mkdir()
+    (shared / "libnvidia-ml.so.1").write_bytes(fake_nvml.read_bytes())
+    shared.chmod(0o777)
+    link = tmp_path / "link.so"  # a link is followed to what it names, and that is checked
+    link.symlink_to(writable)
+    for library in (None, tmp_path / "missing.so", writable, shared / "libnvidia-ml.so.1", link):
+        # None: this host's own (it has no GPU driver)
         figures = scrape(home, library)
         assert figures == {("appliance_gpu_nvml_up", frozenset()): 0}, library
     usage = json.loads(in_own_process(USAGE, home.root, writable))
@@ -70,8 +77,10 @@ def test_without_nvml_there_are_no_gpu_figures_and_the_reason_is_given(home: Hom
     assert "NVML" in json.loads(in_own_process(USAGE, home.root, None))["gpu_error"]
 
 
-def test_the_dashboards_read_the_same_figures(home: Home, fake_nvml: Path) -> None:
-    usage = json.loads(in_own_process(USAGE, home.root, fake_nvml))
+def test_the_dashboards_read_the_same_figures(home: Home, fake_nvml: Path, tmp_path: Path) -> None:
+    driver = tmp_path / "libnvidia-ml.so.1"  # as drivers install it: a link to the versioned file
+    driver.symlink_to(fake_nvml)
+    usage = json.loads(in_own_process(USAGE, home.root, driver))
     first, second = usage["gpus"]
     assert (first["name"], first["utilization_percent"], first["power_watts"], first["slowdowns"]) == (
         "Fake H200", 87, 412.5, ["sw_power_cap"])

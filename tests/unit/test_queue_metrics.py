@@ -5,13 +5,14 @@ from __future__ import annotations
 import time
 from datetime import UTC, datetime, timedelta
 
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from appliance import batches, jobs
 from appliance.home import Home
 from appliance.jobs import Hyperparameters
-from serve.metrics import QUEUES, QueueCollector
+from serve.metrics import QUEUES, QueueCollector, Reused
 
 
 def scraped(home: Home) -> dict[tuple[str, str], float]:
@@ -61,3 +62,14 @@ def test_an_unreadable_queue_says_so_and_invents_no_figures(home: Home) -> None:
         assert figures[("appliance_queue_readable", queue)] == 0
         assert ("appliance_queue_waiting", queue) not in figures
     assert figures[("appliance_queue_readable", "batch_requests")] == 1
+
+
+def test_a_flood_of_scrapes_reads_the_queues_once_a_period(home: Home, monkeypatch: pytest.MonkeyPatch) -> None:
+    reads: list[int] = []
+    collector = QueueCollector(home)
+    real = collector.collect
+    monkeypatch.setattr(collector, "collect", lambda: (reads.append(1), real())[1])
+    registry = CollectorRegistry()
+    registry.register(Reused(collector, reuse_s=60))
+    bodies = {generate_latest(registry) for _ in range(50)}
+    assert len(reads) == 1 and len(bodies) == 1 and b"appliance_queue_waiting" in next(iter(bodies))

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import socketserver
+import threading
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from appliance.changes import Change
+from appliance.errors import SettingsError
 from appliance.home import Home
 from appliance.programs import Program
-from appliance.settings import Settings, WatchdogSettings
+from appliance.settings import Settings, WatchdogSettings, load_settings
+from appliance.supervisor import ProcessInfo, ProcessState
 from serve import watchdog
 from serve.watchdog import Observation, Replica, Watchdog, backoff_s, stall
 
@@ -56,13 +64,37 @@ def test_restarts_back_off_doubling_to_the_cap() -> None:
     assert [backoff_s(n, LIMITS) for n in range(1, 6)] == [60, 120, 240, 300, 300]
 
 
+class FakeSupervisor:
+    """supervisord's answers about one program, as the test sets them."""
+
+    def __init__(self) -> None:
+        self.state, self.pid = ProcessState.RUNNING, 4242
+
+    def info(self) -> dict[str, Any]:
+        return {"name": "vllm-main", "state": self.state, "pid": self.pid, "now": 1000, "start": 400,
+                "stdout_logfile": "/dev/null", "description": ""}
+
+    def processes(self) -> list[ProcessInfo]:
+        return [ProcessInfo.from_rpc(self.info())]
+
+    def call(self, method: str, *args: object) -> dict[str, Any]:
+        assert method == "getProcessInfo" and args == ("vllm-main",)
+        return self.info()
+
+
+@pytest.fixture
+def dog(home: Home, monkeypatch: pytest.MonkeyPatch) -> Watchdog:
+    dog = Watchdog(Settings(watchdog=LIMITS), home)
+    dog.supervisor = FakeSupervisor()  # type: ignore[assignment]
+    return dog
+
+
 def test_a_stalled_replica_is_killed_recorded_and_held_back_while_its_backoff_runs(
-        home: Home, monkeypatch: pytest.MonkeyPatch) -> None:
+        dog: Watchdog, monkeypatch: pytest.MonkeyPatch) -> None:
     killed: list[int] = []
     recorded: list[Change] = []
     monkeypatch.setattr(watchdog, "kill", killed.append)
     monkeypatch.setattr(watchdog, "announce", recorded.append)
-    dog = Watchdog(Settings(watchdog=LIMITS), home)
     program = Program(name="vllm-main", command=["vllm"], pool="main", socket=Path("/nonexistent.sock"))
     stuck = replica()
     dog._restart(stuck, program, "its health check has not answered for 31 s", now=100)
@@ -76,3 +108,94 @@ def test_a_stalled_replica_is_killed_recorded_and_held_back_while_its_backoff_ru
     assert killed == [4242] and [c.action for c in recorded] == ["engine.restarted", "engine.restart_held_back"]
     dog._restart(stuck, program, "it has held 1 requests and produced no token for 31 s", now=161)
     assert killed == [4242, 4242] and stuck.restarts == 2 and stuck.next_restart_at == 161 + 120
+
+
+def test_restarts_are_remembered_across_the_replica_starting_again(dog: Watchdog, home: Home,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """supervisord shows the killed replica STARTING, then RUNNING with a new pid: its backoff holds."""
+    engine = Program(name="vllm-main", command=["vllm"], pool="main", socket=Path("/nonexistent.sock"),
+                     start_timeout_s=10)
+    (home.run / "programs.json").write_text(json.dumps([engine.model_dump(mode="json")]))
+    killed: list[int] = []
+    recorded: list[Change] = []
+    clock = [1000.0]
+    monkeypatch.setattr(watchdog, "kill", killed.append)
+    monkeypatch.setattr(watchdog, "announce", recorded.append)
+    monkeypatch.setattr(watchdog, "observe", lambda program, key: SILENT)
+    monkeypatch.setattr(watchdog.time, "monotonic", lambda: clock[0])
+    fake: Any = dog.supervisor
+    dog.check()  # first seen past its start: a whole stall window from now
+    clock[0] += 31
+    dog.check()
+    assert killed == [4242]
+    fake.state = ProcessState.STARTING
+    dog.check()
+    fake.state, fake.pid = ProcessState.RUNNING, 5151
+    for _ in range(4):  # wedged again at once, within its 60 s backoff
+        clock[0] += 11
+        dog.check()
+    assert killed == [4242] and [c.action for c in recorded] == ["engine.restarted", "engine.restart_held_back"]
+    clock[0] += 30
+    dog.check()
+    assert killed == [4242, 5151] and "restart 2" in (recorded[-1].detail or "")
+
+
+def test_a_replica_that_changed_meanwhile_is_not_killed(dog: Watchdog, monkeypatch: pytest.MonkeyPatch) -> None:
+    killed: list[int] = []
+    monkeypatch.setattr(watchdog, "kill", killed.append)
+    monkeypatch.setattr(watchdog, "announce", lambda change: None)
+    program = Program(name="vllm-main", command=["vllm"], pool="main", socket=Path("/nonexistent.sock"))
+    stale = replica()
+    dog.supervisor.pid = 6001  # type: ignore[attr-defined]  # supervisord started it again since the look
+    dog._restart(stale, program, "its health check has not answered for 31 s", now=100)
+    assert killed == [] and stale.restarts == 0
+
+
+@pytest.mark.parametrize("pid", [1, 0, -5])
+def test_no_pid_that_would_reach_other_processes_is_killed(pid: int) -> None:
+    with pytest.raises(ValueError, match="refusing"):
+        watchdog.kill(pid)
+
+
+class Flood(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        self.send_response(200)
+        if self.path == "/metrics" and self.server.compressed:  # type: ignore[attr-defined]
+            self.send_header("Content-Encoding", "gzip")
+        self.end_headers()
+        if self.path == "/metrics":
+            chunk = b"vllm:num_requests_running 1\n" * 4096
+            with contextlib.suppress(OSError):
+                for _ in range(watchdog.MAX_ANSWER_BYTES // len(chunk) + 2):
+                    self.wfile.write(chunk)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+class UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+
+    def get_request(self) -> tuple[Any, Any]:
+        request, _ = super().get_request()
+        return request, ("local", 0)  # BaseHTTPRequestHandler wants an address pair
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_an_engine_answer_too_large_or_compressed_is_no_answer(tmp_path: Path, compressed: bool) -> None:
+    socket_path = tmp_path / "engine.sock"
+    server = UnixHTTPServer(str(socket_path), Flood)
+    server.compressed = compressed  # type: ignore[attr-defined]
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        program = Program(name="vllm-main", command=["vllm"], pool="main", socket=socket_path)
+        assert watchdog.observe(program, "k") == Observation(healthy=True)  # answering; counters unread
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_cap_below_the_first_backoff_is_refused(home: Home) -> None:
+    with pytest.raises(SettingsError, match="max_backoff_s"):
+        load_settings(home.settings_file, environ={"APPLIANCE_WATCHDOG__BACKOFF_S": "600",
+                                                   "APPLIANCE_WATCHDOG__MAX_BACKOFF_S": "60"})
