@@ -25,6 +25,7 @@ from serve.auth import Principal
 from serve.errors import AuthError
 
 OWNER_CACHE_MAX = 10_000
+WARM_OWNERS_MAX = 100  # owners looked up ahead at a start; the rest on their first request
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,27 @@ class KeyAuthenticator:
                          expires_at=key.expires.timestamp() if key.expires else float("inf"), key=key.name,
                          models=frozenset(key.models) if key.models is not None else None,
                          tokens_per_minute=key.tokens_per_minute)
+
+    async def warm(self, retry_s: float = 1.0, give_up_s: float = 300.0) -> None:
+        """Look the owners of the usable keys up as soon as Keycloak answers, so that the first
+        requests after a start do not wait on it. The entries expire like any other; a lookup that
+        fails is tried again every `retry_s` for `give_up_s` (Keycloak may start after the gateway)."""
+        started = time.monotonic()
+        try:
+            now = datetime.now(UTC)
+            owners = sorted({key.owner for key in self._keys().values()
+                             if key.revoked is None and (key.expires is None or key.expires > now)})
+        except AuthError:
+            return  # an unreadable registry: each request says so
+        for owner in owners[:WARM_OWNERS_MAX]:
+            while True:
+                try:
+                    await self._owner(owner)
+                    break
+                except AuthError:
+                    if time.monotonic() - started > give_up_s:
+                        return
+                    await anyio.sleep(retry_s)
 
     def named(self, name: str) -> api_keys.ApiKey:
         """The usable key called `name` (a batch made with it: its requests stop when the key does)."""

@@ -142,6 +142,7 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
             async with anyio.create_task_group() as tasks:
                 tasks.start_soon(upstreams.replicas.watch)
                 tasks.start_soon(_keys_until_fetched, validator)
+                tasks.start_soon(app.state.gateway.keys.warm)  # API keys' owners, once Keycloak answers
                 tasks.start_soon(_checkpoint_timer, writer, settings.audit.checkpoint_interval_s)
                 tasks.start_soon(_summaries_timer, writer, refusals, settings.audit.refusal_interval_s)
                 tasks.start_soon(_summaries_timer, writer, monitoring, settings.audit.monitoring_interval_s)

@@ -4,9 +4,11 @@ expired, owner disabled or gone, Keycloak away: each refused, never let through)
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 from datetime import UTC, datetime, timedelta
 
+import anyio
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -79,6 +81,33 @@ def test_the_principal_acts_as_its_owner_with_the_roles_keycloak_gives_now(home:
     who(keys, secret)
     assert realm.lookups == 1, "the owner is looked up once per interval"
     assert "app" in api_keys.uses(home).read()
+
+
+def test_the_owners_are_looked_up_ahead_once_keycloak_answers(home: Home) -> None:
+    """At a start the gateway looks the keys' owners up (Keycloak may answer only later), so that
+    the first request with a key does not wait on Keycloak; the entry still expires as any other."""
+    realm = Realm()
+    realm.down = True
+    keys = KeyAuthenticator(home, realm.lookup, owner_ttl_s=60)
+    secret = make(home)
+    make(home, "gone", expires_in="1h")
+    with api_keys.registry(home).change() as registry:  # an expired key's owner is not looked up
+        registry["gone"] = registry["gone"].model_copy(update={"owner": "nobody",
+                                                               "expires": datetime.now(UTC) - timedelta(seconds=1)})
+
+    async def warm_while_keycloak_starts() -> None:
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(functools.partial(keys.warm, retry_s=0.01))
+            await anyio.sleep(0.05)
+            realm.down = False  # Keycloak answers now
+
+    anyio.run(warm_while_keycloak_starts)
+    assert realm.lookups >= 2
+    looked_up = realm.lookups
+    assert who(keys, secret).username == "kate" and realm.lookups == looked_up  # no wait on Keycloak
+    realm.down = True
+    anyio.run(functools.partial(KeyAuthenticator(home, realm.lookup, owner_ttl_s=60).warm, retry_s=0.01,
+                                give_up_s=0.05))  # Keycloak never answers: it gives up, fails nothing
 
 
 def test_revoked_expired_unknown_disabled_and_gone_keys_are_refused(home: Home) -> None:
