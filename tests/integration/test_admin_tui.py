@@ -97,7 +97,9 @@ def test_dashboard_shows_services_host_and_traffic_and_controls_services(app: Ad
         await until(pilot, lambda: rows(app, "services").get("gateway", [""])[1:2] == ["RUNNING"], "services")
         assert {"keycloak", "vllm-main", "gateway", "finetune-worker"} <= set(rows(app, "services"))
         assert "CPU" in text(app, "host") and "RAM" in text(app, "host")
-        assert "This host has no GPU" in text(app, "host") and "NVML" not in text(app, "host")  # no NVIDIA driver
+        # The session reads its GPUs through the stand-in NVML library (tests/support/fake_nvml.c).
+        gpus = rows(app, "gpus")
+        assert [cells[1:3] for cells in gpus.values()] == [["Fake H200", "87%"], ["Fake H200", "3%"]], gpus
         for _ in range(3):  # traffic between two scrapes shows up as a rate and on the chart
             reply = await asyncio.to_thread(
                 httpx.post, f"{realm.gateway}/v1/chat/completions", headers={"Authorization": f"Bearer {token}"},

@@ -72,7 +72,8 @@ def test_a_key_chats_streams_and_batches_and_every_record_names_it(realm: Realm,
     stored = (running.appliance.home.root / "api-keys.json").read_text()
     assert key not in stored and key[4:] not in stored  # only a keyed hash is kept
     api = client(realm, key)
-    assert [m.id for m in api.models.list()] == [MODEL]
+    # The base model, and any adapter another module of the session has registered meanwhile.
+    assert MODEL in [m.id for m in api.models.list()]
     answer = api.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=8, temperature=0)
     assert answer.choices[0].message.content
     pieces = [c.choices[0].delta.content for c in api.chat.completions.create(
