@@ -31,6 +31,15 @@ def until(check: Callable[[], Any], what: str | Callable[[], str], timeout_s: fl
     return found
 
 
+def prometheus_query(running: Running, urls: dict[str, str], expression: str) -> list[dict[str, Any]]:
+    """An instant query's result from the appliance's Prometheus, with its password."""
+    answer = httpx.get(f"{urls['prometheus']}/api/v1/query", params={"query": expression},
+                       auth=monitoring_auth(running.appliance.home), verify=local_trust(running.appliance.home),
+                       timeout=10)
+    answer.raise_for_status()
+    return list(answer.json()["data"]["result"])
+
+
 @pytest.fixture(scope="module")
 def urls(running: Running) -> dict[str, str]:
     status = json.loads(running.appliance.run("status", "--json", timeout=60).stdout)
@@ -85,10 +94,7 @@ def test_prometheus_scrapes_the_gateway_and_holds_its_state(running: Running, ur
     auth, trust = monitoring_auth(running.appliance.home), local_trust(running.appliance.home)
 
     def query(expression: str) -> list[dict[str, Any]]:
-        answer = httpx.get(f"{urls['prometheus']}/api/v1/query", params={"query": expression}, auth=auth,
-                           verify=trust, timeout=10)
-        answer.raise_for_status()
-        return list(answer.json()["data"]["result"])
+        return prometheus_query(running, urls, expression)
 
     seen: dict[str, str] = {}
 
@@ -114,13 +120,9 @@ def test_prometheus_scrapes_the_gateway_and_holds_its_state(running: Running, ur
 def test_prometheus_holds_the_queues_and_each_gpu_as_nvml_reports_it(running: Running, urls: dict[str, str]) -> None:
     """The session reads its GPUs through a stand-in NVML library (tests/support/fake_nvml.c):
     its figures reach Prometheus as they are, and a figure it does not report has no series."""
-    auth, trust = monitoring_auth(running.appliance.home), local_trust(running.appliance.home)
 
     def query(expression: str) -> list[dict[str, Any]]:
-        answer = httpx.get(f"{urls['prometheus']}/api/v1/query", params={"query": expression}, auth=auth,
-                           verify=trust, timeout=10)
-        answer.raise_for_status()
-        return list(answer.json()["data"]["result"])
+        return prometheus_query(running, urls, expression)
 
     [up] = until(lambda: query('appliance_gpu_nvml_up{job="gateway"}'), "NVML's state")
     assert up["value"][1] == "1"
