@@ -135,6 +135,7 @@ create table if not exists batch_requests (
     retry_at integer,              -- given back (a budget spent, an engine down): not claimed before
     attempts integer not null default 0,  -- times given back after a failure that may pass
     lease_until real,              -- appliance.queue: the worker's claim holds until then (null: while it lives)
+    progress_at real,              -- appliance.queue: the claim, or its claimer's last progress since
     primary key (batch_id, line)
 );
 create index if not exists batch_requests_state on batch_requests (state, batch_id);
@@ -143,7 +144,8 @@ create table if not exists batch_validations (
     state text not null,           -- pending, claimed, done
     worker_pid integer,            -- the worker checking it
     attempts integer not null default 0,  -- workers that took it (each one past the first found the last dead)
-    lease_until real               -- appliance.queue: the worker's claim holds until then (null: while it lives)
+    lease_until real,              -- appliance.queue: the worker's claim holds until then (null: while it lives)
+    progress_at real               -- appliance.queue: the claim, or its claimer's last progress since
 );
 create index if not exists batch_validations_state on batch_validations (state);
 create unique index if not exists batch_requests_custom_id on batch_requests (batch_id, custom_id);

@@ -11,6 +11,9 @@ cannot both move a job, and an illegal move raises IllegalTransition naming the 
        |               cancel
        |                 v
        +--cancel--> cancelled <--finish-- cancelling (its worker stops the trainer, checkpoints kept)
+
+A job whose workers died MAX_ATTEMPTS times (the watchdog ends a worker whose job made no progress
+for `watchdog.training_stall_s`) fails instead of being taken again.
 """
 
 from __future__ import annotations
@@ -62,7 +65,8 @@ STATE_COLUMNS = """
     attempts integer not null default 0,  -- times a worker took it up (more than one: it was resumed)
     worker_pid integer,
     message text,                  -- the outcome, or why it failed
-    lease_until real               -- appliance.queue: the worker's claim holds until then (null: while it lives)"""
+    lease_until real,              -- appliance.queue: the worker's claim holds until then (null: while it lives)
+    progress_at real               -- appliance.queue: the claim, or its claimer's last progress since"""
 
 NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,63}$"  # an adapter's or a dataset's name
 
@@ -74,6 +78,7 @@ def name_problem(name: str) -> str | None:
     return "use lower-case letters, digits, '.', '_' or '-' (up to 64, starting with a letter or digit)"
 CANCEL_FILE = "cancel"  # in the job's directory: the runner stops the trainer
 PROGRESS_FILE = "progress.json"  # in the job's directory: the trainer's latest report
+HEARTBEAT_FILE = "heartbeat"  # in the job's directory: the trainer touches it as it works (steps, evaluation)
 PROGRESS_MAX_BYTES = 4096
 SCHEMA = f"""
 create table if not exists jobs (
@@ -86,10 +91,19 @@ create table if not exists jobs (
     trainer_pid integer,           -- the sandboxed training process
 {STATE_COLUMNS}
 );"""
+MAX_ATTEMPTS = 3  # workers that took a job or an RL run (each past the first found the last dead)
+
+
+def given_up(attempts: int) -> tuple[JobState, dict[str, object]]:
+    """How a job or an RL run whose workers died `attempts` times ends (appliance.queue)."""
+    return JobState.FAILED, {"message": f"given up after {attempts} attempts: each one's worker died or was ended "
+                                        "by the watchdog for making no progress", "finished": now()}
+
+
 # A job left by a worker that died is taken over in its state: it resumes from its last checkpoint.
 JOBS = Queue(table="jobs", lifecycle=Lifecycle("training job", MOVES), waiting=JobState.QUEUED,
              taken=JobState.RUNNING, held=HELD, hint="`appliance finetune status` lists them",
-             waiting_since=SUBMITTED_AT)
+             waiting_since=SUBMITTED_AT, max_attempts=MAX_ATTEMPTS, give_up=given_up)
 
 
 class Hyperparameters(BaseModel):
@@ -230,6 +244,12 @@ def claim(home: Home, worker_pid: int, alive: Alive) -> Job | None:
     with transaction(home) as db:
         row = claimed(db, JOBS, worker_pid, alive)
     return None if row is None else _job(row)
+
+
+def progressed(home: Home, job_id: int, worker_pid: int) -> None:
+    """The job's trainer reported progress (the watchdog's stall clock starts again)."""
+    with connect(home) as db:
+        JOBS.progressed(db, job_id, worker_pid)
 
 
 def set_trainer(home: Home, job_id: int, pid: int) -> None:

@@ -9,6 +9,9 @@ table and record, and moves its items with this.
   callback knows), with an optional lease that its heartbeat extends. An item is orphaned when its
   claimer is not alive or its lease ran out: a queue either takes orphans over in their state (a
   training job resumes from its checkpoint) or puts them back to wait (a sandbox execution).
+- A claimer stamps its item's progress (`progressed`; a claim is the first stamp): an item held by
+  a living claimer with no progress for a while is stuck (`stuck`), and the watchdog ends its
+  claimer so that the item is an orphan like any other.
 - Retries are bounded: an orphan whose claimers died `max_attempts` times is given up (ended, with
   a message saying so) instead of being handed on again.
 - Finishing is idempotent: an item finished again in the same state is left as it is; another end
@@ -36,6 +39,7 @@ S = TypeVar("S", bound=StrEnum)
 Key = int | str
 Alive = Callable[[int | None], bool]  # whether an item's claimer still runs (None: no claimer)
 LEASE_COLUMN = "lease_until"  # seconds since the epoch; null: the claim holds as long as its claimer lives
+PROGRESS_COLUMN = "progress_at"  # seconds since the epoch: the claim, or the claimer's last progress since
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,16 @@ class Depth:
 
 
 @dataclass(frozen=True)
+class Stuck:
+    """An item held with no progress for a while."""
+
+    key: Key
+    holder: int
+    idle_s: float  # since its claim or its claimer's last progress
+    attempts: int
+
+
+@dataclass(frozen=True)
 class Queue(Generic[S]):
     """A table of items moved by `lifecycle`: they wait in `waiting`, a claim moves one to `taken`,
     and a claimer holds it in any of the `held` states."""
@@ -95,10 +109,11 @@ class Queue(Generic[S]):
             raise ValueError(f"queue {self.table}: max_attempts needs give_up and an attempts column")
 
     def migrate(self, db: sqlite3.Connection) -> None:
-        """Add the lease column to a table made before it (in the caller's transaction)."""
+        """Add the lease and progress columns to a table made before them (in the caller's transaction)."""
         columns = {row[1] for row in db.execute(f"pragma table_info({self.table})")}
-        if LEASE_COLUMN not in columns:
-            db.execute(f"alter table {self.table} add column {LEASE_COLUMN} real")
+        for column in (LEASE_COLUMN, PROGRESS_COLUMN):
+            if column not in columns:
+                db.execute(f"alter table {self.table} add column {column} real")
 
     def row(self, db: sqlite3.Connection, key: Key) -> sqlite3.Row:
         """An item's row; NotFound if there is no such item."""
@@ -158,7 +173,8 @@ class Queue(Generic[S]):
         current = self.state_of(db, key)
         to = current if current in self.held else self.taken
         self.lifecycle.check(key, current, to)
-        columns: dict[str, object] = {self.state: to, self.holder: holder, LEASE_COLUMN: _lease(lease_s)}
+        columns: dict[str, object] = {self.state: to, self.holder: holder, LEASE_COLUMN: _lease(lease_s),
+                                      PROGRESS_COLUMN: time.time()}
         counted = f", {self.attempts} = {self.attempts} + 1" if self.attempts else ""
         once = "".join(f", {name} = coalesce({name}, ?)" for name in first or {})
         db.execute(f"update {self.table} set {', '.join(f'{name} = ?' for name in columns)}{counted}{once} "
@@ -179,6 +195,23 @@ class Queue(Generic[S]):
         return db.execute(f"update {self.table} set {LEASE_COLUMN} = ? where {self.key} = ? and {self.holder} = ? "
                           f"and {self.state} in ({_marks(self.held)})",
                           (_lease(lease_s), key, holder, *self.held)).rowcount == 1
+
+    def progressed(self, db: sqlite3.Connection, key: Key, holder: int) -> bool:
+        """Stamp the item's progress now, if `holder` still holds it."""
+        return db.execute(f"update {self.table} set {PROGRESS_COLUMN} = ? where {self.key} = ? and {self.holder} = ? "
+                          f"and {self.state} in ({_marks(self.held)})",
+                          (time.time(), key, holder, *self.held)).rowcount == 1
+
+    def stuck(self, db: sqlite3.Connection, idle_s: float) -> list[Stuck]:
+        """Held items whose claim or last progress is more than `idle_s` old, oldest first (whether
+        their claimer still lives is the caller's to judge; an item claimed before progress was
+        stamped is never stuck)."""
+        attempts = self.attempts or "0"
+        now = time.time()
+        rows = db.execute(f"select {self.key}, {self.holder}, {PROGRESS_COLUMN}, {attempts} from {self.table} "
+                          f"where {self.state} in ({_marks(self.held)}) and {self.holder} is not null "
+                          f"and {PROGRESS_COLUMN} < ? order by {self.key}", (*self.held, now - idle_s)).fetchall()
+        return [Stuck(key=row[0], holder=row[1], idle_s=now - row[2], attempts=row[3]) for row in rows]
 
     def release(self, db: sqlite3.Connection, key: Key, holder: int | None, **columns: object) -> bool:
         """Give a held item back to wait, setting `columns`, if `holder` (None: whoever) holds it."""
@@ -202,7 +235,7 @@ class Queue(Generic[S]):
 
     @property
     def _unclaimed(self) -> dict[str, object]:
-        return {self.holder: None, LEASE_COLUMN: None}
+        return {self.holder: None, LEASE_COLUMN: None, PROGRESS_COLUMN: None}
 
     def _claim_of(self, db: sqlite3.Connection, key: Key) -> tuple[S, int | None]:
         """An item's state and claimer; NotFound if there is no such item."""

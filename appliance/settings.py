@@ -699,7 +699,9 @@ class ArtifactSettings(_Section):
 
 
 class WatchdogSettings(_Section):
-    """The supervised watchdog: an engine replica alive but making no progress is restarted."""
+    """The supervised watchdog: an engine replica alive but making no progress is restarted; a
+    worker whose training job, RL run or batch work makes no progress is ended, and its work taken
+    over by the worker supervisord starts again (bounded retries)."""
 
     enabled: bool = Field(True, description="Run the watchdog.")
     check_interval_s: float = Field(5.0, ge=0.5, le=300, description="How often it asks every engine replica "
@@ -712,6 +714,13 @@ class WatchdogSettings(_Section):
                              "least this long, doubling with each restart...")
     max_backoff_s: float = Field(900.0, ge=1, le=86400, description="...up to this; a replica that then makes "
                                  "progress this long starts over from backoff_s.")
+    training_stall_s: float = Field(1800.0, ge=10, le=604800, description="A training job whose trainer has "
+                                    "reported no step (or whose worker has not started it) for this long: its "
+                                    "worker is ended, and the job resumes from its last checkpoint.")
+    rl_stall_s: float = Field(1800.0, ge=10, le=604800, description="An RL run that has generated and judged "
+                              "nothing for this long: its worker is ended, and the run resumes.")
+    batch_stall_s: float = Field(1800.0, ge=10, le=604800, description="A batch request or a batch's validation "
+                                 "held this long: the batch worker is ended, and its work waits again.")
 
     @model_validator(mode="after")
     def _backoff_bounds(self) -> WatchdogSettings:

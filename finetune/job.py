@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from appliance.errors import ApplianceError
-from appliance.jobs import write_progress
+from appliance.jobs import HEARTBEAT_FILE, write_progress
 from finetune.train import TrainingSpec, train_adapter
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -36,7 +36,8 @@ def main(directory: Path) -> int:
                          for split in ("train", "eval"))
     try:
         train_adapter(spec.base, train, evaluation, directory, spec.hyperparameters,
-                      on_progress=lambda progress: write_progress(directory, progress), eval_sets=spec.eval_sets)
+                      on_progress=lambda progress: write_progress(directory, progress), eval_sets=spec.eval_sets,
+                      on_beat=(directory / HEARTBEAT_FILE).touch)
     except ApplianceError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 1

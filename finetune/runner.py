@@ -23,7 +23,7 @@ import psutil
 from appliance.adapters import AdapterMetrics, AdapterRecord, AdapterState, Scores
 from appliance.artifacts import artifact_store
 from appliance.home import Home
-from appliance.jobs import CANCEL_FILE, PROGRESS_FILE, Hyperparameters, Progress, read_progress
+from appliance.jobs import CANCEL_FILE, HEARTBEAT_FILE, PROGRESS_FILE, Hyperparameters, Progress, read_progress
 from appliance.model_refs import checkpoint
 from appliance.orphans import group_members
 from appliance.programs import OFFLINE_ENVIRONMENT
@@ -33,6 +33,8 @@ from finetune import adapters
 from finetune.datasets import PREFIX, check_dataset, kind, load_registry
 from finetune.sandbox import prepare, sandboxed
 from finetune.train import Result, TrainingCancelled, TrainingError, TrainingSpec, load_result
+
+BEAT_S = 5.0  # the trainer's beats passed on (to the queue's progress stamp) at most this often
 
 
 @dataclass(frozen=True)
@@ -49,8 +51,9 @@ class Outcome:
 def run_job(directory: Path, *, name: str, data: str, base: str, hp: Hyperparameters, settings: Settings,
             home: Home, eval_sets: dict[str, list[dict[str, Any]]] | None = None,
             on_progress: Callable[[Progress], None] = lambda p: None,
-            on_child: Callable[[int], None] = lambda pid: None) -> Outcome:
-    """Train in `directory` (resuming if it holds checkpoints), gate, register."""
+            on_child: Callable[[int], None] = lambda pid: None, on_beat: Callable[[], None] = lambda: None) -> Outcome:
+    """Train in `directory` (resuming if it holds checkpoints), gate, register. `on_beat`: the
+    trainer worked (a step, an evaluation batch) since the last beat, at most every BEAT_S."""
     registry = load_registry(home)
     if data not in registry:
         raise TrainingError(f"no dataset named {data!r}", hint=f"datasets: {sorted(registry) or 'none'}")
@@ -67,11 +70,12 @@ def run_job(directory: Path, *, name: str, data: str, base: str, hp: Hyperparame
     spec = TrainingSpec(base=model.resolve(), hyperparameters=hp, eval_sets=eval_sets or {})
     (directory / "job.json").write_text(spec.model_dump_json())
     (directory / PROGRESS_FILE).unlink(missing_ok=True)
+    (directory / HEARTBEAT_FILE).unlink(missing_ok=True)
     if settings.finetune.sandbox != "none":
         prepare(directory, inputs, model.resolve())
     trainer = _trainer_command(directory, settings.finetune.processes or visible_gpus() or 1)
     _train_in_child(directory, sandboxed(trainer, settings.finetune, workdir=directory, inputs=inputs,
-                                         readable=[model.resolve()]), on_progress, on_child)
+                                         readable=[model.resolve()]), on_progress, on_child, on_beat)
     result = load_result(directory)
     failures = gate_failures(result, settings.finetune)
     record = adapters.register(
@@ -136,7 +140,7 @@ def _trainer_command(directory: Path, processes: int) -> list[str]:
 
 
 def _train_in_child(directory: Path, command: list[str], on_progress: Callable[[Progress], None],
-                    on_child: Callable[[int], None]) -> None:
+                    on_child: Callable[[int], None], on_beat: Callable[[], None]) -> None:
     """Run the trainer in a process group of its own, reporting its progress; a cancel request
     (the job directory's cancel file) or our own end ends the whole group (its checkpoints stay)."""
     log = directory / "train.log"
@@ -145,10 +149,13 @@ def _train_in_child(directory: Path, command: list[str], on_progress: Callable[[
                                  start_new_session=True,
                                  env={**os.environ, **OFFLINE_ENVIRONMENT})
         on_child(child.pid)
-        seen = None
+        seen, beat_seen, beat_at = None, None, -math.inf
         try:
             while child.poll() is None and not (directory / CANCEL_FILE).exists():
                 seen = _report(directory, seen, on_progress)
+                if time.monotonic() - beat_at >= BEAT_S and (stamp := _stamp(directory / HEARTBEAT_FILE)) != beat_seen:
+                    beat_seen, beat_at = stamp, time.monotonic()
+                    on_beat()
                 time.sleep(0.5)
         finally:
             if child.poll() is None:
@@ -185,10 +192,16 @@ def end_stale_trainer(pgid: int, directory: Path) -> None:
 
 
 def _report(directory: Path, seen: float | None, on_progress: Callable[[Progress], None]) -> float | None:
-    try:
-        stamp = (directory / PROGRESS_FILE).stat().st_mtime
-    except FileNotFoundError:
+    stamp = _stamp(directory / PROGRESS_FILE)
+    if stamp is None:
         return seen
     if stamp != seen and (progress := read_progress(directory)) is not None:
         on_progress(progress)
     return stamp
+
+
+def _stamp(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return None

@@ -81,7 +81,8 @@ def as_training_rows(examples: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def train_adapter(base: Path, train: list[dict[str, Any]], evaluation: list[dict[str, Any]], out_dir: Path,
                   hp: Hyperparameters, on_progress: Callable[[Progress], None] = lambda p: None,
-                  eval_sets: dict[str, list[dict[str, Any]]] | None = None) -> Result | None:
+                  eval_sets: dict[str, list[dict[str, Any]]] | None = None,
+                  on_beat: Callable[[], None] = lambda: None) -> Result | None:
     """Train, evaluate base and adapter on the held-out rows (and score both on `eval_sets`:
     finetune.evalsets), save the adapter to out_dir/adapter and the figures to
     out_dir/result.json. Under torchrun every process trains its share of each batch (DDP); the
@@ -124,7 +125,7 @@ def train_adapter(base: Path, train: list[dict[str, Any]], evaluation: list[dict
         trainer = DPOTrainer(model=model, args=DPOConfig(**options, beta=hp.beta), **data)
     else:
         trainer = SFTTrainer(model=model, args=SFTConfig(**options), **data)
-    trainer.add_callback(_progress_callback(TrainerCallback, on_progress))
+    trainer.add_callback(_progress_callback(TrainerCallback, on_progress, on_beat))
     adapted = trainer.model
     if not isinstance(adapted, PeftModel):  # the trainer wraps the model because peft_config is given
         raise TrainingError(f"the trainer did not add LoRA layers to {base} (got {type(adapted).__name__})")
@@ -138,7 +139,7 @@ def train_adapter(base: Path, train: list[dict[str, Any]], evaluation: list[dict
         return None
     adapter_dir = out_dir / "adapter"
     adapted.save_pretrained(str(adapter_dir))
-    scores = _score_sets(adapted, tokenizer, eval_sets or {})
+    scores = _score_sets(adapted, tokenizer, eval_sets or {}, on_beat)
     tokens = int(output.metrics.get("train_tokens", 0) or trainer.state.num_input_tokens_seen or 0)
     result = Result(adapter_dir=adapter_dir, base_eval_loss=base_loss, adapter_eval_loss=adapter_loss,
                     steps=trainer.state.global_step, train_tokens=tokens, seconds=time.monotonic() - started,
@@ -155,8 +156,9 @@ def load_result(out_dir: Path) -> Result:
     return Result(**{**raw, "adapter_dir": out_dir / "adapter"})
 
 
-def _score_sets(model: Any, tokenizer: Any, eval_sets: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
-    """Each set's score with the adapter off (the base) and on, from greedy answers."""
+def _score_sets(model: Any, tokenizer: Any, eval_sets: dict[str, list[dict[str, Any]]],
+                beat: Callable[[], None]) -> dict[str, dict[str, float]]:
+    """Each set's score with the adapter off (the base) and on, from greedy answers (a beat each)."""
     import torch
 
     def answer(messages: list[dict[str, Any]]) -> str:
@@ -166,6 +168,7 @@ def _score_sets(model: Any, tokenizer: Any, eval_sets: dict[str, list[dict[str, 
             output = model.generate(**inputs, max_new_tokens=ANSWER_TOKENS, do_sample=False,
                                     pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
         text: str = tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+        beat()
         return text
 
     model.eval()
@@ -195,13 +198,19 @@ def _last_checkpoint(checkpoints: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def _progress_callback(base: type, report: Callable[[Progress], None]) -> Any:
+def _progress_callback(base: type, report: Callable[[Progress], None], beat: Callable[[], None]) -> Any:
     """A TrainerCallback turning the first process's log events into Progress (step, loss,
-    tokens/s of all processes, ETA)."""
+    tokens/s of all processes, ETA), and beating at each step and evaluation batch."""
 
     class ProgressCallback(base):  # type: ignore[misc]  # a class passed in, to import transformers lazily
         started = time.monotonic()
         tokens_at_start = 0
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            beat()
+
+        def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            beat()
 
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             self.started, self.tokens_at_start = time.monotonic(), state.num_input_tokens_seen

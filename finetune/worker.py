@@ -31,12 +31,17 @@ def work_one(home: Home, settings: Settings) -> jobs.Job | None:
     directory = jobs.job_dir(home, job.id)
     if job.trainer_pid is not None:  # left by a worker that died: its trainer must not run on beside ours
         end_stale_trainer(job.trainer_pid, directory)
+    if job.state in jobs.FINISHED:  # its workers died too often: the queue gave it up
+        announce_outcome("finetune.job", job.state, Target(kind="job", name=str(job.id)),
+                         f"job {job.id} ({job.name} on {job.data}) {job.state}: {job.message}", log)
+        return job
     log.info("job %d (%s on %s): attempt %d", job.id, job.name, job.data, job.attempts)
     try:
         outcome = run_job(directory, name=job.name, data=job.data, base=job.base,
                           hp=job.hyperparameters, settings=settings, home=home,
                           eval_sets=job.eval_sets,
-                          on_child=lambda pid: jobs.set_trainer(home, job.id, pid))
+                          on_child=lambda pid: jobs.set_trainer(home, job.id, pid),
+                          on_beat=lambda: jobs.progressed(home, job.id, os.getpid()))
     except TrainingCancelled as exc:
         state, message = jobs.JobState.CANCELLED, exc.message
     except ApplianceError as exc:  # a tampered dataset (IntegrityError) among them

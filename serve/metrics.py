@@ -9,24 +9,20 @@ import shutil
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 from cryptography import x509
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from appliance import batches, jobs
 from appliance.errors import ApplianceError
 from appliance.home import Home
 from appliance.lifecycle import started_programs
-from appliance.queue import Queue
-from appliance.rl import exports, runs
 from appliance.tls import tls_dir
 from appliance.usage import SLOWDOWNS, gpu_usage
+from appliance.work_queues import WORK_QUEUES
 from audit import AuditWriter
 
 log = logging.getLogger(__name__)
@@ -135,17 +131,6 @@ class Reused(Collector):
             return iter(self._families)
 
 
-Connect = Callable[[Home], AbstractContextManager[sqlite3.Connection]]
-# The appliance's work queues, by the name their series carry: (their database, the queue).
-QUEUES: dict[str, tuple[Connect, Queue[Any]]] = {
-    "finetune_jobs": (jobs.connect, jobs.JOBS),
-    "rl_runs": (runs.connect, runs.RUNS),
-    "rl_exports": (exports.connect, exports.EXPORTS),
-    "batch_requests": (batches.connect, batches.REQUESTS),
-    "batch_validations": (batches.connect, batches.VALIDATIONS),
-}
-
-
 class QueueCollector(Collector):
     """Read at each scrape: each work queue's waiting and held items and how long the oldest
     waiting one has waited. A queue whose database cannot be read has no series that scrape
@@ -161,10 +146,11 @@ class QueueCollector(Collector):
         held = GaugeMetricFamily("appliance_queue_held", "Items a worker holds (running).", labels=["queue"])
         oldest = GaugeMetricFamily("appliance_queue_oldest_waiting_seconds", "How long the oldest waiting item "
                                    "has waited (0: none waits).", labels=["queue"])
-        for name, (connect, queue) in QUEUES.items():
+        for work in WORK_QUEUES:
+            name = work.name
             try:
-                with connect(self.home) as db:
-                    depth = queue.depth(db)
+                with work.connect(self.home) as db:
+                    depth = work.queue.depth(db)
             except (sqlite3.Error, ApplianceError, OSError) as exc:
                 log.warning("queue %s not readable for metrics: %s", name, exc)
                 readable.add_metric([name], 0)

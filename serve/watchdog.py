@@ -1,5 +1,5 @@
 """The supervised `watchdog` (`python -m serve.watchdog`): restarts an engine replica that is alive
-but makes no progress.
+but makes no progress, and ends a worker whose work makes none (serve.stuck_work).
 
 Every `watchdog.check_interval_s` it asks each engine replica, over its Unix socket, for its health
 and its vLLM counters. A replica is stalled when, for `watchdog.engine_stall_s`, its health check
@@ -37,6 +37,7 @@ from appliance.secrets import secret
 from appliance.settings import Settings, WatchdogSettings, load_settings
 from appliance.supervisor import ProcessInfo, ProcessState, Supervisor
 from serve.engine import ENGINE_BASE_URL
+from serve.stuck_work import end_stuck_workers
 
 ACTOR = "watchdog"
 ASK_TIMEOUT_S = 5.0  # each read
@@ -171,8 +172,9 @@ class Watchdog:
         self.replicas: dict[str, Replica] = {}
 
     def check(self) -> None:
-        """One look at every engine replica; restart those stalled (as the backoff allows). A
-        replica's restarts are remembered while it is one of the engines, whatever its state."""
+        """One look at every engine replica, restarting those stalled (as the backoff allows), then
+        at the work queues. A replica's restarts are remembered while it is one of the engines,
+        whatever its state."""
         engines = {p.name: p for p in started_programs(self.home) if p.pool and p.socket and p.autostart}
         if not engines:
             log.warning("no engine replica to watch in %s", self.home.run)
@@ -184,6 +186,10 @@ class Watchdog:
                 self._look(program, states.get(name))
             except Exception:  # one replica's odd answer or state must not leave the others unwatched
                 log.exception("looking at %s failed", name)
+        try:
+            end_stuck_workers(self.home, self.settings.watchdog, self.supervisor, kill, self._record)
+        except Exception:  # supervisord restarting, say: the next look
+            log.exception("looking at the work queues failed")
 
     def _look(self, program: Program, info: ProcessInfo | None) -> None:
         now = time.monotonic()

@@ -15,7 +15,19 @@ from pydantic import BaseModel, ConfigDict, Field
 from appliance import queue
 from appliance.durable import replace_file
 from appliance.home import Home
-from appliance.jobs import HELD, MOVES, STATE_COLUMNS, SUBMITTED_AT, JobState, claimed, database, now, request_cancel
+from appliance.jobs import (
+    HELD,
+    MAX_ATTEMPTS,
+    MOVES,
+    STATE_COLUMNS,
+    SUBMITTED_AT,
+    JobState,
+    claimed,
+    database,
+    given_up,
+    now,
+    request_cancel,
+)
 from appliance.queue import Alive, Lifecycle, Queue
 
 SCHEMA = f"""
@@ -25,10 +37,11 @@ create table if not exists rl_runs (
 {STATE_COLUMNS}
 );
 """
-# A run left by a worker that died is taken over in its state: it resumes from what it has done.
+# A run left by a worker that died is taken over in its state: it resumes from what it has done;
+# one whose workers died MAX_ATTEMPTS times fails.
 RUNS = Queue(table="rl_runs", lifecycle=Lifecycle("RL run", MOVES), waiting=JobState.QUEUED,
              taken=JobState.RUNNING, held=HELD, hint="`appliance rl status` lists them",
-             waiting_since=SUBMITTED_AT)
+             waiting_since=SUBMITTED_AT, max_attempts=MAX_ATTEMPTS, give_up=given_up)
 
 
 class RunSpec(BaseModel):
@@ -120,6 +133,12 @@ def finish(home: Home, run_id: int, state: JobState, message: str) -> bool:
     then; ended otherwise: IllegalTransition)."""
     with transaction(home) as db:
         return RUNS.finish(db, run_id, state, message=message, finished=now())
+
+
+def progressed(home: Home, run_id: int, worker_pid: int) -> None:
+    """The run made progress (the watchdog's stall clock starts again)."""
+    with connect(home) as db:
+        RUNS.progressed(db, run_id, worker_pid)
 
 
 def note(home: Home, run_id: int, message: str) -> None:

@@ -33,7 +33,7 @@ from appliance.jobs import CANCEL_FILE
 from appliance.local_gateway import client_options
 from appliance.rl.attempts import Attempt, attempt_key
 from appliance.rl.progress import RunProgress, write_progress
-from appliance.rl.runs import Run, run_dir
+from appliance.rl.runs import Run, progressed, run_dir
 from appliance.rl.tasks import Task
 from appliance.settings import Settings
 from finetune.rl.execute import Verdict, not_run
@@ -218,6 +218,7 @@ class Loop:
         self.model = self.spec.adapter or self.spec.base
         self.generated = self.store.generations()
         self._housekept = 0.0
+        self._done = -1  # generations and attempts at the last progress stamp
 
     def plan(self) -> tuple[deque[Step], dict[str, Step]]:
         """What is left: answers to ask for, and answers whose execution is awaited (a resumed run
@@ -312,14 +313,18 @@ class Loop:
 
     def _housekeep(self) -> None:
         """Once a second: executions held by a dead sandbox worker back to the queue, full segments to
-        the artifact store (a store that fails now is tried again), the run's figures."""
+        the artifact store (a store that fails now is tried again), the run's figures, and its
+        progress stamped when it generated or judged something since (the watchdog's stall clock)."""
         self._housekept = time.monotonic()
         self.store.requeue_orphans(executor_alive)
         try:
             self.writer.flush()
         except ArtifactStoreError as exc:
             log.warning("run %d: trajectory segment not stored yet (tried again): %s", self.run.id, exc.message)
-        self.report()
+        done = len(self.generated) + self.report().attempts_done
+        if done != self._done:
+            self._done = done
+            progressed(self.home, self.run.id, os.getpid())
 
     def _generate(self, generator: Generator, step: Step) -> Generation:
         started = time.monotonic()

@@ -39,7 +39,8 @@ create table if not exists executions (
     worker_pid integer,
     claims integer not null default 0,
     verdict text,                      -- JSON finetune.rl.execute.Verdict
-    lease_until real                   -- appliance.queue: the worker's claim holds until then (null: while it lives)
+    lease_until real,                  -- appliance.queue: the worker's claim holds until then (null: while it lives)
+    progress_at real                   -- appliance.queue: the claim, or its claimer's last progress since
 );
 create index if not exists executions_state on executions (state);
 create table if not exists generations (

@@ -67,6 +67,10 @@ def run_one(home: Home, settings: Settings) -> runs.Run | None:
     run = runs.claim(home, os.getpid(), worker_alive)
     if run is None:
         return None
+    if run.state in FINISHED:  # its workers died too often: the queue gave it up
+        announce_outcome("rl.run", run.state, Target(kind="rl_run", name=str(run.id)),
+                         f"run {run.id} ({run.spec.base} on {run.spec.tasks}) {run.state}: {run.message}", log)
+        return run
     log.info("run %d (%s on %s): attempt %d", run.id, run.spec.base, run.spec.tasks, run.attempts)
     while True:
         try:  # a run found cancelling (its worker died) stops at once, its trajectories kept

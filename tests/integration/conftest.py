@@ -69,6 +69,9 @@ SESSION_SETTINGS = {
     "APPLIANCE_WATCHDOG__ENGINE_STALL_S": "20",
     "APPLIANCE_WATCHDOG__CHECK_INTERVAL_S": "1",
     "APPLIANCE_WATCHDOG__BACKOFF_S": "5",
+    # test_finetune_worker: a job whose trainer makes no progress for 90 s has its worker ended (the trainer beats
+    # at each step and evaluation batch; its start on a loaded machine takes well under that).
+    "APPLIANCE_WATCHDOG__TRAINING_STALL_S": "90",
 }
 
 

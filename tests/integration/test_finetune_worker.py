@@ -1,7 +1,8 @@
 """Training jobs through the supervised finetune-worker on the session appliance: a
 submitted job trains in the training sandbox (no way out, nothing of the state dir but its job), reports progress, and
 when the worker is killed mid-training supervisord restarts it and the job resumes from its last
-checkpoint; queued and running jobs can be cancelled; bad submissions change nothing."""
+checkpoint; a job whose trainer stops making progress has its worker ended by the watchdog, audited, and resumes
+the same way; queued and running jobs can be cancelled; bad submissions change nothing."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ import psutil
 import pytest
 
 from appliance import adapters, jobs
-from tests.integration.conftest import Running
+from audit.writer import log_files
+from tests.integration.conftest import SESSION_SETTINGS, Running
 from tests.support.appliances import Appliance
 from tests.support.models import tiny_llama
 
@@ -93,6 +95,36 @@ def test_job_trains_cut_off_from_the_network_and_survives_a_killed_worker(runnin
     assert "40 steps, resumed from checkpoint-" in (job.message or "") and "gate passed" in (job.message or "")
     [record] = adapters.load(cli.home).versions("codes-job")
     assert record.state == "registered" and record.metrics.adapter_eval_loss < record.metrics.base_eval_loss
+
+
+def test_a_job_making_no_progress_has_its_worker_ended_by_the_watchdog_and_resumes(running: Running,
+                                                                                  tiny: Path) -> None:
+    cli = running.appliance
+    stall_s = float(SESSION_SETTINGS["APPLIANCE_WATCHDOG__TRAINING_STALL_S"])
+    job_id = submit(cli, tiny, "codes-stuck", steps=30)
+    wait_for("the job to leave the queue", lambda: jobs.get(cli.home, job_id).state != "queued", 900)
+    wait_for("a checkpoint", lambda: checkpointed(cli, job_id), 600,
+             lambda: f"job {job_id}: {jobs.get(cli.home, job_id)}")
+    job = jobs.get(cli.home, job_id)
+    assert job.state == "running" and job.trainer_pid and job.worker_pid
+    stuck_worker = job.worker_pid
+    sandbox = psutil.Process(job.trainer_pid)
+    for process in [sandbox, *sandbox.children(recursive=True)]:  # wedged: alive, and not a step more
+        process.send_signal(signal.SIGSTOP)
+    stopped_at = time.monotonic()
+
+    followed = cli.run("finetune", "status", str(job_id), "--follow", timeout=900)
+    assert followed.returncode == 0, followed.stdout + followed.stderr
+    assert time.monotonic() - stopped_at >= stall_s - 10, "ended only once the stall limit had passed"
+    assert not psutil.pid_exists(stuck_worker) and not psutil.pid_exists(sandbox.pid)
+    job = jobs.get(cli.home, job_id)
+    assert job.state == "succeeded" and job.attempts == 2, job
+    assert "30 steps, resumed from checkpoint-" in (job.message or "")
+    [ended] = [record for path in log_files(cli.home.audit) for line in path.read_bytes().splitlines()
+               if (record := json.loads(line))["action"] == "job.requeued" and record["target"]["name"] == str(job_id)]
+    assert ended["username"] == "watchdog" and ended["target"]["kind"] == "job"
+    assert f"finetune-worker (pid {stuck_worker}) ended" in ended["detail"], ended
+    assert re.search(r"training job \d+: no progress for \d+ s \(attempt 1\)", ended["detail"]), ended
 
 
 def test_cancel_a_queued_and_a_running_job(running: Running, tiny: Path) -> None:

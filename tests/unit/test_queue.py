@@ -17,7 +17,7 @@ import pytest
 
 from appliance import queue
 from appliance.errors import IllegalTransition, NotFound
-from appliance.queue import LEASE_COLUMN, Lifecycle, Queue, immediate
+from appliance.queue import LEASE_COLUMN, PROGRESS_COLUMN, Lifecycle, Queue, immediate
 
 
 class State(StrEnum):
@@ -153,6 +153,28 @@ def test_a_lease_runs_out_unless_its_claimer_beats(tmp_path: Path) -> None:
     assert (row(path, second)["state"], row(path, second)["message"]) == ("waiting", "could not run it")
 
 
+def test_an_item_held_without_progress_is_stuck_until_its_claimer_stamps_progress(tmp_path: Path) -> None:
+    path = tmp_path / "q.sqlite"
+    [first, second, third] = added(path, 3)
+    with transaction(path) as db:
+        for holder in (1, 2):
+            assert items().claim(db, holder) is not None
+        db.execute(f"update items set {PROGRESS_COLUMN} = {PROGRESS_COLUMN} - 100")  # claimed 100 s ago
+        assert items().progressed(db, second, 2)
+        assert not items().progressed(db, first, 2), "another's claim"
+        assert not items().progressed(db, third, 3), "not held"
+        [stuck] = items().stuck(db, idle_s=50)
+        assert (stuck.key, stuck.holder, stuck.attempts) == (first, 1, 1) and 99 < stuck.idle_s < 110
+        assert items().stuck(db, idle_s=200) == []
+        db.execute(f"update items set {PROGRESS_COLUMN} = null where id = ?", (first,))  # claimed before stamps
+        assert items().stuck(db, idle_s=50) == []
+        assert items().release(db, second, 2)
+    assert row(path, second)[PROGRESS_COLUMN] is None, "a released item's stamp goes with its claim"
+    with transaction(path) as db:
+        assert items().claim(db, 4) == second
+    assert row(path, second)[PROGRESS_COLUMN] is not None, "a claim is the first stamp"
+
+
 def test_retries_are_bounded_and_the_item_fails_saying_so(tmp_path: Path) -> None:
     path = tmp_path / "q.sqlite"
     [key] = added(path, 1)
@@ -188,7 +210,7 @@ def test_finishing_again_in_the_same_state_changes_nothing_and_another_end_is_re
     assert (ended["state"], ended["message"], ended["worker_pid"]) == ("succeeded", "succeeded", None)
 
 
-def test_a_table_made_before_leases_gains_the_column(tmp_path: Path) -> None:
+def test_a_table_made_before_leases_gains_the_columns(tmp_path: Path) -> None:
     path = tmp_path / "old.sqlite"
     with sqlite3.connect(path) as db:
         db.execute("create table items (id integer primary key, state text not null default 'waiting', "
@@ -197,6 +219,7 @@ def test_a_table_made_before_leases_gains_the_column(tmp_path: Path) -> None:
     with transaction(path) as db:
         assert items().claim(db, 1, lease_s=60) == 1
         assert row_lease(db) is not None
+        assert items().progressed(db, 1, 1)
 
 
 def row_lease(db: sqlite3.Connection) -> float | None:

@@ -12,7 +12,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from appliance import batches, jobs
 from appliance.home import Home
 from appliance.jobs import Hyperparameters
-from serve.metrics import QUEUES, QueueCollector, Reused
+from appliance.work_queues import WORK_QUEUES
+from serve.metrics import QueueCollector, Reused
 
 
 def scraped(home: Home) -> dict[tuple[str, str], float]:
@@ -51,7 +52,7 @@ def test_each_queue_reports_waiting_held_and_the_oldest_wait(home: Home) -> None
     assert figures[("appliance_queue_waiting", "rl_runs")] == 0
     assert figures[("appliance_queue_oldest_waiting_seconds", "rl_runs")] == 0  # none waits
     readable = {queue for (name, queue), value in figures.items() if name == "appliance_queue_readable" and value}
-    assert readable == set(QUEUES)
+    assert readable == {work.name for work in WORK_QUEUES}
 
 
 def test_an_unreadable_queue_says_so_and_invents_no_figures(home: Home) -> None:
