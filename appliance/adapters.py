@@ -24,6 +24,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from appliance.canary import CanaryAnalysis
 from appliance.errors import Conflict, IllegalTransition, IntegrityError, NotFound
 from appliance.home import Home
 from appliance.jobs import Hyperparameters
@@ -111,6 +112,7 @@ class Alias(BaseModel):
     stable: int | None  # the version served; None: the pool's base model
     canary: int | None = None
     canary_share: float = Field(0.0, ge=0, le=1)
+    canary_analysis: CanaryAnalysis | None = None  # None: the canary is promoted or dropped by hand
     history: list[int] = []  # versions served before `stable`, oldest first
 
 
@@ -174,21 +176,24 @@ class Registry(BaseModel):
         if alias.canary is not None and alias.canary != record.version:
             self.move(name, alias.canary, AdapterState.REGISTERED)
         alias.pool, alias.roles = pool, roles or alias.roles
-        alias.stable, alias.canary, alias.canary_share = record.version, None, 0.0
+        alias.stable, alias.canary, alias.canary_share, alias.canary_analysis = record.version, None, 0.0, None
         self.move(name, record.version, AdapterState.DEPLOYED)
         self.aliases[name] = alias
         return ServingChange(pool=pool, load=record)
 
-    def canary(self, name: str, version: int, share: float) -> ServingChange:
-        """Send `share` of the requests for `name` to `version`, the rest to the stable version."""
+    def canary(self, name: str, version: int, share: float, analysis: CanaryAnalysis | None = None) -> ServingChange:
+        """Send `share` of the requests for `name` to `version`, the rest to the stable version;
+        with `analysis`, the gateway promotes or aborts it by its numbers (appliance.canary)."""
         alias = self.alias(name)
         if version == alias.stable:
             raise Conflict(f"{name} v{version} is already the stable version")
+        if analysis is not None and alias.stable is None:
+            raise Conflict(f"{name!r} serves the base model: an analysed canary needs a stable version to compare with")
         record = self.find(name, version)
         check_move(record, AdapterState.CANARY)
         if alias.canary is not None and alias.canary != version:
             self.move(name, alias.canary, AdapterState.REGISTERED)
-        alias.canary, alias.canary_share = version, share
+        alias.canary, alias.canary_share, alias.canary_analysis = version, share, analysis
         self.move(name, version, AdapterState.CANARY)
         return ServingChange(pool=alias.pool, load=record)
 
@@ -197,7 +202,7 @@ class Registry(BaseModel):
         alias = self.alias(name)
         if alias.canary is not None:
             dropped = self.move(name, alias.canary, AdapterState.REGISTERED)
-            alias.canary, alias.canary_share = None, 0.0
+            alias.canary, alias.canary_share, alias.canary_analysis = None, 0.0, None
             return ServingChange(pool=alias.pool, unload=(dropped,))
         if alias.stable is None:
             raise Conflict(f"{name!r} already serves the base model; nothing to roll back")

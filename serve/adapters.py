@@ -14,10 +14,11 @@ and is sent again, once.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import anyio
@@ -25,12 +26,14 @@ import anyio
 from appliance import adapters
 from appliance.adapters import AdapterRecord, Alias, Registry, ServingChange, check_base
 from appliance.artifacts import ArtifactStore
+from appliance.canary import CanaryAnalysis
 from appliance.errors import ApplianceError, Conflict, IntegrityError
 from appliance.home import Home
 from appliance.model_refs import model_dir
 from appliance.records import config_sha256
 from appliance.roles import Role
 from appliance.settings import Settings
+from serve.canary import CanaryWatch, Ended
 from serve.errors import GatewayError, from_core
 from serve.replicas import Pool
 from serve.upstream import Upstreams
@@ -52,6 +55,7 @@ class AdapterRoutes:
         self._registry = Registry()
         self._stamp: int | None = None
         self._lock = asyncio.Lock()  # one change at a time
+        self.canaries = CanaryWatch()
 
     def registry(self) -> Registry:
         path = adapters.registry_path(self.home)
@@ -97,9 +101,10 @@ class AdapterRoutes:
         pool = self.upstreams.pool(pool_name or (current.pool if current else self.upstreams.pools[0].name))
         return await self._change(name, lambda registry: registry.deploy(name, version, pool.name, roles))
 
-    async def canary(self, name: str, version: int, share: float) -> Alias:
-        """Send `share` of the requests for `name` to `version`, the rest to the stable version."""
-        return await self._change(name, lambda registry: registry.canary(name, version, share))
+    async def canary(self, name: str, version: int, share: float, analysis: CanaryAnalysis | None = None) -> Alias:
+        """Send `share` of the requests for `name` to `version`, the rest to the stable version;
+        with `analysis`, judged window by window and promoted or aborted (serve.canary)."""
+        return await self._change(name, lambda registry: registry.canary(name, version, share, analysis))
 
     async def rollback(self, name: str) -> Alias:
         """Drop the canary if there is one; else serve the version served before (or the base)."""
@@ -109,6 +114,33 @@ class AdapterRoutes:
         """Retire a version that is not served, or the whole name."""
         change = await self._apply(name, lambda registry: registry.retire(name, version))
         return list(change.unload)
+
+    async def follow_canaries(self, record: Callable[[Ended, str | None], Awaitable[None]],
+                              tick_s: float = 1.0) -> None:
+        """Every `tick_s`: end the canary windows whose time is up, and promote or abort as they
+        say (only the canary that was judged: one changed meanwhile is left alone), each decision
+        recorded with the error if it could not be made."""
+        while True:
+            await anyio.sleep(tick_s)
+            for ended in self.canaries.tick(self.registry().aliases):
+                if ended.decision == "continue":
+                    continue
+                error = None
+                try:
+                    await self._apply(ended.name, functools.partial(self._decided, ended=ended))
+                except (ApplianceError, GatewayError) as exc:
+                    error = exc.message
+                    log.warning("canary %s v%d not %sd: %s", ended.name, ended.window.canary, ended.decision, error)
+                await record(ended, error)
+
+    @staticmethod
+    def _decided(registry: Registry, *, ended: Ended) -> ServingChange:
+        alias = registry.alias(ended.name)
+        if (alias.stable, alias.canary) != (ended.window.stable, ended.window.canary):
+            raise Conflict(f"{ended.name}'s canary changed while it was judged")
+        if ended.decision == "promote":
+            return registry.deploy(ended.name, ended.window.canary, alias.pool, alias.roles)
+        return registry.rollback(ended.name)
 
     async def _change(self, name: str, rule: Callable[[Registry], ServingChange]) -> Alias:
         await self._apply(name, rule)

@@ -29,6 +29,12 @@ class Answer:
     tool_calls: dict[tuple[int, int], _ToolCall] = field(default_factory=dict)  # (choice, call) -> call
     unparsed: list[str] = field(default_factory=list)
     failed: bool = False  # the engine reported an error in it (a stream's error event)
+    id: str | None = None  # the answer's id (its first event's), as its client got it
+
+    def note_id(self, answer: object) -> None:
+        """Keep the id of the answer or stream event `answer`, if none is kept yet."""
+        if self.id is None and isinstance(answer, dict) and isinstance(answer.get("id"), str):
+            self.id = answer["id"][:200]
 
     def add_choices(self, choices: object) -> str:
         """Take the text and tool calls of OpenAI `choices` (message, delta or completion text);

@@ -127,6 +127,8 @@ class Transcript:
     cache_hit_of: int | None = None  # answered from the cache: the original request's record
     batch: str | None = None  # a batch's request: "<batch id>:<line>"
     on_recorded: Callable[[int], None] | None = None  # told the sequence number of a 200's record (the cache)
+    on_finished: Callable[[int, float], None] | None = None  # told the status and latency (s) once recorded (canaries)
+    ttft_s: float | None = None  # a stream's time to its first token
 
     def end(self) -> None:
         self.ended = True
@@ -256,6 +258,8 @@ class AuditMiddleware:
         seq = await self._append(event)
         if transcript is not None and transcript.on_recorded is not None and event.status == 200:
             transcript.on_recorded(seq)
+        if transcript is not None and transcript.on_finished is not None:
+            transcript.on_finished(event.status, (event.latency_ms or 0.0) / 1000)
 
     async def _record_unfinished(self, scope: Scope, state: dict[str, Any], status: int, started: float) -> None:
         """The record of a request that never completed; if even that cannot be written, the

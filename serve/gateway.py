@@ -13,7 +13,8 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, cast
@@ -32,6 +33,7 @@ from starlette.types import Receive, Scope, Send
 from appliance.adapters import AdapterRecord
 from appliance.alerts import MONITORING_SECRET, MONITORING_USER
 from appliance.artifacts import artifact_store
+from appliance.changes import Target
 from appliance.errors import ApplianceError
 from appliance.home import Home
 from appliance.roles import Role
@@ -43,8 +45,9 @@ from audit import AuditEvent, AuditUnavailable, AuditWriter, TextHasher, archive
 from serve.adapters import AdapterRoutes, base_configs
 from serve.answer import Answer, decode_json
 from serve.api_keys import KeyAuthenticator
-from serve.audit_trail import AuditMiddleware, Transcript
+from serve.audit_trail import AuditMiddleware, Transcript, note_target
 from serve.auth import Introspector, Principal, TokenValidator
+from serve.canary import Ended
 from serve.compliance import AnswerFilter, Compliance, Marks
 from serve.deps import ChatUser
 from serve.engine import ENGINE_KEY_SECRET
@@ -58,7 +61,7 @@ from serve.middleware import AuthenticateFirst, BodyLimitMiddleware, MeterMiddle
 from serve.replicas import Pool, engine_session, pools_from_settings
 from serve.response_cache import CachedAnswer, Capture, ResponseCache, deterministic, wants
 from serve.routes import admin_routers
-from serve.schemas import ChatRequest, CompletionRequest
+from serve.schemas import ChatRequest, CompletionRequest, FeedbackRequest
 from serve.slow_clients import SlowClients
 from serve.sse_relay import relay_stream, usage_of
 from serve.summaries import Refusals, Summaries, write_due
@@ -151,6 +154,8 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
                     tasks.start_soon(_summaries_timer, writer, logins, settings.audit.refusal_interval_s)
                 if settings.audit.archive_interval_s > 0:
                     tasks.start_soon(_archive_timer, settings, home, metrics)
+                tasks.start_soon(app.state.gateway.adapters.follow_canaries,
+                                 _canary_recorder(writer, metrics))
                 # What the start made lives as long as the gateway: frozen out of the collector's
                 # full passes, which otherwise walk every module, route and model class (over
                 # 100 ms on 2 cores) in the middle of whichever request set them off.
@@ -306,6 +311,24 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
                                headers={"Retry-After": "5"})
         return {"object": "list", "data": [entry for entry in data if who.may_use(str(entry.get("id")))]}
 
+    @app.post("/v1/feedback", tags=["openai"], name="feedback.create")
+    async def feedback(request: Request, who: ChatUser, body: FeedbackRequest) -> dict[str, Any]:
+        """Report on an adapter answer you got, by its id (within the hour): whether it did the task
+        and how satisfied you were (1 to 5). A canary under analysis compares versions on them."""
+        gateway: Gateway = request.app.state.gateway
+        with gateway.limiter.admit(who.subject, who.roles):
+            canaries = gateway.adapters.canaries
+            answered = canaries.answered(body.id, who.subject)
+            if answered is None:  # another's answer is as unknown as one never given
+                raise GatewayError(404, "no adapter answer with this id was given to you in the last hour",
+                                   type="not_found_error", code="answer_not_found", param="id")
+            note_target(request, "adapter", answered.name, version=answered.version)
+            counted = canaries.report(answered, body.success, body.satisfaction)
+            outcome = "none" if body.success is None else "success" if body.success else "failure"
+            gateway.metrics.adapter_feedback.labels(answered.name, str(answered.version), outcome).inc()
+            return {"object": "feedback", "id": body.id, "adapter": answered.name, "version": answered.version,
+                    "counted": counted}
+
     @app.post("/v1/chat/completions", tags=["openai"], name="chat.completions")
     async def chat_completions(request: Request, who: ChatUser, body: ChatRequest) -> Response:
         """Chat completion, streamed (SSE) or not, relayed to the pool serving `model`."""
@@ -382,6 +405,8 @@ async def relay(request: Request, who: Principal, path: str, body: ChatRequest |
         if batch is not None:
             await gateway.upstreams.quiet(pool, gateway.settings.batch.yield_to_interactive,
                                           gateway.settings.batch.max_yield_s)
+        if adapter is not None:  # an answer from the engine (a cache hit says nothing of the version)
+            transcript.on_finished = _canary_figures(gateway, adapter, who.subject, transcript)
         return await _forward(request, gateway, pool, adapter, path, payload, transcript, admission, screen,
                               headers, keep)
     except GatewayError:
@@ -393,6 +418,17 @@ async def relay(request: Request, who: Principal, path: str, body: ChatRequest |
 
 
 KeepWhenRecorded = Callable[[list[bytes], bool, str], None]
+
+
+def _canary_figures(gateway: Gateway, adapter: AdapterRecord, subject: str,
+                    transcript: Transcript) -> Callable[[int, float], None]:
+    """What gives an adapter answer's figures to the canary analysis once its record is written."""
+    def finished(status: int, latency_s: float) -> None:
+        gateway.metrics.adapter_requests.labels(adapter.name, str(adapter.version), str(status)).inc()
+        gateway.adapters.canaries.served(adapter.name, adapter.version, subject, transcript.answer.id, status=status,
+                                         failed=transcript.answer.failed, latency_s=latency_s,
+                                         ttft_s=transcript.ttft_s)
+    return finished
 
 
 def _keeper(cache: ResponseCache, key: str, model: str, transcript: Transcript) -> KeepWhenRecorded:
@@ -476,6 +512,7 @@ async def _forward(request: Request, gateway: Gateway, pool: Pool, adapter: Adap
             answer = await anyio.to_thread.run_sync(screen.answer, answer)
             content = json.dumps(answer, separators=(",", ":")).encode()
         account.usage(*usage_of(answer))
+        transcript.answer.note_id(answer)
         if isinstance(answer, dict):
             transcript.answer.add_choices(answer.get("choices"))
         elif content:
@@ -512,7 +549,8 @@ class Accounting:
         return self.transcript.answer
 
     def first_token(self) -> None:
-        self.metrics.ttft.labels(self.pool.model).observe(time.monotonic() - self.started)
+        self.transcript.ttft_s = time.monotonic() - self.started
+        self.metrics.ttft.labels(self.pool.model).observe(self.transcript.ttft_s)
 
     def usage(self, prompt_tokens: int | None, completion_tokens: int) -> None:
         """Count and charge the tokens; prompt None (a stream cut short): the admission's estimate."""
@@ -590,6 +628,24 @@ async def _summaries_timer(writer: AuditWriter, summaries: Summaries, interval_s
     while True:
         await anyio.sleep(interval_s)
         await anyio.to_thread.run_sync(write_due, writer, summaries)
+
+
+def _canary_recorder(writer: AuditWriter, metrics: Metrics) -> Callable[[Ended, str | None], Awaitable[None]]:
+    """What records a canary analysis's decision: an audit record of the gateway naming the
+    adapter and the canary version, with the figures of both versions (or why it failed)."""
+    async def record(ended: Ended, error: str | None) -> None:
+        metrics.canary_decisions.labels(ended.decision if error is None else "failed").inc()
+        event = AuditEvent(request_id=uuid.uuid4().hex, action=f"adapters.canary_{ended.decision}",
+                           outcome="allowed" if error is None else "error", status=200 if error is None else 500,
+                           subject="canary-analysis", username="canary-analysis", client="gateway", source="local",
+                           resource="gateway", target=Target(kind="adapter", name=ended.name,
+                                                             version=ended.window.canary),
+                           detail=ended.detail(), error=error)
+        try:
+            await anyio.to_thread.run_sync(writer.append, event)
+        except AuditUnavailable:
+            log.error("canary decision not recorded (the audit log is unwritable): %s", ended.detail())
+    return record
 
 
 async def _checkpoint_timer(writer: AuditWriter, interval_s: float) -> None:

@@ -55,6 +55,14 @@ class Metrics:
         self.tier_requests = Counter("gateway_tier_requests_total", "Requests routed to each tier of a model, by "
                                      "how the tier was chosen (named, policy, adapter).", ["model", "tier", "how"],
                                      registry=self.registry)
+        self.adapter_requests = Counter("gateway_adapter_requests_total", "Answers of each adapter version from the "
+                                        "engine, by status (canary analysis compares versions on them).",
+                                        ["adapter", "version", "status"], registry=self.registry)
+        self.adapter_feedback = Counter("gateway_adapter_feedback_total", "Clients' outcome reports on adapter "
+                                        "answers (success, failure, none), by version.",
+                                        ["adapter", "version", "outcome"], registry=self.registry)
+        self.canary_decisions = Counter("gateway_canary_decisions_total", "Canaries promoted or aborted by their "
+                                        "analysis.", ["decision"], registry=self.registry)
         self.cache = Counter("gateway_cache_requests_total", "Cacheable requests by outcome (hit, miss, bypass).",
                              ["outcome"], registry=self.registry)
         self.cache_entries = Gauge("gateway_cache_entries", "Answers held by the response cache.",

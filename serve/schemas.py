@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
 
 from appliance.choices import prompt_count
 from appliance.settings import RoleLimits
@@ -230,3 +230,20 @@ def _over_cap(field: str, asked: int, cap: int) -> GatewayError:
 def _over_context(field: str, asked: int, context: int) -> GatewayError:
     return GatewayError(400, f"'{field}' is {asked}; the model's context is {context} tokens (prompt and "
                         "completion together)", code="over_limit", param=field)
+
+
+class FeedbackRequest(BaseModel):
+    """A client's report on an adapter answer it got (POST /v1/feedback): the task's outcome, its
+    satisfaction, or both."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: StrictStr = Field(min_length=1, max_length=200, description="The answer's `id`, as the client got it.")
+    success: StrictBool | None = Field(None, description="Whether the answer did the task.")
+    satisfaction: StrictInt | None = Field(None, ge=1, le=5, description="1 (worst) to 5 (best).")
+
+    @model_validator(mode="after")
+    def _something(self) -> FeedbackRequest:
+        if self.success is None and self.satisfaction is None:
+            raise ValueError("give success, satisfaction or both")
+        return self

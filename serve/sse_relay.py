@@ -115,6 +115,7 @@ async def relay_stream(response: aiohttp.ClientResponse, listener: StreamListene
                     lines[-1], rewritten = _event_line(event), True
                 if screen is not None:
                     lines[-1] = _event_line(screen.event(event))  # changed in place
+                answer.note_id(event)
                 if answer.add_choices(event.get("choices")):
                     text_chunks += 1
                     if first:

@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from appliance.adapters import AdapterRecord, Alias, Registry
+from appliance.canary import parse_analysis
 from appliance.commands.common import AsJson, admin_api, print_json
 
 adapters_app = typer.Typer(help="LoRA adapters: list, deploy into the running engine, canary, roll back, retire "
@@ -54,11 +55,39 @@ def adapters_canary(
     name: Annotated[str, typer.Argument(help="Adapter name.")],
     version: Annotated[int, typer.Option(min=1, help="The version to try.")],
     share: Annotated[float, typer.Option(min=0, max=1, help="Fraction of requests it gets, e.g. 0.1.")],
+    analysis: Annotated[str | None, typer.Option(
+        help="Promote or abort it by its numbers against the stable version: key=value pairs joined by commas, "
+             "e.g. window_s=60,windows=3,min_requests=20 (docs/operate/adapters.md names them all).")] = None,
 ) -> None:
     """Send a share of the name's requests to another version."""
-    answer = admin_api("POST", f"/adapters/{name}/canary", json={"version": version, "share": share})
+    policy = parse_analysis(analysis) if analysis is not None else None
+    answer = admin_api("POST", f"/adapters/{name}/canary",
+                       json={"version": version, "share": share,
+                             "analysis": policy.model_dump() if policy is not None else None})
     alias = Alias.model_validate(answer)
     out.print(f"{name}: v{alias.canary} gets {alias.canary_share:.0%} of requests, v{alias.stable} the rest")
+    if alias.canary_analysis is not None:
+        judged = alias.canary_analysis
+        out.print(f"judged every {judged.window_s} s: promoted after {judged.windows} passing windows, aborted by "
+                  f"any failing one (`appliance adapters show-canary {name}` shows it)")
+
+
+@adapters_app.command("show-canary")
+def adapters_show_canary(name: Annotated[str, typer.Argument(help="Adapter name.")], as_json: AsJson = False) -> None:
+    """The analysis of a canary as it runs: both versions' figures in the current window."""
+    status = admin_api("GET", f"/adapters/{name}/canary")
+    if as_json:
+        print_json(status)
+        return
+    out.print(f"{name}: v{status['canary']} against v{status['stable']}, {status['passed_windows']} passing windows "
+              f"so far, {status['window_left_s']:.0f} s left in this one")
+    table = Table("version", "requests", "error rate", "latency p50 (s)", "ttft p50 (s)", "success", "satisfaction")
+    for role in ("stable", "canary"):
+        figures = status[f"{role}_figures"]
+        table.add_row(f"v{status[role]} ({role})", *(("-" if figures[key] is None else str(figures[key]))
+                                                     for key in ("requests", "error_rate", "latency_p50_s",
+                                                                 "ttft_p50_s", "success_rate", "satisfaction")))
+    out.print(table)
 
 
 @adapters_app.command("rollback")

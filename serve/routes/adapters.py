@@ -8,10 +8,12 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, Field
 
 from appliance.adapters import AdapterRecord, Alias, Registry
+from appliance.canary import CanaryAnalysis
 from appliance.roles import Role
 from serve.adapters import AdapterRoutes
 from serve.audit_trail import MONITORING, note_target
 from serve.deps import requires
+from serve.errors import GatewayError
 
 
 class DeployRequest(BaseModel):
@@ -24,6 +26,8 @@ class DeployRequest(BaseModel):
 class CanaryRequest(BaseModel):
     version: int = Field(ge=1)
     share: float = Field(gt=0, lt=1, description="Fraction of the name's requests sent to this version.")
+    analysis: CanaryAnalysis | None = Field(None, description="Judge the canary against the stable version window "
+                                            "by window, and promote or abort it by itself (unset: by hand).")
 
 
 class RetireRequest(BaseModel):
@@ -55,7 +59,17 @@ def router() -> APIRouter:
     async def canary_adapter(request: Request, name: str, canary: CanaryRequest) -> Alias:
         """Send a share of `name`'s requests to another version."""
         note_target(request, "adapter", name, version=canary.version)
-        return await _adapters(request).canary(name, canary.version, canary.share)
+        return await _adapters(request).canary(name, canary.version, canary.share, canary.analysis)
+
+    @routes.get("/adapters/{name}/canary", name="adapters.canary.read", openapi_extra=MONITORING)
+    def canary_status(request: Request, name: str) -> dict[str, object]:
+        """The analysis of `name`'s canary as it runs: both versions' figures in the current window,
+        and the passing windows before it."""
+        status = _adapters(request).canaries.status(name)
+        if status is None:
+            raise GatewayError(404, f"adapter {name!r} has no canary under analysis", type="not_found_error",
+                               code="no_canary_analysis")
+        return status
 
     @routes.post("/adapters/{name}/rollback", response_model=Alias, name="adapters.rollback")
     async def rollback_adapter(request: Request, name: str) -> Alias:

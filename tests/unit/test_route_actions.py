@@ -44,7 +44,8 @@ def test_no_state_changing_route_is_recorded_as_a_read(home: Home) -> None:
 def test_reads_of_users_settings_and_the_audit_log_are_each_recorded(home: Home) -> None:
     summarised = {r.path for r in audited_routes(home) if r.openapi_extra == MONITORING}
     assert summarised == {"/admin/services", "/admin/system", "/admin/pools", "/admin/plans", "/admin/jobs",
-                          "/admin/adapters", "/admin/rl/tasksets", "/admin/rl/runs", "/admin/rl/exports",
+                          "/admin/adapters", "/admin/adapters/{name}/canary", "/admin/rl/tasksets", "/admin/rl/runs",
+                          "/admin/rl/exports",
                           "/admin/rl/exports/{export_id}", "/admin/routing", "/admin/cache", "/admin/batches",
                           "/admin/alerts"}
 

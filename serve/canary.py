@@ -1,0 +1,154 @@
+"""The gateway's side of canary analysis (appliance.canary): each adapter answer's figures gathered
+per version into the current window of its name, clients' outcome reports (POST /v1/feedback)
+matched to the answer they judge, and, when a window ends, the verdict acted on: the canary
+promoted or aborted through the adapter routes, each decision an audit record with its figures.
+
+Figures live in memory: a gateway that restarts starts a fresh window (the analysis itself is kept
+with the alias). Only answers the gateway relayed count, and 4xx (a client's fault, a limit) do
+not: they say nothing of the version."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from appliance.adapters import Alias
+from appliance.canary import CanaryAnalysis, Decision, WindowFigures, WindowVerdict, decide, judge
+
+MAX_ANSWERS = 100_000  # answers kept for outcome reports, newest last
+ANSWER_TTL_S = 3600.0  # an outcome can be reported this long after its answer
+
+
+@dataclass(frozen=True)
+class Answered:
+    name: str
+    version: int
+    subject: str
+    at: float
+
+
+@dataclass
+class Window:
+    """The current window of one adapter name with an analysed canary."""
+
+    stable: int
+    canary: int
+    policy: CanaryAnalysis
+    started: float
+    passed: int = 0  # passing windows in a row before this one
+    figures: dict[int, WindowFigures] = field(default_factory=dict)
+
+    def of(self, version: int) -> WindowFigures | None:
+        if version not in (self.stable, self.canary):
+            return None
+        return self.figures.setdefault(version, WindowFigures())
+
+    def status(self, now: float) -> dict[str, object]:
+        """What the admin API and the TUI show of the analysis as it runs."""
+        return {"stable": self.stable, "canary": self.canary, "policy": self.policy.model_dump(),
+                "passed_windows": self.passed, "window_left_s": round(max(0.0, self.started + self.policy.window_s
+                                                                           - now), 1),
+                "stable_figures": (self.of(self.stable) or WindowFigures()).summary(),
+                "canary_figures": (self.of(self.canary) or WindowFigures()).summary()}
+
+
+@dataclass(frozen=True)
+class Ended:
+    """A window that ended, and what follows it."""
+
+    name: str
+    window: Window
+    verdict: WindowVerdict
+    decision: Decision
+
+    def detail(self) -> str:
+        """The decision with its figures, for the audit record."""
+        stable, canary = self.window.of(self.window.stable), self.window.of(self.window.canary)
+        figures = {"stable": stable.summary() if stable else None, "canary": canary.summary() if canary else None}
+        why = "; ".join(self.verdict.failures) or f"{self.window.passed + 1} passing windows of " \
+                                                     f"{self.window.policy.window_s} s"
+        done = {"promote": "promoted", "abort": "aborted", "continue": "kept"}[self.decision]
+        return (f"{self.name} v{self.window.canary} {done} against v{self.window.stable}: {why}; figures "
+                f"{json.dumps(figures, separators=(',', ':'))}")
+
+
+class CanaryWatch:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._windows: dict[str, Window] = {}
+        self._answers: OrderedDict[str, Answered] = OrderedDict()
+
+    def served(self, name: str, version: int, subject: str, answer_id: str | None, *, status: int, failed: bool,
+               latency_s: float, ttft_s: float | None) -> None:
+        """An adapter version's answer, as its audit record was written."""
+        if 400 <= status < 500:
+            return
+        with self._lock:
+            now = self.clock()
+            window = self._windows.get(name)
+            figures = window.of(version) if window is not None else None
+            if figures is not None:
+                figures.add(error=status >= 500 or failed, latency_s=latency_s, ttft_s=ttft_s)
+            if answer_id and status < 400:
+                self._answers[answer_id] = Answered(name, version, subject, now)
+                self._answers.move_to_end(answer_id)
+                while len(self._answers) > MAX_ANSWERS:
+                    self._answers.popitem(last=False)
+
+    def answered(self, answer_id: str, subject: str) -> Answered | None:
+        """The adapter answer `answer_id` given to `subject` within ANSWER_TTL_S, if any."""
+        with self._lock:
+            found = self._answers.get(answer_id)
+            if found is None or found.subject != subject or self.clock() - found.at > ANSWER_TTL_S:
+                return None
+            return found
+
+    def report(self, answered: Answered, success: bool | None, satisfaction: int | None) -> bool:
+        """A client's outcome report on an answer; whether an analysis running now counted it."""
+        with self._lock:
+            window = self._windows.get(answered.name)
+            figures = window.of(answered.version) if window is not None else None
+            if figures is None:
+                return False
+            figures.report(success, satisfaction)
+            return True
+
+    def tick(self, aliases: dict[str, Alias]) -> list[Ended]:
+        """Follow the aliases (a canary begun, changed or gone starts or drops its window) and end
+        the windows whose time is up: each judged, with what follows."""
+        ended = []
+        with self._lock:
+            now = self.clock()
+            for name, old in list(self._windows.items()):
+                alias = aliases.get(name)
+                if alias is None or (alias.stable, alias.canary, alias.canary_analysis) != \
+                        (old.stable, old.canary, old.policy):
+                    del self._windows[name]
+            for name, alias in aliases.items():
+                if alias.canary is None or alias.stable is None or alias.canary_analysis is None:
+                    continue
+                if name not in self._windows:
+                    self._windows[name] = Window(alias.stable, alias.canary, alias.canary_analysis, now)
+                    continue
+                window = self._windows[name]
+                if now - window.started < window.policy.window_s:
+                    continue
+                verdict = judge(window.policy, window.of(window.stable) or WindowFigures(),
+                                window.of(window.canary) or WindowFigures())
+                decision, passed = decide(window.policy, window.passed, verdict)
+                ended.append(Ended(name, window, verdict, decision))
+                if decision == "continue":
+                    self._windows[name] = Window(window.stable, window.canary, window.policy, now, passed)
+                else:
+                    del self._windows[name]  # the alias changes next; a new canary starts afresh
+        return ended
+
+    def status(self, name: str) -> dict[str, object] | None:
+        with self._lock:
+            window = self._windows.get(name)
+            return None if window is None else window.status(self.clock())

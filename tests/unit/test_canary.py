@@ -1,0 +1,143 @@
+"""Canary analysis: the judgement of one window (appliance.canary), what follows it, the policy as
+the CLI reads it, and the gateway's gathering of figures and outcome reports on a clock of the
+test's own (serve.canary)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from appliance.adapters import Alias
+from appliance.canary import CanaryAnalysis, WindowFigures, WindowVerdict, decide, judge, parse_analysis
+from appliance.errors import Invalid
+from serve.canary import ANSWER_TTL_S, CanaryWatch
+
+POLICY = CanaryAnalysis(window_s=10, windows=2, min_requests=5, min_feedback=4, max_success_drop=0.2)
+
+
+def figures(requests: int, *, errors: int = 0, latency_s: float = 1.0, ttft_s: float | None = None,
+            successes: int = 0, failures: int = 0, satisfaction: tuple[int, ...] = ()) -> WindowFigures:
+    found = WindowFigures()
+    for n in range(requests):
+        found.add(error=n < errors, latency_s=latency_s, ttft_s=ttft_s)
+    for n in range(successes + failures):
+        found.report(n < successes, None)
+    for score in satisfaction:
+        found.report(None, score)
+    return found
+
+
+def test_a_window_with_too_few_requests_on_either_side_counts_neither_way() -> None:
+    assert judge(POLICY, figures(100), figures(4)) == WindowVerdict(counted=False, failures=())
+    assert judge(POLICY, figures(4), figures(100, errors=100)).counted is False
+    assert decide(POLICY, 1, WindowVerdict(counted=False, failures=())) == ("continue", 1)
+
+
+def test_each_metric_worse_than_allowed_fails_the_window_naming_it() -> None:
+    stable = figures(20, errors=0, latency_s=1.0, ttft_s=0.2, successes=9, failures=1, satisfaction=(5, 5, 4, 5))
+    assert judge(POLICY, stable, figures(20, latency_s=1.4, ttft_s=0.25, successes=8, failures=2,
+                                         satisfaction=(5, 4, 4, 5))).failures == ()
+    [errors] = judge(POLICY, stable, figures(20, errors=2)).failures
+    assert errors == "error rate 10.0% vs 0.0% (allowed +2.0%)"
+    [latency] = judge(POLICY, stable, figures(20, latency_s=2.0)).failures
+    assert latency == "median latency 2.000 s vs 1.000 s (2.00 x, allowed 1.5 x)"
+    [ttft] = judge(POLICY, stable, figures(20, ttft_s=0.5)).failures
+    assert ttft.startswith("median time to first token 0.500 s vs 0.200 s")
+    [success] = judge(POLICY, stable, figures(20, successes=2, failures=8)).failures
+    assert success == "success rate 20% vs 90% (allowed -20%)"
+    [satisfied] = judge(POLICY, stable, figures(20, satisfaction=(2, 3, 2, 2))).failures
+    assert satisfied == "satisfaction 2.25 vs 4.75 (allowed -0.5)"
+    assert judge(POLICY, stable, figures(20, successes=0, failures=3)).failures == (), "too few reports to compare"
+
+
+def test_passing_windows_in_a_row_promote_and_one_failing_aborts() -> None:
+    passing, failing = WindowVerdict(True, ()), WindowVerdict(True, ("error rate",))
+    assert decide(POLICY, 0, passing) == ("continue", 1)
+    assert decide(POLICY, 1, passing) == ("promote", 2)
+    assert decide(POLICY, 1, failing) == ("abort", 0)
+
+
+@given(stable=st.lists(st.floats(0.01, 100), min_size=5, max_size=30),
+       canary=st.lists(st.floats(0.01, 100), min_size=5, max_size=30),
+       errors=st.integers(0, 5), canary_errors=st.integers(0, 5))
+def test_a_canary_no_worse_than_stable_never_fails(stable: list[float], canary: list[float], errors: int,
+                                                   canary_errors: int) -> None:
+    same = WindowFigures(requests=len(stable), errors=min(errors, len(stable)), latencies_s=stable)
+    copy = WindowFigures(requests=len(stable), errors=min(errors, len(stable)), latencies_s=list(stable))
+    assert judge(POLICY, same, copy).failures == ()
+    other = WindowFigures(requests=len(canary), errors=min(canary_errors, len(canary)), latencies_s=canary)
+    verdict = judge(POLICY, same, other)
+    assert verdict.counted and all(isinstance(reason, str) and reason for reason in verdict.failures)
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("windows", "'windows' is not key=value"),
+    ("windows=3,windows=4", "windows is given twice"),
+    ("window_s=1", "window_s: Input should be greater than or equal to 5"),
+    ("max_success_drop=lots", "max_success_drop: Input should be a valid number"),
+    ("colour=blue", "colour: Extra inputs are not permitted"),
+    ("windows=3,", "'' is not key=value"),
+])
+def test_a_bad_policy_is_refused_naming_the_item_or_field(text: str, message: str) -> None:
+    with pytest.raises(Invalid, match="--analysis") as refused:
+        parse_analysis(text)
+    assert message in refused.value.message and "window_s" in (refused.value.hint or "")
+
+
+def test_a_policy_from_the_command_line() -> None:
+    assert parse_analysis(" window_s = 30, windows=2,max_success_drop=0.25") == CanaryAnalysis(
+        window_s=30, windows=2, max_success_drop=0.25)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def alias(canary: int | None = 2, analysis: CanaryAnalysis | None = POLICY) -> Alias:
+    return Alias(pool="main", roles=["user"], stable=1, canary=canary, canary_share=0.5, canary_analysis=analysis)
+
+
+def test_the_gateway_gathers_each_versions_figures_and_acts_when_a_window_ends() -> None:
+    clock = Clock()
+    watch = CanaryWatch(clock)
+    assert watch.tick({"codeword": alias()}) == [] and watch.status("codeword") is not None  # a window begins
+    for n in range(6):
+        watch.served("codeword", 1, "olga", f"stable-{n}", status=200, failed=False, latency_s=1.0, ttft_s=None)
+        watch.served("codeword", 2, "olga", f"canary-{n}", status=200, failed=False, latency_s=1.0, ttft_s=None)
+    watch.served("codeword", 2, "olga", "refused", status=429, failed=False, latency_s=0.0, ttft_s=None)
+    watch.served("codeword", 3, "olga", "other", status=200, failed=False, latency_s=9.0, ttft_s=None)
+    for n in range(6):  # the canary's answers are wrong, its clients say
+        for version in ("stable", "canary"):
+            answered = watch.answered(f"{version}-{n}", "olga")
+            assert answered is not None and watch.report(answered, version == "stable", None)
+    assert watch.answered("stable-0", "mallory") is None, "another's answer is unknown to them"
+    status = watch.status("codeword")
+    assert status is not None and status["canary_figures"] == {
+        "requests": 6, "error_rate": 0.0, "latency_p50_s": 1.0, "ttft_p50_s": None, "success_rate": 0.0,
+        "satisfaction": None}
+    clock.now = 9.0
+    assert watch.tick({"codeword": alias()}) == []
+    clock.now = 10.0
+    [ended] = watch.tick({"codeword": alias()})
+    assert ended.decision == "abort" and ended.verdict.failures == ("success rate 0% vs 100% (allowed -20%)",)
+    assert "codeword v2 aborted against v1: success rate 0% vs 100%" in ended.detail()
+    assert '"canary":{"requests":6' in ended.detail()
+
+
+def test_a_changed_or_dropped_canary_starts_afresh_and_old_answers_expire() -> None:
+    clock = Clock()
+    watch = CanaryWatch(clock)
+    watch.tick({"codeword": alias()})
+    watch.served("codeword", 2, "olga", "a", status=500, failed=False, latency_s=1.0, ttft_s=None)
+    watch.tick({"codeword": alias(canary=3)})  # another canary: the window starts over
+    status = watch.status("codeword")
+    assert status is not None and status["canary"] == 3 and status["canary_figures"]["requests"] == 0  # type: ignore[index]
+    watch.tick({"codeword": alias(analysis=None)})
+    assert watch.status("codeword") is None
+    clock.now = ANSWER_TTL_S + 1
+    assert watch.answered("a", "olga") is None
