@@ -112,12 +112,18 @@ class AdminClient:
         return (await asyncio.to_thread(self._token)).username
 
     async def metrics_text(self) -> str:
-        """The gateway's Prometheus exposition (no login needed)."""
+        """The gateway's Prometheus exposition (an administrator's login)."""
+        token = await asyncio.to_thread(self._token)
         try:
-            response = await self._async_http().get("/metrics")
-            response.raise_for_status()
+            response = await self._async_http().get("/metrics",
+                                                    headers={"Authorization": f"Bearer {token.access_token}"})
         except httpx.HTTPError as exc:
             raise self._unreachable(exc) from exc
+        if response.status_code == 401:
+            raise NotLoggedIn("the gateway refused the login (expired or revoked)",
+                              hint="log in again: `appliance token`")
+        if response.status_code != 200:
+            raise Refused(response.status_code, response.text[:300], "GET /metrics", hint=_who(token))
         return response.text
 
     async def close(self) -> None:

@@ -79,9 +79,11 @@ def prometheus_config(settings: Settings, home: Home) -> dict[str, Any]:
     monitoring, interval = settings.monitoring, f"{settings.monitoring.scrape_interval_s}s"
     scheme, target = gateway_url(settings).split("://", 1)
     at_gateway: list[dict[str, Any]] = [
-        {"job_name": "gateway", "scheme": scheme, "static_configs": [{"targets": [target]}]},
+        {"job_name": "gateway", "scheme": scheme, "basic_auth": _client(home)["basic_auth"],
+         "static_configs": [{"targets": [target]}]},
         # The engines' own metrics, relayed by the gateway (they listen on Unix sockets only) to
-        # the monitoring password only; bounded, and nothing but the engines' own families kept.
+        # the monitoring password only, as the gateway's are; bounded, and nothing but the engines'
+        # own families kept.
         {"job_name": "engines", "scheme": scheme, "metrics_path": "/metrics/engines",
          "basic_auth": _client(home)["basic_auth"], "static_configs": [{"targets": [target]}],
          "sample_limit": 200_000, "body_size_limit": "64MB", "label_limit": 16, "label_value_length_limit": 256,

@@ -14,10 +14,11 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from appliance.adapters import Alias
 from appliance.canary import CanaryAnalysis, Decision, WindowFigures, WindowVerdict, decide, judge
+from appliance.errors import Conflict, NotFound
 
 MAX_ANSWERS = 100_000  # answers kept for outcome reports, newest last
 ANSWER_TTL_S = 3600.0  # an outcome can be reported this long after its answer
@@ -29,6 +30,7 @@ class Answered:
     version: int
     subject: str
     at: float
+    reported: bool = False
 
 
 @dataclass
@@ -100,23 +102,23 @@ class CanaryWatch:
                 while len(self._answers) > MAX_ANSWERS:
                     self._answers.popitem(last=False)
 
-    def answered(self, answer_id: str, subject: str) -> Answered | None:
-        """The adapter answer `answer_id` given to `subject` within ANSWER_TTL_S, if any."""
+    def report(self, answer_id: str, subject: str, success: bool | None,
+               satisfaction: int | None) -> tuple[Answered, bool]:
+        """A client's outcome report on the adapter answer `answer_id` it got within ANSWER_TTL_S:
+        the answer, and whether an analysis running now counted the report. NotFound for an answer
+        unknown, too old or another's; Conflict for a second report on one answer (one vote each)."""
         with self._lock:
             found = self._answers.get(answer_id)
             if found is None or found.subject != subject or self.clock() - found.at > ANSWER_TTL_S:
-                return None
-            return found
-
-    def report(self, answered: Answered, success: bool | None, satisfaction: int | None) -> bool:
-        """A client's outcome report on an answer; whether an analysis running now counted it."""
-        with self._lock:
-            window = self._windows.get(answered.name)
-            figures = window.of(answered.version) if window is not None else None
-            if figures is None:
-                return False
-            figures.report(success, satisfaction)
-            return True
+                raise NotFound("no adapter answer with this id was given to you in the last hour")
+            if found.reported:
+                raise Conflict("this answer has already been reported on")
+            self._answers[answer_id] = replace(found, reported=True)
+            window = self._windows.get(found.name)
+            figures = window.of(found.version) if window is not None else None
+            if figures is not None:
+                figures.report(success, satisfaction)
+            return found, figures is not None
 
     def tick(self, aliases: dict[str, Alias]) -> list[Ended]:
         """Follow the aliases (a canary begun, changed or gone starts or drops its window) and end

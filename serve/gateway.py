@@ -32,9 +32,10 @@ from starlette.types import Receive, Scope, Send
 
 from appliance.adapters import AdapterRecord
 from appliance.alerts import MONITORING_SECRET, MONITORING_USER
+from appliance.api_keys import looks_like_key
 from appliance.artifacts import artifact_store
 from appliance.changes import Target
-from appliance.errors import ApplianceError
+from appliance.errors import ApplianceError, Conflict, NotFound
 from appliance.home import Home
 from appliance.roles import Role
 from appliance.secrets import gateway_client_secret, secret
@@ -51,12 +52,12 @@ from serve.canary import Ended
 from serve.compliance import AnswerFilter, Compliance, Marks
 from serve.deps import ChatUser
 from serve.engine import ENGINE_KEY_SECRET
-from serve.errors import GatewayError, ModelNotFound, from_core, validation_error
+from serve.errors import AuthError, GatewayError, ModelNotFound, from_core, validation_error
 from serve.identity_proxy import IdentityProxy
 from serve.identity_proxy import router as identity_router
 from serve.keycloak_events import KeycloakEvents
 from serve.limits import Admission, RateLimiter
-from serve.metrics import GpuCollector, Metrics, QueueCollector, Reused, StateCollector
+from serve.metrics import ClusterCollector, GpuCollector, Metrics, QueueCollector, Reused, StateCollector
 from serve.middleware import AuthenticateFirst, BodyLimitMiddleware, MeterMiddleware, RequestTooLarge
 from serve.replicas import Pool, engine_session, pools_from_settings
 from serve.response_cache import CachedAnswer, Capture, ResponseCache, deterministic, wants
@@ -176,6 +177,7 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
                          max_file_bytes=audit.max_file_bytes)
     metrics.registry.register(StateCollector(home, writer, settings.gateway.certificate))
     metrics.registry.register(Reused(QueueCollector(home)))
+    metrics.registry.register(ClusterCollector(home))
     metrics.registry.register(Reused(GpuCollector(home, settings.monitoring.nvml_library)))
     app = FastAPI(title="appliance gateway", version="1", lifespan=lifespan)
     app.state.audit = writer
@@ -270,16 +272,21 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
     # and a flood of scrapes must not take the threads the rest of the gateway works in.
     scrapes = anyio.CapacityLimiter(1)
 
-    @app.get("/metrics", tags=["health"], response_class=Response)
-    async def prometheus(request: Request) -> Response:
-        """Prometheus metrics of the gateway."""
-        body = await anyio.to_thread.run_sync(generate_latest, request.app.state.gateway.metrics.registry,
-                                              limiter=scrapes)
-        return Response(body, media_type=CONTENT_TYPE_LATEST)
-
     # What the appliance's Prometheus sends: the monitoring password (appliance.alerts).
     monitoring_credential = "Basic " + base64.b64encode(
         f"{MONITORING_USER}:{secret(home, MONITORING_SECRET)}".encode()).decode()
+
+    @app.get("/metrics", tags=["health"], response_class=Response)
+    async def prometheus(request: Request) -> Response:
+        """Prometheus metrics of the gateway, for the monitoring password (the appliance's own
+        Prometheus, or yours) or an administrator's token (the TUI): they name GPUs, queues and
+        adapters."""
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(errors="replace"), monitoring_credential.encode()):
+            await administrator(request, given)
+        body = await anyio.to_thread.run_sync(generate_latest, request.app.state.gateway.metrics.registry,
+                                              limiter=scrapes)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/metrics/engines", tags=["health"], response_class=Response)
     async def engines_prometheus(request: Request) -> Response:
@@ -317,13 +324,15 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
         and how satisfied you were (1 to 5). A canary under analysis compares versions on them."""
         gateway: Gateway = request.app.state.gateway
         with gateway.limiter.admit(who.subject, who.roles):
-            canaries = gateway.adapters.canaries
-            answered = canaries.answered(body.id, who.subject)
-            if answered is None:  # another's answer is as unknown as one never given
-                raise GatewayError(404, "no adapter answer with this id was given to you in the last hour",
-                                   type="not_found_error", code="answer_not_found", param="id")
+            try:  # another's answer is as unknown as one never given
+                answered, counted = gateway.adapters.canaries.report(body.id, who.subject, body.success,
+                                                                     body.satisfaction)
+            except NotFound as exc:
+                raise GatewayError(404, exc.message, type="not_found_error", code="answer_not_found",
+                                   param="id") from None
+            except Conflict as exc:
+                raise GatewayError(409, exc.message, code="already_reported", param="id") from None
             note_target(request, "adapter", answered.name, version=answered.version)
-            counted = canaries.report(answered, body.success, body.satisfaction)
             outcome = "none" if body.success is None else "success" if body.success else "failure"
             gateway.metrics.adapter_feedback.labels(answered.name, str(answered.version), outcome).inc()
             return {"object": "feedback", "id": body.id, "adapter": answered.name, "version": answered.version,
@@ -343,6 +352,23 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
     for router in [*admin_routers(settings, home), identity_router(settings)]:
         app.include_router(router)
     return app
+
+
+async def administrator(request: Request, authorization: str) -> Principal:
+    """The caller of a route outside /admin that only administrators may use, from a bearer token
+    (never an API key): AuthError (401, 403) otherwise, counted like any refused token."""
+    gateway: Gateway = request.app.state.gateway
+    try:
+        if looks_like_key(authorization.partition(" ")[2].strip()):
+            raise AuthError("key_not_allowed", "API keys cannot read the gateway's metrics; use the monitoring "
+                            "password or an administrator's login", status=403)
+        who = await gateway.validator.validate(authorization or None)
+        if Role.ADMIN not in who.roles:
+            raise AuthError("missing_role", "the 'admin' role is required", status=403)
+    except AuthError as exc:
+        gateway.metrics.auth_failures.labels(exc.reason).inc()
+        raise
+    return who
 
 
 async def relay(request: Request, who: Principal, path: str, body: ChatRequest | CompletionRequest) -> Response:

@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 
 from appliance.errors import ApplianceError
 from appliance.home import Home
+from appliance.hosts import cluster_state_file, read_cluster_state
 from appliance.lifecycle import started_programs
 from appliance.tls import tls_dir
 from appliance.usage import SLOWDOWNS, gpu_usage
@@ -120,6 +121,38 @@ class StateCollector(Collector):
             yield path.stem, path
         if self.organisation_certificate is not None:
             yield "gateway-organisation", self.organisation_certificate
+
+
+class ClusterCollector(Collector):
+    """Read at each scrape: each pool spanning hosts as its controller last wrote it
+    (appliance.hosts): whether it serves, and each worker host's rank: whether it runs and how long
+    since its last heartbeat (the age the controller wrote, plus the time since it wrote it, so a
+    controller that stopped writing does not freeze the age). A host never heard from has no age."""
+
+    def __init__(self, home: Home) -> None:
+        self.home = home
+
+    def collect(self) -> Iterator[Metric]:
+        ready = GaugeMetricFamily("appliance_cluster_pool_ready", "Whether a pool spanning hosts serves.",
+                                  labels=["pool"])
+        running = GaugeMetricFamily("appliance_cluster_rank_running", "Whether a worker host's rank of a pool "
+                                    "runs, as it last reported.", labels=["pool", "host"])
+        age = GaugeMetricFamily("appliance_cluster_heartbeat_age_seconds", "Since a worker host's last heartbeat "
+                                "for a pool.", labels=["pool", "host"])
+        for path in sorted(cluster_state_file(self.home, "-").parent.glob("*.json")):
+            state = read_cluster_state(path)
+            try:
+                written_s_ago = max(0.0, time.time() - path.stat().st_mtime)
+            except OSError:
+                continue
+            if state is None:
+                continue
+            ready.add_metric([state.pool], float(state.ready))
+            for rank in state.ranks[1:]:  # the first is the head's own
+                running.add_metric([state.pool, rank.host], float(rank.running))
+                if rank.seen_s_ago is not None:
+                    age.add_metric([state.pool, rank.host], rank.seen_s_ago + written_s_ago)
+        yield from (ready, running, age)
 
 
 class Reused(Collector):

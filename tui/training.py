@@ -5,26 +5,45 @@ offered only on a row it applies to."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.widgets import DataTable, Label
 
 from appliance.adapters import AdapterMetrics, AdapterRecord, AdapterState, Alias, Registry
+from appliance.admin_client import Refused
 from appliance.jobs import JobReport, JobState
 from tui.dialogs import Field, Form
 from tui.panel import Panel, clip, duration
 
 
-def served(name: str, version: int, aliases: dict[str, Alias]) -> str:
+def served(name: str, version: int, aliases: dict[str, Alias],
+           analyses: dict[str, dict[str, Any]] | None = None) -> str:
     alias = aliases.get(name)
     if alias is None:
         return ""
     if alias.stable == version:
         return "stable"
     if alias.canary == version:
-        return f"canary {alias.canary_share:.0%}"
+        shown = f"canary {alias.canary_share:.0%}"
+        if alias.canary_analysis is not None:
+            shown += ", " + canary_summary(alias.canary_analysis.windows, (analyses or {}).get(name))
+        return shown
     return ""
+
+
+def canary_summary(windows: int, status: dict[str, Any] | None) -> str:
+    """A canary's analysis as it runs: windows passed, then each figure of this window, canary vs stable."""
+    if status is None:
+        return "judging starts"
+    canary, stable = status["canary_figures"], status["stable_figures"]
+    parts = [f"judged {status['passed_windows']}/{windows}", f"answers {canary['requests']} vs {stable['requests']}"]
+    for key, label, form in (("error_rate", "errors", "{:.0%}"), ("latency_p50_s", "p50", "{:.2f} s"),
+                             ("success_rate", "success", "{:.0%}"), ("satisfaction", "satisfied", "{:.1f}")):
+        if canary.get(key) is not None and stable.get(key) is not None:
+            parts.append(f"{label} {form.format(canary[key])} vs {form.format(stable[key])}")
+    return ", ".join(parts)
 
 
 def eval_summary(metrics: AdapterMetrics) -> str:
@@ -80,8 +99,22 @@ class Training(Panel):
     async def load(self) -> None:
         job_list, answer = await asyncio.gather(self.client.call("GET", "/jobs"),
                                                 self.client.call("GET", "/adapters"))
+        registry = Registry.model_validate(answer)
+        judged = [name for name, alias in registry.aliases.items() if alias.canary_analysis is not None]
+        statuses = await asyncio.gather(*(self._analysis(name) for name in judged))
         self._show_jobs([JobReport.model_validate(j) for j in job_list])
-        self._show_adapters(Registry.model_validate(answer))
+        self._show_adapters(registry, {name: status for name, status in zip(judged, statuses, strict=True)
+                                       if status is not None})
+
+    async def _analysis(self, name: str) -> dict[str, Any] | None:
+        """A canary's analysis as it runs; None before its first window has begun."""
+        try:
+            status: dict[str, Any] = await self.client.call("GET", f"/adapters/{name}/canary")
+        except Refused as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return status
 
     def _show_jobs(self, listed: list[JobReport]) -> None:
         self.job_states = {str(job.id): job.state for job in listed}
@@ -95,11 +128,11 @@ class Training(Panel):
                 duration(p.eta_s) if p and job.state == JobState.RUNNING else "-")))
         self.fill("jobs", rows)
 
-    def _show_adapters(self, registry: Registry) -> None:
+    def _show_adapters(self, registry: Registry, analyses: dict[str, dict[str, Any]]) -> None:
         self.records = {f"{r.name}:{r.version}": r for r in registry.adapters}
         self.aliases = registry.aliases
         self.fill("adapters", [
-            (key, (clip(r.name, 20), r.version, r.state, served(r.name, r.version, registry.aliases),
+            (key, (clip(r.name, 20), r.version, r.state, served(r.name, r.version, registry.aliases, analyses),
                    eval_summary(r.metrics)))
             for key, r in sorted(self.records.items(), key=lambda item: (item[1].name, -item[1].version))])
 

@@ -57,7 +57,7 @@ def adapters_canary(
     share: Annotated[float, typer.Option(min=0, max=1, help="Fraction of requests it gets, e.g. 0.1.")],
     analysis: Annotated[str | None, typer.Option(
         help="Promote or abort it by its numbers against the stable version: key=value pairs joined by commas, "
-             "e.g. window_s=60,windows=3,min_requests=20 (docs/operate/adapters.md names them all).")] = None,
+             "e.g. window_s=60,windows=3,min_requests=20 (docs/post-train/lora.md names them all).")] = None,
 ) -> None:
     """Send a share of the name's requests to another version."""
     policy = parse_analysis(analysis) if analysis is not None else None

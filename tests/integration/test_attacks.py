@@ -25,6 +25,7 @@ from audit.writer import log_files
 from tests.integration.conftest import Running
 from tests.integration.realm import Realm
 from tests.support.impostor import Impostor
+from tests.support.scrape import gateway_metrics
 
 # It restarts the session's Keycloak and measures how its audit log grows.
 pytestmark = pytest.mark.session_exclusive
@@ -169,7 +170,7 @@ def test_a_flood_of_refused_requests_with_long_paths_grows_the_log_by_a_bounded_
 
 def test_anonymous_readiness_checks_change_nothing(realm: Realm, running: Running) -> None:
     def fetches() -> float:
-        text = httpx.get(f"{realm.gateway}/metrics").text
+        text = gateway_metrics(realm.gateway, realm.running.appliance.home)
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                    if line.startswith("gateway_jwks_fetches_total"))
 
@@ -404,7 +405,7 @@ def test_an_anonymous_upload_is_refused_before_its_body_is_read(realm: Realm, ru
 
 
 def _slow_connections(realm: Realm) -> float:
-    metrics = httpx.get(f"{realm.gateway}/metrics", timeout=30).text
+    metrics = gateway_metrics(realm.gateway, realm.running.appliance.home)
     return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                if line.startswith('gateway_slow_connections_closed_total{reason="body"}'))
 

@@ -35,7 +35,7 @@ POLICY = ("window_s=10,windows=2,min_requests=4,min_feedback=4,max_success_drop=
 def realm(running: Running) -> Realm:
     realm = Realm(running)
     realm.ensure_user("carla", "Test-password-1", ["user"])
-    realm.ensure_user("mallory", "Test-password-1", ["user"])
+    realm.ensure_user("eve-canary", "Test-password-1", ["user"])
     return realm
 
 
@@ -107,15 +107,26 @@ def test_a_good_canary_is_promoted_and_a_wrong_one_aborted_by_their_numbers(runn
     answer = httpx.post(f"{realm.gateway}/v1/chat/completions", headers={"Authorization": f"Bearer {user}"},
                         json={"model": NAME, "max_tokens": 4, "messages": [{"role": "user", "content": QUESTION}]},
                         timeout=120).json()
-    other = realm.token("mallory", "Test-password-1")
+    other = realm.token("eve-canary", "Test-password-1")
     stolen = httpx.post(f"{realm.gateway}/v1/feedback", headers={"Authorization": f"Bearer {other}"},
                         json={"id": answer["id"], "success": False}, timeout=60)
     assert stolen.status_code == 404 and stolen.json()["error"]["code"] == "answer_not_found", stolen.text
-    for bad in ({"id": answer["id"]}, {"id": answer["id"], "success": "yes"}, {"id": [answer["id"]], "success": True},
-                {"id": answer["id"], "satisfaction": 6}):
+    mine = {"id": answer["id"], "satisfaction": 3}
+    first = httpx.post(f"{realm.gateway}/v1/feedback", headers={"Authorization": f"Bearer {user}"}, json=mine,
+                       timeout=60)
+    assert first.status_code == 200, first.text
+    twice = httpx.post(f"{realm.gateway}/v1/feedback", headers={"Authorization": f"Bearer {user}"}, json=mine,
+                       timeout=60)
+    assert twice.status_code == 409 and twice.json()["error"]["code"] == "already_reported", "one vote an answer"
+    for bad, field in (({"id": answer["id"]}, "give success, satisfaction or both"),
+                       ({"id": answer["id"], "success": "yes"}, "success"),
+                       ({"id": [answer["id"]], "success": True}, "id"),
+                       ({"id": answer["id"], "satisfaction": 6}, "satisfaction")):
         wrong = httpx.post(f"{realm.gateway}/v1/feedback", headers={"Authorization": f"Bearer {user}"}, json=bad,
                            timeout=60)
-        assert wrong.status_code == 422, (bad, wrong.text)
+        assert wrong.status_code == 400, wrong.text
+        assert wrong.json()["error"]["code"] in ("invalid_value", "invalid_type"), wrong.text
+        assert field in wrong.text, (bad, wrong.text)
 
     traffic_until(realm, user, lambda: alias(running).canary is None, "the good canary to be promoted")
     assert (alias(running).stable, alias(running).canary) == (2, None)

@@ -15,6 +15,7 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from tests.integration.conftest import Running, engine_client
 from tests.integration.realm import Realm, b64, parts
+from tests.support.scrape import gateway_metrics
 
 # It counts the requests the session's engine holds and spends users' rate limits.
 pytestmark = pytest.mark.session_exclusive
@@ -163,7 +164,7 @@ def test_bad_tokens_are_rejected(realm: Realm, alice: str) -> None:
         if status == 401 and not response.headers.get("www-authenticate", "").startswith("Bearer"):
             failures.append(f"{name}: no WWW-Authenticate")
     assert not failures, "\n".join(failures)
-    metrics = httpx.get(f"{realm.gateway}/metrics").text
+    metrics = gateway_metrics(realm.gateway, realm.running.appliance.home)
     assert 'gateway_auth_failures_total{reason="bad_signature"}' in metrics
 
 
@@ -307,12 +308,23 @@ def test_health_and_readiness(realm: Realm) -> None:
     ready = httpx.get(f"{realm.gateway}/readyz")
     assert ready.status_code == 200
     assert ready.json()["checks"] == {"engine:main": True, "jwks": True, "audit": True}
-    metrics = httpx.get(f"{realm.gateway}/metrics").text
+    metrics = gateway_metrics(realm.gateway, realm.running.appliance.home)
     for name in ("gateway_requests_total", "gateway_request_seconds_bucket",
                  "gateway_time_to_first_token_seconds_bucket", "gateway_tokens_total",
                  "gateway_auth_failures_total"):
         assert name in metrics
     assert 'route="/v1/chat/completions",status="200"' in metrics
+    # It names GPUs, queues and adapters: the monitoring password or an administrator, no one else.
+    anonymous = httpx.get(f"{realm.gateway}/metrics")
+    assert anonymous.status_code == 401 and anonymous.headers["www-authenticate"].startswith("Bearer")
+    wrong = httpx.get(f"{realm.gateway}/metrics", auth=("appliance", "not-the-password"))
+    assert wrong.status_code == 401
+    user = httpx.get(f"{realm.gateway}/metrics", headers={"Authorization": f"Bearer {realm.token('alice', PASSWORD)}"})
+    assert user.status_code == 403 and user.json()["error"]["code"] == "missing_role", user.text
+    key = httpx.get(f"{realm.gateway}/metrics", headers={"Authorization": "Bearer apk-" + "x" * 40})
+    assert key.status_code == 403 and key.json()["error"]["code"] == "key_not_allowed", key.text
+    admin = httpx.get(f"{realm.gateway}/metrics", headers={"Authorization": f"Bearer {realm.admin_token()}"})
+    assert admin.status_code == 200 and "gateway_requests_total" in admin.text
 
 
 def test_status_json_names_gateway_and_issuer(running: Running, realm: Realm) -> None:

@@ -33,6 +33,7 @@ from audit.writer import log_files
 from tests.integration.conftest import Running, engine_client
 from tests.integration.realm import Realm
 from tests.support.appliances import Appliance, make_appliance
+from tests.support.scrape import gateway_metrics
 from tests.support.tiers import TWO_TIERS
 
 # Three engines of its own: nothing else runs beside it but the session appliance.
@@ -90,7 +91,7 @@ def records(appliance: Appliance) -> dict[str, dict]:
 
 def choices(appliance: Appliance) -> dict[tuple[str, str], float]:
     """gateway_route_choices_total by (replica, reason)."""
-    text = httpx.get(f"{url(appliance)}/metrics", timeout=30).text
+    text = gateway_metrics(url(appliance), appliance.home)
     counted: dict[tuple[str, str], float] = {}
     for found in re.finditer(r'gateway_route_choices_total\{pool="full",reason="(\w+)",replica="(\w+)"\} (\S+)',
                              text):
@@ -230,7 +231,7 @@ def test_a_killed_replica_is_routed_around_and_returns(tiers: Appliance, realm: 
 
 
 def ready_gauge(appliance: Appliance) -> float:
-    text = httpx.get(f"{url(appliance)}/metrics", timeout=30).text
+    text = gateway_metrics(url(appliance), appliance.home)
     return float(re.search(r'gateway_replica_ready\{pool="full",replica="full_1"\} (\S+)', text)[1])
 
 

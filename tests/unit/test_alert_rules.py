@@ -31,7 +31,7 @@ from appliance.tls import ensure_ca, ensure_server_certificate, server_context
 from audit import AuditWriter
 from installer import monitoring
 from serve.engine_metrics import relabelled
-from serve.metrics import Metrics, QueueCollector, StateCollector
+from serve.metrics import ClusterCollector, Metrics, QueueCollector, StateCollector
 from tests.support.nvml import build_fake_nvml, gpu_metrics
 from tests.support.ports import free_port
 
@@ -52,6 +52,7 @@ def exported(home: Home) -> set[str]:
     ensure_ca(home)
     metrics.registry.register(StateCollector(home, writer, None))
     metrics.registry.register(QueueCollector(home))
+    metrics.registry.register(ClusterCollector(home))
     text = generate_latest(metrics.registry).decode() + relabelled([]).decode()  # /metrics and /metrics/engines
     text += gpu_metrics(home.root, build_fake_nvml(home.root))
     return {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")}
@@ -114,6 +115,7 @@ def test_the_configuration_guards_both_servers_and_trusts_the_gateways_ca(home: 
     config = json.loads((directory / "prometheus.yml").read_text())
     [gateway] = [job for job in config["scrape_configs"] if job["job_name"] == "gateway"]
     assert gateway["scheme"] == "https" and gateway["tls_config"]["server_name"] == "localhost"
+    assert gateway["basic_auth"]["password_file"].endswith(MONITORING_SECRET), "the gateway's /metrics is not public"
     assert config["alerting"]["alertmanagers"][0]["basic_auth"]["password_file"].endswith(MONITORING_SECRET)
     routed = json.loads((directory / "alertmanager.yml").read_text())
     assert routed["receivers"][0]["webhook_configs"][0]["url"] == "https://hooks.example.org/alerts"

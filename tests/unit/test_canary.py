@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from appliance.adapters import Alias
 from appliance.canary import CanaryAnalysis, WindowFigures, WindowVerdict, decide, judge, parse_analysis
-from appliance.errors import Invalid
+from appliance.errors import Conflict, Invalid, NotFound
 from serve.canary import ANSWER_TTL_S, CanaryWatch
 
 POLICY = CanaryAnalysis(window_s=10, windows=2, min_requests=5, min_feedback=4, max_success_drop=0.2)
@@ -113,9 +113,14 @@ def test_the_gateway_gathers_each_versions_figures_and_acts_when_a_window_ends()
     watch.served("codeword", 3, "olga", "other", status=200, failed=False, latency_s=9.0, ttft_s=None)
     for n in range(6):  # the canary's answers are wrong, its clients say
         for version in ("stable", "canary"):
-            answered = watch.answered(f"{version}-{n}", "olga")
-            assert answered is not None and watch.report(answered, version == "stable", None)
-    assert watch.answered("stable-0", "mallory") is None, "another's answer is unknown to them"
+            answered, counted = watch.report(f"{version}-{n}", "olga", version == "stable", None)
+            assert counted and answered.version == (1 if version == "stable" else 2)
+    with pytest.raises(NotFound):
+        watch.report("stable-1", "mallory", False, None)  # another's answer is unknown to them
+    with pytest.raises(Conflict, match="already been reported"):
+        watch.report("stable-1", "olga", False, None)  # one vote an answer
+    with pytest.raises(NotFound):
+        watch.report("refused", "olga", True, None)  # a refusal is no answer
     status = watch.status("codeword")
     assert status is not None and status["canary_figures"] == {
         "requests": 6, "error_rate": 0.0, "latency_p50_s": 1.0, "ttft_p50_s": None, "success_rate": 0.0,
@@ -133,11 +138,12 @@ def test_a_changed_or_dropped_canary_starts_afresh_and_old_answers_expire() -> N
     clock = Clock()
     watch = CanaryWatch(clock)
     watch.tick({"codeword": alias()})
-    watch.served("codeword", 2, "olga", "a", status=500, failed=False, latency_s=1.0, ttft_s=None)
+    watch.served("codeword", 2, "olga", "a", status=200, failed=False, latency_s=1.0, ttft_s=None)
     watch.tick({"codeword": alias(canary=3)})  # another canary: the window starts over
     status = watch.status("codeword")
     assert status is not None and status["canary"] == 3 and status["canary_figures"]["requests"] == 0  # type: ignore[index]
     watch.tick({"codeword": alias(analysis=None)})
     assert watch.status("codeword") is None
     clock.now = ANSWER_TTL_S + 1
-    assert watch.answered("a", "olga") is None
+    with pytest.raises(NotFound):
+        watch.report("a", "olga", True, None)

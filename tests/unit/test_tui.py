@@ -28,6 +28,7 @@ from appliance import login, usage
 from appliance.adapters import AdapterRecord, AdapterState, Alias
 from appliance.admin_client import AdminClient, NotLoggedIn, Refused, Unreachable
 from appliance.alerts import Alert
+from appliance.canary import CanaryAnalysis
 from appliance.home import Home
 from appliance.jobs import Hyperparameters, JobReport
 from appliance.rl.progress import RunReport
@@ -101,6 +102,15 @@ def test_adapter_rows_say_what_is_served_and_how_it_evaluated() -> None:
     aliases = {"a": Alias(pool="main", roles=[Role.USER], stable=1, canary=2, canary_share=0.25)}
     assert [served("a", v, aliases) for v in (1, 2, 3)] == ["stable", "canary 25%", ""]
     assert served("b", 1, aliases) == ""
+    judged = {"a": Alias(pool="main", roles=[Role.USER], stable=1, canary=2, canary_share=0.5,
+                         canary_analysis=CanaryAnalysis(windows=3))}
+    assert served("a", 2, judged) == "canary 50%, judging starts"
+    figures = {"requests": 12, "error_rate": 0.0, "latency_p50_s": 0.5, "ttft_p50_s": None, "success_rate": 0.25,
+               "satisfaction": None}
+    status = {"passed_windows": 1, "canary_figures": figures, "stable_figures": {**figures, "requests": 10,
+                                                                                 "success_rate": 1.0}}
+    assert served("a", 2, judged, {"a": status}) == ("canary 50%, judged 1/3, answers 12 vs 10, errors 0% vs 0%, "
+                                                     "p50 0.50 s vs 0.50 s, success 25% vs 100%")
     scored = metrics(base_eval_loss=2.0, adapter_eval_loss=1.5, eval_sets={"scenario": {"base": 0.1, "adapter": 0.9}},
                      gate_failures=["scenario score 0.90 < 0.95"])
     assert eval_summary(scored) == "loss 2.000->1.500, scenario 0.10->0.90, gate: scenario score 0.90 < 0.95"
