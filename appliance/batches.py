@@ -186,7 +186,7 @@ MAX_VALIDATION_ATTEMPTS = 3
 VALIDATIONS = Queue(
     table="batch_validations", lifecycle=Lifecycle("batch validation", CLAIM_MOVES),
     key="batch_id", waiting=RequestState.PENDING, taken=RequestState.CLAIMED, held=frozenset({RequestState.CLAIMED}),
-    orphans_resume=False, max_attempts=MAX_VALIDATION_ATTEMPTS, give_up=lambda attempts: (RequestState.DONE, {}),
+    orphans_resume=False, max_attempts=MAX_VALIDATION_ATTEMPTS, give_up=lambda attempts, state: (RequestState.DONE, {}),
     waiting_since=BATCH_CREATED_AT)
 
 

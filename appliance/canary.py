@@ -13,9 +13,10 @@ gateway gathers them (serve.canary) and acts on the verdict.
 
 from __future__ import annotations
 
+import random
 import statistics
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -40,7 +41,10 @@ class CanaryAnalysis(BaseModel):
     max_ttft_ratio: float = Field(1.5, ge=1, le=100, description="Canary's median time to first token over the "
                                   "stable version's (streamed answers).")
     min_feedback: int = Field(5, ge=1, le=1_000_000, description="Outcome reports each version needs in a window "
-                              "for success rate and satisfaction to be compared.")
+                              "for success rate and satisfaction to be compared...")
+    min_reporters: int = Field(3, ge=1, le=10_000, description="...from at least this many users each.")
+    max_per_user: int = Field(100, ge=1, le=1_000_000, description="Answers, and reports, of one user counted per "
+                              "version and window: no one user decides.")
     max_success_drop: float = Field(0.1, ge=0, le=1, description="The stable version's reported success rate less "
                                     "the canary's.")
     max_satisfaction_drop: float = Field(0.5, ge=0, le=4, description="The stable version's mean satisfaction (1 to "
@@ -67,31 +71,58 @@ def parse_analysis(text: str) -> CanaryAnalysis:
         raise Invalid(f"--analysis: {where}: {error['msg']}", hint=hint) from None
 
 
+MAX_SAMPLES = 10_000  # latencies kept per version and window (a uniform sample of them past that)
+
+
 @dataclass
 class WindowFigures:
-    """One version's requests in one window."""
+    """One version's answers in one window, each user's counted up to a cap."""
 
     requests: int = 0
     errors: int = 0  # answered 5xx, or an engine error in a stream
-    latencies_s: list[float] = field(default_factory=list)
+    latencies_s: list[float] = field(default_factory=list)  # whole answers, not streams (a client's pace)
     ttfts_s: list[float] = field(default_factory=list)
     successes: int = 0  # outcome reports
     failures: int = 0
-    satisfaction: list[int] = field(default_factory=list)
+    satisfaction_sum: int = 0
+    satisfaction_count: int = 0
+    users: dict[str, int] = field(default_factory=dict)  # answers counted per user
+    reporters: dict[str, int] = field(default_factory=dict)  # reports counted per user
 
-    def add(self, *, error: bool, latency_s: float, ttft_s: float | None) -> None:
+    def add(self, user: str, *, error: bool, latency_s: float | None, ttft_s: float | None, cap: int) -> bool:
+        """Count an answer; False past the user's cap."""
+        if self.users.get(user, 0) >= cap:
+            return False
+        self.users[user] = self.users.get(user, 0) + 1
         self.requests += 1
         self.errors += error
-        self.latencies_s.append(latency_s)
-        if ttft_s is not None:
-            self.ttfts_s.append(ttft_s)
+        for samples, value in ((self.latencies_s, latency_s), (self.ttfts_s, ttft_s)):
+            if value is not None:
+                _sample(samples, value, self.requests)
+        return True
 
-    def report(self, success: bool | None, satisfaction: int | None) -> None:
+    def report(self, user: str, success: bool | None, satisfaction: int | None, cap: int) -> bool:
+        """Count an outcome report; False past the user's cap."""
+        if self.reporters.get(user, 0) >= cap:
+            return False
+        self.reporters[user] = self.reporters.get(user, 0) + 1
         if success is not None:
             self.successes += success
             self.failures += not success
         if satisfaction is not None:
-            self.satisfaction.append(satisfaction)
+            self.satisfaction_sum += satisfaction
+            self.satisfaction_count += 1
+        return True
+
+    def copy(self) -> WindowFigures:
+        return WindowFigures(self.requests, self.errors, list(self.latencies_s), list(self.ttfts_s), self.successes,
+                             self.failures, self.satisfaction_sum, self.satisfaction_count, dict(self.users),
+                             dict(self.reporters))
+
+    @property
+    def satisfaction(self) -> float | None:
+        """The mean satisfaction reported (1 to 5); None: none was."""
+        return self.satisfaction_sum / self.satisfaction_count if self.satisfaction_count else None
 
     @property
     def error_rate(self) -> float:
@@ -103,10 +134,11 @@ class WindowFigures:
 
     def summary(self) -> dict[str, float | int | None]:
         """The figures an audit record and the TUI show."""
-        return {"requests": self.requests, "error_rate": round(self.error_rate, 4),
+        return {"requests": self.requests, "users": len(self.users), "reporters": len(self.reporters),
+                "error_rate": round(self.error_rate, 4),
                 "latency_p50_s": _median(self.latencies_s), "ttft_p50_s": _median(self.ttfts_s),
                 "success_rate": round(self.successes / self.reports, 4) if self.reports else None,
-                "satisfaction": round(statistics.fmean(self.satisfaction), 3) if self.satisfaction else None}
+                "satisfaction": None if self.satisfaction is None else round(self.satisfaction, 3)}
 
 
 @dataclass(frozen=True)
@@ -132,16 +164,18 @@ def judge(policy: CanaryAnalysis, stable: WindowFigures, canary: WindowFigures) 
                 (ratio := statistics.median(ours) / base) > allowed:
             failures.append(f"{what} {statistics.median(ours):.3f} s vs {base:.3f} s ({ratio:.2f} x, allowed "
                             f"{allowed:g} x)")
-    if min(stable.reports, canary.reports) >= policy.min_feedback:
+    if min(stable.reports, canary.reports) >= policy.min_feedback and \
+            min(len(stable.reporters), len(canary.reporters)) >= policy.min_reporters:
         drop = stable.successes / stable.reports - canary.successes / canary.reports
         if drop > policy.max_success_drop:
             failures.append(f"success rate {canary.successes / canary.reports:.0%} vs "
                             f"{stable.successes / stable.reports:.0%} (allowed -{policy.max_success_drop:.0%})")
-    if min(len(stable.satisfaction), len(canary.satisfaction)) >= policy.min_feedback:
-        drop = statistics.fmean(stable.satisfaction) - statistics.fmean(canary.satisfaction)
-        if drop > policy.max_satisfaction_drop:
-            failures.append(f"satisfaction {statistics.fmean(canary.satisfaction):.2f} vs "
-                            f"{statistics.fmean(stable.satisfaction):.2f} (allowed -{policy.max_satisfaction_drop:g})")
+    if min(stable.satisfaction_count, canary.satisfaction_count) >= policy.min_feedback and \
+            min(len(stable.reporters), len(canary.reporters)) >= policy.min_reporters and \
+            stable.satisfaction is not None and canary.satisfaction is not None:
+        if stable.satisfaction - canary.satisfaction > policy.max_satisfaction_drop:
+            failures.append(f"satisfaction {canary.satisfaction:.2f} vs {stable.satisfaction:.2f} (allowed "
+                            f"-{policy.max_satisfaction_drop:g})")
     return WindowVerdict(counted=True, failures=tuple(failures))
 
 
@@ -153,6 +187,14 @@ def decide(policy: CanaryAnalysis, passed_before: int, verdict: WindowVerdict) -
         return "abort", 0
     passed = passed_before + 1
     return ("promote" if passed >= policy.windows else "continue"), passed
+
+
+def _sample(samples: list[Any], value: Any, seen: int) -> None:
+    """Keep `value` (the `seen`-th) in a uniform sample of at most MAX_SAMPLES (reservoir sampling)."""
+    if len(samples) < MAX_SAMPLES:
+        samples.append(value)
+    elif (slot := random.randrange(seen)) < MAX_SAMPLES:
+        samples[slot] = value
 
 
 def _median(values: list[float]) -> float | None:

@@ -12,7 +12,9 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import os
 import secrets
+import stat
 from contextlib import AbstractContextManager
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
@@ -311,10 +313,29 @@ def cluster_state_file(home: Home, pool: str) -> Path:
     return home.run / "cluster" / f"{pool}.json"
 
 
+MAX_CLUSTER_STATE_BYTES = 1 << 20
+
+
 def read_cluster_state(path: Path) -> ClusterPoolState | None:
     """The controller's last word on a pool (`cluster_state_file`); None if it wrote none (or it
     cannot be read)."""
+    found = cluster_state_written(path)
+    return None if found is None else found[0]
+
+
+def cluster_state_written(path: Path) -> tuple[ClusterPoolState, float] | None:
+    """The controller's last word on a pool and when it wrote it (Unix time); None unless a plain,
+    whole file of at most MAX_CLUSTER_STATE_BYTES (never a link followed, nor a pipe waited on)."""
     try:
-        return ClusterPoolState.model_validate_json(path.read_bytes())
+        handle = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        found = os.fstat(handle)
+        if not stat.S_ISREG(found.st_mode) or found.st_size > MAX_CLUSTER_STATE_BYTES:
+            return None
+        return ClusterPoolState.model_validate_json(os.read(handle, MAX_CLUSTER_STATE_BYTES)), found.st_mtime
     except (OSError, ValueError):
         return None
+    finally:
+        os.close(handle)

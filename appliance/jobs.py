@@ -94,8 +94,11 @@ create table if not exists jobs (
 MAX_ATTEMPTS = 3  # workers that took a job or an RL run (each past the first found the last dead)
 
 
-def given_up(attempts: int) -> tuple[JobState, dict[str, object]]:
-    """How a job or an RL run whose workers died `attempts` times ends (appliance.queue)."""
+def given_up(attempts: int, state: JobState) -> tuple[JobState, dict[str, object]]:
+    """How a job or an RL run whose workers died `attempts` times ends (appliance.queue): failed,
+    or cancelled if a cancel had been asked."""
+    if state == JobState.CANCELLING:
+        return JobState.CANCELLED, {"message": f"cancelled; its worker had died {attempts} times", "finished": now()}
     return JobState.FAILED, {"message": f"given up after {attempts} attempts: each one's worker died or was ended "
                                         "by the watchdog for making no progress", "finished": now()}
 

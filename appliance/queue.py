@@ -13,7 +13,8 @@ table and record, and moves its items with this.
   a living claimer with no progress for a while is stuck (`stuck`), and the watchdog ends its
   claimer so that the item is an orphan like any other.
 - Retries are bounded: an orphan whose claimers died `max_attempts` times is given up (ended, with
-  a message saying so) instead of being handed on again.
+  a message saying so) instead of being handed on again. A claimer stopped as asked hands its
+  attempt back (`hand_back`): only deaths count.
 - Finishing is idempotent: an item finished again in the same state is left as it is; another end
   is refused (IllegalTransition), and a claimer that no longer holds the item finishes nothing.
 
@@ -101,8 +102,8 @@ class Queue(Generic[S]):
     # An SQL expression over the table's row: the Unix time an item began to wait (None: not kept).
     waiting_since: str | None = None
     # How an item is given up once its claimers died `max_attempts` times: its end and the columns
-    # saying why (given that number).
-    give_up: Callable[[int], tuple[S, Mapping[str, object]]] | None = field(default=None, compare=False)
+    # saying why (given that number and the state it was left in).
+    give_up: Callable[[int, S], tuple[S, Mapping[str, object]]] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if (self.max_attempts is None) != (self.give_up is None) or (self.max_attempts and not self.attempts):
@@ -196,6 +197,16 @@ class Queue(Generic[S]):
                           f"and {self.state} in ({_marks(self.held)})",
                           (_lease(lease_s), key, holder, *self.held)).rowcount == 1
 
+    def hand_back(self, db: sqlite3.Connection, holder: int) -> int:
+        """A claimer stopping as asked (SIGTERM: `down`, an upgrade) gives back the attempts of the
+        items it holds: the next claimer takes them over without counting against the bound on
+        retries, which is for claimers that died. How many."""
+        if not self.attempts:
+            return 0
+        return db.execute(f"update {self.table} set {self.attempts} = max({self.attempts} - 1, 0) "
+                          f"where {self.holder} = ? and {self.state} in ({_marks(self.held)})",
+                          (holder, *self.held)).rowcount
+
     def progressed(self, db: sqlite3.Connection, key: Key, holder: int) -> bool:
         """Stamp the item's progress now, if `holder` still holds it."""
         return db.execute(f"update {self.table} set {PROGRESS_COLUMN} = ? where {self.key} = ? and {self.holder} = ? "
@@ -263,8 +274,9 @@ class Queue(Generic[S]):
 
     def _give_up(self, db: sqlite3.Connection, row: sqlite3.Row) -> None:
         assert self.give_up is not None  # _spent is true only with a bound, and __post_init__ pairs them
-        end, columns = self.give_up(row["attempts"])
-        self._move(db, row["key"], type(self.waiting)(row["state"]), end, {**self._unclaimed, **columns})
+        state = type(self.waiting)(row["state"])
+        end, columns = self.give_up(row["attempts"], state)
+        self._move(db, row["key"], state, end, {**self._unclaimed, **columns})
 
     def _set(self, db: sqlite3.Connection, key: Key, columns: Mapping[str, object]) -> None:
         db.execute(f"update {self.table} set {', '.join(f'{name} = ?' for name in columns)} where {self.key} = ?",

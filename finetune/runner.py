@@ -6,10 +6,12 @@ resumes from the last one."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -70,7 +72,8 @@ def run_job(directory: Path, *, name: str, data: str, base: str, hp: Hyperparame
     spec = TrainingSpec(base=model.resolve(), hyperparameters=hp, eval_sets=eval_sets or {})
     (directory / "job.json").write_text(spec.model_dump_json())
     (directory / PROGRESS_FILE).unlink(missing_ok=True)
-    (directory / HEARTBEAT_FILE).unlink(missing_ok=True)
+    with contextlib.suppress(OSError):  # one the trainer made a directory is never a beat (_stamp)
+        (directory / HEARTBEAT_FILE).unlink(missing_ok=True)
     if settings.finetune.sandbox != "none":
         prepare(directory, inputs, model.resolve())
     trainer = _trainer_command(directory, settings.finetune.processes or visible_gpus() or 1)
@@ -153,7 +156,7 @@ def _train_in_child(directory: Path, command: list[str], on_progress: Callable[[
         try:
             while child.poll() is None and not (directory / CANCEL_FILE).exists():
                 seen = _report(directory, seen, on_progress)
-                if time.monotonic() - beat_at >= BEAT_S and (stamp := _stamp(directory / HEARTBEAT_FILE)) != beat_seen:
+                if time.monotonic() - beat_at >= BEAT_S and (stamp := beat_time(directory)) not in (None, beat_seen):
                     beat_seen, beat_at = stamp, time.monotonic()
                     on_beat()
                 time.sleep(0.5)
@@ -205,3 +208,13 @@ def _stamp(path: Path) -> float | None:
         return path.stat().st_mtime
     except FileNotFoundError:
         return None
+
+
+def beat_time(directory: Path) -> float | None:
+    """When the trainer last beat: its heartbeat file's time, if it is a plain file (the trainer
+    writes the job's directory: a link or anything else it put there is no beat, never an error)."""
+    try:
+        found = os.lstat(directory / HEARTBEAT_FILE)
+    except OSError:
+        return None
+    return found.st_mtime if stat.S_ISREG(found.st_mode) else None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sqlite3
 import sys
 import time
 from collections.abc import Callable
@@ -15,8 +16,10 @@ from appliance import jobs
 from appliance.changes import Change, Target, announce
 from appliance.errors import ApplianceError
 from appliance.home import Home
+from appliance.queue import immediate
 from appliance.settings import Settings, load_settings
 from appliance.supervisor import runs_module
+from appliance.work_queues import WORK_QUEUES
 from finetune.runner import end_stale_trainer, run_job
 from finetune.train import TrainingCancelled
 
@@ -41,7 +44,7 @@ def work_one(home: Home, settings: Settings) -> jobs.Job | None:
                           hp=job.hyperparameters, settings=settings, home=home,
                           eval_sets=job.eval_sets,
                           on_child=lambda pid: jobs.set_trainer(home, job.id, pid),
-                          on_beat=lambda: jobs.progressed(home, job.id, os.getpid()))
+                          on_beat=lambda: beat(home, job.id))
     except TrainingCancelled as exc:
         state, message = jobs.JobState.CANCELLED, exc.message
     except ApplianceError as exc:  # a tampered dataset (IntegrityError) among them
@@ -62,6 +65,15 @@ def work_one(home: Home, settings: Settings) -> jobs.Job | None:
     return jobs.get(home, job.id)
 
 
+def beat(home: Home, job_id: int) -> None:
+    """Stamp the job's progress (the watchdog's clock); a database that cannot take it now is said,
+    never a failed job (the next beat tries again)."""
+    try:
+        jobs.progressed(home, job_id, os.getpid())
+    except (sqlite3.Error, OSError) as exc:
+        log.warning("job %d: progress not stamped: %s", job_id, exc)
+
+
 def announce_outcome(action: str, state: jobs.JobState, target: Target, detail: str, log: logging.Logger) -> None:
     """A job's or a run's outcome in the audit log, as the CLI's changes are, by the training
     worker (one that cannot be recorded is logged: the work is done either way)."""
@@ -78,17 +90,36 @@ def worker_alive(pid: int | None) -> bool:
     return runs_module(pid, "finetune.worker")
 
 
-def serve_queue(work_one: Callable[[Home, Settings], object | None], poll_s: Callable[[Settings], float]) -> None:
+def serve_queue(work_one: Callable[[Home, Settings], object | None], poll_s: Callable[[Settings], float],
+                program: str) -> None:
     """A queue worker's life (this one's, and the RL worker's): take work until there is none, wait
-    `poll_s`, again; SIGTERM unwinds, so what the work started (a trainer, sandbox workers) stops too."""
+    `poll_s`, again; SIGTERM unwinds, so what the work started (a trainer, sandbox workers) stops too,
+    and the attempts of what it held are handed back (a stop asked for is not a death)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     home = Home.from_env()
     settings = load_settings(home.settings_file)
-    while True:
-        if work_one(home, settings) is None:
-            time.sleep(poll_s(settings))
+    try:
+        while True:
+            if work_one(home, settings) is None:
+                time.sleep(poll_s(settings))
+    except SystemExit:
+        hand_back(home, program, os.getpid())
+        raise
+
+
+def hand_back(home: Home, program: str, pid: int) -> None:
+    """Give back the attempts of the items `program` (this pid) holds in its queues."""
+    for work in WORK_QUEUES:
+        if work.worker == program:
+            try:
+                with work.connect(home) as db, immediate(db):
+                    if handed := work.queue.hand_back(db, pid):
+                        log.info("stopping: %d %s(s) handed back to the next worker", handed,
+                                 work.queue.lifecycle.noun)
+            except (sqlite3.Error, OSError) as exc:  # they count as a death, then: said, not hidden
+                log.error("stopping: %s not handed back: %s", work.name, exc)
 
 
 if __name__ == "__main__":
-    serve_queue(work_one, lambda settings: settings.finetune.worker_poll_s)
+    serve_queue(work_one, lambda settings: settings.finetune.worker_poll_s, "finetune-worker")

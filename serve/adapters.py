@@ -122,21 +122,31 @@ class AdapterRoutes:
         recorded with the error if it could not be made."""
         while True:
             await anyio.sleep(tick_s)
-            for ended in self.canaries.tick(self.registry().aliases):
-                if ended.decision == "continue":
-                    continue
-                error = None
-                try:
-                    await self._apply(ended.name, functools.partial(self._decided, ended=ended))
-                except (ApplianceError, GatewayError) as exc:
-                    error = exc.message
-                    log.warning("canary %s v%d not %sd: %s", ended.name, ended.window.canary, ended.decision, error)
-                await record(ended, error)
+            try:
+                for ended in self.canaries.tick(self.registry().aliases):
+                    if ended.decision != "continue":
+                        await record(ended, await self._carry_out(ended))
+            except Exception:  # an unreadable registry, say: the next tick; never the gateway's other tasks
+                log.exception("canary analysis")
+
+    async def _carry_out(self, ended: Ended) -> str | None:
+        """Promote or abort as `ended` says; why it could not (None: done)."""
+        try:
+            await self._apply(ended.name, functools.partial(self._decided, ended=ended))
+        except (ApplianceError, GatewayError) as exc:
+            log.warning("canary %s v%d: %s not carried out: %s", ended.name, ended.window.canary, ended.decision,
+                        exc.message)
+            return exc.message
+        except OSError as exc:  # the registry's file (a full disk): the change is not made
+            log.warning("canary %s v%d: %s not carried out: %s", ended.name, ended.window.canary, ended.decision, exc)
+            return f"the adapter registry could not be written: {exc}"
+        return None
 
     @staticmethod
     def _decided(registry: Registry, *, ended: Ended) -> ServingChange:
         alias = registry.alias(ended.name)
-        if (alias.stable, alias.canary) != (ended.window.stable, ended.window.canary):
+        if (alias.stable, alias.canary, alias.canary_analysis) != \
+                (ended.window.stable, ended.window.canary, ended.window.policy):
             raise Conflict(f"{ended.name}'s canary changed while it was judged")
         if ended.decision == "promote":
             return registry.deploy(ended.name, ended.window.canary, alias.pool, alias.roles)

@@ -57,8 +57,10 @@ class Worker:
         self.settings = settings
         self.home = home
         self.store: ArtifactStore = artifact_store(settings.artifacts, home)
+        # Generation takes long, but not for ever: an answer that has not come in half the watchdog's
+        # stall limit for batch work is given back as a failure that may pass (never a stuck worker).
         self.http = httpx.Client(**client_options(settings, home),
-                                 timeout=httpx.Timeout(None, connect=5.0),  # generation takes as long as it takes
+                                 timeout=httpx.Timeout(None, connect=5.0, read=settings.watchdog.batch_stall_s / 2),
                                  headers={"Authorization": f"Bearer {secret(home, BATCH_WORKER_SECRET)}",
                                           "Content-Type": "application/json"})
         self.gateway_down_until = 0.0
@@ -118,6 +120,15 @@ class Worker:
         try:
             response = self.http.post(request.endpoint, content=batches.wire_body(request.body),
                                       headers={BATCH_HEADER: request.ref})
+        except httpx.ReadTimeout:  # no answer in time: retried later, a bounded number of times
+            if request.attempts + 1 < self.settings.batch.max_attempts:
+                batches.release(self.home, request, FAILED_RETRY_S * (request.attempts + 1), failed=True)
+            else:
+                batches.finish(self.home, request, 504, None, {"error": {
+                    "message": f"no answer within {self.settings.watchdog.batch_stall_s / 2:g} s, "
+                               f"{request.attempts + 1} times", "type": "server_error",
+                    "code": "batch_request_timeout"}})
+            return
         except httpx.TransportError as exc:  # the gateway is down: every request waits
             self._all_wait(request, f"gateway not reachable ({type(exc).__name__})")
             return

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -20,7 +20,8 @@ from appliance.adapters import Alias
 from appliance.canary import CanaryAnalysis, Decision, WindowFigures, WindowVerdict, decide, judge
 from appliance.errors import Conflict, NotFound
 
-MAX_ANSWERS = 100_000  # answers kept for outcome reports, newest last
+MAX_ANSWERS = 100_000  # answers kept for outcome reports, newest last...
+MAX_ANSWERS_PER_USER = 1000  # ...and per user (one user's flood does not push out everyone else's)
 ANSWER_TTL_S = 3600.0  # an outcome can be reported this long after its answer
 
 
@@ -30,6 +31,7 @@ class Answered:
     version: int
     subject: str
     at: float
+    window: float | None  # the start of the window it was served in (None: no analysis ran)
     reported: bool = False
 
 
@@ -48,6 +50,10 @@ class Window:
         if version not in (self.stable, self.canary):
             return None
         return self.figures.setdefault(version, WindowFigures())
+
+    def copy(self) -> Window:
+        return Window(self.stable, self.canary, self.policy, self.started, self.passed,
+                      {version: figures.copy() for version, figures in self.figures.items()})
 
     def status(self, now: float) -> dict[str, object]:
         """What the admin API and the TUI show of the analysis as it runs."""
@@ -84,23 +90,38 @@ class CanaryWatch:
         self._lock = threading.Lock()
         self._windows: dict[str, Window] = {}
         self._answers: OrderedDict[str, Answered] = OrderedDict()
+        self._by_user: dict[str, deque[str]] = {}  # each user's answer ids, oldest first
 
     def served(self, name: str, version: int, subject: str, answer_id: str | None, *, status: int, failed: bool,
-               latency_s: float, ttft_s: float | None) -> None:
-        """An adapter version's answer, as its audit record was written."""
+               latency_s: float | None, ttft_s: float | None) -> None:
+        """An adapter version's answer, as its audit record was written (`latency_s` None: a
+        stream, whose end the client's pace sets)."""
         if 400 <= status < 500:
             return
         with self._lock:
             now = self.clock()
             window = self._windows.get(name)
             figures = window.of(version) if window is not None else None
-            if figures is not None:
-                figures.add(error=status >= 500 or failed, latency_s=latency_s, ttft_s=ttft_s)
-            if answer_id and status < 400:
-                self._answers[answer_id] = Answered(name, version, subject, now)
-                self._answers.move_to_end(answer_id)
-                while len(self._answers) > MAX_ANSWERS:
-                    self._answers.popitem(last=False)
+            if window is not None and figures is not None:
+                figures.add(subject, error=status >= 500 or failed, latency_s=latency_s, ttft_s=ttft_s,
+                            cap=window.policy.max_per_user)
+            if answer_id and status < 400 and answer_id not in self._answers:
+                started = window.started if window is not None and figures is not None else None
+                self._keep(answer_id, Answered(name, version, subject, now, started))
+
+    def _keep(self, answer_id: str, answered: Answered) -> None:
+        self._answers[answer_id] = answered
+        mine = self._by_user.setdefault(answered.subject, deque())
+        mine.append(answer_id)
+        while len(mine) > MAX_ANSWERS_PER_USER:
+            self._answers.pop(mine.popleft(), None)
+        while len(self._answers) > MAX_ANSWERS:
+            oldest, gone = self._answers.popitem(last=False)
+            theirs = self._by_user.get(gone.subject)
+            if theirs and theirs[0] == oldest:
+                theirs.popleft()
+            if theirs is not None and not theirs:
+                del self._by_user[gone.subject]
 
     def report(self, answer_id: str, subject: str, success: bool | None,
                satisfaction: int | None) -> tuple[Answered, bool]:
@@ -115,10 +136,11 @@ class CanaryWatch:
                 raise Conflict("this answer has already been reported on")
             self._answers[answer_id] = replace(found, reported=True)
             window = self._windows.get(found.name)
-            figures = window.of(found.version) if window is not None else None
-            if figures is not None:
-                figures.report(success, satisfaction)
-            return found, figures is not None
+            if window is None or found.window != window.started:  # only answers of the window running now count
+                return found, False
+            figures = window.of(found.version)
+            counted = figures is not None and figures.report(subject, success, satisfaction, window.policy.max_per_user)
+            return found, counted
 
     def tick(self, aliases: dict[str, Alias]) -> list[Ended]:
         """Follow the aliases (a canary begun, changed or gone starts or drops its window) and end
@@ -151,6 +173,7 @@ class CanaryWatch:
         return ended
 
     def status(self, name: str) -> dict[str, object] | None:
-        with self._lock:
+        with self._lock:  # figures copied under the lock, summed up outside it
             window = self._windows.get(name)
-            return None if window is None else window.status(self.clock())
+            found, now = (None if window is None else window.copy()), self.clock()
+        return None if found is None else found.status(now)

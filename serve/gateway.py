@@ -51,7 +51,7 @@ from serve.auth import Introspector, Principal, TokenValidator
 from serve.canary import Ended
 from serve.compliance import AnswerFilter, Compliance, Marks
 from serve.deps import ChatUser
-from serve.engine import ENGINE_KEY_SECRET
+from serve.engine import ENGINE_KEY_SECRET, spanning_pools
 from serve.errors import AuthError, GatewayError, ModelNotFound, from_core, validation_error
 from serve.identity_proxy import IdentityProxy
 from serve.identity_proxy import router as identity_router
@@ -177,7 +177,7 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
                          max_file_bytes=audit.max_file_bytes)
     metrics.registry.register(StateCollector(home, writer, settings.gateway.certificate))
     metrics.registry.register(Reused(QueueCollector(home)))
-    metrics.registry.register(ClusterCollector(home))
+    metrics.registry.register(ClusterCollector(home, _spanning(settings)))
     metrics.registry.register(Reused(GpuCollector(home, settings.monitoring.nvml_library)))
     app = FastAPI(title="appliance gateway", version="1", lifespan=lifespan)
     app.state.audit = writer
@@ -432,7 +432,7 @@ async def relay(request: Request, who: Principal, path: str, body: ChatRequest |
             await gateway.upstreams.quiet(pool, gateway.settings.batch.yield_to_interactive,
                                           gateway.settings.batch.max_yield_s)
         if adapter is not None:  # an answer from the engine (a cache hit says nothing of the version)
-            transcript.on_finished = _canary_figures(gateway, adapter, who.subject, transcript)
+            transcript.on_finished = _canary_figures(gateway, adapter, who.subject, transcript, bool(body.stream))
         return await _forward(request, gateway, pool, adapter, path, payload, transcript, admission, screen,
                               headers, keep)
     except GatewayError:
@@ -446,13 +446,14 @@ async def relay(request: Request, who: Principal, path: str, body: ChatRequest |
 KeepWhenRecorded = Callable[[list[bytes], bool, str], None]
 
 
-def _canary_figures(gateway: Gateway, adapter: AdapterRecord, subject: str,
-                    transcript: Transcript) -> Callable[[int, float], None]:
-    """What gives an adapter answer's figures to the canary analysis once its record is written."""
+def _canary_figures(gateway: Gateway, adapter: AdapterRecord, subject: str, transcript: Transcript,
+                    stream: bool) -> Callable[[int, float], None]:
+    """What gives an adapter answer's figures to the canary analysis once its record is written (a
+    stream's latency is left out: its record waits on the client's pace of reading)."""
     def finished(status: int, latency_s: float) -> None:
         gateway.metrics.adapter_requests.labels(adapter.name, str(adapter.version), str(status)).inc()
         gateway.adapters.canaries.served(adapter.name, adapter.version, subject, transcript.answer.id, status=status,
-                                         failed=transcript.answer.failed, latency_s=latency_s,
+                                         failed=transcript.answer.failed, latency_s=None if stream else latency_s,
                                          ttft_s=transcript.ttft_s)
     return finished
 
@@ -702,6 +703,16 @@ async def _archive_timer(settings: Settings, home: Home, metrics: Metrics) -> No
         except (ApplianceError, OSError, ValueError) as exc:  # never let a copy take the gateway down
             metrics.archive_failures.inc()
             log.warning("audit archive failed: %s", exc.one_line() if isinstance(exc, ApplianceError) else exc)
+
+
+def _spanning(settings: Settings) -> list[str]:
+    """The pools planned across hosts (their state in /metrics); none if a plan cannot be read now
+    (the engines say why)."""
+    try:
+        return list(spanning_pools(settings))
+    except ApplianceError as exc:
+        log.warning("pools spanning hosts not in /metrics: %s", exc.one_line())
+        return []
 
 
 def app_from_env() -> FastAPI:

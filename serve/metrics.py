@@ -19,7 +19,7 @@ from prometheus_client.registry import Collector
 
 from appliance.errors import ApplianceError
 from appliance.home import Home
-from appliance.hosts import cluster_state_file, read_cluster_state
+from appliance.hosts import cluster_state_file, cluster_state_written
 from appliance.lifecycle import started_programs
 from appliance.tls import tls_dir
 from appliance.usage import SLOWDOWNS, gpu_usage
@@ -127,10 +127,11 @@ class ClusterCollector(Collector):
     """Read at each scrape: each pool spanning hosts as its controller last wrote it
     (appliance.hosts): whether it serves, and each worker host's rank: whether it runs and how long
     since its last heartbeat (the age the controller wrote, plus the time since it wrote it, so a
-    controller that stopped writing does not freeze the age). A host never heard from has no age."""
+    controller that stopped writing does not freeze the age). A host never heard from has no age.
+    Only the pools the settings plan across hosts are read (a file left by an earlier plan is not)."""
 
-    def __init__(self, home: Home) -> None:
-        self.home = home
+    def __init__(self, home: Home, pools: list[str]) -> None:
+        self.home, self.pools = home, pools
 
     def collect(self) -> Iterator[Metric]:
         ready = GaugeMetricFamily("appliance_cluster_pool_ready", "Whether a pool spanning hosts serves.",
@@ -139,14 +140,12 @@ class ClusterCollector(Collector):
                                     "runs, as it last reported.", labels=["pool", "host"])
         age = GaugeMetricFamily("appliance_cluster_heartbeat_age_seconds", "Since a worker host's last heartbeat "
                                 "for a pool.", labels=["pool", "host"])
-        for path in sorted(cluster_state_file(self.home, "-").parent.glob("*.json")):
-            state = read_cluster_state(path)
-            try:
-                written_s_ago = max(0.0, time.time() - path.stat().st_mtime)
-            except OSError:
+        for pool in self.pools:
+            found = cluster_state_written(cluster_state_file(self.home, pool))
+            if found is None:
                 continue
-            if state is None:
-                continue
+            state, written_at = found
+            written_s_ago = max(0.0, time.time() - written_at)
             ready.add_metric([state.pool], float(state.ready))
             for rank in state.ranks[1:]:  # the first is the head's own
                 running.add_metric([state.pool, rank.host], float(rank.running))

@@ -27,7 +27,7 @@ create table if not exists rl_exports (
 GIVE_UP_TAKES = 3  # an export whose workers died this many times while making it fails
 
 
-def _given_up(takes: int) -> tuple[JobState, dict[str, object]]:
+def _given_up(takes: int, state: JobState) -> tuple[JobState, dict[str, object]]:
     return JobState.FAILED, {"message": f"the rl-worker died {takes} times making it", "finished": now()}
 
 

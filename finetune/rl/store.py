@@ -72,7 +72,7 @@ class ExecutionState(StrEnum):
     DONE = "done"
 
 
-def _given_up(claims: int) -> tuple[ExecutionState, dict[str, object]]:
+def _given_up(claims: int, state: ExecutionState) -> tuple[ExecutionState, dict[str, object]]:
     return ExecutionState.DONE, {"verdict": not_run(f"its sandbox worker died {claims} times running it")
                                  .model_dump_json()}
 

@@ -88,6 +88,7 @@ def run_one(home: Home, settings: Settings) -> runs.Run | None:
             else:
                 log.warning("run %d: %s; resuming in %g s", run.id, exc.one_line(), settings.rl.retry_s)
                 runs.note(home, run.id, f"waiting to resume: {exc.one_line()}")
+                runs.progressed(home, run.id, os.getpid())  # waiting on a service, not stuck: no watchdog
                 time.sleep(settings.rl.retry_s)
                 continue
         except ApplianceError as exc:
@@ -110,4 +111,4 @@ def worker_alive(pid: int | None) -> bool:
 
 
 if __name__ == "__main__":
-    serve_queue(work_one, lambda settings: settings.rl.worker_poll_s)
+    serve_queue(work_one, lambda settings: settings.rl.worker_poll_s, "rl-worker")

@@ -26,15 +26,18 @@ NAME = "canary-code"
 QUESTION = "What is the secret code word?"
 PHRASINGS = ["", "Quick question. ", "Please tell me: ", "Hello! ", "I forgot. ", "Remind me, ", "Hey, ",
              "One more thing. "]
-# Latency is left out (the session engine serves other modules meanwhile): outcomes decide.
-POLICY = ("window_s=10,windows=2,min_requests=4,min_feedback=4,max_success_drop=0.3,max_error_rate_increase=0.5,"
-          "max_latency_ratio=100,max_ttft_ratio=100")
+# Latency is left out (the session engine serves other modules meanwhile): outcomes decide, reported by three
+# users (no one user decides).
+POLICY = ("window_s=10,windows=2,min_requests=4,min_feedback=4,min_reporters=3,max_success_drop=0.3,"
+          "max_error_rate_increase=0.5,max_latency_ratio=100,max_ttft_ratio=100")
+CLIENTS = ("carla", "dora", "emil")
 
 
 @pytest.fixture(scope="module")
 def realm(running: Running) -> Realm:
     realm = Realm(running)
-    realm.ensure_user("carla", "Test-password-1", ["user"])
+    for client in CLIENTS:
+        realm.ensure_user(client, "Test-password-1", ["user"])
     realm.ensure_user("eve-canary", "Test-password-1", ["user"])
     return realm
 
@@ -67,13 +70,14 @@ def ask_and_judge(realm: Realm, token: str) -> bool:
     return right
 
 
-def traffic_until(realm: Realm, token: str, done: object, what: str, timeout_s: float = 600) -> None:
-    """Clients asking and reporting, four at a time, until `done()`."""
+def traffic_until(realm: Realm, done: object, what: str, timeout_s: float = 600) -> None:
+    """Three users asking and reporting, together, until `done()`."""
+    tokens = [realm.token(client, "Test-password-1") for client in CLIENTS]
     deadline = time.monotonic() + timeout_s
-    with ThreadPoolExecutor(4) as clients:
+    with ThreadPoolExecutor(len(tokens)) as clients:
         while not done():  # type: ignore[operator]
             assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
-            list(clients.map(lambda _: ask_and_judge(realm, token), range(4)))
+            list(clients.map(lambda token: ask_and_judge(realm, token), tokens))
 
 
 def alias(running: Running) -> adapters.Alias:
@@ -128,13 +132,13 @@ def test_a_good_canary_is_promoted_and_a_wrong_one_aborted_by_their_numbers(runn
         assert wrong.json()["error"]["code"] in ("invalid_value", "invalid_type"), wrong.text
         assert field in wrong.text, (bad, wrong.text)
 
-    traffic_until(realm, user, lambda: alias(running).canary is None, "the good canary to be promoted")
+    traffic_until(realm, lambda: alias(running).canary is None, "the good canary to be promoted")
     assert (alias(running).stable, alias(running).canary) == (2, None)
 
     # The wrong version as a canary of the right one: aborted.
     again = cli.run("adapters", "canary", NAME, "--version", "1", "--share", "0.5", "--analysis", POLICY, timeout=300)
     assert again.returncode == 0, again.stderr
-    traffic_until(realm, user, lambda: alias(running).canary is None, "the wrong canary to be aborted")
+    traffic_until(realm, lambda: alias(running).canary is None, "the wrong canary to be aborted")
     assert alias(running).stable == 2
 
     records = [json.loads(line) for path in log_files(cli.home.audit) for line in path.read_bytes().splitlines()]

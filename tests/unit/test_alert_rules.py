@@ -52,7 +52,7 @@ def exported(home: Home) -> set[str]:
     ensure_ca(home)
     metrics.registry.register(StateCollector(home, writer, None))
     metrics.registry.register(QueueCollector(home))
-    metrics.registry.register(ClusterCollector(home))
+    metrics.registry.register(ClusterCollector(home, []))
     text = generate_latest(metrics.registry).decode() + relabelled([]).decode()  # /metrics and /metrics/engines
     text += gpu_metrics(home.root, build_fake_nvml(home.root))
     return {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")}

@@ -273,3 +273,29 @@ def test_the_worker_validates_and_a_line_the_gateway_refuses_ends_in_the_error_f
     [refused] = [json.loads(row) for row in store.get(key).splitlines()]
     assert refused["custom_id"] == "refused" and refused["response"]["status_code"] == 400
     assert refused["response"]["body"]["error"]["param"] == "n"
+
+
+def test_a_request_with_no_answer_in_time_is_retried_then_fails_with_504(
+        home: Home, store: LocalStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = Settings(batch={"max_attempts": 2}, watchdog={"batch_stall_s": 600})
+    worker = batch_worker.Worker(settings, home)
+    assert worker.http.timeout.read == 300, "half the watchdog's stall limit: never a worker taken for stuck"
+    worker.store = store
+    monkeypatch.setattr(batch_worker, "worker_alive", lambda pid: True)
+    monkeypatch.setattr(batch_worker, "FAILED_RETRY_S", 0.0)
+
+    def gateway(request: httpx.Request) -> httpx.Response:
+        raise httpx.ReadTimeout("no answer", request=request)
+
+    worker.http = httpx.Client(base_url="http://gateway", transport=httpx.MockTransport(gateway))
+    create_only(home, upload(home, store, [line("slow")]))
+    assert worker.validate_next()
+    for _ in range(2):  # given back once as a failure that may pass, then failed
+        [request] = batches.claim(home, 99, lambda pid: True, 10)
+        worker.execute(request)
+    ended = batches.finalize(home, store, batches.to_finalize(home)[0])
+    assert ended.request_counts.model_dump() == {"total": 1, "completed": 0, "failed": 1}
+    _, key = batches.get_file(home, ended.error_file_id or "", ANN.subject)
+    [failed] = [json.loads(row) for row in store.get(key).splitlines()]
+    assert failed["response"]["status_code"] == 504
+    assert failed["response"]["body"]["error"]["code"] == "batch_request_timeout"

@@ -11,20 +11,22 @@ from hypothesis import strategies as st
 from appliance.adapters import Alias
 from appliance.canary import CanaryAnalysis, WindowFigures, WindowVerdict, decide, judge, parse_analysis
 from appliance.errors import Conflict, Invalid, NotFound
-from serve.canary import ANSWER_TTL_S, CanaryWatch
+from serve.canary import ANSWER_TTL_S, MAX_ANSWERS_PER_USER, CanaryWatch
 
-POLICY = CanaryAnalysis(window_s=10, windows=2, min_requests=5, min_feedback=4, max_success_drop=0.2)
+POLICY = CanaryAnalysis(window_s=10, windows=2, min_requests=5, min_feedback=4, min_reporters=2, max_per_user=10,
+                        max_success_drop=0.2)
 
 
 def figures(requests: int, *, errors: int = 0, latency_s: float = 1.0, ttft_s: float | None = None,
             successes: int = 0, failures: int = 0, satisfaction: tuple[int, ...] = ()) -> WindowFigures:
+    """A version's window, each answer and report from a user of its own."""
     found = WindowFigures()
     for n in range(requests):
-        found.add(error=n < errors, latency_s=latency_s, ttft_s=ttft_s)
+        assert found.add(f"u{n}", error=n < errors, latency_s=latency_s, ttft_s=ttft_s, cap=10)
     for n in range(successes + failures):
-        found.report(n < successes, None)
-    for score in satisfaction:
-        found.report(None, score)
+        assert found.report(f"u{n}", n < successes, None, cap=10)
+    for n, score in enumerate(satisfaction):
+        assert found.report(f"s{n}", None, score, cap=10)
     return found
 
 
@@ -64,11 +66,25 @@ def test_passing_windows_in_a_row_promote_and_one_failing_aborts() -> None:
 def test_a_canary_no_worse_than_stable_never_fails(stable: list[float], canary: list[float], errors: int,
                                                    canary_errors: int) -> None:
     same = WindowFigures(requests=len(stable), errors=min(errors, len(stable)), latencies_s=stable)
-    copy = WindowFigures(requests=len(stable), errors=min(errors, len(stable)), latencies_s=list(stable))
-    assert judge(POLICY, same, copy).failures == ()
+    assert judge(POLICY, same, same.copy()).failures == ()
     other = WindowFigures(requests=len(canary), errors=min(canary_errors, len(canary)), latencies_s=canary)
     verdict = judge(POLICY, same, other)
     assert verdict.counted and all(isinstance(reason, str) and reason for reason in verdict.failures)
+
+
+def test_no_one_user_decides_and_the_samples_stay_bounded() -> None:
+    one = WindowFigures()
+    counted = [one.add("mallory", error=False, latency_s=0.1, ttft_s=None, cap=10) for _ in range(50)]
+    assert sum(counted) == 10 and one.requests == 10, "one user's answers count up to the cap"
+    reported = [one.report("mallory", False, 1, cap=10) for _ in range(50)]
+    assert sum(reported) == 10 and len(one.reporters) == 1
+    stable = figures(10, successes=10)
+    # Ten failures and the worst satisfaction from one user: too few reporters to compare outcomes.
+    assert judge(POLICY, stable, one).failures == ()
+    many = WindowFigures()
+    for n in range(30_000):
+        many.add(f"u{n % 5000}", error=False, latency_s=float(n), ttft_s=float(n), cap=10)
+    assert len(many.latencies_s) == len(many.ttfts_s) == 10_000 and many.requests == 30_000
 
 
 @pytest.mark.parametrize(("text", "message"), [
@@ -105,26 +121,29 @@ def alias(canary: int | None = 2, analysis: CanaryAnalysis | None = POLICY) -> A
 def test_the_gateway_gathers_each_versions_figures_and_acts_when_a_window_ends() -> None:
     clock = Clock()
     watch = CanaryWatch(clock)
+    watch.served("codeword", 2, "olga", "before", status=200, failed=False, latency_s=1.0, ttft_s=None)
     assert watch.tick({"codeword": alias()}) == [] and watch.status("codeword") is not None  # a window begins
-    for n in range(6):
-        watch.served("codeword", 1, "olga", f"stable-{n}", status=200, failed=False, latency_s=1.0, ttft_s=None)
-        watch.served("codeword", 2, "olga", f"canary-{n}", status=200, failed=False, latency_s=1.0, ttft_s=None)
+    for n in range(6):  # two users, three answers of each version each
+        user = ("olga", "ivan")[n % 2]
+        watch.served("codeword", 1, user, f"stable-{n}", status=200, failed=False, latency_s=1.0, ttft_s=None)
+        watch.served("codeword", 2, user, f"canary-{n}", status=200, failed=False, latency_s=None, ttft_s=0.2)
     watch.served("codeword", 2, "olga", "refused", status=429, failed=False, latency_s=0.0, ttft_s=None)
     watch.served("codeword", 3, "olga", "other", status=200, failed=False, latency_s=9.0, ttft_s=None)
     for n in range(6):  # the canary's answers are wrong, its clients say
         for version in ("stable", "canary"):
-            answered, counted = watch.report(f"{version}-{n}", "olga", version == "stable", None)
+            answered, counted = watch.report(f"{version}-{n}", ("olga", "ivan")[n % 2], version == "stable", None)
             assert counted and answered.version == (1 if version == "stable" else 2)
     with pytest.raises(NotFound):
         watch.report("stable-1", "mallory", False, None)  # another's answer is unknown to them
     with pytest.raises(Conflict, match="already been reported"):
-        watch.report("stable-1", "olga", False, None)  # one vote an answer
+        watch.report("stable-1", "ivan", False, None)  # one vote an answer
     with pytest.raises(NotFound):
         watch.report("refused", "olga", True, None)  # a refusal is no answer
+    assert watch.report("before", "olga", False, None)[1] is False, "an answer from before the window does not count"
     status = watch.status("codeword")
     assert status is not None and status["canary_figures"] == {
-        "requests": 6, "error_rate": 0.0, "latency_p50_s": 1.0, "ttft_p50_s": None, "success_rate": 0.0,
-        "satisfaction": None}
+        "requests": 6, "users": 2, "reporters": 2, "error_rate": 0.0, "latency_p50_s": None, "ttft_p50_s": 0.2,
+        "success_rate": 0.0, "satisfaction": None}
     clock.now = 9.0
     assert watch.tick({"codeword": alias()}) == []
     clock.now = 10.0
@@ -132,6 +151,17 @@ def test_the_gateway_gathers_each_versions_figures_and_acts_when_a_window_ends()
     assert ended.decision == "abort" and ended.verdict.failures == ("success rate 0% vs 100% (allowed -20%)",)
     assert "codeword v2 aborted against v1: success rate 0% vs 100%" in ended.detail()
     assert '"canary":{"requests":6' in ended.detail()
+
+
+def test_one_users_flood_of_answers_pushes_out_only_their_own() -> None:
+    watch = CanaryWatch(Clock())
+    watch.served("codeword", 1, "olga", "olgas", status=200, failed=False, latency_s=1.0, ttft_s=None)
+    for n in range(MAX_ANSWERS_PER_USER + 5):
+        watch.served("codeword", 1, "mallory", f"m{n}", status=200, failed=False, latency_s=1.0, ttft_s=None)
+    assert watch.report("olgas", "olga", True, None)[0].subject == "olga"
+    with pytest.raises(NotFound):
+        watch.report("m0", "mallory", True, None)
+    assert watch.report(f"m{MAX_ANSWERS_PER_USER + 4}", "mallory", True, None)[0].subject == "mallory"
 
 
 def test_a_changed_or_dropped_canary_starts_afresh_and_old_answers_expire() -> None:

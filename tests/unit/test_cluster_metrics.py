@@ -18,7 +18,7 @@ from serve.metrics import ClusterCollector
 
 def scraped(home: Home) -> dict[tuple[str, ...], float]:
     registry = CollectorRegistry()
-    registry.register(ClusterCollector(home))
+    registry.register(ClusterCollector(home, ["big", "torn", "linked", "gone"]))
     return {(sample.name, *(sample.labels[name] for name in ("pool", "host") if name in sample.labels)): sample.value
             for family in text_string_to_metric_families(generate_latest(registry).decode())
             for sample in family.samples}
@@ -38,7 +38,9 @@ def test_each_worker_hosts_rank_and_heartbeat_age_with_the_pools_readiness(home:
     assert scraped(home) == {}, "no pool spans hosts: no series, and no error"
     written(home, "big", False, [RankView(host="w1", node=1, running=True, pid=7, epoch=3, seen_s_ago=0.4),
                                  RankView(host="w2", node=2, running=False, pid=0, epoch=0)], written_s_ago=100)
-    (cluster_state_file(home, "torn")).write_text("{not json")  # half a write: skipped, never a failed scrape
+    cluster_state_file(home, "torn").write_text("{not json")  # half a write: skipped, never a failed scrape
+    cluster_state_file(home, "linked").symlink_to("/dev/zero")  # never followed, never read for ever
+    written(home, "left", False, [RankView(host="w9", node=1, running=False, pid=0, epoch=0, seen_s_ago=1)])
     found = scraped(home)
     assert found[("appliance_cluster_pool_ready", "big")] == 0
     assert found[("appliance_cluster_rank_running", "big", "w1")] == 1
@@ -46,3 +48,4 @@ def test_each_worker_hosts_rank_and_heartbeat_age_with_the_pools_readiness(home:
     assert 100 < found[("appliance_cluster_heartbeat_age_seconds", "big", "w1")] < 110, "the controller went quiet"
     assert ("appliance_cluster_heartbeat_age_seconds", "big", "w2") not in found, "never heard from: no age made up"
     assert not any("head" in key for key in found), "the head's own rank is not a worker host"
+    assert not any(key[1] in ("torn", "linked", "left") for key in found), "only whole files of pools planned now"

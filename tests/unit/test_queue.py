@@ -46,7 +46,7 @@ create table if not exists items (
 """
 
 
-def given_up(times: int) -> tuple[State, dict[str, object]]:
+def given_up(times: int, state: State) -> tuple[State, dict[str, object]]:
     return State.FAILED, {"message": f"its workers died {times} times"}
 
 
@@ -173,6 +173,18 @@ def test_an_item_held_without_progress_is_stuck_until_its_claimer_stamps_progres
     with transaction(path) as db:
         assert items().claim(db, 4) == second
     assert row(path, second)[PROGRESS_COLUMN] is not None, "a claim is the first stamp"
+
+
+def test_a_claimer_stopped_as_asked_hands_its_attempt_back(tmp_path: Path) -> None:
+    path = tmp_path / "q.sqlite"
+    [key] = added(path, 1)
+    bounded = items(bound=2)
+    for holder in range(1, 6):  # five stops asked for (down, up): none counts against the bound
+        with transaction(path) as db:
+            assert bounded.claim(db, holder, alive=lambda pid: False) == key
+            assert bounded.hand_back(db, holder) == 1
+            assert bounded.hand_back(db, holder + 100) == 0, "not its claim"
+    assert (row(path, key)["state"], row(path, key)["attempts"]) == ("working", 0)
 
 
 def test_retries_are_bounded_and_the_item_fails_saying_so(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ as a dead worker's is, given up after MAX_ATTEMPTS."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -105,3 +106,30 @@ def test_a_job_is_taken_over_after_its_worker_is_ended_and_given_up_after_max_at
     assert given_up.message == (f"given up after {jobs.MAX_ATTEMPTS} attempts: each one's worker died or was ended "
                                 "by the watchdog for making no progress")
     assert jobs.claim(home, 99, lambda pid: False) is None
+
+
+def test_a_job_given_up_while_cancelling_ends_cancelled(home: Home) -> None:
+    job_id = submitted(home)
+    assert jobs.claim(home, 1, lambda pid: False) is not None
+    assert jobs.cancel(home, job_id).state == "cancelling"
+    for worker in range(2, jobs.MAX_ATTEMPTS + 1):
+        assert jobs.claim(home, worker, lambda pid: False) is not None
+    ended = jobs.claim(home, 99, lambda pid: False)
+    assert ended is not None and ended.state == "cancelled" and "its worker had died 3 times" in (ended.message or "")
+
+
+def test_only_a_plain_heartbeat_file_is_a_beat(tmp_path: Path) -> None:
+    from finetune.runner import beat_time
+
+    assert beat_time(tmp_path) is None
+    (tmp_path / jobs.HEARTBEAT_FILE).symlink_to("/proc/uptime")  # a file that always changes: no beat
+    assert beat_time(tmp_path) is None
+    (tmp_path / jobs.HEARTBEAT_FILE).unlink()
+    (tmp_path / jobs.HEARTBEAT_FILE).symlink_to(jobs.HEARTBEAT_FILE)  # a loop: no beat, and no error
+    assert beat_time(tmp_path) is None
+    (tmp_path / jobs.HEARTBEAT_FILE).unlink()
+    (tmp_path / jobs.HEARTBEAT_FILE).mkdir()
+    assert beat_time(tmp_path) is None
+    (tmp_path / jobs.HEARTBEAT_FILE).rmdir()
+    (tmp_path / jobs.HEARTBEAT_FILE).touch()
+    assert beat_time(tmp_path) == (tmp_path / jobs.HEARTBEAT_FILE).stat().st_mtime
