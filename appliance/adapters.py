@@ -15,6 +15,7 @@ before the change is written, what to unload after). The gateway runs a change o
 from __future__ import annotations
 
 import hashlib
+import statistics
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -22,7 +23,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
 from appliance.canary import CanaryAnalysis
 from appliance.errors import Conflict, IllegalTransition, IntegrityError, NotFound
@@ -60,10 +61,43 @@ MOVES: dict[AdapterState, frozenset[AdapterState]] = {
 
 
 class Scores(BaseModel):
-    """An evaluation set's score (fraction right) for the base model and with the adapter."""
+    """An evaluation set's score (fraction right) for the base model and with the adapter: the
+    mean over the seeds the set was answered with (the gate judges it), each seed's score and
+    their spread (the sample standard deviation)."""
 
     base: float
     adapter: float
+    base_per_seed: list[float] = []  # empty: scored once, before seeds were kept
+    adapter_per_seed: list[float] = []
+    shipped: bool = False  # the appliance's own regression set: the operator brought none
+
+    @classmethod
+    def over_seeds(cls, base: list[float], adapter: list[float], *, shipped: bool = False) -> Scores:
+        return cls(base=statistics.fmean(base), adapter=statistics.fmean(adapter), base_per_seed=base,
+                   adapter_per_seed=adapter, shipped=shipped)
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def base_spread(self) -> float:
+        return _spread(self.base_per_seed)
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def adapter_spread(self) -> float:
+        return _spread(self.adapter_per_seed)
+
+    def line(self, kind: str) -> str:
+        """`regression (shipped) 80% -> 75% (mean of 3 seeds, +/- 4%)`."""
+        return f"{kind}{' (shipped)' if self.shipped else ''} {self.base:.0%} -> {self.adapter:.0%}{self.spread_note()}"
+
+    def spread_note(self) -> str:
+        """` (mean of 3 seeds, +/- 4%)`: the adapter's spread; nothing for one score."""
+        seeds = len(self.adapter_per_seed)
+        return f" (mean of {seeds} seeds, +/- {self.adapter_spread:.0%})" if seeds > 1 else ""
+
+
+def _spread(scores: list[float]) -> float:
+    return statistics.stdev(scores) if len(scores) > 1 else 0.0
 
 
 class AdapterMetrics(BaseModel):

@@ -832,8 +832,20 @@ class FinetuneSettings(_Section):
         "right (it must also do no worse than the base model)."
     )
     gate_max_regression_drop: float = Field(
-        0.05, ge=0, le=1, description="With a regression set: how far the adapter's score may fall below the "
-        "base model's (forgetting)."
+        0.05, ge=0, le=1, description="With a regression set: how far the adapter's mean score may fall below "
+        "the base model's (forgetting)."
+    )
+    gate_seeds: int = Field(
+        3, ge=1, le=20, description="Each evaluation set is answered this many times, each with its own sampling "
+        "seed; the gate judges the mean score and records each seed's and the spread (1: one greedy answer)."
+    )
+    gate_temperature: float = Field(
+        0.5, gt=0, le=2, description="Sampling temperature of the evaluation answers when gate_seeds > 1."
+    )
+    regression_set: Literal["shipped", "none"] = Field(
+        "shipped", description="What a job with no regression set of its own is checked against for forgetting: "
+        "the general-capability prompts the appliance ships, or none (forgetting goes unchecked: say so to "
+        "your auditor)."
     )
     sandbox: Literal["bubblewrap", "none"] = Field(
         "bubblewrap", description="Run each trainer in a bubblewrap sandbox (as user appliance-train when the "

@@ -265,7 +265,7 @@ def run(data: Data, name: Name, base: Base = DEMO_MODEL, qlora: QLoRA = False, r
     result, record = outcome.result, outcome.record
     note_target("adapter", record.name, version=record.version)
     resumed = f" (resumed from {result.resumed_from})" if result.resumed_from else ""
-    scores = "".join(f"; {kind} {s['base']:.0%} -> {s['adapter']:.0%}" for kind, s in result.eval_sets.items())
+    scores = "".join(f"; {scores.line(kind)}" for kind, scores in record.metrics.eval_sets.items())
     out.print(f"adapter {record.name} v{record.version}: held-out loss {result.base_eval_loss:.4f} -> "
               f"{result.adapter_eval_loss:.4f} ({result.improvement:+.1%}){scores}; {result.steps} steps{resumed}; "
               f"gate: {'passed' if outcome.passed else 'FAILED'}; {record.artifact}", soft_wrap=True)

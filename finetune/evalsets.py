@@ -1,6 +1,8 @@
 """Evaluation sets for the gate: prompts with expected answers, scored by exact, contains or
 regex match on the model's greedy answer. A scenario set shows the adapter does the job it was
-trained for; a regression set of general prompts guards against forgetting.
+trained for; a regression set of general prompts guards against forgetting. A job that brings no
+regression set is checked against the one the appliance ships (regression.jsonl, beside this
+module), unless `finetune.regression_set` is none.
 
 A set is JSONL, one item a line: {"prompt": "..."} or {"messages": [... ending with a user
 turn]}, "expect": "...", and optionally "match": "exact" | "contains" (default) | "regex".
@@ -10,7 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from appliance.errors import ApplianceError
 
 MATCHES = ("exact", "contains", "regex")
 KINDS = ("scenarios", "regression")
+SHIPPED_REGRESSION = Path(__file__).with_name("regression.jsonl")
 
 
 class EvalSetError(ApplianceError):
@@ -80,6 +82,17 @@ def matches(answer: str, item: dict[str, Any]) -> bool:
     return expect.lower() in answer.lower()
 
 
-def score(items: list[dict[str, Any]], answer: Callable[[list[dict[str, Any]]], str]) -> float:
-    """The share of items whose answer matches."""
-    return sum(matches(answer(item["messages"]), item) for item in items) / len(items)
+def score(items: list[dict[str, Any]], answers: list[str]) -> float:
+    """The share of items whose answer (the same position in `answers`) matches."""
+    if len(answers) != len(items):
+        raise ValueError(f"{len(answers)} answers for {len(items)} items")
+    return sum(matches(answer, item) for answer, item in zip(answers, items, strict=True)) / len(items)
+
+
+def with_shipped_regression(sets: dict[str, list[dict[str, Any]]], regression_set: str
+                            ) -> tuple[dict[str, list[dict[str, Any]]], bool]:
+    """The job's sets, with the shipped regression set where it brings none (and settings ask for
+    it); whether it was added."""
+    if "regression" in sets or regression_set == "none":
+        return sets, False
+    return {**sets, "regression": parse(SHIPPED_REGRESSION)}, True

@@ -37,7 +37,7 @@ def main(directory: Path) -> int:
     try:
         train_adapter(spec.base, train, evaluation, directory, spec.hyperparameters,
                       on_progress=lambda progress: write_progress(directory, progress), eval_sets=spec.eval_sets,
-                      on_beat=(directory / HEARTBEAT_FILE).touch)
+                      on_beat=(directory / HEARTBEAT_FILE).touch, scoring=spec.scoring)
     except ApplianceError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 1

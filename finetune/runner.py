@@ -31,10 +31,10 @@ from appliance.orphans import group_members
 from appliance.programs import OFFLINE_ENVIRONMENT
 from appliance.records import config_sha256
 from appliance.settings import FinetuneSettings, Settings
-from finetune import adapters
+from finetune import adapters, evalsets
 from finetune.datasets import PREFIX, check_dataset, kind, load_registry
 from finetune.sandbox import prepare, sandboxed
-from finetune.train import Result, TrainingCancelled, TrainingError, TrainingSpec, load_result
+from finetune.train import Result, Scoring, TrainingCancelled, TrainingError, TrainingSpec, load_result
 
 BEAT_S = 5.0  # the trainer's beats passed on (to the queue's progress stamp) at most this often
 
@@ -69,7 +69,10 @@ def run_job(directory: Path, *, name: str, data: str, base: str, hp: Hyperparame
     inputs = [directory / "train.jsonl", directory / "eval.jsonl", directory / "job.json"]
     for split, content in splits.items():
         (directory / f"{split}.jsonl").write_bytes(content)
-    spec = TrainingSpec(base=model.resolve(), hyperparameters=hp, eval_sets=eval_sets or {})
+    sets, shipped = evalsets.with_shipped_regression(eval_sets or {}, settings.finetune.regression_set)
+    spec = TrainingSpec(base=model.resolve(), hyperparameters=hp, eval_sets=sets,
+                        scoring=Scoring(seeds=settings.finetune.gate_seeds,
+                                        temperature=settings.finetune.gate_temperature))
     (directory / "job.json").write_text(spec.model_dump_json())
     (directory / PROGRESS_FILE).unlink(missing_ok=True)
     with contextlib.suppress(OSError):  # one the trainer made a directory is never a beat (_stamp)
@@ -80,7 +83,9 @@ def run_job(directory: Path, *, name: str, data: str, base: str, hp: Hyperparame
     _train_in_child(directory, sandboxed(trainer, settings.finetune, workdir=directory, inputs=inputs,
                                          readable=[model.resolve()]), on_progress, on_child, on_beat)
     result = load_result(directory)
-    failures = gate_failures(result, settings.finetune)
+    scores = {kind: Scores.over_seeds(per_seed["base"], per_seed["adapter"], shipped=shipped and kind == "regression")
+              for kind, per_seed in result.eval_sets.items()}
+    failures = gate_failures(result, scores, settings.finetune)
     record = adapters.register(
         home, store, result.adapter_dir, name=name, base_model=base,
         base_config_sha256=config_sha256(json.loads((model / "config.json").read_text())),
@@ -89,7 +94,7 @@ def run_job(directory: Path, *, name: str, data: str, base: str, hp: Hyperparame
             base_eval_loss=result.base_eval_loss, adapter_eval_loss=result.adapter_eval_loss,
             improvement=result.improvement, steps=result.steps, train_tokens=result.train_tokens,
             seconds=result.seconds, resumed_from=result.resumed_from,
-            eval_sets={kind: Scores.model_validate(scores) for kind, scores in result.eval_sets.items()},
+            eval_sets=scores,
             processes=result.processes, gate_failures=failures),
         state=AdapterState.FAILED_GATE if failures else AdapterState.REGISTERED)
     return Outcome(result=result, record=record, failures=failures)
@@ -104,8 +109,9 @@ def check_method(data: str, train: bytes, hp: Hyperparameters) -> None:
                             f"--method {'dpo' if preference else 'sft'}, not {hp.method}")
 
 
-def gate_failures(result: Result, gate: FinetuneSettings) -> list[str]:
-    """Why the adapter fails the evaluation gate (thresholds in settings); empty: it passes."""
+def gate_failures(result: Result, scores: dict[str, Scores], gate: FinetuneSettings) -> list[str]:
+    """Why the adapter fails the evaluation gate (thresholds in settings, on each set's mean score
+    over its seeds); empty: it passes."""
     failures = []
     if not (math.isfinite(result.base_eval_loss) and math.isfinite(result.adapter_eval_loss)):
         failures.append(f"held-out loss {result.adapter_eval_loss} vs base {result.base_eval_loss}: not a number "
@@ -113,14 +119,16 @@ def gate_failures(result: Result, gate: FinetuneSettings) -> list[str]:
     elif result.improvement <= gate.gate_min_improvement:
         failures.append(f"held-out loss {result.adapter_eval_loss:.4f} vs base {result.base_eval_loss:.4f}: "
                         f"needs to be more than {gate.gate_min_improvement:.0%} lower")
-    scenarios = result.eval_sets.get("scenarios")
-    if scenarios and (scenarios["adapter"] < gate.gate_min_scenario_score or scenarios["adapter"] < scenarios["base"]):
-        failures.append(f"scenario score {scenarios['adapter']:.0%} (base {scenarios['base']:.0%}): needs at least "
+    scenarios = scores.get("scenarios")
+    if scenarios and (scenarios.adapter < gate.gate_min_scenario_score or scenarios.adapter < scenarios.base):
+        failures.append(f"scenario score {scenarios.adapter:.0%}{scenarios.spread_note()} (base {scenarios.base:.0%}): "
+                        f"needs at least "
                         f"{gate.gate_min_scenario_score:.0%} and no less than the base")
-    regression = result.eval_sets.get("regression")
-    if regression and regression["adapter"] < regression["base"] - gate.gate_max_regression_drop:
-        failures.append(f"regression score {regression['adapter']:.0%} vs base {regression['base']:.0%}: may drop "
-                        f"by {gate.gate_max_regression_drop:.0%} at most")
+    regression = scores.get("regression")
+    if regression and regression.adapter < regression.base - gate.gate_max_regression_drop:
+        failures.append(f"regression score {regression.adapter:.0%}{regression.spread_note()} vs base "
+                        f"{regression.base:.0%}{' (the shipped set)' if regression.shipped else ''}: may drop by "
+                        f"{gate.gate_max_regression_drop:.0%} at most")
     return failures
 
 

@@ -18,13 +18,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from appliance.errors import ApplianceError
 from appliance.jobs import Hyperparameters, Progress
 from finetune import evalsets
 
-ANSWER_TOKENS = 48  # greedy tokens generated to score an evaluation item
+ANSWER_TOKENS = 48  # tokens generated at most to score an evaluation item
+SCORE_BATCH = 32  # evaluation items answered in one generate call (the shipped regression set: one)
 
 
 class TrainingError(ApplianceError):
@@ -35,12 +36,21 @@ class TrainingCancelled(TrainingError):
     """Training was stopped because it was asked to (`appliance finetune cancel`)."""
 
 
+class Scoring(BaseModel):
+    """How the evaluation sets are answered: `seeds` times each, sampled at `temperature` with
+    seeds 0..seeds-1 (one seed: greedy answers)."""
+
+    seeds: int = Field(1, ge=1, le=20)
+    temperature: float = Field(0.5, gt=0, le=2)
+
+
 class TrainingSpec(BaseModel):
     """DIR/job.json: what the runner asks the sandboxed trainer (finetune.job) to train."""
 
     base: Path  # the checkpoint's real path (the sandbox shows that directory, not links to it)
     hyperparameters: Hyperparameters
     eval_sets: dict[str, list[dict[str, Any]]] = {}  # kind -> items (finetune.evalsets)
+    scoring: Scoring = Scoring()
 
 
 @dataclass(frozen=True)
@@ -52,7 +62,8 @@ class Result:
     train_tokens: int
     seconds: float
     resumed_from: str | None
-    eval_sets: dict[str, dict[str, float]] = field(default_factory=dict)  # kind -> base/adapter score
+    # kind -> {"base": [score per seed], "adapter": [...]} (appliance.adapters.Scores.over_seeds)
+    eval_sets: dict[str, dict[str, list[float]]] = field(default_factory=dict)
     processes: int = 1  # DDP processes that trained it
 
     @property
@@ -82,9 +93,9 @@ def as_training_rows(examples: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def train_adapter(base: Path, train: list[dict[str, Any]], evaluation: list[dict[str, Any]], out_dir: Path,
                   hp: Hyperparameters, on_progress: Callable[[Progress], None] = lambda p: None,
                   eval_sets: dict[str, list[dict[str, Any]]] | None = None,
-                  on_beat: Callable[[], None] = lambda: None) -> Result | None:
+                  on_beat: Callable[[], None] = lambda: None, scoring: Scoring | None = None) -> Result | None:
     """Train, evaluate base and adapter on the held-out rows (and score both on `eval_sets`:
-    finetune.evalsets), save the adapter to out_dir/adapter and the figures to
+    finetune.evalsets, as `scoring` says), save the adapter to out_dir/adapter and the figures to
     out_dir/result.json. Under torchrun every process trains its share of each batch (DDP); the
     first one reports progress, scores the sets, writes the outputs and returns the Result (the
     others None)."""
@@ -139,7 +150,7 @@ def train_adapter(base: Path, train: list[dict[str, Any]], evaluation: list[dict
         return None
     adapter_dir = out_dir / "adapter"
     adapted.save_pretrained(str(adapter_dir))
-    scores = _score_sets(adapted, tokenizer, eval_sets or {}, on_beat)
+    scores = _score_sets(adapted, tokenizer, eval_sets or {}, scoring or Scoring(), on_beat)
     tokens = int(output.metrics.get("train_tokens", 0) or trainer.state.num_input_tokens_seen or 0)
     result = Result(adapter_dir=adapter_dir, base_eval_loss=base_loss, adapter_eval_loss=adapter_loss,
                     steps=trainer.state.global_step, train_tokens=tokens, seconds=time.monotonic() - started,
@@ -156,27 +167,40 @@ def load_result(out_dir: Path) -> Result:
     return Result(**{**raw, "adapter_dir": out_dir / "adapter"})
 
 
-def _score_sets(model: Any, tokenizer: Any, eval_sets: dict[str, list[dict[str, Any]]],
-                beat: Callable[[], None]) -> dict[str, dict[str, float]]:
-    """Each set's score with the adapter off (the base) and on, from greedy answers (a beat each)."""
+def _score_sets(model: Any, tokenizer: Any, eval_sets: dict[str, list[dict[str, Any]]], scoring: Scoring,
+                beat: Callable[[], None]) -> dict[str, dict[str, list[float]]]:
+    """Each set's score per seed with the adapter off (the base) and on (a beat each batch)."""
     import torch
 
-    def answer(messages: list[dict[str, Any]]) -> str:
-        inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                               return_dict=True).to(model.device)
-        with torch.no_grad():
-            output = model.generate(**inputs, max_new_tokens=ANSWER_TOKENS, do_sample=False,
-                                    pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
-        text: str = tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
-        beat()
-        return text
+    sampling = ({"do_sample": False} if scoring.seeds == 1
+                else {"do_sample": True, "temperature": scoring.temperature, "top_p": 1.0, "top_k": 0})
+    tokenizer.padding_side = "left"  # generation continues each prompt where it ends
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+
+    def answers(items: list[dict[str, Any]], seed: int) -> list[str]:
+        torch.manual_seed(seed)
+        found: list[str] = []
+        for start in range(0, len(items), SCORE_BATCH):
+            prompts = [tokenizer.apply_chat_template(item["messages"], add_generation_prompt=True, tokenize=False)
+                       for item in items[start:start + SCORE_BATCH]]
+            inputs = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+            with torch.no_grad():
+                output = model.generate(**inputs, max_new_tokens=ANSWER_TOKENS, pad_token_id=tokenizer.pad_token_id,
+                                        **sampling)
+            found += tokenizer.batch_decode(output[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+            beat()
+        return found
 
     model.eval()
-    scores = {}
+    scores: dict[str, dict[str, list[float]]] = {}
     for kind, items in eval_sets.items():
-        with model.disable_adapter():
-            base = evalsets.score(items, answer)
-        scores[kind] = {"base": base, "adapter": evalsets.score(items, answer)}
+        per_seed: dict[str, list[float]] = {"base": [], "adapter": []}
+        for seed in range(scoring.seeds):
+            with model.disable_adapter():
+                per_seed["base"].append(evalsets.score(items, answers(items, seed)))
+            per_seed["adapter"].append(evalsets.score(items, answers(items, seed)))
+        scores[kind] = per_seed
     return scores
 
 

@@ -1,17 +1,17 @@
 """Dashboard: supervised services with start/stop/restart (each offered where it applies), the
-alerts firing, host usage (GPUs from NVML, else CPU and memory) and the gateway's live traffic with
-small charts."""
+alerts firing, host usage (GPUs from NVML, else CPU and memory), the gateway's live traffic, and
+charts of the key series over the last minutes as the appliance's Prometheus holds them (/charts:
+the Grafana dashboard's expressions)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
 from typing import Any
 
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal
+from textual.containers import Horizontal, Vertical
 from textual.widgets import DataTable, Label, Sparkline, Static
 
 from appliance.admin_client import Refused
@@ -20,7 +20,6 @@ from appliance.errors import Unavailable
 from tui.metrics import Rates, Scrape, parse, rates
 from tui.panel import Panel, duration, fill, gib
 
-HISTORY = 60  # samples per chart
 # supervisord's states in which each action applies; the gateway serves this screen and takes none.
 STARTABLE = ("STOPPED", "EXITED", "FATAL")
 STOPPABLE = ("RUNNING", "STARTING", "BACKOFF")
@@ -43,10 +42,12 @@ class Dashboard(Panel):
     DEFAULT_CSS = Panel.DEFAULT_CSS + """
     #services { height: auto; max-height: 9; }
     #gpus { height: auto; max-height: 6; }
-    #host, #traffic { height: auto; padding: 0 1; }
+    #host, #traffic, #charts-state { height: auto; padding: 0 1; }
+    #charts { height: auto; }
     .chart { height: 1; }
-    .chart Static { width: 14; padding: 0 1; }
+    .chart .chart-label { width: 16; padding: 0 1; }
     .chart Sparkline { width: 1fr; }
+    .chart .chart-value { width: 12; padding: 0 1; text-align: right; }
     Label { padding: 0 1; text-style: bold; }
     """
     # Listed in the services' title (the footer lists the screens).
@@ -60,8 +61,6 @@ class Dashboard(Panel):
         super().__init__()
         self.states: dict[str, str] = {}  # service -> its supervisord state
         self.last: Scrape | None = None
-        self.history: dict[str, deque[float]] = {name: deque([0.0], maxlen=HISTORY)
-                                                 for name in ("requests", "tokens", "p50")}
 
     def body(self) -> ComposeResult:
         yield Label("Services", id="services-title")
@@ -70,10 +69,8 @@ class Dashboard(Panel):
         yield Static("", id="host", markup=False)
         yield DataTable(id="gpus", cursor_type="none", show_cursor=False)
         yield Static("Gateway: waiting for a second sample", id="traffic", markup=False)
-        for name, label in (("requests", "requests/s"), ("tokens", "tokens/s"), ("p50", "p50 ms")):
-            with Horizontal(classes="chart"):
-                yield Static(label)
-                yield Sparkline(list(self.history[name]), id=f"chart-{name}")
+        yield Static("Charts: waiting for Prometheus", id="charts-state", markup=False)
+        yield Vertical(id="charts")  # a row a series, added as the first answer names them
 
     def on_mount(self) -> None:
         self.query_one("#services", DataTable).add_columns("service", "state", "pid", "uptime", "restarts")
@@ -81,10 +78,11 @@ class Dashboard(Panel):
         self.query_one("#gpus", DataTable).display = False
 
     async def load(self) -> None:
-        services, usage, text, alerts = await asyncio.gather(
+        services, usage, text, alerts, charts = await asyncio.gather(
             self.client.call("GET", "/services"), self.client.call("GET", "/system"), self.client.metrics_text(),
-            self._alerts())
+            self._alerts(), self._charts())
         self.query_one("#alerts", Static).update(alerts)
+        await self._show_charts(charts)
         self.states = {s["name"]: s["state"] for s in services}
         self.fill("services", [(s["name"], (s["name"], s["state"], s["pid"] or "-",
                                             duration(s["uptime_s"]) if s["pid"] else "-", s["restarts"]))
@@ -101,6 +99,37 @@ class Dashboard(Panel):
             return f"Alerts: {summary(await self.client.call('GET', '/alerts'))}"
         except (Refused, Unavailable) as exc:  # monitoring off, or Alertmanager not answering
             return f"Alerts: unknown ({exc.message})"
+
+    async def _charts(self) -> list[dict[str, Any]] | str:
+        """The key series from Prometheus; why there are none to show, if so."""
+        try:
+            found: list[dict[str, Any]] = await self.client.call("GET", "/charts")
+            return found
+        except (Refused, Unavailable) as exc:  # monitoring off, or Prometheus not answering
+            return f"Charts: unknown ({exc.message})"
+
+    async def _show_charts(self, charts: list[dict[str, Any]] | str) -> None:
+        """A row a series (its label, its points, its latest value), or, in their place, why not."""
+        area, state = self.query_one("#charts", Vertical), self.query_one("#charts-state", Static)
+        area.display = not isinstance(charts, str)  # no stale line stands for now
+        if isinstance(charts, str):
+            state.update(charts)
+            return
+        minutes = round((len(charts[0]["points"]) - 1) * charts[0]["step_s"] / 60) if charts else 0
+        state.update(f"Charts: the last {minutes} min, from Prometheus" if charts else "Charts: none")
+        for series in charts:
+            points = [p for p in series["points"] if p is not None]  # a gap is no sample, not a zero
+            latest = series["points"][-1] if series["points"] else None
+            shown = "no data" if not points else "-" if latest is None else value_text(latest, series["unit"])
+            row_id = f"chart-{series['name']}"
+            if not area.query(f"#{row_id}"):
+                await area.mount(Horizontal(Static(series["label"], classes="chart-label", markup=False),
+                                            Sparkline(), Static(classes="chart-value", markup=False),
+                                            id=row_id, classes="chart"))
+            row = area.query_one(f"#{row_id}", Horizontal)
+            row.query_one(Sparkline).data = points
+            row.query_one(Sparkline).display = bool(points)  # no flat line where there is no sample
+            row.query_one(".chart-value", Static).update(shown)
 
     def _show_host(self, usage: dict[str, Any]) -> None:
         gpus = self.query_one("#gpus", DataTable)
@@ -124,10 +153,6 @@ class Dashboard(Panel):
             f"Gateway /v1: {now.requests_per_s:.1f} req/s   p50 {ms(now.p50_s)}  p95 {ms(now.p95_s)}  "
             f"p99 {ms(now.p99_s)}\ntokens/s in {now.tokens_in_per_s:.0f} out {now.tokens_out_per_s:.0f}   "
             f"errors/s {now.errors_per_s:.2f}   refused/s {now.refused_per_s:.2f}")
-        for name, value in (("requests", now.requests_per_s), ("tokens", now.tokens_out_per_s),
-                            ("p50", (now.p50_s or 0.0) * 1000)):
-            self.history[name].append(value)
-            self.query_one(f"#chart-{name}", Sparkline).data = list(self.history[name])
 
     def offers(self, action: str, parameters: tuple[object, ...]) -> bool:
         if action != "service":
@@ -147,6 +172,17 @@ class Dashboard(Panel):
             return
         question = None if action == "start" else f"{action.capitalize()} the service {name!r}?"
         self.act(lambda: self.client.call("POST", f"/services/{name}/{action}"), f"{name}: {action} done", question)
+
+
+def value_text(value: float, unit: str) -> str:
+    """A chart's latest value in its unit (appliance/charts.py names them)."""
+    if unit == "ratio":
+        return f"{value * 100:.1f}%"
+    if unit == "s":
+        return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.2f} s"
+    if unit in ("req/s", "tok/s"):
+        return f"{value:.1f} {unit}" if value < 100 else f"{value:.0f} {unit}"
+    return f"{value:g}"
 
 
 def _percent(value: int | None) -> str:

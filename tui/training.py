@@ -48,7 +48,7 @@ def canary_summary(windows: int, status: dict[str, Any] | None) -> str:
 
 def eval_summary(metrics: AdapterMetrics) -> str:
     parts = [f"loss {metrics.base_eval_loss:.3f}->{metrics.adapter_eval_loss:.3f}"]
-    parts += [f"{kind} {scores.base:.2f}->{scores.adapter:.2f}" for kind, scores in metrics.eval_sets.items()]
+    parts += [scores.line(kind) for kind, scores in metrics.eval_sets.items()]
     if metrics.gate_failures:
         parts.append("gate: " + "; ".join(metrics.gate_failures))
     return ", ".join(parts)

@@ -24,10 +24,12 @@ def adapters_list(as_json: AsJson = False) -> None:
     if as_json:
         print_json(registry)
         return
-    table = Table("adapter", "version", "state", "base", "held-out loss (base -> adapter)", "dataset")
+    table = Table("adapter", "version", "state", "base", "held-out loss (base -> adapter)",
+                  "evaluation sets (base -> adapter)", "dataset")
     for record in registry.adapters:
         loss = f"{record.metrics.base_eval_loss:.4f} -> {record.metrics.adapter_eval_loss:.4f}"
-        table.add_row(record.name, str(record.version), record.state, record.base_model, loss, record.dataset)
+        sets = "\n".join(scores.line(kind) for kind, scores in record.metrics.eval_sets.items()) or "-"
+        table.add_row(record.name, str(record.version), record.state, record.base_model, loss, sets, record.dataset)
     out.print(table)
     for name, alias in sorted(registry.aliases.items()):
         serves = f"v{alias.stable}" if alias.stable is not None else "the base model"

@@ -99,7 +99,7 @@ def record(home: Home, adapter: str, version: int, base: PassAt1, tuned: PassAt1
     """The scores and the verdict on the adapter's version in the registry."""
     with adapters.updating(home) as registry:
         found = registry.find(adapter, version)
-        found.metrics.eval_sets[SCORE] = adapters.Scores(base=base.mean, adapter=tuned.mean)
+        found.metrics.eval_sets[SCORE] = adapters.Scores.over_seeds(base.per_seed, tuned.per_seed)
         found.metrics.gate_failures = [f for f in found.metrics.gate_failures if not f.startswith("held-out pass@1")]
         found.metrics.gate_failures += failures
 

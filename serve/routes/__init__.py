@@ -8,11 +8,26 @@ from fastapi import APIRouter
 
 from appliance.home import Home
 from appliance.settings import Settings
-from serve.routes import adapters, alerts, audit, batches, jobs, keys, plans, rl, services, serving, system, users
+from serve.routes import (
+    adapters,
+    alerts,
+    audit,
+    batches,
+    charts,
+    jobs,
+    keys,
+    plans,
+    rl,
+    services,
+    serving,
+    system,
+    users,
+)
 
 
 def admin_routers(settings: Settings, home: Home) -> list[APIRouter]:
     return [services.router(settings, home), users.router(settings, home), adapters.router(),
             audit.router(home), system.router(settings), plans.router(settings, home), jobs.router(home),
             rl.router(settings, home), serving.router(home),
-            batches.router(settings, home), keys.router(settings, home), alerts.router(settings, home)]
+            batches.router(settings, home), keys.router(settings, home), alerts.router(settings, home),
+            charts.router(settings, home)]

@@ -254,6 +254,8 @@ def test_sft_and_dpo_sets_train_adapters_that_are_gated_served_and_canaried(lab:
     scores = v1.metrics.eval_sets["held_out_pass@1"]
     base_mean, adapter_mean = sum(base_scores) / 3, sum(adapter_scores) / 3
     assert abs(scores.base - base_mean) < 0.005 and abs(scores.adapter - adapter_mean) < 0.005, (scores, reported)
+    assert scores.base_per_seed == pytest.approx(base_scores, abs=0.005)  # each seed's, and their spread, kept
+    assert scores.adapter_per_seed == pytest.approx(adapter_scores, abs=0.005) and scores.adapter_spread >= 0
     passed = adapter_mean >= base_mean - 1e-9
     assert gated.returncode == (0 if passed else 1), gated.stdout + gated.stderr
     assert ("gate: passed" in gated.stdout) == passed and passed == (v1.metrics.gate_failures == [])

@@ -1,7 +1,8 @@
 """Prometheus and Alertmanager on the session appliance: both supervised and listed by `status`,
 on loopback behind the appliance's password; Prometheus scrapes the gateway and both servers and
-holds the gateway's state metrics; an alert goes from the shipped rules through Alertmanager to
-the webhook of the settings, and `appliance alerts` lists it."""
+holds the gateway's state metrics; /admin/charts reads the dashboard's key series from it; an
+alert goes from the shipped rules through Alertmanager to the webhook of the settings, and
+`appliance alerts` lists it."""
 
 from __future__ import annotations
 
@@ -17,10 +18,12 @@ import httpx
 import pytest
 
 from appliance.alerts import monitoring_auth
+from appliance.charts import CHARTS
 from appliance.secrets import secret
 from appliance.tls import local_trust
 from installer.realm import BOOTSTRAP_SECRET
 from tests.integration.conftest import Running
+from tests.integration.realm import Realm
 
 
 def until(check: Callable[[], Any], what: str | Callable[[], str], timeout_s: float = 120) -> Any:
@@ -134,6 +137,30 @@ def test_prometheus_holds_the_queues_and_each_gpu_as_nvml_reports_it(running: Ru
     queues = {r["metric"]["queue"] for r in query('appliance_queue_readable{job="gateway"} == 1')}
     assert queues == {"finetune_jobs", "rl_runs", "rl_exports", "batch_requests", "batch_validations"}
     assert query('appliance_queue_oldest_waiting_seconds{job="gateway", queue="finetune_jobs"}')
+
+
+def test_admin_charts_are_the_key_series_prometheus_holds(running: Running, urls: dict[str, str]) -> None:
+    """The dashboard's charts (GET /admin/charts): every named series, a point a step over the
+    window; with traffic the requests series shows it (Prometheus scrapes every 2 s here; a rate
+    needs the counter seen rising), and the engines' series comes through the relay."""
+    realm = Realm(running)
+    admin = {"Authorization": f"Bearer {realm.admin_token()}"}
+    shown: list[dict[str, Any]] = []
+
+    def charted() -> bool:
+        assert httpx.get(f"{realm.gateway}/v1/models", headers=admin, timeout=30).status_code == 200  # traffic
+        answer = httpx.get(f"{realm.gateway}/admin/charts", headers=admin, timeout=60)
+        assert answer.status_code == 200, answer.text
+        shown[:] = answer.json()
+        points = {series["name"]: [p for p in series["points"] if p is not None] for series in shown}
+        return any(p > 0 for p in points["requests"]) and bool(points["engine_waiting"])
+
+    until(charted, lambda: f"requests/s above 0 and engine waiting sampled: {shown}")
+    assert [(s["name"], s["label"], s["unit"]) for s in shown] == [(c.name, c.label, c.unit) for c in CHARTS]
+    assert all(len(s["points"]) == 61 and s["step_s"] == 15 for s in shown), "15 minutes, a point every 15 s"
+    refused = httpx.get(f"{realm.gateway}/admin/charts", params={"minutes": 600, "step_s": 1}, headers=admin,
+                        timeout=60)
+    assert refused.status_code == 400 and "at most 241" in refused.json()["error"]["message"]
 
 
 def test_an_alert_reaches_the_webhook_and_appliance_alerts(running: Running, urls: dict[str, str],

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from appliance.adapters import Scores
 from appliance.settings import FinetuneSettings
-from finetune.evalsets import EvalSetError, matches, parse, score
+from finetune.evalsets import SHIPPED_REGRESSION, EvalSetError, matches, parse, score, with_shipped_regression
 from finetune.runner import gate_failures
 from finetune.train import Result
 
@@ -53,19 +54,58 @@ def test_matching_and_scores() -> None:
     assert matches("It is PARIS.", {"expect": "paris", "match": "contains"})
     assert matches("answer: 42", {"expect": r"\b42\b", "match": "regex"})
     items = [{"messages": [{"role": "user", "content": q}], "expect": "yes", "match": "contains"} for q in "abcd"]
-    assert score(items, lambda messages: "yes" if messages[0]["content"] in "ab" else "no") == 0.5
+    assert score(items, ["yes", "yes", "no", "no"]) == 0.5
+    with pytest.raises(ValueError, match="3 answers for 4 items"):
+        score(items, ["yes", "yes", "no"])
 
 
-def result(base_loss: float = 2.0, adapter_loss: float = 1.0, **sets: dict[str, float]) -> Result:
+def result(base_loss: float = 2.0, adapter_loss: float = 1.0) -> Result:
     return Result(adapter_dir=Path("a"), base_eval_loss=base_loss, adapter_eval_loss=adapter_loss, steps=1,
-                  train_tokens=1, seconds=1.0, resumed_from=None, eval_sets=sets)
+                  train_tokens=1, seconds=1.0, resumed_from=None)
 
 
 def test_gate_verdicts() -> None:
     gate = FinetuneSettings(gate_min_improvement=0.1, gate_min_scenario_score=0.5, gate_max_regression_drop=0.05)
-    assert gate_failures(result(), gate) == []
-    assert gate_failures(result(adapter_loss=1.95), gate)[0].startswith("held-out loss 1.9500 vs base 2.0000")
-    assert gate_failures(result(scenarios={"base": 0.2, "adapter": 0.4}), gate)[0].startswith("scenario score 40%")
-    assert gate_failures(result(scenarios={"base": 0.9, "adapter": 0.6}), gate)  # worse than the base
-    assert gate_failures(result(regression={"base": 0.8, "adapter": 0.76}), gate) == []
-    assert gate_failures(result(regression={"base": 0.8, "adapter": 0.7}), gate)[0].startswith("regression score 70%")
+
+    def failures(base_loss: float = 2.0, adapter_loss: float = 1.0, **sets: tuple[list[float], list[float]]
+                 ) -> list[str]:
+        scores = {kind: Scores.over_seeds(*per_seed) for kind, per_seed in sets.items()}
+        return gate_failures(result(base_loss, adapter_loss), scores, gate)
+
+    assert failures() == []
+    assert failures(adapter_loss=1.95)[0].startswith("held-out loss 1.9500 vs base 2.0000")
+    assert failures(scenarios=([0.2], [0.4]))[0].startswith("scenario score 40% (base 20%)")
+    assert failures(scenarios=([0.9], [0.6]))  # worse than the base
+    assert failures(regression=([0.8], [0.76])) == []
+    assert failures(regression=([0.8], [0.7]))[0].startswith("regression score 70% vs base 80%")
+
+
+def test_the_gate_judges_the_mean_over_seeds_and_records_the_spread() -> None:
+    gate = FinetuneSettings(gate_max_regression_drop=0.05, gate_min_scenario_score=0.5)
+    # One unlucky seed does not fail an adapter whose mean holds...
+    steady = Scores.over_seeds([0.8, 0.8, 0.8], [0.9, 0.6, 0.9])
+    assert steady.adapter == pytest.approx(0.8) and steady.adapter_spread == pytest.approx(0.1732, abs=1e-4)
+    assert gate_failures(result(), {"regression": steady}, gate) == []
+    # ...and one lucky seed does not pass one whose mean falls.
+    [failure] = gate_failures(result(), {"regression": Scores.over_seeds([0.8, 0.8, 0.8], [0.9, 0.5, 0.5])}, gate)
+    assert failure.startswith("regression score 63% (mean of 3 seeds, +/- 23%) vs base 80%")
+    [failure] = gate_failures(result(), {"scenarios": Scores.over_seeds([0.1, 0.1], [0.9, 0.0])}, gate)
+    assert failure.startswith("scenario score 45% (mean of 2 seeds, +/- 64%) (base 10%)")
+    # The spread travels with the record (the admin API, `adapters show --json`) and reads back.
+    shipped = Scores.over_seeds([0.5, 0.75], [0.5, 0.5], shipped=True)
+    sent = shipped.model_dump()
+    assert sent["base_spread"] == pytest.approx(0.1768, abs=1e-4) and sent["adapter_spread"] == 0.0
+    assert Scores.model_validate(sent) == shipped
+    assert shipped.line("regression") == "regression (shipped) 62% -> 50% (mean of 2 seeds, +/- 0%)"
+    # A record written before seeds were kept reads back as one score.
+    assert Scores.model_validate({"base": 0.5, "adapter": 0.7}).line("scenarios") == "scenarios 50% -> 70%"
+
+
+def test_the_shipped_regression_set_is_used_only_where_a_job_brings_none() -> None:
+    shipped = parse(SHIPPED_REGRESSION)
+    assert len(shipped) >= 12 and all(item["messages"][-1]["role"] == "user" for item in shipped)
+    own = {"regression": [{"messages": [], "expect": "x", "match": "contains"}]}
+    assert with_shipped_regression(own, "shipped") == (own, False)
+    assert with_shipped_regression({}, "none") == ({}, False)
+    sets, added = with_shipped_regression({"scenarios": []}, "shipped")
+    assert added and sets == {"scenarios": [], "regression": shipped}

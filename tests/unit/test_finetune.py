@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.adapters import Scores, load
+from appliance.adapters import load
 from appliance.home import Home
 from appliance.jobs import Hyperparameters
 from audit import read_records
@@ -55,6 +55,10 @@ def test_lora_lowers_held_out_loss_and_is_registered(workspace: tuple[dict[str, 
     [record] = [r for r in load(home).adapters if r.name == "codes-lora"]
     assert record.state == "registered" and record.version == 1
     assert record.metrics.adapter_eval_loss < record.metrics.base_eval_loss
+    # It brought no regression set: forgetting was checked on the shipped one, over 3 seeds.
+    shipped = record.metrics.eval_sets["regression"]
+    assert shipped.shipped and len(shipped.base_per_seed) == len(shipped.adapter_per_seed) == 3
+    assert "regression (shipped)" in result.stdout
     stored = home.root / "artifacts" / record.artifact
     assert (stored / "adapter_config.json").is_file() and (stored / "adapter_model.safetensors").is_file()
     assert ("adapter.train", "allowed") in [(r["action"], r["outcome"]) for r in read_records(home.audit)]
@@ -86,7 +90,10 @@ def test_gate_scores_evaluation_sets_and_refuses_below_its_thresholds(workspace:
     assert result.returncode == 1 and record.state == "failed-gate"
     assert "failed the evaluation gate: held-out loss" in result.stderr  # not 99 % lower after four steps
     sets = record.metrics.eval_sets
-    assert set(sets) == {"scenarios", "regression"} and sets["regression"] == Scores(base=1.0, adapter=1.0)
+    # Each set answered over the settings' 3 seeds (sampled); thresholds on the mean, the spread kept.
+    assert set(sets) == {"scenarios", "regression"} and not sets["regression"].shipped
+    assert sets["regression"].base_per_seed == sets["regression"].adapter_per_seed == [1.0, 1.0, 1.0]
+    assert sets["regression"].adapter_spread == 0.0 and len(sets["scenarios"].adapter_per_seed) == 3
     assert 0 <= sets["scenarios"].base <= 1 and 0 <= sets["scenarios"].adapter <= 1
     if sets["scenarios"].adapter < 1.0:  # four steps rarely teach a random model the answer
         assert "scenario score" in result.stderr
@@ -191,7 +198,7 @@ def test_a_diverged_run_fails_the_gate_and_its_metrics_still_read_back() -> None
     nan = float("nan")
     diverged = Result(adapter_dir=Path("adapter"), base_eval_loss=2.0, adapter_eval_loss=nan, steps=4,
                       train_tokens=64, seconds=1.0, resumed_from=None)
-    [failure] = gate_failures(diverged, FinetuneSettings())
+    [failure] = gate_failures(diverged, {}, FinetuneSettings())
     assert "not a number (training diverged)" in failure
     sent = metrics(adapter_eval_loss=nan).model_dump_json()  # as the admin API answers it
     assert '"NaN"' in sent and math.isnan(AdapterMetrics.model_validate_json(sent).adapter_eval_loss)
@@ -215,3 +222,19 @@ def test_an_adapter_holding_a_symbolic_link_is_not_registered(tmp_path: Path, ho
                  dataset="d", dataset_sha256="y", hyperparameters=Hyperparameters(), metrics=metrics(),
                  state=AdapterState.REGISTERED)
     assert load(home).adapters == [] and not (tmp_path / "store" / "adapters").exists()
+
+
+@pytest.mark.integration
+def test_forgetting_is_caught_by_the_shipped_regression_set(workspace: tuple[dict[str, str], Path],
+                                                            demo_model: Path) -> None:
+    """The demo model taught to answer every question with a code forgets what it knew: the job
+    brings no regression set, so the shipped one (answered over 3 sampled seeds) fails the gate."""
+    env, _ = workspace
+    result = finetune(env, demo_model, "--name", "codes-forgets", "--max-steps", "12")
+    [record] = [r for r in load(Home(Path(env["APPLIANCE_HOME"]))).adapters if r.name == "codes-forgets"]
+    assert result.returncode == 1 and record.state == "failed-gate", result.stderr
+    shipped = record.metrics.eval_sets["regression"]
+    assert shipped.shipped and len(shipped.base_per_seed) == len(shipped.adapter_per_seed) == 3
+    assert shipped.base >= 0.5 and shipped.adapter < shipped.base - 0.05  # it knew the answers, and lost them
+    [failure] = [f for f in record.metrics.gate_failures if f.startswith("regression score")]
+    assert "(mean of 3 seeds, +/- " in failure and "(the shipped set)" in failure and failure in result.stderr

@@ -24,7 +24,7 @@ from textual.containers import VerticalScroll
 from textual.pilot import Pilot
 from textual.widgets import DataTable, Input, Label, Select, Static
 
-from appliance import login, usage
+from appliance import charts, login, usage
 from appliance.adapters import AdapterRecord, AdapterState, Alias
 from appliance.admin_client import AdminClient, NotLoggedIn, Refused, Unreachable
 from appliance.alerts import Alert
@@ -113,7 +113,7 @@ def test_adapter_rows_say_what_is_served_and_how_it_evaluated() -> None:
                                                      "p50 0.50 s vs 0.50 s, success 25% vs 100%")
     scored = metrics(base_eval_loss=2.0, adapter_eval_loss=1.5, eval_sets={"scenario": {"base": 0.1, "adapter": 0.9}},
                      gate_failures=["scenario score 0.90 < 0.95"])
-    assert eval_summary(scored) == "loss 2.000->1.500, scenario 0.10->0.90, gate: scenario score 0.90 < 0.95"
+    assert eval_summary(scored) == "loss 2.000->1.500, scenario 10% -> 90%, gate: scenario score 0.90 < 0.95"
 
 
 def client_with(tmp_path: Path, handler: httpx.MockTransport | None, token: bool = True) -> AdminClient:
@@ -272,6 +272,14 @@ def alert(name: str, severity: str, **labels: str) -> dict[str, Any]:
                  labels=labels).model_dump(mode="json")
 
 
+def chart_series(**points: list[float | None]) -> list[dict[str, Any]]:
+    """/charts: every key series, four points each, those named given (the others without samples)."""
+    return [charts.Series(name=chart.name, label=chart.label, unit=chart.unit, step_s=300,
+                          start=datetime(2026, 12, 3, 9, tzinfo=UTC),
+                          points=points.get(chart.name, [None] * 4)).model_dump(mode="json")
+            for chart in charts.CHARTS]
+
+
 def cache_stats() -> dict[str, Any]:
     return CacheStats(enabled=True, scope="user", entries=3, bytes=2**20, max_entries=100, max_bytes=2**30,
                       ttl_s=60, hits=5, misses=7, bypasses=1, hit_rate=5 / 12).model_dump()
@@ -281,7 +289,7 @@ def cache_stats() -> dict[str, Any]:
 EMPTY_ANSWERS: dict[str, Any] = {"/services": [], "/system": host(), "/pools": [], "/plans": [],
                                  "/cache": cache_stats(), "/batches": {"object": "list", "data": []}, "/jobs": [],
                                  "/adapters": {"adapters": [], "aliases": {}}, "/rl/tasksets": [], "/rl/runs": [],
-                                 "/users": [], "/keys": [], "/audit": [], "/alerts": []}
+                                 "/users": [], "/keys": [], "/audit": [], "/alerts": [], "/charts": chart_series()}
 
 
 def service(name: str, state: str) -> dict[str, Any]:
@@ -349,6 +357,8 @@ def sample_answers() -> dict[str, Any]:
         "/services": [service("finetune-worker", "STOPPED"), service("gateway", "RUNNING"),
                       service("keycloak", "RUNNING"), service("rl-worker", "FATAL"), service("vllm-main", "RUNNING")],
         "/alerts": [alert("Watchdog", "none"), alert("DiskNearFull", "page", volume="state")],
+        "/charts": chart_series(requests=[None, 0.5, 2.0, 1.25], server_errors=[None, 0.0, 0.25, 0.125],
+                                latency_p50=[None, 0.02, 0.3, 1.5], kv_cache=[0.1, 0.2, 0.4, None]),
         "/pools": [{"name": "main", "model": "SmolLM2-135M-Instruct", "tier": None,
                     "replicas": [replica("main"), replica("main-1")]}],
         "/batches": {"object": "list", "data": [batch("batch_" + "a" * 24, "in_progress"),
@@ -742,6 +752,59 @@ def test_the_dashboard_shows_the_alerts_that_need_someone(home: Home) -> None:
         assert "This host has no GPU" in shown_text(app, "host"), "the rest of the screen goes on"
 
     with_fake(home, answers, scenario)
+
+
+def chart_rows(app: AdminApp) -> dict[str, tuple[str, list[float], str]]:
+    """The charts shown: label, the sparkline's points and the latest value, by series."""
+    from textual.widgets import Sparkline
+
+    area = app.screen.query_one("#charts")
+    return {str(row.id).removeprefix("chart-"): (str(row.query_one(".chart-label", Static).render()),
+                                                 list(row.query_one(Sparkline).data or []),
+                                                 str(row.query_one(".chart-value", Static).render()))
+            for row in area.children} if area.display else {}
+
+
+def test_the_dashboard_charts_the_key_series_from_prometheus_or_says_why_not(home: Home) -> None:
+    answers = sample_answers()
+
+    async def scenario(pilot: Pilot[None], app: AdminApp, fake: Fake) -> None:
+        await show(pilot, "d")
+        assert fake.asked("/charts"), "read through the admin API"
+        assert shown_text(app, "charts-state") == "Charts: the last 15 min, from Prometheus"
+        rows = chart_rows(app)
+        assert list(rows) == [chart.name for chart in charts.CHARTS], "a row a series, in order"
+        assert rows["requests"] == ("requests/s", [0.5, 2.0, 1.25], "1.2 req/s"), "a gap is no sample, not a zero"
+        assert rows["server_errors"][2] == "12.5%"
+        assert rows["latency_p50"][2] == "1.50 s"
+        assert rows["kv_cache"][1:] == ([0.1, 0.2, 0.4], "-"), "no sample now: no value made up"
+        assert rows["engine_waiting"] == ("engine waiting", [], "no data")
+        answers["/charts"] = chart_series(requests=[0.5, 2.0, 1.25, 3.0], latency_p50=[None, None, None, 0.02])
+        await refreshed(pilot)
+        assert chart_rows(app)["requests"][1:] == ([0.5, 2.0, 1.25, 3.0], "3.0 req/s")
+        assert chart_rows(app)["latency_p50"][2] == "20 ms"
+        for refused in (Refused(409, "monitoring is off (monitoring.enabled = false)", "GET /admin/charts"),
+                        Refused(503, "Prometheus at https://127.0.0.1:9090 did not answer", "GET /admin/charts")):
+            answers["/charts"] = refused
+            await refreshed(pilot)
+            state = shown_text(app, "charts-state")
+            assert state.startswith("Charts: unknown (") and refused.reason in state
+            assert chart_rows(app) == {}, "no old line left standing for now"
+            assert "This host has no GPU" in shown_text(app, "host"), "the rest of the screen goes on"
+        answers["/charts"] = chart_series(requests=[1.0, None, None, 2.0])
+        await refreshed(pilot)
+        assert chart_rows(app)["requests"][1:] == ([1.0, 2.0], "2.0 req/s")
+
+    with_fake(home, answers, scenario, size=(100, 50))
+
+
+def test_a_chart_s_value_is_shown_in_its_unit() -> None:
+    from tui.dashboard import value_text
+
+    assert [value_text(v, "ratio") for v in (0.0, 0.0312, 1.0)] == ["0.0%", "3.1%", "100.0%"]
+    assert [value_text(v, "s") for v in (0.0004, 0.25, 2.5)] == ["0 ms", "250 ms", "2.50 s"]
+    assert [value_text(v, "req/s") for v in (0.25, 1234.4)] == ["0.2 req/s", "1234 req/s"]
+    assert value_text(250.0, "tok/s") == "250 tok/s" and value_text(3.0, "requests") == "3"
 
 
 NEW_RECORD = audit_record(
