@@ -1,10 +1,11 @@
 """Replacing a file so that a crash or power loss leaves the old version or the new one, never
-an empty or half-written file."""
+an empty or half-written file; and reading back a small one another program wrote, guardedly."""
 
 from __future__ import annotations
 
 import os
 import secrets
+import stat
 from pathlib import Path
 from typing import BinaryIO
 
@@ -42,3 +43,21 @@ def fsync_directory(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def read_small_file(path: Path, max_bytes: int) -> tuple[bytes, float] | None:
+    """A plain file's bytes and when it was written (Unix time); None unless it is a regular file
+    of at most `max_bytes` (never a link followed, nor a pipe or device waited on)."""
+    try:
+        handle = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        found = os.fstat(handle)
+        if not stat.S_ISREG(found.st_mode) or found.st_size > max_bytes:
+            return None
+        return os.read(handle, max_bytes), found.st_mtime
+    except OSError:
+        return None
+    finally:
+        os.close(handle)

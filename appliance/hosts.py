@@ -12,9 +12,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
-import os
 import secrets
-import stat
 from contextlib import AbstractContextManager
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
@@ -23,6 +21,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, IPvAnyAddress, ValidationError
 
+from appliance.durable import read_small_file
 from appliance.errors import ApplianceError, Conflict, Invalid, NotFound, StateError
 from appliance.home import Home
 from appliance.records import HostName
@@ -326,16 +325,10 @@ def read_cluster_state(path: Path) -> ClusterPoolState | None:
 def cluster_state_written(path: Path) -> tuple[ClusterPoolState, float] | None:
     """The controller's last word on a pool and when it wrote it (Unix time); None unless a plain,
     whole file of at most MAX_CLUSTER_STATE_BYTES (never a link followed, nor a pipe waited on)."""
-    try:
-        handle = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
+    found = read_small_file(path, MAX_CLUSTER_STATE_BYTES)
+    if found is None:
         return None
     try:
-        found = os.fstat(handle)
-        if not stat.S_ISREG(found.st_mode) or found.st_size > MAX_CLUSTER_STATE_BYTES:
-            return None
-        return ClusterPoolState.model_validate_json(os.read(handle, MAX_CLUSTER_STATE_BYTES)), found.st_mtime
-    except (OSError, ValueError):
+        return ClusterPoolState.model_validate_json(found[0]), found[1]
+    except ValueError:
         return None
-    finally:
-        os.close(handle)

@@ -57,7 +57,15 @@ from serve.identity_proxy import IdentityProxy
 from serve.identity_proxy import router as identity_router
 from serve.keycloak_events import KeycloakEvents
 from serve.limits import Admission, RateLimiter
-from serve.metrics import ClusterCollector, GpuCollector, Metrics, QueueCollector, Reused, StateCollector
+from serve.metrics import (
+    ClusterCollector,
+    GpuCollector,
+    Metrics,
+    ProgramCollector,
+    QueueCollector,
+    Reused,
+    StateCollector,
+)
 from serve.middleware import AuthenticateFirst, BodyLimitMiddleware, MeterMiddleware, RequestTooLarge
 from serve.replicas import Pool, engine_session, pools_from_settings
 from serve.response_cache import CachedAnswer, Capture, ResponseCache, deterministic, wants
@@ -177,6 +185,7 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
                          max_file_bytes=audit.max_file_bytes)
     metrics.registry.register(StateCollector(home, writer, settings.gateway.certificate))
     metrics.registry.register(Reused(QueueCollector(home)))
+    metrics.registry.register(Reused(ProgramCollector(home)))
     metrics.registry.register(ClusterCollector(home, _spanning(settings)))
     metrics.registry.register(Reused(GpuCollector(home, settings.monitoring.nvml_library)))
     app = FastAPI(title="appliance gateway", version="1", lifespan=lifespan)

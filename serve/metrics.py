@@ -9,7 +9,8 @@ import shutil
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 
 from cryptography import x509
@@ -17,13 +18,17 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from appliance.errors import ApplianceError
+from appliance import heals
+from appliance.errors import ApplianceError, SupervisorError
 from appliance.home import Home
 from appliance.hosts import cluster_state_file, cluster_state_written
 from appliance.lifecycle import started_programs
+from appliance.queue import Depth
+from appliance.rl import executions
+from appliance.supervisor import ProcessState, Supervisor
 from appliance.tls import tls_dir
 from appliance.usage import SLOWDOWNS, gpu_usage
-from appliance.work_queues import WORK_QUEUES
+from appliance.work_queues import WORK_QUEUES, WorkQueue
 from audit import AuditWriter
 
 log = logging.getLogger(__name__)
@@ -186,11 +191,12 @@ class QueueCollector(Collector):
         held = GaugeMetricFamily("appliance_queue_held", "Items a worker holds (running).", labels=["queue"])
         oldest = GaugeMetricFamily("appliance_queue_oldest_waiting_seconds", "How long the oldest waiting item "
                                    "has waited (0: none waits).", labels=["queue"])
-        for work in WORK_QUEUES:
-            name = work.name
+        readers: list[tuple[str, Callable[[], Depth]]] = [(work.name, partial(_depth, work, self.home))
+                                                           for work in WORK_QUEUES]
+        readers.append(("rl_executions", partial(executions.depth, self.home)))  # one queue per running run
+        for name, read in readers:
             try:
-                with work.connect(self.home) as db:
-                    depth = work.queue.depth(db)
+                depth = read()
             except (sqlite3.Error, ApplianceError, OSError) as exc:
                 log.warning("queue %s not readable for metrics: %s", name, exc)
                 readable.add_metric([name], 0)
@@ -200,6 +206,48 @@ class QueueCollector(Collector):
             held.add_metric([name], depth.held)
             oldest.add_metric([name], depth.oldest_waiting_s or 0.0)
         yield from (readable, waiting, held, oldest)
+
+
+class ProgramCollector(Collector):
+    """Read at each scrape: the watchdog's restarts of each engine replica, by reason
+    (appliance.heals), and whether supervisord has given up on a program (FATAL: it exited during
+    each of its starts). With supervisord not answering, appliance_supervisor_up is 0 and no
+    program has a FATAL series."""
+
+    def __init__(self, home: Home) -> None:
+        self.home, self.supervisor = home, Supervisor(home)
+
+    def collect(self) -> Iterator[Metric]:
+        restarts = CounterMetricFamily("appliance_watchdog_restarts", "Engine replicas restarted by the watchdog, "
+                                       "by reason (unhealthy, no_progress, gave_up).",
+                                       labels=["program", "pool", "reason"])
+        healed = heals.load(self.home)
+        # Every engine replica has its series from the start, at 0, so that its first restart is an increase.
+        engines = {program.name: program.pool for program in started_programs(self.home)
+                   if program.pool and program.socket}
+        for program in sorted(engines.keys() | healed.restarts.keys()):
+            pool = engines.get(program) or healed.pools.get(program, "")
+            for reason in heals.Reason:
+                restarts.add_metric([program, pool, reason], healed.restarts.get(program, {}).get(reason, 0))
+        yield restarts
+        fatal = GaugeMetricFamily("appliance_program_fatal", "Whether supervisord has given up on the program "
+                                  "(FATAL; the watchdog starts engines again, nothing else does).",
+                                  labels=["program", "pool"])
+        try:
+            processes = self.supervisor.processes()
+        except SupervisorError as exc:
+            log.warning("supervisord not readable for metrics: %s", exc)
+            processes = None
+        yield GaugeMetricFamily("appliance_supervisor_up", "Whether supervisord answered.", value=processes is not None)
+        pools = {program.name: program.pool or "" for program in started_programs(self.home)}
+        for info in processes or []:
+            fatal.add_metric([info.name, pools.get(info.name, "")], int(info.state == ProcessState.FATAL))
+        yield fatal
+
+
+def _depth(work: WorkQueue, home: Home) -> Depth:
+    with work.connect(home) as db:
+        return work.queue.depth(db)
 
 
 class GpuCollector(Collector):

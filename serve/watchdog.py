@@ -3,8 +3,11 @@ but makes no progress, and ends a worker whose work makes none (serve.stuck_work
 
 Every `watchdog.check_interval_s` it asks each engine replica, over its Unix socket, for its health
 and its vLLM counters. A replica is stalled when, for `watchdog.engine_stall_s`, its health check
-has not answered 200, or it has held requests (running or waiting) without producing a token. A
-replica still starting is not judged until it has answered once or its start timeout has passed.
+has not answered 200, or it has held requests (running or waiting) while neither its token
+counters nor its KV-cache use moved (a long prompt's prefill counts no token until it ends, but
+fills the cache chunk by chunk). A replica still starting is not judged until it has answered once
+or its start timeout has passed. A replica supervisord gave up on (FATAL: it exited during each of
+its starts) is started again, as its backoff allows.
 
 A stalled replica's processes are killed (a wedged process may not heed SIGTERM: SIGSTOP, a
 deadlock); supervisord starts it again, and the gateway's router, whose health check of it fails
@@ -28,8 +31,10 @@ import httpx
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
+from appliance import heals
 from appliance.changes import Change, Target, announce
 from appliance.errors import ApplianceError
+from appliance.heals import Reason
 from appliance.home import Home
 from appliance.lifecycle import started_programs
 from appliance.programs import Program
@@ -45,6 +50,7 @@ ASK_DEADLINE_S = 10.0  # a whole answer
 MAX_ANSWER_BYTES = 4 << 20  # vLLM's /metrics is tens of kilobytes
 BUSY = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 PROGRESS = ("vllm:generation_tokens", "vllm:prompt_tokens")  # counters (the exposition adds _total)
+KV_USE = "vllm:kv_cache_usage_perc"  # a gauge that moves while a prefill fills the cache
 log = logging.getLogger(ACTOR)
 
 
@@ -55,6 +61,7 @@ class Observation:
     healthy: bool
     held: float | None = None  # requests running or waiting
     tokens: float | None = None  # prompt and generated tokens so far
+    kv_use: float | None = None  # share of the KV cache in use
 
 
 @dataclass
@@ -67,6 +74,7 @@ class Replica:
     pid: int = 0
     progress_at: float | None = None  # last seen answering and idle or producing; None: not since it started
     tokens: float | None = None
+    kv_use: float | None = None
     restarts: int = 0
     next_restart_at: float = 0.0
     held_back: bool = False  # a restart held back by the backoff was recorded
@@ -76,12 +84,15 @@ def stall(replica: Replica, seen: Observation, now: float, settings: WatchdogSet
     """Why `replica` must be restarted after `seen`, or None. Updates what it remembers."""
     busy = seen.held is not None and seen.held > 0
     produced = seen.tokens is not None and replica.tokens is not None and seen.tokens > replica.tokens
+    produced |= seen.kv_use is not None and replica.kv_use is not None and seen.kv_use != replica.kv_use
     if seen.healthy and (not busy or produced or seen.tokens is None or replica.tokens is None):
         replica.progress_at = now  # answering, and idle or producing (or its counters are not readable)
         if replica.restarts and now - replica.next_restart_at >= settings.max_backoff_s:
             replica.restarts = 0  # it has made progress past the longest backoff: start over
     if seen.tokens is not None:
         replica.tokens = seen.tokens
+    if seen.kv_use is not None:
+        replica.kv_use = seen.kv_use
     if replica.progress_at is None:  # not answered since it started: judged once its start timeout passed
         started_s = now - replica.started_at
         if started_s < max(replica.start_timeout_s, settings.engine_stall_s):
@@ -120,7 +131,7 @@ def observe(program: Program, key: str) -> Observation:
         except (httpx.HTTPError, ValueError):
             return Observation(healthy=healthy)
     return Observation(healthy=healthy, held=sum(totals.get(name, 0.0) for name in BUSY),
-                       tokens=sum(totals.get(name, 0.0) for name in PROGRESS))
+                       tokens=sum(totals.get(name, 0.0) for name in PROGRESS), kv_use=totals.get(KV_USE))
 
 
 def _ask(engine: httpx.Client, path: str, headers: dict[str, str], *, keep_body: bool) -> tuple[int, bytes]:
@@ -143,7 +154,7 @@ def _totals(exposition: str) -> dict[str, float]:
     """Each family's samples summed (over engines and labels), by family name."""
     totals: dict[str, float] = {}
     for family in text_string_to_metric_families(exposition):
-        if family.name in BUSY or family.name in PROGRESS:
+        if family.name in BUSY or family.name in PROGRESS or family.name == KV_USE:
             totals[family.name] = sum(s.value for s in family.samples if not s.name.endswith("_created"))
     return totals
 
@@ -170,6 +181,7 @@ class Watchdog:
         self.supervisor = Supervisor(home)
         self.key = secret(home, "engine-api-key")
         self.replicas: dict[str, Replica] = {}
+        self.heals = heals.load(home)
 
     def check(self) -> None:
         """One look at every engine replica, restarting those stalled (as the backoff allows), then
@@ -197,39 +209,72 @@ class Watchdog:
         if replica is None:
             replica = self.replicas[program.name] = Replica(name=program.name, start_timeout_s=program.start_timeout_s,
                                                             started_at=now)
+        if info is not None and info.state == ProcessState.FATAL:
+            replica.pid = 0
+            self._start_again(replica, program, now)
+            return
         if info is None or info.state != ProcessState.RUNNING:
             replica.pid = 0  # starting, stopped or restarting: supervisord's business until it runs
             return
         if replica.pid != info.pid:  # first seen, or started again since the last look
-            replica.pid, replica.started_at, replica.tokens = info.pid, now - info.uptime_s, None
+            replica.pid, replica.started_at, replica.tokens, replica.kv_use = info.pid, now - info.uptime_s, None, None
             # Already past its start when first seen (the watchdog itself restarted): a whole stall
             # window from now, never judged on what happened before the watchdog looked.
             replica.progress_at = now if info.uptime_s >= program.start_timeout_s else None
-        why = stall(replica, observe(program, self.key), now, self.settings.watchdog)
+        seen = observe(program, self.key)
+        why = stall(replica, seen, now, self.settings.watchdog)
         if why is not None:
-            self._restart(replica, program, why, now)
+            self._restart(replica, program, why, Reason.NO_PROGRESS if seen.healthy else Reason.UNHEALTHY, now)
 
-    def _restart(self, replica: Replica, program: Program, why: str, now: float) -> None:
-        target = Target(kind="engine", name=replica.name)
-        if now < replica.next_restart_at:
-            if not replica.held_back:
-                replica.held_back = True
-                self._record(Change("engine.restart_held_back", "error", 1, target,
-                                    f"{why}; restart {replica.restarts + 1} held back "
-                                    f"{replica.next_restart_at - now:.0f} s more (backoff)", actor=ACTOR))
+    def _restart(self, replica: Replica, program: Program, why: str, reason: Reason, now: float) -> None:
+        if self._held_back(replica, why, now):
             return
         current = ProcessInfo.from_rpc(self.supervisor.call("getProcessInfo", replica.name))
         if current.state != ProcessState.RUNNING or current.pid != replica.pid:
             return  # it ended or was started again meanwhile: the pid is no longer the replica's
-        replica.restarts += 1
-        replica.next_restart_at = now + backoff_s(replica.restarts, self.settings.watchdog)
-        replica.held_back = False
-        detail = (f"pool {program.pool}: {why}; restart {replica.restarts} (pid {replica.pid}); the next is allowed "
-                  f"after {backoff_s(replica.restarts, self.settings.watchdog):.0f} s")
-        log.warning("restarting %s: %s", replica.name, detail)
+        detail = self._count_restart(replica, program, f"{why}; restart {{n}} (pid {replica.pid})", reason, now)
         kill(replica.pid)  # supervisord starts it again; the router sets it aside until it answers
-        replica.progress_at, replica.tokens = None, None
-        self._record(Change("engine.restarted", "allowed", 0, target, detail, actor=ACTOR))
+        replica.progress_at, replica.tokens, replica.kv_use = None, None, None
+        self._record(Change("engine.restarted", "allowed", 0, Target(kind="engine", name=replica.name), detail,
+                            actor=ACTOR))
+
+    def _start_again(self, replica: Replica, program: Program, now: float) -> None:
+        """supervisord gave up on the replica (FATAL): start it again, as its backoff allows, so a
+        crash loop is retried ever more slowly instead of staying down for good."""
+        why = "supervisord gave up on it (FATAL: it exited during each of its starts)"
+        if self._held_back(replica, why, now):
+            return
+        self.supervisor.call("startProcess", replica.name, False)  # a fault (started meanwhile): the next look
+        detail = self._count_restart(replica, program, f"{why}; start {{n}}", Reason.GAVE_UP, now)
+        replica.progress_at, replica.tokens, replica.kv_use = None, None, None
+        self._record(Change("engine.restarted", "allowed", 0, Target(kind="engine", name=replica.name), detail,
+                            actor=ACTOR))
+
+    def _held_back(self, replica: Replica, why: str, now: float) -> bool:
+        """Whether the replica's backoff holds its next restart back (recorded once a backoff)."""
+        if now >= replica.next_restart_at:
+            return False
+        if not replica.held_back:
+            replica.held_back = True
+            self._record(Change("engine.restart_held_back", "error", 1, Target(kind="engine", name=replica.name),
+                                f"{why}; restart {replica.restarts + 1} held back "
+                                f"{replica.next_restart_at - now:.0f} s more (backoff)", actor=ACTOR))
+        return True
+
+    def _count_restart(self, replica: Replica, program: Program, what: str, reason: Reason, now: float) -> str:
+        """Count a restart against the backoff and in the heals' file (for the metrics); the audit
+        detail (`what` with {n}: its number)."""
+        self.heals.count(replica.name, program.pool or "", reason)
+        try:
+            heals.save(self.home, self.heals)
+        except OSError as exc:  # the restart stands; the count reaches the metrics with the next one
+            log.error("the watchdog's restarts were not saved: %s", exc)
+        replica.restarts += 1
+        wait_s = backoff_s(replica.restarts, self.settings.watchdog)
+        replica.next_restart_at, replica.held_back = now + wait_s, False
+        detail = f"pool {program.pool}: {what.format(n=replica.restarts)}; the next is allowed after {wait_s:.0f} s"
+        log.warning("restarting %s: %s", replica.name, detail)
+        return detail
 
     def _record(self, change: Change) -> None:
         try:

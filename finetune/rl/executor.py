@@ -19,10 +19,11 @@ from pathlib import Path
 
 from appliance.errors import Unavailable
 from appliance.home import Home
+from appliance.rl.executions import GIVE_UP_CLAIMS
 from appliance.settings import ExecutionSettings, load_settings
 from appliance.supervisor import runs_module
 from finetune.rl.execute import Sandbox, not_run
-from finetune.rl.store import GIVE_UP_CLAIMS, RunStore
+from finetune.rl.store import RunStore
 
 log = logging.getLogger("appliance.rl-executor")
 PR_SET_PDEATHSIG = 1

@@ -32,6 +32,7 @@ from appliance.home import Home
 from appliance.jobs import CANCEL_FILE
 from appliance.local_gateway import client_options
 from appliance.rl.attempts import Attempt, attempt_key
+from appliance.rl.executions import STORE_FILE
 from appliance.rl.progress import RunProgress, write_progress
 from appliance.rl.runs import Run, progressed, run_dir
 from appliance.rl.tasks import Task
@@ -208,7 +209,7 @@ class Loop:
         self.spec = run.spec
         self.directory = run_dir(home, run.id)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.store = RunStore(self.directory / "run.sqlite")
+        self.store = RunStore(self.directory / STORE_FILE)
         artifacts = artifact_store(settings.artifacts, home)
         tasks = load(self.spec.tasks, self.spec.split, artifacts, home, self.spec.tasks_sha256)
         self.tasks = tasks[:self.spec.limit] if self.spec.limit else tasks

@@ -17,18 +17,19 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import Path
 
-from appliance.queue import Alive, Lifecycle, Queue, immediate
+from appliance.queue import Alive, immediate
+from appliance.rl import executions
 from appliance.rl.attempts import Attempt
+from appliance.rl.executions import ExecutionState
 from appliance.rl.tasks import Task
 from finetune.rl.execute import Verdict, not_run
 
-GIVE_UP_CLAIMS = 3  # an execution taken up this often without a verdict is recorded as an error
 SCHEMA = """
 create table if not exists executions (
     id integer primary key autoincrement,
@@ -39,6 +40,7 @@ create table if not exists executions (
     worker_pid integer,
     claims integer not null default 0,
     verdict text,                      -- JSON finetune.rl.execute.Verdict
+    queued_at real,                    -- when it was first queued (Unix time; the queue's metrics)
     lease_until real,                  -- appliance.queue: the worker's claim holds until then (null: while it lives)
     progress_at real                   -- appliance.queue: the claim, or its claimer's last progress since
 );
@@ -66,27 +68,13 @@ create table if not exists segments (
 """
 
 
-class ExecutionState(StrEnum):
-    QUEUED = "queued"
-    RUNNING = "running"
-    DONE = "done"
-
-
 def _given_up(claims: int, state: ExecutionState) -> tuple[ExecutionState, dict[str, object]]:
     return ExecutionState.DONE, {"verdict": not_run(f"its sandbox worker died {claims} times running it")
                                  .model_dump_json()}
 
 
 # A dead worker's execution waits again, until its workers died GIVE_UP_CLAIMS times running it.
-EXECUTIONS = Queue(
-    table="executions",
-    lifecycle=Lifecycle("execution", {
-        ExecutionState.QUEUED: frozenset({ExecutionState.RUNNING}),
-        ExecutionState.RUNNING: frozenset({ExecutionState.QUEUED, ExecutionState.DONE}),
-        ExecutionState.DONE: frozenset(),
-    }),
-    waiting=ExecutionState.QUEUED, taken=ExecutionState.RUNNING, held=frozenset({ExecutionState.RUNNING}),
-    attempts="claims", orphans_resume=False, max_attempts=GIVE_UP_CLAIMS, give_up=_given_up)
+EXECUTIONS = executions.queue(_given_up)
 
 
 @dataclass(frozen=True)
@@ -117,6 +105,8 @@ class RunStore:
             db.executescript(SCHEMA)
             with immediate(db):
                 EXECUTIONS.migrate(db)
+                if "queued_at" not in {row[1] for row in db.execute("pragma table_info(executions)")}:
+                    db.execute("alter table executions add column queued_at real")  # a run from before it
 
     @contextmanager
     def _connect(self) -> Iterator[sqlite3.Connection]:
@@ -148,8 +138,8 @@ class RunStore:
 
     def enqueue(self, key: str, program: str, task: Task) -> None:
         with self._connect() as db:
-            db.execute("insert or ignore into executions (key, program, task) values (?, ?, ?)",
-                       (key, program, task.model_dump_json()))
+            db.execute("insert or ignore into executions (key, program, task, queued_at) values (?, ?, ?, ?)",
+                       (key, program, task.model_dump_json(), time.time()))
 
     def claim(self, worker_pid: int) -> Execution | None:
         """The oldest queued execution, for this worker (a dead worker's go back to the queue first:

@@ -7,10 +7,8 @@ alert goes from the shipped rules through Alertmanager to the webhook of the set
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -24,6 +22,7 @@ from appliance.tls import local_trust
 from installer.realm import BOOTSTRAP_SECRET
 from tests.integration.conftest import Running
 from tests.integration.realm import Realm
+from tests.support.webhook import webhook_receiver
 
 
 def until(check: Callable[[], Any], what: str | Callable[[], str], timeout_s: float = 120) -> Any:
@@ -56,23 +55,8 @@ def urls(running: Running) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def webhook(running: Running) -> Iterator[list[dict[str, Any]]]:
     """What Alertmanager posts to the session's webhook URL, as it arrives."""
-    received: list[dict[str, Any]] = []
-
-    class Receiver(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-            self.send_response(200)
-            self.end_headers()
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    port = urlsplit(running.appliance.env["APPLIANCE_MONITORING__WEBHOOK_URL"]).port
-    server = HTTPServer(("127.0.0.1", port or 0), Receiver)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield received
-    server.shutdown()
-    server.server_close()
+    with webhook_receiver(running.appliance.env["APPLIANCE_MONITORING__WEBHOOK_URL"]) as received:
+        yield received
 
 
 def test_both_servers_listen_on_loopback_over_https_behind_the_appliances_password(running: Running,

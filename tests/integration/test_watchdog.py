@@ -1,6 +1,6 @@
 """The watchdog on the real appliance: an engine wedged with SIGSTOP (alive, its socket accepting,
 answering nothing) is restarted by the watchdog through supervisord, with an audit record of why,
-and traffic through the gateway recovers."""
+traffic through the gateway recovers, and the EngineHealed alert reaches the webhook receiver."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from appliance.supervisor import ProcessState, Supervisor
 from audit.writer import log_files
 from tests.integration.conftest import Running
 from tests.integration.realm import Realm
+from tests.support.webhook import firing, webhook_receiver
 
 # It wedges the session's engine.
 pytestmark = pytest.mark.session_exclusive
@@ -35,6 +36,11 @@ def records(running: Running) -> list[dict[str, Any]]:
 
 
 def test_a_wedged_engine_is_restarted_and_traffic_recovers(running: Running) -> None:
+    with webhook_receiver(running.appliance.env["APPLIANCE_MONITORING__WEBHOOK_URL"]) as posts:
+        wedge_and_recover(running, posts)
+
+
+def wedge_and_recover(running: Running, posts: list[dict[str, Any]]) -> None:
     realm = Realm(running)
     chat = {"url": f"{realm.gateway}/v1/chat/completions", "timeout": 30,
             "headers": {"Authorization": f"Bearer {realm.admin_token()}"},
@@ -65,4 +71,10 @@ def test_a_wedged_engine_is_restarted_and_traffic_recovers(running: Running) -> 
                  and f"(pid {wedged})" in (r.get("detail") or "")]
     assert restart["username"] == restart["client"] == "watchdog"
     assert restart["target"]["name"] == "vllm-main" and "health check has not answered" in restart["detail"]
-    print(f"wedged -> restarted {restarted_s:.0f} s, -> traffic recovered {recovered_s:.0f} s")
+    # Prometheus sees the watchdog's count go up; Alertmanager posts after its group wait (10 s).
+    while not firing(posts, "EngineHealed", program="vllm-main", pool="main", reason="unhealthy"):
+        assert time.monotonic() - stopped_at < recovered_s + 180, f"no EngineHealed alert at the webhook: {posts}"
+        time.sleep(1)
+    alerted_s = time.monotonic() - stopped_at
+    print(f"wedged -> restarted {restarted_s:.0f} s, -> traffic recovered {recovered_s:.0f} s, -> alert at the "
+          f"webhook {alerted_s:.0f} s")

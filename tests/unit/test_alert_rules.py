@@ -31,7 +31,7 @@ from appliance.tls import ensure_ca, ensure_server_certificate, server_context
 from audit import AuditWriter
 from installer import monitoring
 from serve.engine_metrics import relabelled
-from serve.metrics import ClusterCollector, Metrics, QueueCollector, StateCollector
+from serve.metrics import ClusterCollector, Metrics, ProgramCollector, QueueCollector, StateCollector
 from tests.support.nvml import build_fake_nvml, gpu_metrics
 from tests.support.ports import free_port
 
@@ -53,6 +53,7 @@ def exported(home: Home) -> set[str]:
     metrics.registry.register(StateCollector(home, writer, None))
     metrics.registry.register(QueueCollector(home))
     metrics.registry.register(ClusterCollector(home, []))
+    metrics.registry.register(ProgramCollector(home))  # supervisord not running: its families, empty
     text = generate_latest(metrics.registry).decode() + relabelled([]).decode()  # /metrics and /metrics/engines
     text += gpu_metrics(home.root, build_fake_nvml(home.root))
     return {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")}

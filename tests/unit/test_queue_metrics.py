@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 import time
 from datetime import UTC, datetime, timedelta
 
@@ -12,7 +13,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from appliance import batches, jobs
 from appliance.home import Home
 from appliance.jobs import Hyperparameters
+from appliance.rl import executions, runs
+from appliance.rl.tasks import Task
 from appliance.work_queues import WORK_QUEUES
+from finetune.rl.store import RunStore
 from serve.metrics import QueueCollector, Reused
 
 
@@ -52,14 +56,40 @@ def test_each_queue_reports_waiting_held_and_the_oldest_wait(home: Home) -> None
     assert figures[("appliance_queue_waiting", "rl_runs")] == 0
     assert figures[("appliance_queue_oldest_waiting_seconds", "rl_runs")] == 0  # none waits
     readable = {queue for (name, queue), value in figures.items() if name == "appliance_queue_readable" and value}
-    assert readable == {work.name for work in WORK_QUEUES}
+    assert readable == {work.name for work in WORK_QUEUES} | {"rl_executions"}
+
+
+def test_rl_executions_are_counted_over_every_running_run(home: Home) -> None:
+    """Each RL run keeps its executions in its own database; the running runs' count together."""
+    task = Task(id="t", prompt="p", language="python", tests="assert True")
+    spec = runs.RunSpec(tasks="set", base="demo")
+    first, second, queued = runs.submit(home, spec), runs.submit(home, spec), runs.submit(home, spec)
+    for _ in (first, second):
+        assert runs.claim(home, 4242, alive=lambda pid: True) is not None
+    for run in (first, second, queued):
+        runs.run_dir(home, run.id).mkdir(parents=True)
+    stores = {run.id: RunStore(executions.store_path(home, run.id)) for run in (first, second, queued)}
+    for key in ("a", "b", "c"):
+        stores[first.id].enqueue(key, "print(1)", task)
+    stores[second.id].enqueue("d", "print(1)", task)
+    stores[queued.id].enqueue("e", "print(1)", task)  # its run waits: its executions are not counted
+    assert stores[first.id].claim(777) is not None  # "a" runs
+    with sqlite3.connect(executions.store_path(home, second.id)) as db:
+        db.execute("update executions set queued_at = queued_at - 200 where key = 'd'")
+    for store in stores.values():
+        store.close()
+    figures = scraped(home)
+    assert figures[("appliance_queue_readable", "rl_executions")] == 1
+    assert figures[("appliance_queue_waiting", "rl_executions")] == 3  # b, c and d
+    assert figures[("appliance_queue_held", "rl_executions")] == 1
+    assert 199 <= figures[("appliance_queue_oldest_waiting_seconds", "rl_executions")] < 230
 
 
 def test_an_unreadable_queue_says_so_and_invents_no_figures(home: Home) -> None:
     jobs.database(home).parent.mkdir(parents=True, exist_ok=True)
     jobs.database(home).mkdir()  # a directory where the database should be
     figures = scraped(home)
-    for queue in ("finetune_jobs", "rl_runs", "rl_exports"):
+    for queue in ("finetune_jobs", "rl_runs", "rl_exports", "rl_executions"):
         assert figures[("appliance_queue_readable", queue)] == 0
         assert ("appliance_queue_waiting", queue) not in figures
     assert figures[("appliance_queue_readable", "batch_requests")] == 1

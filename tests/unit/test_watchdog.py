@@ -12,8 +12,10 @@ from typing import Any
 
 import pytest
 
+from appliance import heals
 from appliance.changes import Change
 from appliance.errors import SettingsError
+from appliance.heals import Reason
 from appliance.home import Home
 from appliance.programs import Program
 from appliance.settings import Settings, WatchdogSettings, load_settings
@@ -60,6 +62,19 @@ def test_held_requests_without_a_token_or_a_silent_health_check_stall_it() -> No
     assert stall(unreadable, Observation(healthy=True), 1000, LIMITS) is None
 
 
+def test_a_long_prefill_filling_the_cache_is_not_taken_for_a_wedge() -> None:
+    """A long prompt counts no token until its prefill ends, but fills the KV cache chunk by chunk."""
+    prefilling = replica()
+    assert stall(prefilling, Observation(healthy=True, held=1, tokens=100, kv_use=0.10), 10, LIMITS) is None
+    for second in range(20, 200, 10):
+        seen = Observation(healthy=True, held=1, tokens=100, kv_use=0.10 + second / 1000)
+        assert stall(prefilling, seen, second, LIMITS) is None
+    # The cache stops moving too: wedged after the stall limit.
+    still = Observation(healthy=True, held=1, tokens=100, kv_use=0.10 + 190 / 1000)  # as at 190
+    assert stall(prefilling, still, 200, LIMITS) is None
+    assert stall(prefilling, still, 221, LIMITS) == "it has held 1 requests and produced no token for 31 s"
+
+
 def test_restarts_back_off_doubling_to_the_cap() -> None:
     assert [backoff_s(n, LIMITS) for n in range(1, 6)] == [60, 120, 240, 300, 300]
 
@@ -68,7 +83,7 @@ class FakeSupervisor:
     """supervisord's answers about one program, as the test sets them."""
 
     def __init__(self) -> None:
-        self.state, self.pid = ProcessState.RUNNING, 4242
+        self.state, self.pid, self.started = ProcessState.RUNNING, 4242, 0
 
     def info(self) -> dict[str, Any]:
         return {"name": "vllm-main", "state": self.state, "pid": self.pid, "now": 1000, "start": 400,
@@ -78,6 +93,11 @@ class FakeSupervisor:
         return [ProcessInfo.from_rpc(self.info())]
 
     def call(self, method: str, *args: object) -> dict[str, Any]:
+        if method == "startProcess":
+            assert args == ("vllm-main", False)
+            self.started += 1
+            self.state = ProcessState.STARTING
+            return {}
         assert method == "getProcessInfo" and args == ("vllm-main",)
         return self.info()
 
@@ -97,17 +117,21 @@ def test_a_stalled_replica_is_killed_recorded_and_held_back_while_its_backoff_ru
     monkeypatch.setattr(watchdog, "announce", recorded.append)
     program = Program(name="vllm-main", command=["vllm"], pool="main", socket=Path("/nonexistent.sock"))
     stuck = replica()
-    dog._restart(stuck, program, "its health check has not answered for 31 s", now=100)
+    dog._restart(stuck, program, "its health check has not answered for 31 s", Reason.UNHEALTHY, now=100)
     assert killed == [4242] and stuck.restarts == 1 and stuck.next_restart_at == 160
     [first] = recorded
     assert (first.action, first.actor, first.target and first.target.name) == ("engine.restarted", "watchdog",
                                                                                 "vllm-main")
     assert "health check" in (first.detail or "") and "restart 1" in (first.detail or "")
     for now in (110, 120):  # wedged again at once: held back, recorded once
-        dog._restart(stuck, program, "its health check has not answered for 31 s", now=now)
+        dog._restart(stuck, program, "its health check has not answered for 31 s", Reason.UNHEALTHY, now=now)
     assert killed == [4242] and [c.action for c in recorded] == ["engine.restarted", "engine.restart_held_back"]
-    dog._restart(stuck, program, "it has held 1 requests and produced no token for 31 s", now=161)
+    dog._restart(stuck, program, "it has held 1 requests and produced no token for 31 s", Reason.NO_PROGRESS,
+                 now=161)
     assert killed == [4242, 4242] and stuck.restarts == 2 and stuck.next_restart_at == 161 + 120
+    # Counted by reason for the metrics, in a file that outlives the watchdog.
+    assert heals.load(dog.home).restarts == {"vllm-main": {Reason.UNHEALTHY: 1, Reason.NO_PROGRESS: 1}}
+    assert heals.load(dog.home).pools == {"vllm-main": "main"}
 
 
 def test_restarts_are_remembered_across_the_replica_starting_again(dog: Watchdog, home: Home,
@@ -140,6 +164,53 @@ def test_restarts_are_remembered_across_the_replica_starting_again(dog: Watchdog
     assert killed == [4242, 5151] and "restart 2" in (recorded[-1].detail or "")
 
 
+def test_a_replica_supervisord_gave_up_on_is_started_again_as_its_backoff_allows(
+        dog: Watchdog, home: Home, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A crash loop: supervisord ends at FATAL after its start retries; the watchdog starts it again,
+    ever more slowly, each start audited; a stopped one (an administrator's) is left stopped."""
+    engine = Program(name="vllm-main", command=["vllm"], pool="main", socket=Path("/nonexistent.sock"))
+    (home.run / "programs.json").write_text(json.dumps([engine.model_dump(mode="json")]))
+    recorded: list[Change] = []
+    clock = [1000.0]
+    monkeypatch.setattr(watchdog, "announce", recorded.append)
+    monkeypatch.setattr(watchdog.time, "monotonic", lambda: clock[0])
+    fake: Any = dog.supervisor
+    fake.state = ProcessState.FATAL
+    dog.check()
+    assert fake.started == 1 and [c.action for c in recorded] == ["engine.restarted"]
+    assert "gave up on it (FATAL" in (recorded[0].detail or "") and "the next is allowed after 60 s" in (
+        recorded[0].detail or "")
+    fake.state = ProcessState.FATAL  # it crashed again at once
+    for _ in range(5):
+        clock[0] += 10
+        dog.check()
+    assert fake.started == 1 and [c.action for c in recorded] == ["engine.restarted", "engine.restart_held_back"]
+    clock[0] += 11
+    dog.check()
+    assert fake.started == 2 and "start 2" in (recorded[-1].detail or "") and "after 120 s" in (
+        recorded[-1].detail or "")
+    fake.state = ProcessState.STOPPED
+    clock[0] += 1000
+    dog.check()
+    assert fake.started == 2 and heals.load(home).restarts == {"vllm-main": {Reason.GAVE_UP: 2}}
+
+
+@pytest.mark.parametrize("planted", ["link", "directory", "garbage", "huge"])
+def test_a_planted_or_broken_heals_file_counts_from_zero(home: Home, tmp_path: Path, planted: str) -> None:
+    path = home.run / "watchdog-restarts.json"
+    target = tmp_path / "elsewhere.json"
+    target.write_text('{"restarts": {"vllm-main": {"gave_up": 7}}}')
+    if planted == "link":
+        path.symlink_to(target)
+    elif planted == "directory":
+        path.mkdir()
+    elif planted == "garbage":
+        path.write_text('{"restarts": {"vllm-main": {"gave_up": -1}}}')
+    else:
+        path.write_bytes(b" " * (heals.MAX_BYTES + 1))
+    assert heals.load(home) == heals.Heals()
+
+
 def test_a_replica_that_changed_meanwhile_is_not_killed(dog: Watchdog, monkeypatch: pytest.MonkeyPatch) -> None:
     killed: list[int] = []
     monkeypatch.setattr(watchdog, "kill", killed.append)
@@ -147,7 +218,7 @@ def test_a_replica_that_changed_meanwhile_is_not_killed(dog: Watchdog, monkeypat
     program = Program(name="vllm-main", command=["vllm"], pool="main", socket=Path("/nonexistent.sock"))
     stale = replica()
     dog.supervisor.pid = 6001  # type: ignore[attr-defined]  # supervisord started it again since the look
-    dog._restart(stale, program, "its health check has not answered for 31 s", now=100)
+    dog._restart(stale, program, "its health check has not answered for 31 s", Reason.UNHEALTHY, now=100)
     assert killed == [] and stale.restarts == 0
 
 
