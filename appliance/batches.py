@@ -134,6 +134,7 @@ create table if not exists batch_requests (
     response text,                 -- JSON: the answer's body (both dropped once in the output file)
     retry_at integer,              -- given back (a budget spent, an engine down): not claimed before
     attempts integer not null default 0,  -- times given back after a failure that may pass
+    claims integer not null default 0,    -- workers that took it and did not give it back (died holding it)
     lease_until real,              -- appliance.queue: the worker's claim holds until then (null: while it lives)
     progress_at real,              -- appliance.queue: the claim, or its claimer's last progress since
     primary key (batch_id, line)
@@ -174,11 +175,23 @@ CLAIM_MOVES = {
 # A batch's requests and its validation wait from when the batch was made.
 BATCH_CREATED_AT = "(select created_at from batches where batches.id = batch_id)"
 # A dead worker's requests are pending again; the first answer to a request is kept, whoever gives
-# it (a request given back may still be answered by the worker that had it).
+# it (a request given back may still be answered by the worker that had it). A request whose worker
+# died MAX_REQUEST_CLAIMS times holding it fails (500 batch_worker_died) instead of killing every
+# worker after it: one user's request must not stop everyone's batches.
+MAX_REQUEST_CLAIMS = 3
+
+
+def _request_given_up(claims: int, state: RequestState) -> tuple[RequestState, dict[str, object]]:
+    return RequestState.DONE, {"status_code": 500, "response": json.dumps({"error": {
+        "message": f"the batch worker died {claims} times running this request", "type": "server_error",
+        "code": "batch_worker_died"}})}
+
+
 REQUESTS = Queue(
     table="batch_requests", lifecycle=Lifecycle("batch request", CLAIM_MOVES),
     key="rowid", waiting=RequestState.PENDING, taken=RequestState.CLAIMED, held=frozenset({RequestState.CLAIMED}),
-    attempts=None, orphans_resume=False, waiting_since=BATCH_CREATED_AT)
+    attempts="claims", orphans_resume=False, waiting_since=BATCH_CREATED_AT, max_attempts=MAX_REQUEST_CLAIMS,
+    give_up=_request_given_up)
 # A batch's validation: a dead worker's is pending again, and the next worker starts it over; a file
 # whose validation the worker died in MAX_VALIDATION_ATTEMPTS times fails its batch instead (a file
 # that kills the worker must not stop everyone's batches for good).
@@ -326,6 +339,8 @@ def _migrate(db: sqlite3.Connection) -> None:
                 for statement in statements:
                     db.execute(statement)
         REQUESTS.migrate(db)
+        if "claims" not in {row[1] for row in db.execute("pragma table_info(batch_requests)")}:
+            db.execute("alter table batch_requests add column claims integer not null default 0")
         if "attempts" not in {row[1] for row in db.execute("pragma table_info(batch_validations)")}:
             db.execute("alter table batch_validations add column attempts integer not null default 0")
         # A queue made before validations were queued: its validating batches wait for a worker.
@@ -858,7 +873,11 @@ def claim(home: Home, worker_pid: int, alive: Alive, limit: int) -> list[Claimed
     worker's whose pid it was given)."""
     now = _now()
     with transaction(home) as db:
-        REQUESTS.requeue_orphans(db, lambda pid: pid != worker_pid and alive(pid))
+        given_up: list[Key] = []
+        REQUESTS.requeue_orphans(db, lambda pid: pid != worker_pid and alive(pid), given_up)
+        for key in given_up:
+            db.execute("update batches set failed = failed + 1 where id = (select batch_id from batch_requests "
+                       "where rowid = ?)", (key,))
         rows = db.execute(
             "select * from (select r.rowid as key, r.batch_id, r.line, r.custom_id, r.body, r.attempts, b.endpoint, "
             "b.created_at, "
@@ -886,8 +905,10 @@ def release(home: Home, request: Claimed, retry_in_s: float, *, failed: bool = F
     on. `failed`: it failed in a way that may pass, and counts as an attempt."""
     with transaction(home) as db:
         key = _request_key(db, request)
-        if key is not None and REQUESTS.release(db, key, None, retry_at=_now() + math.ceil(retry_in_s)) and failed:
-            db.execute("update batch_requests set attempts = attempts + 1 where rowid = ?", (key,))
+        if key is not None and REQUESTS.release(db, key, None, retry_at=_now() + math.ceil(retry_in_s)):
+            # Given back alive: its claim is not a death; a failure that may pass is an attempt.
+            db.execute("update batch_requests set claims = max(claims - 1, 0), attempts = attempts + ? "
+                       "where rowid = ?", (int(failed), key))
 
 
 def finish(home: Home, request: Claimed, status_code: int, request_id: str | None, response: object) -> None:

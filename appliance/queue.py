@@ -181,12 +181,15 @@ class Queue(Generic[S]):
         db.execute(f"update {self.table} set {', '.join(f'{name} = ?' for name in columns)}{counted}{once} "
                    f"where {self.key} = ?", (*columns.values(), *(first or {}).values(), key))
 
-    def requeue_orphans(self, db: sqlite3.Connection, alive: Alive) -> int:
-        """Orphans back to waiting (or given up, past the bound on retries); how many."""
+    def requeue_orphans(self, db: sqlite3.Connection, alive: Alive, given_up: list[Key] | None = None) -> int:
+        """Orphans back to waiting (or given up, past the bound on retries, their keys added to
+        `given_up`); how many."""
         orphans = self._orphans(db, alive)
         for row in orphans:
             if self._spent(row):
                 self._give_up(db, row)
+                if given_up is not None:
+                    given_up.append(row["key"])
             else:
                 self._move(db, row["key"], type(self.waiting)(row["state"]), self.waiting, self._unclaimed)
         return len(orphans)

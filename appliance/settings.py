@@ -858,6 +858,11 @@ class FinetuneSettings(_Section):
     sandbox_max_processes: int = Field(
         4096, ge=16, description="Processes and threads the sandbox's user may run at once."
     )
+    max_job_hours: float = Field(
+        48.0, gt=0, description="A trainer still running after this many hours is ended and its job fails "
+        "(each worker's run of it counts on its own): a runaway or hostile trainer that keeps beating cannot "
+        "hold the worker for ever."
+    )
     processes: int | None = Field(
         None, ge=1, description="Training processes (torchrun, DDP); unset: one per visible GPU, at least one."
     )

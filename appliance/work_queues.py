@@ -4,6 +4,7 @@ how long an item may be held without progress before the watchdog ends that work
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -13,10 +14,11 @@ from typing import Any
 from appliance import batches, jobs
 from appliance.changes import Target
 from appliance.home import Home
-from appliance.queue import Key, Queue
+from appliance.queue import Key, Queue, immediate
 from appliance.rl import exports, runs
 from appliance.settings import WatchdogSettings
 
+log = logging.getLogger(__name__)
 Connect = Callable[[Home], AbstractContextManager[sqlite3.Connection]]
 
 
@@ -47,3 +49,16 @@ WORK_QUEUES = (
     WorkQueue("batch_validations", batches.connect, batches.VALIDATIONS, "batch-worker", "batch", "batch_id",
               lambda watchdog: watchdog.batch_stall_s),
 )
+
+
+def hand_back(home: Home, program: str, pid: int) -> None:
+    """Give back the attempts of the items `program` (this pid) holds in its queues."""
+    for work in WORK_QUEUES:
+        if work.worker == program:
+            try:
+                with work.connect(home) as db, immediate(db):
+                    if handed := work.queue.hand_back(db, pid):
+                        log.info("stopping: %d %s(s) handed back to the next worker", handed,
+                                 work.queue.lifecycle.noun)
+            except (sqlite3.Error, OSError) as exc:  # they count as a death, then: said, not hidden
+                log.error("stopping: %s not handed back: %s", work.name, exc)

@@ -81,7 +81,8 @@ def run_job(directory: Path, *, name: str, data: str, base: str, hp: Hyperparame
         prepare(directory, inputs, model.resolve())
     trainer = _trainer_command(directory, settings.finetune.processes or visible_gpus() or 1)
     _train_in_child(directory, sandboxed(trainer, settings.finetune, workdir=directory, inputs=inputs,
-                                         readable=[model.resolve()]), on_progress, on_child, on_beat)
+                                         readable=[model.resolve()]), on_progress, on_child, on_beat,
+                    limit_s=settings.finetune.max_job_hours * 3600)
     result = load_result(directory)
     scores = {kind: Scores.over_seeds(per_seed["base"], per_seed["adapter"], shipped=shipped and kind == "regression")
               for kind, per_seed in result.eval_sets.items()}
@@ -151,9 +152,10 @@ def _trainer_command(directory: Path, processes: int) -> list[str]:
 
 
 def _train_in_child(directory: Path, command: list[str], on_progress: Callable[[Progress], None],
-                    on_child: Callable[[int], None], on_beat: Callable[[], None]) -> None:
+                    on_child: Callable[[int], None], on_beat: Callable[[], None], *, limit_s: float) -> None:
     """Run the trainer in a process group of its own, reporting its progress; a cancel request
-    (the job directory's cancel file) or our own end ends the whole group (its checkpoints stay)."""
+    (the job directory's cancel file), its running past `limit_s` or our own end ends the whole
+    group (its checkpoints stay)."""
     log = directory / "train.log"
     with log.open("ab") as output:
         child = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, cwd=directory,
@@ -161,8 +163,12 @@ def _train_in_child(directory: Path, command: list[str], on_progress: Callable[[
                                  env={**os.environ, **OFFLINE_ENVIRONMENT})
         on_child(child.pid)
         seen, beat_seen, beat_at = None, None, -math.inf
+        deadline = time.monotonic() + limit_s
         try:
             while child.poll() is None and not (directory / CANCEL_FILE).exists():
+                if time.monotonic() > deadline:
+                    raise TrainingError(f"training ran past finetune.max_job_hours ({limit_s / 3600:g} h) and "
+                                        "was ended; its checkpoints are kept", hint=f"its log: {log}")
                 seen = _report(directory, seen, on_progress)
                 if time.monotonic() - beat_at >= BEAT_S and (stamp := beat_time(directory)) not in (None, beat_seen):
                     beat_seen, beat_at = stamp, time.monotonic()

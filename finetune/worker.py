@@ -16,10 +16,9 @@ from appliance import jobs
 from appliance.changes import Change, Target, announce
 from appliance.errors import ApplianceError
 from appliance.home import Home
-from appliance.queue import immediate
 from appliance.settings import Settings, load_settings
 from appliance.supervisor import runs_module
-from appliance.work_queues import WORK_QUEUES
+from appliance.work_queues import hand_back
 from finetune.runner import end_stale_trainer, run_job
 from finetune.train import TrainingCancelled
 
@@ -106,19 +105,6 @@ def serve_queue(work_one: Callable[[Home, Settings], object | None], poll_s: Cal
     except SystemExit:
         hand_back(home, program, os.getpid())
         raise
-
-
-def hand_back(home: Home, program: str, pid: int) -> None:
-    """Give back the attempts of the items `program` (this pid) holds in its queues."""
-    for work in WORK_QUEUES:
-        if work.worker == program:
-            try:
-                with work.connect(home) as db, immediate(db):
-                    if handed := work.queue.hand_back(db, pid):
-                        log.info("stopping: %d %s(s) handed back to the next worker", handed,
-                                 work.queue.lifecycle.noun)
-            except (sqlite3.Error, OSError) as exc:  # they count as a death, then: said, not hidden
-                log.error("stopping: %s not handed back: %s", work.name, exc)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from appliance.local_gateway import client_options
 from appliance.secrets import secret
 from appliance.settings import Settings, load_settings
 from appliance.supervisor import runs_module
+from appliance.work_queues import hand_back
 from serve.limits import RateLimiter
 
 log = logging.getLogger("appliance.batch-worker")
@@ -220,7 +221,11 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     home = Home.from_env()
-    Worker(load_settings(home.settings_file), home).run()
+    try:
+        Worker(load_settings(home.settings_file), home).run()
+    except SystemExit:  # asked to stop: the requests and validation it holds are not a death
+        hand_back(home, "batch-worker", os.getpid())
+        raise
 
 
 if __name__ == "__main__":

@@ -259,18 +259,19 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
     async def readyz(request: Request) -> Any:
         """Ready when every pool has a replica answering its health check, the realm's signing keys
         are loaded and the audit log is writable. Anonymous: it changes nothing (no key refetch), runs its engine
-        checks at most once a second, and names no file or OS error (the gateway's log does)."""
+        checks at most once a second, and names no replica, file or OS error (the gateway's log does)."""
         gateway: Gateway = request.app.state.gateway
         async with ready_lock:  # callers arriving during a check share its result
             if time.monotonic() - ready["at"] >= READY_CACHE_S:
-                checks = {f"engine:{replica.name}": await gateway.upstreams.replicas.healthy(replica)
-                          for pool in gateway.upstreams.pools for replica in pool.replicas}
-                # A pool serves while one of its replicas does; the others are routed around.
-                serving = all(any(checks[f"engine:{replica.name}"] for replica in pool.replicas)
-                              for pool in gateway.upstreams.pools)
+                healthy = {replica.name: await gateway.upstreams.replicas.healthy(replica)
+                           for pool in gateway.upstreams.pools for replica in pool.replicas}
+                # A pool serves while one of its replicas does; the others are routed around. Which
+                # replica is down is for administrators (/metrics, `appliance status`), not anonymous callers.
+                checks = {"engines": all(any(healthy[replica.name] for replica in pool.replicas)
+                                         for pool in gateway.upstreams.pools)}
                 checks["jwks"] = gateway.validator.has_keys
                 checks["audit"] = request.app.state.audit.check() is None
-                ok = serving and checks["jwks"] and checks["audit"]
+                ok = all(checks.values())
                 ready["body"] = Health(status="ready" if ok else "not ready", checks=checks,
                                        reason=None if checks["audit"] else "audit log not writable")
                 ready["at"] = time.monotonic()

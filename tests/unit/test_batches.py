@@ -16,6 +16,7 @@ from appliance.artifacts import LocalStore
 from appliance.batches import BatchState
 from appliance.errors import Conflict, Invalid, NotFound, QuotaExceeded
 from appliance.home import Home
+from appliance.queue import immediate
 from appliance.settings import BatchSettings
 from tests.support.batches import ANN, BOB, CHAT, create, create_only, line, upload
 
@@ -116,6 +117,38 @@ def test_claims_of_a_dead_worker_return_and_the_output_keeps_input_order(home: H
     assert output.purpose == "batch_output"
     _, error_key = batches.get_file(home, ended.error_file_id, ANN.subject)
     assert [json.loads(row)["response"]["status_code"] for row in store.get(error_key).splitlines()] == [400]
+
+
+def test_a_request_whose_workers_keep_dying_fails_and_the_others_go_on(home: Home, store: LocalStore) -> None:
+    """One user's request that kills the worker every time must not stop every batch: after
+    MAX_REQUEST_CLAIMS dead workers it fails (500 batch_worker_died); a request given back alive
+    (a budget spent, an engine down, a worker stopped as asked) never counts as a death."""
+    batch = create(home, store, upload(home, store, [line("deadly"), line("fine")]))
+    pid = 1000
+    for _ in range(batches.MAX_REQUEST_CLAIMS):
+        pid += 1
+        assert [r.line for r in batches.claim(home, pid, lambda p: False, 1)] == [1]  # the last holder died
+    pid += 1
+    [survivor] = batches.claim(home, pid, lambda p: p == pid, 5)
+    assert survivor.line == 2  # "deadly" was given up, not taken a fourth time
+    counts = batches.get(home, batch.id, None).request_counts
+    assert (counts.completed, counts.failed) == (0, 1)
+    # Given back alive many times: still claimable, its claims back to none each time.
+    for _ in range(batches.MAX_REQUEST_CLAIMS + 2):
+        batches.release(home, survivor, 0)
+        [again] = batches.claim(home, pid, lambda p: p == pid, 5)
+        assert again.line == 2
+    with batches.connect(home) as db, immediate(db):
+        assert batches.REQUESTS.hand_back(db, pid) == 1  # a worker stopped as asked hands its claim back
+        assert db.execute("select claims from batch_requests where line = 2").fetchone()[0] == 0
+    batches.finish(home, again, 200, "ok", {"fine": True})
+    ended = batches.finalize(home, store, batches.to_finalize(home)[0])
+    assert ended.request_counts.model_dump() == {"total": 2, "completed": 1, "failed": 1}
+    assert ended.error_file_id is not None
+    _, error_key = batches.get_file(home, ended.error_file_id, ANN.subject)
+    [failure] = [json.loads(row)["response"] for row in store.get(error_key).splitlines()]
+    assert failure["status_code"] == 500 and failure["body"]["error"]["code"] == "batch_worker_died"
+    assert "died 3 times" in failure["body"]["error"]["message"]
 
 
 def test_cancel_lets_running_requests_finish_and_keeps_their_answers(home: Home, store: LocalStore) -> None:
