@@ -339,6 +339,7 @@ def _migrate(db: sqlite3.Connection) -> None:
                 for statement in statements:
                     db.execute(statement)
         REQUESTS.migrate(db)
+        VALIDATIONS.migrate(db)
         if "claims" not in {row[1] for row in db.execute("pragma table_info(batch_requests)")}:
             db.execute("alter table batch_requests add column claims integer not null default 0")
         if "attempts" not in {row[1] for row in db.execute("pragma table_info(batch_validations)")}:

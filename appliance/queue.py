@@ -41,6 +41,9 @@ Key = int | str
 Alive = Callable[[int | None], bool]  # whether an item's claimer still runs (None: no claimer)
 LEASE_COLUMN = "lease_until"  # seconds since the epoch; null: the claim holds as long as its claimer lives
 PROGRESS_COLUMN = "progress_at"  # seconds since the epoch: the claim, or the claimer's last progress since
+CLAIMED_COLUMN = "claimed_at"  # seconds since the epoch: the item's first claim (how long it waited)
+WAITS_WINDOW_S = 3600.0  # a queue's recent waits: of items first claimed this long ago at most...
+MAX_WAITS = 10_000  # ...the latest this many
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,8 @@ class Depth:
     waiting: int
     held: int
     oldest_waiting_s: float | None  # None: nothing waits, or the queue does not keep when items began to
+    # How long each item first claimed in the last WAITS_WINDOW_S had waited (at most MAX_WAITS).
+    recent_waits_s: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -112,7 +117,7 @@ class Queue(Generic[S]):
     def migrate(self, db: sqlite3.Connection) -> None:
         """Add the lease and progress columns to a table made before them (in the caller's transaction)."""
         columns = {row[1] for row in db.execute(f"pragma table_info({self.table})")}
-        for column in (LEASE_COLUMN, PROGRESS_COLUMN):
+        for column in (LEASE_COLUMN, PROGRESS_COLUMN, CLAIMED_COLUMN):
             if column not in columns:
                 db.execute(f"alter table {self.table} add column {column} real")
 
@@ -134,8 +139,15 @@ class Queue(Generic[S]):
                          (self.waiting,)).fetchone()
         held = db.execute(f"select count(*) from {self.table} where {self.state} in ({_marks(self.held)})",
                           tuple(self.held)).fetchone()[0]
-        oldest = None if row[1] is None else max(0.0, time.time() - float(row[1]))
-        return Depth(waiting=row[0], held=held, oldest_waiting_s=oldest)
+        now = time.time()
+        oldest = None if row[1] is None else max(0.0, now - float(row[1]))
+        waits: tuple[float, ...] = ()
+        if self.waiting_since:
+            waits = tuple(max(0.0, float(wait)) for (wait,) in db.execute(
+                f"select {CLAIMED_COLUMN} - {self.waiting_since} from {self.table} where {CLAIMED_COLUMN} >= ? "
+                f"and {self.waiting_since} is not null order by {CLAIMED_COLUMN} desc limit ?",
+                (now - WAITS_WINDOW_S, MAX_WAITS)))
+        return Depth(waiting=row[0], held=held, oldest_waiting_s=oldest, recent_waits_s=waits)
 
     def state_of(self, db: sqlite3.Connection, key: Key) -> S:
         """An item's state; NotFound if there is no such item."""
@@ -177,9 +189,10 @@ class Queue(Generic[S]):
         columns: dict[str, object] = {self.state: to, self.holder: holder, LEASE_COLUMN: _lease(lease_s),
                                       PROGRESS_COLUMN: time.time()}
         counted = f", {self.attempts} = {self.attempts} + 1" if self.attempts else ""
-        once = "".join(f", {name} = coalesce({name}, ?)" for name in first or {})
+        once_columns = {**(first or {}), CLAIMED_COLUMN: columns[PROGRESS_COLUMN]}
+        once = "".join(f", {name} = coalesce({name}, ?)" for name in once_columns)
         db.execute(f"update {self.table} set {', '.join(f'{name} = ?' for name in columns)}{counted}{once} "
-                   f"where {self.key} = ?", (*columns.values(), *(first or {}).values(), key))
+                   f"where {self.key} = ?", (*columns.values(), *once_columns.values(), key))
 
     def requeue_orphans(self, db: sqlite3.Connection, alive: Alive, given_up: list[Key] | None = None) -> int:
         """Orphans back to waiting (or given up, past the bound on retries, their keys added to

@@ -191,6 +191,11 @@ class QueueCollector(Collector):
         held = GaugeMetricFamily("appliance_queue_held", "Items a worker holds (running).", labels=["queue"])
         oldest = GaugeMetricFamily("appliance_queue_oldest_waiting_seconds", "How long the oldest waiting item "
                                    "has waited (0: none waits).", labels=["queue"])
+        claimed = GaugeMetricFamily("appliance_queue_recent_claims", "Items first claimed in the last hour.",
+                                    labels=["queue"])
+        waited = GaugeMetricFamily("appliance_queue_wait_seconds", "How long the items first claimed in the last "
+                                   "hour had waited, by quantile (1: the longest; no series: none claimed).",
+                                   labels=["queue", "quantile"])
         readers: list[tuple[str, Callable[[], Depth]]] = [(work.name, partial(_depth, work, self.home))
                                                            for work in WORK_QUEUES]
         readers.append(("rl_executions", partial(executions.depth, self.home)))  # one queue per running run
@@ -205,7 +210,19 @@ class QueueCollector(Collector):
             waiting.add_metric([name], depth.waiting)
             held.add_metric([name], depth.held)
             oldest.add_metric([name], depth.oldest_waiting_s or 0.0)
-        yield from (readable, waiting, held, oldest)
+            claimed.add_metric([name], len(depth.recent_waits_s))
+            for quantile, value in wait_quantiles(depth.recent_waits_s).items():
+                waited.add_metric([name, quantile], value)
+        yield from (readable, waiting, held, oldest, claimed, waited)
+
+
+def wait_quantiles(waits: tuple[float, ...]) -> dict[str, float]:
+    """The median, 95th percentile and longest of `waits` (nearest rank); none for no waits."""
+    ordered = sorted(waits)
+    if not ordered:
+        return {}
+    return {label: ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
+            for label, q in (("0.5", 0.5), ("0.95", 0.95), ("1", 1.0))}
 
 
 class ProgramCollector(Collector):

@@ -11,7 +11,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from appliance.home import Home
-from appliance.queue import Depth, Lifecycle, Queue
+from appliance.queue import MAX_WAITS, Depth, Lifecycle, Queue
 from appliance.rl import runs
 
 GIVE_UP_CLAIMS = 3  # an execution taken up this often without a verdict is ended as an error
@@ -62,5 +62,6 @@ def depth(home: Home) -> Depth:
             store.close()
         ages = [age for age in (total.oldest_waiting_s, found.oldest_waiting_s) if age is not None]
         total = Depth(waiting=total.waiting + found.waiting, held=total.held + found.held,
-                      oldest_waiting_s=max(ages) if ages else None)
+                      oldest_waiting_s=max(ages) if ages else None,
+                      recent_waits_s=(total.recent_waits_s + found.recent_waits_s)[:MAX_WAITS])
     return total

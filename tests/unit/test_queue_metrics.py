@@ -17,7 +17,7 @@ from appliance.rl import executions, runs
 from appliance.rl.tasks import Task
 from appliance.work_queues import WORK_QUEUES
 from finetune.rl.store import RunStore
-from serve.metrics import QueueCollector, Reused
+from serve.metrics import QueueCollector, Reused, wait_quantiles
 
 
 def scraped(home: Home) -> dict[tuple[str, str], float]:
@@ -48,6 +48,10 @@ def test_each_queue_reports_waiting_held_and_the_oldest_wait(home: Home) -> None
         db.executemany("insert into batch_requests (batch_id, line, custom_id, body, state) values "
                        "('b1', ?, ?, '{}', 'pending')", [(n, f"r{n}") for n in (1, 2)])
     figures = scraped(home)
+    assert figures[("appliance_queue_recent_claims", "finetune_jobs")] == 1  # "a", after 600 s
+    assert 595 <= figures[("appliance_queue_wait_seconds", "finetune_jobs")] < 630
+    assert figures[("appliance_queue_recent_claims", "rl_runs")] == 0
+    assert ("appliance_queue_wait_seconds", "rl_runs") not in figures  # none claimed: no made-up wait
     assert figures[("appliance_queue_waiting", "finetune_jobs")] == 2
     assert figures[("appliance_queue_held", "finetune_jobs")] == 1
     assert 85 <= figures[("appliance_queue_oldest_waiting_seconds", "finetune_jobs")] < 120  # "b", not "a"
@@ -83,6 +87,13 @@ def test_rl_executions_are_counted_over_every_running_run(home: Home) -> None:
     assert figures[("appliance_queue_waiting", "rl_executions")] == 3  # b, c and d
     assert figures[("appliance_queue_held", "rl_executions")] == 1
     assert 199 <= figures[("appliance_queue_oldest_waiting_seconds", "rl_executions")] < 230
+    assert figures[("appliance_queue_recent_claims", "rl_executions")] == 1  # "a", at once
+
+
+def test_wait_quantiles_are_nearest_rank_and_none_without_claims() -> None:
+    assert wait_quantiles(()) == {}
+    assert wait_quantiles((5.0,)) == {"0.5": 5.0, "0.95": 5.0, "1": 5.0}
+    assert wait_quantiles(tuple(float(n) for n in range(100, 0, -1))) == {"0.5": 50.0, "0.95": 95.0, "1": 100.0}
 
 
 def test_an_unreadable_queue_says_so_and_invents_no_figures(home: Home) -> None:
