@@ -15,13 +15,14 @@ before the change is written, what to unload after). The gateway runs a change o
 from __future__ import annotations
 
 import hashlib
+import math
 import statistics
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
@@ -65,14 +66,25 @@ class Scores(BaseModel):
     mean over the seeds the set was answered with (the gate judges it), each seed's score and
     their spread (the sample standard deviation)."""
 
-    base: float
-    adapter: float
-    base_per_seed: list[float] = []  # empty: scored once, before seeds were kept
-    adapter_per_seed: list[float] = []
+    # Fractions of a set, never NaN: a registry must always read back (the gateway reads it on each request).
+    model_config = ConfigDict(allow_inf_nan=False)
+
+    base: float = Field(ge=0, le=1)
+    adapter: float = Field(ge=0, le=1)
+    # Empty: scored once, before seeds were kept. At most 20 seeds (finetune.gate_seeds).
+    base_per_seed: list[Annotated[float, Field(ge=0, le=1)]] = Field([], max_length=20)
+    adapter_per_seed: list[Annotated[float, Field(ge=0, le=1)]] = Field([], max_length=20)
     shipped: bool = False  # the appliance's own regression set: the operator brought none
 
     @classmethod
     def over_seeds(cls, base: list[float], adapter: list[float], *, shipped: bool = False) -> Scores:
+        """From each seed's scores (as many for the base as for the adapter, at least one each;
+        ValueError otherwise, or for a score that is not a fraction)."""
+        if not base or len(base) != len(adapter):
+            raise ValueError(f"{len(base)} base and {len(adapter)} adapter scores: one of each per seed")
+        if not all(isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) and 0 <= x <= 1
+                   for x in (*base, *adapter)):
+            raise ValueError("a score is not a fraction between 0 and 1")
         return cls(base=statistics.fmean(base), adapter=statistics.fmean(adapter), base_per_seed=base,
                    adapter_per_seed=adapter, shipped=shipped)
 

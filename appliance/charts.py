@@ -105,7 +105,7 @@ def series_at(url: str, home: Home, start: int, step_s: int, count: int) -> list
                 found.append(Series(name=chart.name, label=chart.label, unit=chart.unit,
                                     start=datetime.fromtimestamp(start, UTC), step_s=step_s,
                                     points=_points(chart, matrix, start, step_s, count)))
-    except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError, StateError) as exc:
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError, OverflowError, StateError) as exc:
         raise Unavailable(f"Prometheus at {url} did not answer {asked}: {exc}",
                           hint="`appliance status` shows whether prometheus runs") from exc
     return found

@@ -115,11 +115,14 @@ class Queue(Generic[S]):
             raise ValueError(f"queue {self.table}: max_attempts needs give_up and an attempts column")
 
     def migrate(self, db: sqlite3.Connection) -> None:
-        """Add the lease and progress columns to a table made before them (in the caller's transaction)."""
+        """Add the lease, progress and claim columns to a table made before them, and index the
+        claims (in the caller's transaction)."""
         columns = {row[1] for row in db.execute(f"pragma table_info({self.table})")}
         for column in (LEASE_COLUMN, PROGRESS_COLUMN, CLAIMED_COLUMN):
             if column not in columns:
                 db.execute(f"alter table {self.table} add column {column} real")
+        # The recent waits are read at each scrape: by this index, not the whole table.
+        db.execute(f"create index if not exists {self.table}_{CLAIMED_COLUMN} on {self.table} ({CLAIMED_COLUMN})")
 
     def row(self, db: sqlite3.Connection, key: Key) -> sqlite3.Row:
         """An item's row; NotFound if there is no such item."""

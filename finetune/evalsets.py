@@ -89,10 +89,21 @@ def score(items: list[dict[str, Any]], answers: list[str]) -> float:
     return sum(matches(answer, item) for answer, item in zip(answers, items, strict=True)) / len(items)
 
 
-def with_shipped_regression(sets: dict[str, list[dict[str, Any]]], regression_set: str
+def with_shipped_regression(sets: dict[str, list[dict[str, Any]]], regression_set: str, base: Path
                             ) -> tuple[dict[str, list[dict[str, Any]]], bool]:
     """The job's sets, with the shipped regression set where it brings none (and settings ask for
-    it); whether it was added."""
-    if "regression" in sets or regression_set == "none":
+    it, and the base model has a chat template to put its questions in); whether it was added."""
+    if "regression" in sets or regression_set == "none" or not has_chat_template(base):
         return sets, False
     return {**sets, "regression": parse(SHIPPED_REGRESSION)}, True
+
+
+def has_chat_template(model: Path) -> bool:
+    """Whether a checkpoint's tokenizer knows how to put a conversation (transformers keeps the
+    template in tokenizer_config.json or a file of its own)."""
+    if (model / "chat_template.jinja").is_file() or (model / "chat_template.json").is_file():
+        return True
+    try:
+        return bool(json.loads((model / "tokenizer_config.json").read_text()).get("chat_template"))
+    except (OSError, ValueError, AttributeError):
+        return False

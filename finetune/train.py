@@ -20,12 +20,15 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from appliance.durable import read_small_file
 from appliance.errors import ApplianceError
 from appliance.jobs import Hyperparameters, Progress
 from finetune import evalsets
 
 ANSWER_TOKENS = 48  # tokens generated at most to score an evaluation item
-SCORE_BATCH = 32  # evaluation items answered in one generate call (the shipped regression set: one)
+MAX_RESULT_BYTES = 1 << 20  # the trainer's result.json: figures, never data
+SCORE_BATCH = 32  # evaluation items answered in one generate call (the shipped regression set: one)...
+SCORE_TOKENS = 16_384  # ...holding at most this many prompt tokens, padded
 
 
 class TrainingError(ApplianceError):
@@ -163,8 +166,25 @@ def train_adapter(base: Path, train: list[dict[str, Any]], evaluation: list[dict
 def load_result(out_dir: Path) -> Result:
     """The sandboxed trainer's result.json; the adapter is always out_dir/adapter, whatever the
     file says (the trainer does not choose what the worker copies to the store)."""
-    raw = json.loads((out_dir / "result.json").read_text())
-    return Result(**{**raw, "adapter_dir": out_dir / "adapter"})
+    found = read_small_file(out_dir / "result.json", MAX_RESULT_BYTES)
+    if found is None:
+        raise TrainingError(f"the trainer left no readable result.json (a plain file of at most {MAX_RESULT_BYTES} "
+                            f"bytes) in {out_dir}")
+    try:
+        raw = json.loads(found[0])
+        result = Result(**{**raw, "adapter_dir": out_dir / "adapter"})
+        kinds: dict[str, tuple[type, ...]] = {"base_eval_loss": (int, float), "adapter_eval_loss": (int, float),
+                                              "seconds": (int, float), "steps": (int,), "train_tokens": (int,),
+                                              "processes": (int,), "eval_sets": (dict,)}
+        for name, allowed in kinds.items():
+            value = getattr(result, name)
+            if isinstance(value, bool) or not isinstance(value, allowed):
+                raise ValueError(f"{name} is a {type(value).__name__}")
+        if result.resumed_from is not None and not isinstance(result.resumed_from, str):
+            raise ValueError("resumed_from is not a checkpoint's name")
+        return result
+    except (ValueError, TypeError) as exc:
+        raise TrainingError(f"the trainer's result.json is not a result: {exc}") from exc
 
 
 def _score_sets(model: Any, tokenizer: Any, eval_sets: dict[str, list[dict[str, Any]]], scoring: Scoring,
@@ -176,32 +196,48 @@ def _score_sets(model: Any, tokenizer: Any, eval_sets: dict[str, list[dict[str, 
                 else {"do_sample": True, "temperature": scoring.temperature, "top_p": 1.0, "top_k": 0})
     tokenizer.padding_side = "left"  # generation continues each prompt where it ends
     if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+        tokenizer.pad_token = tokenizer.eos_token  # None too: one prompt a batch, nothing to pad
 
-    def answers(items: list[dict[str, Any]], seed: int) -> list[str]:
+    def answers(prompts: list[list[int]], seed: int) -> list[str]:
         torch.manual_seed(seed)
-        found: list[str] = []
-        for start in range(0, len(items), SCORE_BATCH):
-            prompts = [tokenizer.apply_chat_template(item["messages"], add_generation_prompt=True, tokenize=False)
-                       for item in items[start:start + SCORE_BATCH]]
-            inputs = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+        found: dict[int, str] = {}
+        for batch in _batches(prompts, padded=tokenizer.pad_token is not None):
+            inputs = tokenizer.pad({"input_ids": [prompts[i] for i in batch]}, return_tensors="pt").to(model.device)
             with torch.no_grad():
                 output = model.generate(**inputs, max_new_tokens=ANSWER_TOKENS, pad_token_id=tokenizer.pad_token_id,
                                         **sampling)
-            found += tokenizer.batch_decode(output[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+            texts = tokenizer.batch_decode(output[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+            found.update(zip(batch, texts, strict=True))
             beat()
-        return found
+        return [found[i] for i in range(len(prompts))]
 
     model.eval()
     scores: dict[str, dict[str, list[float]]] = {}
     for kind, items in eval_sets.items():
+        prompts = [tokenizer.apply_chat_template(item["messages"], add_generation_prompt=True, tokenize=True,
+                                                 return_dict=True)["input_ids"] for item in items]
         per_seed: dict[str, list[float]] = {"base": [], "adapter": []}
         for seed in range(scoring.seeds):
             with model.disable_adapter():
-                per_seed["base"].append(evalsets.score(items, answers(items, seed)))
-            per_seed["adapter"].append(evalsets.score(items, answers(items, seed)))
+                per_seed["base"].append(evalsets.score(items, answers(prompts, seed)))
+            per_seed["adapter"].append(evalsets.score(items, answers(prompts, seed)))
         scores[kind] = per_seed
     return scores
+
+
+def _batches(prompts: list[list[int]], *, padded: bool) -> list[list[int]]:
+    """The prompts' indices in batches of similar lengths: at most SCORE_BATCH prompts and
+    SCORE_TOKENS padded tokens each (a long operator prompt is not padded 32 times over); one
+    prompt a batch when nothing can pad."""
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    batches: list[list[int]] = []
+    for i in order:
+        if batches and padded and len(batches[-1]) < SCORE_BATCH and \
+                (len(batches[-1]) + 1) * len(prompts[i]) <= SCORE_TOKENS:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
 
 
 def _quantization(hp: Hyperparameters) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from appliance import heals
 from appliance.changes import Change, Target, announce
-from appliance.errors import ApplianceError
+from appliance.errors import ApplianceError, SupervisorError
 from appliance.heals import Reason
 from appliance.home import Home
 from appliance.lifecycle import started_programs
@@ -84,7 +84,8 @@ def stall(replica: Replica, seen: Observation, now: float, settings: WatchdogSet
     """Why `replica` must be restarted after `seen`, or None. Updates what it remembers."""
     busy = seen.held is not None and seen.held > 0
     produced = seen.tokens is not None and replica.tokens is not None and seen.tokens > replica.tokens
-    produced |= seen.kv_use is not None and replica.kv_use is not None and seen.kv_use != replica.kv_use
+    # The cache filling (a prefill's chunks) is progress; its emptying (requests aborted) is not.
+    produced |= seen.kv_use is not None and replica.kv_use is not None and seen.kv_use > replica.kv_use
     if seen.healthy and (not busy or produced or seen.tokens is None or replica.tokens is None):
         replica.progress_at = now  # answering, and idle or producing (or its counters are not readable)
         if replica.restarts and now - replica.next_restart_at >= settings.max_backoff_s:
@@ -232,7 +233,8 @@ class Watchdog:
         current = ProcessInfo.from_rpc(self.supervisor.call("getProcessInfo", replica.name))
         if current.state != ProcessState.RUNNING or current.pid != replica.pid:
             return  # it ended or was started again meanwhile: the pid is no longer the replica's
-        detail = self._count_restart(replica, program, f"{why}; restart {{n}} (pid {replica.pid})", reason, now)
+        number = self._count_restart(replica, program, reason, now)
+        detail = f"pool {program.pool}: {why}; restart {number} (pid {replica.pid}); {self._next(replica)}"
         kill(replica.pid)  # supervisord starts it again; the router sets it aside until it answers
         replica.progress_at, replica.tokens, replica.kv_use = None, None, None
         self._record(Change("engine.restarted", "allowed", 0, Target(kind="engine", name=replica.name), detail,
@@ -244,11 +246,18 @@ class Watchdog:
         why = "supervisord gave up on it (FATAL: it exited during each of its starts)"
         if self._held_back(replica, why, now):
             return
-        self.supervisor.call("startProcess", replica.name, False)  # a fault (started meanwhile): the next look
-        detail = self._count_restart(replica, program, f"{why}; start {{n}}", Reason.GAVE_UP, now)
+        # Counted first: a start supervisord refuses backs off like one that crashes.
+        number = self._count_restart(replica, program, Reason.GAVE_UP, now)
         replica.progress_at, replica.tokens, replica.kv_use = None, None, None
-        self._record(Change("engine.restarted", "allowed", 0, Target(kind="engine", name=replica.name), detail,
-                            actor=ACTOR))
+        target = Target(kind="engine", name=replica.name)
+        try:
+            self.supervisor.call("startProcess", replica.name, False)
+        except SupervisorError as exc:  # started meanwhile, or it cannot spawn: said, and tried after the backoff
+            self._record(Change("engine.restarted", "error", 1, target, f"pool {program.pool}: {why}; start "
+                                f"{number} refused: {exc.message}; {self._next(replica)}", actor=ACTOR))
+            return
+        self._record(Change("engine.restarted", "allowed", 0, target,
+                            f"pool {program.pool}: {why}; start {number}; {self._next(replica)}", actor=ACTOR))
 
     def _held_back(self, replica: Replica, why: str, now: float) -> bool:
         """Whether the replica's backoff holds its next restart back (recorded once a backoff)."""
@@ -261,20 +270,21 @@ class Watchdog:
                                 f"{replica.next_restart_at - now:.0f} s more (backoff)", actor=ACTOR))
         return True
 
-    def _count_restart(self, replica: Replica, program: Program, what: str, reason: Reason, now: float) -> str:
-        """Count a restart against the backoff and in the heals' file (for the metrics); the audit
-        detail (`what` with {n}: its number)."""
+    def _count_restart(self, replica: Replica, program: Program, reason: Reason, now: float) -> int:
+        """Count a restart against the backoff and in the heals' file (for the metrics); its number."""
         self.heals.count(replica.name, program.pool or "", reason)
         try:
             heals.save(self.home, self.heals)
         except OSError as exc:  # the restart stands; the count reaches the metrics with the next one
             log.error("the watchdog's restarts were not saved: %s", exc)
         replica.restarts += 1
-        wait_s = backoff_s(replica.restarts, self.settings.watchdog)
-        replica.next_restart_at, replica.held_back = now + wait_s, False
-        detail = f"pool {program.pool}: {what.format(n=replica.restarts)}; the next is allowed after {wait_s:.0f} s"
-        log.warning("restarting %s: %s", replica.name, detail)
-        return detail
+        replica.next_restart_at = now + backoff_s(replica.restarts, self.settings.watchdog)
+        replica.held_back = False
+        log.warning("restarting %s (%s): restart %d", replica.name, reason, replica.restarts)
+        return replica.restarts
+
+    def _next(self, replica: Replica) -> str:
+        return f"the next is allowed after {backoff_s(replica.restarts, self.settings.watchdog):.0f} s"
 
     def _record(self, change: Change) -> None:
         try:

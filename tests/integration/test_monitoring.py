@@ -119,7 +119,7 @@ def test_prometheus_holds_the_queues_and_each_gpu_as_nvml_reports_it(running: Ru
     [errors] = query('appliance_gpu_ecc_errors_total{job="gateway", gpu="1", kind="uncorrected"}')
     assert errors["value"][1] == "2"
     queues = {r["metric"]["queue"] for r in query('appliance_queue_readable{job="gateway"} == 1')}
-    assert queues == {"finetune_jobs", "rl_runs", "rl_exports", "batch_requests", "batch_validations"}
+    assert queues == {"finetune_jobs", "rl_runs", "rl_exports", "batch_requests", "batch_validations", "rl_executions"}
     assert query('appliance_queue_oldest_waiting_seconds{job="gateway", queue="finetune_jobs"}')
 
 

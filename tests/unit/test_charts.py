@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import json
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
@@ -201,3 +202,38 @@ def test_a_server_the_appliance_s_ca_did_not_certify_gets_no_password(home: Home
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_dashboards_refreshing_at_once_hold_one_thread_and_share_one_answer(home: Home,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """However many dashboards ask (or however slow Prometheus is), charts use one thread and ask
+    Prometheus once a window: the gateway's thread pool stays free for /v1."""
+    import anyio
+
+    from appliance.settings import Settings
+    from serve.routes import charts as charts_route
+
+    running, most, calls = [0], [0], [0]
+    lock = threading.Lock()
+
+    def slow_series(*args: object) -> list[charts.Series]:
+        with lock:
+            running[0] += 1
+            calls[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.3)
+        with lock:
+            running[0] -= 1
+        return []
+
+    monkeypatch.setattr(charts, "series", slow_series)
+    [route] = charts_route.router(Settings(), home).routes
+    endpoint = route.endpoint  # type: ignore[attr-defined]
+
+    async def many() -> None:
+        async with anyio.create_task_group() as tasks:
+            for _ in range(20):
+                tasks.start_soon(endpoint, 15, 15)
+
+    anyio.run(many)
+    assert most[0] == 1 and calls[0] <= 2  # one at a time; the callers of one window share its answer

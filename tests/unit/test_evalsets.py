@@ -10,8 +10,8 @@ import pytest
 from appliance.adapters import Scores
 from appliance.settings import FinetuneSettings
 from finetune.evalsets import SHIPPED_REGRESSION, EvalSetError, matches, parse, score, with_shipped_regression
-from finetune.runner import gate_failures
-from finetune.train import Result
+from finetune.runner import checked_scores, gate_failures
+from finetune.train import Result, TrainingError, load_result
 
 
 def write(path: Path, *items: object) -> Path:
@@ -89,6 +89,7 @@ def test_the_gate_judges_the_mean_over_seeds_and_records_the_spread() -> None:
     # ...and one lucky seed does not pass one whose mean falls.
     [failure] = gate_failures(result(), {"regression": Scores.over_seeds([0.8, 0.8, 0.8], [0.9, 0.5, 0.5])}, gate)
     assert failure.startswith("regression score 63% (mean of 3 seeds, +/- 23%) vs base 80%")
+    assert failure.endswith("the spread over seeds is wider than that: add items or seeds")
     [failure] = gate_failures(result(), {"scenarios": Scores.over_seeds([0.1, 0.1], [0.9, 0.0])}, gate)
     assert failure.startswith("scenario score 45% (mean of 2 seeds, +/- 64%) (base 10%)")
     # The spread travels with the record (the admin API, `adapters show --json`) and reads back.
@@ -101,11 +102,99 @@ def test_the_gate_judges_the_mean_over_seeds_and_records_the_spread() -> None:
     assert Scores.model_validate({"base": 0.5, "adapter": 0.7}).line("scenarios") == "scenarios 50% -> 70%"
 
 
-def test_the_shipped_regression_set_is_used_only_where_a_job_brings_none() -> None:
+def test_the_shipped_regression_set_is_used_only_where_a_job_brings_none(tmp_path: Path) -> None:
     shipped = parse(SHIPPED_REGRESSION)
     assert len(shipped) >= 12 and all(item["messages"][-1]["role"] == "user" for item in shipped)
+    chat = tmp_path / "chat"
+    chat.mkdir()
+    (chat / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
     own = {"regression": [{"messages": [], "expect": "x", "match": "contains"}]}
-    assert with_shipped_regression(own, "shipped") == (own, False)
-    assert with_shipped_regression({}, "none") == ({}, False)
-    sets, added = with_shipped_regression({"scenarios": []}, "shipped")
+    assert with_shipped_regression(own, "shipped", chat) == (own, False)
+    assert with_shipped_regression({}, "none", chat) == ({}, False)
+    sets, added = with_shipped_regression({"scenarios": []}, "shipped", chat)
     assert added and sets == {"scenarios": [], "regression": shipped}
+    # A base with no chat template (plain text) cannot be asked questions: not after a whole training.
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 2048}))
+    assert with_shipped_regression({}, "shipped", plain) == ({}, False)
+    (plain / "chat_template.jinja").write_text("{{ messages }}")
+    assert with_shipped_regression({}, "shipped", plain)[1]
+
+
+def test_prompts_are_batched_by_length_within_the_token_budget() -> None:
+    from finetune.train import SCORE_BATCH, SCORE_TOKENS, _batches
+
+    prompts = [[0] * n for n in (5, 3000, 4, 9000, 6, *([7] * 40))]
+    batches = _batches(prompts, padded=True)
+    assert sorted(i for batch in batches for i in batch) == list(range(len(prompts)))
+    for batch in batches:
+        assert len(batch) <= SCORE_BATCH and len(batch) * max(len(prompts[i]) for i in batch) <= max(
+            SCORE_TOKENS, max(len(prompts[i]) for i in batch))
+    assert [3] in batches and [1] in batches  # the long ones alone: never padded to 32 times their length
+    assert all(len(batch) == 1 for batch in _batches(prompts, padded=False))
+
+
+def per_seed(base: object, adapter: object) -> dict[str, object]:
+    return {"base": base, "adapter": adapter}
+
+
+@pytest.mark.parametrize("reported", [
+    {"regression": per_seed([0.5, 0.5], [float("nan"), 0.5])},  # NaN passes every comparison
+    {"regression": per_seed([0.5, 0.5], [float("inf"), 0.5])},
+    {"regression": per_seed([0.5, 0.5], [1.5, 0.5])},  # not a fraction
+    {"regression": per_seed([0.5, 0.5], [-0.1, 0.5])},
+    {"regression": per_seed([], [])},  # no seed at all
+    {"regression": per_seed([0.5], [0.5])},  # fewer seeds than asked
+    {"regression": per_seed([0.5] * 3_000_000, [0.5] * 3_000_000)},  # a registry bloated
+    {"regression": per_seed(["0.5", "0.5"], [0.5, 0.5])},
+    {"regression": per_seed([True, True], [0.5, 0.5])},
+    {"regression": {"base": [0.5, 0.5]}},  # the adapter's left out
+    {"regression": [0.5, 0.5]},
+    {},  # the shipped set's verdict left out: the gate would skip it
+    {"regression": per_seed([0.5, 0.5], [0.5, 0.5]), "scenarios": per_seed([1.0, 1.0], [1.0, 1.0])},  # not asked
+], ids=["nan", "inf", "above-1", "negative", "empty", "short", "huge", "strings", "bools", "no-adapter", "list",
+        "dropped", "extra"])
+def test_scores_not_as_asked_fail_the_job_never_the_gate(reported: dict[str, object]) -> None:
+    """The trainer runs sandboxed and is not trusted: what it reports must be what it was asked for
+    (the sets given, a fraction a seed), or the job fails; nothing it writes reaches the registry."""
+    forged = Result(adapter_dir=Path("a"), base_eval_loss=2.0, adapter_eval_loss=1.0, steps=1, train_tokens=1,
+                    seconds=1.0, resumed_from=None, eval_sets=reported)  # type: ignore[arg-type]
+    with pytest.raises(TrainingError, match="the trainer"):
+        checked_scores(forged, {"regression": []}, seeds=2, shipped=True)
+
+
+def test_scores_as_asked_are_kept_and_read_back() -> None:
+    honest = Result(adapter_dir=Path("a"), base_eval_loss=2.0, adapter_eval_loss=1.0, steps=1, train_tokens=1,
+                    seconds=1.0, resumed_from=None, eval_sets={"regression": per_seed([0.5, 1.0], [0.5, 0])})  # type: ignore[dict-item]
+    [(kind, scores)] = checked_scores(honest, {"regression": []}, seeds=2, shipped=True).items()
+    assert kind == "regression" and scores.shipped and scores.adapter == 0.25
+    assert Scores.model_validate_json(scores.model_dump_json()) == scores
+    with pytest.raises(ValueError):
+        Scores.model_validate({"base": float("nan"), "adapter": 0.5})
+
+
+@pytest.mark.parametrize("written", ["link", "directory", "not-json", "extra-key", "steps-text", "loss-list",
+                                     "huge"])
+def test_a_forged_result_file_fails_the_job(tmp_path: Path, written: str) -> None:
+    good = {"adapter_dir": "x", "base_eval_loss": 2.0, "adapter_eval_loss": 1.0, "steps": 1, "train_tokens": 1,
+            "seconds": 1.0, "resumed_from": None, "eval_sets": {}, "processes": 1}
+    path = tmp_path / "result.json"
+    if written == "link":
+        (tmp_path / "elsewhere.json").write_text(json.dumps(good))
+        path.symlink_to(tmp_path / "elsewhere.json")
+    elif written == "directory":
+        path.mkdir()
+    elif written == "not-json":
+        path.write_text("{")
+    elif written == "huge":
+        path.write_text(json.dumps({**good, "resumed_from": "x" * (2 << 20)}))
+    else:
+        changed = {"extra-key": {"owner": "root"}, "steps-text": {"steps": "1"},
+                   "loss-list": {"adapter_eval_loss": [0.1]}}[written]
+        path.write_text(json.dumps({**good, **changed}))
+    with pytest.raises(TrainingError, match="result.json"):
+        load_result(tmp_path)
+    path.unlink() if path.is_symlink() or path.is_file() else path.rmdir()
+    path.write_text(json.dumps(good))
+    assert load_result(tmp_path).adapter_dir == tmp_path / "adapter"  # never where the file says

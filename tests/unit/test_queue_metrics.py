@@ -5,6 +5,7 @@ from __future__ import annotations
 import sqlite3
 import time
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -115,3 +116,27 @@ def test_a_flood_of_scrapes_reads_the_queues_once_a_period(home: Home, monkeypat
     registry.register(Reused(collector, reuse_s=60))
     bodies = {generate_latest(registry) for _ in range(50)}
     assert len(reads) == 1 and len(bodies) == 1 and b"appliance_queue_waiting" in next(iter(bodies))
+
+
+@pytest.mark.parametrize("planted", ["link", "garbage", "directory"])
+def test_a_run_whose_database_cannot_be_read_is_left_out_not_the_queue(home: Home, tmp_path: Path,
+                                                                        planted: str) -> None:
+    task = Task(id="t", prompt="p", language="python", tests="assert True")
+    spec = runs.RunSpec(tasks="set", base="demo")
+    good, bad = runs.submit(home, spec), runs.submit(home, spec)
+    for run in (good, bad):
+        assert runs.claim(home, 4242, alive=lambda pid: True) is not None
+        runs.run_dir(home, run.id).mkdir(parents=True)
+    store = RunStore(executions.store_path(home, good.id))
+    store.enqueue("a", "print(1)", task)
+    store.close()
+    path = executions.store_path(home, bad.id)
+    if planted == "link":  # to another run's database: never followed
+        path.symlink_to(executions.store_path(home, good.id))
+    elif planted == "garbage":
+        path.write_bytes(b"not a database" * 100)
+    else:
+        path.mkdir()
+    figures = scraped(home)
+    assert figures[("appliance_queue_readable", "rl_executions")] == 1
+    assert figures[("appliance_queue_waiting", "rl_executions")] == 1  # the good run's, counted once

@@ -14,7 +14,7 @@ import pytest
 
 from appliance import heals
 from appliance.changes import Change
-from appliance.errors import SettingsError
+from appliance.errors import SettingsError, SupervisorError
 from appliance.heals import Reason
 from appliance.home import Home
 from appliance.programs import Program
@@ -69,6 +69,13 @@ def test_a_long_prefill_filling_the_cache_is_not_taken_for_a_wedge() -> None:
     for second in range(20, 200, 10):
         seen = Observation(healthy=True, held=1, tokens=100, kv_use=0.10 + second / 1000)
         assert stall(prefilling, seen, second, LIMITS) is None
+    # Emptying is no progress (clients giving up on a stuck scheduler abort their requests).
+    draining = replica()
+    assert stall(draining, Observation(healthy=True, held=2, tokens=100, kv_use=0.5), 10, LIMITS) is None
+    for second in (20, 30, 39):
+        assert stall(draining, Observation(healthy=True, held=2, tokens=100, kv_use=0.5 - second / 100), second,
+                     LIMITS) is None
+    assert stall(draining, Observation(healthy=True, held=2, tokens=100, kv_use=0.01), 41, LIMITS) is not None
     # The cache stops moving too: wedged after the stall limit.
     still = Observation(healthy=True, held=1, tokens=100, kv_use=0.10 + 190 / 1000)  # as at 190
     assert stall(prefilling, still, 200, LIMITS) is None
@@ -83,7 +90,7 @@ class FakeSupervisor:
     """supervisord's answers about one program, as the test sets them."""
 
     def __init__(self) -> None:
-        self.state, self.pid, self.started = ProcessState.RUNNING, 4242, 0
+        self.state, self.pid, self.started, self.refuse = ProcessState.RUNNING, 4242, 0, False
 
     def info(self) -> dict[str, Any]:
         return {"name": "vllm-main", "state": self.state, "pid": self.pid, "now": 1000, "start": 400,
@@ -95,6 +102,8 @@ class FakeSupervisor:
     def call(self, method: str, *args: object) -> dict[str, Any]:
         if method == "startProcess":
             assert args == ("vllm-main", False)
+            if self.refuse:
+                raise SupervisorError("supervisord refused startProcess: SPAWN_ERROR: vllm-main")
             self.started += 1
             self.state = ProcessState.STARTING
             return {}
@@ -193,6 +202,15 @@ def test_a_replica_supervisord_gave_up_on_is_started_again_as_its_backoff_allows
     clock[0] += 1000
     dog.check()
     assert fake.started == 2 and heals.load(home).restarts == {"vllm-main": {Reason.GAVE_UP: 2}}
+    # supervisord refuses the start: recorded as an error, and backed off like a crash (no retry each look).
+    fake.state, fake.refuse = ProcessState.FATAL, True
+    dog.check()
+    assert recorded[-1].outcome == "error" and "start 3 refused: supervisord refused" in (recorded[-1].detail or "")
+    for _ in range(10):
+        clock[0] += 1
+        dog.check()
+    assert [c.action for c in recorded].count("engine.restarted") == 3 and recorded[-1].action == \
+        "engine.restart_held_back"
 
 
 @pytest.mark.parametrize("planted", ["link", "directory", "garbage", "huge"])
