@@ -170,7 +170,7 @@ def test_jobs_and_adapters_screen_cancels_deploys_canaries_and_rolls_back(
 
         await until(pilot, lambda: "tui-adapter:2" in rows(app, "adapters"), "the adapters")
         assert rows(app, "adapters")["tui-adapter:1"][2:5] == ["registered", "",
-                                                               "loss 1.500->0.900, scenario 0.25->0.75"]
+                                                               "loss 1.500->0.900, scenario 25% -> 75%"]
         await select_row(pilot, "adapters", "tui-adapter:1")
         await pilot.press("p")
         await pilot.press("y")
