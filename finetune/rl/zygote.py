@@ -11,7 +11,8 @@ already imported, and for each execution the host asks for:
    /task (the cell's other directories are unmounted), and a /proc of its PID namespace;
 3. sets the execution's limits, drops every capability (bounding, inheritable, ambient), becomes a
    user id drawn for this execution alone and sets no-new-privileges;
-4. only then runs the harness, which runs the untrusted program in its children.
+4. reads the Python tests and hides them from the execution (/dev/null over the file);
+5. only then runs the harness, which runs the untrusted program in its children.
 
 The zygote itself never runs untrusted code and no execution can see it (another PID namespace),
 reach it (no descriptor of its socket), or outlive the namespace it was given. It reports each
@@ -128,6 +129,8 @@ def contained(request: dict[str, Any], fds: list[int], last_capability: int) -> 
         mount(f"/cells/{request['key']}", "/task", "", MS_BIND)
         mount("none", "/task", "", MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
         checked(libc.umount2(b"/cells", MNT_DETACH), "umount /cells")
+        step = "its tests"
+        tests = hidden_tests()
         mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
         step = "its signals"
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # as process 1, nothing else reaches it from inside
@@ -153,7 +156,7 @@ def contained(request: dict[str, Any], fds: list[int], last_capability: int) -> 
     except Exception as exc:
         return setup_failed(result, f"{step}: {type(exc).__name__}: {exc}")
     try:
-        harness.main()
+        harness.main(tests)
     except BaseException:
         traceback.print_exc()
         return 1
@@ -161,6 +164,19 @@ def contained(request: dict[str, Any], fds: list[int], last_capability: int) -> 
         sys.stdout.flush()
         sys.stderr.flush()
     return 0
+
+
+def hidden_tests() -> str | None:
+    """The execution's Python tests, read here, then hidden from it (/dev/null bound over the file,
+    read-only): the harness judges with them, the answer never reads what it is judged by."""
+    path = "/task/tests.py"
+    if not os.path.exists(path):
+        return None
+    with open(path) as handle:
+        source = handle.read()
+    mount("/dev/null", path, "", MS_BIND)
+    mount("none", path, "", MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    return source
 
 
 def loopback_up() -> None:
