@@ -75,6 +75,8 @@ class Scores(BaseModel):
     base_per_seed: list[Annotated[float, Field(ge=0, le=1)]] = Field([], max_length=20)
     adapter_per_seed: list[Annotated[float, Field(ge=0, le=1)]] = Field([], max_length=20)
     shipped: bool = False  # the appliance's own regression set: the operator brought none
+    # The adapter's score less the base's: its 95 % interval (a bootstrap paired by task), where measured.
+    difference_95: tuple[Annotated[float, Field(ge=-1, le=1)], Annotated[float, Field(ge=-1, le=1)]] | None = None
 
     @classmethod
     def over_seeds(cls, base: list[float], adapter: list[float], *, shipped: bool = False) -> Scores:
@@ -99,8 +101,12 @@ class Scores(BaseModel):
         return _spread(self.adapter_per_seed)
 
     def line(self, kind: str) -> str:
-        """`regression (shipped) 80% -> 75% (mean of 3 seeds, +/- 4%)`."""
-        return f"{kind}{' (shipped)' if self.shipped else ''} {self.base:.0%} -> {self.adapter:.0%}{self.spread_note()}"
+        """`regression (shipped) 80% -> 75% (mean of 3 seeds, +/- 4%)`, and the difference's interval
+        where it was measured."""
+        interval = "" if self.difference_95 is None else \
+            f", difference 95% [{self.difference_95[0]:+.0%}, {self.difference_95[1]:+.0%}]"
+        return (f"{kind}{' (shipped)' if self.shipped else ''} {self.base:.0%} -> {self.adapter:.0%}"
+                f"{self.spread_note()}{interval}")
 
     def spread_note(self) -> str:
         """` (mean of 3 seeds, +/- 4%)`: the adapter's spread; nothing for one score."""

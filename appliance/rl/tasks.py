@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 from typing import Literal
 
@@ -44,6 +45,19 @@ class Task(BaseModel):
         if value and not IDENTIFIER.fullmatch(value):
             raise ValueError("must be a Python identifier")
         return value
+
+    def prompt_code(self) -> str | None:
+        """The prompt, where it is Python defining the entry point (HumanEval's signature, docstring
+        and helpers): it runs with the tests, trusted, so the tests' calls to its helpers never
+        reach the answer's own. None for a prompt in words."""
+        if self.tests is None or not self.entry_point:
+            return None
+        try:
+            tree = ast.parse(self.prompt)
+        except (SyntaxError, ValueError):
+            return None
+        defines = any(isinstance(node, ast.FunctionDef) and node.name == self.entry_point for node in tree.body)
+        return self.prompt if defines else None
 
     def model_post_init(self, context: object) -> None:
         if (self.tests is None) == (self.cases is None):

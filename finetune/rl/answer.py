@@ -41,7 +41,7 @@ def main(requests_fd: int, answers_fd: int) -> None:
         traceback.print_exc()
         send({"failed": f"the program did not load: {type(exc).__name__}: {str(exc)[:200]}"})
         return
-    send({"functions": sorted(name for name, value in scope.items() if callable(value) and not name.startswith("__"))})
+    send({"functions": sorted(name for name, value in scope.items() if callable(value) and not name.startswith("_"))})
     for line in requests:
         request = json.loads(line)
         try:

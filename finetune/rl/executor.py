@@ -52,7 +52,7 @@ def _work(store: RunStore, settings: ExecutionSettings, sandbox: Sandbox) -> int
                                   io_cases=[case.model_dump() for case in task.cases] if task.cases is not None
                                   else None, entry_point=task.entry_point,
                                   wall_s=min(settings.wall_s, task.time_limit_s + 5),
-                                  test_wall_s=min(settings.test_wall_s, task.time_limit_s))
+                                  test_wall_s=min(settings.test_wall_s, task.time_limit_s), prompt=task.prompt_code())
         except Exception as exc:  # the sandbox itself failed (a full /tmp, a missing tool): not the program
             log.exception("execution %s", execution.key)
             if execution.claims < GIVE_UP_CLAIMS:

@@ -102,7 +102,9 @@ def run_functions(source: str, names: list[str], entry_point: str, wall_s: float
     answer's process is a new interpreter (exec'd, not forked: none of this process's memory),
     holds only its two pipes, and cannot read the tests (the zygote hid them) nor this process (not
     dumpable): whatever it does, it can only fail its test."""
-    tree = compile(ast.fix_missing_locations(StrictEquality().visit(ast.parse(source))), "tests.py", "exec")
+    parsed = ast.parse(source)
+    wanted = answered_names(parsed, entry_point)
+    tree = compile(ast.fix_missing_locations(StrictEquality().visit(parsed)), "tests.py", "exec")
     results = []
     for name in names:
         started = time.monotonic()
@@ -112,12 +114,14 @@ def run_functions(source: str, names: list[str], entry_point: str, wall_s: float
         signal.setitimer(signal.ITIMER_REAL, wall_s)
         try:
             functions = answer.start()
-            scope: dict[str, Any] = {"__name__": "__tests__", STRICT_EQUAL: plain.strict_equal,
-                                     **{function: answer.proxy(function) for function in functions}}
+            if entry_point and entry_point not in functions:
+                raise AnswerFailed(f"the program defines no function {entry_point!r}")
+            scope: dict[str, Any] = {function: answer.proxy(function) for function in wanted & set(functions)}
+            scope.update(__name__="__tests__", **HARNESS_NAMES)  # the harness's own names win
             exec(tree, scope)
+            if entry_point:  # over the prompt's stub, for tests that call it by name
+                scope[entry_point] = answer.proxy(entry_point)
             if name == "check":
-                if entry_point not in functions:
-                    raise AnswerFailed(f"the program defines no function {entry_point!r}")
                 scope["check"](answer.proxy(entry_point))
             else:
                 scope[name]()
@@ -132,37 +136,70 @@ def run_functions(source: str, names: list[str], entry_point: str, wall_s: float
             outcome = {"passed": False, "reason": f"{type(exc).__name__}: {str(exc)[:200]}".rstrip(": ")}
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, signal.SIG_IGN)  # between tests, a SIGALRM is nobody's
             answer.end()
         sys.stderr.flush()
         results.append({"test": name, **outcome, "seconds": round(time.monotonic() - started, 3)})
     return results
 
 
-STRICT_EQUAL = "__strict_equal__"
+STRICT_EQUAL, STRICT_IN = "__strict_equal__", "__strict_in__"
+HARNESS_NAMES = {STRICT_EQUAL: plain.strict_equal, STRICT_IN: plain.strict_in}
+
+
+def answered_names(tree: ast.Module, entry_point: str) -> set[str]:
+    """The names the tests' globals take from the answer: the entry point, and the functions the
+    tests call but neither define (the task's prompt is part of the tests: its helpers run here)
+    nor find among the builtins (an answer's `abs` or `range` never stands in for Python's)."""
+    import builtins
+
+    defined = {node.name for node in tree.body if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef
+                                                                   | ast.ClassDef)}
+    for node in tree.body:
+        for target in node.targets if isinstance(node, ast.Assign) else []:
+            defined |= {name.id for name in ast.walk(target) if isinstance(name, ast.Name)}
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            defined |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+    # A parameter or a name the tests assign anywhere is theirs (a local shadows a global anyway).
+    defined |= {node.arg for node in ast.walk(tree) if isinstance(node, ast.arg)}
+    defined |= {node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store)}
+    read = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)}
+    return {entry_point} - {""} | {name for name in read - defined if not hasattr(builtins, name)}
 
 
 class StrictEquality(ast.NodeTransformer):
-    """The tests' `a == b` and `a != b` as plain.strict_equal (a chained comparison stays as it is)."""
+    """The tests' `==`, `!=`, `in` and `not in` as plain.strict_equal and plain.strict_in; a
+    chained comparison becomes its links joined by `and` (a middle operand is evaluated twice)."""
 
     def visit_Compare(self, node: ast.Compare) -> ast.AST:
         self.generic_visit(node)
-        if len(node.ops) != 1 or not isinstance(node.ops[0], ast.Eq | ast.NotEq):
+        if not any(isinstance(op, ast.Eq | ast.NotEq | ast.In | ast.NotIn) for op in node.ops):
             return node
-        call = ast.Call(func=ast.Name(STRICT_EQUAL, ast.Load()), args=[node.left, node.comparators[0]], keywords=[])
-        judged: ast.expr = call if isinstance(node.ops[0], ast.Eq) else ast.UnaryOp(ast.Not(), call)
+        operands = [node.left, *node.comparators]
+        links = [self._link(op, operands[i], operands[i + 1]) for i, op in enumerate(node.ops)]
+        judged = links[0] if len(links) == 1 else ast.BoolOp(op=ast.And(), values=links)
         return ast.copy_location(judged, node)
 
+    @staticmethod
+    def _link(op: ast.cmpop, left: ast.expr, right: ast.expr) -> ast.expr:
+        if not isinstance(op, ast.Eq | ast.NotEq | ast.In | ast.NotIn):
+            return ast.Compare(left=left, ops=[op], comparators=[right])
+        judge = STRICT_EQUAL if isinstance(op, ast.Eq | ast.NotEq) else STRICT_IN
+        call = ast.Call(func=ast.Name(judge, ast.Load()), args=[left, right], keywords=[])
+        return call if isinstance(op, ast.Eq | ast.In) else ast.UnaryOp(ast.Not(), call)
 
-class OutOfTime(Exception):
-    pass
+
+class OutOfTime(BaseException):
+    """The test's wall time ran out (a BaseException: a test's `except Exception` does not swallow it)."""
 
 
-class AnswerFailed(Exception):
+class AnswerFailed(BaseException):
     """The answer's process ended, did not load, or said something that is not the protocol."""
 
 
 def _out_of_time(*_: object) -> None:
-    raise OutOfTime()
+    if signal.getitimer(signal.ITIMER_REAL)[0] == 0:  # the timer ran out: not a SIGALRM the answer sent
+        raise OutOfTime()
 
 
 class Answer:
@@ -190,15 +227,20 @@ class Answer:
         if "failed" in first:
             raise AnswerFailed(str(first["failed"])[:300])
         functions = first.get("functions")
-        if type(functions) is not list or not all(type(name) is str and name.isidentifier() for name in functions):
+        if type(functions) is not list or not all(type(name) is str and name.isidentifier()
+                                                  and not name.startswith("_") for name in functions):
             raise AnswerFailed("the answer's process did not list its functions")
         return functions
 
     def proxy(self, function: str) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
             try:
-                self.requests.write(json.dumps({"call": function, "args": plain.encode(list(args)),
-                                                "kwargs": plain.encode(kwargs)}).encode() + b"\n")
+                request = json.dumps({"call": function, "args": plain.encode(list(args)),
+                                      "kwargs": plain.encode(kwargs)}).encode() + b"\n"
+            except plain.NotPlain as exc:
+                raise TypeError(f"the tests passed {function} what is not plain data: {exc}") from None
+            try:
+                self.requests.write(request)
                 self.requests.flush()
             except (BrokenPipeError, ValueError) as exc:  # ValueError: a closed pipe
                 raise AnswerFailed(f"the program ended before it answered ({self._ended()})") from exc
@@ -250,7 +292,9 @@ def _raised(name: str, message: str) -> BaseException:
     import builtins
 
     kind = getattr(builtins, name, None) if name.isidentifier() else None
-    if isinstance(kind, type) and issubclass(kind, Exception):
+    # StopIteration would end the test's own loop (a map or zip over the answer's values) as a pass.
+    if isinstance(kind, type) and issubclass(kind, Exception) and not issubclass(kind, StopIteration
+                                                                                  | StopAsyncIteration):
         return kind(message)
     return RuntimeError(f"{name}: {message}")
 

@@ -17,6 +17,8 @@ from typing import Any
 
 MAX_DEPTH = 100
 MAX_BYTES = 16 << 20  # one encoded value
+MAX_KEYS = 10_000  # a set's or dict's: hashing many colliding keys costs the harness seconds
+MAX_ITEMS = 1_000_000  # values in one decoded value
 SCALARS = (type(None), bool, int, str)
 
 
@@ -34,7 +36,7 @@ def encode(value: Any) -> str:
 def decode(text: str | bytes) -> Any:
     if len(text) > MAX_BYTES:
         raise NotPlain(f"a value of over {MAX_BYTES} bytes")
-    return _untagged(json.loads(text), 0)
+    return _untagged(json.loads(text), 0, [MAX_ITEMS])
 
 
 def _tagged(value: Any, depth: int) -> Any:
@@ -56,9 +58,13 @@ def _tagged(value: Any, depth: int) -> Any:
                    "dict and set cross")
 
 
-def _untagged(found: Any, depth: int) -> Any:
+def _untagged(found: Any, depth: int, left: list[int]) -> Any:
+    """The value `found` tags; `left`: how many more values this decoding may make."""
     if depth > MAX_DEPTH:
         raise NotPlain(f"more than {MAX_DEPTH} levels")
+    left[0] -= 1
+    if left[0] < 0:
+        raise NotPlain(f"more than {MAX_ITEMS} values")
     if found is None or type(found) in (bool, int, str):
         return found
     if type(found) is not dict or len(found) != 1:
@@ -68,7 +74,9 @@ def _untagged(found: Any, depth: int) -> Any:
         return float(inner)
     if type(inner) is not list:
         raise NotPlain(f"tag {tag!r} without a list")
-    items = [_untagged(item, depth + 1) for item in inner] if tag != "d" else []
+    if tag in ("s", "fs", "d") and len(inner) > MAX_KEYS:
+        raise NotPlain(f"a set or dict of over {MAX_KEYS} keys")
+    items = [_untagged(item, depth + 1, left) for item in inner] if tag != "d" else []
     if tag == "l":
         return items
     if tag == "t":
@@ -82,7 +90,7 @@ def _untagged(found: Any, depth: int) -> Any:
         for pair in inner:
             if type(pair) is not list or len(pair) != 2:
                 raise NotPlain("a dict entry is a key and a value")
-            pairs.append((_untagged(pair[0], depth + 1), _untagged(pair[1], depth + 1)))
+            pairs.append((_untagged(pair[0], depth + 1, left), _untagged(pair[1], depth + 1, left)))
         return dict(pairs)
     raise NotPlain(f"unknown tag {tag!r}")
 
@@ -95,6 +103,27 @@ def strict_equal(left: Any, right: Any) -> bool:
         return left == right or math.isclose(left, right, rel_tol=1e-9, abs_tol=1e-9)
     if type(left) in (list, tuple):
         return len(left) == len(right) and all(strict_equal(a, b) for a, b in zip(left, right, strict=True))
+    if type(left) in (set, frozenset):
+        return {_key(item) for item in left} == {_key(item) for item in right}
     if type(left) is dict:
-        return left.keys() == right.keys() and all(strict_equal(item, right[key]) for key, item in left.items())
+        keyed = {_key(key): item for key, item in right.items()}
+        return len(left) == len(right) and all(_key(key) in keyed and strict_equal(item, keyed[_key(key)])
+                                               for key, item in left.items())
     return bool(left == right)
+
+
+def strict_in(item: Any, container: Any) -> bool:
+    """The tests' `in`: a substring in a string, else an element (a dict's key) strictly equal."""
+    if type(container) is str:
+        return type(item) is str and item in container
+    if type(container) in (set, frozenset, dict):
+        return _key(item) in {_key(element) for element in container}
+    return any(strict_equal(item, element) for element in container)
+
+
+def _key(value: Any) -> Any:
+    """What a set element or dict key is, types included (True and 1, 1.0 and 1 differ)."""
+    kind = type(value)
+    if kind in (tuple, frozenset):
+        return kind.__name__, kind(_key(item) for item in value)
+    return kind.__name__, value

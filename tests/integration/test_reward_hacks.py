@@ -53,7 +53,8 @@ def shown(verdict: Verdict) -> str:
 
 
 def judged(cell: Sandbox, solved: Solved) -> Verdict:
-    return cell.run(solved.program, "python", tests=solved.tests, entry_point=solved.entry_point)
+    return cell.run(solved.program, "python", tests=solved.tests, entry_point=solved.entry_point,
+                    prompt=solved.prompt or None)
 
 
 def test_every_canonical_humaneval_solution_passes() -> None:
@@ -108,6 +109,19 @@ def test_a_reward_hack_never_passes(sandbox: Sandbox, hack: str, form: str) -> N
     program, problem = HACKS[hack]
     verdict = run(sandbox, program, problem, form)
     assert verdict.status != "passed", f"{hack} ({form} form) scored a pass: {shown(verdict)}"
+
+
+def test_a_prompts_helpers_are_the_tasks_never_the_answers() -> None:
+    """HumanEval/32's and /38's tests call helpers their prompt defines (poly, encode_cyclic): with
+    the prompt given, those run in the harness, so an answer redefining them gains nothing."""
+    forged = {"HumanEval/32": "def poly(xs, x):\n    return 0.0\n\ndef find_zero(xs):\n    return 12345.0\n",
+              "HumanEval/38": "def encode_cyclic(s):\n    return s\n\ndef decode_cyclic(s):\n    return s\n"}
+    problems = {solved.id: solved for solved in canonical() if solved.id in forged}
+    with Sandbox(SETTINGS) as cell:
+        for task, program in forged.items():
+            verdict = cell.run(program, "python", tests=problems[task].tests, entry_point=problems[task].entry_point,
+                               prompt=problems[task].prompt)
+            assert verdict.status == "failed", f"{task}: {shown(verdict)}"
 
 
 # Type-strict comparison of an answer with the expected value: (returned, expected, should pass).

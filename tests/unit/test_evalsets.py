@@ -98,6 +98,8 @@ def test_the_gate_judges_the_mean_over_seeds_and_records_the_spread() -> None:
     assert sent["base_spread"] == pytest.approx(0.1768, abs=1e-4) and sent["adapter_spread"] == 0.0
     assert Scores.model_validate(sent) == shipped
     assert shipped.line("regression") == "regression (shipped) 62% -> 50% (mean of 2 seeds, +/- 0%)"
+    measured = Scores.over_seeds([0.5] * 3, [0.75] * 3).model_copy(update={"difference_95": (0.125, 0.375)})
+    assert measured.line("held_out_pass@1").endswith("(mean of 3 seeds, +/- 0%), difference 95% [+12%, +38%]")
     # A record written before seeds were kept reads back as one score.
     assert Scores.model_validate({"base": 0.5, "adapter": 0.7}).line("scenarios") == "scenarios 50% -> 70%"
 

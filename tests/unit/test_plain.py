@@ -68,3 +68,29 @@ def test_the_tests_equality_is_type_strict_with_a_float_tolerance() -> None:
     assert plain.strict_equal({"a": [1, (2.0, None)]}, {"a": [1, (2.0, None)]})
     assert not plain.strict_equal({"a": [1, (2.0, None)]}, {"a": [1, (2, None)]})
     assert plain.strict_equal({1, 2}, {2, 1}) and not plain.strict_equal({1}, frozenset({1}))
+
+
+def test_sets_dict_keys_and_in_are_type_strict_too() -> None:
+    assert not plain.strict_equal({True, 2.0}, {1, 2}) and plain.strict_equal({1, 2}, {2, 1})
+    assert not plain.strict_equal({1.0: 1}, {1: 1}) and plain.strict_equal({(1, "a"): [1.0]}, {(1, "a"): [1.0]})
+    assert not plain.strict_in(True, [1, 2]) and plain.strict_in(2, [1, 2]) and not plain.strict_in(1.0, {1: "x"})
+    assert plain.strict_in("ell", "hello") and not plain.strict_in(["e"], "hello")
+
+
+def test_a_reply_of_many_keys_or_values_is_refused_before_it_costs_the_harness() -> None:
+    many = '{"s": [' + ",".join(str(n) for n in range(plain.MAX_KEYS + 1)) + "]}"
+    with pytest.raises(plain.NotPlain, match="keys"):
+        plain.decode(many)
+    with pytest.raises(plain.NotPlain, match="values"):
+        plain.decode('{"l": [' + ",".join(["[]"] * 0) + ",".join(['{"l": []}'] * (plain.MAX_ITEMS + 1)) + "]}")
+
+
+def test_the_tests_take_from_the_answer_only_what_they_call_and_define_nowhere() -> None:
+    import ast
+
+    from finetune.rl.harness import answered_names
+
+    tests = ast.parse("import math\nHELPER = 3\n\ndef poly(xs, x):\n    return x\n\n"
+                      "def check(candidate):\n    assert abs(candidate(1) - poly([], 1)) < 1e-6\n"
+                      "    assert helper_of_the_answer(2) == len(range(3))\n")
+    assert answered_names(tests, "find_zero") == {"find_zero", "helper_of_the_answer"}

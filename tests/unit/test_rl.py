@@ -25,7 +25,6 @@ from appliance.terminal import shown
 from appliance.trajectories import manifest_key, read
 from finetune.datasets import DatasetError
 from finetune.rl import execute as sandbox
-from finetune.rl import gate
 from finetune.rl.execute import Verdict
 from finetune.rl.executor import executor_alive
 from finetune.rl.export import dpo_rows, sft_rows
@@ -256,14 +255,11 @@ def test_a_generation_is_kept_with_the_model_that_answered(tmp_path: Path) -> No
     assert queue.generations() == {"k": Generation([{"role": "user", "content": "q"}], "a", "c", 0.5, "coder-v2")}
 
 
-def test_the_gate_compares_mean_pass_at_1_over_seeds_and_says_why_it_fails() -> None:
-    base = PassAt1("demo", [1, 2, 3], [0.25, 0.5, 0.25])
-    tuned = PassAt1("coder", [4, 5, 6], [0.5, 0.5, 0.75])
+def test_the_gate_reports_mean_pass_at_1_over_seeds_and_its_spread() -> None:
+    base = PassAt1("demo", [1, 2, 3], [{"a": 0.25}, {"a": 0.5}, {"a": 0.25}])
+    tuned = PassAt1("coder", [4, 5, 6], [{"a": 0.5}, {"a": 0.5}, {"a": 0.75}])
     assert round(base.mean, 4) == 0.3333 and round(base.spread, 4) == 0.1443
     assert "pass@1 58.3% +/- 14.4% over 3 seeds (50%, 50%, 75%)" in tuned.line()
-    assert gate.verdict(base, tuned, 0.0) == []
-    assert gate.verdict(tuned, base, 0.0) == ["held-out pass@1 33.3% vs base 58.3%: may drop by 0% at most"]
-    assert gate.verdict(tuned, base, 0.3) == []
 
 
 def test_an_attempt_is_shown_with_its_code_and_the_error_fed_back() -> None:

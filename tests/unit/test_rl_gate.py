@@ -1,44 +1,64 @@
-"""The execution gate's decision on fixed held-out scores: an adapter better than its base model
-passes, a worse one is refused with the numbers, one equal to the base passes (the rule is "no
-worse than the base by more than --max-drop"), and --max-drop moves the line."""
+"""The execution gate's decision on fixed held-out results: the adapter's pass@1 less the base
+model's, per task over every seed and sample, with a 95 % interval from a bootstrap paired by task;
+it passes only when the interval's lower end is at least -(--max-drop). A known-good adapter
+passes, a known-bad one is refused with the numbers, and noise the size of the difference does not
+pass an adapter that gained nothing."""
 
 from __future__ import annotations
 
 import pytest
 
-from finetune.rl.gate import PassAt1, verdict
+from finetune.rl.gate import PassAt1, difference, verdict
 
-BASE = PassAt1("base", [1, 2, 3], [0.5, 0.5, 0.5])
-
-
-def adapter(*per_seed: float) -> PassAt1:
-    return PassAt1("rl-coder", [4, 5, 6], list(per_seed))
+TASKS = [f"HumanEval/{n}" for n in range(33)]  # about HumanEval's held-out fifth
 
 
-def test_a_known_good_adapter_passes() -> None:
-    assert verdict(BASE, adapter(0.75, 0.75, 0.5), max_drop=0.0) == []
+def measured(model: str, *seeds: dict[str, float]) -> PassAt1:
+    return PassAt1(model, list(range(len(seeds))), list(seeds))
 
 
-def test_a_known_bad_adapter_is_refused_naming_both_scores() -> None:
-    assert verdict(BASE, adapter(0.25, 0.25, 0.5), max_drop=0.0) == [
-        "held-out pass@1 33.3% vs base 50.0%: may drop by 0% at most"]
+def rates(passing: set[int], rate: float = 1.0) -> dict[str, float]:
+    return {task: rate if n in passing else 0.0 for n, task in enumerate(TASKS)}
 
 
-def test_an_adapter_equal_to_its_base_passes() -> None:
-    assert verdict(BASE, adapter(0.25, 0.75, 0.5), max_drop=0.0) == []
+BASE = measured("base", rates(set(range(0, 10))), rates(set(range(0, 11))), rates(set(range(1, 10))))
 
 
-@pytest.mark.parametrize("per_seed,max_drop,passes", [
-    ((0.25, 0.25, 0.25), 0.25, True),  # exactly max_drop below the base
-    ((0.25, 0.25, 0.25), 0.125, False),
-    ((0.0, 0.0, 0.0), 0.5, True),
-    ((0.0, 0.0, 0.0), 0.25, False),
-])
-def test_max_drop_is_how_far_below_the_base_an_adapter_may_fall(per_seed: tuple[float, ...], max_drop: float,
-                                                                passes: bool) -> None:
-    assert (verdict(BASE, adapter(*per_seed), max_drop) == []) == passes
+def test_a_known_good_adapter_passes_with_its_interval_above_zero() -> None:
+    good = measured("rl-coder", *(rates(set(range(0, 20))) for _ in range(3)))
+    gain = difference(BASE, good)
+    assert 0.25 < gain.mean < 0.35 and 0 < gain.low < gain.mean < gain.high and gain.tasks == 33
+    assert verdict(gain, max_drop=0.0) == []
 
 
-def test_the_mean_over_seeds_decides_not_the_best_seed() -> None:
-    lucky = adapter(1.0, 0.0, 0.25)  # one seed far above the base, a mean below it
-    assert lucky.mean < BASE.mean and verdict(BASE, lucky, max_drop=0.0)
+def test_a_known_bad_adapter_is_refused_naming_the_interval() -> None:
+    bad = measured("rl-coder", *(rates(set(range(0, 3))) for _ in range(3)))
+    gain = difference(BASE, bad)
+    [failure] = verdict(gain, max_drop=0.0)
+    assert gain.high < 0 and failure.startswith("held-out pass@1 difference -21.2% (95% interval [")
+    assert failure.endswith("paired bootstrap over 33 tasks): its lower end must be at least +0%")
+
+
+def test_an_adapter_that_gained_nothing_does_not_pass_a_zero_margin_but_passes_a_looser_one() -> None:
+    same = measured("rl-coder", *BASE.per_task)
+    gain = difference(BASE, same)
+    assert gain.mean == 0 and gain.low == gain.high == 0  # paired: identical answers, no noise at all
+    noisy = measured("rl-coder", rates(set(range(0, 10)) ^ {3, 20}), rates(set(range(0, 11)) ^ {4, 25}),
+                     rates(set(range(1, 10)) ^ {5, 30}))
+    gain = difference(BASE, noisy)
+    assert gain.low < 0 < gain.high and verdict(gain, max_drop=0.0)  # luck either way: not shown better
+    assert verdict(gain, max_drop=0.2) == []
+
+
+def test_the_interval_is_reproducible_and_a_lucky_seed_does_not_decide() -> None:
+    lucky = measured("rl-coder", rates(set(range(0, 33))), rates(set()), rates(set()))  # one seed far above
+    gain = difference(BASE, lucky)
+    assert gain == difference(BASE, lucky) and gain.mean > 0 and verdict(gain, max_drop=0.0)
+
+
+@pytest.mark.parametrize("other", [["HumanEval/0"], TASKS + ["HumanEval/99"]])
+def test_different_tasks_are_refused(other: list[str]) -> None:
+    from appliance.errors import Conflict
+
+    with pytest.raises(Conflict, match="different tasks"):
+        difference(BASE, measured("rl-coder", dict.fromkeys(other, 1.0)))
