@@ -7,13 +7,17 @@ import datetime
 import ipaddress
 import os
 import ssl
+import threading
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from appliance.tls import server_context
 
 PrivateKey = ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey
 
@@ -101,3 +105,12 @@ def handshake(server: ssl.SSLContext, client: ssl.SSLContext, server_hostname: s
     der = near.getpeercert(binary_form=True)
     assert der is not None, "no handshake"
     return x509.load_der_x509_certificate(der)
+
+
+def serve_tls(handler: type[BaseHTTPRequestHandler], certificate: Path, key: Path) -> HTTPServer:
+    """`handler` served over HTTPS on a loopback port of its own, in a thread (a stand-in for one of
+    the appliance's loopback servers: Prometheus, Alertmanager)."""
+    server = HTTPServer(("127.0.0.1", 0), handler)
+    server.socket = server_context(certificate, key).wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server

@@ -11,9 +11,8 @@ import re
 import shutil
 import stat
 import subprocess
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, HTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import bcrypt
@@ -27,11 +26,12 @@ from appliance.errors import Conflict, Unavailable
 from appliance.home import Home
 from appliance.secrets import secret
 from appliance.settings import MonitoringSettings, Settings
-from appliance.tls import ensure_ca, ensure_server_certificate, server_context
+from appliance.tls import ensure_ca, ensure_server_certificate
 from audit import AuditWriter
 from installer import monitoring
 from serve.engine_metrics import relabelled
 from serve.metrics import ClusterCollector, Metrics, ProgramCollector, QueueCollector, StateCollector
+from tests.support.certificates import serve_tls
 from tests.support.nvml import build_fake_nvml, gpu_metrics
 from tests.support.ports import free_port
 
@@ -180,13 +180,6 @@ class FakeAlertmanager(BaseHTTPRequestHandler):
 
 
 Fake = tuple[MonitoringSettings, type[FakeAlertmanager]]
-
-
-def serve_tls(handler: type[FakeAlertmanager], certificate: Path, key: Path) -> HTTPServer:
-    server = HTTPServer(("127.0.0.1", 0), handler)
-    server.socket = server_context(certificate, key).wrap_socket(server.socket, server_side=True)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, HTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any, ClassVar
 from urllib.parse import parse_qs, urlsplit
@@ -22,7 +22,8 @@ from appliance.alerts import MONITORING_SECRET
 from appliance.errors import Conflict, Invalid, Unavailable
 from appliance.home import Home
 from appliance.settings import MonitoringSettings
-from appliance.tls import ensure_ca, ensure_server_certificate, server_context
+from appliance.tls import ensure_ca, ensure_server_certificate
+from tests.support.certificates import serve_tls
 from tests.support.ports import free_port
 
 GRAFANA = Path(__file__).parents[2] / "docs" / "operate" / "grafana" / "appliance.json"
@@ -74,13 +75,6 @@ class FakePrometheus(BaseHTTPRequestHandler):
 
 
 Fake = tuple[MonitoringSettings, type[FakePrometheus]]
-
-
-def serve_tls(handler: type[FakePrometheus], certificate: Path, key: Path) -> HTTPServer:
-    server = HTTPServer(("127.0.0.1", 0), handler)
-    server.socket = server_context(certificate, key).wrap_socket(server.socket, server_side=True)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
 
 
 def fake_handler() -> type[FakePrometheus]:
