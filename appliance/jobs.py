@@ -125,9 +125,10 @@ class Hyperparameters(BaseModel):
     save_steps: int = Field(10, ge=1, description="Checkpoint every this many steps (a resume starts there).")
     qlora: bool = False
     seed: int = 0
-    method: Literal["sft", "dpo"] = Field("sft", description="SFT on chat or text rows, or DPO on preference rows "
-                                          "(prompt, chosen, rejected).")
-    beta: float = Field(0.1, gt=0, description="DPO: how far the adapter may move from the base model.")
+    method: Literal["sft", "dpo", "grpo"] = Field(
+        "sft", description="SFT on chat or text rows, DPO on preference rows (prompt, chosen, rejected); grpo: "
+        "a policy version an online RL run trained (`appliance rl run --method grpo`), never a job's.")
+    beta: float = Field(0.1, gt=0, description="DPO and GRPO: how far the adapter may move from the base model.")
 
 
 class Job(BaseModel):

@@ -802,6 +802,9 @@ class RlSettings(_Section):
     efficiency_weight: float = Field(
         0.1, ge=0, le=1, description="Reward = share of tests passed, plus, for an answer passing them all, this "
         "times the share of its time limit left unused.")
+    length_penalty: float = Field(
+        0.0, ge=0, le=1, description="Reward less this times the share of max_tokens the answer used (0: "
+        "length is not rewarded either way).")
     generation_concurrency: int = Field(4, ge=1, le=256, description="Requests to the gateway at once.")
     segment_attempts: int = Field(64, ge=1, description="Attempts per trajectory segment in the artifact store.")
     client_id: str = Field(

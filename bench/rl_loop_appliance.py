@@ -58,7 +58,7 @@ def sequential(settings: Settings, home: Home, scratch: Path, seed: int) -> tupl
     started = time.monotonic()
     with ThreadPoolExecutor(settings.rl.generation_concurrency) as threads:
         answers = list(threads.map(
-            lambda step: generator.generate(step, MAX_TOKENS, 0.8, seed * 1_000_003 + step.sample * 101)[0], steps))
+            lambda step: generator.generate(step, MAX_TOKENS, 0.8, seed * 1_000_003 + step.sample * 101).text, steps))
     generated = time.monotonic() - started
     generator.close()
     store = RunStore(scratch / f"sequential-{seed}.sqlite")

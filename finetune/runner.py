@@ -86,7 +86,7 @@ def run_job(directory: Path, *, name: str, data: str, base: str, hp: Hyperparame
     if settings.finetune.sandbox != "none":
         prepare(directory, inputs, model.resolve())
     trainer = _trainer_command(directory, settings.finetune.processes or visible_gpus() or 1)
-    _train_in_child(directory, sandboxed(trainer, settings.finetune, workdir=directory, inputs=inputs,
+    train_in_child(directory, sandboxed(trainer, settings.finetune, workdir=directory, inputs=inputs,
                                          readable=[model.resolve()]), on_progress, on_child, on_beat,
                     limit_s=settings.finetune.max_job_hours * 3600)
     result = load_result(directory)
@@ -108,6 +108,9 @@ def run_job(directory: Path, *, name: str, data: str, base: str, hp: Hyperparame
 
 def check_method(data: str, train: bytes, hp: Hyperparameters) -> None:
     """DPO trains on preference rows, SFT on chat and text rows: say so before anything starts."""
+    if hp.method == "grpo":
+        raise TrainingError("GRPO trains online from execution feedback, not on a dataset",
+                            hint="`appliance rl run --method grpo`")
     first = json.loads(train.split(b"\n", 1)[0] or b"{}")
     preference = kind(first) == "preference rows"
     if preference != (hp.method == "dpo"):
@@ -178,7 +181,7 @@ def _trainer_command(directory: Path, processes: int) -> list[str]:
     return trainer
 
 
-def _train_in_child(directory: Path, command: list[str], on_progress: Callable[[Progress], None],
+def train_in_child(directory: Path, command: list[str], on_progress: Callable[[Progress], None],
                     on_child: Callable[[int], None], on_beat: Callable[[], None], *, limit_s: float) -> None:
     """Run the trainer in a process group of its own, reporting its progress; a cancel request
     (the job directory's cancel file), its running past `limit_s` or our own end ends the whole

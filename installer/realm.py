@@ -203,13 +203,15 @@ def _cli_client(admin: KeycloakAdmin, settings: Settings, report: ProvisionRepor
 
 
 def _rl_client(admin: KeycloakAdmin, settings: Settings, home: Home, report: ProvisionReport) -> None:
-    """The RL loop's service identity: a confidential client whose service account has role `user`
-    and whose tokens carry the gateway in `aud`, so its generations are authenticated, rate-limited
-    and audited as any user's."""
+    """The RL loop's service identity: a confidential client whose service account has roles `user`
+    and `trainer` (a GRPO run's policy in training is served to trainers only) and whose tokens
+    carry the gateway in `aud`, so its generations are authenticated, rate-limited and audited as
+    any user's."""
     account = _service_account(admin, settings.rl.client_id, rl_client_secret(home), report,
                                protocolMappers=[_gateway_audience(settings)])
-    if Role.USER not in {r["name"] for r in admin.get_realm_roles_of_user(account)}:
-        admin.assign_realm_roles(account, [admin.get_realm_role(Role.USER)])
+    held = {r["name"] for r in admin.get_realm_roles_of_user(account)}
+    if missing := [role for role in (Role.USER, Role.TRAINER) if role not in held]:
+        admin.assign_realm_roles(account, [admin.get_realm_role(role) for role in missing])
 
 
 def _gateway_audience(settings: Settings) -> dict[str, object]:

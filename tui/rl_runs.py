@@ -13,7 +13,7 @@ from textual.widgets import DataTable, Label, Static
 from appliance.jobs import FINISHED, JobState
 from appliance.rl.attempts import Attempt
 from appliance.rl.exports import default_ask
-from appliance.rl.progress import RunReport
+from appliance.rl.progress import RunReport, policy_line
 from appliance.rl.tasks import TaskSet
 from appliance.terminal import shown
 from tui.panel import Panel, clip
@@ -37,9 +37,16 @@ def attempt_text(attempt: Attempt) -> Text:
 def run_line(run: RunReport) -> str:
     """The selected run's figures the table has no room for, and what its worker said."""
     spec, p = run.spec, run.progress
-    line = f"Run {run.id}: {spec.tasks} ({spec.split}), {spec.samples} samples a task, up to {spec.rounds} corrections"
-    if p is not None:
-        line += f"; first answers passed {p.first_pass_rate:.0%}"
+    if spec.grpo is not None:
+        line = (f"Run {run.id}: GRPO of {spec.grpo.policy} on {spec.tasks} ({spec.split}), groups of {spec.samples}, "
+                f"{spec.grpo.tasks_per_step} tasks a step")
+        if p is not None and p.policy is not None:
+            line += f"; {policy_line(p.policy)}"
+    else:
+        line = (f"Run {run.id}: {spec.tasks} ({spec.split}), {spec.samples} samples a task, up to {spec.rounds} "
+                "corrections")
+        if p is not None:
+            line += f"; first answers passed {p.first_pass_rate:.0%}"
     if p is not None and run.state == JobState.RUNNING:
         line += f"; sandbox queue {p.queue_depth}, {p.workers} workers"
     return f"{line}\n{run.message}" if run.message else line
@@ -58,7 +65,7 @@ class RlRuns(Panel):
     DEFAULT_CSS = Panel.DEFAULT_CSS + """
     #tasksets { height: auto; max-height: 6; }
     #runs { height: 1fr; }
-    #run { height: auto; max-height: 2; padding: 0 1; }
+    #run { height: auto; max-height: 3; padding: 0 1; }
     #attempts { height: 1fr; }
     #attempt { height: auto; max-height: 16; overflow-y: auto; padding: 0 1; }
     Label { padding: 0 1; text-style: bold; }

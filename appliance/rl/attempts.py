@@ -26,7 +26,10 @@ class Attempt(BaseModel):
     stdout: str
     stderr: str
     feedback: str = Field(description="The parsed error fed back for the next round ('' unless it failed).")
-    reward: float
+    reward: float = Field(description="Share of tests passed, plus the efficiency term, less the length penalty.")
+    efficiency: float = Field(0.0, description="The reward's efficiency term (rl.efficiency_weight).")
+    length_penalty: float = Field(0.0, description="What the answer's length took off the reward (rl.length_penalty).")
+    completion_tokens: int | None = Field(None, description="The answer's tokens, as the engine counted them.")
     generate_s: float
     execute_s: float
     model: str = Field(description="The engine's name for what answered ('' if the gateway refused the request).")

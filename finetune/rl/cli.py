@@ -22,8 +22,8 @@ from appliance.jobs import FINISHED, JobState
 from appliance.progress import byte_progress
 from appliance.rl import runs
 from appliance.rl.exports import ExportAsk
-from appliance.rl.progress import read_progress, report
-from appliance.rl.runs import RunSpec
+from appliance.rl.progress import policy_line, read_progress, report
+from appliance.rl.runs import PolicySpec, RunSpec
 from appliance.rl.tasks import Task, load_tasksets
 from appliance.settings import load_settings
 from appliance.terminal import shown
@@ -172,24 +172,47 @@ def run_command(
     max_tokens: Annotated[int, typer.Option(help="Tokens per answer at most.")] = 256,
     temperature: Annotated[float, typer.Option()] = 0.8,
     seed: Annotated[int, typer.Option()] = 0,
+    method: Annotated[str, typer.Option(help="sample (generate, execute, correct) or grpo (train a policy "
+                                        "online; --samples answers per task make a group).")] = "sample",
+    policy: Annotated[str | None, typer.Option(help="grpo: the adapter name its versions are registered "
+                                               "under.")] = None,
+    steps: Annotated[int, typer.Option(help="grpo: updates.")] = 8,
+    tasks_per_step: Annotated[int, typer.Option(help="grpo: tasks in each update.")] = 4,
+    beta: Annotated[float, typer.Option(help="grpo: weight of the KL term to the base model.")] = 0.04,
+    learning_rate: Annotated[float, typer.Option(help="grpo: the adapter's learning rate.")] = 5e-5,
+    lora_rank: Annotated[int, typer.Option(help="grpo: the adapter's rank.")] = 16,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Show its progress until it ends.")] = False,
 ) -> None:
-    """Queue a run for the rl-worker: generate, execute, correct, persist trajectories."""
+    """Queue a run for the rl-worker: generate, execute, correct, persist trajectories; or, with
+    --method grpo, train a LoRA policy online on the execution feedback."""
     home = Home.from_env()
     registry = load_tasksets(home)
     if tasks not in registry:
         raise NotFound(f"--tasks {tasks!r}: no such task set", hint="`appliance rl tasks list`")
+    if method not in ("sample", "grpo"):
+        raise Invalid(f"--method {method!r}: sample or grpo")
+    if method == "grpo" and policy is None:
+        raise Invalid("--method grpo needs --policy: the adapter name its versions are registered under")
     try:
+        grpo = None if method == "sample" else PolicySpec(
+            policy=policy, steps=steps, tasks_per_step=tasks_per_step, beta=beta, learning_rate=learning_rate,
+            lora_rank=lora_rank)
         spec = RunSpec(tasks=tasks, tasks_sha256=registry[tasks].sha256, base=base, adapter=adapter,
-                       samples=samples, rounds=rounds, split=split_name, limit=limit, max_tokens=max_tokens,
-                       temperature=temperature, seed=seed)
+                       samples=samples, rounds=0 if grpo else rounds, split=split_name, limit=limit,
+                       max_tokens=max_tokens, temperature=temperature, seed=seed, grpo=grpo)
     except ValidationError as exc:
         first = exc.errors()[0]
-        raise Invalid(f"--{'-'.join(map(str, first['loc'])).replace('_', '-')}: {first['msg']}") from exc
+        where = [str(part) for part in first["loc"] if part != "grpo"]
+        field = f"--{'-'.join(where).replace('_', '-')}: " if where else ""
+        raise Invalid(f"{field}{first['msg'].removeprefix('Value error, ')}") from exc
     found = runs.submit(home, spec)
     note_target("rl_run", str(found.id))
-    out.print(f"run {found.id} queued: {spec.samples} answers per task of {tasks} ({spec.split}), up to "
-              f"{spec.rounds} corrections each", highlight=False)
+    if grpo:
+        out.print(f"run {found.id} queued: {grpo.steps} GRPO steps of policy {grpo.policy}, each {spec.samples} "
+                  f"answers to {grpo.tasks_per_step} tasks of {tasks} ({spec.split})", highlight=False)
+    else:
+        out.print(f"run {found.id} queued: {spec.samples} answers per task of {tasks} ({spec.split}), up to "
+                  f"{spec.rounds} corrections each", highlight=False)
     if follow:
         _follow(home, found.id)
 
@@ -198,6 +221,8 @@ def _progress_text(home: Home, run: runs.Run) -> str:
     p = read_progress(home, run.id)
     if p is None:
         return ""
+    if p.policy is not None:
+        return policy_line(p.policy) + f", {p.attempts_done}/{p.attempts_planned} attempts, queue {p.queue_depth}"
     return (f"{p.attempts_done}/{p.attempts_planned} attempts, pass rate {p.pass_rate:.0%} (first "
             f"{p.first_pass_rate:.0%}), reward {p.mean_reward:.3f}, queue {p.queue_depth}, workers {p.workers}")
 

@@ -33,10 +33,10 @@ from appliance.jobs import CANCEL_FILE
 from appliance.local_gateway import client_options
 from appliance.rl.attempts import Attempt, attempt_key
 from appliance.rl.executions import STORE_FILE
-from appliance.rl.progress import RunProgress, write_progress
+from appliance.rl.progress import PolicyProgress, RunProgress, write_progress
 from appliance.rl.runs import Run, progressed, run_dir
 from appliance.rl.tasks import Task
-from appliance.settings import Settings
+from appliance.settings import RlSettings, Settings
 from finetune.rl.execute import Verdict, not_run
 from finetune.rl.executor import WorkerPool, executor_alive
 from finetune.rl.store import Generation, RunStore
@@ -110,14 +110,27 @@ def feedback(verdict: Verdict) -> str:
     return "\n".join(parts)
 
 
-def reward(verdict: Verdict, task: Task, efficiency_weight: float) -> float:
-    """Share of tests passed, plus, for an answer that passes them all, the efficiency term: the
-    share of its time limit left unused, weighted."""
+@dataclass(frozen=True)
+class Reward:
+    """An answer's reward and its terms."""
+
+    total: float
+    efficiency: float
+    length_penalty: float
+
+
+def reward(verdict: Verdict, task: Task, rl: RlSettings, *, tokens: int | None = None,
+           max_tokens: int = 1) -> Reward:
+    """Share of tests passed, plus, for an answer that passes them all, the efficiency term (the
+    share of its time limit left unused, weighted), less the length penalty (the share of
+    `max_tokens` the answer used, weighted). An answer that ran no test earns nothing."""
     if verdict.tests_total == 0:
-        return 0.0
+        return Reward(0.0, 0.0, 0.0)
     passed = verdict.tests_passed / verdict.tests_total
     spare = max(0.0, 1 - verdict.wall_s / task.time_limit_s) if verdict.status == "passed" else 0.0
-    return round(passed + efficiency_weight * spare, 4)
+    efficiency = round(rl.efficiency_weight * spare, 4)
+    length = round(rl.length_penalty * min(1.0, (tokens or 0) / max_tokens), 4)
+    return Reward(round(passed + efficiency - length, 4), efficiency, length)
 
 
 class Generator:
@@ -135,9 +148,9 @@ class Generator:
                 self._token = login.service_token(self.settings, self.home)
             return self._token.access_token
 
-    def generate(self, step: Step, max_tokens: int, temperature: float, seed: int) -> tuple[str, str, str | None]:
-        """(the answer, the model name that answered, None), or ("", "", why) when the gateway refuses
-        this request (a context too long, say). Unavailable while the gateway or Keycloak stay
+    def generate(self, step: Step, max_tokens: int, temperature: float, seed: int) -> Answer:
+        """The answer, or one with `refused` saying why the gateway refused this request (a context
+        too long, say). Unavailable while the gateway or Keycloak stay
         unreachable or busy past `rl.give_up_s` (the run waits and resumes); Invalid when the gateway
         refuses the run itself (no such model, not allowed, a service identity it rejects)."""
         body = {"model": self.model, "messages": step.messages, "max_tokens": max_tokens,
@@ -155,13 +168,13 @@ class Generator:
                 problem, wait_s = f"no token for the service identity: {exc.message}", 2.0
             else:
                 if response.status_code == 200:
-                    return (*answer_of(response), None)
+                    return answer_of(response)
                 problem = f"gateway answered {response.status_code}: {response.text[:300]}"
                 if response.status_code == 401 and not refreshed:  # expired early: one fresh token
                     self._token, refreshed = None, True
                     continue
                 if response.status_code in REQUEST_REFUSED:
-                    return "", "", problem
+                    return Answer("", "", None, refused=problem)
                 if response.status_code not in RETRY_STATUSES:
                     raise Invalid(f"{problem} (model {self.model!r})")
                 wait_s = retry_after(response.headers.get("retry-after"))
@@ -173,17 +186,27 @@ class Generator:
         self._http.close()
 
 
-def answer_of(response: httpx.Response) -> tuple[str, str]:
-    """(the answer's text, the model that gave it) from a chat completion; Unavailable if it is not
-    one. Text that UTF-8 cannot hold (a lone surrogate) is replaced, so it can be stored."""
+@dataclass(frozen=True)
+class Answer:
+    text: str
+    model: str  # the engine's name for what answered
+    tokens: int | None  # as the engine counted them
+    refused: str | None = None  # why the gateway refused the request
+
+
+def answer_of(response: httpx.Response) -> Answer:
+    """The answer in a chat completion; Unavailable if it is not one. Text that UTF-8 cannot hold
+    (a lone surrogate) is replaced, so it can be stored."""
     try:
         answer = response.json()
         content, model = answer["choices"][0]["message"]["content"] or "", answer.get("model", "")
+        tokens = (answer.get("usage") or {}).get("completion_tokens")
     except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
         raise Unavailable(f"the gateway's answer is not a chat completion: {response.text[:200]!r}") from exc
     if not isinstance(content, str) or not isinstance(model, str):
         raise Unavailable(f"the gateway's answer is not a chat completion: {response.text[:200]!r}")
-    return (content.encode("utf-8", "replace").decode("utf-8"), model)
+    counted = tokens if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0 else None
+    return Answer(content.encode("utf-8", "replace").decode("utf-8"), model, counted)
 
 
 def retry_after(header: str | None) -> float:
@@ -217,39 +240,61 @@ class Loop:
         cap = settings.execution.workers or os.cpu_count() or 1
         self.pool = WorkerPool(self.store, home, cap)
         self.model = self.spec.adapter or self.spec.base
+        self.adapter = self.spec.grpo.policy if self.spec.grpo else self.spec.adapter  # whose versions answer
         self.generated = self.store.generations()
         self._housekept = 0.0
         self._done = -1  # generations and attempts at the last progress stamp
+        self.resumed_from: str | None = None  # a GRPO run's: the step and version it resumed from
 
-    def plan(self) -> tuple[deque[Step], dict[str, Step]]:
-        """What is left: answers to ask for, and answers whose execution is awaited (a resumed run
-        starts from what its store holds)."""
+    def first_steps(self) -> list[Step]:
+        """Every first answer a sampling run asks for."""
+        return [Step(task, sample, 0, first_messages(task))
+                for task in self.tasks for sample in range(self.spec.samples)]
+
+    def plan(self, firsts: list[Step]) -> tuple[deque[Step], dict[str, Step]]:
+        """What is left of these first answers and their corrections: answers to ask for, and
+        answers whose execution is awaited (a resumed run starts from what its store holds)."""
         attempts = {a.key: a for a in self.store.attempts()}
         asks: deque[Step] = deque()
         awaited: dict[str, Step] = {}
-        for task in self.tasks:
-            for sample in range(self.spec.samples):
-                step = Step(task, sample, 0, first_messages(task))
-                while (attempt := attempts.get(step.key)) is not None:
-                    if not self.corrects(attempt):
-                        break
-                    step = next_step(step, attempt)
+        for first in firsts:
+            step, task = first, first.task
+            while (attempt := attempts.get(step.key)) is not None:
+                if not self.corrects(attempt):
+                    break
+                step = next_step(step, attempt)
+            else:
+                generation = self.generated.get(step.key)
+                if generation is None:
+                    asks.append(step)
+                elif generation.refused is not None:  # killed before its attempt was saved
+                    self.store.save_attempt(self._attempt(step, not_run(generation.refused)))
                 else:
-                    generation = self.generated.get(step.key)
-                    if generation is None:
-                        asks.append(step)
-                    elif generation.refused is not None:  # killed before its attempt was saved
-                        self.store.save_attempt(self._attempt(step, not_run(generation.refused)))
-                    else:
-                        self.store.enqueue(step.key, generation.code, task)
-                        awaited[step.key] = step
+                    self.store.enqueue(step.key, generation.code, task)
+                    awaited[step.key] = step
         return asks, awaited
 
     def execute(self) -> str:
         """Run to the end (or to a cancel request: RunCancelled); the outcome in one line."""
+        try:
+            self.attempt_all(self.first_steps(), self.model)
+        except Unavailable:
+            raise  # the worker waits and resumes the run: nothing final to write yet
+        except Exception:
+            self.keep_trajectories()  # a cancelled or failed run does not resume: what it did is kept
+            raise
+        manifest = self.writer.finish()
+        figures = self.report()
+        return (f"{figures.attempts_done} attempts over {figures.tasks} tasks: pass rate {figures.pass_rate:.0%} "
+                f"(first answers {figures.first_pass_rate:.0%}), mean reward {figures.mean_reward:.3f}; "
+                f"trajectories {manifest}")
+
+    def attempt_all(self, firsts: list[Step], model: str) -> None:
+        """Generate with `model` (a served name) and execute these first answers and their
+        corrections until each has its attempts (or to a cancel request: RunCancelled)."""
         self.store.requeue_orphans(executor_alive)  # held by the sandbox workers of a run that was stopped
-        asks, awaited = self.plan()
-        generator = Generator(self.settings, self.home, self.model)
+        asks, awaited = self.plan(firsts)
+        generator = Generator(self.settings, self.home, model)
         pending: dict[Future[Generation], Step] = {}
         concurrency = self.settings.rl.generation_concurrency
         threads = ThreadPoolExecutor(concurrency, thread_name_prefix="generate")
@@ -280,20 +325,10 @@ class Loop:
                     self._housekeep()
                 self.pool.follow(self.store.depth())
                 self._collect(awaited, asks)
-        except Unavailable:
-            raise  # the worker waits and resumes the run: nothing final to write yet
-        except Exception:
-            self._keep_trajectories()  # a cancelled or failed run does not resume: what it did is kept
-            raise
         finally:
             threads.shutdown(wait=False, cancel_futures=True)  # a stop does not wait for answers in flight
             self.pool.stop()
             generator.close()
-        manifest = self.writer.finish()
-        figures = self.report()
-        return (f"{figures.attempts_done} attempts over {figures.tasks} tasks: pass rate {figures.pass_rate:.0%} "
-                f"(first answers {figures.first_pass_rate:.0%}), mean reward {figures.mean_reward:.3f}; "
-                f"trajectories {manifest}")
 
     def close(self) -> None:
         self.store.close()
@@ -329,24 +364,27 @@ class Loop:
 
     def _generate(self, generator: Generator, step: Step) -> Generation:
         started = time.monotonic()
-        completion, model, refusal = generator.generate(step, self.spec.max_tokens, self.spec.temperature,
-                                                        self.spec.seed * 1_000_003 + step.sample * 101 + step.round)
-        return Generation(step.messages, completion, extract_code(completion, step.task) if refusal is None else "",
-                          round(time.monotonic() - started, 3), model, refusal)
+        answer = generator.generate(step, self.spec.max_tokens, self.spec.temperature,
+                                    self.spec.seed * 1_000_003 + step.sample * 101 + step.round)
+        code = extract_code(answer.text, step.task) if answer.refused is None else ""
+        return Generation(step.messages, answer.text, code, round(time.monotonic() - started, 3), answer.model,
+                          answer.refused, answer.tokens)
 
     def _attempt(self, step: Step, verdict: Verdict) -> Attempt:
         generation = self.generated[step.key]
+        earned = reward(verdict, step.task, self.settings.rl, tokens=generation.tokens, max_tokens=self.spec.max_tokens)
         return Attempt(
             run=self.run.id, task=step.task.id, sample=step.sample, round=step.round, messages=step.messages,
             completion=generation.completion, code=generation.code, status=verdict.status,
             exit_reason=verdict.reason, tests_passed=verdict.tests_passed, tests_total=verdict.tests_total,
             stdout=verdict.stdout, stderr=verdict.stderr,
             feedback=feedback(verdict) if verdict.status == "failed" else "",
-            reward=reward(verdict, step.task, self.settings.rl.efficiency_weight),
+            reward=earned.total, efficiency=earned.efficiency, length_penalty=earned.length_penalty,
+            completion_tokens=generation.tokens,
             generate_s=generation.seconds, execute_s=verdict.wall_s, model=generation.model,
-            adapter=self.spec.adapter, adapter_version=adapter_version(generation.model, self.spec.adapter))
+            adapter=self.adapter, adapter_version=adapter_version(generation.model, self.adapter))
 
-    def _keep_trajectories(self) -> None:
+    def keep_trajectories(self) -> None:
         try:
             log.info("run %d: trajectories so far in %s", self.run.id, self.writer.finish())
         except ApplianceError as exc:
@@ -357,15 +395,21 @@ class Loop:
         attempts = self.store.attempts()
         solved = {a.task for a in attempts if a.status == "passed"}
         first = [a for a in attempts if a.round == 0]
+        grpo = self.spec.grpo
+        asked = grpo.steps * min(grpo.tasks_per_step, len(self.tasks)) if grpo else len(self.tasks)
+        planned = asked * self.spec.samples
         progress = RunProgress(
             tasks=len(self.tasks), attempts_done=len(attempts),
-            attempts_planned=len(self.tasks) * self.spec.samples + sum(a.round > 0 for a in attempts),
+            attempts_planned=planned + sum(a.round > 0 for a in attempts),
             passed=sum(a.status == "passed" for a in attempts),
             pass_rate=len(solved) / len(self.tasks) if self.tasks else 0.0,
             first_pass_rate=sum(a.status == "passed" for a in first) / len(first) if first else 0.0,
             mean_reward=sum(a.reward for a in attempts) / len(attempts) if attempts else 0.0,
             queue_depth=self.store.depth(), workers=self.pool.alive(),
-            trajectory_segments=len(self.store.segments()))
+            trajectory_segments=len(self.store.segments()),
+            policy=None if grpo is None else PolicyProgress(policy=grpo.policy, steps=grpo.steps,
+                                                            done=self.store.policy_steps(),
+                                                            resumed_from=self.resumed_from))
         write_progress(self.home, self.run.id, progress)
         return progress
 

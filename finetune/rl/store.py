@@ -10,6 +10,7 @@ sandbox workers (separate processes).
 - `generations` keeps each answer as it arrives (a resumed run does not ask the model again).
 - `attempts` keeps each executed answer with its reward (appliance.rl.attempts.Attempt), and the number of
   the trajectory segment it went into.
+- `policy_steps` keeps a GRPO run's finished updates: the version each trained, and its figures.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from appliance.queue import Alive, immediate
 from appliance.rl import executions
 from appliance.rl.attempts import Attempt
 from appliance.rl.executions import ExecutionState
+from appliance.rl.progress import PolicyStep
 from appliance.rl.tasks import Task
 from finetune.rl.execute import Verdict, not_run
 
@@ -52,12 +54,17 @@ create table if not exists generations (
     code text not null,
     seconds real not null,
     model text not null,               -- the engine's name for what answered (an adapter's: name-vN)
-    refused text                       -- why the gateway would not answer this request, if it would not
+    refused text,                      -- why the gateway would not answer this request, if it would not
+    tokens integer                     -- the answer's tokens, as the engine counted them
 );
 create table if not exists attempts (
     key text primary key,
     attempt text not null,             -- JSON appliance.rl.attempts.Attempt
     segment integer                    -- the trajectory segment it is in; null: not yet in one
+);
+create table if not exists policy_steps (
+    step integer primary key,          -- a GRPO run's update (finetune.rl.policy): 0, 1, ...
+    figures text not null              -- JSON appliance.rl.progress.PolicyStep
 );
 create table if not exists segments (
     number integer primary key,
@@ -94,6 +101,7 @@ class Generation:
     seconds: float
     model: str
     refused: str | None = None
+    tokens: int | None = None  # the answer's tokens, as the engine counted them
 
 
 class RunStore:
@@ -107,6 +115,8 @@ class RunStore:
                 EXECUTIONS.migrate(db)
                 if "queued_at" not in {row[1] for row in db.execute("pragma table_info(executions)")}:
                     db.execute("alter table executions add column queued_at real")  # a run from before it
+                if "tokens" not in {row[1] for row in db.execute("pragma table_info(generations)")}:
+                    db.execute("alter table generations add column tokens integer")  # a run from before it
 
     @contextmanager
     def _connect(self) -> Iterator[sqlite3.Connection]:
@@ -195,14 +205,15 @@ class RunStore:
 
     def save_generation(self, key: str, generation: Generation) -> None:
         with self._connect() as db:
-            db.execute("insert or ignore into generations values (?, ?, ?, ?, ?, ?, ?)",
+            db.execute("insert or ignore into generations (key, messages, completion, code, seconds, model, refused, "
+                       "tokens) values (?, ?, ?, ?, ?, ?, ?, ?)",
                        (key, json.dumps(generation.messages), generation.completion, generation.code,
-                        generation.seconds, generation.model, generation.refused))
+                        generation.seconds, generation.model, generation.refused, generation.tokens))
 
     def generations(self) -> dict[str, Generation]:
         with self._connect() as db:
             return {row["key"]: Generation(json.loads(row["messages"]), row["completion"], row["code"],
-                                           row["seconds"], row["model"], row["refused"])
+                                           row["seconds"], row["model"], row["refused"], row["tokens"])
                     for row in db.execute("select * from generations")}
 
     def save_attempt(self, attempt: Attempt) -> None:
@@ -214,6 +225,16 @@ class RunStore:
         with self._connect() as db:
             return [Attempt.model_validate_json(row["attempt"])
                     for row in db.execute("select attempt from attempts order by rowid")]
+
+    def save_policy_step(self, figures: PolicyStep) -> None:
+        with self._connect() as db:
+            db.execute("insert into policy_steps values (?, ?)", (figures.step, figures.model_dump_json()))
+
+    def policy_steps(self) -> list[PolicyStep]:
+        """A GRPO run's finished updates, in order."""
+        with self._connect() as db:
+            return [PolicyStep.model_validate_json(row["figures"])
+                    for row in db.execute("select figures from policy_steps order by step")]
 
     # Trajectory segments: attempts are given a segment number first, then the segment is put.
 

@@ -18,6 +18,7 @@ from appliance.settings import Settings
 from appliance.supervisor import runs_module
 from finetune.rl.export import export_run
 from finetune.rl.loop import Loop, RunCancelled
+from finetune.rl.policy import PolicyTraining
 from finetune.worker import announce_outcome, serve_queue
 
 log = logging.getLogger("appliance.rl-worker")
@@ -76,7 +77,7 @@ def run_one(home: Home, settings: Settings) -> runs.Run | None:
         try:  # a run found cancelling (its worker died) stops at once, its trajectories kept
             loop = Loop(home, settings, run)
             try:
-                message = loop.execute()
+                message = PolicyTraining(loop).train() if run.spec.grpo else loop.execute()
             finally:
                 loop.close()
             state = JobState.SUCCEEDED

@@ -243,14 +243,14 @@ def test_forgetting_is_caught_by_the_shipped_regression_set(workspace: tuple[dic
 def test_a_trainer_running_past_its_limit_is_ended_and_fails(tmp_path: Path) -> None:
     """A trainer that keeps beating (so the watchdog sees progress) still cannot hold the worker
     past finetune.max_job_hours: its whole group is ended and the job fails, saying why."""
-    from finetune.runner import _train_in_child
+    from finetune.runner import train_in_child
     from finetune.train import TrainingError
 
     pids: list[int] = []
     started = time.monotonic()
     with pytest.raises(TrainingError, match=r"ran past finetune.max_job_hours \(0.0005 h\)"):
-        _train_in_child(tmp_path, [sys.executable, "-c", "import time; time.sleep(120)"], lambda progress: None,
-                        pids.append, lambda: None, limit_s=1.8)
+        train_in_child(tmp_path, [sys.executable, "-c", "import time; time.sleep(120)"], lambda progress: None,
+                       pids.append, lambda: None, limit_s=1.8)
     assert time.monotonic() - started < 30
     [pid] = pids
     with pytest.raises(ProcessLookupError):

@@ -21,6 +21,7 @@ from appliance.rl import exports, runs
 from appliance.rl.attempts import Attempt
 from appliance.rl.runs import RunSpec
 from appliance.rl.tasks import Task
+from appliance.settings import RlSettings
 from appliance.terminal import shown
 from appliance.trajectories import manifest_key, read
 from finetune.datasets import DatasetError
@@ -29,7 +30,7 @@ from finetune.rl.execute import Verdict
 from finetune.rl.executor import executor_alive
 from finetune.rl.export import dpo_rows, sft_rows
 from finetune.rl.gate import PassAt1
-from finetune.rl.loop import adapter_version, answer_of, extract_code, feedback, retry_after, reward
+from finetune.rl.loop import Answer, Reward, adapter_version, answer_of, extract_code, feedback, retry_after, reward
 from finetune.rl.store import Generation, RunStore
 from finetune.rl.tasks import humaneval, load, parse, split, store
 from finetune.rl.trajectories import TrajectoryWriter
@@ -201,9 +202,13 @@ def test_code_is_taken_from_the_answer_and_the_error_fed_back() -> None:
     text = feedback(verdict(stderr=stderr))
     assert "Failing assertion: assert candidate(1, 2) == 3" in text and "Exception: AssertionError" in text
     assert "0 of 1 tests passed" in text
-    assert reward(verdict(), ADD, 0.1) == 0.0
-    assert reward(verdict("passed", 1, wall_s=2.5), ADD, 0.1) == 1.075  # 1 + 0.1 * (1 - 2.5 / 10)
-    assert reward(verdict(passed=1, total=2), ADD, 0.1) == 0.5
+    weights = RlSettings(efficiency_weight=0.1, length_penalty=0.2)
+    assert reward(verdict(total=0), ADD, weights, tokens=100, max_tokens=100) == Reward(0.0, 0.0, 0.0)  # ran no test
+    assert reward(verdict(), ADD, weights, tokens=100, max_tokens=100) == Reward(-0.2, 0.0, 0.2)
+    # 1 + 0.1 * (1 - 2.5 / 10)
+    assert reward(verdict("passed", 1, wall_s=2.5), ADD, weights) == Reward(1.075, 0.075, 0.0)
+    assert reward(verdict(passed=1, total=2), ADD, weights, tokens=50, max_tokens=100) == Reward(0.4, 0.0, 0.1)
+    assert reward(verdict(passed=1, total=2), ADD, weights, tokens=500, max_tokens=100).length_penalty == 0.2  # capped
     assert adapter_version("coder-v3", "coder") == 3 and adapter_version("demo", None) is None
 
 
@@ -290,7 +295,11 @@ def test_a_gateway_answer_is_taken_apart_carefully() -> None:
         return httpx.Response(200, content=raw if raw is not None else json.dumps(body).encode())
 
     ok = {"model": "coder-v2", "choices": [{"message": {"content": "x = '\ud800'"}}]}
-    assert answer_of(answer(ok)) == ("x = '?'", "coder-v2")  # a lone surrogate cannot be stored: replaced
+    assert answer_of(answer(ok)) == Answer("x = '?'", "coder-v2", None)  # a lone surrogate cannot be stored: replaced
+    counted = {**ok, "usage": {"completion_tokens": 12}}
+    assert answer_of(answer(counted)).tokens == 12
+    for odd in (-1, True, "12", 1.5):  # a count that is not one is no count
+        assert answer_of(answer({**ok, "usage": {"completion_tokens": odd}})).tokens is None
     for bad in ({}, {"choices": []}, {"choices": [{"message": {"content": 3}}]}, [1]):
         with pytest.raises(Unavailable, match="not a chat completion"):
             answer_of(answer(bad))

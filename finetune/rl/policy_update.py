@@ -1,0 +1,164 @@
+"""`python -m finetune.rl.policy_update DIR STEP`: one GRPO update of a policy (finetune.rl.policy), in
+the training sandbox (no network, only DIR writable).
+
+DIR/update-STEP.json says what to learn from: each task's prompt, the group of answers the policy
+gave to it and their rewards (scored in the execution sandbox before). TRL's GRPOTrainer makes the
+update (group-relative advantages, a KL term to the base model, LoRA through PEFT): its rollout
+function hands it the group's answers instead of generating, and its reward function reads their
+rewards. It resumes the trainer's checkpoint of the step before (DIR/checkpoints/checkpoint-STEP:
+the adapter, the optimiser's state, the step count), leaves checkpoint-(STEP+1) and, last,
+DIR/result-(STEP+1).json. Exit status: 0 updated, 1 failed (the reason on stderr)."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from appliance.durable import replace_file
+from finetune.job import die_with_parent
+
+CHECKPOINTS = "checkpoints"
+
+
+class Group(BaseModel):
+    """One task's prompt and the answers the policy gave to it, each with its reward."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    messages: list[dict[str, str]] = Field(min_length=1)
+    answers: list[str] = Field(min_length=2)
+    rewards: list[float]
+    ended: list[bool] = Field(description="Whether each answer ended before max_tokens (it gets the end token).")
+
+    @model_validator(mode="after")
+    def _one_each(self) -> Group:
+        if not len(self.answers) == len(self.rewards) == len(self.ended):
+            raise ValueError("one reward and one ending for each answer")
+        return self
+
+
+class UpdateSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    base: Path
+    step: int = Field(ge=0)
+    beta: float = Field(gt=0)
+    learning_rate: float = Field(gt=0)
+    lora_rank: int = Field(ge=1)
+    max_answer_tokens: int = Field(ge=1)
+    seed: int = 0
+    groups: list[Group] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _same_size(self) -> UpdateSpec:
+        if len({len(group.answers) for group in self.groups}) != 1:
+            raise ValueError("every group holds as many answers")
+        return self
+
+
+class UpdateResult(BaseModel):
+    """What the update reports (read back by the rl-worker, which does not trust it: checked)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    step: int = Field(ge=1, description="The trainer's step count after this update.")
+    loss: float
+    kl: float = Field(ge=0)
+    reward_mean: float
+    reward_spread: float = Field(ge=0)
+    train_tokens: int = Field(ge=0, description="Prompt and answer tokens the update saw, no padding.")
+    seconds: float = Field(ge=0)
+
+
+def update_file(directory: Path, step: int) -> Path:
+    return directory / f"update-{step}.json"
+
+
+def result_file(directory: Path, step: int) -> Path:
+    """Written once the update and its checkpoint are complete."""
+    return directory / f"result-{step + 1}.json"
+
+
+def checkpoint_dir(directory: Path, steps: int) -> Path:
+    """The trainer's state after `steps` updates."""
+    return directory / CHECKPOINTS / f"checkpoint-{steps}"
+
+
+def update(directory: Path, spec: UpdateSpec) -> UpdateResult:
+    import torch  # heavy: only in the trainer
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoTokenizer
+    from trl.trainer.grpo_config import GRPOConfig
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    started = time.monotonic()
+    tokenizer = AutoTokenizer.from_pretrained(spec.base)
+    end = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    size = len(spec.groups[0].answers)
+    keys = [f"group-{i}" for i in range(len(spec.groups))]  # the rows the trainer repeats `size` times each
+    prompts = {key: list(tokenizer.apply_chat_template(group.messages, add_generation_prompt=True, tokenize=True,
+                                                       return_dict=False))
+               for key, group in zip(keys, spec.groups, strict=True)}
+    waiting = {key: deque(zip(group.answers, group.rewards, group.ended, strict=True))
+               for key, group in zip(keys, spec.groups, strict=True)}
+    tokens = 0
+
+    def rollout(asked: list[str], trainer: Any) -> dict[str, Any]:
+        nonlocal tokens
+        out: dict[str, Any] = {"prompt_ids": [], "completion_ids": [], "logprobs": None, "reward": []}
+        for key in asked:
+            answer, reward, ended = waiting[key].popleft()
+            ids = tokenizer(answer, add_special_tokens=False)["input_ids"][:spec.max_answer_tokens]
+            out["prompt_ids"].append(prompts[key])
+            out["completion_ids"].append(ids + end if ended else ids)
+            out["reward"].append(reward)
+            tokens += len(prompts[key]) + len(out["completion_ids"][-1])
+        return out
+
+    def reward(completions: list[Any], reward: list[float | None], **_: Any) -> list[float | None]:
+        return reward
+
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental
+    args = GRPOConfig(
+        output_dir=str(directory / CHECKPOINTS), num_generations=size, per_device_train_batch_size=len(keys) * size,
+        gradient_accumulation_steps=1, max_steps=spec.step + 1, beta=spec.beta, learning_rate=spec.learning_rate,
+        lr_scheduler_type="constant", warmup_steps=0, logging_steps=1, report_to=[], save_strategy="steps",
+        save_steps=1, save_total_limit=2, use_cpu=not torch.cuda.is_available(), bf16=False,
+        max_completion_length=spec.max_answer_tokens + 1, shuffle_dataset=False, disable_tqdm=True, seed=spec.seed)
+    trainer = GRPOTrainer(
+        model=str(spec.base), reward_funcs=reward, args=args, processing_class=tokenizer, rollout_func=rollout,
+        train_dataset=Dataset.from_list([{"prompt": key} for key in keys]),
+        peft_config=LoraConfig(r=spec.lora_rank, lora_alpha=2 * spec.lora_rank, lora_dropout=0.0,
+                               target_modules="all-linear", task_type="CAUSAL_LM"))
+    previous = checkpoint_dir(directory, spec.step)
+    trainer.train(resume_from_checkpoint=str(previous) if spec.step else None)
+    figures = next(entry for entry in reversed(trainer.state.log_history)
+                   if entry.get("step") == spec.step + 1 and "loss" in entry)
+    rewards = [r for group in spec.groups for r in group.rewards]
+    return UpdateResult(step=spec.step + 1, loss=figures["loss"], kl=max(0.0, figures.get("kl", 0.0)),
+                        reward_mean=statistics.fmean(rewards), reward_spread=statistics.pstdev(rewards),
+                        train_tokens=tokens, seconds=round(time.monotonic() - started, 3))
+
+
+def main(directory: Path, step: int) -> int:
+    die_with_parent()
+    try:
+        spec = UpdateSpec.model_validate_json(update_file(directory, step).read_bytes())
+        result = update(directory, spec)
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    replace_file(result_file(directory, step), result.model_dump_json().encode(), mode=0o644)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(Path(sys.argv[1]), int(sys.argv[2])))
