@@ -18,6 +18,8 @@ import functools
 import json
 import logging
 import random
+import shutil
+import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -213,25 +215,35 @@ class AdapterRoutes:
             pass  # the engine is down: it holds no adapters now
 
     def _materialize(self, record: AdapterRecord) -> Path:
-        """The version's files in the state dir (copied from the artifact store once)."""
+        """The version's files in the state dir (copied from the artifact store once). Requests that
+        find the version unloaded at once each copy it into a directory of their own; the first
+        to finish puts it in place."""
         directory = self.home.root / "adapters" / record.name / f"v{record.version}"
         if (directory / "adapter_config.json").is_file():
             return directory
-        partial = directory.with_name(f".{directory.name}.partial")
-        partial.mkdir(parents=True, exist_ok=True)
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        partial = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".partial", dir=directory.parent))
         try:
-            files = {key.rsplit("/", 1)[-1]: self.store.get(key) for key in self.store.keys(record.artifact)}
-        except ApplianceError as exc:
-            raise GatewayError(503, f"cannot fetch {record.name} v{record.version}: {exc.message}",
-                               type="service_unavailable", code="artifact_store") from exc
-        try:
-            adapters.check_files(record, files)
-        except IntegrityError as exc:
-            log.error("adapter artifact refused: %s", exc.one_line())
-            raise
-        for name, data in files.items():
-            (partial / name).write_bytes(data)
-        partial.rename(directory)
+            try:
+                files = {key.rsplit("/", 1)[-1]: self.store.get(key) for key in self.store.keys(record.artifact)}
+            except ApplianceError as exc:
+                raise GatewayError(503, f"cannot fetch {record.name} v{record.version}: {exc.message}",
+                                   type="service_unavailable", code="artifact_store") from exc
+            try:
+                adapters.check_files(record, files)
+            except IntegrityError as exc:
+                log.error("adapter artifact refused: %s", exc.one_line())
+                raise
+            for name, data in files.items():
+                (partial / name).write_bytes(data)
+            partial.chmod(0o755)
+            try:
+                partial.rename(directory)
+            except OSError:
+                if not (directory / "adapter_config.json").is_file():  # not another request's copy in place
+                    raise
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
         return directory
 
 

@@ -48,7 +48,7 @@ def policy_line(progress: PolicyProgress) -> str:
         line = f"GRPO step 0/{progress.steps}, the base model answering"
     else:
         last = progress.done[-1]
-        line = (f"GRPO step {len(progress.done)}/{progress.steps}, {progress.policy} v{last.version}: reward "
+        line = (f"GRPO step {last.step + 1}/{progress.steps}, {progress.policy} v{last.version}: reward "
                 f"{last.reward_mean:.3f} +/- {last.reward_spread:.3f}, pass rate {last.pass_rate:.0%}, "
                 f"KL {last.kl:.4f}")
     return line + (f" (resumed at {progress.resumed_from})" if progress.resumed_from else "")

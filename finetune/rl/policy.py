@@ -22,8 +22,11 @@ import hashlib
 import json
 import logging
 import math
+import os
 import shutil
+import stat
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,6 +39,7 @@ from appliance.errors import ApplianceError, Conflict, Invalid, Unavailable
 from appliance.jobs import CANCEL_FILE, Hyperparameters
 from appliance.model_refs import checkpoint, served_name
 from appliance.records import config_sha256
+from appliance.rl import runs
 from appliance.rl.attempts import Attempt
 from appliance.rl.progress import PolicyStep
 from appliance.rl.tasks import Task
@@ -92,6 +96,20 @@ def read_result(directory: Path, step: int) -> UpdateResult | None:
                                           for name in ADAPTER_FILES):
         raise ApplianceError(f"step {step}: the update's result or checkpoint is not step {step + 1}'s")
     return result
+
+
+def copy_plain_file(source: Path, target: Path) -> None:
+    """Copy a file the sandboxed trainer made, only if it is a regular file: never a link followed
+    (it would show the worker's view of the host), nor a pipe waited on."""
+    try:
+        handle = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        raise ApplianceError(f"{source}: the trained adapter's file cannot be read as a plain file: {exc}") from exc
+    with open(handle, "rb") as found:
+        if not stat.S_ISREG(os.fstat(handle).st_mode):
+            raise ApplianceError(f"{source}: the trained adapter's file is not a regular file; refused")
+        with open(target, "xb") as copy:
+            shutil.copyfileobj(found, copy)
 
 
 class PolicyTraining:
@@ -183,7 +201,8 @@ class PolicyTraining:
         command = [sys.executable, "-P", "-m", "finetune.rl.policy_update", str(self.directory), str(step)]
         train_in_child(self.directory, sandboxed(command, settings.finetune, workdir=self.directory, inputs=inputs,
                                                  readable=[self.base]),
-                       lambda progress: None, lambda pid: None, lambda: None,
+                       lambda progress: None, lambda pid: None,
+                       lambda: runs.progressed(self.loop.home, self.loop.run.id, os.getpid()),
                        limit_s=settings.finetune.max_job_hours * 3600)
         found = read_result(self.directory, step)
         if found is None:
@@ -199,11 +218,11 @@ class PolicyTraining:
         if ours:
             version = ours[0].version
         else:
-            adapter = self.directory / f"adapter-{step + 1}"
-            shutil.rmtree(adapter, ignore_errors=True)
-            adapter.mkdir()
-            for file in ADAPTER_FILES:  # the weights only: the optimiser's state stays in the checkpoint
-                shutil.copyfile(checkpoint_dir(self.directory, step + 1) / file, adapter / file)
+            # Out of the trainer's reach (its directory is the sandbox's): the weights only, the
+            # optimiser's state stays in the checkpoint.
+            adapter = Path(tempfile.mkdtemp(prefix=f".adapter-{step + 1}-", dir=loop.directory))
+            for file in ADAPTER_FILES:
+                copy_plain_file(checkpoint_dir(self.directory, step + 1) / file, adapter / file)
             record = registration.register(
                 loop.home, artifact_store(loop.settings.artifacts, loop.home), adapter, name=name,
                 base_model=loop.spec.base,
@@ -218,7 +237,7 @@ class PolicyTraining:
                 metrics=AdapterMetrics(base_eval_loss=math.nan, adapter_eval_loss=math.nan, improvement=math.nan,
                                        steps=step + 1, train_tokens=result.train_tokens, seconds=result.seconds),
                 state=AdapterState.REGISTERED)
-            shutil.rmtree(adapter, ignore_errors=True)
+            shutil.rmtree(adapter)
             version = record.version
         with adapters.updating(loop.home) as registry:
             registry.deploy(name, version, self.pool, POLICY_ROLES)

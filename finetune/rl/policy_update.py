@@ -14,7 +14,9 @@ from __future__ import annotations
 import os
 import statistics
 import sys
+import threading
 import time
+import warnings
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from appliance.durable import replace_file
+from appliance.jobs import HEARTBEAT_FILE
 from finetune.job import die_with_parent
 
 CHECKPOINTS = "checkpoints"
@@ -148,8 +151,22 @@ def update(directory: Path, spec: UpdateSpec) -> UpdateResult:
                         train_tokens=tokens, seconds=round(time.monotonic() - started, 3))
 
 
+def beat(directory: Path, every_s: float = 10.0) -> None:
+    """Touch DIR's heartbeat while the update runs (its one step may take long on a large model):
+    the worker passes the beats on to the run's progress stamp, so the watchdog does not take the
+    update for a stall; a trainer that hangs is still ended at finetune.max_job_hours."""
+    def touch() -> None:
+        while True:
+            (directory / HEARTBEAT_FILE).touch()
+            time.sleep(every_s)
+    threading.Thread(target=touch, daemon=True, name="beat").start()
+
+
 def main(directory: Path, step: int) -> int:
     die_with_parent()
+    beat(directory)
+    # GRPOTrainer looks at the vLLM it finds (the engine's, newer than it knows), which it does not use here.
+    warnings.filterwarnings("ignore", "TRL currently supports vLLM versions")
     try:
         spec = UpdateSpec.model_validate_json(update_file(directory, step).read_bytes())
         result = update(directory, spec)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import signal
 import sqlite3
@@ -336,3 +337,67 @@ def rl_attempts(cli: Appliance, run_id: int) -> list[Attempt]:
     listed = cli.run("rl", "show-trajectories", str(run_id), "--json")
     assert listed.returncode == 0, listed.stderr
     return [Attempt.model_validate(a) for a in json.loads(listed.stdout)]
+
+
+def test_grpo_trains_a_policy_online_each_step_answered_by_the_version_the_step_before_trained(lab: Lab) -> None:
+    cli = lab.cli
+    added = cli.run("rl", "tasks", "add-starter")
+    assert added.returncode == 0, added.stdout + added.stderr
+    unnamed = cli.run("rl", "run", "--tasks", "starter", "--base", MODEL, "--method", "grpo")
+    assert unnamed.returncode == 1 and "--method grpo needs --policy" in unnamed.stderr, unnamed.stderr
+
+    queued = cli.run("rl", "run", "--tasks", "starter", "--base", MODEL, "--method", "grpo", "--policy", "coder-grpo",
+                     "--steps", "3", "--tasks-per-step", "2", "--samples", "4", "--max-tokens", "96",
+                     "--temperature", "0.9", "--learning-rate", "0.0005")
+    assert queued.returncode == 0 and "3 GRPO steps of policy coder-grpo" in queued.stdout, queued.stderr
+    run_id = runs.listing(cli.home)[-1].id
+
+    # The rl-worker dies during step 1: the run resumes at step 1, generating with v1.
+    def into_step_1() -> bool:
+        p = progress(cli, run_id)
+        return p is not None and p.policy is not None and len(p.policy.done) == 1 and p.attempts_done > 8
+    wait_for("step 0 done and step 1 under way", into_step_1, timeout_s=900)
+    rl_worker(cli).send_signal(signal.SIGKILL)
+    followed = cli.run("rl", "status", str(run_id), "--follow", timeout=1800)
+    assert followed.returncode == 0, followed.stdout + followed.stderr
+    run = runs.get(cli.home, run_id)
+    assert run.state == "succeeded" and run.attempts == 2, run
+    figures = progress(cli, run_id)
+    assert figures is not None and figures.policy is not None
+    assert figures.policy.resumed_from == "step 1 (policy v1)", figures.policy
+    steps = figures.policy.done
+    assert [s.step for s in steps] == [0, 1, 2] and [s.version for s in steps] == [1, 2, 3]
+    assert [s.generated_by for s in steps] == [MODEL, "coder-grpo-v1", "coder-grpo-v2"]
+    assert all(s.answers == 8 and s.train_tokens > 0 and math.isfinite(s.kl) for s in steps)
+    assert steps[-1].kl > 0  # the later updates moved away from the base, and measured it
+    print("GRPO steps:", [(s.reward_mean, s.reward_spread, s.pass_rate, s.kl, s.sample_s, s.update_s) for s in steps])
+
+    # Each step's answers came from the version the step before trained: the trajectories (in the
+    # bucket) say so, and so does the audit log's record of every generation.
+    attempts = rl_attempts(cli, run_id)
+    assert len(attempts) == 24 and len({a.key for a in attempts}) == 24
+    for attempt in attempts:
+        step = attempt.sample // 4
+        assert attempt.model == steps[step].generated_by and attempt.adapter_version == (step or None), attempt
+        assert attempt.round == 0 and attempt.completion_tokens is not None and attempt.length_penalty == 0.0
+        assert attempt.efficiency == 0.0 or attempt.status == "passed"
+    records = [json.loads(line) for path in log_files(cli.home.audit) for line in path.read_bytes().splitlines()]
+    generated = [r for r in records if r["action"] == "chat.completions" and r["model"] in ("coder-grpo-v1",
+                                                                                            "coder-grpo-v2")]
+    assert {r["model"] for r in generated} == {"coder-grpo-v1", "coder-grpo-v2"}
+    assert all(r["username"] == "service-account-appliance-rl" and r["outcome"] == "allowed" for r in generated)
+    served = [r for r in records if r["action"] == "rl.policy"]
+    assert [r["target"]["version"] for r in served] == [1, 2, 3], served
+
+    # Its versions are registered as GRPO's, and served to trainers only while it trains.
+    registry = adapters.load(cli.home)
+    versions = registry.versions("coder-grpo")
+    assert [v.version for v in versions] == [1, 2, 3] and all(v.hyperparameters.method == "grpo" for v in versions)
+    assert registry.aliases["coder-grpo"].roles == ["trainer"] and registry.aliases["coder-grpo"].stable == 3
+    status = cli.run("rl", "status", str(run_id))
+    assert "GRPO step 3/3, coder-grpo v3" in status.stdout, status.stdout
+    # Another run may not train (and serve) a name that is not its own.
+    taken = cli.run("rl", "run", "--tasks", "starter", "--base", MODEL, "--method", "grpo", "--policy", "coder-grpo",
+                    "--steps", "1", "--follow", timeout=600)
+    assert taken.returncode == 1 and "already has versions not trained by this run" in taken.stdout, taken.stdout
+    assert adapters.load(cli.home).aliases["coder-grpo"].stable == 3

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import re
+import threading
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -295,3 +297,21 @@ def test_a_deploy_that_would_serve_another_version_than_it_loaded_is_refused(rou
     refused = refusal(routes.deploy("codes", None, None, None))
     assert refused.status == 409 and "changed while the engine loaded" in refused.message
     assert "codes" not in routes.registry().aliases and routes.registry().find("codes", 2).state == "registered"
+
+
+def test_requests_finding_a_version_unloaded_at_once_each_get_its_files(routes: AdapterRoutes) -> None:
+    """The first requests for a version the engine has not loaded (a policy version just trained, an
+    engine restarted) copy its files at the same time: each gets them, and no partial copy is left."""
+    record = routes.registry().find("codes", 2)
+    barrier = threading.Barrier(8)
+    get = routes.store.get
+
+    def slow_get(key: str) -> bytes:
+        barrier.wait(timeout=10)  # every request is past its look for the files before any writes them
+        return get(key)
+
+    routes.store.get = slow_get  # type: ignore[method-assign]
+    with ThreadPoolExecutor(8) as threads:
+        found = list(threads.map(lambda _: routes._materialize(record), range(8)))
+    assert len(set(found)) == 1 and (found[0] / "adapter_model.safetensors").read_bytes() == b"weights"
+    assert sorted(p.name for p in found[0].parent.iterdir()) == ["v2"]

@@ -16,7 +16,7 @@ from appliance.errors import ApplianceError
 from appliance.rl.progress import PolicyProgress, PolicyStep, policy_line
 from appliance.rl.runs import PolicySpec, RunSpec
 from appliance.rl.tasks import Task
-from finetune.rl.policy import read_result, step_tasks
+from finetune.rl.policy import copy_plain_file, read_result, step_tasks
 from finetune.rl.policy_update import Group, UpdateSpec, checkpoint_dir, main, result_file, update_file
 from tests.support.models import tiny_llama
 
@@ -89,6 +89,15 @@ def test_what_the_update_reports_is_checked_before_it_is_believed(tmp_path: Path
     os.symlink("/etc/passwd", result_file(tmp_path, 0))
     with pytest.raises(ApplianceError, match="not a plain file"):
         read_result(tmp_path, 0)
+    # The adapter's files are copied out of the trainer's directory only as the plain files they must be.
+    (checkpoint / "link").symlink_to("/etc/passwd")
+    os.mkfifo(checkpoint / "pipe")
+    for odd in ("link", "pipe"):
+        with pytest.raises(ApplianceError, match="plain file|not a regular file"):
+            copy_plain_file(checkpoint / odd, tmp_path / f"copied-{odd}")
+        assert not (tmp_path / f"copied-{odd}").exists()
+    copy_plain_file(checkpoint / "adapter_config.json", tmp_path / "copied")
+    assert (tmp_path / "copied").read_text() == "{}"
     with pytest.raises(ValidationError, match="one reward and one ending"):
         Group(messages=[{"role": "user", "content": "x"}], answers=["a", "b"], rewards=[1.0], ended=[True, True])
 
@@ -101,3 +110,21 @@ def test_the_progress_line_names_the_step_the_version_and_the_figures() -> None:
     assert policy_line(progress) == ("GRPO step 1/8, coder-grpo v1: reward 0.412 +/- 0.300, pass rate 25%, "
                                      "KL 0.0012 (resumed at step 1 (policy v1))")
     assert policy_line(PolicyProgress(policy="p", steps=2, done=[])).startswith("GRPO step 0/2, the base model")
+
+
+def test_the_terminal_ui_shows_a_grpo_runs_last_step() -> None:
+    from appliance.jobs import JobState
+    from appliance.rl.progress import RunProgress, RunReport
+    from tui.rl_runs import run_line
+
+    step = PolicyStep(step=1, version=2, generated_by="coder-grpo-v1", answers=8, reward_mean=0.5, reward_spread=0.25,
+                      pass_rate=0.5, kl=0.002, loss=0.0, train_tokens=900, sample_s=3.0, generate_s=8.0,
+                      execute_s=1.0, update_s=9.0)
+    progress = RunProgress(tasks=16, attempts_done=16, attempts_planned=24, passed=8, pass_rate=0.4,
+                           first_pass_rate=0.5, mean_reward=0.5, queue_depth=0, workers=1, trajectory_segments=0,
+                           policy=PolicyProgress(policy="coder-grpo", steps=3, done=[step]))
+    run = RunReport(id=4, spec=RunSpec(tasks="starter", base="demo", samples=4, rounds=0, grpo=GRPO),
+                    state=JobState.RUNNING, submitted="", started=None, finished=None, attempts=1, worker_pid=1,
+                    message=None, progress=progress)
+    assert run_line(run).startswith("Run 4: GRPO of coder-grpo on starter (train), groups of 4, 4 tasks a step; "
+                                    "GRPO step 2/3, coder-grpo v2: reward 0.500 +/- 0.250, pass rate 50%, KL 0.0020")
