@@ -159,6 +159,9 @@ class PolicyTraining:
         started = time.monotonic()
         self.loop.attempt_all(firsts, asked)
         sample_s = time.monotonic() - started
+        # The step's trajectories in the artifact store before the policy learns from them (a store
+        # that is away: Unavailable, and the run waits and resumes here).
+        self.loop.writer.flush(at_least=1)
         attempts = {a.key: a for a in self.loop.store.attempts()}
         group = [attempts[first.key] for first in firsts]
         if strangers := sorted({a.model for a in group if a.model and a.model != answering}):

@@ -347,7 +347,7 @@ def test_grpo_trains_a_policy_online_each_step_answered_by_the_version_the_step_
     assert unnamed.returncode == 1 and "--method grpo needs --policy" in unnamed.stderr, unnamed.stderr
 
     queued = cli.run("rl", "run", "--tasks", "starter", "--base", MODEL, "--method", "grpo", "--policy", "coder-grpo",
-                     "--steps", "3", "--tasks-per-step", "2", "--samples", "4", "--max-tokens", "96",
+                     "--steps", "3", "--tasks-per-step", "2", "--samples", "4", "--max-tokens", "64",
                      "--temperature", "0.9", "--learning-rate", "0.0005")
     assert queued.returncode == 0 and "3 GRPO steps of policy coder-grpo" in queued.stdout, queued.stderr
     run_id = runs.listing(cli.home)[-1].id
@@ -386,6 +386,9 @@ def test_grpo_trains_a_policy_online_each_step_answered_by_the_version_the_step_
                                                                                             "coder-grpo-v2")]
     assert {r["model"] for r in generated} == {"coder-grpo-v1", "coder-grpo-v2"}
     assert all(r["username"] == "service-account-appliance-rl" and r["outcome"] == "allowed" for r in generated)
+    segments = [o.object_name for o in client(lab.s3).list_objects(
+        BUCKET, prefix=f"trajectories/run-{run_id}/segments/", recursive=True)]
+    assert len(segments) >= 3  # each step's, stored before the policy learned from them
     served = [r for r in records if r["action"] == "rl.policy"]
     assert [r["target"]["version"] for r in served] == [1, 2, 3], served
 
