@@ -13,7 +13,8 @@ class Role(StrEnum):
     USER = "user"
     TRAINER = "trainer"
     AUDITOR = "auditor"
+    RL_POLICY = "rl-policy"  # the RL service identity's: it calls a GRPO run's policy while it trains
 
 
 # The most generous first: a user's limits are those of the first role they hold.
-ROLE_ORDER = (Role.ADMIN, Role.TRAINER, Role.AUDITOR, Role.USER)
+ROLE_ORDER = (Role.ADMIN, Role.TRAINER, Role.AUDITOR, Role.USER, Role.RL_POLICY)

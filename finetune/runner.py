@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import psutil
 
@@ -37,6 +37,7 @@ from finetune.datasets import PREFIX, check_dataset, kind, load_registry
 from finetune.sandbox import prepare, sandboxed
 from finetune.train import Result, Scoring, TrainingCancelled, TrainingError, TrainingSpec, load_result
 
+LOG_TAIL_BYTES = 65536  # of a failed trainer's log, read for its last line
 BEAT_S = 5.0  # the trainer's beats passed on (to the queue's progress stamp) at most this often
 
 log = logging.getLogger("appliance.finetune")
@@ -182,12 +183,16 @@ def _trainer_command(directory: Path, processes: int) -> list[str]:
 
 
 def train_in_child(directory: Path, command: list[str], on_progress: Callable[[Progress], None],
-                    on_child: Callable[[int], None], on_beat: Callable[[], None], *, limit_s: float) -> None:
+                   on_child: Callable[[int], None], on_beat: Callable[[], None], *, limit_s: float,
+                   log: Path | None = None, cancel: Path | None = None) -> None:
     """Run the trainer in a process group of its own, reporting its progress; a cancel request
-    (the job directory's cancel file), its running past `limit_s` or our own end ends the whole
-    group (its checkpoints stay)."""
-    log = directory / "train.log"
-    with log.open("ab") as output:
+    (`cancel`, by default the job directory's cancel file), its running past `limit_s` or our own
+    end ends the whole group (its checkpoints stay). Its output goes to `log` (by default the job
+    directory's train.log, which the trainer could have replaced: opened only as a regular file,
+    never through a link)."""
+    log = log or directory / "train.log"
+    cancel = cancel or directory / CANCEL_FILE
+    with open_log(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT) as output:
         child = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, cwd=directory,
                                  start_new_session=True,
                                  env={**os.environ, **OFFLINE_ENVIRONMENT})
@@ -195,7 +200,7 @@ def train_in_child(directory: Path, command: list[str], on_progress: Callable[[P
         seen, beat_seen, beat_at = None, None, -math.inf
         deadline = time.monotonic() + limit_s
         try:
-            while child.poll() is None and not (directory / CANCEL_FILE).exists():
+            while child.poll() is None and not cancel.exists():
                 if time.monotonic() > deadline:
                     raise TrainingError(f"training ran past finetune.max_job_hours ({limit_s / 3600:g} h) and "
                                         "was ended; its checkpoints are kept", hint=f"its log: {log}")
@@ -209,13 +214,27 @@ def train_in_child(directory: Path, command: list[str], on_progress: Callable[[P
                 end_group(child.pid)
                 child.wait()
     _report(directory, seen, on_progress)
-    if (directory / CANCEL_FILE).exists():
+    if cancel.exists():
         raise TrainingCancelled("training stopped as asked; its checkpoints are kept")
     if child.returncode != 0:
-        tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
+        with open_log(log, os.O_RDONLY) as found:
+            found.seek(max(0, os.fstat(found.fileno()).st_size - LOG_TAIL_BYTES))
+            tail = found.read().decode(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
         if "bwrap" in tail[0] or "setpriv" in tail[0]:
             tail[0] += " (the training sandbox could not start: see finetune.sandbox)"
         raise TrainingError(f"training failed (exit {child.returncode}): {tail[0]}", hint=f"full log: {log}")
+
+
+def open_log(path: Path, flags: int) -> BinaryIO:
+    """A trainer's log, opened only as a regular file (never through a link, nor a pipe waited on)."""
+    try:
+        handle = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as exc:
+        raise TrainingError(f"the trainer's log {path} cannot be opened as a plain file: {exc}") from exc
+    if not stat.S_ISREG(os.fstat(handle).st_mode):
+        os.close(handle)
+        raise TrainingError(f"the trainer's log {path} is not a regular file; refused")
+    return os.fdopen(handle, "ab" if flags & os.O_WRONLY else "rb")
 
 
 def end_group(pid: int) -> None:

@@ -204,13 +204,13 @@ def _cli_client(admin: KeycloakAdmin, settings: Settings, report: ProvisionRepor
 
 def _rl_client(admin: KeycloakAdmin, settings: Settings, home: Home, report: ProvisionReport) -> None:
     """The RL loop's service identity: a confidential client whose service account has roles `user`
-    and `trainer` (a GRPO run's policy in training is served to trainers only) and whose tokens
-    carry the gateway in `aud`, so its generations are authenticated, rate-limited and audited as
-    any user's."""
+    and `rl-policy` (a GRPO run's policy in training is served to that role only, which no person
+    holds unless an administrator grants it) and whose tokens carry the gateway in `aud`, so its
+    generations are authenticated, rate-limited and audited as any user's."""
     account = _service_account(admin, settings.rl.client_id, rl_client_secret(home), report,
                                protocolMappers=[_gateway_audience(settings)])
     held = {r["name"] for r in admin.get_realm_roles_of_user(account)}
-    if missing := [role for role in (Role.USER, Role.TRAINER) if role not in held]:
+    if missing := [role for role in (Role.USER, Role.RL_POLICY) if role not in held]:
         admin.assign_realm_roles(account, [admin.get_realm_role(role) for role in missing])
 
 

@@ -10,6 +10,8 @@ from appliance.home import Home
 from appliance.jobs import PROGRESS_FILE
 from appliance.rl.runs import Run, run_dir
 
+RECENT_STEPS = 100  # a GRPO run's steps its live figures show
+
 
 class PolicyStep(BaseModel):
     """One finished update of a GRPO run: the version it trained, what its group scored (the
@@ -38,7 +40,8 @@ class PolicyProgress(BaseModel):
 
     policy: str
     steps: int
-    done: list[PolicyStep] = Field(description="Finished updates, oldest first.")
+    finished: int = Field(0, description="Updates finished.")
+    done: list[PolicyStep] = Field(description=f"The last {RECENT_STEPS} finished updates, oldest first.")
     resumed_from: str | None = Field(None, description="The step and version it last resumed from, if it did.")
 
 

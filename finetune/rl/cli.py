@@ -205,6 +205,7 @@ def run_command(
         where = [str(part) for part in first["loc"] if part != "grpo"]
         field = f"--{'-'.join(where).replace('_', '-')}: " if where else ""
         raise Invalid(f"{field}{first['msg'].removeprefix('Value error, ')}") from exc
+    runs.check_policy_name(spec, load_settings(home.settings_file), home)
     found = runs.submit(home, spec)
     note_target("rl_run", str(found.id))
     if grpo:

@@ -33,7 +33,7 @@ from appliance.jobs import CANCEL_FILE
 from appliance.local_gateway import client_options
 from appliance.rl.attempts import Attempt, attempt_key
 from appliance.rl.executions import STORE_FILE
-from appliance.rl.progress import PolicyProgress, RunProgress, write_progress
+from appliance.rl.progress import RECENT_STEPS, PolicyProgress, RunProgress, write_progress
 from appliance.rl.runs import Run, progressed, run_dir
 from appliance.rl.tasks import Task
 from appliance.settings import RlSettings, Settings
@@ -407,9 +407,9 @@ class Loop:
             mean_reward=sum(a.reward for a in attempts) / len(attempts) if attempts else 0.0,
             queue_depth=self.store.depth(), workers=self.pool.alive(),
             trajectory_segments=len(self.store.segments()),
-            policy=None if grpo is None else PolicyProgress(policy=grpo.policy, steps=grpo.steps,
-                                                            done=self.store.policy_steps(),
-                                                            resumed_from=self.resumed_from))
+            policy=None if grpo is None else PolicyProgress(
+                policy=grpo.policy, steps=grpo.steps, finished=self.store.policy_steps_done(),
+                done=self.store.policy_steps(RECENT_STEPS), resumed_from=self.resumed_from))
         write_progress(self.home, self.run.id, progress)
         return progress
 

@@ -1,18 +1,17 @@
-"""`python -m finetune.rl.policy_update DIR STEP`: one GRPO update of a policy (finetune.rl.policy), in
-the training sandbox (no network, only DIR writable).
+"""`python -m finetune.rl.policy_update SPEC`: one GRPO update of a policy (finetune.rl.policy), in
+the training sandbox (no network; only the spec's `output` directory writable).
 
-DIR/update-STEP.json says what to learn from: each task's prompt, the group of answers the policy
-gave to it and their rewards (scored in the execution sandbox before). TRL's GRPOTrainer makes the
-update (group-relative advantages, a KL term to the base model, LoRA through PEFT): its rollout
-function hands it the group's answers instead of generating, and its reward function reads their
-rewards. It resumes the trainer's checkpoint of the step before (DIR/checkpoints/checkpoint-STEP:
-the adapter, the optimiser's state, the step count), leaves checkpoint-(STEP+1) and, last,
-DIR/result-(STEP+1).json. Exit status: 0 updated, 1 failed (the reason on stderr)."""
+The spec (UpdateSpec, read-only here) says what to learn from: each task's prompt, the group of
+answers the policy gave to it and their rewards (scored in the execution sandbox before). TRL's
+GRPOTrainer makes the update (group-relative advantages, a KL term to the base model, LoRA through
+PEFT): its rollout function hands it the group's answers instead of generating, and its reward
+function reads their rewards. It resumes from `resume` (the step before's trainer state, read-only:
+the adapter, the optimiser's state, the step count), leaves OUTPUT/checkpoints/checkpoint-(STEP+1)
+and, last, OUTPUT/result.json. Exit status: 0 updated, 1 failed (the reason on stderr)."""
 
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 import threading
 import time
@@ -28,6 +27,10 @@ from appliance.jobs import HEARTBEAT_FILE
 from finetune.job import die_with_parent
 
 CHECKPOINTS = "checkpoints"
+RESULT = "result.json"
+# What a later update resumes from (Trainer's checkpoint, less what it does not read back).
+RESUME_FILES = ("adapter_config.json", "adapter_model.safetensors", "optimizer.pt", "scheduler.pt",
+                "trainer_state.json", "rng_state.pth")
 
 
 class Group(BaseModel):
@@ -51,6 +54,8 @@ class UpdateSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     base: Path
+    resume: Path | None = Field(description="The trainer state after `step` updates (None for step 0).")
+    output: Path = Field(description="This update's directory: the only one it writes.")
     step: int = Field(ge=0)
     beta: float = Field(gt=0)
     learning_rate: float = Field(gt=0)
@@ -63,38 +68,25 @@ class UpdateSpec(BaseModel):
     def _same_size(self) -> UpdateSpec:
         if len({len(group.answers) for group in self.groups}) != 1:
             raise ValueError("every group holds as many answers")
+        if (self.resume is None) != (self.step == 0):
+            raise ValueError("an update after the first resumes the trainer state of the one before")
         return self
 
 
 class UpdateResult(BaseModel):
-    """What the update reports (read back by the rl-worker, which does not trust it: checked)."""
+    """What the update reports (read back by the rl-worker, which does not trust it: checked, and
+    only shown; the rewards' figures are the worker's own)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    step: int = Field(ge=1, description="The trainer's step count after this update.")
-    loss: float
-    kl: float = Field(ge=0)
-    reward_mean: float
-    reward_spread: float = Field(ge=0)
-    train_tokens: int = Field(ge=0, description="Prompt and answer tokens the update saw, no padding.")
-    seconds: float = Field(ge=0)
+    step: int = Field(ge=1, le=1_000_000, description="The trainer's step count after this update.")
+    loss: float = Field(ge=-1e6, le=1e6)
+    kl: float = Field(ge=0, le=1e6)
+    train_tokens: int = Field(ge=0, le=10**12, description="Prompt and answer tokens the update saw, no padding.")
+    seconds: float = Field(ge=0, le=10**7)
 
 
-def update_file(directory: Path, step: int) -> Path:
-    return directory / f"update-{step}.json"
-
-
-def result_file(directory: Path, step: int) -> Path:
-    """Written once the update and its checkpoint are complete."""
-    return directory / f"result-{step + 1}.json"
-
-
-def checkpoint_dir(directory: Path, steps: int) -> Path:
-    """The trainer's state after `steps` updates."""
-    return directory / CHECKPOINTS / f"checkpoint-{steps}"
-
-
-def update(directory: Path, spec: UpdateSpec) -> UpdateResult:
+def update(spec: UpdateSpec) -> UpdateResult:
     import torch  # heavy: only in the trainer
     from datasets import Dataset
     from peft import LoraConfig
@@ -131,7 +123,7 @@ def update(directory: Path, spec: UpdateSpec) -> UpdateResult:
 
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental
     args = GRPOConfig(
-        output_dir=str(directory / CHECKPOINTS), num_generations=size, per_device_train_batch_size=len(keys) * size,
+        output_dir=str(spec.output / CHECKPOINTS), num_generations=size, per_device_train_batch_size=len(keys) * size,
         gradient_accumulation_steps=1, max_steps=spec.step + 1, beta=spec.beta, learning_rate=spec.learning_rate,
         lr_scheduler_type="constant", warmup_steps=0, logging_steps=1, report_to=[], save_strategy="steps",
         save_steps=1, save_total_limit=2, use_cpu=not torch.cuda.is_available(), bf16=False,
@@ -141,13 +133,10 @@ def update(directory: Path, spec: UpdateSpec) -> UpdateResult:
         train_dataset=Dataset.from_list([{"prompt": key} for key in keys]),
         peft_config=LoraConfig(r=spec.lora_rank, lora_alpha=2 * spec.lora_rank, lora_dropout=0.0,
                                target_modules="all-linear", task_type="CAUSAL_LM"))
-    previous = checkpoint_dir(directory, spec.step)
-    trainer.train(resume_from_checkpoint=str(previous) if spec.step else None)
+    trainer.train(resume_from_checkpoint=str(spec.resume) if spec.resume else None)
     figures = next(entry for entry in reversed(trainer.state.log_history)
                    if entry.get("step") == spec.step + 1 and "loss" in entry)
-    rewards = [r for group in spec.groups for r in group.rewards]
     return UpdateResult(step=spec.step + 1, loss=figures["loss"], kl=max(0.0, figures.get("kl", 0.0)),
-                        reward_mean=statistics.fmean(rewards), reward_spread=statistics.pstdev(rewards),
                         train_tokens=tokens, seconds=round(time.monotonic() - started, 3))
 
 
@@ -162,20 +151,20 @@ def beat(directory: Path, every_s: float = 10.0) -> None:
     threading.Thread(target=touch, daemon=True, name="beat").start()
 
 
-def main(directory: Path, step: int) -> int:
+def main(spec_file: Path) -> int:
     die_with_parent()
-    beat(directory)
     # GRPOTrainer looks at the vLLM it finds (the engine's, newer than it knows), which it does not use here.
     warnings.filterwarnings("ignore", "TRL currently supports vLLM versions")
     try:
-        spec = UpdateSpec.model_validate_json(update_file(directory, step).read_bytes())
-        result = update(directory, spec)
+        spec = UpdateSpec.model_validate_json(spec_file.read_bytes())
+        beat(spec.output)
+        result = update(spec)
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    replace_file(result_file(directory, step), result.model_dump_json().encode(), mode=0o644)
+    replace_file(spec.output / RESULT, result.model_dump_json().encode(), mode=0o644)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(Path(sys.argv[1]), int(sys.argv[2])))
+    sys.exit(main(Path(sys.argv[1])))

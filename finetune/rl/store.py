@@ -230,11 +230,16 @@ class RunStore:
         with self._connect() as db:
             db.execute("insert into policy_steps values (?, ?)", (figures.step, figures.model_dump_json()))
 
-    def policy_steps(self) -> list[PolicyStep]:
-        """A GRPO run's finished updates, in order."""
+    def policy_steps(self, last: int = -1) -> list[PolicyStep]:
+        """A GRPO run's finished updates (the `last` of them; -1: all), in order."""
         with self._connect() as db:
-            return [PolicyStep.model_validate_json(row["figures"])
-                    for row in db.execute("select figures from policy_steps order by step")]
+            rows = db.execute("select figures from (select step, figures from policy_steps order by step desc "
+                              "limit ?) order by step", (last,)).fetchall()
+        return [PolicyStep.model_validate_json(row["figures"]) for row in rows]
+
+    def policy_steps_done(self) -> int:
+        with self._connect() as db:
+            return int(db.execute("select count(*) from policy_steps").fetchone()[0])
 
     # Trajectory segments: attempts are given a segment number first, then the segment is put.
 

@@ -52,7 +52,8 @@ def test_cli_token_login_and_users_round_trip(running: Running, realm: Realm) ->
 
     listed = cli.run("users", "list", timeout=60)
     assert "dave" in listed.stdout and "trainer" in listed.stdout
-    assert cli.run("users", "list-roles", timeout=60).stdout.split() == ["admin", "user", "trainer", "auditor"]
+    assert cli.run("users", "list-roles", timeout=60).stdout.split() == ["admin", "user", "trainer", "auditor",
+                                                                         "rl-policy"]
     disabled = cli.run("users", "disable", "dave", timeout=60)
     assert disabled.returncode == 0
     users = {u["username"]: u for u in admin_get(realm, "/users").json()}

@@ -392,11 +392,11 @@ def test_grpo_trains_a_policy_online_each_step_answered_by_the_version_the_step_
     served = [r for r in records if r["action"] == "rl.policy"]
     assert [r["target"]["version"] for r in served] == [1, 2, 3], served
 
-    # Its versions are registered as GRPO's, and served to trainers only while it trains.
+    # Its versions are registered as GRPO's, and served to the RL identity's role only.
     registry = adapters.load(cli.home)
     versions = registry.versions("coder-grpo")
     assert [v.version for v in versions] == [1, 2, 3] and all(v.hyperparameters.method == "grpo" for v in versions)
-    assert registry.aliases["coder-grpo"].roles == ["trainer"] and registry.aliases["coder-grpo"].stable == 3
+    assert registry.aliases["coder-grpo"].roles == ["rl-policy"] and registry.aliases["coder-grpo"].stable == 3
     status = cli.run("rl", "status", str(run_id))
     assert "GRPO step 3/3, coder-grpo v3" in status.stdout, status.stdout
     # Another run may not train (and serve) a name that is not its own.
