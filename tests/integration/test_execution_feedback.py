@@ -402,5 +402,5 @@ def test_grpo_trains_a_policy_online_each_step_answered_by_the_version_the_step_
     # Another run may not train (and serve) a name that is not its own.
     taken = cli.run("rl", "run", "--tasks", "starter", "--base", MODEL, "--method", "grpo", "--policy", "coder-grpo",
                     "--steps", "1", "--follow", timeout=600)
-    assert taken.returncode == 1 and "already has versions not trained by this run" in taken.stdout, taken.stdout
+    assert taken.returncode == 1 and "has versions this run did not train (v1)" in taken.stdout, taken.stdout
     assert adapters.load(cli.home).aliases["coder-grpo"].stable == 3
