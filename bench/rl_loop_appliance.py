@@ -118,8 +118,8 @@ def measure_loop() -> dict[str, Any]:
     }
 
 
-GRPO_STEPS = 6
-GRPO_TASKS_PER_STEP = 4
+GRPO_STEPS = 3
+GRPO_TASKS_PER_STEP = 2
 GRPO_GROUP = 4
 GRPO_TOKENS = 192
 SETTINGS_IN_ENV = {"APPLIANCE_GATEWAY__PORT": "18480", "APPLIANCE_KEYCLOAK__PORT": "18490",
@@ -157,6 +157,7 @@ def measure_grpo() -> dict[str, Any]:
         "update_share": round(sum(s.update_s for s in steps) / sum(s.sample_s + s.update_s for s in steps), 2),
         "reward_by_step": [round(s.reward_mean, 3) for s in steps],
         "kl_by_step": [round(s.kl, 5) for s in steps],
-        "held_out_pass_at_1": {**gate_figures(gate.stdout), "difference_95": None if interval is None else
-                               [float(v) / 100 for v in interval.groups()]},
+        "held_out_pass_at_1": {**gate_figures(gate.stdout), "difference": None if interval is None else
+                               dict(zip(("mean", "low", "high"), (float(v) / 100 for v in interval.groups()),
+                                        strict=True))},
     }
