@@ -1,13 +1,15 @@
 """Training throughput: the appliance's trainer (finetune.train: TRL's SFT trainer + PEFT LoRA,
-loss on completions only) against a plain PEFT + Transformers loop (AdamW, the same LoRA, the
-same tokens, loss on completions only) on the same model, data and steps, taking turns twice.
-Each run is its own process, so its peak RSS (GNU time) is its own.
+loss on completions only) against a plain PEFT + Transformers loop (AdamW, padded batches in
+order, loss on completions only) on the same model: the same rows for one epoch in batches of the
+same size, the same LoRA, the same real tokens, taking turns twice. Each run is its own process,
+so its peak RSS (GNU time) is its own.
 
-Reports training tokens/s (input tokens seen / training seconds, evaluation excluded), peak RSS
-and the ratios appliance / plain. On a GPU host the same script measures LoRA and QLoRA there.
+Reports real training tokens/s (tokens fed to the model, padding excluded, over the seconds spent
+training: loading and evaluation excluded), peak RSS and the ratios appliance / plain. On a GPU
+host the same script measures LoRA and QLoRA there.
 
-Run: .venv/bin/python bench/finetune_throughput.py [--model DIR] [--steps N] [--qlora]
-Writes bench/results/finetune_throughput.json.
+Run: .venv/bin/python -m bench.finetune_throughput [--model DIR] [--steps N] [--qlora]
+(N batches of training rows, one epoch.) Writes bench/results/finetune_throughput.json.
 """
 
 from __future__ import annotations
@@ -26,23 +28,27 @@ from typing import Any
 RESULTS = Path(__file__).parent / "results" / "finetune_throughput.json"
 ROUNDS = 2
 BATCH = 4
+HELD_OUT = 8  # rows the appliance evaluates on (not timed)
 
 
-def rows(count: int = 64) -> list[dict[str, Any]]:
-    return [{"messages": [{"role": "user", "content": f"Which shelf holds item {i} of the {i % 7}th aisle?"},
+def rows(steps: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """`steps` batches of training rows, and the held-out rows."""
+    made = [{"messages": [{"role": "user", "content": f"Which shelf holds item {i} of the {i % 7}th aisle?"},
                           {"role": "assistant", "content": f"Item {i} sits on shelf {i % 5} in aisle {i % 7}, "
-                                                           "next to the blue crates."}]} for i in range(count)]
+                                                           "next to the blue crates."}]}
+            for i in range(steps * BATCH + HELD_OUT)]
+    return made[:-HELD_OUT], made[-HELD_OUT:]
 
 
 def appliance_run(model: Path, steps: int, qlora: bool) -> dict[str, float]:
     from appliance.jobs import Hyperparameters
     from finetune.train import train_adapter
 
-    data = rows()
     with tempfile.TemporaryDirectory() as work:
-        result = train_adapter(model, data[:-8], data[-8:], Path(work), Hyperparameters(
-            max_steps=steps, batch_size=BATCH, save_steps=10_000, qlora=qlora, learning_rate=1e-4))
+        result = train_adapter(model, *rows(steps), Path(work), Hyperparameters(
+            epochs=1, batch_size=BATCH, save_steps=10_000, qlora=qlora, learning_rate=1e-4))
     assert result is not None, "one process is rank 0, which gets the result"
+    assert result.steps == steps, f"{result.steps} steps, not {steps}"
     return {"tokens": result.train_tokens, "seconds": result.seconds}
 
 
@@ -54,14 +60,15 @@ def plain_run(model_dir: Path, steps: int, qlora: bool) -> dict[str, float]:
     from appliance.jobs import Hyperparameters
     from finetune.train import _quantization  # the same 4-bit config when --qlora
 
+    hp = Hyperparameters(qlora=qlora)  # the LoRA the appliance trains by default
     # Any: transformers' and PEFT's annotations do not follow a model through get_peft_model.
     tokenizer: Any = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     model: Any = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32,
-                                                 **_quantization(Hyperparameters(qlora=qlora)))
-    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05, target_modules="all-linear",
-                                             task_type="CAUSAL_LM"))
+                                                 **_quantization(hp))
+    model = get_peft_model(model, LoraConfig(r=hp.rank, lora_alpha=hp.alpha, lora_dropout=hp.dropout,
+                                             target_modules="all-linear", task_type="CAUSAL_LM"))
     examples = []
-    for row in rows()[:-8]:
+    for row in rows(steps)[0]:
         prompt = tokenizer.apply_chat_template(row["messages"][:1], add_generation_prompt=True,
                                                return_dict=True)["input_ids"]
         whole = tokenizer.apply_chat_template(row["messages"], return_dict=True)["input_ids"]
@@ -70,7 +77,7 @@ def plain_run(model_dir: Path, steps: int, qlora: bool) -> dict[str, float]:
     model.train()
     tokens, started = 0, time.monotonic()
     for step in range(steps):
-        batch = [examples[(step * BATCH + i) % len(examples)] for i in range(BATCH)]
+        batch = examples[step * BATCH:(step + 1) * BATCH]
         width = max(len(ids) for ids, _ in batch)
         pad = tokenizer.pad_token_id or tokenizer.eos_token_id
         input_ids = torch.tensor([ids + [pad] * (width - len(ids)) for ids, _ in batch])
@@ -99,7 +106,7 @@ def measured(mode: str, model: Path, steps: int, qlora: bool) -> dict[str, float
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=None, help="checkpoint dir (default: the demo model)")
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=20, help="batches of training rows (one epoch)")
     parser.add_argument("--qlora", action="store_true")
     parser.add_argument("--child", choices=("appliance", "plain"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -116,9 +123,13 @@ def main() -> None:
         for mode in (("appliance", "plain") if round_ % 2 == 0 else ("plain", "appliance")):
             runs[mode].append(measured(mode, args.model, args.steps, args.qlora))
             print(mode, json.dumps(runs[mode][-1]), flush=True)
+    tokens = {r["tokens"] for found in runs.values() for r in found}
+    if len(tokens) != 1:
+        raise SystemExit(f"the runs did not train on the same real tokens: {runs}")
     rate = {mode: statistics.median(r["tokens_per_s"] for r in found) for mode, found in runs.items()}
     peak = {mode: max(r["peak_rss_bytes"] for r in found) for mode, found in runs.items()}
-    row = {"model": args.model.name, "qlora": args.qlora, "steps": args.steps, "batch_size": BATCH,
+    row = {"model": args.model.name, "qlora": args.qlora, "steps": args.steps, "batch_size": BATCH, "epochs": 1,
+           "real_tokens": tokens.pop(),
            "appliance_tokens_per_s": round(rate["appliance"], 1), "plain_tokens_per_s": round(rate["plain"], 1),
            "throughput_ratio": round(rate["appliance"] / rate["plain"], 2),
            "appliance_peak_rss_bytes": peak["appliance"], "plain_peak_rss_bytes": peak["plain"],

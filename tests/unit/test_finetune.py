@@ -255,3 +255,114 @@ def test_a_trainer_running_past_its_limit_is_ended_and_fails(tmp_path: Path) -> 
     [pid] = pids
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)  # ended and reaped
+
+
+def uneven_rows(count: int) -> list[dict[str, object]]:
+    """Chat rows whose prompts and answers differ in length, so that a batch of them is padded."""
+    return [{"messages": [{"role": "user", "content": f"What is the code for item {i}?" + " Be brief." * (i % 3)},
+                          {"role": "assistant", "content": f"The code for item {i} is" + " ZEBRA" * (1 + i % 4)}]}
+            for i in range(count)]
+
+
+def test_the_cpu_training_loss_is_trls_on_the_labelled_positions_only(tmp_path: Path, demo_model: Path) -> None:
+    """On a CPU the trainer projects only the positions from the first label on onto the
+    vocabulary; its loss and LoRA gradients are those of TRL's own loss, padding and prompts of
+    different lengths included."""
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl.trainer.sft_config import SFTConfig
+    from trl.trainer.sft_trainer import SFTTrainer
+
+    from finetune.train import _cpu_sft_trainer, as_training_rows
+
+    model_dir = tiny_llama(tmp_path / "tiny", demo_model)
+    trainer = _cpu_sft_trainer(SFTTrainer)(
+        model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+        args=SFTConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=6, report_to=[], use_cpu=True,
+                       gradient_checkpointing=False, disable_tqdm=True),
+        train_dataset=Dataset.from_list(as_training_rows(uneven_rows(6))),
+        processing_class=AutoTokenizer.from_pretrained(model_dir),
+        peft_config=LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear",
+                               task_type="CAUSAL_LM"))
+    batch = next(iter(trainer.get_train_dataloader()))
+    assert (batch["attention_mask"] == 0).any(), "the batch is padded"
+    model = trainer.model
+    model.train()
+    lora = [p for p in model.parameters() if p.requires_grad]
+    with torch.no_grad():
+        for parameter in lora:
+            parameter.normal_(0, 0.05)  # B starts at zero: give the gradients of A something to carry
+    found = []
+    for compute in (SFTTrainer.compute_loss, type(trainer).compute_loss):
+        model.zero_grad()
+        loss = compute(trainer, model, dict(batch))
+        loss.backward()
+        found.append((loss.item(), torch.cat([p.grad.flatten() for p in lora])))
+    (trl_loss, trl_grads), (loss, grads) = found
+    assert loss == pytest.approx(trl_loss, rel=1e-5)
+    torch.testing.assert_close(grads, trl_grads, rtol=1e-4, atol=1e-6)
+
+
+def test_train_tokens_are_the_real_tokens_and_seconds_the_training(tmp_path: Path, demo_model: Path) -> None:
+    """train_tokens counts the tokens fed to the model without the padding (prompts included);
+    seconds is the training's alone."""
+    from transformers import AutoTokenizer
+
+    from finetune.train import train_adapter
+
+    model_dir = tiny_llama(tmp_path / "tiny", demo_model)
+    rows = uneven_rows(12)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    lengths = [len(tokenizer.apply_chat_template(row["messages"], return_dict=True)["input_ids"]) for row in rows[:8]]
+    assert len(set(lengths)) > 1
+    result = train_adapter(model_dir, rows[:8], rows[8:], tmp_path / "out",
+                           Hyperparameters(batch_size=4, learning_rate=0.01, save_steps=100))
+    assert result is not None and result.steps == 2
+    assert result.train_tokens == sum(lengths)
+    assert 0 < result.seconds and math.isfinite(result.adapter_eval_loss)
+    assert result.adapter_eval_loss < result.base_eval_loss
+
+
+def test_the_cpu_lora_dropout_drops_each_element_independently_with_its_probability() -> None:
+    """The dropout that draws the gaps between dropped elements drops each element (the first and
+    the last too) with probability p, independently, and scales the others by 1 / (1 - p), as
+    torch's does; it drops nothing in evaluation."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import LoraLayer
+
+    from finetune.train import _draw_only_dropped
+
+    model = get_peft_model(torch.nn.Sequential(torch.nn.Linear(4, 4)),
+                           LoraConfig(r=2, lora_dropout=0.2, target_modules=["0"]))
+    _draw_only_dropped(model)
+    [dropout] = [d for m in model.modules() if isinstance(m, LoraLayer) for d in m.lora_dropout.values()]
+    assert not isinstance(dropout, torch.nn.Dropout)
+    torch.manual_seed(0)
+    dropout.train()
+    edges = torch.stack([dropout(torch.ones(3)) == 0 for _ in range(20_000)]).float().mean(0)
+    assert torch.allclose(edges, torch.full((3,), 0.2), atol=0.015), edges
+    x = torch.ones(400, 500)
+    y = dropout(x)
+    dropped = (y == 0).flatten()
+    assert set(y[y != 0].tolist()) == {1 / 0.8}
+    for part in (dropped[:100_000], dropped[100_000:]):
+        assert abs(part.float().mean().item() - 0.2) < 0.006
+    assert abs((dropped[:-1] & dropped[1:]).float().mean().item() - 0.04) < 0.003  # neighbours independent
+    dropout.eval()
+    assert dropout(x) is x
+
+
+def test_a_run_killed_while_writing_a_checkpoint_resumes_from_the_one_before(tmp_path: Path) -> None:
+    from finetune.train import _last_checkpoint
+
+    for step in (5, 10):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        (tmp_path / f"checkpoint-{step}" / "adapter_model.safetensors").write_bytes(b"")
+    (tmp_path / "checkpoint-5" / "trainer_state.json").write_text("{}")  # written last
+    assert _last_checkpoint(tmp_path) == tmp_path / "checkpoint-5"
+    (tmp_path / "checkpoint-10" / "trainer_state.json").write_text("{}")
+    assert _last_checkpoint(tmp_path) == tmp_path / "checkpoint-10"
+    assert _last_checkpoint(tmp_path / "none") is None
