@@ -163,7 +163,9 @@ def rank_command(pool: PoolSettings, settings: Settings, home: Home, layout: Poo
         argv += ["--enable-lora", "--max-lora-rank", str(pool.max_lora_rank), "--max-loras", str(pool.max_loras)]
     argv += pool.extra_args
 
-    env = dict(OFFLINE_ENVIRONMENT)
+    # The engine's log is the operator's record of its start and loader: a parent that imported TRL
+    # (which lowers vLLM's level to ERROR in its own environment) must not silence it.
+    env = OFFLINE_ENVIRONMENT | {"VLLM_LOGGING_LEVEL": "INFO"}
     if pool.enable_lora:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     if on_cpu:

@@ -323,7 +323,8 @@ def _draw_only_dropped(model: Any) -> None:
     for module in model.modules():
         if isinstance(module, LoraLayer):
             for name, dropout in module.lora_dropout.items():
-                if isinstance(dropout, torch.nn.Dropout):  # PEFT's Identity when the dropout is 0
+                # PEFT's Identity when the dropout is 0; a Dropout DPO's trainer turned off (p = 0) stays
+                if isinstance(dropout, torch.nn.Dropout) and 0 < dropout.p < 1:
                     module.lora_dropout[name] = GapDropout(dropout.p)
 
 

@@ -59,7 +59,7 @@ def generate(model: Path, load_format: str, work: Path) -> tuple[list[dict[str, 
     # As serve/engine.py sets up a CPU pool: a fixed KV budget and one core per rank.
     env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": f"{cores[0]}|{cores[1]}",
                         "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-                        "DO_NOT_TRACK": "1"}
+                        "DO_NOT_TRACK": "1", "VLLM_LOGGING_LEVEL": "INFO"}  # importing TRL lowers it to ERROR
     out, log = work / f"{load_format}.json", work / f"{load_format}.log"
     argv = [sys.executable, "-P", str(GREEDY), str(model), str(out), "--tp", "2", "--load-format", load_format]
     for prompt in PROMPTS:

@@ -42,6 +42,14 @@ def test_cpu_demo_pool(home: Home) -> None:
     assert "VLLM_CPU_OMP_THREADS_BIND" not in launch.environment
 
 
+def test_the_engine_logs_at_info_whatever_its_parent_imported(home: Home, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Importing TRL sets VLLM_LOGGING_LEVEL=ERROR in the importer's environment; the engine's own
+    environment names INFO, so its start and loader lines are logged wherever it was launched from."""
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "ERROR")
+    settings = Settings(engine=EngineSettings(device="cpu"))
+    assert build_launch(settings.pools[0], settings, home, api_key="k").environment["VLLM_LOGGING_LEVEL"] == "INFO"
+
+
 def test_cuda_pool_with_parallelism_and_lora(tmp_path: Path, home: Home) -> None:
     pool = PoolSettings(name="full", model=str(tmp_path / "Big-Model"),
                         tensor_parallel_size=8, pipeline_parallel_size=2, data_parallel_size=1,

@@ -353,6 +353,15 @@ def test_the_cpu_lora_dropout_drops_each_element_independently_with_its_probabil
     assert abs((dropped[:-1] & dropped[1:]).float().mean().item() - 0.04) < 0.003  # neighbours independent
     dropout.eval()
     assert dropout(x) is x
+    # A dropout the trainer turned off (DPO's trainer sets p = 0 on every Dropout) is left as it is.
+    model = get_peft_model(torch.nn.Sequential(torch.nn.Linear(4, 4)),
+                           LoraConfig(r=2, lora_dropout=0.2, target_modules=["0"]))
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    _draw_only_dropped(model)
+    [off] = [d for m in model.modules() if isinstance(m, LoraLayer) for d in m.lora_dropout.values()]
+    assert isinstance(off, torch.nn.Dropout) and off.train()(torch.ones(8)).eq(1).all()
 
 
 def test_a_run_killed_while_writing_a_checkpoint_resumes_from_the_one_before(tmp_path: Path) -> None:
@@ -366,3 +375,16 @@ def test_a_run_killed_while_writing_a_checkpoint_resumes_from_the_one_before(tmp
     (tmp_path / "checkpoint-10" / "trainer_state.json").write_text("{}")
     assert _last_checkpoint(tmp_path) == tmp_path / "checkpoint-10"
     assert _last_checkpoint(tmp_path / "none") is None
+
+
+def test_dpo_trains_on_a_cpu_with_the_dropout_its_trainer_turned_off(workspace: tuple[dict[str, str], Path],
+                                                                     tmp_path: Path) -> None:
+    """DPO's trainer turns every dropout off; the CPU's faster dropout must leave those alone."""
+    from finetune.train import train_adapter
+
+    _, model = workspace
+    rows = [{"prompt": [{"role": "user", "content": f"Say {i}."}], "chosen": [{"role": "assistant", "content": str(i)}],
+             "rejected": [{"role": "assistant", "content": "no"}]} for i in range(6)]
+    hyperparameters = Hyperparameters(method="dpo", max_steps=2, batch_size=2)
+    result = train_adapter(model, rows[:4], rows[4:], tmp_path, hyperparameters)
+    assert result is not None and result.steps == 2 and round(result.base_eval_loss, 3) == 0.693
