@@ -10,6 +10,7 @@ audit/ folder would shadow the audit package) off sys.path.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ class PoolLayout:
     max_model_len: int
     hosts: int = 1
     quantization: str | None = None
+    speculative: str | None = None  # vLLM --speculative-config, JSON
 
     @property
     def gpus_per_host(self) -> int:
@@ -109,8 +111,9 @@ def layout_of_plan(plan: Plan, where: str) -> PoolLayout:
     if plan.layout is None:
         raise SettingsError(f"{where}: the plan found no feasible layout", hint="plan again with more hardware")
     layout = plan.layout
+    speculative = json.dumps(plan.target.speculative) if plan.target.speculative else None
     return PoolLayout(layout.tp, layout.pp, layout.dp, layout.ep, plan.target.context, layout.hosts,
-                      plan.model.quantization)
+                      plan.model.quantization, speculative)
 
 
 def pool_plan(pool: PoolSettings) -> tuple[Plan, str] | None:
@@ -159,6 +162,8 @@ def rank_command(pool: PoolSettings, settings: Settings, home: Home, layout: Poo
         argv.append("--enable-expert-parallel")
     if layout.quantization:
         argv += ["--quantization", layout.quantization]
+    if layout.speculative:
+        argv += ["--speculative-config", layout.speculative]
     if pool.enable_lora:
         argv += ["--enable-lora", "--max-lora-rank", str(pool.max_lora_rank), "--max-loras", str(pool.max_loras)]
     argv += pool.extra_args

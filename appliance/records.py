@@ -136,6 +136,8 @@ class PlanHardware(_Record):
 class PlanTarget(_Record):
     context: int
     concurrency: int
+    speculative: dict[str, str | int] | None = Field(
+        None, description="vLLM --speculative-config the memory was planned for (its launch passes it).")
 
 
 class PerGpuBytes(_Record):
@@ -178,6 +180,10 @@ class Plan(_Record):
     target: PlanTarget
     feasible: bool
     rejected: list[RejectedLayout]
+    objective: str = Field("min-gpus", description="What chose the layout: 'capacity' (the most KV-cache tokens, "
+                           "then fewer hosts, then less traffic between hosts) or 'min-gpus' (the fewest GPUs).")
+    choice: str | None = Field(None, description="Why the chosen layout won, in numbers against the runner-up.")
+    runner_up: AlternativeLayout | None = None
     layout: PlanLayout | None = None
     per_gpu: PerGpuBytes | None = None
     kv_bytes_per_token: int | None = None

@@ -17,7 +17,7 @@ from appliance.settings import PoolSettings, load_settings
 from installer.hardware import detect, load_profile, parse_hardware_spec
 from installer.memory import GIB
 from installer.model_config import load_model_config
-from installer.planner import LaunchSite, Pins, plan
+from installer.planner import OBJECTIVES, LaunchSite, Objective, Pins, plan, speculation
 
 NO_PLAN_EXIT = 3
 out = Console()
@@ -36,6 +36,13 @@ def plan_command(
     pp: Annotated[int | None, typer.Option(min=1, help="Pin the pipeline-parallel size.")] = None,
     dp: Annotated[int | None, typer.Option(min=1, help="Pin the data-parallel size.")] = None,
     ep: Annotated[bool | None, typer.Option("--ep/--no-ep", help="Pin expert parallelism on or off.")] = None,
+    speculative: Annotated[str | None, typer.Option(help="Plan for speculative decoding: 'mtp' (the model's own "
+                                                          "multi-token-prediction layers) or a draft model's "
+                                                          "checkpoint directory or config.json.")] = None,
+    speculative_tokens: Annotated[int, typer.Option(min=1, help="Tokens proposed a step.")] = 1,
+    objective: Annotated[str, typer.Option(help="What to choose for: 'capacity' (the most KV-cache tokens on the "
+                                               "GPUs here, then fewer hosts, then less traffic between hosts) or "
+                                               "'min-gpus' (the fewest GPUs, leaving the rest free).")] = "capacity",
     pool: Annotated[str, typer.Option(help="The pool the printed launch is for (its settings, if configured).")]
     = "main",
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan record as JSON.")] = False,
@@ -43,15 +50,24 @@ def plan_command(
     """Plan TP x PP x DP x EP for MODEL; exit 0 with a feasible plan, 3 when none fits. The launch
     printed for a one-host plan is what `appliance up` runs for a pool that names it; across hosts,
     the head fills in each rank's cluster address, interface and (on workers) paths at join."""
-    record = plan(load_model_config(model), _hardware(profile, detect_here, hardware), context=context,
+    shape = load_model_config(model)
+    record = plan(shape, _hardware(profile, detect_here, hardware), context=context,
                   concurrency=concurrency, fmt=format, pins=Pins(tp=tp, pp=pp, dp=dp, ep=ep),
-                  model_ref=str(model), site=_site(pool))
+                  model_ref=str(model), site=_site(pool), objective=_objective(objective),
+                  speculative=speculation(shape, speculative, speculative_tokens))
     if as_json:
         typer.echo(record.model_dump_json(indent=2))
     else:
         _explain(record)
     if not record.feasible:
         raise typer.Exit(NO_PLAN_EXIT)
+
+
+def _objective(value: str) -> Objective:
+    for known in OBJECTIVES:
+        if value == known:
+            return known
+    raise ApplianceError(f"--objective {value!r}: not one of {', '.join(OBJECTIVES)}")
 
 
 def _site(pool_name: str) -> LaunchSite:
@@ -86,11 +102,12 @@ def _explain(record: Plan) -> None:
         per_gpu = record.per_gpu
         out.print(f"[green]chosen[/green]: {_layout(record.layout)} on {record.layout.gpus} GPUs "
                   f"({record.layout.hosts} host(s))")
+        out.print(f"why: {record.choice}", highlight=False)
         out.print(f"per GPU: weights {per_gpu.weights / GIB:.1f} GiB, reserve {per_gpu.reserve / GIB:.1f} GiB, "
                   f"KV cache {per_gpu.kv_cache / GIB:.1f} GiB of a {per_gpu.budget / GIB:.1f} GiB budget; "
                   f"{record.kv_bytes_per_token:,} KV bytes/token; {record.kv_capacity_tokens:,} tokens in all; "
                   f"{record.max_concurrent_sequences} sequences of {record.target.context:,} tokens")
-        for alternative in record.alternatives:
+        for alternative in record.alternatives[:5]:
             out.print(f"  also fits: {_layout(alternative.layout)} on {alternative.layout.gpus} GPUs "
                       f"({alternative.kv_capacity_tokens:,} KV tokens)")
         for command in record.commands:
@@ -105,8 +122,10 @@ def _explain(record: Plan) -> None:
         if smallest:
             out.print(f"smallest hardware that fits: {smallest.hosts} hosts x {smallest.gpus_per_host} x "
                       f"{smallest.gpu} with {_layout(smallest.layout)}")
+    if len(record.alternatives) > 5:
+        out.print(f"  and {len(record.alternatives) - 5} more that fit (--json lists all)")
     closest = sorted(record.rejected, key=lambda item: -item.layout.gpus)[:12]
-    rejected = Table("rejected layout", "why", title=f"{len(record.rejected)} layouts rejected (DP 1); "
+    rejected = Table("rejected layout", "why", title=f"{len(record.rejected)} layouts rejected; "
                      f"the {len(closest)} largest (--json lists all)")
     for item in closest:
         rejected.add_row(_layout(item.layout), item.reason)

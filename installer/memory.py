@@ -1,10 +1,14 @@
 """The memory model: parameter counts, weight bytes per GPU under a layout and a weight format,
 KV-cache bytes per token per GPU, reserves, and the KV capacity that is left.
 
-Conventions (vLLM's): tensor parallelism (TP) splits attention heads, MLP columns and the
-vocabulary; pipeline parallelism (PP) splits layers; with expert parallelism (EP) each of the
-TP x DP ranks holds whole experts, else every rank holds 1/TP of every expert. Embeddings, norms,
-routers and biases stay in the model's dtype whatever the weight format.
+Conventions (vLLM 0.32's): tensor parallelism (TP) splits attention heads, MLP columns and the
+vocabulary; pipeline parallelism (PP) splits layers; an MoE model's routed experts are spread over
+all TP x DP ranks of a stage (fused_moe/config.py, FusedMoEParallelConfig.make): with expert
+parallelism (EP) as whole experts, E // ranks each and one more on the first E % ranks
+(expert_map_manager.py, determine_expert_map), else as a 1/(TP x DP) slice of every expert. The
+shared experts are split by TP, except with EP, TP > 1 and DP > 1, where every rank holds them
+whole (models/deepseek_v2.py, sequence-parallel MoE). Embeddings, norms, routers and biases stay in
+the model's dtype whatever the weight format.
 """
 
 from __future__ import annotations
@@ -175,8 +179,53 @@ class GpuMemory:
         return self.kv_cache // self.kv_bytes_per_token
 
 
-def weight_bytes_per_gpu(model: ModelShape, layout: Layout, fmt: str) -> int:
-    """Weights on the fullest GPU: the largest pipeline stage, with embeddings or head."""
+@dataclass(frozen=True)
+class Speculative:
+    """What speculative decoding adds to the fullest GPU: DeepSeek's multi-token-prediction (MTP)
+    modules, or a draft model (its own weights and KV cache at the target's TP)."""
+
+    mtp: bool = False
+    draft: ModelShape | None = None
+    draft_format: str | None = None
+    draft_ref: str | None = None  # where the launch finds the draft model
+    tokens: int = 1  # tokens proposed a step
+
+    def vllm_config(self) -> dict[str, str | int] | None:
+        """vLLM's --speculative-config (config/speculative.py: method "mtp", or "draft_model")."""
+        if self.mtp:
+            return {"method": "mtp", "num_speculative_tokens": self.tokens}
+        if self.draft is not None:
+            return {"method": "draft_model", "model": self.draft_ref or self.draft.name,
+                    "num_speculative_tokens": self.tokens}
+        return None
+
+    def weight_bytes(self, model: ModelShape, layout: Layout, fmt: str) -> int:
+        """vLLM's DeepSeekMultiTokenPredictorLayer (model_executor/models/deepseek_mtp.py): one decoder
+        layer like the model's (an MoE layer, sharded the same way), an unsharded eh_proj (2h x h) and
+        three norms in the model's dtype; it shares the target's lm_head, and its embedding too
+        unless PP > 1 (llm_base_proposer.py, _maybe_share_embeddings). Counted on the fullest stage."""
+        if self.draft is not None:
+            return weight_bytes_per_gpu(self.draft, Layout(tp=layout.tp), self.draft_format or fmt)
+        if not self.mtp:
+            return 0
+        dense_layer, moe_layer = _layer_bytes(model, layout, fmt)
+        block = moe_layer if model.experts is not None else dense_layer
+        own = (2 * model.hidden * model.hidden + 3 * model.hidden) * model.dtype_bytes
+        embedding = model.vocab * model.hidden / layout.tp * model.dtype_bytes if layout.pp > 1 else 0
+        return int(model.mtp_layers * (block + own) + embedding)
+
+    def kv_bytes_per_token(self, model: ModelShape, layout: Layout) -> int:
+        """An MTP module's attention keeps a KV cache like one more layer's; a draft model its own."""
+        if self.draft is not None:
+            return kv_bytes_per_token(self.draft, Layout(tp=layout.tp))
+        return kv_bytes_per_token(model, Layout(tp=layout.tp), layers=model.mtp_layers) if self.mtp else 0
+
+
+NO_SPECULATION = Speculative()
+
+
+def _layer_bytes(model: ModelShape, layout: Layout, fmt: str) -> tuple[float, float]:
+    """One dense layer's and one MoE layer's weights on one GPU."""
     params = count_params(model)
     linear, plain = FORMAT_BYTES[fmt], model.dtype_bytes
     tp = layout.tp
@@ -190,9 +239,24 @@ def weight_bytes_per_gpu(model: ModelShape, layout: Layout, fmt: str) -> int:
             attention += count / tp * linear
     attention += (_attention_extras(model) + params.layer_norms) * plain
     dense_layer = attention + params.layer_dense_mlp / tp * linear
-    expert_share = layout.tp * layout.dp if layout.ep else tp
-    moe_layer = (attention + params.routed * params.expert / expert_share * linear
-                 + params.layer_shared / tp * linear + params.layer_router * plain)
+    ranks = layout.tp * layout.dp
+    routed = math.ceil(params.routed / ranks) if layout.ep else params.routed / ranks
+    shared = params.layer_shared / (1 if shared_experts_replicated(layout) else tp)
+    moe_layer = (attention + routed * params.expert * linear + shared * linear + params.layer_router * plain)
+    return dense_layer, moe_layer
+
+
+def shared_experts_replicated(layout: Layout) -> bool:
+    """config/parallel.py (use_sequence_parallel_moe): with EP, TP > 1 and DP > 1 vLLM builds the
+    shared experts unsplit on every rank."""
+    return layout.ep and layout.tp > 1 and layout.dp > 1
+
+
+def weight_bytes_per_gpu(model: ModelShape, layout: Layout, fmt: str) -> int:
+    """Weights on the fullest GPU: the largest pipeline stage, with embeddings or head."""
+    params = count_params(model)
+    plain, tp = model.dtype_bytes, layout.tp
+    dense_layer, moe_layer = _layer_bytes(model, layout, fmt)
     per_stage = math.ceil(model.layers / layout.pp)
     # The fullest stage: MoE layers first (they are the heavier), then dense ones.
     moe_in_stage = min(per_stage, params.moe_layers)
@@ -202,14 +266,15 @@ def weight_bytes_per_gpu(model: ModelShape, layout: Layout, fmt: str) -> int:
     return int(layers + edges + params.final_norm * plain)
 
 
-def kv_bytes_per_token(model: ModelShape, layout: Layout, kv_dtype_bytes: int = 2) -> int:
+def kv_bytes_per_token(model: ModelShape, layout: Layout, kv_dtype_bytes: int = 2, layers: int | None = None) -> int:
     """KV-cache bytes one token takes on one GPU of the fullest stage.
 
     Standard attention: 2 (K and V) x layers x KV heads x head_dim x dtype, heads split by TP but
     never below one per rank. MLA: one latent of kv_lora_rank + qk_rope_head_dim per layer, no
     factor 2, held whole by every TP rank.
     """
-    layers = math.ceil(model.layers / layout.pp)
+    if layers is None:
+        layers = math.ceil(model.layers / layout.pp)
     if model.mla is not None:
         return layers * (model.mla.kv_lora_rank + model.mla.qk_rope_head_dim) * kv_dtype_bytes
     heads = max(1, model.kv_heads // layout.tp)
@@ -228,8 +293,9 @@ def reserve_bytes(model: ModelShape, layout: Layout, *, cuda: bool = True) -> in
 
 
 def gpu_memory(model: ModelShape, layout: Layout, fmt: str, gpu_bytes: int, utilization: float,
-               *, cuda: bool = True) -> GpuMemory:
-    return GpuMemory(weights=weight_bytes_per_gpu(model, layout, fmt),
-                     kv_bytes_per_token=kv_bytes_per_token(model, layout),
+               *, cuda: bool = True, speculative: Speculative = NO_SPECULATION) -> GpuMemory:
+    weights = weight_bytes_per_gpu(model, layout, fmt) + speculative.weight_bytes(model, layout, fmt)
+    per_token = kv_bytes_per_token(model, layout) + speculative.kv_bytes_per_token(model, layout)
+    return GpuMemory(weights=weights, kv_bytes_per_token=per_token,
                      reserve=reserve_bytes(model, layout, cuda=cuda),
                      budget=int(gpu_bytes * utilization))

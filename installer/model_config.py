@@ -61,6 +61,7 @@ class ModelShape:
     experts: Experts | None
     quantization: dict[str, Any] | None  # the checkpoint's own quantization_config
     config_sha256: str  # identifies the config a plan was made for
+    mtp_layers: int = 0  # DeepSeek's multi-token-prediction modules (num_nextn_predict_layers)
 
     @property
     def dtype_bytes(self) -> int:
@@ -144,7 +145,8 @@ def parse_config(config: dict[str, Any], *, name: str, source: str) -> ModelShap
         dtype=dtype, qkv_bias=architecture == "Qwen2ForCausalLM" or bool(config.get("attention_bias")),
         qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"), mla=mla, experts=experts,
         quantization=quantization,
-        config_sha256=config_sha256(config))
+        config_sha256=config_sha256(config),
+        mtp_layers=fields.int("num_nextn_predict_layers", default=0, minimum=0) if architecture in MLA else 0)
 
 
 class _Fields:

@@ -1,13 +1,13 @@
-"""The parallelism planner: enumerate TP x PP x DP (x EP) layouts the hardware allows, reject
-those that do not fit (the reason in numbers), rank the rest, and write the vLLM launch for
-every host of the chosen one.
+"""The parallelism planner: consider every TP x PP x DP (x EP) layout on part of one host or on
+whole hosts, reject each one a rule or the memory rules out (the reason in numbers), choose among
+the rest by a stated objective, and write the vLLM launch for every host of the chosen one.
 
-Rules: a TP group stays inside one host (NVLink domain); PP stages and DP replicas may span
-hosts; a DP replica that would span hosts is not offered (vLLM's multi-node DP expects whole
-replicas per node); EP only for MoE models, over TP x DP ranks that split the experts evenly;
-TP must divide the attention heads, and the KV heads must divide TP or TP them. Ranking: fewest
-GPUs that meet the target (a whole sequence of `context` tokens for each of `concurrency`
-requests), then a throughput proxy that favours DP over PP and NVLink over PCIe for TP.
+The rules (vLLM's and the launch's) are installer/layout_rules.py; the memory, installer/memory.py.
+
+Objectives, among the layouts that fit `concurrency` sequences of `context` tokens:
+- capacity (the default): the most KV-cache tokens in all (and so sequences at that context),
+  then fewer hosts, then less traffic between hosts;
+- min-gpus: the fewest GPUs, then a throughput proxy that favours DP over PP and NVLink for TP.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from appliance.engine_launch import PLAN_UTILIZATION, Rank, layout_of_plan, rank_command
 from appliance.errors import ApplianceError
@@ -36,11 +37,24 @@ from appliance.records import (
     SmallestHardware,
 )
 from appliance.settings import EngineSettings, PoolSettings, Settings
-from installer.memory import GIB, MAX_BATCHED_TOKENS, GpuMemory, Layout, count_params, gpu_memory, serving_format
-from installer.model_config import ModelShape
+from installer.layout_rules import Site, heads_split, rule_out
+from installer.memory import (
+    GIB,
+    MAX_BATCHED_TOKENS,
+    NO_SPECULATION,
+    GpuMemory,
+    Layout,
+    Speculative,
+    count_params,
+    gpu_memory,
+    serving_format,
+)
+from installer.model_config import ModelShape, load_model_config
 
 UTILIZATION = PLAN_UTILIZATION  # vLLM's default --gpu-memory-utilization
 MAX_HOSTS_SUGGESTED = 64
+Objective = Literal["capacity", "min-gpus"]
+OBJECTIVES: tuple[Objective, ...] = ("capacity", "min-gpus")
 
 
 class PlanError(ApplianceError):
@@ -70,21 +84,30 @@ class LaunchSite:
 @dataclass(frozen=True)
 class Candidate:
     layout: Layout
-    memory: GpuMemory
+    memory: GpuMemory | None  # None: a rule ruled it out before its memory was worked out
     hosts: int
     reason: str | None  # why it is rejected; None when feasible
     score: float = 0.0
+    crossing: int = 0  # how much traffic crosses hosts: 0 none ... 3 TP's all-reduce every layer
+
+    @property
+    def kv_tokens(self) -> int:
+        """KV-cache tokens in all: each replica's."""
+        return self.memory.kv_capacity_tokens * self.layout.dp if self.memory else 0
 
 
 def plan(model: ModelShape, profile: HardwareProfile, *, context: int, concurrency: int,
-         fmt: str | None = None, pins: Pins = Pins(), model_ref: str = "MODEL", site: LaunchSite | None = None) -> Plan:
+         fmt: str | None = None, pins: Pins = Pins(), model_ref: str = "MODEL", site: LaunchSite | None = None,
+         objective: Objective = "capacity", speculative: Speculative = NO_SPECULATION) -> Plan:
     """The plan record: chosen layout, per-GPU memory, alternatives, rejections, commands."""
     weight_format = serving_format(model, fmt)
     gpus_per_host, gpu_bytes, nvlink, gpu_name = _homogeneous(profile)
     reach = min(max(map(len, nvlink_domains(host))) for host in profile.hosts)
-    candidates = [_evaluate(model, layout, weight_format, gpus_per_host, gpu_bytes, nvlink, context, concurrency)
-                  for layout in _layouts(model, gpus_per_host, len(profile.hosts), pins, reach)]
-    feasible = _ranked(candidates)
+    fit = _Fit(model, weight_format, gpus_per_host, gpu_bytes, nvlink, context, concurrency, speculative)
+    candidates = [fit.evaluate(layout) if reason is None
+                  else Candidate(layout, None, math.ceil(layout.gpus / gpus_per_host), reason)
+                  for layout, reason in _layouts(model, gpus_per_host, len(profile.hosts), pins, reach, speculative)]
+    feasible = _ranked(candidates, objective)
     params = count_params(model)
     record = Plan(
         model=PlanModel(name=model.name, config_sha256=model.config_sha256, architecture=model.architecture,
@@ -92,38 +115,98 @@ def plan(model: ModelShape, profile: HardwareProfile, *, context: int, concurren
                         layers=model.layers, quantization=_quantization(model, weight_format)),
         hardware=PlanHardware(hosts=len(profile.hosts), gpus_per_host=gpus_per_host, gpu=gpu_name,
                               gpu_memory_bytes=gpu_bytes, nvlink=nvlink),
-        target=PlanTarget(context=context, concurrency=concurrency),
-        feasible=bool(feasible),
+        target=PlanTarget(context=context, concurrency=concurrency, speculative=speculative.vllm_config()),
+        feasible=bool(feasible), objective=objective,
         rejected=[RejectedLayout(layout=_layout_record(c), reason=c.reason) for c in candidates
-                  if c.reason is not None and c.layout.dp == 1])
+                  if c.reason is not None])
     if not feasible:
-        record.smallest_fitting_hardware = _smallest_hardware(
-            model, weight_format, gpus_per_host, gpu_bytes, nvlink, gpu_name, context, concurrency, pins,
-            start=len(profile.hosts) + 1, reach=reach)
+        smallest = _smallest_hardware(fit, pins, start=len(profile.hosts) + 1, reach=reach, objective=objective)
+        if smallest is not None:
+            hosts, fitting = smallest
+            record.smallest_fitting_hardware = SmallestHardware(hosts=hosts, gpus_per_host=gpus_per_host,
+                                                                gpu=gpu_name, layout=_layout_record(fitting[0]))
+            # What would fit on more hosts is rejected here for the host boundary, with its numbers.
+            have = f"{len(profile.hosts)} host(s) of {gpus_per_host} GPUs here"
+            record.rejected += [RejectedLayout(layout=_layout_record(c), reason=(
+                f"needs {c.layout.gpus} GPUs on {c.hosts} hosts ({have}); there it holds {c.kv_tokens:,} "
+                f"KV tokens, {c.kv_tokens // context} sequences of {context:,}")) for c in fitting]
         return record
     best = feasible[0]
     memory = best.memory
+    assert memory is not None  # a feasible layout's memory was worked out
     record.layout = _layout_record(best)
     record.per_gpu = PerGpuBytes(weights=memory.weights, kv_cache=memory.kv_cache, reserve=memory.reserve,
                                  budget=memory.budget)
     record.kv_bytes_per_token = memory.kv_bytes_per_token
     record.kv_capacity_tokens = memory.kv_capacity_tokens * best.layout.dp
     record.max_concurrent_sequences = memory.kv_capacity_tokens // context * best.layout.dp
-    record.alternatives = [AlternativeLayout(layout=_layout_record(c),
-                                             kv_capacity_tokens=c.memory.kv_capacity_tokens * c.layout.dp)
-                           for c in feasible[1:6]]
+    record.alternatives = [AlternativeLayout(layout=_layout_record(c), kv_capacity_tokens=c.kv_tokens)
+                           for c in feasible[1:]]
+    record.choice = _why_chosen(best, feasible[1] if len(feasible) > 1 else None, objective, context)
+    record.runner_up = record.alternatives[0] if record.alternatives else None
     record.commands = commands(record, profile.hosts, model_ref, site or LaunchSite())
     record.notes = [f"weights as {weight_format}; KV cache in bf16; reserves are estimates (activation peak "
                     f"of a {MAX_BATCHED_TOKENS}-token prefill step, 1 GiB non-torch, 1 GiB CUDA graphs)"]
+    if (asked := speculative.vllm_config()) is not None:
+        extra = speculative.weight_bytes(model, best.layout, weight_format)
+        record.notes.append(f"speculative decoding ({asked['method']}, {speculative.tokens} token(s) a step): "
+                            f"{_gib(extra)} of weights and {speculative.kv_bytes_per_token(model, best.layout):,} "
+                            "KV bytes/token more on the last pipeline stage, counted on the fullest")
     if best.layout.tp > gpus_per_host:
         record.notes.append(f"TP {best.layout.tp} spans {best.hosts} hosts (pinned): every layer all-reduces over the "
                             "network; only worth it with InfiniBand or RoCE between them")
     return record
 
 
-def _ranked(candidates: list[Candidate]) -> list[Candidate]:
-    """Feasible candidates, best first: fewest GPUs, then the throughput proxy."""
-    return sorted((c for c in candidates if c.reason is None), key=lambda c: (c.layout.gpus, -c.score))
+def speculation(model: ModelShape, method: str | None, tokens: int = 1) -> Speculative:
+    """What `--speculative` asks for: None, 'mtp' (the model's own multi-token-prediction layers),
+    or a draft model's checkpoint directory or config.json."""
+    if method is None:
+        return NO_SPECULATION
+    if tokens < 1:
+        raise PlanError(f"--speculative-tokens {tokens}: must be at least 1")
+    if method == "mtp":
+        layers = model.mtp_layers
+        if not layers:
+            raise PlanError(f"--speculative mtp: {model.name} has no multi-token-prediction layers "
+                            "(num_nextn_predict_layers is 0 or absent)", hint="give a draft model's directory instead")
+        # config/speculative.py: "num_speculative_tokens ... must be divisible by n_predict"
+        if tokens > layers and tokens % layers:
+            raise PlanError(f"--speculative-tokens {tokens}: must be at most {layers} or a multiple of it "
+                            f"(the model's {layers} MTP layers)")
+        return Speculative(mtp=True, tokens=tokens)
+    draft = load_model_config(Path(method))
+    return Speculative(draft=draft, draft_format=serving_format(draft, None), draft_ref=method, tokens=tokens)
+
+
+def _ranked(candidates: list[Candidate], objective: Objective) -> list[Candidate]:
+    """Feasible candidates, best first by the objective."""
+    feasible = [c for c in candidates if c.reason is None]
+    if objective == "min-gpus":
+        return sorted(feasible, key=lambda c: (c.layout.gpus, -c.score))
+    return sorted(feasible, key=lambda c: (-c.kv_tokens, c.hosts, c.crossing, -c.score))
+
+
+def _why_chosen(best: Candidate, runner_up: Candidate | None, objective: Objective, context: int) -> str:
+    """The objective's numbers for the chosen layout and, if there is one, the runner-up's."""
+    if objective == "min-gpus":
+        chosen = f"min-gpus: {best.layout} uses {best.layout.gpus} GPUs"
+        if runner_up is None:
+            return chosen + "; no other layout fits"
+        return (chosen + f"; the runner-up {runner_up.layout} uses {runner_up.layout.gpus}"
+                + ("" if runner_up.layout.gpus > best.layout.gpus else
+                   f" (same count: {best.layout} has the better throughput proxy, {best.score:.2f} vs "
+                   f"{runner_up.score:.2f})"))
+    chosen = (f"capacity: {best.layout} holds {best.kv_tokens:,} KV tokens "
+              f"({best.kv_tokens // context} sequences of {context:,})")
+    if runner_up is None:
+        return chosen + "; no other layout fits"
+    if runner_up.kv_tokens < best.kv_tokens:
+        lead = f"{best.kv_tokens / runner_up.kv_tokens:.2f}x" if runner_up.kv_tokens else "more than"
+        return chosen + f", {lead} the runner-up {runner_up.layout} ({runner_up.kv_tokens:,})"
+    tie = ("fewer hosts" if best.hosts < runner_up.hosts else "less traffic between hosts"
+           if best.crossing < runner_up.crossing else "the better throughput proxy")
+    return chosen + f", as many as the runner-up {runner_up.layout}, which loses on {tie}"
 
 
 def _homogeneous(profile: HardwareProfile) -> tuple[int, int, bool, str]:
@@ -144,84 +227,104 @@ def _nvlinked(host: Host) -> bool:
     return len(host.gpus) == 1 or host.nvlink_all_to_all
 
 
-def _layouts(model: ModelShape, gpus_per_host: int, hosts: int, pins: Pins,
-             nvlink_reach: int) -> Iterator[Layout]:
-    """Every layout the hardware and the model allow, honouring the pins. A TP group must fit in
-    `nvlink_reach` GPUs (the smallest host's largest NVLink domain)."""
+def _layouts(model: ModelShape, gpus_per_host: int, hosts: int, pins: Pins, nvlink_reach: int,
+             speculative: Speculative) -> Iterator[tuple[Layout, str | None]]:
+    """Every layout on part of one host or on whole hosts, honouring the pins, each with the rule
+    that rules it out (None: the memory decides). A TP group must fit in `nvlink_reach` GPUs (the
+    smallest host's largest NVLink domain)."""
     total = gpus_per_host * hosts
-    tps = [t for t in _powers_of_two(gpus_per_host) if _tp_divides(model, t) and t <= nvlink_reach]
+    tps = _powers_of_two(gpus_per_host)
     # TP over whole hosts is offered only when pinned: its all-reduce crosses the network every layer.
     across_hosts = (pins.tp is not None and pins.tp > gpus_per_host and pins.tp % gpus_per_host == 0
-                    and pins.tp <= total and gpus_per_host <= nvlink_reach and _tp_divides(model, pins.tp)
+                    and pins.tp <= total and gpus_per_host <= nvlink_reach and heads_split(model, pins.tp) is None
                     and pins.tp & (pins.tp - 1) == 0)
     if pins.tp is not None:
-        if pins.tp not in tps and not across_hosts:
+        possible = [t for t in tps if heads_split(model, t) is None and t <= nvlink_reach]
+        if pins.tp not in possible and not across_hosts:
             raise PlanError(f"--tp {pins.tp} is not possible: TP must be a power of two up to the {nvlink_reach} "
                             f"GPUs of one NVLink domain (or whole hosts) and fit the model's heads "
-                            f"({model.heads} attention, {model.kv_heads} KV)", hint=f"possible: {tps}")
+                            f"({model.heads} attention, {model.kv_heads} KV)", hint=f"possible: {possible}")
         tps = [pins.tp]
     if pins.pp is not None and not 1 <= pins.pp <= model.layers:
         raise PlanError(f"--pp {pins.pp} is not possible: the model has {model.layers} layers")
     if pins.ep and not model.is_moe:
         raise PlanError(f"--ep: {model.name} has no experts to spread")
     eps = [pins.ep] if pins.ep is not None else ([False, True] if model.is_moe else [False])
+    site = Site(gpus_per_host, nvlink_reach, speculative)
     for tp in tps:
         for pp in [pins.pp] if pins.pp else range(1, min(model.layers, total // tp) + 1):
             replica = tp * pp
             for dp in [pins.dp] if pins.dp else range(1, total // replica + 1):
                 gpus = replica * dp
                 if gpus > total or (gpus > gpus_per_host and gpus % gpus_per_host):
-                    continue  # not whole hosts
-                if dp > 1 and replica > gpus_per_host:
-                    continue  # a replica spanning hosts
-                if pp > 1 and tp > gpus_per_host:
-                    continue  # TP over hosts and PP together: not offered
+                    continue  # not whole hosts: not considered
                 for ep in eps:
-                    if ep and model.experts is not None and model.experts.routed % (tp * dp):
-                        continue  # experts must split evenly over the EP ranks (TP x DP)
-                    yield Layout(tp=tp, pp=pp, dp=dp, ep=ep)
+                    layout = Layout(tp=tp, pp=pp, dp=dp, ep=ep)
+                    yield layout, rule_out(model, layout, site)
 
 
 def _powers_of_two(limit: int) -> list[int]:
     return [1 << i for i in range(limit.bit_length()) if 1 << i <= limit]
 
 
-def _tp_divides(model: ModelShape, tp: int) -> bool:
-    if model.heads % tp:
-        return False
-    return model.mla is not None or model.kv_heads % tp == 0 or tp % model.kv_heads == 0
+@dataclass(frozen=True)
+class _Fit:
+    """Whether a layout fits: the model, its weight format, the GPUs, and the target."""
+
+    model: ModelShape
+    fmt: str
+    gpus_per_host: int
+    gpu_bytes: int
+    nvlink: bool
+    context: int
+    concurrency: int
+    speculative: Speculative
+
+    def evaluate(self, layout: Layout) -> Candidate:
+        memory = gpu_memory(self.model, layout, self.fmt, self.gpu_bytes, UTILIZATION, speculative=self.speculative)
+        hosts = math.ceil(layout.gpus / self.gpus_per_host)
+        need = memory.weights + memory.reserve
+        if need > memory.budget:
+            reason = (f"weights {_gib(memory.weights)} + reserve {_gib(memory.reserve)} per GPU exceed the "
+                      f"{_gib(memory.budget)} budget ({UTILIZATION:.0%} of {_gib(self.gpu_bytes)})")
+            return Candidate(layout, memory, hosts, reason)
+        per_replica = math.ceil(self.concurrency / layout.dp)
+        if memory.kv_capacity_tokens < self.context * per_replica:
+            reason = (f"KV cache {_gib(memory.kv_cache)} per GPU holds {memory.kv_capacity_tokens:,} tokens "
+                      f"({memory.kv_bytes_per_token:,} B/token); {per_replica} x {self.context:,}-token sequences "
+                      f"need {self.context * per_replica:,}")
+            return Candidate(layout, memory, hosts, reason)
+        tp_speed = 1.0 if (layout.tp == 1 or self.nvlink) else 0.6
+        # Across TP x DP ranks, EP sends each token to its experts' ranks only; without it every rank
+        # computes a slice of every expert and all of them all-reduce each MoE layer.
+        ep_speed = 1.1 if layout.ep else 1.0
+        score = (layout.dp * tp_speed * ep_speed / (1 + 0.15 * (layout.pp - 1))
+                 + memory.kv_capacity_tokens * 1e-12)
+        return Candidate(layout, memory, hosts, None, score, _crossing(layout, self.gpus_per_host))
 
 
-def _evaluate(model: ModelShape, layout: Layout, fmt: str, gpus_per_host: int, gpu_bytes: int, nvlink: bool,
-              context: int, concurrency: int) -> Candidate:
-    memory = gpu_memory(model, layout, fmt, gpu_bytes, UTILIZATION)
-    hosts = math.ceil(layout.gpus / gpus_per_host)
-    need = memory.weights + memory.reserve
-    if need > memory.budget:
-        reason = (f"weights {_gib(memory.weights)} + reserve {_gib(memory.reserve)} per GPU exceed the "
-                  f"{_gib(memory.budget)} budget ({UTILIZATION:.0%} of {_gib(gpu_bytes)})")
-        return Candidate(layout, memory, hosts, reason)
-    per_replica = math.ceil(concurrency / layout.dp)
-    if memory.kv_capacity_tokens < context * per_replica:
-        reason = (f"KV cache {_gib(memory.kv_cache)} per GPU holds {memory.kv_capacity_tokens:,} tokens "
-                  f"({memory.kv_bytes_per_token:,} B/token); {per_replica} x {context:,}-token sequences "
-                  f"need {context * per_replica:,}")
-        return Candidate(layout, memory, hosts, reason)
-    tp_speed = 1.0 if (layout.tp == 1 or nvlink) else 0.6
-    score = layout.dp * tp_speed / (1 + 0.15 * (layout.pp - 1)) + memory.kv_capacity_tokens * 1e-12
-    return Candidate(layout, memory, hosts, None, score)
+def _crossing(layout: Layout, gpus_per_host: int) -> int:
+    """What crosses hosts: 0 nothing (one host, or DP replicas that only share the load), 1 PP's
+    activations between stages, 2 EP's all-to-all over replicas, 3 TP's all-reduce every layer."""
+    if layout.gpus <= gpus_per_host:
+        return 0
+    if layout.tp > gpus_per_host:
+        return 3
+    if layout.ep and layout.dp > 1:
+        return 2
+    return 1 if layout.pp * layout.tp > gpus_per_host else 0
 
 
-def _smallest_hardware(model: ModelShape, fmt: str, gpus_per_host: int, gpu_bytes: int, nvlink: bool,
-                       gpu_name: str, context: int, concurrency: int, pins: Pins,
-                       start: int, reach: int) -> SmallestHardware | None:
-    """The fewest hosts like these on which some layout fits."""
+def _smallest_hardware(fit: _Fit, pins: Pins, start: int, reach: int,
+                       objective: Objective) -> tuple[int, list[Candidate]] | None:
+    """The fewest hosts like these on which some layout fits, and the layouts that fit there (best
+    first) and need every one of them (those on fewer hosts did not fit)."""
     for hosts in range(start, MAX_HOSTS_SUGGESTED + 1):
-        fitting = _ranked([_evaluate(model, layout, fmt, gpus_per_host, gpu_bytes, nvlink, context, concurrency)
-                           for layout in _layouts(model, gpus_per_host, hosts, pins, reach)])
+        space = _layouts(fit.model, fit.gpus_per_host, hosts, pins, reach, fit.speculative)
+        fitting = _ranked([fit.evaluate(layout) for layout, reason in space
+                           if reason is None and layout.gpus > (hosts - 1) * fit.gpus_per_host], objective)
         if fitting:
-            return SmallestHardware(hosts=hosts, gpus_per_host=gpus_per_host, gpu=gpu_name,
-                                    layout=_layout_record(fitting[0]))
+            return hosts, fitting
     return None
 
 

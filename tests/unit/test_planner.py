@@ -12,6 +12,7 @@ import pytest
 
 from appliance.engine_launch import python
 from appliance.records import Gpu, HardwareProfile, Host
+from installer.layout_rules import Site, rule_out
 from installer.memory import FormatError, Layout, count_params, kv_bytes_per_token
 from installer.model_config import ModelConfigError, load_model_config
 from installer.planner import Pins, PlanError
@@ -78,7 +79,13 @@ def test_deepseek_v3_fp8_fits_one_8x141_host_not_one_8x80() -> None:
     assert big["feasible"] and big["model"]["format"] == "fp8" and big["layout"]["hosts"] == 1
     assert big["per_gpu"]["weights"] + big["per_gpu"]["reserve"] <= big["per_gpu"]["budget"]
     small = plan(model("deepseek-v3"), hosts(1), context=8192, concurrency=1)
-    assert not small["feasible"] and all("exceed" in r["reason"] for r in small["rejected"])
+    assert not small["feasible"]
+    here = [r for r in small["rejected"] if r["layout"]["hosts"] == 1]
+    weights = [r for r in here if "exceed" in r["reason"]]
+    layouts = {id(r): Layout(**{k: r["layout"][k] for k in ("tp", "pp", "dp", "ep")}) for r in here}
+    assert weights and all(rule_out(model("deepseek-v3"), layouts[id(r)], Site(8, 8)) == r["reason"]
+                           for r in here if r not in weights)
+    assert all(r["reason"].startswith("needs 16 GPUs on 2 hosts") for r in small["rejected"] if r not in here)
 
 
 def test_kimi_k2_fp8_needs_two_hosts_of_8x80() -> None:
@@ -175,3 +182,54 @@ def test_tp_over_whole_hosts_only_when_pinned() -> None:
     assert "--headless" in worker["argv"] and any("spans 2 hosts" in note for note in pinned["notes"])
     with pytest.raises(PlanError, match="--tp 6 is not possible"):
         plan(model("mixtral-8x22b"), two, context=8192, concurrency=1, pins=Pins(tp=6))
+
+
+def test_the_default_objective_fills_the_host_and_min_gpus_leaves_gpus_free() -> None:
+    """DeepSeek-V3 FP8 on one 8 x H200 host at 32k x 16: the most KV tokens takes all eight GPUs;
+    --objective min-gpus takes six (the rule before), and each says why, against the runner-up."""
+    capacity = plan(model("deepseek-v3"), hosts(1, gib=141, name="H200"), context=32768, concurrency=16)
+    fewest = plan(model("deepseek-v3"), hosts(1, gib=141, name="H200"), context=32768, concurrency=16,
+                  objective="min-gpus")
+    assert capacity["objective"] == "capacity" and capacity["layout"]["gpus"] == 8
+    assert fewest["objective"] == "min-gpus" and fewest["layout"]["gpus"] == 6
+    assert capacity["kv_capacity_tokens"] > 3 * fewest["kv_capacity_tokens"]
+    runner_up = capacity["runner_up"]
+    assert runner_up == capacity["alternatives"][0]
+    assert runner_up["kv_capacity_tokens"] <= capacity["kv_capacity_tokens"]
+    lead = capacity["kv_capacity_tokens"] / runner_up["kv_capacity_tokens"]
+    assert capacity["choice"].startswith(f"capacity: TP{capacity['layout']['tp']} x ")
+    assert f"{capacity['kv_capacity_tokens']:,} KV tokens" in capacity["choice"]
+    assert f"{lead:.2f}x the runner-up" in capacity["choice"] or "as many as the runner-up" in capacity["choice"]
+    assert fewest["choice"].startswith("min-gpus: ") and "uses 6 GPUs" in fewest["choice"]
+    # Every layout that fits is listed, best first by the objective.
+    tokens = [capacity["kv_capacity_tokens"]] + [a["kv_capacity_tokens"] for a in capacity["alternatives"]]
+    assert tokens == sorted(tokens, reverse=True)
+
+
+def test_capacity_ties_go_to_fewer_hosts_then_less_traffic_between_hosts() -> None:
+    """A model that fits one host of two: the capacity objective serves it on both (twice the KV
+    tokens as DP replicas), which crosses hosts only by sharing the load."""
+    one, two = (plan(model("mixtral-8x22b"), hosts(n), context=8192, concurrency=1) for n in (1, 2))
+    assert one["layout"]["hosts"] == 1 and two["layout"]["hosts"] == 2
+    assert two["kv_capacity_tokens"] > one["kv_capacity_tokens"]
+    assert plan(model("mixtral-8x22b"), hosts(2), context=8192, concurrency=1,
+                objective="min-gpus")["layout"]["hosts"] == 1
+
+
+def test_every_layout_considered_is_explained_data_and_expert_parallel_included() -> None:
+    """Kimi-K2 at 128k on one 8 x H200 host fits nowhere; the rejected list has the data-parallel and
+    expert-parallel layouts with their numbers, and DP16 + EP with the host boundary that rules it out."""
+    record = plan(model("kimi-k2"), hosts(1, gib=141, name="H200"), context=131072, concurrency=1)
+    assert not record["feasible"] and record["smallest_fitting_hardware"]["hosts"] == 2
+    reasons = {(r["layout"]["tp"], r["layout"]["pp"], r["layout"]["dp"], r["layout"]["ep"]): r["reason"]
+               for r in record["rejected"]}
+    assert "exceed the 126.9 GiB budget" in reasons[(1, 1, 8, True)]
+    assert reasons[(4, 1, 2, True)].startswith("KV cache ") and "131,072-token sequences need 131,072" in \
+        reasons[(4, 1, 2, True)]
+    assert reasons[(1, 1, 16, True)].startswith("needs 16 GPUs on 2 hosts (1 host(s) of 8 GPUs here)")
+    assert "sequences of 131,072" in reasons[(1, 1, 16, True)]
+    assert "no other rank" in reasons[(1, 1, 1, True)]
+    # Everything on this host was considered: each TP x PP x DP up to 8 GPUs, with and without EP.
+    on_this_host = {k for k, _ in reasons.items() if k[0] * k[1] * k[2] <= 8}
+    assert len(on_this_host) == 2 * sum(1 for tp in (1, 2, 4, 8) for pp in range(1, 9) for dp in range(1, 9)
+                                        if tp * pp * dp <= 8)
