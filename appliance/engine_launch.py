@@ -10,7 +10,6 @@ audit/ folder would shadow the audit package) off sys.path.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from dataclasses import dataclass, field
@@ -111,7 +110,7 @@ def layout_of_plan(plan: Plan, where: str) -> PoolLayout:
     if plan.layout is None:
         raise SettingsError(f"{where}: the plan found no feasible layout", hint="plan again with more hardware")
     layout = plan.layout
-    speculative = json.dumps(plan.target.speculative) if plan.target.speculative else None
+    speculative = plan.target.speculative.model_dump_json(exclude_none=True) if plan.target.speculative else None
     return PoolLayout(layout.tp, layout.pp, layout.dp, layout.ep, plan.target.context, layout.hosts,
                       plan.model.quantization, speculative)
 

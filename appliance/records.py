@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -133,11 +133,27 @@ class PlanHardware(_Record):
     nvlink: bool
 
 
+class SpeculativeConfig(_Record):
+    """vLLM's --speculative-config for a plan (config/speculative.py): the model's own MTP layers,
+    or a draft model."""
+
+    method: Literal["mtp", "draft_model"]
+    num_speculative_tokens: int = Field(ge=1, le=64)
+    model: str | None = Field(None, min_length=1, max_length=4096, pattern=r"^[^\x00-\x1f\x7f]+$",
+                              description="The draft model's directory (draft_model only).")
+
+    @model_validator(mode="after")
+    def _draft_named(self) -> SpeculativeConfig:
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("a draft model's directory goes with method draft_model, and only with it")
+        return self
+
+
 class PlanTarget(_Record):
     context: int
     concurrency: int
-    speculative: dict[str, str | int] | None = Field(
-        None, description="vLLM --speculative-config the memory was planned for (its launch passes it).")
+    speculative: SpeculativeConfig | None = Field(
+        None, description="What speculative decoding the memory was planned for (its launch passes it to vLLM).")
 
 
 class PerGpuBytes(_Record):

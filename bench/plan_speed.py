@@ -1,5 +1,7 @@
 """Planner speed: time to plan Kimi-K2 (1T-parameter MoE, FP8) on 4 hosts x 8 GPUs and on 16
 hosts x 8 GPUs, against planning Llama-3.1-405B on one 8-GPU host in the same run (the ratio).
+And what the capacity objective gains: the KV-cache tokens of the layout it chooses against the
+fewest-GPUs layout (`--objective min-gpus`, the rule before) on the shipped cases (the ratio).
 
 Run: .venv/bin/python bench/plan_speed.py   Writes bench/results/plan_speed.json.
 """
@@ -21,6 +23,10 @@ ROOT = Path(__file__).parent.parent
 CONFIGS = ROOT / "tests" / "data" / "model_configs"
 RESULTS = Path(__file__).parent / "results" / "plan_speed.json"
 REPEATS = 20
+# (model, hardware, context, concurrency): the models and GPU shapes bench/plan_compare.py compares.
+CASES = [("llama-3.1-405b", "2x8xH100-80GB", 32768, 16), ("llama-3.1-70b", "1x8xH100-80GB", 32768, 16),
+         ("qwen3-235b-a22b", "1x8xH100-80GB", 32768, 16), ("mixtral-8x22b", "1x8xH100-80GB", 32768, 16),
+         ("deepseek-v3", "1x8xH200-141GB", 32768, 16), ("kimi-k2", "2x8xH200-141GB", 131072, 1)]
 
 
 def seconds(model: str, hardware: str) -> tuple[float, Plan]:
@@ -46,10 +52,28 @@ def main() -> None:
                      "chosen": f"TP{layout.tp} x PP{layout.pp} x DP{layout.dp}{' + EP' if layout.ep else ''}"
                                if layout else None})
         print(json.dumps(rows[-1]), flush=True)
+    gains = [capacity_gain(*case) for case in CASES]
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({"bench": "plan_speed", "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                    "host_cpus": len(os.sched_getaffinity(0)),
-                                   "baseline": "llama-3.1-405b on 1x8xH100-80GB", "rows": rows}, indent=2) + "\n")
+                                   "baseline": "llama-3.1-405b on 1x8xH100-80GB", "rows": rows,
+                                   "capacity_gain": gains}, indent=2) + "\n")
+
+
+def capacity_gain(model: str, hardware: str, context: int, concurrency: int) -> dict[str, object]:
+    """Both objectives' layouts for one case, their KV tokens, and the ratio."""
+    shape, profile = load_model_config(CONFIGS / f"{model}.json"), parse_hardware_spec(hardware)
+    chosen = {objective: plan(shape, profile, context=context, concurrency=concurrency, objective=objective)
+              for objective in ("capacity", "min-gpus")}
+    row: dict[str, object] = {"model": model, "hardware": hardware, "context": context, "concurrency": concurrency}
+    for objective, record in chosen.items():
+        layout = record.layout
+        row[objective] = {"layout": f"TP{layout.tp} x PP{layout.pp} x DP{layout.dp}{' + EP' if layout.ep else ''}",
+                          "gpus": layout.gpus, "kv_tokens": record.kv_capacity_tokens} if layout else None
+    tokens = [record.kv_capacity_tokens for record in chosen.values()]
+    row["ratio"] = round(tokens[0] / tokens[1], 2) if tokens[0] and tokens[1] else None
+    print(json.dumps(row), flush=True)
+    return row
 
 
 if __name__ == "__main__":

@@ -50,11 +50,12 @@ def plan_command(
     """Plan TP x PP x DP x EP for MODEL; exit 0 with a feasible plan, 3 when none fits. The launch
     printed for a one-host plan is what `appliance up` runs for a pool that names it; across hosts,
     the head fills in each rank's cluster address, interface and (on workers) paths at join."""
-    shape = load_model_config(model)
+    shape, site = load_model_config(model), _site(pool)
     record = plan(shape, _hardware(profile, detect_here, hardware), context=context,
                   concurrency=concurrency, fmt=format, pins=Pins(tp=tp, pp=pp, dp=dp, ep=ep),
-                  model_ref=str(model), site=_site(pool), objective=_objective(objective),
-                  speculative=speculation(shape, speculative, speculative_tokens))
+                  model_ref=str(model), site=site, objective=_objective(objective),
+                  speculative=speculation(shape, speculative, speculative_tokens),
+                  reserved={p.name: p.gpus for p in site.settings.pools if p.name != pool and p.gpus})
     if as_json:
         typer.echo(record.model_dump_json(indent=2))
     else:

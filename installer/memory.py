@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 
 from appliance.errors import ApplianceError
+from appliance.records import SpeculativeConfig
 from installer.model_config import ModelShape
 
 GIB = 1 << 30
@@ -190,13 +191,13 @@ class Speculative:
     draft_ref: str | None = None  # where the launch finds the draft model
     tokens: int = 1  # tokens proposed a step
 
-    def vllm_config(self) -> dict[str, str | int] | None:
+    def vllm_config(self) -> SpeculativeConfig | None:
         """vLLM's --speculative-config (config/speculative.py: method "mtp", or "draft_model")."""
         if self.mtp:
-            return {"method": "mtp", "num_speculative_tokens": self.tokens}
+            return SpeculativeConfig(method="mtp", num_speculative_tokens=self.tokens)
         if self.draft is not None:
-            return {"method": "draft_model", "model": self.draft_ref or self.draft.name,
-                    "num_speculative_tokens": self.tokens}
+            return SpeculativeConfig(method="draft_model", model=self.draft_ref or self.draft.name,
+                                     num_speculative_tokens=self.tokens)
         return None
 
     def weight_bytes(self, model: ModelShape, layout: Layout, fmt: str) -> int:

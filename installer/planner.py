@@ -13,7 +13,7 @@ Objectives, among the layouts that fit `concurrency` sequences of `context` toke
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -98,8 +98,11 @@ class Candidate:
 
 def plan(model: ModelShape, profile: HardwareProfile, *, context: int, concurrency: int,
          fmt: str | None = None, pins: Pins = Pins(), model_ref: str = "MODEL", site: LaunchSite | None = None,
-         objective: Objective = "capacity", speculative: Speculative = NO_SPECULATION) -> Plan:
-    """The plan record: chosen layout, per-GPU memory, alternatives, rejections, commands."""
+         objective: Objective = "capacity", speculative: Speculative = NO_SPECULATION,
+         reserved: Mapping[str, Sequence[int]] | None = None) -> Plan:
+    """The plan record: chosen layout, per-GPU memory, alternatives, rejections, commands. GPUs
+    `reserved` for other pools (by pool name: their indexes on each host) are left out."""
+    profile, held = _without(profile, reserved or {})
     weight_format = serving_format(model, fmt)
     gpus_per_host, gpu_bytes, nvlink, gpu_name = _homogeneous(profile)
     reach = min(max(map(len, nvlink_domains(host))) for host in profile.hosts)
@@ -146,16 +149,30 @@ def plan(model: ModelShape, profile: HardwareProfile, *, context: int, concurren
     record.runner_up = record.alternatives[0] if record.alternatives else None
     record.commands = commands(record, profile.hosts, model_ref, site or LaunchSite())
     record.notes = [f"weights as {weight_format}; KV cache in bf16; reserves are estimates (activation peak "
-                    f"of a {MAX_BATCHED_TOKENS}-token prefill step, 1 GiB non-torch, 1 GiB CUDA graphs)"]
+                    f"of a {MAX_BATCHED_TOKENS}-token prefill step, 1 GiB non-torch, 1 GiB CUDA graphs)", *held]
     if (asked := speculative.vllm_config()) is not None:
         extra = speculative.weight_bytes(model, best.layout, weight_format)
-        record.notes.append(f"speculative decoding ({asked['method']}, {speculative.tokens} token(s) a step): "
+        record.notes.append(f"speculative decoding ({asked.method}, {speculative.tokens} token(s) a step): "
                             f"{_gib(extra)} of weights and {speculative.kv_bytes_per_token(model, best.layout):,} "
                             "KV bytes/token more on the last pipeline stage, counted on the fullest")
     if best.layout.tp > gpus_per_host:
         record.notes.append(f"TP {best.layout.tp} spans {best.hosts} hosts (pinned): every layer all-reduces over the "
                             "network; only worth it with InfiniBand or RoCE between them")
     return record
+
+
+def _without(profile: HardwareProfile, reserved: Mapping[str, Sequence[int]]) -> tuple[HardwareProfile, list[str]]:
+    """The profile less the GPUs other pools hold (`pools.<name>.gpus`), and a note for each pool."""
+    taken = {index for indexes in reserved.values() for index in indexes}
+    if not taken:
+        return profile, []
+    hosts = [host.model_copy(update={"gpus": [g for g in host.gpus if g.index not in taken]}) for host in profile.hosts]
+    if not any(host.gpus for host in hosts):
+        raise PlanError(f"every GPU is held by other pools ({', '.join(sorted(reserved))}: pools.<name>.gpus)",
+                        hint="free some in the settings, or plan for one of those pools")
+    notes = [f"GPUs {', '.join(map(str, sorted(indexes)))} of each host left out: pool {name} holds them "
+             f"(pools.{name}.gpus)" for name, indexes in sorted(reserved.items()) if indexes]
+    return profile.model_copy(update={"hosts": hosts}), notes
 
 
 def speculation(model: ModelShape, method: str | None, tokens: int = 1) -> Speculative:

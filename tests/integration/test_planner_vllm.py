@@ -1,18 +1,24 @@
 """The planner's KV capacity against what the real vLLM CPU engine reports at start-up:
-the demo model here, on the session's engine; a tiny MoE on the engine the bundle test
+the demo model here, on the session's engine; a tiny MoE at TP=2 with and without expert
+parallelism here, on engines of its own; a tiny MoE at TP=1 on the engine the bundle test
 (test_bundle_install.py) starts from the bundle, which carries it."""
 
 from __future__ import annotations
 
 import re
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
 from appliance.engine_launch import resolve_device, resolve_dtype
 from appliance.settings import load_settings
+from installer.layout_rules import Site, rule_out
 from installer.memory import GIB, Layout, kv_bytes_per_token
 from installer.model_config import DTYPE_BYTES, load_model_config
 from tests.integration.conftest import Running
+from tests.support.greedy import generate
+from tests.support.models import tiny_moe
 
 
 def test_predicted_kv_capacity_matches_vllm(running: Running, record_property: pytest.RecordProperty) -> None:
@@ -29,3 +35,28 @@ def test_predicted_kv_capacity_matches_vllm(running: Running, record_property: p
     record_property("kv_capacity", {"predicted": predicted, "vllm": reported, "difference": difference})
     print(f"KV capacity: planner {predicted:,} tokens, vLLM {reported:,} tokens ({difference:+.2%})")
     assert abs(difference) < 0.10
+
+
+def test_a_tiny_moe_at_tp2_with_and_without_ep_holds_the_kv_the_planner_predicts(
+        demo_model: Path, tmp_path: Path, record_property: pytest.RecordProperty) -> None:
+    """The layouts of an MoE this machine can run (TP=2, experts sliced or whole per rank, one core
+    each) pass the planner's rules, start in the real vLLM CPU engine, and hold the KV tokens the
+    memory model predicts from the engine's fixed KV budget a rank."""
+    model = tiny_moe(tmp_path / "tiny-moe", demo_model)
+    shape = load_model_config(model)
+    layouts = {"tp2": Layout(tp=2), "tp2-ep": Layout(tp=2, ep=True)}
+    for layout in layouts.values():
+        assert rule_out(shape, layout, Site(gpus_per_host=2, nvlink_reach=2)) is None, layout
+    # Both engines at once: their start-up is mostly single-threaded.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        started = {name: pool.submit(generate, model, tmp_path, name, expert_parallel=layout.ep)
+                   for name, layout in layouts.items()}
+        logs = {name: future.result()[1] for name, future in started.items()}
+    for name, layout in layouts.items():
+        reported = int(re.findall(r"KV cache size: ([\d,]+) tokens", logs[name])[-1].replace(",", ""))
+        predicted = 1 * GIB // kv_bytes_per_token(shape, layout, DTYPE_BYTES["bfloat16"])  # VLLM_CPU_KVCACHE_SPACE
+        difference = predicted / reported - 1
+        record_property(f"kv_capacity_{name}", {"predicted": predicted, "vllm": reported, "difference": difference})
+        print(f"tiny MoE {layout}: planner {predicted:,} KV tokens, vLLM {reported:,} ({difference:+.2%})")
+        assert abs(difference) < 0.10
+    assert "expert" in logs["tp2-ep"].lower()

@@ -4,25 +4,17 @@ served at TP=2 with the default loader."""
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import signal
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from installer.sharded_state import copy_side_files, write_rank
+from tests.support.greedy import generate
 
-GREEDY = Path(__file__).with_name("vllm_greedy.py")
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
-ENGINE_TIMEOUT_S = 600
 LOGPROB_TOLERANCE = 1e-3
 # Weights this large make the random model's answers depend sharply on every slice: swapping two
 # KV heads of one layer moves its top log-probabilities by up to ~8 (at the usual 0.02, ~0.08).
@@ -51,35 +43,6 @@ def make_tiny_llama(target: Path, tokenizer_from: Path) -> Path:
     return target
 
 
-def generate(model: Path, load_format: str, work: Path) -> tuple[list[dict[str, Any]], str]:
-    """Greedy answers to PROMPTS from a TP=2 vLLM CPU engine in its own process group, and its log."""
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 2:
-        pytest.skip("tensor parallel 2 on the CPU needs two cores")
-    # As serve/engine.py sets up a CPU pool: a fixed KV budget and one core per rank.
-    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": f"{cores[0]}|{cores[1]}",
-                        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-                        "DO_NOT_TRACK": "1", "VLLM_LOGGING_LEVEL": "INFO"}  # importing TRL lowers it to ERROR
-    out, log = work / f"{load_format}.json", work / f"{load_format}.log"
-    argv = [sys.executable, "-P", str(GREEDY), str(model), str(out), "--tp", "2", "--load-format", load_format]
-    for prompt in PROMPTS:
-        argv += ["--prompt", prompt]
-    with log.open("w") as sink:
-        engine = subprocess.Popen(argv, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            returncode = engine.wait(timeout=ENGINE_TIMEOUT_S)
-        finally:
-            # The group is the engine and the workers it spawned: nothing else is in it.
-            try:
-                os.killpg(engine.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            engine.wait()
-    text = log.read_text()
-    assert returncode == 0, f"vLLM ({load_format}) exited {returncode}:\n{text[-4000:]}"
-    return json.loads(out.read_text()), text
-
-
 def test_sharded_tp2_answers_like_the_original_at_tp2(demo_model: Path, tmp_path: Path,
                                                        record_property: pytest.RecordProperty) -> None:
     original = make_tiny_llama(tmp_path / "tiny-llama", demo_model)
@@ -91,8 +54,8 @@ def test_sharded_tp2_answers_like_the_original_at_tp2(demo_model: Path, tmp_path
 
     # Both engines at once: their start-up is mostly single-threaded, so this saves about a minute.
     with ThreadPoolExecutor(max_workers=2) as pool:
-        reference = pool.submit(generate, original, "auto", tmp_path)
-        answered, log = pool.submit(generate, sharded, "sharded_state", tmp_path).result()
+        reference = pool.submit(generate, original, tmp_path, "auto")
+        answered, log = pool.submit(generate, sharded, tmp_path, "sharded_state", load_format="sharded_state").result()
         expected, _ = reference.result()
 
     assert "sharded_state_loader.py" in log, "the sharded engine did not use the sharded_state loader"

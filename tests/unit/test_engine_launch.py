@@ -149,8 +149,8 @@ def test_the_printed_launch_is_what_the_launcher_runs(home: Home, monkeypatch: p
     naming the plan runs exactly that argv, on the GPUs the plan chose."""
     home.settings_file.write_text('[engine]\ndevice = "cuda"\n[[pools]]\nname = "full"\n'
                                   'enable_lora = true\nextra_args = ["--kv-cache-dtype", "fp8"]\n')
-    path = plan_file(home.root, "mixtral-8x22b", "1x8xH100-80GB", "--context", "16384", "--tp", "4",
-                     "--pool", "full")
+    path = plan_file(home.root, "mixtral-8x22b", "1x8xH100-80GB", "--context", "16384", "--tp", "4", "--pp", "1",
+                     "--dp", "1", "--pool", "full")
     printed = Plan.model_validate_json(path.read_text())
     [head] = printed.commands
     model = str(Path(__file__).parent.parent / "data" / "model_configs" / "mixtral-8x22b.json")

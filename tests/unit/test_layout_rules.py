@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from appliance.records import SpeculativeConfig
 from installer.layout_rules import (
     Site,
     draft_fits_tp,
@@ -149,7 +150,7 @@ def test_mtp_adds_its_module_weights_and_one_layer_of_kv() -> None:
     assert plain.per_gpu is not None and with_mtp.per_gpu is not None
     assert with_mtp.per_gpu.weights - plain.per_gpu.weights == mtp.weight_bytes(deepseek, Layout(tp=8), "fp8")
     assert with_mtp.kv_bytes_per_token == (plain.kv_bytes_per_token or 0) + 1152
-    assert with_mtp.target.speculative == {"method": "mtp", "num_speculative_tokens": 1}
+    assert with_mtp.target.speculative == SpeculativeConfig(method="mtp", num_speculative_tokens=1)
     argv = with_mtp.commands[0].argv
     assert json.loads(argv[argv.index("--speculative-config") + 1]) == {"method": "mtp", "num_speculative_tokens": 1}
     assert any(note.startswith("speculative decoding (mtp, 1 token(s) a step)") for note in with_mtp.notes)
@@ -168,8 +169,8 @@ def test_a_draft_model_adds_its_weights_and_kv_at_the_targets_tp(tmp_path: Path)
     target = model("llama-3.1-405b")
     draft = small_llama(tmp_path, heads=32, kv_heads=8)
     ask = speculation(target, str(tmp_path / "draft.json"), tokens=3)
-    assert ask.vllm_config() == {"method": "draft_model", "model": str(tmp_path / "draft.json"),
-                                 "num_speculative_tokens": 3}
+    assert ask.vllm_config() == SpeculativeConfig(method="draft_model", model=str(tmp_path / "draft.json"),
+                                                  num_speculative_tokens=3)
     assert ask.weight_bytes(target, Layout(tp=8, pp=2), "bf16") == weight_bytes_per_gpu(draft, Layout(tp=8), "bf16")
     assert ask.kv_bytes_per_token(target, Layout(tp=8)) == kv_bytes_per_token(draft, Layout(tp=8))
 
@@ -185,3 +186,27 @@ def small_llama(directory: Path, *, heads: int, kv_heads: int) -> ModelShape:
 
 def _pins(tp: int) -> Pins:
     return Pins(tp=tp, pp=1, dp=1, ep=False)
+
+
+@pytest.mark.parametrize("speculative,problem", [
+    ({"method": "eagle", "num_speculative_tokens": 1}, "method"),
+    ({"method": "mtp", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "mtp", "num_speculative_tokens": [1]}, "num_speculative_tokens"),
+    ({"method": "mtp", "num_speculative_tokens": 1, "model": "/m"}, "only with it"),
+    ({"method": "draft_model", "num_speculative_tokens": 1}, "only with it"),
+    ({"method": "draft_model", "num_speculative_tokens": 1, "model": "/m\n--trust-remote-code"}, "model"),
+    ({"method": "mtp", "num_speculative_tokens": 1, "extra": "--x"}, "extra"),
+])
+def test_a_plan_files_speculative_config_is_checked_before_any_launch(tmp_path: Path, speculative: dict[str, object],
+                                                                     problem: str) -> None:
+    """What a plan file says goes into the launch's argv: only a well-formed config is accepted."""
+    from appliance.errors import ApplianceError
+    from appliance.records import load_plan
+
+    record = make_plan(model("deepseek-v3"), hosts(1, gib=141, name="H200"), context=8192, concurrency=1,
+                       speculative=speculation(model("deepseek-v3"), "mtp")).model_dump(mode="json")
+    record["target"]["speculative"] = speculative
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(record))
+    with pytest.raises(ApplianceError, match=problem):
+        load_plan(path, "pools.main.plan")

@@ -5,6 +5,7 @@ published config.json files that the planner reads; no weights)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -233,3 +234,34 @@ def test_every_layout_considered_is_explained_data_and_expert_parallel_included(
     on_this_host = {k for k, _ in reasons.items() if k[0] * k[1] * k[2] <= 8}
     assert len(on_this_host) == 2 * sum(1 for tp in (1, 2, 4, 8) for pp in range(1, 9) for dp in range(1, 9)
                                         if tp * pp * dp <= 8)
+
+
+def test_gpus_other_pools_hold_are_left_out() -> None:
+    """Capacity takes all the GPUs the pool may use: not those another pool's settings name."""
+    deepseek = model("deepseek-v3")
+    record = make_plan(deepseek, hosts(1, gib=141, name="H200"), context=32768, concurrency=16,
+                       reserved={"fast": [6, 7]})
+    assert record.layout is not None and record.layout.gpus <= 6
+    assert all(set(command.gpus) <= set(range(6)) for command in record.commands)
+    assert "GPUs 6, 7 of each host left out: pool fast holds them (pools.fast.gpus)" in record.notes
+    with pytest.raises(PlanError, match=r"every GPU is held by other pools \(a, b"):
+        make_plan(deepseek, hosts(1, gpus=2), context=8192, concurrency=1, reserved={"a": [0], "b": [1]})
+
+
+@pytest.mark.integration
+def test_cli_plan_leaves_out_gpus_other_pools_hold_and_checks_its_objective(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "settings.toml").write_text('[engine]\ndevice = "cuda"\n[[pools]]\nname = "main"\n'
+                                        '[[pools]]\nname = "fast"\ngpus = [4, 5, 6, 7]\n')
+    env = {**os.environ, "APPLIANCE_HOME": str(home)}
+    config = str(MODEL_CONFIGS / "mixtral-8x22b.json")
+    planned = subprocess.run([APPLIANCE, "plan", config, "--hardware", "1x8xH100-80GB", "--json"],
+                             capture_output=True, text=True, env=env)
+    assert planned.returncode == 0, planned.stderr
+    record = json.loads(planned.stdout)
+    assert record["layout"]["gpus"] <= 4 and record["objective"] == "capacity"
+    assert record["commands"][0]["gpus"] == [0, 1, 2, 3]
+    wrong = subprocess.run([APPLIANCE, "plan", config, "--hardware", "1x8xH100-80GB", "--objective", "most"],
+                           capture_output=True, text=True, env=env)
+    assert wrong.returncode == 1 and "--objective 'most': not one of capacity, min-gpus" in wrong.stderr
