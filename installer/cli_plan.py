@@ -28,8 +28,9 @@ def plan_command(
     profile: Annotated[Path | None, typer.Option(help="Hardware profile file (JSON or TOML).")] = None,
     detect_here: Annotated[bool, typer.Option("--detect", help="Profile this host now.")] = False,
     hardware: Annotated[str | None, typer.Option(help="Shorthand HOSTSxGPUSxNAME-MEMORY, e.g. 2x8xH100-80GB.")] = None,
-    context: Annotated[int, typer.Option(min=1, help="Tokens per sequence (prompt + output).")] = 8192,
-    concurrency: Annotated[int, typer.Option(min=1, help="Sequences that must fit at full context at once.")] = 1,
+    context: Annotated[int, typer.Option(min=1, max=2**31, help="Tokens per sequence (prompt + output).")] = 8192,
+    concurrency: Annotated[int, typer.Option(min=1, max=10**6,
+                                             help="Sequences that must fit at full context at once.")] = 1,
     format: Annotated[str | None, typer.Option(help="Weight format: bf16, fp16, fp8, int4, nf4 "
                                                     "(default: the checkpoint's own).")] = None,
     tp: Annotated[int | None, typer.Option(min=1, help="Pin the tensor-parallel size.")] = None,
@@ -39,7 +40,7 @@ def plan_command(
     speculative: Annotated[str | None, typer.Option(help="Plan for speculative decoding: 'mtp' (the model's own "
                                                           "multi-token-prediction layers) or a draft model's "
                                                           "checkpoint directory or config.json.")] = None,
-    speculative_tokens: Annotated[int, typer.Option(min=1, help="Tokens proposed a step.")] = 1,
+    speculative_tokens: Annotated[int, typer.Option(min=1, max=64, help="Tokens proposed a step.")] = 1,
     objective: Annotated[str, typer.Option(help="What to choose for: 'capacity' (the most KV-cache tokens on the "
                                                "GPUs here, then fewer hosts, then less traffic between hosts) or "
                                                "'min-gpus' (the fewest GPUs, leaving the rest free).")] = "capacity",

@@ -13,6 +13,7 @@ Objectives, among the layouts that fit `concurrency` sequences of `context` toke
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,8 @@ from installer.model_config import ModelShape, load_model_config
 
 UTILIZATION = PLAN_UTILIZATION  # vLLM's default --gpu-memory-utilization
 MAX_HOSTS_SUGGESTED = 64
+MAX_SPECULATIVE_TOKENS = 64  # as SpeculativeConfig allows
+CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 Objective = Literal["capacity", "min-gpus"]
 OBJECTIVES: tuple[Objective, ...] = ("capacity", "min-gpus")
 
@@ -102,6 +105,10 @@ def plan(model: ModelShape, profile: HardwareProfile, *, context: int, concurren
          reserved: Mapping[str, Sequence[int]] | None = None) -> Plan:
     """The plan record: chosen layout, per-GPU memory, alternatives, rejections, commands. GPUs
     `reserved` for other pools (by pool name: their indexes on each host) are left out."""
+    if context < 1 or concurrency < 1:
+        raise PlanError(f"context {context} and concurrency {concurrency}: each must be at least 1")
+    if objective not in OBJECTIVES:
+        raise PlanError(f"objective {objective!r}: not one of {', '.join(OBJECTIVES)}")
     profile, held = _without(profile, reserved or {})
     weight_format = serving_format(model, fmt)
     gpus_per_host, gpu_bytes, nvlink, gpu_name = _homogeneous(profile)
@@ -124,6 +131,11 @@ def plan(model: ModelShape, profile: HardwareProfile, *, context: int, concurren
                   if c.reason is not None])
     if not feasible:
         smallest = _smallest_hardware(fit, pins, start=len(profile.hosts) + 1, reach=reach, objective=objective)
+        if smallest is None and not candidates:
+            pinned = " ".join(("--ep" if value else "--no-ep") if name == "ep" else f"--{name} {value}"
+                              for name, value in vars(pins).items() if value is not None)
+            raise PlanError(f"no layout meets the pins ({pinned}) on {len(profile.hosts)} to {MAX_HOSTS_SUGGESTED} "
+                            f"hosts of {gpus_per_host} GPUs", hint="pin less, or pin sizes the GPUs divide into")
         if smallest is not None:
             hosts, fitting = smallest
             record.smallest_fitting_hardware = SmallestHardware(hosts=hosts, gpus_per_host=gpus_per_host,
@@ -179,9 +191,11 @@ def speculation(model: ModelShape, method: str | None, tokens: int = 1) -> Specu
     """What `--speculative` asks for: None, 'mtp' (the model's own multi-token-prediction layers),
     or a draft model's checkpoint directory or config.json."""
     if method is None:
+        if tokens != 1:
+            raise PlanError(f"--speculative-tokens {tokens}: give --speculative too (mtp, or a draft model)")
         return NO_SPECULATION
-    if tokens < 1:
-        raise PlanError(f"--speculative-tokens {tokens}: must be at least 1")
+    if not 1 <= tokens <= MAX_SPECULATIVE_TOKENS:
+        raise PlanError(f"--speculative-tokens {tokens}: must be between 1 and {MAX_SPECULATIVE_TOKENS}")
     if method == "mtp":
         layers = model.mtp_layers
         if not layers:
@@ -192,8 +206,18 @@ def speculation(model: ModelShape, method: str | None, tokens: int = 1) -> Specu
             raise PlanError(f"--speculative-tokens {tokens}: must be at most {layers} or a multiple of it "
                             f"(the model's {layers} MTP layers)")
         return Speculative(mtp=True, tokens=tokens)
-    draft = load_model_config(Path(method))
-    return Speculative(draft=draft, draft_format=serving_format(draft, None), draft_ref=method, tokens=tokens)
+    if not method or CONTROL.search(method) or not method.isprintable():
+        raise PlanError(f"--speculative {method[:80]!r}: give 'mtp' or a draft model's directory (a path without "
+                        "control characters)")
+    try:
+        method.encode()
+    except UnicodeEncodeError:
+        raise PlanError(f"--speculative {method[:80]!r}: not a path this system can name") from None
+    given = Path(method)
+    draft = load_model_config(given)
+    # vLLM loads the draft from its directory, wherever the engine's working directory is.
+    directory = (given if given.is_dir() else given.parent).resolve()
+    return Speculative(draft=draft, draft_format=serving_format(draft, None), draft_ref=str(directory), tokens=tokens)
 
 
 def _ranked(candidates: list[Candidate], objective: Objective) -> list[Candidate]:
@@ -245,10 +269,10 @@ def _nvlinked(host: Host) -> bool:
 
 
 def _layouts(model: ModelShape, gpus_per_host: int, hosts: int, pins: Pins, nvlink_reach: int,
-             speculative: Speculative) -> Iterator[tuple[Layout, str | None]]:
-    """Every layout on part of one host or on whole hosts, honouring the pins, each with the rule
-    that rules it out (None: the memory decides). A TP group must fit in `nvlink_reach` GPUs (the
-    smallest host's largest NVLink domain)."""
+             speculative: Speculative, more_than: int = 0) -> Iterator[tuple[Layout, str | None]]:
+    """Every layout on part of one host or on whole hosts (of more than `more_than` GPUs), honouring
+    the pins, each with the rule that rules it out (None: the memory decides). A TP group must fit
+    in `nvlink_reach` GPUs (the smallest host's largest NVLink domain)."""
     total = gpus_per_host * hosts
     tps = _powers_of_two(gpus_per_host)
     # TP over whole hosts is offered only when pinned: its all-reduce crosses the network every layer.
@@ -273,7 +297,7 @@ def _layouts(model: ModelShape, gpus_per_host: int, hosts: int, pins: Pins, nvli
             replica = tp * pp
             for dp in [pins.dp] if pins.dp else range(1, total // replica + 1):
                 gpus = replica * dp
-                if gpus > total or (gpus > gpus_per_host and gpus % gpus_per_host):
+                if gpus > total or gpus <= more_than or (gpus > gpus_per_host and gpus % gpus_per_host):
                     continue  # not whole hosts: not considered
                 for ep in eps:
                     layout = Layout(tp=tp, pp=pp, dp=dp, ep=ep)
@@ -305,7 +329,7 @@ class _Fit:
             reason = (f"weights {_gib(memory.weights)} + reserve {_gib(memory.reserve)} per GPU exceed the "
                       f"{_gib(memory.budget)} budget ({UTILIZATION:.0%} of {_gib(self.gpu_bytes)})")
             return Candidate(layout, memory, hosts, reason)
-        per_replica = math.ceil(self.concurrency / layout.dp)
+        per_replica = -(-self.concurrency // layout.dp)  # integers: any concurrency
         if memory.kv_capacity_tokens < self.context * per_replica:
             reason = (f"KV cache {_gib(memory.kv_cache)} per GPU holds {memory.kv_capacity_tokens:,} tokens "
                       f"({memory.kv_bytes_per_token:,} B/token); {per_replica} x {self.context:,}-token sequences "
@@ -337,9 +361,9 @@ def _smallest_hardware(fit: _Fit, pins: Pins, start: int, reach: int,
     """The fewest hosts like these on which some layout fits, and the layouts that fit there (best
     first) and need every one of them (those on fewer hosts did not fit)."""
     for hosts in range(start, MAX_HOSTS_SUGGESTED + 1):
-        space = _layouts(fit.model, fit.gpus_per_host, hosts, pins, reach, fit.speculative)
-        fitting = _ranked([fit.evaluate(layout) for layout, reason in space
-                           if reason is None and layout.gpus > (hosts - 1) * fit.gpus_per_host], objective)
+        space = _layouts(fit.model, fit.gpus_per_host, hosts, pins, reach, fit.speculative,
+                         more_than=(hosts - 1) * fit.gpus_per_host)
+        fitting = _ranked([fit.evaluate(layout) for layout, reason in space if reason is None], objective)
         if fitting:
             return hosts, fitting
     return None

@@ -159,7 +159,7 @@ def test_mtp_adds_its_module_weights_and_one_layer_of_kv() -> None:
 def test_speculation_asked_of_a_model_without_it_is_refused(tmp_path: Path) -> None:
     with pytest.raises(PlanError, match="kimi-k2 has no multi-token-prediction layers"):
         speculation(model("kimi-k2"), "mtp")
-    with pytest.raises(PlanError, match="--speculative-tokens 0: must be at least 1"):
+    with pytest.raises(PlanError, match="--speculative-tokens 0: must be between 1 and 64"):
         speculation(model("deepseek-v3"), "mtp", tokens=0)
     with pytest.raises(Exception, match="no such file"):
         speculation(model("deepseek-v3"), str(tmp_path / "absent"))
@@ -169,7 +169,7 @@ def test_a_draft_model_adds_its_weights_and_kv_at_the_targets_tp(tmp_path: Path)
     target = model("llama-3.1-405b")
     draft = small_llama(tmp_path, heads=32, kv_heads=8)
     ask = speculation(target, str(tmp_path / "draft.json"), tokens=3)
-    assert ask.vllm_config() == SpeculativeConfig(method="draft_model", model=str(tmp_path / "draft.json"),
+    assert ask.vllm_config() == SpeculativeConfig(method="draft_model", model=str(tmp_path.resolve()),
                                                   num_speculative_tokens=3)
     assert ask.weight_bytes(target, Layout(tp=8, pp=2), "bf16") == weight_bytes_per_gpu(draft, Layout(tp=8), "bf16")
     assert ask.kv_bytes_per_token(target, Layout(tp=8)) == kv_bytes_per_token(draft, Layout(tp=8))
@@ -210,3 +210,33 @@ def test_a_plan_files_speculative_config_is_checked_before_any_launch(tmp_path: 
     path.write_text(json.dumps(record))
     with pytest.raises(ApplianceError, match=problem):
         load_plan(path, "pools.main.plan")
+
+
+@pytest.mark.parametrize("given,tokens,problem", [
+    ("mtp", 65, "--speculative-tokens 65: must be between 1 and 64"),
+    (None, 3, "--speculative-tokens 3: give --speculative too"),
+    ("", 1, "give 'mtp' or a draft model's directory"),
+    ("/models/draft\n--trust-remote-code", 1, "give 'mtp' or a draft model's directory"),
+    ("/models/dr\u2028aft", 1, "give 'mtp' or a draft model's directory"),
+    ("/models/\udcffdraft", 1, "give 'mtp' or a draft model's directory"),
+])
+def test_what_speculative_decoding_is_asked_of_is_checked(given: str | None, tokens: int, problem: str) -> None:
+    with pytest.raises(PlanError, match=problem.replace("(", r"\(").replace(")", r"\)")):
+        speculation(model("deepseek-v3"), given, tokens)
+
+
+def test_a_draft_is_named_by_its_absolute_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine runs elsewhere than where `plan` ran, and vLLM loads a draft from a directory."""
+    small_llama(tmp_path, heads=32, kv_heads=8)
+    monkeypatch.chdir(tmp_path)
+    ask = speculation(model("llama-3.1-405b"), "draft.json")
+    assert ask.draft_ref == str(tmp_path.resolve())
+
+
+def test_pins_that_leave_nothing_to_consider_say_so() -> None:
+    with pytest.raises(PlanError, match=r"no layout meets the pins \(--dp 1000000000\) on 1 to 64 hosts of 8 GPUs"):
+        make_plan(model("mixtral-8x22b"), hosts(1), context=8192, concurrency=1, pins=Pins(dp=10**9))
+    with pytest.raises(PlanError, match="context 0 and concurrency 1: each must be at least 1"):
+        make_plan(model("mixtral-8x22b"), hosts(1), context=0, concurrency=1)
+    huge = make_plan(model("mixtral-8x22b"), hosts(1), context=8192, concurrency=10**400)
+    assert not huge.feasible  # integer arithmetic: no overflow
