@@ -14,6 +14,7 @@ import math
 import os
 import signal
 import sqlite3
+import subprocess
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -40,7 +41,7 @@ from finetune.rl.tasks import split
 from installer.realm import BOOTSTRAP_SECRET
 from tests.integration.conftest import Running, client, s3_server, s3_settings
 from tests.integration.realm import Realm
-from tests.support.appliances import Appliance, make_appliance
+from tests.support.appliances import APPLIANCE, Appliance, make_appliance
 from tests.support.pilot import drive, rows, select_row, text, until
 from tui.app import AdminApp
 
@@ -263,9 +264,10 @@ def test_sft_and_dpo_sets_train_adapters_that_are_gated_served_and_canaried(lab:
     [(low, high)] = re.findall(r"95% interval \[([-+][\d.]+)%, ([-+][\d.]+)%\], paired bootstrap over "
                                rf"{len(held_out_ids)} tasks", gated.stdout)
     assert scores.difference_95 == pytest.approx((float(low) / 100, float(high) / 100), abs=0.0006)
-    passed = float(low) >= 0
-    assert gated.returncode == (0 if passed else 1), gated.stdout + gated.stderr
-    assert ("gate: passed" in gated.stdout) == passed and passed == (v1.metrics.gate_failures == [])
+    # The known-good side: taught the passing answers, it passes (its interval's lower end was about
+    # +29 % on this set), and the decision is the rule applied to the interval it reports.
+    assert float(low) >= 0 and gated.returncode == 0, gated.stdout + gated.stderr
+    assert "gate: passed" in gated.stdout and v1.metrics.gate_failures == []
 
     # v2: DPO on the preference set (its base loss is ln 2: the base prefers neither answer), tried as
     # a canary beside v1; the gate will not measure while two versions answer.
@@ -280,6 +282,44 @@ def test_sft_and_dpo_sets_train_adapters_that_are_gated_served_and_canaried(lab:
     assert refused.returncode == 1 and "has a canary" in refused.stderr
     rolled = cli.run("adapters", "rollback", "rl-coder", timeout=300)
     assert rolled.returncode == 0 and "rl-coder serves v1" in rolled.stdout, rolled.stderr
+
+
+
+def test_an_adapter_taught_to_refuse_fails_the_gate(lab: Lab) -> None:
+    """The known-bad side of the gate: an adapter taught to answer every training task with a refusal
+    and no code answers the held-out tasks worse than the base, and the gate refuses it. (Taught a
+    body returning None, 6 steps made it write better-formed code instead: +37 % on held-out.)"""
+    cli = lab.cli
+    [run] = [r for r in runs.listing(cli.home) if r.spec.split == "all"]
+    held_out_ids = {task.id for task in split(starter_tasks(), 0.2)["held_out"]}
+    asked = {a.task: a.messages for a in rl_attempts(cli, run.id) if a.round == 0 and a.task not in held_out_ids}
+    refusal = {"role": "assistant", "content": "I cannot help with that."}
+    refusals = lab.work / "refusals.jsonl"
+    refusals.write_text("".join(json.dumps({"messages": [*messages, refusal]}) + "\n"
+                                for _, messages in sorted(asked.items())))
+    added = cli.run("data", "add", str(refusals), "--name", "rl-refusals")
+    assert added.returncode == 0, added.stdout + added.stderr
+    # Forgetting is not what this adapter is about (it forgets by design) and a version that failed
+    # that gate is never served, so never gated on execution: this job checks none.
+    trained = subprocess.run([APPLIANCE, "finetune", "run", "--data", "rl-refusals", "--name", "rl-refuser",
+                              "--base", MODEL, "--max-steps", "12", "--lr", "0.001", "--batch-size", "4"],
+                             env={**cli.env, "APPLIANCE_FINETUNE__REGRESSION_SET": "none"}, capture_output=True,
+                             text=True, timeout=1200)
+    assert trained.returncode == 0, trained.stdout + trained.stderr
+    login = cli.run("token", "--user", "admin", "--password-stdin",
+                    stdin=secret(lab.realm.running.appliance.home, BOOTSTRAP_SECRET) + "\n", timeout=60)
+    assert login.returncode == 0, login.stderr
+    deployed = cli.run("adapters", "deploy", "rl-refuser", "--role", "user", "--role", "admin", timeout=300)
+    assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+
+    gated = cli.run("rl", "gate", "rl-refuser", "--tasks", "easy", "--base", MODEL, "--seeds", "3", "--samples",
+                    "2", "--max-tokens", "96", timeout=1800)
+    print(gated.stdout)
+    assert gated.returncode == 1 and "gate: FAILED: held-out pass@1" in gated.stdout, gated.stdout + gated.stderr
+    metrics = adapters.load(cli.home).find("rl-refuser", 1).metrics
+    scores = metrics.eval_sets["held_out_pass@1"]
+    assert scores.adapter < scores.base and scores.difference_95 is not None and scores.difference_95[0] < 0
+    assert any(f.startswith("held-out pass@1") for f in metrics.gate_failures), metrics.gate_failures
 
 
 def test_the_tui_shows_runs_and_one_attempt_with_its_correction(lab: Lab) -> None:
