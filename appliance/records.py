@@ -3,8 +3,11 @@ by hand for a cluster) and the parallelism plan made for it."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import os
+import stat
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -13,6 +16,24 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from appliance.errors import ApplianceError
 
 STAGING_MANIFEST = "staging-manifest.json"  # in a staged directory, written by `appliance stage`
+PLAN_MAX_BYTES = 16 << 20  # a plan for 64 hosts of 256 GPUs is 2.5 MB (11 000 layouts rejected)
+
+
+def read_regular_file(path: Path, max_bytes: int) -> bytes:
+    """The bytes of a regular file of at most `max_bytes` (a link is followed: Hugging Face caches
+    link config.json to a blob). OSError if it cannot be opened, is not a regular file (a FIFO is
+    not waited on, a device not read without end) or holds more (its strerror says which)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as handle:
+        found = os.fstat(fd)
+        if not stat.S_ISREG(found.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        if found.st_size > max_bytes:
+            raise OSError(errno.EFBIG, f"{found.st_size} bytes, over the limit of {max_bytes}", str(path))
+        data = handle.read(max_bytes + 1)  # a file growing, or a /proc file that says size 0
+    if len(data) > max_bytes:
+        raise OSError(errno.EFBIG, f"over the limit of {max_bytes} bytes", str(path))
+    return data
 
 
 def config_sha256(config: dict[str, Any]) -> str:
@@ -66,7 +87,7 @@ HostName = Annotated[str, Field(pattern=r"^[A-Za-z0-9]+([._-][A-Za-z0-9]+)*$", m
 
 class Host(_Record):
     name: HostName
-    gpus: list[Gpu] = Field(default_factory=list)
+    gpus: list[Gpu] = Field(default_factory=list, max_length=256)
     nvlink_all_to_all: bool = Field(
         False, description="Every GPU reaches every other over NVLink/NVSwitch (one TP domain).")
     gpu_errors: list[str] = Field(
@@ -93,7 +114,7 @@ class Host(_Record):
 class HardwareProfile(_Record):
     """One host (detected) or a cluster (written by hand, one entry per host)."""
 
-    hosts: list[Host] = Field(min_length=1)
+    hosts: list[Host] = Field(min_length=1, max_length=1024)
     source: str = Field("file", description="'detected', 'file' or 'spec'.")
 
     @model_validator(mode="after")
@@ -112,6 +133,14 @@ class PlanLayout(_Record):
     gpus: int = Field(ge=1)
     hosts: int = Field(ge=1)
 
+    @model_validator(mode="after")
+    def _gpus_add_up(self) -> PlanLayout:
+        if self.gpus != self.tp * self.pp * self.dp:
+            raise ValueError(f"gpus {self.gpus} is not tp x pp x dp ({self.tp} x {self.pp} x {self.dp})")
+        if self.gpus % self.hosts:
+            raise ValueError(f"hosts {self.hosts} does not divide gpus {self.gpus}")
+        return self
+
 
 class PlanModel(_Record):
     name: str
@@ -121,8 +150,9 @@ class PlanModel(_Record):
     active_params: int
     format: str
     layers: int
-    quantization: str | None = Field(None, description="vLLM --quantization, where the weights are served in "
-                                     "another format than the checkpoint's.")
+    quantization: Literal["fp8", "bitsandbytes", "bf16", "fp16"] | None = Field(
+        None, description="vLLM --quantization, where the weights are served in another format than the "
+        "checkpoint's (installer.planner: fp8 or nf4 online, or bf16/fp16 from a wider checkpoint).")
 
 
 class PlanHardware(_Record):
@@ -150,8 +180,8 @@ class SpeculativeConfig(_Record):
 
 
 class PlanTarget(_Record):
-    context: int
-    concurrency: int
+    context: int = Field(ge=1, le=2**31)
+    concurrency: int = Field(ge=1)
     speculative: SpeculativeConfig | None = Field(
         None, description="What speculative decoding the memory was planned for (its launch passes it to vLLM).")
 
@@ -195,9 +225,10 @@ class Plan(_Record):
     hardware: PlanHardware
     target: PlanTarget
     feasible: bool
-    rejected: list[RejectedLayout]
-    objective: str = Field("min-gpus", description="What chose the layout: 'capacity' (the most KV-cache tokens, "
-                           "then fewer hosts, then less traffic between hosts) or 'min-gpus' (the fewest GPUs).")
+    rejected: list[RejectedLayout] = Field(max_length=100_000)
+    objective: Literal["capacity", "min-gpus"] = Field(
+        "min-gpus", description="What chose the layout: 'capacity' (the most KV-cache tokens, then fewer hosts, "
+        "then less traffic between hosts) or 'min-gpus' (the fewest GPUs; plan files from before the objective).")
     choice: str | None = Field(None, description="Why the chosen layout won, in numbers against the runner-up.")
     runner_up: AlternativeLayout | None = None
     layout: PlanLayout | None = None
@@ -205,8 +236,8 @@ class Plan(_Record):
     kv_bytes_per_token: int | None = None
     kv_capacity_tokens: int | None = None
     max_concurrent_sequences: int | None = None
-    alternatives: list[AlternativeLayout] = Field(default_factory=list)
-    commands: list[HostCommand] = Field(default_factory=list)
+    alternatives: list[AlternativeLayout] = Field(default_factory=list, max_length=100_000)
+    commands: list[HostCommand] = Field(default_factory=list, max_length=1024)
     notes: list[str] = Field(default_factory=list)
     smallest_fitting_hardware: SmallestHardware | None = None
 
@@ -214,10 +245,12 @@ class Plan(_Record):
 def load_plan(path: Path, where: str, error: type[ApplianceError] = ApplianceError) -> Plan:
     """The plan record in `path`; `error` (naming `where`) if it cannot be read or is not one."""
     try:
-        return Plan.model_validate_json(path.read_bytes())
+        return Plan.model_validate_json(read_regular_file(path, PLAN_MAX_BYTES))
     except OSError as exc:
         raise error(f"{where}: cannot read the plan: {exc.strerror or exc}") from exc
     except ValidationError as exc:
         first = exc.errors()[0]
-        raise error(f"{where}: not a plan record: {'.'.join(map(str, first['loc']))}: {first['msg']}",
+        field = ".".join(map(str, first["loc"]))  # none for a file that is not JSON at all
+        message = str(first["msg"]).removeprefix("Value error, ")
+        raise error(f"{where}: not a plan record: {field + ': ' if field else ''}{message}",
                     hint="write one with `appliance plan MODEL ... --json > FILE`") from exc

@@ -23,7 +23,7 @@ import pynvml
 from pydantic import ValidationError
 
 from appliance.errors import ApplianceError
-from appliance.records import Disk, Gpu, HardwareProfile, Host, Nic
+from appliance.records import Disk, Gpu, HardwareProfile, Host, Nic, read_regular_file
 
 T = TypeVar("T")
 
@@ -36,7 +36,14 @@ DATA_FILESYSTEMS = frozenset({
 ARPHRD_INFINIBAND = 32  # /sys/class/net/X/type of an IPoIB interface (linux/if_arp.h)
 # Parts whose multi-GPU boards join every GPU by NVLink/NVSwitch (SXM/HGX). PCIe parts do not.
 NVLINK_PARTS = frozenset({"H100", "H200", "H20", "A100", "B100", "B200", "GB200"})
-SPEC_HINT = "e.g. 2x8xH100-80GB: 2 hosts, each with 8 H100 of 80 GiB"
+# The shorthand's limits: the planner suggests up to 64 hosts; an NVL72 rack is 72 GPUs in one
+# NVLink domain; no GPU has 4 TiB. Each GPU lists its NVLink peers, so a host's size is squared.
+SPEC_MAX_HOSTS = 64
+SPEC_MAX_GPUS = 72
+SPEC_MAX_GIB = 4096
+SPEC_HINT = (f"e.g. 2x8xH100-80GB: 2 hosts, each with 8 H100 of 80 GiB (at most {SPEC_MAX_HOSTS} hosts, "
+             f"{SPEC_MAX_GPUS} GPUs a host, {SPEC_MAX_GIB} GiB a GPU)")
+PROFILE_MAX_BYTES = 16 << 20  # 1024 hosts of 8 GPUs, every field filled, are a few MiB
 
 
 class ProfileError(ApplianceError):
@@ -384,22 +391,25 @@ def load_profile(path: Path) -> HardwareProfile:
 def _parse_file(path: Path) -> Any:
     """The file's data; syntax errors carry the line."""
     try:
-        text = path.read_text()
+        text = read_regular_file(path, PROFILE_MAX_BYTES).decode()
     except OSError as exc:
-        raise ProfileError(f"{path}: cannot read the profile: {exc.strerror}") from exc
+        raise ProfileError(f"{path}: cannot read the profile: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ProfileError(f"{path}: not UTF-8 text (byte {exc.start})") from exc
     suffix = path.suffix.lower()
-    if suffix == ".json":
-        try:
+    try:
+        if suffix == ".json":
             return json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ProfileError(f"{path}:{exc.lineno}: not valid JSON: {exc.msg}") from exc
-    if suffix == ".toml":
-        try:
+        if suffix == ".toml":
             return tomllib.loads(text)
-        except tomllib.TOMLDecodeError as exc:
-            # Python 3.11's TOMLDecodeError has no lineno attribute; its message ends with it.
-            line = re.search(r"line (\d+)", str(exc))
-            raise ProfileError(f"{path}{':' + line.group(1) if line else ''}: not valid TOML: {exc}") from exc
+    except json.JSONDecodeError as exc:
+        raise ProfileError(f"{path}:{exc.lineno}: not valid JSON: {exc.msg}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        # Python 3.11's TOMLDecodeError has no lineno attribute; its message ends with it.
+        line = re.search(r"line (\d+)", str(exc))
+        raise ProfileError(f"{path}{':' + line.group(1) if line else ''}: not valid TOML: {exc}") from exc
+    except RecursionError:
+        raise ProfileError(f"{path}: nested too deeply to be a profile") from None
     raise ProfileError(f"{path}: unknown profile format {suffix or '(no suffix)'!r}",
                        hint="name the file .json or .toml")
 
@@ -437,8 +447,8 @@ def _child(node: Any, part: int | str) -> Any:
 
 # --- shorthand -----------------------------------------------------------------------------
 
-_SPEC = re.compile(r"(?P<hosts>\d+)x(?P<gpus>\d+)x(?P<name>[A-Za-z0-9][\w.-]*)-(?P<memory>\d+)(?:GB|GiB|G)?",
-                   re.IGNORECASE)
+_SPEC = re.compile(r"(?P<hosts>\d{1,6})x(?P<gpus>\d{1,6})x(?P<name>[A-Za-z0-9][\w.-]{0,99})-(?P<memory>\d{1,6})"
+                   r"(?:GB|GiB|G)?", re.IGNORECASE)
 
 
 def parse_hardware_spec(spec: str) -> HardwareProfile:
@@ -449,12 +459,13 @@ def parse_hardware_spec(spec: str) -> HardwareProfile:
     """
     match = _SPEC.fullmatch(spec.strip())
     if not match:
-        raise ProfileError(f"hardware spec {spec!r} is not of the form HOSTSxGPUSxNAME-MEMORY",
-                           hint=SPEC_HINT)
+        raise ProfileError(f"--hardware {spec[:200]!r} is not of the form HOSTSxGPUSxNAME-MEMORY", hint=SPEC_HINT)
     hosts, per_host, memory = (int(match[key]) for key in ("hosts", "gpus", "memory"))
-    if not (hosts and per_host and memory):
-        raise ProfileError(f"hardware spec {spec!r}: HOSTS, GPUS and MEMORY in HOSTSxGPUSxNAME-MEMORY "
-                           "must be at least 1", hint=SPEC_HINT)
+    for part, value, limit in (("HOSTS", hosts, SPEC_MAX_HOSTS), ("GPUS", per_host, SPEC_MAX_GPUS),
+                               ("MEMORY", memory, SPEC_MAX_GIB)):
+        if not 1 <= value <= limit:
+            raise ProfileError(f"--hardware {spec!r}: {part} in HOSTSxGPUSxNAME-MEMORY is {value}; it must be "
+                               f"from 1 to {limit}", hint=SPEC_HINT)
     nvlink = per_host > 1 and match["name"].upper() in NVLINK_PARTS
     return HardwareProfile(
         hosts=[Host(name=f"node-{n}", gpus=_spec_gpus(match["name"], per_host, memory, nvlink),
