@@ -150,9 +150,9 @@ class PlanModel(_Record):
     active_params: int
     format: str
     layers: int
-    quantization: Literal["fp8", "bitsandbytes", "bf16", "fp16"] | None = Field(
-        None, description="vLLM --quantization, where the weights are served in another format than the "
-        "checkpoint's (installer.planner: fp8 or nf4 online, or bf16/fp16 from a wider checkpoint).")
+    quantization: Literal["fp8", "bitsandbytes"] | None = Field(
+        None, description="vLLM --quantization, where the weights are quantized online from a 16- or 32-bit "
+        "checkpoint (fp8, or nf4 as bitsandbytes); a 16-bit float format is the launch's --dtype instead.")
 
 
 class PlanHardware(_Record):

@@ -380,7 +380,9 @@ def _gib(value: int) -> str:
 
 
 def _quantization(model: ModelShape, fmt: str) -> str | None:
-    if fmt == serving_format(model, None):
+    """vLLM's --quantization for serving the checkpoint as `fmt`; None for its own format or a
+    16-bit float one (that is --dtype, which the launch sets: bfloat16 on a GPU unless engine.dtype)."""
+    if fmt == serving_format(model, None) or fmt in ("bf16", "fp16", "fp32"):
         return None
     return "bitsandbytes" if fmt == "nf4" else fmt
 

@@ -265,3 +265,15 @@ def test_cli_plan_leaves_out_gpus_other_pools_hold_and_checks_its_objective(tmp_
     wrong = subprocess.run([APPLIANCE, "plan", config, "--hardware", "1x8xH100-80GB", "--objective", "most"],
                            capture_output=True, text=True, env=env)
     assert wrong.returncode == 1 and "--objective 'most': not one of capacity, min-gpus" in wrong.stderr
+
+
+def test_a_float32_checkpoint_served_in_16_bits_is_a_dtype_not_a_quantization(tmp_path: Path) -> None:
+    """vLLM 0.32 has no bf16 or fp16 quantization method: serving an fp32 checkpoint in 16 bits is
+    its --dtype, which the launch sets."""
+    config = json.loads((MODEL_CONFIGS / "llama-3.1-70b.json").read_text()) | {"torch_dtype": "float32"}
+    (tmp_path / "fp32.json").write_text(json.dumps(config))
+    record = plan(load_model_config(tmp_path / "fp32.json"), hosts(1), context=8192, concurrency=1, fmt="bf16")
+    assert record["model"]["format"] == "bf16" and record["model"]["quantization"] is None
+    assert "--quantization" not in record["commands"][0]["argv"]
+    fp8 = plan(load_model_config(tmp_path / "fp32.json"), hosts(1), context=8192, concurrency=1, fmt="fp8")
+    assert fp8["model"]["quantization"] == "fp8"
