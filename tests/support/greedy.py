@@ -14,14 +14,14 @@ from typing import Any
 import pytest
 
 GREEDY = Path(__file__).parent.parent / "integration" / "vllm_greedy.py"
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,")
 ENGINE_TIMEOUT_S = 600
 
 
 def generate(model: Path, work: Path, name: str, *, tp: int = 2, load_format: str = "auto",
-             expert_parallel: bool = False) -> tuple[list[dict[str, Any]], str]:
-    """Greedy answers to PROMPTS from a TP=`tp` engine with one core per rank, and its log
-    (`work/NAME.log`)."""
+             expert_parallel: bool = False, prompts: tuple[str, ...] = PROMPTS) -> tuple[list[dict[str, Any]], str]:
+    """Greedy answers to `prompts` from a TP=`tp` engine with one core per rank, and its log
+    (`work/NAME.log`); no prompts: the engine only starts."""
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < tp:
         pytest.skip(f"tensor parallel {tp} on the CPU needs {tp} cores")
@@ -33,7 +33,7 @@ def generate(model: Path, work: Path, name: str, *, tp: int = 2, load_format: st
     argv = [sys.executable, "-P", str(GREEDY), str(model), str(out), "--tp", str(tp), "--load-format", load_format]
     if expert_parallel:
         argv.append("--enable-expert-parallel")
-    for prompt in PROMPTS:
+    for prompt in prompts:
         argv += ["--prompt", prompt]
     with log.open("w") as sink:
         engine = subprocess.Popen(argv, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
