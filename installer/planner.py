@@ -130,21 +130,7 @@ def plan(model: ModelShape, profile: HardwareProfile, *, context: int, concurren
         rejected=[RejectedLayout(layout=_layout_record(c), reason=c.reason) for c in candidates
                   if c.reason is not None])
     if not feasible:
-        smallest = _smallest_hardware(fit, pins, start=len(profile.hosts) + 1, reach=reach, objective=objective)
-        if smallest is None and not candidates:
-            pinned = " ".join(("--ep" if value else "--no-ep") if name == "ep" else f"--{name} {value}"
-                              for name, value in vars(pins).items() if value is not None)
-            raise PlanError(f"no layout meets the pins ({pinned}) on {len(profile.hosts)} to {MAX_HOSTS_SUGGESTED} "
-                            f"hosts of {gpus_per_host} GPUs", hint="pin less, or pin sizes the GPUs divide into")
-        if smallest is not None:
-            hosts, fitting = smallest
-            record.smallest_fitting_hardware = SmallestHardware(hosts=hosts, gpus_per_host=gpus_per_host,
-                                                                gpu=gpu_name, layout=_layout_record(fitting[0]))
-            # What would fit on more hosts is rejected here for the host boundary, with its numbers.
-            have = f"{len(profile.hosts)} host(s) of {gpus_per_host} GPUs here"
-            record.rejected += [RejectedLayout(layout=_layout_record(c), reason=(
-                f"needs {c.layout.gpus} GPUs on {c.hosts} hosts ({have}); there it holds {c.kv_tokens:,} "
-                f"KV tokens, {c.kv_tokens // context} sequences of {context:,}")) for c in fitting]
+        _explain_no_fit(record, fit, pins, hosts=len(profile.hosts), reach=reach, considered=bool(candidates))
         return record
     best = feasible[0]
     memory = best.memory
@@ -171,6 +157,26 @@ def plan(model: ModelShape, profile: HardwareProfile, *, context: int, concurren
         record.notes.append(f"TP {best.layout.tp} spans {best.hosts} hosts (pinned): every layer all-reduces over the "
                             "network; only worth it with InfiniBand or RoCE between them")
     return record
+
+
+def _explain_no_fit(record: Plan, fit: _Fit, pins: Pins, *, hosts: int, reach: int, considered: bool) -> None:
+    """The smallest hardware that fits, and what would fit there, rejected here for the host boundary
+    with its numbers; an error when the pins leave no layout to consider up to MAX_HOSTS_SUGGESTED."""
+    smallest = _smallest_hardware(fit, pins, start=hosts + 1, reach=reach, objective=record.objective)
+    if smallest is None:
+        if not considered:
+            pinned = " ".join(("--ep" if value else "--no-ep") if name == "ep" else f"--{name} {value}"
+                              for name, value in vars(pins).items() if value is not None)
+            raise PlanError(f"no layout meets the pins ({pinned}) on {hosts} to {MAX_HOSTS_SUGGESTED} hosts of "
+                            f"{fit.gpus_per_host} GPUs", hint="pin less, or pin sizes the GPUs divide into")
+        return
+    needed, fitting = smallest
+    record.smallest_fitting_hardware = SmallestHardware(hosts=needed, gpus_per_host=fit.gpus_per_host,
+                                                        gpu=record.hardware.gpu, layout=_layout_record(fitting[0]))
+    have = f"{hosts} host(s) of {fit.gpus_per_host} GPUs here"
+    record.rejected += [RejectedLayout(layout=_layout_record(c), reason=(
+        f"needs {c.layout.gpus} GPUs on {c.hosts} hosts ({have}); there it holds {c.kv_tokens:,} KV tokens, "
+        f"{c.kv_tokens // fit.context} sequences of {fit.context:,}")) for c in fitting]
 
 
 def _without(profile: HardwareProfile, reserved: Mapping[str, Sequence[int]]) -> tuple[HardwareProfile, list[str]]:
