@@ -1,6 +1,6 @@
 """The planner's KV capacity against what the real vLLM CPU engine reports at start-up:
 the demo model here, on the session's engine; a tiny MoE at TP=2 with and without expert
-parallelism here, on engines of its own; a tiny MoE at TP=1 on the engine the bundle test
+parallelism and at DP=2 here, on engines of its own; a tiny MoE at TP=1 on the engine the bundle test
 (test_bundle_install.py) starts from the bundle, which carries it."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from installer.layout_rules import Site, rule_out
 from installer.memory import GIB, Layout, kv_bytes_per_token
 from installer.model_config import DTYPE_BYTES, load_model_config
 from tests.integration.conftest import Running
-from tests.support.greedy import PROMPTS, generate
+from tests.support.greedy import KV_SIZE, PROMPTS, generate, kv_tokens_at_start
 from tests.support.models import tiny_moe
 
 
@@ -37,30 +37,38 @@ def test_predicted_kv_capacity_matches_vllm(running: Running, record_property: p
     assert abs(difference) < 0.10
 
 
-def test_a_tiny_moe_at_tp2_with_and_without_ep_holds_the_kv_the_planner_predicts(
+def test_a_tiny_moe_at_tp2_and_dp2_holds_the_kv_the_planner_predicts(
         demo_model: Path, tmp_path: Path, record_property: pytest.RecordProperty) -> None:
-    """The layouts of an MoE this machine can start (TP=2, experts sliced or whole per rank, one core
-    each) pass the planner's rules, start in the real vLLM CPU engine (TP=2 also answers), and hold
-    the KV tokens the memory model predicts from the engine's fixed KV budget a rank."""
+    """The layouts of an MoE this machine can start (TP=2 with the experts sliced or whole per rank,
+    DP=2; one core a rank) pass the planner's rules, start in the real vLLM CPU engine, and hold the
+    KV tokens the memory model predicts from the engine's fixed KV budget a rank. TP=2 also answers;
+    the CPU build cannot run an MoE's forward pass with EP (a worker dies, SIGSEGV) or DP (its CPU
+    communicator has no all_gatherv for the experts' dispatch), so those are only started."""
     model = tiny_moe(tmp_path / "tiny-moe", demo_model)
     shape = load_model_config(model)
-    layouts = {"tp2": Layout(tp=2), "tp2-ep": Layout(tp=2, ep=True)}
+    layouts = {"tp2": Layout(tp=2), "tp2-ep": Layout(tp=2, ep=True), "dp2": Layout(dp=2)}
     for layout in layouts.values():
         assert rule_out(shape, layout, Site(gpus_per_host=2, nvlink_reach=2)) is None, layout
-    # Both engines at once: their start-up is mostly single-threaded. With EP the CPU build starts
-    # and sizes its KV cache, then a worker dies (SIGSEGV) in the first forward pass: it answers nothing.
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        started = {name: pool.submit(generate, model, tmp_path, name, expert_parallel=layout.ep,
-                                     prompts=() if layout.ep else PROMPTS)
-                   for name, layout in layouts.items()}
-        results = {name: future.result() for name, future in started.items()}
-    logs = {name: log for name, (_, log) in results.items()}
-    assert [len(answer["tokens"]) for answer in results["tp2"][0]] == [16] * len(PROMPTS)
+    # The engines at once: their start-up is mostly single-threaded.
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        answering = pool.submit(generate, model, tmp_path, "tp2")
+        starting = pool.submit(generate, model, tmp_path, "tp2-ep", expert_parallel=True, prompts=())
+        replicas = pool.submit(kv_tokens_at_start, model, tmp_path, "dp2", dp=2)
+        answers, tp2_log = answering.result()
+        ep_log = starting.result()[1]
+        dp2_tokens = replicas.result()
+    assert [len(answer["tokens"]) for answer in answers] == [16] * len(PROMPTS)
+    assert "'enable_expert_parallel': True" in ep_log  # vLLM's own list of the arguments it took
+    reported = {"tp2": _tokens(tp2_log), "tp2-ep": _tokens(ep_log), "dp2": sum(dp2_tokens)}
     for name, layout in layouts.items():
-        reported = int(re.findall(r"KV cache size: ([\d,]+) tokens", logs[name])[-1].replace(",", ""))
-        predicted = 1 * GIB // kv_bytes_per_token(shape, layout, DTYPE_BYTES["bfloat16"])  # VLLM_CPU_KVCACHE_SPACE
-        difference = predicted / reported - 1
-        record_property(f"kv_capacity_{name}", {"predicted": predicted, "vllm": reported, "difference": difference})
-        print(f"tiny MoE {layout}: planner {predicted:,} KV tokens, vLLM {reported:,} ({difference:+.2%})")
+        # VLLM_CPU_KVCACHE_SPACE is 1 GiB a rank; a replica's tokens times the replicas.
+        predicted = 1 * GIB // kv_bytes_per_token(shape, layout, DTYPE_BYTES["bfloat16"]) * layout.dp
+        difference = predicted / reported[name] - 1
+        record_property(f"kv_capacity_{name}", {"predicted": predicted, "vllm": reported[name],
+                                                "difference": difference})
+        print(f"tiny MoE {layout}: planner {predicted:,} KV tokens, vLLM {reported[name]:,} ({difference:+.2%})")
         assert abs(difference) < 0.10
-    assert "'enable_expert_parallel': True" in logs["tp2-ep"]  # vLLM's own list of the arguments it took
+
+
+def _tokens(log: str) -> int:
+    return int(KV_SIZE.findall(log)[-1].replace(",", ""))

@@ -1,21 +1,27 @@
-"""Greedy answers from the real vLLM CPU engine through its offline API, each engine in a fresh
-interpreter of its own process group (tests/integration/vllm_greedy.py), and the engine's log."""
+"""The real vLLM CPU engine for tests, each in a fresh interpreter of its own process group: greedy
+answers through its offline API (tests/integration/vllm_greedy.py) with the engine's log, and the
+KV capacity each data-parallel engine of `vllm serve` reports at start-up."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.support.ports import free_port
+
 GREEDY = Path(__file__).parent.parent / "integration" / "vllm_greedy.py"
 PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,")
 ENGINE_TIMEOUT_S = 600
+KV_SIZE = re.compile(r"KV cache size: ([\d,]+) tokens")  # an engine's start-up line
 
 
 def generate(model: Path, work: Path, name: str, *, tp: int = 2, load_format: str = "auto",
@@ -49,3 +55,36 @@ def generate(model: Path, work: Path, name: str, *, tp: int = 2, load_format: st
     text = log.read_text()
     assert returncode == 0, f"vLLM ({name}) exited {returncode}:\n{text[-4000:]}"
     return json.loads(out.read_text()), text
+
+
+def kv_tokens_at_start(model: Path, work: Path, name: str, *, dp: int) -> list[int]:
+    """Each engine's KV capacity as it reports it at start-up, from `vllm serve` (the appliance's
+    serve.vllm_rank) with `dp` data-parallel engines of one core each on loopback; stopped once
+    every engine has sized its cache."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < dp:
+        pytest.skip(f"data parallel {dp} on the CPU needs {dp} cores")
+    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, cores[:dp])),
+                        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+                        "DO_NOT_TRACK": "1", "VLLM_LOGGING_LEVEL": "INFO"}
+    log = work / f"{name}.log"
+    argv = [sys.executable, "-P", "-m", "serve.vllm_rank", "--model", str(model), "--data-parallel-size", str(dp),
+            "--dtype", "bfloat16", "--max-model-len", "512", "--enforce-eager", "--host", "127.0.0.1",
+            "--port", str(free_port())]
+    found: list[int] = []
+    with log.open("w") as sink:
+        engine = subprocess.Popen(argv, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
+                                  cwd=Path(__file__).parent.parent.parent)
+        try:
+            deadline = time.monotonic() + ENGINE_TIMEOUT_S
+            while len(found) < dp and engine.poll() is None and time.monotonic() < deadline:
+                time.sleep(1)
+                found = [int(n.replace(",", "")) for n in KV_SIZE.findall(log.read_text())]
+        finally:
+            try:
+                os.killpg(engine.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            engine.wait()
+    assert len(found) == dp, f"vLLM ({name}) sized {len(found)} of {dp} engines' caches:\n{log.read_text()[-4000:]}"
+    return found
