@@ -2,7 +2,7 @@
 loss on completions only) against a plain PEFT + Transformers loop (AdamW, padded batches in
 order, loss on completions only) on the same model: the same rows for one epoch in batches of the
 same size, the same LoRA, the same real tokens, taking turns twice. Each run is its own process,
-so its peak RSS (GNU time) is its own.
+so its peak RSS (and on a GPU its peak GPU memory) is its own.
 
 Reports real training tokens/s (tokens fed to the model, padding excluded, over the seconds spent
 training: loading and evaluation excluded), peak RSS and the ratios appliance / plain. On a GPU
@@ -65,6 +65,11 @@ def plain_run(model_dir: Path, steps: int, qlora: bool) -> dict[str, float]:
     tokenizer: Any = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     model: Any = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32,
                                                  **_quantization(hp))
+    # On a GPU, as a user would write it: the model there and bf16 autocast (the appliance's trainer
+    # turns that on too); a 4-bit model is placed on the GPU as it loads.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not qlora:
+        model = model.to(device)
     model = get_peft_model(model, LoraConfig(r=hp.rank, lora_alpha=hp.alpha, lora_dropout=hp.dropout,
                                              target_modules="all-linear", task_type="CAUSAL_LM"))
     examples = []
@@ -80,27 +85,44 @@ def plain_run(model_dir: Path, steps: int, qlora: bool) -> dict[str, float]:
         batch = examples[step * BATCH:(step + 1) * BATCH]
         width = max(len(ids) for ids, _ in batch)
         pad = tokenizer.pad_token_id or tokenizer.eos_token_id
-        input_ids = torch.tensor([ids + [pad] * (width - len(ids)) for ids, _ in batch])
-        mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in batch])
-        labels = torch.tensor([[-100] * cut + ids[cut:] + [-100] * (width - len(ids)) for ids, cut in batch])
-        loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+        input_ids = torch.tensor([ids + [pad] * (width - len(ids)) for ids, _ in batch], device=device)
+        mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in batch], device=device)
+        labels = torch.tensor([[-100] * cut + ids[cut:] + [-100] * (width - len(ids)) for ids, cut in batch],
+                              device=device)
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+            loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         tokens += int(mask.sum())
+    if device == "cuda":
+        torch.cuda.synchronize()
     return {"tokens": tokens, "seconds": time.monotonic() - started}
 
 
 def measured(mode: str, model: Path, steps: int, qlora: bool) -> dict[str, float]:
-    """One run in its own process: its figures and its peak RSS."""
-    with tempfile.NamedTemporaryFile(suffix=".time") as report:
-        command = ["/usr/bin/time", "-o", report.name, "-f", "%M", sys.executable, __file__, "--child", mode,
-                   "--model", str(model), "--steps", str(steps), *(["--qlora"] if qlora else [])]
-        done = subprocess.run(command, check=True, capture_output=True, text=True)
-        figures: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
-        figures["peak_rss_bytes"] = int(Path(report.name).read_text().split()[-1]) * 1024
+    """One run in its own process: its figures, its peak RSS and, on a GPU, its peak GPU memory."""
+    command = [sys.executable, __file__, "--child", mode, "--model", str(model), "--steps", str(steps),
+               *(["--qlora"] if qlora else [])]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"the {mode} run failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+    figures: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
     figures["tokens_per_s"] = figures["tokens"] / figures["seconds"]
     return figures
+
+
+def peaks() -> dict[str, int]:
+    """This process's peak RSS (its children's included: Linux reports KiB) and peak GPU memory."""
+    import resource
+
+    import torch
+
+    kib = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    found = {"peak_rss_bytes": kib * 1024}
+    if torch.cuda.is_available():
+        found["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
+    return found
 
 
 def main() -> None:
@@ -116,7 +138,7 @@ def main() -> None:
         args.model = Home.from_env().demo_model
     if args.child:
         run = appliance_run if args.child == "appliance" else plain_run
-        print(json.dumps(run(args.model, args.steps, args.qlora)))
+        print(json.dumps({**run(args.model, args.steps, args.qlora), **peaks()}))
         return
     runs: dict[str, list[dict[str, float]]] = {"appliance": [], "plain": []}
     for round_ in range(ROUNDS):
@@ -134,6 +156,10 @@ def main() -> None:
            "throughput_ratio": round(rate["appliance"] / rate["plain"], 2),
            "appliance_peak_rss_bytes": peak["appliance"], "plain_peak_rss_bytes": peak["plain"],
            "memory_ratio": round(peak["appliance"] / peak["plain"], 2)}
+    if all("peak_gpu_bytes" in r for found in runs.values() for r in found):
+        gpu = {mode: max(r["peak_gpu_bytes"] for r in found) for mode, found in runs.items()}
+        row.update({"appliance_peak_gpu_bytes": gpu["appliance"], "plain_peak_gpu_bytes": gpu["plain"],
+                    "gpu_memory_ratio": round(gpu["appliance"] / gpu["plain"], 2)})
     print(json.dumps(row, indent=1))
     existing = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     key = f"{'cuda' if _has_cuda() else 'cpu'}-{'qlora' if args.qlora else 'lora'}"

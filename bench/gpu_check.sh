@@ -19,7 +19,7 @@ WHEELS=.gpuwheels
 RESULTS=bench/results
 # The device's python3 holds torch, transformers, peft, accelerate, nvidia-ml-py; these it lacks
 # (at the lock's versions).
-MISSING=$(grep -E '^(pydantic|pydantic-core|annotated-types|typing-inspection|trl|datasets|dill|multiprocess|bitsandbytes|tomli-w)==' \
+MISSING=$(grep -E '^(supervisor|bcrypt|cryptography|cffi|pycparser|pydantic|pydantic-core|annotated-types|typing-inspection|trl|datasets|dill|multiprocess|bitsandbytes|tomli-w)==' \
   requirements/lock.txt | cut -d' ' -f1)
 
 if [ "${1:-}" = "--prepare" ]; then
@@ -29,6 +29,13 @@ if [ "${1:-}" = "--prepare" ]; then
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform any -d "$WHEELS" $MISSING || exit 1
+  # The demo model's shape, tokenizer and chat template (4 MB; its weights, 269 MB, cannot travel):
+  # the device makes random weights of that shape, which is all throughput and KV figures depend on.
+  demo=$(.venv/bin/python -c 'from appliance.home import Home; print(Home.from_env().demo_model)')
+  mkdir -p "$WHEELS/demo-shape"
+  for f in config.json generation_config.json tokenizer.json tokenizer_config.json chat_template.jinja; do
+    cp "$demo/$f" "$WHEELS/demo-shape/" || exit 1
+  done
   du -sh "$WHEELS"
   echo "carry $WHEELS (must stay under 64 MiB with the working tree); the CUDA engine (vllm and its" \
        "CUDA extras, gigabytes) cannot travel this way: gpu-engine.json says so"
@@ -36,6 +43,9 @@ if [ "${1:-}" = "--prepare" ]; then
 fi
 
 OUT=${OUT:-$RESULTS}
+# Batches of training rows per run: on a GPU a step of this small model takes milliseconds, so too
+# few steps measure start-up (the first CUDA kernels) rather than training.
+STEPS=${GPU_STEPS:-60}
 mkdir -p "$RESULTS" "$OUT"
 if [ -d "$WHEELS" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -46,6 +56,7 @@ fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 save() { cp "$RESULTS/$1" "$OUT/$1" 2>/dev/null || true; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, transformers, peft, accelerate, trl; print('torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__, 'accelerate', accelerate.__version__, 'trl', trl.__version__)"
 
 echo "== profile (NVML) and preflight"
 timeout 60 python3 - <<'PY' || echo '{"error": "profile failed"}' > "$RESULTS/gpu-profile.json"
@@ -73,11 +84,16 @@ from installer.hardware import detect
 from installer.model_config import load_model_config
 from installer.planner import plan
 model = Path("/tmp/gpu-check-model")
-if not (model / "config.json").exists():
-    torch.manual_seed(0)  # SmolLM2-135M's shape, random weights: the KV figures depend on the shape only
-    LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                                 num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-                                 tie_word_embeddings=True)).to(torch.bfloat16).save_pretrained(model)
+shape = Path(".gpuwheels/demo-shape")
+if not (model / "model.safetensors").exists():
+    torch.manual_seed(0)  # the demo model's shape, random weights: the figures depend on the shape only
+    config = LlamaConfig.from_pretrained(shape) if shape.is_dir() else LlamaConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, max_position_embeddings=8192, tie_word_embeddings=True)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(model)
+    for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (shape / name).exists():
+            (model / name).write_bytes((shape / name).read_bytes())
 record = plan(load_model_config(model), detect(), context=8192, concurrency=1)
 result = {"predicted_kv_tokens": record.kv_capacity_tokens, "layout": record.layout.model_dump() if record.layout else None}
 try:
@@ -99,7 +115,7 @@ for mode in lora qlora; do
   echo "== fine-tuning throughput: $mode (appliance vs plain PEFT loop)"
   flag=$([ "$mode" = qlora ] && echo --qlora || true)
   # shellcheck disable=SC2086
-  if timeout 150 python3 bench/finetune_throughput.py --model /tmp/gpu-check-model --steps 20 $flag; then
+  if timeout 240 python3 bench/finetune_throughput.py --model /tmp/gpu-check-model --steps "$STEPS" $flag; then
     cp "$RESULTS/finetune_throughput.json" "$RESULTS/gpu-finetune-$mode.json"  # only a run that finished
   else
     echo "{\"error\": \"$mode run failed or timed out\"}" > "$RESULTS/gpu-finetune-$mode.json"

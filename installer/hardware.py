@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -292,12 +293,12 @@ def _disks(root: Path) -> list[Disk]:
             continue
         mount = _unescape(parts[1])
         path = root / mount.lstrip("/")
-        if not path.is_dir():
-            continue  # a bind-mounted file (containers mount /etc/hosts so): nowhere to stage
         try:
+            if not stat.S_ISDIR(os.stat(path).st_mode):
+                continue  # a bind-mounted file (containers mount /etc/hosts so): nowhere to stage
             usage = shutil.disk_usage(path)
         except OSError:
-            continue
+            continue  # gone since /proc/mounts was read, a stale network mount (ESTALE), or not ours to enter
         seen.add(parts[0])
         disks.append(Disk(mount=mount, free_bytes=usage.free, total_bytes=usage.total,
                           rotational=_rotational(root, parts[0])))

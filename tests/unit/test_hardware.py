@@ -3,6 +3,7 @@ the HOSTSxGPUSxNAME-MEMORY shorthand."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -311,6 +312,23 @@ def test_proc_and_sys_are_read(fake_root: Path) -> None:
     assert [(n.name, n.kind, n.speed_mbps) for n in host.nics] == [
         ("eth0", "ethernet", 25000), ("eth1", "ethernet", None), ("ib0", "infiniband", None),
         ("mlx5_0/1", "infiniband", 400_000), ("mlx5_1/1", "ethernet", 100_000)]
+
+
+@pytest.mark.parametrize("error", [errno.ESTALE, errno.EACCES, errno.ENOTCONN, errno.ENOENT])
+def test_a_mount_that_cannot_be_looked_at_is_left_out(fake_root: Path, error: int,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stale NFS mount, a FUSE mount whose daemon died, one this user may not enter, or one
+    unmounted since /proc/mounts was read: the other disks are still reported."""
+    real_stat = os.stat
+
+    def failing_stat(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+        if str(path).endswith("/srv"):
+            raise OSError(error, os.strerror(error), str(path))
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", failing_stat)
+    host = detect(fake_root, FakeNvml([], init_error="Driver Not Loaded")).hosts[0]
+    assert [d.mount for d in host.disks] == ["/data", "/mnt/my share"]
 
 
 def test_an_empty_tree_gives_an_empty_but_valid_host(tmp_path: Path) -> None:

@@ -272,8 +272,12 @@ def test_profile_table(appliance: Appliance) -> None:
 
 def preflight(appliance: Appliance, *args: str) -> tuple[int, dict[str, Any]]:
     result = appliance.run("preflight", "--json", *args, timeout=60)
-    assert result.returncode in (0, 1), result.stderr
-    report = json.loads(result.stdout)
+    said = f"exit {result.returncode}\nstdout: {result.stdout!r}\nstderr: {result.stderr}"
+    assert result.returncode in (0, 1), said
+    try:
+        report = json.loads(result.stdout)
+    except json.JSONDecodeError:
+        pytest.fail(f"`appliance preflight --json` printed no report: {said}")
     assert result.returncode == (0 if report["ok"] else 1)
     return result.returncode, {check["name"]: check for check in report["checks"]}
 
