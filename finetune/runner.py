@@ -29,12 +29,11 @@ from appliance.home import Home
 from appliance.jobs import CANCEL_FILE, HEARTBEAT_FILE, PROGRESS_FILE, Hyperparameters, Progress, read_progress
 from appliance.model_refs import checkpoint
 from appliance.orphans import group_members
-from appliance.programs import OFFLINE_ENVIRONMENT
 from appliance.records import config_sha256
 from appliance.settings import FinetuneSettings, Settings
 from finetune import adapters, evalsets
 from finetune.datasets import PREFIX, check_dataset, kind, load_registry
-from finetune.sandbox import prepare, sandboxed
+from finetune.sandbox import TRAINER_ENVIRONMENT, prepare, sandboxed
 from finetune.train import Result, Scoring, TrainingCancelled, TrainingError, TrainingSpec, load_result
 
 LOG_TAIL_BYTES = 65536  # of a failed trainer's log, read for its last line
@@ -195,7 +194,7 @@ def train_in_child(directory: Path, command: list[str], on_progress: Callable[[P
     with open_log(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT) as output:
         child = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, cwd=directory,
                                  start_new_session=True,
-                                 env={**os.environ, **OFFLINE_ENVIRONMENT})
+                                 env={**os.environ, **TRAINER_ENVIRONMENT})
         on_child(child.pid)
         seen, beat_seen, beat_at = None, None, -math.inf
         deadline = time.monotonic() + limit_s

@@ -240,6 +240,18 @@ def test_forgetting_is_caught_by_the_shipped_regression_set(workspace: tuple[dic
     assert "(mean of 3 seeds, +/- " in failure and "(the shipped set)" in failure and failure in result.stderr
 
 
+def test_a_trainer_waits_passively_for_its_threads_without_the_sandbox_too(tmp_path: Path) -> None:
+    """With finetune.sandbox = "none" the trainer still gets its environment: OpenMP threads that
+    wait passively (on a CPU host they share cores with the engines) and no reaching a model hub."""
+    from finetune.runner import train_in_child
+
+    log = tmp_path / "train.log"
+    train_in_child(tmp_path, [sys.executable, "-c", "import os; print(os.environ['OMP_WAIT_POLICY'], "
+                              "os.environ['HF_HUB_OFFLINE'])"], lambda progress: None, lambda pid: None,
+                   lambda: None, limit_s=60, log=log)
+    assert log.read_text().split() == ["PASSIVE", "1"]
+
+
 def test_a_trainer_running_past_its_limit_is_ended_and_fails(tmp_path: Path) -> None:
     """A trainer that keeps beating (so the watchdog sees progress) still cannot hold the worker
     past finetune.max_job_hours: its whole group is ended and the job fails, saying why."""

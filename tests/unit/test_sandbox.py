@@ -51,6 +51,7 @@ attempt("processes", threads)
 found["interfaces"] = [name for _, name in socket.if_nameindex()]
 found["uid"] = os.getuid()
 found["env"] = sorted(os.environ)
+found["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY")
 print(json.dumps(found))
 '''
 
@@ -105,6 +106,7 @@ def test_a_job_reaches_only_its_own_files(layout: Path) -> None:
     assert (found["read_input"], found["read_model"], found["write_output"], found["write_tmp"]) == ("ok",) * 4
     assert found["memory"] == "MemoryError" and found["processes"] == "RuntimeError"
     assert not [name for name in found["env"] if name.startswith("APPLIANCE_") or "KEY" in name]
+    assert found["omp_wait_policy"] == "PASSIVE"  # it shares cores with the engines
     if os.geteuid() == 0:
         assert found["uid"] == sandbox_user().pw_uid, f"runs as {SANDBOX_USER}"
     assert (workdir / "out.txt").read_text() == "x"
