@@ -22,8 +22,7 @@ RESULTS = Path(__file__).parent / "results" / "cpu_contention.json"
 ROUNDS = 3
 
 GENERATE = """
-import json, os, time
-from pathlib import Path
+import json, time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from appliance.home import Home

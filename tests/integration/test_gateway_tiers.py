@@ -300,13 +300,15 @@ def test_a_batch_runs_through_a_worker_kill_and_a_down_up_with_the_openai_client
     assert {record["tier"] for record in ran} == {"full"} and {record["username"] for record in ran} == {"tiers-ann"}
     # Records of changes share no request id. The worker records a batch's end just after the batch
     # shows it (once, after a crash too), so that record may come a moment after the status.
+    def of_this_batch(action: str) -> list[dict]:
+        return [record for record in every_record(tiers)
+                if record["action"] == action and (record.get("target") or {}).get("name") == batch.id]
+
     deadline = time.monotonic() + 120
-    while not [record for record in every_record(tiers) if record["action"] == "batches.completed"
-               and (record.get("target") or {}).get("name") == batch.id]:
+    while not of_this_batch("batches.completed"):
         assert time.monotonic() < deadline, "no record of the batch's end"
         time.sleep(0.5)
-    assert [record for record in every_record(tiers) if record["action"] == "batches.create"
-            and (record.get("target") or {}).get("name") == batch.id]
+    assert of_this_batch("batches.create")
 
     other = OpenAI(base_url=f"{url(tiers)}/v1", api_key=realm.token("tiers-bob", PASSWORD), max_retries=0)
     with pytest.raises(NotFoundError):
