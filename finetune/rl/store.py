@@ -16,6 +16,7 @@ sandbox workers (separate processes).
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -104,11 +105,34 @@ class Generation:
     tokens: int | None = None  # the answer's tokens, as the engine counted them
 
 
+def _create(path: Path) -> None:
+    """Make the store at `path` with its tables, where no reader can see it before they are there
+    (the metrics and the tests open it read-only): built beside it, then linked into place; if
+    another process put one there first, theirs is kept."""
+    building = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.new")
+    building.unlink(missing_ok=True)  # left by a process of this pid that died building it
+    try:
+        db = sqlite3.connect(building, isolation_level=None)
+        try:
+            db.execute("pragma journal_mode=wal")
+            db.executescript(SCHEMA)
+        finally:
+            db.close()
+        try:
+            os.link(building, path)
+        except FileExistsError:
+            pass
+    finally:
+        building.unlink(missing_ok=True)
+
+
 class RunStore:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._connections = threading.local()
         self._opened: list[sqlite3.Connection] = []
+        if not path.exists():
+            _create(path)
         with self._connect() as db:
             db.executescript(SCHEMA)
             with immediate(db):

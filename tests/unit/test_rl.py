@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -151,6 +152,48 @@ def test_an_export_is_asked_of_a_run_that_ended_and_taken_over_from_a_dead_worke
     assert exports.finish(home, asked.id, 222, JobState.SUCCEEDED, "SFT set: dataset run-sft")
     assert exports.get(home, asked.id).message == "SFT set: dataset run-sft"
     assert not exports.finish(home, asked.id, 222, JobState.FAILED, "twice")
+
+
+def test_a_run_store_is_never_seen_without_its_tables(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Readers open the store read-only (the metrics, an operator's sqlite3): the file appears with
+    its tables in it, and an existing store (another process's) is kept, not replaced."""
+    path = tmp_path / "run.sqlite"
+    seen: list[set[str]] = []
+    real_link = os.link
+
+    def link(source: Path, target: Path) -> None:
+        assert not Path(target).exists()
+        with sqlite3.connect(f"file:{source}?mode=ro", uri=True) as db:
+            seen.append({row[0] for row in db.execute("select name from sqlite_master where type = 'table'")})
+        real_link(source, target)
+
+    monkeypatch.setattr(os, "link", link)
+    first = RunStore(path)
+    first.enqueue("a", "print(1)", ADD)
+    assert seen and {"executions", "generations", "attempts", "policy_steps", "segments"} <= seen[0]
+    again = RunStore(path)  # a second process opening it: no rebuilding, the queue kept
+    assert len(seen) == 1 and again.depth() == 1
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".new")] == []  # nothing left beside it
+    first.close()
+    again.close()
+
+
+def test_a_store_built_while_another_appeared_keeps_the_other(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "run.sqlite"
+    other = RunStore(tmp_path / "other.sqlite")
+    other.enqueue("theirs", "print(1)", ADD)
+    other.close()
+    real_link = os.link
+
+    def raced(source: Path, target: Path) -> None:
+        real_link(tmp_path / "other.sqlite", target)  # the other process linked theirs first
+        real_link(source, target)  # raises FileExistsError, as the real race would
+
+    monkeypatch.setattr(os, "link", raced)
+    kept = RunStore(path)
+    assert kept.depth() == 1 and kept.claim(1) is not None
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".new")] == []
+    kept.close()
 
 
 def test_the_queue_hands_a_dead_workers_execution_on_and_stores_a_verdict_once(tmp_path: Path) -> None:
