@@ -106,9 +106,9 @@ class Generation:
 
 
 def _create(path: Path) -> None:
-    """Make the store at `path` with its tables, where no reader can see it before they are there
-    (the metrics and the tests open it read-only): built beside it, then linked into place; if
-    another process put one there first, theirs is kept."""
+    """Make the store at `path` with its tables, so that no reader sees the file before they are in
+    it (the queue metrics open it without creating it, an operator read-only): built beside it, then
+    linked into place; if another process put one there first, theirs is kept."""
     building = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.new")
     building.unlink(missing_ok=True)  # left by a process of this pid that died building it
     try:
