@@ -27,29 +27,34 @@ INTEGRATION = ROOT / "tests" / "integration"
 # rarely waits for another's lock (tests/integration/conftest.py; each module's wait is in the
 # report at the end of a run):
 # - the slowest first, side by side;
-# - the tiers module runs alone among the integration modules: the unit tests, which take no lock,
-#   follow it, so the other worker has work meanwhile;
-# - then the modules that share the session appliance, side by side;
+# - the modules marked `alone` (their own appliances; no other integration module runs meanwhile)
+#   each next to work that takes no lock: the tiers module next to the unit tests, then PostgreSQL
+#   and backup next to the unit module that trains models (its training runs once the tiers
+#   module's engines are gone: memory);
+# - then the modules that share the session appliance, side by side, the long ones paired (a
+#   module that has it to itself waits until no other holds it);
 # - last, each module that has the session appliance to itself (it stops or restarts its parts,
 #   or counts what reaches it) next to one that does not use it, so the other worker is not idle
-#   meanwhile. The unit module that trains models is one of those: its training runs when no
-#   engines of the tiers module are left (memory).
+#   meanwhile.
 RUN_ORDER = [
     "tests/integration/test_execution_feedback.py",
     "tests/integration/test_bundle_install.py",
     "tests/integration/test_cluster.py",
     "tests/integration/test_gateway_tiers.py",
-    "tests/integration/test_keycloak_postgres.py",
     "tests/unit/",
+    "tests/integration/test_keycloak_postgres.py",
+    "tests/unit/test_finetune.py",
+    "tests/integration/test_backup.py",
     "tests/integration/test_adapters.py",
     "tests/integration/test_finetune_worker.py",
+    "tests/integration/test_canary.py",
+    "tests/integration/test_planner_vllm.py",
     "tests/integration/test_api_keys.py",
     "tests/integration/test_gateway_fuzz.py",
     "tests/integration/test_keycloak_logins.py",
     "tests/integration/test_compliance_filter.py",
     "tests/integration/test_admin.py",
     "tests/integration/test_admin_tui.py",
-    "tests/unit/test_finetune.py",
     "tests/integration/test_lifecycle.py",
     "tests/integration/test_sharded_state.py",
     "tests/integration/test_audit_trail.py",
