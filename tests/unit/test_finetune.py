@@ -21,6 +21,7 @@ from appliance.jobs import Hyperparameters
 from audit import read_records
 from tests.support.appliances import APPLIANCE
 from tests.support.models import tiny_llama
+from tests.support.processes import python_sleeper
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +143,7 @@ def test_a_stale_pid_is_neither_taken_for_a_live_worker_nor_killed_as_a_trainer(
     job_dir.mkdir()
     elsewhere.mkdir()
     other = subprocess.Popen(["sleep", "60"], cwd=elsewhere, start_new_session=True)
-    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "finetune.worker"])
+    worker = python_sleeper("finetune.worker")
     trainer = subprocess.Popen(["sleep", "60"], cwd=job_dir, start_new_session=True)
     try:
         assert not worker_alive(os.getpid()) and not worker_alive(other.pid) and not worker_alive(None)

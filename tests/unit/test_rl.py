@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -35,6 +33,7 @@ from finetune.rl.loop import Answer, Reward, adapter_version, answer_of, extract
 from finetune.rl.store import Generation, RunStore
 from finetune.rl.tasks import humaneval, load, parse, split, store
 from finetune.rl.trajectories import TrajectoryWriter
+from tests.support.processes import python_sleeper
 from tui.rl_runs import attempt_text
 
 ADD = Task(id="add", prompt="def add(a, b):\n    \"\"\"Sum.\"\"\"\n", tests="def check(candidate):\n"
@@ -224,7 +223,7 @@ def test_the_queue_hands_a_dead_workers_execution_on_and_stores_a_verdict_once(t
 @pytest.mark.integration
 def test_a_worker_is_known_by_its_command_line_not_its_number() -> None:
     assert not executor_alive(os.getpid())
-    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "finetune.rl.executor"])
+    worker = python_sleeper("finetune.rl.executor")
     try:
         assert executor_alive(worker.pid)
     finally:
