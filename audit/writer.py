@@ -84,6 +84,9 @@ class AuditWriter:
         self._failed_at = 0.0
         self._fd: int | None = None
         self.last_flush_s = 0.0  # how long the latest batch took to chain, write and flush
+        # What an alert can hold while a failure is retried (the failure itself clears at each retry):
+        self.write_failures = 0  # writes (a batch of records, a checkpoint) that failed, ever
+        self.last_write_at = time.time()  # when the log last took records (Unix time; at first, its opening)
         # Records name users and what they did: private to the appliance, like its secrets.
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(directory, 0o700)
@@ -193,6 +196,7 @@ class AuditWriter:
                     self._flushing = False
                 if failure is not None:
                     self._failure, self._failed_at = failure, time.monotonic()
+                    self.write_failures += 1
                     for failed in unwritten:  # none of these reached the disk
                         failed.error = failure
                     self._pending = []
@@ -237,6 +241,7 @@ class AuditWriter:
                 raise
             self._size += len(data)
             self._seq, self._head = seq, head
+            self.last_write_at = time.time()
             signing_failure = None
             if (self._seq - self._checkpointed_seq >= self._every
                     or time.monotonic() - self._checkpointed_at >= self._interval):
@@ -291,6 +296,7 @@ class AuditWriter:
             except (ValueError, KeyError) as exc:
                 self._failure = f"audit log {self.directory} cannot be read back: {exc}"
             self._failed_at = time.monotonic()
+            self.write_failures += 1
             raise AuditUnavailable(self._failure)
 
     def _sign_head(self) -> dict[str, int | str]:

@@ -91,8 +91,9 @@ class Metrics:
 
 
 class StateCollector(Collector):
-    """Read at each scrape: whether the audit log takes records and how long its last flush took,
-    the state directory's disk, and when each certificate the appliance serves runs out."""
+    """Read at each scrape: whether the audit log takes records, how long its last flush took, its
+    failed writes and when it last took records, the state directory's disk, and when each
+    certificate the appliance serves runs out."""
 
     def __init__(self, home: Home, writer: AuditWriter, organisation_certificate: str | None) -> None:
         self.home, self.writer = home, writer
@@ -103,6 +104,13 @@ class StateCollector(Collector):
                                 "are refused until it does).", value=float(self.writer.failure is None))
         yield GaugeMetricFamily("gateway_audit_flush_seconds", "How long the audit writer's latest batch took "
                                 "to chain, write and flush.", value=self.writer.last_flush_s)
+        # The writer lets a write try again a moment after a failure, so `writable` flaps while the
+        # log stays unwritable; these two hold what an alert needs.
+        yield CounterMetricFamily("gateway_audit_write_failures", "Writes to the audit log (a batch of records "
+                                  "or a checkpoint) that failed.", value=self.writer.write_failures)
+        yield GaugeMetricFamily("gateway_audit_last_write_timestamp_seconds", "When the audit log last took "
+                                "records (Unix time; the gateway's start until it takes one).",
+                                value=self.writer.last_write_at)
         free = GaugeMetricFamily("appliance_disk_free_bytes", "Free bytes on a volume the appliance writes.",
                                  labels=["volume"])
         size = GaugeMetricFamily("appliance_disk_size_bytes", "Size of a volume the appliance writes.",
@@ -227,9 +235,10 @@ def wait_quantiles(waits: tuple[float, ...]) -> dict[str, float]:
 
 class ProgramCollector(Collector):
     """Read at each scrape: the watchdog's restarts of each engine replica, by reason
-    (appliance.heals), and whether supervisord has given up on a program (FATAL: it exited during
-    each of its starts). With supervisord not answering, appliance_supervisor_up is 0 and no
-    program has a FATAL series."""
+    (appliance.heals), and of each program whether it runs, whether supervisord has given up on it
+    (FATAL: it exited during each of its starts) and how often supervisord started it again (its
+    log's count: a crash loop shows even when each crash is over between two scrapes). With
+    supervisord not answering, appliance_supervisor_up is 0 and no program has a state series."""
 
     def __init__(self, home: Home) -> None:
         self.home, self.supervisor = home, Supervisor(home)
@@ -250,6 +259,11 @@ class ProgramCollector(Collector):
         fatal = GaugeMetricFamily("appliance_program_fatal", "Whether supervisord has given up on the program "
                                   "(FATAL; the watchdog starts engines again, nothing else does).",
                                   labels=["program", "pool"])
+        running = GaugeMetricFamily("appliance_program_running", "Whether the program runs (supervisord's "
+                                    "RUNNING: started, and up past its start time).", labels=["program", "pool"])
+        started_again = CounterMetricFamily("appliance_program_restarts", "How often supervisord started the "
+                                            "program again after its first start (crashes, the watchdog's "
+                                            "restarts, an operator's).", labels=["program", "pool"])
         try:
             processes = self.supervisor.processes()
         except SupervisorError as exc:
@@ -257,9 +271,18 @@ class ProgramCollector(Collector):
             processes = None
         yield GaugeMetricFamily("appliance_supervisor_up", "Whether supervisord answered.", value=processes is not None)
         pools = {program.name: program.pool or "" for program in started_programs(self.home)}
+        try:
+            restarted = self.supervisor.restarts() if processes is not None else {}
+        except OSError as exc:  # no log yet: no count is made up
+            log.warning("supervisord's log not readable for metrics: %s", exc)
+            restarted = {}
         for info in processes or []:
-            fatal.add_metric([info.name, pools.get(info.name, "")], int(info.state == ProcessState.FATAL))
-        yield fatal
+            at = [info.name, pools.get(info.name, "")]
+            fatal.add_metric(at, int(info.state == ProcessState.FATAL))
+            running.add_metric(at, int(info.state == ProcessState.RUNNING))
+            if info.name in restarted:
+                started_again.add_metric(at, restarted[info.name])
+        yield from (fatal, running, started_again)
 
 
 def _depth(work: WorkQueue, home: Home) -> Depth:

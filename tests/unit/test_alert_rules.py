@@ -5,8 +5,10 @@ the configuration written at `up` is what promtool and amtool accept, private an
 from __future__ import annotations
 
 import base64
+import errno
 import importlib.util
 import json
+import os
 import re
 import shutil
 import stat
@@ -20,6 +22,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from prometheus_client import generate_latest
 
+import audit.writer as writer_module
 from appliance import alerts
 from appliance.alerts import MONITORING_SECRET
 from appliance.errors import Conflict, Unavailable
@@ -27,7 +30,7 @@ from appliance.home import Home
 from appliance.secrets import secret
 from appliance.settings import MonitoringSettings, Settings
 from appliance.tls import ensure_ca, ensure_server_certificate
-from audit import AuditWriter
+from audit import AuditEvent, AuditUnavailable, AuditWriter
 from installer import monitoring
 from serve.engine_metrics import relabelled
 from serve.metrics import ClusterCollector, Metrics, ProgramCollector, QueueCollector, StateCollector
@@ -244,3 +247,50 @@ def test_a_server_the_appliances_ca_did_not_certify_gets_no_password(home: Home,
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_full_audit_disk_shows_in_what_an_alert_can_hold(home: Home, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer clears its failure to let a write try again (so gateway_audit_writable flaps while
+    the disk stays full): the count of failed writes only grows and the time of the last write
+    stays put until a write succeeds, whatever the retries."""
+    writer = AuditWriter(home.audit, Ed25519PrivateKey.generate())
+    metrics = Metrics()
+    metrics.registry.register(StateCollector(home, writer, None))
+
+    def sample(name: str) -> float:
+        value = metrics.registry.get_sample_value(name)
+        assert value is not None, name
+        return value
+
+    event = AuditEvent(request_id="r", subject="s", client="c", action="chat.completions", outcome="allowed",
+                       status=200)
+    writer.append(event)
+    written_at = sample("gateway_audit_last_write_timestamp_seconds")
+    assert sample("gateway_audit_write_failures_total") == 0
+
+    class FullDisk:
+        """The writer's `os`, its writes failing as on a full disk."""
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(os, name)
+
+        @staticmethod
+        def write(fd: int, data: bytes) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(writer_module, "os", FullDisk())
+    monkeypatch.setattr(writer_module, "RETRY_AFTER_S", 0.0)  # each append tries again
+    writable, failures = [], []
+    for _ in range(5):
+        with pytest.raises(AuditUnavailable, match="No space left"):
+            writer.append(event)
+        failures.append(sample("gateway_audit_write_failures_total"))
+        writer.check()  # what /readyz and each request do: the failure is let go, to be tried again
+        writable.append(sample("gateway_audit_writable"))
+        assert sample("gateway_audit_last_write_timestamp_seconds") == written_at
+    assert writable == [1.0] * 5, "between retries the flag says writable: no alert can hold on it"
+    assert failures == [1, 2, 3, 4, 5]
+    monkeypatch.undo()
+    writer.append(event)
+    assert sample("gateway_audit_last_write_timestamp_seconds") > written_at
+    assert sample("gateway_audit_write_failures_total") == 5
