@@ -8,11 +8,16 @@ never reaches them, because it signals the new instance's group. vLLM renames it
 
 Every supervised program is started through `python -m appliance.orphans NAME RUN_DIR --
 COMMAND...`: it ends the previous instance's group, records its own group id in
-RUN_DIR/NAME.pgid (0600) with the boot's id and the group leader's start time, then execs
-COMMAND, so the pid supervisord sees is COMMAND's own. A record is acted on only in the boot
-that wrote it and only for processes that started no earlier than its leader, so a group id
-reused by another program after a reboot, or later, is never signalled.
+RUN_DIR/NAME.pgid (0600) with the boot's id and the group leader's start, then execs COMMAND,
+so the pid supervisord sees is COMMAND's own. A record is acted on only in the boot that wrote
+it and only for processes that started no earlier than its leader, so a group id reused by
+another program after a reboot, or later, is never signalled.
 `appliance up` and `down` end whatever groups remain recorded.
+
+A start is the kernel's count of clock ticks since boot (/proc/PID/stat), never a wall-clock
+time: psutil's create_time adds a boot time the kernel derives from the wall clock, so a step of
+the clock (NTP, an operator) made every recorded group look like another's, and `up` and `down`
+then left a whole appliance running that they no longer knew.
 
 The same records let `up` start some programs at a lower CPU priority (`--nice N`: Keycloak,
 which the engines do not need, yields the cores to them while they load) and return them to
@@ -26,6 +31,8 @@ import contextlib
 import os
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -70,40 +77,100 @@ def boot_id() -> str:
     return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
 
 
+def start_ticks(pid: int) -> int:
+    """When process `pid` started, in clock ticks since boot (/proc/PID/stat, field 22): what a
+    step of the wall clock cannot change. OSError (FileNotFoundError, ProcessLookupError) if it
+    is gone."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    # After the last ')': the command name before it may hold spaces and parentheses.
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def _ticks_or_none(pid: int) -> int | None:
+    try:
+        return start_ticks(pid)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+TICKS_TAG = "ticks:"
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """A process as a record names it: its pid, the boot and its start, in ticks since boot; or,
+    in a record an older version wrote, as a wall-clock time (`wall`, `ticks` None)."""
+
+    pid: int
+    boot: str
+    ticks: int | None = None
+    wall: float | None = None
+
+    def line(self) -> str:
+        return f"{self.pid} {self.boot} {TICKS_TAG}{self.ticks}\n"
+
+
+def identify(pid: int) -> Recorded:
+    """Process `pid` as a record names it (OSError if it is gone)."""
+    return Recorded(pid, boot_id(), start_ticks(pid))
+
+
+def parse_record(text: str) -> Recorded | None:
+    """A record's process, None if it is malformed. `PID BOOT ticks:N`; `PID BOOT SECONDS` is an
+    older version's, read so that an upgrade can still end what that version started."""
+    try:
+        pid_text, boot, start = text.split()
+        pid = int(pid_text)
+        if start.startswith(TICKS_TAG):
+            ticks = int(start.removeprefix(TICKS_TAG))
+            return Recorded(pid, boot, ticks=ticks) if pid > 0 and ticks >= 0 else None
+        return Recorded(pid, boot, wall=float(start)) if pid > 0 else None
+    except ValueError:
+        return None
+
+
+def group_started(recorded: Recorded, boot: str, leader_ticks: int | None,
+                  leader_wall: Callable[[], float]) -> int | None:
+    """From which start (ticks since boot) the processes now in the recorded group are the ones it
+    recorded; None if the group is not the recorded one. `boot`: this boot's id; `leader_ticks`:
+    the start of whatever process holds the recorded pid now (None: none does); `leader_wall`: that
+    process's wall-clock start, asked only of an older version's record."""
+    if recorded.boot != boot:
+        return None
+    if recorded.ticks is not None:
+        if leader_ticks is not None and leader_ticks != recorded.ticks:
+            return None  # the pid is another process's now: the recorded group ended
+        return recorded.ticks  # the same leader, or it died hard and its workers are what is left
+    # An older version's record (a wall-clock start), trusted only as far as that version did and
+    # no further: its leader must still run and start when that clock said (a clock step since
+    # makes it unknown, and so left alone); with the leader gone, nothing tells its workers from
+    # another group's, so none is signalled.
+    if leader_ticks is None or recorded.wall is None or abs(leader_wall() - recorded.wall) > 0.01:
+        return None
+    return leader_ticks
+
+
 def group_record() -> str:
     """What a pgid file says of this process's group: its id, the boot and its leader's start."""
-    return _process_record(os.getpgrp())
-
-
-def _process_record(pid: int) -> str:
-    return f"{pid} {boot_id()} {psutil.Process(pid).create_time():.3f}\n"
+    return identify(os.getpgrp()).line()
 
 
 def recorded_members(record: str) -> list[psutil.Process]:
     """The processes still in a recorded group: none if the record is from another boot or
     malformed, or if the group id now belongs to another group (its leader started at another
     time); otherwise the members that started no earlier than the recorded leader."""
-    try:
-        pgid_text, boot, started_text = record.split()
-        pgid, started = int(pgid_text), float(started_text)
-    except ValueError:
+    recorded = parse_record(record)
+    if recorded is None or recorded.pid == os.getpgrp():
         return []
-    if boot != boot_id() or pgid == os.getpgrp():
-        return []
-    try:
-        if abs(psutil.Process(pgid).create_time() - started) > 0.01:
-            return []  # the id was reused by another group
-    except psutil.NoSuchProcess:
-        pass  # the leader died hard: its workers are what is left
-    except psutil.Error:
+    started = group_started(recorded, boot_id(), _ticks_or_none(recorded.pid),
+                            lambda: psutil.Process(recorded.pid).create_time())
+    if started is None:
         return []
     members = []
-    for proc in group_members(pgid):
-        try:
-            if proc.create_time() >= started - 0.01:
-                members.append(proc)
-        except psutil.Error:
-            continue
+    for proc in group_members(recorded.pid):
+        member_started = _ticks_or_none(proc.pid)
+        if member_started is not None and member_started >= started:
+            members.append(proc)
     return members
 
 
@@ -114,7 +181,7 @@ def starting_file(run_dir: Path) -> Path:
 def mark_starting(run_dir: Path) -> None:
     """Say that this process (`appliance up`) is starting the programs, until `end_starting`."""
     path = starting_file(run_dir)
-    path.write_text(_process_record(os.getpid()))
+    path.write_text(identify(os.getpid()).line())
     path.chmod(0o600)
 
 
@@ -122,12 +189,19 @@ def end_starting(run_dir: Path) -> None:
     starting_file(run_dir).unlink(missing_ok=True)
 
 
+def still_running(record: str) -> bool:
+    """Whether the process a record names (`identify`) still runs: in this boot, the same start."""
+    recorded = parse_record(record)
+    if recorded is None or recorded.ticks is None:
+        return False  # an older version's mark: its `up` has been replaced, so it is not running
+    return recorded.boot == boot_id() and _ticks_or_none(recorded.pid) == recorded.ticks
+
+
 def up_is_starting(run_dir: Path) -> bool:
     """Whether the `up` that marked the run directory is still running (in this boot)."""
     try:
-        record = starting_file(run_dir).read_text()
-        return record == _process_record(int(record.split()[0]))
-    except (OSError, ValueError, IndexError, psutil.Error):
+        return still_running(starting_file(run_dir).read_text())
+    except OSError:
         return False
 
 
