@@ -400,6 +400,13 @@ class GatewaySettings(_Section):
         "gateway. Set, the embedded Keycloak's login endpoints (token, device login and its page, keys) are "
         "published through the gateway under /realms/ and /resources/, and every token names it as issuer."
     )
+    login_attempts_per_minute: float = Field(
+        30.0, gt=0, le=6000, description="With public_url: requests to the published login endpoints (token, "
+        "device login, login pages) one source address may make a minute, after login_burst; more are refused "
+        "(429 with Retry-After) and audited. Keycloak's lockout is per account: this is per address.")
+    login_burst: int = Field(
+        20, ge=1, le=10000, description="Requests to the published login endpoints one source address may make "
+        "at once before login_attempts_per_minute applies.")
     max_body_bytes: int = Field(1_048_576, gt=0, description="Largest request body accepted.")
     leeway_s: int = Field(30, ge=0, le=300, description="Clock skew allowed on exp/nbf.")
     jwks_refetch_interval_s: int = Field(

@@ -1,5 +1,5 @@
 """Per-user limits: a request bucket and a token bucket per user, refilled continuously, and a cap
-on the requests a user has in flight.
+on the requests a user has in flight; and per-source attempts at the published login endpoints.
 
 A request reserves its worst case against the token bucket when it is admitted (its prompt, as
 estimated, plus max_tokens x n) and is settled when it ends: the tokens it really used are
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from appliance.settings import RoleLimits
@@ -149,3 +150,51 @@ class RateLimiter:
         state = self._users[user]
         state.in_flight -= 1
         state.tokens.level = min(state.tokens.capacity, state.tokens.level + refund)
+
+
+# Sources told apart at once by a SourceThrottle; past it, new sources share one bucket.
+MAX_THROTTLED_SOURCES = 10_000
+OTHER_SOURCES = "*"
+
+
+class SourceThrottle:
+    """Attempts per source address (the published login endpoints): a bucket of `burst` attempts
+    each, refilled at `per_minute`. Keycloak's lockout is per account, so without this anyone who
+    reaches the gateway guesses as fast as Keycloak answers. A source whose bucket is full again is
+    forgotten; past `max_sources` sources with attempts still counting, further sources share one
+    bucket (so many addresses cannot grow memory without end, nor escape the throttle)."""
+
+    def __init__(self, per_minute: float, burst: int, *, max_sources: int = MAX_THROTTLED_SOURCES,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._per_second = per_minute / 60
+        self._burst = burst
+        self._max_sources = max_sources
+        self._clock = clock
+        self._sources: dict[str, Bucket] = {}
+        self._scanned = -math.inf
+
+    def take(self, source: str) -> float:
+        """Take one attempt from `source`'s bucket: 0 if it had one, else the seconds until it will
+        (nothing is taken)."""
+        now = self._clock()
+        bucket = self._sources.get(source)
+        if bucket is None:
+            if len(self._sources) >= self._max_sources and now - self._scanned >= 1:
+                self._forget_full(now)  # at most once a second: a pass walks every source
+            if len(self._sources) >= self._max_sources:
+                source = OTHER_SOURCES
+                bucket = self._sources.get(source)
+            if bucket is None:
+                bucket = self._sources[source] = Bucket(self._burst, self._per_second, now)
+        bucket.refill(now)
+        wait = bucket.wait_s(1)
+        if wait == 0:
+            bucket.level -= 1
+        return wait
+
+    def _forget_full(self, now: float) -> None:
+        self._scanned = now
+        for source, bucket in list(self._sources.items()):
+            bucket.refill(now)
+            if bucket.level >= bucket.capacity:
+                del self._sources[source]
