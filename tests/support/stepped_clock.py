@@ -13,15 +13,15 @@ import time
 from collections.abc import Iterator
 from unittest import mock
 
-import psutil
+from psutil import _pslinux
 
 
 @contextlib.contextmanager
 def stepped_clock(seconds: float) -> Iterator[None]:
     real_time = time.time
-    real_boot = psutil._psplatform.boot_time  # what psutil.boot_time and Process.create_time ask
+    real_boot = _pslinux.boot_time  # what psutil.boot_time and Process.create_time ask (the appliance is Linux-only)
     with mock.patch.object(time, "time", lambda: real_time() + seconds), \
-            mock.patch.object(psutil._psplatform, "boot_time", lambda: real_boot() + seconds):
+            mock.patch.object(_pslinux, "boot_time", lambda: real_boot() + seconds):
         yield
 
 

@@ -39,26 +39,26 @@ from tests.support.stepped_clock import stepped_clock
 pytestmark = pytest.mark.integration  # every test here starts processes
 
 
-def sleeper_group() -> subprocess.Popen:
+def sleeper_group() -> subprocess.Popen[bytes]:
     """A process leading a group of its own, with a child in it (an engine and its worker)."""
     return subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
                              "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"],
                             start_new_session=True)
 
 
-def record(run: Path, leader: subprocess.Popen, *, boot: str | None = None, ticks: int | None = None) -> str:
+def record(run: Path, leader: subprocess.Popen[bytes], *, boot: str | None = None, ticks: int | None = None) -> str:
     """Record `leader`'s group as the wrapper does (another boot, or another start, if given)."""
     line = Recorded(leader.pid, boot or boot_id(), start_ticks(leader.pid) if ticks is None else ticks).line()
     pgid_file(run, "vllm-main").write_text(line)
     return line
 
 
-def legacy_record(run: Path, leader: subprocess.Popen, started: float) -> None:
+def legacy_record(run: Path, leader: subprocess.Popen[bytes], started: float) -> None:
     """A record as versions before ticks wrote it: the leader's wall-clock start."""
     pgid_file(run, "vllm-main").write_text(f"{leader.pid} {boot_id()} {started:.3f}\n")
 
 
-def with_worker(leader: subprocess.Popen) -> list[int]:
+def with_worker(leader: subprocess.Popen[bytes]) -> list[int]:
     """The leader and its worker, once the worker runs (polled)."""
     deadline = time.monotonic() + 30
     while not psutil.Process(leader.pid).children():
@@ -67,7 +67,7 @@ def with_worker(leader: subprocess.Popen) -> list[int]:
     return [leader.pid, *(child.pid for child in psutil.Process(leader.pid).children())]
 
 
-def end(leader: subprocess.Popen) -> None:
+def end(leader: subprocess.Popen[bytes]) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(leader.pid, signal.SIGKILL)
     leader.wait()
@@ -93,8 +93,9 @@ def test_a_record_from_another_boot_or_another_group_is_left_alone(tmp_path: Pat
         assert end_leftovers(tmp_path) == [] and leader.poll() is None, "a record from another boot"
         record(tmp_path, leader, ticks=start_ticks(leader.pid) - 1)
         assert end_leftovers(tmp_path) == [] and leader.poll() is None, "the id now names another group"
-        for malformed in (f"{leader.pid}\n", f"{leader.pid} {boot_id()} ticks:x\n", f"{leader.pid} {boot_id()} ticks:-1\n",
-                          f"-{leader.pid} {boot_id()} ticks:1\n", ""):
+        boot = boot_id()
+        for malformed in (f"{leader.pid}\n", f"{leader.pid} {boot} ticks:x\n", f"{leader.pid} {boot} ticks:-1\n",
+                          f"-{leader.pid} {boot} ticks:1\n", ""):
             pgid_file(tmp_path, "vllm-main").write_text(malformed)
             assert end_leftovers(tmp_path) == [] and leader.poll() is None, malformed
     finally:
@@ -184,7 +185,7 @@ def test_an_older_versions_record_ends_its_group_only_while_its_leader_runs(tmp_
         end(leader)
 
 
-def wrapped(run: Path, *options: str, out: Path) -> subprocess.Popen:
+def wrapped(run: Path, *options: str, out: Path) -> subprocess.Popen[bytes]:
     """A program started through the wrapper, reporting its niceness and a thread's."""
     report = ("import os, threading, time; t = threading.Thread(target=time.sleep, args=(60,)); t.start(); "
               f"open({str(out)!r}, 'w').write(f'{{os.getpid()}} {{t.native_id}} {{os.nice(0)}}'); time.sleep(60)")
