@@ -9,13 +9,23 @@ satisfaction. A window in which either version has too few requests counts neith
 which the canary is worse than allowed on any metric aborts it; `windows` passing windows in a row
 promote it. The judgement (`judge`) is a pure function of the two versions' window figures; the
 gateway gathers them (serve.canary) and acts on the verdict.
+
+Outcomes are weighed by user, not by report: a version's success rate (and satisfaction) is the
+median of its reporters' own rates, and a comparison decides only when it decides the same way
+with any one user's reports left out (on both versions at once, a leave-one-out check). With
+fewer than `min_reporters` users on either version it does not compare at all (the window passes
+on the gateway's own figures, as when nobody reports); with enough users but one user's reports
+deciding, the window is held (it counts neither way, like a window with too few requests). So no
+single user's reports can turn a passing window into an abort, or an aborting one into a pass:
+the most one user can do is hold the canary where it is, and then only while the users reporting
+are few or split.
 """
 
 from __future__ import annotations
 
 import random
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -75,6 +85,17 @@ MAX_SAMPLES = 10_000  # latencies kept per version and window (a uniform sample 
 
 
 @dataclass
+class Outcomes:
+    """One user's outcome reports on one version in one window."""
+
+    reports: int = 0  # counted against the cap: each report, with success, satisfaction or both
+    successes: int = 0
+    failures: int = 0
+    satisfaction_sum: int = 0
+    satisfaction_count: int = 0
+
+
+@dataclass
 class WindowFigures:
     """One version's answers in one window, each user's counted up to a cap."""
 
@@ -82,12 +103,8 @@ class WindowFigures:
     errors: int = 0  # answered 5xx, or an engine error in a stream
     latencies_s: list[float] = field(default_factory=list)  # whole answers, not streams (a client's pace)
     ttfts_s: list[float] = field(default_factory=list)
-    successes: int = 0  # outcome reports
-    failures: int = 0
-    satisfaction_sum: int = 0
-    satisfaction_count: int = 0
     users: dict[str, int] = field(default_factory=dict)  # answers counted per user
-    reporters: dict[str, int] = field(default_factory=dict)  # reports counted per user
+    reporters: dict[str, Outcomes] = field(default_factory=dict)  # reports counted per user
 
     def add(self, user: str, *, error: bool, latency_s: float | None, ttft_s: float | None, cap: int) -> bool:
         """Count an answer; False past the user's cap."""
@@ -103,55 +120,72 @@ class WindowFigures:
 
     def report(self, user: str, success: bool | None, satisfaction: int | None, cap: int) -> bool:
         """Count an outcome report; False past the user's cap."""
-        if self.reporters.get(user, 0) >= cap:
+        mine = self.reporters.setdefault(user, Outcomes())
+        if mine.reports >= cap:
             return False
-        self.reporters[user] = self.reporters.get(user, 0) + 1
+        mine.reports += 1
         if success is not None:
-            self.successes += success
-            self.failures += not success
+            mine.successes += success
+            mine.failures += not success
         if satisfaction is not None:
-            self.satisfaction_sum += satisfaction
-            self.satisfaction_count += 1
+            mine.satisfaction_sum += satisfaction
+            mine.satisfaction_count += 1
         return True
 
     def copy(self) -> WindowFigures:
-        return WindowFigures(self.requests, self.errors, list(self.latencies_s), list(self.ttfts_s), self.successes,
-                             self.failures, self.satisfaction_sum, self.satisfaction_count, dict(self.users),
-                             dict(self.reporters))
+        return WindowFigures(self.requests, self.errors, list(self.latencies_s), list(self.ttfts_s), dict(self.users),
+                             {user: replace(mine) for user, mine in self.reporters.items()})
 
-    @property
-    def satisfaction(self) -> float | None:
-        """The mean satisfaction reported (1 to 5); None: none was."""
-        return self.satisfaction_sum / self.satisfaction_count if self.satisfaction_count else None
+    def success_rates(self) -> dict[str, Rated]:
+        """Each reporting user's own success rate, with the reports it rests on."""
+        return {user: Rated(mine.successes / (mine.successes + mine.failures), mine.successes + mine.failures)
+                for user, mine in self.reporters.items() if mine.successes + mine.failures}
+
+    def satisfactions(self) -> dict[str, Rated]:
+        """Each reporting user's own mean satisfaction (1 to 5), with the reports it rests on."""
+        return {user: Rated(mine.satisfaction_sum / mine.satisfaction_count, mine.satisfaction_count)
+                for user, mine in self.reporters.items() if mine.satisfaction_count}
 
     @property
     def error_rate(self) -> float:
         return self.errors / self.requests if self.requests else 0.0
 
-    @property
-    def reports(self) -> int:
-        return self.successes + self.failures
-
     def summary(self) -> dict[str, float | int | None]:
-        """The figures an audit record and the TUI show."""
-        return {"requests": self.requests, "users": len(self.users), "reporters": len(self.reporters),
+        """The figures an audit record and the TUI show (success rate and satisfaction: the median
+        of the users' own)."""
+        success, satisfaction = _median_of(self.success_rates()), _median_of(self.satisfactions())
+        return {"requests": self.requests, "users": len(self.users),
+                "reporters": sum(1 for mine in self.reporters.values() if mine.reports),
                 "error_rate": round(self.error_rate, 4),
                 "latency_p50_s": _median(self.latencies_s), "ttft_p50_s": _median(self.ttfts_s),
-                "success_rate": round(self.successes / self.reports, 4) if self.reports else None,
-                "satisfaction": None if self.satisfaction is None else round(self.satisfaction, 3)}
+                "success_rate": None if success is None else round(success, 4),
+                "satisfaction": None if satisfaction is None else round(satisfaction, 3)}
+
+
+@dataclass(frozen=True)
+class Rated:
+    """One user's own figure for a version (a rate, a mean) and the reports it rests on."""
+
+    value: float
+    reports: int
+
+
+Comparison = Literal["uncompared", "fine", "worse", "held"]
 
 
 @dataclass(frozen=True)
 class WindowVerdict:
     counted: bool  # both versions had enough requests
     failures: tuple[str, ...]  # how the canary was worse than allowed (counted windows only)
+    held: tuple[str, ...] = ()  # outcomes one user's reports would decide: the window counts neither way
 
 
 def judge(policy: CanaryAnalysis, stable: WindowFigures, canary: WindowFigures) -> WindowVerdict:
-    """One window: whether it counts, and each metric on which the canary is worse than allowed."""
+    """One window: whether it counts, each metric on which the canary is worse than allowed, and
+    each outcome that one user's reports alone would decide."""
     if min(stable.requests, canary.requests) < policy.min_requests:
         return WindowVerdict(counted=False, failures=())
-    failures = []
+    failures, held = [], []
     increase = canary.error_rate - stable.error_rate
     if increase > policy.max_error_rate_increase:
         failures.append(f"error rate {canary.error_rate:.1%} vs {stable.error_rate:.1%} (allowed "
@@ -164,19 +198,78 @@ def judge(policy: CanaryAnalysis, stable: WindowFigures, canary: WindowFigures) 
                 (ratio := statistics.median(ours) / base) > allowed:
             failures.append(f"{what} {statistics.median(ours):.3f} s vs {base:.3f} s ({ratio:.2f} x, allowed "
                             f"{allowed:g} x)")
-    if min(stable.reports, canary.reports) >= policy.min_feedback and \
-            min(len(stable.reporters), len(canary.reporters)) >= policy.min_reporters:
-        drop = stable.successes / stable.reports - canary.successes / canary.reports
-        if drop > policy.max_success_drop:
-            failures.append(f"success rate {canary.successes / canary.reports:.0%} vs "
-                            f"{stable.successes / stable.reports:.0%} (allowed -{policy.max_success_drop:.0%})")
-    if min(stable.satisfaction_count, canary.satisfaction_count) >= policy.min_feedback and \
-            min(len(stable.reporters), len(canary.reporters)) >= policy.min_reporters and \
-            stable.satisfaction is not None and canary.satisfaction is not None:
-        if stable.satisfaction - canary.satisfaction > policy.max_satisfaction_drop:
-            failures.append(f"satisfaction {canary.satisfaction:.2f} vs {stable.satisfaction:.2f} (allowed "
-                            f"-{policy.max_satisfaction_drop:g})")
-    return WindowVerdict(counted=True, failures=tuple(failures))
+    success = (stable.success_rates(), canary.success_rates())
+    satisfaction = (stable.satisfactions(), canary.satisfactions())
+    for what, (theirs_by_user, ours_by_user), allowed, shown, limit in (
+            ("success rate", success, policy.max_success_drop, "{:.0%}", f"{policy.max_success_drop:.0%}"),
+            ("satisfaction", satisfaction, policy.max_satisfaction_drop, "{:.2f}",
+             f"{policy.max_satisfaction_drop:g}")):
+        outcome = compare_outcomes(policy, theirs_by_user, ours_by_user, allowed)
+        if outcome in ("uncompared", "fine"):
+            continue
+        figures = f"{what} {shown.format(_median_of(ours_by_user))} vs {shown.format(_median_of(theirs_by_user))} " \
+                  f"(allowed -{limit}; medians of {len(ours_by_user)} and {len(theirs_by_user)} users' own)"
+        if outcome == "worse":
+            failures.append(figures)
+        else:
+            held.append(f"{figures}: one user's reports would decide it")
+    return WindowVerdict(counted=True, failures=tuple(failures), held=tuple(held))
+
+
+def compare_outcomes(policy: CanaryAnalysis, stable: dict[str, Rated], canary: dict[str, Rated],
+                     allowed: float) -> Comparison:
+    """Whether the canary's outcome (the median of its users' own figures) is worse than the
+    stable version's by more than `allowed`: "uncompared" with too few reports or users; "worse"
+    or "fine" only when every leave-one-user-out comparison that still has enough says the same;
+    else "held". Linear in the users after a sort: each left-out median comes from the ranks."""
+    def enough(reports: tuple[int, int], users: tuple[int, int]) -> bool:
+        return min(reports) >= policy.min_feedback and min(users) >= policy.min_reporters
+
+    totals = (sum(rated.reports for rated in stable.values()), sum(rated.reports for rated in canary.values()))
+    if not enough(totals, (len(stable), len(canary))):
+        return "uncompared"
+    full = (_median_of(stable), _median_of(canary))
+    without = (_medians_without(stable), _medians_without(canary))
+    worse = _drop(full) > allowed
+    for user in stable.keys() | canary.keys():
+        left = (stable.get(user), canary.get(user))
+        reports = (totals[0] - (left[0].reports if left[0] else 0), totals[1] - (left[1].reports if left[1] else 0))
+        if not enough(reports, (len(stable) - (left[0] is not None), len(canary) - (left[1] is not None))):
+            if worse:
+                return "held"  # without this user there would be nothing to compare: they would decide
+            continue
+        medians = (without[0].get(user, full[0]), without[1].get(user, full[1]))
+        if (_drop(medians) > allowed) != worse:
+            return "held"
+    return "worse" if worse else "fine"
+
+
+def _drop(medians: tuple[float | None, float | None]) -> float:
+    stable, canary = medians
+    assert stable is not None and canary is not None  # enough users on both sides
+    return stable - canary
+
+
+def _median_of(by_user: dict[str, Rated]) -> float | None:
+    return statistics.median(rated.value for rated in by_user.values()) if by_user else None
+
+
+def _medians_without(by_user: dict[str, Rated]) -> dict[str, float | None]:
+    """For each user, the median of the others' figures (None: no others)."""
+    ranked = sorted(by_user.items(), key=lambda item: item[1].value)
+    values = [rated.value for _, rated in ranked]
+    rest = len(values) - 1
+    found: dict[str, float | None] = {}
+    for index, (user, _) in enumerate(ranked):
+        def at(position: int, index: int = index) -> float:  # the position among the others
+            return values[position if position < index else position + 1]
+        if rest == 0:
+            found[user] = None
+        elif rest % 2:
+            found[user] = at(rest // 2)
+        else:
+            found[user] = (at(rest // 2 - 1) + at(rest // 2)) / 2
+    return found
 
 
 def decide(policy: CanaryAnalysis, passed_before: int, verdict: WindowVerdict) -> tuple[Decision, int]:
@@ -185,6 +278,8 @@ def decide(policy: CanaryAnalysis, passed_before: int, verdict: WindowVerdict) -
         return "continue", passed_before
     if verdict.failures:
         return "abort", 0
+    if verdict.held:
+        return "continue", passed_before
     passed = passed_before + 1
     return ("promote" if passed >= policy.windows else "continue"), passed
 

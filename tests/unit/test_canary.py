@@ -4,12 +4,23 @@ test's own (serve.canary)."""
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from appliance.adapters import Alias
-from appliance.canary import CanaryAnalysis, WindowFigures, WindowVerdict, decide, judge, parse_analysis
+from appliance.canary import (
+    CanaryAnalysis,
+    Rated,
+    WindowFigures,
+    WindowVerdict,
+    compare_outcomes,
+    decide,
+    judge,
+    parse_analysis,
+)
 from appliance.errors import Conflict, Invalid, NotFound
 from serve.canary import ANSWER_TTL_S, MAX_ANSWERS_PER_USER, CanaryWatch
 
@@ -37,7 +48,7 @@ def test_a_window_with_too_few_requests_on_either_side_counts_neither_way() -> N
 
 
 def test_each_metric_worse_than_allowed_fails_the_window_naming_it() -> None:
-    stable = figures(20, errors=0, latency_s=1.0, ttft_s=0.2, successes=9, failures=1, satisfaction=(5, 5, 4, 5))
+    stable = figures(20, errors=0, latency_s=1.0, ttft_s=0.2, successes=9, failures=1, satisfaction=(5, 5, 4, 5, 5))
     assert judge(POLICY, stable, figures(20, latency_s=1.4, ttft_s=0.25, successes=8, failures=2,
                                          satisfaction=(5, 4, 4, 5))).failures == ()
     [errors] = judge(POLICY, stable, figures(20, errors=2)).failures
@@ -47,9 +58,9 @@ def test_each_metric_worse_than_allowed_fails_the_window_naming_it() -> None:
     [ttft] = judge(POLICY, stable, figures(20, ttft_s=0.5)).failures
     assert ttft.startswith("median time to first token 0.500 s vs 0.200 s")
     [success] = judge(POLICY, stable, figures(20, successes=2, failures=8)).failures
-    assert success == "success rate 20% vs 90% (allowed -20%)"
-    [satisfied] = judge(POLICY, stable, figures(20, satisfaction=(2, 3, 2, 2))).failures
-    assert satisfied == "satisfaction 2.25 vs 4.75 (allowed -0.5)"
+    assert success == "success rate 0% vs 100% (allowed -20%; medians of 10 and 10 users' own)"
+    [satisfied] = judge(POLICY, stable, figures(20, satisfaction=(2, 3, 2, 2, 2))).failures
+    assert satisfied == "satisfaction 2.00 vs 5.00 (allowed -0.5; medians of 5 and 5 users' own)"
     assert judge(POLICY, stable, figures(20, successes=0, failures=3)).failures == (), "too few reports to compare"
 
 
@@ -87,6 +98,108 @@ def test_no_one_user_decides_and_the_samples_stay_bounded() -> None:
     assert len(many.latencies_s) == len(many.ttfts_s) == 10_000 and many.requests == 30_000
 
 
+Report = tuple[str, str, bool | None, int | None]  # user, version, success, satisfaction
+
+
+def reported(reports: list[Report], cap: int = 100) -> tuple[WindowFigures, WindowFigures]:
+    """Both versions' figures in a window with plenty of identical answers and these reports."""
+    found = {"stable": WindowFigures(), "canary": WindowFigures()}
+    for figures_of in found.values():
+        for n in range(30):
+            figures_of.add(f"client{n}", error=False, latency_s=1.0, ttft_s=None, cap=cap)
+    for user, version, success, satisfaction in reports:
+        found[version].report(user, success, satisfaction, cap)
+    return found["stable"], found["canary"]
+
+
+def outcome(verdict: WindowVerdict) -> str:
+    if not verdict.counted or verdict.held:
+        return "held"
+    return "abort" if verdict.failures else "pass"
+
+
+DEFAULTS = CanaryAnalysis(min_requests=20)  # the default feedback policy: min_feedback 5, 3 reporters, cap 100
+
+
+@pytest.mark.parametrize(("reports", "expected"), [
+    # One user's selective failure reports against two users' full success: the canary passes.
+    ([*[(u, "stable", True, 5) for u in ("ann", "bob", "cat") for _ in range(3)],
+      *[("mallory", "canary", False, 1)] * 100, *[(u, "canary", True, 5) for u in ("ann", "bob") for _ in range(3)]],
+     "pass"),
+    # With a policy of two reporters and one other user on the canary, that user alone would decide
+    # it: the window is held.
+    ([*[(u, "stable", True, 5) for u in ("ann", "bob") for _ in range(3)],
+      *[("mallory", "canary", False, 1)] * 100, *[("ann", "canary", True, 5)] * 3], "held:2"),
+    # A bad canary: four users see it fail; one user's flood of successes does not save it.
+    ([*[(u, "stable", True, 5) for u in ("ann", "bob", "cat", "dan") for _ in range(2)],
+      *[("mallory", "canary", True, 5)] * 100,
+      *[(u, "canary", False, 1) for u in ("ann", "bob", "cat", "dan") for _ in range(2)]],
+     "abort"),
+    # One user alone reporting, however often: nothing to compare (the gateway's own figures decide).
+    ([*[("mallory", "stable", True, 5)] * 50, *[("mallory", "canary", False, 1)] * 50], "pass"),
+    # Three users each way and all of them agree it is worse: the fourth one missing, any one decides.
+    ([*[(u, "stable", True, 5) for u in ("ann", "bob", "cat") for _ in range(2)],
+      *[(u, "canary", False, 1) for u in ("ann", "bob", "cat") for _ in range(2)]], "held"),
+])
+def test_outcomes_weigh_users_not_reports(reports: list[Report], expected: str) -> None:
+    expected, _, reporters = expected.partition(":")
+    policy = DEFAULTS.model_copy(update={"min_reporters": int(reporters)}) if reporters else DEFAULTS
+    assert outcome(judge(policy, *reported(reports))) == expected
+
+
+@given(reports=st.lists(st.tuples(st.sampled_from(["u1", "u2", "u3", "u4", "u5", "u6"]),
+                                  st.sampled_from(["stable", "canary"]), st.none() | st.booleans(),
+                                  st.none() | st.integers(1, 5)), max_size=60),
+       left_out=st.sampled_from(["u1", "u2", "u3", "u4", "u5", "u6"]),
+       min_feedback=st.integers(1, 6), min_reporters=st.integers(1, 4),
+       max_success_drop=st.sampled_from([0.0, 0.1, 0.5]), max_satisfaction_drop=st.sampled_from([0.0, 0.5, 2.0]))
+def test_no_single_user_moves_the_decision_alone(reports: list[Report], left_out: str, min_feedback: int,
+                                                min_reporters: int, max_success_drop: float,
+                                                max_satisfaction_drop: float) -> None:
+    """Whatever the reports, taking one user's out (or putting them in) never turns an abort into
+    a pass or a pass into an abort: at most it holds the window."""
+    policy = CanaryAnalysis(min_requests=20, min_feedback=min_feedback, min_reporters=min_reporters,
+                            max_success_drop=max_success_drop, max_satisfaction_drop=max_satisfaction_drop)
+    with_them = outcome(judge(policy, *reported(reports)))
+    without = outcome(judge(policy, *reported([report for report in reports if report[0] != left_out])))
+    assert {with_them, without} != {"abort", "pass"}
+
+
+def by_definition(policy: CanaryAnalysis, stable: dict[str, Rated], canary: dict[str, Rated],
+                  allowed: float) -> str:
+    """compare_outcomes as its docstring states it, by brute force."""
+    def enough(s: dict[str, Rated], c: dict[str, Rated]) -> bool:
+        return min(sum(r.reports for r in s.values()), sum(r.reports for r in c.values())) >= policy.min_feedback \
+            and min(len(s), len(c)) >= policy.min_reporters
+
+    def worse(s: dict[str, Rated], c: dict[str, Rated]) -> bool:
+        return statistics.median(r.value for r in s.values()) - statistics.median(r.value for r in c.values()) > allowed
+
+    if not enough(stable, canary):
+        return "uncompared"
+    verdict = worse(stable, canary)
+    for user in stable.keys() | canary.keys():
+        s = {u: r for u, r in stable.items() if u != user}
+        c = {u: r for u, r in canary.items() if u != user}
+        if (verdict and not enough(s, c)) or (enough(s, c) and worse(s, c) != verdict):
+            return "held"
+    return "worse" if verdict else "fine"
+
+
+rated = st.dictionaries(st.sampled_from([f"u{n}" for n in range(12)]),
+                        st.builds(Rated, st.sampled_from([0.0, 0.25, 0.5, 1.0, 2.0, 4.5, 5.0]), st.integers(1, 4)),
+                        max_size=12)
+
+
+@given(stable=rated, canary=rated, allowed=st.sampled_from([0.0, 0.1, 0.5, 1.0]),
+       min_feedback=st.integers(1, 8), min_reporters=st.integers(1, 5))
+def test_the_leave_one_out_comparison_is_the_rule_it_states(stable: dict[str, Rated], canary: dict[str, Rated],
+                                                            allowed: float, min_feedback: int,
+                                                            min_reporters: int) -> None:
+    policy = CanaryAnalysis(min_feedback=min_feedback, min_reporters=min_reporters)
+    assert compare_outcomes(policy, stable, canary, allowed) == by_definition(policy, stable, canary, allowed)
+
+
 @pytest.mark.parametrize(("text", "message"), [
     ("windows", "'windows' is not key=value"),
     ("windows=3,windows=4", "windows is given twice"),
@@ -114,6 +227,9 @@ class Clock:
         return self.now
 
 
+USERS = ("olga", "ivan", "anna")
+
+
 def alias(canary: int | None = 2, analysis: CanaryAnalysis | None = POLICY) -> Alias:
     return Alias(pool="main", roles=["user"], stable=1, canary=canary, canary_share=0.5, canary_analysis=analysis)
 
@@ -123,15 +239,15 @@ def test_the_gateway_gathers_each_versions_figures_and_acts_when_a_window_ends()
     watch = CanaryWatch(clock)
     watch.served("codeword", 2, "olga", "before", status=200, failed=False, latency_s=1.0, ttft_s=None)
     assert watch.tick({"codeword": alias()}) == [] and watch.status("codeword") is not None  # a window begins
-    for n in range(6):  # two users, three answers of each version each
-        user = ("olga", "ivan")[n % 2]
+    for n in range(6):  # three users, two answers of each version each
+        user = USERS[n % 3]
         watch.served("codeword", 1, user, f"stable-{n}", status=200, failed=False, latency_s=1.0, ttft_s=None)
         watch.served("codeword", 2, user, f"canary-{n}", status=200, failed=False, latency_s=None, ttft_s=0.2)
     watch.served("codeword", 2, "olga", "refused", status=429, failed=False, latency_s=0.0, ttft_s=None)
     watch.served("codeword", 3, "olga", "other", status=200, failed=False, latency_s=9.0, ttft_s=None)
     for n in range(6):  # the canary's answers are wrong, its clients say
         for version in ("stable", "canary"):
-            answered, counted = watch.report(f"{version}-{n}", ("olga", "ivan")[n % 2], version == "stable", None)
+            answered, counted = watch.report(f"{version}-{n}", USERS[n % 3], version == "stable", None)
             assert counted and answered.version == (1 if version == "stable" else 2)
     with pytest.raises(NotFound):
         watch.report("stable-1", "mallory", False, None)  # another's answer is unknown to them
@@ -142,13 +258,14 @@ def test_the_gateway_gathers_each_versions_figures_and_acts_when_a_window_ends()
     assert watch.report("before", "olga", False, None)[1] is False, "an answer from before the window does not count"
     status = watch.status("codeword")
     assert status is not None and status["canary_figures"] == {
-        "requests": 6, "users": 2, "reporters": 2, "error_rate": 0.0, "latency_p50_s": None, "ttft_p50_s": 0.2,
+        "requests": 6, "users": 3, "reporters": 3, "error_rate": 0.0, "latency_p50_s": None, "ttft_p50_s": 0.2,
         "success_rate": 0.0, "satisfaction": None}
     clock.now = 9.0
     assert watch.tick({"codeword": alias()}) == []
     clock.now = 10.0
     [ended] = watch.tick({"codeword": alias()})
-    assert ended.decision == "abort" and ended.verdict.failures == ("success rate 0% vs 100% (allowed -20%)",)
+    assert ended.decision == "abort" and ended.verdict.failures == (
+        "success rate 0% vs 100% (allowed -20%; medians of 3 and 3 users' own)",)
     assert "codeword v2 aborted against v1: success rate 0% vs 100%" in ended.detail()
     assert '"canary":{"requests":6' in ended.detail()
 
