@@ -443,8 +443,12 @@ async def relay(request: Request, who: Principal, path: str, body: ChatRequest |
                                           gateway.settings.batch.max_yield_s)
         if adapter is not None:  # an answer from the engine (a cache hit says nothing of the version)
             transcript.on_finished = _canary_figures(gateway, adapter, who.subject, transcript, bool(body.stream))
+        # An adapter's answers name the alias asked for, not the version that answered (the audit
+        # record keeps that): a client that cannot tell canary answers apart cannot report on them
+        # selectively. The RL service identity, which no person holds, is told the version it trains.
+        named = adapter.name if adapter is not None and Role.RL_POLICY not in who.roles else None
         return await _forward(request, gateway, pool, adapter, path, payload, transcript, admission, screen,
-                              headers, keep)
+                              headers, keep, named)
     except GatewayError:
         admission.settle(0, 0)  # refused before the engine saw it
         raise
@@ -507,7 +511,7 @@ def _replay(hit: CachedAnswer, transcript: Transcript, headers: dict[str, str]) 
 async def _forward(request: Request, gateway: Gateway, pool: Pool, adapter: AdapterRecord | None, path: str,
                    payload: dict[str, Any], transcript: Transcript, admission: Admission,
                    screen: AnswerFilter | None, headers: dict[str, str],
-                   keep: KeepWhenRecorded | None) -> Response:
+                   keep: KeepWhenRecorded | None, named: str | None) -> Response:
     request_id = request.state.request_id
     started = time.monotonic()
     transcript.relayed = True
@@ -540,6 +544,10 @@ async def _forward(request: Request, gateway: Gateway, pool: Pool, adapter: Adap
             answer = decode_json(content)
         except ValueError:
             answer = None
+        if named is not None and response.status == 200 and isinstance(answer, dict) and \
+                answer.get("model") != named:
+            answer["model"] = named
+            content = json.dumps(answer, separators=(",", ":")).encode()
         if screen is not None and response.status == 200:
             if not isinstance(answer, dict):  # what cannot be screened does not go out
                 account.usage(None, 0)  # the engine worked: the prompt is charged
@@ -565,7 +573,7 @@ async def _forward(request: Request, gateway: Gateway, pool: Pool, adapter: Adap
     if keep is not None:
         sent_chunks = Capture(gateway.cache.settings.max_entry_bytes)
         keep(sent_chunks, True, "text/event-stream")
-    return SettlingStream(admission, relay_stream(response, account, screen, sent_chunks),
+    return SettlingStream(admission, relay_stream(response, account, screen, sent_chunks, named),
                           release=sent.done, media_type="text/event-stream",
                           headers={**headers, "Cache-Control": "no-cache"})
 

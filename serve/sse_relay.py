@@ -42,7 +42,8 @@ def usage_of(answer: object) -> tuple[int, int]:
 
 
 async def relay_stream(response: aiohttp.ClientResponse, listener: StreamListener,
-                       screen: AnswerFilter | None = None, sent: Capture | None = None) -> AsyncIterator[bytes]:
+                       screen: AnswerFilter | None = None, sent: Capture | None = None,
+                       model: str | None = None) -> AsyncIterator[bytes]:
     """Pass SSE through line by line as it arrives; gather the answer into `listener.answer`, and
     tell the listener the first token, the usage and the end marker.
 
@@ -60,6 +61,9 @@ async def relay_stream(response: aiohttp.ClientResponse, listener: StreamListene
     With `screen` (compliance filtering), each event goes out re-encoded with its text redacted,
     and what it still held goes out in events of its own before the end marker. With `sent`, each
     chunk is also added to it before it goes on (the response cache keeps what the client got).
+
+    With `model`, each event naming another model goes out re-encoded naming `model` instead (an
+    adapter's answers name the alias asked for, not the version that answered).
 
     When the client goes away, the server cancels this generator; closing the upstream connection
     then makes vLLM abort the request, freeing the engine.
@@ -109,6 +113,9 @@ async def relay_stream(response: aiohttp.ClientResponse, listener: StreamListene
                     if screen is not None:
                         lines.pop()  # what cannot be screened does not go out
                     continue
+                if model is not None and "model" in event and event["model"] != model:
+                    event["model"] = model
+                    lines[-1], rewritten = _event_line(event), True
                 if "error" in event:
                     answer.failed = True
                     event = stream_error(event)

@@ -141,3 +141,34 @@ def test_an_engine_error_inside_the_stream_goes_on_in_openais_shape() -> None:
     assert sent == [{"error": {"message": "Internal server error File \"<path>\" in <path>",
                                "type": "server_error", "param": None, "code": "engine_error"}}]
     assert got[1].endswith(b"\n\ndata: [DONE]\n\n") and answer.failed and texts == ["O", "K"]
+
+
+def test_each_event_names_the_model_asked_for_when_told_one() -> None:
+    """An adapter's stream names its alias, not the version answering (the audit record keeps it)."""
+    def named(model: str, text: str | None = None, usage: tuple[int, int] | None = None) -> bytes:
+        return event(text, usage).replace(b'{"choices"', b'{"model": "' + model.encode() + b'", "choices"', 1)
+
+    chunks = [named("codes-v2", "O"), named("codes-v2", "K"), named("codes-v2", usage=(3, 2)) + b"data: [DONE]\n\n"]
+    answer = Answer()
+
+    class Listener:
+        def __init__(self) -> None:
+            self.answer = answer
+
+        def first_token(self) -> None:
+            pass
+
+        def usage(self, prompt_tokens: int | None, completion_tokens: int) -> None:
+            pass
+
+        def end(self) -> None:
+            pass
+
+    async def run() -> list[bytes]:
+        return [chunk async for chunk in relay_stream(Engine(chunks), Listener(), model="codes")]  # type: ignore[arg-type]
+
+    got = b"".join(asyncio.run(run()))
+    events = [json.loads(line[len(b"data: "):]) for line in got.splitlines() if line.startswith(b"data: {")]
+    assert [e["model"] for e in events] == ["codes"] * 3 and b"codes-v2" not in got
+    assert answer.text == ["O", "K"] and got.endswith(b"data: [DONE]\n\n")
+    assert relay(Engine(chunks))[0] == chunks, "without a model to name, the bytes pass through unchanged"
