@@ -21,7 +21,6 @@ from typing import Any, cast
 
 import aiohttp
 import anyio
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -56,6 +55,7 @@ from serve.errors import AuthError, GatewayError, ModelNotFound, from_core, vali
 from serve.identity_proxy import IdentityProxy
 from serve.identity_proxy import router as identity_router
 from serve.keycloak_events import KeycloakEvents
+from serve.keycloak_http import keycloak_client
 from serve.limits import Admission, RateLimiter
 from serve.metrics import (
     ClusterCollector,
@@ -121,8 +121,8 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
         engine_timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_s)  # generation takes long
         pools = pools_from_settings(settings, home)
         compliance = Compliance(settings.compliance)  # a policy naming an unknown kind stops the start here
-        async with (httpx.AsyncClient(timeout=httpx.Timeout(10.0, connect=connect_s),  # Keycloak
-                                      verify=keycloak_ssl(settings, home)) as http,
+        keycloak_trust = keycloak_ssl(settings, home)
+        async with (keycloak_client(keycloak_trust, connect_s) as http,  # keys, introspection, events
                     contextlib.AsyncExitStack() as stack):
             engines = {replica.name: await stack.enter_async_context(engine_session(replica, engine_timeout))
                        for pool in pools for replica in pool.replicas}
@@ -140,6 +140,10 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
                                        introspect=introspect, on_fetch=metrics.jwks_fetches.inc)
             upstreams = Upstreams(pools, engines, secret(home, ENGINE_KEY_SECRET), settings.routing, metrics)
             cache = ResponseCache(settings.cache, metrics)
+            identity = None
+            if keycloak.frontend_url:  # a client of its own: logins never hold the connections keys are fetched on
+                identity = IdentityProxy(settings, await stack.enter_async_context(keycloak_client(
+                    keycloak_trust, connect_s)), _refusal_recorder(writer, refusals))
             app.state.gateway = Gateway(
                 settings=settings, validator=validator, upstreams=upstreams,
                 limiter=RateLimiter(settings.gateway.limits), metrics=metrics,
@@ -147,7 +151,7 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
                                        base_configs(settings, home), on_change=cache.invalidate),
                 compliance=compliance, cache=cache,
                 keys=KeyAuthenticator(home, Users(settings, home).lookup, settings.gateway.introspect_ttl_s),
-                identity=IdentityProxy(settings, http) if keycloak.frontend_url else None)
+                identity=identity)
             SlowClients.closed = _slow_client_accounting(writer, refusals, metrics)
             await validator.try_refresh_keys()  # Keycloak may still be starting
             await upstreams.replicas.check()  # which engines answer, before the first request
@@ -657,6 +661,15 @@ def _slow_client_accounting(writer: AuditWriter, refusals: Refusals,
         if refusals.own_record(event):
             asyncio.get_running_loop().run_in_executor(None, _append_quietly, writer, event)
     return closed
+
+
+def _refusal_recorder(writer: AuditWriter, refusals: Refusals) -> Callable[[AuditEvent], Awaitable[None]]:
+    """How a route outside the audited prefixes (the published login endpoints) records a refusal:
+    summarised per source like any other, durable before its answer (AuditUnavailable raised)."""
+    async def record(event: AuditEvent) -> None:
+        if refusals.own_record(event):
+            await anyio.to_thread.run_sync(writer.append, event)
+    return record
 
 
 def _append_quietly(writer: AuditWriter, event: AuditEvent) -> None:
