@@ -3,10 +3,15 @@
 A key is `apk-` followed by 256 random bits (base64url, 43 characters); it is shown once, when it
 is made. The registry keeps only its HMAC-SHA256 under a secret of this host (`api-key-hmac`), so
 a copy of the registry (a backup, a support bundle) cannot be used to call the gateway, and a
-lookup needs no scan: the keyed hash is the index. Each key has a name (unique on the appliance),
-its owner, an optional expiry, optional models it is limited to and an optional token budget a
-minute on top of its owner's. A revoked key stays in the
-registry (its name is not reused, its audit records keep meaning something).
+lookup needs no scan: the keyed hash is the index. Each key has a name, its owner, an optional
+expiry, optional models it is limited to and an optional token budget a minute on top of its
+owner's. Names are scoped per owner: two users may each have a key named `ci`, a key is found by
+its owner and name together (`ref`, the registry's and the use record's index), and nobody learns
+another user's key names by trying to make one. A revoked key stays in the registry (its name is
+not reused by its owner, its audit records keep meaning something).
+
+A registry written when names were unique on the appliance is indexed by name alone; it is read as
+it is, and the first change re-indexes it (and the use record with it) by owner and name.
 
 The gateway reads the registry again whenever the file changes, so a revocation takes effect on
 the next request. When a key was last used is kept apart (`api-key-use.json`), written at most
@@ -20,6 +25,8 @@ import hashlib
 import hmac
 import re
 import secrets as token_source
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Annotated
 
@@ -89,11 +96,16 @@ class CreatedKey(BaseModel):
     secret: str = Field(description="The key itself: shown only here, never again.")
 
 
-Registry = dict[str, ApiKey]
+Registry = dict[str, ApiKey]  # by `ref` (by name alone in a registry not changed since names were per owner)
 
 
 def registry(home: Home) -> JsonRegistry[Registry]:
     return JsonRegistry(home.root / "api-keys.json", Registry, "the API key registry")
+
+
+def ref(owner: str, name: str) -> str:
+    """A key's index: its owner and name (a name holds no '/', so the pair reads back one way)."""
+    return f"{owner}/{name}"
 
 
 def expiry(expires_in: str | None, now: datetime) -> datetime | None:
@@ -138,57 +150,89 @@ def create(home: Home, new: NewKey, owner_id: str, created_by: str, now: datetim
                  expires=expiry(new.expires_in, now), models=new.models,
                  tokens_per_minute=new.tokens_per_minute,
                  prefix=value[:len(PREFIX) + 6], digest=digest(hmac_secret(home), value))
-    with registry(home).change() as keys:
-        if new.name in keys:
-            raise Conflict(f"an API key named {new.name!r} exists", hint="choose another name; a revoked key's "
-                           "name is not reused")
+    with _changing(home) as keys:
+        if ref(new.owner, new.name) in keys:
+            raise Conflict(f"{new.owner} already has an API key named {new.name!r}", hint="choose another name; "
+                           "a revoked key's name is not reused")
         if sum(1 for other in keys.values() if other.owner == new.owner) >= MAX_KEYS_PER_OWNER:
             raise QuotaExceeded(f"{new.owner} has {MAX_KEYS_PER_OWNER} API keys, revoked and expired ones included "
                                 "(the most one user may have)", hint="an administrator removes revoked and expired "
                                 "ones with `appliance keys remove NAME`")
         if len(keys) >= MAX_KEYS:
             raise QuotaExceeded(f"the appliance holds {MAX_KEYS} API keys (the most it keeps)")
-        keys[new.name] = key
+        keys[ref(new.owner, new.name)] = key
     return CreatedKey(key=key, secret=value)
 
 
 def listing(home: Home, owner: str | None = None) -> list[ApiKey]:
-    """The keys, by name; only `owner`'s when given."""
-    return [key for key in registry(home).read().values() if owner is None or key.owner == owner]
+    """The keys, by owner and name; only `owner`'s when given."""
+    return sorted((key for key in registry(home).read().values() if owner is None or key.owner == owner),
+                  key=lambda key: (key.owner, key.name))
 
 
-def get(home: Home, name: str) -> ApiKey:
-    key = registry(home).read().get(name)
+def owners_of(home: Home, name: str) -> list[str]:
+    """Who has a key called `name` (for an administrator who named no owner)."""
+    return sorted(key.owner for key in registry(home).read().values() if key.name == name)
+
+
+def get(home: Home, owner: str, name: str) -> ApiKey:
+    key = next((key for key in registry(home).read().values() if (key.owner, key.name) == (owner, name)), None)
     if key is None:
-        raise NotFound(f"no API key named {name!r}", hint="`appliance keys list` shows them")
+        raise NotFound(f"{owner} has no API key named {name!r}", hint="`appliance keys list` shows them")
     return key
 
 
-def revoke(home: Home, name: str, now: datetime | None = None) -> ApiKey:
-    """Revoke `name` (at once: the gateway rereads the registry when it changes); revoking a
-    revoked key changes nothing."""
-    with registry(home).change() as keys:
-        key = keys.get(name)
+def revoke(home: Home, owner: str, name: str, now: datetime | None = None) -> ApiKey:
+    """Revoke `owner`'s key `name` (at once: the gateway rereads the registry when it changes);
+    revoking a revoked key changes nothing."""
+    with _changing(home) as keys:
+        key = keys.get(ref(owner, name))
         if key is None:
-            raise NotFound(f"no API key named {name!r}", hint="`appliance keys list` shows them")
+            raise NotFound(f"{owner} has no API key named {name!r}", hint="`appliance keys list` shows them")
         if key.revoked is None:
-            keys[name] = key = key.model_copy(update={"revoked": now or datetime.now(UTC)})
+            keys[ref(owner, name)] = key = key.model_copy(update={"revoked": now or datetime.now(UTC)})
     return key
 
 
-def remove(home: Home, name: str, now: datetime | None = None) -> ApiKey:
-    """Delete a revoked or expired key from the registry (its name may then be used again; its
-    audit records keep naming it). An active key is refused: revoke it first."""
-    with registry(home).change() as keys:
-        key = keys.get(name)
+def remove(home: Home, owner: str, name: str, now: datetime | None = None) -> ApiKey:
+    """Delete `owner`'s revoked or expired key `name` from the registry (they may then use the name
+    again; its audit records keep naming it). An active key is refused: revoke it first."""
+    with _changing(home) as keys:
+        key = keys.get(ref(owner, name))
         if key is None:
-            raise NotFound(f"no API key named {name!r}", hint="`appliance keys list` shows them")
+            raise NotFound(f"{owner} has no API key named {name!r}", hint="`appliance keys list` shows them")
         if key.state(now or datetime.now(UTC)) == "active":
-            raise Conflict(f"API key {name!r} is active", hint=f"`appliance keys revoke {name}` first")
-        del keys[name]
+            raise Conflict(f"API key {name!r} of {owner} is active",
+                           hint=f"`appliance keys revoke {name} --user {owner}` first")
+        del keys[ref(owner, name)]
+    with uses(home).change() as used:
+        used.pop(ref(owner, name), None)
     return key
 
 
 def uses(home: Home) -> JsonRegistry[dict[str, datetime]]:
-    """When each key was last used (to the minute), as the gateway writes it."""
+    """When each key was last used (to the minute), by `ref`, as the gateway writes it."""
     return JsonRegistry(home.root / "api-key-use.json", dict[str, datetime], "the API key use record")
+
+
+def last_uses(home: Home) -> dict[str, datetime]:
+    """When each key was last used, by `ref`, whichever way the registry and the record are indexed."""
+    used = uses(home).read()
+    legacy = {name: ref(key.owner, key.name) for name, key in registry(home).read().items() if "/" not in name}
+    return {legacy.get(name, name): when for name, when in used.items()}
+
+
+@contextmanager
+def _changing(home: Home) -> Iterator[Registry]:
+    """The registry to change, indexed by `ref` (one indexed by name alone is re-indexed, and the
+    use record with it)."""
+    with registry(home).change() as keys:
+        legacy = {name: ref(key.owner, key.name) for name, key in keys.items() if name != ref(key.owner, key.name)}
+        if legacy:
+            for name, index in legacy.items():
+                keys[index] = keys.pop(name)
+            with uses(home).change() as used:
+                for name, index in legacy.items():
+                    if name in used:
+                        used.setdefault(index, used.pop(name))
+        yield keys

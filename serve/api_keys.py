@@ -55,7 +55,7 @@ class KeyAuthenticator:
         self._seen: tuple[int, int, int] | None = None  # the registry file's (inode, size, mtime) when read
         self._by_digest: dict[str, api_keys.ApiKey] = {}
         self._owners: dict[str, _Owner] = {}
-        self._used: dict[str, float] = {}  # key name -> when its last use was written
+        self._used: dict[str, float] = {}  # key (api_keys.ref) -> when its last use was written
 
     async def principal(self, bearer: str, known: Callable[[api_keys.ApiKey], None] = lambda key: None) -> Principal:
         """The principal an API key acts as, else AuthError saying why; `known` is told the key
@@ -73,9 +73,10 @@ class KeyAuthenticator:
             raise AuthError("inactive", f"the owner of API key {key.name!r} no longer exists")
         if not owner.user.enabled:
             raise AuthError("inactive", f"the owner of API key {key.name!r} is disabled")
-        await self._note_use(key.name, now)
+        await self._note_use(api_keys.ref(key.owner, key.name), now)
         return Principal(subject=owner.subject, username=key.owner, client=f"key:{key.name}",
-                         roles=frozenset(role.value for role in owner.user.roles), token_id=f"key:{key.name}",
+                         roles=frozenset(role.value for role in owner.user.roles),
+                         token_id=f"key:{api_keys.ref(key.owner, key.name)}",
                          expires_at=key.expires.timestamp() if key.expires else float("inf"), key=key.name,
                          models=frozenset(key.models) if key.models is not None else None,
                          tokens_per_minute=key.tokens_per_minute)
@@ -101,9 +102,9 @@ class KeyAuthenticator:
                         return
                     await anyio.sleep(retry_s)
 
-    def named(self, name: str) -> api_keys.ApiKey:
-        """The usable key called `name` (a batch made with it: its requests stop when the key does)."""
-        key = next((key for key in self._keys().values() if key.name == name), None)
+    def named(self, owner: str, name: str) -> api_keys.ApiKey:
+        """`owner`'s usable key called `name` (a batch made with it: its requests stop when the key does)."""
+        key = next((key for key in self._keys().values() if (key.owner, key.name) == (owner, name)), None)
         if key is None:
             raise AuthError("revoked_key", f"API key {name!r} no longer exists")
         usable(key, datetime.now(UTC))
@@ -146,17 +147,17 @@ class KeyAuthenticator:
         self._owners[username] = found = _Owner(subject, user, time.monotonic())
         return found
 
-    async def _note_use(self, name: str, now: datetime) -> None:
+    async def _note_use(self, index: str, now: datetime) -> None:
         """Write when the key was used, at most once a USE_WRITE_INTERVAL_S a key (a failed write
         is tried again on the next use: last use is for display, never for a decision)."""
-        if time.monotonic() - self._used.get(name, float("-inf")) < api_keys.USE_WRITE_INTERVAL_S:
+        if time.monotonic() - self._used.get(index, float("-inf")) < api_keys.USE_WRITE_INTERVAL_S:
             return
-        self._used[name] = time.monotonic()
-        await anyio.to_thread.run_sync(self._write_use, name, now)
+        self._used[index] = time.monotonic()
+        await anyio.to_thread.run_sync(self._write_use, index, now)
 
-    def _write_use(self, name: str, now: datetime) -> None:
+    def _write_use(self, index: str, now: datetime) -> None:
         try:
             with api_keys.uses(self.home).change() as uses:
-                uses[name] = now.replace(second=0, microsecond=0)
+                uses[index] = now.replace(second=0, microsecond=0)
         except (ApplianceError, OSError):
-            self._used.pop(name, None)
+            self._used.pop(index, None)

@@ -88,7 +88,7 @@ def batch_principal(request: Request, reference: str) -> Principal:
                          token_id=reference, expires_at=float("inf"))
     # Made with an API key: its requests stop when the key is revoked or expires, within its limits.
     try:
-        key = request.app.state.gateway.keys.named(owner.key)
+        key = request.app.state.gateway.keys.named(owner.username, owner.key)
     except AuthError as exc:
         if exc.status != 401:
             raise  # the registry unreadable (503): the worker gives the request back and retries

@@ -32,6 +32,7 @@ from starlette.types import Receive, Scope, Send
 from appliance.adapters import AdapterRecord
 from appliance.alerts import MONITORING_SECRET, MONITORING_USER
 from appliance.api_keys import looks_like_key
+from appliance.api_keys import ref as key_ref
 from appliance.artifacts import artifact_store
 from appliance.changes import Target
 from appliance.errors import ApplianceError, Conflict, NotFound
@@ -416,7 +417,9 @@ async def relay(request: Request, who: Principal, path: str, body: ChatRequest |
                                       completion_tokens=worst_completion)
     if who.key is not None and who.tokens_per_minute is not None:
         try:
-            admission.also = gateway.limiter.admit_key(who.key, who.tokens_per_minute, prompt_tokens=prompt_estimate,
+            # By owner and name: two users' keys of one name have budgets of their own.
+            admission.also = gateway.limiter.admit_key(key_ref(who.username, who.key), who.tokens_per_minute,
+                                                       prompt_tokens=prompt_estimate,
                                                        completion_tokens=worst_completion)
         except GatewayError:
             admission.settle(0, 0)  # the owner's hold goes back: the key's budget refused it

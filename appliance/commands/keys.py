@@ -1,5 +1,6 @@
 """`appliance keys ...`: API keys for applications, through the gateway's admin API (a user
-manages their own keys, an administrator anyone's)."""
+manages their own keys, an administrator anyone's). A key's name is its owner's: two users may
+each have a key of the same name, and `--user` says whose."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ keys_app = typer.Typer(help="API keys for applications: create (shown once), lis
 out = Console()
 Name = Annotated[str, typer.Argument(help="The key's name: lower-case letters, digits, '.', '_' and '-'.")]
 Json = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+Whose = Annotated[str | None, typer.Option("--user", help="Whose key it is (administrators; unset: yours, or the "
+                                           "one user's who has a key of that name).")]
 
 
 @keys_app.command("create")
@@ -65,16 +68,16 @@ def keys_list(
 
 
 @keys_app.command("revoke")
-def keys_revoke(name: Name) -> None:
+def keys_revoke(name: Name, user: Whose = None) -> None:
     """Revoke an API key: its next request is refused."""
-    key = admin_api("POST", f"/keys/{name}/revoke")
+    key = admin_api("POST", f"/keys/{name}/revoke", params={"owner": user} if user else None)
     out.print(f"API key {key['name']} of {key['owner']} revoked", markup=False)
 
 
 @keys_app.command("remove")
-def keys_remove(name: Name) -> None:
+def keys_remove(name: Name, user: Whose = None) -> None:
     """Delete a revoked or expired API key from the registry (administrators); its name is free again."""
-    key = admin_api("DELETE", f"/keys/{name}")
+    key = admin_api("DELETE", f"/keys/{name}", params={"owner": user} if user else None)
     out.print(f"API key {key['name']} of {key['owner']} removed", markup=False)
 
 

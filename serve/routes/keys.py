@@ -1,6 +1,7 @@
 """/admin/keys: API keys (appliance.api_keys). A user manages their own keys, an administrator
-anyone's; a key itself can reach no /admin route (serve.deps), so a key cannot make keys. Plain
-functions: the owner's lookup in Keycloak blocks."""
+anyone's (`owner`: whose key a name is); a key itself can reach no /admin route (serve.deps), so a
+key cannot make keys. Names are scoped per owner: nothing here tells a user whether another user
+has a key of some name. Plain functions: the owner's lookup in Keycloak blocks."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel
 
 from appliance import api_keys
-from appliance.errors import Invalid, NotFound
+from appliance.errors import Invalid
 from appliance.home import Home
 from appliance.roles import Role
 from appliance.settings import Settings
@@ -54,13 +55,23 @@ def _may_manage(who: Principal, owner: str) -> None:
         raise AuthError("missing_role", "only an administrator manages another user's keys", status=403)
 
 
-def _own(home: Home, who: Principal, name: str) -> api_keys.ApiKey:
-    """The key called `name` if the caller may manage it; another user's key is NotFound to a
-    non-administrator, as a key that does not exist (its name tells them nothing)."""
-    key = api_keys.get(home, name)
-    if key.owner != who.username and Role.ADMIN not in who.roles:
-        raise NotFound(f"no API key named {name!r}", hint="`appliance keys list` shows yours")
-    return key
+def _owner(home: Home, who: Principal, name: str, owner: str | None) -> str:
+    """Whose key `name` is meant: `owner` if the caller may manage their keys; unnamed, the
+    caller's own, or for an administrator the one user who has a key of that name."""
+    if owner is not None:
+        _may_manage(who, owner)
+        return owner
+    if Role.ADMIN not in who.roles:
+        return who.username
+    owners = api_keys.owners_of(home, name)
+    if len(owners) > 1:
+        raise Invalid(f"{len(owners)} users have an API key named {name!r}: {', '.join(owners)}",
+                      hint="name its owner (`--user USER`, or owner=USER)")
+    return owners[0] if owners else who.username
+
+
+Owner = Annotated[str | None, Query(max_length=64, description="Whose key it is (an administrator's choice; "
+                                    "unset: yours, or the one user's who has a key of that name).")]
 
 
 async def _admitted(request: Request, who: KeyHolder) -> Principal:
@@ -83,8 +94,8 @@ def router(settings: Settings, home: Home) -> APIRouter:
         """API keys: your own, or (administrators) everyone's."""
         if Role.ADMIN not in who.roles:
             owner = who.username
-        used = api_keys.uses(home).read()
-        return [view(key, used.get(key.name)) for key in api_keys.listing(home, owner)]
+        used = api_keys.last_uses(home)
+        return [view(key, used.get(api_keys.ref(key.owner, key.name))) for key in api_keys.listing(home, owner)]
 
     @routes.post("/keys", response_model=CreatedKeyView, status_code=201, name="keys.create")
     def create_key(request: Request, who: Admitted, new: api_keys.NewKey) -> CreatedKeyView:
@@ -100,17 +111,18 @@ def router(settings: Settings, home: Home) -> APIRouter:
         return CreatedKeyView(**view(created.key, None).model_dump(), secret=created.secret)
 
     @routes.post("/keys/{key_name}/revoke", response_model=KeyView, name="keys.revoke")
-    def revoke_key(who: Admitted, key_name: str) -> KeyView:
+    def revoke_key(who: Admitted, key_name: str, owner: Owner = None) -> KeyView:
         """Revoke a key: its next request is refused (401), and so are its batches' requests."""
-        _own(home, who, key_name)
-        return view(api_keys.revoke(home, key_name), api_keys.uses(home).read().get(key_name))
+        owner = _owner(home, who, key_name, owner)
+        revoked = api_keys.revoke(home, owner, key_name)
+        return view(revoked, api_keys.last_uses(home).get(api_keys.ref(owner, key_name)))
 
     @routes.delete("/keys/{key_name}", response_model=KeyView, name="keys.remove")
-    def remove_key(who: Admitted, key_name: str) -> KeyView:
-        """Delete a revoked or expired key from the registry (administrators); its name may be
-        used again."""
+    def remove_key(who: Admitted, key_name: str, owner: Owner = None) -> KeyView:
+        """Delete a revoked or expired key from the registry (administrators); its owner may use
+        its name again."""
         if Role.ADMIN not in who.roles:
             raise AuthError("missing_role", "only an administrator removes keys", status=403)
-        return view(api_keys.remove(home, key_name), None)
+        return view(api_keys.remove(home, _owner(home, who, key_name, owner), key_name), None)
 
     return routes

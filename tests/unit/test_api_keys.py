@@ -42,8 +42,8 @@ class Realm:
         return self.ids.get(username, f"id-{username}"), self.users[username]
 
 
-def make(home: Home, name: str = "app", **fields: object) -> str:
-    return api_keys.create(home, api_keys.NewKey(name=name, owner="kate", **fields), owner_id="id-kate",
+def make(home: Home, name: str = "app", owner: str = "kate", **fields: object) -> str:
+    return api_keys.create(home, api_keys.NewKey(name=name, owner=owner, **fields), owner_id=f"id-{owner}",
                            created_by="admin").secret
 
 
@@ -80,7 +80,7 @@ def test_the_principal_acts_as_its_owner_with_the_roles_keycloak_gives_now(home:
     assert principal.may_use("m1") and principal.may_use("m1:fast") and not principal.may_use("m2")
     who(keys, secret)
     assert realm.lookups == 1, "the owner is looked up once per interval"
-    assert "app" in api_keys.uses(home).read()
+    assert "kate/app" in api_keys.uses(home).read()
 
 
 def test_the_owners_are_looked_up_ahead_once_keycloak_answers(home: Home) -> None:
@@ -92,7 +92,7 @@ def test_the_owners_are_looked_up_ahead_once_keycloak_answers(home: Home) -> Non
     secret = make(home)
     make(home, "gone", expires_in="1h")
     with api_keys.registry(home).change() as registry:  # an expired key's owner is not looked up
-        registry["gone"] = registry["gone"].model_copy(update={"owner": "nobody",
+        registry["kate/gone"] = registry["kate/gone"].model_copy(update={"owner": "nobody",
                                                                "expires": datetime.now(UTC) - timedelta(seconds=1)})
 
     async def warm_while_keycloak_starts() -> None:
@@ -115,15 +115,16 @@ def test_revoked_expired_unknown_disabled_and_gone_keys_are_refused(home: Home) 
     keys = KeyAuthenticator(home, realm.lookup, owner_ttl_s=0)
     secret = make(home)
     who(keys, secret)
-    api_keys.revoke(home, "app")
+    api_keys.revoke(home, "kate", "app")
     assert refusal(keys, secret).reason == "revoked_key"  # at once: the registry changed
-    assert api_keys.revoke(home, "app").revoked is not None  # again: no change, no error
+    assert api_keys.revoke(home, "kate", "app").revoked is not None  # again: no change, no error
     with pytest.raises(NotFound):
-        api_keys.revoke(home, "nothing")
+        api_keys.revoke(home, "kate", "nothing")
 
     stale = make(home, "stale", expires_in="1h")
     with api_keys.registry(home).change() as registry:
-        registry["stale"] = registry["stale"].model_copy(update={"expires": datetime.now(UTC) - timedelta(seconds=1)})
+        registry["kate/stale"] = registry["kate/stale"].model_copy(update={"expires": datetime.now(UTC)
+                                                                             - timedelta(seconds=1)})
     assert refusal(keys, stale).reason == "expired_key"
 
     assert refusal(keys, "apk-" + "A" * 43).reason == "invalid_key"
@@ -171,10 +172,10 @@ def test_a_deleted_owners_key_costs_one_lookup_per_interval(home: Home) -> None:
 def test_a_revoked_or_expired_key_is_removed_an_active_one_is_not(home: Home) -> None:
     make(home, "live")
     make(home, "old")
-    api_keys.revoke(home, "old")
+    api_keys.revoke(home, "kate", "old")
     with pytest.raises(Conflict, match="active"):
-        api_keys.remove(home, "live")
-    assert api_keys.remove(home, "old").name == "old"
+        api_keys.remove(home, "kate", "live")
+    assert api_keys.remove(home, "kate", "old").name == "old"
     make(home, "old")  # its name is free again
 
 
@@ -182,7 +183,7 @@ def test_one_user_holds_a_bounded_number_of_keys(home: Home, monkeypatch: pytest
     monkeypatch.setattr(api_keys, "MAX_KEYS_PER_OWNER", 2)
     make(home, "a")
     make(home, "b")
-    api_keys.revoke(home, "b")
+    api_keys.revoke(home, "kate", "b")
     with pytest.raises(QuotaExceeded, match="kate has 2 API keys"):
         make(home, "c")
 
@@ -233,3 +234,72 @@ def test_a_keys_token_budget_holds_beside_its_owners_and_gives_back_both() -> No
     with pytest.raises(GatewayError) as never:
         limiter.admit_key("app", 500, prompt_tokens=400, completion_tokens=200)
     assert never.value.status == 400 and never.value.code == "exceeds_token_budget"
+
+
+def test_names_are_scoped_per_owner_and_tell_nothing_of_other_users_keys(home: Home) -> None:
+    realm = Realm()
+    realm.users["liam"] = User(username="liam", enabled=True, roles=[Role.USER])
+    keys = KeyAuthenticator(home, realm.lookup, owner_ttl_s=60)
+    kates, liams = make(home, "ci"), make(home, "ci", owner="liam")  # two users, one name: no 409
+    assert {(who(keys, kates).username, who(keys, liams).username)} == {("kate", "liam")}  # type: ignore[attr-defined]
+    with pytest.raises(Conflict, match="kate already has an API key named 'ci'"):
+        make(home, "ci")
+    api_keys.revoke(home, "liam", "ci")
+    assert refusal(keys, liams).reason == "revoked_key" and who(keys, kates).key == "ci"  # type: ignore[attr-defined]
+    assert keys.named("kate", "ci").owner == "kate"
+    with pytest.raises(AuthError, match="revoked"):
+        keys.named("liam", "ci")
+    with pytest.raises(NotFound, match="liam has no API key named 'cd'"):
+        api_keys.get(home, "liam", "cd")
+    assert [(key.owner, key.name) for key in api_keys.listing(home)] == [("kate", "ci"), ("liam", "ci")]
+    assert api_keys.owners_of(home, "ci") == ["kate", "liam"]
+    assert set(api_keys.uses(home).read()) == {"kate/ci", "liam/ci"}, "each key's use is its own"
+
+
+Op = tuple[str, str, str]  # operation, owner, name
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["create", "revoke", "remove", "get"]), st.sampled_from(["kate", "liam"]),
+                          st.sampled_from(["ci", "cd"])), max_size=20))
+def test_what_happens_to_ones_keys_never_depends_on_anothers(tmp_path_factory: pytest.TempPathFactory,
+                                                            ops: list[Op]) -> None:
+    """Each user's operations answer as if they were alone on the appliance."""
+    together = Home(tmp_path_factory.mktemp("h") / "h").ensure()
+    alone = {owner: Home(tmp_path_factory.mktemp("h") / "h").ensure() for owner in ("kate", "liam")}
+
+    def outcome(home: Home, op: str, owner: str, name: str) -> str:
+        try:
+            if op == "create":
+                make(home, name, owner=owner)
+            elif op == "get":
+                api_keys.get(home, owner, name)
+            else:
+                getattr(api_keys, op)(home, owner, name)
+        except (Conflict, NotFound) as exc:
+            return f"{type(exc).__name__}: {exc.message}"
+        return "done"
+
+    for op, owner, name in ops:
+        assert outcome(together, op, owner, name) == outcome(alone[owner], op, owner, name), (op, owner, name)
+
+
+def test_a_registry_from_when_names_were_unique_keeps_working_and_is_reindexed(home: Home) -> None:
+    realm = Realm()
+    realm.users["liam"] = User(username="liam", enabled=True, roles=[Role.USER])
+    secret = make(home, "ci")
+    with api_keys.registry(home).change() as registry:  # indexed by name alone, as it was written then
+        registry["ci"] = registry.pop("kate/ci")
+    with api_keys.uses(home).change() as used:
+        used["ci"] = datetime(2026, 1, 2, 3, 4, tzinfo=UTC)
+    keys = KeyAuthenticator(home, realm.lookup, owner_ttl_s=60)
+    assert api_keys.get(home, "kate", "ci").name == "ci" and keys.named("kate", "ci").owner == "kate"
+    assert api_keys.last_uses(home) == {"kate/ci": datetime(2026, 1, 2, 3, 4, tzinfo=UTC)}
+    make(home, "ci", owner="liam")  # the first change re-indexes the registry and the use record
+    assert set(api_keys.registry(home).read()) == {"kate/ci", "liam/ci"}
+    assert api_keys.uses(home).read() == {"kate/ci": datetime(2026, 1, 2, 3, 4, tzinfo=UTC)}
+    assert who(keys, secret).username == "kate"  # type: ignore[attr-defined]
+    with pytest.raises(Conflict):
+        make(home, "ci")
+    api_keys.revoke(home, "kate", "ci")
+    assert refusal(keys, secret).reason == "revoked_key"
