@@ -926,6 +926,21 @@ def finish(home: Home, request: Claimed, status_code: int, request_id: str | Non
             db.execute(f"update batches set {column} = {column} + 1 where id = ?", (request.batch_id,))
 
 
+def fail_remaining(home: Home, batch_id: str, status_code: int, response: object) -> int:
+    """Fail every request of a running batch not yet sent, with one answer (its owner can no longer
+    run it: the role lost, the key revoked); how many. Those being sent get their own answers."""
+    with transaction(home) as db:
+        if not db.execute("select 1 from batches where id = ? and status in ('in_progress', 'cancelling')",
+                          (batch_id,)).fetchone():
+            return 0
+        keys = [row[0] for row in db.execute("select rowid from batch_requests where batch_id = ? and state = ?",
+                                             (batch_id, RequestState.PENDING))]
+        for key in keys:
+            REQUESTS.finish(db, key, RequestState.DONE, status_code=status_code, response=json.dumps(response))
+        db.execute("update batches set failed = failed + ? where id = ?", (len(keys), batch_id))
+    return len(keys)
+
+
 def _request_key(db: sqlite3.Connection, request: Claimed) -> Key | None:
     """A request's key in the queue (None: it is gone)."""
     row = db.execute("select rowid from batch_requests where batch_id = ? and line = ?",

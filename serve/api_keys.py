@@ -102,6 +102,17 @@ class KeyAuthenticator:
                         return
                     await anyio.sleep(retry_s)
 
+    async def roles_now(self, username: str, subject: str) -> frozenset[str]:
+        """The realm roles `username` holds now, looked up as a key's owner is (a batch checks its
+        owner before each request); AuthError (403) when they are no longer the user `subject`, or
+        are disabled, and (503) when Keycloak cannot be asked."""
+        owner = await self._owner(username)
+        if owner.user is None or owner.subject != subject:
+            raise AuthError("inactive", f"user {username!r} no longer exists", status=403)
+        if not owner.user.enabled:
+            raise AuthError("inactive", f"user {username!r} is disabled", status=403)
+        return frozenset(role.value for role in owner.user.roles)
+
     def named(self, owner: str, name: str) -> api_keys.ApiKey:
         """`owner`'s usable key called `name` (a batch made with it: its requests stop when the key does)."""
         key = next((key for key in self._keys().values() if (key.owner, key.name) == (owner, name)), None)

@@ -11,7 +11,9 @@ limited by the owner's budgets and audited like any other, and yields to interac
 for a while, the others go on, and so does an engine failing mid-answer (500, 502, 504, or 503
 `engine_dropped`) until `batch.max_attempts`: a request that kills engines is not sent for ever. The
 gateway down, or refusing the worker's key, makes every request wait; any other answer is the
-request's result. Killed, the worker leaves its
+request's result. The gateway checks the owner before each request (serve.deps: the roles they hold
+now, their key still valid); a refusal saying they can no longer run it (OWNER_REFUSALS) fails the
+batch's remaining requests at once with that answer. Killed, the worker leaves its
 claims to the next one (at least once), and a validation it was making starts over; each
 batch's end (a failed validation too) is an audit record of its own.
 """
@@ -47,6 +49,9 @@ GATEWAY_DOWN_WAIT_S = 5.0
 MAX_RETRY_S = 60.0
 FAILED_RETRY_S = 5.0
 STORE_DOWN_WAIT_S = 10.0  # the artifact store or the queue failed a validation: it starts over after this
+# The gateway's codes (403) for an owner who can no longer run their batch: a role lost, disabled or
+# gone, the key it was made with revoked or expired.
+OWNER_REFUSALS = frozenset({"missing_role", "inactive", "revoked_key", "expired_key"})
 
 
 def worker_alive(pid: int | None) -> bool:
@@ -153,6 +158,10 @@ class Worker:
         except ValueError:
             answer = {"error": {"message": response.text[:2000], "type": "server_error"}}
         batches.finish(self.home, request, response.status_code, response.headers.get("x-request-id"), answer)
+        if response.status_code == 403 and _code(response) in OWNER_REFUSALS:
+            failed = batches.fail_remaining(self.home, request.batch_id, response.status_code, answer)
+            log.info("batch %s: its owner can no longer run it (%s): %d requests failed", request.batch_id,
+                     _code(response), failed + 1)
 
     def _all_wait(self, request: batches.Claimed, why: str) -> None:
         with self.lock:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import hmac
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Annotated, cast
 
 import anyio
@@ -45,6 +46,9 @@ async def authenticated(
     try:
         if (batch_request := request.headers.get(BATCH_HEADER)) is not None:
             who = await anyio.to_thread.run_sync(batch_principal, request, batch_request)
+            # The roles its owner holds now, of those they held when they made it: a role lost stops
+            # the batch (the route's check refuses it, and the worker fails the rest of the batch).
+            who = replace(who, roles=who.roles & await gateway.keys.roles_now(who.username, who.subject))
         elif (key := _api_key(authorization)) is not None:
             if request.url.path.startswith("/admin/"):
                 raise AuthError("key_not_allowed", "API keys cannot use the admin API; log in with "
@@ -69,9 +73,10 @@ def _api_key(authorization: str | None) -> str | None:
 
 def batch_principal(request: Request, reference: str) -> Principal:
     """The owner of a batch request the batch-worker sends (`BATCH_HEADER`: "<batch id>:<line>"),
-    with the roles they held when they created the batch. Only with the worker's key, only for a
-    request claimed now and only on the relay's routes: the worker can act for no one else, nowhere
-    else. The request's audit record names the batch request."""
+    with the roles they held when they created the batch (the caller keeps those they still hold).
+    Only with the worker's key, only for a request claimed now and only on the relay's routes: the
+    worker can act for no one else, nowhere else. The request's audit record names the batch
+    request."""
     home = request.app.state.home
     key = _worker_key(home)
     given = request.headers.get("authorization") or ""

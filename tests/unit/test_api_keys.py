@@ -303,3 +303,23 @@ def test_a_registry_from_when_names_were_unique_keeps_working_and_is_reindexed(h
         make(home, "ci")
     api_keys.revoke(home, "kate", "ci")
     assert refusal(keys, secret).reason == "revoked_key"
+
+
+@pytest.mark.parametrize(("change", "expected"), [
+    (lambda realm: None, {"user"}),
+    (lambda realm: realm.users.update(kate=User(username="kate", enabled=True, roles=[Role.TRAINER])), {"trainer"}),
+    (lambda realm: realm.users.update(kate=User(username="kate", enabled=False, roles=[Role.USER])), "inactive 403"),
+    (lambda realm: realm.users.pop("kate"), "inactive 403"),
+    (lambda realm: realm.ids.update(kate="id-kate-2"), "inactive 403"),  # another user of the same name
+    (lambda realm: setattr(realm, "down", True), "introspection_unavailable 503"),
+])
+def test_a_batch_owners_roles_are_those_they_hold_now(home: Home, change: object, expected: object) -> None:
+    """What the gateway checks before each batch request: the owner's roles now, or why not."""
+    realm = Realm()
+    change(realm)  # type: ignore[operator]
+    keys = KeyAuthenticator(home, realm.lookup, owner_ttl_s=0)
+    try:
+        found: object = asyncio.run(keys.roles_now("kate", "id-kate"))
+    except AuthError as exc:
+        found = f"{exc.reason} {exc.status}"
+    assert found == expected

@@ -9,6 +9,7 @@ import sqlite3
 import tempfile
 from pathlib import Path
 
+import httpx
 import pytest
 
 from appliance import batches, durable
@@ -17,7 +18,8 @@ from appliance.batches import BatchState
 from appliance.errors import Conflict, Invalid, NotFound, QuotaExceeded
 from appliance.home import Home
 from appliance.queue import immediate
-from appliance.settings import BatchSettings
+from appliance.settings import BatchSettings, Settings
+from serve import batch_worker
 from tests.support.batches import ANN, BOB, CHAT, create, create_only, line, upload
 
 
@@ -239,3 +241,49 @@ def test_an_upload_is_copied_to_the_store_from_its_spool_in_pieces(tmp_path: Pat
     assert file.bytes == 19 * 500
     assert store.get(f"batches/files/{file.id}") == b'{"custom_id": "a"}\n' * 500
     assert reads and max(reads) == 1000 and -1 not in reads
+
+
+def test_a_batch_whose_owner_can_no_longer_run_it_fails_its_remaining_requests(home: Home, store: LocalStore) -> None:
+    batch = create(home, store, upload(home, store, [line(f"r{index}") for index in range(5)]))
+    [first, second] = batches.claim(home, 7, lambda pid: True, 2)
+    batches.finish(home, first, 200, "ok", {"ok": True})
+    refusal = {"error": {"message": "the 'user' or 'admin' role is required", "code": "missing_role"}}
+    assert batches.fail_remaining(home, batch.id, 403, refusal) == 3  # the one being sent gets its own answer
+    assert batches.claim(home, 8, lambda pid: True, 5) == []
+    batches.finish(home, second, 403, "refused", refusal)
+    ended = batches.finalize(home, store, batches.to_finalize(home)[0])
+    assert ended.request_counts.model_dump() == {"total": 5, "completed": 1, "failed": 4}
+    assert ended.error_file_id is not None
+    _, error_key = batches.get_file(home, ended.error_file_id, ANN.subject)
+    failures = [json.loads(row)["response"] for row in store.get(error_key).splitlines()]
+    assert [f["status_code"] for f in failures] == [403] * 4
+    assert all(f["body"]["error"]["code"] == "missing_role" for f in failures)
+    assert batches.fail_remaining(home, batch.id, 403, refusal) == 0, "an ended batch is left as it is"
+
+
+@pytest.mark.parametrize(("code", "failed"), [
+    *[(code, 4) for code in sorted(batch_worker.OWNER_REFUSALS)],  # the owner cannot run it: the rest fail at once
+    ("model_not_allowed", 1), ("adapter_forbidden", 1), (None, 1),  # this request's own fault: the others go on
+])
+def test_the_worker_fails_the_rest_of_a_batch_only_when_its_owner_can_no_longer_run_it(
+        home: Home, store: LocalStore, monkeypatch: pytest.MonkeyPatch, code: str | None, failed: int) -> None:
+    worker = batch_worker.Worker(Settings(), home)
+    worker.store = store
+    monkeypatch.setattr(batch_worker, "worker_alive", lambda pid: True)
+    sent: list[str] = []
+
+    def gateway(request: httpx.Request) -> httpx.Response:
+        sent.append(request.headers[batches.BATCH_HEADER])
+        if len(sent) == 1:  # the first request is refused; the owner's state has changed
+            return httpx.Response(403, json={"error": {"message": "refused", "type": "permission_error",
+                                                       **({"code": code} if code else {})}})
+        return httpx.Response(200, json={"choices": [{"message": {"content": "ok"}}]})
+
+    worker.http = httpx.Client(base_url="http://gateway", transport=httpx.MockTransport(gateway))
+    create_only(home, upload(home, store, [line(f"r{index}") for index in range(4)]))
+    assert worker.validate_next()
+    while claimed := batches.claim(home, 99, lambda pid: True, 1):
+        worker.execute(claimed[0])
+    ended = batches.finalize(home, store, batches.to_finalize(home)[0])
+    assert ended.request_counts.model_dump() == {"total": 4, "completed": 4 - failed, "failed": failed}
+    assert len(sent) == 5 - failed, "no request of a batch its owner can no longer run is sent"
