@@ -6,6 +6,10 @@ The relay uses aiohttp rather than httpx: on the per-request path it costs about
 (measured 0.6 vs 1.3 ms a round trip to an instant engine on this 2-core machine), which is most
 of the gateway's own latency budget. The answer's stream is relayed by serve.sse_relay.
 
+A request lasts as long as its replica answers, however long its prefill or generation: once the
+replica is gone (serve.replicas: no health check answered for NO_ANSWER_S, a wedged engine), a
+request still waiting for its answer's headers gets a 503 and an answer being read is cut.
+
 What comes back from the engines is put in the gateway's terms here: an error answer in OpenAI's
 error shape (serve.errors.engine_error), a model list with names, never the checkpoints' paths.
 """
@@ -13,10 +17,11 @@ error shape (serve.errors.engine_error), a model list with names, never the chec
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 
@@ -26,11 +31,49 @@ from serve.engine import ENGINE_BASE_URL
 from serve.engine_metrics import EngineMetricsRelay
 from serve.errors import GatewayError, ModelNotFound, engine_error
 from serve.metrics import Metrics
-from serve.replicas import Pool, Replica, ReplicaSet
+from serve.replicas import NO_ANSWER_S, Pool, Replica, ReplicaSet
 from serve.router import Balancer, pick_tier, split_model
 
 MODELS_TIMEOUT_S = 10.0
 YIELD_POLL_S = 0.02
+T = TypeVar("T")
+
+
+class EngineGone(aiohttp.ClientConnectionError):
+    """The replica stopped answering while its answer was awaited or read (an aiohttp error, so
+    every reader of an answer already handles it)."""
+
+
+async def unless_gone(gone: asyncio.Event, work: Awaitable[T]) -> T:
+    """`work`'s result, or EngineGone once `gone` is set first (`work` is then cancelled)."""
+    task, waiter = asyncio.ensure_future(work), asyncio.ensure_future(gone.wait())
+    try:
+        await asyncio.wait((task, waiter), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+    if task.cancelled():
+        raise EngineGone("the engine stopped answering")
+    return task.result()
+
+
+def _cut_when_gone(gone: asyncio.Event, response: aiohttp.ClientResponse,
+                   done: Callable[[], None]) -> Callable[[], None]:
+    """Cut the answer being read if its replica is gone first (its reader gets EngineGone); the
+    returned function ends the watch and calls `done`."""
+    async def cut() -> None:
+        await gone.wait()
+        response.content.set_exception(EngineGone("the engine stopped answering mid-answer"))
+        response.close()
+    watch = asyncio.ensure_future(cut())
+
+    def read() -> None:
+        watch.cancel()
+        done()
+    return read
 
 
 @dataclass(frozen=True)
@@ -93,9 +136,10 @@ class Upstreams:
         """POST to one of the pool's replicas (serve.router), the body left unread (streamed). A
         replica that refuses the connection or the request is set aside and the next one tried; one
         that drops it once the request is sent is set aside too, and the request gets a 503 (sent
-        on, a request that kills engines would kill them all). No replica answering is a 503 at once, and so is
-        a pool spanning hosts whose engine failed because a rank elsewhere stopped. `done` must be
-        called once the answer is read."""
+        on, a request that kills engines would kill them all), and so is one that stops answering
+        before the answer's headers (gone, serve.replicas). No replica answering is a 503 at once, and
+        so is a pool spanning hosts whose engine failed because a rank elsewhere stopped. `done` must
+        be called once the answer is read; until then, the answer is cut if its replica is gone."""
         balancer, tried = self.balancers[pool.name], set[str]()
         while True:
             ready = await self.replicas.ready(pool, tried)
@@ -108,10 +152,17 @@ class Upstreams:
             self.metrics.route_choices.labels(pool.name, replica.name, reason).inc()
             # In flight from now: vLLM sends a whole answer's headers only once it is generated.
             done = self._lease(pool, replica, interactive)
+            gone = self.replicas.gone(replica)
             try:
-                response = await self._sessions[replica.name].post(
+                response = await unless_gone(gone, self._sessions[replica.name].post(
                     f"{ENGINE_BASE_URL}{path}", data=body,
-                    headers={**self._headers, "Content-Type": "application/json", "X-Request-Id": request_id})
+                    headers={**self._headers, "Content-Type": "application/json", "X-Request-Id": request_id}))
+            except EngineGone as exc:
+                # Sent, and the engine stopped answering (wedged): as with a drop, no other replica.
+                done()
+                raise GatewayError(503, f"engine pool {pool.name!r} stopped answering (no answer for "
+                                   f"{NO_ANSWER_S:.0f} s); retry shortly", type="service_unavailable",
+                                   code="engine_not_answering", headers={"Retry-After": "5"}) from exc
             except (aiohttp.ClientOSError, aiohttp.ConnectionTimeoutError) as exc:
                 # Refused, or the request could not be written (a connection the engine closed as it
                 # died): the engine never had it, so another replica may take it.
@@ -139,7 +190,7 @@ class Upstreams:
                 done()
                 self.replicas.set_ready(pool, replica, False)
                 raise self._unavailable(pool, "restarting (a rank on another host stopped)")
-            return Sent(response, replica, done)
+            return Sent(response, replica, _cut_when_gone(gone, response, done))
 
     def _lease(self, pool: Pool, replica: Replica, interactive: bool) -> Callable[[], None]:
         """Count a request in flight on `replica` until the returned function is called (once)."""

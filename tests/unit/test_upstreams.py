@@ -5,6 +5,7 @@ check says so (never a hang), and the pool is used again once its health check p
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import time
 from pathlib import Path
@@ -13,10 +14,11 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+import serve.replicas as replicas_module
 from appliance.settings import RoutingSettings
 from serve.errors import GatewayError
 from serve.replicas import Pool, Replica, engine_session
-from serve.upstream import Upstreams
+from serve.upstream import EngineGone, Upstreams
 
 
 def pool_at(path: Path) -> Pool:
@@ -138,3 +140,138 @@ async def answered_by(upstreams: Upstreams, pool: Pool, requests: int) -> list[s
         sent.response.release()
         sent.done()
     return replicas
+
+
+class StandIn:
+    """An engine whose answers wait `answer_after_s` (a long prefill or generation), with a stream's
+    first event sent at once; wedged, it answers nothing at all (SIGSTOP), its health check included."""
+
+    def __init__(self, answer_after_s: float = 0.0) -> None:
+        self.answer_after_s = answer_after_s
+        self.wedged = False
+        self.health_asked = 0
+
+    async def _unless_wedged(self) -> None:
+        while self.wedged:
+            await asyncio.sleep(0.02)
+
+    async def health(self, request: web.Request) -> web.Response:
+        self.health_asked += 1
+        await self._unless_wedged()
+        return web.Response(text="ok")
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        stream = (await request.json()).get("stream", False)
+        if not stream:
+            await asyncio.sleep(self.answer_after_s)
+            await self._unless_wedged()
+            return web.json_response({"ok": True})
+        answer = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await answer.prepare(request)
+        await answer.write(b'data: {"choices": []}\n\n')
+        await asyncio.sleep(self.answer_after_s)
+        await self._unless_wedged()
+        await answer.write(b"data: [DONE]\n\n")
+        return answer
+
+    async def start(self, path: Path) -> web.AppRunner:
+        app = web.Application()
+        app.router.add_get("/health", self.health)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        runner = web.AppRunner(app, shutdown_timeout=0.1)  # a request it still holds is dropped
+        await runner.setup()
+        await web.UnixSite(runner, str(path)).start()
+        return runner
+
+
+@pytest.fixture
+def quick(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replica gone after 0.6 s without an answered health check (0.2 s each), so tests run fast."""
+    monkeypatch.setattr(replicas_module, "NO_ANSWER_S", 0.6)
+    monkeypatch.setattr(replicas_module, "HEALTH_TIMEOUT_S", 0.2)
+
+
+async def watched(upstreams: Upstreams) -> asyncio.Task[None]:
+    await upstreams.replicas.check()
+    return asyncio.create_task(upstreams.replicas.watch(0.05))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["before-headers", "mid-stream"])
+def test_a_request_on_an_engine_that_wedges_ends_and_later_ones_get_503_at_once(
+        tmp_path: Path, quick: None, stream: bool) -> None:
+    """The engine wedges while it holds the request (SIGSTOP: its socket takes connections, nothing
+    answers): once it has not answered its health check for NO_ANSWER_S the request ends, a 503
+    before the answer's headers or a cut stream after them, never a hang; requests after it get a
+    503 without a health check of their own; once it answers again it takes requests again."""
+    pool = pool_at(tmp_path / "main.sock")
+    stand_in = StandIn(answer_after_s=3600)
+    body = json.dumps({"stream": stream}).encode()
+
+    async def scenario() -> None:
+        runner = await stand_in.start(pool.replicas[0].socket)
+        [http] = (clients := sessions(pool)).values()
+        upstreams = Upstreams([pool], clients, "key")
+        watch = await watched(upstreams)
+        try:
+            asking = asyncio.create_task(upstreams.send(pool, "/v1/chat/completions", body, "r1"))
+            if stream:
+                sent = await asking
+                assert sent.response.status == 200
+                assert await sent.response.content.readline() == b'data: {"choices": []}\n'
+                asking = asyncio.create_task(sent.response.content.read())
+            await asyncio.sleep(0.1)
+            stand_in.wedged = True
+            if stream:
+                with pytest.raises(EngineGone):
+                    await asking
+                sent.done()
+            else:
+                with pytest.raises(GatewayError) as ended:
+                    await asking
+                assert ended.value.status == 503 and ended.value.code == "engine_not_answering"
+            assert upstreams.balancers["main"].in_flight == {"main": 0}
+            asked = stand_in.health_asked
+            with pytest.raises(GatewayError) as later:
+                await upstreams.send(pool, "/v1/chat/completions", b"{}", "r2")
+            assert later.value.status == 503 and later.value.code == "engine_unavailable"
+            assert stand_in.health_asked - asked <= 1, "at most the watch's own check: none of its own"
+            stand_in.wedged, stand_in.answer_after_s = False, 0.0
+            while not upstreams.replicas.is_ready(pool.replicas[0]):
+                await asyncio.sleep(0.02)
+            sent = await upstreams.send(pool, "/v1/chat/completions", b"{}", "r3")
+            assert sent.response.status == 200 and not upstreams.replicas.gone(pool.replicas[0]).is_set()
+            sent.response.release()
+            sent.done()
+        finally:
+            watch.cancel()
+            await http.close()
+            await runner.cleanup()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_long_answer_from_an_engine_that_answers_is_never_cut(tmp_path: Path, quick: None, stream: bool) -> None:
+    """A long prefill or generation (the answer takes many times NO_ANSWER_S, nothing sent
+    meanwhile) on an engine that answers its health check: the answer arrives whole."""
+    pool = pool_at(tmp_path / "main.sock")
+    stand_in = StandIn(answer_after_s=2.0)
+
+    async def scenario() -> bytes:
+        runner = await stand_in.start(pool.replicas[0].socket)
+        [http] = (clients := sessions(pool)).values()
+        upstreams = Upstreams([pool], clients, "key")
+        watch = await watched(upstreams)
+        try:
+            sent = await upstreams.send(pool, "/v1/chat/completions", json.dumps({"stream": stream}).encode(), "r1")
+            try:
+                return await sent.response.read()
+            finally:
+                sent.done()
+        finally:
+            watch.cancel()
+            await http.close()
+            await runner.cleanup()
+
+    answer = asyncio.run(scenario())
+    assert answer.endswith(b"data: [DONE]\n\n" if stream else b'{"ok": true}')
