@@ -27,6 +27,7 @@ from appliance.supervisor import (
     render_config,
     socket_path,
 )
+from appliance.up_steps import STEPS, UpSteps, forget_steps, read_steps, record_steps, up_lock, up_running
 
 if TYPE_CHECKING:  # `status` builds neither the settings' nor the hosts' schemas
     from appliance.settings import Settings
@@ -49,17 +50,28 @@ class UpReport:
     programs: list[Program]
     startup_s: dict[str, float] = field(default_factory=dict)
     notices: list[str] = field(default_factory=list)
+    finished: tuple[str, ...] = ()  # the steps an `up` before left undone, done by this one
 
 
 def up(settings: Settings, home: Home, progress: Progress = _no_progress) -> UpReport:
-    """Start supervisord with every program and wait until each answers its health check.
+    """Start supervisord with every program, wait until each answers its health check, then
+    provision; or finish the steps an `up` killed half-way left undone (up_steps).
 
     A failed start stops whatever it started, so the appliance is either up or down.
     """
     home.ensure()
-    supervisor = Supervisor(home)
-    if supervisor.is_running():
-        return UpReport(already_up=True, programs=started_programs(home))
+    with up_lock(home):
+        supervisor = Supervisor(home)
+        if supervisor.is_running():
+            steps = read_steps(home)
+            if steps is not None and not steps.left:
+                return UpReport(already_up=True, programs=started_programs(home))
+            # No record: an older version's `up`, whose steps are unknown; all are done again.
+            return _finish(settings, home, supervisor, steps or UpSteps(STEPS[:1]), progress)
+        return _start(settings, home, supervisor, progress)
+
+
+def _start(settings: Settings, home: Home, supervisor: Supervisor, progress: Progress) -> UpReport:
     # Leftovers of an earlier run that died hard would hold ports, memory and cores.
     end_leftovers(home.run)
     programs = discover_programs(settings, home)
@@ -71,21 +83,57 @@ def up(settings: Settings, home: Home, progress: Progress = _no_progress) -> UpR
     with os.fdopen(fd, "w") as handle:
         handle.write(json.dumps([p.model_dump(mode="json") for p in programs]))
     progress("starting supervisord")
+    record_steps(home, UpSteps())
     mark_starting(home.run)  # programs with a start_nice start at it until end_starting
     try:
-        supervisor.start(render_config(home, wrapped, secret(home, "supervisor-password")))
         try:
+            supervisor.start(render_config(home, wrapped, secret(home, "supervisor-password")))
+            steps = record_steps(home, UpSteps().after("supervisord"))
             startup = _wait_ready(supervisor, programs, home, progress)
         finally:
             end_starting(home.run)
-        notices = [why for p in programs if p.start_nice and (why := restore_priority(home.run, p.name))]
-        progress("provisioning")
-        notices += run_provisioners(settings, home)
+        steps = record_steps(home, steps.after("ready"))
+        notices = _remaining_steps(settings, home, programs, steps, progress)
     except BaseException:
         progress("start failed: stopping what was started")
         _stop(supervisor, home)
         raise
     return UpReport(already_up=False, programs=programs, startup_s=startup, notices=notices)
+
+
+def _finish(settings: Settings, home: Home, supervisor: Supervisor, steps: UpSteps,
+            progress: Progress) -> UpReport:
+    """The steps an `up` killed half-way left undone, on the programs it started; a failure
+    stops everything, as a failed start does."""
+    programs = started_programs(home)
+    left = steps.left
+    progress(f"finishing an interrupted `up`: {', '.join(left)}")
+    try:
+        end_starting(home.run)  # the killed `up`'s mark: restarts from now on are at normal priority
+        startup: dict[str, float] = {}
+        if "ready" in left:
+            startup = _wait_ready(supervisor, programs, home, progress)
+            steps = record_steps(home, steps.after("ready"))
+        notices = _remaining_steps(settings, home, programs, steps, progress)
+    except BaseException:
+        progress("finishing failed: stopping the appliance")
+        _stop(supervisor, home)
+        raise
+    return UpReport(already_up=False, programs=programs, startup_s=startup, notices=notices, finished=left)
+
+
+def _remaining_steps(settings: Settings, home: Home, programs: list[Program], steps: UpSteps,
+                     progress: Progress) -> list[str]:
+    """Once every program is ready: normal CPU priority again, then the provisioners; each
+    recorded when done. Both may be done again safely."""
+    notices: list[str] = []
+    if "priority" in steps.left:
+        notices = [why for p in programs if p.start_nice and (why := restore_priority(home.run, p.name))]
+        steps = record_steps(home, steps.after("priority"))
+    progress("provisioning")
+    notices += run_provisioners(settings, home)
+    record_steps(home, steps.after("provisioned"))
+    return notices
 
 
 def _wrap(program: Program, home: Home) -> Program:
@@ -200,11 +248,13 @@ def down(home: Home) -> DownReport:
     """Stop every program and supervisord; end any process they left behind."""
     supervisor = Supervisor(home)
     if not supervisor.is_running():
+        forget_steps(home)
         return DownReport(was_running=False, ended_leftovers=end_leftovers(home.run))
     return DownReport(was_running=True, ended_leftovers=_stop(supervisor, home))
 
 
 def _stop(supervisor: Supervisor, home: Home) -> list[int]:
+    forget_steps(home)  # whatever happens next, no `up` is left to finish: a next `up` starts afresh
     supervisor.shutdown()
     return end_leftovers(home.run)
 
@@ -252,9 +302,17 @@ def status(home: Home) -> dict[str, Any]:
             "socket": str(socket_path(home)),
         },
         "programs": programs,
+        "up": _up_steps(home),
         "cluster": _cluster(home) if running else [],
         "alerts": _alerts(home, programs),
     }
+
+
+def _up_steps(home: Home) -> dict[str, Any]:
+    """The steps of the last `up` left undone (none once it finished, or if it recorded none), and
+    whether an `up` runs now: an `up` killed half-way leaves steps that the next `up` finishes."""
+    steps = read_steps(home)
+    return {"steps_left": list(steps.left) if steps else [], "running": up_running(home)}
 
 
 def _alerts(home: Home, programs: list[dict[str, Any]]) -> dict[str, Any] | None:

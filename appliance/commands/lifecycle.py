@@ -40,6 +40,8 @@ def up() -> None:
         report = lifecycle.up(settings, home, progress=lambda text: spinner.update(text))
     if report.already_up:
         out.print("already up; nothing changed (`appliance down` first to apply new settings)")
+    elif report.finished:
+        out.print(f"finished an interrupted `up` ({', '.join(report.finished)})", highlight=False)
     else:
         out.print(f"up in {max(report.startup_s.values(), default=0):.0f}s")
     for notice in report.notices:
@@ -54,7 +56,9 @@ def down() -> None:
     with err.status("stopping"):
         report = lifecycle.down(home)
     if not report.was_running:
-        out.print("not running; nothing to stop")
+        # supervisord died hard: what it ran may still be running, and is stopped all the same.
+        out.print("supervisord was not running; its programs left running are stopped" if report.ended_leftovers
+                  else "not running; nothing to stop")
     else:
         out.print("down: supervisord and all programs stopped")
     if report.ended_leftovers:
@@ -80,6 +84,8 @@ def status(
         return
     if not report["supervisord"]["running"]:
         out.print("down (supervisord is not running)")
+        if report["up"]["running"]:
+            out.print(up_line(report["up"]), highlight=False)
         return
     print_status(out, report, wide=wide)
 
@@ -92,10 +98,22 @@ def print_status(console: Console, report: dict[str, Any], *, wide: bool = False
         console.print(programs_table(report["programs"]))
     for pool in report["cluster"]:
         console.print(cluster_table(pool))
+    if (up := report.get("up")) is not None and (line := up_line(up)) is not None:
+        console.print(line, soft_wrap=True, highlight=False, markup=False)
     if (alerts := report.get("alerts")) is not None:
         console.print(alerts_line(alerts), soft_wrap=True, highlight=False, markup=False)
     # soft_wrap: a long state directory stays one line rather than being cut mid-path
     console.print(f"logs: {report['home']}/logs", soft_wrap=True, highlight=False)
+
+
+def up_line(up: dict[str, Any]) -> str | None:
+    """An `up` under way, or one that did not finish (killed half-way), and its steps left."""
+    left = ", ".join(up["steps_left"]) or "none"
+    if up["running"]:
+        return f"`appliance up` is under way (steps left: {left})"
+    if up["steps_left"]:
+        return f"`appliance up` did not finish (steps left: {left}): run `appliance up` to finish it"
+    return None
 
 
 def alerts_line(alerts: dict[str, Any]) -> str:
