@@ -8,8 +8,9 @@ must not leak).
 Text is screened as a reader sees it: every detector runs on a normalised view of it (JSON
 escapes read; NFKC; invisible and format characters removed; digits of every script as ASCII
 digits; every dash as "-" and every space or line break as " "), and what it finds is mapped back
-to the span of the original text that held it. Cards and IBANs are looked for across any run of separators (anything
-but letters and digits) between their characters.
+to the span of the original text that held it. Cards and IBANs are looked for across any run of
+separators between their characters: anything that is not a digit or a Latin letter (any length),
+or a gap of up to `GAP` characters holding other letters or numbers too.
 
 A detector finds confirmed spans, and says where a finding may still be growing at the end of a
 text that arrives in pieces (a streamed answer): `StreamRedactor` holds that tail back until it
@@ -33,6 +34,7 @@ import numpy.typing as npt
 import regex
 
 from appliance.errors import SettingsError
+from appliance.key_shapes import SecretDetector
 from appliance.settings import ComplianceSettings
 
 SHORT_TEXT = 64  # texts up to this long have their findings remembered
@@ -61,7 +63,13 @@ class Detector(Protocol):
 # The normalised view.
 
 INVISIBLE = regex.compile(r"[\p{Cf}\p{Default_Ignorable_Code_Point}]")  # zero-width, joiners, soft hyphen, VS...
-WORD = regex.compile(r"[\p{L}\p{N}]")  # what is not a separator
+WORD = regex.compile(r"[\p{L}\p{N}]")  # a letter or number
+# Between digit groups, a gap of anything but digits and Latin letters joins them (a card written
+# "4111ー1111ー..." with the katakana prolonged sound mark, or modifier letters, which look like
+# dashes and apostrophes); one holding another script's letters or numbers only while it is short.
+# Latin letters always part groups: hex digests and identifiers are not cards.
+LATIN = regex.compile(r"[A-Za-z]")
+GAP = 4  # the longest gap (characters as read) that may hold letters other than Latin ones
 MINUS_SIGNS = frozenset("\u2212\u207b\u208b")  # minus signs (category Sm) read as dashes
 
 
@@ -211,8 +219,8 @@ class View:
 # windows are checked all at once (numpy), so a megabyte of "1 1 1 ..." stays linear.
 
 CARD_DIGITS = (13, 19)
-RUN13 = regex.compile(r"[0-9](?:[^\p{L}\p{N}]*[0-9]){12}")  # a run that could hold a card at all
-TAIL_WORD = regex.compile(r"(?r)[\p{L}\p{N}--[0-9]]", regex.V1)  # the last letter or non-digit number
+RUN13 = regex.compile(r"[0-9](?:[^0-9A-Za-z]*[0-9]){12}")  # a run that could hold a card at all
+TAIL_WORD = regex.compile(r"(?r)[A-Za-z]")  # the last Latin letter: no run reaches across it
 GROUP = regex.compile(r"[0-9]+")
 FEW_GROUPS = 64  # up to this many digit groups, a text's windows are checked one by one (cheaper than numpy's calls)
 DOUBLED = np.array([0, 2, 4, 6, 8, 1, 3, 5, 7, 9])  # a Luhn-doubled digit's digit sum
@@ -220,13 +228,20 @@ Ints = npt.NDArray[np.int64]
 
 
 class _Kinds(dict[int, str]):
-    """By code point of the view: a digit itself, "w" for another letter or number, "s" for a
-    separator (`str.translate`)."""
+    """By code point of the view: a digit itself, "w" for a Latin letter, "o" for another letter or
+    number, "s" for a separator (`str.translate`)."""
 
     def __missing__(self, code: int) -> str:
         char = chr(code)
-        self[code] = kind = char if "0" <= char <= "9" else "w" if WORD.match(char) else "s"
+        kind = char if "0" <= char <= "9" else "w" if LATIN.match(char) else "o" if WORD.match(char) else "s"
+        self[code] = kind
         return kind
+
+
+def _parts(text: str, start: int, end: int) -> bool:
+    """Whether the gap text[start:end] between two digit groups parts them."""
+    return (LATIN.search(text, start, end) is not None
+            or end - start > GAP and WORD.search(text, start, end) is not None)
 
 
 KINDS = _Kinds()
@@ -235,7 +250,7 @@ KINDS = _Kinds()
 @dataclass(frozen=True)
 class _Groups:
     """The digit groups of a text: where each starts and ends (in the text and as digit offsets),
-    the run each belongs to (runs are parted by letters), and Luhn sums of the digits so far, with
+    the run each belongs to (runs are parted as `_parts` says), and Luhn sums of the digits so far, with
     the even (luhn[0]) or odd (luhn[1]) digit offsets doubled."""
 
     starts: Ints
@@ -252,8 +267,11 @@ class _Groups:
         first = np.flatnonzero(np.diff(digit_at, prepend=-2) != 1)
         bounds = np.append(first, len(digit_at))
         starts, ends = digit_at[first], digit_at[bounds[1:] - 1] + 1
-        words = np.concatenate(([0], np.cumsum(kinds == ord("w"))))
-        runs = np.concatenate(([0], np.cumsum(words[starts[1:]] != words[ends[:-1]])))
+        latin = np.concatenate(([0], np.cumsum(kinds == ord("w"))))
+        other = np.concatenate(([0], np.cumsum(kinds == ord("o"))))
+        gaps = starts[1:] - ends[:-1]
+        parted = (latin[starts[1:]] != latin[ends[:-1]]) | ((gaps > GAP) & (other[starts[1:]] != other[ends[:-1]]))
+        runs = np.concatenate(([0], np.cumsum(parted)))
         even = np.arange(len(values)) % 2 == 0
         luhn = (np.concatenate(([0], np.cumsum(np.where(even, DOUBLED[values], values)))),
                 np.concatenate(([0], np.cumsum(np.where(even, values, DOUBLED[values])))))
@@ -277,7 +295,7 @@ def _few_cards(text: str) -> list[tuple[int, int]]:
     """The cards of a text of few digit groups (as `_Groups` finds them, without numpy's cost per
     call): each window of groups checked in turn, overlapping ones merged."""
     groups = [match.span() for match in GROUP.finditer(text)]
-    parted = [at == 0 or WORD.search(text, groups[at - 1][1], groups[at][0]) is not None for at in range(len(groups))]
+    parted = [at == 0 or _parts(text, groups[at - 1][1], groups[at][0]) for at in range(len(groups))]
     found: list[tuple[int, int]] = []
     for first, (start, _) in enumerate(groups):
         digits = ""
@@ -366,13 +384,14 @@ IBAN_LENGTHS = {
     "SM": 27, "SO": 23, "ST": 25, "SV": 28, "TL": 23, "TN": 24, "TR": 26, "UA": 29, "VA": 22, "VG": 24, "XK": 20,
     "YE": 30,
 }
-IBAN_SHAPE = regex.compile(r"(?<![#A-Z0-9])[A-Z]{2} *(?:[0-9] *){2}(?:[A-Z0-9] *){11,30}")
+IBAN_SHAPE = regex.compile(r"(?<![A-Z0-9])[A-Z]{2}[ #]*(?:[0-9][ #]*){2}(?:[A-Z0-9][ #]*){11,30}")
 AS_IBAN_DIGITS = {ord(c): str(int(c, 36)) for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ"}
 
 
 class _IbanChars(dict[int, str]):
     """By code point of the view: an ASCII letter (upper-cased) or digit itself, "#" for another
-    letter or number, " " for a separator (`str.translate`): the IBAN's view of the view."""
+    letter or number, " " for a separator (`str.translate`): the IBAN's view of the view. A gap
+    holding "#" parts an IBAN only when it is longer than `GAP`, as between a card's groups."""
 
     def __missing__(self, code: int) -> str:
         char = chr(code)
@@ -392,9 +411,10 @@ def iban_ok(text: str) -> bool:
 def _ibans(chars: str) -> Iterator[tuple[int, int]]:
     """Where `chars` (a view's IBAN_CHARS) holds IBANs: each start of a word with a country's code
     and two digits, then as many letters and digits (separators skipped) as that country's IBANs
-    have, passing mod 97 (all starts at once: the remainder of any stretch comes from sums so far)."""
+    have, no gap among them parting them, passing mod 97 (all starts at once: the remainder of any
+    stretch comes from sums so far)."""
     view = np.frombuffer(chars.encode("ascii"), np.uint8).astype(np.int64)
-    at = np.flatnonzero(view != ord(" "))  # the letters and digits, separators skipped
+    at = np.flatnonzero((view != ord(" ")) & (view != ord("#")))  # the Latin letters and digits
     code = view[at]
     letter, digit = (code >= ord("A")) & (code <= ord("Z")), (code >= ord("0")) & (code <= ord("9"))
     starts = np.flatnonzero(np.diff(at, prepend=-2) > 1)  # at a word's start
@@ -404,8 +424,10 @@ def _ibans(chars: str) -> Iterator[tuple[int, int]]:
     lengths = IBAN_LENGTH_TABLE[(code[starts] - ord("A")) * 26 + code[starts + 1] - ord("A")]
     starts, lengths = starts[lengths > 0], lengths[lengths > 0]
     starts, lengths = starts[starts + lengths <= len(at)], lengths[starts + lengths <= len(at)]
-    other = np.concatenate(([0], np.cumsum(code == ord("#"))))
-    whole = other[starts + lengths] == other[starts]
+    others = np.concatenate(([0], np.cumsum(view == ord("#"))))
+    parting = (np.diff(at) - 1 > GAP) & (others[at[1:]] != others[at[:-1] + 1])  # between each two
+    parted = np.concatenate(([0], np.cumsum(parting)))
+    whole = parted[starts + lengths - 1] == parted[starts]
     starts, lengths = starts[whole], lengths[whole]
     # A letter counts as two digits (A = 10); the remainder of the digits of a stretch [a, b) is
     # (sums[b] - sums[a]) * 10^widths[b], with each digit's term scaled by 10^-(widths up to it).
@@ -435,7 +457,7 @@ class IbanDetector:
 
     def find(self, text: str) -> Iterator[tuple[int, int]]:
         chars = text.translate(IBAN_CHARS)
-        if any(len(match.group().replace(" ", "")) >= IBAN_LENGTHS.get(match.group()[:2], 99)
+        if any(len(match.group().replace(" ", "").replace("#", "")) >= IBAN_LENGTHS.get(match.group()[:2], 99)
                for match in IBAN_SHAPE.finditer(chars, overlapped=True)):  # one could be an IBAN
             yield from _ibans(chars)
 
@@ -446,7 +468,7 @@ class IbanDetector:
         for match in IBAN_SHAPE.finditer(chars, partial=True, overlapped=True):
             if match.partial or IBAN_SHAPE.fullmatch(chars, pos=match.start(), partial=True) is not None:
                 code = match.group()[:2]
-                if len(code) < 2 or len(match.group().replace(" ", "")) < IBAN_LENGTHS.get(code, 0):
+                if len(code) < 2 or len(match.group().replace(" ", "").replace("#", "")) < IBAN_LENGTHS.get(code, 0):
                     return match.start()
         return None
 
@@ -485,24 +507,12 @@ def _phone(match: str) -> bool:
     return 9 <= len(digits) <= 15 and not (CARD_DIGITS[0] <= len(digits) and luhn_ok(digits))
 
 
-def _key(prefix: str, chars: str, least: int, most: int) -> str:
-    """A key: its prefix, then its first `least` characters (spaces may split them: the view
-    already dropped zero-width ones), then up to `most` in all, unbroken."""
-    return rf"{prefix}(?: *{chars}){{{least}}}{chars}{{0,{most - least}}}+"
-
-
 # Every repetition in these is bounded or cannot overlap the next, so a scan is linear in the text
 # however hostile it is ("a@" + "a." * 100000 took seconds with open-ended ones). An operator's
 # patterns are theirs.
-JWT_PART = _key("", "[A-Za-z0-9_-]", 10, 4096)
 BUILT_IN: tuple[Detector, ...] = (  # the strict kinds first: in an overlap the earlier detector wins
     IbanDetector(),  # before cards and keys: an IBAN's digits may hold a Luhn-valid run
-    PatternDetector.of("secret", rf"(?<![A-Za-z0-9])(?:{_key('sk-', '[A-Za-z0-9_-]', 20, 256)}"
-                                 rf"|{_key('gh[pousr]_', '[A-Za-z0-9]', 36, 255)}"
-                                 rf"|{_key('github_pat_', '[A-Za-z0-9_]', 22, 255)}"
-                                 rf"|{_key('xox[abeprs]-', '[A-Za-z0-9-]', 10, 255)}"
-                                 rf"|(?<![_-])eyJ{JWT_PART} *\.{JWT_PART} *\.{JWT_PART})"
-                                 rf"|{_key('AKIA', '[0-9A-Z]', 16, 16)}"),
+    SecretDetector(),  # our key shapes and the vendored rules (appliance.key_shapes)
     CardDetector(),  # after keys: a key's digits may hold one
 )
 LOOSE: tuple[Detector, ...] = (  # after any other detector: a card joined to an e-mail address is a card

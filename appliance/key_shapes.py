@@ -1,0 +1,152 @@
+"""The `secret` detector: API keys and tokens by their providers' shapes. Two sources: a few shapes
+of our own, looser than the providers' (a key cut short is still a key: `sk-` and 20 characters,
+GitHub's and Slack's prefixes, JWTs, `AKIA`, spaces allowed between a key's first characters),
+and the vendored gitleaks rules (appliance.key_rules).
+
+A key prefix split by spaces or line breaks ("sk - ...", "AKI A...") is read joined: where a known
+prefix (ours, or a rule's keyword of three characters or more) is spelled across spaces from the
+start of a word, those spaces are dropped before the shapes are matched. Invisible characters are
+already gone (the scanner's view), so this is the one reading left between a prefix and its key.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import regex
+
+from appliance.key_rules import rules
+
+
+def _key(prefix: str, chars: str, least: int, most: int) -> str:
+    """A key: its prefix, then its first `least` characters (spaces may split them: the view
+    already dropped zero-width ones), then up to `most` in all, unbroken."""
+    return rf"{prefix}(?: *{chars}){{{least}}}{chars}{{0,{most - least}}}+"
+
+
+# Every repetition in these is bounded or cannot overlap the next, so a scan is linear in the text.
+JWT_PART = _key("", "[A-Za-z0-9_-]", 10, 4096)
+OWN = regex.compile(rf"(?<![A-Za-z0-9])(?:{_key('sk-', '[A-Za-z0-9_-]', 20, 256)}"
+                    rf"|{_key('gh[pousr]_', '[A-Za-z0-9]', 36, 255)}"
+                    rf"|{_key('github_pat_', '[A-Za-z0-9_]', 22, 255)}"
+                    rf"|{_key('xox[abeprs]-', '[A-Za-z0-9-]', 10, 255)}"
+                    rf"|(?<![_-])eyJ{JWT_PART} *\.{JWT_PART} *\.{JWT_PART})"
+                    rf"|{_key('AKIA', '[0-9A-Z]', 16, 16)}")
+OWN_PREFIXES = ("sk-", "ghp_", "gho_", "ghu_", "ghs_", "ghr_", "github_pat_", "xoxa-", "xoxb-", "xoxe-", "xoxp-",
+                "xoxr-", "xoxs-", "eyj", "akia")
+LEAST_PREFIX = 3  # shorter keywords ("sk", "ey", "s.") are too common in prose to join across spaces
+Ints = npt.NDArray[np.int64]
+ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
+
+
+@functools.cache
+def prefixes() -> tuple[tuple[str, ...], frozenset[str]]:
+    """The prefixes read joined (lower case), and every beginning of one (for a stream's tail)."""
+    joined = sorted({*OWN_PREFIXES, *(keyword for rule in rules() for keyword in rule.keywords
+                                      if len(keyword) >= LEAST_PREFIX and " " not in keyword)})
+    return tuple(joined), frozenset(prefix[:size] for prefix in joined for size in range(1, len(prefix) + 1))
+
+
+def _word_start(text: str, at: int) -> bool:
+    return at == 0 or not text[at - 1].isalnum()
+
+
+@dataclass(frozen=True)
+class _Joined:
+    """A text with the spaces inside split prefixes dropped, and where each character came from."""
+
+    text: str
+    origin: Ints | None  # None: nothing dropped
+
+    @classmethod
+    def of(cls, text: str) -> _Joined:
+        if " " not in text:
+            return cls(text, None)
+        lower = text.translate(ASCII_LOWER)  # the prefixes are ASCII; one character stays one
+        kept = np.flatnonzero(np.frombuffer(lower.encode("utf-32-le", "surrogatepass"), np.uint32) != ord(" "))
+        compact = lower.replace(" ", "")
+        dropped: set[int] = set()
+        for prefix in prefixes()[0]:
+            at = compact.find(prefix)
+            while at >= 0:
+                start, end = int(kept[at]), int(kept[at + len(prefix) - 1])
+                if end - start >= len(prefix) and _word_start(text, start):  # spelled across spaces
+                    dropped.update(range(start, end))
+                at = compact.find(prefix, at + 1)
+        if not dropped:
+            return cls(text, None)
+        origin = np.array([at for at in range(len(text)) if at not in dropped or text[at] != " "], np.int64)
+        return cls("".join(text[at] for at in origin.tolist()), origin)
+
+    def span(self, start: int, end: int) -> tuple[int, int]:
+        if self.origin is None:
+            return start, end
+        return int(self.origin[start]), int(self.origin[end - 1]) + 1
+
+    def position(self, at: int) -> int:
+        return at if self.origin is None else int(self.origin[at])
+
+
+def _partial_start(pattern: regex.Pattern[str], text: str) -> int | None:
+    """Where a key starts that more text could complete or extend ("sk-abc" may go on): the first
+    letter or digit of such a match (what comes before it, a rule's opening space or quote, is no
+    part of the secret it redacts, so it need not be held)."""
+    for match in pattern.finditer(text, partial=True):
+        if match.partial or pattern.fullmatch(text, pos=match.start(), partial=True) is not None:
+            return next((at for at in range(match.start(), len(text)) if text[at].isalnum()), None)
+    return None
+
+
+@dataclass(frozen=True)
+class SecretDetector:
+    kind: str = "secret"
+
+    def find(self, text: str) -> Iterator[tuple[int, int]]:
+        joined = _Joined.of(text)
+        lower = joined.text.lower()
+        spans = [match.span() for match in OWN.finditer(joined.text)]
+        for rule in rules():
+            if rule.active(lower):
+                spans += rule.find(joined.text)
+        merged: list[tuple[int, int]] = []
+        for start, end in sorted(spans):
+            if merged and start < merged[-1][1]:
+                merged[-1] = merged[-1][0], max(end, merged[-1][1])
+            else:
+                merged.append((start, end))
+        for start, end in merged:
+            yield joined.span(start, end)
+
+    def pending(self, text: str) -> int | None:
+        """The earliest start of a key more text could complete or extend: a partial match of a
+        shape, or a word at the end that begins a prefix ("AK", "sk ")."""
+        joined = _Joined.of(text)
+        starts = [start for pattern in (OWN, *(rule.pattern for rule in rules()))
+                  if (start := _partial_start(pattern, joined.text)) is not None]
+        if (tail := _tail_prefix(joined.text)) is not None:
+            starts.append(tail)
+        return joined.position(min(starts)) if starts else None
+
+
+def _tail_prefix(text: str) -> int | None:
+    """Where the text's end (spaces aside) begins a prefix from the start of a word."""
+    beginnings = prefixes()[1]
+    longest = max(map(len, prefixes()[0]))
+    compact: list[tuple[int, str]] = []  # the last characters that are not spaces, from the end
+    for at in range(len(text) - 1, -1, -1):
+        if len(compact) == longest:
+            break
+        if text[at] != " ":
+            compact.append((at, text[at].translate(ASCII_LOWER)))
+    found = None
+    spelled = ""
+    for at, char in compact:
+        spelled = char + spelled
+        if spelled in beginnings and _word_start(text, at):
+            found = at
+    return found
+
