@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import fnmatch
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +15,10 @@ HOME_ENV = "APPLIANCE_HOME"
 # A backup's passphrase, read by `appliance backup` alone: not a setting, kept from every supervised program.
 BACKUP_PASSPHRASE_ENV = "APPLIANCE_BACKUP_PASSPHRASE"
 DEMO_MODEL_NAME = "SmolLM2-135M-Instruct"
+# The state directory's files anyone may read where they can reach them (paths relative to it):
+# certificates, and an RL run's policy versions, which the training sandbox's user resumes from.
+# Every other file is the appliance's alone (0600, or 0640 for a service account's group).
+PUBLIC_FILES = ("tls/*.pem", "finetune/rl-runs/*/policy/*")
 
 
 def default_home() -> Path:
@@ -73,7 +79,9 @@ class Home:
 
     def ensure(self) -> Home:
         """Create the directory tree; private parts are 0700 (the root and run/ keep a group's
-        right to pass through, which the supervised PostgreSQL's own user is given). Returns self."""
+        right to pass through, which the supervised PostgreSQL's own user is given: whatever else
+        they hold is closed to others, so that user reaches its own directories alone; the settings
+        file, which may hold an S3 secret, is 0600). Returns self."""
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             _private(self.root, keep_passage=True)
@@ -82,6 +90,10 @@ class Home:
                 _private(private, keep_passage=private == self.run)
             self.models.mkdir(exist_ok=True)
             self.cache.mkdir(exist_ok=True)
+            for passage in (self.root, self.run):
+                close_to_others(passage)
+            if self.settings_file.is_file() and not self.settings_file.is_symlink():
+                self.settings_file.chmod(0o600)
         except OSError as exc:
             raise StateError(
                 f"cannot create state directory {self.root}: {exc.strerror}",
@@ -94,3 +106,19 @@ def _private(path: Path, *, keep_passage: bool) -> None:
     """0700, or 0710 where it was granted exactly that (0710: the group passes, no one lists)."""
     granted = keep_passage and path.stat().st_mode & 0o077 == 0o010
     os.chmod(path, 0o710 if granted else 0o700)
+
+
+def public_file(relative: str) -> bool:
+    """Whether the state directory's file at `relative` (a POSIX path) is on PUBLIC_FILES."""
+    return any(fnmatch.fnmatchcase(relative, pattern) for pattern in PUBLIC_FILES)
+
+
+def close_to_others(directory: Path) -> None:
+    """Take every right of others from what `directory` holds (a link is left alone: its target is
+    not the state directory's), so a user given passage through it finds nothing it may open;
+    what a service's own user owns stays its own."""
+    for entry in os.scandir(directory):
+        if not entry.is_symlink():
+            mode = stat.S_IMODE(entry.stat(follow_symlinks=False).st_mode)
+            if mode & 0o007:
+                os.chmod(entry.path, mode & ~0o007)

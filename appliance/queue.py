@@ -25,6 +25,7 @@ own columns are written together with the move.
 from __future__ import annotations
 
 import functools
+import os
 import sqlite3
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -332,10 +333,13 @@ def connect(path: Path, schema: str, *queues: Queue[Any]) -> Iterator[sqlite3.Co
     """A connection to a queue database in autocommit mode (`immediate` blocks are transactions),
     its `schema` made and its queues' tables migrated once per process."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    # The appliance's alone: made 0600 before SQLite would make it by the umask (its side files take its mode).
+    os.close(os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600))
     db = sqlite3.connect(path, timeout=30, isolation_level=None)
     try:
         db.row_factory = sqlite3.Row
         if (path, schema) not in _READY:
+            path.chmod(0o600)  # one made before
             db.execute("pragma journal_mode=wal")
             db.executescript(schema)
             with immediate(db):  # two processes may open an old database at once

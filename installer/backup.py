@@ -43,7 +43,7 @@ from typing import Any, BinaryIO, Literal
 
 from appliance.durable import fsync_directory
 from appliance.errors import Conflict, Invalid, StateError
-from appliance.home import Home
+from appliance.home import Home, public_file
 from appliance.settings import Settings, load_settings
 from audit.writer import CHECKPOINTS, LOCK, complete_lines
 from installer import postgres
@@ -57,8 +57,10 @@ STATE = "state"
 LEFT_OUT = {("run",), ("logs",), ("cache",), ("models",), ("postgres",), ("monitoring",), ("artifacts", "backups")}
 MAX_MANIFEST = 1 << 26
 MAX_EXTENDED_HEADER = 1 << 16  # a PAX or GNU long-name header: tarfile holds it in memory whole
-# Modes restored: no set-id or execute bits on files, nothing writable by group or others.
-FILE_MODES, DIRECTORY_MODES = 0o644, 0o755
+# Modes restored: no set-id or execute bits on files, nothing writable by group or others, and
+# nothing readable by others but the public files (appliance.home.PUBLIC_FILES). Directories keep
+# others' passage: the state dir's first level is closed to them (Home.ensure).
+FILE_MODES, PUBLIC_FILE_MODES, DIRECTORY_MODES = 0o640, 0o644, 0o755
 # The accounts restored files may belong to (by name); anything else is the restoring user's.
 SERVICE_ACCOUNTS = ("appliance-train", "appliance-exec", "appliance-db")
 LOCK_FILE = "backup.lock"
@@ -394,11 +396,20 @@ def _extract(source: BinaryIO, member: tarfile.TarInfo, target: Path | None, bac
             if out is not None:
                 out.write(chunk)
         if out is not None:
-            os.fchmod(out.fileno(), member.mode & FILE_MODES if member.name != KEYCLOAK_DUMP else 0o600)
+            os.fchmod(out.fileno(), restored_mode(member))
             _chown(out.fileno(), member)
     if size != member.size:
         raise BackupError(f"{backup}: member {member.name!r} is cut short")
     return {"size": size, "sha256": digest.hexdigest()}
+
+
+def restored_mode(member: tarfile.TarInfo) -> int:
+    """The mode a restored file gets: its own, less what FILE_MODES (or, for a public file,
+    PUBLIC_FILE_MODES) leaves out; Keycloak's dump 0600."""
+    if member.name == KEYCLOAK_DUMP:
+        return 0o600
+    public = public_file(member.name.removeprefix(f"{STATE}/"))
+    return member.mode & (PUBLIC_FILE_MODES if public else FILE_MODES)
 
 
 def _make_directory(path: Path, member: tarfile.TarInfo) -> None:

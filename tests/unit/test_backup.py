@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from appliance.errors import Conflict, Invalid
-from appliance.home import Home
+from appliance.home import Home, public_file
 from appliance.settings import load_settings
 from audit.keys import signing_key, verification_key
 from audit.verify import verify
@@ -42,6 +42,9 @@ def state(home: Home) -> Home:
     (home.root / "adapters" / "codes" / "v1" / "adapter_model.safetensors").write_bytes(os.urandom(5 * CHUNK // 2))
     (home.root / "tasksets.json").write_text("{}")
     (home.root / "tasksets.json").chmod(0o644)
+    (home.root / "tls").mkdir()
+    (home.root / "tls" / "organisation.pem").write_text("a certificate: public")
+    (home.root / "tls" / "organisation.pem").chmod(0o644)
     with sqlite3.connect(home.root / "batches.sqlite") as db:
         db.execute("create table requests (id integer primary key, body text)")
         db.executemany("insert into requests (body) values (?)", [(f"r{i}",) for i in range(100)])
@@ -84,8 +87,11 @@ def test_restore_gives_back_the_state_and_leaves_out_what_is_made_again(state: H
                         "artifacts/backups/old.backup", "finetune/jobs/1/checkpoints/checkpoint-5/weights.bin",
                         "keycloak/keycloak-26.7.3/bin/kc.sh", "postgres/data/PG_VERSION", "audit/.lock",
                         "run/backup.lock"}
-    for name, (data, mode) in after.items():  # same bytes (a queue: a copy of its rows), same mode (secrets 0600)
-        assert before[name] == (data, mode) or name.endswith(".sqlite") and before[name][1] == mode, name
+    for name, (data, mode) in after.items():  # same bytes (a queue: a copy of its rows); others read public files only
+        kept = 0o600 if name == "settings.toml" else before[name][1] & (0o644 if public_file(name) else 0o640)
+        assert mode == kept, name
+        assert before[name][0] == data or name.endswith(".sqlite"), name
+    assert after["tls/organisation.pem"][1] == 0o644 and after["tasksets.json"][1] == 0o640
     assert (target / "secrets").stat().st_mode & 0o777 == 0o700
     assert verify(target / "audit", verification_key(Home(target))).records == 12
     with sqlite3.connect(target / "batches.sqlite") as db:
@@ -349,8 +355,8 @@ def test_restored_files_lose_execute_bits_and_are_given_to_service_accounts_only
     with path.open("rb") as source:
         backup.restore(source, PASSPHRASE, path.name, tmp_path / "target")
     restored = (tmp_path / "target" / "adapters" / "run.sh").stat()
-    assert restored.st_mode & 0o7777 == 0o644 and restored.st_uid == os.geteuid()
-    assert (tmp_path / "target" / "adapters").stat().st_mode & 0o777 == 0o755
+    assert restored.st_mode & 0o7777 == 0o640 and restored.st_uid == os.geteuid()
+    assert (tmp_path / "target" / "adapters").stat().st_mode & 0o777 == 0o750  # the state dir's first level
 
 
 @pytest.mark.parametrize("members", [
