@@ -288,3 +288,44 @@ def test_a_cap_below_the_first_backoff_is_refused(home: Home) -> None:
     with pytest.raises(SettingsError, match="max_backoff_s"):
         load_settings(home.settings_file, environ={"APPLIANCE_WATCHDOG__BACKOFF_S": "600",
                                                    "APPLIANCE_WATCHDOG__MAX_BACKOFF_S": "60"})
+
+
+DEFAULTS = WatchdogSettings()
+
+
+def looks(settings: WatchdogSettings, until_s: float, *, silent_from_s: float | None = None) -> list[float]:
+    """When the watchdog looks at a replica: every check_interval_s after the last look ended, a
+    look at a silent replica (from `silent_from_s`) taking its health check's whole timeout."""
+    at, times = 0.0, []
+    while at < until_s:
+        times.append(at)
+        silent = silent_from_s is not None and at >= silent_from_s
+        at += settings.check_interval_s + (watchdog.ASK_TIMEOUT_S if silent else 0.0)
+    return times
+
+
+def test_by_default_a_replica_that_stops_answering_is_restarted_within_30_s() -> None:
+    for stopped_s in (100.0, 100.5, 101.0, 101.9):  # wherever between two looks it stops
+        watched = replica()
+        restarted_at = next(second for second in looks(DEFAULTS, 1000, silent_from_s=stopped_s)
+                            if stall(watched, SILENT if second >= stopped_s else IDLE, second, DEFAULTS))
+        assert restarted_at - stopped_s < 30, f"stopped at {stopped_s}: restarted {restarted_at - stopped_s:.0f} s on"
+
+
+@pytest.mark.parametrize("token_every_s", [1, 5, 12, 19])
+def test_by_default_a_request_producing_slowly_is_not_a_wedge(token_every_s: float) -> None:
+    """A long generation on a slow engine: a token (and nothing else) now and then, less often than
+    the watchdog looks but more often than engine_stall_s."""
+    watched = replica()
+    for second in looks(DEFAULTS, 600):
+        tokens = 100 + second // token_every_s
+        assert stall(watched, Observation(healthy=True, held=1, tokens=tokens, kv_use=0.2), second, DEFAULTS) is None
+
+
+def test_by_default_a_long_prefill_is_not_a_wedge() -> None:
+    """A prompt prefilled for minutes in chunks: no token counted until it ends, the KV cache
+    filling at every chunk (a chunk every 10 s: a slow engine's chunk)."""
+    watched = replica()
+    for second in looks(DEFAULTS, 600):
+        kv_use = 0.01 + (second // 10) / 1000
+        assert stall(watched, Observation(healthy=True, held=1, tokens=100, kv_use=kv_use), second, DEFAULTS) is None
