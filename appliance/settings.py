@@ -711,12 +711,13 @@ class WatchdogSettings(_Section):
     over by the worker supervisord starts again (bounded retries)."""
 
     enabled: bool = Field(True, description="Run the watchdog.")
-    check_interval_s: float = Field(5.0, ge=0.5, le=300, description="How often it asks every engine replica "
+    check_interval_s: float = Field(2.0, ge=0.5, le=300, description="How often it asks every engine replica "
                                     "for its health and its counters.")
-    engine_stall_s: float = Field(120.0, ge=5, le=86400, description="A replica whose health check has not "
-                                  "answered, or that has held requests without producing a token, for this long "
-                                  "is restarted. A replica still starting is not judged until it has answered once "
-                                  "or its start timeout has passed.")
+    engine_stall_s: float = Field(20.0, ge=5, le=86400, description="A replica whose health check has not "
+                                  "answered, or that has held requests without producing a token or filling its "
+                                  "KV cache (a long prefill does), for this long is restarted. A replica still "
+                                  "starting is not judged until it has answered once or its start timeout has "
+                                  "passed.")
     backoff_s: float = Field(60.0, ge=1, le=86400, description="After a replica's restart, its next one waits at "
                              "least this long, doubling with each restart...")
     max_backoff_s: float = Field(900.0, ge=1, le=86400, description="...up to this; a replica that then makes "
