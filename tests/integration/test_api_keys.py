@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from appliance import api_keys
+from appliance import api_keys, batches
 from audit.writer import log_files
 from tests.integration.conftest import Running
 from tests.integration.realm import Realm
@@ -24,7 +24,7 @@ from tests.integration.realm import Realm
 MODEL = "SmolLM2-135M-Instruct"
 RUN = uuid.uuid4().hex[:6]  # key names are never reused: each run makes its own
 K = {name: f"{name}-{RUN}" for name in ("kara-app", "kurt-app", "kurt-old", "kim-scoped", "kim-app", "kbench-app",
-                                        "kim-for-kara", "kim-x", "kurt-tight", "kurt-batch")}
+                                        "kim-for-kara", "kim-x", "kurt-tight", "kurt-batch", "shared", "kyle-batch")}
 PASSWORD = "Test-password-1"
 INTROSPECT_TTL_S = 10  # the gateway's default: a disabled owner's keys stop within it
 REFUSAL_INTERVAL_S = 10  # audit.refusal_interval_s's default
@@ -34,7 +34,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 @pytest.fixture(scope="module")
 def realm(running: Running) -> Realm:
     realm = Realm(running)
-    for user in ("kara", "kurt", "kim"):
+    for user in ("kara", "kurt", "kim", "kyle"):
         realm.admin.update_user(realm.ensure_user(user, PASSWORD, ["user"]), {"enabled": True})  # kim: disabled before
     return realm
 
@@ -129,7 +129,8 @@ def test_revoked_expired_disabled_and_scoped_keys_are_refused(realm: Realm, runn
     stale = new_key(realm, K["kurt-old"], "kurt", expires_in="1h")
     with api_keys.registry(running.appliance.home).change() as keys:
         past = datetime.now(UTC) - timedelta(seconds=1)
-        keys[K["kurt-old"]] = keys[K["kurt-old"]].model_copy(update={"expires": past})
+        index = api_keys.ref("kurt", K["kurt-old"])
+        keys[index] = keys[index].model_copy(update={"expires": past})
     error = refused(lambda: client(realm, stale).models.list())
     assert error.status_code == 401 and error.body["code"] == "expired_key"
 
@@ -138,7 +139,7 @@ def test_revoked_expired_disabled_and_scoped_keys_are_refused(realm: Realm, runn
     tight.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4)
     error = refused(lambda: tight.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=100))
     assert error.status_code == 400 and error.body["code"] == "exceeds_token_budget"
-    assert f"API key {K['kurt-tight']}" in error.body["message"]
+    assert f"API key kurt/{K['kurt-tight']}" in error.body["message"]  # a key is its owner's and its name
 
     # A model limit: other models are refused, the listing shows only its own.
     scoped = client(realm, new_key(realm, K["kim-scoped"], "kim", models=["some-other-model"]))
@@ -241,3 +242,60 @@ def test_a_keys_limits_hold_for_its_batches_and_revoking_it_stops_them(realm: Re
     # Revoked, it can be removed (administrators), and its name used again.
     assert admin(realm, "DELETE", f"/keys/{K['kurt-batch']}").status_code == 200
     new_key(realm, K["kurt-batch"], "kurt")
+
+
+def test_key_names_are_each_users_own_and_tell_nothing_of_anothers(realm: Realm) -> None:
+    """Two users each make a key of one name (no 409 tells either of the other's); every
+    operation goes by user and name."""
+    name = K["shared"]
+    kara, kurt = realm.token("kara", PASSWORD), realm.token("kurt", PASSWORD)
+    karas = admin(realm, "POST", "/keys", kara, json={"name": name, "owner": "kara"})
+    kurts = admin(realm, "POST", "/keys", kurt, json={"name": name, "owner": "kurt"})
+    assert karas.status_code == kurts.status_code == 201, (karas.text, kurts.text)
+    again = admin(realm, "POST", "/keys", kurt, json={"name": name, "owner": "kurt"})
+    assert again.status_code == 409 and f"kurt already has an API key named {name!r}" in again.text, again.text
+    assert {k["owner"] for k in admin(realm, "GET", "/keys", kurt).json() if k["name"] == name} == {"kurt"}
+    # Kurt revokes his: Kara's key of the same name keeps working.
+    assert admin(realm, "POST", f"/keys/{name}/revoke", kurt).json()["owner"] == "kurt"
+    error = refused(lambda: client(realm, kurts.json()["secret"]).models.list())
+    assert error.status_code == 401 and error.body["code"] == "revoked_key"
+    assert MODEL in [m.id for m in client(realm, karas.json()["secret"]).models.list()]
+    # Naming another user's key is refused whether it exists or not; an administrator says whose.
+    for other in (name, "no-such-key"):
+        assert admin(realm, "POST", f"/keys/{other}/revoke", kurt, params={"owner": "kara"}).status_code == 403
+    both = admin(realm, "POST", f"/keys/{name}/revoke")
+    assert both.status_code == 400 and "2 users have an API key named" in both.text, both.text
+    assert admin(realm, "DELETE", f"/keys/{name}", params={"owner": "kurt"}).json()["owner"] == "kurt"
+    assert admin(realm, "POST", f"/keys/{name}/revoke", params={"owner": "kara"}).json()["state"] == "revoked"
+
+
+def test_a_keys_batch_stops_when_its_owner_loses_the_user_role(realm: Realm, running: Running,
+                                                                tmp_path: Path) -> None:
+    """A batch made with a key: its owner loses the `user` role while it waits, and its requests
+    fail (403 missing_role) instead of running as a user's."""
+    api = client(realm, new_key(realm, K["kyle-batch"], "kyle"))
+    source = tmp_path / "kyle.jsonl"
+    source.write_text("".join(json.dumps({"custom_id": f"r{n}", "method": "POST", "url": "/v1/chat/completions",
+                                          "body": {"model": MODEL, "max_tokens": 2, "messages": QUESTION}}) + "\n"
+                              for n in range(20)))
+    uploaded = api.files.create(file=source.open("rb"), purpose="batch")
+    made = api.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert admin(realm, "DELETE", "/users/kyle/roles/user").status_code == 200
+    try:
+        deadline = time.monotonic() + 300
+        while (batch := batches.get(running.appliance.home, made.id, None)).status not in ("completed", "failed",
+                                                                                           "cancelled"):
+            assert time.monotonic() < deadline, batch
+            time.sleep(0.5)
+    finally:
+        assert admin(realm, "POST", "/users/kyle/roles", json={"role": "user"}).status_code == 200
+    assert batch.request_counts.total == 20 and batch.request_counts.failed >= 1, batch
+    deadline = time.monotonic() + 60  # the role back counts within the introspection interval
+    while True:
+        try:
+            failures = api.files.content(str(batch.error_file_id)).text.splitlines()
+            break
+        except openai.PermissionDeniedError:
+            assert time.monotonic() < deadline, "the role given back did not count"
+            time.sleep(0.5)
+    assert {json.loads(line)["response"]["body"]["error"]["code"] for line in failures} == {"missing_role"}
