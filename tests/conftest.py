@@ -63,6 +63,7 @@ RUN_ORDER = [
     "tests/integration/test_attacks.py",
     "tests/integration/test_exec_sandbox.py",
     "tests/integration/test_network.py",
+    "tests/integration/test_login_proxy.py",
     "tests/integration/test_gateway.py",
     "tests/integration/test_audit_archive_s3.py",
 ]
