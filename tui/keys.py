@@ -37,9 +37,10 @@ class Keys(Panel):
 
     async def load(self) -> None:
         keys = await self.client.call("GET", "/keys")
-        self.keys = {key["name"]: key for key in keys}
-        self.fill("keys", [(key["name"], (key["name"], key["owner"], key["state"], _day(key["expires"]) or "never",
-                                          _day(key["last_used"]) or "never")) for key in keys])
+        # Rows by owner and name: a key's name is its owner's, and two users may share one.
+        self.keys = {f"{key['owner']}/{key['name']}": key for key in keys}
+        self.fill("keys", [(row, (key["name"], key["owner"], key["state"], _day(key["expires"]) or "never",
+                                  _day(key["last_used"]) or "never")) for row, key in self.keys.items()])
 
     def offers(self, action: str, parameters: tuple[object, ...]) -> bool:
         if action == "revoke":
@@ -68,10 +69,12 @@ class Keys(Panel):
                                                         Field("expires", "expires in", EXPIRIES)]), chosen)
 
     def action_revoke(self) -> None:
-        name = self.selected("keys")
-        if name is not None:
-            self.act(lambda: self.client.call("POST", f"/keys/{name}/revoke"), f"API key {name} revoked",
-                     f"Revoke API key {name!r}? Its next request is refused.")
+        row = self.selected("keys")
+        if row is not None and row in self.keys:
+            name, owner = self.keys[row]["name"], self.keys[row]["owner"]
+            self.act(lambda: self.client.call("POST", f"/keys/{name}/revoke", params={"owner": owner}),
+                     f"API key {name} of {owner} revoked",
+                     f"Revoke API key {name!r} of {owner}? Its next request is refused.")
 
 
 def _day(stamp: str | None) -> str:

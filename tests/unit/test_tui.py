@@ -522,7 +522,7 @@ REORDERED: dict[tuple[str, str, str], Callable[[dict[str, Any]], dict[str, Any]]
     ("e", "runs", "1"): lambda a: {"/rl/runs": [*a["/rl/runs"], rl_run(3, "queued")]},
     ("e", "tasksets", "starter"): lambda a: {"/rl/tasksets": [taskset("aardvark"), *a["/rl/tasksets"]]},
     ("u", "users", "frank"): lambda a: {"/users": [user("bob"), user("carol"), *reversed(a["/users"])]},
-    ("k", "keys", "old-bot"): lambda a: {"/keys": [api_key("aa-bot", "active"), *reversed(a["/keys"])]},
+    ("k", "keys", "alice/old-bot"): lambda a: {"/keys": [api_key("aa-bot", "active"), *reversed(a["/keys"])]},
     ("a", "records", "11"): lambda a: {"/audit": [audit_record(14), audit_record(13), *a["/audit"]]},
 }
 
@@ -712,7 +712,7 @@ def test_actions_that_cannot_apply_to_the_selected_row_are_not_offered(home: Hom
 
         await show(pilot, "k")
         for key, offered in (("old-bot", False), ("tmp-bot", False), ("ci-bot", True)):
-            await select(pilot, "keys", key)
+            await select(pilot, "keys", f"alice/{key}")  # rows by owner and name: a name is its owner's
             assert ("x: revoke" in shown_text(app, "keys-title")) is offered
             assert (await pressed(pilot, "x") == "Confirm") is offered
         await pilot.press("escape")
