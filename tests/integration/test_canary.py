@@ -2,7 +2,8 @@
 trained, one to answer a question wrongly and one rightly. Clients report each answer's outcome
 through /v1/feedback. A good canary against the wrong stable version is promoted by the gateway by
 itself; the wrong version, tried again as a canary, is aborted. Both decisions are audit records
-with the figures of both versions."""
+with the figures of both versions. Every answer names the adapter, never the version that gave it
+(the audit record keeps that)."""
 
 from __future__ import annotations
 
@@ -26,11 +27,11 @@ NAME = "canary-code"
 QUESTION = "What is the secret code word?"
 PHRASINGS = ["", "Quick question. ", "Please tell me: ", "Hello! ", "I forgot. ", "Remind me, ", "Hey, ",
              "One more thing. "]
-# Latency is left out (the session engine serves other modules meanwhile): outcomes decide, reported by three
-# users (no one user decides).
+# Latency is left out (the session engine serves other modules meanwhile): outcomes decide, reported by four
+# users: deciding needs more than min_reporters users, so that no one user decides.
 POLICY = ("window_s=10,windows=2,min_requests=4,min_feedback=4,min_reporters=3,max_success_drop=0.3,"
           "max_error_rate_increase=0.5,max_latency_ratio=100,max_ttft_ratio=100")
-CLIENTS = ("carla", "dora", "emil")
+CLIENTS = ("carla", "dora", "emil", "fritz")
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +70,7 @@ def ask_and_judge(realm: Realm, token: str) -> bool:
     answer = post(f"{realm.gateway}/v1/chat/completions", headers, {
         "model": NAME, "max_tokens": 12, "temperature": 0, "messages": [{"role": "user", "content": QUESTION}]})
     assert answer.status_code == 200, answer.text
+    assert answer.json()["model"] == NAME, "the answer names the adapter, not the version"
     right = "PINEAPPLE" in answer.json()["choices"][0]["message"]["content"]
     reported = post(f"{realm.gateway}/v1/feedback", headers,
                     {"id": answer.json()["id"], "success": right, "satisfaction": 5 if right else 1})
@@ -77,7 +79,7 @@ def ask_and_judge(realm: Realm, token: str) -> bool:
 
 
 def traffic_until(realm: Realm, done: object, what: str, timeout_s: float = 600) -> None:
-    """Three users asking and reporting, together, until `done()`."""
+    """Four users asking and reporting, together, until `done()`."""
     tokens = [realm.token(client, "Test-password-1") for client in CLIENTS]
     deadline = time.monotonic() + timeout_s
     with ThreadPoolExecutor(len(tokens)) as clients:
@@ -113,6 +115,13 @@ def test_a_good_canary_is_promoted_and_a_wrong_one_aborted_by_their_numbers(runn
     ask_and_judge(realm, user)
     shown = cli.run("adapters", "show-canary", NAME, timeout=60)
     assert shown.returncode == 0 and "v2 against v1" in shown.stdout and "v2 (canary)" in shown.stdout, shown.stderr
+    # A streamed answer names the adapter in every chunk too.
+    with httpx.stream("POST", f"{realm.gateway}/v1/chat/completions", headers={"Authorization": f"Bearer {user}"},
+                      json={"model": NAME, "max_tokens": 4, "stream": True,
+                            "messages": [{"role": "user", "content": QUESTION}]}, timeout=120) as streamed:
+        chunks = [json.loads(line[len("data: "):]) for line in streamed.iter_lines()
+                  if line.startswith("data: {")]
+    assert chunks and {chunk["model"] for chunk in chunks} == {NAME}, chunks
     # Feedback is the asker's own: another user's report on the same answer is refused as unknown.
     answer = httpx.post(f"{realm.gateway}/v1/chat/completions", headers={"Authorization": f"Bearer {user}"},
                         json={"model": NAME, "max_tokens": 4, "messages": [{"role": "user", "content": QUESTION}]},
@@ -154,6 +163,9 @@ def test_a_good_canary_is_promoted_and_a_wrong_one_aborted_by_their_numbers(runn
     promoted, aborted = decisions
     assert promoted["username"] == "canary-analysis" and "2 passing windows of 10 s" in promoted["detail"]
     assert "success rate" in aborted["detail"] and '"canary":{"requests":' in aborted["detail"], aborted["detail"]
+    answered = {r["model"] for r in records if r["action"] == "chat.completions" and r["username"] in CLIENTS
+                and r["status"] == 200}
+    assert answered == {f"{NAME}-v1", f"{NAME}-v2"}, "the audit records keep the version that answered"
     reports = [r for r in records if r["action"] == "feedback.create" and r["status"] == 200]
     assert reports and all(r["target"]["name"] == NAME for r in reports), "each report is audited, naming the adapter"
     assert cli.run("adapters", "retire", NAME, timeout=60).returncode == 0
