@@ -9,6 +9,10 @@ where its match holds one of its keywords (so a finding never rests on context t
 stream may bring) and its secret (the rule's secret group, else its first group, else the whole
 match) has at least the rule's Shannon entropy. Allow-lists are not applied: they spare
 documentation examples in source repositories, and a prompt holding one is refused all the same.
+
+Kept: the rules that name a key or credential by a shape of its own. Left out: those built on an
+assignment (ASSIGNMENT: a provider's name, "=", then any run of letters), those that apply to a
+kind of file (`path`), and SKIPPED, each with its reason.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ SKIPPED = {
     "generic-api-key": "any high-entropy value after a word like key or token: every hash and identifier in code",
     "facebook-access-token": "its keyword is context, not part of the token",
     "airtable-personnal-access-token": "its keyword is context, not part of the token",
+    "curl-auth-user": "a password anywhere in a curl command: seconds of backtracking per 64 KiB of 'curl'",
+    "curl-auth-header": "a header anywhere in a curl command: seconds of backtracking per 64 KiB of 'curl'",
 }
 REPEAT = regex.compile(r"\{(\d+),\}")
 

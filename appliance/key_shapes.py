@@ -92,12 +92,14 @@ class _Joined:
 
 
 def _partial_start(pattern: regex.Pattern[str], text: str) -> int | None:
-    """Where a key starts that more text could complete or extend ("sk-abc" may go on): the first
-    letter or digit of such a match (what comes before it, a rule's opening space or quote, is no
-    part of the secret it redacts, so it need not be held)."""
+    """Where a key starts that more text could complete or extend ("sk-abc" may go on). Nothing, or
+    spaces alone, are not held: the rules that open with one also open at the start of a text, which is
+    where the next piece's held text starts (so an answer's every trailing space is not held)."""
     for match in pattern.finditer(text, partial=True):
-        if match.partial or pattern.fullmatch(text, pos=match.start(), partial=True) is not None:
-            return next((at for at in range(match.start(), len(text)) if text[at].isalnum()), None)
+        # A match that ends short of the end (the one character a lookahead reads aside) is settled.
+        if match.partial or match.end() >= len(text) - 1 and pattern.fullmatch(
+                text, pos=match.start(), partial=True) is not None:
+            return None if not match.group() or match.group().isspace() else match.start()
     return None
 
 

@@ -6,14 +6,19 @@ their checksum are not cards; and a scan stays linear in the text however hostil
 
 from __future__ import annotations
 
+import itertools
 import time
 import unicodedata
+from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from appliance.sensitive import IBAN_LENGTHS, Scanner, StreamRedactor, View, _few_cards, _many_cards, iban_ok, luhn_ok
+from appliance.settings import ComplianceSettings
+from serve.compliance import Compliance, Marks
+from serve.errors import GatewayError
 
 SCANNER = Scanner()
 # max_examples from the profile tests/conftest.py loads: 150 in a full run, fewer in the fast loop.
@@ -198,7 +203,9 @@ def test_any_text_maps_back_exactly(text: str) -> None:
 HOSTILE = {"card groups": "4111 ", "ones and spaces": "1 ", "ones and dashes": "1-", "ones and commas": "1,",
            "digits": "1", "email": "a.", "mixed scripts": "\u0661\u0967\uff11 \u200b", "zero-width": "1\u200b",
            "iban groups": "GB82 ", "sk keys": "_sk-", "jwt": "eyJ-", "akia": "AKIA ", "phones": "+1 415 555 2671 ",
-           "json escapes": "1\\n", "json digits": "\\u0031 "}
+           "json escapes": "1\\n", "json digits": "\\u0031 ", "katakana gaps": "1\u30fc", "other letters": "12\u4e2d",
+           "split prefixes": "A K I A ", "gitlab": "glpat-", "private keys": "-----BEGIN PRIVATE KEY-----",
+           "curl": "curl -u a:", "slack": "xoxb-1234567890-", "jwt dots": "eyJ0eXAiOiJKV1Qi.", "hf": "hf_ "}
 
 
 def _scan_seconds(text: str) -> float:
@@ -236,3 +243,131 @@ def test_a_streamed_card_is_redacted_as_the_whole_text_is_however_it_is_cut(case
 def test_few_digit_groups_are_checked_as_many_are(parts: list[str]) -> None:
     text = View.of("".join(parts)).text
     assert _few_cards(text) == list(_many_cards(text))
+
+
+# Separators are decided by what they are not: between the digit groups of a card or the characters
+# of an IBAN, anything a reader sees as neither a digit nor a Latin letter separates them (any
+# length), and a gap of up to GAP characters as read may hold other scripts' letters and numbers
+# (the katakana prolonged sound mark, modifier letters). Drawn from every general category.
+CATEGORIES: list[Any] = ["Lu", "Ll", "Lt", "Lm", "Lo", "Mn", "Mc", "Me", "Nl", "No", "Pc", "Pd", "Ps", "Pe", "Pi",
+                         "Pf", "Po", "Sm", "Sc", "Sk", "So", "Zs", "Zl", "Zp", "Cc", "Cf", "Cs", "Co",
+                         "Cn"]  # all but Nd: digits are digits
+
+
+def _gap_char(char: str) -> bool:
+    """Whether `char` is read as at most two characters, none a digit or a Latin letter."""
+    seen = View.of(char).text
+    return len(seen) <= 2 and not any(c.isascii() and c.isalnum() for c in seen)
+
+
+GAP_CHARS = st.sampled_from(CATEGORIES).flatmap(lambda category: st.characters(categories=[category]).filter(_gap_char))
+GAPS = st.text(GAP_CHARS, min_size=1, max_size=2)  # read as GAP characters at most
+COMPLIANCE = Compliance(ComplianceSettings())
+POLICY = COMPLIANCE.policy(["user"])
+
+
+@st.composite
+def gapped(draw: st.DrawFn, characters: str, first: int = 1) -> str:
+    """`characters` with gaps drawn from every category at some places (from `first` on)."""
+    cuts = sorted(draw(st.sets(st.integers(first, len(characters) - 1), min_size=1, max_size=8)))
+    out, last = [], 0
+    for cut in cuts:
+        out += [characters[last:cut], draw(GAPS)]
+        last = cut
+    return "".join(out) + characters[last:]
+
+
+def only_digits(text: str) -> str:
+    return "".join(char for char in View.of(text).text if "0" <= char <= "9")
+
+
+def latin_and_digits(text: str) -> str:
+    return "".join(char for char in View.of(text).text if char.isascii() and char.isalnum()).upper()
+
+
+def screened_everywhere(text: str, cuts: list[int]) -> tuple[str, str]:
+    """`text` as a prompt (refused: GatewayError), then as a whole answer and as a streamed one cut
+    at `cuts`: the two answers as the client gets them."""
+    with pytest.raises(GatewayError) as refused:
+        COMPLIANCE.screen_prompt({"messages": [{"role": "user", "content": text}]}, ("messages",), POLICY, Marks())
+    assert refused.value.code == "sensitive_data"
+    whole_filter = COMPLIANCE.answer_filter(POLICY, Marks())
+    assert whole_filter is not None
+    whole = whole_filter.answer({"choices": [{"index": 0, "message": {"content": text}}]})["choices"][0]
+    stream = COMPLIANCE.answer_filter(POLICY, Marks())
+    assert stream is not None
+    bounds = [0, *sorted({cut % (len(text) + 1) for cut in cuts}), len(text)]
+    streamed = ""
+    for at, (start, end) in enumerate(itertools.pairwise(bounds)):
+        event = {"choices": [{"index": 0, "delta": {"content": text[start:end]},
+                              "finish_reason": "stop" if at == len(bounds) - 2 else None}]}
+        streamed += stream.event(event)["choices"][0]["delta"].get("content", "")
+    return whole["message"]["content"], streamed
+
+
+@SETTINGS
+@given(digits=luhn_numbers(), data=st.data(), before=WORDS, after=WORDS, cuts=st.lists(st.integers(0, 400)))
+def test_a_card_with_gaps_of_any_category_is_caught_in_prompts_answers_and_streams(
+        digits: str, data: st.DataObject, before: str, after: str, cuts: list[int]) -> None:
+    text = f"{before} {data.draw(gapped(digits))} {after}"
+    whole, streamed = screened_everywhere(text, cuts)
+    assert digits not in only_digits(whole) and digits not in only_digits(streamed)
+    assert streamed == whole
+
+
+@SETTINGS
+@given(iban=ibans(), data=st.data(), before=WORDS, after=WORDS, cuts=st.lists(st.integers(0, 400)))
+def test_an_iban_with_gaps_of_any_category_is_caught_in_prompts_answers_and_streams(
+        iban: str, data: st.DataObject, before: str, after: str, cuts: list[int]) -> None:
+    text = f"{before} {data.draw(gapped(iban, first=2))} {after}"
+    whole, streamed = screened_everywhere(text, cuts)
+    assert iban[4:] not in latin_and_digits(whole) and iban[4:] not in latin_and_digits(streamed)
+    assert streamed == whole
+
+
+@SETTINGS
+@given(placed(luhn_numbers(valid=False, sizes=(16, 16)), min_group=4), st.data())
+def test_a_number_failing_luhn_with_gaps_of_any_category_is_no_card(case: tuple[str, str, int, int],
+                                                                    data: st.DataObject) -> None:
+    _, digits, _, _ = case
+    groups = [digits[at:at + 4] for at in range(0, 16, 4)]
+    text = "n " + "".join(group + data.draw(GAPS) for group in groups[:-1]) + groups[-1] + " ok"
+    assert "payment_card" not in {f.kind for f in SCANNER.findings(text)}
+
+
+@SETTINGS
+@given(iban=ibans(), wrong=st.integers(1, 96), data=st.data())
+def test_an_iban_failing_mod_97_with_gaps_of_any_category_is_no_iban(iban: str, wrong: int,
+                                                                     data: st.DataObject) -> None:
+    check = (int(iban[2:4]) + wrong) % 100
+    bad = f"{iban[:2]}{check:02d}{iban[4:]}"
+    assume(not iban_ok(bad))
+    text = f"to {data.draw(gapped(bad, first=2))} ok"
+    assert "iban" not in {f.kind for f in SCANNER.findings(text, {"iban"})}
+
+
+@pytest.mark.parametrize("gap", ["ーーーーー", "ʹʹʹʹʹ", "中文中文中", " x ", "x", "ab"])
+def test_a_long_gap_of_other_letters_or_any_latin_letter_parts_a_number(gap: str) -> None:
+    """Ten digits and nine digits with such a gap between are two numbers, neither long enough."""
+    number = next(f"411111111111111111{check}" for check in range(10) if luhn_ok(f"411111111111111111{check}"))
+    text = f"ref {number[:10]}{gap}{number[10:]} ok"  # together, 19 digits passing Luhn
+    assert not SCANNER.findings(text, {"payment_card"})
+    assert SCANNER.findings(text.replace(gap, "ー"), {"payment_card"})
+
+
+ORDINARY = [
+    "The meeting moved to 14:30 on 2024-05-17; room 1204, building 3.",
+    "2024年12月31日10時30分、会議室3で。価格は1,234円と5,678円です。",
+    "commit 9fceb02d0ae598e95dc970b74767f19372d61af8 and e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b785",
+    "def area(r: float) -> float:\n    return 3.14159 * r ** 2  # see issue tracker\n",
+    "SELECT id, total FROM orders WHERE total > 100 AND created_at > '2024-01-01' LIMIT 50;",
+    "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNkYPhfDwAChwGA60e6kgAAAABJRU5ErkJggg==",
+    "Version 3.12.1 fixed 7 bugs; see https://example.org/releases/3.12.1#notes for the list.",
+    "Ask your key holder; a risky skill, the sky-blue AKIRA poster, hf is a unit, the glpat- prefix.",
+    "Привет! Встреча в 10:30, кабинет 215. Телефон не нужен.",
+]
+
+
+@pytest.mark.parametrize("text", ORDINARY)
+def test_ordinary_prose_and_code_hold_no_card_iban_or_secret(text: str) -> None:
+    assert not [f for f in SCANNER.findings(text) if f.kind in {"payment_card", "iban", "secret"}]
