@@ -103,9 +103,19 @@ def _partial_start(pattern: regex.Pattern[str], text: str) -> int | None:
     return None
 
 
+# A private key's PEM block is longer than a stream may hold: once it is redacted, the rest is
+# dropped up to where the vendored rule ends it, not only to the end of its first line.
+PEM_START = regex.compile(r"(?i)-{5}BEGIN[ A-Z0-9_-]{0,100}PRIVATE KEY")
+PEM_END = regex.compile(r"(?i)KEY(?: BLOCK)?-{5}")
+
+
 @dataclass(frozen=True)
 class SecretDetector:
     kind: str = "secret"
+
+    def ends(self, start: str) -> regex.Pattern[str] | None:
+        """What ends a key that begins with `start` and is too long to hold (None: its word's end)."""
+        return PEM_END if PEM_START.match(start) else None
 
     def find(self, text: str) -> Iterator[tuple[int, int]]:
         joined = _Joined.of(text)

@@ -594,6 +594,15 @@ class Scanner:
     def redact(self, text: str, kinds: set[str] | None = None) -> str:
         return replaced(text, self.findings(text, kinds))
 
+    def finding_end(self, kind: str, start: str) -> regex.Pattern[str] | None:
+        """What ends a finding of `kind` that begins with `start`, where its detector says (a
+        detector's optional `ends`); None: the end of its word."""
+        for detector in self.detectors:
+            ends = getattr(detector, "ends", None)
+            if detector.kind == kind and ends is not None and (until := ends(View.of(start).text)) is not None:
+                return until  # type: ignore[no-any-return]
+        return None
+
     def pending(self, text: str, kinds: set[str]) -> tuple[int, str | None]:
         """Where the settled part of `text` ends: before any finding of `kinds` more text could
         still complete or extend (and its kind)."""
@@ -620,6 +629,8 @@ def replaced(text: str, findings: list[Finding]) -> str:
 
 
 WORD_ENDS = frozenset(" \t\r\n\"'`<>,;()[]{}")
+SWALLOWED_TAIL = 256  # longer than any end a detector names
+END_SPLIT = 16  # longer than any end a detector names; shorter than a held finding's opening
 
 
 class StreamRedactor:
@@ -634,15 +645,15 @@ class StreamRedactor:
         self.held = ""
         self.found: set[str] = set()  # kinds redacted so far
         self.swallowing = False  # the rest of a finding too long to hold, to the end of its word
+        self.until: regex.Pattern[str] | None = None  # or to the end its detector names (a PEM block's)
+        self.swallowed = ""  # the last characters swallowed: an end may come split between pieces
 
     def feed(self, piece: str) -> str:
         """The part of the text so far that is settled, redacted."""
         if self.swallowing:
-            kept = next((at for at, char in enumerate(piece) if char in WORD_ENDS), len(piece))
-            piece = piece[kept:]
+            piece = self._after_swallowed(piece)
             if not piece:
                 return ""
-            self.swallowing = False
         self.held += piece
         if not self.kinds:
             out, self.held = self.held, ""
@@ -656,12 +667,28 @@ class StreamRedactor:
                 cut = finding.start
         if kind is not None and len(self.held) - cut > self.hold_chars:
             # Longer than may be held and still growing (a 1 KB token, say): redacted now, and the
-            # rest of it, to the end of its word, swallowed.
-            out = self._emit(cut, [f for f in findings if f.end <= cut])
+            # rest of it, to the end of its word (or the end its detector names), swallowed.
+            out = self._emit(cut, [f for f in findings if f.end <= cut])  # what is held now starts it
+            self.until = self.scanner.finding_end(kind, self.held)
+            self.swallowed = self.held[-END_SPLIT:]  # an end begun in what is held now
             self.swallowing, self.held = True, ""
             self.found.add(kind)
             return f"{out}[{kind.upper()}]"
         return self._emit(cut, [f for f in findings if f.end <= cut])
+
+    def _after_swallowed(self, piece: str) -> str:
+        """What follows the end of the finding being swallowed in `piece` ("" while it goes on)."""
+        if self.until is None:
+            kept = next((at for at, char in enumerate(piece) if char in WORD_ENDS), len(piece))
+            self.swallowing = kept == len(piece)
+            return piece[kept:]
+        self.swallowed += piece
+        end = self.until.search(self.swallowed)
+        if end is None:
+            self.swallowed = self.swallowed[-SWALLOWED_TAIL:]
+            return ""
+        rest, self.swallowed, self.swallowing, self.until = self.swallowed[end.end():], "", False, None
+        return rest
 
     def flush(self) -> str:
         """The rest, redacted: the text has ended."""

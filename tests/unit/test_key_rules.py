@@ -229,3 +229,27 @@ def test_a_hostile_text_of_every_keyword_costs_the_rules_bounded_work(monkeypatc
     tally[0] = 0
     key_shapes.SecretDetector().pending(text)  # a stream's held text: every pattern, partial matches
     assert tally[0] <= 2 * (len(RULES) + 1) * len(text)
+
+
+@pytest.mark.parametrize("size", [1, 5, 64, 300])
+@pytest.mark.parametrize("escaped", [False, True])
+def test_a_private_key_longer_than_a_stream_may_hold_is_dropped_to_its_end(size: int, escaped: bool) -> None:
+    body = "".join(chr(ord("A") + (at * 7) % 26) + "abc+/019"[at % 8] for at in range(1600))  # 3200 characters
+    pem = "-----BEGIN RSA PRIVATE KEY-----\n" + "\n".join(body[at:at + 64] for at in range(0, len(body), 64))
+    text = f"here:\n{pem}\n-----END RSA PRIVATE KEY-----\nthanks"
+    if escaped:  # as a tool call's arguments write it
+        text = text.replace("\n", "\\n")
+    stream, out = StreamRedactor(SCANNER, {"secret"}, 256), ""
+    for at in range(0, len(text), size):
+        out += stream.feed(text[at:at + size])
+    out += stream.flush()
+    assert out == SCANNER.redact(text, {"secret"}) == text[:text.index("-----BEGIN")] + "[SECRET]" + text[
+        text.index("KEY-----", text.index("-----END")) + 8:]
+
+
+def test_a_private_keys_end_split_between_the_held_text_and_the_next_piece_ends_it() -> None:
+    body = "".join(chr(ord("A") + (at * 5) % 26) for at in range(300))
+    text = f"k: -----BEGIN PRIVATE KEY-----\n{body}\n-----END PRIVATE KEY-----\nafter"
+    split = text.index("KEY-----", 40) + 4
+    stream = StreamRedactor(SCANNER, {"secret"}, 256)
+    assert stream.feed(text[:split]) + stream.feed(text[split:]) + stream.flush() == "k: [SECRET]\nafter"
