@@ -20,11 +20,13 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+import re
 import tomllib
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import regex
 
@@ -87,6 +89,40 @@ def bounded(pattern: str) -> str:
     return "".join(out)
 
 
+def _leading(nodes: Any) -> tuple[list[str], bool]:
+    """The literal texts a parsed pattern's matches begin with (`re`'s parse tree; one a path
+    through its alternations), and whether the whole pattern is those texts."""
+    constants: Any = getattr(re, "_constants")  # noqa: B009 (private: a failure only leaves a rule not led)
+    texts = [""]
+    for op, value in nodes:
+        if op in (constants.AT, constants.ASSERT, constants.ASSERT_NOT):
+            continue  # zero-width
+        if op is constants.LITERAL:
+            inner, whole = [chr(value)], True
+        elif op is constants.SUBPATTERN:
+            inner, whole = _leading(value[-1])
+        elif op is constants.BRANCH:
+            branches = [_leading(branch) for branch in value[1]]
+            inner, whole = [text for found, _ in branches for text in found], all(w for _, w in branches)
+        else:
+            return texts, False
+        texts = [text + more for text in texts for more in inner]
+        if not whole or len(texts) > 64:
+            return texts, False
+    return texts, True
+
+
+def keyword_led(pattern: str, keywords: tuple[str, ...]) -> bool:
+    """Whether every match of `pattern` begins with one of `keywords` (in any case): then a match
+    can begin only where a keyword, or the start of one at a text's end, is."""
+    try:
+        parsed = getattr(re, "_parser").parse(pattern.replace("(?i)", "").replace("[:alnum:]", "a-zA-Z0-9"))  # noqa: B009
+    except (re.error, ValueError, AttributeError):
+        return False
+    texts, _ = _leading(parsed)
+    return all(any(text.lower().startswith(keyword) for keyword in keywords) for text in texts)
+
+
 def entropy(text: str) -> float:
     """Shannon entropy in bits per character, as gitleaks computes it."""
     counts = Counter(text)
@@ -102,11 +138,7 @@ class Rule:
     keywords: tuple[str, ...]  # lower case
     entropy: float
     group: int | None  # the secret's group, when the rule names one
-
-    def active(self, lower: str) -> bool:
-        """Whether the text (lower-cased) holds one of the rule's keywords: where none is, the rule
-        cannot find anything and is not run."""
-        return any(keyword in lower for keyword in self.keywords)
+    led: bool = False  # every match begins with a keyword (keyword_led)
 
     def find(self, text: str) -> Iterator[tuple[int, int]]:
         """The spans of the secrets this rule finds in `text`."""
@@ -140,7 +172,7 @@ def rules() -> tuple[Rule, ...]:
         if not _kept(rule):
             continue
         group = rule.get("secretGroup")
-        compiled.append(Rule(rule["id"], regex.compile(bounded(rule["regex"]), regex.V1),
-                             tuple(keyword.lower() for keyword in rule["keywords"]), float(rule.get("entropy", 0)),
-                             int(group) if group else None))
+        pattern, words = bounded(rule["regex"]), tuple(keyword.lower() for keyword in rule["keywords"])
+        compiled.append(Rule(rule["id"], regex.compile(pattern, regex.V1), words, float(rule.get("entropy", 0)),
+                             int(group) if group else None, keyword_led(pattern, words)))
     return tuple(compiled)

@@ -19,7 +19,7 @@ import numpy as np
 import numpy.typing as npt
 import regex
 
-from appliance.key_rules import rules
+from appliance.key_rules import Rule, rules
 
 
 def _key(prefix: str, chars: str, least: int, most: int) -> str:
@@ -55,6 +55,17 @@ def _word_start(text: str, at: int) -> bool:
     return at == 0 or not text[at - 1].isalnum()
 
 
+@functools.cache
+def keywords() -> frozenset[str]:
+    return frozenset(keyword for rule in rules() for keyword in rule.keywords)
+
+
+def active(lower: str) -> list[Rule]:
+    """The rules whose keywords the text (lower-cased) holds: the others cannot find anything."""
+    present = {keyword for keyword in keywords() if keyword in lower}
+    return [rule for rule in rules() if not present.isdisjoint(rule.keywords)] if present else []
+
+
 @dataclass(frozen=True)
 class _Joined:
     """A text with the spaces inside split prefixes dropped, and where each character came from."""
@@ -63,14 +74,20 @@ class _Joined:
     origin: Ints | None  # None: nothing dropped
 
     @classmethod
+    @functools.lru_cache(maxsize=4)  # a stream's held text is scanned twice: for findings, then what is pending
     def of(cls, text: str) -> _Joined:
         if " " not in text:
             return cls(text, None)
         lower = text.translate(ASCII_LOWER)  # the prefixes are ASCII; one character stays one
-        kept = np.flatnonzero(np.frombuffer(lower.encode("utf-32-le", "surrogatepass"), np.uint32) != ord(" "))
         compact = lower.replace(" ", "")
+        # Where a prefix is spelled across spaces, the compact text holds it more often.
+        split = [prefix for prefix in prefixes()[0]
+                 if prefix in compact and compact.count(prefix) > lower.count(prefix)]
+        if not split:
+            return cls(text, None)
+        kept = np.flatnonzero(np.frombuffer(lower.encode("utf-32-le", "surrogatepass"), np.uint32) != ord(" "))
         dropped: set[int] = set()
-        for prefix in prefixes()[0]:
+        for prefix in split:
             at = compact.find(prefix)
             while at >= 0:
                 start, end = int(kept[at]), int(kept[at + len(prefix) - 1])
@@ -91,15 +108,41 @@ class _Joined:
         return at if self.origin is None else int(self.origin[at])
 
 
+@functools.cache
+def unled_shape() -> regex.Pattern[str]:
+    """Our shapes and those of the rules not led by a keyword as one pattern: a stream's held text
+    is asked once, not once a rule, whether such a key may be growing at its end."""
+    shapes = (OWN.pattern, *(rule.pattern.pattern for rule in rules() if not rule.led))
+    return regex.compile("|".join(f"(?:{shape})" for shape in shapes), regex.V1)
+
+
+@functools.cache
+def led_beginnings() -> tuple[frozenset[str], int]:
+    """Every proper beginning of a keyword that leads its rule, and the longest keyword's length."""
+    words = {keyword for rule in rules() if rule.led for keyword in rule.keywords}
+    return frozenset(word[:size] for word in words for size in range(1, len(word))), max(map(len, words))
+
+
+def _tail_keyword(lower: str) -> int | None:
+    """Where the text's end begins a keyword that leads its rule ("gl", "glpa")."""
+    beginnings, longest = led_beginnings()
+    found = None
+    for size in range(1, min(longest, len(lower) + 1)):
+        if lower[-size:] in beginnings:
+            found = len(lower) - size
+    return found
+
+
 def _partial_start(pattern: regex.Pattern[str], text: str) -> int | None:
-    """Where a key starts that more text could complete or extend ("sk-abc" may go on). Nothing, or
-    spaces alone, are not held: the rules that open with one also open at the start of a text, which is
-    where the next piece's held text starts (so an answer's every trailing space is not held)."""
-    for match in pattern.finditer(text, partial=True):
-        # A match that ends short of the end (the one character a lookahead reads aside) is settled.
+    """Where a key starts that more text could complete or extend ("sk-abc" may go on): the first
+    start where a shape matches the rest of the text in part, or whole and reaching its end (the
+    one character a lookahead reads aside). Nothing, or spaces alone, are not held: the rules
+    that open with a space also open at the start of a text, which is where the next piece's held
+    text starts (so an answer's every trailing space is not held)."""
+    for match in pattern.finditer(text, partial=True, overlapped=True):
         if match.partial or match.end() >= len(text) - 1 and pattern.fullmatch(
                 text, pos=match.start(), partial=True) is not None:
-            return None if not match.group() or match.group().isspace() else match.start()
+            return None if not text[match.start():] or text[match.start():].isspace() else match.start()
     return None
 
 
@@ -119,11 +162,9 @@ class SecretDetector:
 
     def find(self, text: str) -> Iterator[tuple[int, int]]:
         joined = _Joined.of(text)
-        lower = joined.text.lower()
         spans = [match.span() for match in OWN.finditer(joined.text)]
-        for rule in rules():
-            if rule.active(lower):
-                spans += rule.find(joined.text)
+        for rule in active(joined.text.translate(ASCII_LOWER)):
+            spans += rule.find(joined.text)
         merged: list[tuple[int, int]] = []
         for start, end in sorted(spans):
             if merged and start < merged[-1][1]:
@@ -135,12 +176,13 @@ class SecretDetector:
 
     def pending(self, text: str) -> int | None:
         """The earliest start of a key more text could complete or extend: a partial match of a
-        shape, or a word at the end that begins a prefix ("AK", "sk ")."""
+        shape (a rule led by a keyword only where its keyword is), a keyword's beginning at the end,
+        or a word at the end that begins a prefix split by spaces ("AK", "sk ")."""
         joined = _Joined.of(text)
-        starts = [start for pattern in (OWN, *(rule.pattern for rule in rules()))
-                  if (start := _partial_start(pattern, joined.text)) is not None]
-        if (tail := _tail_prefix(joined.text)) is not None:
-            starts.append(tail)
+        lower = joined.text.translate(ASCII_LOWER)
+        shapes = (unled_shape(), *(rule.pattern for rule in active(lower) if rule.led))
+        starts = [start for start in (*(_partial_start(shape, joined.text) for shape in shapes),
+                                      _tail_keyword(lower), _tail_prefix(joined.text)) if start is not None]
         return joined.position(min(starts)) if starts else None
 
 
