@@ -7,18 +7,26 @@ the tail is where a stall on the event loop (a full garbage collection, a signat
 shows, once every few hundred requests. Both gateways validate real Keycloak tokens (the
 appliance's own Keycloak) and run the default compliance policy.
 
-Run: .venv/bin/python -m bench.gateway_ab [--before REV] [--requests N] [--probe-stalls]
+With --prose, each prompt is a kilobyte of ordinary prose (numbers, a version, a commit id, words
+that begin key prefixes; its last number differs from request to request) instead of "Say OK.", so
+that the compliance filter's scan of a prompt shows in the added latency.
+
+Run: .venv/bin/python -m bench.gateway_ab [--before REV] [--requests N] [--prose] [--probe-stalls]
 (needs ./bootstrap.sh --no-start; REV: any commit whose engines listen on Unix sockets).
-Writes bench/results/gateway_ab.json; with --probe-stalls (bench/stall_probe: its own cost
-distorts the figures, so it writes them nowhere) prints what stalled each gateway's event loop:
-full garbage collections and the code the loop was in when a ping waited over 3 ms.
+Writes bench/results/gateway_ab.json (gateway_ab_prose.json with --prose); with --probe-stalls
+(bench/stall_probe: its own cost distorts the figures, so it writes them nowhere) prints what
+stalled each gateway's event loop: full garbage collections and the code the loop was in when a
+ping waited over 3 ms.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import itertools
 import json
+import random
 import shutil
 import subprocess
 import sys
@@ -40,6 +48,10 @@ PROJECT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).parent / "results" / "gateway_ab.json"
 BEFORE = "606ba0a"  # the last commit before the second attack's mends
 PORTS = {"before": 18482, "after": 18481}
+PROSE = ("The rollout of version 3.12.1 finished at 14:32 on 2024-05-17: eight replicas on two hosts, commit "
+         "9fceb02d0ae598e95dc970b74767f19372d61af8, 42 minutes in all. Ask the team before the next skill review; "
+         "the sky-blue dashboards show 1,234 requests a minute at 0.8 s p99, and room 1204 has the runbook. "
+         "Step 1: drain host A. Step 2: restart the pool. Step 3: check the KV cache (about 61 % used). ") * 3
 LIMITS = "{ admin = { requests_per_minute = 10000000, tokens_per_minute = 1000000000, max_concurrent = 10000 } }"
 
 
@@ -80,11 +92,43 @@ def row(stream: bool, requests: int, samples: dict[str, list[float]], cpu_ms: di
             "cpu_ratio_after_to_before": round(cpu_ms["after"] / cpu_ms["before"], 3)}
 
 
+async def load_prose(paths: dict[str, tuple[str, dict[str, str]]], stream: bool,
+                     requests: int) -> dict[str, list[float]]:
+    """As g.load_interleaved (concurrency 1, the paths taking turns in a fresh random order), each
+    prompt PROSE and a number that changes with every request."""
+    rng, numbers = random.Random(1), itertools.count()
+    order = list(paths)
+    latencies: dict[str, list[float]] = {name: [] for name in paths}
+
+    async def one(client: httpx.AsyncClient, url: str, headers: dict[str, str]) -> float:
+        body = {"model": g.MODEL, "max_tokens": 4, "temperature": 0, "stream": stream,
+                "messages": [{"role": "user", "content": f"{PROSE}Ticket {next(numbers)}."}]}
+        started = time.perf_counter()
+        async with client.stream("POST", url, json=body, headers=headers) as response:
+            response.raise_for_status()
+            async for _ in response.aiter_raw():
+                pass
+        return time.perf_counter() - started
+
+    async with contextlib.AsyncExitStack() as stack:
+        clients, urls = {}, {}
+        for name, (url, headers) in paths.items():
+            http, urls[name] = g.http_client(url, timeout=300)
+            clients[name] = await stack.enter_async_context(http)
+            await one(clients[name], urls[name], headers)  # warm the connection
+        for _ in range(requests):
+            rng.shuffle(order)
+            for name in order:
+                latencies[name].append(await one(clients[name], urls[name], paths[name][1]))
+    return latencies
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", default=BEFORE, help="the earlier commit")
     parser.add_argument("--requests", type=int, default=2000, help="requests per path and shape")
     parser.add_argument("--probe-stalls", action="store_true", help="find what stalls each gateway's loop")
+    parser.add_argument("--prose", action="store_true", help="prompts of a kilobyte of prose, not 'Say OK.'")
     options = parser.parse_args()
     old_tree = Path(tempfile.mkdtemp(prefix="gw-before-"))
     subprocess.run(["git", "worktree", "add", "--detach", "-f", str(old_tree), options.before], cwd=PROJECT,
@@ -118,7 +162,8 @@ def main() -> None:
         rows = []
         for stream in (False, True):
             cpu_at_start = {name: g.cpu_seconds(pid) for name, pid in gateways.items()}
-            samples = asyncio.run(g.load_interleaved(paths, stream, options.requests))
+            load = load_prose if options.prose else g.load_interleaved
+            samples = asyncio.run(load(paths, stream, options.requests))
             # CPU per request of each gateway process (the warm-up request included): less noisy than latency.
             cpu_ms = {name: round((g.cpu_seconds(pid) - cpu_at_start[name]) * 1000 / (options.requests + 1), 3)
                       for name, pid in gateways.items()}
@@ -131,7 +176,8 @@ def main() -> None:
             for side, probe in probes.items():
                 print(side, probe.read_text() if probe and probe.exists() else "(no probe report)", flush=True)
         else:
-            RESULTS.write_text(json.dumps({"bench": "gateway_ab", "before": options.before,
+            results = RESULTS.with_name("gateway_ab_prose.json") if options.prose else RESULTS
+            results.write_text(json.dumps({"bench": "gateway_ab", "before": options.before, "prose": options.prose,
                                            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                            "rows": rows}, indent=1) + "\n")
     finally:
