@@ -28,12 +28,28 @@ CARDS = {"commas": "4111,1111,1111,1111", "comma spaces": "4111, 1111, 1111, 111
          "devanagari and full-width": "\u096a\u0967\u0967\u0967-\uff11\uff11\uff11\uff11-1111-1111",
          "paragraphs": "4111 1111\r\n\r\n1111 1111",
          # As JSON text writes them (a tool call's arguments): whoever parses it reads the card.
-         "json line breaks": "4111\\n1111\\n1111\\n1111", "json escapes": "\\u0034111\\u20131111\\u2013111\\u00311111"}
+         "json line breaks": "4111\\n1111\\n1111\\n1111", "json escapes": "\\u0034111\\u20131111\\u2013111\\u00311111",
+         # Separators Unicode classes as letters (Lm), and other scripts' letters in a short gap.
+         "katakana prolonged sound marks": "4111\u30fc1111\u30fc1111\u30fc1111",
+         "modifier letter primes": "4111\u02b91111\u02b91111\u02b91111",
+         "halfwidth katakana marks": "4111" + "\uff701111" * 3, "cjk characters": "4111\u4e2d1111\u4e2d1111\u4e2d1111",
+         "greek and spaces": "4111 \u03b1 1111 \u03b1 1111 \u03b1 1111"}
 IBANS = {"commas": "GB82,WEST,1234,5698,7654,32", "full-width code": "\uff27\uff22\uff18\uff12 WEST 1234 5698 7654 32",
-         "lower case, dashes": "gb82-west-1234-5698-7654-32", "new lines": "DE89\n3704\n0044\n0532\n0130\n00"}
+         "lower case, dashes": "gb82-west-1234-5698-7654-32", "new lines": "DE89\n3704\n0044\n0532\n0130\n00",
+         "katakana prolonged sound marks": "DE89\u30fc3704\u30fc0044\u30fc0532\u30fc0130\u30fc00",
+         "modifier letters": "GB82\u02b9WEST\u02b91234\u02b95698\u02b97654\u02b932"}
 SECRETS = {"sk- with a zero-width space": "sk-abcdefgh\u200bijklmnopqrstuvwxyz12",
            "AKIA with a space": "AKIA ABCDEFGHIJKLMNOP", "AKIA with a line break": "AKIAABCDEFGH\nIJKLMNOP",
-           "ghp_ with a word joiner": "ghp_" + "a1" * 9 + "\u2060" + "b2" * 9}
+           "ghp_ with a word joiner": "ghp_" + "a1" * 9 + "\u2060" + "b2" * 9,
+           "sk - split by spaces": "sk - abcdefghijklmnopqrstuvwxyz12",
+           "AKI A split by a space": "AKI AABCDEFGHIJKLMNOP",
+           "AKIA split by a line break": "AK\nIAABCDEFGHIJKLMNOP",
+           # Other providers' shapes, from the vendored rules.
+           "aws temporary": "ASIAQWERTYUIOPASDFGH", "stripe live": "sk_live_4eC39HqLyjWDarjtT1zdp7dc",
+           "gitlab": "glpat-Ab3dEf7hIj1lMn0pQr5t", "hugging face": "hf_AbcdEfghIjklMnopQrstUvwxYzabCdefGh",
+           "google": "AIzaSyA1b2C3d4E5f6G7h8I9j0K1l2M3n4O5p6Q", "gitlab split": "gl pat-Ab3dEf7hIj1lMn0pQr5t",
+           "pem private key": "-----BEGIN EC PRIVATE KEY-----\n" + "MHcCAQEEIBkg4LVWM9nuwNSk3yByxZpYRTBnVJk5" * 2
+                              + "\n-----END EC PRIVATE KEY-----"}
 
 
 @pytest.mark.parametrize(("name", "written"), list(CARDS.items()), ids=list(CARDS))

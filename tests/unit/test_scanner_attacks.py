@@ -1,7 +1,8 @@
 """Classes an attacker found in the normalising scanner, one test each: an escape cut by a
 stream's piece, digits that are digits only to a reader, surrogate-pair escapes, minus signs and
-further key prefixes, a finding of a kind the policy ignores hiding one it acts on, and values
-nested deep enough to crash or slow screening."""
+further key prefixes, a finding of a kind the policy ignores hiding one it acts on, values nested
+deep enough to crash or slow screening, and separators Unicode classes as letters, key prefixes
+split by spaces and other providers' key shapes (prompts, whole answers, streams)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pydantic import ValidationError
 
 from appliance.sensitive import Scanner
 from appliance.settings import ComplianceSettings, RolePolicy
-from serve.compliance import Compliance, Marks
+from serve.compliance import DESCRIBED, Compliance, Marks
 from serve.errors import GatewayError
 from serve.schemas import MAX_NESTING, ChatRequest
 
@@ -102,3 +103,37 @@ def test_a_flagged_finding_never_hides_a_stricter_one_it_overlaps() -> None:
     assert answer is not None
     body = answer.answer({"choices": [{"message": {"content": "mail 4111111111111111@corp.example.com"}}]})
     assert body["choices"][0]["message"]["content"] == "mail [EMAIL]"
+
+
+# Each class the look-alike letters review found, in prompts, whole answers and streamed answers.
+LOOK_ALIKES = {
+    "katakana prolonged sound mark": ("payment_card", "4111\u30fc1111\u30fc1111\u30fc1111"),
+    "modifier letter apostrophe": ("payment_card", "4111\u02bc1111\u02bc1111\u02bc1111"),
+    "iban with modifier letters": ("iban", "GB82\u02b9WEST\u02b91234\u02b95698\u02b97654\u02b932"),
+    "sk - with spaces": ("secret", "sk - abcdefghijklmnopqrstuvwxyz12"),
+    "AKI A with a space": ("secret", "AKI AABCDEFGHIJKLMNOP"),
+    "aws temporary key": ("secret", "ASIAQWERTYUIOPASDFGH"),
+    "stripe live key": ("secret", "sk_live_4eC39HqLyjWDarjtT1zdp7dc"),
+    "gitlab token": ("secret", "glpat-Ab3dEf7hIj1lMn0pQr5t"),
+    "hugging face token": ("secret", "hf_AbcdEfghIjklMnopQrstUvwxYzabCdefGh"),
+    "google api key": ("secret", "AIzaSyA1b2C3d4E5f6G7h8I9j0K1l2M3n4O5p6Q"),
+    "pem private key": ("secret", "-----BEGIN PRIVATE KEY-----\n" + "MIIEvQIBADANBgkqhkiG9w0BAQEFAASC" * 3
+                        + "\n-----END PRIVATE KEY-----"),
+}
+
+
+@pytest.mark.parametrize(("kind", "written"), list(LOOK_ALIKES.values()), ids=list(LOOK_ALIKES))
+def test_look_alike_separators_split_prefixes_and_other_providers_keys_are_caught(kind: str, written: str) -> None:
+    text = f"here: {written} thanks"
+    with pytest.raises(GatewayError) as refused:
+        COMPLIANCE.screen_prompt({"messages": [{"role": "user", "content": text}]}, ("messages",), POLICY, Marks())
+    assert refused.value.code == "sensitive_data" and DESCRIBED[kind] in refused.value.message
+    answer = COMPLIANCE.answer_filter(POLICY, Marks())
+    assert answer is not None
+    whole = answer.answer({"choices": [{"message": {"content": text}}]})["choices"][0]["message"]["content"]
+    stream = COMPLIANCE.answer_filter(POLICY, Marks())
+    assert stream is not None
+    streamed = "".join(stream.event({"choices": [{"index": 0, "delta": {"content": char},
+                                                  "finish_reason": "stop" if at == len(text) - 1 else None}]})
+                       ["choices"][0]["delta"]["content"] for at, char in enumerate(text))
+    assert whole == streamed == f"here: [{kind.upper()}] thanks"
