@@ -34,6 +34,7 @@ from tests.support.models import random_adapter
 from tests.support.ports import free_port
 from tests.support.records import metrics
 from tests.support.session import Running
+from tests.support.state_modes import db_user_reads, passages_closed, private_files_not_private, readable_by_db_user
 
 pytestmark = pytest.mark.alone
 MODEL = "SmolLM2-135M-Instruct"
@@ -193,6 +194,16 @@ def test_the_restored_appliance_has_the_users_adapters_datasets_settings_and_aud
     restores = restored.run("audit", "tail", "--action", "backup.restore")
     assert restores.returncode == 0 and "backup.restore" in restores.stdout, restores.stdout + restores.stderr
     assert Home(restored.home.root).secrets.stat().st_mode & 0o777 == 0o700
+
+
+def test_the_restored_state_directory_gives_the_database_user_nothing_but_its_own(
+        appliance: Appliance, restored: Appliance) -> None:
+    home = restored.home
+    jobs = home.root / "finetune" / "jobs" / "jobs.sqlite"
+    for private in (home.settings_file, jobs, home.secrets / GATEWAY_CLIENT_SECRET):
+        assert private.is_file() and not db_user_reads(private), private
+    assert readable_by_db_user(home) == []
+    assert passages_closed(home) == {} and private_files_not_private(home) == {}
 
 
 def test_scheduled_backups_go_to_the_store_and_only_the_newest_are_kept(restored: Appliance) -> None:
