@@ -1,6 +1,8 @@
 """The watchdog on the real appliance: an engine wedged with SIGSTOP (alive, its socket accepting,
-answering nothing) is restarted by the watchdog through supervisord, with an audit record of why,
-traffic through the gateway recovers, and the EngineHealed alert reaches the webhook receiver."""
+answering nothing) gets requests a 503 from the gateway within seconds, the first one sent right
+after the wedge included (never a hang until the client gives up); the watchdog restarts it through
+supervisord, with an audit record of why, traffic through the gateway recovers, and the
+EngineHealed alert reaches the webhook receiver."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from appliance.supervisor import ProcessState, Supervisor
 from audit.writer import log_files
 from tests.integration.conftest import Running
 from tests.integration.realm import Realm
+from tests.integration.test_alerts_firing import restart_program
 from tests.support.webhook import firing, webhook_receiver
 
 # It wedges the session's engine.
@@ -36,13 +39,14 @@ def records(running: Running) -> list[dict[str, Any]]:
 
 
 def test_a_wedged_engine_is_restarted_and_traffic_recovers(running: Running) -> None:
+    restart_program(running, "gateway")  # the router of this checkout (the session may have started before it)
     with webhook_receiver(running.appliance.env["APPLIANCE_MONITORING__WEBHOOK_URL"]) as posts:
         wedge_and_recover(running, posts)
 
 
 def wedge_and_recover(running: Running, posts: list[dict[str, Any]]) -> None:
     realm = Realm(running)
-    chat = {"url": f"{realm.gateway}/v1/chat/completions", "timeout": 30,
+    chat = {"url": f"{realm.gateway}/v1/chat/completions", "timeout": 60,
             "headers": {"Authorization": f"Bearer {realm.admin_token()}"},
             "json": {"model": "SmolLM2-135M-Instruct", "max_tokens": 4,
                      "messages": [{"role": "user", "content": "Hi"}]}}
@@ -53,6 +57,18 @@ def wedge_and_recover(running: Running, posts: list[dict[str, Any]]) -> None:
     os.killpg(wedged, signal.SIGSTOP)
     stopped_at = time.monotonic()
     try:
+        # Sent at once, before the router's health check has failed: it may reach the stopped
+        # engine and wait there until the router gives it up, or be refused as the engine is set aside.
+        first = httpx.post(**chat)
+        first_s = time.monotonic() - stopped_at
+        assert first.status_code == 503, first.text
+        assert first.json()["error"]["code"] in ("engine_not_answering", "engine_unavailable"), first.text
+        later = []
+        for _ in range(3):
+            asked = time.monotonic()
+            answer = httpx.post(**chat)
+            later.append(time.monotonic() - asked)
+            assert answer.status_code == 503 and answer.json()["error"]["code"] == "engine_unavailable", answer.text
         while engine_info(running)[1] in (wedged, 0):
             assert time.monotonic() - stopped_at < 240, "the watchdog did not restart the wedged engine"
             time.sleep(1)
@@ -76,5 +92,6 @@ def wedge_and_recover(running: Running, posts: list[dict[str, Any]]) -> None:
         assert time.monotonic() - stopped_at < recovered_s + 180, f"no EngineHealed alert at the webhook: {posts}"
         time.sleep(1)
     alerted_s = time.monotonic() - stopped_at
-    print(f"wedged -> restarted {restarted_s:.0f} s, -> traffic recovered {recovered_s:.0f} s, -> alert at the "
-          f"webhook {alerted_s:.0f} s")
+    print(f"wedged -> first request's 503 {first_s:.1f} s ({first.json()['error']['code']}), later 503s "
+          f"{max(later):.2f} s at most, -> restarted {restarted_s:.0f} s, -> traffic recovered {recovered_s:.0f} s, "
+          f"-> alert at the webhook {alerted_s:.0f} s")
