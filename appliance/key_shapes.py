@@ -57,6 +57,7 @@ def _word_start(text: str, at: int) -> bool:
 
 @functools.cache
 def keywords() -> frozenset[str]:
+    """Every rule's keywords (lower case)."""
     return frozenset(keyword for rule in rules() for keyword in rule.keywords)
 
 
