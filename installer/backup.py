@@ -477,9 +477,10 @@ def _restore_keycloak(staged: Home, dump: Path) -> None:
     """Keycloak's database into a new cluster of the supervised server."""
     settings = load_settings(staged.settings_file)
     with postgres.reachable(staged, settings.keycloak) as environment:
+        # As Keycloak's ordinary role, which owns what it makes (older backups hold database `postgres`).
         restored = subprocess.run([str(postgres.binaries() / "pg_restore"), "--exit-on-error", "--no-password",
-                                   "--dbname=postgres", str(dump)], env=environment, capture_output=True, text=True,
-                                  check=False)
+                                   "--no-owner", "--no-acl", f"--dbname={postgres.KEYCLOAK_DATABASE}", str(dump)],
+                                  env=environment, capture_output=True, text=True, check=False)
     if restored.returncode != 0:
         raise StateError(f"pg_restore of Keycloak's database failed: {restored.stderr.strip()[-800:]}")
 
