@@ -135,8 +135,10 @@ def device_login(connection: Connection, show: Callable[[str, str], None]) -> Ca
             return token
         error = response.json().get("error") if response.headers.get("content-type", "").startswith(
             "application/json") else None
-        if error == "slow_down":
-            interval += 5
+        # A 429 is the gateway's per-source login throttle (many people behind one address): wait
+        # longer, as Keycloak's slow_down asks, rather than fail a login that is being approved.
+        if error == "slow_down" or response.status_code == 429:
+            interval = min(interval + 5, 60.0)
         elif error != "authorization_pending":
             raise _refused(response)
     raise LoginError("the device code expired before it was approved", hint="run `appliance token` again")
