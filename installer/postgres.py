@@ -36,7 +36,7 @@ from pathlib import Path
 
 from appliance.durable import replace_file
 from appliance.errors import StateError
-from appliance.home import BACKUP_PASSPHRASE_ENV, Home
+from appliance.home import BACKUP_PASSPHRASE_ENV, Home, close_to_others
 from appliance.programs import Program
 from appliance.secrets import read_private_file, secret
 from appliance.settings import KeycloakSettings
@@ -104,7 +104,9 @@ def postgres_made(home: Home) -> bool:
 
 
 def _let_through(path: Path, user: pwd.struct_passwd) -> None:
-    """Let `user`'s group pass through a private directory of the state dir (0710), to its own."""
+    """Let `user`'s group pass through a private directory of the state dir (0710), to its own
+    alone: what else the directory holds is closed to others first."""
+    close_to_others(path)
     os.chown(path, -1, user.pw_gid)
     path.chmod(0o710)
 
