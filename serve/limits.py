@@ -9,6 +9,7 @@ pass a budget that is only debited after they finish.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import time
 from collections.abc import Callable
@@ -152,17 +153,66 @@ class RateLimiter:
         state.tokens.level = min(state.tokens.capacity, state.tokens.level + refund)
 
 
-# Sources told apart at once by a SourceThrottle; past it, new sources share one bucket.
+# Sources told apart at once by a SourceThrottle; past it, new sources share their network's bucket
+# (as many networks again), and past those one bucket.
 MAX_THROTTLED_SOURCES = 10_000
 OTHER_SOURCES = "*"
+# What one client owns: an IPv6 host is given a /64 (SLAAC, privacy addresses), so a bucket per
+# IPv6 address would give it 2**64 buckets. A full table's newcomers share a bucket per IPv4 /24 or
+# IPv6 /48 (one site's allocation), so one site filling the table locks out only itself.
+IPV6_CLIENT_PREFIX = 64
+IPV4_SITE_PREFIX = 24
+IPV6_SITE_PREFIX = 48
+
+
+def source_of(host: str) -> str:
+    """The throttled source that the peer address `host` belongs to: an IPv4 address (however it
+    is written: IPv4-mapped, 6to4 or Teredo IPv6 name the IPv4 host behind them), an IPv6 /64, or
+    `host` itself when it is no IP address."""
+    address = _address(host)
+    if address is None:
+        return host
+    if isinstance(address, ipaddress.IPv4Address):
+        return str(address)
+    return str(_network(address, IPV6_CLIENT_PREFIX))
+
+
+def site_of(host: str) -> str:
+    """The wider network `host` belongs to (IPv4 /24, IPv6 /48), or OTHER_SOURCES."""
+    address = _address(host)
+    if address is None:
+        return OTHER_SOURCES
+    prefix = IPV4_SITE_PREFIX if isinstance(address, ipaddress.IPv4Address) else IPV6_SITE_PREFIX
+    return str(_network(address, prefix))
+
+
+def _address(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address):
+        embedded = address.ipv4_mapped or address.sixtofour or (address.teredo[1] if address.teredo else None)
+        if embedded is not None:
+            return embedded
+    return address
+
+
+def _network(address: ipaddress.IPv4Address | ipaddress.IPv6Address,
+             prefix: int) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
+    # From the address's integer: a scoped IPv6 address (fe80::1%eth0) has no network of its own.
+    bits = address.max_prefixlen - prefix
+    return ipaddress.ip_network((int(address) >> bits << bits, prefix))
 
 
 class SourceThrottle:
-    """Attempts per source address (the published login endpoints): a bucket of `burst` attempts
-    each, refilled at `per_minute`. Keycloak's lockout is per account, so without this anyone who
-    reaches the gateway guesses as fast as Keycloak answers. A source whose bucket is full again is
-    forgotten; past `max_sources` sources with attempts still counting, further sources share one
-    bucket (so many addresses cannot grow memory without end, nor escape the throttle)."""
+    """Attempts per source (the published login endpoints; serve.limits.source_of): a bucket of
+    `burst` attempts each, refilled at `per_minute`. Keycloak's lockout is per account, so without
+    this anyone who reaches the gateway guesses as fast as Keycloak answers. A source whose bucket
+    is full again is forgotten; past `max_sources` sources with attempts still counting, a further
+    source shares its site's bucket (site_of), and past `max_sources` sites one bucket: many
+    addresses neither grow memory without end nor escape the throttle, and one site filling the
+    table does not throttle the sources of others."""
 
     def __init__(self, per_minute: float, burst: int, *, max_sources: int = MAX_THROTTLED_SOURCES,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -171,30 +221,42 @@ class SourceThrottle:
         self._max_sources = max_sources
         self._clock = clock
         self._sources: dict[str, Bucket] = {}
+        self._sites: dict[str, Bucket] = {}
         self._scanned = -math.inf
 
-    def take(self, source: str) -> float:
-        """Take one attempt from `source`'s bucket: 0 if it had one, else the seconds until it will
-        (nothing is taken)."""
+    def take(self, host: str) -> float:
+        """Take one attempt from the bucket of the source `host` (a peer address) belongs to: 0 if it
+        had one, else the seconds until it will (nothing is taken)."""
         now = self._clock()
+        source = source_of(host)
         bucket = self._sources.get(source)
         if bucket is None:
             if len(self._sources) >= self._max_sources and now - self._scanned >= 1:
                 self._forget_full(now)  # at most once a second: a pass walks every source
-            if len(self._sources) >= self._max_sources:
-                source = OTHER_SOURCES
-                bucket = self._sources.get(source)
-            if bucket is None:
+            if len(self._sources) < self._max_sources:
                 bucket = self._sources[source] = Bucket(self._burst, self._per_second, now)
+            else:
+                bucket = self._site_bucket(site_of(host), now)
         bucket.refill(now)
         wait = bucket.wait_s(1)
         if wait == 0:
             bucket.level -= 1
         return wait
 
+    def _site_bucket(self, site: str, now: float) -> Bucket:
+        bucket = self._sites.get(site)
+        if bucket is None:
+            if len(self._sites) >= self._max_sources:
+                site = OTHER_SOURCES
+                bucket = self._sites.get(site)
+            if bucket is None:
+                bucket = self._sites[site] = Bucket(self._burst, self._per_second, now)
+        return bucket
+
     def _forget_full(self, now: float) -> None:
         self._scanned = now
-        for source, bucket in list(self._sources.items()):
-            bucket.refill(now)
-            if bucket.level >= bucket.capacity:
-                del self._sources[source]
+        for table in (self._sources, self._sites):
+            for source, bucket in list(table.items()):
+                bucket.refill(now)
+                if bucket.level >= bucket.capacity:
+                    del table[source]
