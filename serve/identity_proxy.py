@@ -11,8 +11,10 @@ loopback: anything else under /realms/ or /resources/ is a 404 here.
 Every request stands alone. The proxy's HTTP client keeps no cookies (serve.keycloak_http): the
 cookies Keycloak sees are those the request carried, and those it sets go back in that request's
 response only; no login state lives in the gateway between requests. Only the appliance's own
-public client (`keycloak.cli_client_id`) may be named as `client_id`, so Keycloak's other clients
-(its admin and account consoles) show no login page here. Each route reads at most the bytes its
+public client (`keycloak.cli_client_id`) may be named as `client_id` (in the form and in the
+query, where Keycloak looks when its form names none), so Keycloak's other clients (its admin and
+account consoles) show no login page here; what is checked is what Keycloak reads: a form is UTF-8,
+and a header forwarded is given once. Each route reads at most the bytes its
 Keycloak form needs (Content-Length checked first, then while reading; 413 past it), and only
 after the route, the client and the source's throttle let the request through: each source address
 has a bucket of login attempts (`gateway.login_burst`, `gateway.login_attempts_per_minute`), and an
@@ -138,12 +140,15 @@ class IdentityProxy:
         if route.attempt:
             await self._take_attempt(peer, request)
         query = request.url.query
-        if route.client_in == "query":
-            self._check_client(urllib.parse.parse_qs(query, keep_blank_values=True), "the query")
+        if route.client_in is not None:
+            # Keycloak reads a form's client_id, else the query's (as where a body it reads as no form
+            # names none): a client_id in the query is checked on every route that takes one.
+            self._check_client(urllib.parse.parse_qs(query, keep_blank_values=True), "the query",
+                               required=route.client_in == "query")
+        headers = _request_headers(request)
         body = await _bounded_body(request, route.max_body)
         if route.client_in == "form":
-            self._check_client(_form(request, body), "the form")
-        headers = {name: value for name, value in request.headers.items() if name in REQUEST_HEADERS}
+            self._check_client(_form(headers.get("content-type", ""), body), "the form")
         headers.update({"x-forwarded-for": peer, "x-forwarded-proto": "https", "x-forwarded-host": self.forwarded_host,
                         "accept-encoding": "identity"})
         try:
@@ -178,9 +183,12 @@ class IdentityProxy:
                                code="audit_unavailable", headers={"Retry-After": "30"}) from exc
         raise refused
 
-    def _check_client(self, fields: dict[str, list[str]], where: str) -> None:
-        """The one `client_id` named in `fields` must be the appliance's own client."""
+    def _check_client(self, fields: dict[str, list[str]], where: str, *, required: bool = True) -> None:
+        """The one `client_id` named in `fields` must be the appliance's own client (and if not
+        `required`, none may be named either)."""
         named = fields.get("client_id", [])
+        if not named and not required:
+            return
         if len(named) != 1 or named[0] not in self.clients:
             shown = "no client_id" if not named else f"client_id {cap_text(', '.join(named), 64)!r}"
             raise GatewayError(400, f"{shown} in {where}: only the appliance's own client "
@@ -210,11 +218,31 @@ def _too_large(limit: int) -> GatewayError:
                         code="request_too_large", headers={"Connection": "close"})
 
 
-def _form(request: Request, body: bytes) -> dict[str, list[str]]:
-    """A form body's fields, as Keycloak reads them; anything but a URL-encoded UTF-8 form is a 415."""
-    kind = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-    if kind != FORM:
-        raise GatewayError(415, f"this login endpoint takes {FORM}, not {cap_text(kind, 64) or 'no content type'}",
+def _request_headers(request: Request) -> dict[str, str]:
+    """The request's headers Keycloak is sent (REQUEST_HEADERS), each as the proxy reads it: a
+    header given twice is refused, as the proxy would check one value and Keycloak read another
+    (a form's Content-Type checked, a multipart one forwarded); cookies given in several headers
+    are one list."""
+    headers: dict[str, str] = {}
+    for name in REQUEST_HEADERS:
+        values = request.headers.getlist(name)
+        if len(values) > 1 and name != "cookie":
+            raise GatewayError(400, f"the {name} header is given {len(values)} times; a login request gives it "
+                               "once", code="duplicate_header", param=name)
+        if values:
+            headers[name] = "; ".join(values)
+    return headers
+
+
+def _form(content_type: str, body: bytes) -> dict[str, list[str]]:
+    """A form body's fields, as Keycloak reads them; anything but a URL-encoded UTF-8 form (no
+    parameter but charset=utf-8: Keycloak reads another charset's bytes as other fields) is a 415."""
+    kind, _, parameters = content_type.partition(";")
+    kind = kind.strip().lower()
+    charset = parameters.strip().lower().replace('"', "")
+    if kind != FORM or charset not in ("", "charset=utf-8"):
+        shown = cap_text(content_type, 64) or "no content type"
+        raise GatewayError(415, f"this login endpoint takes {FORM} (UTF-8), not {shown}",
                            code="unsupported_media_type")
     try:
         return urllib.parse.parse_qs(body.decode(), keep_blank_values=True, strict_parsing=False)

@@ -370,3 +370,59 @@ def test_a_throttled_attempt_the_audit_log_cannot_take_is_a_503() -> None:
         second = test_client.post("/realms/appliance/protocol/openid-connect/token", content=CLIENT, headers=FORM)
     assert first.status_code == 200
     assert second.status_code == 503 and second.json()["error"]["code"] == "audit_unavailable"
+
+
+TOKEN = "/realms/appliance/protocol/openid-connect/token"
+
+
+@pytest.mark.parametrize("content_types", [
+    ["application/x-www-form-urlencoded", "multipart/form-data; boundary=X"],
+    ["multipart/form-data; boundary=X", "application/x-www-form-urlencoded"],
+    ["application/x-www-form-urlencoded", "application/x-www-form-urlencoded"],
+])
+def test_a_header_given_twice_is_refused_not_checked_once_and_forwarded_as_the_other(
+        client: TestClient, seen: list[httpx.Request], content_types: list[str]) -> None:
+    """The proxy reads one header, Keycloak another: a form checked, a multipart body naming
+    another client forwarded."""
+    body = (b"client_id=appliance-cli&x=--X\r\nContent-Disposition: form-data; name=\"client_id\"\r\n\r\n"
+            b"account-console\r\n--X--\r\n")
+    answer = client.post(TOKEN, content=body, headers=[("content-type", kind) for kind in content_types])
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "content-type", answer.text
+    assert seen == []
+
+
+@pytest.mark.parametrize("parameters", ["; charset=UTF-16", "; charset=utf-16le", ";charset=ISO-8859-1",
+                                        "; charset=utf-7", "; charset=cp1047", "; charset=utf-8; boundary=x",
+                                        "; charset=utf-8, multipart/form-data"])
+def test_a_form_in_another_charset_is_refused(client: TestClient, seen: list[httpx.Request], parameters: str) -> None:
+    """Keycloak would read other fields than the proxy's UTF-8 check in another charset's bytes."""
+    answer = client.post(TOKEN, content=b"grant_type=password&client_id=appliance-cli",
+                         headers={"content-type": f"application/x-www-form-urlencoded{parameters}"})
+    assert answer.status_code == 415 and seen == [], answer.text
+
+
+@pytest.mark.parametrize("parameters", ["", "; charset=utf-8", ";charset=UTF-8", '; charset="utf-8"'])
+def test_a_utf8_form_is_forwarded(seen: list[httpx.Request], parameters: str) -> None:
+    with TestClient(published(noting(seen)), base_url=PUBLIC) as client:
+        answer = client.post(TOKEN, content=b"grant_type=password&client_id=appliance-cli",
+                             headers={"content-type": f"application/x-www-form-urlencoded{parameters}"})
+    assert answer.status_code == 200 and len(seen) == 1, answer.text
+
+
+@pytest.mark.parametrize("query", ["client_id=account-console", "client_id=appliance-cli&client_id=admin-cli",
+                                   "client%5Fid=security-admin-console", "client_id="])
+@pytest.mark.parametrize("path", ["protocol/openid-connect/token", "protocol/openid-connect/auth/device",
+                                  "protocol/openid-connect/revoke"])
+def test_a_form_routes_query_names_no_other_client(client: TestClient, seen: list[httpx.Request], path: str,
+                                                   query: str) -> None:
+    """Keycloak takes the query's client_id where it reads no form's: checked as the form's is."""
+    answer = client.post(f"/realms/appliance/{path}?{query}", content=f"grant_type=password&{CLIENT}", headers=FORM)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "client_id", answer.text
+    assert seen == []
+
+
+def test_cookies_in_several_headers_are_forwarded_as_one(seen: list[httpx.Request]) -> None:
+    with TestClient(published(noting(seen)), base_url=PUBLIC) as client:
+        client.get(f"/realms/appliance/protocol/openid-connect/auth?{CLIENT}",
+                   headers=[("cookie", "AUTH_SESSION_ID=a"), ("cookie", "KC_RESTART=b")])
+    assert seen[0].headers.get_list("cookie") == ["AUTH_SESSION_ID=a; KC_RESTART=b"]
