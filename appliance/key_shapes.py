@@ -7,6 +7,10 @@ A key prefix split by spaces or line breaks ("sk - ...", "AKI A...") is read joi
 prefix (ours, or a rule's keyword of three characters or more) is spelled across spaces from the
 start of a word, those spaces are dropped before the shapes are matched. Invisible characters are
 already gone (the scanner's view), so this is the one reading left between a prefix and its key.
+
+Look-alike letters of other scripts are read as the ASCII they imitate ("ѕк-", "АКIА": Cyrillic),
+one character for one (appliance.lookalikes), before anything else: a finding's span is the
+view's own.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import numpy.typing as npt
 import regex
 
 from appliance.key_rules import Rule, rules
+from appliance.lookalikes import folded
 
 
 def _key(prefix: str, chars: str, least: int, most: int) -> str:
@@ -159,10 +164,10 @@ class SecretDetector:
 
     def ends(self, start: str) -> regex.Pattern[str] | None:
         """What ends a key that begins with `start` and is too long to hold (None: its word's end)."""
-        return PEM_END if PEM_START.match(start) else None
+        return PEM_END if PEM_START.match(folded(start)) else None
 
     def find(self, text: str) -> Iterator[tuple[int, int]]:
-        joined = _Joined.of(text)
+        joined = _Joined.of(folded(text))
         spans = [match.span() for match in OWN.finditer(joined.text)]
         for rule in active(joined.text.translate(ASCII_LOWER)):
             spans += rule.find(joined.text)
@@ -179,7 +184,7 @@ class SecretDetector:
         """The earliest start of a key more text could complete or extend: a partial match of a
         shape (a rule led by a keyword only where its keyword is), a keyword's beginning at the end,
         or a word at the end that begins a prefix split by spaces ("AK", "sk ")."""
-        joined = _Joined.of(text)
+        joined = _Joined.of(folded(text))
         lower = joined.text.translate(ASCII_LOWER)
         shapes = (unled_shape(), *(rule.pattern for rule in active(lower) if rule.led))
         starts = [start for start in (*(_partial_start(shape, joined.text) for shape in shapes),

@@ -8,7 +8,10 @@ must not leak).
 Text is screened as a reader sees it: every detector runs on a normalised view of it (JSON
 escapes read; NFKC; invisible and format characters removed; digits of every script as ASCII
 digits; every dash as "-" and every space or line break as " "), and what it finds is mapped back
-to the span of the original text that held it. Cards and IBANs are looked for across any run of
+to the span of the original text that held it. The key and IBAN detectors also read look-alike
+letters of other scripts as the ASCII they imitate (appliance.lookalikes: "GВ82" with a Cyrillic
+Ve is "GB82"), one character for one; the card detector does not (another script's letters in a
+short gap between digit groups separate them). Cards and IBANs are looked for across any run of
 separators between their characters: anything that is not a digit or a Latin letter (any length),
 or a gap of up to `GAP` characters holding other letters or numbers too.
 
@@ -35,6 +38,7 @@ import regex
 
 from appliance.errors import SettingsError
 from appliance.key_shapes import SecretDetector
+from appliance.lookalikes import FOLDED
 from appliance.settings import ComplianceSettings
 
 SHORT_TEXT = 64  # texts up to this long have their findings remembered
@@ -389,12 +393,13 @@ AS_IBAN_DIGITS = {ord(c): str(int(c, 36)) for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ"}
 
 
 class _IbanChars(dict[int, str]):
-    """By code point of the view: an ASCII letter (upper-cased) or digit itself, "#" for another
-    letter or number, " " for a separator (`str.translate`): the IBAN's view of the view. A gap
-    holding "#" parts an IBAN only when it is longer than `GAP`, as between a card's groups."""
+    """By code point of the view: an ASCII letter (upper-cased) or digit itself, a look-alike as
+    the one it imitates, "#" for another letter or number, " " for a separator (`str.translate`):
+    the IBAN's view of the view. A gap holding "#" parts an IBAN only when it is longer than `GAP`,
+    as between a card's groups."""
 
     def __missing__(self, code: int) -> str:
-        char = chr(code)
+        char = FOLDED[code]
         self[code] = seen = char.upper() if char.isascii() and char.isalnum() else "#" if WORD.match(char) else " "
         return seen
 
