@@ -16,6 +16,9 @@ import json
 import unicodedata
 from importlib.resources import files
 
+import numpy as np
+import numpy.typing as npt
+
 DATA_PACKAGE = "confusable_homoglyphs"
 SMALL_CAPITAL = "LATIN LETTER SMALL CAPITAL "
 
@@ -89,8 +92,26 @@ class _Folded(dict[int, str]):
 
 
 FOLDED = _Folded()
+SHORT = 256  # up to this long, a text is folded by `str.translate`; longer, by numpy (cheaper per character)
 
 
+@functools.cache
+def _lookup() -> npt.NDArray[np.uint32]:
+    """The fold as an array: every code point up to the last folded one, to what it is read as."""
+    fold = table()
+    codes = np.arange(max(fold) + 1, dtype=np.uint32)
+    codes[list(fold)] = [ord(char) for char in fold.values()]
+    return codes
+
+
+@functools.lru_cache(maxsize=4)  # a stream's held text is scanned twice: for findings, then what is pending
 def folded(text: str) -> str:
     """`text` with look-alikes as the ASCII they imitate, one character for one."""
-    return text if text.isascii() else text.translate(FOLDED)
+    if text.isascii():
+        return text
+    if len(text) <= SHORT:
+        return text.translate(FOLDED)
+    lookup = _lookup()
+    codes = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), np.uint32)
+    read = np.where(codes < len(lookup), lookup[np.minimum(codes, len(lookup) - 1)], codes)
+    return read.astype("<u4").tobytes().decode("utf-32-le", "surrogatepass")

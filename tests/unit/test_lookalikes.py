@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from appliance.key_rules import Rule, rules
-from appliance.lookalikes import folded, table
+from appliance.lookalikes import SHORT, folded, table
 from appliance.sensitive import Scanner, StreamRedactor, View
 from tests.unit.test_key_rules import example, secret_of
 from tests.unit.test_sensitive_properties import SETTINGS, WORDS, ibans, latin_and_digits, screened_everywhere
@@ -137,3 +137,12 @@ def test_ordinary_cyrillic_and_greek_prose_holds_no_finding(text: str) -> None:
     assert SCANNER.findings(text) == []
     stream = StreamRedactor(SCANNER, SCANNER.kinds, 256)
     assert "".join(stream.feed(char) for char in text) + stream.flush() == text
+
+
+@SETTINGS
+@given(text=st.text(st.one_of(st.sampled_from(sorted({c for chars in LOOKALIKES.values() for c in chars})),
+                              st.characters()), min_size=SHORT + 1, max_size=600))
+def test_a_long_text_is_folded_as_a_short_one_is(text: str) -> None:
+    """Texts past SHORT are folded by numpy; each character as `str.translate` folds it alone."""
+    assert folded(text) == "".join(folded(char) for char in text)
+    assert folded("\ud800" * SHORT + "ѕ") == "\ud800" * SHORT + "s"  # a lone surrogate (a JSON escape's) stays
