@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import os
 import stat
@@ -118,7 +119,10 @@ def close_to_others(directory: Path) -> None:
     not the state directory's), so a user given passage through it finds nothing it may open;
     what a service's own user owns stays its own."""
     for entry in os.scandir(directory):
-        if not entry.is_symlink():
-            mode = stat.S_IMODE(entry.stat(follow_symlinks=False).st_mode)
-            if mode & 0o007:
-                os.chmod(entry.path, mode & ~0o007)
+        # Programs and other commands make and remove files here meanwhile (atomic writes' temporary
+        # files, locks, sockets): one gone since the listing has nothing left to close.
+        with contextlib.suppress(FileNotFoundError):
+            if not entry.is_symlink():
+                mode = stat.S_IMODE(entry.stat(follow_symlinks=False).st_mode)
+                if mode & 0o007:
+                    os.chmod(entry.path, mode & ~0o007)

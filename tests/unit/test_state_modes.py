@@ -49,6 +49,31 @@ def test_a_link_in_a_passage_and_what_it_names_are_left_alone(home: Home, tmp_pa
     assert mode(outside) == 0o755 and (home.root / "linked").is_symlink()
 
 
+@pytest.mark.parametrize("vanishes_at", ["is_symlink", "stat"])
+def test_an_entry_removed_while_a_passage_is_closed_is_passed_over(home: Home, monkeypatch: pytest.MonkeyPatch,
+                                                                   vanishes_at: str) -> None:
+    """Programs make and remove files in run/ while a command closes it (an atomic write's temporary
+    file): one gone since the listing is passed over, the others still closed, and the command goes
+    on (it failed with 'cannot create state directory')."""
+    for name in ("gone", "kept"):
+        (home.run / name).write_text("x")
+        (home.run / name).chmod(0o644)
+    listing = os.scandir
+
+    def scandir(path: Path) -> list[os.DirEntry[str]]:
+        entries = sorted(listing(path), key=lambda entry: entry.name)
+        for entry in entries:  # the listing is made; then the file goes, before it is looked at
+            if entry.name == "gone":
+                if vanishes_at == "stat":
+                    entry.is_symlink()  # cached by the entry from here on
+                os.unlink(entry.path)
+        return entries
+
+    monkeypatch.setattr("appliance.home.os.scandir", scandir)
+    home.ensure()
+    assert mode(home.run / "kept") == 0o640 and not (home.run / "gone").exists()
+
+
 @pytest.mark.parametrize("given_mode", [0o644, 0o666, 0o640, 0o600, 0o604])
 def test_the_settings_file_is_0600(home: Home, given_mode: int) -> None:
     home.settings_file.write_text("[cache]\nttl_s = 1.0\n")
