@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -14,7 +15,7 @@ from appliance.secrets import secret
 from installer.realm import BOOTSTRAP_SECRET
 from tests.integration.conftest import Running
 from tests.integration.realm import Realm
-from tests.support.appliances import APPLIANCE
+from tests.support.appliances import APPLIANCE, Appliance
 from tests.support.browser import approve_device_login
 
 
@@ -100,9 +101,11 @@ def test_openapi_lists_every_route_with_models(realm: Realm) -> None:
     assert spec["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
 
 
-def test_device_code_login_and_refresh(running: Running, realm: Realm) -> None:
+def test_device_code_login_and_refresh(running: Running, realm: Realm, tmp_path: Path) -> None:
     realm.ensure_user("gina", "Test-password-1", ["user"])
-    cli = running.appliance
+    # A login cache of its own: the session appliance's is the administrator's, which modules
+    # running beside this one use meanwhile (logged in as gina, they were refused).
+    cli = Appliance(home=running.appliance.home, env={**running.appliance.env, "XDG_CONFIG_HOME": str(tmp_path)})
     process = subprocess.Popen([APPLIANCE, "token"], env=cli.env, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
     try:
