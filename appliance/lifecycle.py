@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -85,7 +86,7 @@ def _start(settings: Settings, home: Home, supervisor: Supervisor, progress: Pro
     progress("starting supervisord")
     record_steps(home, UpSteps())
     mark_starting(home.run)  # programs with a start_nice start at it until end_starting
-    try:
+    with _stopped_on_failure(supervisor, home, progress, "start failed: stopping what was started"):
         try:
             supervisor.start(render_config(home, wrapped, secret(home, "supervisor-password")))
             steps = record_steps(home, UpSteps().after("supervisord"))
@@ -94,10 +95,6 @@ def _start(settings: Settings, home: Home, supervisor: Supervisor, progress: Pro
             end_starting(home.run)
         steps = record_steps(home, steps.after("ready"))
         notices = _remaining_steps(settings, home, programs, steps, progress)
-    except BaseException:
-        progress("start failed: stopping what was started")
-        _stop(supervisor, home)
-        raise
     return UpReport(already_up=False, programs=programs, startup_s=startup, notices=notices)
 
 
@@ -108,18 +105,25 @@ def _finish(settings: Settings, home: Home, supervisor: Supervisor, steps: UpSte
     programs = started_programs(home)
     left = steps.left
     progress(f"finishing an interrupted `up`: {', '.join(left)}")
-    try:
+    with _stopped_on_failure(supervisor, home, progress, "finishing failed: stopping the appliance"):
         end_starting(home.run)  # the killed `up`'s mark: restarts from now on are at normal priority
         startup: dict[str, float] = {}
         if "ready" in left:
             startup = _wait_ready(supervisor, programs, home, progress)
             steps = record_steps(home, steps.after("ready"))
         notices = _remaining_steps(settings, home, programs, steps, progress)
+    return UpReport(already_up=False, programs=programs, startup_s=startup, notices=notices, finished=left)
+
+
+@contextlib.contextmanager
+def _stopped_on_failure(supervisor: Supervisor, home: Home, progress: Progress, saying: str) -> Iterator[None]:
+    """Stop everything if the block fails (even interrupted), so the appliance is either up or down."""
+    try:
+        yield
     except BaseException:
-        progress("finishing failed: stopping the appliance")
+        progress(saying)
         _stop(supervisor, home)
         raise
-    return UpReport(already_up=False, programs=programs, startup_s=startup, notices=notices, finished=left)
 
 
 def _remaining_steps(settings: Settings, home: Home, programs: list[Program], steps: UpSteps,
