@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 import time
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -18,7 +19,7 @@ from typer.core import TyperCommand, TyperGroup
 
 from appliance.errors import ApplianceError
 from appliance.help_style import plain_help
-from appliance.home import Home
+from appliance.home import PRIVATE_UMASK, Home
 
 if TYPE_CHECKING:
     from typer import _click  # the Click that Typer vendors: the types its groups are written in
@@ -145,6 +146,7 @@ def _root(
 
 def main() -> None:
     """Console-script entry: run the app; an ApplianceError becomes one line and exit code 1."""
+    os.umask(PRIVATE_UMASK)  # whatever it writes in the state directory, and what it starts, is its own
     try:
         app()  # standalone: usage errors, --help and exit codes are handled by Typer
     except ApplianceError as exc:

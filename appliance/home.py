@@ -17,9 +17,10 @@ HOME_ENV = "APPLIANCE_HOME"
 BACKUP_PASSPHRASE_ENV = "APPLIANCE_BACKUP_PASSPHRASE"
 DEMO_MODEL_NAME = "SmolLM2-135M-Instruct"
 # The state directory's files anyone may read where they can reach them (paths relative to it):
-# certificates, and an RL run's policy versions, which the training sandbox's user resumes from.
-# Every other file is the appliance's alone (0600, or 0640 for a service account's group).
-PUBLIC_FILES = ("tls/*.pem", "finetune/rl-runs/*/policy/*")
+# certificates. Every other file is the appliance's alone (0600, or 0640 where a service account's
+# group is let read it: a training sandbox's inputs, base model and policy to resume).
+PRIVATE_UMASK = 0o077  # the CLI's and every supervised program's: what they make is theirs alone
+PUBLIC_FILES = ("tls/*.pem",)
 
 
 def default_home() -> Path:

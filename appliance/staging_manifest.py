@@ -76,7 +76,7 @@ class StagingManifest(_Strict):
             raise StateError(f"{path}: not a readable staging manifest: {exc}") from exc
 
     def save(self, directory: Path) -> None:
-        replace_file(directory / STAGING_MANIFEST, self.model_dump_json(indent=1).encode(), mode=0o644)
+        replace_file(directory / STAGING_MANIFEST, self.model_dump_json(indent=1).encode())
 
     def staged_files(self) -> dict[str, SubsetFile | ShardPart]:
         """Every file staged so far, by name (a sharded staging's parts of every rank)."""

@@ -21,7 +21,7 @@ import psutil
 from supervisor.xmlrpc import SupervisorTransport
 
 from appliance.errors import SupervisorError
-from appliance.home import BACKUP_PASSPHRASE_ENV, Home
+from appliance.home import BACKUP_PASSPHRASE_ENV, PRIVATE_UMASK, Home
 from appliance.programs import OFFLINE_ENVIRONMENT, Program
 from appliance.secrets import secret
 
@@ -105,6 +105,7 @@ def render_config(home: Home, programs: list[Program], password: str) -> str:
         f"pidfile={pid_file(home)}",
         f"childlogdir={home.logs}",
         f"directory={home.root}",
+        f"umask={PRIVATE_UMASK:03o}",  # supervisord's own (its logs) and so every program's
         "identifier=appliance",
         # Raised for supervisord and so for every program: the gateway holds one per connection.
         f"minfds={min_fds()}",

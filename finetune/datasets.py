@@ -379,7 +379,7 @@ def registry_path(home: Home) -> Path:
 
 
 def _registry(home: Home) -> JsonRegistry[dict[str, str]]:
-    return JsonRegistry(registry_path(home), dict[str, str], "the dataset registry", mode=0o644)
+    return JsonRegistry(registry_path(home), dict[str, str], "the dataset registry")
 
 
 def load_registry(home: Home) -> dict[str, str]:

@@ -101,11 +101,12 @@ def system_mounts() -> list[str]:
     return mounts
 
 
-def prepare(workdir: Path, inputs: list[Path], model: Path) -> None:
-    """As root: give the job's directory to the sandbox's user (it writes its checkpoints there;
-    its inputs stay the appliance's, readable, mounted read-only), and let that user's group read
-    the base model (checkpoints are often saved 0600: the group gets read access, nothing else
-    changes and the owner stays)."""
+def prepare(workdir: Path, inputs: list[Path], readable: list[Path]) -> None:
+    """As root: give the job's directory to the sandbox's user (it writes its checkpoints there);
+    its inputs stay the appliance's, shown to that user's group alone (0640, mounted read-only);
+    and let the group read `readable` (the base model, a policy to resume: files are often saved
+    0600, and the appliance makes its own so: the group gets read access, nothing else changes and
+    the owner stays)."""
     if os.geteuid() != 0:
         return
     user = sandbox_user()
@@ -113,18 +114,19 @@ def prepare(workdir: Path, inputs: list[Path], model: Path) -> None:
         if path not in inputs and not path.is_symlink():
             os.chown(path, user.pw_uid, user.pw_gid)
     for path in inputs:
-        os.chown(path, 0, 0)
-        path.chmod(0o644)
-    try:
-        for path in [model, *model.rglob("*")]:
-            mode = path.stat().st_mode
-            if path.is_symlink() or mode & stat.S_IROTH and (not path.is_dir() or mode & stat.S_IXOTH):
-                continue  # anyone may read it already
-            os.chown(path, -1, user.pw_gid)
-            path.chmod(mode | stat.S_IRGRP | (stat.S_IXGRP if path.is_dir() else 0))
-    except OSError as exc:
-        raise SandboxError(f"cannot let the training sandbox read the base model: {exc}",
-                           hint=f"make {model} readable by group {SANDBOX_USER}") from exc
+        os.chown(path, 0, user.pw_gid)
+        path.chmod(0o640)
+    for tree in readable:
+        try:
+            for path in [tree, *tree.rglob("*")]:
+                mode = path.stat().st_mode
+                if path.is_symlink() or mode & stat.S_IROTH and (not path.is_dir() or mode & stat.S_IXOTH):
+                    continue  # anyone may read it already
+                os.chown(path, -1, user.pw_gid)
+                path.chmod(mode | stat.S_IRGRP | (stat.S_IXGRP if path.is_dir() else 0))
+        except OSError as exc:
+            raise SandboxError(f"cannot let the training sandbox read {tree}: {exc}",
+                               hint=f"make {tree} readable by group {SANDBOX_USER}") from exc
 
 
 def sandboxed(command: list[str], settings: FinetuneSettings, *, workdir: Path, inputs: list[Path],

@@ -57,10 +57,10 @@ STATE = "state"
 LEFT_OUT = {("run",), ("logs",), ("cache",), ("models",), ("postgres",), ("monitoring",), ("artifacts", "backups")}
 MAX_MANIFEST = 1 << 26
 MAX_EXTENDED_HEADER = 1 << 16  # a PAX or GNU long-name header: tarfile holds it in memory whole
-# Modes restored: no set-id or execute bits on files, nothing writable by group or others, and
-# nothing readable by others but the public files (appliance.home.PUBLIC_FILES). Directories keep
-# others' passage: the state dir's first level is closed to them (Home.ensure).
-FILE_MODES, PUBLIC_FILE_MODES, DIRECTORY_MODES = 0o640, 0o644, 0o755
+# Modes restored: no set-id or execute bits on files, nothing writable by group, and nothing for
+# others but reading the public files (appliance.home.PUBLIC_FILES) and passing through directories
+# to them (the directories they are in alone).
+FILE_MODES, PUBLIC_FILE_MODES, DIRECTORY_MODES = 0o640, 0o644, 0o750
 # The accounts restored files may belong to (by name); anything else is the restoring user's.
 SERVICE_ACCOUNTS = ("appliance-train", "appliance-exec", "appliance-db")
 LOCK_FILE = "backup.lock"

@@ -130,6 +130,9 @@ from appliance.supervisor import Supervisor
 sys.exit(0 if Supervisor(Home.from_env()).is_running() else 1)' 2>/dev/null; then
   fail "the appliance installed in $PREFIX is running: stop it ($PREFIX/venv/bin/appliance down), then install"
 fi
+# The software is everyone's to read (the training and execution sandboxes' users import it),
+# whatever the installing shell's umask; the appliance's own state is made private at run time.
+umask 022
 mkdir -p "$PREFIX"
 [ -x "$PREFIX/venv/bin/python" ] || "$PYTHON" -m venv "$PREFIX/venv"
 "$PREFIX/venv/bin/python" -m pip install -q --no-index --find-links "$BUNDLE/wheels" uv

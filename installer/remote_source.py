@@ -80,7 +80,7 @@ def _fetch(store: S3Store, pool: ThreadPoolExecutor, key: str, target: Path, siz
            on_bytes: Callable[[int], None]) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f".{target.name}.partial")
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         os.ftruncate(fd, size)
 

@@ -376,7 +376,7 @@ def _write_index(directory: Path, files: dict[str, list[SourceTensor]]) -> None:
     weight_map = {t.name: name for name, ts in files.items() for t in ts}
     total = sum(t.size for ts in files.values() for t in ts)
     text = json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2)
-    replace_file(directory / INDEX, text.encode(), mode=0o644)
+    replace_file(directory / INDEX, text.encode())
 
 
 def _copy_side_files(model_dir: Path, directory: Path) -> None:

@@ -29,6 +29,7 @@ from appliance import adapters
 from appliance.adapters import AdapterRecord, Alias, Registry, ServingChange, check_base
 from appliance.artifacts import ArtifactStore
 from appliance.canary import CanaryAnalysis
+from appliance.durable import replace_file
 from appliance.errors import ApplianceError, Conflict, IntegrityError
 from appliance.home import Home
 from appliance.model_refs import model_dir
@@ -223,7 +224,8 @@ class AdapterRoutes:
         directory = self.home.root / "adapters" / record.name / f"v{record.version}"
         if (directory / "adapter_config.json").is_file():
             return directory
-        directory.parent.mkdir(parents=True, exist_ok=True)
+        for level in (directory.parent.parent, directory.parent):  # the engine, the gateway's own user, reads them
+            level.mkdir(mode=0o700, exist_ok=True)
         partial = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".partial", dir=directory.parent))
         try:
             try:
@@ -237,8 +239,7 @@ class AdapterRoutes:
                 log.error("adapter artifact refused: %s", exc.one_line())
                 raise
             for name, data in files.items():
-                (partial / name).write_bytes(data)
-            partial.chmod(0o755)
+                replace_file(partial / name, data)
             try:
                 partial.rename(directory)
             except OSError:

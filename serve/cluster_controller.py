@@ -173,5 +173,4 @@ class Controller:
                                   seen_s_ago=None if math.isnan(seen) else round(now - seen, 2)))
         state = ClusterPoolState(pool=control.span.pool.name, epoch=control.epoch, ready=control.ready,
                                  why=control.why, ranks=ranks)
-        replace_file(cluster_state_file(self.home, control.span.pool.name), state.model_dump_json().encode(),
-                     mode=0o644)
+        replace_file(cluster_state_file(self.home, control.span.pool.name), state.model_dump_json().encode())

@@ -74,7 +74,7 @@ class RunProgress(BaseModel):
 
 
 def write_progress(home: Home, run_id: int, progress: RunProgress) -> None:
-    replace_file(run_dir(home, run_id) / PROGRESS_FILE, progress.model_dump_json().encode(), mode=0o644)
+    replace_file(run_dir(home, run_id) / PROGRESS_FILE, progress.model_dump_json().encode())
 
 
 def read_progress(home: Home, run_id: int) -> RunProgress | None:

@@ -204,4 +204,4 @@ def manifest_digest(home: Home, run_id: int) -> str | None:
 
 def record_manifest_digest(home: Home, run_id: int, sha256: str) -> None:
     run_dir(home, run_id).mkdir(parents=True, exist_ok=True)
-    replace_file(run_dir(home, run_id) / MANIFEST_DIGEST_FILE, sha256.encode(), mode=0o644)
+    replace_file(run_dir(home, run_id) / MANIFEST_DIGEST_FILE, sha256.encode())

@@ -80,7 +80,7 @@ class TaskSet(BaseModel):
 
 def taskset_registry(home: Home) -> JsonRegistry[dict[str, TaskSet]]:
     """The task sets by name (their files are in the artifact store: finetune.rl.tasks)."""
-    return JsonRegistry(home.root / "tasksets.json", dict[str, TaskSet], "the task-set registry", mode=0o644)
+    return JsonRegistry(home.root / "tasksets.json", dict[str, TaskSet], "the task-set registry")
 
 
 def load_tasksets(home: Home) -> dict[str, TaskSet]:

@@ -108,8 +108,9 @@ def read_beneath(top: Path, parts: tuple[str, ...], max_bytes: int) -> bytes:
 
 
 def copy_beneath(top: Path, parts: tuple[str, ...], target: Path, max_bytes: int) -> None:
-    with os.fdopen(open_beneath(top, parts, max_bytes), "rb") as found, open(target, "xb") as copy:
-        shutil.copyfileobj(found, copy)
+    with os.fdopen(open_beneath(top, parts, max_bytes), "rb") as found:
+        with os.fdopen(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), "wb") as copy:
+            shutil.copyfileobj(found, copy)
 
 
 def checked_result(workdir: Path, step: int) -> UpdateResult:
@@ -148,7 +149,7 @@ class PolicyTraining:
         self.loop, self.grpo = loop, loop.spec.grpo
         runs.check_policy_name(loop.spec, loop.settings, loop.home)
         self.directory = loop.directory / POLICY_DIR  # the worker's; the trainer writes only step-N/ in it
-        self.directory.mkdir(mode=0o755, exist_ok=True)
+        self.directory.mkdir(mode=0o700, exist_ok=True)
         self.base = checkpoint(loop.spec.base, loop.home, loop.settings, what="--base").resolve()
         self.pool = lora_pool(loop)
         self.tag = f"rl-run-{loop.run.id}"  # the registry's `dataset` of the versions this run trains
@@ -251,16 +252,16 @@ class PolicyTraining:
             return UpdateResult.model_validate_json((trained / RESULT).read_bytes())
         workdir = self.directory / f"step-{step}"
         shutil.rmtree(workdir, ignore_errors=True)  # a killed update's: its trainer starts again
-        workdir.mkdir(mode=0o755)
+        workdir.mkdir(mode=0o700)  # the sandbox's user's (prepare)
         spec = UpdateSpec(base=self.base, resume=self.trained(step) if step else None, output=workdir, step=step,
                           beta=self.grpo.beta, learning_rate=self.grpo.learning_rate, lora_rank=self.grpo.lora_rank,
                           max_answer_tokens=self.loop.spec.max_tokens, seed=self.loop.spec.seed, groups=groups)
         spec_file = self.directory / f"update-{step}.json"
-        replace_file(spec_file, spec.model_dump_json().encode(), mode=0o644)
+        replace_file(spec_file, spec.model_dump_json().encode())
         readable = [self.base, *([spec.resume] if spec.resume else [])]
         settings = self.loop.settings
         if settings.finetune.sandbox != "none":
-            prepare(workdir, [], self.base)
+            prepare(workdir, [spec_file], readable)
         command = [sys.executable, "-P", "-m", "finetune.rl.policy_update", str(spec_file)]
         train_in_child(workdir, sandboxed(command, settings.finetune, workdir=workdir, inputs=[spec_file],
                                           readable=readable),
@@ -277,14 +278,13 @@ class PolicyTraining:
         """What the next update resumes from and the adapter to serve, out of the trainer's reach."""
         partial = self.directory / f".trained-{step + 1}.partial"
         shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(mode=0o755)
+        partial.mkdir(mode=0o700)  # the next update's sandbox is let read it (prepare)
         where = (CHECKPOINTS, f"checkpoint-{step + 1}")
         config = read_beneath(workdir, (*where, "adapter_config.json"), SMALL_BYTES)
         check_adapter_config(config, self.grpo.lora_rank)
         for name in RESUME_FILES:
             copy_beneath(workdir, (*where, name), partial / name, self.max_bytes)
-            (partial / name).chmod(0o644)
-        replace_file(partial / RESULT, result.model_dump_json().encode(), mode=0o644)
+        replace_file(partial / RESULT, result.model_dump_json().encode())
         partial.rename(self.trained(step + 1))
 
     def _files(self, steps: int) -> dict[str, str]:

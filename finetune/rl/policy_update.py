@@ -162,7 +162,7 @@ def main(spec_file: Path) -> int:
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    replace_file(spec.output / RESULT, result.model_dump_json().encode(), mode=0o644)
+    replace_file(spec.output / RESULT, result.model_dump_json().encode())
     return 0
 
 

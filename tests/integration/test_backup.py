@@ -34,7 +34,7 @@ from tests.support.models import random_adapter
 from tests.support.ports import free_port
 from tests.support.records import metrics
 from tests.support.session import Running
-from tests.support.state_modes import db_user_reads, passages_closed, private_files_not_private, readable_by_db_user
+from tests.support.state_modes import db_user_reads, modes_not_private, passages_closed, readable_by_db_user
 
 pytestmark = pytest.mark.alone
 MODEL = "SmolLM2-135M-Instruct"
@@ -203,7 +203,7 @@ def test_the_restored_state_directory_gives_the_database_user_nothing_but_its_ow
     for private in (home.settings_file, jobs, home.secrets / GATEWAY_CLIENT_SECRET):
         assert private.is_file() and not db_user_reads(private), private
     assert readable_by_db_user(home) == []
-    assert passages_closed(home) == {} and private_files_not_private(home) == {}
+    assert passages_closed(home) == {} and modes_not_private(home) == {}
 
 
 def test_scheduled_backups_go_to_the_store_and_only_the_newest_are_kept(restored: Appliance) -> None:

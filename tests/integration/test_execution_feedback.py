@@ -43,6 +43,7 @@ from tests.integration.conftest import Running, client, s3_server, s3_settings
 from tests.integration.realm import Realm
 from tests.support.appliances import APPLIANCE, Appliance, make_appliance
 from tests.support.pilot import drive, rows, select_row, text, until
+from tests.support.state_modes import modes_not_private
 from tui.app import AdminApp
 
 # Its RL run starts executions as the sandbox's users.
@@ -444,3 +445,5 @@ def test_grpo_trains_a_policy_online_each_step_answered_by_the_version_the_step_
                     "--steps", "1", "--follow", timeout=600)
     assert taken.returncode == 1 and "has versions this run did not train (v1)" in taken.stdout, taken.stdout
     assert adapters.load(cli.home).aliases["coder-grpo"].stable == 3
+    # The policy's versions were shown to the next update's sandbox by its group, never to others.
+    assert modes_not_private(cli.home) == {}

@@ -23,6 +23,7 @@ from audit.writer import log_files
 from tests.integration.conftest import SESSION_SETTINGS, Running
 from tests.support.appliances import Appliance
 from tests.support.models import tiny_llama
+from tests.support.state_modes import modes_not_private
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +96,8 @@ def test_job_trains_cut_off_from_the_network_and_survives_a_killed_worker(runnin
     assert "40 steps, resumed from checkpoint-" in (job.message or "") and "gate passed" in (job.message or "")
     [record] = adapters.load(cli.home).versions("codes-job")
     assert record.state == "registered" and record.metrics.adapter_eval_loss < record.metrics.base_eval_loss
+    # What the job left (its data shown to the sandbox's group alone, checkpoints, logs) is no one else's.
+    assert modes_not_private(cli.home) == {}
 
 
 def test_a_job_making_no_progress_has_its_worker_ended_by_the_watchdog_and_resumes(running: Running,

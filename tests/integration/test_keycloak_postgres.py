@@ -45,8 +45,8 @@ from tests.support.ports import free_port
 from tests.support.session import Running
 from tests.support.state_modes import (
     db_user_reads,
+    modes_not_private,
     passages_closed,
-    private_files_not_private,
     readable_by_db_user,
 )
 
@@ -232,7 +232,7 @@ def test_the_database_user_reads_nothing_of_the_state_directory_but_its_own(on_p
     for secret_file in (home.settings_file, jobs, home.secrets / KEYCLOAK_SECRET, home.run / "supervisord.conf"):
         assert secret_file.is_file() and not db_user_reads(secret_file), secret_file
     assert readable_by_db_user(home) == []
-    assert passages_closed(home) == {} and private_files_not_private(home) == {}
+    assert passages_closed(home) == {} and modes_not_private(home) == {}
 
 
 def as_its_superuser(home: Home, data: Path, commands: list[list[str]]) -> None:

@@ -1,6 +1,6 @@
 """Checks of a real appliance's state directory as the database's system user sees it: what that
 user can open in it (it may pass through the root and run/ to its own directories), and the modes
-of the files that hold the appliance's secrets."""
+of every file and directory in it."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import subprocess
 from pathlib import Path
 
 from appliance.home import Home, public_file
+from installer.keycloak import install_dir
 from installer.postgres import as_db_user
 
 SYSTEM_PYTHON = "/usr/bin/python3"  # the virtual environment's base interpreter may be out of that user's reach
@@ -58,18 +59,22 @@ def db_user_reads(path: Path) -> bool:
     return subprocess.run(as_db_user(["cat", str(path)]), capture_output=True, check=False).returncode == 0
 
 
-def private_files_not_private(home: Home) -> dict[str, str]:
-    """Files holding the appliance's secrets or private records (settings, secrets/, SQLite
-    databases, the registries at the root) that are not 0600 or 0640; public ones excepted."""
-    candidates = [home.settings_file, *home.secrets.iterdir(), *home.root.glob("*.json"),
-                  *home.root.rglob("*.sqlite")]
+def modes_not_private(home: Home) -> dict[str, str]:
+    """Files and directories anywhere in the state directory that give others any right or let
+    their group write (anything but 0600/0640, 0700/0710/0750), public files and Keycloak's
+    installed distribution (programs, anyone's to read) excepted."""
+    programs = install_dir(home)
     wrong = {}
-    for path in candidates:
-        relative = path.relative_to(home.root).as_posix()
-        if path.is_file() and not public_file(relative):
-            mode = stat.S_IMODE(path.stat().st_mode)
-            if mode not in (0o600, 0o640):
-                wrong[relative] = oct(mode)
+    for directory, subdirs, files in os.walk(home.root):
+        subdirs[:] = [name for name in subdirs if Path(directory, name) != programs]
+        for name in [*subdirs, *files]:
+            path = Path(directory, name)
+            relative = path.relative_to(home.root).as_posix()
+            with contextlib.suppress(FileNotFoundError):  # made and gone meanwhile (a temporary file)
+                status = path.lstat()
+                kind = stat.S_ISDIR(status.st_mode) or stat.S_ISREG(status.st_mode) and not public_file(relative)
+                if kind and stat.S_IMODE(status.st_mode) & 0o027:
+                    wrong[relative] = oct(stat.S_IMODE(status.st_mode))
     return wrong
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import stat
 import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -315,3 +316,8 @@ def test_requests_finding_a_version_unloaded_at_once_each_get_its_files(routes: 
         found = list(threads.map(lambda _: routes._materialize(record), range(8)))
     assert len(set(found)) == 1 and (found[0] / "adapter_model.safetensors").read_bytes() == b"weights"
     assert sorted(p.name for p in found[0].parent.iterdir()) == ["v2"]
+    # The engine, the gateway's own user, reads them: no one else does (whatever the process's umask).
+    modes = {path.relative_to(routes.home.root).as_posix(): stat.S_IMODE(path.stat().st_mode)
+             for path in [found[0].parent.parent, found[0].parent, found[0], *found[0].iterdir()]}
+    assert modes == {"adapters": 0o700, "adapters/codes": 0o700, "adapters/codes/v2": 0o700,
+                     **{f"adapters/codes/v2/{p.name}": 0o600 for p in found[0].iterdir()}}

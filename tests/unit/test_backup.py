@@ -93,6 +93,9 @@ def test_restore_gives_back_the_state_and_leaves_out_what_is_made_again(state: H
         assert before[name][0] == data or name.endswith(".sqlite"), name
     assert after["tls/organisation.pem"][1] == 0o644 and after["tasksets.json"][1] == 0o640
     assert (target / "secrets").stat().st_mode & 0o777 == 0o700
+    opened = {d.relative_to(target).as_posix(): oct(d.stat().st_mode & 0o777) for d in target.rglob("*")
+              if d.is_dir() and d.stat().st_mode & 0o027}
+    assert opened == {}, "no directory lets others in or the group write, wherever it was open"
     assert verify(target / "audit", verification_key(Home(target))).records == 12
     with sqlite3.connect(target / "batches.sqlite") as db:
         assert db.execute("select count(*) from requests").fetchone() == (100,)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -86,8 +87,10 @@ def test_a_job_reaches_only_its_own_files(layout: Path) -> None:
     host.bind(("127.0.0.1", 0))
     host.listen()
     try:
-        (layout / "model" / "config.json").chmod(0o600)  # as checkpoints are often saved
-        prepare(workdir, inputs, layout / "model")
+        # As the appliance makes its own files (umask 077) and checkpoints are often saved.
+        for private in (layout / "model", layout / "model" / "config.json", *inputs):
+            private.chmod(0o700 if private.is_dir() else 0o600)
+        prepare(workdir, inputs, [layout / "model"])
         command = sandboxed([sys.executable, "-I", str(workdir / "probe.py"), str(layout), str(host.getsockname()[1])],
                             FinetuneSettings(sandbox_memory_gib=1, sandbox_max_processes=64), workdir=workdir,
                             inputs=inputs, readable=[layout / "model"])
@@ -110,6 +113,9 @@ def test_a_job_reaches_only_its_own_files(layout: Path) -> None:
     if os.geteuid() == 0:
         assert found["uid"] == sandbox_user().pw_uid, f"runs as {SANDBOX_USER}"
     assert (workdir / "out.txt").read_text() == "x"
+    if os.geteuid() == 0:  # the input shown to the sandbox's group alone, still the appliance's
+        shown = inputs[0].stat()
+        assert (stat.S_IMODE(shown.st_mode), shown.st_uid, shown.st_gid) == (0o640, 0, sandbox_user().pw_gid)
 
 
 def test_no_sandbox_when_told_and_a_clear_error_without_bubblewrap(layout: Path, monkeypatch: pytest.MonkeyPatch

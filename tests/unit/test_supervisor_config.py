@@ -25,6 +25,7 @@ def test_config_parses_and_keeps_processes_in_groups(home: Home) -> None:
     assert parser["unix_http_server"]["chmod"] == "0700"
     assert parser["unix_http_server"]["file"] == str(home.run / "supervisor.sock")
     assert "inet_http_server" not in parser, "supervisord must not listen on TCP"
+    assert parser["supervisord"]["umask"] == "077", "what supervisord and its programs make is theirs alone"
 
 
 def test_environment_round_trips_through_supervisors_parser(home: Home) -> None:
