@@ -22,7 +22,16 @@ then no one gets in. Here:
 - served on a network address, it speaks HTTPS only (serve.https: the certificates, renewed and
   swapped in while it serves);
 - the process raises its file-descriptor limit to the hard limit (supervisord's `minfds` raises
-  that of every program it runs), so the cap, not the limit, decides.
+  that of every program it runs), so the cap, not the limit, decides;
+- a connection's kernel receive buffer stays small (NARROW_WINDOW) until the app has taken more
+  than WIDE_AFTER bytes of a request body, and its TLS layer pauses reading past
+  TLS_READ_HIGH_WATER: uvloop's TLS layer reads whatever the kernel holds (up to 256 KiB a read)
+  into a buffer of the connection's own and decrypts it into another, also while it discards the
+  body of a request answered from its headers (a 401, a 413) before closing, so with the kernel's
+  autotuned buffer a flood of anonymous bodies held about 0.6 MiB a connection; a body the app
+  takes is read with the kernel's largest window;
+- blocks of 128 KiB or more are mapped on their own and given back to the system when freed
+  (`give_back_large_blocks`).
 
 supervisord runs `python -m serve.listener`.
 """
@@ -30,6 +39,8 @@ supervisord runs `python -m serve.listener`.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import itertools
 import logging
 import resource
@@ -49,6 +60,12 @@ from serve.slow_clients import SlowClients
 log = logging.getLogger("appliance.gateway")
 FD_RESERVE = 128  # descriptors kept for the log, engines, Keycloak and the audit writer
 MAX_PIPELINED = 16  # requests a connection may queue behind the one being answered
+NARROW_WINDOW = 16384  # SO_RCVBUF of a connection until the app takes a body (Linux doubles it)
+WIDE_AFTER = 262144  # body bytes received for one request (the app took most: uvicorn stops at 64 KiB unread)
+WIDE_WINDOW = 1 << 30  # SO_RCVBUF once it has: the kernel caps it at net.core.rmem_max
+TLS_READ_HIGH_WATER = 65536  # bytes the TLS layer holds undecrypted while the app is not reading
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+LARGE_BLOCK = 131072  # glibc's initial mmap threshold, kept
 
 # Connections still waiting for their request headers, and connections receiving a request body,
 # oldest first (one server per process).
@@ -70,9 +87,14 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     _begun = False  # bytes of the awaited request have arrived (else: an idle kept-alive connection)
     _body_started = 0.0
     _body_bytes = 0
+    _wide = False  # the connection's receive window is the kernel's largest
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._set_window(NARROW_WINDOW)
+        tls_limits = getattr(transport, "set_read_buffer_limits", None)  # a TLS transport's (uvloop's)
+        if tls_limits is not None:
+            tls_limits(high=TLS_READ_HIGH_WATER)
         self._await_headers()
         self._begun = True  # a connection that opens and sends nothing is a slow client too
         if len(self.connections) > self.max_connections:
@@ -96,7 +118,15 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_body(self, body: bytes) -> None:
         self._body_bytes += len(body)
+        if not self._wide and self._body_bytes > WIDE_AFTER and not self.cycle.response_complete:
+            self._wide = True
+            self._set_window(WIDE_WINDOW)
         super().on_body(body)
+
+    def _set_window(self, size: int) -> None:
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, size)
 
     def on_message_complete(self) -> None:
         self._body_arrived()
@@ -190,11 +220,24 @@ def raise_fd_limit() -> int:
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
+def give_back_large_blocks() -> bool:
+    """Keep glibc's mmap threshold at its initial 128 KiB; whether it was set (not glibc: no).
+
+    glibc raises the threshold to the size of each mapped block it frees (up to 32 MiB); past
+    that, request bodies and TLS buffers come from the heap and stay with the process when freed
+    (a flood of bodies kept ~60 MiB of 130). A fixed threshold keeps them mapped, given back when
+    freed."""
+    name = ctypes.util.find_library("c")
+    mallopt = getattr(ctypes.CDLL(name), "mallopt", None) if name else None
+    return mallopt is not None and bool(mallopt(M_MMAP_THRESHOLD, LARGE_BLOCK))
+
+
 def main() -> None:
     home = Home.from_env()
     settings = load_settings(home.settings_file)
     gateway = settings.gateway
     descriptors = raise_fd_limit()
+    give_back_large_blocks()
     GuardedHttpToolsProtocol.header_timeout_s = gateway.header_timeout_s
     GuardedHttpToolsProtocol.body_timeout_s = gateway.body_timeout_s
     GuardedHttpToolsProtocol.body_min_rate = gateway.body_min_rate
