@@ -6,7 +6,6 @@ asked for; nothing reaches Keycloak, and the connection closes."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import httpx
 from hypothesis import given, settings
@@ -27,7 +26,7 @@ def path_of(route: Route) -> str:
     return f"/realms/appliance/{CONCRETE.get(route.path.pattern, route.path.pattern)}"
 
 
-def request(route: Route, headers: list[tuple[bytes, bytes]], chunks: list[bytes]) -> tuple[dict[str, Any], int]:
+def request(route: Route, headers: list[tuple[bytes, bytes]], chunks: list[bytes]) -> tuple[Message, int]:
     """`route` asked through the published app, its body given in `chunks` as the app asks for
     them: the answer's start and how many chunks the app asked for."""
     seen: list[httpx.Request] = []
