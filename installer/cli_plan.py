@@ -10,10 +10,11 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from appliance.errors import ApplianceError
+from appliance.errors import ApplianceError, Invalid
 from appliance.home import Home
 from appliance.records import HardwareProfile, Plan, PlanLayout
 from appliance.settings import PoolSettings, load_settings
+from installer import cli_plan_train
 from installer.hardware import detect, load_profile, parse_hardware_spec
 from installer.memory import GIB
 from installer.model_config import load_model_config
@@ -47,10 +48,31 @@ def plan_command(
     pool: Annotated[str, typer.Option(help="The pool the printed launch is for (its settings, if configured).")]
     = "main",
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan record as JSON.")] = False,
+    train: Annotated[str | None, typer.Option(help="Size a sharded training run instead: 'lora' or 'qlora' "
+                                                   "(FSDP2 over every rank).")] = None,
+    rank: Annotated[int, typer.Option(help="--train: LoRA's rank.")] = 8,
+    seq_len: Annotated[int, typer.Option(help="--train: tokens per training row.")] = 512,
+    batch: Annotated[int, typer.Option(help="--train: rows per micro-batch on each rank.")] = 4,
+    targets: Annotated[str | None, typer.Option(help="--train: where adapters go, comma-separated: attention, "
+                                                     "mlp, shared_experts, routed_experts (default: all but "
+                                                     "routed_experts, as the trainer's all-linear).")] = None,
+    processes: Annotated[int | None, typer.Option(help="--train on CPU hosts: ranks per host (they share its "
+                                                       "RAM; default 1).")] = None,
 ) -> None:
     """Plan TP x PP x DP x EP for MODEL; exit 0 with a feasible plan, 3 when none fits. The launch
     printed for a one-host plan is what `appliance up` runs for a pool that names it; across hosts,
-    the head fills in each rank's cluster address, interface and (on workers) paths at join."""
+    the head fills in each rank's cluster address, interface and (on workers) paths at join.
+    With --train, the smallest layout that trains an adapter on MODEL instead, and why smaller
+    ones do not fit."""
+    if train is not None:
+        serving = [name for name, value in (("--tp", tp), ("--pp", pp), ("--dp", dp), ("--ep/--no-ep", ep),
+                                            ("--format", format), ("--speculative", speculative)) if value is not None]
+        if serving:
+            raise Invalid(f"{', '.join(serving)}: serving options; --train sizes its own FSDP layout")
+        spec = cli_plan_train.train_spec(train, rank, seq_len, batch, targets)
+        cli_plan_train.run(load_model_config(model), _hardware(profile, detect_here, hardware), spec,
+                           ranks_per_host=processes, as_json=as_json, no_plan_exit=NO_PLAN_EXIT)
+        return
     shape, site = load_model_config(model), _site(pool)
     record = plan(shape, _hardware(profile, detect_here, hardware), context=context,
                   concurrency=concurrency, fmt=format, pins=Pins(tp=tp, pp=pp, dp=dp, ep=ep),
