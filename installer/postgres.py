@@ -300,7 +300,9 @@ def postgres_program(home: Home, port: int, start_nice: int) -> Program:
                "-c", "unix_socket_permissions=0700", "-c", "password_encryption=scram-sha-256",
                "-c", "log_connections=off", "-c", "max_connections=50"]
     return Program(name="postgres", command=command, port=port, priority=5, startsecs=1, stopwaitsecs=30,
-                   stop_signal="INT", start_timeout_s=60, start_nice=start_nice, urls={"database": f"postgresql://127.0.0.1:{port}"})
+                   stop_signal="INT", start_timeout_s=60, start_nice=start_nice,
+                   # Whom it serves, no password (the gateway's probe asks as Keycloak's role: serve.dependencies).
+                   urls={"database": f"postgresql://{KEYCLOAK_ROLE}@127.0.0.1:{port}/{KEYCLOAK_DATABASE}"})
 
 
 def jdbc_url(keycloak: KeycloakSettings) -> str:

@@ -50,6 +50,7 @@ from serve.audit_trail import AuditMiddleware, Transcript, note_target
 from serve.auth import Introspector, Principal, TokenValidator
 from serve.canary import Ended
 from serve.compliance import AnswerFilter, Compliance, Marks
+from serve.dependencies import DependencyProbes
 from serve.deps import ChatUser
 from serve.engine import ENGINE_KEY_SECRET, spanning_pools
 from serve.errors import AuthError, GatewayError, ModelNotFound, from_core, validation_error
@@ -156,8 +157,11 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
             SlowClients.closed = _slow_client_accounting(writer, refusals, metrics)
             await validator.try_refresh_keys()  # Keycloak may still be starting
             await upstreams.replicas.check()  # which engines answer, before the first request
+            # A client of its own: a stopped Keycloak holds no connection the keys are fetched on.
+            probe_http = await stack.enter_async_context(keycloak_client(keycloak_trust, connect_s))
             async with anyio.create_task_group() as tasks:
                 tasks.start_soon(upstreams.replicas.watch)
+                tasks.start_soon(dependencies.watch, probe_http)  # Keycloak and its PostgreSQL answer
                 tasks.start_soon(_keys_until_fetched, validator)
                 tasks.start_soon(app.state.gateway.keys.warm)  # API keys' owners, once Keycloak answers
                 tasks.start_soon(_checkpoint_timer, writer, settings.audit.checkpoint_interval_s)
@@ -191,6 +195,8 @@ def create_app(settings: Settings, home: Home) -> FastAPI:
     metrics.registry.register(StateCollector(home, writer, settings.gateway.certificate))
     metrics.registry.register(Reused(QueueCollector(home)))
     metrics.registry.register(Reused(ProgramCollector(home)))
+    dependencies = DependencyProbes(home)
+    metrics.registry.register(dependencies)
     metrics.registry.register(ClusterCollector(home, _spanning(settings)))
     metrics.registry.register(Reused(GpuCollector(home, settings.monitoring.nvml_library)))
     app = FastAPI(title="appliance gateway", version="1", lifespan=lifespan)

@@ -32,6 +32,7 @@ from appliance.settings import MonitoringSettings, Settings
 from appliance.tls import ensure_ca, ensure_server_certificate
 from audit import AuditEvent, AuditUnavailable, AuditWriter
 from installer import monitoring
+from serve.dependencies import DependencyProbes
 from serve.engine_metrics import relabelled
 from serve.metrics import ClusterCollector, Metrics, ProgramCollector, QueueCollector, StateCollector
 from tests.support.certificates import serve_tls
@@ -57,6 +58,7 @@ def exported(home: Home) -> set[str]:
     metrics.registry.register(QueueCollector(home))
     metrics.registry.register(ClusterCollector(home, []))
     metrics.registry.register(ProgramCollector(home))  # supervisord not running: its families, empty
+    metrics.registry.register(DependencyProbes(home))  # nothing probed yet: its families, empty
     text = generate_latest(metrics.registry).decode() + relabelled([]).decode()  # /metrics and /metrics/engines
     text += gpu_metrics(home.root, build_fake_nvml(home.root))
     return {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")}

@@ -1,0 +1,181 @@
+"""Probes of what logins depend on, for the metrics: the embedded Keycloak's readiness and the
+PostgreSQL the appliance supervises for it.
+
+supervisord's RUNNING says a process exists, not that it answers: a stopped (SIGSTOP) or wedged
+Keycloak, or one that lost its database, stays RUNNING. Every PROBE_INTERVAL_S the gateway asks:
+- `keycloak`: its management interface's /health/ready (the `keycloak` program's health URL),
+  200 with status UP;
+- `keycloak_database`: that answer's database check (Keycloak's own connection to its database,
+  the supervised PostgreSQL or the organisation's), known only when Keycloak answered;
+- `postgres`: the supervised server's answer to a connection on its loopback port, as pg_isready
+  asks: a startup packet for Keycloak's role and database, up when the server asks for the
+  password (no password is sent: the server logs nothing for a client that leaves there), down on
+  no answer or "the database system is starting up" (or shutting down, or in recovery).
+Each probe ends after PROBE_TIMEOUT_S whatever the other side does. Only the programs the last `up`
+started are probed: an external Keycloak or PostgreSQL is the organisation's to watch (its
+management interface and its server are not reached from here; the embedded Keycloak's database
+check covers an external PostgreSQL), and a program not ours has no series, so no alert.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import time
+import urllib.parse
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import anyio
+import httpx
+from anyio.streams.buffered import BufferedByteReceiveStream
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from appliance.home import Home
+from appliance.lifecycle import started_programs
+from appliance.programs import Program
+
+log = logging.getLogger("appliance.gateway")
+PROBE_INTERVAL_S = 5.0
+PROBE_TIMEOUT_S = 3.0
+PROTOCOL_3 = 196608  # the startup packet's protocol version, 3.0
+CANNOT_CONNECT_NOW = "57P03"  # starting up, shutting down, in recovery: not accepting connections
+MAX_ANSWER_BYTES = 4096
+
+
+@dataclass
+class Probe:
+    up: bool
+    last_up_at: float | None  # Unix time of the last probe that passed; None: none yet
+
+
+class DependencyProbes(Collector):
+    """The latest probe of each dependency (written by `watch`, read at each scrape)."""
+
+    def __init__(self, home: Home) -> None:
+        self.home = home
+        self._probes: dict[str, Probe] = {}
+
+    async def watch(self, keycloak: httpx.AsyncClient) -> None:
+        """Probe every PROBE_INTERVAL_S, as long as the gateway runs (`keycloak`: a client of its
+        own, which trusts the embedded Keycloak's certificate)."""
+        while True:
+            await self.probe(keycloak)
+            await anyio.sleep(PROBE_INTERVAL_S)
+
+    async def probe(self, http: httpx.AsyncClient) -> None:
+        """Probe each dependency the last `up` started, all at once, each for at most PROBE_TIMEOUT_S."""
+        programs = {program.name: program for program in await anyio.to_thread.run_sync(started_programs, self.home)}
+        results: dict[str, bool | None] = {}
+
+        async def keycloak(program: Program) -> None:
+            results["keycloak"], results["keycloak_database"] = await _keycloak_ready(http, program)
+
+        async def postgres(target: tuple[str, int, str, str]) -> None:
+            results["postgres"] = await _postgres_answers(*target)
+
+        async with anyio.create_task_group() as probes:
+            if (found := programs.get("keycloak")) is not None and found.health_url:
+                probes.start_soon(keycloak, found)
+            if (found := programs.get("postgres")) is not None and (target := _database_target(found)):
+                probes.start_soon(postgres, target)
+        now = time.time()
+        probes_now: dict[str, Probe] = {}
+        for name, up in results.items():
+            if up is None:
+                continue
+            before = self._probes.get(name)
+            probes_now[name] = Probe(up, now if up else before.last_up_at if before else None)
+        self._probes = probes_now
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily("appliance_dependency_up", "Whether a dependency the appliance runs answered its "
+                               "latest probe (keycloak: /health/ready; keycloak_database: Keycloak's database "
+                               "check; postgres: a connection answered). No series: not probed.",
+                               labels=["dependency"])
+        last = GaugeMetricFamily("appliance_dependency_last_up_timestamp_seconds", "When a dependency last "
+                                 "answered its probe (Unix time; no series: not since the gateway started).",
+                                 labels=["dependency"])
+        for name, probe in sorted(self._probes.items()):
+            up.add_metric([name], float(probe.up))
+            if probe.last_up_at is not None:
+                last.add_metric([name], probe.last_up_at)
+        yield from (up, last)
+
+
+async def _keycloak_ready(http: httpx.AsyncClient, program: Program) -> tuple[bool, bool | None]:
+    """Whether Keycloak is ready, and whether its database check passed (None: not said)."""
+    assert program.health_url is not None
+    try:
+        with anyio.fail_after(PROBE_TIMEOUT_S):
+            answer = await http.get(program.health_url)
+            body = answer.json() if answer.status_code in (200, 503) else {}
+    except (TimeoutError, httpx.HTTPError, ValueError) as exc:
+        log.info("Keycloak's readiness probe failed: %s", exc or type(exc).__name__)
+        return False, None
+    return answer.status_code == 200 and _status(body) == "UP", _database_check(body)
+
+
+def _status(body: object) -> str | None:
+    return body.get("status") if isinstance(body, dict) else None
+
+
+def _database_check(body: object) -> bool | None:
+    """The status of the check Keycloak names for its database ("Keycloak database connections
+    health check"), if its answer has one."""
+    checks = body.get("checks") if isinstance(body, dict) else None
+    for check in checks if isinstance(checks, list) else []:
+        if isinstance(check, dict) and "database" in str(check.get("name", "")).lower():
+            return check.get("status") == "UP"
+    return None
+
+
+def _database_target(program: Program) -> tuple[str, int, str, str] | None:
+    """Host, port, role and database of the supervised server, from its program's database URL
+    (postgresql://ROLE@127.0.0.1:PORT/DATABASE); None if it names no role or database."""
+    url = urllib.parse.urlsplit(program.urls.get("database", ""))
+    try:
+        port = url.port
+    except ValueError:
+        return None
+    database = url.path.removeprefix("/")
+    if url.scheme != "postgresql" or not url.hostname or port is None or not url.username or not database:
+        return None
+    return url.hostname, port, url.username, database
+
+
+async def _postgres_answers(host: str, port: int, role: str, database: str) -> bool:
+    """Whether the server answers a connection as one accepting them (pg_isready's question)."""
+    try:
+        with anyio.fail_after(PROBE_TIMEOUT_S):
+            async with await anyio.connect_tcp(host, port) as stream:
+                await stream.send(startup_packet(role, database))
+                answer = BufferedByteReceiveStream(stream)
+                kind, length = struct.unpack("!cI", await answer.receive_exactly(5))
+                if kind not in (b"R", b"E"):  # not PostgreSQL's first answer: what follows does not matter
+                    return False
+                body = await answer.receive_exactly(min(max(length - 4, 0), MAX_ANSWER_BYTES))
+    except (TimeoutError, OSError, anyio.BrokenResourceError, anyio.EndOfStream, anyio.IncompleteRead) as exc:
+        log.info("PostgreSQL's probe on %s:%d failed: %s", host, port, exc or type(exc).__name__)
+        return False
+    return accepting(kind, body)
+
+
+def startup_packet(role: str, database: str) -> bytes:
+    """Protocol 3.0's first message: its length, the version, then name/value pairs, NUL-ended."""
+    pairs = b"".join(f"{name}\0{value}\0".encode() for name, value in (("user", role), ("database", database)))
+    body = struct.pack("!I", PROTOCOL_3) + pairs + b"\0"
+    return struct.pack("!I", len(body) + 4) + body
+
+
+def accepting(kind: bytes, body: bytes) -> bool:
+    """Whether the server's first answer says it accepts connections: it asks for authentication
+    ('R'), or refuses with anything but "cannot connect now" (this login is refused, but the server
+    works: as pg_isready judges)."""
+    if kind == b"R":
+        return True
+    if kind != b"E":
+        return False
+    fields = {part[:1]: part[1:] for part in body.split(b"\0") if part}
+    return fields.get(b"C") != CANNOT_CONNECT_NOW.encode()
