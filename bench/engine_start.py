@@ -38,7 +38,7 @@ from appliance.engine_launch import engine_socket
 from appliance.home import HOME_ENV, Home
 from appliance.secrets import secret
 from appliance.settings import Settings, load_settings
-from installer.keycloak import install_dir
+from installer.keycloak_dist import install_dir
 from installer.realm import BOOTSTRAP_SECRET
 from serve.engine import build_launch
 

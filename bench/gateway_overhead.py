@@ -55,7 +55,7 @@ from appliance.home import HOME_ENV, Home
 from appliance.secrets import secret
 from appliance.settings import load_settings
 from appliance.tls import keycloak_ssl
-from installer.keycloak import install_dir
+from installer.keycloak_dist import install_dir
 from installer.realm import BOOTSTRAP_SECRET
 
 RESULTS = Path(__file__).parent / "results" / "gateway_overhead.json"

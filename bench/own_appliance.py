@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from appliance.home import HOME_ENV, Home
-from installer.keycloak import install_dir
+from installer.keycloak_dist import install_dir
 from tests.support.ports import free_port
 
 APPLIANCE = str(Path(sys.executable).with_name("appliance"))

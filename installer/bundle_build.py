@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from appliance.engine_build import REQUIREMENT_LISTS, Engine
 from appliance.home import Home
-from installer import demo_model, keycloak
+from installer import demo_model, keycloak_dist
 from installer.bundle import BundleError, seal
 
 PROJECT = Path(__file__).resolve().parent.parent  # the checkout the bundle is built from
@@ -63,8 +63,8 @@ def build(out: Path, home: Home, key: Ed25519PrivateKey, *, engine: Engine, mode
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--disable-pip-version-check", "-q",
           "-w", str(partial / "wheels"), str(PROJECT)], "pip wheel")
 
-    on_step(f"Keycloak {keycloak.VERSION} (SHA-256 checked)")
-    zip_path = keycloak.fetch(home)
+    on_step(f"Keycloak {keycloak_dist.VERSION} (SHA-256 checked)")
+    zip_path = keycloak_dist.fetch(home)
     shutil.copy2(zip_path, partial / "keycloak" / zip_path.name)
 
     source = model or demo_model.prepare(home)[0]

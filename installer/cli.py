@@ -15,7 +15,7 @@ from appliance.engine_build import engine_cuda_version, installed_engine
 from appliance.home import Home
 from appliance.records import HardwareProfile, Host
 from appliance.settings import Settings, load_settings
-from installer import demo_model, hardware, keycloak, preflight
+from installer import demo_model, hardware, keycloak, keycloak_dist, preflight
 
 model_app = typer.Typer(help="Models on this host.", no_args_is_help=True)
 out = Console()
@@ -49,8 +49,9 @@ def keycloak_install() -> None:
     home = Home.from_env().ensure()
     settings = load_settings(home.settings_file)
     java = keycloak.java_home(settings.keycloak)
-    path, made = keycloak.install(home, java, keycloak.build_options(settings.keycloak))
-    out.print(f"keycloak {keycloak.VERSION} {'installed and built' if made else 'already installed and built'}: {path}")
+    path, made = keycloak_dist.install(home, java, keycloak_dist.build_options(settings.keycloak))
+    done = "installed and built" if made else "already installed and built"
+    out.print(f"keycloak {keycloak_dist.VERSION} {done}: {path}")
     out.print(f"java: {java} ({keycloak.java_version(java)})")
 
 
@@ -147,7 +148,7 @@ def _java_home(settings: Settings) -> str | None:
     """The JDK Keycloak would use; else the configured one (to report it missing), else None."""
     try:
         return str(keycloak.java_home(settings.keycloak))
-    except keycloak.KeycloakError:
+    except keycloak_dist.KeycloakError:
         return settings.keycloak.java_home
 
 

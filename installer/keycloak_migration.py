@@ -21,7 +21,7 @@ from appliance.errors import Conflict
 from appliance.home import Home
 from appliance.settings import KeycloakSettings
 from installer import postgres
-from installer.keycloak import BUILD_OPTIONS, POSTGRES_BUILD_OPTIONS, KeycloakError, build, data_dir, install_dir
+from installer.keycloak_dist import BUILD_OPTIONS, POSTGRES_BUILD_OPTIONS, KeycloakError, build, data_dir, install_dir
 
 HEAP = "-Xms64m -Xmx768m"
 

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import settings
 
 from appliance.home import Home
-from installer.keycloak import install_dir
+from installer.keycloak_dist import install_dir
 from tests.support.session import stop_session_appliance
 from tests.support.shared import SHARED_ENV, WAITS, locked, shared_dir
 

@@ -25,7 +25,7 @@ from appliance.records import config_sha256
 from appliance.secrets import GATEWAY_CLIENT_SECRET, secret
 from appliance.settings import load_settings
 from finetune.adapters import register
-from installer.keycloak import data_dir, install_dir
+from installer.keycloak_dist import data_dir, install_dir
 from installer.postgres import postgres_made
 from installer.realm import BOOTSTRAP_SECRET
 from tests.integration.realm import Realm

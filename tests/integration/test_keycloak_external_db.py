@@ -20,7 +20,8 @@ import pytest
 from appliance.home import Home
 from appliance.settings import KeycloakSettings, Settings
 from appliance.tls import ca_file
-from installer.keycloak import install_dir, keycloak_programs
+from installer.keycloak import keycloak_programs
+from installer.keycloak_dist import install_dir
 from tests.support.certificates import organisation_chain
 from tests.support.external_postgres import ExternalPostgres, external_postgres
 from tests.support.ports import free_port

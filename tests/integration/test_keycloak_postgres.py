@@ -25,7 +25,7 @@ from appliance.home import Home
 from appliance.secrets import secret
 from appliance.settings import load_settings
 from appliance.supervisor import Supervisor
-from installer.keycloak import data_dir
+from installer.keycloak_dist import data_dir
 from installer.postgres import (
     DB_USER,
     KEYCLOAK_DATABASE,

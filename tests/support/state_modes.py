@@ -12,7 +12,7 @@ import subprocess
 from pathlib import Path
 
 from appliance.home import Home, public_file
-from installer.keycloak import install_dir
+from installer.keycloak_dist import install_dir
 from installer.postgres import as_db_user
 
 SYSTEM_PYTHON = "/usr/bin/python3"  # the virtual environment's base interpreter may be out of that user's reach

@@ -17,7 +17,7 @@ from appliance.errors import Conflict
 from appliance.home import Home
 from appliance.settings import KeycloakSettings
 from installer import keycloak_migration, postgres
-from installer.keycloak import KeycloakError, install_dir
+from installer.keycloak_dist import KeycloakError, install_dir
 
 KC = '''#!/bin/sh
 echo "$@" >> "$(dirname "$0")/calls"

@@ -8,14 +8,8 @@ from appliance.errors import SettingsError, StateError
 from appliance.home import Home
 from appliance.settings import KeycloakSettings, Settings, load_settings
 from appliance.tls import server_files
-from installer.keycloak import (
-    BUILD_OPTIONS,
-    POSTGRES_BUILD_OPTIONS,
-    KeycloakError,
-    build,
-    install_dir,
-    keycloak_programs,
-)
+from installer.keycloak import keycloak_programs
+from installer.keycloak_dist import BUILD_OPTIONS, POSTGRES_BUILD_OPTIONS, KeycloakError, build, install_dir
 from installer.realm import provision
 
 
