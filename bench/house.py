@@ -1,9 +1,12 @@
 """The size of the house at two revisions: modules and lines per top-level package, the largest
 file and the largest function, read with `ast` from git (the base) and from the working tree.
 
-    python -m bench.house [--base 72fff8d] [--head REV] [--out bench/results/house.json]
+    python -m bench.house [--base 72fff8d] [--head REV] [--out bench/results/house.json] [--doc]
 
 Without --head the second side is the working tree as it is now, uncommitted changes included.
+--doc (with --head: two commits, so anyone can measure them again) rewrites the table in the design
+docs (docs/design/README.md, between its markers); tests/unit/test_house_doc.py measures the two
+revisions the table names again and fails where the table says otherwise.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import re
 import subprocess
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -19,6 +23,10 @@ PROJECT = Path(__file__).resolve().parent.parent
 PACKAGES = ("appliance", "audit", "serve", "finetune", "installer", "tui", "bench", "tests")
 DEFAULT_BASE = "72fff8d"  # the tree before the round of work that split the largest modules
 RESULTS = PROJECT / "bench" / "results" / "house.json"
+DOC = PROJECT / "docs" / "design" / "README.md"
+# The design docs' table between its markers; the first names the revisions it measured.
+DOC_TABLE = re.compile(r"<!-- size table: python -m bench\.house --base (\S+) --head (\S+) --doc -->\n"
+                       r".*?<!-- size table: end -->", re.S)
 
 
 @dataclass
@@ -80,11 +88,19 @@ def _git(*args: str) -> str:
 
 
 def measure_revision(revision: str) -> House:
-    """The house as committed at `revision`."""
+    """The house as committed at `revision`, its files read through one `git cat-file --batch`."""
     house = House(revision=_git("rev-parse", "--short", revision).strip())
-    for path in _git("ls-tree", "-r", "--name-only", revision, "--", *PACKAGES).splitlines():
-        if path.endswith(".py"):
-            house.add(path, _git("show", f"{revision}:{path}"))
+    paths = [path for path in _git("ls-tree", "-r", "--name-only", revision, "--", *PACKAGES).splitlines()
+             if path.endswith(".py")]
+    asked = "".join(f"{revision}:{path}\n" for path in paths).encode()
+    batch = subprocess.run(["git", "cat-file", "--batch"], input=asked, capture_output=True, check=True,
+                           cwd=PROJECT).stdout
+    at = 0
+    for path in paths:  # each answer: "<object> blob <size>\n", the bytes, "\n"
+        header_end = batch.index(b"\n", at)
+        size = int(batch[at:header_end].split()[2])
+        house.add(path, batch[header_end + 1:header_end + 1 + size].decode())
+        at = header_end + 1 + size + 1
     return house
 
 
@@ -114,17 +130,35 @@ def table(base: House, head: House) -> str:
     return "\n".join(rows)
 
 
+def doc_table(base: House, head: House) -> str:
+    """The design docs' table of two commits, between markers that name them."""
+    return (f"<!-- size table: python -m bench.house --base {base.revision} --head {head.revision} --doc -->\n\n"
+            f"{table(base, head)}\n\n<!-- size table: end -->")
+
+
+def write_doc(base: House, head: House, doc: Path = DOC) -> None:
+    text = doc.read_text()
+    if len(DOC_TABLE.findall(text)) != 1:
+        raise SystemExit(f"{doc}: no single size table between its markers (see DOC_TABLE in bench/house.py)")
+    doc.write_text(DOC_TABLE.sub(lambda _: doc_table(base, head), text))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--base", default=DEFAULT_BASE, help="the earlier revision")
     parser.add_argument("--head", help="the later revision (default: the working tree)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the JSON goes")
+    parser.add_argument("--doc", action="store_true", help=f"rewrite the table in {DOC.relative_to(PROJECT)}")
     args = parser.parse_args()
+    if args.doc and not args.head:
+        parser.error("--doc needs --head REV: the docs' table names two commits, which anyone can measure again")
     base = measure_revision(args.base)
     head = measure_revision(args.head) if args.head else measure_worktree()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"base": asdict(base), "head": asdict(head)}, indent=2) + "\n")
     print(table(base, head))
+    if args.doc:
+        write_doc(base, head)
 
 
 if __name__ == "__main__":
