@@ -2,19 +2,19 @@
 PostgreSQL the appliance supervises for it.
 
 supervisord's RUNNING says a process exists, not that it answers: a stopped (SIGSTOP) or wedged
-Keycloak, or one that lost its database, stays RUNNING. Every PROBE_INTERVAL_S the gateway asks:
+Keycloak or PostgreSQL stays RUNNING. Every PROBE_INTERVAL_S the gateway asks:
 - `keycloak`: its management interface's /health/ready (the `keycloak` program's health URL),
   200 with status UP;
-- `keycloak_database`: that answer's database check (Keycloak's own connection to its database,
-  the supervised PostgreSQL or the organisation's), known only when Keycloak answered;
 - `postgres`: the supervised server's answer to a connection on its loopback port, as pg_isready
   asks: a startup packet for Keycloak's role and database, up when the server asks for the
   password (no password is sent: the server logs nothing for a client that leaves there), down on
   no answer or "the database system is starting up" (or shutting down, or in recovery).
+PostgreSQL is asked directly rather than through Keycloak's database check: Keycloak reports that
+check only when built with metrics enabled, which the appliance's Keycloak is not.
 Each probe ends after PROBE_TIMEOUT_S whatever the other side does. Only the programs the last `up`
 started are probed: an external Keycloak or PostgreSQL is the organisation's to watch (its
-management interface and its server are not reached from here; the embedded Keycloak's database
-check covers an external PostgreSQL), and a program not ours has no series, so no alert.
+management interface is not published to clients, and its server takes TLS and a password only),
+and a program not ours has no series, so no alert.
 """
 
 from __future__ import annotations
@@ -67,10 +67,10 @@ class DependencyProbes(Collector):
     async def probe(self, http: httpx.AsyncClient) -> None:
         """Probe each dependency the last `up` started, all at once, each for at most PROBE_TIMEOUT_S."""
         programs = {program.name: program for program in await anyio.to_thread.run_sync(started_programs, self.home)}
-        results: dict[str, bool | None] = {}
+        results: dict[str, bool] = {}
 
         async def keycloak(program: Program) -> None:
-            results["keycloak"], results["keycloak_database"] = await _keycloak_ready(http, program)
+            results["keycloak"] = await _keycloak_ready(http, program)
 
         async def postgres(target: tuple[str, int, str, str]) -> None:
             results["postgres"] = await _postgres_answers(*target)
@@ -83,17 +83,14 @@ class DependencyProbes(Collector):
         now = time.time()
         probes_now: dict[str, Probe] = {}
         for name, up in results.items():
-            if up is None:
-                continue
             before = self._probes.get(name)
             probes_now[name] = Probe(up, now if up else before.last_up_at if before else None)
         self._probes = probes_now
 
     def collect(self) -> Iterator[Metric]:
         up = GaugeMetricFamily("appliance_dependency_up", "Whether a dependency the appliance runs answered its "
-                               "latest probe (keycloak: /health/ready; keycloak_database: Keycloak's database "
-                               "check; postgres: a connection answered). No series: not probed.",
-                               labels=["dependency"])
+                               "latest probe (keycloak: /health/ready; postgres: a connection answered). No "
+                               "series: not probed.", labels=["dependency"])
         last = GaugeMetricFamily("appliance_dependency_last_up_timestamp_seconds", "When a dependency last "
                                  "answered its probe (Unix time; no series: not since the gateway started).",
                                  labels=["dependency"])
@@ -104,31 +101,20 @@ class DependencyProbes(Collector):
         yield from (up, last)
 
 
-async def _keycloak_ready(http: httpx.AsyncClient, program: Program) -> tuple[bool, bool | None]:
-    """Whether Keycloak is ready, and whether its database check passed (None: not said)."""
+async def _keycloak_ready(http: httpx.AsyncClient, program: Program) -> bool:
+    """Whether Keycloak answers its readiness check 200, status UP."""
     assert program.health_url is not None
     try:
         with anyio.fail_after(PROBE_TIMEOUT_S):
             answer = await http.get(program.health_url)
-            body = answer.json() if answer.status_code in (200, 503) else {}
+            if answer.status_code != 200:
+                log.info("Keycloak's readiness probe: %d", answer.status_code)
+                return False
+            body = answer.json()
     except (TimeoutError, httpx.HTTPError, ValueError) as exc:
         log.info("Keycloak's readiness probe failed: %s", exc or type(exc).__name__)
-        return False, None
-    return answer.status_code == 200 and _status(body) == "UP", _database_check(body)
-
-
-def _status(body: object) -> str | None:
-    return body.get("status") if isinstance(body, dict) else None
-
-
-def _database_check(body: object) -> bool | None:
-    """The status of the check Keycloak names for its database ("Keycloak database connections
-    health check"), if its answer has one."""
-    checks = body.get("checks") if isinstance(body, dict) else None
-    for check in checks if isinstance(checks, list) else []:
-        if isinstance(check, dict) and "database" in str(check.get("name", "")).lower():
-            return check.get("status") == "UP"
-    return None
+        return False
+    return isinstance(body, dict) and body.get("status") == "UP"
 
 
 def _database_target(program: Program) -> tuple[str, int, str, str] | None:

@@ -25,7 +25,6 @@ from serve import dependencies
 from serve.dependencies import DependencyProbes, accepting, startup_packet
 
 HEALTH = "https://127.0.0.1:9180/health/ready"
-DATABASE_CHECK = "Keycloak database connections health check"
 LAST_UP = "appliance_dependency_last_up_timestamp_seconds"
 
 
@@ -207,22 +206,25 @@ def test_a_database_url_naming_no_role_or_database_is_not_probed(home: Home, url
     assert series(probes) == {}
 
 
-@pytest.mark.parametrize(("status", "body", "expected"), [
-    (200, {"status": "UP", "checks": [{"name": DATABASE_CHECK, "status": "UP"}]},
-     {"keycloak": 1.0, "keycloak_database": 1.0}),
-    (503, {"status": "DOWN", "checks": [{"name": DATABASE_CHECK, "status": "DOWN"}]},
-     {"keycloak": 0.0, "keycloak_database": 0.0}),
-    (200, {"status": "UP", "checks": []}, {"keycloak": 1.0}),  # no database check: not said
-    (200, {"status": "DOWN", "checks": []}, {"keycloak": 0.0}),
-    (200, ["not", "an", "object"], {"keycloak": 0.0}),
-    (404, {"status": "UP"}, {"keycloak": 0.0}),  # not its health endpoint
+@pytest.mark.parametrize(("status", "body", "up"), [
+    (200, {"status": "UP", "checks": [{"name": "Keycloak Initialized", "status": "UP"}]}, 1.0),
+    (503, {"status": "DOWN", "checks": [{"name": "Keycloak Initialized", "status": "DOWN"}]}, 0.0),
+    (200, {"status": "DOWN", "checks": []}, 0.0),
+    (200, ["not", "an", "object"], 0.0),
+    (404, {"status": "UP"}, 0.0),  # not its health endpoint
 ])
-def test_keycloaks_readiness_and_its_database_check(home: Home, status: int, body: object,
-                                                    expected: dict[str, float]) -> None:
+def test_keycloak_is_up_when_its_readiness_check_says_so(home: Home, status: int, body: object, up: float) -> None:
     programs(home, KEYCLOAK)
     probes = DependencyProbes(home)
     probe(probes, keycloak_answers(status, body))
-    assert series(probes) == expected
+    assert series(probes) == {"keycloak": up}
+
+
+def test_an_answer_that_is_not_json_is_down(home: Home) -> None:
+    programs(home, KEYCLOAK)
+    probes = DependencyProbes(home)
+    probe(probes, httpx.AsyncClient(transport=httpx.MockTransport(lambda _: httpx.Response(200, text="<html>"))))
+    assert series(probes) == {"keycloak": 0.0}
 
 
 def test_a_keycloak_that_never_answers_is_down_after_the_timeout(home: Home, monkeypatch: pytest.MonkeyPatch) -> None:
