@@ -32,9 +32,11 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from appliance.errors import SupervisorError
 from appliance.home import Home
 from appliance.lifecycle import started_programs
 from appliance.programs import Program
+from appliance.supervisor import ProcessInfo, ProcessState, Supervisor
 
 log = logging.getLogger("appliance.gateway")
 PROBE_INTERVAL_S = 5.0
@@ -44,17 +46,24 @@ CANNOT_CONNECT_NOW = "57P03"  # starting up, shutting down, in recovery: not acc
 MAX_ANSWER_BYTES = 4096
 
 
-@dataclass
+@dataclass(frozen=True)
 class Probe:
     up: bool
     last_up_at: float | None  # Unix time of the last probe that passed; None: none yet
+    pid: int  # the process probed, as supervisord reported it (0: not known)
+    answered: bool  # that process has answered once
+    judged: bool  # False while that process starts and has not answered yet: no series
 
 
 class DependencyProbes(Collector):
-    """The latest probe of each dependency (written by `watch`, read at each scrape)."""
+    """The latest probe of each dependency (written by `watch`, read at each scrape).
+
+    As the watchdog judges engines: a process still starting (within its program's start timeout)
+    is judged only once it has answered, so a Keycloak loading at `up` or after a crash is not
+    reported down for its load time (supervisord's state says whether it runs meanwhile)."""
 
     def __init__(self, home: Home) -> None:
-        self.home = home
+        self.home, self.supervisor = home, Supervisor(home)
         self._probes: dict[str, Probe] = {}
 
     async def watch(self, keycloak: httpx.AsyncClient) -> None:
@@ -67,6 +76,7 @@ class DependencyProbes(Collector):
     async def probe(self, http: httpx.AsyncClient) -> None:
         """Probe each dependency the last `up` started, all at once, each for at most PROBE_TIMEOUT_S."""
         programs = {program.name: program for program in await anyio.to_thread.run_sync(started_programs, self.home)}
+        processes = await anyio.to_thread.run_sync(self._processes)
         results: dict[str, bool] = {}
 
         async def keycloak(program: Program) -> None:
@@ -83,19 +93,34 @@ class DependencyProbes(Collector):
         now = time.time()
         probes_now: dict[str, Probe] = {}
         for name, up in results.items():
+            info = processes.get(name)
             before = self._probes.get(name)
-            probes_now[name] = Probe(up, now if up else before.last_up_at if before else None)
+            pid = info.pid if info is not None else 0
+            answered = up or (before is not None and before.pid == pid and before.answered)
+            starting = info is not None and (info.state == ProcessState.STARTING or (
+                info.state == ProcessState.RUNNING and info.uptime_s < programs[name].start_timeout_s))
+            probes_now[name] = Probe(up=up, last_up_at=now if up else before.last_up_at if before else None,
+                                     pid=pid, answered=answered, judged=answered or not starting)
         self._probes = probes_now
+
+    def _processes(self) -> dict[str, ProcessInfo]:
+        """supervisord's programs by name; none if it does not answer (every probe is judged then)."""
+        try:
+            return {info.name: info for info in self.supervisor.processes()}
+        except SupervisorError as exc:
+            log.debug("supervisord not readable for the dependency probes: %s", exc)
+            return {}
 
     def collect(self) -> Iterator[Metric]:
         up = GaugeMetricFamily("appliance_dependency_up", "Whether a dependency the appliance runs answered its "
                                "latest probe (keycloak: /health/ready; postgres: a connection answered). No "
-                               "series: not probed.", labels=["dependency"])
+                               "series: not probed, or starting and not answered yet.", labels=["dependency"])
         last = GaugeMetricFamily("appliance_dependency_last_up_timestamp_seconds", "When a dependency last "
                                  "answered its probe (Unix time; no series: not since the gateway started).",
                                  labels=["dependency"])
         for name, probe in sorted(self._probes.items()):
-            up.add_metric([name], float(probe.up))
+            if probe.judged:
+                up.add_metric([name], float(probe.up))
             if probe.last_up_at is not None:
                 last.add_metric([name], probe.last_up_at)
         yield from (up, last)

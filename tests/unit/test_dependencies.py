@@ -11,6 +11,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import anyio
 import httpx
@@ -21,6 +22,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from appliance.home import Home
 from appliance.programs import Program
+from appliance.supervisor import ProcessInfo, ProcessState
 from serve import dependencies
 from serve.dependencies import DependencyProbes, accepting, startup_packet
 
@@ -259,3 +261,33 @@ def test_only_what_the_last_up_started_is_probed_and_the_last_good_probe_is_kept
     programs(home)
     probe(probes, keycloak_answers(200, {"status": "UP", "checks": []}))
     assert series(probes) == {}
+
+
+def running(name: str, pid: int, uptime_s: int, state: ProcessState = ProcessState.RUNNING) -> ProcessInfo:
+    return ProcessInfo(name=name, state=state, pid=pid, uptime_s=uptime_s, log=Path("/dev/null"), description="")
+
+
+def test_a_process_still_starting_is_judged_once_it_answered_or_its_start_timeout_passed(
+        home: Home, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As the watchdog judges engines: Keycloak loading (at `up`, after a crash) is not reported
+    down for its load time; once it answered, or past its start timeout, it is."""
+    programs(home, KEYCLOAK)  # start_timeout_s: 120 (the default)
+    probes = DependencyProbes(home)
+    seen: list[ProcessInfo] = []
+    monkeypatch.setattr(probes, "_processes", lambda: {info.name: info for info in seen})
+    ready: object = {"status": "UP", "checks": []}
+    loading: object = {"status": "DOWN", "checks": []}
+    steps: list[tuple[ProcessInfo | None, int, object, dict[str, float]]] = [
+        (running("keycloak", 100, 0, ProcessState.STARTING), 503, loading, {}),
+        (running("keycloak", 100, 30), 503, loading, {}),  # loading: not judged yet
+        (running("keycloak", 100, 60), 200, ready, {"keycloak": 1.0}),
+        (running("keycloak", 100, 90), 503, loading, {"keycloak": 0.0}),  # answered once: judged
+        (running("keycloak", 200, 10), 503, loading, {}),  # started again: judged afresh
+        (running("keycloak", 200, 120), 503, loading, {"keycloak": 0.0}),  # its start timeout passed
+        (running("keycloak", 200, 0, ProcessState.BACKOFF), 503, loading, {"keycloak": 0.0}),
+        (None, 503, loading, {"keycloak": 0.0}),  # supervisord not answering: judged as it is
+    ]
+    for info, status, body, expected in steps:
+        seen[:] = [info] if info is not None else []
+        probe(probes, keycloak_answers(status, body))
+        assert series(probes) == expected, (info, status)
