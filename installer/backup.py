@@ -2,8 +2,9 @@
 restored only into a fresh state directory (built beside it and moved into place at the end, so
 a refused or failed restore leaves the target as it was).
 
-What a backup holds, as a tar inside the sealed envelope (installer.backup_archive), which
-encrypts all of it: settings can hold S3 keys and secrets/ every generated secret.
+What a backup holds, as a tar inside an age file (installer.backup_age; backups of earlier
+versions in the appliance's own envelope, installer.backup_legacy, are still read), which encrypts
+all of it: settings can hold S3 keys and secrets/ every generated secret.
     state/...        the state directory's files: settings, secrets, the CA, the registries of
                      adapters, datasets, task sets, API keys and hosts with their files, the local
                      artifact store; the SQLite queues through SQLite's backup API (a consistent
@@ -46,8 +47,8 @@ from appliance.errors import Conflict, Invalid, StateError
 from appliance.home import Home, public_file
 from appliance.settings import Settings, load_settings
 from audit.writer import CHECKPOINTS, LOCK, complete_lines
-from installer import postgres
-from installer.backup_archive import BackupError, SealedReader, SealedWriter
+from installer import backup_age, backup_legacy, postgres
+from installer.backup_archive import BackupError
 from installer.keycloak_migration import h2_open
 
 MANIFEST = "manifest.json"
@@ -55,6 +56,7 @@ KEYCLOAK_DUMP = "keycloak.dump"
 STATE = "state"
 # Rebuilt at `up` or not worth keeping: metrics history (monitoring/) is Prometheus's, kept by its retention.
 LEFT_OUT = {("run",), ("logs",), ("cache",), ("models",), ("postgres",), ("monitoring",), ("artifacts", "backups")}
+MANIFEST_FORMAT = 1  # the newest manifest this version reads and writes
 MAX_MANIFEST = 1 << 26
 MAX_EXTENDED_HEADER = 1 << 16  # a PAX or GNU long-name header: tarfile holds it in memory whole
 # Modes restored: no set-id or execute bits on files, nothing writable by group, and nothing for
@@ -89,20 +91,26 @@ class Manifest:
         return sum(int(member["size"]) for member in self.members.values())
 
     def to_json(self) -> bytes:
-        return json.dumps({"format": 1, "created": self.created, "appliance_version": self.appliance_version,
-                           "source": self.source, "keycloak": self.keycloak, "members": self.members},
+        return json.dumps({"format": MANIFEST_FORMAT, "created": self.created,
+                           "appliance_version": self.appliance_version, "source": self.source,
+                           "keycloak": self.keycloak, "members": self.members},
                           sort_keys=True, indent=1).encode()
 
     @classmethod
     def parse(cls, data: bytes, name: str) -> Manifest:
         try:
             fields = json.loads(data)
+            written = int(fields.get("format", 1))
             manifest = cls(str(fields["created"]), str(fields["appliance_version"]), str(fields["source"]),
                            fields["keycloak"], dict(fields["members"]))
             for member in manifest.members.values():
                 int(member["size"]), bytes.fromhex(member["sha256"])
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise BackupError(f"{name}: its manifest is damaged ({type(exc).__name__})") from None
+        if written > MANIFEST_FORMAT:
+            raise BackupError(f"{name} was written by a newer appliance ({manifest.appliance_version}, manifest "
+                              f"format {written}); this one reads formats up to {MANIFEST_FORMAT}",
+                              hint="restore it with that version or newer")
         if manifest.keycloak not in ("postgres", "dev-file", "external", "external-postgres"):
             raise BackupError(f"{name}: its manifest names an unknown Keycloak part {manifest.keycloak!r}")
         return manifest
@@ -263,7 +271,7 @@ def create(settings: Settings, home: Home, out: BinaryIO, passphrase: bytes) -> 
     """Write a backup of `home` to `out`, sealed with `passphrase` (callers hold _one_at_a_time)."""
     created = datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
     manifest = Manifest(created, appliance_version(), str(home.root), _keycloak_part(settings, home))
-    sealed = SealedWriter(out, passphrase, created=created, appliance_version=manifest.appliance_version)
+    sealed = backup_age.AgeWriter(out, passphrase)
     with tempfile.TemporaryDirectory(prefix="backup-", dir=home.run) as scratch, \
             tarfile.open(fileobj=sealed, mode="w|", format=tarfile.PAX_FORMAT) as archive:  # type: ignore[call-overload]
         adder = _Adder(archive, manifest)
@@ -317,7 +325,43 @@ def read_backup(source: BinaryIO, passphrase: bytes, name: str, into: Path | Non
     """Read the whole backup, checking every member against the manifest; with `into`, write the
     state files under it (and the Keycloak dump as into/KEYCLOAK_DUMP). BackupError if anything
     does not check out; then what was written under `into` is the caller's to remove."""
-    reader = SealedReader(source, passphrase, name)
+    reader = opened(source, passphrase, name)
+    try:
+        return _read_archive(reader, name, into)
+    except BackupError:
+        reader.close()  # the envelope's refusal, where it has one, says why the archive read short
+        raise
+
+
+def opened(source: BinaryIO, passphrase: bytes, name: str) -> backup_age.AgeReader | backup_legacy.SealedReader:
+    """A reader of the backup's archive: an age file, or the envelope of earlier versions."""
+    head = source.read(len(backup_age.MAGIC))
+    stream = io.BufferedReader(_Prefixed(head, source))
+    if head == backup_age.MAGIC:
+        return backup_age.AgeReader(stream, passphrase, name)
+    if head.startswith(backup_legacy.MAGIC):
+        return backup_legacy.SealedReader(stream, passphrase, name)
+    raise BackupError(f"{name} is not an appliance backup (it is not an age file)")
+
+
+class _Prefixed(io.RawIOBase):
+    """`head`, then the rest of `source`: the bytes read to tell the format, given back."""
+
+    def __init__(self, head: bytes, source: BinaryIO) -> None:
+        self.head, self.source = head, source
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.head[:len(buffer)] if self.head else self.source.read(len(buffer))
+        self.head = self.head[len(data):]
+        buffer[:len(data)] = data
+        return len(data)
+
+
+def _read_archive(reader: backup_age.AgeReader | backup_legacy.SealedReader, name: str,
+                  into: Path | None) -> Manifest:
     seen: dict[str, dict[str, Any]] = {}
     files: set[PurePosixPath] = set()
     directories: set[PurePosixPath] = set()
@@ -356,7 +400,7 @@ def read_backup(source: BinaryIO, passphrase: bytes, name: str, into: Path | Non
                 seen[member.name] = _extract(extracted, member, target, name)
     except tarfile.TarError as exc:
         raise BackupError(f"{name}: its archive is damaged ({exc})") from None
-    reader.read()  # the rest, to its authenticated end
+    reader.finish()  # the rest, to its authenticated end
     if manifest_data is None:
         raise BackupError(f"{name} has no manifest: it is cut short or not a backup of this appliance")
     manifest = Manifest.parse(manifest_data, name)

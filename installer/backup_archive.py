@@ -1,42 +1,21 @@
-"""A backup file's envelope: a header, then the archive sealed in chunks, each encrypted and
-authenticated, so that a wrong passphrase, a bit flipped anywhere, a chunk dropped, moved or
-appended, and a file cut short are all refused before anything is restored.
-
-    APPLIANCE-BACKUP\\n            what the file is (anything else: not an appliance backup)
-    {header}\\n                    JSON: format, when, which appliance version, the key's salt
-    chunk, chunk, ...             4-byte big-endian length, then AES-256-GCM ciphertext and tag
-
-The key comes from a passphrase (or a key file's contents) through scrypt. Chunk i is sealed with
-the nonce prefix || i || last-flag and the header line as associated data: the STREAM construction
-(Hoang, Reyhanitabar, Rogaway, Vizár 2015), which makes the order and the end of the stream part of
-what is authenticated.
-"""
+"""What every backup envelope shares: the error a bad backup raises, and where the backup key comes
+from and what it may be (a passphrase, or an age X25519 identity made by `age-keygen`). The
+envelopes: installer.backup_age (what backups are written in) and installer.backup_legacy (the
+appliance's own envelope of earlier versions, read only)."""
 
 from __future__ import annotations
 
-import json
 import os
-import secrets
-import struct
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
-
-from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
+from typing import BinaryIO
 
 from appliance.errors import Invalid
 from appliance.home import BACKUP_PASSPHRASE_ENV
 from appliance.secrets import read_private_file
 
-MAGIC = b"APPLIANCE-BACKUP\n"
-FORMAT = 1  # the newest envelope this version reads and writes
-CHUNK = 1 << 20
-MAX_HEADER = 4096
-SCRYPT = {"n": 1 << 17, "r": 8, "p": 1}  # 128 MiB and ~0.5 s a derivation: each guess costs as much
 MIN_PASSPHRASE = 12
+IDENTITY_PREFIX = b"AGE-SECRET-KEY-1"
 
 
 class BackupError(Invalid):
@@ -45,141 +24,34 @@ class BackupError(Invalid):
     code = "bad_backup"
 
 
-@dataclass(frozen=True)
-class Header:
-    """What a backup says of itself before its key is known (authenticated once it is)."""
-
-    format: int
-    created: str
-    appliance_version: str
-    salt: bytes
-    nonce_prefix: bytes
-
-    def line(self) -> bytes:
-        return json.dumps({"format": self.format, "created": self.created, "appliance_version": self.appliance_version,
-                           "kdf": {"name": "scrypt", "salt": self.salt.hex(), **SCRYPT},
-                           "nonce_prefix": self.nonce_prefix.hex()}, sort_keys=True).encode() + b"\n"
+def _identity_line(key: bytes) -> bytes | None:
+    """The AGE-SECRET-KEY line of an identity file as `age-keygen` writes it (comment lines starting
+    with #, then the key), or None when the key is not one."""
+    lines = [line.strip() for line in key.splitlines() if line.strip() and not line.startswith(b"#")]
+    if len(lines) == 1 and lines[0].upper().startswith(IDENTITY_PREFIX):
+        return lines[0].upper()
+    return None
 
 
 def check_passphrase(passphrase: bytes, source: str) -> bytes:
-    """The passphrase's bytes without its line end (the one rule for every source, so a key file
-    piped to standard input opens what it sealed), refused naming where it came from when it is
-    more than one line or too short to guard secrets."""
+    """The key's bytes: an age identity's AGE-SECRET-KEY line, or the passphrase without its line end
+    (the one rule for every source, so a key file piped to standard input opens what it sealed),
+    refused naming where it came from when it is more than one line or too short to guard secrets."""
+    if (identity := _identity_line(passphrase)) is not None:
+        return identity
     passphrase = passphrase.removesuffix(b"\n").removesuffix(b"\r")
     if b"\n" in passphrase:
-        raise Invalid(f"the backup passphrase from {source} is more than one line", hint="a key file holds one line")
+        raise Invalid(f"the backup passphrase from {source} is more than one line",
+                      hint="a key file holds one line, or an identity made by `age-keygen -o FILE`")
     if len(passphrase) < MIN_PASSPHRASE:
         raise Invalid(f"the backup passphrase from {source} is {len(passphrase)} bytes: it needs at least "
-                      f"{MIN_PASSPHRASE}", hint="a key file made with `head -c 32 /dev/urandom | base64 > FILE` "
-                      "serves scheduled backups")
+                      f"{MIN_PASSPHRASE}", hint="a key file made with `age-keygen -o FILE` or "
+                      "`head -c 32 /dev/urandom | base64 > FILE` serves scheduled backups")
     return passphrase
 
 
-def _key(passphrase: bytes, salt: bytes) -> AESGCM:
-    return AESGCM(Scrypt(salt=salt, length=32, **SCRYPT).derive(passphrase))
-
-
-def _nonce(prefix: bytes, index: int, last: bool) -> bytes:
-    return prefix + struct.pack(">IB", index, last)
-
-
-class SealedWriter:
-    """A write-only file object: what is written is sealed in chunks; `close` seals the last."""
-
-    def __init__(self, out: BinaryIO, passphrase: bytes, *, created: str, appliance_version: str) -> None:
-        self.header = Header(FORMAT, created, appliance_version, secrets.token_bytes(16), secrets.token_bytes(7))
-        self._line = self.header.line()
-        self._aead = _key(passphrase, self.header.salt)
-        self._out, self._buffer, self._index, self._closed = out, bytearray(), 0, False
-        out.write(MAGIC + self._line)
-
-    def write(self, data: bytes) -> int:
-        self._buffer += data
-        while len(self._buffer) > CHUNK:
-            self._seal(bytes(self._buffer[:CHUNK]), last=False)
-            del self._buffer[:CHUNK]
-        return len(data)
-
-    def _seal(self, plain: bytes, *, last: bool) -> None:
-        sealed = self._aead.encrypt(_nonce(self.header.nonce_prefix, self._index, last), plain, self._line)
-        self._out.write(struct.pack(">I", len(sealed)) + sealed)
-        self._index += 1
-
-    def close(self) -> None:
-        if not self._closed:
-            self._seal(bytes(self._buffer), last=True)
-            self._closed = True
-
-
-def read_header(source: BinaryIO, name: str) -> tuple[Header, bytes]:
-    """The header of the backup `source` (named `name` in errors) and its line, as written."""
-    if source.read(len(MAGIC)) != MAGIC:
-        raise BackupError(f"{name} is not an appliance backup (it does not start with {MAGIC.strip().decode()})")
-    line = source.readline(MAX_HEADER)
-    try:
-        fields: dict[str, Any] = json.loads(line)
-        kdf = fields["kdf"]
-        header = Header(int(fields["format"]), str(fields["created"]), str(fields["appliance_version"]),
-                        bytes.fromhex(kdf["salt"]), bytes.fromhex(fields["nonce_prefix"]))
-        known_kdf = kdf["name"] == "scrypt" and {k: kdf[k] for k in SCRYPT} == SCRYPT
-    except (ValueError, KeyError, TypeError) as exc:
-        raise BackupError(f"{name}: its header is damaged ({type(exc).__name__})") from None
-    if header.format > FORMAT:
-        raise BackupError(f"{name} was written by a newer appliance ({header.appliance_version}, backup format "
-                          f"{header.format}); this one reads formats up to {FORMAT}", hint="restore it with that "
-                          "version or newer")
-    if header.format < 1 or not known_kdf or len(header.salt) != 16 or len(header.nonce_prefix) != 7:
-        raise BackupError(f"{name}: its header names a format or key derivation this appliance does not know")
-    return header, line
-
-
-class SealedReader:
-    """A read-only file object over a sealed backup: each chunk is authenticated before any of it is
-    returned, and the stream must end with the chunk sealed as the last."""
-
-    def __init__(self, source: BinaryIO, passphrase: bytes, name: str) -> None:
-        self.header, self._line = read_header(source, name)
-        self._aead = _key(passphrase, self.header.salt)
-        self._source, self._name = source, name
-        self._buffer, self._index, self._ended = b"", 0, False
-
-    def _next_chunk(self) -> None:
-        length = self._source.read(4)
-        if len(length) < 4:
-            raise BackupError(f"{self._name} is cut short (it ends after chunk {self._index}, before its last)")
-        (size,) = struct.unpack(">I", length)
-        if size > CHUNK + 16:
-            raise BackupError(f"{self._name}: chunk {self._index} claims {size} bytes; the file is damaged")
-        sealed = self._source.read(size)
-        if len(sealed) < size:
-            raise BackupError(f"{self._name} is cut short (in chunk {self._index})")
-        for last in (False, True):
-            try:
-                plain = self._aead.decrypt(_nonce(self.header.nonce_prefix, self._index, last), sealed, self._line)
-            except InvalidTag:
-                continue
-            self._index += 1
-            self._buffer += plain
-            if last:
-                self._ended = True
-                if self._source.read(1):
-                    raise BackupError(f"{self._name} has data after its last chunk; the file was altered")
-            return
-        if self._index == 0:
-            raise BackupError(f"{self._name}: wrong passphrase or key file (or its first chunk is damaged)")
-        raise BackupError(f"{self._name}: chunk {self._index} is damaged or out of place")
-
-    def read(self, size: int = -1) -> bytes:
-        while not self._ended and (size < 0 or len(self._buffer) < size):
-            self._next_chunk()
-        if size < 0:
-            size = len(self._buffer)
-        data, self._buffer = self._buffer[:size], self._buffer[size:]
-        return data
-
-
 def passphrase_from(key_file: Path | None, stdin: BinaryIO, environ: Mapping[str, str] = os.environ) -> bytes:
-    """The backup passphrase: a key file's contents (private to its owner), else
+    """The backup key: a key file's contents (private to its owner), else
     APPLIANCE_BACKUP_PASSPHRASE, else standard input's first line. Never an argument: argv is public."""
     if key_file is not None:
         return check_passphrase(read_private_file(key_file, "key file", Invalid), f"key file {key_file}")

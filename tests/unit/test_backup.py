@@ -5,15 +5,24 @@ refused with nothing written (the PostgreSQL part: tests/integration/test_backup
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
+import pty
+import shutil
 import sqlite3
+import struct
+import subprocess
+import sys
 import tarfile
 import threading
 from pathlib import Path
 
+import pyrage
 import pytest
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -23,11 +32,16 @@ from appliance.settings import load_settings
 from audit.keys import signing_key, verification_key
 from audit.verify import verify
 from audit.writer import AuditWriter
-from installer import backup
-from installer.backup_archive import CHUNK, FORMAT, MAGIC, BackupError, SealedWriter, passphrase_from
+from installer import backup, backup_age, backup_legacy
+from installer.backup_archive import BackupError, passphrase_from
 from tests.support.audit import event
 
 PASSPHRASE = b"correct horse battery staple"
+# An age X25519 identity, as `age-keygen` writes its secret line: sealing and opening it costs no
+# scrypt, so the tests of what the archive holds use it; the envelope's tests take both keys.
+IDENTITY = str(pyrage.x25519.Identity.generate()).encode()
+KEYS = pytest.mark.parametrize("key", [PASSPHRASE, IDENTITY], ids=["passphrase", "identity"])
+CHUNK = 64 << 10  # age's payload chunk
 
 
 @pytest.fixture
@@ -39,7 +53,7 @@ def state(home: Home) -> Home:
     (home.secrets / "gateway-client-secret").chmod(0o600)
     (home.root / "adapters.json").write_text('{"codes": 1}')
     (home.root / "adapters" / "codes" / "v1").mkdir(parents=True)
-    (home.root / "adapters" / "codes" / "v1" / "adapter_model.safetensors").write_bytes(os.urandom(5 * CHUNK // 2))
+    (home.root / "adapters" / "codes" / "v1" / "adapter_model.safetensors").write_bytes(os.urandom(5 << 19))
     (home.root / "tasksets.json").write_text("{}")
     (home.root / "tasksets.json").chmod(0o644)
     (home.root / "tls").mkdir()
@@ -62,7 +76,7 @@ def state(home: Home) -> Home:
     return home
 
 
-def made(home: Home, tmp_path: Path, passphrase: bytes = PASSPHRASE) -> Path:
+def made(home: Home, tmp_path: Path, passphrase: bytes = IDENTITY) -> Path:
     path = tmp_path / "state.backup"
     backup.create_file(load_settings(home.settings_file), home, path, passphrase)
     return path
@@ -79,7 +93,7 @@ def test_restore_gives_back_the_state_and_leaves_out_what_is_made_again(state: H
     assert b"s3cret" not in path.read_bytes() and b"generated" not in path.read_bytes()  # sealed, settings too
     target = tmp_path / "restored"
     with path.open("rb") as source:
-        manifest = backup.restore(source, PASSPHRASE, "state.backup", target)
+        manifest = backup.restore(source, IDENTITY, "state.backup", target)
     assert manifest.keycloak == "external"
     before, after = files_under(state.root), files_under(target)
     left_out = {name for name in before if name not in after}
@@ -105,7 +119,7 @@ def test_restore_gives_back_the_state_and_leaves_out_what_is_made_again(state: H
 def test_verify_reads_it_whole_and_names_what_it_holds(state: Home, tmp_path: Path) -> None:
     path = made(state, tmp_path)
     with path.open("rb") as source:
-        manifest = backup.read_backup(source, PASSPHRASE, "state.backup", None)
+        manifest = backup.read_backup(source, IDENTITY, "state.backup", None)
     assert manifest.source == str(state.root) and manifest.files == len(files_under(state.root)) - 10
     assert "state/secrets/gateway-client-secret" in manifest.members
 
@@ -141,14 +155,14 @@ def test_copies_of_a_queue_and_the_audit_log_written_meanwhile_are_whole(state: 
     for i, path in enumerate(paths):
         target = tmp_path / f"restored-{i}"
         with path.open("rb") as source:
-            backup.restore(source, PASSPHRASE, path.name, target)
+            backup.restore(source, IDENTITY, path.name, target)
         assert verify(target / "audit", verification_key(Home(target))).records >= 12
         with sqlite3.connect(target / "batches.sqlite") as db:
             assert db.execute("pragma integrity_check").fetchone() == ("ok",)
             assert db.execute("select count(*) % 20 from requests where body != 'r'").fetchone() is not None
 
 
-def refused(path: Path, tmp_path: Path, message: str, passphrase: bytes = PASSPHRASE) -> None:
+def refused(path: Path, tmp_path: Path, message: str, passphrase: bytes = IDENTITY) -> None:
     """Restoring `path` fails with `message` and leaves the target as it was (here: absent)."""
     target = tmp_path / "target"
     with path.open("rb") as source, pytest.raises(BackupError, match=message):
@@ -158,15 +172,29 @@ def refused(path: Path, tmp_path: Path, message: str, passphrase: bytes = PASSPH
         backup.read_backup(source, passphrase, path.name, None)
 
 
-def test_a_wrong_passphrase_is_refused(state: Home, tmp_path: Path) -> None:
-    refused(made(state, tmp_path), tmp_path, "wrong passphrase or key file", b"incorrect horse battery")
+@KEYS
+def test_a_wrong_passphrase_or_key_is_refused(state: Home, tmp_path: Path, key: bytes) -> None:
+    other = b"incorrect horse battery" if key == PASSPHRASE else str(pyrage.x25519.Identity.generate()).encode()
+    refused(made(state, tmp_path, key), tmp_path, "wrong passphrase or key file", other)
+    refused(made_again(state, tmp_path, key), tmp_path, "wrong passphrase or key file",
+            IDENTITY if key == PASSPHRASE else PASSPHRASE)  # the other kind of key
 
 
-@pytest.mark.parametrize("content", [b"", b"PK\x03\x04 a zip", b"APPLIANCE-BACKUP", MAGIC + b"not json\n"])
+def made_again(home: Home, tmp_path: Path, key: bytes) -> Path:
+    path = tmp_path / "again.backup"
+    path.unlink(missing_ok=True)
+    backup.create_file(load_settings(home.settings_file), home, path, key)
+    return path
+
+
+@pytest.mark.parametrize("content", [b"", b"PK\x03\x04 a zip", b"APPLIANCE-BACKUP", b"age-encryption.org",
+                                     backup_age.MAGIC, backup_age.MAGIC + b"-> scrypt not base64 18\n",
+                                     b"APPLIANCE-BACKUP\nnot json\n"])
 def test_what_is_not_a_backup_is_refused(tmp_path: Path, content: bytes) -> None:
     path = tmp_path / "foreign"
     path.write_bytes(content)
-    refused(path, tmp_path, "not an appliance backup|header is damaged")
+    refused(path, tmp_path, "not an appliance backup|header is damaged|cut short|damaged")
+    refused(path, tmp_path, "not an appliance backup|header is damaged|cut short|damaged", PASSPHRASE)
 
 
 def test_a_plain_tar_of_a_state_dir_is_refused(state: Home, tmp_path: Path) -> None:
@@ -176,71 +204,122 @@ def test_a_plain_tar_of_a_state_dir_is_refused(state: Home, tmp_path: Path) -> N
     refused(path, tmp_path, "not an appliance backup")
 
 
-def test_a_backup_from_a_newer_appliance_is_refused(state: Home, tmp_path: Path) -> None:
-    path = made(state, tmp_path)
-    data = path.read_bytes()
-    header_end = data.index(b"\n", len(MAGIC)) + 1
-    header = json.loads(data[len(MAGIC):header_end])
-    header["format"] = FORMAT + 1
-    path.write_bytes(MAGIC + json.dumps(header).encode() + b"\n" + data[header_end:])
-    refused(path, tmp_path, "written by a newer appliance")
+def test_a_plain_age_file_is_refused(tmp_path: Path) -> None:
+    """An age file sealed with the right key that holds no appliance archive."""
+    path = tmp_path / "plain.age"
+    recipient = pyrage.x25519.Identity.from_str(IDENTITY.decode()).to_public()
+    path.write_bytes(pyrage.encrypt(b"just a note\n" * 100, [recipient]))
+    refused(path, tmp_path, "archive is damaged|has no manifest")
 
 
+def test_a_backup_from_a_newer_appliance_is_refused(tmp_path: Path) -> None:
+    manifest = json.loads(backup.Manifest("2026-01-01T00:00:00Z", "9.0.0", "/x", "external").to_json())
+    manifest["format"] = backup.MANIFEST_FORMAT + 1
+    refused(sealed_tar(tmp_path, [(member("manifest.json"), json.dumps(manifest).encode())]), tmp_path,
+            "written by a newer appliance")
+
+
+def whole(state: Home, tmp_path: Path, key: bytes) -> bytes:
+    """One backup of `state` per key for every example of a Hypothesis test."""
+    path = tmp_path / f"whole-{hash(key)}.backup"
+    if not path.exists():
+        made(state, tmp_path, key).rename(path)
+    return path.read_bytes()
+
+
+@KEYS
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(where=st.floats(0.0, 0.999))
-def test_a_backup_cut_short_anywhere_is_refused(state: Home, tmp_path: Path, where: float) -> None:
-    path = tmp_path / "cut.backup"
-    if not path.exists():
-        made(state, tmp_path).rename(path)
-    whole = path.read_bytes()
+def test_a_backup_cut_short_anywhere_is_refused(state: Home, tmp_path: Path, key: bytes, where: float) -> None:
+    data = whole(state, tmp_path, key)
     cut = tmp_path / "cut-short.backup"
-    cut.write_bytes(whole[:int(len(whole) * where)])
-    refused(cut, tmp_path, "cut short|not an appliance backup|header is damaged")
+    cut.write_bytes(data[:int(len(data) * where)])
+    refused(cut, tmp_path, "cut short|not an appliance backup|damaged|wrong passphrase", key)
 
 
+@KEYS
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(where=st.floats(0.0, 0.999), bit=st.integers(0, 7))
-def test_a_bit_flipped_anywhere_is_refused(state: Home, tmp_path: Path, where: float, bit: int) -> None:
-    path = tmp_path / "whole.backup"
-    if not path.exists():
-        made(state, tmp_path).rename(path)
-    data = bytearray(path.read_bytes())
+def test_a_bit_flipped_anywhere_is_refused(state: Home, tmp_path: Path, key: bytes, where: float, bit: int) -> None:
+    data = bytearray(whole(state, tmp_path, key))
     data[int(len(data) * where)] ^= 1 << bit
     flipped = tmp_path / "flipped.backup"
     flipped.write_bytes(bytes(data))
-    refused(flipped, tmp_path, "damaged|wrong passphrase|not an appliance backup|cut short|newer|does not know")
+    refused(flipped, tmp_path, "damaged|wrong passphrase|not an appliance backup|cut short", key)
 
 
 def chunks(data: bytes) -> tuple[bytes, list[bytes]]:
-    """The header part and the sealed chunks of a backup file."""
-    start = data.index(b"\n", len(MAGIC)) + 1
-    head, rest, parts = data[:start], data[start:], []
-    while rest:
-        size = int.from_bytes(rest[:4], "big") + 4
-        parts.append(rest[:size])
-        rest = rest[size:]
-    return head, parts
+    """The header and nonce of an age file, and its payload's sealed chunks."""
+    start = data.index(b"\n", data.index(b"\n---")) + 1 + 16
+    head, rest = data[:start], data[start:]
+    return head, [rest[i:i + CHUNK + 16] for i in range(0, len(rest), CHUNK + 16)]
 
 
-def test_chunks_dropped_swapped_or_appended_are_refused(state: Home, tmp_path: Path) -> None:
-    head, parts = chunks(made(state, tmp_path).read_bytes())
+@KEYS
+def test_chunks_dropped_swapped_or_appended_are_refused(state: Home, tmp_path: Path, key: bytes) -> None:
+    head, parts = chunks(made(state, tmp_path, key).read_bytes())
     assert len(parts) >= 3
-    for name, altered, message in [
-        ("dropped", [parts[0], *parts[2:]], "out of place"),
-        ("swapped", [parts[1], parts[0], *parts[2:]], "wrong passphrase|out of place"),
-        ("last-dropped", parts[:-1], "cut short"),
-        ("appended", [*parts, parts[-1]], "data after its last chunk"),
+    for name, altered in [
+        ("dropped", [parts[0], *parts[2:]]), ("swapped", [parts[1], parts[0], *parts[2:]]),
+        ("last-dropped", parts[:-1]), ("appended", [*parts, parts[-1]]), ("last-first", [parts[-1], *parts]),
     ]:
         path = tmp_path / f"{name}.backup"
         path.write_bytes(head + b"".join(altered))
-        refused(path, tmp_path, message)
+        refused(path, tmp_path, "chunk is damaged or out of place|cut short|is damaged", key)
+
+
+@KEYS
+def test_the_round_trip_keeps_every_byte_with_either_key(state: Home, tmp_path: Path, key: bytes) -> None:
+    path = made(state, tmp_path, key)
+    assert path.read_bytes().startswith(backup_age.MAGIC)
+    with path.open("rb") as source:
+        backup.restore(source, key, path.name, tmp_path / "restored")
+    adapter = "adapters/codes/v1/adapter_model.safetensors"
+    assert files_under(tmp_path / "restored")[adapter][0] == files_under(state.root)[adapter][0]
+
+
+def legacy_sealed(plain: bytes, passphrase: bytes) -> bytes:
+    """`plain` in the envelope earlier versions wrote (their writer's construction, kept here only to
+    make such a backup): header line, then AES-256-GCM chunks of 1 MiB, STREAM nonces."""
+    salt, prefix = os.urandom(16), os.urandom(7)
+    line = json.dumps({"format": backup_legacy.FORMAT, "created": "2026-01-01T00:00:00Z", "appliance_version": "0.1.0",
+                       "kdf": {"name": "scrypt", "salt": salt.hex(), **backup_legacy.SCRYPT},
+                       "nonce_prefix": prefix.hex()}, sort_keys=True).encode() + b"\n"
+    aead = AESGCM(Scrypt(salt=salt, length=32, **backup_legacy.SCRYPT).derive(passphrase))
+    pieces = [plain[i:i + backup_legacy.CHUNK] for i in range(0, len(plain), backup_legacy.CHUNK)] or [b""]
+    out = [backup_legacy.MAGIC, line]
+    for index, piece in enumerate(pieces):
+        sealed = aead.encrypt(prefix + struct.pack(">IB", index, index == len(pieces) - 1), piece, line)
+        out.append(struct.pack(">I", len(sealed)) + sealed)
+    return b"".join(out)
+
+
+def test_a_backup_of_earlier_versions_still_restores_and_is_checked(state: Home, tmp_path: Path) -> None:
+    """The archive the appliance writes, in the envelope of earlier versions: it restores, and that
+    envelope's checks still hold."""
+    plain = pyrage.decrypt(made(state, tmp_path).read_bytes(), [pyrage.x25519.Identity.from_str(IDENTITY.decode())])
+    data = legacy_sealed(plain, PASSPHRASE)
+    path = tmp_path / "earlier.backup"
+    path.write_bytes(data)
+    with path.open("rb") as source:
+        manifest = backup.restore(source, PASSPHRASE, path.name, tmp_path / "restored")
+    assert manifest.files == 12
+    adapter = "adapters/codes/v1/adapter_model.safetensors"
+    assert files_under(tmp_path / "restored")[adapter][0] == files_under(state.root)[adapter][0]
+    refused(path, tmp_path, "wrong passphrase or key file", b"incorrect horse battery")
+    for altered, message in [(data[:-1], "cut short"), (data[:-40] + bytes([data[-40] ^ 1]) + data[-39:],
+                                                        "damaged or out of place"),
+                             (data + data[-100:], "data after its last chunk")]:
+        bad = tmp_path / "bad-earlier.backup"
+        bad.write_bytes(altered)
+        refused(bad, tmp_path, message, PASSPHRASE)
 
 
 def sealed_tar(tmp_path: Path, members: list[tuple[tarfile.TarInfo, bytes]]) -> Path:
     """A correctly sealed backup whose archive holds `members` (what an attacker with the key could write)."""
     path = tmp_path / "crafted.backup"
     with path.open("wb") as out:
-        writer = SealedWriter(out, PASSPHRASE, created="2026-01-01T00:00:00Z", appliance_version="0.1.0")
+        writer = backup_age.AgeWriter(out, IDENTITY)
         with tarfile.open(fileobj=writer, mode="w|") as archive:  # type: ignore[call-overload]
             for info, data in members:
                 info.size = len(data) if info.isfile() else 0
@@ -291,10 +370,10 @@ def test_only_a_fresh_state_dir_is_restored_into(state: Home, tmp_path: Path) ->
     target = tmp_path / "target"
     (target / "secrets").mkdir(parents=True)  # empty directories only: still fresh
     with path.open("rb") as source:
-        backup.restore(source, PASSPHRASE, path.name, target)
+        backup.restore(source, IDENTITY, path.name, target)
     assert (target / "settings.toml").is_file()
     with path.open("rb") as source, pytest.raises(Conflict, match="not a fresh state directory"):
-        backup.restore(source, PASSPHRASE, path.name, target)
+        backup.restore(source, IDENTITY, path.name, target)
 
 
 def test_a_backup_never_overwrites_a_file(state: Home, tmp_path: Path) -> None:
@@ -337,7 +416,7 @@ def test_a_bomb_of_extended_headers_is_refused_before_it_is_read(tmp_path: Path)
     info.pax_headers = {"comment": "x" * (1 << 20)}  # a megabyte of header, held whole by tarfile
     path = tmp_path / "crafted.backup"
     with path.open("wb") as out:
-        writer = SealedWriter(out, PASSPHRASE, created="2026-01-01T00:00:00Z", appliance_version="0.1.0")
+        writer = backup_age.AgeWriter(out, IDENTITY)
         with tarfile.open(fileobj=writer, mode="w|", format=tarfile.PAX_FORMAT) as archive:  # type: ignore[call-overload]
             info.size = 1
             archive.addfile(info, io.BytesIO(b"x"))
@@ -356,7 +435,7 @@ def test_restored_files_lose_execute_bits_and_are_given_to_service_accounts_only
         "state/adapters/run.sh": {"size": len(data), "sha256": __import__("hashlib").sha256(data).hexdigest()}})
     path = sealed_tar(tmp_path, [(directory, b""), (script, data), (member("manifest.json"), manifest.to_json())])
     with path.open("rb") as source:
-        backup.restore(source, PASSPHRASE, path.name, tmp_path / "target")
+        backup.restore(source, IDENTITY, path.name, tmp_path / "target")
     restored = (tmp_path / "target" / "adapters" / "run.sh").stat()
     assert restored.st_mode & 0o7777 == 0o640 and restored.st_uid == os.geteuid()
     assert (tmp_path / "target" / "adapters").stat().st_mode & 0o777 == 0o750  # the state dir's first level
@@ -373,9 +452,9 @@ def test_members_that_collide_are_refused(tmp_path: Path, members: list[tarfile.
 def test_backups_are_not_written_inside_the_state_dir_nor_two_at_once(state: Home, tmp_path: Path) -> None:
     settings = load_settings(state.settings_file)
     with pytest.raises(Invalid, match="inside the state directory"):
-        backup.create_file(settings, state, state.root / "adapters" / "x.backup", PASSPHRASE)
+        backup.create_file(settings, state, state.root / "adapters" / "x.backup", IDENTITY)
     with backup._one_at_a_time(state), pytest.raises(Conflict, match="another backup"):
-        backup.create_file(settings, state, tmp_path / "second.backup", PASSPHRASE)
+        backup.create_file(settings, state, tmp_path / "second.backup", IDENTITY)
     (state.run / "backup-killed").mkdir()  # the scratch copies of one killed mid-way
     made(state, tmp_path)
     assert not (state.run / "backup-killed").exists()
@@ -390,7 +469,7 @@ def test_the_store_keeps_each_appliance_its_own_and_leaves_other_objects(state: 
     for other in others:
         other.parent.mkdir(parents=True, exist_ok=True)
         other.write_text("not ours to remove")
-    keys = [backup.create_in_store(settings, state, PASSPHRASE, keep=1)[0] for _ in range(2)]
+    keys = [backup.create_in_store(settings, state, IDENTITY, keep=1)[0] for _ in range(2)]
     assert backup.stored(settings, state) == [keys[-1]]
     assert all(other.exists() for other in others)
 
@@ -400,7 +479,7 @@ def test_a_restore_target_that_is_a_link_is_refused(state: Home, tmp_path: Path)
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "target").symlink_to(tmp_path / "elsewhere")
     with path.open("rb") as source, pytest.raises(Conflict, match="symbolic link"):
-        backup.restore(source, PASSPHRASE, path.name, tmp_path / "target")
+        backup.restore(source, IDENTITY, path.name, tmp_path / "target")
 
 
 def test_an_external_keycloak_database_is_left_to_the_organisation(home: Home, tmp_path: Path) -> None:
@@ -411,5 +490,68 @@ def test_an_external_keycloak_database_is_left_to_the_organisation(home: Home, t
                                   f'postgres_password_file = "{password}"\npostgres_ca_file = "/etc/bank/ca.pem"\n')
     path = made(home, tmp_path)
     with path.open("rb") as source:
-        manifest = backup.read_backup(source, PASSPHRASE, path.name, None)
+        manifest = backup.read_backup(source, IDENTITY, path.name, None)
     assert manifest.keycloak == "external-postgres" and backup.KEYCLOAK_DUMP not in manifest.members
+
+
+def age_tool() -> str:
+    """Debian's `age` (installed here as other tests install Debian packages, when run as root)."""
+    if shutil.which("age") is None and os.geteuid() == 0 and shutil.which("apt-get"):
+        subprocess.run(["apt-get", "install", "-y", "-q", "--no-install-recommends", "age"], capture_output=True,
+                       check=False)
+    found = shutil.which("age")
+    assert found, "the age tool is needed for this test: apt-get install age"
+    return found
+
+
+def age_with_terminal(arguments: list[str], passphrase: bytes) -> bytes:
+    """Runs `age` with a terminal of its own (it reads a passphrase from the terminal alone) and
+    answers its prompt; returns what it printed there."""
+    pid, terminal = pty.fork()
+    if pid == 0:
+        os.execv(arguments[0], arguments)
+    said = b""
+    while b"passphrase" not in said.lower():
+        said += os.read(terminal, 1024)
+    os.write(terminal, passphrase + b"\n")
+    with contextlib.suppress(OSError):  # EIO once age exits and the terminal closes
+        while chunk := os.read(terminal, 1024):
+            said += chunk
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, said
+    return said
+
+
+def test_the_age_tool_opens_a_backup_and_verify_refuses_a_tampered_one(state: Home, tmp_path: Path) -> None:
+    """Away from the appliance: `age -d` with the identity file `age-keygen` made, and with the
+    passphrase; then `appliance backup verify` refuses the same file with one byte changed."""
+    age = age_tool()
+    identity = tmp_path / "backup.key"
+    subprocess.run([f"{age}-keygen", "-o", str(identity)], capture_output=True, check=True)
+    identity.chmod(0o600)
+    key = passphrase_from(identity, io.BytesIO())
+    assert key.startswith(b"AGE-SECRET-KEY-1")
+    for sealed_with, opened_by in [(key, ["-i", str(identity)]), (PASSPHRASE, [])]:
+        path = made_again(state, tmp_path, sealed_with)
+        plain = tmp_path / "plain.tar"
+        plain.unlink(missing_ok=True)
+        command = [age, "-d", *opened_by, "-o", str(plain), str(path)]
+        if opened_by:
+            subprocess.run(command, capture_output=True, check=True)
+        else:
+            age_with_terminal(command, PASSPHRASE)
+        with tarfile.open(plain) as archive:
+            names = archive.getnames()
+            manifest = json.loads(archive.extractfile("manifest.json").read())  # type: ignore[union-attr]
+            settings_file = archive.extractfile("state/settings.toml").read()  # type: ignore[union-attr]
+        assert names[-1] == "manifest.json" and set(manifest["members"]) == set(names[:-1])
+        assert settings_file == state.settings_file.read_bytes()
+    environment = {**os.environ, "APPLIANCE_HOME": str(state.root)}
+    verify_command = [str(Path(sys.executable).parent / "appliance"), "backup", "verify", "--key-file", str(identity)]
+    path = made_again(state, tmp_path, key)
+    assert subprocess.run([*verify_command, str(path)], env=environment, capture_output=True).returncode == 0
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    refused_run = subprocess.run([*verify_command, str(path)], env=environment, capture_output=True, text=True)
+    assert refused_run.returncode != 0 and "chunk is damaged or out of place" in refused_run.stderr + refused_run.stdout
