@@ -80,6 +80,9 @@ CANCEL_FILE = "cancel"  # in the job's directory: the runner stops the trainer
 PROGRESS_FILE = "progress.json"  # in the job's directory: the trainer's latest report
 HEARTBEAT_FILE = "heartbeat"  # in the job's directory: the trainer touches it as it works (steps, evaluation)
 PROGRESS_MAX_BYTES = 4096
+RANKS_DIR = "ranks"  # in the job's directory: each training process's memory report, rank-N.json
+MAX_RANK_REPORTS = 4096  # read at most, by name
+LAUNCH_FILE = "launch.json"  # in the job's directory, the runner's: how it started the trainer (strategy, ranks)
 SCHEMA = f"""
 create table if not exists jobs (
     id integer primary key autoincrement,
@@ -129,6 +132,7 @@ class Hyperparameters(BaseModel):
         "sft", description="SFT on chat or text rows, DPO on preference rows (prompt, chosen, rejected); grpo: "
         "a policy version an online RL run trained (`appliance rl run --method grpo`), never a job's.")
     beta: float = Field(0.1, gt=0, description="DPO and GRPO: how far the adapter may move from the base model.")
+    processes: int | None = Field(None, ge=1, description="Training processes (ranks); unset: finetune.processes.")
 
 
 class Job(BaseModel):
@@ -161,14 +165,75 @@ class Progress(BaseModel):
     eta_s: float | None
 
 
+class RankMemory(BaseModel):
+    """One training process's report of what it holds (RANKS_DIR/rank-N.json in the job's
+    directory, written by the rank itself): its shards of the base and of the adapter, its
+    optimizer state and its peak resident memory."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    rank: int = Field(ge=0)
+    host: str = Field(max_length=255)
+    pid: int
+    base_parameter_bytes: int = Field(ge=0)
+    adapter_parameter_bytes: int = Field(ge=0)
+    optimizer_bytes: int = Field(ge=0)
+    peak_rss_bytes: int = Field(ge=0)
+
+
 class JobReport(Job):
-    """A job with its trainer's latest progress: what the admin API answers and the TUI shows."""
+    """A job with its trainer's latest progress, how it trains (`strategy`: fsdp, ddp or single; None
+    before it starts) and what each of its ranks reported: what the admin API answers and the TUI shows."""
 
     progress: Progress | None
+    strategy: str | None = None
+    ranks: list[RankMemory] = []
 
 
 def report(home: Home, job: Job) -> JobReport:
-    return JobReport(**job.model_dump(), progress=read_progress(job_dir(home, job.id)))
+    directory = job_dir(home, job.id)
+    return JobReport(**job.model_dump(), progress=read_progress(directory), strategy=read_strategy(directory),
+                     ranks=read_ranks(directory))
+
+
+def read_strategy(directory: Path) -> str | None:
+    """The strategy the runner chose for the job's latest start."""
+    found = _small_regular_file(directory / LAUNCH_FILE, PROGRESS_MAX_BYTES)
+    try:
+        strategy = json.loads(found).get("strategy") if found is not None else None
+    except (ValueError, AttributeError):
+        return None
+    return strategy if strategy in ("fsdp", "ddp", "single") else None
+
+
+def read_ranks(directory: Path) -> list[RankMemory]:
+    """Each rank's latest memory report, by rank; a file that is not one (the trainer is not trusted)
+    is left out."""
+    ranks = directory / RANKS_DIR
+    if ranks.is_symlink() or not ranks.is_dir():
+        return []
+    found = []
+    for path in sorted(ranks.glob("rank-*.json"))[:MAX_RANK_REPORTS]:
+        content = _small_regular_file(path, PROGRESS_MAX_BYTES)
+        try:
+            if content is not None:
+                found.append(RankMemory.model_validate_json(content))
+        except ValueError:
+            continue
+    return sorted(found, key=lambda r: r.rank)
+
+
+def _small_regular_file(path: Path, max_bytes: int) -> bytes | None:
+    """A regular file's bytes, if it is one of at most max_bytes (never through a link, nor waited on)."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    with os.fdopen(descriptor, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+            return None
+        content = handle.read(max_bytes + 1)
+    return content if len(content) <= max_bytes else None
 
 
 def jobs_dir(home: Home) -> Path:
@@ -285,14 +350,9 @@ def write_progress(directory: Path, progress: Progress) -> None:
 
 def read_progress(directory: Path) -> Progress | None:
     """The job's latest progress report, if it has made one."""
-    try:  # written by the sandboxed trainer: a regular file of a few hundred bytes, or nothing
-        descriptor = os.open(directory / PROGRESS_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
+    # Written by the sandboxed trainer: a regular file of a few hundred bytes, or nothing.
+    found = _small_regular_file(directory / PROGRESS_FILE, PROGRESS_MAX_BYTES)
+    try:
+        return Progress.model_validate_json(found) if found is not None else None
+    except ValueError:  # not a report (a torn one cannot be: it is replaced whole)
         return None
-    with os.fdopen(descriptor, "rb") as handle:
-        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
-            return None
-        try:
-            return Progress.model_validate_json(handle.read(PROGRESS_MAX_BYTES + 1))
-        except ValueError:  # not a report (a torn one cannot be: it is replaced whole)
-            return None

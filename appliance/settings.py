@@ -875,7 +875,13 @@ class FinetuneSettings(_Section):
         "hold the worker for ever."
     )
     processes: int | None = Field(
-        None, ge=1, description="Training processes (torchrun, DDP); unset: one per visible GPU, at least one."
+        None, ge=1, description="Training processes (ranks, torchrun); unset: one per visible GPU, at least one "
+        "(`finetune run|submit --processes N` overrides it for a job)."
+    )
+    strategy: Literal["auto", "fsdp", "ddp", "single"] = Field(
+        "auto", description="How several processes train: fsdp shards the base, the adapter and the optimizer "
+        "state over them (no process holds the whole base); ddp gives each a whole copy; single trains in one "
+        "process. auto: single for one process, otherwise fsdp (ddp for DPO, which the sharded trainer does not run)."
     )
     worker_poll_s: float = Field(2.0, gt=0, description="How often the finetune-worker looks for queued jobs.")
 

@@ -141,12 +141,12 @@ def _progress() -> Iterator[OnProgress]:
 
 
 def _hyperparameters(qlora: bool, rank: int, alpha: int, lr: float, epochs: float, max_steps: int, batch_size: int,
-                     save_steps: int, method: str, beta: float) -> jobs.Hyperparameters:
+                     save_steps: int, method: str, beta: float, processes: int | None) -> jobs.Hyperparameters:
     if method not in ("sft", "dpo"):
         raise ApplianceError(f"--method {method!r}: sft or dpo")
     return jobs.Hyperparameters(rank=rank, alpha=alpha, learning_rate=lr, epochs=epochs, max_steps=max_steps,
                                 batch_size=batch_size, save_steps=save_steps, qlora=qlora,
-                                method="dpo" if method == "dpo" else "sft", beta=beta)
+                                method="dpo" if method == "dpo" else "sft", beta=beta, processes=processes)
 
 
 def check_name_option(option: str, name: str) -> None:
@@ -178,6 +178,9 @@ BatchSize = Annotated[int, typer.Option(min=1)]
 SaveSteps = Annotated[int, typer.Option(min=1, help="Checkpoint every N steps (a rerun resumes).")]
 Method = Annotated[str, typer.Option(help="sft (chat or text rows) or dpo (preference rows: prompt, chosen, "
                                           "rejected).")]
+Processes = Annotated[int | None, typer.Option(min=1, help="Training processes (ranks) on this host; more than one "
+                                               "shards the base over them (finetune.strategy). Default: "
+                                               "finetune.processes, else one per visible GPU, at least one.")]
 Beta = Annotated[float, typer.Option(min=0.001, help="DPO: how far the adapter may move from the base model.")]
 Scenarios = Annotated[Path | None, typer.Option(help="JSONL of prompts with expected answers the adapter should "
                                                 "get right (gated on finetune.gate_min_scenario_score).")]
@@ -194,11 +197,11 @@ def _eval_sets(scenarios: Path | None, regression: Path | None) -> dict[str, lis
 def submit(data: Data, name: Name, base: Base = DEMO_MODEL, qlora: QLoRA = False, rank: Rank = 8, alpha: Alpha = 16,
            lr: LearningRate = 2e-4, epochs: Epochs = 1.0, max_steps: MaxSteps = -1, batch_size: BatchSize = 4,
            save_steps: SaveSteps = 10, scenarios: Scenarios = None, regression: Regression = None,
-           method: Method = "sft", beta: Beta = 0.1) -> None:
+           method: Method = "sft", beta: Beta = 0.1, processes: Processes = None) -> None:
     """Queue a training job for the finetune-worker; follow it with `appliance finetune status -f`."""
     home = Home.from_env()
     _check(name, data, base, home)
-    hp = _hyperparameters(qlora, rank, alpha, lr, epochs, max_steps, batch_size, save_steps, method, beta)
+    hp = _hyperparameters(qlora, rank, alpha, lr, epochs, max_steps, batch_size, save_steps, method, beta, processes)
     job = jobs.submit(home, name=name, data=data, base=base, hyperparameters=hp,
                       eval_sets=_eval_sets(scenarios, regression))
     note_target("job", str(job.id))
@@ -244,14 +247,14 @@ def cancel(job: Annotated[int, typer.Argument(help="A job id.")]) -> None:
 def run(data: Data, name: Name, base: Base = DEMO_MODEL, qlora: QLoRA = False, rank: Rank = 8, alpha: Alpha = 16,
         lr: LearningRate = 2e-4, epochs: Epochs = 1.0, max_steps: MaxSteps = -1, batch_size: BatchSize = 4,
         save_steps: SaveSteps = 10, scenarios: Scenarios = None, regression: Regression = None,
-        method: Method = "sft", beta: Beta = 0.1) -> None:
+        method: Method = "sft", beta: Beta = 0.1, processes: Processes = None) -> None:
     """Train an adapter in the foreground (as the worker would), gate it, register it."""
     note_target("adapter", name)
     home = Home.from_env()
     _check(name, data, base, home)
     sets = _eval_sets(scenarios, regression)
     settings = load_settings(home.settings_file)
-    hp = _hyperparameters(qlora, rank, alpha, lr, epochs, max_steps, batch_size, save_steps, method, beta)
+    hp = _hyperparameters(qlora, rank, alpha, lr, epochs, max_steps, batch_size, save_steps, method, beta, processes)
     work = home.root / "finetune" / f"{name}-{load_registry(home)[data][:12]}"
     with byte_progress() as progress:
         task = progress.add_task("training", total=None, unit="steps")

@@ -1,7 +1,9 @@
 """`python -m finetune.job DIR`: train the job laid out in DIR by finetune.runner (job.json,
 train.jsonl, eval.jsonl). The runner starts it in a sandbox with no network (under torchrun
 when several processes train); it reports progress in DIR/progress.json and leaves
-DIR/result.json and DIR/adapter. Exit status: 0 trained, 1 failed (the reason on stderr)."""
+DIR/result.json and DIR/adapter. The spec's strategy picks the trainer: fsdp the sharded one
+(finetune.sharded), ddp and single TRL's (finetune.train). Exit status: 0 trained, 1 failed
+(the reason on stderr)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from pathlib import Path
 
 from appliance.errors import ApplianceError
 from appliance.jobs import HEARTBEAT_FILE, write_progress
+from finetune.sharded import train_sharded
 from finetune.train import TrainingSpec, train_adapter
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -35,9 +38,10 @@ def main(directory: Path) -> int:
     train, evaluation = ([json.loads(line) for line in (directory / f"{split}.jsonl").read_text().splitlines()]
                          for split in ("train", "eval"))
     try:
-        train_adapter(spec.base, train, evaluation, directory, spec.hyperparameters,
-                      on_progress=lambda progress: write_progress(directory, progress), eval_sets=spec.eval_sets,
-                      on_beat=(directory / HEARTBEAT_FILE).touch, scoring=spec.scoring)
+        trainer = train_sharded if spec.strategy == "fsdp" else train_adapter
+        trainer(spec.base, train, evaluation, directory, spec.hyperparameters,
+                on_progress=lambda progress: write_progress(directory, progress), eval_sets=spec.eval_sets,
+                on_beat=(directory / HEARTBEAT_FILE).touch, scoring=spec.scoring)
     except ApplianceError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 1

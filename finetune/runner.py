@@ -200,10 +200,12 @@ def choose_strategy(setting: str, processes: int, hp: Hyperparameters, *, gpus: 
     if hp.method != "sft":
         raise TrainingError(f"finetune.strategy = \"fsdp\" trains SFT only, not {hp.method}",
                             hint="finetune.strategy = \"ddp\" (or \"auto\") for DPO on several processes")
-    if hp.qlora and not gpus:
-        raise TrainingError("QLoRA under FSDP needs GPUs: bitsandbytes' 4-bit weights are not sharded on a CPU "
-                            f"(asked: {processes} processes on a host with no GPU)",
-                            hint="--processes 1 trains QLoRA on the CPU in one process; or train LoRA sharded")
+    if hp.qlora:
+        where = "" if gpus else " (and on a host with no GPU, 4-bit weights train in one process only)"
+        raise TrainingError(f"QLoRA is not sharded yet: the sharded trainer loads a 4-bit base only whole{where}; "
+                            f"asked for {processes} processes",
+                            hint="--processes 1 trains QLoRA in one process; finetune.strategy = \"ddp\" on GPUs; "
+                                 "or train LoRA sharded")
     return "fsdp"
 
 

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -54,6 +54,7 @@ class TrainingSpec(BaseModel):
     hyperparameters: Hyperparameters
     eval_sets: dict[str, list[dict[str, Any]]] = {}  # kind -> items (finetune.evalsets)
     scoring: Scoring = Scoring()
+    strategy: Literal["single", "ddp", "fsdp"] = "single"  # fsdp: finetune.sharded; the others: train_adapter
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,7 @@ class Result:
     resumed_from: str | None
     # kind -> {"base": [score per seed], "adapter": [...]} (appliance.adapters.Scores.over_seeds)
     eval_sets: dict[str, dict[str, list[float]]] = field(default_factory=dict)
-    processes: int = 1  # DDP processes that trained it
+    processes: int = 1  # processes (ranks) that trained it
 
     @property
     def improvement(self) -> float:
@@ -193,8 +194,10 @@ def load_result(out_dir: Path) -> Result:
 
 
 def _score_sets(model: Any, tokenizer: Any, eval_sets: dict[str, list[dict[str, Any]]], scoring: Scoring,
-                beat: Callable[[], None]) -> dict[str, dict[str, list[float]]]:
-    """Each set's score per seed with the adapter off (the base) and on (a beat each batch)."""
+                beat: Callable[[], None], *, synced: bool = False) -> dict[str, dict[str, list[float]]]:
+    """Each set's score per seed with the adapter off (the base) and on (a beat each batch).
+    `synced`: every rank of a sharded model generates the same answers in step (each forward
+    gathers the layers from all ranks, so none may stop before the others)."""
     import torch
 
     sampling = ({"do_sample": False} if scoring.seeds == 1
@@ -210,7 +213,7 @@ def _score_sets(model: Any, tokenizer: Any, eval_sets: dict[str, list[dict[str, 
             inputs = tokenizer.pad({"input_ids": [prompts[i] for i in batch]}, return_tensors="pt").to(model.device)
             with torch.no_grad():
                 output = model.generate(**inputs, max_new_tokens=ANSWER_TOKENS, pad_token_id=tokenizer.pad_token_id,
-                                        **sampling)
+                                        synced_gpus=synced, **sampling)
             texts = tokenizer.batch_decode(output[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
             found.update(zip(batch, texts, strict=True))
             beat()
