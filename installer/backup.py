@@ -272,6 +272,17 @@ def create(settings: Settings, home: Home, out: BinaryIO, passphrase: bytes) -> 
     created = datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
     manifest = Manifest(created, appliance_version(), str(home.root), _keycloak_part(settings, home))
     sealed = backup_age.AgeWriter(out, passphrase)
+    try:
+        _archive(settings, home, sealed, manifest)
+    except BaseException:
+        sealed.abort()
+        raise
+    sealed.close()
+    return manifest
+
+
+def _archive(settings: Settings, home: Home, sealed: backup_age.AgeWriter, manifest: Manifest) -> None:
+    """The tar of the backup, written to `sealed`, its members hashed into `manifest`."""
     with tempfile.TemporaryDirectory(prefix="backup-", dir=home.run) as scratch, \
             tarfile.open(fileobj=sealed, mode="w|", format=tarfile.PAX_FORMAT) as archive:  # type: ignore[call-overload]
         adder = _Adder(archive, manifest)
@@ -301,8 +312,6 @@ def create(settings: Settings, home: Home, out: BinaryIO, passphrase: bytes) -> 
         info = tarfile.TarInfo(MANIFEST)
         info.size, info.mode, info.mtime = len(data), 0o600, int(time.time())
         archive.addfile(info, io.BytesIO(data))
-    sealed.close()
-    return manifest
 
 
 # --- verify and restore -------------------------------------------------------------------------
@@ -330,6 +339,10 @@ def read_backup(source: BinaryIO, passphrase: bytes, name: str, into: Path | Non
         return _read_archive(reader, name, into)
     except BackupError:
         reader.close()  # the envelope's refusal, where it has one, says why the archive read short
+        raise
+    except BaseException:
+        with contextlib.suppress(BackupError):
+            reader.close()
         raise
 
 

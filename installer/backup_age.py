@@ -101,6 +101,7 @@ class AgeWriter:
         return len(data)
 
     def close(self) -> None:
+        """Ends the age file: what was written is sealed whole."""
         if self._closed:
             return
         self._closed = True
@@ -111,6 +112,14 @@ class AgeWriter:
             assert self._passphrase is not None
             self._out.write(pyrage.passphrase.encrypt(self._buffer.getvalue(), self._passphrase))
             self._buffer = io.BytesIO()
+
+    def abort(self) -> None:
+        """Stops, sealing nothing more (the backup failed; its file is the caller's to remove)."""
+        if not self._closed:
+            self._closed = True
+            self._buffer = io.BytesIO()
+            if self._pumped is not None:
+                self._pumped.join()
 
 
 def _refusal(error: BaseException, name: str) -> BackupError:
@@ -133,7 +142,7 @@ class AgeReader:
     returned; `finish` reads to the end and raises unless the file ended where it was sealed to."""
 
     def __init__(self, source: BinaryIO, key: bytes, name: str) -> None:
-        self._name = name
+        self._name, self._ended = name, False
         identity = _identity(key)
         self._pumped = None
         if identity is None:
@@ -147,16 +156,20 @@ class AgeReader:
             self._plain = self._pumped.ours
 
     def read(self, size: int = -1) -> bytes:
-        return self._plain.read(size)
+        data = self._plain.read(size)
+        self._ended = self._ended or (not data and size != 0)
+        return data
 
     def finish(self) -> None:
-        while self._plain.read(1 << 20):
+        while self.read(1 << 20):
             pass
         self.close()
 
     def close(self) -> None:
-        """Stops reading (the thread's writes fail on the closed pipe) and raises what it ended with."""
+        """Raises what age refused the file for, once the payload ended (age ends it early when a
+        chunk does not authenticate); stopping before then ends age's thread, whose writes then
+        fail on the closed pipe: that is not the file's fault, and not raised."""
         if self._pumped is not None:
             pumped, self._pumped = self._pumped, None
-            if (error := pumped.join()) is not None and not isinstance(error, BrokenPipeError):
+            if (error := pumped.join()) is not None and self._ended:
                 raise _refusal(error, self._name)

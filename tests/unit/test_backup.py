@@ -12,7 +12,6 @@ import os
 import pty
 import shutil
 import sqlite3
-import struct
 import subprocess
 import sys
 import tarfile
@@ -21,20 +20,19 @@ from pathlib import Path
 
 import pyrage
 import pytest
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from appliance.errors import Conflict, Invalid
+from appliance.errors import Conflict, Invalid, StateError
 from appliance.home import Home, public_file
 from appliance.settings import load_settings
 from audit.keys import signing_key, verification_key
 from audit.verify import verify
 from audit.writer import AuditWriter
-from installer import backup, backup_age, backup_legacy
+from installer import backup, backup_age
 from installer.backup_archive import BackupError, passphrase_from
 from tests.support.audit import event
+from tests.support.legacy_backup import legacy_sealed
 
 PASSPHRASE = b"correct horse battery staple"
 # An age X25519 identity, as `age-keygen` writes its secret line: sealing and opening it costs no
@@ -276,22 +274,6 @@ def test_the_round_trip_keeps_every_byte_with_either_key(state: Home, tmp_path: 
         backup.restore(source, key, path.name, tmp_path / "restored")
     adapter = "adapters/codes/v1/adapter_model.safetensors"
     assert files_under(tmp_path / "restored")[adapter][0] == files_under(state.root)[adapter][0]
-
-
-def legacy_sealed(plain: bytes, passphrase: bytes) -> bytes:
-    """`plain` in the envelope earlier versions wrote (their writer's construction, kept here only to
-    make such a backup): header line, then AES-256-GCM chunks of 1 MiB, STREAM nonces."""
-    salt, prefix = os.urandom(16), os.urandom(7)
-    line = json.dumps({"format": backup_legacy.FORMAT, "created": "2026-01-01T00:00:00Z", "appliance_version": "0.1.0",
-                       "kdf": {"name": "scrypt", "salt": salt.hex(), **backup_legacy.SCRYPT},
-                       "nonce_prefix": prefix.hex()}, sort_keys=True).encode() + b"\n"
-    aead = AESGCM(Scrypt(salt=salt, length=32, **backup_legacy.SCRYPT).derive(passphrase))
-    pieces = [plain[i:i + backup_legacy.CHUNK] for i in range(0, len(plain), backup_legacy.CHUNK)] or [b""]
-    out = [backup_legacy.MAGIC, line]
-    for index, piece in enumerate(pieces):
-        sealed = aead.encrypt(prefix + struct.pack(">IB", index, index == len(pieces) - 1), piece, line)
-        out.append(struct.pack(">I", len(sealed)) + sealed)
-    return b"".join(out)
 
 
 def test_a_backup_of_earlier_versions_still_restores_and_is_checked(state: Home, tmp_path: Path) -> None:
@@ -555,3 +537,27 @@ def test_the_age_tool_opens_a_backup_and_verify_refuses_a_tampered_one(state: Ho
     path.write_bytes(bytes(data))
     refused_run = subprocess.run([*verify_command, str(path)], env=environment, capture_output=True, text=True)
     assert refused_run.returncode != 0 and "chunk is damaged or out of place" in refused_run.stderr + refused_run.stdout
+
+
+def age_threads() -> list[threading.Thread]:
+    return [thread for thread in threading.enumerate() if thread.name == "backup-age"]
+
+
+def test_a_refusal_early_in_a_streamed_backup_names_its_cause_and_stops_age(tmp_path: Path) -> None:
+    """A hostile member ahead of megabytes still sealed: the member is what is refused (not the age
+    thread's write to a closed pipe), and that thread ends."""
+    path = sealed_tar(tmp_path, [(member("state/../../escaped"), b"x"), (member("state/big"), os.urandom(4 << 20))])
+    refused(path, tmp_path, "not a path this appliance writes")
+    assert age_threads() == []
+
+
+def test_a_backup_that_fails_midway_leaves_no_file_and_no_age_thread(state: Home, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    def unreadable(path: Path, home: Home, scratch: Path) -> Path:
+        raise OSError(f"cannot read {path}")
+
+    monkeypatch.setattr(backup, "_snapshot", unreadable)
+    for key in (IDENTITY, PASSPHRASE):
+        with pytest.raises(StateError, match="cannot copy"):
+            made(state, tmp_path, key)
+        assert age_threads() == [] and list(tmp_path.glob("*backup*")) == []
