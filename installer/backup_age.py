@@ -132,8 +132,8 @@ def _refusal(error: BaseException, name: str) -> BackupError:
     if "truncated" in text or "fill whole buffer" in text:
         return BackupError(f"{name} is cut short (age: {text})")
     if text == "decryption error":
-        return BackupError(f"{name}: a chunk is damaged or out of place (altered, dropped, moved or appended, "
-                           "or the file cut short)")
+        return BackupError(f"{name}: a chunk is damaged or out of place, or the file is cut short (age "
+                           "authenticates each chunk, its place and the file's end)")
     return BackupError(f"{name} is damaged: age refuses it ({text})")
 
 
