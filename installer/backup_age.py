@@ -129,6 +129,9 @@ def _refusal(error: BaseException, name: str) -> BackupError:
     text = str(error).replace("\n", " ")
     if text == "Decryption failed" or "no matching" in text.lower():
         return BackupError(f"{name}: wrong passphrase or key file (or its header is damaged)")
+    if text.startswith("Excessive work"):
+        return BackupError(f"{name}: its scrypt work factor is far above what this host does in a second ({text})",
+                           hint="open it on a faster host, or it was crafted")
     if "truncated" in text or "fill whole buffer" in text:
         return BackupError(f"{name} is cut short (age: {text})")
     if text == "decryption error":

@@ -561,3 +561,13 @@ def test_a_backup_that_fails_midway_leaves_no_file_and_no_age_thread(state: Home
         with pytest.raises(StateError, match="cannot copy"):
             made(state, tmp_path, key)
         assert age_threads() == [] and list(tmp_path.glob("*backup*")) == []
+
+
+def test_a_passphrase_backup_asking_for_excessive_scrypt_work_is_refused_at_once(state: Home, tmp_path: Path) -> None:
+    """A header crafted to ask for 2^30 scrypt (a terabyte of memory): refused before any is done."""
+    data = made(state, tmp_path, PASSPHRASE).read_bytes()
+    stanza = data.split(b"\n")[1]
+    assert stanza.startswith(b"-> scrypt ")
+    crafted = tmp_path / "crafted.backup"
+    crafted.write_bytes(data.replace(stanza, stanza.rsplit(b" ", 1)[0] + b" 30", 1))
+    refused(crafted, tmp_path, "work factor is far above", PASSPHRASE)
