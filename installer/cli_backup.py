@@ -26,8 +26,9 @@ backup_app = typer.Typer(help="Backups of the state: create while serving, verif
 out = Console()
 
 KeyFile = Annotated[Path | None, typer.Option(
-    "--key-file", help="A file (0600) whose contents seal the backup. Without it: APPLIANCE_BACKUP_PASSPHRASE, else "
-    "a passphrase on standard input (asked twice at a terminal when creating).")]
+    "--key-file", help="A file (0600) that seals the backup: a passphrase (one line) or an age identity made by "
+    "`age-keygen -o FILE`. Without it: APPLIANCE_BACKUP_PASSPHRASE, else a passphrase on standard input (asked "
+    "twice at a terminal when creating).")]
 
 
 def passphrase(key_file: Path | None, *, confirm: bool) -> bytes:
