@@ -32,6 +32,9 @@ Per rank, in bytes:
   and TRL imported, 0.84 GiB measured here).
 
 Compute dtype: bf16 on a GPU; fp32 on a CPU, as finetune/train.py loads the base there.
+The figures are live memory. A CPU process's peak RSS sits above them where glibc's dynamic mmap
+threshold keeps freed activation buffers in the heap (1.13-1.24 x on the demo model; with
+MALLOC_MMAP_THRESHOLD_ fixed, within 5 %: bench/plan_train.py).
 """
 
 from __future__ import annotations

@@ -185,6 +185,8 @@ def test_cpu_ranks_share_the_host_ram_and_compute_in_fp32() -> None:
     assert cpu_rank_budget(24 * GIB, 2) == 12 * GIB
     with pytest.raises(TrainPlanError, match="no ram_bytes"):
         plan_training(demo, HardwareProfile(hosts=[Host(name="bare")]), spec())
+    with pytest.raises(TrainPlanError, match="--processes 0: must be at least 1"):
+        plan_training(demo, cpu_hosts(1, 24), spec(), ranks_per_host=0)
     with pytest.raises(TrainPlanError, match="--processes is for CPU hosts"):
         plan_training(demo, parse_hardware_spec("1x8xH100-80"), spec(), ranks_per_host=2)
 
@@ -209,6 +211,18 @@ def test_a_trainer_checks_a_job_before_loading_anything(tmp_path: Path) -> None:
     big = check_job(MODEL_CONFIGS / "llama-3.1-405b.json", method="qlora", rank=16, seq_len=4096, batch=1,
                     ranks=2, rank_memory_bytes=80 * GIB, device="cuda")
     assert not big.fits and big.reason is not None and big.reason.startswith("base shard")
+
+
+@given(name=st.sampled_from(["llama-3.1-8b", "llama-3.1-70b", "deepseek-v3", "kimi-k2", "smollm2-135m"]),
+       method=st.sampled_from(["lora", "qlora"]), ranks=st.integers(2, 512), seq_len=st.integers(1, 1 << 17),
+       batch=st.integers(1, 64), device=st.sampled_from(["cuda", "cpu"]))
+def test_more_ranks_never_need_more_memory_and_checkpointing_never_costs_memory(
+        name: str, method: str, ranks: int, seq_len: int, batch: int, device: str) -> None:
+    shape, job = model(name), spec(method, seq_len=seq_len, batch=batch)
+    fewer, more = (rank_memory(shape, job, n, device, checkpointing=True)  # type: ignore[arg-type]
+                   for n in (ranks, ranks * 2))
+    assert more.total <= fewer.total and more.buffers == fewer.buffers and more.activations == fewer.activations
+    assert fewer.activations_checkpointed <= fewer.activations_full
 
 
 @given(field=st.sampled_from(["rank", "seq_len", "batch"]), value=st.integers(max_value=0))
