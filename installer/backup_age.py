@@ -13,6 +13,7 @@ identity it is streamed.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import threading
@@ -21,6 +22,7 @@ from typing import BinaryIO, cast
 
 import pyrage
 
+from appliance.errors import StateError
 from installer.backup_archive import IDENTITY_PREFIX, BackupError
 
 MAGIC = b"age-encryption.org/v1\n"
@@ -75,7 +77,8 @@ class _Pumped:
         self._thread.start()
 
     def join(self) -> BaseException | None:
-        self.ours.close()
+        with contextlib.suppress(OSError):  # a pipe whose other end is gone (the thread's own error says why)
+            self.ours.close()
         self._thread.join()
         return self._error
 
@@ -97,7 +100,10 @@ class AgeWriter:
     def write(self, data: bytes) -> int:
         if self._pumped is None:
             return self._buffer.write(data)
-        self._pumped.ours.write(data)
+        try:
+            self._pumped.ours.write(data)
+        except (BrokenPipeError, ValueError):  # age's thread stopped (and its pipe closed): writing failed
+            raise StateError(f"cannot write the backup ({self._pumped.join()})") from None
         return len(data)
 
     def close(self) -> None:

@@ -571,3 +571,15 @@ def test_a_passphrase_backup_asking_for_excessive_scrypt_work_is_refused_at_once
     crafted = tmp_path / "crafted.backup"
     crafted.write_bytes(data.replace(stanza, stanza.rsplit(b" ", 1)[0] + b" 30", 1))
     refused(crafted, tmp_path, "work factor is far above", PASSPHRASE)
+
+
+class _Full(io.BytesIO):
+    def write(self, data: bytes) -> int:  # type: ignore[override]
+        raise OSError(28, "No space left on device")
+
+
+def test_a_backup_whose_file_cannot_be_written_says_why(state: Home) -> None:
+    for key in (IDENTITY, PASSPHRASE):
+        with pytest.raises((StateError, OSError), match="No space left on device"):
+            backup.create(load_settings(state.settings_file), state, _Full(), key)
+        assert age_threads() == []
