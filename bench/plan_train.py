@@ -4,7 +4,8 @@ over a GPU's budget: the ratio says what the rest of a rank's memory costs), the
 plan takes against a serving plan of the same model and hardware (the ratio), and the estimate
 for one CPU rank against the peak RSS measured of a plain LoRA loop on the demo model (the ratio).
 
-Run: .venv/bin/python bench/plan_train.py [--no-measure]   Writes bench/results/plan_train.json.
+Run: .venv/bin/python -m bench.plan_train [--no-measure: plans only, the last measurement kept]
+Writes bench/results/plan_train.json.
 """
 
 from __future__ import annotations
@@ -121,7 +122,10 @@ def measured(seq_len: int, batch: int) -> dict[str, object]:
 
 def main(measure: bool) -> None:
     rows = [planned(model, method) for model in MODELS for method in ("lora", "qlora")]
-    cpu = [measured(*case) for case in MEASURED] if measure and DEMO.is_dir() else []
+    if measure and DEMO.is_dir():
+        cpu = [measured(*case) for case in MEASURED]
+    else:  # keep the last measurement: --no-measure replans only
+        cpu = json.loads(RESULTS.read_text()).get("cpu_estimate_vs_measured", []) if RESULTS.is_file() else []
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({"bench": "plan_train", "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                    "host_cpus": len(os.sched_getaffinity(0)), "rows": rows,
