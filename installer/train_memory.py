@@ -31,7 +31,8 @@ Per rank, in bytes:
   serving model's non-torch reserve; on a CPU: the interpreter with torch, transformers, PEFT
   and TRL imported, 0.84 GiB measured here).
 
-Compute dtype: bf16 on a GPU; fp32 on a CPU, as finetune/train.py loads the base there.
+Compute dtype: bf16 on a GPU; fp32 on a CPU, as finetune/train.py loads the base there; or as
+the trainer says (TrainSpec.dtype).
 The figures are live memory. A CPU process's peak RSS sits above them where glibc's dynamic mmap
 threshold keeps freed activation buffers in the heap (1.13-1.24 x on the demo model; with
 MALLOC_MMAP_THRESHOLD_ fixed, within 5 %: bench/plan_train.py).
@@ -53,7 +54,9 @@ TARGETS = ("attention", "mlp", "shared_experts", "routed_experts")
 # What the trainer's target_modules="all-linear" reaches: transformers 5 stores an MoE's routed
 # experts as fused 3-D parameters, not nn.Linear, so they get adapters only when asked for.
 DEFAULT_TARGETS: tuple[str, ...] = ("attention", "mlp", "shared_experts")
-COMPUTE_BYTES = {"cuda": 2, "cpu": 4}
+Dtype = Literal["bf16", "fp32"]
+DTYPE_BYTES: dict[Dtype, int] = {"bf16": 2, "fp32": 4}
+DEVICE_DTYPE: dict[Device, Dtype] = {"cuda": "bf16", "cpu": "fp32"}
 RUNTIME_BYTES = {"cuda": NON_TORCH_BYTES, "cpu": 1 * GIB}
 ADAPTER_STATE_BYTES = 4 + 4 + 8  # fp32 master, fp32 gradient, AdamW's two fp32 moments
 NF4_PACKED = 0.5  # two 4-bit values a byte
@@ -73,6 +76,7 @@ class TrainSpec:
     batch: int
     targets: tuple[str, ...] = DEFAULT_TARGETS
     dropout: float = 0.05  # the trainer's default LoRA dropout
+    dtype: Dtype | None = None  # the base's and the activations' dtype; None: the device's (DEVICE_DTYPE)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -86,6 +90,11 @@ class TrainSpec:
             raise Invalid(f"targets {', '.join(unknown) or '(none)'}: give one or more of {', '.join(TARGETS)}")
         if not 0 <= self.dropout < 1:
             raise Invalid(f"dropout {self.dropout!r}: must be from 0 to below 1")
+        if self.dtype is not None and self.dtype not in DTYPE_BYTES:
+            raise Invalid(f"dtype {self.dtype!r}: not one of {', '.join(DTYPE_BYTES)}")
+
+    def compute_dtype(self, device: Device) -> Dtype:
+        return self.dtype or DEVICE_DTYPE[device]
 
 
 @dataclass(frozen=True)
@@ -235,7 +244,7 @@ def rank_memory(model: ModelShape, spec: TrainSpec, ranks: int, device: Device,
     """One rank's memory training `spec` on `ranks` ranks, with or without checkpointing."""
     if ranks < 1:
         raise Invalid(f"ranks {ranks}: must be at least 1")
-    compute = COMPUTE_BYTES[device]
+    compute = DTYPE_BYTES[spec.compute_dtype(device)]
     params = count_params(model)
     dense_layer, moe_layer, linear = _layer_bytes(model, spec.method, compute)
     edges = (params.embed + params.lm_head + params.final_norm) * compute
@@ -267,7 +276,7 @@ def _largest_linear(model: ModelShape) -> int:
 
 def activation_bytes(model: ModelShape, spec: TrainSpec, device: Device) -> tuple[int, int]:
     """Activations without and with per-layer checkpointing, the loss's logits included."""
-    compute = COMPUTE_BYTES[device]
+    compute = DTYPE_BYTES[spec.compute_dtype(device)]
     params = count_params(model)
     tokens = spec.seq_len * spec.batch
     layers = []

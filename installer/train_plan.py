@@ -20,6 +20,7 @@ from installer.model_config import ModelShape, load_model_config
 from installer.train_memory import (
     DEFAULT_TARGETS,
     Device,
+    Dtype,
     Method,
     RankMemory,
     TrainSpec,
@@ -114,7 +115,7 @@ def plan_training(model: ModelShape, profile: HardwareProfile, spec: TrainSpec, 
         hardware={"hosts": len(profile.hosts), "device": device, "ranks_per_host": per_host, "name": name,
                   "memory_bytes": memory_bytes, "budget_per_rank": budget},
         target={"method": spec.method, "rank": spec.rank, "seq_len": spec.seq_len, "batch": spec.batch,
-                "targets": list(spec.targets), "dropout": spec.dropout},
+                "targets": list(spec.targets), "dropout": spec.dropout, "dtype": spec.compute_dtype(device)},
         feasible=False, adapter_params=adapter_params(model, spec).total)
     chosen = None
     for ranks, hosts in _layouts(per_host, device):
@@ -196,7 +197,8 @@ def cpu_rank_budget(ram_bytes: int, ranks_per_host: int) -> int:
 
 
 def _notes(model: ModelShape, spec: TrainSpec, device: Device) -> list[str]:
-    notes = [f"compute dtype {'bf16' if device == 'cuda' else 'fp32 (as the trainer loads the base on a CPU)'}; "
+    dtype = spec.compute_dtype(device)
+    notes = [f"compute dtype {dtype}{' (as the trainer loads the base on a CPU)' if device == 'cpu' else ''}; "
              f"adapters on {', '.join(_applicable(model, spec.targets))}; FSDP2 units: each decoder layer, the root "
              "(embeddings, final norm, lm_head) unsharded through the step; estimates, not measurements"]
     if model.quantization:
@@ -217,13 +219,15 @@ def _applicable(model: ModelShape, targets: tuple[str, ...]) -> list[str]:
 
 
 def check_job(config: Path, *, method: Method, rank: int, seq_len: int, batch: int, ranks: int,
-              rank_memory_bytes: int, device: Device, hosts: int = 1,
-              targets: tuple[str, ...] = DEFAULT_TARGETS, dropout: float = 0.05) -> TrainFit:
+              rank_memory_bytes: int, device: Device, hosts: int = 1, targets: tuple[str, ...] = DEFAULT_TARGETS,
+              dropout: float = 0.05, dtype: Dtype | None = None) -> TrainFit:
     """Whether a job fits before anything is loaded: the base's config.json (or its directory),
     the method, LoRA's rank, tokens per row, rows per micro-batch, the ranks in all over `hosts`
-    and each rank's memory (a GPU's bytes, or on a CPU cpu_rank_budget(RAM, ranks per host))."""
+    and each rank's memory (a GPU's bytes, or on a CPU cpu_rank_budget(RAM, ranks per host));
+    `dtype` the base's as the trainer holds it (None: bf16 on a GPU, fp32 on a CPU)."""
     model = load_model_config(config)
-    spec = TrainSpec(method=method, rank=rank, seq_len=seq_len, batch=batch, targets=targets, dropout=dropout)
+    spec = TrainSpec(method=method, rank=rank, seq_len=seq_len, batch=batch, targets=targets, dropout=dropout,
+                     dtype=dtype)
     return fit(model, spec, ranks=ranks, hosts=hosts, budget=rank_memory_bytes, device=device)
 
 

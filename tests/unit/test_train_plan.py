@@ -225,6 +225,18 @@ def test_more_ranks_never_need_more_memory_and_checkpointing_never_costs_memory(
     assert fewer.activations_checkpointed <= fewer.activations_full
 
 
+def test_a_trainer_holding_fp32_on_a_gpu_says_so() -> None:
+    """The dtype defaults to the device's (bf16 on a GPU); a trainer that keeps fp32 there asks for it."""
+    config = MODEL_CONFIGS / "llama-3.1-8b.json"
+    job = {"method": "lora", "rank": 16, "seq_len": 4096, "batch": 1, "ranks": 2, "rank_memory_bytes": 80 * GIB,
+           "device": "cuda"}
+    bf16, fp32 = check_job(config, **job), check_job(config, **job, dtype="fp32")  # type: ignore[arg-type]
+    assert fp32.memory.base_shard == 2 * bf16.memory.base_shard == L8_TOTAL * 2
+    assert fp32.memory.activations_full > bf16.memory.activations_full
+    with pytest.raises(Invalid, match="dtype 'fp8': not one of bf16, fp32"):
+        spec(dtype="fp8")
+
+
 @given(field=st.sampled_from(["rank", "seq_len", "batch"]), value=st.integers(max_value=0))
 def test_counts_below_one_are_refused_naming_the_field(field: str, value: int) -> None:
     good = {"method": "lora", "rank": 8, "seq_len": 512, "batch": 1}
