@@ -5,20 +5,17 @@ retries make its writable flag flap; it ends once the log takes records again.""
 
 from __future__ import annotations
 
-import json
 import resource
 import time
-from typing import Any
 
 import httpx
 import pytest
 
-from appliance.alerts import monitoring_auth
 from appliance.supervisor import ProcessState, Supervisor
-from appliance.tls import local_trust
 from audit.writer import log_files
 from tests.integration.conftest import SESSION_SETTINGS, Running
 from tests.integration.realm import Realm
+from tests.support.scrape import prometheus_alerts, prometheus_url
 
 # It fills the audit disk (every request is refused) and restarts the gateway.
 pytestmark = pytest.mark.session_exclusive
@@ -42,26 +39,12 @@ def restart_program(running: Running, name: str) -> None:
         time.sleep(0.5)
 
 
-def prometheus(running: Running) -> str:
-    status = json.loads(running.appliance.run("status", "--json", timeout=60).stdout)
-    [program] = [p for p in status["programs"] if p["name"] == "prometheus"]
-    return str(program["urls"]["prometheus"])
-
-
-def alerts(running: Running, url: str, name: str) -> list[dict[str, Any]]:
-    """The alerts named `name` that the real Prometheus holds now (pending or firing)."""
-    answer = httpx.get(f"{url}/api/v1/alerts", auth=monitoring_auth(running.appliance.home),
-                       verify=local_trust(running.appliance.home), timeout=10)
-    answer.raise_for_status()
-    return [a for a in answer.json()["data"]["alerts"] if a["labels"]["alertname"] == name]
-
-
 def test_a_full_audit_disk_fires_audit_log_not_writable(running: Running) -> None:
     home = running.appliance.home
     restart_program(running, "gateway")  # the writer's failure count and last write time
     supervisor = Supervisor(home)
     supervisor.call("signalProcess", "prometheus", "HUP")  # the shipped rules as they are now
-    url = prometheus(running)
+    url = prometheus_url(running.appliance)
     realm = Realm(running)
     headers = {"Authorization": f"Bearer {realm.admin_token()}"}
     models = f"{realm.gateway}/v1/models"
@@ -72,7 +55,7 @@ def test_a_full_audit_disk_fires_audit_log_not_writable(running: Running) -> Non
     rotate_at = int(SESSION_SETTINGS["APPLIANCE_AUDIT__MAX_FILE_BYTES"])
     while (size := log_files(home.audit)[-1].stat().st_size) >= rotate_at:
         assert httpx.get(models, headers=headers, timeout=60).status_code == 200
-    assert not alerts(running, url, "AuditLogNotWritable")
+    assert not prometheus_alerts(running.appliance, url, "AuditLogNotWritable")
     soft, hard = resource.prlimit(gateway.pid, resource.RLIMIT_FSIZE)
     resource.prlimit(gateway.pid, resource.RLIMIT_FSIZE, (size, hard))  # writes past it fail (EFBIG)
     full_at = time.monotonic()
@@ -82,20 +65,20 @@ def test_a_full_audit_disk_fires_audit_log_not_writable(running: Running) -> Non
             answer = httpx.get(models, headers=headers, timeout=60)
             refused.append(answer.status_code)
             assert answer.status_code == 503 and answer.json()["error"]["code"] == "audit_unavailable", answer.text
-            if any(a["state"] == "firing" for a in alerts(running, url, "AuditLogNotWritable")):
+            if any(a["state"] == "firing" for a in prometheus_alerts(running.appliance, url, "AuditLogNotWritable")):
                 break
             assert time.monotonic() - full_at < 600, "AuditLogNotWritable never fired"
             time.sleep(0.5)
         fired_s = time.monotonic() - full_at
     finally:
         resource.prlimit(gateway.pid, resource.RLIMIT_FSIZE, (soft, hard))
-    [firing] = [a for a in alerts(running, url, "AuditLogNotWritable") if a["state"] == "firing"]
+    [firing] = [a for a in prometheus_alerts(running.appliance, url, "AuditLogNotWritable") if a["state"] == "firing"]
     assert firing["labels"]["severity"] == "page" and firing["labels"]["job"] == "gateway"
     # Space back: the next request is written, and the alert ends.
     while httpx.get(models, headers=headers, timeout=60).status_code != 200:
         assert time.monotonic() - full_at < fired_s + 120, "the gateway did not take requests again"
         time.sleep(0.5)
-    while alerts(running, url, "AuditLogNotWritable"):
+    while prometheus_alerts(running.appliance, url, "AuditLogNotWritable"):
         assert time.monotonic() - full_at < fired_s + 240, "AuditLogNotWritable did not end"
         time.sleep(0.5)
     print(f"audit disk full -> AuditLogNotWritable firing {fired_s:.0f} s ({len(refused)} requests refused)")
