@@ -106,10 +106,12 @@ def test_gate_scores_evaluation_sets_and_refuses_below_its_thresholds(workspace:
 
 @pytest.mark.integration
 def test_two_processes_train_one_adapter(workspace: tuple[dict[str, str], Path]) -> None:
-    """torchrun with two CPU processes (gloo) stands in for two GPUs: DDP inside the sandbox, whose
-    own loopback device carries their rendezvous."""
+    """torchrun with two CPU processes (gloo) stands in for two GPUs: DDP (chosen: sharding is the
+    default; tests/integration/test_finetune_sharded.py) inside the sandbox, whose own loopback
+    device carries their rendezvous."""
     env, model = workspace
-    result = finetune({**env, "APPLIANCE_FINETUNE__PROCESSES": "2"}, model, "--name", "codes-ddp", "--max-steps", "4")
+    ddp = {**env, "APPLIANCE_FINETUNE__PROCESSES": "2", "APPLIANCE_FINETUNE__STRATEGY": "ddp"}
+    result = finetune(ddp, model, "--name", "codes-ddp", "--max-steps", "4")
     assert result.returncode == 0, result.stderr
     [record] = [r for r in load(Home(Path(env["APPLIANCE_HOME"]))).adapters if r.name == "codes-ddp"]
     assert record.metrics.processes == 2 and record.metrics.steps == 4
