@@ -136,8 +136,10 @@ def _refusal(error: BaseException, name: str) -> BackupError:
     if text == "Decryption failed" or "no matching" in text.lower():
         return BackupError(f"{name}: wrong passphrase or key file (or its header is damaged)")
     if text.startswith("Excessive work"):
-        return BackupError(f"{name}: its scrypt work factor is far above what this host does in a second ({text})",
-                           hint="open it on a faster host, or it was crafted")
+        return BackupError(f"{name}: its scrypt work factor is far above what this host does now in a second "
+                           f"({text}); rage measures the host at each open, so a host busier than the one that "
+                           "sealed it refuses it", hint="try again when the host is less loaded, or open it with "
+                           "`age -d` (which accepts up to 2^22); an identity key file avoids scrypt altogether")
     if "truncated" in text or "fill whole buffer" in text:
         return BackupError(f"{name} is cut short (age: {text})")
     if text == "decryption error":
