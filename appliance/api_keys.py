@@ -28,6 +28,7 @@ import secrets as token_source
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
+from enum import StrEnum
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -52,8 +53,17 @@ _DURATION = re.compile(r"^([1-9][0-9]{0,5})([hdw])$")
 _UNITS = {"h": timedelta(hours=1), "d": timedelta(days=1), "w": timedelta(weeks=1)}
 
 
-class ApiKey(BaseModel):
-    """A key as the registry keeps it: everything but the key itself."""
+class KeyState(StrEnum):
+    """Where a key stands: the one rule the gateway, the admin API and `keys remove` all ask."""
+
+    ACTIVE = "active"
+    REVOKED = "revoked"
+    EXPIRED = "expired"
+
+
+class KeyDetails(BaseModel):
+    """A key as its owner and administrators see it: all that the registry keeps but the keyed
+    hash. A field added here is in the registry and in every view of a key (serve.routes.keys)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -68,15 +78,22 @@ class ApiKey(BaseModel):
                                      "unset: those its owner may use.")
     tokens_per_minute: int | None = Field(None, gt=0, description="Its own token budget, on top of its owner's.")
     prefix: str = Field(description="The key's first characters, to recognise it by.")
-    digest: str = Field(pattern=r"^[0-9a-f]{64}$", description="HMAC-SHA256 of the key under this host's secret.")
     revoked: datetime | None = None
 
-    def state(self, now: datetime) -> str:
+
+class ApiKey(KeyDetails):
+    """A key as the registry keeps it: everything but the key itself. Only what no view may show
+    is declared here; every other field belongs in KeyDetails."""
+
+    digest: str = Field(pattern=r"^[0-9a-f]{64}$", description="HMAC-SHA256 of the key under this host's secret.")
+
+    def state(self, now: datetime) -> KeyState:
+        """Revoked, else expired from its expiry on, else active."""
         if self.revoked is not None:
-            return "revoked"
+            return KeyState.REVOKED
         if self.expires is not None and now >= self.expires:
-            return "expired"
-        return "active"
+            return KeyState.EXPIRED
+        return KeyState.ACTIVE
 
 
 class NewKey(BaseModel):
@@ -201,7 +218,7 @@ def remove(home: Home, owner: str, name: str, now: datetime | None = None) -> Ap
         key = keys.get(ref(owner, name))
         if key is None:
             raise NotFound(f"{owner} has no API key named {name!r}", hint="`appliance keys list` shows them")
-        if key.state(now or datetime.now(UTC)) == "active":
+        if key.state(now or datetime.now(UTC)) is KeyState.ACTIVE:
             raise Conflict(f"API key {name!r} of {owner} is active",
                            hint=f"`appliance keys revoke {name} --user {owner}` first")
         del keys[ref(owner, name)]

@@ -18,6 +18,7 @@ from datetime import UTC, datetime
 import anyio
 
 from appliance import api_keys
+from appliance.api_keys import KeyState
 from appliance.errors import ApplianceError, NotFound
 from appliance.home import Home
 from appliance.users import User
@@ -36,10 +37,11 @@ class _Owner:
 
 
 def usable(key: api_keys.ApiKey, now: datetime) -> None:
-    """AuthError unless `key` is neither revoked nor expired."""
-    if key.revoked is not None:
+    """AuthError unless `key` is active now (api_keys.ApiKey.state decides; this only says why not)."""
+    state = key.state(now)
+    if state is KeyState.REVOKED:
         raise AuthError("revoked_key", f"API key {key.name!r} was revoked")
-    if key.expires is not None and now >= key.expires:
+    if state is KeyState.EXPIRED:
         raise AuthError("expired_key", f"API key {key.name!r} expired at {key.expires:%Y-%m-%dT%H:%M:%SZ}")
 
 
@@ -74,12 +76,8 @@ class KeyAuthenticator:
         if not owner.user.enabled:
             raise AuthError("inactive", f"the owner of API key {key.name!r} is disabled")
         await self._note_use(api_keys.ref(key.owner, key.name), now)
-        return Principal(subject=owner.subject, username=key.owner, client=f"key:{key.name}",
-                         roles=frozenset(role.value for role in owner.user.roles),
-                         token_id=f"key:{api_keys.ref(key.owner, key.name)}",
-                         expires_at=key.expires.timestamp() if key.expires else float("inf"), key=key.name,
-                         models=frozenset(key.models) if key.models is not None else None,
-                         tokens_per_minute=key.tokens_per_minute)
+        return Principal.for_key(key, subject=owner.subject,
+                                 roles=frozenset(role.value for role in owner.user.roles))
 
     async def warm(self, retry_s: float = 1.0, give_up_s: float = 300.0) -> None:
         """Look the owners of the usable keys up as soon as Keycloak answers, so that the first
@@ -88,8 +86,7 @@ class KeyAuthenticator:
         started = time.monotonic()
         try:
             now = datetime.now(UTC)
-            owners = sorted({key.owner for key in self._keys().values()
-                             if key.revoked is None and (key.expires is None or key.expires > now)})
+            owners = sorted({key.owner for key in self._keys().values() if key.state(now) is KeyState.ACTIVE})
         except AuthError:
             return  # an unreadable registry: each request says so
         for owner in owners[:WARM_OWNERS_MAX]:

@@ -22,6 +22,7 @@ import httpx
 from jwcrypto import jwk, jws
 from jwcrypto.common import JWException
 
+from appliance.api_keys import ApiKey, ref
 from serve.errors import AuthError
 
 VERIFIED_CACHE_SIZE = 4096
@@ -41,6 +42,19 @@ class Principal:
     key: str | None = None  # the API key it acts by (serve.api_keys)
     models: frozenset[str] | None = None  # the models that key is limited to
     tokens_per_minute: int | None = None  # that key's own token budget, on top of its owner's
+
+    @classmethod
+    def for_key(cls, key: ApiKey, *, subject: str, roles: frozenset[str], client: str | None = None,
+                token_id: str | None = None, expires_at: float | None = None) -> Principal:
+        """The principal acting by API key `key` as its owner (`subject`, holding `roles`), within the
+        key's scope and budget; by default the key's own request (client, id and expiry of the key),
+        else another's by it (a batch's request: serve.deps)."""
+        if expires_at is None:
+            expires_at = key.expires.timestamp() if key.expires is not None else float("inf")
+        return cls(subject=subject, username=key.owner, client=client or f"key:{key.name}", roles=roles,
+                   token_id=token_id or f"key:{ref(key.owner, key.name)}", expires_at=expires_at, key=key.name,
+                   models=frozenset(key.models) if key.models is not None else None,
+                   tokens_per_minute=key.tokens_per_minute)
 
     def may_use(self, model: str) -> bool:
         """Whether its key's scope admits `model` (a tier asked by name, MODEL:TIER, by its model)."""

@@ -99,10 +99,8 @@ def batch_principal(request: Request, reference: str) -> Principal:
             raise  # the registry unreadable (503): the worker gives the request back and retries
         # 403, not 401: the worker's own key is good (a 401 makes every batch wait); this request fails.
         raise AuthError(exc.reason, exc.message, status=403) from exc
-    return Principal(subject=owner.subject, username=owner.username, client="batch-worker", roles=owner.roles,
-                     token_id=reference, expires_at=float("inf"), key=key.name,
-                     models=frozenset(key.models) if key.models is not None else None,
-                     tokens_per_minute=key.tokens_per_minute)
+    return Principal.for_key(key, subject=owner.subject, roles=owner.roles, client="batch-worker", token_id=reference,
+                             expires_at=float("inf"))
 
 
 @functools.cache

@@ -9,7 +9,6 @@ from datetime import datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request
-from pydantic import BaseModel
 
 from appliance import api_keys
 from appliance.errors import Invalid
@@ -25,19 +24,12 @@ from serve.errors import AuthError
 KeyHolder = Annotated[Principal, Depends(requires(Role.USER, Role.ADMIN))]
 
 
-class KeyView(BaseModel):
-    """A key as listings show it: never its hash."""
+class KeyView(api_keys.KeyDetails):
+    """A key as listings show it: every field the registry keeps but its hash (api_keys.KeyDetails
+    declares them), its state now and when it was last used."""
 
-    name: str
-    owner: str
-    prefix: str
-    state: str
-    created: datetime
-    created_by: str
-    expires: datetime | None
+    state: api_keys.KeyState
     last_used: datetime | None
-    models: list[str] | None
-    tokens_per_minute: int | None
 
 
 class CreatedKeyView(KeyView):
@@ -45,9 +37,8 @@ class CreatedKeyView(KeyView):
 
 
 def view(key: api_keys.ApiKey, used: datetime | None) -> KeyView:
-    return KeyView(name=key.name, owner=key.owner, prefix=key.prefix, state=key.state(datetime.now(key.created.tzinfo)),
-                   created=key.created, created_by=key.created_by, expires=key.expires, last_used=used,
-                   models=key.models, tokens_per_minute=key.tokens_per_minute)
+    return KeyView(**key.model_dump(include=set(api_keys.KeyDetails.model_fields)),
+                   state=key.state(datetime.now(key.created.tzinfo)), last_used=used)
 
 
 def _may_manage(who: Principal, owner: str) -> None:

@@ -19,9 +19,11 @@ from appliance.home import Home
 from appliance.roles import Role
 from appliance.settings import RoleLimits
 from appliance.users import User
-from serve.api_keys import KeyAuthenticator
+from serve.api_keys import KeyAuthenticator, usable
+from serve.auth import Principal
 from serve.errors import AuthError, GatewayError
 from serve.limits import RateLimiter
+from serve.routes.keys import KeyView, view
 
 
 class Realm:
@@ -323,3 +325,55 @@ def test_a_batch_owners_roles_are_those_they_hold_now(home: Home, change: object
     except AuthError as exc:
         found = f"{exc.reason} {exc.status}"
     assert found == expected
+
+
+_T0 = datetime(2026, 1, 1, tzinfo=UTC)
+_OFFSETS = st.none() | st.integers(min_value=-3, max_value=3).map(lambda hours: _T0 + timedelta(hours=hours))
+
+
+def _key(revoked: datetime | None = None, expires: datetime | None = None,
+         models: list[str] | None = None) -> api_keys.ApiKey:
+    return api_keys.ApiKey(name="app", owner="kate", owner_id="id-kate", created=_T0 - timedelta(days=1),
+                           created_by="admin", expires=expires, models=models, tokens_per_minute=None,
+                           prefix="apk-abcdef", digest="0" * 64, revoked=revoked)
+
+
+@settings(max_examples=200)
+@given(revoked=_OFFSETS, expires=_OFFSETS, now=st.integers(min_value=-4, max_value=4))
+def test_the_gateway_refuses_a_key_exactly_when_its_state_is_not_active(revoked: datetime | None,
+                                                                        expires: datetime | None, now: int) -> None:
+    key, at = _key(revoked, expires), _T0 + timedelta(hours=now)
+    state = key.state(at)
+    try:
+        usable(key, at)
+    except AuthError as refused:
+        decided = refused.reason
+    else:
+        decided = "active"
+    assert decided == {api_keys.KeyState.ACTIVE: "active", api_keys.KeyState.REVOKED: "revoked_key",
+                       api_keys.KeyState.EXPIRED: "expired_key"}[state]
+    assert view(key, None).state is key.state(datetime.now(UTC)), "the admin API shows the state the gateway uses"
+
+
+def test_the_key_view_shows_every_field_of_a_key_but_its_hash() -> None:
+    # ApiKey declares only what no view may show: a field added to a key (in KeyDetails) is in the
+    # view with no second edit; one added to ApiKey itself fails here until it is one or the other.
+    assert set(api_keys.ApiKey.model_fields) - set(api_keys.KeyDetails.model_fields) == {"digest"}
+    assert set(KeyView.model_fields) == set(api_keys.KeyDetails.model_fields) | {"state", "last_used"}
+    key = _key(expires=_T0 + timedelta(days=30), models=["m1"])
+    shown = view(key, _T0).model_dump()
+    assert "digest" not in shown
+    assert {name: shown[name] for name in api_keys.KeyDetails.model_fields} == key.model_dump(exclude={"digest"})
+
+
+def test_a_keys_principal_is_built_one_way_for_its_own_requests_and_its_batches() -> None:
+    expires = _T0 + timedelta(days=1)
+    key = _key(expires=expires, models=["m1"])
+    own = Principal.for_key(key, subject="id-kate", roles=frozenset({"user"}))
+    assert (own.username, own.client, own.token_id, own.key, own.models) == ("kate", "key:app", "key:kate/app",
+                                                                             "app", frozenset({"m1"}))
+    assert own.expires_at == expires.timestamp()
+    batch = Principal.for_key(key, subject="id-kate", roles=frozenset({"user"}), client="batch-worker",
+                              token_id="batch_1:3", expires_at=float("inf"))
+    assert (batch.key, batch.models, batch.tokens_per_minute) == (own.key, own.models, own.tokens_per_minute)
+    assert Principal.for_key(_key(), subject="s", roles=frozenset()).expires_at == float("inf")
