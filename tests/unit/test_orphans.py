@@ -35,12 +35,14 @@ from appliance.orphans import (
     up_is_starting,
 )
 from tests.support.stepped_clock import stepped_clock
+from tests.support.waiting import until
 
 pytestmark = pytest.mark.integration  # every test here starts processes
 
 
 def sleeper_group() -> subprocess.Popen[bytes]:
-    """A process leading a group of its own, with a child in it (an engine and its worker)."""
+    """A process leading a group of its own, with a child in it (an engine and its worker); both
+    sleep, so that they run until the test ends them."""
     return subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
                              "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"],
                             start_new_session=True)
@@ -59,12 +61,9 @@ def legacy_record(run: Path, leader: subprocess.Popen[bytes], started: float) ->
 
 
 def with_worker(leader: subprocess.Popen[bytes]) -> list[int]:
-    """The leader and its worker, once the worker runs (polled)."""
-    deadline = time.monotonic() + 30
-    while not psutil.Process(leader.pid).children():
-        assert time.monotonic() < deadline, "the worker never started"
-        time.sleep(0.05)
-    return [leader.pid, *(child.pid for child in psutil.Process(leader.pid).children())]
+    """The leader and its worker, once the worker runs."""
+    children = until(psutil.Process(leader.pid).children, "the worker to start", 30)
+    return [leader.pid, *(child.pid for child in children)]
 
 
 def end(leader: subprocess.Popen[bytes]) -> None:
@@ -186,7 +185,8 @@ def test_an_older_versions_record_ends_its_group_only_while_its_leader_runs(tmp_
 
 
 def wrapped(run: Path, *options: str, out: Path) -> subprocess.Popen[bytes]:
-    """A program started through the wrapper, reporting its niceness and a thread's."""
+    """A program started through the wrapper, reporting its niceness and a thread's (then asleep,
+    running until the test ends it)."""
     report = ("import os, threading, time; t = threading.Thread(target=time.sleep, args=(60,)); t.start(); "
               f"open({str(out)!r}, 'w').write(f'{{os.getpid()}} {{t.native_id}} {{os.nice(0)}}'); time.sleep(60)")
     return subprocess.Popen([sys.executable, "-m", "appliance.orphans", "keycloak", str(run), *options, "--",
@@ -194,11 +194,13 @@ def wrapped(run: Path, *options: str, out: Path) -> subprocess.Popen[bytes]:
 
 
 def reported(out: Path) -> tuple[int, int, int]:
-    deadline = time.monotonic() + 30
-    while not out.exists() or len(out.read_text().split()) < 3:
-        assert time.monotonic() < deadline, "the wrapped program never reported"
-        time.sleep(0.05)
-    pid, thread, nice = map(int, out.read_text().split())
+    """What the wrapped program reported, once it has written it whole."""
+
+    def whole() -> list[str] | None:
+        words = out.read_text().split() if out.exists() else []
+        return words if len(words) >= 3 else None
+
+    pid, thread, nice = map(int, until(whole, "the wrapped program to report", 30))
     return pid, thread, nice
 
 
