@@ -25,6 +25,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
@@ -176,10 +177,20 @@ def kill(pid: int) -> None:
             process.kill()
 
 
+Probe = Callable[[Program, str], Observation]
+
+
 class Watchdog:
-    def __init__(self, settings: Settings, home: Home) -> None:
+    """Looks at the engine replicas and the work queues (`check`). What it reads and does outside
+    itself can be handed in: supervisord's client, the clock (seconds, monotonic), the look at a
+    replica, the kill and the audit record; by default the real ones."""
+
+    def __init__(self, settings: Settings, home: Home, *, supervisor: Supervisor | None = None,
+                 clock: Callable[[], float] = time.monotonic, probe: Probe = observe,
+                 kill: Callable[[int], None] = kill, announce: Callable[[Change], None] = announce) -> None:
         self.settings, self.home = settings, home
-        self.supervisor = Supervisor(home)
+        self.supervisor = supervisor or Supervisor(home)
+        self.clock, self.probe, self.kill, self.announce = clock, probe, kill, announce
         self.key = secret(home, "engine-api-key")
         self.replicas: dict[str, Replica] = {}
         self.heals = heals.load(home)
@@ -200,12 +211,12 @@ class Watchdog:
             except Exception:  # one replica's odd answer or state must not leave the others unwatched
                 log.exception("looking at %s failed", name)
         try:
-            end_stuck_workers(self.home, self.settings.watchdog, self.supervisor, kill, self._record)
+            end_stuck_workers(self.home, self.settings.watchdog, self.supervisor, self.kill, self._record)
         except Exception:  # supervisord restarting, say: the next look
             log.exception("looking at the work queues failed")
 
     def _look(self, program: Program, info: ProcessInfo | None) -> None:
-        now = time.monotonic()
+        now = self.clock()
         replica = self.replicas.get(program.name)
         if replica is None:
             replica = self.replicas[program.name] = Replica(name=program.name, start_timeout_s=program.start_timeout_s,
@@ -222,7 +233,7 @@ class Watchdog:
             # Already past its start when first seen (the watchdog itself restarted): a whole stall
             # window from now, never judged on what happened before the watchdog looked.
             replica.progress_at = now if info.uptime_s >= program.start_timeout_s else None
-        seen = observe(program, self.key)
+        seen = self.probe(program, self.key)
         why = stall(replica, seen, now, self.settings.watchdog)
         if why is not None:
             self._restart(replica, program, why, Reason.NO_PROGRESS if seen.healthy else Reason.UNHEALTHY, now)
@@ -235,7 +246,7 @@ class Watchdog:
             return  # it ended or was started again meanwhile: the pid is no longer the replica's
         number = self._count_restart(replica, program, reason, now)
         detail = f"pool {program.pool}: {why}; restart {number} (pid {replica.pid}); {self._next(replica)}"
-        kill(replica.pid)  # supervisord starts it again; the router sets it aside until it answers
+        self.kill(replica.pid)  # supervisord starts it again; the router sets it aside until it answers
         replica.progress_at, replica.tokens, replica.kv_use = None, None, None
         self._record(Change("engine.restarted", "allowed", 0, Target(kind="engine", name=replica.name), detail,
                             actor=ACTOR))
@@ -288,7 +299,7 @@ class Watchdog:
 
     def _record(self, change: Change) -> None:
         try:
-            announce(change)
+            self.announce(change)
         except ApplianceError as exc:  # the restart stands; the record is retried by no one: say so loudly
             log.error("%s %s not recorded in the audit log: %s", change.action, change.target, exc.one_line())
 

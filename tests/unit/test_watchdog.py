@@ -6,6 +6,7 @@ import contextlib
 import json
 import socketserver
 import threading
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
@@ -111,19 +112,33 @@ class FakeSupervisor:
         return self.info()
 
 
+@dataclass
+class World:
+    """What the watchdog sees and does, handed in: supervisord's answers, a clock the test moves,
+    what each look at the replica finds, and the pids it killed and the records it made."""
+
+    supervisor: FakeSupervisor = field(default_factory=FakeSupervisor)
+    now: float = 1000.0
+    seen: Observation = SILENT
+    killed: list[int] = field(default_factory=list)
+    recorded: list[Change] = field(default_factory=list)
+
+
 @pytest.fixture
-def dog(home: Home, monkeypatch: pytest.MonkeyPatch) -> Watchdog:
-    dog = Watchdog(Settings(watchdog=LIMITS), home)
-    dog.supervisor = FakeSupervisor()  # type: ignore[assignment]
-    return dog
+def world() -> World:
+    return World()
 
 
-def test_a_stalled_replica_is_killed_recorded_and_held_back_while_its_backoff_runs(
-        dog: Watchdog, monkeypatch: pytest.MonkeyPatch) -> None:
-    killed: list[int] = []
-    recorded: list[Change] = []
-    monkeypatch.setattr(watchdog, "kill", killed.append)
-    monkeypatch.setattr(watchdog, "announce", recorded.append)
+@pytest.fixture
+def dog(home: Home, world: World) -> Watchdog:
+    return Watchdog(Settings(watchdog=LIMITS), home, supervisor=world.supervisor,  # type: ignore[arg-type]
+                    clock=lambda: world.now, probe=lambda program, key: world.seen, kill=world.killed.append,
+                    announce=world.recorded.append)
+
+
+def test_a_stalled_replica_is_killed_recorded_and_held_back_while_its_backoff_runs(dog: Watchdog,
+                                                                                   world: World) -> None:
+    killed, recorded = world.killed, world.recorded
     program = Program(name="vllm-main", command=["vllm"], pool="main", socket=Path("/nonexistent.sock"))
     stuck = replica()
     dog._restart(stuck, program, "its health check has not answered for 31 s", Reason.UNHEALTHY, now=100)
@@ -144,46 +159,36 @@ def test_a_stalled_replica_is_killed_recorded_and_held_back_while_its_backoff_ru
 
 
 def test_restarts_are_remembered_across_the_replica_starting_again(dog: Watchdog, home: Home,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                    world: World) -> None:
     """supervisord shows the killed replica STARTING, then RUNNING with a new pid: its backoff holds."""
     engine = Program(name="vllm-main", command=["vllm"], pool="main", socket=Path("/nonexistent.sock"),
                      start_timeout_s=10)
     (home.run / "programs.json").write_text(json.dumps([engine.model_dump(mode="json")]))
-    killed: list[int] = []
-    recorded: list[Change] = []
-    clock = [1000.0]
-    monkeypatch.setattr(watchdog, "kill", killed.append)
-    monkeypatch.setattr(watchdog, "announce", recorded.append)
-    monkeypatch.setattr(watchdog, "observe", lambda program, key: SILENT)
-    monkeypatch.setattr(watchdog.time, "monotonic", lambda: clock[0])
-    fake: Any = dog.supervisor
+    killed, recorded, fake = world.killed, world.recorded, world.supervisor
+    world.seen = SILENT
     dog.check()  # first seen past its start: a whole stall window from now
-    clock[0] += 31
+    world.now += 31
     dog.check()
     assert killed == [4242]
     fake.state = ProcessState.STARTING
     dog.check()
     fake.state, fake.pid = ProcessState.RUNNING, 5151
     for _ in range(4):  # wedged again at once, within its 60 s backoff
-        clock[0] += 11
+        world.now += 11
         dog.check()
     assert killed == [4242] and [c.action for c in recorded] == ["engine.restarted", "engine.restart_held_back"]
-    clock[0] += 30
+    world.now += 30
     dog.check()
     assert killed == [4242, 5151] and "restart 2" in (recorded[-1].detail or "")
 
 
 def test_a_replica_supervisord_gave_up_on_is_started_again_as_its_backoff_allows(
-        dog: Watchdog, home: Home, monkeypatch: pytest.MonkeyPatch) -> None:
+        dog: Watchdog, home: Home, world: World) -> None:
     """A crash loop: supervisord ends at FATAL after its start retries; the watchdog starts it again,
     ever more slowly, each start audited; a stopped one (an administrator's) is left stopped."""
     engine = Program(name="vllm-main", command=["vllm"], pool="main", socket=Path("/nonexistent.sock"))
     (home.run / "programs.json").write_text(json.dumps([engine.model_dump(mode="json")]))
-    recorded: list[Change] = []
-    clock = [1000.0]
-    monkeypatch.setattr(watchdog, "announce", recorded.append)
-    monkeypatch.setattr(watchdog.time, "monotonic", lambda: clock[0])
-    fake: Any = dog.supervisor
+    recorded, fake = world.recorded, world.supervisor
     fake.state = ProcessState.FATAL
     dog.check()
     assert fake.started == 1 and [c.action for c in recorded] == ["engine.restarted"]
@@ -191,15 +196,15 @@ def test_a_replica_supervisord_gave_up_on_is_started_again_as_its_backoff_allows
         recorded[0].detail or "")
     fake.state = ProcessState.FATAL  # it crashed again at once
     for _ in range(5):
-        clock[0] += 10
+        world.now += 10
         dog.check()
     assert fake.started == 1 and [c.action for c in recorded] == ["engine.restarted", "engine.restart_held_back"]
-    clock[0] += 11
+    world.now += 11
     dog.check()
     assert fake.started == 2 and "start 2" in (recorded[-1].detail or "") and "after 120 s" in (
         recorded[-1].detail or "")
     fake.state = ProcessState.STOPPED
-    clock[0] += 1000
+    world.now += 1000
     dog.check()
     assert fake.started == 2 and heals.load(home).restarts == {"vllm-main": {Reason.GAVE_UP: 2}}
     # supervisord refuses the start: recorded as an error, and backed off like a crash (no retry each look).
@@ -207,7 +212,7 @@ def test_a_replica_supervisord_gave_up_on_is_started_again_as_its_backoff_allows
     dog.check()
     assert recorded[-1].outcome == "error" and "start 3 refused: supervisord refused" in (recorded[-1].detail or "")
     for _ in range(10):
-        clock[0] += 1
+        world.now += 1
         dog.check()
     assert [c.action for c in recorded].count("engine.restarted") == 3 and recorded[-1].action == \
         "engine.restart_held_back"
@@ -229,15 +234,12 @@ def test_a_planted_or_broken_heals_file_counts_from_zero(home: Home, tmp_path: P
     assert heals.load(home) == heals.Heals()
 
 
-def test_a_replica_that_changed_meanwhile_is_not_killed(dog: Watchdog, monkeypatch: pytest.MonkeyPatch) -> None:
-    killed: list[int] = []
-    monkeypatch.setattr(watchdog, "kill", killed.append)
-    monkeypatch.setattr(watchdog, "announce", lambda change: None)
+def test_a_replica_that_changed_meanwhile_is_not_killed(dog: Watchdog, world: World) -> None:
     program = Program(name="vllm-main", command=["vllm"], pool="main", socket=Path("/nonexistent.sock"))
     stale = replica()
-    dog.supervisor.pid = 6001  # type: ignore[attr-defined]  # supervisord started it again since the look
+    world.supervisor.pid = 6001  # supervisord started it again since the look
     dog._restart(stale, program, "its health check has not answered for 31 s", Reason.UNHEALTHY, now=100)
-    assert killed == [] and stale.restarts == 0
+    assert world.killed == [] and world.recorded == [] and stale.restarts == 0
 
 
 @pytest.mark.parametrize("pid", [1, 0, -5])
