@@ -8,6 +8,8 @@ import json
 from appliance import batches
 from appliance.artifacts import LocalStore
 from appliance.batches import BatchAsk, BatchState, Owner
+from appliance.batches.lines import Reader, read_chunks
+from appliance.batches.validation import CHUNK_ROWS
 from appliance.home import Home
 from appliance.settings import BatchSettings
 
@@ -37,11 +39,13 @@ def create_only(home: Home, file_id: str, owner: Owner = ANN, limits: BatchSetti
 
 
 def validate(home: Home, store: LocalStore, limits: BatchSettings | None = None, max_choices: int | None = None,
-             pid: int = 4242) -> batches.Batch:
-    """The next validating batch, validated as the worker does."""
+             pid: int = 4242, *, read: Reader = read_chunks, chunk_rows: int = CHUNK_ROWS) -> batches.Batch:
+    """The next validating batch, validated as the worker does (`read` and `chunk_rows`: how the
+    file is read and copied, validate's own seams)."""
     job = batches.claim_validation(home, pid, lambda other: other == pid)
     assert job is not None
-    return batches.validate(home, store, job, limits or BatchSettings(), 1 << 20, max_choices)
+    return batches.validate(home, store, job, limits or BatchSettings(), 1 << 20, max_choices, read=read,
+                            chunk_rows=chunk_rows)
 
 
 def create(home: Home, store: LocalStore, file_id: str, owner: Owner = ANN,

@@ -9,13 +9,16 @@ import json
 import re
 import sqlite3
 from collections.abc import Iterator
+from functools import partial
 
 import httpx
 import pytest
 
 from appliance import batches
-from appliance.artifacts import ArtifactStoreError, LocalStore
+from appliance.artifacts import ArtifactStore, ArtifactStoreError, LocalStore
 from appliance.batches import BatchState
+from appliance.batches import store as batch_store
+from appliance.batches.lines import read_chunks, split_lines
 from appliance.errors import QuotaExceeded
 from appliance.home import Home
 from appliance.settings import BatchSettings, Settings
@@ -35,19 +38,16 @@ def test_lines_are_split_alike_whatever_the_chunks() -> None:
     data = b'{"a": 1}\n\n{"b": "\xe2\x80\xa8"}\r\n' + b"x" * 40 + b"\nlast"
     for size in (1, 3, 7, 64, 1 << 20):
         chunks = [data[start:start + size] for start in range(0, len(data), size)]
-        found = list(batches._lines(chunks, 32))
+        found = list(split_lines(chunks, 32))
         assert found == [(1, b'{"a": 1}'), (2, b""), (3, b'{"b": "\xe2\x80\xa8"}\r'), (4, None), (5, b"last")]
-    assert list(batches._lines([b"a\n"], 8)) == [(1, b"a")]  # a final "\n" ends the last line
+    assert list(split_lines([b"a\n"], 8)) == [(1, b"a")]  # a final "\n" ends the last line
 
 
-def test_creating_answers_validating_and_the_worker_copies_in_chunks(home: Home, store: LocalStore,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(batches, "READ_BYTES", 100)  # many reads, lines across them
-    monkeypatch.setattr(batches, "CHUNK_ROWS", 7)
+def test_creating_answers_validating_and_the_worker_copies_in_chunks(home: Home, store: LocalStore) -> None:
     created = create_only(home, upload(home, store, [line(f"r{index}") for index in range(50)]))
     assert created.status == BatchState.VALIDATING and created.in_progress_at is None
     assert batches.claim(home, 1, lambda pid: True, 10) == []  # nothing runs before it is validated
-    batch = validate(home, store)
+    batch = validate(home, store, read=partial(read_chunks, size=100), chunk_rows=7)  # many reads, lines across them
     assert batch.status == BatchState.IN_PROGRESS and batch.in_progress_at and batch.request_counts.total == 50
     assert rows(home, batch.id) == [(index + 1, f"r{index}") for index in range(50)]
     assert batches.claim_validation(home, 4242, lambda pid: True) is None
@@ -61,45 +61,36 @@ def test_users_take_turns_at_validation(home: Home, store: LocalStore) -> None:
     assert order == [anns[0], bobs, anns[1]]  # one user's queue of big files does not hold the others back
 
 
-def test_a_crash_mid_validation_starts_over_without_copying_twice(home: Home, store: LocalStore,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(batches, "READ_BYTES", 256)
-    monkeypatch.setattr(batches, "CHUNK_ROWS", 2)
+def test_a_crash_mid_validation_starts_over_without_copying_twice(home: Home, store: LocalStore) -> None:
     batch = create_only(home, upload(home, store, [line(f"r{index}") for index in range(40)]))
-    real = batches._chunks
+    small_reads = partial(read_chunks, size=256)
 
-    def dying(store: batches.ArtifactStore, key: str) -> Iterator[bytes]:
-        chunks = real(store, key)
+    def dying(store: ArtifactStore, key: str) -> Iterator[bytes]:
+        chunks = small_reads(store, key)
         for _ in range(4):
             yield next(chunks)
         raise ArtifactStoreError("the store went away")
 
-    monkeypatch.setattr(batches, "_chunks", dying)
     with pytest.raises(ArtifactStoreError):
-        validate(home, store, pid=11)
+        validate(home, store, pid=11, read=dying, chunk_rows=2)
     assert 0 < len(rows(home, batch.id)) < 40  # chunks copied before the crash
     assert batches.claim_validation(home, 12, lambda pid: pid == 11) is None  # 11 lives: its claim holds
-    monkeypatch.setattr(batches, "_chunks", real)
-    done = validate(home, store, pid=12)  # 11 died (12 knows only itself alive): 12 starts over
+    # 11 died (12 knows only itself alive): 12 starts over
+    done = validate(home, store, pid=12, read=small_reads, chunk_rows=2)
     assert done.status == BatchState.IN_PROGRESS and done.request_counts.total == 40
     assert rows(home, batch.id) == [(index + 1, f"r{index}") for index in range(40)]
 
 
-def test_cancelling_a_validating_batch_stops_its_validation(home: Home, store: LocalStore,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(batches, "READ_BYTES", 256)
-    monkeypatch.setattr(batches, "CHUNK_ROWS", 5)
+def test_cancelling_a_validating_batch_stops_its_validation(home: Home, store: LocalStore) -> None:
     batch = create_only(home, upload(home, store, [line(f"r{index}") for index in range(40)]))
-    real = batches._chunks
 
-    def cancelled_meanwhile(store: batches.ArtifactStore, key: str) -> Iterator[bytes]:
-        for number, chunk in enumerate(real(store, key)):
+    def cancelled_meanwhile(store: ArtifactStore, key: str) -> Iterator[bytes]:
+        for number, chunk in enumerate(read_chunks(store, key, size=256)):
             if number == 3:
                 assert batches.cancel(home, batch.id, ANN.subject).status == BatchState.CANCELLING
             yield chunk
 
-    monkeypatch.setattr(batches, "_chunks", cancelled_meanwhile)
-    stopped = validate(home, store)
+    stopped = validate(home, store, read=cancelled_meanwhile, chunk_rows=5)
     assert stopped.status == BatchState.CANCELLING and stopped.request_counts.total == 0
     assert rows(home, batch.id) == []  # what it had copied is gone
     ended = batches.finalize(home, store, batches.to_finalize(home)[0])
@@ -186,7 +177,7 @@ def test_an_input_file_deleted_before_validation_fails_the_batch(home: Home, sto
 
 
 def test_a_queue_from_before_gets_the_new_column_and_leaves_old_failures_unannounced(home: Home) -> None:
-    old_schema = re.sub(r"\n *(validator_pid|input_bytes|api_key) [^\n]*", "", batches.SCHEMA).replace(
+    old_schema = re.sub(r"\n *(validator_pid|input_bytes|api_key) [^\n]*", "", batch_store.SCHEMA).replace(
         "default 0,  -- its end", "default 0  -- its end")
     assert "validator_pid" not in old_schema and "input_bytes" not in old_schema and "api_key" not in old_schema
     db = sqlite3.connect(home.root / "batches.sqlite")
@@ -196,7 +187,7 @@ def test_a_queue_from_before_gets_the_new_column_and_leaves_old_failures_unannou
                "2, 1)", (CHAT,))
     db.commit()
     db.close()
-    batches._READY.discard(home.root / "batches.sqlite")
+    batch_store._READY.discard(home.root / "batches.sqlite")
     assert batches.to_announce(home) == []
     with batches.connect(home) as db:
         columns = {row[1] for row in db.execute("pragma table_info(batches)")}
@@ -213,7 +204,7 @@ def test_a_batch_left_validating_by_a_queue_from_before_queued_validations_is_va
         db.execute("drop table batch_validations")
         db.execute("update batches set validator_pid = 999999 where id = ?", (batch.id,))
         db.commit()
-    batches._READY.discard(home.root / "batches.sqlite")
+    batch_store._READY.discard(home.root / "batches.sqlite")
     done = validate(home, store)
     assert done.id == batch.id and done.status == BatchState.IN_PROGRESS and done.request_counts.total == 2
     assert batches.claim_validation(home, 4243, lambda pid: False) is None  # done: no worker takes it again
@@ -242,7 +233,7 @@ def test_a_validation_queue_from_before_retries_were_counted_counts_them(home: H
         db.execute("drop index batch_validations_state")
         db.execute("alter table batch_validations drop column attempts")
         db.commit()
-    batches._READY.discard(home.root / "batches.sqlite")
+    batch_store._READY.discard(home.root / "batches.sqlite")
     done = validate(home, store)
     assert done.id == batch.id and done.status == BatchState.IN_PROGRESS
     with batches.connect(home) as db:
