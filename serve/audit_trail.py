@@ -9,19 +9,14 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
 import anyio
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from appliance.api_keys import ApiKey
 from appliance.changes import Outcome, Target
 from audit import AuditEvent, AuditUnavailable, AuditWriter, TextHasher
-from serve.answer import Answer
-from serve.auth import Principal
-from serve.compliance import Marks
+from serve.context import RequestContext, Transcript, context_of, open_context
 from serve.errors import GatewayError
 from serve.summaries import Refusals, Summaries, cap_text
 
@@ -31,6 +26,9 @@ AUDITED_PREFIXES = ("/v1/", "/admin/")
 INLINE_FLUSH_LIMIT_S = 0.005
 ERROR_BODY_BYTES = 4096
 CLIENT_GONE = 499  # as nginx logs it: the client closed the connection before the response ended
+# What follows a record once it is written, told the request's context, the record's sequence
+# number and the record (the gateway's: serve.relay.after_record).
+AfterRecord = Callable[[RequestContext, int, AuditEvent], None]
 # Declared on a route (`openapi_extra=MONITORING`): a read a dashboard polls, summarised per user.
 MONITORING = {"x-audit": "summarised per user and interval"}
 # Declared on a route a screen refreshes (`openapi_extra=REFRESHED`): a repeat of the same query by
@@ -55,10 +53,9 @@ def action_of(scope: Scope, status: int) -> str:
     return str(route.name.format(**(scope.get("path_params") or {})))
 
 
-def target_of(scope: Scope, action: str) -> Target | None:
+def target_of(scope: Scope, action: str, noted: Target | None) -> Target | None:
     """The object a request acted on: what its route noted (`note_target`), else the object its
     path names."""
-    noted: Target | None = scope.get("state", {}).get("target")
     if noted is not None:
         return noted
     for param, value in (scope.get("path_params") or {}).items():
@@ -72,7 +69,7 @@ def note_target(request: Request, kind: str, name: str, *, version: int | None =
                 roles: list[str] | None = None) -> None:
     """Name the object a route acts on, for its audit record (when the path does not name it, or
     not all of it: a version, the roles granted)."""
-    request.state.target = Target(kind=kind, name=cap_text(name), version=version, roles=roles)
+    context_of(request).target = Target(kind=kind, name=cap_text(name), version=version, roles=roles)
 
 
 def resource_of(scope: Scope) -> str:
@@ -109,31 +106,6 @@ def reason_of(status: int, body: bytes) -> str | None:
     return cap_text(str(code), 64) if code else f"http_{status}"
 
 
-@dataclass
-class Transcript:
-    """What a handler learned about the request, for its audit record."""
-
-    model: str | None = None
-    prompt: str | None = None
-    params: str | None = None  # the relayed body's other fields (sampling, stops, logit bias, n...)
-    answer: Answer = field(default_factory=Answer)
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    relayed: bool = False  # sent to an engine: always a record of its own
-    marks: Marks = field(default_factory=Marks)  # what compliance filtering did: always a record of its own
-    ended: bool = False  # a stream's end marker has arrived from the engine
-    tier: str | None = None
-    replica: str | None = None
-    cache_hit_of: int | None = None  # answered from the cache: the original request's record
-    batch: str | None = None  # a batch's request: "<batch id>:<line>"
-    on_recorded: Callable[[int], None] | None = None  # told the sequence number of a 200's record (the cache)
-    on_finished: Callable[[int, float], None] | None = None  # told the status and latency (s) once recorded (canaries)
-    ttft_s: float | None = None  # a stream's time to its first token
-
-    def end(self) -> None:
-        self.ended = True
-
-
 def outcome_of(status: int) -> Outcome:
     """allowed; denied (credentials, role, a limit); invalid (any other 4xx: the client's
     fault, a client gone mid-answer too); error (5xx: the appliance's)."""
@@ -157,10 +129,14 @@ class AuditMiddleware:
     two thread wake-ups (about 0.3 ms on a 2-core VM), more than the write and flush themselves.
     While other audited requests are in flight, or while the disk is slow (the latest flush took
     over INLINE_FLUSH_LIMIT_S), the record goes to a worker thread instead, where concurrent
-    records share one flush: a slow disk stalls neither their streams nor health checks."""
+    records share one flush: a slow disk stalls neither their streams nor health checks.
+
+    The record is built from the request's context (serve.context), whatever the request filled in
+    of it; once written, `after_record` is told of it."""
 
     def __init__(self, app: ASGIApp, writer: AuditWriter, hasher: TextHasher, capture_text: bool,
-                 refusals: Refusals, monitoring: Summaries, count_repeated_reads: bool = True) -> None:
+                 refusals: Refusals, monitoring: Summaries, count_repeated_reads: bool = True,
+                 after_record: AfterRecord | None = None) -> None:
         self.app = app
         self.writer = writer
         self.hasher = hasher
@@ -168,6 +144,7 @@ class AuditMiddleware:
         self.refusals = refusals
         self.monitoring = monitoring
         self.count_repeated_reads = count_repeated_reads
+        self.after_record = after_record
         self.in_flight = 0
         self._reported_failure: str | None = None
 
@@ -186,7 +163,7 @@ class AuditMiddleware:
             await self._unavailable(failure).response()(scope, receive, send)
             return
         started = time.monotonic()
-        state: dict[str, Any] = scope.setdefault("state", {})
+        context = open_context(scope)
         held: Message | None = None
         streaming = False
         status = 200
@@ -207,15 +184,14 @@ class AuditMiddleware:
             body_ends = message["type"] == "http.response.body" and not message.get("more_body", False)
             if status >= 400 and not streaming and len(error_body) < ERROR_BODY_BYTES:
                 error_body.extend(message.get("body", b"")[:ERROR_BODY_BYTES])
-                state["error_body"] = bytes(error_body)
-            transcript: Transcript | None = state.get("transcript")
+            transcript = context.transcript
             # A stream's end marker waits for the record too: a client must not see a complete
             # answer whose record is not on disk.
             if (body_ends or (streaming and transcript is not None and transcript.ended)) and not settled:
                 settled = True  # written now, or answered as unwritable
-                event, broken = self._event(scope, state, status, started)
+                event, broken = self._event(scope, context, status, started, error_body)
                 try:
-                    await self._record(event, scope)
+                    await self._record(event, scope, context)
                 except AuditUnavailable as exc:
                     if streaming:
                         raise  # cut the stream: the client must not see a complete answer
@@ -238,17 +214,17 @@ class AuditMiddleware:
             await self.app(scope, receive, audited_send)
         except Exception:
             if not settled:  # the server answers 500 beyond this middleware
-                await self._record_unfinished(scope, state, 500, started)
+                await self._record_unfinished(scope, context, 500, started, error_body)
             raise
         else:
             if not settled:  # a stream whose client went away before its end
-                await self._record_unfinished(scope, state, CLIENT_GONE, started)
+                await self._record_unfinished(scope, context, CLIENT_GONE, started, error_body)
         finally:
             self.in_flight -= 1
 
-    async def _record(self, event: AuditEvent, scope: Scope) -> None:
+    async def _record(self, event: AuditEvent, scope: Scope, context: RequestContext) -> None:
         """Write the request's record, unless it is a refusal or a monitoring read counted into a summary."""
-        transcript: Transcript | None = scope["state"].get("transcript")
+        transcript = context.transcript
         marked = transcript is not None and (transcript.relayed or bool(transcript.marks.done))
         if not self.refusals.own_record(event, relayed=marked):
             return
@@ -256,48 +232,48 @@ class AuditMiddleware:
         if kind is not None and not self.monitoring.first_of_interval(event, kind):
             return
         seq = await self._append(event)
-        if transcript is not None and transcript.on_recorded is not None and event.status == 200:
-            transcript.on_recorded(seq)
-        if transcript is not None and transcript.on_finished is not None:
-            transcript.on_finished(event.status, (event.latency_ms or 0.0) / 1000)
+        if self.after_record is not None:
+            self.after_record(context, seq, event)
 
-    async def _record_unfinished(self, scope: Scope, state: dict[str, Any], status: int, started: float) -> None:
+    async def _record_unfinished(self, scope: Scope, context: RequestContext, status: int, started: float,
+                                 error_body: bytearray) -> None:
         """The record of a request that never completed; if even that cannot be written, the
         writer now refuses requests (fail closed) and says why in /readyz."""
         try:
-            await self._record(self._event(scope, state, status, started)[0], scope)
+            await self._record(self._event(scope, context, status, started, error_body)[0], scope, context)
         except AuditUnavailable as exc:
-            log.error("audit record of unfinished request %s not written: %s", state.get("request_id"), exc)
+            log.error("audit record of unfinished request %s not written: %s", context.request_id, exc)
 
-    def _event(self, scope: Scope, state: dict[str, Any], status: int, started: float) -> tuple[AuditEvent, bool]:
+    def _event(self, scope: Scope, context: RequestContext, status: int, started: float,
+               error_body: bytearray) -> tuple[AuditEvent, bool]:
         """The request's record, and whether building it failed (the record then says so)."""
         client = scope.get("client")
         source = client[0] if client else None
         try:
-            return self._build(scope, state, status, started, source), False
+            return self._build(scope, context, status, started, source, bytes(error_body)), False
         except Exception as exc:  # whatever it was, the request still leaves a record
-            log.exception("audit record of request %s could not be built", state.get("request_id"))
-            return AuditEvent(request_id=state.get("request_id", ""), action="audit.record_failed",
+            log.exception("audit record of request %s could not be built", context.request_id)
+            return AuditEvent(request_id=context.request_id, action="audit.record_failed",
                               outcome="error", status=500, source=source,
                               latency_ms=round((time.monotonic() - started) * 1000, 1),
                               error=cap_text(f"{type(exc).__name__}: {exc}")), True
 
-    def _build(self, scope: Scope, state: dict[str, Any], status: int, started: float,
-               source: str | None) -> AuditEvent:
-        who: Principal | None = state.get("principal")
-        key: ApiKey | None = None if who else state.get("refused_key")  # a key found, then refused
-        transcript: Transcript = state.get("transcript") or Transcript()
+    def _build(self, scope: Scope, context: RequestContext, status: int, started: float,
+               source: str | None, error_body: bytes) -> AuditEvent:
+        who = context.principal
+        key = None if who else context.refused_key  # a key found, then refused
+        transcript = context.transcript or Transcript()
         action = cap_text(action_of(scope, status))
         completion = transcript.answer.canonical()
         return AuditEvent(
-            request_id=state.get("request_id", ""),
+            request_id=context.request_id,
             action=action,
             outcome=outcome_of(status), status=status,
             subject=who.subject if who else None, username=who.username if who else key and key.owner,
             client=who.client if who else key and key.name, key=who.key if who else key and key.name, source=source,
-            resource=resource_of(scope), target=target_of(scope, action),
+            resource=resource_of(scope), target=target_of(scope, action, context.target),
             model=cap_text(transcript.model) if transcript.model else None,
-            reason=reason_of(status, state.get("error_body", b"")),
+            reason=reason_of(status, error_body),
             prompt_tokens=transcript.prompt_tokens, completion_tokens=transcript.completion_tokens,
             latency_ms=round((time.monotonic() - started) * 1000, 1),
             prompt_hmac=self.hasher(transcript.prompt), completion_hmac=self.hasher(completion),

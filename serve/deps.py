@@ -6,7 +6,7 @@ import functools
 import hmac
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
-from typing import Annotated, cast
+from typing import Annotated
 
 import anyio
 from fastapi import Depends, Request
@@ -19,6 +19,7 @@ from appliance.home import Home
 from appliance.roles import ROLE_ORDER
 from appliance.secrets import secret
 from serve.auth import Principal
+from serve.context import context_of
 from serve.errors import AuthError
 
 bearer = HTTPBearer(auto_error=False, description="An API key (`apk-...`, from `appliance keys create`) or a "
@@ -39,8 +40,9 @@ async def authenticated(
     `credentials` is declared only so the OpenAPI document shows the bearer scheme; the raw
     header is validated, so a malformed one gets a precise reason.
     """
-    if (known := getattr(request.state, "principal", None)) is not None:
-        return cast(Principal, known)  # authenticated before its body was read (AuthenticateFirst)
+    context = context_of(request)
+    if context.principal is not None:
+        return context.principal  # authenticated before its body was read (AuthenticateFirst)
     gateway = request.app.state.gateway
     authorization = request.headers.get("authorization")
     try:
@@ -53,14 +55,13 @@ async def authenticated(
             if request.url.path.startswith("/admin/"):
                 raise AuthError("key_not_allowed", "API keys cannot use the admin API; log in with "
                                 "`appliance login` (or a Keycloak token)", status=403)
-            who = await gateway.keys.principal(key, known=lambda found: setattr(request.state, "refused_key", found))
+            who = await gateway.keys.principal(key, known=lambda found: setattr(context, "refused_key", found))
         else:
             who = await gateway.validator.validate(authorization)
     except AuthError as exc:
         gateway.metrics.auth_failures.labels(exc.reason).inc()
         raise
-    request.state.role = best_role(who.roles)
-    request.state.principal = who
+    context.principal = who  # its best role labels the request's metrics (MeterMiddleware)
     return who
 
 
@@ -87,7 +88,7 @@ def batch_principal(request: Request, reference: str) -> Principal:
             not batches.is_claimed(home, batch_id, int(line)):
         raise AuthError("invalid_token", "no such batch request in progress", status=403)
     owner, _ = batches.owner_of(home, batch_id)
-    request.state.batch = reference
+    context_of(request).batch = reference
     if owner.key is None:
         return Principal(subject=owner.subject, username=owner.username, client="batch-worker", roles=owner.roles,
                          token_id=reference, expires_at=float("inf"))

@@ -41,6 +41,7 @@ from fastapi.responses import Response
 
 from appliance.settings import Settings
 from audit import AuditEvent, AuditUnavailable
+from serve.context import context_of
 from serve.errors import GatewayError
 from serve.limits import SourceThrottle
 from serve.summaries import cap_text
@@ -173,7 +174,7 @@ class IdentityProxy:
         refused = GatewayError(429, f"{THROTTLED}; retry in {math.ceil(wait)}s", type="rate_limit_error",
                                code="login_rate_exceeded",
                                headers={"Retry-After": str(math.ceil(wait)), "Connection": "close"})
-        event = AuditEvent(request_id=getattr(request.state, "request_id", ""), action="identity.throttled",
+        event = AuditEvent(request_id=context_of(request).request_id, action="identity.throttled",
                            outcome="denied", status=429, source=peer or None, resource=cap_text(request.url.path),
                            reason="login_rate_exceeded", error=THROTTLED)
         try:

@@ -4,21 +4,22 @@ authenticated before their bodies are read, and the request body size limit."""
 from __future__ import annotations
 
 import time
-import uuid
 
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from appliance.errors import ApplianceError
-from serve.deps import authenticated
+from serve.context import open_context
+from serve.deps import authenticated, best_role
 from serve.errors import AuthError, GatewayError, from_core
 from serve.metrics import Metrics
 
 
 class MeterMiddleware:
-    """Pure ASGI: a request id for every request; count and time every response by route,
-    status and the caller's role (streaming responses are timed to their last byte)."""
+    """Pure ASGI: every request's context (serve.context), opened here, outermost, with its request
+    id; count and time every response by route, status and the caller's role (streaming responses
+    are timed to their last byte)."""
 
     def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
         self.app = app
@@ -28,8 +29,8 @@ class MeterMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        state = scope.setdefault("state", {})
-        state["request_id"] = request_id = uuid.uuid4().hex
+        context = open_context(scope)
+        request_id = context.request_id
         started = time.monotonic()
         status = 500
 
@@ -44,7 +45,8 @@ class MeterMiddleware:
             await self.app(scope, receive, send_with_id)
         finally:
             route = getattr(scope.get("route"), "path", "unmatched")
-            self.metrics.requests.labels(route, str(status), state.get("role", "none")).inc()
+            role = best_role(context.principal.roles) if context.principal is not None else "none"
+            self.metrics.requests.labels(route, str(status), role).inc()
             self.metrics.latency.labels(route).observe(time.monotonic() - started)
 
 
@@ -53,7 +55,7 @@ class AuthenticateFirst:
     authenticated from the request's headers before anything reads its body, and refused (403) if
     they hold none of the roles any route under the prefix admits; a refusal closes the
     connection, so a client without the right token cannot make the gateway read or spool a body
-    at all. The principal is left in the request's state for the routes' own (exact) checks."""
+    at all. The principal is left in the request's context for the routes' own (exact) checks."""
 
     def __init__(self, app: ASGIApp, needs: dict[str, frozenset[str]]) -> None:
         self.app = app

@@ -1,6 +1,7 @@
-"""The gateway's admin API, one module per resource (its routes with their request and response
-models), and `admin_routers`, which the gateway includes. Every route declares its audit action as
-its name."""
+"""The gateway's routes, one module per resource (its routes with their request and response
+models): the admin API, gathered by `admin_routers`, and beside it the OpenAI routes the gateway
+serves itself (v1) and health and metrics (health), which the gateway includes first. Every audited
+route declares its audit action as its name."""
 
 from __future__ import annotations
 

@@ -24,6 +24,7 @@ from serve.audit_trail import (
     Transcript,
     note_target,
 )
+from serve.context import context_of
 from serve.summaries import Refusals, Summaries
 
 
@@ -145,7 +146,7 @@ def streaming_app(*, end: bool = True, fail: bool = False) -> Any:
             raise RuntimeError("engine went away")
         if not end:
             return  # as Starlette's StreamingResponse does when the client disconnects
-        scope["state"]["transcript"] = transcript = Transcript()
+        context_of(Request(scope)).transcript = transcript = Transcript()
         transcript.end()  # as the relay does once it has parsed the end marker's line
         await send({"type": "http.response.body", "body": b"data: {}\n\ndata: [DONE]\n\n", "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
