@@ -11,8 +11,10 @@ With --prose, each prompt is a kilobyte of ordinary prose (numbers, a version, a
 that begin key prefixes; its last number differs from request to request) instead of "Say OK.", so
 that the compliance filter's scan of a prompt shows in the added latency.
 
-Run: .venv/bin/python -m bench.gateway_ab [--before REV] [--requests N] [--prose] [--probe-stalls]
-(needs ./bootstrap.sh --no-start; REV: any commit whose engines listen on Unix sockets).
+Run: .venv/bin/python -m bench.gateway_ab [--before REV] [--after REV] [--requests N] [--prose] [--probe-stalls]
+(needs ./bootstrap.sh --no-start; REV: any commit whose engines listen on Unix sockets; without
+--after the working tree is measured, with it that commit, so that changes others have not yet
+committed stay out of the comparison).
 Writes bench/results/gateway_ab.json (gateway_ab_prose.json with --prose); with --probe-stalls
 (bench/stall_probe: its own cost distorts the figures, so it writes them nowhere) prints what
 stalled each gateway's event loop: full garbage collections and the code the loop was in when a
@@ -126,13 +128,18 @@ async def load_prose(paths: dict[str, tuple[str, dict[str, str]]], stream: bool,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", default=BEFORE, help="the earlier commit")
+    parser.add_argument("--after", default=None, help="the later commit (default: the working tree)")
     parser.add_argument("--requests", type=int, default=2000, help="requests per path and shape")
     parser.add_argument("--probe-stalls", action="store_true", help="find what stalls each gateway's loop")
     parser.add_argument("--prose", action="store_true", help="prompts of a kilobyte of prose, not 'Say OK.'")
     options = parser.parse_args()
-    old_tree = Path(tempfile.mkdtemp(prefix="gw-before-"))
-    subprocess.run(["git", "worktree", "add", "--detach", "-f", str(old_tree), options.before], cwd=PROJECT,
-                   check=True, capture_output=True)
+    trees = {"before": Path(tempfile.mkdtemp(prefix="gw-before-")), "after": PROJECT}
+    if options.after is not None:
+        trees["after"] = Path(tempfile.mkdtemp(prefix="gw-after-"))
+    for side, rev in (("before", options.before), ("after", options.after)):
+        if rev is not None:
+            subprocess.run(["git", "worktree", "add", "--detach", "-f", str(trees[side]), rev], cwd=PROJECT,
+                           check=True, capture_output=True)
     root, env = g.start_appliance()
     home = Home(Path(env[HOME_ENV]))
     procs: list[subprocess.Popen[bytes]] = []
@@ -144,8 +151,8 @@ def main() -> None:
             shutil.copytree(home.secrets, homes[side].secrets, dirs_exist_ok=True)
             shutil.copytree(tls_dir(home), tls_dir(homes[side]), dirs_exist_ok=True)  # trusts Keycloak's CA
         probes = {side: root / f"stalls-{side}.json" if options.probe_stalls else None for side in PORTS}
-        procs += start_gateway(old_tree, homes["before"], PORTS["before"], env, probes["before"])
-        procs += start_gateway(PROJECT, homes["after"], PORTS["after"], env, probes["after"])
+        procs += start_gateway(trees["before"], homes["before"], PORTS["before"], env, probes["before"])
+        procs += start_gateway(trees["after"], homes["after"], PORTS["after"], env, probes["after"])
         for side, port in PORTS.items():
             g.wait_for(f"http://127.0.0.1:{port}/healthz")
             g.wait_for(f"unix:{engine_socket(homes[side], 'main')}::/health")
@@ -177,7 +184,8 @@ def main() -> None:
                 print(side, probe.read_text() if probe and probe.exists() else "(no probe report)", flush=True)
         else:
             results = RESULTS.with_name("gateway_ab_prose.json") if options.prose else RESULTS
-            results.write_text(json.dumps({"bench": "gateway_ab", "before": options.before, "prose": options.prose,
+            results.write_text(json.dumps({"bench": "gateway_ab", "before": options.before,
+                                           "after": options.after or "working tree", "prose": options.prose,
                                            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                            "rows": rows}, indent=1) + "\n")
     finally:
@@ -186,7 +194,8 @@ def main() -> None:
             process.wait(30)
         subprocess.run([g.APPLIANCE, "down"], env=env, capture_output=True)
         shutil.rmtree(root, ignore_errors=True)
-        subprocess.run(["git", "worktree", "remove", "--force", str(old_tree)], cwd=PROJECT, capture_output=True)
+        for tree in {trees["before"], trees["after"]} - {PROJECT}:
+            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=PROJECT, capture_output=True)
 
 
 if __name__ == "__main__":

@@ -104,8 +104,8 @@ async def relay(request: Request, who: Principal, path: str, body: ChatRequest |
         # record keeps that): a client that cannot tell canary answers apart cannot report on them
         # selectively. The RL service identity, which no person holds, is told the version it trains.
         named = adapter.name if adapter is not None and Role.RL_POLICY not in who.roles else None
-        return await _forward(context, gateway, pool, adapter, path, payload, admission, screen, headers,
-                              keep, body.model, named)
+        return await _forward(context, transcript, gateway, pool, adapter, path, payload, admission, screen,
+                              headers, keep, body.model, named)
     except GatewayError:
         admission.settle(0, 0)  # refused before the engine saw it
         raise
@@ -167,11 +167,13 @@ def _replay(hit: CachedAnswer, transcript: Transcript, headers: dict[str, str]) 
     return StreamingResponse(replayed(), media_type=hit.media_type, headers={**headers, "Cache-Control": "no-cache"})
 
 
-async def _forward(context: RequestContext, gateway: Gateway, pool: Pool, adapter: AdapterRecord | None, path: str,
-                   payload: dict[str, Any], admission: Admission, screen: AnswerFilter | None,
-                   headers: dict[str, str], keep: str | None, asked: str, named: str | None) -> Response:
-    """Send to `pool` and relay its answer; `keep`: the cache key to keep the answer by once recorded."""
-    request_id, transcript = context.request_id, cast(Transcript, context.transcript)
+async def _forward(context: RequestContext, transcript: Transcript, gateway: Gateway, pool: Pool,
+                   adapter: AdapterRecord | None, path: str, payload: dict[str, Any], admission: Admission,
+                   screen: AnswerFilter | None, headers: dict[str, str], keep: str | None, asked: str,
+                   named: str | None) -> Response:
+    """Send to `pool` and relay its answer; `keep`: the cache key to keep the answer by once
+    recorded (`asked`: the model the client named)."""
+    request_id = context.request_id
     started = time.monotonic()
     transcript.relayed = True
     prefix, interactive = transcript.prompt or "", transcript.batch is None
