@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -38,9 +36,9 @@ from appliance.errors import ApplianceError
 from appliance.home import Home
 from appliance.local_gateway import client_options
 from appliance.secrets import secret
-from appliance.settings import Settings, load_settings
+from appliance.settings import Settings
 from appliance.supervisor import runs_module
-from appliance.work_queues import hand_back
+from appliance.work_queues import serve_worker
 from serve.limits import RateLimiter
 
 log = logging.getLogger("appliance.batch-worker")
@@ -227,14 +225,7 @@ def _code(response: httpx.Response) -> str | None:
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
-    home = Home.from_env()
-    try:
-        Worker(load_settings(home.settings_file), home).run()
-    except SystemExit:  # asked to stop: the requests and validation it holds are not a death
-        hand_back(home, "batch-worker", os.getpid())
-        raise
+    serve_worker("batch-worker", lambda home, settings: Worker(settings, home).run())
 
 
 if __name__ == "__main__":
