@@ -36,14 +36,14 @@ import struct
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import numpy
 
 from appliance.errors import ApplianceError
-from installer.model_config import ModelConfigError, parse_config, read_config_file
+from installer.model_config import ModelConfigError, ModelShape, parse_config, read_config_file
 from installer.safetensors_bytes import (
     CHUNK,
     DTYPE_BYTES,
@@ -74,25 +74,19 @@ class ShardingError(ApplianceError):
     """A checkpoint cannot be pre-sharded for vLLM's sharded_state loader."""
 
 
-@dataclass(frozen=True)
-class DenseConfig:
-    """The facts of config.json that decide vLLM's parameters, as vLLM's model classes read them."""
+@dataclass(frozen=True, kw_only=True)
+class DenseConfig(ModelShape):
+    """The model's shape (installer.model_config declares it) as vLLM's model classes read
+    config.json: head size, q/k/v bias and q/k norms per family, and the biases only they read."""
 
     source: Path  # config.json, named in errors
-    architecture: str
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    tied: bool
-    dtype: str  # safetensors name: BF16, F16, F32
-    qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
-    qk_norm: bool
+
+    @property
+    def tensor_dtype(self) -> str:
+        """Its dtype as safetensors names it: BF16, F16, F32."""
+        return DTYPES[self.dtype]
 
 
 @dataclass(frozen=True)
@@ -147,10 +141,9 @@ def read_config(model_dir: Path) -> DenseConfig:
         shape = parse_config({k: v for k, v in raw.items() if v is not None}, name=model_dir.name, source=str(file))
     except ModelConfigError as exc:
         raise ShardingError(exc.message, hint=exc.hint) from exc
-    return DenseConfig(source=file, architecture=architecture, layers=shape.layers, hidden=shape.hidden,
-                       heads=shape.heads, kv_heads=shape.kv_heads, intermediate=shape.intermediate,
-                       vocab=shape.vocab, tied=shape.tied_embeddings, dtype=DTYPES[shape.dtype],
-                       **_family_traits(architecture, raw, shape.head_dim, shape.hidden // shape.heads))
+    read = {field.name: getattr(shape, field.name) for field in fields(shape)}
+    return DenseConfig(**read | _family_traits(architecture, raw, shape.head_dim, shape.hidden // shape.heads),
+                       source=file)
 
 
 def _family_traits(architecture: str, raw: dict[str, Any], head_dim: int, derived_head_dim: int) -> dict[str, Any]:
@@ -173,7 +166,7 @@ def source_shapes(config: DenseConfig) -> dict[str, tuple[int, ...]]:
     h, d, q, kv, inter = config.hidden, config.head_dim, config.heads * config.head_dim, \
         config.kv_heads * config.head_dim, config.intermediate
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab, h), "model.norm.weight": (h,)}
-    if not config.tied:
+    if not config.tied_embeddings:
         shapes["lm_head.weight"] = (config.vocab, h)
     for i in range(config.layers):
         p = f"model.layers.{i}."
@@ -224,13 +217,13 @@ def rank_tensors(config: DenseConfig, tp_size: int, rank: int) -> list[RankTenso
     if not 0 <= rank < tp_size:
         raise ShardingError(f"rank {rank} is outside tensor-parallel size {tp_size}")
     vocab = _vocab_tensor(config, tp_size, rank)
-    tensors = [] if config.tied else [RankTensor("model.embed_tokens.weight", vocab.shape,
+    tensors = [] if config.tied_embeddings else [RankTensor("model.embed_tokens.weight", vocab.shape,
                                                  (Slice("model.embed_tokens.weight", 0, *vocab.rows),))]
     for i in range(config.layers):
         tensors += _layer_tensors(config, tp_size, rank, f"model.layers.{i}.")
     tensors.append(RankTensor("model.norm.weight", (config.hidden,), (Slice("model.norm.weight"),)))
     # Tied: one parameter under two names; vLLM keeps the smaller one, lm_head.weight.
-    head_source = "model.embed_tokens.weight" if config.tied else "lm_head.weight"
+    head_source = "model.embed_tokens.weight" if config.tied_embeddings else "lm_head.weight"
     tensors.append(RankTensor("lm_head.weight", vocab.shape, (Slice(head_source, 0, *vocab.rows),)))
     return tensors
 
@@ -338,11 +331,11 @@ class _Source:
                 raise ShardingError(f"{self.files[name]}: tensor {name} has shape {list(found)}, "
                                     f"{config.source.name} implies {list(shape)}")
             dtype = layout.dtype
-            if config.dtype != dtype:
+            if config.tensor_dtype != dtype:
                 raise ShardingError(f"{self.files[name]}: tensor {name} is {dtype}, "
-                                    f"{config.source.name} says {config.dtype}")
+                                    f"{config.source.name} says {config.tensor_dtype}")
         for name, path in self.files.items():
-            tied_head = config.tied and name == "lm_head.weight"
+            tied_head = config.tied_embeddings and name == "lm_head.weight"
             if name not in expected and not tied_head and not name.endswith(IGNORED_SUFFIXES):
                 raise ShardingError(f"{path}: tensor {name} has no parameter in vLLM's {config.architecture}",
                                     hint="the checkpoint does not match its config.json")
@@ -462,13 +455,13 @@ def write_rank(model_dir: Path, out_dir: Path, *, tp_size: int, rank: int, max_p
             part, group = numbered
             path = out_dir / PART_PATTERN.format(rank=rank, part=part)
             with _atomic(path) as tmp:
-                _write_part(tmp, group, source, config.dtype, progress)
+                _write_part(tmp, group, source, config.tensor_dtype, progress)
                 seal(tmp, path)
             return path
 
         # Two parts at a time: one is copied while the other is hashed and flushed.
         with ThreadPoolExecutor(max_workers=2) as pool:
-            written = list(pool.map(write, enumerate(_parts(specs, config.dtype, max_part_bytes))))
+            written = list(pool.map(write, enumerate(_parts(specs, config.tensor_dtype, max_part_bytes))))
     for stale in out_dir.glob(PART_PATTERN.format(rank=rank, part="*")):
         if stale not in written:
             stale.unlink()
