@@ -35,6 +35,7 @@ from finetune.adapters import register
 from installer.realm import BOOTSTRAP_SECRET
 from tests.integration.conftest import Running
 from tests.integration.realm import Realm
+from tests.support import waiting
 from tests.support.appliances import APPLIANCE
 from tests.support.browser import approve_device_login
 from tests.support.models import random_adapter
@@ -329,6 +330,29 @@ def test_banner_for_a_stopped_gateway_and_an_expired_login_then_device_login(app
     assert json.loads(cache.read_text())["expires_at"] > time.time() + 60
 
 
+def captured(session: str) -> str:
+    """What the tmux pane shows now."""
+    return subprocess.run(["tmux", "capture-pane", "-p", "-t", session], capture_output=True, text=True).stdout
+
+
+def shown(session: str, expect: object, what: str) -> str:
+    """The pane, once it shows `expect` (a string in it, or a pattern found in it)."""
+    def showing() -> str | None:
+        pane = captured(session)
+        found = expect.search(pane) if isinstance(expect, re.Pattern) else str(expect) in pane
+        return pane if found else None
+
+    return waiting.until(showing, lambda: f"{what}; the pane:\n{captured(session)}", 60, interval_s=0.3)
+
+
+def ended(session: str) -> bool:
+    """Whether the tmux session is gone."""
+    return subprocess.run(["tmux", "has-session", "-t", session], capture_output=True).returncode != 0
+
+
+RECORD_TIME = re.compile(r"\d\d-\d\d \d\d:\d\d:\d\d")  # the audit table's time column (MM-DD HH:MM:SS)
+
+
 def test_every_screen_in_a_real_terminal(running: Running, app: AdminApp, tmp_path: Path) -> None:
     """Start `appliance tui` in tmux (80x24), go through every screen by its key, capture each."""
     assert shutil.which("tmux"), "tmux is needed for this test (bootstrap.sh installs it)"
@@ -342,16 +366,9 @@ def test_every_screen_in_a_real_terminal(running: Running, app: AdminApp, tmp_pa
         for key, expect in (("d", "restarts"), ("m", "Layout: TP1"), ("j", "Training jobs"), ("e", "RL runs"),
                             ("u", "enabled"), ("k", "API keys"), ("a", "Chain not verified")):
             subprocess.run(["tmux", "send-keys", "-t", session, key], check=True)
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                pane = subprocess.run(["tmux", "capture-pane", "-p", "-t", session], capture_output=True,
-                                      text=True, check=True).stdout
-                if expect in pane:
-                    break
-                time.sleep(0.3)
+            pane = shown(session, expect, f"screen {key!r} to show {expect!r}")
             captures[key] = pane
             (tmp_path / f"pane-{key}.txt").write_text(pane)
-            assert expect in pane, f"screen {key!r} never showed {expect!r}:\n{pane}"
             lines = pane.splitlines()
             assert len(lines) <= 24 and all(len(line) <= 80 for line in lines)
             assert all(f"{key} {name}" in lines[-1] for key, name in (
@@ -359,12 +376,7 @@ def test_every_screen_in_a_real_terminal(running: Running, app: AdminApp, tmp_pa
                 ("a", "Audit"), ("q", "Quit"))
             ), f"the footer lists every screen's key: {lines[-1]}"
         subprocess.run(["tmux", "send-keys", "-t", session, "q"], check=True)
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and subprocess.run(
-                ["tmux", "has-session", "-t", session], capture_output=True).returncode == 0:
-            time.sleep(0.2)
-        assert subprocess.run(["tmux", "has-session", "-t", session], capture_output=True).returncode != 0, \
-            "q quits the app (and so ends the tmux session)"
+        waiting.until(lambda: ended(session), "q to quit the app (and so end the tmux session)", 15, interval_s=0.2)
     finally:
         subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
 
@@ -383,16 +395,14 @@ def test_the_audit_screen_left_open_a_minute_adds_at_most_one_record(running: Ru
     subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "80", "-y", "24", *environment,
                     APPLIANCE, "tui"], check=True)
     try:
-        time.sleep(3)
+        shown(session, "restarts", "the dashboard")  # the app is up and takes keys
         subprocess.run(["tmux", "send-keys", "-t", session, "a"], check=True)
-        deadline = time.monotonic() + 60
-        while "Chain not verified" not in subprocess.run(["tmux", "capture-pane", "-p", "-t", session],
-                                                         capture_output=True, text=True).stdout:
-            assert time.monotonic() < deadline, "the audit screen never showed"
-            time.sleep(0.3)
-        time.sleep(2)  # its first query answered and recorded
+        shown(session, "Chain not verified", "the audit screen")
+        # Its first query answered (the gateway records a query before it answers): a record's time
+        # in the table.
+        shown(session, RECORD_TIME, "the audit records")
         before = queries()
-        time.sleep(60)
+        time.sleep(60)  # the idle minute under test, while the screen refreshes
         assert queries() - before <= 1, "an idle audit screen adds at most one record a minute"
     finally:
         subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)

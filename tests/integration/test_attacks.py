@@ -26,6 +26,7 @@ from tests.integration.conftest import Running
 from tests.integration.realm import Realm
 from tests.support.impostor import Impostor
 from tests.support.scrape import gateway_metrics
+from tests.support.waiting import until
 
 # It restarts the session's Keycloak and measures how its audit log grows.
 pytestmark = pytest.mark.session_exclusive
@@ -162,10 +163,8 @@ def test_a_flood_of_refused_requests_with_long_paths_grows_the_log_by_a_bounded_
     long_ones = [r for r in records(running) if r["resource"] and "/v1/AAAA" in r["resource"]]
     assert long_ones and all(len(r["resource"].encode()) <= 256 for r in long_ones)
     # The summary of the interval comes when it ends (the session's interval: 10 s).
-    deadline = time.monotonic() + 30
-    while not [r for r in records(running) if r["action"] == "refused.summary" and r["count"] >= 199]:
-        assert time.monotonic() < deadline, "no summary record of the refused requests"
-        time.sleep(0.5)
+    until(lambda: [r for r in records(running) if r["action"] == "refused.summary" and r["count"] >= 199],
+          "a summary record of the refused requests", 30, interval_s=0.5)
 
 
 def test_anonymous_readiness_checks_change_nothing(realm: Realm, running: Running) -> None:
@@ -215,10 +214,12 @@ def test_parallel_streams_cannot_pass_the_token_budget(realm: Realm, running: Ru
     assert len(admitted) == 2, outcomes
     assert {code for status, code in outcomes if status != 200} <= {"rate_limit_exceeded",
                                                                     "concurrency_limit_exceeded"}
-    deadline = time.monotonic() + 30  # the gateway notices the clients left
-    while len(left := [r for r in records(running) if r["request_id"] in admitted]) < 2:
-        assert time.monotonic() < deadline, "no records of the streams whose clients left"
-        time.sleep(0.2)
+
+    def records_of_the_admitted() -> list[dict] | None:  # once the gateway noticed both clients left
+        found = [r for r in records(running) if r["request_id"] in admitted]
+        return found if len(found) >= 2 else None
+
+    left = until(records_of_the_admitted, "records of the streams whose clients left", 30, interval_s=0.2)
     assert [r["status"] for r in left] == [499, 499]
     assert all(r["prompt_tokens"] > 0 and r["completion_tokens"] >= 0 for r in left), "charged for the prompt"
     again = httpx.post(f"{realm.gateway}/v1/completions", headers=headers, timeout=120,
@@ -240,7 +241,10 @@ def test_concurrent_requests_per_user_and_role_caps(realm: Realm, running: Runni
         finally:
             for stream in streams:
                 stream.__exit__(None, None, None)
-        time.sleep(1)
+        # The gateway noticed the clients left: each stream's slot is given back before its record.
+        closed = {r.headers["x-request-id"] for r in opened}
+        until(lambda: len({r["request_id"] for r in records(running)} & closed) == len(closed),
+              "records of the closed streams", 30, interval_s=0.2)
         for field, value in (("n", 3), ("logprobs", 3), ("prompt_logprobs", 5)):
             capped = http.post(f"{realm.gateway}/v1/completions", headers=headers,
                                json={"model": MODEL, "prompt": "x", "max_tokens": 2, field: value})
@@ -295,15 +299,15 @@ def test_a_process_on_keycloaks_port_while_it_restarts_gets_no_secret_and_no_say
             assert basic not in sent and b"HTTP/1.1" not in sent and b"token=" not in sent
     finally:
         supervisor.call("startProcess", "keycloak", True)
-        deadline = time.monotonic() + keycloak.start_timeout_s
         ready = f"https://127.0.0.1:{keycloak.management_port}/health/ready"
-        while time.monotonic() < deadline:
+
+        def answers_ready() -> bool:
             try:
-                if httpx.get(ready, verify=realm.tls, timeout=5).status_code == 200:
-                    break
+                return httpx.get(ready, verify=realm.tls, timeout=5).status_code == 200
             except httpx.HTTPError:
-                pass
-            time.sleep(1)
+                return False
+
+        until(answers_ready, "Keycloak ready again", keycloak.start_timeout_s, interval_s=1)
     assert httpx.get(f"{realm.gateway}/v1/models", headers=headers, timeout=30).status_code == 200
 
 
@@ -324,14 +328,17 @@ def test_half_open_connections_do_not_lock_out_a_real_client(realm: Realm, eve: 
             half_open.append(connection)
         answer = httpx.get(f"{realm.gateway}/v1/models", headers=eve, timeout=30)
         assert answer.status_code == 200
-        time.sleep(4)
+        # Each is closed, by the cap or at its header deadline: awaited (the wait only bounds a hang).
+        deadline = time.monotonic() + 60
         closed = 0
         for connection in half_open:
-            connection.settimeout(5)
+            connection.settimeout(max(0.1, deadline - time.monotonic()))
             try:
                 closed += connection.recv(1) == b""
             except ConnectionResetError:
                 closed += 1
+            except TimeoutError:
+                pass
         assert closed == len(half_open), f"{len(half_open) - closed} half-open connections still held"
     finally:
         for connection in half_open:
@@ -413,34 +420,36 @@ def _slow_connections(realm: Realm) -> float:
 def test_a_stalled_or_trickled_body_is_closed_counted_and_recorded(realm: Realm, eve: dict,
                                                                    running: Running) -> None:
     """The session's body deadline is 3 s (and 4 KiB/s after it): a body that stops, and one
-    sent a byte a second, are closed, counted in /metrics and summarised in the audit log by
-    their source; a client meanwhile is served."""
+    sent a byte every half second, are closed while their bodies are far from whole (the trickle
+    still going), counted in /metrics and summarised in the audit log by their source; a client
+    is served while they are held."""
     port = running.appliance.port("APPLIANCE_GATEWAY__PORT")
     before = _slow_connections(realm)
     head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\nAuthorization: {eve['Authorization']}\r\n"
             "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{").encode()
     stalled, trickled = _raw_request(port, head), _raw_request(port, head)
     try:
-        started = time.monotonic()
-        for _ in range(20):
+        assert httpx.get(f"{realm.gateway}/v1/models", headers=eve, timeout=30).status_code == 200
+        sent = 1
+        while sent < 120:  # the trickle under test, until the gateway closes it (a minute bounds a hang)
             try:
                 trickled.sendall(b" ")
+                if trickled.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK) == b"":
+                    break
+            except BlockingIOError:
+                pass
             except OSError:
                 break
+            sent += 1
             time.sleep(0.5)
-        assert httpx.get(f"{realm.gateway}/v1/models", headers=eve, timeout=30).status_code == 200
+        assert sent < 120, "the trickle was never closed"
         _closed_within(stalled, 10)
         _closed_within(trickled, 10)
-        assert time.monotonic() - started < 15
     finally:
         stalled.close()
         trickled.close()
-    deadline = time.monotonic() + 30
-    while _slow_connections(realm) < before + 2:
-        assert time.monotonic() < deadline, "slow bodies not counted"
-        time.sleep(0.2)
-    while not any(r["action"] in ("connection.closed_slow", "refused.summary") and r["status"] == 408
-                  and r["source"] == "127.0.0.1" for r in records(running)):
-        assert time.monotonic() < deadline, "slow bodies not in the audit log"
-        time.sleep(0.2)
+    until(lambda: _slow_connections(realm) >= before + 2, "the slow bodies counted", 30, interval_s=0.2)
+    until(lambda: any(r["action"] in ("connection.closed_slow", "refused.summary") and r["status"] == 408
+                      and r["source"] == "127.0.0.1" for r in records(running)),
+          "the slow bodies in the audit log", 30, interval_s=0.2)
     verified(running)

@@ -16,6 +16,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from tests.integration.conftest import Running, engine_client
 from tests.integration.realm import Realm, b64, parts
 from tests.support.scrape import gateway_metrics
+from tests.support.waiting import until
 
 # It counts the requests the session's engine holds and spends users' rate limits.
 pytestmark = pytest.mark.session_exclusive
@@ -99,7 +100,10 @@ def bad_tokens(realm: Realm, alice: str) -> dict[str, tuple[str | None, int, str
     master = realm.token_response("kcadmin", _kcadmin_password(realm), client_id="admin-cli",
                                   realm_issuer=realm.issuer.rsplit("/realms/", 1)[0] + "/realms/master")
     short = realm.token("alice", PASSWORD, client_id="short-lived")
-    time.sleep(2.5)  # past exp (1 s lifetime) plus the session's 1 s leeway
+    # Aged past its exp (a 1 s lifetime) and the session's leeway, by the clock the gateway reads
+    # (a second more: exp is in whole seconds).
+    expired_at = parts(short)[1]["exp"] + realm.settings.gateway.leeway_s + 1
+    until(lambda: time.time() >= expired_at, "the short-lived token to expire", 30, interval_s=0.1)
     return {
         "no token": (None, 401, "missing_token"),
         "bearer without token": ("Bearer", 401, "malformed"),
@@ -150,10 +154,9 @@ def test_bad_tokens_are_rejected(realm: Realm, alice: str) -> None:
     # on an unknown kid, at most once per gateway.jwks_refetch_interval_s (the last fetch may have
     # been the gateway's start, moments ago).
     crafted = {"Authorization": cases["expired (crafted)"][0] or ""}
-    deadline = time.monotonic() + realm.settings.gateway.jwks_refetch_interval_s + 10
-    while httpx.get(f"{realm.gateway}/v1/models", headers=crafted, timeout=30).json()["error"]["code"] == "unknown_key":
-        assert time.monotonic() < deadline, "the gateway never fetched the realm's new key"
-        time.sleep(1)
+    until(lambda: httpx.get(f"{realm.gateway}/v1/models", headers=crafted, timeout=30).json()["error"]["code"]
+          != "unknown_key", "the gateway to fetch the realm's new key",
+          realm.settings.gateway.jwks_refetch_interval_s + 10, interval_s=1)
     failures = []
     for name, (authorization, status, code) in cases.items():
         headers = {"Authorization": authorization} if authorization is not None else {}
@@ -173,7 +176,10 @@ def test_disabled_users_fresh_token_stops_working(realm: Realm) -> None:
     token = realm.token("carol", PASSWORD)
     assert httpx.get(f"{realm.gateway}/v1/models", headers={"Authorization": f"Bearer {token}"}).status_code == 200
     realm.admin.update_user(user_id, {"enabled": False})
-    time.sleep(1.5)  # the session's introspection cache lives 1 s
+    # The token's introspection, cached before the user was disabled, has lived its time (the
+    # session's gateway.introspect_ttl_s) once that long has passed since: the next request asks again.
+    cached_until = time.monotonic() + realm.settings.gateway.introspect_ttl_s
+    until(lambda: time.monotonic() >= cached_until, "the introspection cache's time to pass", 30, interval_s=0.1)
     response = httpx.get(f"{realm.gateway}/v1/models", headers={"Authorization": f"Bearer {token}"})
     assert response.status_code == 401 and response.json()["error"]["code"] == "inactive"
 
@@ -270,7 +276,7 @@ def test_rate_limit_answers_429_then_recovers(realm: Realm) -> None:
     retry_after = int(response.headers["retry-after"])
     assert 1 <= retry_after <= 60
     assert response.json()["error"]["type"] == "rate_limit_error"
-    time.sleep(retry_after)
+    time.sleep(retry_after)  # the client waits as it is told: the Retry-After under test
     assert httpx.get(f"{realm.gateway}/v1/models", headers=headers).status_code == 200
 
 
@@ -282,12 +288,11 @@ def running_requests(running: Running) -> float:
                if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")))
 
 
-def until_engine_holds(running: Running, count: float, timeout_s: float) -> float:
-    """The engine's count of requests, polled until it is `count` (its gauges are updated once a step)."""
-    deadline = time.monotonic() + timeout_s
-    while (held := running_requests(running)) != count and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return held
+def until_engine_holds(running: Running, count: float, timeout_s: float) -> None:
+    """Wait until the engine holds `count` requests (its gauges are updated once a step)."""
+    until(lambda: running_requests(running) == count,
+          lambda: f"the engine to hold {count} requests; it holds {running_requests(running)}", timeout_s,
+          interval_s=0.2)
 
 
 def test_client_disconnect_mid_stream_frees_the_engine(realm: Realm, alice: str, running: Running) -> None:
@@ -299,8 +304,8 @@ def test_client_disconnect_mid_stream_frees_the_engine(realm: Realm, alice: str,
         lines = response.iter_lines()
         for _ in range(5):
             next(lines)
-        assert until_engine_holds(running, 1, 60) == 1
-    assert until_engine_holds(running, 0, 30) == 0
+        until_engine_holds(running, 1, 60)
+    until_engine_holds(running, 0, 30)
 
 
 def test_health_and_readiness(realm: Realm) -> None:

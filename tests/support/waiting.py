@@ -14,7 +14,7 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-def until(check: Callable[[], T], what: str | Callable[[], str], timeout_s: float = 60,
+def until(check: Callable[[], T | None], what: str | Callable[[], str], timeout_s: float = 60,
           interval_s: float = 0.05) -> T:
     """`check()`'s first truthy answer, asked every `interval_s`; fails naming `what` (or what it
     returns, for a message that shows the state) if none came within `timeout_s`."""
