@@ -22,6 +22,25 @@ GREEDY = Path(__file__).parent.parent / "integration" / "vllm_greedy.py"
 PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,")
 ENGINE_TIMEOUT_S = 600
 KV_SIZE = re.compile(r"KV cache size: ([\d,]+) tokens")  # an engine's start-up line
+# The same line goes on with the longest request it counts the capacity in.
+KV_REQUEST = re.compile(r"KV cache size: [\d,]+ tokens, Maximum concurrency for ([\d,]+) tokens per request")
+# vLLM's CPU platform pages the KV cache in blocks of 128 tokens (vllm/platforms/cpu.py; MLA's and
+# DeepSeek-V4's kernels excepted, which none of these tests' models use).
+CPU_BLOCK_TOKENS = 128
+
+
+def held_in_blocks(tokens: int, request_tokens: int) -> int:
+    """The KV capacity the CPU engine reports for a budget that holds `tokens`: the whole blocks
+    among them, logged as the requests of `request_tokens` that fit times their length (vLLM's
+    get_kv_cache_capacity), which is the blocks' tokens when the length is whole blocks."""
+    blocks = tokens // CPU_BLOCK_TOKENS
+    return int(blocks / -(-request_tokens // CPU_BLOCK_TOKENS) * request_tokens)
+
+
+def reported_kv(log: str) -> tuple[int, int]:
+    """An engine's last KV capacity line: the tokens and the request length it counted them in."""
+    tokens, request = KV_SIZE.findall(log)[-1], KV_REQUEST.findall(log)[-1]
+    return int(tokens.replace(",", "")), int(request.replace(",", ""))
 
 
 def generate(model: Path, work: Path, name: str, *, tp: int = 2, load_format: str = "auto",
