@@ -43,6 +43,7 @@ from typing import Any
 import numpy
 
 from appliance.errors import ApplianceError
+from appliance.records import config_sha256
 from installer.model_config import ModelConfigError, ModelShape, parse_config, read_config_file
 from installer.safetensors_bytes import (
     CHUNK,
@@ -142,6 +143,7 @@ def read_config(model_dir: Path) -> DenseConfig:
     except ModelConfigError as exc:
         raise ShardingError(exc.message, hint=exc.hint) from exc
     read = {field.name: getattr(shape, field.name) for field in fields(shape)}
+    read["config_sha256"] = config_sha256(raw)  # the file's identity, as the planner's: nulls and all
     return DenseConfig(**read | _family_traits(architecture, raw, shape.head_dim, shape.hidden // shape.heads),
                        source=file)
 

@@ -5,6 +5,7 @@ tests/integration/test_sharded_state.py proves vLLM loads the result and answers
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from installer.model_config import ModelShape, load_model_config
 from installer.sharded_state import SUPPORTED_ARCHITECTURES, ShardingError, copy_side_files, read_config, write_rank
 
 # vocab 1000 pads to 1024: at TP=2 rank 1 holds rows 512..999 and 24 zero rows.
@@ -133,6 +135,19 @@ def test_tied_embeddings_are_one_tensor_named_lm_head(tmp_path: Path) -> None:
         assert "model.embed_tokens.weight" not in state
         rows = source["model.embed_tokens.weight"][rank * 512:(rank + 1) * 512]
         assert torch.equal(state["lm_head.weight"][:len(rows)], rows)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_the_sharders_config_is_the_planners_model_shape_read_as_vllm_reads_it(tmp_path: Path, family: str) -> None:
+    # ModelShape declares the fields once: the sharder's config is one, with only what vLLM's
+    # classes read per family differing, so a field added to the shape needs no second list.
+    make_checkpoint(tmp_path / "m", family)
+    shape, config = load_model_config(tmp_path / "m"), read_config(tmp_path / "m")
+    assert isinstance(config, ModelShape)
+    per_family = {"head_dim", "qkv_bias", "qk_norm"}
+    assert {field.name: getattr(config, field.name) for field in fields(ModelShape) if field.name not in per_family} \
+        == {field.name: getattr(shape, field.name) for field in fields(ModelShape) if field.name not in per_family}
+    assert config.tensor_dtype == {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}[shape.dtype]
 
 
 def test_qwen2_has_qkv_bias_and_qwen3_has_qk_norm(tmp_path: Path) -> None:
