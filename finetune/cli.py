@@ -164,7 +164,8 @@ def _check(name: str, data: str, base: str, home: Home) -> None:
     checkpoint(base, home, load_settings(home.settings_file), what="--base")
 
 
-# Options shared by `submit` and `run`.
+# Options shared by `submit` and `run`; their defaults are a job's (jobs.Hyperparameters says them once).
+HP = jobs.Hyperparameters()
 Data = Annotated[str, typer.Option(help="A dataset name from `appliance data list`.")]
 Name = Annotated[str, typer.Option(help="Adapter name; each run registers its next version.")]
 Base = Annotated[str, typer.Option(help="'demo', a served model's name or a checkpoint directory.")]
@@ -194,10 +195,11 @@ def _eval_sets(scenarios: Path | None, regression: Path | None) -> dict[str, lis
 
 @finetune_app.command("submit")
 @records_change("finetune.submit")
-def submit(data: Data, name: Name, base: Base = DEMO_MODEL, qlora: QLoRA = False, rank: Rank = 8, alpha: Alpha = 16,
-           lr: LearningRate = 2e-4, epochs: Epochs = 1.0, max_steps: MaxSteps = -1, batch_size: BatchSize = 4,
-           save_steps: SaveSteps = 10, scenarios: Scenarios = None, regression: Regression = None,
-           method: Method = "sft", beta: Beta = 0.1, processes: Processes = None) -> None:
+def submit(data: Data, name: Name, base: Base = DEMO_MODEL, qlora: QLoRA = HP.qlora, rank: Rank = HP.rank,
+           alpha: Alpha = HP.alpha, lr: LearningRate = HP.learning_rate, epochs: Epochs = HP.epochs,
+           max_steps: MaxSteps = HP.max_steps, batch_size: BatchSize = HP.batch_size,
+           save_steps: SaveSteps = HP.save_steps, scenarios: Scenarios = None, regression: Regression = None,
+           method: Method = HP.method, beta: Beta = HP.beta, processes: Processes = HP.processes) -> None:
     """Queue a training job for the finetune-worker; follow it with `appliance finetune status -f`."""
     home = Home.from_env()
     _check(name, data, base, home)
@@ -244,10 +246,11 @@ def cancel(job: Annotated[int, typer.Argument(help="A job id.")]) -> None:
 
 @finetune_app.command("run")
 @records_change("adapter.train")
-def run(data: Data, name: Name, base: Base = DEMO_MODEL, qlora: QLoRA = False, rank: Rank = 8, alpha: Alpha = 16,
-        lr: LearningRate = 2e-4, epochs: Epochs = 1.0, max_steps: MaxSteps = -1, batch_size: BatchSize = 4,
-        save_steps: SaveSteps = 10, scenarios: Scenarios = None, regression: Regression = None,
-        method: Method = "sft", beta: Beta = 0.1, processes: Processes = None) -> None:
+def run(data: Data, name: Name, base: Base = DEMO_MODEL, qlora: QLoRA = HP.qlora, rank: Rank = HP.rank,
+        alpha: Alpha = HP.alpha, lr: LearningRate = HP.learning_rate, epochs: Epochs = HP.epochs,
+        max_steps: MaxSteps = HP.max_steps, batch_size: BatchSize = HP.batch_size,
+        save_steps: SaveSteps = HP.save_steps, scenarios: Scenarios = None, regression: Regression = None,
+        method: Method = HP.method, beta: Beta = HP.beta, processes: Processes = HP.processes) -> None:
     """Train an adapter in the foreground (as the worker would), gate it, register it."""
     note_target("adapter", name)
     home = Home.from_env()
