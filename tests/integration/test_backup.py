@@ -2,8 +2,9 @@
 Keycloak's dev-file database, it moves to PostgreSQL at `up` keeping its users' passwords and the
 gateway client's secret; a backup is taken while it serves; each kind of bad backup is refused
 with the target left as it was; the backup restored into a fresh state directory starts, its
-users log in, its adapter answers, its dataset checks out, its audit chain verifies, and its
-scheduled backups go to the artifact store."""
+users log in, the API key made before the backup authenticates (revoked since on the lost host)
+and the one made after does not, its adapter answers, its dataset checks out, its audit chain
+verifies, and its scheduled backups go to the artifact store."""
 
 from __future__ import annotations
 
@@ -91,9 +92,44 @@ def test_an_upgrade_moves_keycloak_from_dev_file_to_postgres_keeping_users_and_s
     assert again[1].returncode == 0 and "moved" not in again[1].stderr
 
 
+def log_admin_in(appliance: Appliance) -> None:
+    """The CLI logged in as the realm's administrator (`appliance keys` goes through the admin API)."""
+    login = appliance.run("token", "--user", "admin", "--password-stdin",
+                          stdin=secret(appliance.home, BOOTSTRAP_SECRET) + "\n", timeout=60)
+    assert login.returncode == 0, login.stderr
+
+
+def make_key(appliance: Appliance, name: str) -> str:
+    """A new API key of the user `mover`, its secret."""
+    made = appliance.run("keys", "create", name, "--user", "mover", "--json", timeout=60)
+    assert made.returncode == 0, made.stdout + made.stderr
+    return str(json.loads(made.stdout)["secret"])
+
+
+def status_with_key(appliance: Appliance, key: str) -> int:
+    """The gateway's answer to a request made with API key `key`, once it has looked the key's
+    owner up (a 503 while Keycloak has not answered it yet, just after a start)."""
+    deadline = time.monotonic() + 60
+    while True:
+        answer = httpx.get(f"{realm(appliance).gateway}/v1/models", headers={"Authorization": f"Bearer {key}"},
+                           timeout=60)
+        if answer.status_code != 503 or time.monotonic() > deadline:
+            return answer.status_code
+        time.sleep(1)
+
+
 @pytest.fixture(scope="module")
-def taken(appliance: Appliance, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A backup taken while users chat through the gateway."""
+def kept_key(appliance: Appliance) -> str:
+    """An API key made before the backup (its secret), answered at the gateway."""
+    log_admin_in(appliance)
+    key = make_key(appliance, "kept-ci")
+    assert status_with_key(appliance, key) == 200
+    return key
+
+
+@pytest.fixture(scope="module")
+def taken(appliance: Appliance, kept_key: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A backup taken while users chat through the gateway (an API key made before it)."""
     served = realm(appliance)
     token = served.token("mover", PASSWORD)
     failures: list[str] = []
@@ -130,9 +166,22 @@ def test_a_backup_taken_while_serving_verifies(appliance: Appliance, taken: Path
 
 
 @pytest.fixture(scope="module")
-def restored(appliance: Appliance, taken: Path, keycloak_dist: Path, demo_model: Path) -> Iterator[Appliance]:
+def late_key(appliance: Appliance, taken: Path, kept_key: str) -> str:
+    """After the backup: a new API key (its secret), and the key made before it revoked."""
+    key = make_key(appliance, "late-ci")
+    assert status_with_key(appliance, key) == 200
+    revoked = appliance.run("keys", "revoke", "kept-ci", "--user", "mover", timeout=60)
+    assert revoked.returncode == 0, revoked.stdout + revoked.stderr
+    assert status_with_key(appliance, kept_key) == 401
+    return key
+
+
+@pytest.fixture(scope="module")
+def restored(appliance: Appliance, taken: Path, late_key: str, keycloak_dist: Path,
+             demo_model: Path) -> Iterator[Appliance]:
     """A new state directory on ports of its own, the backup refused in bad forms, then restored
-    (Keycloak's database into a new cluster); the first appliance is stopped (a host that was lost)."""
+    (Keycloak's database into a new cluster); the first appliance is stopped (a host that was lost)
+    after an API key was made and another revoked there."""
     assert appliance.run("down").returncode == 0
     target = new_appliance(None)
     shutil.rmtree(target.home.root)  # nothing at all: a lost host's replacement
@@ -194,6 +243,18 @@ def test_the_restored_appliance_has_the_users_adapters_datasets_settings_and_aud
     restores = restored.run("audit", "tail", "--action", "backup.restore")
     assert restores.returncode == 0 and "backup.restore" in restores.stdout, restores.stdout + restores.stderr
     assert Home(restored.home.root).secrets.stat().st_mode & 0o777 == 0o700
+
+
+def test_an_api_key_made_before_the_backup_authenticates_after_the_restore(
+        restored: Appliance, kept_key: str, late_key: str) -> None:
+    """The key registry and the secret its hashes are keyed with come back together, as they were
+    at the backup: the key revoked since works again, the one made since is unknown."""
+    assert status_with_key(restored, kept_key) == 200
+    assert status_with_key(restored, late_key) == 401
+    log_admin_in(restored)
+    listed = restored.run("keys", "list", "--user", "mover", "--json", timeout=60)
+    assert listed.returncode == 0, listed.stdout + listed.stderr
+    assert [(key["name"], key["state"]) for key in json.loads(listed.stdout)] == [("kept-ci", "active")]
 
 
 def test_the_restored_state_directory_gives_the_database_user_nothing_but_its_own(

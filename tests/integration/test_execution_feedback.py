@@ -16,9 +16,10 @@ import signal
 import sqlite3
 import subprocess
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 import psutil
@@ -35,6 +36,7 @@ from appliance.rl.progress import RunProgress, read_progress
 from appliance.secrets import GATEWAY_CLIENT_SECRET, RL_CLIENT_SECRET, secret
 from appliance.settings import load_settings
 from appliance.tls import ca_file
+from audit.reader import read_records
 from audit.writer import log_files
 from finetune.rl.starter import starter_tasks
 from finetune.rl.tasks import split
@@ -387,6 +389,7 @@ def test_grpo_trains_a_policy_online_each_step_answered_by_the_version_the_step_
     unnamed = cli.run("rl", "run", "--tasks", "starter", "--base", MODEL, "--method", "grpo")
     assert unnamed.returncode == 1 and "--method grpo needs --policy" in unnamed.stderr, unnamed.stderr
 
+    since = datetime.now(UTC)  # the audit log's records of this run are the ones from here on
     queued = cli.run("rl", "run", "--tasks", "starter", "--base", MODEL, "--method", "grpo", "--policy", "coder-grpo",
                      "--steps", "3", "--tasks-per-step", "2", "--samples", "4", "--max-tokens", "64",
                      "--temperature", "0.9", "--learning-rate", "0.0005")
@@ -432,6 +435,20 @@ def test_grpo_trains_a_policy_online_each_step_answered_by_the_version_the_step_
     assert len(segments) >= 3  # each step's, stored before the policy learned from them
     served = [r for r in records if r["action"] == "rl.policy"]
     assert [r["target"]["version"] for r in served] == [1, 2, 3], served
+    # The audit log's own order: the RL identity's requests after version k began serving (its
+    # rl.policy record) and before k + 1 did are step k's, and each was answered by version k (the
+    # base before v1); step 1's include those the killed worker made before it was asked again.
+    answered: dict[int, list[str]] = defaultdict(list)
+    serving = 0
+    for record in read_records(cli.home.audit, since=since):
+        if record["action"] == "rl.policy" and record["target"]["name"] == "coder-grpo":
+            serving = record["target"]["version"]
+        elif (record["action"] == "chat.completions" and record["username"] == "service-account-appliance-rl"
+              and record["outcome"] == "allowed"):
+            answered[serving].append(record["model"])
+    assert sorted(answered) == [0, 1, 2], {step: len(models) for step, models in answered.items()}
+    for step, models in answered.items():
+        assert len(models) >= 8 and set(models) == {steps[step].generated_by}, (step, Counter(models))
 
     # Its versions are registered as GRPO's, and served to the RL identity's role only.
     registry = adapters.load(cli.home)

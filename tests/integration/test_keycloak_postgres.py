@@ -1,7 +1,8 @@
 """Keycloak on the PostgreSQL the appliance supervises (`keycloak.database = "postgres"`), with an
 appliance of its own: PostgreSQL runs as its own user on loopback only, its password generated and
 never on a command line; Keycloak survives a PostgreSQL restart (it is not restarted itself, a
-token issued before keeps working at the gateway, logins resume). Keycloak's role is an ordinary
+token issued before keeps working at the gateway, logins resume, a user made after it is stored
+and their token, which the gateway has not seen, is confirmed by Keycloak). Keycloak's role is an ordinary
 one: each way a superuser reaches the host or other roles is refused to it, and the superuser
 cannot be logged into with a password; the state directory gives the database's system user
 nothing but its own. An appliance whose Keycloak role was the superuser is arranged so at `up`,
@@ -147,6 +148,16 @@ def test_keycloak_survives_a_postgres_restart(on_postgres: Appliance, realm: Rea
     until(logs_in, "a login after PostgreSQL's restart")
     until(lambda: httpx.get(f"{gateway}/v1/models", headers=bearer, timeout=60).status_code == 200,
           "the earlier token at the gateway")
+    # The gateway may answer for that token from its introspection cache. A user made after the
+    # restart is written to PostgreSQL, and a token of theirs has an id the gateway has never seen,
+    # so the gateway must ask Keycloak about it: the answer proves both reached after the restart.
+    assert realm.settings.gateway.introspect_ttl_s > 0, "the gateway introspects the tokens it has not seen"
+    realm.ensure_user("pg-after-restart", PASSWORD, ["user"])
+    stored = psql(keycloak_login(on_postgres), "select count(*) from user_entity where username = 'pg-after-restart'")
+    assert stored.stdout.strip() == "1", stored.stdout + stored.stderr
+    fresh = {"Authorization": f"Bearer {realm.token('pg-after-restart', PASSWORD)}"}
+    answer = httpx.get(f"{gateway}/v1/models", headers=fresh, timeout=60)
+    assert answer.status_code == 200, answer.text
     assert program_pids(on_postgres, "keycloak") == keycloak  # Keycloak itself went on running
 
 
