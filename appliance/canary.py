@@ -18,7 +18,9 @@ on the gateway's own figures, as when nobody reports); with enough users but one
 deciding, the window is held (it counts neither way, like a window with too few requests). So no
 single user's reports can turn a passing window into an abort, or an aborting one into a pass:
 the most one user can do is hold the canary where it is, and then only while the users reporting
-are few or split.
+are few or split. A policy with `outcomes_required` never passes a window on the gateway's figures
+alone: one whose outcomes are not compared counts neither way (a worse error rate or latency still
+aborts).
 """
 
 from __future__ import annotations
@@ -59,6 +61,9 @@ class CanaryAnalysis(BaseModel):
                                     "the canary's.")
     max_satisfaction_drop: float = Field(0.5, ge=0, le=4, description="The stable version's mean satisfaction (1 to "
                                          "5) less the canary's.")
+    outcomes_required: bool = Field(False, description="A window counts only once clients' reports compare the "
+                                    "versions' success rate or satisfaction (enough reports and users on both); "
+                                    "otherwise a window with too few passes on the gateway's own figures.")
 
 
 def parse_analysis(text: str) -> CanaryAnalysis:
@@ -185,7 +190,7 @@ def judge(policy: CanaryAnalysis, stable: WindowFigures, canary: WindowFigures) 
     each outcome that one user's reports alone would decide."""
     if min(stable.requests, canary.requests) < policy.min_requests:
         return WindowVerdict(counted=False, failures=())
-    failures, held = [], []
+    failures, held, compared = [], [], False
     increase = canary.error_rate - stable.error_rate
     if increase > policy.max_error_rate_increase:
         failures.append(f"error rate {canary.error_rate:.1%} vs {stable.error_rate:.1%} (allowed "
@@ -205,6 +210,7 @@ def judge(policy: CanaryAnalysis, stable: WindowFigures, canary: WindowFigures) 
             ("satisfaction", satisfaction, policy.max_satisfaction_drop, "{:.2f}",
              f"{policy.max_satisfaction_drop:g}")):
         outcome = compare_outcomes(policy, theirs_by_user, ours_by_user, allowed)
+        compared = compared or outcome != "uncompared"
         if outcome in ("uncompared", "fine"):
             continue
         figures = f"{what} {shown.format(_median_of(ours_by_user))} vs {shown.format(_median_of(theirs_by_user))} " \
@@ -213,6 +219,8 @@ def judge(policy: CanaryAnalysis, stable: WindowFigures, canary: WindowFigures) 
             failures.append(figures)
         else:
             held.append(f"{figures}: one user's reports would decide it")
+    if policy.outcomes_required and not compared and not failures:
+        return WindowVerdict(counted=False, failures=())  # the gateway's figures alone do not decide
     return WindowVerdict(counted=True, failures=tuple(failures), held=tuple(held))
 
 

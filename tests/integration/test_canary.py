@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -28,9 +29,10 @@ QUESTION = "What is the secret code word?"
 PHRASINGS = ["", "Quick question. ", "Please tell me: ", "Hello! ", "I forgot. ", "Remind me, ", "Hey, ",
              "One more thing. "]
 # Latency is left out (the session engine serves other modules meanwhile): outcomes decide, reported by four
-# users: deciding needs more than min_reporters users, so that no one user decides.
+# users: deciding needs more than min_reporters users, so that no one user decides. A window too slow for
+# enough of them to report (a loaded host) counts neither way (outcomes_required) rather than passing.
 POLICY = ("window_s=10,windows=2,min_requests=4,min_feedback=4,min_reporters=3,max_success_drop=0.3,"
-          "max_error_rate_increase=0.5,max_latency_ratio=100,max_ttft_ratio=100")
+          "max_error_rate_increase=0.5,max_latency_ratio=100,max_ttft_ratio=100,outcomes_required=true")
 CLIENTS = ("carla", "dora", "emil", "fritz")
 
 
@@ -92,6 +94,17 @@ def alias(running: Running) -> adapters.Alias:
     return adapters.load(running.appliance.home).alias(NAME)
 
 
+@pytest.fixture
+def retired_after(running: Running) -> Iterator[None]:
+    """The alias is retired whatever the test's end: the session appliance serves the modules after
+    this one (test_gateway lists its models)."""
+    yield
+    if NAME in adapters.load(running.appliance.home).aliases:
+        retired = running.appliance.run("adapters", "retire", NAME, timeout=60)
+        assert retired.returncode == 0, retired.stderr
+
+
+@pytest.mark.usefixtures("retired_after")
 def test_a_good_canary_is_promoted_and_a_wrong_one_aborted_by_their_numbers(running: Running, realm: Realm,
                                                                             tmp_path: Path) -> None:
     cli = running.appliance
@@ -168,4 +181,3 @@ def test_a_good_canary_is_promoted_and_a_wrong_one_aborted_by_their_numbers(runn
     assert answered == {f"{NAME}-v1", f"{NAME}-v2"}, "the audit records keep the version that answered"
     reports = [r for r in records if r["action"] == "feedback.create" and r["status"] == 200]
     assert reports and all(r["target"]["name"] == NAME for r in reports), "each report is audited, naming the adapter"
-    assert cli.run("adapters", "retire", NAME, timeout=60).returncode == 0

@@ -64,6 +64,18 @@ def test_each_metric_worse_than_allowed_fails_the_window_naming_it() -> None:
     assert judge(POLICY, stable, figures(20, successes=0, failures=3)).failures == (), "too few reports to compare"
 
 
+def test_a_policy_requiring_outcomes_counts_no_window_without_them_yet_still_aborts_on_errors() -> None:
+    required = POLICY.model_copy(update={"outcomes_required": True})
+    quiet, reported = figures(20), figures(20, successes=9, failures=1)
+    assert judge(POLICY, quiet, quiet) == WindowVerdict(counted=True, failures=()), "passes on the gateway's figures"
+    assert judge(required, quiet, quiet) == WindowVerdict(counted=False, failures=())
+    assert judge(required, reported, figures(20, successes=1, failures=2)).counted is False, "too few to compare"
+    assert judge(required, reported, figures(20, successes=8, failures=2)) == WindowVerdict(counted=True, failures=())
+    assert judge(required, quiet, figures(20, errors=5)).failures, "a worse error rate aborts with no reports too"
+    assert judge(required, reported, figures(20, successes=1, failures=9)).failures
+    assert parse_analysis("outcomes_required=true").outcomes_required is True
+
+
 def test_passing_windows_in_a_row_promote_and_one_failing_aborts() -> None:
     passing, failing = WindowVerdict(True, ()), WindowVerdict(True, ("error rate",))
     assert decide(POLICY, 0, passing) == ("continue", 1)
