@@ -24,7 +24,8 @@ then no one gets in. Here:
 - the process raises its file-descriptor limit to the hard limit (supervisord's `minfds` raises
   that of every program it runs), so the cap, not the limit, decides;
 - a connection's kernel receive buffer stays small (NARROW_WINDOW) until the app has taken more
-  than WIDE_AFTER bytes of a request body, and its TLS layer pauses reading past
+  than WIDE_AFTER bytes of a request body (set on the listening socket, which every connection
+  inherits: see `bind`), and its TLS layer pauses reading past
   TLS_READ_HIGH_WATER: uvloop's TLS layer reads whatever the kernel holds (up to 256 KiB a read)
   into a buffer of the connection's own and decrypts it into another, also while it discards the
   body of a request answered from its headers (a 401, a 413) before closing, so with the kernel's
@@ -90,8 +91,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     _wide = False  # the connection's receive window is the kernel's largest
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._set_window(NARROW_WINDOW)
+        super().connection_made(transport)  # its receive window is the listening socket's, NARROW_WINDOW
         tls_limits = getattr(transport, "set_read_buffer_limits", None)  # a TLS transport's (uvloop's)
         if tls_limits is not None:
             tls_limits(high=TLS_READ_HIGH_WATER)
@@ -212,6 +212,18 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                 SlowClients.report(reason, self.client[0] if self.client else None)
 
 
+def bind(config: uvicorn.Config) -> socket.socket:
+    """The listening socket, its receive buffer NARROW_WINDOW before any connection arrives: an
+    accepted connection inherits it, so the window it advertises is narrow from its first segment.
+    Narrowing a connection once accepted instead shrinks a window its client was already given: the
+    kernel drops what no longer fits and the client waits out retransmission timeouts (a 1 MB body
+    on loopback took 6.7 s instead of milliseconds)."""
+    sock = config.bind_socket()
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, NARROW_WINDOW)
+    return sock
+
+
 def raise_fd_limit() -> int:
     """Raise this process's open-file limit to its hard limit; return the new soft limit."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -252,7 +264,7 @@ def main() -> None:
                             timeout_graceful_shutdown=5, backlog=2048, **forwarding(gateway),
                             ssl_context_factory=(lambda *_: tls.context) if tls else None)
     server = _Server(config, tls)
-    server.run()
+    server.run(sockets=[bind(config)])
     if not server.started:
         sys.exit(3)  # as uvicorn.run: the app or the socket failed at start
 

@@ -28,9 +28,9 @@ INTEGRATION = ROOT / "tests" / "integration"
 # report at the end of a run):
 # - the slowest first, side by side;
 # - the modules marked `alone` (their own appliances; no other integration module runs meanwhile)
-#   each next to work that takes no lock: the tiers module next to the unit tests, then PostgreSQL
-#   and backup next to the unit module that trains models (its training runs once the tiers
-#   module's engines are gone: memory);
+#   each next to work that takes no lock: the tiers module next to the unit tests, then PostgreSQL,
+#   backup and the dependency alerts next to the unit module that trains models (its training runs
+#   once the tiers module's engines are gone: memory);
 # - then the modules that share the session appliance, side by side, the long ones paired (a
 #   module that has it to itself waits until no other holds it);
 # - last, each module that has the session appliance to itself (it stops or restarts its parts,
@@ -38,6 +38,7 @@ INTEGRATION = ROOT / "tests" / "integration"
 #   meanwhile.
 RUN_ORDER = [
     "tests/integration/test_execution_feedback.py",
+    "tests/integration/test_finetune_sharded.py",
     "tests/integration/test_bundle_install.py",
     "tests/integration/test_cluster.py",
     "tests/integration/test_gateway_tiers.py",
@@ -45,6 +46,7 @@ RUN_ORDER = [
     "tests/integration/test_keycloak_postgres.py",
     "tests/unit/test_finetune.py",
     "tests/integration/test_backup.py",
+    "tests/integration/test_dependency_alerts.py",
     "tests/integration/test_adapters.py",
     "tests/integration/test_finetune_worker.py",
     "tests/integration/test_canary.py",

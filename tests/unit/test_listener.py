@@ -17,7 +17,7 @@ from starlette.responses import PlainTextResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from appliance.settings import GatewaySettings
-from serve.listener import GuardedHttpToolsProtocol, forwarding
+from serve.listener import GuardedHttpToolsProtocol, bind, forwarding
 from serve.slow_clients import SlowClients
 from tests.support.ports import free_port
 from tests.support.waiting import until
@@ -42,7 +42,7 @@ def serve(**config: object) -> Iterator[int]:
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(echo, host="127.0.0.1", port=port, http=GuardedHttpToolsProtocol,
                                            log_level="warning", lifespan="off", **config))  # type: ignore[arg-type]
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [bind(server.config)]}, daemon=True)
     thread.start()
     until(lambda: server.started, "the server to start", 10, interval_s=0.01)
     yield port
