@@ -1,10 +1,10 @@
 """The adapter registry, shared by the trainer (which registers versions) and the gateway (which
 deploys them and routes to them): versioned adapter records (DESIGN.md) and, per adapter name,
 what is served under that name: a stable version (or, after a rollback past the first version,
-the base model), optionally a canary version taking a share of the requests, and the versions
-served before (for rollback). One JSON file in the state dir (appliance.registry: changed under an
-exclusive lock and replaced atomically), so the trainer and the gateway never lose each other's
-changes.
+none: requests for the name are refused, never answered by the base model), optionally a canary
+version taking a share of the requests, and the versions served before (for rollback). One JSON
+file in the state dir (appliance.registry: changed under an exclusive lock and replaced
+atomically), so the trainer and the gateway never lose each other's changes.
 
 The rules of deploy, canary, rollback and retire are the Registry's methods: each checks its
 moves and changes the registry, and returns the ServingChange the engine needs (what to load
@@ -161,7 +161,7 @@ class Alias(BaseModel):
 
     pool: str
     roles: list[Role]  # realm roles allowed to call it
-    stable: int | None  # the version served; None: the pool's base model
+    stable: int | None  # the version served; None: none (rolled back past the first), requests refused
     canary: int | None = None
     canary_share: float = Field(0.0, ge=0, le=1)
     canary_analysis: CanaryAnalysis | None = None  # None: the canary is promoted or dropped by hand
@@ -239,8 +239,8 @@ class Registry(BaseModel):
         alias = self.alias(name)
         if version == alias.stable:
             raise Conflict(f"{name} v{version} is already the stable version")
-        if analysis is not None and alias.stable is None:
-            raise Conflict(f"{name!r} serves the base model: an analysed canary needs a stable version to compare with")
+        if alias.stable is None:
+            raise Conflict(not_deployed(name, "a canary needs a stable version to take the rest of the requests"))
         record = self.find(name, version)
         check_move(record, AdapterState.CANARY)
         if alias.canary is not None and alias.canary != version:
@@ -250,14 +250,15 @@ class Registry(BaseModel):
         return ServingChange(pool=alias.pool, load=record)
 
     def rollback(self, name: str) -> ServingChange:
-        """Drop the canary if there is one; else serve the version served before (or the base)."""
+        """Drop the canary if there is one; else serve the version served before (or, past the
+        first, none: the name is refused until a version is deployed again)."""
         alias = self.alias(name)
         if alias.canary is not None:
             dropped = self.move(name, alias.canary, AdapterState.REGISTERED)
             alias.canary, alias.canary_share, alias.canary_analysis = None, 0.0, None
             return ServingChange(pool=alias.pool, unload=(dropped,))
         if alias.stable is None:
-            raise Conflict(f"{name!r} already serves the base model; nothing to roll back")
+            raise Conflict(not_deployed(name, "nothing to roll back"))
         dropped = self.move(name, alias.stable, AdapterState.REGISTERED)
         alias.stable = alias.history.pop() if alias.history else None
         if alias.stable is None:
@@ -280,6 +281,13 @@ class Registry(BaseModel):
             alias.history = _history_without(alias.history, version, alias.stable)
         retired = tuple(self.move(name, record.version, AdapterState.RETIRED) for record in targets)
         return ServingChange(pool=alias.pool if alias is not None else None, unload=retired)
+
+
+def not_deployed(name: str, consequence: str) -> str:
+    """The refusal for a name rolled back past its first version (it serves nothing): what that
+    means here, and how to serve it again."""
+    return (f"adapter {name!r} has no version deployed (it was rolled back past its first): {consequence}; "
+            f"deploy one with `appliance adapters deploy {name}`")
 
 
 def _history_without(history: list[int], version: int, stable: int | None) -> list[int]:

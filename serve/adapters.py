@@ -2,7 +2,8 @@
 
 Routing: a request for an adapter's name goes to the version its alias serves (a canary takes
 its share of requests at random), on the alias's pool, for the roles the alias allows; after a
-rollback past the first version, the name serves the pool's base model.
+rollback past the first version, the name serves nothing: its requests are refused (409
+adapter_not_deployed), never answered by the base model, and /v1/models leaves it out.
 
 Changing what is served (deploy, canary, rollback, retire; the admin API) loads and unloads
 adapters in the running vLLM engine through its runtime LoRA endpoints, so nothing restarts. An
@@ -26,7 +27,7 @@ from pathlib import Path
 import anyio
 
 from appliance import adapters
-from appliance.adapters import AdapterRecord, Alias, Registry, ServingChange, check_base
+from appliance.adapters import AdapterRecord, Alias, Registry, ServingChange, check_base, not_deployed
 from appliance.artifacts import ArtifactStore
 from appliance.canary import CanaryAnalysis
 from appliance.durable import replace_file
@@ -72,29 +73,30 @@ class AdapterRoutes:
 
     # -- routing ------------------------------------------------------------------------------
 
-    def resolve(self, model: object, roles: frozenset[str]) -> tuple[Pool, str, AdapterRecord | None] | None:
-        """(pool, model name for the engine, the adapter version chosen or None for the base) for
-        an adapter's name; None if `model` names no adapter."""
+    def resolve(self, model: object, roles: frozenset[str]) -> tuple[Pool, str, AdapterRecord] | None:
+        """(pool, model name for the engine, the adapter version chosen) for an adapter's name; None
+        if `model` names no adapter; refused (409) if the name has no version deployed."""
         alias = self.registry().aliases.get(model) if isinstance(model, str) else None
         if alias is None:
             return None
         if not roles & set(alias.roles):
             raise GatewayError(403, f"adapter {model!r} is not available to your roles", type="permission_error",
                                code="adapter_forbidden")
+        if alias.stable is None:
+            raise GatewayError(409, not_deployed(str(model), "no request for it is answered"),
+                               code="adapter_not_deployed", param="model")
         pool = self.upstreams.pool(alias.pool)
         version = alias.canary if alias.canary is not None and random.random() < alias.canary_share else alias.stable
-        if version is None:
-            return pool, pool.model, None
         record = self.registry().find(str(model), version)
         return pool, record.engine_name, record
 
     def visible(self, roles: frozenset[str]) -> list[dict[str, str]]:
         """/v1/models entries for the adapter names these roles may call (not those whose pool is
-        no longer in the settings: calling one says so)."""
+        no longer in the settings, nor those with no version deployed: calling one says so)."""
         pools = {pool.name: pool for pool in self.upstreams.pools}
         return [{"id": name, "object": "model", "owned_by": "appliance", "parent": pools[alias.pool].model}
                 for name, alias in sorted(self.registry().aliases.items())
-                if roles & set(alias.roles) and alias.pool in pools]
+                if roles & set(alias.roles) and alias.pool in pools and alias.stable is not None]
 
     # -- changes (their rules are the registry's: appliance.adapters) ---------------------------
 
@@ -110,7 +112,8 @@ class AdapterRoutes:
         return await self._change(name, lambda registry: registry.canary(name, version, share, analysis))
 
     async def rollback(self, name: str) -> Alias:
-        """Drop the canary if there is one; else serve the version served before (or the base)."""
+        """Drop the canary if there is one; else serve the version served before (or, past the
+        first, none)."""
         return await self._change(name, lambda registry: registry.rollback(name))
 
     async def retire(self, name: str, version: int | None) -> list[AdapterRecord]:

@@ -62,8 +62,9 @@ def rollback_question(name: str, alias: Alias) -> str:
     """What rolling back `name` does, said before it is done."""
     if alias.canary is not None:
         return f"Roll back {name!r}: drop its canary v{alias.canary}?"
-    before = f"v{alias.history[-1]}" if alias.history else "the base model"
-    return f"Roll back {name!r} from v{alias.stable} to {before}?"
+    if not alias.history:
+        return f"Roll back {name!r} from v{alias.stable} to no version (its requests refused until a deploy)?"
+    return f"Roll back {name!r} from v{alias.stable} to v{alias.history[-1]}?"
 
 
 class Training(Panel):

@@ -32,7 +32,7 @@ def adapters_list(as_json: AsJson = False) -> None:
         table.add_row(record.name, str(record.version), record.state, record.base_model, loss, sets, record.dataset)
     out.print(table)
     for name, alias in sorted(registry.aliases.items()):
-        serves = f"v{alias.stable}" if alias.stable is not None else "the base model"
+        serves = f"v{alias.stable}" if alias.stable is not None else "no version (requests for it are refused)"
         if alias.canary is not None:
             serves += f", canary v{alias.canary} ({alias.canary_share:.0%})"
         out.print(f"{name}: {serves} on pool {alias.pool}, for roles {', '.join(alias.roles)}")
@@ -94,9 +94,13 @@ def adapters_show_canary(name: Annotated[str, typer.Argument(help="Adapter name.
 
 @adapters_app.command("rollback")
 def adapters_rollback(name: Annotated[str, typer.Argument(help="Adapter name.")]) -> None:
-    """Drop the canary; without one, serve the version served before (or the base model)."""
+    """Drop the canary; without one, serve the version served before (past the first: none)."""
     alias = Alias.model_validate(admin_api("POST", f"/adapters/{name}/rollback"))
-    out.print(f"{name} serves {'v' + str(alias.stable) if alias.stable is not None else 'the base model'}")
+    if alias.stable is None:
+        out.print(f"{name} has no version deployed: requests for it are refused until you deploy one "
+                  f"(`appliance adapters deploy {name}`)")
+    else:
+        out.print(f"{name} serves v{alias.stable}")
 
 
 @adapters_app.command("retire")

@@ -73,9 +73,10 @@ def router() -> APIRouter:
 
     @routes.post("/adapters/{name}/rollback", response_model=Alias, name="adapters.rollback")
     async def rollback_adapter(request: Request, name: str) -> Alias:
-        """Drop the canary; without one, serve the version served before (or the base model)."""
+        """Drop the canary; without one, serve the version served before (past the first: none,
+        and requests for the name are refused until a version is deployed)."""
         alias = await _adapters(request).rollback(name)
-        note_target(request, "adapter", name, version=alias.stable)  # what it serves now (None: the base model)
+        note_target(request, "adapter", name, version=alias.stable)  # what it serves now (None: nothing)
         return alias
 
     @routes.post("/adapters/{name}/retire", response_model=list[AdapterRecord], name="adapters.retire")

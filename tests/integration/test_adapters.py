@@ -86,17 +86,17 @@ def test_trained_adapter_is_deployed_live_changes_answers_and_rolls_back(running
     assert "codeword: v1 on pool main, for roles user, admin" in shown.stdout
 
     rolled = cli.run("adapters", "rollback", "codeword", timeout=300)
-    assert rolled.returncode == 0 and "codeword serves the base model" in rolled.stdout, rolled.stderr
-    again = ask(realm, user, "codeword")
-    assert again.status_code == 200
-    assert again.json()["choices"][0]["message"]["content"] == base.json()["choices"][0]["message"]["content"]
+    assert rolled.returncode == 0 and "codeword has no version deployed" in rolled.stdout, rolled.stderr
+    again = ask(realm, user, "codeword")  # refused, never answered by the base model in its place
+    assert again.status_code == 409 and again.json()["error"]["code"] == "adapter_not_deployed", again.text
+    assert "codeword" not in listed(realm, user)
     # ...until its serving changes: the rollback dropped v1's answers, so serving v1 again asks the engine.
     assert cli.run("adapters", "deploy", "codeword", "--version", "1", timeout=300).returncode == 0
     redeployed = ask(realm, user, "codeword")
     assert redeployed.headers["x-appliance-cache"] == "miss" and redeployed.content != tuned.content  # a new id
     assert cli.run("adapters", "rollback", "codeword", timeout=300).returncode == 0
     refused = cli.run("adapters", "rollback", "codeword", timeout=60)
-    assert refused.returncode == 1 and "409" in refused.stderr and "already serves the base model" in refused.stderr
+    assert refused.returncode == 1 and "409" in refused.stderr and "nothing to roll back" in refused.stderr
 
     retired = cli.run("adapters", "retire", "codeword", timeout=60)
     assert retired.returncode == 0 and "codeword v1" in retired.stdout
@@ -107,7 +107,7 @@ def test_trained_adapter_is_deployed_live_changes_answers_and_rolls_back(running
     actions = [(r["action"], r["outcome"], r["target"]["version"]) for r in changes
                if r["action"].startswith("adapters.") and r["action"] != "adapters.list"
                and (r.get("target") or {}).get("name") == "codeword"]
-    # A change names the version it served (a rollback: what it serves after; None, the base model).
+    # A change names the version it served (a rollback: what it serves after; None, no version).
     assert actions == [("adapters.deploy", "allowed", 1), ("adapters.deploy", "allowed", 1),
                        ("adapters.rollback", "allowed", None), ("adapters.deploy", "allowed", 1),
                        ("adapters.rollback", "allowed", None), ("adapters.rollback", "invalid", None),
@@ -117,3 +117,5 @@ def test_trained_adapter_is_deployed_live_changes_answers_and_rolls_back(running
     assert refused[0]["reason"] and refused[0]["status"] == 409, "a refusal's record says why"
     tuned_record = next(r for r in changes if r.get("request_id") == tuned.headers["x-request-id"])
     assert tuned_record["model"] == "codeword-v1"  # the record names the version that answered
+    refused_record = next(r for r in changes if r.get("request_id") == again.headers["x-request-id"])
+    assert refused_record["model"] == "codeword", "a refusal's record names the adapter asked for"

@@ -11,9 +11,12 @@ import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from starlette.requests import Request
 
 from appliance import adapters
 from appliance.adapters import MOVES, AdapterRecord, AdapterState
@@ -22,10 +25,15 @@ from appliance.errors import ApplianceError, Conflict, IllegalTransition, NotFou
 from appliance.home import Home
 from appliance.jobs import Hyperparameters
 from appliance.roles import Role
+from audit import AuditWriter, read_records
 from serve.adapters import AdapterRoutes
+from serve.context import context_of
 from serve.errors import GatewayError, from_core
+from serve.relay import relay
 from serve.replicas import Pool, Replica
+from serve.schemas import ChatRequest
 from tests.support.records import metrics
+from tests.unit import test_request_context as through_gateway
 
 USERS = frozenset({"user"})
 
@@ -147,7 +155,7 @@ def test_canary_splits_requests_by_share(routes: AdapterRoutes) -> None:
     assert routes.registry().find("codes", 2).state == "canary"
 
 
-def test_rollback_drops_the_canary_then_the_previous_version_then_to_the_base(routes: AdapterRoutes) -> None:
+def test_rollback_drops_the_canary_then_the_previous_version_then_serves_nothing(routes: AdapterRoutes) -> None:
     engine = routes.upstreams
     run(routes.deploy("codes", 1, None, None))
     run(routes.deploy("codes", 2, None, None))
@@ -158,8 +166,30 @@ def test_rollback_drops_the_canary_then_the_previous_version_then_to_the_base(ro
     assert served(routes) == "codes-v1" and "codes-v2" not in engine.loaded
     assert [r.state for r in routes.registry().versions("codes")] == ["deployed", "registered", "failed-gate"]
     alias = run(routes.rollback("codes"))
-    assert alias.stable is None and served(routes) == "base-model"  # the base model's answers again
-    assert "already serves the base model" in refusal(routes.rollback("codes")).message
+    assert alias.stable is None and engine.loaded == set()
+    refused = refusal(routes.rollback("codes"))
+    assert refused.status == 409 and "'codes' has no version deployed" in refused.message
+    assert "nothing to roll back" in refused.message and "`appliance adapters deploy codes`" in refused.message
+
+
+def test_a_name_rolled_back_past_its_first_version_is_refused_never_the_base(routes: AdapterRoutes) -> None:
+    """A client that asked for an adapter gets the adapter or an error, never the base model's answer."""
+    run(routes.deploy("codes", 1, None, None))
+    run(routes.rollback("codes"))
+    with pytest.raises(GatewayError) as refused:
+        routes.resolve("codes", USERS)
+    error = refused.value
+    assert (error.status, error.code, error.param, error.type) == (409, "adapter_not_deployed", "model",
+                                                                   "invalid_request_error")
+    assert "adapter 'codes' has no version deployed" in error.message
+    assert "deploy one with `appliance adapters deploy codes`" in error.message
+    assert routes.visible(USERS) == [] and routes.visible(frozenset({"admin"})) == []  # not callable: not listed
+    with pytest.raises(GatewayError, match="not available to your roles"):
+        routes.resolve("codes", frozenset({"auditor"}))  # roles are checked first: nothing else is told
+    canary = refusal(routes.canary("codes", 2, 0.5))
+    assert canary.status == 409 and "a canary needs a stable version" in canary.message
+    run(routes.deploy("codes", 2, None, None))  # deployed again: served, listed, with its pool and roles
+    assert served(routes) == "codes-v2" and [entry["id"] for entry in routes.visible(USERS)] == ["codes"]
 
 
 def test_refusals_name_the_problem_and_change_nothing(routes: AdapterRoutes) -> None:
@@ -252,10 +282,10 @@ def test_the_rules_of_each_change_are_the_registry_s(routes: AdapterRoutes) -> N
         registry.canary("codes", 2, 0.5)
     dropped = registry.rollback("codes")
     assert dropped.load is None and [r.version for r in dropped.unload] == [1]
-    to_base = registry.rollback("codes")  # no version before v2: the base model
-    assert to_base.load is None and [r.version for r in to_base.unload] == [2]
+    to_none = registry.rollback("codes")  # no version before v2: none (not the base model)
+    assert to_none.load is None and [r.version for r in to_none.unload] == [2]
     assert registry.alias("codes").stable is None
-    with pytest.raises(Conflict, match="already serves the base model"):
+    with pytest.raises(Conflict, match="'codes' has no version deployed .*: nothing to roll back"):
         registry.rollback("codes")
     with pytest.raises(NotFound, match="'other' is not deployed"):
         registry.rollback("other")
@@ -321,3 +351,26 @@ def test_requests_finding_a_version_unloaded_at_once_each_get_its_files(routes: 
              for path in [found[0].parent.parent, found[0].parent, found[0], *found[0].iterdir()]}
     assert modes == {"adapters": 0o700, "adapters/codes": 0o700, "adapters/codes/v2": 0o700,
                      **{f"adapters/codes/v2/{p.name}": 0o600 for p in found[0].iterdir()}}
+
+
+def test_a_request_refused_for_a_name_serving_nothing_is_audited_under_the_name(routes: AdapterRoutes,
+                                                                                 tmp_path: Path) -> None:
+    """The relay's record of the refusal names the adapter asked for (not the base model)."""
+    run(routes.deploy("codes", 1, None, None))
+    run(routes.rollback("codes"))
+    gateway = SimpleNamespace(adapters=routes)
+
+    async def chat(scope: dict, receive: Any, send: Any) -> None:
+        scope["app"] = SimpleNamespace(state=SimpleNamespace(gateway=gateway))
+        context_of(Request(scope)).principal = through_gateway.ALICE
+        try:
+            await relay(Request(scope, receive), through_gateway.ALICE, "/v1/chat/completions",
+                        ChatRequest(model="codes", messages=[{"role": "user", "content": "hi"}]))
+        except GatewayError as exc:
+            await exc.response()(scope, receive, send)
+
+    stack, _ = through_gateway.gateway_stack(chat, AuditWriter(tmp_path / "audit", Ed25519PrivateKey.generate()))
+    _, sent = through_gateway.call(stack)
+    assert sent[0]["status"] == 409 and b"adapter_not_deployed" in sent[1]["body"]
+    [record] = read_records(tmp_path / "audit")
+    assert (record["model"], record["status"], record["reason"]) == ("codes", 409, "adapter_not_deployed")

@@ -46,7 +46,7 @@ from tests.support.tokens import here
 from tui.metrics import parse, quantile, rates
 from tui.models import plan_text
 from tui.panel import Panel, selected_key
-from tui.training import eval_summary, served
+from tui.training import eval_summary, rollback_question, served
 
 if TYPE_CHECKING:
     from tui.app import AdminApp
@@ -858,3 +858,14 @@ def test_the_audit_screen_shows_a_record_s_detail_whole_at_80x24(home: Home) -> 
         assert any(f"  {HASH}" in line for line in screen_lines(app)), "the hash whole on an 80-column screen"
 
     with_fake(home, answers, scenario)
+
+
+def test_the_rollback_question_says_what_the_name_serves_after() -> None:
+    """Past a name's first version it serves nothing (refused), never the base model."""
+    served = Alias(pool="main", roles=[Role.USER], stable=2, history=[1])
+    assert rollback_question("codes", served) == "Roll back 'codes' from v2 to v1?"
+    first = Alias(pool="main", roles=[Role.USER], stable=1)
+    assert rollback_question("codes", first) == ("Roll back 'codes' from v1 to no version (its requests refused "
+                                                 "until a deploy)?")
+    canary = Alias(pool="main", roles=[Role.USER], stable=1, canary=2, canary_share=0.5)
+    assert rollback_question("codes", canary) == "Roll back 'codes': drop its canary v2?"
