@@ -11,6 +11,7 @@ import sys
 import tempfile
 import time
 import uuid
+from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -30,12 +31,14 @@ from audit.reader import OUTCOMES, ObjectFilter, RecordFilter, parse_outcome, re
 from audit.records import AuditEvent
 from audit.times import FORMS, parse_instant
 from audit.verify import AuditVerificationError, verify
+from audit.window import select, verify_window
 from audit.writer import AuditUnavailable, AuditWriter
 
 audit_app = typer.Typer(help="The tamper-evident audit log.", no_args_is_help=True)
 out = Console()
 FIELDS = ("seq", "time", "request_id", "username", "subject", "client", "key", "source", "action", "resource",
-          "target", "model", "outcome", "reason", "status", "prompt_tokens", "completion_tokens", "latency_ms", "error")
+          "target", "model", "outcome", "reason", "status", "prompt_tokens", "completion_tokens", "latency_ms", "error",
+          "prev_hash", "hash")
 
 
 @audit_app.command("verify")
@@ -44,10 +47,15 @@ def verify_command(
                                                     "default: this host's key.")] = None,
     from_archive: Annotated[bool, typer.Option("--from-archive", help="Verify the copies in the "
                                                "artifact store instead of the host's log.")] = False,
+    window: Annotated[Path | None, typer.Option("--window", help="Verify a window written by `audit export "
+                                                "--window` instead of the host's log.")] = None,
 ) -> None:
     """Check every record's hash, the chain, the sequence and every signed checkpoint."""
     home = Home.from_env()
     key = load_public(public_key) if public_key else verification_key(home)
+    if window is not None:
+        _verify_window(window, key)
+        return
     if not from_archive:
         _verify(home.audit, str(home.audit), key)
         return
@@ -66,6 +74,18 @@ def _verify(directory: Path, name: str, key: Ed25519PublicKey) -> None:
     out.print(f"audit log OK ({name}): {summary.records} records in {summary.files} files, "
               f"{summary.checkpoints} signed checkpoints (last at seq {summary.last_checkpoint_seq}; "
               f"{unsigned} newer records not yet checkpointed); head {summary.head}")
+
+
+def _verify_window(path: Path, key: Ed25519PublicKey) -> None:
+    try:
+        summary = verify_window(path, key)
+    except OSError as exc:
+        raise ApplianceError(f"cannot read audit window {path}: {exc.strerror or exc}") from exc
+    except AuditVerificationError as exc:
+        raise ApplianceError(f"audit window {path} FAILED verification at {exc.where}: {exc.reason}") from exc
+    out.print(f"audit window OK ({path}): seq {summary.first_seq} to {summary.last_seq}, linked and "
+              f"covered by {summary.checkpoints} signed checkpoints (the last at seq {summary.last_seq}); "
+              f"head {summary.head}", soft_wrap=True)
 
 
 @audit_app.command("archive")
@@ -127,12 +147,21 @@ def export(
     until: Annotated[str | None, typer.Option(help="Before this time (the same forms as --since).")] = None,
     user: UserOption = None, action: ActionOption = None, outcome: OutcomeOption = None, target: ObjectOption = None,
     format: Annotated[str, typer.Option(help="jsonl or csv.")] = "jsonl",
+    window: Annotated[bool, typer.Option("--window", help="A window `audit verify --window` checks offline: "
+                                         "the records as stored, through the first signed checkpoint at or "
+                                         "after the last, then the checkpoints (JSON lines).")] = False,
 ) -> None:
     """Write matching records to stdout as JSON lines or CSV."""
     if format not in ("jsonl", "csv"):
         raise ApplianceError(f"--format must be jsonl or csv, not {format!r}")
     start = parse_instant(since, name="--since") if since is not None else None
     end = parse_instant(until, name="--until") if until is not None else None
+    if window:
+        if format != "jsonl" or any(option is not None for option in (user, action, outcome, target)):
+            raise ApplianceError("--window takes --since and --until only, as JSON lines: a filtered "
+                                 "selection has gaps its chain cannot link across")
+        _export_window(Home.from_env(), start, end)
+        return
     selected = read_records(Home.from_env().audit, since=start, until=end,
                             where=_filter(user, action, outcome, target))
     if format == "jsonl":
@@ -143,6 +172,28 @@ def export(
     writer.writeheader()
     for record in selected:
         writer.writerow({**record, "target": _target_text(record.get("target"))})
+
+
+def _export_window(home: Home, start: datetime | None, end: datetime | None) -> None:
+    chosen = select(home.audit, start, end)
+    if chosen.records and chosen.cover is None:
+        _sign_head(home)  # the newest records are not checkpointed yet: they are now
+        chosen = select(home.audit, start, end)
+    for line in chosen.lines():
+        typer.echo(line, nl=False)
+
+
+def _sign_head(home: Home) -> None:
+    settings = load_settings(home.settings_file)
+    try:
+        writer = AuditWriter(home.audit, signing_key(home), max_file_bytes=settings.audit.max_file_bytes)
+        try:
+            writer.checkpoint()
+        finally:
+            writer.close()
+    except (AuditUnavailable, OSError, ValueError, KeyError) as exc:
+        raise ApplianceError(f"the window's last records need a signed checkpoint, which could not be "
+                             f"written: {exc}", hint=f"run `appliance audit verify` on {home.audit}") from exc
 
 
 def _target_text(target: dict[str, Any] | None) -> str:
