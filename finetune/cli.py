@@ -13,7 +13,6 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-from rich.table import Table
 
 from appliance import jobs
 from appliance.artifacts import artifact_store
@@ -24,6 +23,7 @@ from appliance.home import Home
 from appliance.model_refs import checkpoint
 from appliance.progress import byte_progress
 from appliance.settings import DEMO_MODEL, load_settings
+from appliance.terminal import Listing, text
 from finetune import evalsets
 from finetune.datasets import (
     OnProgress,
@@ -83,10 +83,10 @@ def list_datasets(as_json: AsJson = False) -> None:
     if as_json:
         print_json([{"name": name, "sha256": digest} for name, digest in sorted(registry.items())])
         return
-    table = Table("name", "sha256")
+    table = Listing("name", "sha256")
     for name, digest in sorted(registry.items()):
         table.add_row(name, digest)
-    out.print(table)
+    out.print(table, crop=False)
 
 
 @data_app.command("show")
@@ -101,13 +101,13 @@ def show(name: Annotated[str, typer.Argument(help="A dataset name from `applianc
     if as_json:
         print_json({"name": name, "versions": found})
         return
-    table = Table("sha256", "in use", "created", "source", "kind", "rows", "train", "eval", "sensitive data")
+    table = Listing("sha256", "in use", "created", "source", "kind", "rows", "train", "eval", text("sensitive data"))
     for version in found:
         sensitive = ", ".join(f"{kind} {n}" for kind, n in sorted(version.sensitive.items())) or "none"
         table.add_row(version.sha256[:16], "yes" if version.current else "", version.created, version.source,
                       version.kind or "-", str(version.rows), str(version.train), str(version.eval),
                       f"{sensitive} ({version.sensitive_action})")
-    out.print(table)
+    out.print(table, crop=False)
     out.print(f"dataset {name}: files of the version in use match its sha256", markup=False, highlight=False)
 
 
@@ -227,11 +227,11 @@ def status(
     if as_json:
         print_json([jobs.report(home, found) for found in listed])
         return
-    table = Table("job", "adapter", "dataset", "state", "progress", "submitted", "outcome")
+    table = Listing("job", "adapter", "dataset", "state", text("progress"), "submitted", text("outcome"))
     for found in listed:
         table.add_row(str(found.id), found.name, found.data, found.state, _progress_text(home, found),
                       found.submitted, found.message or "")
-    out.print(table)
+    out.print(table, crop=False)
 
 
 @finetune_app.command("cancel")

@@ -10,8 +10,6 @@ from typing import Annotated
 import typer
 from pydantic import TypeAdapter, ValidationError
 from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
 
 from appliance import hosts, lifecycle
 from appliance.changes import note_target, records_change
@@ -20,6 +18,7 @@ from appliance.errors import Invalid, SettingsError
 from appliance.home import Home
 from appliance.records import HostName
 from appliance.settings import load_settings
+from appliance.terminal import Listing, text
 from appliance.tls import ca_sha256
 from serve.cluster_worker import join, read_token
 
@@ -68,12 +67,12 @@ def list_hosts(as_json: AsJson = False) -> None:
         print_json([host.model_dump(mode="json", exclude={"token_sha256", "credential_sha256"})
                     for host in registry.hosts.values()])
         return
-    table = Table("host", "state", "address", "joined", "problem")
+    table = Listing("host", "state", "address", "joined", text("problem"))
     for host in registry.hosts.values():
         table.add_row(host.name, host.state.value, host.address or "-",
                       host.joined_at.isoformat(timespec="seconds") if host.joined_at else "-",
-                      escape(host.problem or ""))  # a worker's words: never markup
-    out.print(table)
+                      host.problem or "")  # a listing shows it as text: never markup
+    out.print(table, crop=False)
 
 
 @hosts_app.command("remove")

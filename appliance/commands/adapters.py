@@ -6,11 +6,11 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from appliance.adapters import AdapterRecord, Alias, Registry
 from appliance.canary import parse_analysis
 from appliance.commands.common import AsJson, admin_api, print_json
+from appliance.terminal import Listing, text
 
 adapters_app = typer.Typer(help="LoRA adapters: list, deploy into the running engine, canary, roll back, retire "
                            "(through the gateway's admin API).", no_args_is_help=True)
@@ -24,13 +24,13 @@ def adapters_list(as_json: AsJson = False) -> None:
     if as_json:
         print_json(registry)
         return
-    table = Table("adapter", "version", "state", "base", "held-out loss (base -> adapter)",
-                  "evaluation sets (base -> adapter)", "dataset")
+    table = Listing("adapter", "version", "state", "base", "held-out loss (base -> adapter)",
+                    text("evaluation sets (base -> adapter)"), "dataset")
     for record in registry.adapters:
         loss = f"{record.metrics.base_eval_loss:.4f} -> {record.metrics.adapter_eval_loss:.4f}"
         sets = "\n".join(scores.line(kind) for kind, scores in record.metrics.eval_sets.items()) or "-"
         table.add_row(record.name, str(record.version), record.state, record.base_model, loss, sets, record.dataset)
-    out.print(table)
+    out.print(table, crop=False)
     for name, alias in sorted(registry.aliases.items()):
         serves = f"v{alias.stable}" if alias.stable is not None else "no version (requests for it are refused)"
         if alias.canary is not None:
@@ -83,13 +83,13 @@ def adapters_show_canary(name: Annotated[str, typer.Argument(help="Adapter name.
         return
     out.print(f"{name}: v{status['canary']} against v{status['stable']}, {status['passed_windows']} passing windows "
               f"so far, {status['window_left_s']:.0f} s left in this one")
-    table = Table("version", "requests", "error rate", "latency p50 (s)", "ttft p50 (s)", "success", "satisfaction")
+    table = Listing("version", "requests", "error rate", "latency p50 (s)", "ttft p50 (s)", "success", "satisfaction")
     for role in ("stable", "canary"):
         figures = status[f"{role}_figures"]
         table.add_row(f"v{status[role]} ({role})", *(("-" if figures[key] is None else str(figures[key]))
                                                      for key in ("requests", "error_rate", "latency_p50_s",
                                                                  "ttft_p50_s", "success_rate", "satisfaction")))
-    out.print(table)
+    out.print(table, crop=False)
 
 
 @adapters_app.command("rollback")

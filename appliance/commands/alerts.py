@@ -6,10 +6,9 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from appliance.commands.common import admin_api, print_json
-from appliance.terminal import shown
+from appliance.terminal import Listing, shown, text
 
 out = Console()
 
@@ -23,10 +22,10 @@ def alerts(json: Annotated[bool, typer.Option("--json", help="Print JSON instead
     if not firing:
         out.print("no alerts firing", markup=False)
         return
-    table = Table("alert", "severity", "since", "about", "summary")
+    table = Listing("alert", "severity", "since", text("about"), text("summary"))
     for alert in firing:
         about = ", ".join(f"{k}={v}" for k, v in alert["labels"].items() if k not in ("job", "instance"))
         # Shown as text: no markup, and no escape sequence of a label's (an engine's) reaches the terminal.
         table.add_row(*(shown(cell) for cell in (alert["name"], alert["severity"],
                                                   alert["since"][:19].replace("T", " "), about, alert["summary"])))
-    out.print(table)
+    out.print(table, crop=False)

@@ -8,9 +8,9 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from appliance.commands.common import admin_api, print_json
+from appliance.terminal import Listing
 
 keys_app = typer.Typer(help="API keys for applications: create (shown once), list, revoke, remove.",
                        no_args_is_help=True)
@@ -60,11 +60,11 @@ def keys_list(
     if not keys:
         out.print("no API keys yet: `appliance keys create NAME --user USER` makes one", markup=False)
         return
-    table = Table("name", "prefix", "owner", "state", "created", "expires", "last used")
+    table = Listing("name", "prefix", "owner", "state", "created", "expires", "last used")
     for key in keys:
         table.add_row(key["name"], key["prefix"], key["owner"], key["state"], _day(key["created"]),
                       _day(key["expires"]) or "never", _day(key["last_used"]) or "never")
-    out.print(table)
+    out.print(table, crop=False)
 
 
 @keys_app.command("revoke")

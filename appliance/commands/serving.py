@@ -10,9 +10,9 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from appliance.commands.common import AsJson, admin_api, defaulting_to, old_spelling, print_json
+from appliance.terminal import Listing
 
 serving_app = typer.Typer(help="Tiers, replicas, routing, the response cache and batches (through the gateway's "
                           "admin API).",
@@ -34,13 +34,13 @@ def pools_list(as_json: AsJson = False) -> None:
     if as_json:
         print_json(routing)
         return
-    table = Table("pool", "model", "tier", "replica", "engine", "in flight", "gpus")
+    table = Listing("pool", "model", "tier", "replica", "engine", "in flight", "gpus")
     for pool in routing["pools"]:
         for replica in pool["replicas"]:
             state = "DOWN" if not replica["healthy"] else "healthy" if replica["taking_requests"] else "returning"
             table.add_row(pool["name"], pool["model"], pool["tier"] or "-", replica["name"], state,
                           str(replica["in_flight"]), ",".join(map(str, replica["gpus"])) or "-")
-    out.print(table)
+    out.print(table, crop=False)
     out.print(policy_line(routing["policy"], {pool["tier"] for pool in routing["pools"] if pool["tier"]}),
               highlight=False)
 
@@ -84,12 +84,12 @@ def batches_list(as_json: AsJson = False,
     if as_json:
         print_json(listed)
         return
-    table = Table("batch", "state", "done", "failed", "total", "endpoint", "created")
+    table = Listing("batch", "state", "done", "failed", "total", "endpoint", "created")
     for batch in listed["data"]:
         counts = batch["request_counts"]
         table.add_row(batch["id"], batch["status"], str(counts["completed"]), str(counts["failed"]),
                       str(counts["total"]), batch["endpoint"], _when(batch["created_at"]))
-    out.print(table)
+    out.print(table, crop=False)
 
 
 @batches_app.command("cancel")

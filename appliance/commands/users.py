@@ -7,11 +7,11 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from appliance.changes import note_target, records_change
 from appliance.commands.common import AsJson, admin_api, context, old_spelling, print_json, read_password
 from appliance.roles import Role
+from appliance.terminal import Listing, text
 
 users_app = typer.Typer(help="Users and roles of the realm (through the gateway's admin API).",
                         no_args_is_help=True)
@@ -44,10 +44,10 @@ def users_list(as_json: AsJson = False) -> None:
     if as_json:
         print_json(users)
         return
-    table = Table("user", "enabled", "roles")
+    table = Listing("user", "enabled", text("roles"))
     for user in users:
         table.add_row(user["username"], "yes" if user["enabled"] else "no", ", ".join(user["roles"]))
-    out.print(table)
+    out.print(table, crop=False)
 
 
 @users_app.command("list-roles")

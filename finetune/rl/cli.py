@@ -11,7 +11,6 @@ from typing import Annotated
 import typer
 from pydantic import TypeAdapter, ValidationError
 from rich.console import Console
-from rich.table import Table
 
 from appliance.artifacts import artifact_store
 from appliance.changes import note_target, records_change
@@ -26,7 +25,7 @@ from appliance.rl.progress import policy_line, read_progress, report
 from appliance.rl.runs import PolicySpec, RunSpec
 from appliance.rl.tasks import Task, load_tasksets
 from appliance.settings import load_settings
-from appliance.terminal import shown
+from appliance.terminal import Listing, shown, text
 from appliance.trajectories import read_run
 from finetune.cli import check_name_option
 from finetune.rl.execute import SOURCE, Language, execute
@@ -152,11 +151,11 @@ def tasks_list(as_json: Annotated[bool, typer.Option("--json")] = False) -> None
     if as_json:
         typer.echo(json.dumps([info.model_dump() for info in registry.values()], indent=1))
         return
-    table = Table("name", "tasks", "train", "held out", "source", "sha256", "added")
+    table = Listing("name", "tasks", "train", "held out", "source", "sha256", "added")
     for info in registry.values():
         table.add_row(info.name, str(info.tasks), str(info.train), str(info.held_out), shown(info.source),
                       info.sha256[:16], info.created)
-    out.print(table)
+    out.print(table, crop=False)
 
 
 @rl_app.command("run")
@@ -260,11 +259,11 @@ def status(
     if as_json:
         typer.echo(json.dumps([report(home, found).model_dump() for found in listed], indent=1))
         return
-    table = Table("run", "model", "tasks", "state", "progress", "submitted", "outcome")
+    table = Listing("run", "model", "tasks", "state", text("progress"), "submitted", text("outcome"))
     for found in listed:
         table.add_row(str(found.id), shown(found.spec.adapter or found.spec.base), found.spec.tasks, found.state,
                       _progress_text(home, found), found.submitted, shown(found.message or ""))
-    out.print(table)
+    out.print(table, crop=False)
 
 
 @rl_app.command("cancel")
@@ -296,11 +295,11 @@ def trajectories(
     out.print(f"run {run}: {manifest.attempts} attempts in {len(manifest.segments)} segments, every digest checked",
               highlight=False)
     if task is None:
-        table = Table("task", "sample", "round", "status", "tests", "reward", "why")
+        table = Listing("task", "sample", "round", "status", "tests", "reward", text("why"))
         for a in chosen:
             table.add_row(shown(a.task), str(a.sample), str(a.round), a.status, f"{a.tests_passed}/{a.tests_total}",
                           f"{a.reward:.3f}", shown(a.exit_reason[:80]))
-        out.print(table)
+        out.print(table, crop=False)
         return
     for a in chosen:
         out.rule(shown(f"{a.task} sample {a.sample} round {a.round}: {a.status}, reward {a.reward:.3f}"))
