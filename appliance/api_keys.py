@@ -33,6 +33,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from appliance import durations
 from appliance.errors import Conflict, Invalid, NotFound, QuotaExceeded
 from appliance.home import Home
 from appliance.registry import JsonRegistry
@@ -49,8 +50,6 @@ MAX_KEYS_PER_OWNER = 100  # revoked and expired ones included: they stay in the 
 MAX_KEYS = 5000
 MAX_LIFETIME = timedelta(days=3653)  # ten years
 _KEY_SHAPE = re.compile(rf"^{PREFIX}[A-Za-z0-9_-]{{43}}$")
-_DURATION = re.compile(r"^([1-9][0-9]{0,5})([hdw])$")
-_UNITS = {"h": timedelta(hours=1), "d": timedelta(days=1), "w": timedelta(weeks=1)}
 
 
 class KeyState(StrEnum):
@@ -103,7 +102,8 @@ class NewKey(BaseModel):
 
     name: KeyName
     owner: str = Field(min_length=1, max_length=64)
-    expires_in: str | None = Field(None, description="e.g. 12h, 30d, 52w; unset: until revoked.")
+    expires_in: str | None = Field(None, description="e.g. 12h, 30d, 52w (a whole number and s, m, h, d or w); "
+                                                     "unset: until revoked.")
     models: list[ModelName] | None = Field(None, min_length=1, max_length=MAX_MODELS)
     tokens_per_minute: int | None = Field(None, gt=0, le=1_000_000_000)
 
@@ -125,17 +125,17 @@ def ref(owner: str, name: str) -> str:
     return f"{owner}/{name}"
 
 
-def expiry(expires_in: str | None, now: datetime) -> datetime | None:
-    """When a key made now for `expires_in` ("12h", "30d", "52w") expires; Invalid naming the
-    field for anything else."""
+def expiry(expires_in: str | None, now: datetime, *, name: str = "expires_in") -> datetime | None:
+    """When a key made now for `expires_in` ("12h", "30d", "52w": appliance.durations) expires;
+    Invalid naming `name` (the field, or the CLI's option) for anything else."""
     if expires_in is None:
         return None
-    found = _DURATION.fullmatch(expires_in)
-    if found is None:
-        raise Invalid(f"expires_in {expires_in!r} is not a duration", hint="give hours, days or weeks: 12h, 30d, 52w")
-    lifetime = int(found.group(1)) * _UNITS[found.group(2)]
+    lifetime = durations.parse(expires_in, name=name)
+    if not lifetime:
+        raise Invalid(f"{name} {expires_in!r} is no lifetime: give one longer than zero", hint="leave it unset for "
+                      "a key that lives until it is revoked")
     if lifetime > MAX_LIFETIME:
-        raise Invalid(f"expires_in {expires_in!r} is longer than ten years", hint="leave it unset for a key that "
+        raise Invalid(f"{name} {expires_in!r} is longer than ten years", hint="leave it unset for a key that "
                       "lives until it is revoked")
     return now + lifetime
 

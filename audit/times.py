@@ -1,7 +1,8 @@
 """Times for audit queries: `--since`/`--until` values and records' `time` fields as instants.
 
 A query time is an RFC 3339 / ISO 8601 time with `Z` or an offset (fractional seconds optional),
-a bare date (its UTC midnight) or a span before now (`90s`, `15m`, `1h`, `2d`, `1w`). Records are
+a bare date (its UTC midnight) or a span before now (`90s`, `15m`, `1h`, `2d`, `1w`: the
+appliance's one duration grammar, appliance.durations). Records are
 compared as instants, never as text: as text `2026-12-01T10:00:00Z` sorts after every record of
 that second, and a time with an offset sorts anywhere.
 """
@@ -10,28 +11,27 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from datetime import UTC, date, datetime, time, timedelta
+from datetime import UTC, date, datetime, time
 from typing import Any
 
+from appliance import durations
 from appliance.errors import Invalid, StateError
 
 FORMS = ("an RFC 3339 time with Z or an offset (2026-12-01T09:30:00Z, 2026-12-01T10:30:00.5+01:00), "
-         "a date (2026-12-01, its UTC midnight) or a span before now (90s, 15m, 1h, 2d, 1w)")
+         f"a date (2026-12-01, its UTC midnight) or a span before now, {durations.FORMS}")
 
-_SPAN = re.compile(r"(\d+)([smhdw])")
 _DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
 # Seconds and their fraction may be left out, as ISO 8601 allows; the zone may not (see below).
 _TIME = re.compile(r"\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}(?::\d{2}(?:\.\d+)?)?(?P<zone>[Zz]|[+-]\d{2}(?::?\d{2})?)?")
-_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
 
 
 def parse_instant(text: str, *, name: str, now: datetime | None = None) -> datetime:
     """The UTC instant `text` names (a span counts back from `now`, default the clock's); raises
     Invalid, naming `name` (the option or parameter) and the accepted forms, for anything else."""
-    if span := _SPAN.fullmatch(text):
-        count, unit = span.groups()
+    if durations.is_duration(text):
+        span = durations.parse(text, name=name)
         start = now or datetime.now(UTC)
-        return _checked(text, name, lambda: start - timedelta(**{_UNITS[unit]: int(count)}))
+        return _checked(text, name, lambda: start - span)
     if _DATE.fullmatch(text):
         return _checked(text, name, lambda: datetime.combine(date.fromisoformat(text), time(), UTC))
     stamp = _TIME.fullmatch(text)

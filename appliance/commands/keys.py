@@ -4,11 +4,13 @@ each have a key of the same name, and `--user` says whose."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 
+from appliance.api_keys import expiry
 from appliance.commands.common import admin_api, print_json
 from appliance.terminal import Listing
 
@@ -26,8 +28,8 @@ def keys_create(
     name: Name,
     user: Annotated[str, typer.Option("--user", help="The user the key acts as (only an administrator may name "
                                       "another user).")],
-    expires_in: Annotated[str | None, typer.Option("--expires-in", help="12h, 30d, 52w; unset: until "
-                                                   "revoked.")] = None,
+    expires_in: Annotated[str | None, typer.Option("--expires-in", help="A duration: 12h, 30d, 52w (s, m, h, d or "
+                                                   "w); unset: until revoked.")] = None,
     model: Annotated[list[str] | None, typer.Option("--model", "--models", help="A model it may use; repeatable; "
                                                     "unset: every model its user may use.")] = None,
     tokens_per_minute: Annotated[int | None, typer.Option("--tokens-per-minute", help="Its own token budget, on "
@@ -35,6 +37,7 @@ def keys_create(
     json: Json = False,
 ) -> None:
     """Create an API key and print it once: the appliance keeps only a keyed hash of it."""
+    expiry(expires_in, datetime.now(UTC), name="--expires-in")  # a bad value is told here, naming the option
     body: dict[str, Any] = {"name": name, "owner": user, "expires_in": expires_in, "models": model or None,
                             "tokens_per_minute": tokens_per_minute}
     created = admin_api("POST", "/keys", json=body)
