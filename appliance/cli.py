@@ -48,7 +48,8 @@ SUMMARIES = {
     "up": "Start supervisord and every engine pool; wait until each answers; print what runs where.",
     "down": "Stop every program and supervisord, and end any process they left behind.",
     "status": "Programs as supervisord sees them: state, health, uptime, GPUs, model and what each serves.",
-    "settings": "Show the settings file, its defaults and the values in effect.",
+    "settings": "Show the settings file, its defaults and the values in effect; change one setting; apply the "
+                "changes to the running appliance.",
     "token": "Log in (device code by default; a password for scripts), cache the token 0600, refresh it.",
     "whoami": "Who the cached login is: user, roles, client, and when its access and refresh tokens expire.",
     "users": "Users and roles of the realm (through the gateway's admin API).",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import socket
 import sys
 import time
@@ -15,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
+from appliance.durable import replace_file
 from appliance.errors import ApplianceError, StartError
 from appliance.home import Home
 from appliance.orphans import end_leftovers, end_starting, mark_starting, restore_priority
@@ -43,6 +43,10 @@ def _no_progress(_: str) -> None:
 def _programs_file(home: Home) -> Path:
     """The programs `up` started, so status describes what runs rather than current settings."""
     return home.run / "programs.json"
+
+
+def _settings_file(home: Home) -> Path:
+    return home.run / "settings-started.json"
 
 
 @dataclass
@@ -77,20 +81,15 @@ def _start(settings: Settings, home: Home, supervisor: Supervisor, progress: Pro
     end_leftovers(home.run)
     programs = discover_programs(settings, home)
     _check_startable(programs, home)
-    wrapped = [_wrap(program, home) for program in programs]
-    # 0600: the programs' commands and environments are the appliance's business only.
-    fd = os.open(_programs_file(home), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.fchmod(fd, 0o600)  # an older file kept its mode
-    with os.fdopen(fd, "w") as handle:
-        handle.write(json.dumps([p.model_dump(mode="json") for p in programs]))
+    record_started(home, settings, programs)
     progress("starting supervisord")
     record_steps(home, UpSteps())
     mark_starting(home.run)  # programs with a start_nice start at it until end_starting
     with _stopped_on_failure(supervisor, home, progress, "start failed: stopping what was started"):
         try:
-            supervisor.start(render_config(home, wrapped, secret(home, "supervisor-password")))
+            supervisor.start(supervisor_config(home, programs))
             steps = record_steps(home, UpSteps().after("supervisord"))
-            startup = _wait_ready(supervisor, programs, home, progress)
+            startup = wait_ready(supervisor, programs, home, progress)
         finally:
             end_starting(home.run)
         steps = record_steps(home, steps.after("ready"))
@@ -109,7 +108,7 @@ def _finish(settings: Settings, home: Home, supervisor: Supervisor, steps: UpSte
         end_starting(home.run)  # the killed `up`'s mark: restarts from now on are at normal priority
         startup: dict[str, float] = {}
         if "ready" in left:
-            startup = _wait_ready(supervisor, programs, home, progress)
+            startup = wait_ready(supervisor, programs, home, progress)
             steps = record_steps(home, steps.after("ready"))
         notices = _remaining_steps(settings, home, programs, steps, progress)
     return UpReport(already_up=False, programs=programs, startup_s=startup, notices=notices, finished=left)
@@ -138,6 +137,11 @@ def _remaining_steps(settings: Settings, home: Home, programs: list[Program], st
     notices += run_provisioners(settings, home)
     record_steps(home, steps.after("provisioned"))
     return notices
+
+
+def supervisor_config(home: Home, programs: list[Program]) -> str:
+    """supervisord's configuration for `programs`, each run through appliance.orphans."""
+    return render_config(home, [_wrap(program, home) for program in programs], secret(home, "supervisor-password"))
 
 
 def _wrap(program: Program, home: Home) -> Program:
@@ -188,7 +192,7 @@ def appliance_log(home: Home) -> Path:
     return home.logs / "appliance.log"
 
 
-def _wait_ready(
+def wait_ready(
     supervisor: Supervisor, programs: list[Program], home: Home, progress: Progress
 ) -> dict[str, float]:
     """Wait for every program's health URL; fail fast if its process exits meanwhile."""
@@ -261,6 +265,24 @@ def _stop(supervisor: Supervisor, home: Home) -> list[int]:
     forget_steps(home)  # whatever happens next, no `up` is left to finish: a next `up` starts afresh
     supervisor.shutdown()
     return end_leftovers(home.run)
+
+
+def record_started(home: Home, settings: Settings, programs: list[Program]) -> None:
+    """Record the programs started and the settings they started with (`appliance settings apply`
+    compares the settings file with the latter). 0600: the programs' commands and environments
+    are the appliance's business only."""
+    replace_file(_programs_file(home), json.dumps([p.model_dump(mode="json") for p in programs]).encode())
+    replace_file(_settings_file(home), json.dumps(settings.comparable()).encode())
+
+
+def started_settings(home: Home) -> dict[str, Any] | None:
+    """The settings the running programs started with (secrets as digests); None if no record
+    (an `up` of an older version recorded none)."""
+    try:
+        data = json.loads(_settings_file(home).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def started_programs(home: Home) -> list[Program]:

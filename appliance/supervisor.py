@@ -218,12 +218,7 @@ class Supervisor:
 
     def start(self, config_text: str, timeout_s: float = 30.0) -> None:
         """Write the config (0600: it holds the RPC password) and start the daemon."""
-        conf = config_file(self.home)
-        tmp = conf.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as out:
-            out.write(config_text)
-        os.replace(tmp, conf)
+        conf = self._write_config(config_text)
         supervisord = Path(sys.executable).with_name("supervisord")
         environment = {key: value for key, value in os.environ.items() if key != BACKUP_PASSPHRASE_ENV}
         result = subprocess.run(
@@ -243,6 +238,35 @@ class Supervisor:
                     log=self.home.logs / "supervisord.log",
                 )
             time.sleep(0.1)
+
+    def _write_config(self, config_text: str) -> Path:
+        conf = config_file(self.home)
+        tmp = conf.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(config_text)
+        os.replace(tmp, conf)
+        return conf
+
+    def restart(self, name: str) -> None:
+        """Stop program `name` if it runs (waiting until it has exited) and start it again as its
+        configuration says; does not wait for it to be up."""
+        if ProcessState(self.call("getProcessInfo", name)["state"]) in {*LIVE_STATES, ProcessState.BACKOFF}:
+            self.call("stopProcess", name, True)
+        self.call("startProcess", name, False)
+
+    def reconfigure(self, config_text: str) -> None:
+        """Write a new config and have supervisord read it; programs run on as they are until
+        `replace` swaps each in."""
+        self._write_config(config_text)
+        self.call("reloadConfig")
+
+    def replace(self, name: str) -> None:
+        """Stop program `name` (waiting until it has exited) and start it from the config last
+        read (`reconfigure`); does not wait for it to be up."""
+        self.call("stopProcessGroup", name, True)
+        self.call("removeProcessGroup", name)
+        self.call("addProcessGroup", name)
 
     def processes(self) -> list[ProcessInfo]:
         """Every program supervisord knows, with its state."""

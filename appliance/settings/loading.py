@@ -29,15 +29,20 @@ MOVED = {("finetune", "sensitive_data"): "compliance.training_data",
 
 def load_settings(path: Path, environ: Mapping[str, str] | None = None) -> Settings:
     """Read `path` (missing means all defaults), apply APPLIANCE_* overrides, validate."""
+    return parse_settings(path, path.read_text() if path.exists() else None, environ)
+
+
+def parse_settings(path: Path, text: str | None, environ: Mapping[str, str] | None = None) -> Settings:
+    """`text`, the content of settings file `path` (None: no file, all defaults), with APPLIANCE_*
+    overrides, validated; errors name `path` and the line as for the file itself."""
     environ = os.environ if environ is None else environ
-    text = ""
     data: dict[str, Any] = {}
-    if path.exists():
-        text = path.read_text()
+    if text is not None:
         try:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
             raise SettingsError(f"{path}: not valid TOML: {exc}") from exc
+    text = text or ""
     overrides = _apply_env(data, environ)
     _refuse_moved(path, text, data, overrides)
     try:
@@ -73,7 +78,7 @@ def _apply_env(data: dict[str, Any], environ: Mapping[str, str]) -> dict[str, st
         if not var.startswith(ENV_PREFIX) or var in _ENV_NOT_SETTINGS:
             continue
         path = [part.lower() for part in var[len(ENV_PREFIX):].split("__")]
-        value = _parse_env_value(environ[var])
+        value = parse_value(environ[var])
         if path[0] == "pools":
             if len(path) != 3:
                 raise SettingsError(f"{var}: pool overrides look like APPLIANCE_POOLS__<NAME>__<FIELD>")
@@ -94,8 +99,9 @@ def _apply_env(data: dict[str, Any], environ: Mapping[str, str]) -> dict[str, st
     return applied
 
 
-def _parse_env_value(raw: str) -> Any:
-    """A TOML value if it parses as one (numbers, booleans, arrays), else the raw string."""
+def parse_value(raw: str) -> Any:
+    """A TOML value if it parses as one (numbers, booleans, arrays), else the raw string (an
+    override's value, or one given to `appliance settings set`)."""
     try:
         return tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:

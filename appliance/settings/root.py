@@ -77,6 +77,15 @@ class Settings(Section):
                 data[section][field] = MASK
         return data
 
+    def comparable(self) -> dict[str, Any]:
+        """The settings as JSON data with each secret replaced by a digest of it: what a start
+        records, so that a later change is seen (a changed secret too) without keeping a copy."""
+        data = self.model_dump(mode="json")
+        for section, field in SECRET_FIELDS:
+            if data[section].get(field):
+                data[section][field] = "sha256:" + hashlib.sha256(data[section][field].encode()).hexdigest()
+        return data
+
     def digest(self) -> str:
         """A short SHA-256 of the masked settings: which configuration a start used."""
         text = json.dumps(self.masked(), sort_keys=True, separators=(",", ":"))

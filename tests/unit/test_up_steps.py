@@ -122,7 +122,7 @@ def killed_up(home: Home, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, tu
             return result
         return fake
 
-    monkeypatch.setattr(lifecycle, "_wait_ready", note("ready", {"watchdog": 1.0}))
+    monkeypatch.setattr(lifecycle, "wait_ready", note("ready", {"watchdog": 1.0}))
     monkeypatch.setattr(lifecycle, "restore_priority", note("priority", None))
     monkeypatch.setattr(lifecycle, "run_provisioners", note("provisioned", ["bootstrap admin user 'admin' created"]))
     return calls

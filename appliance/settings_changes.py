@@ -1,0 +1,285 @@
+"""Changing settings while the appliance runs: `appliance settings show KEY`, `set KEY VALUE` and
+`apply`.
+
+`set` validates the whole file with the value in place (the settings models, their messages) and
+only then replaces the file, atomically, with just that line changed (appliance.settings.editing).
+
+`apply` compares the settings in effect with those the running programs started with, which `up`
+records (appliance.lifecycle.record_started), and restarts only the programs the changed keys
+touch (SECTION_PROGRAMS), plus any whose supervisord configuration changed, one at a time in start
+order, each healthy before the next: a pool's replicas one by one.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import stat
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from appliance import lifecycle
+from appliance.durable import replace_file
+from appliance.errors import Conflict, Invalid, SettingsError, StartError
+from appliance.home import HOME_ENV, Home
+from appliance.programs import Program, discover_programs, run_provisioners
+from appliance.supervisor import FAILED_STATES, ProcessState, Supervisor, log_file
+from appliance.up_steps import up_lock
+
+if TYPE_CHECKING:
+    from appliance.settings import Settings
+
+# The programs that read a section at start, beyond those whose supervisord configuration the
+# section shapes (a changed command or environment is seen by itself). `pools.NAME.*` touches that
+# pool's engines and the gateway; `engine.*` and `cluster.*` every engine and every program that
+# reads the settings file; a section not named here, every program that reads the settings file.
+SECTION_PROGRAMS: dict[str, frozenset[str]] = {
+    "gateway": frozenset({"gateway"}),
+    "routing": frozenset({"gateway"}),
+    "cache": frozenset({"gateway"}),
+    "batch": frozenset({"gateway", "batch-worker"}),
+    "keycloak": frozenset({"keycloak", "gateway"}),
+    "monitoring": frozenset({"prometheus", "alertmanager", "gateway"}),
+    "watchdog": frozenset({"watchdog"}),
+    "finetune": frozenset({"finetune-worker"}),
+    "rl": frozenset({"rl-worker"}),
+    "execution": frozenset({"rl-worker"}),
+    "backup": frozenset({"backup-scheduler"}),
+}
+_ENGINE_WIDE = {"engine", "cluster"}
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+Progress = Callable[[str], None]
+
+
+def _no_progress(_: str) -> None:
+    pass
+
+
+def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Settings data as {dotted key: value}, tables as well as their values, pools by name."""
+    flat: dict[str, Any] = {}
+    for name, value in data.items():
+        key = f"{prefix}{name}"
+        if name == "pools" and not prefix and isinstance(value, list):
+            value = {str(pool.get("name")): pool for pool in value if isinstance(pool, dict)}
+        flat[key] = value
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{key}."))
+    return flat
+
+
+def _unknown(key: str, known: Mapping[str, Any]) -> Invalid:
+    nearest = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+    hint = f"did you mean {nearest[0]}?" if nearest else "`appliance settings show --defaults` lists every setting"
+    return Invalid(f"{key}: no such setting", hint=hint)
+
+
+def show(settings: Settings, key: str | None = None) -> Any:
+    """The settings in effect (secrets masked), or the value of one dotted key."""
+    masked = settings.masked()
+    if key is None:
+        return masked
+    known = flatten(masked)
+    if key not in known:
+        raise _unknown(key, known)
+    return known[key]
+
+
+@dataclass(frozen=True)
+class SettingChange:
+    """One setting written: its value in effect before and after (secrets masked)."""
+
+    key: str
+    old: Any
+    new: Any
+    overridden_by: str | None = None  # an APPLIANCE_* variable that still decides the value in effect
+
+    def describe(self) -> str:
+        """`key: old -> new`, as the audit log and the command say it."""
+        return f"{self.key}: {_shown(self.old)} -> {_shown(self.new)}"
+
+
+def _shown(value: Any) -> str:
+    from appliance.settings.editing import render_value
+
+    return "(unset)" if value is None else render_value(value)
+
+
+def set_value(path: Path, key: str, raw: str, environ: Mapping[str, str] | None = None) -> SettingChange:
+    """Set `key` to `raw` (read as a TOML value, else as a string) in settings file `path`: the
+    file with the new value must validate whole, else it is left as it was."""
+    from appliance.settings.editing import set_in_text
+    from appliance.settings.loading import ENV_PREFIX, parse_settings, parse_value
+    from appliance.settings.root import Settings
+
+    environ = os.environ if environ is None else environ
+    if _CONTROL.search(key) or _CONTROL.search(raw):
+        raise Invalid(f"{key!r}: a key or value may not hold a line break or other control character")
+    text = path.read_text() if path.exists() else None
+    before = parse_settings(path, text, environ)
+    parts = key.split(".")
+    known = flatten(before.masked())
+    if parts[0] not in Settings.model_fields or len(parts) < (3 if parts[0] == "pools" else 2):
+        raise _unknown(key, known)
+    if parts[0] == "pools" and parts[1] not in {pool.name for pool in before.pools}:
+        raise Invalid(f"{key}: no pool named {parts[1]!r}", hint=f"pools: {[pool.name for pool in before.pools]}")
+    edited = set_in_text(text or "", parts, parse_value(raw), str(path))
+    try:
+        after = parse_settings(path, edited, environ)
+    except SettingsError as exc:
+        if _unknown_field(exc):
+            raise _unknown(key, known) from exc
+        raise SettingsError(exc.message, hint=f"{path} is unchanged") from exc
+    mode = stat.S_IMODE(path.stat().st_mode) if path.exists() else 0o600
+    replace_file(path, edited.encode(), mode=mode)
+    variable = ENV_PREFIX + "__".join(parts).upper()
+    return SettingChange(key, known.get(key), flatten(after.masked()).get(key),
+                         variable if variable in environ else None)
+
+
+def _unknown_field(exc: SettingsError) -> bool:
+    from pydantic import ValidationError
+
+    cause = exc.__cause__
+    return isinstance(cause, ValidationError) and cause.errors()[0]["type"] == "extra_forbidden"
+
+
+def changed_keys(started: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """The dotted keys whose values differ (leaves only: a changed table shows as its keys)."""
+    old, new = flatten(started), flatten(current)
+    return sorted(key for key in old.keys() | new.keys()
+                  if old.get(key) != new.get(key) and not isinstance(old.get(key, new.get(key)), dict))
+
+
+def _reads_settings(program: Program) -> bool:
+    return HOME_ENV in program.environment
+
+
+def touches(key: str, program: Program) -> bool:
+    """Whether program reads setting `key` at start (see SECTION_PROGRAMS)."""
+    parts = key.split(".")
+    if parts[0] == "pools":
+        return program.name == "gateway" or (len(parts) > 1 and program.pool == parts[1])
+    if parts[0] in _ENGINE_WIDE:
+        return program.pool is not None or _reads_settings(program)
+    if parts[0] in SECTION_PROGRAMS:
+        return program.name in SECTION_PROGRAMS[parts[0]]
+    return _reads_settings(program)
+
+
+@dataclass(frozen=True)
+class Restart:
+    """One program to restart, and why: the changed keys it reads; `reconfigured`: its
+    supervisord configuration changed, so it is replaced rather than restarted."""
+
+    program: Program
+    keys: tuple[str, ...]
+    reconfigured: bool
+
+
+@dataclass
+class Plan:
+    """What `apply` does: the changed keys, the restarts in order, and the programs it leaves."""
+
+    changed: list[str]
+    restarts: list[Restart] = field(default_factory=list)
+    left: list[str] = field(default_factory=list)  # why each program touched is not restarted
+
+
+def plan(started: Mapping[str, Any], current: Mapping[str, Any], running: list[Program],
+         wanted: list[Program]) -> Plan:
+    """The restarts that bring `running` (started with settings `started`) to `wanted` (from
+    `current`), in start order; Conflict if the change adds or removes programs."""
+    changed = changed_keys(started, current)
+    if not changed:
+        return Plan(changed)
+    before = {program.name: program for program in running}
+    added = [program.name for program in wanted if program.name not in before]
+    removed = sorted(before.keys() - {program.name for program in wanted})
+    if added or removed:
+        what = "; ".join(part for part in (added and f"adds {', '.join(added)}",
+                                           removed and f"removes {', '.join(removed)}") if part)
+        raise Conflict(f"the change {what}: programs are added or removed only by a restart",
+                       hint="`appliance down`, then `appliance up`")
+    result = Plan(changed)
+    for program in sorted(wanted, key=lambda p: (p.priority, p.name)):
+        keys = tuple(key for key in changed if touches(key, program))
+        reconfigured = program != before[program.name]
+        if not keys and not reconfigured:
+            continue
+        if not program.autostart:
+            result.left.append(f"{program.name}: started by the cluster controller, not supervisord; "
+                               "restart the pool's cluster to apply")
+            continue
+        result.restarts.append(Restart(program, keys, reconfigured))
+    return result
+
+
+@dataclass
+class ApplyReport:
+    """What `apply` did."""
+
+    plan: Plan
+    restarted: list[str] = field(default_factory=list)
+    notices: list[str] = field(default_factory=list)
+
+
+def apply(settings: Settings, home: Home, progress: Progress = _no_progress, *,
+          supervisor: Supervisor | None = None,
+          discover: Callable[[Settings, Home], list[Program]] = discover_programs) -> ApplyReport:
+    """Restart the programs the settings changed since they started, one at a time, each healthy
+    before the next; then record the settings as those the programs run with."""
+    supervisor = supervisor or Supervisor(home)
+    with up_lock(home):
+        if not supervisor.is_running():
+            raise Conflict("the appliance is not running: there is nothing to apply",
+                           hint="`appliance up` starts it with the settings as they are")
+        started = lifecycle.started_settings(home)
+        if started is None:
+            raise Conflict("no record of the settings the running programs started with (an `up` of an "
+                           "earlier version)", hint="restart once: `appliance down`, then `appliance up`")
+        current = settings.comparable()
+        if not changed_keys(started, current):
+            return ApplyReport(Plan([]))
+        wanted = discover(settings, home)
+        steps = plan(started, current, lifecycle.started_programs(home), wanted)
+        report = ApplyReport(steps, notices=list(steps.left))
+        for step in steps.restarts:  # before anything stops: a program that cannot start is left running
+            if step.program.missing:
+                raise StartError(f"{step.program.name}: {step.program.missing}", log=lifecycle.appliance_log(home))
+        if any(step.reconfigured for step in steps.restarts):
+            supervisor.reconfigure(lifecycle.supervisor_config(home, wanted))
+        for step in steps.restarts:
+            name = step.program.name
+            progress(f"restarting {name} ({', '.join(step.keys) or 'its configuration changed'})")
+            if step.reconfigured:
+                supervisor.replace(name)
+            else:
+                supervisor.restart(name)
+            _until_running(supervisor, step.program, home)
+            lifecycle.wait_ready(supervisor, [step.program], home, progress)
+            report.restarted.append(name)
+        if "keycloak" in report.restarted:
+            report.notices += run_provisioners(settings, home)
+        lifecycle.record_started(home, settings, wanted)
+        return report
+
+
+def _until_running(supervisor: Supervisor, program: Program, home: Home) -> None:
+    """Wait until supervisord counts `program` started (up for its startsecs); StartError if it fails."""
+    deadline = time.monotonic() + program.start_timeout_s
+    while True:
+        info = next((p for p in supervisor.processes() if p.name == program.name), None)
+        state = info.state if info else ProcessState.UNKNOWN
+        if state == ProcessState.RUNNING:
+            return
+        if state in FAILED_STATES or time.monotonic() > deadline:
+            log = log_file(home, program.name)
+            raise StartError(f"{program.name} did not start again after the settings changed "
+                             f"({state.name.lower()}): {lifecycle.failure_reason(log)}", log=log,
+                             hint="correct the setting (`appliance settings set`), then `appliance settings apply`")
+        time.sleep(0.2)
