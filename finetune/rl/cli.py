@@ -14,7 +14,7 @@ from rich.console import Console
 
 from appliance.artifacts import artifact_store
 from appliance.changes import note_target, records_change
-from appliance.commands.common import old_spelling
+from appliance.commands.common import AsJson, old_spelling
 from appliance.errors import Invalid, NotFound
 from appliance.home import Home
 from appliance.jobs import FINISHED, JobState
@@ -145,7 +145,7 @@ def tasks_starter(name: Annotated[str, typer.Option(help="Name to refer to the t
 
 
 @tasks_app.command("list")
-def tasks_list(as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+def tasks_list(as_json: AsJson = False) -> None:
     """The task sets."""
     registry = load_tasksets(Home.from_env())
     if as_json:
@@ -169,8 +169,8 @@ def run_command(
     split_name: Annotated[str, typer.Option("--split", help="train, held_out or all.")] = "train",
     limit: Annotated[int | None, typer.Option(help="Only the first N tasks of the split.")] = None,
     max_tokens: Annotated[int, typer.Option(help="Tokens per answer at most.")] = 256,
-    temperature: Annotated[float, typer.Option()] = 0.8,
-    seed: Annotated[int, typer.Option()] = 0,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature of the answers (0 to 2).")] = 0.8,
+    seed: Annotated[int, typer.Option(help="Sampling seed, for a run that can be repeated.")] = 0,
     method: Annotated[str, typer.Option(help="sample (generate, execute, correct) or grpo (train a policy "
                                         "online; --samples answers per task make a group).")] = "sample",
     policy: Annotated[str | None, typer.Option(help="grpo: the adapter name its versions are registered "
@@ -246,7 +246,7 @@ def _follow(home: Home, run_id: int) -> None:
 def status(
     run: Annotated[int | None, typer.Argument(help="A run id (default: every run).")] = None,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Show the run's progress until it ends.")] = False,
-    as_json: Annotated[bool, typer.Option("--json")] = False,
+    as_json: AsJson = False,
 ) -> None:
     """RL runs: state, live pass rate, rewards, sandbox queue and workers, outcome."""
     home = Home.from_env()
@@ -279,7 +279,7 @@ def cancel(run: Annotated[int, typer.Argument(help="A run id.")]) -> None:
 def trajectories(
     run: Annotated[int, typer.Argument(help="A finished run's id.")],
     task: Annotated[str | None, typer.Option(help="Show this task's attempts in full.")] = None,
-    as_json: Annotated[bool, typer.Option("--json")] = False,
+    as_json: AsJson = False,
 ) -> None:
     """Read a run's trajectories back from the artifact store, every segment checked against its
     digest; one line per attempt, or one task's attempts with their errors and corrections."""
@@ -339,8 +339,8 @@ def gate_command(
     base: Annotated[str, typer.Option(help="The base model it was trained from (a pool's model name).")],
     seeds: Annotated[int, typer.Option(min=3, max=20, help="Runs per model (sampling seeds).")] = 3,
     samples: Annotated[int, typer.Option(min=1, max=16, help="Answers per task in each run.")] = 2,
-    temperature: Annotated[float, typer.Option()] = 0.7,
-    max_tokens: Annotated[int, typer.Option()] = 256,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature of the answers.")] = 0.7,
+    max_tokens: Annotated[int, typer.Option(help="Tokens per answer at most.")] = 256,
     max_drop: Annotated[float, typer.Option(min=0, max=1, help="How far below the base model's pass@1 the "
                                                                "difference's 95% interval may reach.")] = 0.0,
 ) -> None:

@@ -55,6 +55,14 @@ def test_every_list_and_show_takes_json() -> None:
     assert not missing, missing
 
 
+def test_every_option_and_argument_says_what_it_is() -> None:
+    """Each visible option and argument of every command has help text of its own (a bare
+    `--rank INTEGER` tells a user nothing)."""
+    bare = [f"appliance {path}: {param.name}" for path, command, _ in commands() for param in command.params
+            if not getattr(param, "hidden", False) and not (getattr(param, "help", None) or "").strip()]
+    assert not bare, f"give these help: {bare}"
+
+
 @pytest.mark.parametrize("path", sorted({path for path, _, _ in commands()} | {""}))
 def test_help_names_no_types_and_breaks_no_sentence(path: str) -> None:
     shown = CliRunner().invoke(cli.app, [*path.split(), "--help"], env={"COLUMNS": "300"})
