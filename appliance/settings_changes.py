@@ -114,7 +114,7 @@ def set_value(path: Path, key: str, raw: str, environ: Mapping[str, str] | None 
     file with the new value must validate whole, else it is left as it was."""
     from appliance.settings.editing import set_in_text
     from appliance.settings.loading import ENV_PREFIX, parse_settings, parse_value
-    from appliance.settings.root import Settings
+    from appliance.settings.root import SECRET_FIELDS, Settings
 
     environ = os.environ if environ is None else environ
     if _CONTROL.search(key) or _CONTROL.search(raw):
@@ -125,6 +125,9 @@ def set_value(path: Path, key: str, raw: str, environ: Mapping[str, str] | None 
     known = flatten(before.masked())
     if parts[0] not in Settings.model_fields or len(parts) < (3 if parts[0] == "pools" else 2):
         raise _unknown(key, known)
+    if tuple(parts) in SECRET_FIELDS:
+        raise Invalid(f"{key}: a secret is never given on the command line (it would stay in the shell's history)",
+                      hint=f"edit {path} by hand (0600), then `appliance settings apply`")
     if parts[0] == "pools" and parts[1] not in {pool.name for pool in before.pools}:
         raise Invalid(f"{key}: no pool named {parts[1]!r}", hint=f"pools: {[pool.name for pool in before.pools]}")
     edited = set_in_text(text or "", parts, parse_value(raw), str(path))
