@@ -1,5 +1,6 @@
 """How every command's help reads (docs/operate/cli.md): no type labels beside the options and
-arguments, arguments named in capitals, each paragraph one flowing sentence. The root applies
+arguments, arguments named in capitals (plain NAME in the usage line), each paragraph one flowing
+sentence. The root applies
 `plain_help` to each command it loads; light to import, since `appliance --help` imports it."""
 
 from __future__ import annotations
@@ -21,6 +22,13 @@ class _UntypedOption(TyperOption):
 class _UntypedArgument(TyperArgument):
     def display_type_rich(self, ctx: _click.Context) -> str | None:
         return None
+
+    def get_usage_pieces(self, ctx: _click.Context) -> list[str]:
+        # Plain NAME, as Click writes it (Typer writes a required argument as {NAME}, which reads
+        # as a choice or a placeholder to fill in braces and all); [NAME] when it may be left out.
+        name = self.metavar or (self.name or "").upper()
+        name = name if self.required else f"[{name}]"
+        return [name + ("..." if self.nargs != 1 else "")]
 
 
 def plain_help(command: _click.Command) -> _click.Command:

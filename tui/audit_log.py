@@ -24,7 +24,7 @@ from textual.widgets import DataTable, Input, Label, Select, Static
 
 from appliance.terminal import shown
 from tui.dialogs import Detail
-from tui.panel import Panel, clip
+from tui.panel import Panel
 
 LIMIT = 200
 OUTCOMES = ("allowed", "denied", "invalid", "error")
@@ -184,9 +184,9 @@ class AuditLog(Panel):
         records = await self.client.call("GET", "/audit", params=self.applied)
         self.shown = {str(r["seq"]): r for r in records}
         self.fill("records", [(str(r["seq"]), (
-            r["time"][5:19].replace("T", " "), clip(r.get("username") or "-", 14), clip(r["action"], 22),
+            r["time"][5:19].replace("T", " "), r.get("username") or "-", r["action"],
             r["outcome"], r.get("status") or "-", r.get("resource") or "")) for r in records],
-            empty=None if self.applied == NEWEST else self.NONE_MATCH)
+            empty=None if self.applied == NEWEST else self.NONE_MATCH, newest_first=True)
 
     def apply_filters(self) -> None:
         """A new query: the fields as they are now."""

@@ -40,7 +40,7 @@ def gpu_line(usage: dict[str, Any]) -> str:
 class Dashboard(Panel):
     REFRESH_S = 2.0
     DEFAULT_CSS = Panel.DEFAULT_CSS + """
-    #services { height: auto; max-height: 9; }
+    #services { height: auto; max-height: 50%; }  /* every service at 120x40; past that it scrolls */
     #gpus { height: auto; max-height: 6; }
     #host, #traffic, #charts-state { height: auto; padding: 0 1; }
     #charts { height: auto; }
@@ -161,9 +161,11 @@ class Dashboard(Panel):
         return name is not None and name != "gateway" and self.states.get(name, "") in applies
 
     def show_keys(self) -> None:
-        title = self.titled("Services", ["service"])
+        # The count: where the table scrolls, how many there are to scroll to.
+        services = f"Services: {len(self.states)}"
+        title = self.titled(services, ["service"])
         if self.selected("services") == "gateway":  # it serves this screen: say where it is stopped
-            title = "Services (the gateway stops with `appliance down`)"
+            title = f"{services} (the gateway stops with `appliance down`)"
         self.query_one("#services-title", Label).update(title)
 
     def action_service(self, action: str) -> None:

@@ -13,7 +13,7 @@ from textual.binding import Binding
 from textual.containers import VerticalScroll
 from textual.widgets import DataTable, Label, Static
 
-from tui.panel import Panel, clip, gib
+from tui.panel import Panel, gib
 
 
 def plan_text(view: dict[str, Any]) -> str:
@@ -118,7 +118,7 @@ class Models(Panel):
     def _show_pools(self, pools: list[dict[str, Any]]) -> None:
         self.pool_of = {r["name"]: p["name"] for p in pools for r in p["replicas"]}
         self.urls = {r["name"]: r["url"] for p in pools for r in p["replicas"]}
-        self.fill("pools", [(r["name"], (r["name"], clip(p["model"], 30), ",".join(map(str, r["gpus"])) or "-",
+        self.fill("pools", [(r["name"], (r["name"], p["model"], ",".join(map(str, r["gpus"])) or "-",
                                          _engine_state(r), p["tier"] or "-", r["in_flight"]))
                             for p in pools for r in p["replicas"]])
 

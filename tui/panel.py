@@ -86,10 +86,11 @@ class Panel(Screen[None]):
             # no never-awaited coroutine behind.
             self.run_worker(partial(self._guarded, self.load), group="load", exclusive=True)  # type: ignore[arg-type]  # textual's WorkType solves to Never for coroutine functions
 
-    def fill(self, table_id: str, rows: Rows, empty: str | None = None) -> None:
-        """Show `rows` in a table of `listing()`, or its note (`empty` instead of the usual one)."""
+    def fill(self, table_id: str, rows: Rows, empty: str | None = None, *, newest_first: bool = False) -> None:
+        """Show `rows` in a table of `listing()`, or its note (`empty` instead of the usual one);
+        `newest_first`: see `fill()`."""
         table = self.query_one(f"#{table_id}", DataTable)
-        fill(table, rows)
+        fill(table, rows, newest_first=newest_first)
         table.set_class(not rows, "none")
         note = self.query_one(f"#{table_id}-empty", Static)
         note.update(self.EMPTY[table_id] if empty is None else empty)
@@ -180,11 +181,15 @@ def selected_key(table: DataTable[Any]) -> str | None:
     return table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value
 
 
-def fill(table: DataTable[Any], rows: Rows) -> None:
+def fill(table: DataTable[Any], rows: Rows, *, newest_first: bool = False) -> None:
     """Replace a table's rows (key, cells), keeping the cursor on the same record (by its key)
     wherever the record moved, and that record where it was on the screen: rows added above it
-    scroll in above. If the record is gone, the cursor stays on the row that took its place."""
+    scroll in above. If the record is gone, the cursor stays on the row that took its place.
+    `newest_first` (a log with no row actions): a cursor on the first row at the top of the view,
+    where the user has not moved it, stays there, on the newest record."""
     keep, row, above = selected_key(table), table.cursor_row, table.cursor_row - round(table.scroll_y)
+    if newest_first and row == 0 and above == 0:
+        keep = None
     scroll_x = table.scroll_x
     table.clear()  # it moves the cursor and the view to the top
     for key, cells in rows:
@@ -208,8 +213,8 @@ def plain(cell: Any) -> Text:
 
 
 def clip(text: str, width: int) -> str:
-    """At most `width` characters: a long name ends in an ellipsis so the columns after it stay
-    on an 80-column screen."""
+    """At most `width` characters: a long text (never an id, which people copy whole) ends in an
+    ellipsis so the columns after it stay on an 80-column screen."""
     return text if len(text) <= width else text[:width - 1] + "…"
 
 

@@ -15,7 +15,7 @@ from appliance.adapters import AdapterMetrics, AdapterRecord, AdapterState, Alia
 from appliance.admin_client import Refused
 from appliance.jobs import JobReport, JobState
 from tui.dialogs import Field, Form
-from tui.panel import Panel, clip, duration
+from tui.panel import Panel, duration
 
 
 def served(name: str, version: int, aliases: dict[str, Alias],
@@ -123,7 +123,7 @@ class Training(Panel):
         for job in reversed(listed):  # newest first
             p = job.progress
             rows.append((str(job.id), (
-                job.id, clip(job.name, 20), job.state, f"{p.step}/{p.max_steps}" if p else "-",
+                job.id, job.name, job.state, f"{p.step}/{p.max_steps}" if p else "-",
                 f"{p.loss:.3f}" if p and p.loss is not None else "-",
                 f"{p.tokens_per_s:.0f}" if p else "-",
                 duration(p.eta_s) if p and job.state == JobState.RUNNING else "-")))
@@ -133,7 +133,7 @@ class Training(Panel):
         self.records = {f"{r.name}:{r.version}": r for r in registry.adapters}
         self.aliases = registry.aliases
         self.fill("adapters", [
-            (key, (clip(r.name, 20), r.version, r.state, served(r.name, r.version, registry.aliases, analyses),
+            (key, (r.name, r.version, r.state, served(r.name, r.version, registry.aliases, analyses),
                    eval_summary(r.metrics)))
             for key, r in sorted(self.records.items(), key=lambda item: (item[1].name, -item[1].version))])
 

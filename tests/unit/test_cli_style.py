@@ -64,6 +64,24 @@ def test_every_option_and_argument_says_what_it_is() -> None:
     assert not bare, f"give these help: {bare}"
 
 
+def test_usage_lines_name_arguments_plainly() -> None:
+    """`Usage: appliance users add [OPTIONS] NAME`, never `{NAME}` (Typer's braces for a required
+    argument, read as a choice or a placeholder to type braces and all)."""
+    runner, braced, arguments = CliRunner(), [], 0
+    for path, command, _ in commands():
+        shown = runner.invoke(cli.app, [*path.split(), "--help"], env={"COLUMNS": "300"})
+        [usage] = [line.strip() for line in shown.output.splitlines() if line.strip().startswith("Usage:")]
+        if re.search(r"[{}]", usage):
+            braced.append(usage)
+        for param in command.params:
+            if param.param_type_name == "argument" and not param.hidden:
+                arguments += 1
+                name = (param.metavar or "") + ("..." if param.nargs != 1 else "")
+                assert (name if param.required else f"[{name}]") in usage.split(), (usage, param.name)
+    assert arguments > 20, "the walk found the commands' arguments"
+    assert not braced, braced
+
+
 @pytest.mark.parametrize("path", sorted({path for path, _, _ in commands()} | {""}))
 def test_help_names_no_types_and_breaks_no_sentence(path: str) -> None:
     shown = CliRunner().invoke(cli.app, [*path.split(), "--help"], env={"COLUMNS": "300"})

@@ -659,12 +659,12 @@ def test_actions_that_cannot_apply_to_the_selected_row_are_not_offered(home: Hom
     async def scenario(pilot: Pilot[None], app: AdminApp, fake: Fake) -> None:
         await show(pilot, "d")
         await select(pilot, "services", "gateway")
-        assert shown_text(app, "services-title") == "Services (the gateway stops with `appliance down`)"
+        assert shown_text(app, "services-title") == "Services: 5 (the gateway stops with `appliance down`)"
         assert [await pressed(pilot, k) for k in "str"] == ["Dashboard"] * 3
         await select(pilot, "services", "finetune-worker")  # STOPPED
-        assert shown_text(app, "services-title") == "Services (s: start)"
+        assert shown_text(app, "services-title") == "Services: 5 (s: start)"
         await select(pilot, "services", "vllm-main")
-        assert shown_text(app, "services-title") == "Services (t: stop, r: restart)"
+        assert shown_text(app, "services-title") == "Services: 5 (t: stop, r: restart)"
         assert await pressed(pilot, "t") == "Confirm"
 
         await show(pilot, "m")
