@@ -187,6 +187,33 @@ def cached_login(connection: Connection) -> CachedToken:
                          hint="log in again: `appliance token`") from exc
 
 
+@dataclass(frozen=True)
+class LocalLogin:
+    """Who the CLI's cached login is, as its token's claims say."""
+
+    username: str
+    subject: str
+
+
+def local_login(connection: Connection, now: float) -> LocalLogin | None:
+    """The person logged in at this CLI to `connection`'s realm, to record what they change on the
+    host: the cached login, not refreshed (no network), while it is valid (its access or refresh
+    token unexpired), if its token's claims are of this realm and client (`iss`, `azp`) and name a
+    user and a subject. None otherwise. Its signature is not checked: the CLI holds no realm key
+    offline (the record names the OS user too)."""
+    try:
+        cached = cached_login(connection)
+        claims = token_claims(cached.access_token)
+    except (ApplianceError, OSError):  # no login, or a login cache this user cannot use
+        return None
+    username, subject = claims.get("preferred_username"), claims.get("sub")
+    if (max(cached.expires_at, cached.refresh_expires_at) <= now or claims.get("iss") != connection.issuer
+            or claims.get("azp") != connection.client_id or not isinstance(username, str) or not username
+            or not isinstance(subject, str) or not subject):
+        return None
+    return LocalLogin(username=username, subject=subject)
+
+
 def _checked(token: CachedToken) -> CachedToken:
     """TypeError naming the first field of the wrong type (a cache edited or cut short by hand)."""
     for name, kind in (("username", str), ("access_token", str), ("refresh_token", str),

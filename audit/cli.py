@@ -19,11 +19,13 @@ import typer
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from rich.console import Console
 
+from appliance import connection as connections
 from appliance.artifacts import artifact_store
 from appliance.changes import Change, note_target, records_change
 from appliance.commands.common import old_spelling
 from appliance.errors import ApplianceError
 from appliance.home import Home
+from appliance.login import local_login
 from appliance.settings import load_settings
 from audit.archive import archive, fetch
 from audit.keys import load_public, public_pem, signing_key, verification_key
@@ -228,11 +230,15 @@ def record_change(home: Home, change: Change) -> None:
     record of the local user. If it cannot be written, the command fails and says so."""
     settings = load_settings(home.settings_file)
     home.ensure()  # the signing key lives in its secrets
+    uid = f"uid:{os.getuid()}"
+    # A person logged in at the CLI is who acted, whichever OS user ran it (often root).
+    person = None if change.actor else local_login(connections.local(settings, home), time.time())
     event = AuditEvent(request_id=uuid.uuid4().hex, action=change.action, outcome=change.outcome,
-                       status=change.exit_status, subject=f"uid:{os.getuid()}",
-                       username=change.actor or _local_user(), client=change.actor or "appliance-cli",
-                       source="local", resource="cli", target=change.target, detail=change.detail,
-                       error=change.error, reason=change.reason)
+                       status=change.exit_status, subject=person.subject if person else uid,
+                       username=change.actor or (person.username if person else _local_user()),
+                       client=change.actor or "appliance-cli",
+                       source=f"via local CLI as {uid}" if person else "local", resource="cli",
+                       target=change.target, detail=change.detail, error=change.error, reason=change.reason)
     try:
         writer = AuditWriter(home.audit, signing_key(home), max_file_bytes=settings.audit.max_file_bytes)
         try:

@@ -18,7 +18,7 @@ from appliance import jobs
 from appliance.artifacts import artifact_store
 from appliance.changes import note_target, records_change
 from appliance.commands.common import AsJson, print_json
-from appliance.errors import ApplianceError
+from appliance.errors import ApplianceError, Invalid, NotFound
 from appliance.home import Home
 from appliance.model_refs import checkpoint
 from appliance.progress import byte_progress
@@ -143,7 +143,7 @@ def _progress() -> Iterator[OnProgress]:
 def _hyperparameters(qlora: bool, rank: int, alpha: int, lr: float, epochs: float, max_steps: int, batch_size: int,
                      save_steps: int, method: str, beta: float, processes: int | None) -> jobs.Hyperparameters:
     if method not in ("sft", "dpo"):
-        raise ApplianceError(f"--method {method!r}: sft or dpo")
+        raise Invalid(f"--method {method!r}: sft or dpo")
     return jobs.Hyperparameters(rank=rank, alpha=alpha, learning_rate=lr, epochs=epochs, max_steps=max_steps,
                                 batch_size=batch_size, save_steps=save_steps, qlora=qlora,
                                 method="dpo" if method == "dpo" else "sft", beta=beta, processes=processes)
@@ -152,15 +152,15 @@ def _hyperparameters(qlora: bool, rank: int, alpha: int, lr: float, epochs: floa
 def check_name_option(option: str, name: str) -> None:
     """An adapter's or a dataset's name given as `option`, or why not."""
     if problem := jobs.name_problem(name):
-        raise ApplianceError(f"{option} {name!r}: {problem}")
+        raise Invalid(f"{option} {name!r}: {problem}")
 
 
 def _check(name: str, data: str, base: str, home: Home) -> None:
     check_name_option("--name", name)
     registry = load_registry(home)
     if data not in registry:
-        raise ApplianceError(f"no dataset named {data!r}",
-                             hint=f"datasets: {', '.join(sorted(registry)) or 'none'}")
+        raise NotFound(f"no dataset named {data!r}",
+                       hint=f"datasets: {', '.join(sorted(registry)) or 'none'}")
     checkpoint(base, home, load_settings(home.settings_file), what="--base")
 
 
@@ -307,8 +307,8 @@ def _token_counter(model_dir: Path) -> Any:
     from transformers import AutoTokenizer  # heavy: imported only when a dataset is added
 
     if not (model_dir / "tokenizer_config.json").is_file() and not (model_dir / "tokenizer.json").is_file():
-        raise ApplianceError(f"{model_dir}: no tokenizer to measure rows with",
-                             hint="give --model a checkpoint directory with its tokenizer")
+        raise Invalid(f"{model_dir}: no tokenizer to measure rows with",
+                      hint="give --model a checkpoint directory with its tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
 
     def count(example: dict[str, Any]) -> int:

@@ -16,7 +16,7 @@ from typing import Any
 
 from appliance import jobs
 from appliance.artifacts import ArtifactStore
-from appliance.errors import ApplianceError, Conflict, IntegrityError, NotFound
+from appliance.errors import Conflict, IntegrityError, Invalid, NotFound
 from appliance.home import Home
 from appliance.registry import JsonRegistry
 from appliance.sensitive import Scanner, scanner_from
@@ -30,8 +30,8 @@ PREFIX = "datasets/"
 SHOWN_PROBLEMS = 20
 
 
-class DatasetError(ApplianceError):
-    """A dataset that cannot be imported; `problems` lists every bad row."""
+class DatasetError(Invalid):
+    """A dataset that cannot be imported (the caller's file); `problems` lists every bad row."""
 
     def __init__(self, message: str, problems: list[str] | None = None, **kwargs: Any) -> None:
         shown = problems[:SHOWN_PROBLEMS] if problems else []

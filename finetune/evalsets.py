@@ -15,14 +15,14 @@ import re
 from pathlib import Path
 from typing import Any
 
-from appliance.errors import ApplianceError
+from appliance.errors import Invalid
 
 MATCHES = ("exact", "contains", "regex")
 KINDS = ("scenarios", "regression")
 SHIPPED_REGRESSION = Path(__file__).with_name("regression.jsonl")
 
 
-class EvalSetError(ApplianceError):
+class EvalSetError(Invalid):
     """An evaluation set file is malformed; the message names the file and line."""
 
 

@@ -16,6 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from appliance.changes import Outcome, Target
 from audit import AuditEvent, AuditUnavailable, AuditWriter, TextHasher
+from serve.auth import key_client
 from serve.context import RequestContext, Transcript, context_of, open_context
 from serve.errors import GatewayError
 from serve.summaries import Refusals, Summaries, cap_text
@@ -270,7 +271,8 @@ class AuditMiddleware:
             action=action,
             outcome=outcome_of(status), status=status,
             subject=who.subject if who else None, username=who.username if who else key and key.owner,
-            client=who.client if who else key and key.name, key=who.key if who else key and key.name, source=source,
+            client=who.client if who else key and key_client(key.name), key=who.key if who else key and key.name,
+            source=source,
             resource=resource_of(scope), target=target_of(scope, action, context.target),
             model=cap_text(transcript.model) if transcript.model else None,
             reason=reason_of(status, error_body),

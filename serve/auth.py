@@ -29,6 +29,11 @@ VERIFIED_CACHE_SIZE = 4096
 ALLOWED_ALGS = ("RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES384", "ES512", "EdDSA")
 
 
+def key_client(name: str) -> str:
+    """How the audit log names API key `name` as what called: the same whether it was let in or refused."""
+    return f"key:{name}"
+
+
 @dataclass(frozen=True)
 class Principal:
     """Who a valid token speaks for."""
@@ -51,7 +56,7 @@ class Principal:
         else another's by it (a batch's request: serve.deps)."""
         if expires_at is None:
             expires_at = key.expires.timestamp() if key.expires is not None else float("inf")
-        return cls(subject=subject, username=key.owner, client=client or f"key:{key.name}", roles=roles,
+        return cls(subject=subject, username=key.owner, client=client or key_client(key.name), roles=roles,
                    token_id=token_id or f"key:{ref(key.owner, key.name)}", expires_at=expires_at, key=key.name,
                    models=frozenset(key.models) if key.models is not None else None,
                    tokens_per_minute=key.tokens_per_minute)

@@ -129,7 +129,7 @@ def test_cli_imports_all_or_nothing_and_audits(tmp_path: Path, home: Home) -> No
     assert refused.returncode == 1 and "line 1: payment_card" in refused.stderr
     assert set(load_registry(home)) == {"faq"}, "nothing imported from a refused dataset"
     actions = [(r["action"], r["outcome"]) for r in read_records(home.audit)]
-    assert actions == [("data.add", "allowed"), ("data.add", "error")]
+    assert actions == [("data.add", "allowed"), ("data.add", "invalid")], "a refused file is the caller's"
 
 
 def test_a_dataset_changed_in_the_store_is_refused_when_read() -> None:

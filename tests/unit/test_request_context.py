@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from datetime import UTC, datetime
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -14,6 +15,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from starlette.requests import Request
 
+from appliance.api_keys import ApiKey
 from audit import AuditEvent, AuditWriter, read_records
 from serve.audit_trail import AuditMiddleware, note_target
 from serve.auth import Principal
@@ -100,6 +102,27 @@ def test_a_refusal_no_handler_filled_in_has_its_reason_from_its_body(tmp_path: P
     [record] = read_records(tmp_path)
     assert (record["action"], record["outcome"], record["reason"], record["subject"]) == \
         ("auth.denied", "denied", "invalid_token", None)
+
+
+def test_a_key_is_named_one_way_let_in_or_refused(tmp_path: Path) -> None:
+    app = ApiKey(name="alice-app", owner="alice", owner_id="s-alice", created=datetime.now(UTC), created_by="alice",
+                 prefix="apk-AbCd", digest="0" * 64)
+    tmp = app.model_copy(update={"name": "alice-tmp"})
+    body = b'{"error":{"code":"revoked_key","type":"authentication_error"}}'
+
+    def let_in(scope: dict) -> None:
+        context_of(Request(scope)).principal = Principal.for_key(app, subject="s-alice", roles=frozenset({"user"}))
+
+    def refused(scope: dict) -> None:
+        context_of(Request(scope)).refused_key = tmp
+
+    writer = AuditWriter(tmp_path, Ed25519PrivateKey.generate())
+    call(gateway_stack(answering(200, b"{}", let_in), writer)[0])
+    call(gateway_stack(answering(401, body, refused), writer)[0])
+    allowed, denied = read_records(tmp_path)
+    assert (allowed["client"], allowed["key"], allowed["username"]) == ("key:alice-app", "alice-app", "alice")
+    assert (denied["client"], denied["key"], denied["username"]) == ("key:alice-tmp", "alice-tmp", "alice")
+    assert denied["outcome"] == "denied"
 
 
 def test_what_the_handlers_fill_in_is_what_the_record_says(tmp_path: Path) -> None:
