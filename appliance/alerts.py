@@ -68,7 +68,17 @@ def firing_at(url: str, home: Home) -> list[Alert]:
     return sorted(alerts, key=lambda a: (order.get(a.severity, 2), a.since, a.name))
 
 
+def is_heartbeat(alert: Mapping[str, Any]) -> bool:
+    """The pipeline's heartbeat (Watchdog, severity none): by Alertmanager's convention it always
+    fires while rules are evaluated and alerts delivered, so it is never counted as an alert; where
+    it fires, the status, the TUI and `appliance alerts` all say "heartbeat ok"."""
+    return bool(alert["severity"] == "none")
+
+
 def summary(firing: Iterable[Mapping[str, Any]]) -> str:
-    """What needs someone, in a line: the firing alerts but the pipeline's heartbeat (severity none)."""
-    urgent = [f"{a['name']} ({a['severity']})" for a in firing if a["severity"] != "none"]
-    return f"{len(urgent)} firing: {', '.join(urgent)}" if urgent else "none firing"
+    """What needs someone, in a line: the firing alerts but the heartbeat, and the heartbeat's
+    state where it fires."""
+    listed = list(firing)
+    urgent = [f"{a['name']} ({a['severity']})" for a in listed if not is_heartbeat(a)]
+    line = f"{len(urgent)} firing: {', '.join(urgent)}" if urgent else "none firing"
+    return f"{line}; heartbeat ok" if any(map(is_heartbeat, listed)) else line

@@ -148,3 +148,20 @@ def render(listing: Listing, width: int) -> str:
     buffer = io.StringIO()
     Console(file=buffer, width=width, color_system=None).print(listing, crop=False)
     return buffer.getvalue()
+
+
+WATCHDOG = {"name": "Watchdog", "severity": "none", "since": "2026-12-06T08:00:00Z", "labels": {},
+            "summary": "The alerting pipeline's heartbeat."}
+
+
+def test_appliance_alerts_does_not_count_the_heartbeat(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As `status` and the TUI: the Watchdog heartbeat is "heartbeat ok", never an alert firing."""
+    answering(monkeypatch, alerts, [WATCHDOG])
+    assert drawn(monkeypatch, alerts, 80, lambda: alerts.alerts(json=False)) == "alerts: none firing; heartbeat ok\n"
+    disk = {**WATCHDOG, "name": "DiskNearFull", "severity": "page", "summary": "The state volume is 95% full."}
+    answering(monkeypatch, alerts, [disk, WATCHDOG])
+    output = drawn(monkeypatch, alerts, 80, lambda: alerts.alerts(json=False))
+    assert "DiskNearFull" in output and "Watchdog" not in output.replace("the Watchdog alert", "")
+    assert output.splitlines()[-1].startswith("heartbeat ok")
+    answering(monkeypatch, alerts, [])
+    assert drawn(monkeypatch, alerts, 80, lambda: alerts.alerts(json=False)) == "alerts: none firing\n"

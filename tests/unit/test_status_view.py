@@ -178,8 +178,9 @@ def test_status_names_the_alerts_that_need_someone() -> None:
     firing = [{"name": "Watchdog", "severity": "none"}, {"name": "DiskNearFull", "severity": "page"},
               {"name": "KVCacheNearFull", "severity": "ticket"}]
     for alerts, line in [({"firing": firing, "error": None}, "alerts: 2 firing: DiskNearFull (page), KVCacheNearFull "
-                          "(ticket)"),
-                         ({"firing": firing[:1], "error": None}, "alerts: none firing"),
+                          "(ticket); heartbeat ok"),
+                         ({"firing": firing[:1], "error": None}, "alerts: none firing; heartbeat ok"),
+                         ({"firing": [], "error": None}, "alerts: none firing"),
                          ({"firing": [], "error": "Alertmanager at http://127.0.0.1:9093 did not list its alerts: "
                                                   "[b]boom"}, "alerts: unknown (Alertmanager at http://127.0.0.1:9093 "
                                                               "did not list its alerts: [b]boom)")]:

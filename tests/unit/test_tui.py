@@ -741,10 +741,10 @@ def test_the_dashboard_shows_the_alerts_that_need_someone(home: Home) -> None:
 
     async def scenario(pilot: Pilot[None], app: AdminApp, fake: Fake) -> None:
         await show(pilot, "d")
-        assert shown_text(app, "alerts") == "Alerts: 1 firing: DiskNearFull (page)", "the heartbeat left out"
+        assert shown_text(app, "alerts") == "Alerts: 1 firing: DiskNearFull (page); heartbeat ok", "the heartbeat not counted"
         answers["/alerts"] = [alert("Watchdog", "none")]
         await refreshed(pilot)
-        assert shown_text(app, "alerts") == "Alerts: none firing"
+        assert shown_text(app, "alerts") == "Alerts: none firing; heartbeat ok"
         answers["/alerts"] = Refused(409, "monitoring is off (monitoring.enabled = false)", "GET /admin/alerts")
         await refreshed(pilot)
         assert shown_text(app, "alerts").startswith("Alerts: unknown (") and "monitoring is off" in shown_text(
