@@ -741,7 +741,7 @@ def test_the_dashboard_shows_the_alerts_that_need_someone(home: Home) -> None:
 
     async def scenario(pilot: Pilot[None], app: AdminApp, fake: Fake) -> None:
         await show(pilot, "d")
-        assert shown_text(app, "alerts") == "Alerts: 1 firing: DiskNearFull (page); heartbeat ok", "the heartbeat not counted"
+        assert shown_text(app, "alerts") == "Alerts: 1 firing: DiskNearFull (page); heartbeat ok", "not counted"
         answers["/alerts"] = [alert("Watchdog", "none")]
         await refreshed(pilot)
         assert shown_text(app, "alerts") == "Alerts: none firing; heartbeat ok"
