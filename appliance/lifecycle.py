@@ -80,7 +80,7 @@ def _start(settings: Settings, home: Home, supervisor: Supervisor, progress: Pro
     # Leftovers of an earlier run that died hard would hold ports, memory and cores.
     end_leftovers(home.run)
     programs = discover_programs(settings, home)
-    _check_startable(programs, home)
+    check_startable(programs, home)
     record_started(home, settings, programs)
     progress("starting supervisord")
     record_steps(home, UpSteps())
@@ -154,7 +154,9 @@ def _wrap(program: Program, home: Home) -> Program:
     return program.model_copy(update={"command": command})
 
 
-def _check_startable(programs: list[Program], home: Home) -> None:
+def check_startable(programs: list[Program], home: Home) -> None:
+    """StartError for the first program that cannot start: something it needs is missing, or its
+    port is taken."""
     for program in programs:
         if program.missing:
             raise StartError(f"{program.name}: {program.missing}", log=appliance_log(home))

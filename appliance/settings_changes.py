@@ -13,9 +13,9 @@ order, each healthy before the next: a pool's replicas one by one.
 from __future__ import annotations
 
 import difflib
+import fcntl
 import os
 import re
-import stat
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -109,9 +109,20 @@ def _shown(value: Any) -> str:
     return "(unset)" if value is None else render_value(value)
 
 
-def set_value(path: Path, key: str, raw: str, environ: Mapping[str, str] | None = None) -> SettingChange:
-    """Set `key` to `raw` (read as a TOML value, else as a string) in settings file `path`: the
-    file with the new value must validate whole, else it is left as it was."""
+def set_value(home: Home, key: str, raw: str, environ: Mapping[str, str] | None = None) -> SettingChange:
+    """Set `key` to `raw` (read as a TOML value, else as a string) in the settings file: the file
+    with the new value must validate whole, else it is left as it was. One `set` at a time: two at
+    once would each write the file as it read it, losing the other's change."""
+    home.ensure()
+    fd = os.open(home.run / "settings.lock", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return _set_value(home.settings_file, key, raw, environ)
+    finally:
+        os.close(fd)
+
+
+def _set_value(path: Path, key: str, raw: str, environ: Mapping[str, str] | None) -> SettingChange:
     from appliance.settings.editing import set_in_text
     from appliance.settings.loading import ENV_PREFIX, parse_settings, parse_value
     from appliance.settings.root import SECRET_FIELDS, Settings
@@ -137,8 +148,7 @@ def set_value(path: Path, key: str, raw: str, environ: Mapping[str, str] | None 
         if _unknown_field(exc):
             raise _unknown(key, known) from exc
         raise SettingsError(exc.message, hint=f"{path} is unchanged") from exc
-    mode = stat.S_IMODE(path.stat().st_mode) if path.exists() else 0o600
-    replace_file(path, edited.encode(), mode=mode)
+    replace_file(path, edited.encode())  # 0600, as the state directory keeps it
     variable = ENV_PREFIX + "__".join(parts).upper()
     return SettingChange(key, known.get(key), flatten(after.masked()).get(key),
                          variable if variable in environ else None)
@@ -249,11 +259,14 @@ def apply(settings: Settings, home: Home, progress: Progress = _no_progress, *,
         if not changed_keys(started, current):
             return ApplyReport(Plan([]))
         wanted = discover(settings, home)
-        steps = plan(started, current, lifecycle.started_programs(home), wanted)
+        running = {program.name: program for program in lifecycle.started_programs(home)}
+        steps = plan(started, current, list(running.values()), wanted)
         report = ApplyReport(steps, notices=list(steps.left))
-        for step in steps.restarts:  # before anything stops: a program that cannot start is left running
-            if step.program.missing:
-                raise StartError(f"{step.program.name}: {step.program.missing}", log=lifecycle.appliance_log(home))
+        # Before anything stops: a program that could not start again is left running as it is.
+        # (A port it keeps is its own; only a new one must be free.)
+        lifecycle.check_startable([step.program.model_copy(update={"port": None})
+                                   if step.program.port == running[step.program.name].port else step.program
+                                   for step in steps.restarts], home)
         if any(step.reconfigured for step in steps.restarts):
             supervisor.reconfigure(lifecycle.supervisor_config(home, wanted))
         for step in steps.restarts:

@@ -73,7 +73,7 @@ def settings_set(
     from appliance.settings_changes import set_value
 
     note_target("setting", key)
-    change = set_value(Home.from_env().settings_file, key, value)
+    change = set_value(Home.from_env(), key, value)
     _done.set(change.describe())
     typer.echo(f"{change.describe()}; `appliance settings apply` puts it into effect")
     if change.overridden_by:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -60,17 +61,17 @@ def test_show_of_an_unknown_key_names_the_nearest(settings_file: Path) -> None:
     assert raised.value.hint == "did you mean gateway.port?"
 
 
-def test_set_changes_that_line_only_and_keeps_its_comment(settings_file: Path) -> None:
-    change = set_value(settings_file, "gateway.port", "9443", environ={})
+def test_set_changes_that_line_only_and_keeps_its_comment(settings_file: Path, home: Home) -> None:
+    change = set_value(home, "gateway.port", "9443", environ={})
     assert (change.old, change.new, change.describe()) == (8443, 9443, "gateway.port: 8443 -> 9443")
     assert settings_file.read_text() == FILE.replace("port = 8443  #", "port = 9443  #")
 
 
-def test_set_adds_a_missing_key_to_its_table_and_a_missing_table_at_the_end(settings_file: Path) -> None:
-    set_value(settings_file, "gateway.header_timeout_s", "7.5", environ={})
-    set_value(settings_file, "gateway.limits.user.requests_per_minute", "30", environ={})
-    set_value(settings_file, "pools.main.enable_lora", "true", environ={})
-    set_value(settings_file, "watchdog.enabled", "false", environ={})
+def test_set_adds_a_missing_key_to_its_table_and_a_missing_table_at_the_end(settings_file: Path, home: Home) -> None:
+    set_value(home, "gateway.header_timeout_s", "7.5", environ={})
+    set_value(home, "gateway.limits.user.requests_per_minute", "30", environ={})
+    set_value(home, "pools.main.enable_lora", "true", environ={})
+    set_value(home, "watchdog.enabled", "false", environ={})
     text = settings_file.read_text()
     assert text.startswith(FILE.split("\n[keycloak]")[0].replace("max_connections = 900",
                            "max_connections = 900\nheader_timeout_s = 7.5\nlimits.user.requests_per_minute = 30"))
@@ -81,13 +82,13 @@ def test_set_adds_a_missing_key_to_its_table_and_a_missing_table_at_the_end(sett
 
 
 def test_set_on_a_file_without_pools_writes_the_default_pool(home: Home) -> None:
-    set_value(home.settings_file, "pools.main.enable_lora", "true", environ={})
+    set_value(home, "pools.main.enable_lora", "true", environ={})
     assert home.settings_file.read_text() == '[[pools]]\nname = "main"\nenable_lora = true\n'
     assert load_settings(home.settings_file, environ={}).pool("main").enable_lora
 
 
-def test_a_value_that_is_not_toml_is_a_string(settings_file: Path) -> None:
-    set_value(settings_file, "gateway.bind", "0.0.0.0", environ={})
+def test_a_value_that_is_not_toml_is_a_string(settings_file: Path, home: Home) -> None:
+    set_value(home, "gateway.bind", "0.0.0.0", environ={})
     assert 'bind = "0.0.0.0"' in settings_file.read_text()
 
 
@@ -102,16 +103,16 @@ def test_a_value_that_is_not_toml_is_a_string(settings_file: Path) -> None:
     ("gateway", "1", Invalid, "gateway: no such setting"),
     ("keycloak.gateway_client_secret", "x", Invalid, "a secret is never given on the command line"),
 ])
-def test_a_refused_set_changes_nothing(settings_file: Path, key: str, value: str, error: type[Exception],
+def test_a_refused_set_changes_nothing(settings_file: Path, home: Home, key: str, value: str, error: type[Exception],
                                        message: str) -> None:
     with pytest.raises(error, match=message):
-        set_value(settings_file, key, value, environ={})
+        set_value(home, key, value, environ={})
     assert settings_file.read_text() == FILE
 
 
-def test_an_unknown_key_hints_at_the_nearest(settings_file: Path) -> None:
+def test_an_unknown_key_hints_at_the_nearest(settings_file: Path, home: Home) -> None:
     with pytest.raises(Invalid) as raised:
-        set_value(settings_file, "gateway.limits.user.requests_per_minut", "5", environ={})
+        set_value(home, "gateway.limits.user.requests_per_minut", "5", environ={})
     assert raised.value.hint == "did you mean gateway.limits.user.requests_per_minute?"
 
 
@@ -119,15 +120,14 @@ def test_a_value_spanning_lines_is_left_to_a_hand_edit(home: Home) -> None:
     text = '[gateway]\ntrusted_proxies = [\n  "10.0.0.1",\n]\n'
     home.settings_file.write_text(text)
     with pytest.raises(SettingsError, match="gateway.trusted_proxies: its value spans several lines"):
-        set_value(home.settings_file, "gateway.trusted_proxies", '["10.0.0.2"]', environ={})
+        set_value(home, "gateway.trusted_proxies", '["10.0.0.2"]', environ={})
     assert home.settings_file.read_text() == text
 
 
-def test_set_keeps_the_files_mode_and_says_when_a_variable_overrides_it(settings_file: Path) -> None:
-    settings_file.chmod(0o640)
-    change = set_value(settings_file, "gateway.port", "9443", environ={"APPLIANCE_GATEWAY__PORT": "9000"})
+def test_set_leaves_the_file_private_and_says_when_a_variable_overrides_it(settings_file: Path, home: Home) -> None:
+    change = set_value(home, "gateway.port", "9443", environ={"APPLIANCE_GATEWAY__PORT": "9000"})
     assert change.overridden_by == "APPLIANCE_GATEWAY__PORT" and change.new == 9000
-    assert settings_file.stat().st_mode & 0o777 == 0o640
+    assert settings_file.stat().st_mode & 0o777 == 0o600
 
 
 def test_set_is_audited_with_the_old_and_new_value_and_refuses_secrets(settings_file: Path, home: Home,
@@ -321,3 +321,17 @@ def test_apply_refuses_when_not_running_or_without_a_record(home: Home) -> None:
     supervisor.running = False
     with pytest.raises(Conflict, match="not running"):
         apply(Settings(), home, supervisor=supervisor)
+
+
+def test_apply_stops_nothing_when_a_new_port_is_taken(home: Home) -> None:
+    _running_appliance(home, Settings())
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        wanted = [p.model_copy(update={"port": port}) if p.name == "gateway" else p for p in _programs()]
+        supervisor = FakeSupervisor(home, _programs())
+        with pytest.raises(StartError, match=f"gateway: port {port} is already in use"):
+            apply(Settings.model_validate({"gateway": {"port": port}}), home, supervisor=supervisor,
+                  discover=lambda s, h: wanted)
+    assert supervisor.calls == [] and lifecycle.started_settings(home) == Settings().comparable()
