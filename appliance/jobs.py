@@ -152,9 +152,18 @@ class Job(BaseModel):
     message: str | None
 
 
+class Phase(StrEnum):
+    """Where a running job is: training its steps, in the evaluation gate (the held-out loss, then
+    each evaluation set at each seed, base and adapter), or registering the adapter."""
+
+    TRAINING = "training"
+    EVALUATING = "evaluating"
+    REGISTERING = "registering"
+
+
 class Progress(BaseModel):
-    """The trainer's latest report (PROGRESS_FILE in the job's directory; the trainer writes it,
-    the runner, the CLI, the admin API and the TUI read it)."""
+    """The job's latest report (PROGRESS_FILE in the job's directory; the trainer writes it while
+    it trains and gates, the runner once it registers; the CLI, the admin API and the TUI read it)."""
 
     model_config = ConfigDict(frozen=True, ser_json_inf_nan="strings")  # a NaN loss stays valid JSON
 
@@ -162,7 +171,29 @@ class Progress(BaseModel):
     max_steps: int
     loss: float | None
     tokens_per_s: float
-    eta_s: float | None
+    eta_s: float | None = Field(description="Seconds left in the phase: its steps, or its evaluations, at the "
+                                            "rate so far.")
+    phase: Phase = Phase.TRAINING
+    evaluations: int = Field(0, ge=0, description="The gate's evaluations done (an evaluation set at one seed).")
+    evaluations_total: int = Field(0, ge=0, description="The gate's evaluations in all: sets x seeds.")
+
+
+def progress_line(p: Progress, *, running: bool) -> str:
+    """A job's progress in one line: its phase and how far into it (with the phase's ETA) while
+    it runs; how far it got once it has ended."""
+    steps = f"step {p.step}/{p.max_steps}" + (f", loss {p.loss:.3f}" if p.loss is not None else "") \
+        + f", {p.tokens_per_s:.0f} tokens/s"
+    gate = f"gate {p.evaluations}/{p.evaluations_total} evaluations"
+    eta = f", ETA {p.eta_s:.0f} s" if p.eta_s is not None else ""
+    if not running:
+        return steps if p.phase == Phase.TRAINING else f"{steps}; {gate}"
+    if p.phase == Phase.TRAINING:
+        return f"training: {steps}{eta}"
+    if p.phase == Phase.EVALUATING:
+        doing = (f"{p.evaluations}/{p.evaluations_total} evaluations (sets x seeds){eta}" if p.evaluations_total
+                 else "held-out loss")
+        return f"gate evaluating: {doing}; trained {p.step}/{p.max_steps} steps"
+    return f"registering the adapter; {steps}; {gate}"
 
 
 class RankMemory(BaseModel):
@@ -229,9 +260,10 @@ def _small_regular_file(path: Path, max_bytes: int) -> bytes | None:
         descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return None
+    if not stat.S_ISREG(os.fstat(descriptor).st_mode):  # before fdopen, which refuses a directory
+        os.close(descriptor)
+        return None
     with os.fdopen(descriptor, "rb") as handle:
-        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
-            return None
         content = handle.read(max_bytes + 1)
     return content if len(content) <= max_bytes else None
 
@@ -342,9 +374,12 @@ def cancel(home: Home, job_id: int) -> Job:
 
 
 def write_progress(directory: Path, progress: Progress) -> None:
-    """Replace the job's progress report atomically (readers poll it)."""
-    partial = directory / f".{PROGRESS_FILE}.partial"
-    partial.write_text(progress.model_dump_json())
+    """Replace the job's progress report atomically (readers poll it). The partial file is made
+    anew, never opened through what is there: the runner writes in a directory the trainer wrote."""
+    partial = directory / f".{PROGRESS_FILE}.{os.getpid()}.partial"
+    partial.unlink(missing_ok=True)
+    with os.fdopen(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "w") as handle:
+        handle.write(progress.model_dump_json())
     os.replace(partial, directory / PROGRESS_FILE)
 
 

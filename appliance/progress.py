@@ -1,4 +1,4 @@
-"""Rich progress bars for long installer steps: bytes with speed and ETA, or counted steps."""
+"""Rich progress bars for long steps: bytes with speed and ETA, or counted steps (or evaluations, attempts...)."""
 
 from __future__ import annotations
 
@@ -16,15 +16,17 @@ from rich.text import Text
 
 
 class _AmountColumn(ProgressColumn):
-    """Bytes and speed for byte-sized tasks (the default), "n/m steps" for unit="steps"."""
+    """Bytes and speed for byte-sized tasks (the default), "n/m UNIT" for a counted task
+    (unit="steps", "evaluations", ...); nothing for a counted task with no total yet."""
 
     _bytes = DownloadColumn()
     _speed = TransferSpeedColumn()
 
     def render(self, task: Task) -> Text:
-        if task.fields.get("unit") == "steps":
-            return Text(f"{task.completed:.0f}/{task.total or 0:.0f} steps")
-        return Text.assemble(self._bytes.render(task), " ", self._speed.render(task))
+        unit = task.fields.get("unit")
+        if unit is None:
+            return Text.assemble(self._bytes.render(task), " ", self._speed.render(task))
+        return Text(f"{task.completed:.0f}/{task.total:.0f} {unit}" if task.total is not None else "")
 
 
 def byte_progress() -> Progress:

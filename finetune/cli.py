@@ -4,7 +4,6 @@ adapters: queue jobs for the worker, follow and cancel them, or train in the for
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,6 +35,7 @@ from finetune.datasets import (
     verify_current,
     versions,
 )
+from finetune.follow import PhaseBar, follow
 from finetune.runner import run_job
 
 data_app = typer.Typer(help="Training datasets: validated, scanned, stored content-addressed.",
@@ -213,15 +213,17 @@ def submit(data: Data, name: Name, base: Base = DEMO_MODEL, qlora: QLoRA = HP.ql
 @finetune_app.command("status")
 def status(
     job: Annotated[int | None, typer.Argument(help="A job id (default: every job).")] = None,
-    follow: Annotated[bool, typer.Option("--follow", "-f", help="Show the job's progress until it ends.")] = False,
+    follow_job: Annotated[bool, typer.Option("--follow", "-f", help="Show the job's progress until it ends: a bar "
+                                             "on a terminal, a line per change through a pipe.")] = False,
     as_json: AsJson = False,
 ) -> None:
-    """Training jobs: state, progress (step, loss, tokens/s, ETA) and outcome."""
+    """Training jobs: state, phase and progress (training: step, loss, tokens/s; the gate: evaluations done
+    of sets x seeds; registering), the phase's ETA, and outcome."""
     home = Home.from_env()
-    if follow:
+    if follow_job:
         if job is None or as_json:
-            raise ApplianceError("--follow needs a job id, and shows a progress bar, not JSON")
-        _follow(home, job)
+            raise ApplianceError("--follow needs a job id, and shows its progress as it changes, not JSON")
+        follow(home, job, out)
         return
     listed = [jobs.get(home, job)] if job is not None else jobs.listing(home)
     if as_json:
@@ -260,14 +262,10 @@ def run(data: Data, name: Name, base: Base = DEMO_MODEL, qlora: QLoRA = HP.qlora
     hp = _hyperparameters(qlora, rank, alpha, lr, epochs, max_steps, batch_size, save_steps, method, beta, processes)
     work = home.root / "finetune" / f"{name}-{load_registry(home)[data][:12]}"
     with byte_progress() as progress:
-        task = progress.add_task("training", total=None, unit="steps")
-
-        def show(p: jobs.Progress) -> None:
-            progress.update(task, completed=p.step, total=p.max_steps,
-                            description=f"training: loss {p.loss:.3f}, {p.tokens_per_s:.0f} tokens/s")
-
+        bar = PhaseBar(progress)
+        bar.show("training", None)
         outcome = run_job(work, name=name, data=data, base=base, hp=hp, settings=settings, home=home,
-                          eval_sets=sets, on_progress=show)
+                          eval_sets=sets, on_progress=lambda p: bar.show(jobs.progress_line(p, running=True), p))
     result, record = outcome.result, outcome.record
     note_target("adapter", record.name, version=record.version)
     resumed = f" (resumed from {result.resumed_from})" if result.resumed_from else ""
@@ -282,24 +280,7 @@ def run(data: Data, name: Name, base: Base = DEMO_MODEL, qlora: QLoRA = HP.qlora
 
 def _progress_text(home: Home, job: jobs.Job) -> str:
     p = jobs.read_progress(jobs.job_dir(home, job.id))
-    if p is None:
-        return ""
-    eta = f", ETA {p.eta_s:.0f} s" if p.eta_s is not None and job.state == jobs.JobState.RUNNING else ""
-    return f"step {p.step}/{p.max_steps}, loss {p.loss:.3f}, {p.tokens_per_s:.0f} tokens/s{eta}"
-
-
-def _follow(home: Home, job_id: int) -> None:
-    """A progress bar for one job until it ends; exit status 1 unless it succeeded."""
-    found = jobs.get(home, job_id)
-    with byte_progress() as progress:
-        task = progress.add_task(f"job {job_id}: {found.state}", total=None, unit="steps")
-        while found.state not in jobs.FINISHED:
-            progress.update(task, description=f"job {job_id}: {found.state} {_progress_text(home, found)}")
-            time.sleep(1)
-            found = jobs.get(home, job_id)
-    out.print(f"job {job_id} {found.state}: {found.message or ''}", soft_wrap=True)
-    if found.state != "succeeded":
-        raise typer.Exit(1)
+    return "" if p is None else jobs.progress_line(p, running=job.state == jobs.JobState.RUNNING)
 
 
 def _token_counter(model_dir: Path) -> Any:

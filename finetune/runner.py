@@ -34,8 +34,10 @@ from appliance.jobs import (
     PROGRESS_FILE,
     RANKS_DIR,
     Hyperparameters,
+    Phase,
     Progress,
     read_progress,
+    write_progress,
 )
 from appliance.model_refs import checkpoint
 from appliance.orphans import group_members
@@ -109,6 +111,7 @@ def run_job(directory: Path, *, name: str, data: str, base: str, hp: Hyperparame
     result = load_result(directory)
     scores = checked_scores(result, sets, spec.scoring.seeds, shipped)
     failures = gate_failures(result, scores, settings.finetune)
+    record_registering(directory, result, on_progress)
     record = adapters.register(
         home, store, result.adapter_dir, name=name, base_model=base,
         base_config_sha256=config_sha256(json.loads((model / "config.json").read_text())),
@@ -121,6 +124,20 @@ def run_job(directory: Path, *, name: str, data: str, base: str, hp: Hyperparame
             processes=result.processes, gate_failures=failures),
         state=AdapterState.FAILED_GATE if failures else AdapterState.REGISTERED)
     return Outcome(result=result, record=record, failures=failures)
+
+
+def record_registering(directory: Path, result: Result, on_progress: Callable[[Progress], None]) -> None:
+    """Say in the job's progress report that it registers its adapter, from the trainer's last report
+    (or, if it left none, its result). The trainer has ended; a report that cannot be written is
+    logged, never a failed job."""
+    last = read_progress(directory) or Progress(step=result.steps, max_steps=result.steps, loss=None,
+                                                tokens_per_s=0.0, eta_s=None)
+    progress = last.model_copy(update={"phase": Phase.REGISTERING, "eta_s": None})
+    try:
+        write_progress(directory, progress)
+    except OSError as exc:
+        log.warning("%s: the registering phase is not in its progress report: %s", directory, exc)
+    on_progress(progress)
 
 
 def check_method(data: str, train: bytes, hp: Hyperparameters) -> None:

@@ -45,7 +45,8 @@ from typing import Any
 
 from appliance.jobs import RANKS_DIR, Hyperparameters, Progress, RankMemory
 from finetune import checkpoints
-from finetune.train import Result, Scoring, TrainingError, _score_sets, as_training_rows
+from finetune.phases import Phases
+from finetune.train import Result, Scoring, TrainingError, _nothing, _score_sets, as_training_rows, gate_evaluations
 
 IGNORED = -100  # a label that is not trained on
 FUSED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
@@ -182,6 +183,7 @@ def _train(base: Path, train: list[dict[str, Any]], evaluation: list[dict[str, A
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: max(0.0, 1 - step / steps))
     held_out = token_rows(tokenizer, evaluation, hp.max_length)
     base_loss = evaluate(model, held_out, hp.batch_size, pad, device, adapter=False, beat=on_beat)
+    phases = Phases(on_progress)
 
     store = out_dir / "checkpoints"
     resumed = checkpoints.resume(store, model, optimizer, log=lambda line: print(line, flush=True))
@@ -205,7 +207,7 @@ def _train(base: Path, train: list[dict[str, Any]], evaluation: list[dict[str, A
         on_beat()
         if rank == 0:
             elapsed, done = time.monotonic() - started, step + 1 - start
-            on_progress(Progress(step=step + 1, max_steps=steps, loss=loss,
+            phases.trained(Progress(step=step + 1, max_steps=steps, loss=loss,
                                  tokens_per_s=(tokens - (resumed.tokens if resumed else 0)) / elapsed if elapsed else 0,
                                  eta_s=elapsed / done * (steps - step - 1)))
             print(json.dumps({"step": step + 1, "loss": loss}), flush=True)
@@ -214,11 +216,13 @@ def _train(base: Path, train: list[dict[str, Any]], evaluation: list[dict[str, A
         if (step + 1) % hp.save_steps == 0 and step + 1 < steps:
             checkpoints.save(store, step + 1, tokens, model, optimizer)
     seconds = time.monotonic() - started
+    evaluated = phases.gate(gate_evaluations(eval_sets, scoring), step=steps, max_steps=steps) if rank == 0 \
+        else _nothing
     write_memory(out_dir, model, optimizer, rank)
     adapter_loss = evaluate(model, held_out, hp.batch_size, pad, device, adapter=True, beat=on_beat)
     adapter_dir = out_dir / "adapter"
     gather_adapter(model, adapter_dir, rank)
-    scores = _score_sets(model, tokenizer, eval_sets, scoring, on_beat, synced=True)
+    scores = _score_sets(model, tokenizer, eval_sets, scoring, on_beat, evaluated, synced=True)
     if rank != 0:
         return None
     result = Result(adapter_dir=adapter_dir, base_eval_loss=base_loss, adapter_eval_loss=adapter_loss, steps=steps,

@@ -10,6 +10,7 @@ directory resumes from the last one.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -24,6 +25,7 @@ from appliance.durable import read_small_file
 from appliance.errors import ApplianceError
 from appliance.jobs import Hyperparameters, Progress
 from finetune import evalsets
+from finetune.phases import Phases
 
 ANSWER_TOKENS = 48  # tokens generated at most to score an evaluation item
 MAX_RESULT_BYTES = 1 << 20  # the trainer's result.json: figures, never data
@@ -143,7 +145,8 @@ def train_adapter(base: Path, train: list[dict[str, Any]], evaluation: list[dict
     else:
         sft = SFTTrainer if torch.cuda.is_available() else _cpu_sft_trainer(SFTTrainer)
         trainer = sft(model=model, args=SFTConfig(**options), **data)
-    trainer.add_callback(_progress_callback(TrainerCallback, on_progress, on_beat))
+    phases = Phases(on_progress)
+    trainer.add_callback(_progress_callback(TrainerCallback, phases.trained, on_beat))
     adapted = trainer.model
     if not isinstance(adapted, PeftModel):  # the trainer wraps the model because peft_config is given
         raise TrainingError(f"the trainer did not add LoRA layers to {base} (got {type(adapted).__name__})")
@@ -155,12 +158,14 @@ def train_adapter(base: Path, train: list[dict[str, Any]], evaluation: list[dict
     started = time.monotonic()
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     seconds = time.monotonic() - started  # training only: train_tokens / seconds is its throughput
+    evaluated = phases.gate(gate_evaluations(eval_sets or {}, scoring or Scoring()), step=trainer.state.global_step,
+                            max_steps=trainer.state.max_steps) if trainer.is_world_process_zero() else _nothing
     adapter_loss = trainer.evaluate()["eval_loss"]
     if not trainer.is_world_process_zero():
         return None
     adapter_dir = out_dir / "adapter"
     adapted.save_pretrained(str(adapter_dir))
-    scores = _score_sets(adapted, tokenizer, eval_sets or {}, scoring or Scoring(), on_beat)
+    scores = _score_sets(adapted, tokenizer, eval_sets or {}, scoring or Scoring(), on_beat, evaluated)
     result = Result(adapter_dir=adapter_dir, base_eval_loss=base_loss, adapter_eval_loss=adapter_loss,
                     steps=trainer.state.global_step, train_tokens=trainer.state.num_input_tokens_seen, seconds=seconds,
                     resumed_from=resume.name if resume else None, eval_sets=scores,
@@ -193,11 +198,38 @@ def load_result(out_dir: Path) -> Result:
         raise TrainingError(f"the trainer's result.json is not a result: {exc}") from exc
 
 
+def gate_evaluations(eval_sets: dict[str, list[dict[str, Any]]], scoring: Scoring) -> int:
+    """The gate's evaluations: each set at each seed (base and adapter)."""
+    return len(eval_sets) * scoring.seeds
+
+
+def scores_over_seeds(eval_sets: dict[str, list[dict[str, Any]]], seeds: int,
+                      score: Callable[[str, int, bool], float],
+                      evaluated: Callable[[], None]) -> dict[str, dict[str, list[float]]]:
+    """Each set's score at each seed, `score(kind, seed, adapter)` for the base and the adapter;
+    `evaluated` as each set is done at each seed."""
+    scores: dict[str, dict[str, list[float]]] = {}
+    for kind in eval_sets:
+        per_seed: dict[str, list[float]] = {"base": [], "adapter": []}
+        for seed in range(seeds):
+            per_seed["base"].append(score(kind, seed, False))
+            per_seed["adapter"].append(score(kind, seed, True))
+            evaluated()
+        scores[kind] = per_seed
+    return scores
+
+
+def _nothing() -> None:
+    """What a rank but the first does as an evaluation is done: only the first reports."""
+
+
 def _score_sets(model: Any, tokenizer: Any, eval_sets: dict[str, list[dict[str, Any]]], scoring: Scoring,
-                beat: Callable[[], None], *, synced: bool = False) -> dict[str, dict[str, list[float]]]:
-    """Each set's score per seed with the adapter off (the base) and on (a beat each batch).
-    `synced`: every rank of a sharded model generates the same answers in step (each forward
-    gathers the layers from all ranks, so none may stop before the others)."""
+                beat: Callable[[], None], evaluated: Callable[[], None], *,
+                synced: bool = False) -> dict[str, dict[str, list[float]]]:
+    """Each set's score per seed with the adapter off (the base) and on (a beat each batch;
+    `evaluated` as each set is done at each seed). `synced`: every rank of a sharded model
+    generates the same answers in step (each forward gathers the layers from all ranks, so none
+    may stop before the others)."""
     import torch
 
     sampling = ({"do_sample": False} if scoring.seeds == 1
@@ -220,17 +252,15 @@ def _score_sets(model: Any, tokenizer: Any, eval_sets: dict[str, list[dict[str, 
         return [found[i] for i in range(len(prompts))]
 
     model.eval()
-    scores: dict[str, dict[str, list[float]]] = {}
-    for kind, items in eval_sets.items():
-        prompts = [tokenizer.apply_chat_template(item["messages"], add_generation_prompt=True, tokenize=True,
-                                                 return_dict=True)["input_ids"] for item in items]
-        per_seed: dict[str, list[float]] = {"base": [], "adapter": []}
-        for seed in range(scoring.seeds):
-            with model.disable_adapter():
-                per_seed["base"].append(evalsets.score(items, answers(prompts, seed)))
-            per_seed["adapter"].append(evalsets.score(items, answers(prompts, seed)))
-        scores[kind] = per_seed
-    return scores
+    prompts = {kind: [tokenizer.apply_chat_template(item["messages"], add_generation_prompt=True, tokenize=True,
+                                                    return_dict=True)["input_ids"] for item in items]
+               for kind, items in eval_sets.items()}
+
+    def score(kind: str, seed: int, adapter: bool) -> float:
+        with contextlib.nullcontext() if adapter else model.disable_adapter():
+            return evalsets.score(eval_sets[kind], answers(prompts[kind], seed))
+
+    return scores_over_seeds(eval_sets, scoring.seeds, score, evaluated)
 
 
 def _batches(prompts: list[list[int]], *, padded: bool) -> list[list[int]]:

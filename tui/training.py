@@ -13,7 +13,7 @@ from textual.widgets import DataTable, Label
 
 from appliance.adapters import AdapterMetrics, AdapterRecord, AdapterState, Alias, Registry
 from appliance.admin_client import Refused
-from appliance.jobs import JobReport, JobState
+from appliance.jobs import JobReport, JobState, Phase, Progress
 from tui.dialogs import Field, Form
 from tui.panel import Panel, duration
 
@@ -52,6 +52,18 @@ def eval_summary(metrics: AdapterMetrics) -> str:
     if metrics.gate_failures:
         parts.append("gate: " + "; ".join(metrics.gate_failures))
     return ", ".join(parts)
+
+
+def phase_progress(p: Progress | None, *, running: bool) -> str:
+    """A job's phase and how far into it, short: its steps while it trains, its evaluations (sets x
+    seeds) while the gate evaluates, then registering; once it has ended, the steps it trained."""
+    if p is None:
+        return "-"
+    if not running or p.phase == Phase.TRAINING:
+        return f"step {p.step}/{p.max_steps}"
+    if p.phase == Phase.EVALUATING:
+        return f"gate {p.evaluations}/{p.evaluations_total}" if p.evaluations_total else "gate"
+    return "registering"
 
 
 CANCELLABLE = (JobState.QUEUED, JobState.RUNNING)
@@ -94,7 +106,7 @@ class Training(Panel):
         yield from self.listing("adapters")
 
     def on_mount(self) -> None:
-        self.query_one("#jobs", DataTable).add_columns("job", "adapter", "state", "step", "loss", "tok/s", "ETA")
+        self.query_one("#jobs", DataTable).add_columns("job", "adapter", "state", "progress", "loss", "tok/s", "ETA")
         self.query_one("#adapters", DataTable).add_columns("adapter", "v", "state", "served", "evaluation")
 
     async def load(self) -> None:
@@ -123,10 +135,10 @@ class Training(Panel):
         for job in reversed(listed):  # newest first
             p = job.progress
             rows.append((str(job.id), (
-                job.id, job.name, job.state, f"{p.step}/{p.max_steps}" if p else "-",
+                job.id, job.name, job.state, phase_progress(p, running=job.state == JobState.RUNNING),
                 f"{p.loss:.3f}" if p and p.loss is not None else "-",
                 f"{p.tokens_per_s:.0f}" if p else "-",
-                duration(p.eta_s) if p and job.state == JobState.RUNNING else "-")))
+                duration(p.eta_s) if p and p.eta_s is not None and job.state == JobState.RUNNING else "-")))
         self.fill("jobs", rows)
 
     def _show_adapters(self, registry: Registry, analyses: dict[str, dict[str, Any]]) -> None:

@@ -17,7 +17,8 @@ def router(home: Home) -> APIRouter:
 
     @routes.get("/jobs", response_model=list[jobs.JobReport], name="jobs.list", openapi_extra=MONITORING)
     def list_jobs() -> list[jobs.JobReport]:
-        """Training jobs, oldest first, with the trainer's latest progress."""
+        """Training jobs, oldest first, with their latest progress: the phase (training, evaluating in the
+        gate, registering), the steps, the gate's evaluations done of sets x seeds, and the phase's ETA."""
         return [jobs.report(home, job) for job in jobs.listing(home)]
 
     @routes.post("/jobs/{job_id}/cancel", response_model=jobs.JobReport, name="jobs.cancel")
