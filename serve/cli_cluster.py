@@ -1,5 +1,5 @@
-"""The cluster's commands. On the head, `appliance hosts add|list|remove`: invite the worker hosts a
-pool's plan names, see who joined, revoke a host. On a worker, `appliance join HEAD_URL`: become a
+"""The cluster's commands. On the head, `appliance hosts add`, `list` and `remove`: invite the worker
+hosts a pool's plan names, see who joined, revoke a host. On a worker, `appliance join HEAD_URL`: become a
 worker of the head's cluster and start its ranks."""
 
 from __future__ import annotations

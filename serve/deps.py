@@ -54,7 +54,7 @@ async def authenticated(
         elif (key := _api_key(authorization)) is not None:
             if request.url.path.startswith("/admin/"):
                 raise AuthError("key_not_allowed", "API keys cannot use the admin API; log in with "
-                                "`appliance login` (or a Keycloak token)", status=403)
+                                "`appliance token` (or use a Keycloak token)", status=403)
             who = await gateway.keys.principal(key, known=lambda found: setattr(context, "refused_key", found))
         else:
             who = await gateway.validator.validate(authorization)
