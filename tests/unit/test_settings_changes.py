@@ -335,3 +335,15 @@ def test_apply_stops_nothing_when_a_new_port_is_taken(home: Home) -> None:
             apply(Settings.model_validate({"gateway": {"port": port}}), home, supervisor=supervisor,
                   discover=lambda s, h: wanted)
     assert supervisor.calls == [] and lifecycle.started_settings(home) == Settings().comparable()
+
+
+def test_apply_on_an_appliance_that_is_down_says_so_and_is_audited(settings_file: Path, home: Home,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(HOME_ENV, str(home.root))
+    for name in [name for name in os.environ if name.startswith("APPLIANCE_") and name != HOME_ENV]:
+        monkeypatch.delenv(name)
+    result = CliRunner().invoke(settings_app, ["apply"])
+    assert result.exit_code != 0 and isinstance(result.exception, Conflict)
+    assert "not running" in str(result.exception)
+    [record] = list(read_records(home.audit))
+    assert (record["action"], record["outcome"]) == ("settings.apply", "invalid")
