@@ -53,11 +53,17 @@ _KEY_SHAPE = re.compile(rf"^{PREFIX}[A-Za-z0-9_-]{{43}}$")
 
 
 class KeyState(StrEnum):
-    """Where a key stands: the one rule the gateway, the admin API and `keys remove` all ask."""
+    """Where a key stands: the one rule the gateway, the admin API and `keys remove` all ask.
+    Revoked and expired are the key's own (ApiKey.state); the owner's states are the gateway's
+    judgement of a key otherwise active (serve.api_keys.KeyAuthenticator.standing): it refuses
+    the key of an owner disabled or gone, and cannot confirm one while Keycloak does not answer."""
 
     ACTIVE = "active"
     REVOKED = "revoked"
     EXPIRED = "expired"
+    OWNER_DISABLED = "owner disabled"
+    OWNER_GONE = "owner gone"
+    OWNER_UNCONFIRMED = "owner unconfirmed"
 
 
 class KeyDetails(BaseModel):

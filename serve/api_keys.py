@@ -45,6 +45,14 @@ def usable(key: api_keys.ApiKey, now: datetime) -> None:
         raise AuthError("expired_key", f"API key {key.name!r} expired at {key.expires:%Y-%m-%dT%H:%M:%SZ}")
 
 
+def owner_state(key: api_keys.ApiKey, owner: _Owner) -> KeyState:
+    """ACTIVE, or why the key's owner stops it: gone (no such user, or another made since under
+    the name: a key is bound to its owner's id), or disabled."""
+    if owner.user is None or owner.subject is None or owner.subject != key.owner_id:
+        return KeyState.OWNER_GONE
+    return KeyState.ACTIVE if owner.user.enabled else KeyState.OWNER_DISABLED
+
+
 class KeyAuthenticator:
     """Principals for API keys; `lookup_owner` is the realm's user lookup (blocking: run in a thread)."""
 
@@ -71,13 +79,26 @@ class KeyAuthenticator:
         now = datetime.now(UTC)
         usable(key, now)
         owner = await self._owner(key.owner)
-        if owner.user is None or owner.subject is None or owner.subject != key.owner_id:
-            raise AuthError("inactive", f"the owner of API key {key.name!r} no longer exists")
-        if not owner.user.enabled:
-            raise AuthError("inactive", f"the owner of API key {key.name!r} is disabled")
+        standing = owner_state(key, owner)
+        if standing is not KeyState.ACTIVE or owner.user is None or owner.subject is None:
+            what = "is disabled" if standing is KeyState.OWNER_DISABLED else "no longer exists"
+            raise AuthError("inactive", f"the owner of API key {key.name!r} {what}")
         await self._note_use(api_keys.ref(key.owner, key.name), now)
         return Principal.for_key(key, subject=owner.subject,
                                  roles=frozenset(role.value for role in owner.user.roles))
+
+    async def standing(self, key: api_keys.ApiKey, now: datetime) -> KeyState:
+        """What `principal` would do with `key` now, as a state: its own (revoked, expired), else
+        its owner's as the cache holds it (looked up where stale); OWNER_UNCONFIRMED where
+        Keycloak cannot be asked (a request with it is refused with 503 meanwhile)."""
+        state = key.state(now)
+        if state is not KeyState.ACTIVE:
+            return state
+        try:
+            owner = await self._owner(key.owner)
+        except AuthError:
+            return KeyState.OWNER_UNCONFIRMED
+        return owner_state(key, owner)
 
     async def warm(self, retry_s: float = 1.0, give_up_s: float = 300.0) -> None:
         """Look the owners of the usable keys up as soon as Keycloak answers, so that the first

@@ -9,6 +9,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.widgets import DataTable, Label
 
+from appliance.api_keys import KeyState
 from tui.dialogs import Detail, Field, Form
 from tui.panel import Panel
 
@@ -45,7 +46,7 @@ class Keys(Panel):
     def offers(self, action: str, parameters: tuple[object, ...]) -> bool:
         if action == "revoke":
             name = self.selected("keys")
-            return name is not None and self.keys.get(name, {}).get("state") == "active"
+            return name is not None and self.keys.get(name, {}).get("state") not in (KeyState.REVOKED, KeyState.EXPIRED)
         return True
 
     def show_keys(self) -> None:

@@ -1,13 +1,15 @@
 """/admin/keys: API keys (appliance.api_keys). A user manages their own keys, an administrator
 anyone's (`owner`: whose key a name is); a key itself can reach no /admin route (serve.deps), so a
 key cannot make keys. Names are scoped per owner: nothing here tells a user whether another user
-has a key of some name. Plain functions: the owner's lookup in Keycloak blocks."""
+has a key of some name. Plain functions where the owner's lookup in Keycloak blocks; the listing
+asks the gateway's key authenticator (its owner cache) what it would do with each key."""
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Annotated
 
+import anyio
 from fastapi import APIRouter, Depends, Query, Request
 
 from appliance import api_keys
@@ -36,9 +38,10 @@ class CreatedKeyView(KeyView):
     secret: str
 
 
-def view(key: api_keys.ApiKey, used: datetime | None) -> KeyView:
+def view(key: api_keys.ApiKey, used: datetime | None, state: api_keys.KeyState | None = None) -> KeyView:
+    """`state`: the gateway's judgement with the owner's (KeyAuthenticator.standing); unset, the key's own."""
     return KeyView(**key.model_dump(include=set(api_keys.KeyDetails.model_fields)),
-                   state=key.state(datetime.now(key.created.tzinfo)), last_used=used)
+                   state=state or key.state(datetime.now(key.created.tzinfo)), last_used=used)
 
 
 def _may_manage(who: Principal, owner: str) -> None:
@@ -79,14 +82,18 @@ def router(settings: Settings, home: Home) -> APIRouter:
     routes = APIRouter(prefix="/admin", tags=["keys"])
 
     @routes.get("/keys", response_model=list[KeyView], name="keys.list", openapi_extra=REFRESHED)
-    def list_keys(who: Admitted,
-                  owner: str | None = Query(None, max_length=64, description="Only this user's keys (an "
-                                            "administrator sees everyone's).")) -> list[KeyView]:
-        """API keys: your own, or (administrators) everyone's."""
+    async def list_keys(request: Request, who: Admitted,
+                        owner: str | None = Query(None, max_length=64, description="Only this user's keys (an "
+                                                  "administrator sees everyone's).")) -> list[KeyView]:
+        """API keys: your own, or (administrators) everyone's, each in the state the gateway would
+        treat it as now (its owner disabled or gone included)."""
         if Role.ADMIN not in who.roles:
             owner = who.username
-        used = api_keys.last_uses(home)
-        return [view(key, used.get(api_keys.ref(key.owner, key.name))) for key in api_keys.listing(home, owner)]
+        used = await anyio.to_thread.run_sync(api_keys.last_uses, home)
+        keys = await anyio.to_thread.run_sync(api_keys.listing, home, owner)
+        gateway, now = request.app.state.gateway, datetime.now(UTC)
+        return [view(key, used.get(api_keys.ref(key.owner, key.name)), await gateway.keys.standing(key, now))
+                for key in keys]
 
     @routes.post("/keys", response_model=CreatedKeyView, status_code=201, name="keys.create")
     def create_key(request: Request, who: Admitted, new: api_keys.NewKey) -> CreatedKeyView:

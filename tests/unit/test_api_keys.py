@@ -377,3 +377,31 @@ def test_a_keys_principal_is_built_one_way_for_its_own_requests_and_its_batches(
                               token_id="batch_1:3", expires_at=float("inf"))
     assert (batch.key, batch.models, batch.tokens_per_minute) == (own.key, own.models, own.tokens_per_minute)
     assert Principal.for_key(_key(), subject="s", roles=frozenset()).expires_at == float("inf")
+
+
+def test_a_keys_listed_state_is_what_the_gateway_would_do_with_it(home: Home) -> None:
+    """`keys list` (the admin API's listing) shows a disabled or gone owner's key as refused, as
+    the gateway refuses it, not as active; unconfirmed while Keycloak does not answer."""
+    realm = Realm()
+    keys = KeyAuthenticator(home, realm.lookup, owner_ttl_s=0)
+    secret = make(home)
+    key = api_keys.listing(home, None)[0]
+
+    def standing() -> api_keys.KeyState:
+        return asyncio.run(keys.standing(key, datetime.now(UTC)))
+
+    assert standing() is api_keys.KeyState.ACTIVE
+    realm.users["kate"] = User(username="kate", enabled=False, roles=[Role.USER])
+    assert standing() is api_keys.KeyState.OWNER_DISABLED and refusal(keys, secret).reason == "inactive"
+    realm.users["kate"] = User(username="kate", enabled=True, roles=[Role.USER])
+    realm.ids["kate"] = "id-kate-2"  # another user made under the name
+    assert standing() is api_keys.KeyState.OWNER_GONE and refusal(keys, secret).reason == "inactive"
+    del realm.users["kate"]
+    assert standing() is api_keys.KeyState.OWNER_GONE
+    realm.down = True
+    assert standing() is api_keys.KeyState.OWNER_UNCONFIRMED and refusal(keys, secret).status == 503
+    revoked = api_keys.revoke(home, "kate", "app")
+    lookups = realm.lookups
+    assert asyncio.run(keys.standing(revoked, datetime.now(UTC))) is api_keys.KeyState.REVOKED
+    assert realm.lookups == lookups, "the key's own state needs no lookup"
+    assert view(key, None, api_keys.KeyState.OWNER_DISABLED).state is api_keys.KeyState.OWNER_DISABLED
