@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 # The programs that read a section at start, beyond those whose supervisord configuration the
 # section shapes (a changed command or environment is seen by itself). `pools.NAME.*` touches that
-# pool's engines and the gateway; `engine.*` and `cluster.*` every engine and every program that
+# pool's engines and POOL_READERS; `engine.*` and `cluster.*` every engine and every program that
 # reads the settings file; a section not named here, every program that reads the settings file.
 SECTION_PROGRAMS: dict[str, frozenset[str]] = {
     "gateway": frozenset({"gateway"}),
@@ -44,11 +44,22 @@ SECTION_PROGRAMS: dict[str, frozenset[str]] = {
     "batch": frozenset({"gateway", "batch-worker"}),
     "keycloak": frozenset({"keycloak", "gateway"}),
     "monitoring": frozenset({"prometheus", "alertmanager", "gateway"}),
-    "watchdog": frozenset({"watchdog"}),
-    "finetune": frozenset({"finetune-worker"}),
+    "watchdog": frozenset({"watchdog", "batch-worker"}),
+    "finetune": frozenset({"finetune-worker", "rl-worker"}),
     "rl": frozenset({"rl-worker"}),
     "execution": frozenset({"rl-worker"}),
     "backup": frozenset({"backup-scheduler"}),
+}
+POOL_READERS = frozenset({"gateway", "rl-worker"})
+# Single keys that programs beyond their section's read: where the gateway is reached (its URL),
+# and the gateway's limits the batch worker and the cluster listener apply too.
+_REACH_GATEWAY = frozenset({"batch-worker", "rl-worker", "prometheus"})
+KEY_PROGRAMS: dict[str, frozenset[str]] = {
+    "gateway.bind": _REACH_GATEWAY,
+    "gateway.port": _REACH_GATEWAY,
+    "gateway.https": _REACH_GATEWAY,
+    "gateway.max_body_bytes": frozenset({"batch-worker"}),
+    "gateway.header_timeout_s": frozenset({"cluster"}),
 }
 _ENGINE_WIDE = {"engine", "cluster"}
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
@@ -173,14 +184,14 @@ def _reads_settings(program: Program) -> bool:
 
 
 def touches(key: str, program: Program) -> bool:
-    """Whether program reads setting `key` at start (see SECTION_PROGRAMS)."""
+    """Whether `program` reads setting `key` at start (see SECTION_PROGRAMS, KEY_PROGRAMS)."""
     parts = key.split(".")
     if parts[0] == "pools":
-        return program.name == "gateway" or (len(parts) > 1 and program.pool == parts[1])
+        return program.name in POOL_READERS or (len(parts) > 1 and program.pool == parts[1])
     if parts[0] in _ENGINE_WIDE:
         return program.pool is not None or _reads_settings(program)
     if parts[0] in SECTION_PROGRAMS:
-        return program.name in SECTION_PROGRAMS[parts[0]]
+        return program.name in SECTION_PROGRAMS[parts[0]] | KEY_PROGRAMS.get(".".join(parts[:2]), frozenset())
     return _reads_settings(program)
 
 

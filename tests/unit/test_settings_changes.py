@@ -163,7 +163,8 @@ def _programs() -> list[Program]:
     return [_program("keycloak", priority=10), _program("vllm-main", pool="main", priority=50),
             _program("vllm-main_1", pool="main", priority=50), _program("vllm-other", pool="other", priority=50),
             _program("gateway", reads=True, priority=90), _program("batch-worker", reads=True, priority=96),
-            _program("finetune-worker", reads=True, priority=95)]
+            _program("finetune-worker", reads=True, priority=95), _program("rl-worker", reads=True, priority=96),
+            _program("prometheus", priority=95)]
 
 
 def _started(**changes: Any) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -183,15 +184,18 @@ def test_apply_plans_the_programs_each_section_touches() -> None:
     assert _restarts(*_started(gateway__max_connections=10)) == ["gateway"]
     assert _restarts(*_started(batch__max_requests=5)) == ["gateway", "batch-worker"]
     assert _restarts(*_started(keycloak__realm="other")) == ["keycloak", "gateway"]
+    # Where the gateway listens: whoever reaches it too.
+    assert _restarts(*_started(gateway__port=9443)) == ["gateway", "prometheus", "batch-worker", "rl-worker"]
     # A section no program is mapped to: every program that reads the settings file.
-    assert _restarts(*_started(audit__max_file_bytes=1 << 20)) == ["gateway", "finetune-worker", "batch-worker"]
+    assert _restarts(*_started(audit__max_file_bytes=1 << 20)) == ["gateway", "finetune-worker", "batch-worker",
+                                                                    "rl-worker"]
 
 
 def test_a_pools_change_restarts_its_replicas_one_after_the_other_then_the_gateway() -> None:
     started, current = _started()
     current["pools"][0]["enable_lora"] = not current["pools"][0]["enable_lora"]
     assert changed_keys(started, current) == ["pools.main.enable_lora"]
-    assert _restarts(started, current) == ["vllm-main", "vllm-main_1", "gateway"]
+    assert _restarts(started, current) == ["vllm-main", "vllm-main_1", "gateway", "rl-worker"]
 
 
 def test_a_secret_change_is_seen_though_never_recorded() -> None:
@@ -201,7 +205,7 @@ def test_a_secret_change_is_seen_though_never_recorded() -> None:
 
 
 def test_a_changed_supervisord_configuration_replaces_the_program() -> None:
-    started, current = _started(watchdog__check_interval_s=9.0)
+    started, current = _started(backup__keep=3)
     wanted = [p.model_copy(update={"command": ["run", "new"]}) if p.name == "finetune-worker" else p
               for p in _programs()]
     steps = plan(started, current, _programs(), wanted).restarts
@@ -221,7 +225,7 @@ def test_a_program_the_cluster_controller_starts_is_left_with_a_reason() -> None
     current["pools"][1]["enable_lora"] = not current["pools"][1]["enable_lora"]
     wanted = [p.model_copy(update={"autostart": False}) if p.name == "vllm-other" else p for p in _programs()]
     result = plan(started, current, wanted, wanted)
-    assert [s.program.name for s in result.restarts] == ["gateway"]
+    assert [s.program.name for s in result.restarts] == ["gateway", "rl-worker"]
     assert result.left[0].startswith("vllm-other: started by the cluster controller")
 
 
@@ -280,7 +284,7 @@ def test_apply_restarts_replicas_one_at_a_time_then_records_the_new_settings(hom
     supervisor = FakeSupervisor(home, _programs())
     report = apply(changed, home, supervisor=supervisor, discover=lambda s, h: _programs())
     assert report.plan.changed == ["pools.main.max_loras"]
-    assert report.restarted == _restarted(supervisor) == ["vllm-main", "vllm-main_1", "gateway"]
+    assert report.restarted == _restarted(supervisor) == ["vllm-main", "vllm-main_1", "gateway", "rl-worker"]
     assert ("stopProcess", "vllm-main", True) in supervisor.calls
     assert apply(changed, home, supervisor=supervisor, discover=lambda s, h: _programs()).plan.changed == []
 
@@ -296,7 +300,7 @@ def test_apply_replaces_a_reconfigured_program_from_a_reread_configuration(home:
     _running_appliance(home, Settings())
     wanted = [p.model_copy(update={"command": ["run", "new"]}) if p.name == "gateway" else p for p in _programs()]
     supervisor = FakeSupervisor(home, _programs())
-    apply(Settings.model_validate({"gateway": {"port": 9443}}), home, supervisor=supervisor,
+    apply(Settings.model_validate({"gateway": {"max_connections": 900}}), home, supervisor=supervisor,
           discover=lambda s, h: wanted)
     assert [c[0] for c in supervisor.calls if c[0] not in ("getAllProcessInfo",)] == [
         "reloadConfig", "stopProcessGroup", "removeProcessGroup", "addProcessGroup"]
