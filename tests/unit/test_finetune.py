@@ -17,7 +17,7 @@ import pytest
 
 from appliance.adapters import load
 from appliance.home import Home
-from appliance.jobs import Hyperparameters
+from appliance.jobs import Hyperparameters, Phase, Progress
 from audit import read_records
 from tests.support.appliances import APPLIANCE
 from tests.support.models import tiny_llama
@@ -98,6 +98,11 @@ def test_gate_scores_evaluation_sets_and_refuses_below_its_thresholds(workspace:
     assert 0 <= sets["scenarios"].base <= 1 and 0 <= sets["scenarios"].adapter <= 1
     if sets["scenarios"].adapter < 1.0:  # four steps rarely teach a random model the answer
         assert "scenario score" in result.stderr
+    # The trainer reported each of the gate's evaluations (2 sets x 3 seeds); then the runner, registering.
+    [report] = Path(env["APPLIANCE_HOME"], "finetune").glob("codes-sets-*/progress.json")
+    progress = Progress.model_validate_json(report.read_text())
+    assert (progress.phase, progress.evaluations, progress.evaluations_total, progress.step) == \
+        (Phase.REGISTERING, 6, 6, 4)
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "hi", "expect": "x"}) + "\n" + json.dumps({"prompt": "hi"}) + "\n")
     refused = finetune(env, model, "--name", "codes-bad", "--max-steps", "2", "--scenarios", str(bad))
