@@ -163,7 +163,7 @@ def test_jobs_and_adapters_screen_cancels_deploys_canaries_and_rolls_back(
         await pilot.press("j")
         key = str(job.id)
         await until(pilot, lambda: key in rows(app, "jobs"), "the job")
-        assert rows(app, "jobs")[key][1:7] == ["tui-job", "queued", "3/10", "1.250", "321", "-"]
+        assert rows(app, "jobs")[key][1:7] == ["tui-job", "queued", "step 3/10", "1.250", "321", "-"]
         await select_row(pilot, "jobs", key)
         await pilot.press("c")
         await pilot.press("y")
