@@ -92,6 +92,7 @@ def batch_from_row(row: sqlite3.Row) -> Batch:
     fields = {name: row[name] for name in Batch.model_fields if name in row.keys()}
     return Batch(**{**fields, "errors": json.loads(row["errors"]) if row["errors"] else None,
                     "metadata": json.loads(row["metadata"]) if row["metadata"] else None,
+                    "owner": row["username"],  # the row's owner is the token subject: an id, not a name
                     "request_counts": RequestCounts(total=row["total"], completed=row["completed"],
                                                     failed=row["failed"])})
 

@@ -95,6 +95,9 @@ class Batch(BaseModel):
     cancelled_at: int | None = None
     request_counts: RequestCounts
     metadata: dict[str, str] | None = None
+    # Not in OpenAI's object (its clients ignore a field they do not know): whose batch it is, so
+    # that listings of every user's batches can say.
+    owner: str | None = Field(None, description="The username of the user who created it.")
 
 
 class BatchAsk(BaseModel):

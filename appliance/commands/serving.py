@@ -79,16 +79,16 @@ def cache_flush() -> None:
 @batches_app.command("list")
 def batches_list(as_json: AsJson = False,
                  limit: Annotated[int, typer.Option(min=1, max=100, help="How many, newest first.")] = 20) -> None:
-    """Every user's batches: state, request counts, endpoint, when created."""
+    """Every user's batches: owner, state, request counts, endpoint, when created."""
     listed = admin_api("GET", "/batches", params={"limit": limit})
     if as_json:
         print_json(listed)
         return
-    table = Listing("batch", "state", "done", "failed", "total", "endpoint", "created")
+    table = Listing("batch", "owner", "state", "done", "failed", "total", "endpoint", "created")
     for batch in listed["data"]:
         counts = batch["request_counts"]
-        table.add_row(batch["id"], batch["status"], str(counts["completed"]), str(counts["failed"]),
-                      str(counts["total"]), batch["endpoint"], _when(batch["created_at"]))
+        table.add_row(batch["id"], batch.get("owner") or "-", batch["status"], str(counts["completed"]),
+                      str(counts["failed"]), str(counts["total"]), batch["endpoint"], _when(batch["created_at"]))
     out.print(table, crop=False)
 
 

@@ -287,3 +287,12 @@ def test_the_worker_fails_the_rest_of_a_batch_only_when_its_owner_can_no_longer_
     ended = batches.finalize(home, store, batches.to_finalize(home)[0])
     assert ended.request_counts.model_dump() == {"total": 4, "completed": 4 - failed, "failed": failed}
     assert len(sent) == 5 - failed, "no request of a batch its owner can no longer run is sent"
+
+
+def test_a_batch_names_its_owner_by_username_in_every_view(home: Home, store: LocalStore) -> None:
+    """Listings of every user's batches (the CLI, the TUI) say whose each is: the creator's
+    username, not their token's subject."""
+    made = create(home, store, upload(home, store, [line("a")], owner=BOB), owner=BOB)
+    assert made.owner == "bob"
+    assert batches.get(home, made.id, None).owner == "bob"
+    assert [b.owner for b in batches.listing(home, None)] == ["bob"]

@@ -50,12 +50,12 @@ def assert_whole(output: str, *ids: str) -> None:
 
 
 @pytest.mark.parametrize("width", WIDTHS)
-def test_batches_list_keeps_batch_ids_and_dates_whole(monkeypatch: pytest.MonkeyPatch, width: int) -> None:
-    batch = {"id": BATCH, "status": "in_progress", "endpoint": "/v1/chat/completions",
+def test_batches_list_keeps_batch_ids_owners_and_dates_whole(monkeypatch: pytest.MonkeyPatch, width: int) -> None:
+    batch = {"id": BATCH, "owner": OWNER, "status": "in_progress", "endpoint": "/v1/chat/completions",
              "created_at": 1796000000, "request_counts": {"completed": 1200, "failed": 3, "total": 5000}}
     answering(monkeypatch, serving, {"data": [batch]})
     output = drawn(monkeypatch, serving, width, lambda: serving.batches_list(as_json=False, limit=20))
-    assert_whole(output, BATCH, "/v1/chat/completions", "2026-11-30 00:53:20", "in_progress")
+    assert_whole(output, BATCH, OWNER, "/v1/chat/completions", "2026-11-30 00:53:20", "in_progress")
 
 
 @pytest.mark.parametrize("width", WIDTHS)

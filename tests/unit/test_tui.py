@@ -304,7 +304,7 @@ def replica(name: str) -> dict[str, Any]:
 
 
 def batch(batch_id: str, status: str) -> dict[str, Any]:
-    return {"id": batch_id, "status": status, "endpoint": "/v1/chat/completions",
+    return {"id": batch_id, "owner": "alice", "status": status, "endpoint": "/v1/chat/completions",
             "request_counts": {"total": 10, "completed": 4, "failed": 1}}
 
 

@@ -13,6 +13,7 @@ from appliance.home import Home
 from tests.unit.test_tui import (
     Fake,
     audit_record,
+    batch,
     cursor_key,
     refreshed,
     sample_answers,
@@ -71,5 +72,17 @@ def test_the_audit_screen_keeps_the_newest_record_in_view_until_the_user_moves(h
         fake.answers["/audit"] = [audit_record(seq) for seq in (15, 14, 13, 12, 11, 10)]
         await refreshed(pilot)
         assert cursor_key(app, "records") == "11"
+
+    with_fake(home, answers, scenario)
+
+
+def test_the_batches_table_names_each_batch_s_owner_at_80x24(home: Home) -> None:
+    answers = {**sample_answers(), "/batches": {"object": "list", "data": [
+        {**batch("batch_" + "e" * 24, "in_progress"), "owner": USER}]}}
+
+    async def scenario(pilot: Pilot[None], app: AdminApp, fake: Fake) -> None:
+        await show(pilot, "m")
+        lines = screen_lines(app)
+        assert any("batch_" + "e" * 24 in line and USER in line for line in lines), "\n".join(lines)
 
     with_fake(home, answers, scenario)
