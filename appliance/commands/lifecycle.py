@@ -11,13 +11,13 @@ from rich.console import Console
 from rich.measure import Measurement
 
 if TYPE_CHECKING:  # rich.table is imported only when something runs: `status` of a stopped appliance is instant
-    from rich.console import ConsoleOptions, RenderableType, RenderResult
+    from rich.console import ConsoleOptions, Group, RenderableType, RenderResult
     from rich.table import Column, Table
 
 from appliance import lifecycle
 from appliance.changes import records_change
 from appliance.home import Home
-from appliance.terminal import duration
+from appliance.terminal import Listing, duration, shown, text
 
 out = Console()
 err = Console(stderr=True)
@@ -95,9 +95,9 @@ def print_status(console: Console, report: dict[str, Any], *, wide: bool = False
     if wide:
         console.print(Unbounded(wide_table(report["programs"])), crop=False)
     else:
-        console.print(programs_table(report["programs"]))
+        console.print(programs_table(report["programs"]), crop=False)
     for pool in report["cluster"]:
-        console.print(cluster_table(pool))
+        console.print(cluster_table(pool), crop=False)
     if (up := report.get("up")) is not None and (line := up_line(up)) is not None:
         console.print(line, soft_wrap=True, highlight=False, markup=False)
     if (alerts := report.get("alerts")) is not None:
@@ -123,27 +123,11 @@ def alerts_line(alerts: dict[str, Any]) -> str:
     return f"alerts: unknown ({alerts['error']})" if alerts["error"] else f"alerts: {summary(alerts['firing'])}"
 
 
-def _table(*columns: Column, title: str | None = None) -> Table:
-    """No borders, one space between columns (as `ps`): room for the data at 80 columns."""
+def _table(*columns: Column) -> Table:
+    """No borders, one space between columns (as `ps` and the listings)."""
     from rich.table import Table
 
-    return Table(*columns, title=title, title_justify="left", box=None, padding=(0, 1, 0, 0), pad_edge=False,
-                 header_style="bold")
-
-
-def _word(header: str) -> Column:
-    """A column of single words (names, states, numbers): never broken inside one; shortened with
-    an ellipsis only if the terminal is too narrow even for the words themselves."""
-    from rich.table import Column
-
-    return Column(header, no_wrap=True, overflow="ellipsis")
-
-
-def _prose(header: str) -> Column:
-    """A column of a few words, wrapped between them."""
-    from rich.table import Column
-
-    return Column(header)
+    return Table(*columns, box=None, padding=(0, 1, 0, 0), pad_edge=False, header_style="bold")
 
 
 def _whole(header: str) -> Column:
@@ -153,9 +137,10 @@ def _whole(header: str) -> Column:
     return Column(header, no_wrap=True, overflow="ignore")
 
 
-def programs_table(programs: list[dict[str, Any]]) -> Table:
-    """The compact table: every value is short, so it fits 80 columns without breaking a word."""
-    table = _table(*map(_word, ("program", "state", "health", "uptime", "gpus", "serves", "model")))
+def programs_table(programs: list[dict[str, Any]]) -> Listing:
+    """The compact table: every value is short, so it fits 80 columns without breaking a word (on
+    a narrower terminal, a block of lines a program)."""
+    table = Listing("program", "state", "health", "uptime", "gpus", "serves", "model")
     for p in programs:
         table.add_row(p["name"], p["state"], _health(p), duration(p["uptime_s"]), gpu_ranges(p["gpus"]),
                       short_serves(p), p["model"] or "-")
@@ -164,8 +149,7 @@ def programs_table(programs: list[dict[str, Any]]) -> Table:
 
 def wide_table(programs: list[dict[str, Any]]) -> Table:
     """Every column and every URL (`name url`, one per line), at the table's natural width."""
-    table = _table(*map(_word, ("program", "pool", "state", "health", "pid", "uptime", "gpus", "model")),
-                   _whole("serves"))
+    table = _table(*map(_whole, ("program", "pool", "state", "health", "pid", "uptime", "gpus", "model", "serves")))
     for p in programs:
         urls = "\n".join(f"{name} {url}" for name, url in p["urls"].items()) or "-"
         table.add_row(p["name"], p["pool"] or "-", p["state"], _health(p), str(p["pid"] or "-"),
@@ -173,16 +157,17 @@ def wide_table(programs: list[dict[str, Any]]) -> Table:
     return table
 
 
-def cluster_table(pool: dict[str, Any]) -> Table:
-    """A pool spanning hosts: each rank's host, state, epoch and last heartbeat."""
+def cluster_table(pool: dict[str, Any]) -> Group:
+    """A pool spanning hosts, titled with its state: each rank's host, state, epoch and last heartbeat."""
+    from rich.console import Group
+
     title = f"pool {pool['pool']} across hosts: {'serving' if pool['ready'] else pool['why']} (epoch {pool['epoch']})"
-    table = _table(_word("node"), _word("host"), _prose("host state"), _word("rank"), _word("pid"), _word("epoch"),
-                   _prose("last heartbeat"), title=title)
+    table = Listing("node", "host", text("host state"), "rank", "pid", "epoch", text("last heartbeat"))
     for rank in pool["ranks"]:
         seen = rank["seen_s_ago"]
         table.add_row(str(rank["node"]), rank["host"], rank["host_state"], "up" if rank["running"] else "down",
                       str(rank["pid"] or "-"), str(rank["epoch"]), "-" if seen is None else f"{seen:.1f} s ago")
-    return table
+    return Group(shown(title), table)
 
 
 class Unbounded:
