@@ -283,6 +283,11 @@ class Registry(BaseModel):
         return ServingChange(pool=alias.pool if alias is not None else None, unload=retired)
 
 
+def deploy_pool(alias: Alias | None, pools: list[str]) -> str | None:
+    """The pool a deploy that names none serves a name on: the one it is served on, else the first."""
+    return alias.pool if alias is not None else next(iter(pools), None)
+
+
 def not_deployed(name: str, consequence: str) -> str:
     """The refusal for a name rolled back past its first version (it serves nothing): what that
     means here, and how to serve it again."""

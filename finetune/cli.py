@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from appliance import jobs
+from appliance import adapters, jobs
 from appliance.artifacts import artifact_store
 from appliance.changes import note_target, records_change
 from appliance.commands.common import AsJson, print_json
@@ -21,7 +21,7 @@ from appliance.errors import ApplianceError, Invalid, NotFound
 from appliance.home import Home
 from appliance.model_refs import checkpoint
 from appliance.progress import byte_progress
-from appliance.settings import DEMO_MODEL, load_settings
+from appliance.settings import DEMO_MODEL, Settings, load_settings
 from appliance.terminal import Listing, text
 from finetune import evalsets
 from finetune.datasets import (
@@ -161,7 +161,21 @@ def _check(name: str, data: str, base: str, home: Home) -> None:
     if data not in registry:
         raise NotFound(f"no dataset named {data!r}",
                        hint=f"datasets: {', '.join(sorted(registry)) or 'none'}")
-    checkpoint(base, home, load_settings(home.settings_file), what="--base")
+    settings = load_settings(home.settings_file)
+    checkpoint(base, home, settings, what="--base")
+    if (warning := deploy_warning(settings, adapters.load(home).aliases.get(name), name)) is not None:
+        Console(stderr=True).print(warning, markup=False, highlight=False)
+
+
+def deploy_warning(settings: Settings, alias: adapters.Alias | None, name: str) -> str | None:
+    """What to tell someone about to train `name` whose pool would not serve it (enable_lora off)."""
+    served_on = adapters.deploy_pool(alias, [pool.name for pool in settings.pools])
+    pool = next((pool for pool in settings.pools if pool.name == served_on), None)
+    if pool is None or pool.enable_lora:
+        return None
+    return (f"warning: engine pool {pool.name!r}, where {name} would deploy, does not serve adapters: the adapter "
+            f"will train but not deploy until `appliance settings set pools.{pool.name}.enable_lora true` and "
+            "`appliance settings apply`")
 
 
 # Options shared by `submit` and `run`; their defaults are a job's (jobs.Hyperparameters says them once).

@@ -27,7 +27,15 @@ from pathlib import Path
 import anyio
 
 from appliance import adapters
-from appliance.adapters import AdapterRecord, Alias, Registry, ServingChange, check_base, not_deployed
+from appliance.adapters import (
+    AdapterRecord,
+    Alias,
+    Registry,
+    ServingChange,
+    check_base,
+    deploy_pool,
+    not_deployed,
+)
 from appliance.artifacts import ArtifactStore
 from appliance.canary import CanaryAnalysis
 from appliance.durable import replace_file
@@ -103,7 +111,8 @@ class AdapterRoutes:
     async def deploy(self, name: str, version: int | None, pool_name: str | None, roles: list[Role] | None) -> Alias:
         """Serve `version` (default: the newest that passed its gate) under `name`, all requests."""
         current = self.registry().aliases.get(name)
-        pool = self.upstreams.pool(pool_name or (current.pool if current else self.upstreams.pools[0].name))
+        pool = self.upstreams.pool(pool_name or deploy_pool(current, [pool.name for pool in self.upstreams.pools])
+                                   or "")
         return await self._change(name, lambda registry: registry.deploy(name, version, pool.name, roles))
 
     async def canary(self, name: str, version: int, share: float, analysis: CanaryAnalysis | None = None) -> Alias:

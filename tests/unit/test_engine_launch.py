@@ -35,11 +35,20 @@ def test_cpu_demo_pool(home: Home) -> None:
     assert flag(argv, "--uds") == str(home.run / "engines" / "main.sock") and "--port" not in argv
     assert flag(argv, "--dtype") == "float32" and flag(argv, "--max-model-len") == "2048"
     assert flag(argv, "--gpu-memory-utilization") == "0.3"
-    assert "--enforce-eager" in argv and "--enable-lora" not in argv
+    assert "--enforce-eager" in argv
+    # Adapters are served by default (pools.NAME.enable_lora), loaded at run time.
+    assert "--enable-lora" in argv and flag(argv, "--max-lora-rank") == "16" and flag(argv, "--max-loras") == "4"
+    assert launch.environment["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
     assert launch.environment["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert launch.environment["VLLM_API_KEY"] == "k"
     assert "k" not in argv, "the API key must not appear on the command line"
     assert "VLLM_CPU_OMP_THREADS_BIND" not in launch.environment
+
+
+def test_a_pool_told_not_to_serve_adapters_starts_without_lora(home: Home) -> None:
+    settings = Settings(engine=EngineSettings(device="cpu"), pools=[PoolSettings(name="main", enable_lora=False)])
+    launch = build_launch(settings.pools[0], settings, home, api_key="k")
+    assert "--enable-lora" not in launch.argv and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in launch.environment
 
 
 def test_the_engine_logs_at_info_whatever_its_parent_imported(home: Home, monkeypatch: pytest.MonkeyPatch) -> None:
