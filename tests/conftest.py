@@ -62,6 +62,7 @@ RUN_ORDER = [
     "tests/integration/test_audit_trail.py",
     "tests/integration/test_lifecycle_errors.py",
     "tests/integration/test_lifecycle_resume.py",
+    "tests/integration/test_day_one.py",
     "tests/integration/test_attacks.py",
     "tests/integration/test_exec_sandbox.py",
     "tests/integration/test_network.py",

@@ -47,7 +47,6 @@ SESSION_SETTINGS = {
     "APPLIANCE_GATEWAY__INTROSPECT_TTL_S": "1",
     "APPLIANCE_AUDIT__MAX_FILE_BYTES": "65536",
     "APPLIANCE_AUDIT__ARCHIVE_INTERVAL_S": "2",
-    "APPLIANCE_POOLS__MAIN__ENABLE_LORA": "true",  # tests/integration/test_adapters.py
     # test_compliance_filter: a role whose cards in prompts are redacted (the engine sees it) and let out in answers.
     "APPLIANCE_COMPLIANCE__ROLES": '{ admin = { prompts = { payment_card = "redact" }, '
                                    'answers = { payment_card = "allow" } } }',
