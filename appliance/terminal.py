@@ -57,6 +57,7 @@ def text(header: str) -> Field:
 
 
 TEXT_MIN = 12  # the narrowest a text column is wrapped to before it is left out instead
+WORD_MAX = 30  # a longer word in a text column (a path, a URL) may be folded rather than leave it out
 
 
 class Listing:
@@ -82,19 +83,30 @@ class Listing:
         lines = [self.fields[index].header, *(line for row in self.rows for line in row[index].plain.split("\n"))]
         return max(cell_len(line) for line in lines)
 
-    def fitting(self, width: int) -> list[int] | None:
-        """The columns shown at `width`: every whole one, and the text ones that still fit from the
-        left; None when the whole ones alone do not fit side by side."""
-        naturals = [self.natural(i) for i in range(len(self.fields))]
-        kept = list(range(len(self.fields)))
+    def narrowest(self, index: int) -> int:
+        """The narrowest a text column is wrapped to: its longest word (up to WORD_MAX, past which
+        a word is folded), at least TEXT_MIN, at most its natural width."""
+        words = [self.fields[index].header, *(word for row in self.rows for word in row[index].plain.split())]
+        return min(self.natural(index), max(TEXT_MIN, min(WORD_MAX, max(map(cell_len, words)))))
 
-        def needed() -> int:  # one space between columns
-            widths = (naturals[i] if self.fields[i].whole else min(naturals[i], TEXT_MIN) for i in kept)
-            return sum(widths) + len(kept) - 1
+    def fitting(self, width: int) -> dict[int, int] | None:
+        """The columns shown at `width` and their widths: every whole one at its natural width, and
+        the text ones that still fit from the left, sharing what room is left; None when the whole
+        ones alone do not fit side by side."""
+        kept = {i: self.natural(i) if field.whole else self.narrowest(i) for i, field in enumerate(self.fields)}
 
-        while needed() > width and (wrapping := [i for i in kept if not self.fields[i].whole]):
-            kept.remove(wrapping[-1])
-        return kept if needed() <= width else None
+        def room() -> int:  # one space between columns
+            return width - sum(kept.values()) - (len(kept) - 1)
+
+        while room() < 0 and (wrapping := [i for i in kept if not self.fields[i].whole]):
+            del kept[wrapping[-1]]
+        if room() < 0:
+            return None
+        growing = [i for i in kept if not self.fields[i].whole]
+        while room() > 0 and (short := [i for i in growing if kept[i] < self.natural(i)]):
+            for i in short[:room()]:
+                kept[i] += 1
+        return kept
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         kept = self.fitting(options.max_width)
@@ -107,14 +119,15 @@ class Listing:
             yield Text(f"(left out at this width: {', '.join(left_out)}; a wider terminal or --json shows them)",
                        style="dim")
 
-    def _table(self, kept: list[int]) -> Table:
+    def _table(self, widths: dict[int, int]) -> Table:
         from rich.table import Column, Table
 
-        columns = [Column(self.fields[i].header, no_wrap=True, overflow="ignore", min_width=self.natural(i))
-                   if self.fields[i].whole else Column(self.fields[i].header, overflow="fold") for i in kept]
+        # Fixed widths, computed above: Rich's own shrinking would take from the whole columns too.
+        columns = [Column(self.fields[i].header, width=width, no_wrap=self.fields[i].whole,
+                          overflow="ignore" if self.fields[i].whole else "fold") for i, width in widths.items()]
         table = Table(*columns, box=None, padding=(0, 1, 0, 0), pad_edge=False, header_style="bold")
         for row in self.rows:
-            table.add_row(*(row[i] for i in kept))
+            table.add_row(*(row[i] for i in widths))
         return table
 
     def _blocks(self, width: int) -> Iterator[RenderableType]:

@@ -7,14 +7,15 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
-from rich.table import Column, Table
+from rich.console import Console, Group
+from rich.text import Text
 
 from appliance.changes import records_change
 from appliance.engine_build import engine_cuda_version, installed_engine
 from appliance.home import Home
 from appliance.records import HardwareProfile, Host
 from appliance.settings import Settings, load_settings
+from appliance.terminal import Listing, text
 from installer import demo_model, hardware, keycloak, keycloak_dist, preflight
 
 model_app = typer.Typer(help="Models on this host.", no_args_is_help=True)
@@ -82,7 +83,7 @@ def _print_profile(record: HardwareProfile) -> None:
     for host in record.hosts:
         out.print(f"[bold]{host.name}[/bold]: {host.cpu_model or 'CPU ?'}, {host.cpu_cores or '?'} cores, "
                   f"RAM {_gib(host.ram_bytes)}, NUMA nodes {host.numa_nodes or '?'}", highlight=False)
-        out.print(_gpu_table(host) if host.gpus else "no NVIDIA GPU: the CPU engine will be used")
+        out.print(_gpu_table(host) if host.gpus else "no NVIDIA GPU: the CPU engine will be used", crop=False)
         for error in host.gpu_errors:
             out.print(f"[red]unreadable[/red] {error}", highlight=False)
         for disk in host.disks:
@@ -94,18 +95,18 @@ def _print_profile(record: HardwareProfile) -> None:
             out.print(f"nic {nic.name}: {nic.kind}, {speed}", highlight=False)
 
 
-def _gpu_table(host: Host) -> Table:
+def _gpu_table(host: Host) -> Group:
     title = (f"driver {host.driver_version or '?'}, CUDA {host.cuda_version or '?'}, "
              f"NVLink all-to-all: {'yes' if host.nvlink_all_to_all else 'no'}")
-    table = Table("gpu", "name", "memory", "cc", "numa", "pci", "nvlink peers (links)", "mig", "ecc",
-                  "remap pending", title=title)
+    table = Listing("gpu", "name", "memory", "cc", "numa", "pci", "nvlink peers (links)", "mig", "ecc",
+                    "remap pending")
     for gpu in host.gpus:
         peers = ",".join(map(str, gpu.nvlink_peers)) or "-"
         table.add_row(str(gpu.index), gpu.name, _gib(gpu.memory_bytes), gpu.compute_capability or "-",
                       "-" if gpu.numa_node is None else str(gpu.numa_node), gpu.pci_bus_id or "-",
                       f"{peers} ({gpu.nvlink_links})", "on" if gpu.mig_enabled else "off",
                       str(gpu.ecc_errors), "yes" if gpu.remapped_rows_pending else "no")
-    return table
+    return Group(Text(title), table)
 
 
 def preflight_command(
@@ -156,8 +157,7 @@ _STATUS_STYLE = {"pass": "green", "skip": "dim", "warn": "yellow", "fail": "red"
 
 
 def _print_checks(checks: list[preflight.Check]) -> None:
-    table = Table(*(Column(name, overflow="fold") for name in ("check", "status", "reason", "fix")))
+    table = Listing("check", "status", text("reason"), text("fix"))
     for check in checks:
-        style = _STATUS_STYLE[check.status]
-        table.add_row(check.name, f"[{style}]{check.status}[/{style}]", check.reason, check.fix or "")
-    out.print(table)
+        table.add_row(check.name, Text(check.status, style=_STATUS_STYLE[check.status]), check.reason, check.fix or "")
+    out.print(table, crop=False)

@@ -8,12 +8,12 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from appliance.errors import ApplianceError, Invalid
 from appliance.home import Home
 from appliance.records import HardwareProfile, Plan, PlanLayout
 from appliance.settings import PoolSettings, load_settings
+from appliance.terminal import Listing, text
 from installer import cli_plan_train
 from installer.hardware import detect, load_profile, parse_hardware_spec
 from installer.memory import GIB
@@ -149,8 +149,9 @@ def _explain(record: Plan) -> None:
     if len(record.alternatives) > 5:
         out.print(f"  and {len(record.alternatives) - 5} more that fit (--json lists all)")
     closest = sorted(record.rejected, key=lambda item: -item.layout.gpus)[:12]
-    rejected = Table("rejected layout", "why", title=f"{len(record.rejected)} layouts rejected; "
-                     f"the {len(closest)} largest (--json lists all)")
+    out.print(f"{len(record.rejected)} layouts rejected; the {len(closest)} largest (--json lists all)",
+              highlight=False)
+    rejected = Listing("rejected layout", text("why"))
     for item in closest:
         rejected.add_row(_layout(item.layout), item.reason)
-    out.print(rejected)
+    out.print(rejected, crop=False)

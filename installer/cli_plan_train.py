@@ -6,10 +6,10 @@ import json
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from appliance.errors import Invalid
 from appliance.records import HardwareProfile
+from appliance.terminal import Listing, text
 from installer.memory import GIB
 from installer.model_config import ModelShape
 from installer.train_memory import DEFAULT_TARGETS, METHODS, TrainSpec
@@ -64,21 +64,23 @@ def _explain(record: TrainPlan) -> None:
         word = "[green]smallest that fits[/green]" if record.feasible else "[red]fits only on more hosts[/red]"
         out.print(f"{word}: {_where(layout['ranks'], layout['hosts'], device)} (FSDP2 over all ranks)")
         out.print(f"gradient checkpointing {record.checkpointing_why}", highlight=False)
-        split = Table("per rank", "bytes", title=f"{_gib(per_rank['total'])} of a {_gib(per_rank['budget'])} budget")
+        out.print(f"{_gib(per_rank['total'])} of a {_gib(per_rank['budget'])} budget", highlight=False)
+        split = Listing("per rank", "bytes")
         for key, label in (("base_shard", "base shard"), ("quant_state", "quant state (NF4, on every rank)"),
                            ("adapter", "adapter (fp32 shard)"), ("optimizer", "adapter gradients + AdamW"),
                            ("activations_without_checkpointing", "activations without checkpointing"),
                            ("activations_with_checkpointing", "activations with checkpointing"),
                            ("buffers", "FSDP collective buffers"), ("runtime", "runtime")):
             split.add_row(label, _gib(per_rank[key]))
-        out.print(split)
+        out.print(split, crop=False)
     else:
         out.print(f"[red]no layout fits on up to {MAX_HOSTS} hosts like these[/red]")
     for note in record.notes:
         out.print(f"note: {note}", highlight=False)
-    rejected = Table("layout", "why it does not fit", title=f"{len(record.rejected)} smaller layouts rejected; "
-                     "the 12 largest (--json lists all)")
+    rejected = Listing("layout", text("why it does not fit"))
     for item in record.rejected[-12:]:
         rejected.add_row(_where(item["ranks"], item["hosts"], device), item["reason"])
     if record.rejected:
-        out.print(rejected)
+        out.print(f"{len(record.rejected)} smaller layouts rejected; the 12 largest (--json lists all)",
+                  highlight=False)
+        out.print(rejected, crop=False)

@@ -165,3 +165,16 @@ def test_appliance_alerts_does_not_count_the_heartbeat(monkeypatch: pytest.Monke
     assert output.splitlines()[-1].startswith("heartbeat ok")
     answering(monkeypatch, alerts, [])
     assert drawn(monkeypatch, alerts, 80, lambda: alerts.alerts(json=False)) == "alerts: none firing\n"
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_preflight_checks_wrap_their_reasons_between_words(monkeypatch: pytest.MonkeyPatch, width: int) -> None:
+    import installer.cli
+    from installer import preflight
+
+    check = preflight.Check(name="nvidia-driver-version", status="warn",
+                            reason="the driver 535.104.05 is older than CUDA 12.4's minimum 550.54.14",
+                            fix="install driver 550 or newer: sudo apt install nvidia-driver-550")
+    output = drawn(monkeypatch, installer.cli, width, lambda: installer.cli._print_checks([check]))
+    assert_whole(output, "nvidia-driver-version", "535.104.05", "550.54.14", "nvidia-driver-550")
+    assert max(map(len, output.splitlines())) <= width
