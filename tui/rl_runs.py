@@ -47,17 +47,19 @@ def run_line(run: RunReport) -> str:
                 "corrections")
         if p is not None:
             line += f"; first answers passed {p.first_pass_rate:.0%}"
+    if p is not None:
+        line += f"; {p.attempts_done}/{p.attempts_planned} attempts, mean reward {p.mean_reward:.3f}"
     if p is not None and run.state == JobState.RUNNING:
         line += f"; sandbox queue {p.queue_depth}, {p.workers} workers"
     return f"{line}\n{run.message}" if run.message else line
 
 
 def run_cells(run: RunReport) -> tuple[object, ...]:
-    """A run's row: what it trains on and how far it got."""
+    """A run's row: what it trains on, whole (its attempts and reward are in `run_line`, to keep
+    80 columns), and how far it got."""
     p = run.progress
-    return (run.id, shown(clip(run.spec.adapter or run.spec.base, 22)), shown(clip(run.spec.tasks, 12)), run.state,
-            f"{p.attempts_done}/{p.attempts_planned}" if p else "-", f"{p.pass_rate:.0%}" if p else "-",
-            f"{p.mean_reward:.3f}" if p else "-")
+    return (run.id, shown(run.spec.adapter or run.spec.base), shown(run.spec.tasks), run.state,
+            f"{p.pass_rate:.0%}" if p else "-")
 
 
 class RlRuns(Panel):
@@ -97,14 +99,14 @@ class RlRuns(Panel):
     def on_mount(self) -> None:
         self.query_one("#tasksets", DataTable).add_columns("name", "tasks", "train", "held out", "source",
                                                          "sha256", "added")
-        self.query_one("#runs", DataTable).add_columns("run", "model", "tasks", "state", "done", "pass", "reward")
+        self.query_one("#runs", DataTable).add_columns("run", "model", "tasks", "state", "pass")
         self.query_one("#attempts", DataTable).add_columns("task", "sample", "round", "status", "tests", "reward",
                                                          "why")
         self.fill("attempts", [])  # none until asked for: its note says how
 
     async def load(self) -> None:
         tasksets = [TaskSet.model_validate(t) for t in await self.client.call("GET", "/rl/tasksets")]
-        self.fill("tasksets", [(t.name, (shown(clip(t.name, 16)), t.tasks, t.train, t.held_out,
+        self.fill("tasksets", [(t.name, (shown(t.name), t.tasks, t.train, t.held_out,
                                          shown(clip(t.source, 14)), t.sha256[:8], t.created[:10]))
                                for t in tasksets])
         listed = [RunReport.model_validate(r) for r in await self.client.call("GET", "/rl/runs")]

@@ -86,3 +86,17 @@ def test_the_batches_table_names_each_batch_s_owner_at_80x24(home: Home) -> None
         assert any("batch_" + "e" * 24 in line and USER in line for line in lines), "\n".join(lines)
 
     with_fake(home, answers, scenario)
+
+
+def test_the_rl_runs_table_shows_model_and_task_set_whole_at_80x24(home: Home) -> None:
+    """Their attempts and mean reward, for which the row has no room, are in the selected run's line."""
+
+    async def scenario(pilot: Pilot[None], app: AdminApp, fake: Fake) -> None:
+        await show(pilot, "e")
+        lines = screen_lines(app)
+        assert any("Qwen2.5-Coder-32B-Instruct-AWQ" in line and "starter-python-functions" in line
+                   for line in lines), "\n".join(lines)
+        await select(pilot, "runs", "2")
+        assert "30/40 attempts, mean reward 0.512" in shown_text(app, "run")
+
+    with_fake(home, sample_answers(), scenario)
