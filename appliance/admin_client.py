@@ -1,6 +1,7 @@
 """The one client of the gateway's admin API, for the CLI (blocking calls) and the TUI (async, so
 its screens never wait): one notion of where the gateway is, one login (the cached Keycloak token,
-refreshed near its expiry) and one reading of its answers."""
+refreshed near its expiry; or, for the TUI, a session of its own taken from it at start) and one
+reading of its answers."""
 
 from __future__ import annotations
 
@@ -37,9 +38,13 @@ class Refused(ApplianceError):
         self.reason = reason
 
 
-def _answer(response: httpx.Response, method: str, path: str, token: login.CachedToken) -> Any:
+CLI_AGAIN = "log in again: `appliance token`"  # how the CLI's cached login is made again
+
+
+def _answer(response: httpx.Response, method: str, path: str, token: login.CachedToken,
+            again: str = CLI_AGAIN) -> Any:
     if response.status_code == 401:
-        raise NotLoggedIn("the gateway refused the login (expired or revoked)", hint="log in again: `appliance token`")
+        raise NotLoggedIn(f"the gateway refused the login as {token.username} (expired or revoked)", hint=again)
     if response.status_code >= 400:
         try:
             reason = response.json()["error"]["message"]
@@ -62,10 +67,13 @@ def _who(token: login.CachedToken) -> str:
 
 
 class AdminClient:
-    """Calls to /admin with a bearer token from the login cache."""
+    """Calls to /admin with a bearer token from the login cache, or from `session` when given (a
+    long-running program's own login, which a later login at the CLI leaves as it is)."""
 
-    def __init__(self, connection: Connection, timeout_s: float = 60.0) -> None:
+    def __init__(self, connection: Connection, timeout_s: float = 60.0, session: login.Session | None = None) -> None:
         self.connection = connection
+        self.session = session
+        self.again = session.again if session is not None else CLI_AGAIN
         self.base_url = connection.gateway
         self.timeout_s = timeout_s
         self._http: httpx.AsyncClient | None = None  # made on the first async call (the CLI makes none)
@@ -77,11 +85,11 @@ class AdminClient:
 
     def _token(self) -> login.CachedToken:
         try:
-            return login.current_token(self.connection)
+            return self.session.token() if self.session is not None else login.current_token(self.connection)
+        except login.KeycloakUnreachable as exc:  # a refresh to try again, not a login that ended
+            raise Unreachable(exc.message, hint=exc.hint) from exc
         except login.LoginError as exc:
             raise NotLoggedIn(exc.one_line()) from exc
-        except httpx.HTTPError as exc:
-            raise Unreachable(f"Keycloak at {self.connection.realm_url} does not answer: {exc}") from exc
 
     def _unreachable(self, exc: httpx.HTTPError) -> Unreachable:
         return Unreachable(f"the gateway at {self.base_url} does not answer ({type(exc).__name__})",
@@ -96,7 +104,7 @@ class AdminClient:
                                         headers={"Authorization": f"Bearer {token.access_token}"})
         except httpx.HTTPError as exc:
             raise self._unreachable(exc) from exc
-        return _answer(response, method, path, token)
+        return _answer(response, method, path, token, self.again)
 
     async def call(self, method: str, path: str, **kwargs: Any) -> Any:
         """As `call_sync`, without blocking the event loop (a token refresh runs in a thread)."""
@@ -106,7 +114,7 @@ class AdminClient:
                                                 headers={"Authorization": f"Bearer {token.access_token}"})
         except httpx.HTTPError as exc:
             raise self._unreachable(exc) from exc
-        return _answer(response, method, path, token)
+        return _answer(response, method, path, token, self.again)
 
     async def username(self) -> str:
         return (await asyncio.to_thread(self._token)).username
@@ -120,8 +128,8 @@ class AdminClient:
         except httpx.HTTPError as exc:
             raise self._unreachable(exc) from exc
         if response.status_code == 401:
-            raise NotLoggedIn("the gateway refused the login (expired or revoked)",
-                              hint="log in again: `appliance token`")
+            raise NotLoggedIn(f"the gateway refused the login as {token.username} (expired or revoked)",
+                              hint=self.again)
         if response.status_code != 200:
             raise Refused(response.status_code, response.text[:300], "GET /metrics", hint=_who(token))
         return response.text

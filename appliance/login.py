@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import json
 import re
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -224,16 +225,58 @@ def _checked(token: CachedToken) -> CachedToken:
 
 
 def current_token(connection: Connection) -> CachedToken:
-    """The cached token, refreshed if it is about to expire."""
-    token = cached_login(connection)
+    """The cached token, refreshed (and cached again) if it is about to expire."""
+    cached = cached_login(connection)
+    token = refreshed(connection, cached, "the cached login", "run `appliance token` again")
+    if token is not cached:
+        save(connection, token)
+    return token
+
+
+def refreshed(connection: Connection, token: CachedToken, whose: str, again: str) -> CachedToken:
+    """`token` while it is not about to expire, else a new one from its refresh token (not cached).
+    LoginError saying that `whose` login ended and `again` (how to log in again) when it cannot be."""
     now = time.time()
     if token.expires_at - now > MARGIN_S:
         return token
     if not token.refresh_token or token.refresh_expires_at <= now:
-        raise LoginError("the cached login has expired", hint="run `appliance token` again")
+        raise LoginError(f"{whose} has expired", hint=again)
     response = _post(connection, "token", {"grant_type": "refresh_token", "refresh_token": token.refresh_token})
     if response.status_code != 200:
-        raise _refused(response)
-    token = CachedToken.from_response(token.username, response.json())
-    save(connection, token)
-    return token
+        refused = _refused(response)
+        raise LoginError(f"{whose} has ended: {refused.message}", hint=again)
+    return CachedToken.from_response(token.username, response.json())
+
+
+class Session:
+    """A login a long-running program (the TUI) holds for itself: taken from the cache at its first
+    use, then refreshed in memory and never written back, so a later `appliance token` for another
+    user does not change whose requests it sends. Only `adopt` (a login made in the program) does.
+    `again` says how to log in again once it ends. Safe to use from several threads."""
+
+    def __init__(self, connection: Connection, again: str) -> None:
+        self.connection = connection
+        self.again = again
+        self._token: CachedToken | None = None
+        self._lock = threading.Lock()
+
+    def token(self) -> CachedToken:
+        """The held token, refreshed near its expiry. LoginError once it can no longer be."""
+        with self._lock:
+            if self._token is None:
+                try:
+                    self._token = current_token(self.connection)
+                except KeycloakUnreachable:
+                    raise
+                except LoginError as exc:
+                    exc.hint = self.again
+                    raise
+                return self._token
+            self._token = refreshed(self.connection, self._token, f"the login as {self._token.username}",
+                                    self.again)
+            return self._token
+
+    def adopt(self, token: CachedToken) -> None:
+        """Hold `token` from now on (a login made in the program itself)."""
+        with self._lock:
+            self._token = token

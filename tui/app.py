@@ -1,5 +1,7 @@
-"""`appliance tui`: the administrator's terminal app. It logs in with the cached token (or the
-device-code flow) and reaches the appliance only through the gateway's admin API and metrics."""
+"""`appliance tui`: the administrator's terminal app. It takes the cached login at start (or logs
+in with the device-code flow) and holds it as its own session, so a later `appliance token` for
+another user leaves it as it is; it reaches the appliance only through the gateway's admin API and
+metrics."""
 
 from __future__ import annotations
 
@@ -55,11 +57,12 @@ class Login(ModalScreen[bool]):
 
     def _login(self) -> None:
         try:
-            login.device_login(self.app.client.connection, self._show)
+            token = login.device_login(self.app.session.connection, self._show)
         except login.LoginError as exc:
             self.app.call_from_thread(self.query_one("#login-text", Static).update,
                                       f"Login failed: {exc.one_line()}\nPress r to try again.")
             return
+        self.app.session.adopt(token)
         self.app.call_from_thread(self.dismiss, True)
 
 
@@ -81,7 +84,8 @@ class AdminApp(App[None]):
         super().__init__()
         self.settings = settings
         self.home = home
-        self.client = AdminClient(connections.current(lambda: (settings, home)))
+        self.session = login.Session(connections.current(lambda: (settings, home)), again="press L to log in again")
+        self.client = AdminClient(self.session.connection, session=self.session)
 
     async def on_mount(self) -> None:
         self.sub_title = self.client.base_url

@@ -137,7 +137,7 @@ class Panel(Screen[None]):
             self.show_problem(f"{exc} - retrying every {self.REFRESH_S:.0f} s")
             return False
         except NotLoggedIn as exc:
-            self.show_problem(f"Not logged in: {exc} - press L to log in")
+            self.show_problem(f"Not logged in: {exc.one_line()}")
             return False
         except Refused as exc:
             self.notify(exc.reason, title=f"refused ({exc.status})", severity="error", timeout=8, markup=False)

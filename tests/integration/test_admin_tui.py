@@ -6,6 +6,7 @@ for a stopped gateway and an expired login, the device-code login, and a run in 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import json
 import os
@@ -314,9 +315,11 @@ def test_banner_for_a_stopped_gateway_and_an_expired_login_then_device_login(app
             supervisor.call("startProcess", "gateway", True)
         await until(pilot, lambda: banner(app) is None, "the banner gone after the gateway came back")
 
-        cached = json.loads(cache.read_text())
-        cache.write_text(json.dumps({**cached, "expires_at": time.time() - 60, "refresh_expires_at": time.time() - 1}))
+        # The TUI holds its own session (the cache is the CLI's): that session expires.
+        held = app.session.token()
+        app.session.adopt(dataclasses.replace(held, expires_at=time.time() - 60, refresh_expires_at=time.time() - 1))
         await until(pilot, lambda: "Not logged in" in (banner(app) or ""), "the expired-login banner")
+        assert "the login as admin has expired; press L to log in again" in (banner(app) or "")
         await pilot.press("L")
         await until(pilot, lambda: "approve the code" in text(app, "login-text"), "the device code")
         url = re.search(r"Open (\S+)", text(app, "login-text")).group(1)
