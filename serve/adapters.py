@@ -39,7 +39,7 @@ from appliance.adapters import (
 from appliance.artifacts import ArtifactStore
 from appliance.canary import CanaryAnalysis
 from appliance.durable import replace_file
-from appliance.errors import ApplianceError, Conflict, IntegrityError
+from appliance.errors import ApplianceError, Conflict, IntegrityError, NotFound
 from appliance.home import Home
 from appliance.model_refs import model_dir
 from appliance.records import config_sha256
@@ -119,6 +119,15 @@ class AdapterRoutes:
         """Send `share` of the requests for `name` to `version`, the rest to the stable version;
         with `analysis`, judged window by window and promoted or aborted (serve.canary)."""
         return await self._change(name, lambda registry: registry.canary(name, version, share, analysis))
+
+    def canary_status(self, name: str) -> dict[str, object]:
+        """`name`'s canary as it runs: the two versions, the canary's share and, when it is judged,
+        its current window (`analysis`; None when it is not). NotFound when it has no canary."""
+        alias = self.registry().alias(name)
+        if alias.canary is None:
+            raise NotFound(f"adapter {name!r} has no canary")
+        return {"stable": alias.stable, "canary": alias.canary, "canary_share": alias.canary_share,
+                "analysis": self.canaries.status(name, alias)}
 
     async def rollback(self, name: str) -> Alias:
         """Drop the canary if there is one; else serve the version served before (or, past the

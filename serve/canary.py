@@ -148,19 +148,11 @@ class CanaryWatch:
         ended = []
         with self._lock:
             now = self.clock()
-            for name, old in list(self._windows.items()):
-                alias = aliases.get(name)
-                if alias is None or (alias.stable, alias.canary, alias.canary_analysis) != \
-                        (old.stable, old.canary, old.policy):
-                    del self._windows[name]
+            for name in [name for name in self._windows if name not in aliases]:
+                del self._windows[name]
             for name, alias in aliases.items():
-                if alias.canary is None or alias.stable is None or alias.canary_analysis is None:
-                    continue
-                if name not in self._windows:
-                    self._windows[name] = Window(alias.stable, alias.canary, alias.canary_analysis, now)
-                    continue
-                window = self._windows[name]
-                if now - window.started < window.policy.window_s:
+                window = self._follow(name, alias, now)
+                if window is None or now - window.started < window.policy.window_s:
                     continue
                 verdict = judge(window.policy, window.of(window.stable) or WindowFigures(),
                                 window.of(window.canary) or WindowFigures())
@@ -172,8 +164,23 @@ class CanaryWatch:
                     del self._windows[name]  # the alias changes next; a new canary starts afresh
         return ended
 
-    def status(self, name: str) -> dict[str, object] | None:
+    def _follow(self, name: str, alias: Alias, now: float) -> Window | None:
+        """The window of `alias`'s analysed canary, begun `now` if it has none yet or one of another
+        canary (or policy); None, its window dropped, when it has no analysed canary. Under the lock."""
+        if alias.canary is None or alias.stable is None or alias.canary_analysis is None:
+            self._windows.pop(name, None)
+            return None
+        window = self._windows.get(name)
+        if window is None or (window.stable, window.canary, window.policy) != \
+                (alias.stable, alias.canary, alias.canary_analysis):
+            window = self._windows[name] = Window(alias.stable, alias.canary, alias.canary_analysis, now)
+        return window
+
+    def status(self, name: str, alias: Alias) -> dict[str, object] | None:
+        """The current window of `alias`'s analysed canary (begun now if the watch has not seen it
+        yet: a canary just started, a gateway just restarted); None when it is not analysed."""
         with self._lock:  # figures copied under the lock, summed up outside it
-            window = self._windows.get(name)
-            found, now = (None if window is None else window.copy()), self.clock()
+            now = self.clock()
+            window = self._follow(name, alias, now)
+            found = None if window is None else window.copy()
         return None if found is None else found.status(now)

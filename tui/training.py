@@ -120,14 +120,15 @@ class Training(Panel):
                                        if status is not None})
 
     async def _analysis(self, name: str) -> dict[str, Any] | None:
-        """A canary's analysis as it runs; None before its first window has begun."""
+        """A canary's analysis as it runs; None when it has none (ended since the list was read)."""
         try:
             status: dict[str, Any] = await self.client.call("GET", f"/adapters/{name}/canary")
         except Refused as exc:
             if exc.status == 404:
                 return None
             raise
-        return status
+        window: dict[str, Any] | None = status["analysis"]
+        return window
 
     def _show_jobs(self, listed: list[JobReport]) -> None:
         self.job_states = {str(job.id): job.state for job in listed}

@@ -76,16 +76,22 @@ def adapters_canary(
 
 @adapters_app.command("show-canary")
 def adapters_show_canary(name: Annotated[str, typer.Argument(help="Adapter name.")], as_json: AsJson = False) -> None:
-    """The analysis of a canary as it runs: both versions' figures in the current window."""
+    """A canary as it runs: its share and, when it is judged, both versions' figures in the current window."""
     status = admin_api("GET", f"/adapters/{name}/canary")
     if as_json:
         print_json(status)
         return
-    out.print(f"{name}: v{status['canary']} against v{status['stable']}, {status['passed_windows']} passing windows "
-              f"so far, {status['window_left_s']:.0f} s left in this one")
+    out.print(f"{name}: v{status['canary']} gets {status['canary_share']:.0%} of requests, v{status['stable']} "
+              "the rest")
+    window = status["analysis"]
+    if window is None:
+        out.print("not judged: it stays until you deploy a version or roll it back")
+        return
+    out.print(f"v{status['canary']} against v{status['stable']}: {window['passed_windows']} of "
+              f"{window['policy']['windows']} passing windows so far, {window['window_left_s']:.0f} s left in this one")
     table = Listing("version", "requests", "error rate", "latency p50 (s)", "ttft p50 (s)", "success", "satisfaction")
     for role in ("stable", "canary"):
-        figures = status[f"{role}_figures"]
+        figures = window[f"{role}_figures"]
         table.add_row(f"v{status[role]} ({role})", *(("-" if figures[key] is None else str(figures[key]))
                                                      for key in ("requests", "error_rate", "latency_p50_s",
                                                                  "ttft_p50_s", "success_rate", "satisfaction")))

@@ -13,7 +13,6 @@ from appliance.roles import Role
 from serve.adapters import AdapterRoutes
 from serve.audit_trail import MONITORING, note_target
 from serve.deps import requires
-from serve.errors import GatewayError
 
 
 class DeployRequest(BaseModel):
@@ -63,13 +62,10 @@ def router() -> APIRouter:
 
     @routes.get("/adapters/{name}/canary", name="adapters.canary.read", openapi_extra=MONITORING)
     def canary_status(request: Request, name: str) -> dict[str, object]:
-        """The analysis of `name`'s canary as it runs: both versions' figures in the current window,
-        and the passing windows before it."""
-        status = _adapters(request).canaries.status(name)
-        if status is None:
-            raise GatewayError(404, f"adapter {name!r} has no canary under analysis", type="not_found_error",
-                               code="no_canary_analysis")
-        return status
+        """`name`'s canary as it runs: the two versions and the canary's share; when it is judged,
+        both versions' figures in the current window and the passing windows before it (`analysis`,
+        null when it is not). 404 when the name has no canary."""
+        return _adapters(request).canary_status(name)
 
     @routes.post("/adapters/{name}/rollback", response_model=Alias, name="adapters.rollback")
     async def rollback_adapter(request: Request, name: str) -> Alias:

@@ -21,6 +21,7 @@ from starlette.requests import Request
 from appliance import adapters
 from appliance.adapters import MOVES, AdapterRecord, AdapterState
 from appliance.artifacts import LocalStore
+from appliance.canary import CanaryAnalysis
 from appliance.errors import ApplianceError, Conflict, IllegalTransition, NotFound
 from appliance.home import Home
 from appliance.jobs import Hyperparameters
@@ -153,6 +154,30 @@ def test_canary_splits_requests_by_share(routes: AdapterRoutes) -> None:
     counts = Counter(served(routes) for _ in range(4000))
     assert 0.2 < counts["codes-v2"] / 4000 < 0.3 and counts["codes-v1"] + counts["codes-v2"] == 4000
     assert routes.registry().find("codes", 2).state == "canary"
+
+
+def test_a_live_canary_shows_with_its_share_judged_or_not(routes: AdapterRoutes) -> None:
+    """show-canary during a canary: the versions and the share; under analysis, the current window
+    (begun when first asked, before the gateway's first tick) and its figures. 404 with none."""
+    with pytest.raises(NotFound, match="'codes' is not deployed"):
+        routes.canary_status("codes")
+    run(routes.deploy("codes", 1, None, None))
+    with pytest.raises(NotFound, match="'codes' has no canary"):
+        routes.canary_status("codes")
+    run(routes.canary("codes", 2, 0.25))
+    assert routes.canary_status("codes") == {"stable": 1, "canary": 2, "canary_share": 0.25, "analysis": None}
+    policy = CanaryAnalysis(window_s=60, windows=3)
+    run(routes.canary("codes", 2, 0.5, policy))
+    assert routes.canary_status("codes")["analysis"] is not None, "judged: its window begins when first asked"
+    routes.canaries.served("codes", 2, "olga", "a", status=200, failed=False, latency_s=1.0, ttft_s=None)
+    status = routes.canary_status("codes")
+    assert (status["stable"], status["canary"], status["canary_share"]) == (1, 2, 0.5)
+    window: Any = status["analysis"]
+    assert (window["passed_windows"], window["policy"]["windows"]) == (0, 3) and 0 < window["window_left_s"] <= 60
+    assert (window["canary_figures"]["requests"], window["stable_figures"]["requests"]) == (1, 0)
+    run(routes.rollback("codes"))
+    with pytest.raises(NotFound, match="'codes' has no canary"):
+        routes.canary_status("codes")
 
 
 def test_rollback_drops_the_canary_then_the_previous_version_then_serves_nothing(routes: AdapterRoutes) -> None:

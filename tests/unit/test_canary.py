@@ -250,7 +250,7 @@ def test_the_gateway_gathers_each_versions_figures_and_acts_when_a_window_ends()
     clock = Clock()
     watch = CanaryWatch(clock)
     watch.served("codeword", 2, "olga", "before", status=200, failed=False, latency_s=1.0, ttft_s=None)
-    assert watch.tick({"codeword": alias()}) == [] and watch.status("codeword") is not None  # a window begins
+    assert watch.tick({"codeword": alias()}) == [] and watch.status("codeword", alias()) is not None  # a window begins
     for n in range(6):  # three users, two answers of each version each
         user = USERS[n % 3]
         watch.served("codeword", 1, user, f"stable-{n}", status=200, failed=False, latency_s=1.0, ttft_s=None)
@@ -268,7 +268,7 @@ def test_the_gateway_gathers_each_versions_figures_and_acts_when_a_window_ends()
     with pytest.raises(NotFound):
         watch.report("refused", "olga", True, None)  # a refusal is no answer
     assert watch.report("before", "olga", False, None)[1] is False, "an answer from before the window does not count"
-    status = watch.status("codeword")
+    status = watch.status("codeword", alias())
     assert status is not None and status["canary_figures"] == {
         "requests": 6, "users": 3, "reporters": 3, "error_rate": 0.0, "latency_p50_s": None, "ttft_p50_s": 0.2,
         "success_rate": 0.0, "satisfaction": None}
@@ -280,6 +280,23 @@ def test_the_gateway_gathers_each_versions_figures_and_acts_when_a_window_ends()
         "success rate 0% vs 100% (allowed -20%; medians of 3 and 3 users' own)",)
     assert "codeword v2 aborted against v1: success rate 0% vs 100%" in ended.detail()
     assert '"canary":{"requests":6' in ended.detail()
+
+
+def test_a_canary_s_window_shows_before_the_gateway_s_first_tick_and_the_tick_keeps_it() -> None:
+    """Asked right after the canary began (or the gateway restarted), before the watch's first tick:
+    the window begins then, empty, a whole window left, and counts the answers that follow."""
+    clock = Clock()
+    watch = CanaryWatch(clock)
+    status = watch.status("codeword", alias())
+    assert status is not None and (status["canary"], status["passed_windows"], status["window_left_s"]) == \
+        (2, 0, POLICY.window_s)
+    assert status["canary_figures"]["requests"] == 0  # type: ignore[index]
+    watch.served("codeword", 2, "olga", "a", status=200, failed=False, latency_s=1.0, ttft_s=None)
+    clock.now = 1.0
+    assert watch.tick({"codeword": alias()}) == []
+    status = watch.status("codeword", alias())
+    assert status is not None and status["canary_figures"]["requests"] == 1  # type: ignore[index]
+    assert status["window_left_s"] == POLICY.window_s - 1
 
 
 def test_one_users_flood_of_answers_pushes_out_only_their_own() -> None:
@@ -299,10 +316,10 @@ def test_a_changed_or_dropped_canary_starts_afresh_and_old_answers_expire() -> N
     watch.tick({"codeword": alias()})
     watch.served("codeword", 2, "olga", "a", status=200, failed=False, latency_s=1.0, ttft_s=None)
     watch.tick({"codeword": alias(canary=3)})  # another canary: the window starts over
-    status = watch.status("codeword")
+    status = watch.status("codeword", alias(canary=3))
     assert status is not None and status["canary"] == 3 and status["canary_figures"]["requests"] == 0  # type: ignore[index]
     watch.tick({"codeword": alias(analysis=None)})
-    assert watch.status("codeword") is None
+    assert watch.status("codeword", alias(analysis=None)) is None
     clock.now = ANSWER_TTL_S + 1
     with pytest.raises(NotFound):
         watch.report("a", "olga", True, None)

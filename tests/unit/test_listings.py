@@ -178,3 +178,21 @@ def test_preflight_checks_wrap_their_reasons_between_words(monkeypatch: pytest.M
     output = drawn(monkeypatch, installer.cli, width, lambda: installer.cli._print_checks([check]))
     assert_whole(output, "nvidia-driver-version", "535.104.05", "550.54.14", "nvidia-driver-550")
     assert max(map(len, output.splitlines())) <= width
+
+
+def test_show_canary_shows_a_live_canary_s_share_judged_or_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    """During a canary without analysis, its versions and share; with it, the current window too."""
+    plain = {"stable": 1, "canary": 2, "canary_share": 0.25, "analysis": None}
+    answering(monkeypatch, adapters, plain)
+    output = drawn(monkeypatch, adapters, 80, lambda: adapters.adapters_show_canary(ADAPTER, as_json=False))
+    assert f"{ADAPTER}: v2 gets 25% of requests, v1 the rest" in output and "not judged" in output
+    figures = {"requests": 12, "error_rate": 0.0, "latency_p50_s": 0.5, "ttft_p50_s": None, "success_rate": 0.75,
+               "satisfaction": None}
+    window = {"stable": 1, "canary": 2, "policy": {"windows": 3}, "passed_windows": 1, "window_left_s": 42.4,
+              "stable_figures": {**figures, "requests": 30}, "canary_figures": figures}
+    answering(monkeypatch, adapters, {**plain, "analysis": window})
+    output = drawn(monkeypatch, adapters, 80, lambda: adapters.adapters_show_canary(ADAPTER, as_json=False))
+    assert "v2 against v1: 1 of 3 passing windows so far, 42 s left in this one" in output
+    shown = [line.split() for line in output.splitlines()]
+    assert [cells[-1] for cells in shown if cells[:1] == ["requests"]] == ["30", "12"]
+    assert [cells[-2:] for cells in shown if cells[:1] == ["version"]] == [["v1", "(stable)"], ["v2", "(canary)"]]
