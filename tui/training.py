@@ -87,7 +87,8 @@ class Training(Panel):
     """
     # Listed above each table rather than in the footer, which holds the screen keys at 80 columns.
     BINDINGS = [Binding("c", "cancel_job", "cancel", show=False), Binding("p", "deploy", "deploy", show=False),
-                Binding("n", "canary", "canary", show=False), Binding("b", "rollback", "rollback", show=False)]
+                Binding("n", "canary", "canary", show=False), Binding("b", "rollback", "rollback", show=False),
+                Binding("r", "retire", "retire", show=False)]
     EMPTY = {"jobs": "No training jobs yet: queue one with `appliance finetune submit --data DATASET --name "
                      "ADAPTER` (store the dataset first with `appliance data add`).",
              "adapters": "No adapters yet: train one with `appliance finetune submit`; each version it "
@@ -156,7 +157,7 @@ class Training(Panel):
     def offers(self, action: str, parameters: tuple[object, ...]) -> bool:
         if action == "cancel_job":
             return self.job_states.get(self.selected("jobs") or "") in CANCELLABLE
-        if action not in ("deploy", "canary", "rollback"):
+        if action not in ("deploy", "canary", "rollback", "retire"):
             return True
         r = self._adapter()
         if r is None:
@@ -166,12 +167,15 @@ class Training(Panel):
             return r.state in DEPLOYABLE
         if action == "canary":  # beside the stable version of a name already served
             return r.state == AdapterState.REGISTERED and alias is not None
+        if action == "retire":  # a version not served (the registry refuses the others)
+            return r.state != AdapterState.RETIRED and (alias is None or r.version not in (alias.stable, alias.canary))
         # on the version a rollback takes out of service: the canary if there is one, else the stable
         return alias is not None and r.version == (alias.canary if alias.canary is not None else alias.stable)
 
     def show_keys(self) -> None:
         self.query_one("#jobs-title", Label).update(self.titled("Training jobs", ["cancel_job"]))
-        self.query_one("#adapters-title", Label).update(self.titled("Adapters", ["deploy", "canary", "rollback"]))
+        self.query_one("#adapters-title", Label).update(self.titled("Adapters", ["deploy", "canary", "rollback",
+                                                                                       "retire"]))
 
     def action_cancel_job(self) -> None:
         job = self.selected("jobs")
@@ -190,6 +194,12 @@ class Training(Panel):
         if r is not None and (alias := self.aliases.get(r.name)) is not None:
             self.act(lambda: self.client.call("POST", f"/adapters/{r.name}/rollback"), f"{r.name} rolled back",
                      rollback_question(r.name, alias))
+
+    def action_retire(self) -> None:
+        if (r := self._adapter()) is not None:
+            self.act(lambda: self.client.call("POST", f"/adapters/{r.name}/retire", json={"version": r.version}),
+                     f"{r.name} v{r.version} retired",
+                     f"Retire {r.name} v{r.version}? It can never be deployed again.")
 
     def action_canary(self) -> None:
         r = self._adapter()

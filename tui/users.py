@@ -1,5 +1,6 @@
 """Users: the realm's users and their roles; add (a generated password is shown once), disable
-an enabled user, grant a role the user does not hold yet."""
+an enabled user or enable a disabled one, grant a role the user does not hold yet, reset a
+password (a generated one, shown once), unlock a user locked out by failed logins."""
 
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ class Users(Panel):
     """
     # Listed in the title (the footer lists the screens).
     BINDINGS = [Binding("n", "add", "add", show=False), Binding("x", "disable", "disable", show=False),
-                Binding("g", "grant", "grant a role", show=False)]
+                Binding("E", "enable", "enable", show=False), Binding("g", "grant", "grant a role", show=False),
+                Binding("p", "reset_password", "new password", show=False),
+                Binding("l", "unlock", "unlock", show=False)]
     EMPTY = {"users": "No users in the realm: add one with n (or `appliance users add`)."}
 
     def __init__(self) -> None:
@@ -53,12 +56,17 @@ class Users(Panel):
         name = self.selected("users")
         if action == "disable":
             return name is not None and bool(self.users.get(name, {}).get("enabled"))
+        if action == "enable":
+            return name is not None and self.users.get(name, {}).get("enabled") is False
         if action == "grant":
             return name is not None and bool(self.grantable(name))
+        if action in ("reset_password", "unlock"):
+            return name is not None
         return True
 
     def show_keys(self) -> None:
-        self.query_one("#users-title", Label).update(self.titled("Users", ["add", "disable", "grant"]))
+        self.query_one("#users-title", Label).update(
+            self.titled("Users", ["add", "disable", "enable", "grant", "reset_password", "unlock"]))
 
     def action_add(self) -> None:
         def chosen(values: dict[str, str] | None) -> None:
@@ -93,3 +101,28 @@ class Users(Panel):
                          f"{name} now holds {values['role']}", f"Grant {values['role']!r} to {name!r}?")
 
         self.app.push_screen(Form(f"Grant a role to {name}", [Field("role", "role", self.grantable(name))]), chosen)
+
+    def action_enable(self) -> None:
+        name = self.selected("users")
+        if name is not None:
+            self.act(lambda: self.client.call("POST", f"/users/{name}/enable"), f"user {name} enabled",
+                     f"Enable user {name!r}? They can log in again.")
+
+    def action_reset_password(self) -> None:
+        name = self.selected("users")
+        if name is None:
+            return
+
+        async def reset() -> None:
+            answer: Any = await self.client.call("POST", f"/users/{name}/password", json={"password": None})
+            self.app.push_screen(Detail(f"Password of {answer['username']} reset",
+                                        f"New password (shown only now): {answer['password']}"))
+
+        self.act(reset, f"password of {name} reset",
+                 f"Reset the password of {name!r}? A new one is generated and shown once; the old one stops working.")
+
+    def action_unlock(self) -> None:
+        name = self.selected("users")
+        if name is not None:
+            self.act(lambda: self.client.call("POST", f"/users/{name}/unlock"), f"user {name} unlocked",
+                     f"Unlock user {name!r}? Their failed logins are cleared and they can log in again.")

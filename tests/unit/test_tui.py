@@ -679,12 +679,15 @@ def test_actions_that_cannot_apply_to_the_selected_row_are_not_offered(home: Hom
             assert ("c: cancel" in shown_text(app, "jobs-title")) is offered
             assert (await pressed(pilot, "c") == "Confirm") is offered
         expected = {"support-bot:1": "", "support-bot:2": "p: deploy, b: rollback",  # v1 stable, v2 its canary
-                    "support-bot:3": "p: deploy, n: canary", "support-bot:4": "", "fresh:1": "p: deploy"}
+                    "support-bot:3": "p: deploy, n: canary, r: retire", "support-bot:4": "r: retire",
+                    "fresh:1": "p: deploy, r: retire"}
         for key, keys in expected.items():
             await select(pilot, "adapters", key)
             assert shown_text(app, "adapters-title") == (f"Adapters ({keys})" if keys else "Adapters"), key
-        await select(pilot, "adapters", "support-bot:4")  # failed its gate: nothing applies
+        await select(pilot, "adapters", "support-bot:4")  # failed its gate: only retiring applies
         assert [await pressed(pilot, k) for k in "pnb"] == ["Training"] * 3
+        await select(pilot, "adapters", "support-bot:1")  # served: not retired
+        assert await pressed(pilot, "r") == "Training"
 
         await show(pilot, "e")
         await select(pilot, "runs", "1")
@@ -697,11 +700,12 @@ def test_actions_that_cannot_apply_to_the_selected_row_are_not_offered(home: Hom
 
         await show(pilot, "u")
         await select(pilot, "users", "frank")  # disabled already
-        assert shown_text(app, "users-title") == "Users (n: add, g: grant a role)"
+        assert shown_text(app, "users-title") == ("Users (n: add, E: enable, g: grant a role, p: new password, "
+                                                  "l: unlock)")
         assert await pressed(pilot, "x") == "Users"
         await select(pilot, "users", "root")  # holds every role
-        assert shown_text(app, "users-title") == "Users (n: add, x: disable)"
-        assert await pressed(pilot, "g") == "Users"
+        assert shown_text(app, "users-title") == "Users (n: add, x: disable, p: new password, l: unlock)"
+        assert [await pressed(pilot, k) for k in "gE"] == ["Users"] * 2
         await select(pilot, "users", "admin")
         await pilot.press("g")
         await pilot.pause(0.2)
