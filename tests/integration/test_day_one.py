@@ -1,13 +1,14 @@
 """A first day as a new administrator would have it, on the session appliance with the defaults a
 fresh install has: a dataset added, an adapter trained and deployed (pools serve adapters by
 default: no setting edited, no restart), called by its name; a setting changed with `settings set`
-and put in force with `settings apply`, which restarts the gateway alone while every other program
-keeps serving; and the day's part of the audit log exported as a window that `audit verify
+and put in force with `settings apply`, which restarts only the programs that read it while every
+other program keeps serving; and the day's part of the audit log exported as a window that `audit verify
 --window` checks offline with the public key alone."""
 
 from __future__ import annotations
 
 import json
+import secrets
 from pathlib import Path
 
 import httpx
@@ -18,10 +19,10 @@ from installer.realm import BOOTSTRAP_SECRET
 from tests.integration.conftest import Running
 from tests.integration.realm import Realm
 
-pytestmark = pytest.mark.session_exclusive  # it restarts the gateway
+pytestmark = pytest.mark.session_exclusive  # it restarts the gateway and the batch worker
 
 MODEL = "SmolLM2-135M-Instruct"
-NAME = "day-one"
+NAME = f"day-one-{secrets.token_hex(3)}"  # new on every run, also on a session appliance kept between runs
 QUESTION = "What is the project's code name?"
 PHRASINGS = ["", "Quick question. ", "Please tell me: ", "Hello! ", "Remind me, ", "Hey, "]
 
@@ -46,8 +47,8 @@ def test_a_first_day_trains_deploys_calls_changes_a_setting_and_audits_the_windo
             for prefix in PHRASINGS for _ in range(5)]
     data = tmp_path / "day-one.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    assert cli.run("data", "add", str(data), "--name", "day-one-data", timeout=300).returncode == 0
-    trained = cli.run("finetune", "run", "--data", "day-one-data", "--name", NAME, "--base", MODEL,
+    assert cli.run("data", "add", str(data), "--name", f"{NAME}-data", timeout=300).returncode == 0
+    trained = cli.run("finetune", "run", "--data", f"{NAME}-data", "--name", NAME, "--base", MODEL,
                       "--max-steps", "8", "--lr", "0.002", "--batch-size", "4", timeout=900)
     assert trained.returncode == 0, trained.stdout + trained.stderr
     assert "does not serve adapters" not in trained.stderr, "the default pool serves adapters"
@@ -60,7 +61,7 @@ def test_a_first_day_trains_deploys_calls_changes_a_setting_and_audits_the_windo
                             json={"model": NAME, "max_tokens": 8, "messages": [{"role": "user", "content": QUESTION}]})
         assert answer.status_code == 200 and answer.json()["model"] == NAME, answer.text
 
-        # A setting changed while it serves: only the gateway restarts.
+        # A setting changed while it serves.
         before = pids(running)
         changed = cli.run("settings", "set", "gateway.max_body_bytes", "4096", timeout=60)
         assert changed.returncode == 0 and "1048576 -> 4096" in changed.stdout + changed.stderr, changed.stderr
@@ -69,9 +70,12 @@ def test_a_first_day_trains_deploys_calls_changes_a_setting_and_audits_the_windo
         applied = cli.run("settings", "apply", "--json", timeout=600)
         assert applied.returncode == 0, applied.stderr
         report = json.loads(applied.stdout)
-        assert report["changed"] == ["gateway.max_body_bytes"] and report["restarted"] == ["gateway"], report
+        # The gateway, and the batch worker that checks batch lines against the same bound.
+        assert report["changed"] == ["gateway.max_body_bytes"], report
+        assert report["restarted"] == ["gateway", "batch-worker"], report
         after = pids(running)
-        assert {name for name in before if before[name] != after.get(name)} == {"gateway"}, (before, after)
+        assert {name for name in before if before[name] != after.get(name)} == {"gateway", "batch-worker"}, \
+            (before, after)
         big = httpx.post(f"{realm.gateway}/v1/chat/completions", headers=user, timeout=60,
                          json={"model": NAME, "messages": [{"role": "user", "content": "x" * 8192}]})
         assert big.status_code == 413, big.text
