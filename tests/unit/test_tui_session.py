@@ -165,3 +165,27 @@ def test_the_tui_keeps_its_user_and_title_when_the_cli_logs_in_as_another(home: 
             await scenario(pilot)
 
     asyncio.run(run())
+
+
+def test_a_login_made_in_the_tui_is_the_one_it_holds_from_then_on(home: Home, monkeypatch: pytest.MonkeyPatch) -> None:
+    """L (the device login) replaces the TUI's session, and its title names the new user."""
+    from tui.app import AdminApp
+
+    admin, bob = admin_token("admin"), admin_token("bob")
+    gateway = Gateway({admin.access_token: "admin", bob.access_token: "bob"})
+    login.save(here(home), admin)
+    monkeypatch.setattr(login, "device_login", lambda connection, show: bob)
+    app = AdminApp(Settings(), home)
+    app.client._http = httpx.AsyncClient(base_url=app.client.base_url, transport=httpx.MockTransport(gateway))
+
+    async def run() -> None:
+        async with app.run_test(size=(80, 24)) as pilot:
+            await until(pilot, lambda: app.sub_title.startswith("admin @"), "the title naming admin")
+            await pilot.press("L")
+            await until(pilot, lambda: app.sub_title.startswith("bob @"), "the title naming bob")
+            sent = len(gateway.senders)
+            await pilot.press("u")
+            await until(pilot, lambda: len(gateway.senders) > sent, "the users screen's reload")
+            assert gateway.senders[-1] == "bob"
+
+    asyncio.run(run())
