@@ -21,6 +21,7 @@ from appliance import cli, jobs
 from appliance.home import HOME_ENV, Home
 from appliance.jobs import Phase, Progress
 from appliance.progress import byte_progress
+from finetune import cli as finetune_cli
 from finetune import follow
 from finetune.phases import Phases
 from finetune.runner import record_registering
@@ -168,11 +169,14 @@ def running_job(home: Home) -> jobs.Job:
     return claimed
 
 
-def test_status_and_the_admin_api_show_the_gates_progress(home: Home) -> None:
+def test_status_and_the_admin_api_show_the_gates_progress(home: Home, monkeypatch: pytest.MonkeyPatch) -> None:
     job = running_job(home)
     jobs.job_dir(home, job.id).mkdir(parents=True)
     jobs.write_progress(jobs.job_dir(home, job.id), GATING)
-    shown = CliRunner().invoke(cli.app, ["finetune", "status"], env={HOME_ENV: str(home.root), "COLUMNS": "400"})
+    # The CLI's console took its width when first imported (80 without a terminal): a wide one, so that
+    # the progress column is on one line.
+    monkeypatch.setattr(finetune_cli.out, "width", 400)
+    shown = CliRunner().invoke(cli.app, ["finetune", "status"], env={HOME_ENV: str(home.root)})
     assert shown.exit_code == 0, shown.output
     assert "gate evaluating: 3/6 evaluations (sets x seeds), ETA 140 s; trained 30/30 steps" in shown.output
 
