@@ -4,7 +4,8 @@ fall in it. It always ends at a checkpoint's record, so a record cut off its end
 window reaches past `--until` to the first checkpoint at or after its last record.
 
 File layout (JSON lines): records in sequence order, then checkpoints (the lines with a
-`signature`), each exactly as the log holds it.
+`signature`), each exactly as the log holds it: canonical JSON (audit.records.canonical), which
+verification requires, so that no reader sees a record other than the one whose hash was checked.
 """
 
 from __future__ import annotations
@@ -82,6 +83,9 @@ def verify_window(path: Path, public_key: Ed25519PublicKey) -> VerifiedWindow:
     for number, raw in enumerate(path.read_bytes().splitlines(), start=1):
         where = f"{path.name}:{number}"
         line = parse_line(raw, where)
+        if raw != canonical(line):  # as exported: a key given twice, or spacing, would read differently elsewhere
+            raise AuditVerificationError(where, "not a line as exported (canonical JSON, each key once): "
+                                                "another reader could see a different record")
         if "signature" in line:
             checkpoints.append((where, raw))
         elif checkpoints:

@@ -119,6 +119,24 @@ def test_tampering_is_refused_naming_the_record(log: Path, tmp_path: Path, chang
         verify_window(window, KEY.public_key())
 
 
+@pytest.mark.parametrize("recast", [
+    # its first key given twice: Python's json keeps the last (the real value), a first-wins reader the forged
+    lambda raw: b'{"%s":"forged",' % next(iter(json.loads(raw))).encode() + raw[1:],
+    lambda raw: json.dumps(json.loads(raw), sort_keys=True).encode(),  # the same data, spaced
+    lambda raw: json.dumps(dict(reversed(json.loads(raw).items())), separators=(",", ":")).encode(),  # unsorted
+])
+def test_a_line_not_as_exported_is_refused_though_it_parses_to_the_same(log: Path, tmp_path: Path,
+                                                                       recast: Any) -> None:
+    window = exported(log, tmp_path, since=3, until=7)
+    raw = window.read_bytes().splitlines()
+    for index in (2, len(raw) - 1):  # a record (seq 6) and a checkpoint
+        changed = [*raw[:index], recast(raw[index]), *raw[index + 1:]]
+        assert json.loads(changed[index]) == json.loads(raw[index])
+        window.write_bytes(b"".join(line + b"\n" for line in changed))
+        with pytest.raises(AuditVerificationError, match=rf"window.jsonl:{index + 1}: not a line as exported"):
+            verify_window(window, KEY.public_key())
+
+
 def test_a_rehashed_record_breaks_the_chain(log: Path, tmp_path: Path) -> None:
     window = exported(log, tmp_path, since=3, until=7)
 
