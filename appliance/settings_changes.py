@@ -141,6 +141,10 @@ def _set_value(path: Path, key: str, raw: str, environ: Mapping[str, str] | None
     environ = os.environ if environ is None else environ
     if _CONTROL.search(key) or _CONTROL.search(raw):
         raise Invalid(f"{key!r}: a key or value may not hold a line break or other control character")
+    try:
+        f"{key}{raw}".encode()
+    except UnicodeEncodeError:  # bytes not UTF-8 in the command line arrive as lone surrogates
+        raise Invalid(f"{key!r}: a key or value must be UTF-8 text; this one holds bytes that are not") from None
     text = path.read_text() if path.exists() else None
     before = parse_settings(path, text, environ)
     parts = key.split(".")

@@ -38,7 +38,7 @@ def set_in_text(text: str, key: list[str], value: Any, where: str) -> str:
     SettingsError naming `where` and the key if it cannot be written without changing anything
     else."""
     data = tomllib.loads(text)
-    lines = text.splitlines()
+    lines = _lines(text)
     blocks = _blocks(lines)
     rendered = render_value(value)
     dotted = ".".join(key)
@@ -61,6 +61,13 @@ def set_in_text(text: str, key: list[str], value: Any, where: str) -> str:
         raise SettingsError(f"{where}: {dotted}: the file's layout keeps it from being set without changing "
                             "other settings", hint="edit it by hand (`appliance settings show --path`)")
     return edited
+
+
+def _lines(text: str) -> list[str]:
+    """The file's lines, split where TOML ends a line (LF or CRLF) only: str.splitlines also breaks
+    at U+2028, U+0085 and other separators, which a string value may hold."""
+    lines = text.replace("\r\n", "\n").split("\n")
+    return lines[:-1] if lines[-1] == "" else lines
 
 
 def render_value(value: Any) -> str:

@@ -100,6 +100,9 @@ def test_a_value_that_is_not_toml_is_a_string(settings_file: Path, home: Home) -
     ("gateway.port", "80", SettingsError, "gateway.port: Input should be greater than or equal to 1024"),
     ("pools.other.model", "x", Invalid, "pools.other.model: no pool named 'other'"),
     ("gateway.public_url", "https://a\nb", Invalid, "control character"),
+    # bytes that are not UTF-8 on the command line arrive as lone surrogates, which no file can hold
+    ("pools.main.model", "x\udcff", Invalid, "must be UTF-8 text"),
+    ("pools.main.mod\udcffel", "x", Invalid, "must be UTF-8 text"),
     ("gateway", "1", Invalid, "gateway: no such setting"),
     ("keycloak.gateway_client_secret", "x", Invalid, "a secret is never given on the command line"),
 ])

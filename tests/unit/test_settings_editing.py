@@ -35,6 +35,20 @@ def test_a_pool_is_found_by_its_name_among_several() -> None:
     assert tomllib.loads(edited)["pools"] == [{"name": "main"}, {"name": "code", "max_loras": 8}]
 
 
+@pytest.mark.parametrize("separator", ["\u2028", "\u2029", "\x85"])
+def test_a_line_separator_inside_a_string_does_not_split_its_line(separator: str) -> None:
+    # TOML ends lines at LF or CRLF only: a value holding another separator is one line, kept whole
+    text = f'[gateway]\nport = 8443\n\n[[pools]]\nname = "main"\nmodel = "a{separator}b"  # x{separator}y\n'
+    assert set_in_text(text, ["gateway", "port"], 9443, "f") == text.replace("8443", "9443")
+    edited = set_in_text(text, ["pools", "main", "model"], f"c{separator}d", "f")
+    assert tomllib.loads(edited)["pools"][0]["model"] == f"c{separator}d" and edited.endswith(f"# x{separator}y\n")
+
+
+def test_a_file_with_crlf_line_ends_is_edited_in_place() -> None:
+    text = "[gateway]\r\nport = 8443  # ours\r\nbind = \"127.0.0.1\"\r\n"
+    assert set_in_text(text, ["gateway", "port"], 9443, "f") == "[gateway]\nport = 9443  # ours\nbind = \"127.0.0.1\"\n"
+
+
 def test_a_key_inside_an_inline_table_is_refused() -> None:
     text = "[gateway]\nlimits = { user = { requests_per_minute = 5 } }\n"
     with pytest.raises(SettingsError, match="f: gateway.limits.user.requests_per_minute: the file's layout"):
