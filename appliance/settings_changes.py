@@ -51,14 +51,16 @@ SECTION_PROGRAMS: dict[str, frozenset[str]] = {
     "backup": frozenset({"backup-scheduler"}),
 }
 POOL_READERS = frozenset({"gateway", "rl-worker"})
-# Single keys that programs beyond their section's read: where the gateway is reached (its URL),
-# and the gateway's limits the batch worker and the cluster listener apply too.
+# Keys (a table's stands for every key under it) that programs beyond their section's read: where
+# the gateway is reached (its URL), and the gateway's limits and caps the batch worker and the
+# cluster listener apply too.
 _REACH_GATEWAY = frozenset({"batch-worker", "rl-worker", "prometheus"})
 KEY_PROGRAMS: dict[str, frozenset[str]] = {
     "gateway.bind": _REACH_GATEWAY,
     "gateway.port": _REACH_GATEWAY,
     "gateway.https": _REACH_GATEWAY,
     "gateway.max_body_bytes": frozenset({"batch-worker"}),
+    "gateway.limits": frozenset({"batch-worker"}),  # its caps on a batch's lines (serve.batch_worker)
     "gateway.header_timeout_s": frozenset({"cluster"}),
 }
 _ENGINE_WIDE = {"engine", "cluster"}
@@ -163,6 +165,16 @@ def _set_value(path: Path, key: str, raw: str, environ: Mapping[str, str] | None
         if _unknown_field(exc):
             raise _unknown(key, known) from exc
         raise SettingsError(exc.message, hint=f"{path} is unchanged") from exc
+    # Nothing but the key may change in effect (a table written where the defaults had several
+    # entries could drop the others): the key, the tables holding it, and a new entry's other fields
+    # (at their defaults).
+    old, new, parent = known, flatten(after.masked()), key.rsplit(".", 1)[0]
+    also = sorted(name for name in old.keys() | new.keys()
+                  if old.get(name) != new.get(name) and name != key and not name.startswith(f"{key}.")
+                  and not key.startswith(f"{name}.") and not (name not in old and name.startswith(f"{parent}.")))
+    if also:
+        raise Invalid(f"{key}: setting it here would also change {', '.join(also[:5])}",
+                      hint=f"edit {path} by hand; it is unchanged")
     replace_file(path, edited.encode())  # 0600, as the state directory keeps it
     variable = ENV_PREFIX + "__".join(parts).upper()
     return SettingChange(key, known.get(key), flatten(after.masked()).get(key),

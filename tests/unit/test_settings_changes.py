@@ -194,6 +194,13 @@ def test_apply_plans_the_programs_each_section_touches() -> None:
                                                                     "rl-worker"]
 
 
+def test_a_limits_change_restarts_the_batch_worker_that_caps_batch_lines_with_them() -> None:
+    started, current = _started()
+    current["gateway"]["limits"]["user"]["max_tokens"] = 10
+    assert changed_keys(started, current) == ["gateway.limits.user.max_tokens"]
+    assert _restarts(started, current) == ["gateway", "batch-worker"]
+
+
 def test_a_pools_change_restarts_its_replicas_one_after_the_other_then_the_gateway() -> None:
     started, current = _started()
     current["pools"][0]["enable_lora"] = not current["pools"][0]["enable_lora"]
