@@ -172,6 +172,7 @@ def _set_value(path: Path, key: str, raw: str, environ: Mapping[str, str] | None
     also = sorted(name for name in old.keys() | new.keys()
                   if old.get(name) != new.get(name) and name != key and not name.startswith(f"{key}.")
                   and not key.startswith(f"{name}.") and not (name not in old and name.startswith(f"{parent}.")))
+    also = [name for name in also if not any(other.startswith(f"{name}.") for other in also)]  # leaves alone
     if also:
         raise Invalid(f"{key}: setting it here would also change {', '.join(also[:5])}",
                       hint=f"edit {path} by hand; it is unchanged")

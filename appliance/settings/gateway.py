@@ -34,6 +34,13 @@ class RoleLimits(Section):
     )
 
 
+def default_limits() -> dict[str, RoleLimits]:
+    """The roles' limits where the settings give none: a plain user's, and an administrator's."""
+    return {"user": RoleLimits(), "admin": RoleLimits(
+        requests_per_minute=6000, tokens_per_minute=2_000_000, max_concurrent=64, max_tokens=WHOLE_CONTEXT,
+        max_n=16, max_logprobs=20)}
+
+
 class GatewaySettings(Section):
     """The public, authenticated OpenAI-compatible endpoint."""
 
@@ -111,12 +118,26 @@ class GatewaySettings(Section):
         "so a disabled user's unexpired token stops working within this time.",
     )
     limits: dict[str, RoleLimits] = Field(
-        default_factory=lambda: {"user": RoleLimits(), "admin": RoleLimits(
-            requests_per_minute=6000, tokens_per_minute=2_000_000, max_concurrent=64, max_tokens=WHOLE_CONTEXT,
-            max_n=16, max_logprobs=20)},
-        description="Rate limits by role (the most generous role a user holds applies).",
+        default_factory=default_limits,
+        description="Rate limits by role (the most generous role a user holds applies). The roles and fields "
+        "given replace the defaults' own; the rest keep them.",
     )
 
+
+    @field_validator("limits", mode="before")
+    @classmethod
+    def _over_the_defaults(cls, given: object) -> object:
+        """Each role's fields given over that role's defaults, and the roles not given kept: a file
+        that sets `limits.user.requests_per_minute` alone must not drop the admin role's limits (its
+        users would then be held to the user role's) nor set the admin role's other fields to a plain
+        role's."""
+        if not isinstance(given, dict):
+            return given
+        merged: dict[object, object] = {role: limits.model_dump() for role, limits in default_limits().items()}
+        for role, fields in given.items():
+            base = merged.get(role)
+            merged[role] = {**base, **fields} if isinstance(base, dict) and isinstance(fields, dict) else fields
+        return merged
 
     @field_validator("names")
     @classmethod
