@@ -30,4 +30,4 @@ def parse(text: str, *, name: str) -> timedelta:
     try:
         return timedelta(**{_UNITS[unit]: int(count)})
     except (ValueError, OverflowError) as exc:  # past timedelta's range, or too many digits for an int
-        raise Invalid(f"{name} {text!r} is out of range: {exc}") from exc
+        raise Invalid(f"{name} {text!r} is out of range: at most {timedelta.max.days}d") from exc

@@ -40,8 +40,9 @@ def test_anything_else_is_refused_naming_the_option_and_value(text: str) -> None
 
 @pytest.mark.parametrize("text", ["99999999999999w", "9" * 5000 + "s"])
 def test_a_duration_too_long_for_any_clock_is_out_of_range_not_a_crash(text: str) -> None:
-    with pytest.raises(Invalid, match=rf"^--x {text!r} is out of range"):
+    with pytest.raises(Invalid) as refused:
         durations.parse(text, name="--x")
+    assert refused.value.message == f"--x {text!r} is out of range: at most 999999999d", "in the option's terms"
 
 
 def test_a_key_needs_a_lifetime_longer_than_zero_and_at_most_ten_years() -> None:
