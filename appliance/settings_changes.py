@@ -153,7 +153,7 @@ def _set_value(path: Path, key: str, raw: str, environ: Mapping[str, str] | None
     known = flatten(before.masked())
     if parts[0] not in Settings.model_fields or len(parts) < (3 if parts[0] == "pools" else 2):
         raise _unknown(key, known)
-    if tuple(parts) in SECRET_FIELDS:
+    if tuple(parts[:2]) in SECRET_FIELDS:  # a key under a secret too: what is typed there is the secret
         raise Invalid(f"{key}: a secret is never given on the command line (it would stay in the shell's history)",
                       hint=f"edit {path} by hand (0600), then `appliance settings apply`")
     if parts[0] == "pools" and parts[1] not in {pool.name for pool in before.pools}:

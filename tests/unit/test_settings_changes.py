@@ -105,6 +105,7 @@ def test_a_value_that_is_not_toml_is_a_string(settings_file: Path, home: Home) -
     ("pools.main.mod\udcffel", "x", Invalid, "must be UTF-8 text"),
     ("gateway", "1", Invalid, "gateway: no such setting"),
     ("keycloak.gateway_client_secret", "x", Invalid, "a secret is never given on the command line"),
+    ("artifacts.s3_secret_key.part", "x", Invalid, "a secret is never given on the command line"),
 ])
 def test_a_refused_set_changes_nothing(settings_file: Path, home: Home, key: str, value: str, error: type[Exception],
                                        message: str) -> None:
