@@ -227,7 +227,8 @@ class AuditMiddleware:
         """Write the request's record, unless it is a refusal or a monitoring read counted into a summary."""
         transcript = context.transcript
         marked = transcript is not None and (transcript.relayed or bool(transcript.marks.done))
-        if not self.refusals.own_record(event, relayed=marked):
+        change = scope.get("method") not in ("GET", "HEAD") and str(scope.get("path", "")).startswith("/admin/")
+        if not self.refusals.own_record(event, relayed=marked, change=change):
             return
         kind = read_kind(scope, event, self.count_repeated_reads)
         if kind is not None and not self.monitoring.first_of_interval(event, kind):

@@ -6,6 +6,9 @@ body, no such route; not 499, a client that left, and never one relayed to an en
 to send and costs the gateway a record. The first refusal of each status from a source in an interval gets its own
 record, durable before its response as every record; the others of that interval are counted
 and written as one summary record (`action` "refused.summary", `count`) when the interval ends.
+An authenticated user's administrative change (a write to /admin) refused for what it asked (a bad
+value, an unknown or conflicting object) always has its own record, with its object: who asked is
+known and limited, and an auditor must see what each refused change was.
 At most `max_sources` sources are tracked apart per interval; refusals from further sources are
 summarised under source "*". So the log grows by at most two records per (source, status) per
 interval, whatever the rate, and a record is at most a few hundred bytes (`cap_text`).
@@ -138,10 +141,14 @@ class Refusals(Summaries):
         super().__init__(interval_s, max_sources, party_field="source", summary_action="refused.summary",
                          forget=("resource", "target", "model", "key"), clock=clock)
 
-    def own_record(self, event: AuditEvent, relayed: bool = False) -> bool:
+    def own_record(self, event: AuditEvent, relayed: bool = False, change: bool = False) -> bool:
         """Whether `event` is written now. A request the engine saw (`relayed`) always has its
-        own record, whatever the engine said; so has any that was not refused."""
+        own record, whatever the engine said; so has any that was not refused, and an authenticated
+        user's administrative `change` refused for what it asked (not for who asked: 401, 403, 429),
+        which an auditor must see with its object."""
         if relayed or not refusable(event.status):
+            return True
+        if change and event.username is not None and event.status not in (401, 403, 429):
             return True
         return self.first_of_interval(event, f"{event.status} {event.username or ''}")
 

@@ -24,6 +24,7 @@ from serve.audit_trail import (
     Transcript,
     note_target,
 )
+from serve.auth import Principal
 from serve.context import context_of
 from serve.summaries import Refusals, Summaries
 
@@ -242,6 +243,33 @@ def test_repeated_refusals_from_one_source_are_summarised_not_written_each(tmp_p
     assert first["action"] == "auth.denied" and first["status"] == 401
     [summary] = audited.refusals.due(all_now=True)
     assert summary.count == 49 and summary.source == "127.0.0.1"
+
+
+def test_an_administrators_refused_changes_each_keep_their_record_and_object(tmp_path: Path) -> None:
+    """Refused for what they asked (409, 400, 404), a signed-in user's writes to the admin API are
+    recorded one by one with their objects; refused for who asked (403) they are summarised."""
+    writer = Recorded(tmp_path)
+    status = [409]
+
+    async def refusing(scope: dict, receive: Any, send: Any) -> None:
+        context_of(Request(scope)).principal = Principal(subject="s-1", username="alice", client="appliance-cli",
+                                                         roles=frozenset({"admin"}), token_id="t", expires_at=0.0)
+        note_target(Request(scope), "adapter", scope["path"].rsplit("/", 1)[-1])
+        await answering(status[0], b"{}")(scope, receive, send)
+
+    audited = audit_middleware(refusing, writer)
+
+    async def attempts() -> None:
+        for status[0] in (409, 400, 404, 403):
+            for name in ("a", "b", "c"):
+                await request(audited, f"/admin/adapters/{name}", route_name="adapters.deploy",
+                              path_params={"name": name})
+
+    asyncio.run(attempts())
+    records = list(read_records(tmp_path))
+    kept = [(r["status"], r["target"]["name"]) for r in records if r["status"] in (400, 404, 409)]
+    assert kept == [(code, name) for code in (409, 400, 404) for name in ("a", "b", "c")]
+    assert [r["target"]["name"] for r in records if r["status"] == 403] == ["a"], "who asked: summarised"
 
 
 def test_repeated_reads_are_counted_and_a_new_query_is_recorded(tmp_path: Path) -> None:
