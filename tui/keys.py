@@ -1,5 +1,6 @@
 """Keys: the API keys applications call with (yours, or everyone's for an administrator); create
-one (shown once), revoke an active one."""
+one (shown once), revoke an active one. Below the table, the selected key's own limits: the models
+it may use and its own token budget (set when it is created)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.widgets import DataTable, Label
+from textual.widgets import DataTable, Label, Static
 
 from appliance.api_keys import KeyState
 from tui.dialogs import Detail, Field, Form
@@ -19,6 +20,7 @@ EXPIRIES = ("90d", "30d", "7d", "365d", "never")
 class Keys(Panel):
     DEFAULT_CSS = Panel.DEFAULT_CSS + """
     #keys { height: 1fr; }
+    #key-limits { height: auto; padding: 0 1; }
     Label { padding: 0 1; text-style: bold; }
     """
     # Listed in the title (the footer lists the screens).
@@ -32,6 +34,7 @@ class Keys(Panel):
     def body(self) -> ComposeResult:
         yield Label("API keys", id="keys-title")
         yield from self.listing("keys")
+        yield Static("", id="key-limits", markup=False)
 
     def on_mount(self) -> None:
         self.query_one("#keys", DataTable).add_columns("name", "owner", "state", "expires", "last used")
@@ -51,6 +54,8 @@ class Keys(Panel):
 
     def show_keys(self) -> None:
         self.query_one("#keys-title", Label).update(self.titled("API keys", ["create", "revoke"]))
+        key = self.keys.get(self.selected("keys") or "")
+        self.query_one("#key-limits", Static).update(limits(key) if key else "")
 
     def action_create(self) -> None:
         def chosen(values: dict[str, str] | None) -> None:
@@ -76,6 +81,14 @@ class Keys(Panel):
             self.act(lambda: self.client.call("POST", f"/keys/{name}/revoke", params={"owner": owner}),
                      f"API key {name} of {owner} revoked",
                      f"Revoke API key {name!r} of {owner}? Its next request is refused.")
+
+
+def limits(key: dict[str, Any]) -> str:
+    """A key's own limits: the models it may use and its token budget (unset: its owner's)."""
+    models = f"models {', '.join(key['models'])}" if key.get("models") else f"any model {key['owner']} may use"
+    budget = (f"{key['tokens_per_minute']} tokens/min of its own, within {key['owner']}'s"
+              if key.get("tokens_per_minute") else f"{key['owner']}'s token budget only")
+    return f"{key['name']} of {key['owner']}: {models}; {budget}"
 
 
 def _day(stamp: str | None) -> str:

@@ -1,6 +1,7 @@
 """Users: the realm's users and their roles; add (a generated password is shown once), disable
-an enabled user or enable a disabled one, grant a role the user does not hold yet, reset a
-password (a generated one, shown once), unlock a user locked out by failed logins."""
+an enabled user or enable a disabled one, grant a role the user does not hold yet, revoke one they
+hold (never the last enabled administrator's admin), reset a password (a generated one, shown
+once), unlock a user locked out by failed logins."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ class Users(Panel):
     """
     # Listed in the title (the footer lists the screens).
     BINDINGS = [Binding("n", "add", "add", show=False), Binding("x", "disable", "disable", show=False),
-                Binding("E", "enable", "enable", show=False), Binding("g", "grant", "grant a role", show=False),
+                Binding("E", "enable", "enable", show=False), Binding("g", "grant", "grant", show=False),
+                Binding("r", "revoke", "revoke", show=False),
                 Binding("p", "reset_password", "new password", show=False),
                 Binding("l", "unlock", "unlock", show=False)]
     EMPTY = {"users": "No users in the realm: add one with n (or `appliance users add`)."}
@@ -52,6 +54,14 @@ class Users(Panel):
         held = set(self.users.get(name, {}).get("roles", ()))
         return tuple(role for role in ROLES if role not in held)
 
+    def revocable(self, name: str) -> tuple[str, ...]:
+        """The roles `name` holds, admin only while another enabled user holds it too: the
+        appliance never revokes the last enabled administrator's."""
+        held = set(self.users.get(name, {}).get("roles", ()))
+        other_admin = any(user["enabled"] and Role.ADMIN in user["roles"]
+                          for username, user in self.users.items() if username != name)
+        return tuple(role for role in ROLES if role in held and (role != Role.ADMIN or other_admin))
+
     def offers(self, action: str, parameters: tuple[object, ...]) -> bool:
         name = self.selected("users")
         if action == "disable":
@@ -60,13 +70,16 @@ class Users(Panel):
             return name is not None and self.users.get(name, {}).get("enabled") is False
         if action == "grant":
             return name is not None and bool(self.grantable(name))
+        if action == "revoke":
+            return name is not None and bool(self.revocable(name))
         if action in ("reset_password", "unlock"):
             return name is not None
         return True
 
     def show_keys(self) -> None:
         self.query_one("#users-title", Label).update(
-            self.titled("Users", ["add", "disable", "enable", "grant", "reset_password", "unlock"]))
+            self.titled("Users", ["add", "disable", "enable", "grant", "revoke",
+                                    "reset_password", "unlock"]))
 
     def action_add(self) -> None:
         def chosen(values: dict[str, str] | None) -> None:
@@ -101,6 +114,21 @@ class Users(Panel):
                          f"{name} now holds {values['role']}", f"Grant {values['role']!r} to {name!r}?")
 
         self.app.push_screen(Form(f"Grant a role to {name}", [Field("role", "role", self.grantable(name))]), chosen)
+
+    def action_revoke(self) -> None:
+        name = self.selected("users")
+        if name is None:
+            return
+
+        def chosen(values: dict[str, str] | None) -> None:
+            if values is not None:
+                role = values["role"]
+                self.act(lambda: self.client.call("DELETE", f"/users/{name}/roles/{role}"),
+                         f"{name} no longer holds {role}",
+                         f"Revoke {role!r} from {name!r}? Their API keys lose it within seconds.")
+
+        self.app.push_screen(Form(f"Revoke a role from {name}", [Field("role", "role", self.revocable(name))]),
+                             chosen)
 
     def action_enable(self) -> None:
         name = self.selected("users")

@@ -700,11 +700,11 @@ def test_actions_that_cannot_apply_to_the_selected_row_are_not_offered(home: Hom
 
         await show(pilot, "u")
         await select(pilot, "users", "frank")  # disabled already
-        assert shown_text(app, "users-title") == ("Users (n: add, E: enable, g: grant a role, p: new password, "
+        assert shown_text(app, "users-title") == ("Users (n: add, E: enable, g: grant, r: revoke, p: new password, "
                                                   "l: unlock)")
         assert await pressed(pilot, "x") == "Users"
         await select(pilot, "users", "root")  # holds every role
-        assert shown_text(app, "users-title") == "Users (n: add, x: disable, p: new password, l: unlock)"
+        assert shown_text(app, "users-title") == "Users (n: add, x: disable, r: revoke, p: new password, l: unlock)"
         assert [await pressed(pilot, k) for k in "gE"] == ["Users"] * 2
         await select(pilot, "users", "admin")
         await pilot.press("g")

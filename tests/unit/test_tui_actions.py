@@ -1,6 +1,7 @@
 """The TUI's user and adapter actions the CLI has too: enable a user, reset a password (shown
-once), unlock a user, retire an adapter version. Each asks first, calls the admin API's own route
-once confirmed, and nothing when declined. Against the fake admin API of tests/unit/test_tui.py."""
+once), unlock a user, revoke a role, retire an adapter version. Each asks first, calls the admin
+API's own route once confirmed, and nothing when declined; the keys screen shows a key's own
+limits. Against the fake admin API of tests/unit/test_tui.py."""
 
 from __future__ import annotations
 
@@ -8,10 +9,21 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 from textual.pilot import Pilot
+from textual.widgets import Select
 
 from appliance.home import Home
 from tests.support.pilot import until
-from tests.unit.test_tui import Fake, sample_answers, select, show, shown_text, with_fake
+from tests.unit.test_tui import (
+    Fake,
+    api_key,
+    sample_answers,
+    screen_lines,
+    select,
+    show,
+    shown_text,
+    user,
+    with_fake,
+)
 
 if TYPE_CHECKING:
     from tui.app import AdminApp
@@ -20,16 +32,22 @@ PASSWORD = "Xk2-generated-once"
 
 
 class Posting(Fake):
-    """The fake admin API, answering a password reset as the route does."""
+    """The fake admin API, answering a password reset and a role revoked as the routes do."""
 
     async def call(self, method: str, path: str, **kwargs: Any) -> Any:
         if method == "POST" and path.endswith("/password"):
             self.calls.append((method, path, kwargs.get("json")))
             return {"username": path.split("/")[2], "password": PASSWORD}
+        if method == "DELETE":
+            self.calls.append((method, path, None))
+            return user(path.split("/")[2])
         return await super().call(method, path, **kwargs)
 
+    def deleted(self) -> list[str]:
+        return [path for method, path, _ in self.calls if method == "DELETE"]
 
-def posting(home: Home, scenario: Any) -> Posting:
+
+def posting(home: Home, scenario: Any, answers: dict[str, Any] | None = None) -> Posting:
     """Run `scenario` with a Posting fake in place of the one `with_fake` makes; that fake."""
     fakes: list[Posting] = []
 
@@ -39,7 +57,7 @@ def posting(home: Home, scenario: Any) -> Posting:
         fakes.append(posting_fake)
         await scenario(pilot, app, posting_fake)
 
-    with_fake(home, sample_answers(), swapped)
+    with_fake(home, answers or sample_answers(), swapped)
     return fakes[0]
 
 
@@ -82,3 +100,76 @@ def test_a_reset_password_is_shown_once_in_a_detail(home: Home) -> None:
         assert f"New password (shown only now): {PASSWORD}" in shown_text(app, "detail-body")
 
     posting(home, scenario)
+
+
+async def roles_offered(pilot: Pilot[None], name: str) -> list[str]:
+    """The roles the revoke form offers for user `name` (the form closed again); none if not offered."""
+    await select(pilot, "users", name)
+    await pilot.press("r")
+    await pilot.pause(0.2)
+    if type(pilot.app.screen).__name__ != "Form":
+        return []
+    choices = [str(option[0]) for option in pilot.app.screen.query_one("#field-role", Select)._options]
+    await pilot.press("escape")
+    await until(pilot, lambda: type(pilot.app.screen).__name__ == "Users", "the form gone")
+    return choices
+
+
+def test_revoking_a_role_asks_which_and_whether_then_deletes_it_and_nothing_when_declined(home: Home) -> None:
+    async def scenario(pilot: Pilot[None], app: AdminApp, fake: Posting) -> None:
+        await show(pilot, "u")
+        assert await roles_offered(pilot, "root") == ["user", "trainer", "auditor", "admin"], "the roles root holds"
+        for answer in ("n", "y"):
+            await pilot.press("r")
+            await until(pilot, lambda: type(app.screen).__name__ == "Form", "the roles")
+            app.screen.query_one("#field-role", Select).value = "trainer"
+            await pilot.click("#ok")
+            await until(pilot, lambda: type(app.screen).__name__ == "Confirm", "the question")
+            assert "Revoke 'trainer' from 'root'?" in shown_text(app, "question")
+            await pilot.press(answer)
+            await until(pilot, lambda: type(app.screen).__name__ == "Users", "the question gone")
+            if answer == "n":
+                await pilot.pause(0.2)
+                assert fake.deleted() == [], "declined: nothing asked"
+        await until(pilot, lambda: fake.deleted() == ["/users/root/roles/trainer"], "DELETE of the role")
+        assert fake.posted() == []
+
+    posting(home, scenario)
+
+
+def test_revoking_is_not_offered_without_a_role_nor_the_last_enabled_administrator_s_admin(home: Home) -> None:
+    answers = {**sample_answers(), "/users": [user("solo", roles=("user", "admin")), user("gone", enabled=False,
+                                                                                       roles=("admin",)),
+                                              user("nobody", roles=())]}
+
+    async def scenario(pilot: Pilot[None], app: AdminApp, fake: Posting) -> None:
+        await show(pilot, "u")
+        assert await roles_offered(pilot, "solo") == ["user"], "a disabled administrator does not count"
+        assert await roles_offered(pilot, "gone") == ["admin"], "solo is another enabled administrator"
+        assert await roles_offered(pilot, "nobody") == []
+        assert "r: revoke" not in shown_text(app, "users-title")
+        assert type(app.screen).__name__ == "Users" and fake.deleted() == []
+
+    posting(home, scenario, answers)
+
+
+def test_the_keys_screen_shows_the_selected_key_s_own_limits_at_80x24(home: Home) -> None:
+    models = [f"SmolLM2-135M-Instruct-{n}" for n in range(4)]
+    limited = {**api_key("etl-bot", "active"), "models": models, "tokens_per_minute": 20000}
+    answers = {**sample_answers(), "/keys": [api_key("ci-bot", "active"), limited]}
+
+    async def scenario(pilot: Pilot[None], app: AdminApp, fake: Fake) -> None:
+        await show(pilot, "k")
+        await select(pilot, "keys", "alice/ci-bot")
+        assert shown_text(app, "key-limits") == ("ci-bot of alice: any model alice may use; "
+                                                 "alice's token budget only")
+        await select(pilot, "keys", "alice/etl-bot")
+        assert shown_text(app, "key-limits") == (f"etl-bot of alice: models {', '.join(models)}; "
+                                                 "20000 tokens/min of its own, within alice's")
+        lines = screen_lines(app)
+        assert len(lines) == 24 and all(len(line) <= 80 for line in lines)
+        shown = " ".join(" ".join(lines).split())
+        assert all(model in shown for model in models) and "20000 tokens/min" in shown, "the limits whole"
+        assert any("API keys (n: create, x: revoke)" in line for line in lines)
+
+    with_fake(home, answers, scenario)
