@@ -10,6 +10,7 @@ audit/ folder would shadow the audit package) off sys.path.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from dataclasses import dataclass, field
@@ -133,6 +134,27 @@ def pool_layout(pool: PoolSettings, engine: EngineSettings) -> PoolLayout:
     return layout_of_plan(*planned)
 
 
+MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")  # config.json's names for routed experts
+
+
+def serves_adapters(pool: PoolSettings, settings: Settings, home: Home) -> bool:
+    """Whether the pool's engines serve LoRA adapters: `pools.NAME.enable_lora`, or where it is unset
+    on, but for a mixture-of-experts model on the CPU engine (vLLM's fused-MoE LoRA needs Triton's GPU
+    kernels: the engine starts, then dies on its first request)."""
+    if pool.enable_lora is not None:
+        return pool.enable_lora
+    return not (resolve_device(settings.engine) == "cpu" and _mixture_of_experts(model_dir(pool, home)))
+
+
+def _mixture_of_experts(directory: Path) -> bool:
+    try:
+        config = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        return False  # the engine's own start says what is wrong with the model
+    parts = [config, config.get("text_config") or {}] if isinstance(config, dict) else []
+    return any(isinstance(part, dict) and (part.get(field) or 0) > 1 for part in parts for field in MOE_FIELDS)
+
+
 def rank_command(pool: PoolSettings, settings: Settings, home: Home, layout: PoolLayout, device: str,
                  rank: Rank, host: str = "localhost") -> HostCommand:
     """The argv and environment (no secrets: the launcher adds the engine's key) of one host's
@@ -163,14 +185,15 @@ def rank_command(pool: PoolSettings, settings: Settings, home: Home, layout: Poo
         argv += ["--quantization", layout.quantization]
     if layout.speculative:
         argv += ["--speculative-config", layout.speculative]
-    if pool.enable_lora:
+    lora = serves_adapters(pool, settings, home)
+    if lora:
         argv += ["--enable-lora", "--max-lora-rank", str(pool.max_lora_rank), "--max-loras", str(pool.max_loras)]
     argv += pool.extra_args
 
     # The engine's log is the operator's record of its start and loader: a parent that imported TRL
     # (which lowers vLLM's level to ERROR in its own environment) must not silence it.
     env = OFFLINE_ENVIRONMENT | {"VLLM_LOGGING_LEVEL": "INFO"}
-    if pool.enable_lora:
+    if lora:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     if on_cpu:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(engine.cpu_kvcache_gib)

@@ -4,7 +4,7 @@ adapters: queue jobs for the worker, follow and cancel them, or train in the for
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
@@ -17,11 +17,12 @@ from appliance import adapters, jobs
 from appliance.artifacts import artifact_store
 from appliance.changes import note_target, records_change
 from appliance.commands.common import AsJson, print_json
+from appliance.engine_launch import serves_adapters
 from appliance.errors import ApplianceError, Invalid, NotFound
 from appliance.home import Home
 from appliance.model_refs import checkpoint
 from appliance.progress import byte_progress
-from appliance.settings import DEMO_MODEL, Settings, load_settings
+from appliance.settings import DEMO_MODEL, PoolSettings, Settings, load_settings
 from appliance.terminal import Listing, text
 from finetune import evalsets
 from finetune.datasets import (
@@ -163,15 +164,19 @@ def _check(name: str, data: str, base: str, home: Home) -> None:
                        hint=f"datasets: {', '.join(sorted(registry)) or 'none'}")
     settings = load_settings(home.settings_file)
     checkpoint(base, home, settings, what="--base")
-    if (warning := deploy_warning(settings, adapters.load(home).aliases.get(name), name)) is not None:
+    warning = deploy_warning(settings, adapters.load(home).aliases.get(name), name,
+                             lambda pool: serves_adapters(pool, settings, home))
+    if warning is not None:
         Console(stderr=True).print(warning, markup=False, highlight=False)
 
 
-def deploy_warning(settings: Settings, alias: adapters.Alias | None, name: str) -> str | None:
-    """What to tell someone about to train `name` whose pool would not serve it (enable_lora off)."""
+def deploy_warning(settings: Settings, alias: adapters.Alias | None, name: str,
+                   serves: Callable[[PoolSettings], bool]) -> str | None:
+    """What to tell someone about to train `name` whose pool would not serve it (`serves`: whether a
+    pool serves adapters, appliance.engine_launch.serves_adapters)."""
     served_on = adapters.deploy_pool(alias, [pool.name for pool in settings.pools])
     pool = next((pool for pool in settings.pools if pool.name == served_on), None)
-    if pool is None or pool.enable_lora:
+    if pool is None or serves(pool):
         return None
     return (f"warning: engine pool {pool.name!r}, where {name} would deploy, does not serve adapters: the adapter "
             f"will train but not deploy until `appliance settings set pools.{pool.name}.enable_lora true` and "

@@ -86,8 +86,11 @@ class PoolSettings(Section):
         "engines, programs vllm-<name>, vllm-<name>_1, ...); the gateway balances requests over them. With GPUs "
         "set, they are split among the replicas in order."
     )
-    enable_lora: bool = Field(True, description="Serve LoRA adapters (runtime loading on), so that a trained "
-                              "adapter deploys without a restart; its cost is in docs/post-train/lora.md.")
+    enable_lora: bool | None = Field(
+        None, description="Serve LoRA adapters (runtime loading on), so that a trained adapter deploys without a "
+        "restart; its cost is in docs/post-train/lora.md. Unset: on, except for a mixture-of-experts model on the "
+        "CPU engine, whose vLLM LoRA kernels do not run there (its first request would fail)."
+    )
     max_lora_rank: int = Field(16, ge=1, description="Largest adapter rank accepted.")
     max_loras: int = Field(4, ge=1, description="Adapters resident at once.")
     max_model_len: int | None = Field(None, gt=0, description="Overrides engine.max_model_len.")

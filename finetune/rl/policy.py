@@ -40,6 +40,7 @@ from appliance.adapters import AdapterMetrics, AdapterRecord, AdapterState
 from appliance.artifacts import artifact_store
 from appliance.changes import Change, Target, announce
 from appliance.durable import replace_file
+from appliance.engine_launch import serves_adapters
 from appliance.errors import ApplianceError, Conflict, Invalid, Unavailable
 from appliance.jobs import CANCEL_FILE, Hyperparameters
 from appliance.model_refs import checkpoint, served_name
@@ -75,7 +76,7 @@ def step_tasks(tasks: list[Task], step: int, per_step: int) -> list[Task]:
 def lora_pool(loop: Loop) -> str:
     """The pool serving the run's base model with adapters on (the policy's versions are served there)."""
     for pool in loop.settings.pools:
-        if served_name(pool, loop.home) == loop.spec.base and pool.enable_lora:
+        if served_name(pool, loop.home) == loop.spec.base and serves_adapters(pool, loop.settings, loop.home):
             return pool.name
     raise Invalid(f"no pool serves {loop.spec.base!r} with adapters: a GRPO run serves its policy's versions",
                   hint="set pools.<name>.enable_lora = true for the pool serving it, and restart it")

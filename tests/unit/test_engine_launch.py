@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.engine_launch import python
+from appliance.engine_launch import python, serves_adapters
 from appliance.errors import SettingsError
 from appliance.home import Home
 from appliance.records import Gpu, Host, Plan
@@ -43,6 +43,30 @@ def test_cpu_demo_pool(home: Home) -> None:
     assert launch.environment["VLLM_API_KEY"] == "k"
     assert "k" not in argv, "the API key must not appear on the command line"
     assert "VLLM_CPU_OMP_THREADS_BIND" not in launch.environment
+
+
+def moe_model(directory: Path, **experts: int) -> Path:
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps({"architectures": ["Qwen3MoeForCausalLM"], **experts}))
+    return directory
+
+
+@pytest.mark.parametrize("experts", [{"num_experts": 4}, {"num_local_experts": 8}, {"n_routed_experts": 256}])
+def test_a_mixture_of_experts_on_the_cpu_engine_serves_no_adapters_unless_told(home: Home, tmp_path: Path,
+                                                                               experts: dict[str, int]) -> None:
+    """vLLM's fused-MoE LoRA needs Triton's GPU kernels: on the CPU engine a MoE pool with adapters on
+    starts, then dies on its first request. Unset, enable_lora leaves them off there, and says so by
+    what it launches; on a GPU, or set, it is as set."""
+    moe = moe_model(tmp_path / "moe", **experts)
+    cpu = Settings(engine=EngineSettings(device="cpu"), pools=[PoolSettings(name="main", model=str(moe))])
+    assert not serves_adapters(cpu.pools[0], cpu, home)
+    assert "--enable-lora" not in build_launch(cpu.pools[0], cpu, home, api_key="k").argv
+    told = cpu.model_copy(update={"pools": [PoolSettings(name="main", model=str(moe), enable_lora=True)]})
+    assert serves_adapters(told.pools[0], told, home)
+    gpu = Settings(engine=EngineSettings(device="cuda"), pools=[PoolSettings(name="main", model=str(moe))])
+    assert serves_adapters(gpu.pools[0], gpu, home)
+    dense = Settings(engine=EngineSettings(device="cpu"))
+    assert serves_adapters(dense.pools[0], dense, home), "the demo model is dense"
 
 
 def test_a_pool_told_not_to_serve_adapters_starts_without_lora(home: Home) -> None:
