@@ -5,6 +5,7 @@ once), unlock a user locked out by failed logins."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from textual.app import ComposeResult
@@ -104,31 +105,29 @@ class Users(Panel):
                      f"Disable user {name!r}? New logins fail and live tokens stop within seconds.")
 
     def action_grant(self) -> None:
-        name = self.selected("users")
-        if name is None:
-            return
-
-        def chosen(values: dict[str, str] | None) -> None:
-            if values is not None:
-                self.act(lambda: self.client.call("POST", f"/users/{name}/roles", json={"role": values["role"]}),
-                         f"{name} now holds {values['role']}", f"Grant {values['role']!r} to {name!r}?")
-
-        self.app.push_screen(Form(f"Grant a role to {name}", [Field("role", "role", self.grantable(name))]), chosen)
+        self._change_role("Grant a role to {name}", self.grantable, "POST", "/users/{name}/roles",
+                          "{name} now holds {role}", "Grant {role!r} to {name!r}?", body=True)
 
     def action_revoke(self) -> None:
+        self._change_role("Revoke a role from {name}", self.revocable, "DELETE", "/users/{name}/roles/{role}",
+                          "{name} no longer holds {role}",
+                          "Revoke {role!r} from {name!r}? Their API keys lose it within seconds.")
+
+    def _change_role(self, title: str, roles: Callable[[str], tuple[str, ...]], method: str, path: str, done: str,
+                     question: str, *, body: bool = False) -> None:
+        """Ask which role (of `roles(name)`) for the selected user, then whether, then call the route."""
         name = self.selected("users")
         if name is None:
             return
 
         def chosen(values: dict[str, str] | None) -> None:
             if values is not None:
-                role = values["role"]
-                self.act(lambda: self.client.call("DELETE", f"/users/{name}/roles/{role}"),
-                         f"{name} no longer holds {role}",
-                         f"Revoke {role!r} from {name!r}? Their API keys lose it within seconds.")
+                words = {"name": name, "role": values["role"]}
+                self.act(lambda: self.client.call(method, path.format(**words),
+                                                  json={"role": words["role"]} if body else None),
+                         done.format(**words), question.format(**words))
 
-        self.app.push_screen(Form(f"Revoke a role from {name}", [Field("role", "role", self.revocable(name))]),
-                             chosen)
+        self.app.push_screen(Form(title.format(name=name), [Field("role", "role", roles(name))]), chosen)
 
     def action_enable(self) -> None:
         name = self.selected("users")
