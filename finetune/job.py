@@ -41,7 +41,8 @@ def main(directory: Path) -> int:
         trainer = train_sharded if spec.strategy == "fsdp" else train_adapter
         trainer(spec.base, train, evaluation, directory, spec.hyperparameters,
                 on_progress=lambda progress: write_progress(directory, progress), eval_sets=spec.eval_sets,
-                on_beat=(directory / HEARTBEAT_FILE).touch, scoring=spec.scoring)
+                on_beat=(directory / HEARTBEAT_FILE).touch, scoring=spec.scoring,
+                checkpointing=spec.gradient_checkpointing)
     except ApplianceError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 1

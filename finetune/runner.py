@@ -26,7 +26,9 @@ import psutil
 
 from appliance.adapters import AdapterMetrics, AdapterRecord, AdapterState, Scores
 from appliance.artifacts import artifact_store
+from appliance.datasets import PREFIX, check_dataset, load_registry
 from appliance.home import Home
+from appliance.job_fit import JobFit, JobShape, fit_job
 from appliance.jobs import (
     CANCEL_FILE,
     HEARTBEAT_FILE,
@@ -44,8 +46,8 @@ from appliance.orphans import group_members
 from appliance.records import config_sha256
 from appliance.settings import FinetuneSettings, Settings
 from finetune import adapters, evalsets
-from finetune.datasets import PREFIX, check_dataset, kind, load_registry
-from finetune.sandbox import TRAINER_ENVIRONMENT, prepare, sandboxed
+from finetune.datasets import kind
+from finetune.sandbox import TRAINER_ENVIRONMENT, prepare, sandbox_memory_bytes, sandboxed
 from finetune.train import Result, Scoring, TrainingCancelled, TrainingError, TrainingSpec, load_result
 
 LOG_TAIL_BYTES = 65536  # of a failed trainer's log, read for its last line
@@ -83,9 +85,7 @@ def run_job(directory: Path, *, name: str, data: str, base: str, hp: Hyperparame
     splits = {split: store.get(f"{PREFIX}{digest}/{split}.jsonl") for split in ("train", "eval")}
     check_dataset(data, digest, splits["train"], splits["eval"])
     check_method(data, splits["train"], hp)
-    gpus = visible_gpus()
-    processes = hp.processes or settings.finetune.processes or gpus or 1
-    strategy = choose_strategy(settings.finetune.strategy, processes, hp, gpus=gpus)
+    processes, strategy, fit = size_job(model.resolve(), hp, settings.finetune)
     inputs = [directory / "train.jsonl", directory / "eval.jsonl", directory / "job.json", directory / LAUNCH_FILE]
     for split, content in splits.items():
         (directory / f"{split}.jsonl").write_bytes(content)
@@ -95,7 +95,8 @@ def run_job(directory: Path, *, name: str, data: str, base: str, hp: Hyperparame
         log.warning("%s has no chat template: the shipped regression set is not asked of it", base)
     spec = TrainingSpec(base=model.resolve(), hyperparameters=hp, eval_sets=sets,
                         scoring=Scoring(seeds=settings.finetune.gate_seeds,
-                                        temperature=settings.finetune.gate_temperature), strategy=strategy)
+                                        temperature=settings.finetune.gate_temperature), strategy=strategy,
+                        gradient_checkpointing=fit.checkpointing)
     (directory / "job.json").write_text(spec.model_dump_json())
     (directory / LAUNCH_FILE).write_text(json.dumps({"strategy": strategy, "processes": processes}))
     forget_ranks(directory)
@@ -104,7 +105,7 @@ def run_job(directory: Path, *, name: str, data: str, base: str, hp: Hyperparame
         (directory / HEARTBEAT_FILE).unlink(missing_ok=True)
     if settings.finetune.sandbox != "none":
         prepare(directory, inputs, [model.resolve()])
-    trainer = _trainer_command(directory, processes, strategy, cpu=not gpus)
+    trainer = _trainer_command(directory, processes, strategy, cpu=not visible_gpus())
     train_in_child(directory, sandboxed(trainer, settings.finetune, workdir=directory, inputs=inputs,
                                          readable=[model.resolve()]), on_progress, on_child, on_beat,
                     limit_s=settings.finetune.max_job_hours * 3600)
@@ -224,6 +225,28 @@ def choose_strategy(setting: str, processes: int, hp: Hyperparameters, *, gpus: 
                             hint="--processes 1 trains QLoRA in one process; finetune.strategy = \"ddp\" on GPUs; "
                                  "or train LoRA sharded")
     return "fsdp"
+
+
+def size_job(base: Path, hp: Hyperparameters, settings: FinetuneSettings) -> tuple[int, Strategy, JobFit]:
+    """How many processes train the job on this host, how (choose_strategy), and the training
+    planner's estimate of one of them; TrainingError naming the figure that does not fit, before
+    anything loads. Gradient checkpointing is on only where the job does not fit without it (on a
+    GPU it halved the throughput where memory was plentiful)."""
+    gpus = visible_gpus()
+    processes = hp.processes or settings.processes or gpus or 1
+    strategy = choose_strategy(settings.strategy, processes, hp, gpus=gpus)
+    limit = None if settings.sandbox == "none" else sandbox_memory_bytes(settings)
+    fit = fit_job(JobShape(base=base, qlora=hp.qlora, rank=hp.rank, seq_len=hp.max_length, batch=hp.batch_size,
+                           processes=processes, sharded=strategy == "fsdp", process_limit_bytes=limit))
+    if not fit.fits:
+        where = f"{processes} process{'es' if processes > 1 else ''} ({strategy})"
+        raise TrainingError(f"the job does not fit this host's {where}: {fit.reason}",
+                            hint="more processes (--processes N; finetune.strategy \"fsdp\" or \"auto\" shards the "
+                                 "base over them), a smaller --max-length or --batch-size, --qlora, or a larger "
+                                 "finetune.sandbox_memory_gib; `appliance plan --train` sizes a job")
+    log.info("job sized: %.2f GiB a process of %.2f GiB, gradient checkpointing %s", fit.process_bytes / 2**30,
+             fit.budget_bytes / 2**30, "on" if fit.checkpointing else "off")
+    return processes, strategy, fit
 
 
 def forget_ranks(directory: Path) -> None:

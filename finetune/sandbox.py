@@ -140,8 +140,7 @@ def sandboxed(command: list[str], settings: FinetuneSettings, *, workdir: Path, 
     if os.geteuid() == 0:
         user = sandbox_user()
         namespaces, drop = ROOT_NAMESPACES, become(user.pw_uid, user.pw_gid)
-    memory = int((settings.sandbox_memory_gib or _ram_gib() * 0.8) * 2**30)
-    limits = [prlimit, f"--data={memory}", f"--nproc={settings.sandbox_max_processes}", "--"]
+    limits = [prlimit, f"--data={sandbox_memory_bytes(settings)}", f"--nproc={settings.sandbox_max_processes}", "--"]
     mounts = [*namespaces, "--die-with-parent", "--new-session", "--proc", "/proc", "--dev", "/dev",
               *(arg for path in TMPFS for arg in ("--perms", "1777", "--tmpfs", str(path)))]
     mounts += system_mounts()
@@ -163,6 +162,11 @@ def sandboxed(command: list[str], settings: FinetuneSettings, *, workdir: Path, 
         environment["CUDA_VISIBLE_DEVICES"] = os.environ["CUDA_VISIBLE_DEVICES"]
     setenv = [arg for name, value in sorted(environment.items()) for arg in ("--setenv", name, value)]
     return [*limits, bwrap, *mounts, "--chdir", str(workdir), "--clearenv", *setenv, "--", *drop, *command]
+
+
+def sandbox_memory_bytes(settings: FinetuneSettings) -> int:
+    """The data memory each sandboxed process may use (prlimit's, per process)."""
+    return int((settings.sandbox_memory_gib or _ram_gib() * 0.8) * 2**30)
 
 
 def leading_directories(mounted: list[Path]) -> list[Path]:

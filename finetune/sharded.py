@@ -129,7 +129,8 @@ def planned_steps(hp: Hyperparameters, rows: int, global_batch: int) -> int:
 def train_sharded(base: Path, train: list[dict[str, Any]], evaluation: list[dict[str, Any]], out_dir: Path,
                   hp: Hyperparameters, on_progress: Callable[[Progress], None] = lambda p: None,
                   eval_sets: dict[str, list[dict[str, Any]]] | None = None,
-                  on_beat: Callable[[], None] = lambda: None, scoring: Scoring | None = None) -> Result | None:
+                  on_beat: Callable[[], None] = lambda: None, scoring: Scoring | None = None,
+                  checkpointing: bool = False) -> Result | None:
     """train.train_adapter's contract, sharded: every rank trains, evaluates and scores in step;
     the first writes out_dir/adapter (gathered once) and out_dir/result.json and returns the Result."""
     import torch
@@ -155,14 +156,14 @@ def train_sharded(base: Path, train: list[dict[str, Any]], evaluation: list[dict
                                 rank=rank, world_size=world)
     try:
         return _train(base, train, evaluation, out_dir, hp, on_progress, eval_sets or {}, on_beat,
-                      scoring or Scoring())
+                      scoring or Scoring(), checkpointing)
     finally:
         dist.destroy_process_group()
 
 
 def _train(base: Path, train: list[dict[str, Any]], evaluation: list[dict[str, Any]], out_dir: Path,
            hp: Hyperparameters, on_progress: Callable[[Progress], None], eval_sets: dict[str, list[dict[str, Any]]],
-           on_beat: Callable[[], None], scoring: Scoring) -> Result | None:
+           on_beat: Callable[[], None], scoring: Scoring, checkpointing: bool) -> Result | None:
     import torch
     import torch.distributed as dist
     from transformers import AutoTokenizer
@@ -174,7 +175,7 @@ def _train(base: Path, train: list[dict[str, Any]], evaluation: list[dict[str, A
         torch.cuda.set_device(device)
     tokenizer = AutoTokenizer.from_pretrained(base, local_files_only=True)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
-    model = build_sharded(base, hp, device)
+    model = build_sharded(base, hp, device, checkpointing=checkpointing)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=hp.learning_rate, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
     rows = token_rows(tokenizer, train, hp.max_length)
@@ -232,9 +233,11 @@ def _train(base: Path, train: list[dict[str, Any]], evaluation: list[dict[str, A
     return result
 
 
-def build_sharded(base: Path, hp: Hyperparameters, device: Any) -> Any:
+def build_sharded(base: Path, hp: Hyperparameters, device: Any, *, checkpointing: bool = False) -> Any:
     """The PEFT model with every decoder layer and the root sharded, this rank's slices of the
-    base loaded and the LoRA weights drawn from the seed."""
+    base loaded and the LoRA weights drawn from the seed; with `checkpointing`, each decoder layer
+    keeps only its input and recomputes its forward in the backward pass (non-reentrant, as FSDP2
+    needs: the recomputation all-gathers the layer again through its hooks)."""
     import torch
     from peft import LoraConfig, get_peft_model
     from torch.distributed.fsdp import fully_shard
@@ -243,6 +246,8 @@ def build_sharded(base: Path, hp: Hyperparameters, device: Any) -> Any:
     config = AutoConfig.from_pretrained(base, local_files_only=True)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
+    if checkpointing:
+        skeleton.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = get_peft_model(skeleton, LoraConfig(r=hp.rank, lora_alpha=hp.alpha, lora_dropout=hp.dropout,
                                                 target_modules=linear_targets(skeleton), task_type="CAUSAL_LM"))
     inner = model.get_base_model()

@@ -57,6 +57,7 @@ class TrainingSpec(BaseModel):
     eval_sets: dict[str, list[dict[str, Any]]] = {}  # kind -> items (finetune.evalsets)
     scoring: Scoring = Scoring()
     strategy: Literal["single", "ddp", "fsdp"] = "single"  # fsdp: finetune.sharded; the others: train_adapter
+    gradient_checkpointing: bool = False  # the runner's choice, from the job's memory budget (finetune.runner.size_job)
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,8 @@ def as_training_rows(examples: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def train_adapter(base: Path, train: list[dict[str, Any]], evaluation: list[dict[str, Any]], out_dir: Path,
                   hp: Hyperparameters, on_progress: Callable[[Progress], None] = lambda p: None,
                   eval_sets: dict[str, list[dict[str, Any]]] | None = None,
-                  on_beat: Callable[[], None] = lambda: None, scoring: Scoring | None = None) -> Result | None:
+                  on_beat: Callable[[], None] = lambda: None, scoring: Scoring | None = None,
+                  checkpointing: bool = False) -> Result | None:
     """Train, evaluate base and adapter on the held-out rows (and score both on `eval_sets`:
     finetune.evalsets, as `scoring` says), save the adapter to out_dir/adapter and the figures to
     out_dir/result.json. Under torchrun every process trains its share of each batch (DDP); the
@@ -128,10 +130,11 @@ def train_adapter(base: Path, train: list[dict[str, Any]], evaluation: list[dict
         per_device_train_batch_size=hp.batch_size, per_device_eval_batch_size=hp.batch_size,
         learning_rate=hp.learning_rate, logging_steps=1, save_steps=hp.save_steps, save_total_limit=2,
         report_to=[], use_cpu=not torch.cuda.is_available(), seed=hp.seed, data_seed=hp.seed,
-        # TRL turns on bf16 autocast and gradient checkpointing: right on a GPU, where memory is
-        # short; on a CPU, bf16 ran 4x slower here and checkpointing cost 1.5x the time.
+        # TRL turns on bf16 autocast and gradient checkpointing by default. bf16 suits a GPU; on a CPU
+        # it ran 4x slower here. Checkpointing cost 1.5x the time on a CPU and 2x on a GPU, so it is
+        # on only where the job's budget needs it (`checkpointing`, the runner's choice).
         bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
-        gradient_checkpointing=torch.cuda.is_available(),
+        gradient_checkpointing=checkpointing,
         max_length=hp.max_length, dataloader_num_workers=0, disable_tqdm=True,
         include_num_input_tokens_seen="non_padding")
     peft_config = LoraConfig(r=hp.rank, lora_alpha=hp.alpha, lora_dropout=hp.dropout, target_modules="all-linear",

@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from appliance.errors import Invalid
+from appliance.job_fit import JobFit, JobShape
 from appliance.records import HardwareProfile
+from installer.hardware import local_host
 from installer.memory import GIB, count_params
 from installer.model_config import ModelShape, load_model_config
 from installer.train_memory import (
@@ -231,10 +233,23 @@ def check_job(config: Path, *, method: Method, rank: int, seq_len: int, batch: i
     return fit(model, spec, ranks=ranks, hosts=hosts, budget=rank_memory_bytes, device=device)
 
 
-def require_fit(config: Path, **job: Any) -> TrainFit:
-    """check_job, raising TrainPlanError naming the figure when the job does not fit."""
-    found = check_job(config, **job)
-    if not found.fits:
-        raise TrainPlanError(f"the job does not fit on {found.ranks} rank(s): {found.reason}",
-                             hint="more ranks or hosts, a shorter --max-length, a smaller batch, or --qlora")
-    return found
+def local_job_fit(shape: JobShape) -> JobFit:
+    """The `appliance.job_fit` entry point: `shape` on this host (its profile, detected), each
+    process's budget its GPU's memory (the smallest, less the allocator's margin) or its share of
+    the host's RAM, and no more than the sandbox's limit. Both trainers hold the base in float32
+    (a GPU's bf16 is autocast only), so that is the dtype sized."""
+    host = local_host()
+    if host.gpus:
+        device: Device = "cuda"
+        budget = int(min(gpu.memory_bytes for gpu in host.gpus) * GPU_UTILIZATION)
+    else:
+        if not host.ram_bytes:
+            raise TrainPlanError("this host's RAM could not be read: a CPU process's budget is its share of it")
+        device, budget = "cpu", cpu_rank_budget(host.ram_bytes, shape.processes)
+    if shape.process_limit_bytes is not None:
+        budget = min(budget, shape.process_limit_bytes)
+    found = check_job(shape.base, method="qlora" if shape.qlora else "lora", rank=shape.rank, seq_len=shape.seq_len,
+                      batch=shape.batch, ranks=shape.processes if shape.sharded else 1, rank_memory_bytes=budget,
+                      device=device, dtype="fp32")
+    return JobFit(checkpointing=found.memory.checkpointing, process_bytes=found.memory.total, budget_bytes=budget,
+                  reason=found.reason)

@@ -1,0 +1,67 @@
+"""Gradient checkpointing in the sharded trainer: with it, a step's loss and LoRA gradients are
+those without it (each decoder layer recomputes its forward in the backward pass, through FSDP2's
+hooks), on a 2-layer Llama made here, in one gloo process."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from appliance.jobs import Hyperparameters
+from finetune.sharded import build_sharded, decoder_layers, train_step
+
+ROWS = [([5, 9, 14, 3, 7, 11], [-100, -100, 14, 3, 7, 11]), ([8, 2, 6, 4], [-100, 2, 6, 4])]
+
+
+@pytest.fixture(scope="module")
+def process_group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    import torch.distributed as dist
+
+    store = tmp_path_factory.mktemp("store") / "rendezvous"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False)
+    target = tmp_path_factory.mktemp("tiny")
+    LlamaForCausalLM(config).save_pretrained(target)  # type: ignore[no-untyped-call]
+    return target
+
+
+def one_step(base: Path, checkpointing: bool) -> tuple[float, dict[str, object], int]:
+    """A step's loss, LoRA gradients, and how often the first layer's attention ran forward."""
+    import torch
+
+    hp = Hyperparameters(rank=4, alpha=8, dropout=0.0, seed=3)
+    model = build_sharded(base, hp, torch.device("cpu"), checkpointing=checkpointing)
+    model.train()
+    forwards = []
+    decoder_layers(model.get_base_model())[0].self_attn.register_forward_hook(lambda *_: forwards.append(1))
+    trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    loss, _ = train_step(model, ROWS, 0, torch.device("cpu"), list(trainable.values()), 1)
+    grads = {name: p.grad.full_tensor().clone() for name, p in trainable.items()}  # type: ignore[union-attr]
+    return loss, grads, len(forwards)
+
+
+def test_a_checkpointed_step_has_the_plain_step_s_loss_and_gradients(process_group: None, tiny: Path) -> None:
+    import torch
+
+    plain_loss, plain, plain_forwards = one_step(tiny, checkpointing=False)
+    loss, grads, forwards = one_step(tiny, checkpointing=True)
+    assert (plain_forwards, forwards) == (1, 2)  # recomputed in the backward pass
+    assert loss == pytest.approx(plain_loss, rel=1e-6)
+    assert grads.keys() == plain.keys() and grads
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, plain[name], rtol=1e-5, atol=1e-7, msg=name)
+    assert any(float(g.abs().sum()) > 0 for g in grads.values())  # type: ignore[attr-defined]
