@@ -5,10 +5,11 @@ is made. The registry keeps only its HMAC-SHA256 under a secret of this host (`a
 a copy of the registry (a backup, a support bundle) cannot be used to call the gateway, and a
 lookup needs no scan: the keyed hash is the index. Each key has a name, its owner, an optional
 expiry, optional models it is limited to and an optional token budget a minute on top of its
-owner's. Names are scoped per owner: two users may each have a key named `ci`, a key is found by
-its owner and name together (`ref`, the registry's and the use record's index), and nobody learns
-another user's key names by trying to make one. A revoked key stays in the registry (its name is
-not reused by its owner, its audit records keep meaning something).
+owner's; those limits may change while it is active (`limit`). Names are scoped per owner: two
+users may each have a key named `ci`, a key is found by its owner and name together (`ref`, the
+registry's and the use record's index), and nobody learns another user's key names by trying to
+make one. A revoked key stays in the registry (its name is not reused by its owner, its audit
+records keep meaning something).
 
 A registry written when names were unique on the appliance is indexed by name alone; it is read as
 it is, and the first change re-indexes it (and the use record with it) by owner and name.
@@ -31,7 +32,7 @@ from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from appliance import durations
 from appliance.errors import Conflict, Invalid, NotFound, QuotaExceeded
@@ -46,6 +47,10 @@ USE_WRITE_INTERVAL_S = 60.0
 KeyName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$")]
 ModelName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")]
 MAX_MODELS = 16
+MAX_TOKENS_PER_MINUTE = 1_000_000_000
+# A key's limits as a caller gives them, when it is made and when they change: one rule for both.
+Models = Annotated[list[ModelName], Field(min_length=1, max_length=MAX_MODELS)]
+TokensPerMinute = Annotated[int, Field(gt=0, le=MAX_TOKENS_PER_MINUTE)]
 MAX_KEYS_PER_OWNER = 100  # revoked and expired ones included: they stay in the registry
 MAX_KEYS = 5000
 MAX_LIFETIME = timedelta(days=3653)  # ten years
@@ -110,8 +115,24 @@ class NewKey(BaseModel):
     owner: str = Field(min_length=1, max_length=64)
     expires_in: str | None = Field(None, description="e.g. 12h, 30d, 52w (a whole number and s, m, h, d or w); "
                                                      "unset: until revoked.")
-    models: list[ModelName] | None = Field(None, min_length=1, max_length=MAX_MODELS)
-    tokens_per_minute: int | None = Field(None, gt=0, le=1_000_000_000)
+    models: Models | None = None
+    tokens_per_minute: TokensPerMinute | None = None
+
+
+class NewLimits(BaseModel):
+    """What `keys limit` asks for: a key's limits to change. A field left out is kept; one given as
+    null is cleared (models: every model its owner may use; tokens_per_minute: its owner's budget only)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    models: Models | None = None
+    tokens_per_minute: TokensPerMinute | None = None
+
+    @model_validator(mode="after")
+    def _names_a_limit(self) -> NewLimits:
+        if not self.model_fields_set:
+            raise ValueError("no limit to change: give models, tokens_per_minute or both (null clears one)")
+        return self
 
 
 class CreatedKey(BaseModel):
@@ -215,6 +236,34 @@ def revoke(home: Home, owner: str, name: str, now: datetime | None = None) -> Ap
         if key.revoked is None:
             keys[ref(owner, name)] = key = key.model_copy(update={"revoked": now or datetime.now(UTC)})
     return key
+
+
+def limit(home: Home, owner: str, name: str, limits: NewLimits, now: datetime | None = None) -> tuple[ApiKey, ApiKey]:
+    """Change the limits `limits` names of `owner`'s active key `name` (at once: the gateway rereads
+    the registry when it changes); the key before and after. A revoked or expired key is refused:
+    it serves no request, and a limit changed on it would say otherwise."""
+    with _changing(home) as keys:
+        key = keys.get(ref(owner, name))
+        if key is None:
+            raise NotFound(f"{owner} has no API key named {name!r}", hint="`appliance keys list` shows them")
+        state = key.state(now or datetime.now(UTC))
+        if state is not KeyState.ACTIVE:
+            raise Conflict(f"API key {name!r} of {owner} is {state}: its limits can no longer change",
+                           hint="make a new key with the limits wanted (`appliance keys create`)")
+        keys[ref(owner, name)] = changed = key.model_copy(update=limits.model_dump(include=limits.model_fields_set))
+    return key, changed
+
+
+def described_limits(before: KeyDetails, after: KeyDetails) -> str:
+    """`models: old -> new; tokens_per_minute: old -> new`, as the audit record and the CLI say it."""
+    def models(key: KeyDetails) -> str:
+        return ", ".join(key.models) if key.models else "(its owner's)"
+
+    def budget(key: KeyDetails) -> str:
+        return str(key.tokens_per_minute) if key.tokens_per_minute else "(its owner's only)"
+
+    return (f"models: {models(before)} -> {models(after)}; "
+            f"tokens_per_minute: {budget(before)} -> {budget(after)}")
 
 
 def remove(home: Home, owner: str, name: str, now: datetime | None = None) -> ApiKey:

@@ -53,7 +53,7 @@ SUMMARIES = {
     "token": "Log in (device code by default; a password for scripts), cache the token 0600, refresh it.",
     "whoami": "Who the cached login is: user, roles, client, and when its access and refresh tokens expire.",
     "users": "Users and roles of the realm (through the gateway's admin API).",
-    "keys": "API keys for applications: create (shown once), list, revoke, remove.",
+    "keys": "API keys for applications: create (shown once), list, limit, revoke, remove.",
     "alerts": "Alerts firing now, the most urgent first: name, severity, since, what it is about, summary.",
     "adapters": "LoRA adapters: list, deploy into the running engine, canary, roll back, retire (through the "
                 "gateway's admin API).",

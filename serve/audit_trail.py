@@ -73,6 +73,11 @@ def note_target(request: Request, kind: str, name: str, *, version: int | None =
     context_of(request).target = Target(kind=kind, name=cap_text(name), version=version, roles=roles)
 
 
+def note_detail(request: Request, detail: str) -> None:
+    """Say what a route's change did, for its audit record (the old and the new value)."""
+    context_of(request).detail = cap_text(detail)
+
+
 def resource_of(scope: Scope) -> str:
     """Where the request was addressed: its path and query, capped."""
     query = scope.get("query_string", b"").decode("latin-1")
@@ -277,6 +282,7 @@ class AuditMiddleware:
             resource=resource_of(scope), target=target_of(scope, action, context.target),
             model=cap_text(transcript.model) if transcript.model else None,
             reason=reason_of(status, error_body),
+            detail=context.detail,
             prompt_tokens=transcript.prompt_tokens, completion_tokens=transcript.completion_tokens,
             latency_ms=round((time.monotonic() - started) * 1000, 1),
             prompt_hmac=self.hasher(transcript.prompt), completion_hmac=self.hasher(completion),

@@ -79,6 +79,7 @@ class RequestContext:
     batch: str | None = None  # a request the batch worker sends for a batch: "<batch id>:<line>"
     transcript: Transcript | None = None  # the relay (serve.relay)
     target: Target | None = None  # the object a route acted on, where its path does not say (note_target)
+    detail: str | None = None  # what a change did, in words (note_detail): a key's limits old -> new
     cache_candidate: CacheCandidate | None = None  # the relay: an answer to keep once recorded
     adapter_answer: AdapterAnswer | None = None  # the relay: an answer the canary analysis counts once recorded
 

@@ -12,9 +12,10 @@ from rich.console import Console
 
 from appliance.api_keys import expiry
 from appliance.commands.common import admin_api, print_json
+from appliance.errors import Invalid
 from appliance.terminal import Listing
 
-keys_app = typer.Typer(help="API keys for applications: create (shown once), list, revoke, remove.",
+keys_app = typer.Typer(help="API keys for applications: create (shown once), list, limit, revoke, remove.",
                        no_args_is_help=True)
 out = Console()
 Name = Annotated[str, typer.Argument(help="The key's name: lower-case letters, digits, '.', '_' and '-'.")]
@@ -68,6 +69,44 @@ def keys_list(
         table.add_row(key["name"], key["prefix"], key["owner"], key["state"], _day(key["created"]),
                       _day(key["expires"]) or "never", _day(key["last_used"]) or "never")
     out.print(table, crop=False)
+
+
+@keys_app.command("limit")
+def keys_limit(
+    name: Name,
+    user: Whose = None,
+    model: Annotated[list[str] | None, typer.Option("--model", "--models", help="A model it may use from now on; "
+                                                    "repeatable; replaces the models it was limited to.")] = None,
+    all_models: Annotated[bool, typer.Option("--all-models", help="Lift its model limit: every model its user "
+                                             "may use.")] = False,
+    tokens_per_minute: Annotated[int | None, typer.Option("--tokens-per-minute", help="Its own token budget from "
+                                                          "now on, on top of its user's.")] = None,
+    no_token_limit: Annotated[bool, typer.Option("--no-token-limit", help="Lift its own token budget: its user's "
+                                                 "budget only.")] = False,
+    json: Json = False,
+) -> None:
+    """Change an active API key's limits (its models, its own token budget); what is not named is kept."""
+    for given, lifted, option, lift in ((model, all_models, "--model", "--all-models"),
+                                        (tokens_per_minute is not None, no_token_limit, "--tokens-per-minute",
+                                         "--no-token-limit")):
+        if given and lifted:
+            raise Invalid(f"{option} and {lift} together: give one", hint=f"{lift} lifts the limit {option} sets")
+    body: dict[str, Any] = {}
+    if model or all_models:
+        body["models"] = model or None
+    if tokens_per_minute is not None or no_token_limit:
+        body["tokens_per_minute"] = tokens_per_minute
+    if not body:
+        raise Invalid("no limit to change", hint="give --model (or --all-models), --tokens-per-minute (or "
+                      "--no-token-limit), or both")
+    key = admin_api("PATCH", f"/keys/{name}", json=body, params={"owner": user} if user else None)
+    if json:
+        print_json(key)
+        return
+    models = ", ".join(key["models"]) if key["models"] else f"any model {key['owner']} may use"
+    budget = (f"{key['tokens_per_minute']} tokens/min of its own" if key["tokens_per_minute"]
+              else f"{key['owner']}'s token budget only")
+    out.print(f"API key {key['name']} of {key['owner']} now limited to {models}; {budget}", markup=False)
 
 
 @keys_app.command("revoke")

@@ -18,7 +18,7 @@ from appliance.home import Home
 from appliance.roles import Role
 from appliance.settings import Settings
 from appliance.users import Users
-from serve.audit_trail import REFRESHED, note_target
+from serve.audit_trail import REFRESHED, note_detail, note_target
 from serve.auth import Principal
 from serve.deps import requires
 from serve.errors import AuthError
@@ -114,6 +114,17 @@ def router(settings: Settings, home: Home) -> APIRouter:
         owner = _owner(home, who, key_name, owner)
         revoked = api_keys.revoke(home, owner, key_name)
         return view(revoked, api_keys.last_uses(home).get(api_keys.ref(owner, key_name)))
+
+    @routes.patch("/keys/{key_name}", response_model=KeyView, name="keys.limit")
+    def limit_key(request: Request, who: Admitted, key_name: str, limits: api_keys.NewLimits,
+                  owner: Owner = None) -> KeyView:
+        """Change an active key's limits: a field left out is kept, one given as null is cleared
+        (every model its owner may use; its owner's token budget only). Its next request is held
+        to them; the audit record says the old and the new."""
+        owner = _owner(home, who, key_name, owner)
+        before, after = api_keys.limit(home, owner, key_name, limits)
+        note_detail(request, api_keys.described_limits(before, after))
+        return view(after, api_keys.last_uses(home).get(api_keys.ref(owner, key_name)))
 
     @routes.delete("/keys/{key_name}", response_model=KeyView, name="keys.remove")
     def remove_key(who: Admitted, key_name: str, owner: Owner = None) -> KeyView:

@@ -1,7 +1,7 @@
-"""The TUI's user and adapter actions the CLI has too: enable a user, reset a password (shown
-once), unlock a user, revoke a role, retire an adapter version. Each asks first, calls the admin
-API's own route once confirmed, and nothing when declined; the keys screen shows a key's own
-limits. Against the fake admin API of tests/unit/test_tui.py."""
+"""The TUI's user, adapter and key actions the CLI has too: enable a user, reset a password (shown
+once), unlock a user, revoke a role, retire an adapter version, change a key's limits. Each asks
+first, calls the admin API's own route once confirmed, and nothing when declined; the keys screen
+shows a key's own limits. Against the fake admin API of tests/unit/test_tui.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 from textual.pilot import Pilot
-from textual.widgets import Select
+from textual.widgets import Input, Select
 
 from appliance.home import Home
 from tests.support.pilot import until
@@ -41,10 +41,16 @@ class Posting(Fake):
         if method == "DELETE":
             self.calls.append((method, path, None))
             return user(path.split("/")[2])
+        if method == "PATCH":
+            self.calls.append((method, path, {"params": kwargs.get("params"), "json": kwargs.get("json")}))
+            return {}
         return await super().call(method, path, **kwargs)
 
     def deleted(self) -> list[str]:
         return [path for method, path, _ in self.calls if method == "DELETE"]
+
+    def patched(self) -> list[tuple[str, Any]]:
+        return [(path, sent) for method, path, sent in self.calls if method == "PATCH"]
 
 
 def posting(home: Home, scenario: Any, answers: dict[str, Any] | None = None) -> Posting:
@@ -170,6 +176,59 @@ def test_the_keys_screen_shows_the_selected_key_s_own_limits_at_80x24(home: Home
         assert len(lines) == 24 and all(len(line) <= 80 for line in lines)
         shown = " ".join(" ".join(lines).split())
         assert all(model in shown for model in models) and "20000 tokens/min" in shown, "the limits whole"
-        assert any("API keys (n: create, x: revoke)" in line for line in lines)
+        assert any("API keys (n: create, l: limits, x: revoke)" in line for line in lines)
 
     with_fake(home, answers, scenario)
+
+
+async def limits_form(pilot: Pilot[None], row: str) -> dict[str, str]:
+    """Open the limits form of key `row`; the values it is filled in with."""
+    await select(pilot, "keys", row)
+    await pilot.press("l")
+    await until(pilot, lambda: type(pilot.app.screen).__name__ == "Form", "the limits form")
+    return {field: pilot.app.screen.query_one(f"#field-{field}", Input).value for field in ("models", "tokens")}
+
+
+async def fill_in(pilot: Pilot[None], models: str, tokens: str) -> None:
+    pilot.app.screen.query_one("#field-models", Input).value = models
+    pilot.app.screen.query_one("#field-tokens", Input).value = tokens
+    await pilot.click("#ok")
+    await until(pilot, lambda: type(pilot.app.screen).__name__ == "Confirm", "the question")
+
+
+def test_changing_a_keys_limits_asks_for_them_and_whether_then_patches_it_at_80x24(home: Home) -> None:
+    limited = {**api_key("etl-bot", "active"), "models": ["main", "coder"], "tokens_per_minute": 20000}
+    answers = {**sample_answers(), "/keys": [api_key("ci-bot", "active"), limited, api_key("old-bot", "revoked")]}
+
+    async def scenario(pilot: Pilot[None], app: AdminApp, fake: Posting) -> None:
+        await show(pilot, "k")
+        await select(pilot, "keys", "alice/ci-bot")
+        assert "API keys (n: create, l: limits, x: revoke)" in shown_text(app, "keys-title")
+        assert await limits_form(pilot, "alice/ci-bot") == {"models": "all", "tokens": "none"}, "its limits now"
+        lines = screen_lines(app)
+        assert len(lines) == 24 and all(len(line) <= 80 for line in lines), "the form fits"
+        await fill_in(pilot, "main, coder", "2000")
+        assert ("From its next request: models main, coder; 2000 tokens/min of its own, within alice's"
+                in " ".join(shown_text(app, "question").split()))
+        await pilot.press("n")
+        await until(pilot, lambda: type(app.screen).__name__ == "Keys", "the question gone")
+        await pilot.pause(0.2)
+        assert fake.patched() == [], "declined: nothing asked"
+        await limits_form(pilot, "alice/ci-bot")
+        await fill_in(pilot, "main, coder", "2000")
+        await pilot.press("y")
+        await until(pilot, lambda: len(fake.patched()) == 1, "PATCH of the limits")
+        assert fake.patched() == [("/keys/ci-bot", {"params": {"owner": "alice"},
+                                                    "json": {"models": ["main", "coder"], "tokens_per_minute": 2000}})]
+        assert await limits_form(pilot, "alice/etl-bot") == {"models": "main, coder", "tokens": "20000"}
+        await fill_in(pilot, "all", "none")
+        await pilot.press("y")
+        await until(pilot, lambda: len(fake.patched()) == 2, "PATCH clearing the limits")
+        assert fake.patched()[1][1]["json"] == {"models": None, "tokens_per_minute": None}, "both cleared"
+        await select(pilot, "keys", "alice/old-bot")
+        assert "l: limits" not in shown_text(app, "keys-title"), "a revoked key's limits no longer change"
+        await pilot.press("l")
+        await pilot.pause(0.2)
+        assert type(app.screen).__name__ == "Keys" and len(fake.patched()) == 2
+
+    posting(home, scenario, answers)
