@@ -17,6 +17,7 @@ from appliance import adapters, jobs
 from appliance.artifacts import artifact_store
 from appliance.changes import note_target, records_change
 from appliance.commands.common import AsJson, print_json
+from appliance.datasets import check_name_free, load_registry, remove, verify_current, versions
 from appliance.engine_launch import serves_adapters
 from appliance.errors import ApplianceError, Invalid, NotFound
 from appliance.home import Home
@@ -25,17 +26,7 @@ from appliance.progress import byte_progress
 from appliance.settings import DEMO_MODEL, PoolSettings, Settings, load_settings
 from appliance.terminal import Listing, text
 from finetune import evalsets
-from finetune.datasets import (
-    OnProgress,
-    check,
-    check_name_free,
-    load_registry,
-    remove,
-    split,
-    store,
-    verify_current,
-    versions,
-)
+from finetune.datasets import OnProgress, check, split, store
 from finetune.follow import PhaseBar, follow
 from finetune.runner import run_job
 

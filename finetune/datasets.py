@@ -1,7 +1,8 @@
 """Training datasets: every row parsed and validated (chat `messages`, `prompt`/`completion`, or
 plain text), scanned for sensitive data, split train/eval by a hash of each row (the same rows
 land in the same split whatever their order), and stored content-addressed in the artifact store.
-Nothing is stored unless every row is good."""
+Nothing is stored unless every row is good. The records of stored datasets, and reading them
+back, are the core's (appliance.datasets)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from appliance import jobs
 from appliance.artifacts import ArtifactStore
-from appliance.errors import Conflict, IntegrityError, Invalid, NotFound
+from appliance.datasets import PREFIX, content_digest, name_version
+from appliance.errors import Invalid
 from appliance.home import Home
-from appliance.registry import JsonRegistry
 from appliance.sensitive import Scanner, scanner_from
 from appliance.settings import ComplianceSettings
 
@@ -26,7 +26,6 @@ ROLES = ("system", "user", "assistant")
 Problem = tuple[int, str]  # a line of the file, and what is wrong there
 # How far a long check is: what it does, rows done, rows in all (the CLI draws a progress bar).
 OnProgress = Callable[[str, int, int], None]
-PREFIX = "datasets/"
 SHOWN_PROBLEMS = 20
 
 
@@ -315,43 +314,19 @@ def _line(example: dict[str, Any]) -> bytes:
     return json.dumps(example, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode()
 
 
-def content_digest(train: bytes, evaluation: bytes) -> str:
-    """A dataset's identity: SHA-256 of its train and eval files."""
-    return hashlib.sha256(train + b"\0" + evaluation).hexdigest()
-
-
-def check_dataset(name: str, digest: str, train: bytes, evaluation: bytes) -> None:
-    """Raise IntegrityError unless the files read back from the store are the dataset recorded."""
-    found = content_digest(train, evaluation)
-    if found != digest:
-        raise IntegrityError(f"dataset {name!r} in the artifact store was changed since it was added "
-                             f"(its files hash to {found[:16]}..., recorded {digest[:16]}...)",
-                             hint=f"add the dataset again with `appliance data add FILE --name {name}`")
-
-
 def store(name: str, source: Path, train: list[dict[str, Any]], evaluation: list[dict[str, Any]],
           sensitive: dict[str, int],
           action: str, artifacts: ArtifactStore, home: Home, *, replace: bool) -> Imported:
     """Put the dataset in the store under its content hash and name it in the local registry; a
     name already taken only with `replace` (its earlier versions stay in the store)."""
     done = put(name, source, train, evaluation, sensitive, action, artifacts)
-    with _registry(home).change() as registry:
-        check_name_free(registry, name, replace)
-        registry[name] = done.digest
+    name_version(home, name, done.digest, replace=replace)
     return done
-
-
-def check_name_free(registry: dict[str, str], name: str, replace: bool) -> None:
-    """Refuse to name a dataset `name` when one is so named, unless replacing it is asked for."""
-    if name in registry and not replace:
-        raise Conflict(f"a dataset named {name!r} exists (sha256 {registry[name][:16]}...)",
-                       hint=f"add it with --replace to make this its new version, or choose another name; "
-                            f"`appliance data show {name}` shows it")
 
 
 def put(name: str, source: Path, train: list[dict[str, Any]], evaluation: list[dict[str, Any]],
         sensitive: dict[str, int], action: str, artifacts: ArtifactStore) -> Imported:
-    """Put a dataset's files in the store under its content hash (not named yet: `register`)."""
+    """Put a dataset's files in the store under its content hash (not named yet: appliance.datasets.register)."""
     train_bytes = b"".join(_line(e) + b"\n" for e in train)
     eval_bytes = b"".join(_line(e) + b"\n" for e in evaluation)
     digest = content_digest(train_bytes, eval_bytes)
@@ -365,82 +340,3 @@ def put(name: str, source: Path, train: list[dict[str, Any]], evaluation: list[d
         artifacts.put(f"{PREFIX}{digest}/{key}", data, retain_days=0)
     return Imported(name=name, digest=digest, rows=rows, train=len(train), eval=len(evaluation),
                     sensitive=sensitive, action=action)
-
-
-def register(home: Home, names: dict[str, str]) -> None:
-    """Name datasets (name -> digest) in the local registry, all in one change (the CLI and the
-    rl-worker both add datasets)."""
-    with _registry(home).change() as registry:
-        registry.update(names)
-
-
-def registry_path(home: Home) -> Path:
-    return home.root / "datasets.json"
-
-
-def _registry(home: Home) -> JsonRegistry[dict[str, str]]:
-    return JsonRegistry(registry_path(home), dict[str, str], "the dataset registry")
-
-
-def load_registry(home: Home) -> dict[str, str]:
-    """Dataset names -> the digests their files are stored under."""
-    return _registry(home).read()
-
-
-@dataclass(frozen=True)
-class Version:
-    """One stored version of a named dataset, as its meta.json records it."""
-
-    sha256: str
-    current: bool  # the version the name trains on now
-    created: str
-    source: str
-    kind: str | None  # SFT rows or preference rows (None: stored before it was recorded)
-    rows: int
-    train: int
-    eval: int
-    sensitive: dict[str, int]
-    sensitive_action: str
-
-
-def versions(home: Home, artifacts: ArtifactStore, name: str) -> list[Version]:
-    """Every stored version of the dataset `name`, newest first; NotFound unless it is named."""
-    registry = load_registry(home)
-    if name not in registry:
-        raise NotFound(f"no dataset named {name!r}", hint=f"datasets: {', '.join(sorted(registry)) or 'none'}")
-    found = [_version(meta, registry[name]) for meta in _metas(artifacts) if meta.get("name") == name]
-    return sorted(found, key=lambda version: (version.current, version.created), reverse=True)
-
-
-def _metas(artifacts: ArtifactStore) -> list[dict[str, Any]]:
-    return [json.loads(artifacts.get(key)) for key in artifacts.keys(PREFIX) if key.endswith("/meta.json")]
-
-
-def _version(meta: dict[str, Any], current: str) -> Version:
-    return Version(sha256=meta["sha256"], current=meta["sha256"] == current, created=meta["created"],
-                   source=meta["source"], kind=meta.get("kind"), rows=meta["rows"], train=meta["train"],
-                   eval=meta["eval"], sensitive=meta["sensitive"], sensitive_action=meta["sensitive_action"])
-
-
-def verify_current(home: Home, artifacts: ArtifactStore, name: str) -> None:
-    """IntegrityError unless the files of the version `name` trains on hash to its digest."""
-    digest = load_registry(home)[name]
-    check_dataset(name, digest, artifacts.get(f"{PREFIX}{digest}/train.jsonl"),
-                  artifacts.get(f"{PREFIX}{digest}/eval.jsonl"))
-
-
-def remove(home: Home, artifacts: ArtifactStore, name: str) -> list[str]:
-    """Forget the dataset `name` and delete the files of its versions that no other name uses;
-    refused while a training job that has not ended uses it. The digests deleted."""
-    stored = versions(home, artifacts, name)
-    with _registry(home).change() as registry:
-        if users := [str(job.id) for job in jobs.listing(home) if job.data == name and job.state not in jobs.FINISHED]:
-            raise Conflict(f"dataset {name!r} is used by training job {', '.join(users)}, queued or running",
-                           hint="wait until it ends, or `appliance finetune cancel JOB`")
-        registry.pop(name, None)
-        kept = set(registry.values())
-    gone = [version.sha256 for version in stored if version.sha256 not in kept]
-    for digest in gone:
-        for key in artifacts.keys(f"{PREFIX}{digest}/"):
-            artifacts.delete(key)
-    return gone

@@ -18,6 +18,7 @@ from appliance.home import Home
 from appliance.settings import Settings
 from tui.audit_log import AuditLog
 from tui.dashboard import Dashboard
+from tui.datasets import Datasets
 from tui.dialogs import DIALOG_CSS
 from tui.keys import Keys
 from tui.models import Models
@@ -68,11 +69,12 @@ class Login(ModalScreen[bool]):
 
 class AdminApp(App[None]):
     TITLE = "appliance"
-    MODES = {"dashboard": Dashboard, "models": Models, "training": Training, "rl": RlRuns, "users": Users,
-             "keys": Keys, "audit": AuditLog}
+    MODES = {"dashboard": Dashboard, "models": Models, "training": Training, "datasets": Datasets, "rl": RlRuns,
+             "users": Users, "keys": Keys, "audit": AuditLog}
     BINDINGS = [Binding("d", "switch_mode('dashboard')", "Dashboard"),
                 Binding("m", "switch_mode('models')", "Models"),
                 Binding("j", "switch_mode('training')", "Jobs"),
+                Binding("D", "switch_mode('datasets')", "Data"),
                 Binding("e", "switch_mode('rl')", "RL"),
                 Binding("u", "switch_mode('users')", "Users"),
                 Binding("k", "switch_mode('keys')", "Keys"),

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.artifacts import ArtifactStore, artifact_store
+from appliance.datasets import register
 from appliance.errors import Invalid
 from appliance.home import Home
 from appliance.rl.attempts import Attempt
@@ -23,7 +24,7 @@ from appliance.rl.exports import ExportAsk
 from appliance.rl.runs import RunSpec
 from appliance.settings import Settings
 from appliance.trajectories import read_run
-from finetune.datasets import Imported, Row, normalise, put, register, screen, split
+from finetune.datasets import Imported, Row, normalise, put, screen, split
 from finetune.rl.tasks import load
 
 

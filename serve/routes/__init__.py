@@ -15,6 +15,7 @@ from serve.routes import (
     audit,
     batches,
     charts,
+    datasets,
     jobs,
     keys,
     plans,
@@ -31,4 +32,4 @@ def admin_routers(settings: Settings, home: Home) -> list[APIRouter]:
             audit.router(home), system.router(settings), plans.router(settings, home), jobs.router(home),
             rl.router(settings, home), serving.router(home),
             batches.router(settings, home), keys.router(settings, home), alerts.router(settings, home),
-            charts.router(settings, home)]
+            charts.router(settings, home), datasets.router(settings, home)]

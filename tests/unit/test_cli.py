@@ -104,9 +104,9 @@ def test_json_is_the_answer_whole_and_nothing_else(monkeypatch: pytest.MonkeyPat
 
 def test_no_python_repr_reaches_the_reader(home: Home) -> None:
     """An unknown dataset's hint names the datasets as words, not as a Python list."""
+    from appliance.datasets import register
     from appliance.errors import ApplianceError
     from finetune import cli as finetune_cli
-    from finetune.datasets import register
 
     register(home, {"faq": "0" * 64, "support": "1" * 64})
     with pytest.raises(ApplianceError) as caught:

@@ -13,12 +13,13 @@ import pytest
 from pydantic import ValidationError
 from typer.testing import CliRunner
 
+from appliance.datasets import load_registry
 from appliance.errors import SettingsError
 from appliance.home import Home
 from appliance.sensitive import Scanner, StreamRedactor, national_ids, plugged
 from appliance.settings import CompliancePolicy, ComplianceSettings, RolePolicy, Settings
 from finetune.cli import data_app
-from finetune.datasets import DatasetError, load_registry
+from finetune.datasets import DatasetError
 from finetune.rl.export import prepare_set
 from serve.compliance import Compliance, Marks
 from serve.errors import GatewayError

@@ -15,6 +15,7 @@ import pytest
 
 from appliance import jobs
 from appliance.artifacts import LocalStore
+from appliance.datasets import load_registry, remove, versions
 from appliance.errors import Conflict, NotFound
 from appliance.home import Home
 from appliance.sensitive import Scanner, iban_ok, luhn_ok
@@ -25,13 +26,10 @@ from finetune.datasets import (
     Row,
     check,
     check_lengths,
-    load_registry,
     parse,
-    remove,
     scan,
     split,
     store,
-    versions,
 )
 from tests.support.appliances import APPLIANCE
 
@@ -134,8 +132,8 @@ def test_cli_imports_all_or_nothing_and_audits(tmp_path: Path, home: Home) -> No
 
 def test_a_dataset_changed_in_the_store_is_refused_when_read() -> None:
     """A job re-hashes its dataset's files against the recorded digest."""
+    from appliance.datasets import check_dataset, content_digest
     from appliance.errors import IntegrityError
-    from finetune.datasets import check_dataset, content_digest
 
     digest = content_digest(b'{"text": "a"}\n', b'{"text": "b"}\n')
     check_dataset("support", digest, b'{"text": "a"}\n', b'{"text": "b"}\n')

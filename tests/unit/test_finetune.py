@@ -171,8 +171,8 @@ def test_a_job_on_a_dataset_changed_in_the_store_fails_and_is_audited(workspace:
     """The worker re-hashes the dataset it reads back; a changed one fails the job
     before any training, and the job's outcome is in the audit log."""
     from appliance import jobs
+    from appliance.datasets import PREFIX, load_registry
     from appliance.settings import load_settings
-    from finetune.datasets import PREFIX, load_registry
     from finetune.worker import work_one
 
     env, model = workspace

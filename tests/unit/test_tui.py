@@ -289,7 +289,8 @@ def cache_stats() -> dict[str, Any]:
 EMPTY_ANSWERS: dict[str, Any] = {"/services": [], "/system": host(), "/pools": [], "/plans": [],
                                  "/cache": cache_stats(), "/batches": {"object": "list", "data": []}, "/jobs": [],
                                  "/adapters": {"adapters": [], "aliases": {}}, "/rl/tasksets": [], "/rl/runs": [],
-                                 "/users": [], "/keys": [], "/audit": [], "/alerts": [], "/charts": chart_series()}
+                                 "/users": [], "/keys": [], "/audit": [], "/alerts": [], "/charts": chart_series(),
+                                 "/datasets": []}
 
 
 def service(name: str, state: str) -> dict[str, Any]:
@@ -376,7 +377,21 @@ def sample_answers() -> dict[str, Any]:
                    user("root", roles=("user", "trainer", "auditor", "admin"))],
         "/keys": [api_key("ci-bot", "active"), api_key("old-bot", "revoked"), api_key("tmp-bot", "expired")],
         "/audit": [audit_record(seq) for seq in (12, 11, 10)],
+        "/datasets": [{"name": name, "sha256": digest} for name, digest in DATASETS.items()],
+        **{f"/datasets/{name}": dataset(name, digest) for name, digest in DATASETS.items()},
     }
+
+
+DATASETS = {"faq": HASH, "support-faq": "0e" * 32}  # 11 characters: a name and its digest fit 80 columns
+
+
+def dataset(name: str, digest: str) -> dict[str, Any]:
+    """/datasets/NAME: the version in use and an older one."""
+    version = {"sha256": digest, "current": True, "created": "2026-12-02T10:00:00+00:00", "source": f"{name}.jsonl",
+               "kind": "SFT rows", "rows": 120, "train": 108, "eval": 12, "sensitive": {"email": 2},
+               "sensitive_action": "redact"}
+    older = {**version, "sha256": "3c" * 32, "current": False, "created": "2026-11-30T09:00:00+00:00", "rows": 90}
+    return {"name": name, "versions": [version, older]}
 
 
 def api_key(name: str, state: str) -> dict[str, Any]:
@@ -421,8 +436,8 @@ class Fake:
         return [path for method, path, _ in self.calls if method == "POST"]
 
 
-SCREENS = {"d": "Dashboard", "m": "Models", "j": "Training", "e": "RlRuns", "u": "Users", "k": "Keys",
-           "a": "AuditLog"}
+SCREENS = {"d": "Dashboard", "m": "Models", "j": "Training", "D": "Datasets", "e": "RlRuns", "u": "Users",
+           "k": "Keys", "a": "AuditLog"}
 
 
 def with_fake(home: Home, answers: dict[str, Any], scenario: Callable[[Pilot[None], AdminApp, Fake], Awaitable[None]],
@@ -524,6 +539,7 @@ REORDERED: dict[tuple[str, str, str], Callable[[dict[str, Any]], dict[str, Any]]
     ("u", "users", "frank"): lambda a: {"/users": [user("bob"), user("carol"), *reversed(a["/users"])]},
     ("k", "keys", "alice/old-bot"): lambda a: {"/keys": [api_key("aa-bot", "active"), *reversed(a["/keys"])]},
     ("a", "records", "11"): lambda a: {"/audit": [audit_record(14), audit_record(13), *a["/audit"]]},
+    ("D", "datasets", "faq"): lambda a: {"/datasets": [{"name": "aaa", "sha256": HASH}, *reversed(a["/datasets"])]},
 }
 
 
@@ -636,7 +652,7 @@ def test_every_empty_table_says_what_would_be_there_and_how_to_get_it(home: Home
 
     with_fake(home, dict(EMPTY_ANSWERS), scenario)
     assert set(found) == {"services", "pools", "batches", "jobs", "adapters", "tasksets", "runs", "attempts",
-                          "users", "keys", "records"}
+                          "users", "keys", "records", "datasets"}
     assert "`appliance finetune submit" in found["adapters"]
     commands = [quoted for text in found.values() for quoted in re.findall(r"`(appliance [^`]+)`", text)]
     assert len(commands) >= 8
