@@ -22,10 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from appliance import lifecycle
+from appliance import lifecycle, live_settings
 from appliance.durable import replace_file
 from appliance.errors import Conflict, Invalid, SettingsError, StartError
 from appliance.home import HOME_ENV, Home
+from appliance.live_settings import is_live
 from appliance.programs import Program, discover_programs, run_provisioners
 from appliance.supervisor import FAILED_STATES, ProcessState, Supervisor, log_file
 from appliance.up_steps import up_lock
@@ -221,6 +222,11 @@ class Restart:
     keys: tuple[str, ...]
     reconfigured: bool
 
+    @property
+    def live(self) -> bool:
+        """The program takes every changed key it reads while it runs (appliance.live_settings)."""
+        return not self.reconfigured and bool(self.keys) and all(is_live(self.program.name, k) for k in self.keys)
+
 
 @dataclass
 class Plan:
@@ -266,14 +272,17 @@ class ApplyReport:
 
     plan: Plan
     restarted: list[str] = field(default_factory=list)
+    taken_live: list[str] = field(default_factory=list)  # programs that took the change without a restart
     notices: list[str] = field(default_factory=list)
 
 
 def apply(settings: Settings, home: Home, progress: Progress = _no_progress, *,
           supervisor: Supervisor | None = None,
           discover: Callable[[Settings, Home], list[Program]] = discover_programs) -> ApplyReport:
-    """Restart the programs the settings changed since they started, one at a time, each healthy
-    before the next; then record the settings as those the programs run with."""
+    """Put the settings changed since the programs started in force, one program at a time: a
+    program that takes every changed key it reads while running is sent SIGHUP and must say it
+    holds the new values (else it is restarted, and the report says why); the others are restarted,
+    each healthy before the next. Then record the settings as those the programs run with."""
     supervisor = supervisor or Supervisor(home)
     with up_lock(home):
         if not supervisor.is_running():
@@ -299,6 +308,14 @@ def apply(settings: Settings, home: Home, progress: Progress = _no_progress, *,
             supervisor.reconfigure(lifecycle.supervisor_config(home, wanted))
         for step in steps.restarts:
             name = step.program.name
+            if step.live:
+                progress(f"{name} takes {', '.join(step.keys)} without a restart")
+                problem = _take_live(supervisor, name, home, current)
+                if problem is None:
+                    report.taken_live.append(name)
+                    continue
+                report.notices.append(f"{name} did not take {', '.join(step.keys)} while running ({problem}); "
+                                      "it was restarted")
             progress(f"restarting {name} ({', '.join(step.keys) or 'its configuration changed'})")
             if step.reconfigured:
                 supervisor.replace(name)
@@ -311,6 +328,17 @@ def apply(settings: Settings, home: Home, progress: Progress = _no_progress, *,
             report.notices += run_provisioners(settings, home)
         lifecycle.record_started(home, settings, wanted)
         return report
+
+
+def _take_live(supervisor: Supervisor, name: str, home: Home, current: Mapping[str, Any]) -> str | None:
+    """Send `name` SIGHUP and wait for it to say it holds `current`'s live values; None once it
+    does, else why not."""
+    info = next((p for p in supervisor.processes() if p.name == name), None)
+    if info is None or info.state != ProcessState.RUNNING or not info.pid:
+        return "it is not running"
+    live_settings.forget_answer(home, name)
+    supervisor.call("signalProcess", name, "HUP")
+    return live_settings.await_answer(home, name, info.pid, live_settings.digest(name, current))
 
 
 def _until_running(supervisor: Supervisor, program: Program, home: Home) -> None:

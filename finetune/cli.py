@@ -28,7 +28,7 @@ from appliance.terminal import Listing, text
 from finetune import evalsets
 from finetune.datasets import OnProgress, check, split, store
 from finetune.follow import PhaseBar, follow
-from finetune.runner import run_job
+from finetune.runner import run_job, size_job
 
 data_app = typer.Typer(help="Training datasets: validated, scanned, stored content-addressed.",
                        no_args_is_help=True)
@@ -133,12 +133,14 @@ def _progress() -> Iterator[OnProgress]:
 
 
 def _hyperparameters(qlora: bool, rank: int, alpha: int, lr: float, epochs: float, max_steps: int, batch_size: int,
-                     save_steps: int, method: str, beta: float, processes: int | None) -> jobs.Hyperparameters:
+                     save_steps: int, method: str, beta: float, processes: int | None,
+                     max_length: int) -> jobs.Hyperparameters:
     if method not in ("sft", "dpo"):
         raise Invalid(f"--method {method!r}: sft or dpo")
     return jobs.Hyperparameters(rank=rank, alpha=alpha, learning_rate=lr, epochs=epochs, max_steps=max_steps,
                                 batch_size=batch_size, save_steps=save_steps, qlora=qlora,
-                                method="dpo" if method == "dpo" else "sft", beta=beta, processes=processes)
+                                method="dpo" if method == "dpo" else "sft", beta=beta, processes=processes,
+                                max_length=max_length)
 
 
 def check_name_option(option: str, name: str) -> None:
@@ -147,14 +149,15 @@ def check_name_option(option: str, name: str) -> None:
         raise Invalid(f"{option} {name!r}: {problem}")
 
 
-def _check(name: str, data: str, base: str, home: Home) -> None:
+def _check(name: str, data: str, base: str, home: Home, hp: jobs.Hyperparameters) -> None:
+    """What can be known wrong before a job is queued or run: the names, and whether it fits here."""
     check_name_option("--name", name)
     registry = load_registry(home)
     if data not in registry:
         raise NotFound(f"no dataset named {data!r}",
                        hint=f"datasets: {', '.join(sorted(registry)) or 'none'}")
     settings = load_settings(home.settings_file)
-    checkpoint(base, home, settings, what="--base")
+    size_job(checkpoint(base, home, settings, what="--base").resolve(), hp, settings.finetune)
     warning = deploy_warning(settings, adapters.load(home).aliases.get(name), name,
                              lambda pool: serves_adapters(pool, settings, home))
     if warning is not None:
@@ -186,6 +189,7 @@ LearningRate = Annotated[float, typer.Option(min=0, help="Learning rate, e.g. 2e
 Epochs = Annotated[float, typer.Option(min=0, help="Passes over the dataset (a fraction is allowed).")]
 MaxSteps = Annotated[int, typer.Option(help="> 0 overrides --epochs.")]
 BatchSize = Annotated[int, typer.Option(min=1, help="Rows per training step.")]
+MaxLength = Annotated[int, typer.Option(min=16, help="Tokens per training row; longer rows are cut.")]
 SaveSteps = Annotated[int, typer.Option(min=1, help="Checkpoint every N steps (a rerun resumes).")]
 Method = Annotated[str, typer.Option(help="sft (chat or text rows) or dpo (preference rows: prompt, chosen, "
                                           "rejected).")]
@@ -209,11 +213,13 @@ def submit(data: Data, name: Name, base: Base = DEMO_MODEL, qlora: QLoRA = HP.ql
            alpha: Alpha = HP.alpha, lr: LearningRate = HP.learning_rate, epochs: Epochs = HP.epochs,
            max_steps: MaxSteps = HP.max_steps, batch_size: BatchSize = HP.batch_size,
            save_steps: SaveSteps = HP.save_steps, scenarios: Scenarios = None, regression: Regression = None,
-           method: Method = HP.method, beta: Beta = HP.beta, processes: Processes = HP.processes) -> None:
+           method: Method = HP.method, beta: Beta = HP.beta, processes: Processes = HP.processes,
+           max_length: MaxLength = HP.max_length) -> None:
     """Queue a training job for the finetune-worker; follow it with `appliance finetune status -f`."""
     home = Home.from_env()
-    _check(name, data, base, home)
-    hp = _hyperparameters(qlora, rank, alpha, lr, epochs, max_steps, batch_size, save_steps, method, beta, processes)
+    hp = _hyperparameters(qlora, rank, alpha, lr, epochs, max_steps, batch_size, save_steps, method, beta, processes,
+                          max_length)
+    _check(name, data, base, home, hp)
     job = jobs.submit(home, name=name, data=data, base=base, hyperparameters=hp,
                       eval_sets=_eval_sets(scenarios, regression))
     note_target("job", str(job.id))
@@ -262,14 +268,16 @@ def run(data: Data, name: Name, base: Base = DEMO_MODEL, qlora: QLoRA = HP.qlora
         alpha: Alpha = HP.alpha, lr: LearningRate = HP.learning_rate, epochs: Epochs = HP.epochs,
         max_steps: MaxSteps = HP.max_steps, batch_size: BatchSize = HP.batch_size,
         save_steps: SaveSteps = HP.save_steps, scenarios: Scenarios = None, regression: Regression = None,
-        method: Method = HP.method, beta: Beta = HP.beta, processes: Processes = HP.processes) -> None:
+        method: Method = HP.method, beta: Beta = HP.beta, processes: Processes = HP.processes,
+        max_length: MaxLength = HP.max_length) -> None:
     """Train an adapter in the foreground (as the worker would), gate it, register it."""
     note_target("adapter", name)
     home = Home.from_env()
-    _check(name, data, base, home)
+    hp = _hyperparameters(qlora, rank, alpha, lr, epochs, max_steps, batch_size, save_steps, method, beta, processes,
+                          max_length)
+    _check(name, data, base, home, hp)
     sets = _eval_sets(scenarios, regression)
     settings = load_settings(home.settings_file)
-    hp = _hyperparameters(qlora, rank, alpha, lr, epochs, max_steps, batch_size, save_steps, method, beta, processes)
     work = home.root / "finetune" / f"{name}-{load_registry(home)[data][:12]}"
     with byte_progress() as progress:
         bar = PhaseBar(progress)

@@ -35,6 +35,7 @@ from serve.limits import RateLimiter
 from serve.metrics import Metrics
 from serve.replicas import engine_session, pools_from_settings
 from serve.response_cache import ResponseCache
+from serve.settings_reload import take_settings_on_hangup
 from serve.slow_clients import SlowClients
 from serve.timers import archive_timer, checkpoint_timer, keys_until_fetched, summaries_timer
 from serve.upstream import Upstreams
@@ -117,6 +118,7 @@ def lifespan(settings: Settings, home: Home, metrics: Metrics, writer: AuditWrit
                 if audit.archive_interval_s > 0:
                     tasks.start_soon(archive_timer, settings, home, metrics)
                 tasks.start_soon(gateway.adapters.follow_canaries, canary_recorder(writer, metrics))
+                tasks.start_soon(take_settings_on_hangup, gateway.limiter, home)  # `settings apply`
                 # What the start made lives as long as the gateway: frozen out of the collector's
                 # full passes, which otherwise walk every module, route and model class (over
                 # 100 ms on 2 cores) in the middle of whichever request set them off.

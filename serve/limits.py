@@ -85,11 +85,21 @@ class Admission:
 
 class RateLimiter:
     """Per-user limits; the most generous of the user's roles applies, and a user none of whose
-    roles is listed is not limited."""
+    roles is listed is not limited. The limits may change while the gateway runs (`reload`, an API
+    key's own budget): a user's next request is held to them, with what it used and has in flight
+    kept."""
 
     def __init__(self, limits: dict[str, RoleLimits]) -> None:
         self._limits = limits
         self._users: dict[str, _User] = {}
+
+    @property
+    def limits(self) -> dict[str, RoleLimits]:
+        return self._limits
+
+    def reload(self, limits: dict[str, RoleLimits]) -> None:
+        """Hold every user to `limits` from their next request on (`gateway.limits` taken live)."""
+        self._limits = limits
 
     def limits_for(self, roles: frozenset[str]) -> RoleLimits | None:
         """The limits of the most generous role listed, or None."""
@@ -100,6 +110,12 @@ class RateLimiter:
 
     def _for(self, user: str, best: RoleLimits | None) -> _User | None:
         state = self._users.get(user)
+        if state is not None and state.limits != best:
+            if best is None and state.in_flight == 0:
+                del self._users[user]  # no longer limited; nothing of it is held
+                return None
+            if best is not None:
+                _hold_to(state, best)
         if state is None:
             if best is None:
                 return None
@@ -151,6 +167,17 @@ class RateLimiter:
         state = self._users[user]
         state.in_flight -= 1
         state.tokens.level = min(state.tokens.capacity, state.tokens.level + refund)
+
+
+def _hold_to(state: _User, limits: RoleLimits) -> None:
+    """A user's buckets resized to new limits, keeping what the user has used of them: a minute's
+    budget lowered from 10 to 4 requests after 3 leaves 1, raised to 60 leaves 57."""
+    now = time.monotonic()
+    for bucket, per_minute in ((state.requests, limits.requests_per_minute), (state.tokens, limits.tokens_per_minute)):
+        bucket.refill(now)
+        bucket.level = min(per_minute, bucket.level + per_minute - bucket.capacity)
+        bucket.capacity, bucket.per_second = per_minute, per_minute / 60
+    state.limits = limits
 
 
 # Sources told apart at once by a SourceThrottle; past it, new sources share their network's bucket

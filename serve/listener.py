@@ -45,6 +45,7 @@ import ctypes.util
 import itertools
 import logging
 import resource
+import signal
 import socket
 import sys
 from typing import Any, ClassVar
@@ -245,6 +246,9 @@ def give_back_large_blocks() -> bool:
 
 
 def main() -> None:
+    # Until the app listens for it (serve.settings_reload), a `settings apply` must not end the
+    # gateway: ignored, apply hears no answer and restarts it, saying so.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     home = Home.from_env()
     settings = load_settings(home.settings_file)
     gateway = settings.gateway

@@ -84,8 +84,9 @@ def settings_set(
 @settings_app.command("apply")
 @records_change("settings.apply", detail=_done.get)
 def settings_apply(as_json: AsJson = False) -> None:
-    """Restart only the programs whose settings changed since they started, one at a time, each
-    healthy before the next (a pool's replicas one by one); with nothing changed, say so."""
+    """Put changed settings in force: programs that take a key while running (the gateway its
+    limits) without a restart, the others restarted one at a time, each healthy before the next
+    (a pool's replicas one by one); with nothing changed, say so."""
     from rich.console import Console
 
     from appliance.commands.common import context
@@ -96,9 +97,10 @@ def settings_apply(as_json: AsJson = False) -> None:
     with Console(stderr=True).status("applying") as spinner:
         report = apply(settings, home, progress=lambda text: spinner.update(text))
     summary: dict[str, Any] = {"changed": report.plan.changed, "restarted": report.restarted,
-                               "notices": report.notices}
+                               "taken_live": report.taken_live, "notices": report.notices}
     _done.set(f"changed {', '.join(report.plan.changed) or 'nothing'}; "
-              f"restarted {', '.join(report.restarted) or 'nothing'}")
+              f"restarted {', '.join(report.restarted) or 'nothing'}"
+              + (f"; taken without a restart by {', '.join(report.taken_live)}" if report.taken_live else ""))
     if as_json:
         print_json(summary)
         return
@@ -106,7 +108,10 @@ def settings_apply(as_json: AsJson = False) -> None:
         typer.echo("nothing changed since the programs started")
         return
     typer.echo(f"changed: {', '.join(report.plan.changed)}")
-    typer.echo(f"restarted: {', '.join(report.restarted) or 'nothing (no running program reads them)'}")
+    if report.taken_live:
+        typer.echo(f"taken without a restart: {', '.join(report.taken_live)}")
+    if report.restarted or not report.taken_live:
+        typer.echo(f"restarted: {', '.join(report.restarted) or 'nothing (no running program reads them)'}")
     for notice in report.notices:
         typer.echo(notice)
 

@@ -106,11 +106,12 @@ def test_no_python_repr_reaches_the_reader(home: Home) -> None:
     """An unknown dataset's hint names the datasets as words, not as a Python list."""
     from appliance.datasets import register
     from appliance.errors import ApplianceError
+    from appliance.jobs import Hyperparameters
     from finetune import cli as finetune_cli
 
     register(home, {"faq": "0" * 64, "support": "1" * 64})
     with pytest.raises(ApplianceError) as caught:
-        finetune_cli._check("bot", "missing", "demo", home)
+        finetune_cli._check("bot", "missing", "demo", home, Hyperparameters())
     assert caught.value.hint == "datasets: faq, support"
 
 

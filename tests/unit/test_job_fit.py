@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from appliance.home import Home
 from appliance.jobs import Hyperparameters
 from appliance.records import Gpu, Host
 from appliance.settings import FinetuneSettings
@@ -100,3 +101,23 @@ def test_a_missing_base_is_said_before_anything(monkeypatch: pytest.MonkeyPatch,
     plant_host(monkeypatch, ram=64 * GIB)
     with pytest.raises(Exception, match="no such file"):
         size_job(tmp_path / "nothing", HP, UNSANDBOXED)
+
+
+@pytest.mark.parametrize("command", ["submit", "run"])
+def test_finetune_refuses_a_job_that_cannot_fit_before_it_queues_or_loads_anything(
+        monkeypatch: pytest.MonkeyPatch, home: Home, tmp_path: Path, command: str) -> None:
+    from typer.testing import CliRunner
+
+    from appliance import cli, jobs
+    from appliance.datasets import register
+
+    plant_host(monkeypatch, ram=GIB)
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_bytes(DEMO.read_bytes())
+    register(home, {"faq": "0" * 64})
+    result = CliRunner().invoke(cli.app, ["finetune", command, "--data", "faq", "--name", "bot", "--base", str(base),
+                                          "--max-length", "2048"], env={"APPLIANCE_HOME": str(home.root)})
+    assert isinstance(result.exception, TrainingError)
+    assert "does not fit this host's 1 process (single): activations" in str(result.exception)
+    assert jobs.listing(home) == [] and not list(home.root.glob("finetune/bot*"))  # no job, no job directory

@@ -7,13 +7,14 @@ from __future__ import annotations
 import json
 import os
 import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from typer.testing import CliRunner
 
-from appliance import lifecycle
+from appliance import lifecycle, live_settings
 from appliance.commands.settings import settings_app
 from appliance.errors import Conflict, Invalid, SettingsError, StartError
 from appliance.home import HOME_ENV, Home
@@ -362,3 +363,69 @@ def test_apply_on_an_appliance_that_is_down_says_so_and_is_audited(settings_file
     assert "not running" in str(result.exception)
     [record] = list(read_records(home.audit))
     assert (record["action"], record["outcome"]) == ("settings.apply", "invalid")
+
+
+# --- settings a program takes while it runs (appliance.live_settings) ---
+
+LOWER_LIMITS = {"gateway": {"limits": {"user": {"max_tokens": 10}}}}
+
+
+class HangupSupervisor(FakeSupervisor):
+    """FakeSupervisor whose gateway answers SIGHUP with `answer(digest of the new live values)`,
+    or not at all (None)."""
+
+    def __init__(self, home: Home, answer: Callable[[str], live_settings.Taken] | None, expected: Settings) -> None:
+        super().__init__(home, _programs())
+        self.answer, self.expected = answer, expected
+
+    def call(self, method: str, *args: Any) -> Any:
+        if method != "signalProcess":
+            return super().call(method, *args)
+        self.calls.append((method, *args))
+        if self.answer is not None:
+            live_settings.say_taken(self.home, args[0], self.answer(live_settings.digest(
+                args[0], self.expected.comparable())))
+        return True
+
+
+def test_a_limits_change_is_taken_by_the_running_gateway_and_restarts_only_the_batch_worker(home: Home) -> None:
+    _running_appliance(home, Settings())
+    changed = Settings.model_validate(LOWER_LIMITS)
+    started, current = Settings().comparable(), changed.comparable()
+    steps = plan(started, current, _programs(), _programs()).restarts
+    assert [(s.program.name, s.live) for s in steps] == [("gateway", True), ("batch-worker", False)]
+    supervisor = HangupSupervisor(home, lambda digest: live_settings.Taken(pid=100, digest=digest), changed)
+    report = apply(changed, home, supervisor=supervisor, discover=lambda s, h: _programs())
+    assert (report.taken_live, report.restarted, report.notices) == (["gateway"], ["batch-worker"], [])
+    assert ("signalProcess", "gateway", "HUP") in supervisor.calls
+    assert _restarted(supervisor) == ["batch-worker"] and ("stopProcess", "gateway", True) not in supervisor.calls
+    assert lifecycle.started_settings(home) == current
+
+
+@pytest.mark.parametrize(("answer", "why"), [
+    (lambda digest: live_settings.Taken(pid=100, digest=None, problem="gateway.limits.user: bad"),
+     "gateway.limits.user: bad"),
+    (lambda digest: live_settings.Taken(pid=100, digest="0" * 64), "it holds other values than the settings file"),
+    (lambda digest: live_settings.Taken(pid=7, digest=digest), "no answer within"),  # another process's
+    (None, "no answer within")])
+def test_a_gateway_that_does_not_take_the_change_is_restarted_saying_why(
+        home: Home, monkeypatch: pytest.MonkeyPatch, answer: Callable[[str], live_settings.Taken] | None,
+        why: str) -> None:
+    monkeypatch.setattr(live_settings, "ANSWER_TIMEOUT_S", 0.3)
+    _running_appliance(home, Settings())
+    changed = Settings.model_validate(LOWER_LIMITS)
+    report = apply(changed, home, supervisor=(supervisor := HangupSupervisor(home, answer, changed)),
+                   discover=lambda s, h: _programs())
+    assert report.taken_live == [] and report.restarted == _restarted(supervisor) == ["gateway", "batch-worker"]
+    [notice] = report.notices
+    assert notice.startswith(f"gateway did not take gateway.limits.user.max_tokens while running ({why}")
+    assert notice.endswith("); it was restarted")
+
+
+def test_a_change_the_gateway_reads_only_at_start_restarts_it_without_a_signal(home: Home) -> None:
+    _running_appliance(home, Settings())
+    changed = Settings.model_validate({**LOWER_LIMITS, "gateway": {**LOWER_LIMITS["gateway"], "max_connections": 900}})
+    supervisor = HangupSupervisor(home, lambda digest: pytest.fail("not signalled"), changed)
+    report = apply(changed, home, supervisor=supervisor, discover=lambda s, h: _programs())
+    assert report.restarted == ["gateway", "batch-worker"] and report.taken_live == []
+    assert not any(call[0] == "signalProcess" for call in supervisor.calls)
