@@ -39,14 +39,16 @@ def up() -> None:
     with err.status("starting") as spinner:
         report = lifecycle.up(settings, home, progress=lambda text: spinner.update(text))
     if report.already_up:
-        out.print("already up; nothing changed (`appliance down` first to apply new settings)")
+        out.print("already up; nothing changed (`appliance settings apply` puts changed settings in force)")
     elif report.finished:
         out.print(f"finished an interrupted `up` ({', '.join(report.finished)})", highlight=False)
     else:
         out.print(f"up in {max(report.startup_s.values(), default=0):.0f}s")
     for notice in report.notices:
         out.print(notice, highlight=False)
-    print_status(out, lifecycle.status(home), wide=True)  # what runs where: every URL, each whole
+    running = lifecycle.status(home)
+    print_status(out, running)  # fits the terminal; `status --wide` has pids and sockets
+    print_endpoints(out, running["programs"])
 
 
 @records_change("appliance.down")
@@ -104,6 +106,17 @@ def print_status(console: Console, report: dict[str, Any], *, wide: bool = False
         console.print(alerts_line(alerts), soft_wrap=True, highlight=False, markup=False)
     # soft_wrap: a long state directory stays one line rather than being cut mid-path
     console.print(f"logs: {report['home']}/logs", soft_wrap=True, highlight=False)
+
+
+def print_endpoints(console: Console, programs: list[dict[str, Any]]) -> None:
+    """Where the appliance is reached over the network, one `program what URL` a line, each URL
+    whole (an engine's own socket is the gateway's to use: `status --wide` shows it)."""
+    lines = [f"  {p['name']} {what} {url}" for p in programs for what, url in p["urls"].items()
+             if not url.startswith("unix:")]
+    if lines:
+        console.print("reach it at:", highlight=False)
+    for line in lines:
+        console.print(line, soft_wrap=True, highlight=False, markup=False)
 
 
 def up_line(up: dict[str, Any]) -> str | None:

@@ -192,3 +192,19 @@ def test_status_names_the_alerts_that_need_someone() -> None:
         print_status(Console(width=200, file=text), {**REPORT, "alerts": alerts})
         assert line in text.getvalue().splitlines(), text.getvalue()
     assert not any(line.startswith("alerts:") for line in rendered(wide=False)), "no Alertmanager: no line"
+
+
+def test_up_s_summary_fits_80_columns_and_names_every_network_address_whole() -> None:
+    """`up` prints the compact table and then where the appliance is reached, an address a line
+    (it printed the wide table: 128 columns)."""
+    from appliance.commands.lifecycle import print_endpoints
+
+    text = StringIO()
+    console = Console(width=80, file=text)
+    print_status(console, REPORT)
+    print_endpoints(console, REPORT["programs"])
+    lines = text.getvalue().splitlines()
+    urls = {url for p in REPORT["programs"] for url in p["urls"].values() if not url.startswith("unix:")}
+    assert not broken(urls, lines), "\n".join(lines)
+    assert all(len(line) <= 80 or any(url in line for url in urls) for line in lines), "\n".join(lines)
+    assert "  gateway openai http://127.0.0.1:8080/v1" in lines and not any("unix:" in line for line in lines)
