@@ -1,21 +1,27 @@
 """Sharded checkpoints of the sharded trainer (finetune.sharded): torch.distributed.checkpoint.
 
-Each checkpoint is a directory `step-N` holding every rank's shard of the adapter and of the
-optimizer state (DCP's files), each rank's random state (`rng-R.pt`) and, written last by the
-first rank through an atomic rename, `manifest.json`: the step, the tokens trained on, the
-number of ranks and the SHA-256 of every rank's files. A checkpoint counts only when its
-manifest is there and every file it names verifies: one cut short by a killed rank (no
-manifest, a missing or changed file) is never resumed from, and the log says so. Each rank
-hashes only the files it wrote, so the manifest does not assume the ranks share one host.
+Each checkpoint is a directory `step-N` in every node's own job directory (a node: the ranks of one
+host), holding a directory `rank-R` per rank of that node: the rank's own
+shards of the adapter and of the optimizer state (DCP's files, saved without collectives) and its
+random state. Each rank writes and later reads only its own files, so no host needs another's
+disk. The node's first rank writes `manifest.json` last, through an atomic rename: the step, the
+tokens trained on, the ranks in all, this node's ranks and the SHA-256 of each of their files.
+
+A checkpoint counts on a node only when its manifest is there and every file it names verifies:
+one cut short by a killed rank (no manifest, a missing or changed file) is never resumed from, and
+the log says so. The ranks resume from the newest step whole on every node.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +29,8 @@ from typing import Any
 MANIFEST = "manifest.json"
 KEEP = 2  # whole checkpoints kept; older ones are deleted once a newer one is whole
 STEP_DIR = re.compile(r"step-(\d+)")
+RNG = "rng.pt"  # a rank's torch random state, beside its DCP files
+RANK_FILE = re.compile(r"rank-\d+/[A-Za-z0-9_.]+")  # what a manifest may name: a file in a rank's directory
 
 
 @dataclass(frozen=True)
@@ -30,6 +38,13 @@ class Resumed:
     step: int
     tokens: int
     rng: Any  # this rank's torch random state, or None
+
+
+def node(rank: int) -> tuple[int, bool]:
+    """The node (host) of job rank `rank` (finetune.sharded.job_rank) and whether it is that node's
+    first rank."""
+    per_host = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return rank // per_host, rank % per_host == 0
 
 
 def sha256(path: Path) -> str:
@@ -40,25 +55,23 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def rank_files(directory: Path, rank: int) -> list[Path]:
-    """The files `rank` wrote into a checkpoint: its DCP shard files and random state, and for the
-    first rank DCP's metadata too."""
-    found = [*directory.glob(f"__{rank}_*.distcp"), directory / f"rng-{rank}.pt"]
-    if rank == 0:
-        found.append(directory / ".metadata")
-    return sorted(p for p in found if p.is_file())
+def rank_files(directory: Path, rank: int) -> dict[str, str]:
+    """The files `rank` wrote into a checkpoint (relative name -> SHA-256)."""
+    mine = directory / f"rank-{rank}"
+    return {f"{mine.name}/{path.name}": sha256(path) for path in sorted(mine.iterdir()) if path.is_file()}
 
 
-def write_manifest(directory: Path, step: int, tokens: int, world: int, hashes: dict[str, str]) -> None:
-    """The checkpoint's manifest, made visible whole or not at all."""
+def write_manifest(directory: Path, step: int, tokens: int, world: int, ranks: list[int],
+                   hashes: dict[str, str]) -> None:
+    """This node's manifest of the checkpoint, made visible whole or not at all."""
     partial = directory / f".{MANIFEST}.tmp"
-    partial.write_text(json.dumps({"step": step, "tokens": tokens, "world_size": world, "files": hashes},
-                                  sort_keys=True))
+    partial.write_text(json.dumps({"step": step, "tokens": tokens, "world_size": world, "ranks": ranks,
+                                   "files": hashes}, sort_keys=True))
     partial.replace(directory / MANIFEST)
 
 
 def problem(directory: Path, world: int) -> str | None:
-    """Why a checkpoint cannot be resumed from; None: it is whole and verifies."""
+    """Why this node cannot resume from a checkpoint; None: its part is whole and verifies."""
     try:
         manifest = json.loads((directory / MANIFEST).read_text())
     except FileNotFoundError:
@@ -66,19 +79,22 @@ def problem(directory: Path, world: int) -> str | None:
     except (OSError, ValueError) as exc:
         return f"its manifest cannot be read: {exc}"
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict) or \
-            not isinstance(manifest.get("step"), int) or not isinstance(manifest.get("tokens"), int):
+            not isinstance(manifest.get("step"), int) or not isinstance(manifest.get("tokens"), int) or \
+            not isinstance(manifest.get("ranks"), list) or not manifest["ranks"] or \
+            not all(isinstance(r, int) and not isinstance(r, bool) for r in manifest["ranks"]):
         return "its manifest is not one"
     if manifest.get("world_size") != world:
         return f"written by {manifest.get('world_size')} ranks, this run has {world}"
     if STEP_DIR.fullmatch(directory.name) is None or int(directory.name.split("-")[1]) != manifest["step"]:
         return f"its manifest names step {manifest['step']}"
     files: dict[str, str] = manifest["files"]
-    needed = {".metadata", *(f"rng-{rank}.pt" for rank in range(world))}
+    needed = {f"rank-{rank}/{RNG}" for rank in manifest["ranks"]} | {f"rank-{rank}/.metadata" for rank in
+                                                                       manifest["ranks"]}
     if missing := sorted(needed - set(files)):
         return f"its manifest names no {', '.join(missing)}"
     for name, digest in sorted(files.items()):
         path = directory / name
-        if "/" in name or name in ("", ".", "..") or not path.is_file():
+        if not RANK_FILE.fullmatch(name) or not path.is_file() or path.is_symlink():
             return f"{name} is missing"
         if sha256(path) != digest:
             return f"{name} does not match its SHA-256"
@@ -93,13 +109,22 @@ def candidates(store: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name.split("-")[1]), reverse=True)
 
 
-def newest_whole(store: Path, world: int, log: Callable[[str], None]) -> Path | None:
-    """The newest checkpoint that verifies; each newer one passed over is logged with the reason."""
+def whole_steps(store: Path, world: int, log: Callable[[str], None]) -> list[int]:
+    """The steps of this node's checkpoints that verify, newest first; each passed over is logged
+    with the reason."""
+    whole = []
     for directory in candidates(store):
         if (why := problem(directory, world)) is None:
-            return directory
-        log(f"checkpoint {directory.name} ignored: {why}")
-    return None
+            whole.append(int(directory.name.split("-")[1]))
+        else:
+            log(f"checkpoint {directory.name} ignored: {why}")
+    return whole
+
+
+def newest_common(per_node: list[list[int]]) -> int | None:
+    """The newest step whole on every node; None when there is none."""
+    common = set(per_node[0]).intersection(*per_node[1:]) if per_node else set()
+    return max(common, default=None)
 
 
 def prune(store: Path, world: int) -> None:
@@ -113,28 +138,39 @@ def prune(store: Path, world: int) -> None:
 
 
 def save(store: Path, step: int, tokens: int, model: Any, optimizer: Any) -> None:
-    """Every rank writes its shards of the adapter and optimizer state and its random state; the
-    first rank then writes the manifest from every rank's file hashes."""
+    """Every rank writes its own shards of the adapter and optimizer state and its random state
+    into this node's store; each node's first rank then writes the node's manifest."""
     import torch
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict_saver import save as save_state
 
     rank, world = dist.get_rank(), dist.get_world_size()
+    node_rank, first = node(rank)
     directory = store / f"step-{step}"
-    if rank == 0:
+    if first:
         shutil.rmtree(directory, ignore_errors=True)  # a partial one from a run that died here
         directory.mkdir(parents=True)
     dist.barrier()
-    model_state, optimizer_state = adapter_state(model, optimizer)
-    save_state({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(directory))
-    torch.save(torch.get_rng_state(), directory / f"rng-{rank}.pt")
-    hashes = {path.name: sha256(path) for path in rank_files(directory, rank)}
-    gathered: list[dict[str, str] | None] = [None] * world
-    dist.all_gather_object(gathered, hashes)
-    if rank == 0:
-        write_manifest(directory, step, tokens, world, {k: v for found in gathered for k, v in (found or {}).items()})
+    with alone():
+        save_state(local_state(model, optimizer), checkpoint_id=str(directory / f"rank-{rank}"), no_dist=True)
+    torch.save(torch.get_rng_state(), directory / f"rank-{rank}" / RNG)
+    gathered: list[tuple[int, int, dict[str, str]] | None] = [None] * world
+    dist.all_gather_object(gathered, (node_rank, rank, rank_files(directory, rank)))
+    if first:
+        mine = [found for found in gathered if found is not None and found[0] == node_rank]
+        write_manifest(directory, step, tokens, world, sorted(r for _, r, _ in mine),
+                       {name: digest for _, _, hashes in mine for name, digest in hashes.items()})
         prune(store, world)
     dist.barrier()
+
+
+@contextmanager
+def alone() -> Iterator[None]:
+    """DCP without collectives, as each rank saves and loads its own files: DCP warns that it
+    assumes a single process each time, which is the intent here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
 
 
 def adapter_state(model: Any, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -146,30 +182,54 @@ def adapter_state(model: Any, optimizer: Any) -> tuple[dict[str, Any], dict[str,
     return {k: v for k, v in model_state.items() if ".lora_" in k}, optimizer_state
 
 
+def local_state(model: Any, optimizer: Any) -> dict[str, Any]:
+    """adapter_state with each sharded tensor as this rank's own shard: a view of it, so that a load
+    into it lands in the model and the optimizer."""
+    model_state, optimizer_state = adapter_state(model, optimizer)
+    return {"model": _local(model_state), "optimizer": _local(optimizer_state)}
+
+
+def _local(value: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return value.to_local()
+    if isinstance(value, dict):
+        return {key: _local(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_local(item) for item in value]
+    return value
+
+
 def resume(store: Path, model: Any, optimizer: Any, log: Callable[[str], None]) -> Resumed | None:
-    """Load the newest whole checkpoint into the model and optimizer (the first rank chooses, every
-    rank loads the same one); None when there is none."""
+    """Load the newest checkpoint whole on every node into the model and optimizer, each rank its
+    own files; None when there is none."""
     import torch
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
     from torch.distributed.checkpoint.state_dict_loader import load as load_state
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    chosen: list[Any] = [None]
+    node_rank, first = node(rank)
+    gathered: list[tuple[int, list[int]] | None] = [None] * world
+    dist.all_gather_object(gathered, (node_rank, whole_steps(store, world, log)) if first else None)
+    per_node = {found[0]: found[1] for found in gathered if found is not None}
+    step = newest_common(list(per_node.values()))
     if rank == 0:
-        found = newest_whole(store, world, log)
-        if found is not None:
-            manifest = json.loads((found / MANIFEST).read_text())
-            chosen = [(str(found), manifest["step"], manifest["tokens"])]
-            log(f"resuming from checkpoint {found.name} (step {manifest['step']})")
-    dist.broadcast_object_list(chosen, src=0)
-    if chosen[0] is None:
+        for other in sorted({s for steps in per_node.values() for s in steps if step is None or s > step}):
+            log(f"checkpoint step-{other} ignored: not whole on node(s) "
+                + ", ".join(str(n) for n, steps in sorted(per_node.items()) if other not in steps))
+    if step is None:
         return None
-    path, step, tokens = chosen[0]
+    directory = store / f"step-{step}"
+    if rank == 0:
+        log(f"resuming from checkpoint {directory.name} (step {step})")
+    tokens = json.loads((directory / MANIFEST).read_text())["tokens"]
     model_state, optimizer_state = adapter_state(model, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state}
-    load_state(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+    with alone():
+        load_state({"model": _local(model_state), "optimizer": _local(optimizer_state)},
+                   checkpoint_id=str(directory / f"rank-{rank}"), no_dist=True)
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
                    options=StateDictOptions(ignore_frozen_params=True, strict=False))
-    rng = torch.load(Path(path) / f"rng-{rank}.pt", weights_only=True)
-    return Resumed(step=int(step), tokens=int(tokens), rng=rng)
+    rng = torch.load(directory / f"rank-{rank}" / RNG, weights_only=True)
+    return Resumed(step=step, tokens=int(tokens), rng=rng)

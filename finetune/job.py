@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 from appliance.errors import ApplianceError
 from appliance.jobs import HEARTBEAT_FILE, write_progress
@@ -37,12 +38,14 @@ def main(directory: Path) -> int:
     spec = TrainingSpec.model_validate_json((directory / "job.json").read_bytes())
     train, evaluation = ([json.loads(line) for line in (directory / f"{split}.jsonl").read_text().splitlines()]
                          for split in ("train", "eval"))
+    common: dict[str, Any] = dict(
+        on_progress=lambda progress: write_progress(directory, progress), eval_sets=spec.eval_sets,
+        on_beat=(directory / HEARTBEAT_FILE).touch, scoring=spec.scoring, checkpointing=spec.gradient_checkpointing)
     try:
-        trainer = train_sharded if spec.strategy == "fsdp" else train_adapter
-        trainer(spec.base, train, evaluation, directory, spec.hyperparameters,
-                on_progress=lambda progress: write_progress(directory, progress), eval_sets=spec.eval_sets,
-                on_beat=(directory / HEARTBEAT_FILE).touch, scoring=spec.scoring,
-                checkpointing=spec.gradient_checkpointing)
+        if spec.strategy == "fsdp":
+            train_sharded(spec.base, train, evaluation, directory, spec.hyperparameters, node=spec.node, **common)
+        else:
+            train_adapter(spec.base, train, evaluation, directory, spec.hyperparameters, **common)
     except ApplianceError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 1

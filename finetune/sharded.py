@@ -130,9 +130,12 @@ def train_sharded(base: Path, train: list[dict[str, Any]], evaluation: list[dict
                   hp: Hyperparameters, on_progress: Callable[[Progress], None] = lambda p: None,
                   eval_sets: dict[str, list[dict[str, Any]]] | None = None,
                   on_beat: Callable[[], None] = lambda: None, scoring: Scoring | None = None,
-                  checkpointing: bool = False) -> Result | None:
+                  checkpointing: bool = False, node: int = 0) -> Result | None:
     """train.train_adapter's contract, sharded: every rank trains, evaluates and scores in step;
-    the first writes out_dir/adapter (gathered once) and out_dir/result.json and returns the Result."""
+    the first writes out_dir/adapter (gathered once) and out_dir/result.json and returns the Result.
+    `node`: this host's place in the job (0: the head, whose first process is rank 0): each rank's
+    place, and so the shards it holds and checkpoints, is fixed by its host and local rank, never by
+    the order in which torchrun's agents met."""
     import torch
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import PrefixStore
@@ -150,15 +153,25 @@ def train_sharded(base: Path, train: list[dict[str, Any]], evaluation: list[dict
     if not dist.is_initialized():
         # torchrun's store outlives a restart of the ranks, with the addresses the dead ranks
         # published: each start keys its own (a restarted rank read a dead one's port and failed).
-        store, rank, world = next(rendezvous("env://"))
+        store, _, world = next(rendezvous("env://"))
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         dist.init_process_group("nccl" if cuda else "gloo", store=PrefixStore(f"start-{attempt}", store),
-                                rank=rank, world_size=world)
+                                rank=job_rank(node, world), world_size=world)
     try:
         return _train(base, train, evaluation, out_dir, hp, on_progress, eval_sets or {}, on_beat,
                       scoring or Scoring(), checkpointing)
     finally:
         dist.destroy_process_group()
+
+
+def job_rank(node: int, world: int) -> int:
+    """This process's rank in the job: its host's place times the processes a host, plus its own
+    place on the host (torchrun's LOCAL_RANK and LOCAL_WORLD_SIZE); every host runs as many."""
+    local, per_host = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if world % per_host or not 0 <= node < world // per_host:
+        raise TrainingError(f"host {node} of a job of {world} processes at {per_host} a host: every host must run "
+                            "as many processes, and the hosts be numbered from 0")
+    return node * per_host + local
 
 
 def _train(base: Path, train: list[dict[str, Any]], evaluation: list[dict[str, Any]], out_dir: Path,

@@ -58,6 +58,7 @@ class TrainingSpec(BaseModel):
     scoring: Scoring = Scoring()
     strategy: Literal["single", "ddp", "fsdp"] = "single"  # fsdp: finetune.sharded; the others: train_adapter
     gradient_checkpointing: bool = False  # the runner's choice, from the job's memory budget (finetune.runner.size_job)
+    node: int = Field(0, ge=0)  # this host's place in a job over several (0: the head); fsdp only
 
 
 @dataclass(frozen=True)

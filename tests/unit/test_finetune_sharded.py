@@ -68,46 +68,66 @@ def test_each_step_takes_a_global_batch_fixed_by_the_seed_and_the_step() -> None
     assert planned_steps(Hyperparameters(max_steps=7), rows=10, global_batch=4) == 7
 
 
-def whole_checkpoint(store: Path, step: int, world: int = 2) -> Path:
+def whole_checkpoint(store: Path, step: int, world: int = 2, ranks: tuple[int, ...] = (0, 1)) -> Path:
+    """A node's part of a checkpoint as the trainer writes it: a directory a rank, its manifest last."""
     directory = store / f"step-{step}"
     directory.mkdir(parents=True)
-    names = [".metadata", *(f"__{r}_0.distcp" for r in range(world)), *(f"rng-{r}.pt" for r in range(world))]
+    names = [f"rank-{r}/{name}" for r in ranks for name in (".metadata", "__0_0.distcp", "rng.pt")]
     for name in names:
+        (directory / name).parent.mkdir(exist_ok=True)
         (directory / name).write_bytes(os.urandom(64))
-    checkpoints.write_manifest(directory, step, step * 100, world,
+    checkpoints.write_manifest(directory, step, step * 100, world, list(ranks),
                                {name: checkpoints.sha256(directory / name) for name in names})
     return directory
 
 
-def test_the_newest_whole_checkpoint_is_chosen_and_partial_or_tampered_ones_are_said_and_ignored(
+def test_the_whole_checkpoints_are_found_and_partial_or_tampered_ones_are_said_and_ignored(
         tmp_path: Path) -> None:
     whole = whole_checkpoint(tmp_path, 5)
     whole_checkpoint(tmp_path, 10)
-    (tmp_path / "step-10" / "__1_0.distcp").write_bytes(b"changed")  # a file written over after its manifest
+    (tmp_path / "step-10" / "rank-1" / "__0_0.distcp").write_bytes(b"changed")  # written over after its manifest
     whole_checkpoint(tmp_path, 15)
-    (tmp_path / "step-15" / "rng-1.pt").unlink()  # a rank's file gone
+    (tmp_path / "step-15" / "rank-1" / "rng.pt").unlink()  # a rank's file gone
     partial = tmp_path / "step-20"
-    partial.mkdir()
-    (partial / "__0_0.distcp").write_bytes(b"cut short")  # killed before the manifest
+    (partial / "rank-0").mkdir(parents=True)
+    (partial / "rank-0" / "__0_0.distcp").write_bytes(b"cut short")  # killed before the manifest
     said: list[str] = []
-    assert checkpoints.newest_whole(tmp_path, 2, said.append) == whole
+    assert checkpoints.whole_steps(tmp_path, 2, said.append) == [5]
     assert said == ["checkpoint step-20 ignored: no manifest (cut short while it was written)",
-                    "checkpoint step-15 ignored: rng-1.pt is missing",
-                    "checkpoint step-10 ignored: __1_0.distcp does not match its SHA-256"]
+                    "checkpoint step-15 ignored: rank-1/rng.pt is missing",
+                    "checkpoint step-10 ignored: rank-1/__0_0.distcp does not match its SHA-256"]
     assert checkpoints.problem(whole, 4) == "written by 2 ranks, this run has 4"
-    assert checkpoints.newest_whole(tmp_path / "none", 2, said.append) is None
+    assert checkpoints.whole_steps(tmp_path / "none", 2, said.append) == []
+
+
+def test_the_ranks_resume_from_the_newest_step_whole_on_every_node(tmp_path: Path) -> None:
+    """Two hosts, each with its own disk: node 1 died after node 0 finished step 15."""
+    for step in (5, 10, 15):
+        whole_checkpoint(tmp_path / "node0", step, world=4, ranks=(0, 1))
+    for step in (5, 10):
+        whole_checkpoint(tmp_path / "node1", step, world=4, ranks=(2, 3))
+    per_node = [checkpoints.whole_steps(tmp_path / f"node{n}", 4, lambda line: None) for n in (0, 1)]
+    assert per_node == [[15, 10, 5], [10, 5]]
+    assert checkpoints.newest_common(per_node) == 10
+    assert checkpoints.newest_common([[15], [10]]) is None and checkpoints.newest_common([]) is None
 
 
 @pytest.mark.parametrize("manifest", [
-    "not json", "[]", json.dumps({"step": 5, "tokens": 1, "world_size": 2, "files": {"../x": "0"}}),
-    json.dumps({"step": 6, "tokens": 1, "world_size": 2, "files": {}}),
-    json.dumps({"step": 5, "tokens": 1, "world_size": 2, "files": {".metadata": "0"}}),
+    "not json", "[]",
+    json.dumps({"step": 5, "tokens": 1, "world_size": 2, "ranks": [0, 1], "files": {"../x": "0"}}),
+    json.dumps({"step": 5, "tokens": 1, "world_size": 2, "ranks": [0, 1],
+                "files": {"rank-0/../../../etc/passwd": "0"}}),
+    json.dumps({"step": 6, "tokens": 1, "world_size": 2, "ranks": [0, 1], "files": {}}),
+    json.dumps({"step": 5, "tokens": 1, "world_size": 2, "ranks": [0, 1], "files": {"rank-0/.metadata": "0"}}),
+    json.dumps({"step": 5, "tokens": 1, "world_size": 2, "ranks": [], "files": {}}),
+    json.dumps({"step": 5, "tokens": 1, "world_size": 2, "ranks": [True], "files": {}}),
+    json.dumps({"step": 5, "tokens": 1, "world_size": 2, "ranks": "0", "files": {}}),
 ])
 def test_a_manifest_that_is_not_one_makes_its_checkpoint_unusable(tmp_path: Path, manifest: str) -> None:
     directory = whole_checkpoint(tmp_path, 5)
     (directory / checkpoints.MANIFEST).write_text(manifest)
     assert checkpoints.problem(directory, 2) is not None
-    assert checkpoints.newest_whole(tmp_path, 2, lambda line: None) is None
+    assert checkpoints.whole_steps(tmp_path, 2, lambda line: None) == []
 
 
 def test_pruning_keeps_the_two_newest_whole_checkpoints(tmp_path: Path) -> None:

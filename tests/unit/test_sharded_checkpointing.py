@@ -65,3 +65,38 @@ def test_a_checkpointed_step_has_the_plain_step_s_loss_and_gradients(process_gro
     for name, grad in grads.items():
         torch.testing.assert_close(grad, plain[name], rtol=1e-5, atol=1e-7, msg=name)
     assert any(float(g.abs().sum()) > 0 for g in grads.values())  # type: ignore[attr-defined]
+
+
+def test_a_saved_step_resumes_into_a_fresh_model_and_optimizer(process_group: None, tiny: Path,
+                                                               tmp_path: Path) -> None:
+    """Each rank saves and loads its own files (DCP without collectives): the adapter, AdamW's
+    moments and step, and the random state come back as they were."""
+    import torch
+
+    from finetune import checkpoints
+
+    def trained() -> tuple[object, object]:
+        model = build_sharded(tiny, Hyperparameters(rank=4, alpha=8, dropout=0.0, seed=3), torch.device("cpu"))
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        return model, torch.optim.AdamW(trainable, lr=1e-2)
+
+    model, optimizer = trained()
+    train_step(model, ROWS, 0, torch.device("cpu"), [p for p in model.parameters() if p.requires_grad], 1)
+    optimizer.step()  # type: ignore[attr-defined]
+    checkpoints.save(tmp_path, 1, 42, model, optimizer)
+    assert sorted(p.name for p in (tmp_path / "step-1").iterdir()) == ["manifest.json", "rank-0"]
+    saved_model, saved_optimizer = checkpoints.adapter_state(model, optimizer)
+
+    fresh, fresh_optimizer = trained()
+    said: list[str] = []
+    resumed = checkpoints.resume(tmp_path, fresh, fresh_optimizer, said.append)
+    assert resumed is not None and (resumed.step, resumed.tokens) == (1, 42)
+    assert said == ["resuming from checkpoint step-1 (step 1)"]
+    loaded_model, loaded_optimizer = checkpoints.adapter_state(fresh, fresh_optimizer)
+    for name, value in saved_model.items():
+        torch.testing.assert_close(loaded_model[name].full_tensor(), value.full_tensor(), msg=name)
+    for name, state in saved_optimizer["state"].items():
+        for key, value in state.items():
+            got = loaded_optimizer["state"][name][key]
+            torch.testing.assert_close(getattr(got, "full_tensor", lambda: got)(),
+                                       getattr(value, "full_tensor", lambda: value)(), msg=f"{name} {key}")

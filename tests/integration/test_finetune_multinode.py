@@ -1,0 +1,124 @@
+"""The sharded trainer over two hosts' worth of torchrun agents (`--nnodes 2`, c10d rendezvous),
+here two agents on one machine, each with its own job directory as each host has its own disk,
+training a tiny MoE made by the code (random weights, Qwen3-MoE's architecture): each process's
+rank is fixed by its host's place in the job, never by the order the agents met; each host keeps
+its own ranks' checkpoint files; a rank killed mid-run brings both hosts back from the newest
+checkpoint whole on both, and the head's first rank writes the result and the adapter."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from appliance.jobs import Hyperparameters, RankMemory, read_ranks
+from appliance.programs import OFFLINE_ENVIRONMENT
+from finetune.train import Scoring, TrainingSpec
+from tests.support.models import tiny_moe
+from tests.support.ports import free_port
+
+STEPS = 24
+SAVE_STEPS = 4
+TIMEOUT_S = 600
+
+
+def lay_out(directory: Path, base: Path, node: int) -> None:
+    """One host's job directory as the runner lays it out: the data and job.json."""
+    directory.mkdir(parents=True)
+    rows = [{"messages": [{"role": "user", "content": f"What is the code for item {i}?"},
+                          {"role": "assistant", "content": f"The code for item {i} is ZEBRA."}]} for i in range(40)]
+    (directory / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:32]))
+    (directory / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[32:]))
+    spec = TrainingSpec(base=base, hyperparameters=Hyperparameters(
+        max_steps=STEPS, save_steps=SAVE_STEPS, batch_size=2, learning_rate=1e-3, rank=4, alpha=8),
+        scoring=Scoring(seeds=1), strategy="fsdp", node=node)
+    (directory / "job.json").write_text(spec.model_dump_json())
+
+
+def agent(directory: Path, port: int) -> subprocess.Popen[bytes]:
+    """A host's torchrun agent: one process on it, rendezvous on the head's port."""
+    log = (directory / "train.log").open("wb")
+    return subprocess.Popen(
+        [sys.executable, "-P", "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=multinode", "--max-restarts=3",
+         "-m", "finetune.job", str(directory)],
+        cwd=directory, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        env={**os.environ, **OFFLINE_ENVIRONMENT, "OMP_NUM_THREADS": "1"})
+
+
+def trainer_pid(agent_pid: int) -> int | None:
+    for child in psutil.Process(agent_pid).children(recursive=True):
+        try:
+            if "finetune.job" in child.cmdline():
+                return child.pid
+        except psutil.Error:
+            continue
+    return None
+
+
+def whole(directory: Path) -> list[str]:
+    return sorted(p.parent.name for p in (directory / "checkpoints").glob("step-*/manifest.json"))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory, demo_model: Path) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("multinode")
+    base = tiny_moe(root / "tiny-moe", demo_model)
+    head, worker = root / "head", root / "worker"
+    lay_out(head, base, 0)
+    lay_out(worker, base, 1)
+    port = free_port()
+    # The worker's agent first: ranks must not follow the order the agents arrive in.
+    agents = [agent(worker, port), agent(head, port)]
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not (whole(head) and whole(worker)):
+            assert all(a.poll() is None for a in agents), "an agent ended before a checkpoint was whole"
+            assert time.monotonic() < deadline, "no checkpoint whole on both hosts"
+            time.sleep(0.1)
+        killed = trainer_pid(agents[0].pid)
+        assert killed is not None
+        os.kill(killed, signal.SIGKILL)  # the worker's rank, mid-run
+        for each in agents:
+            assert each.wait(timeout=max(1.0, deadline - time.monotonic())) == 0, \
+                (head / "train.log").read_text()[-3000:] + (worker / "train.log").read_text()[-3000:]
+    finally:
+        for each in agents:
+            if each.poll() is None:
+                os.killpg(each.pid, signal.SIGKILL)
+                each.wait()
+    return head, worker
+
+
+def test_the_head_s_first_rank_writes_the_result_after_both_hosts_resumed(trained: tuple[Path, Path]) -> None:
+    head, worker = trained
+    result = json.loads((head / "result.json").read_text())
+    assert result["steps"] == STEPS and result["processes"] == 2
+    assert result["resumed_from"] is not None and result["resumed_from"].startswith("checkpoint-")
+    assert (head / "adapter" / "adapter_model.safetensors").is_file()
+    assert not (worker / "result.json").exists() and not (worker / "adapter").exists()
+    assert "resuming from checkpoint step-" in (head / "train.log").read_text()
+
+
+def test_each_host_keeps_only_its_own_ranks_files(trained: tuple[Path, Path]) -> None:
+    head, worker = trained
+    for directory, rank in ((head, 0), (worker, 1)):
+        steps = list((directory / "checkpoints").glob("step-*"))
+        assert steps
+        for step in steps:
+            assert sorted(p.name for p in step.iterdir() if p.is_dir()) == [f"rank-{rank}"]
+            assert json.loads((step / "manifest.json").read_text())["ranks"] == [rank]
+
+
+def test_each_host_reports_its_own_rank_s_memory(trained: tuple[Path, Path]) -> None:
+    head, worker = trained
+    assert [r.rank for r in read_ranks(head)] == [0] and [r.rank for r in read_ranks(worker)] == [1]
+    reports = [*read_ranks(head), *read_ranks(worker)]
+    assert all(isinstance(r, RankMemory) and r.base_parameter_bytes > 0 for r in reports)
