@@ -29,6 +29,7 @@ from finetune import evalsets
 from finetune.datasets import OnProgress, check, split, store
 from finetune.follow import PhaseBar, follow
 from finetune.runner import run_job, size_job
+from finetune.token_count import token_counter
 
 data_app = typer.Typer(help="Training datasets: validated, scanned, stored content-addressed.",
                        no_args_is_help=True)
@@ -57,7 +58,7 @@ def add(
     check_name_free(load_registry(home), name, replace)  # before the long checks, not after them
     with _progress() as progress:
         progress("loading the tokenizer", 0, 0)
-        counter = _token_counter(checkpoint(model, home, settings, what="--model"))
+        counter = token_counter(checkpoint(model, home, settings, what="--model"))
         checked = check(file, counter, context or settings.engine.max_model_len, settings.compliance, progress)
     train, evaluation = split(checked.rows, settings.finetune.eval_fraction)
     done = store(name, file, train, evaluation, checked.sensitive, settings.compliance.training_data,
@@ -299,24 +300,3 @@ def run(data: Data, name: Name, base: Base = DEMO_MODEL, qlora: QLoRA = HP.qlora
 def _progress_text(home: Home, job: jobs.Job) -> str:
     p = jobs.read_progress(jobs.job_dir(home, job.id))
     return "" if p is None else jobs.progress_line(p, running=job.state == jobs.JobState.RUNNING)
-
-
-def _token_counter(model_dir: Path) -> Any:
-    """Tokens of an example as the model will see it: chat template applied for chats."""
-    from transformers import AutoTokenizer  # heavy: imported only when a dataset is added
-
-    if not (model_dir / "tokenizer_config.json").is_file() and not (model_dir / "tokenizer.json").is_file():
-        raise Invalid(f"{model_dir}: no tokenizer to measure rows with",
-                      hint="give --model a checkpoint directory with its tokenizer")
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-
-    def count(example: dict[str, Any]) -> int:
-        if "messages" in example:
-            return len(tokenizer.apply_chat_template(example["messages"], tokenize=True, return_dict=False))
-        if "chosen" in example:  # the prompt with the longer of its two answers
-            return max(len(tokenizer.apply_chat_template(example["prompt"] + example[side], tokenize=True,
-                                                         return_dict=False))
-                       for side in ("chosen", "rejected"))
-        return len(tokenizer(example["text"]).input_ids)
-
-    return count
