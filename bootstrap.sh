@@ -26,11 +26,13 @@ esac
 
 # Training jobs run in a sandbox (bwrap from bubblewrap, prlimit and setpriv from util-linux);
 # engines get a network namespace of their own (unshare, and ip from iproute2 for its loopback);
+# a training job over several hosts gets one per host, which only its peers reach (nft, nftables);
 # the TUI's test runs it in a real terminal (tmux); metrics and alerts are Debian's Prometheus and
 # Alertmanager (promtool and amtool check their configuration and rules); the backup test opens a
 # backup with Debian's age, as an operator would away from the appliance.
 missing=()
-for tool in unshare:util-linux prlimit:util-linux setpriv:util-linux bwrap:bubblewrap ip:iproute2 tmux:tmux gcc:gcc \
+for tool in unshare:util-linux prlimit:util-linux setpriv:util-linux bwrap:bubblewrap ip:iproute2 nft:nftables \
+            tmux:tmux gcc:gcc \
             prometheus:prometheus promtool:prometheus prometheus-alertmanager:prometheus-alertmanager \
             amtool:prometheus-alertmanager age:age age-keygen:age; do
   command -v "${tool%%:*}" >/dev/null || missing+=("${tool#*:}")

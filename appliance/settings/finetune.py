@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from ipaddress import IPv4Network
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from appliance.settings.section import Section
 
@@ -66,3 +67,15 @@ class FinetuneSettings(Section):
         "process. auto: single for one process, otherwise fsdp (ddp for DPO, which the sharded trainer does not run)."
     )
     worker_poll_s: float = Field(2.0, gt=0, description="How often the finetune-worker looks for queued jobs.")
+    training_subnet: IPv4Network = Field(
+        IPv4Network("10.77.0.0/16"), description="A job over several hosts runs each host's ranks in a network "
+        "namespace with an address from this /16 (host N of the job: its Nth /24), routed between the job's "
+        "hosts and reached by no one else; choose one no network of the site uses."
+    )
+
+    @field_validator("training_subnet")
+    @classmethod
+    def _a_private_16(cls, subnet: IPv4Network) -> IPv4Network:
+        if subnet.prefixlen != 16 or not subnet.is_private:
+            raise ValueError(f"{subnet}: must be a private /16 (a /24 for each host of a job), e.g. 10.77.0.0/16")
+        return subnet
