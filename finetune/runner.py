@@ -49,9 +49,15 @@ from finetune import adapters, evalsets
 from finetune.datasets import kind
 from finetune.sandbox import TRAINER_ENVIRONMENT, prepare, sandbox_memory_bytes, sandboxed
 from finetune.train import Result, Scoring, TrainingCancelled, TrainingError, TrainingSpec, load_result
+from finetune.training_network import JobNetwork
 
 LOG_TAIL_BYTES = 65536  # of a failed trainer's log, read for its last line
 RANK_RESTARTS = 3  # times torchrun starts a sharded job's ranks again after one died
+# Each start of the ranks gets a store of its own (its first rank's), not the rendezvous store kept
+# across starts: that one keeps the addresses the dead ranks published, and torchrun's agents count
+# their starts apart (an agent whose ranks were stopped for another host's failure does not count
+# it), so keying the shared store by start left the hosts waiting on different keys.
+FRESH_STORE = ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"]
 BEAT_S = 5.0  # the trainer's beats passed on (to the queue's progress stamp) at most this often
 
 log = logging.getLogger("appliance.finetune")
@@ -266,14 +272,28 @@ def _trainer_command(directory: Path, processes: int, strategy: Strategy, *, cpu
     trainer = [sys.executable, "-P", "-m", "finetune.job", str(directory)]
     if strategy == "single":
         return trainer
-    restarts = [f"--max-restarts={RANK_RESTARTS}"] if strategy == "fsdp" else []
-    command = [sys.executable, "-P", "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
-               *restarts, "-m", "finetune.job", str(directory)]
-    if strategy == "fsdp" and cpu:
-        # glibc keeps the freed buffers of each layer's all-gather for later; served by mmap they go
-        # back to the system, and a rank's peak resident memory stayed ~350 MB lower on the demo model.
-        return ["/usr/bin/env", f"MALLOC_MMAP_THRESHOLD_={1 << 20}", *command]
-    return command
+    torchrun = [sys.executable, "-P", "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"]
+    job = ["-m", "finetune.job", str(directory)]
+    if strategy == "ddp":
+        return [*torchrun, *job]
+    # glibc keeps the freed buffers of each layer's all-gather for later; served by mmap they go
+    # back to the system, and a rank's peak resident memory stayed ~350 MB lower on the demo model.
+    malloc = [f"MALLOC_MMAP_THRESHOLD_={1 << 20}"] if cpu else []
+    return ["/usr/bin/env", *malloc, *FRESH_STORE, *torchrun, f"--max-restarts={RANK_RESTARTS}", *job]
+
+
+def multihost_trainer_command(directory: Path, processes: int, net: JobNetwork) -> list[str]:
+    """This host's torchrun agent of a job over several hosts, in the job's network: `processes`
+    ranks, meeting the other hosts' agents at the head's ranks' address (the head's agent keeps the
+    rendezvous store), gloo on the job's link; every host's ranks start again from the last
+    checkpoint whole on all hosts when one dies, up to RANK_RESTARTS times."""
+    return ["/usr/bin/env", f"GLOO_SOCKET_IFNAME={net.rank_link}", f"NCCL_SOCKET_IFNAME={net.rank_link}",
+            f"MALLOC_MMAP_THRESHOLD_={1 << 20}", *FRESH_STORE, "LOGLEVEL=INFO",  # torchrun says each rendezvous
+            sys.executable, "-P", "-m", "torch.distributed.run", f"--nnodes={len(net.hosts)}",
+            f"--nproc-per-node={processes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={net.rendezvous}",
+            f"--rdzv-id=job-{net.job}", f"--rdzv-conf=is_host={int(net.node == 0)}",
+            f"--local-addr={net.ranks_address(net.node)}", f"--max-restarts={RANK_RESTARTS}",
+            "-m", "finetune.job", str(directory)]
 
 
 def train_in_child(directory: Path, command: list[str], on_progress: Callable[[Progress], None],

@@ -130,16 +130,23 @@ def prepare(workdir: Path, inputs: list[Path], readable: list[Path]) -> None:
 
 
 def sandboxed(command: list[str], settings: FinetuneSettings, *, workdir: Path, inputs: list[Path],
-              readable: list[Path]) -> list[str]:
+              readable: list[Path], network: str | None = None) -> list[str]:
     """`command` wrapped to run in the sandbox: `workdir` writable, `inputs` (files in it) and
-    `readable` (the base model) read-only, nothing else of the appliance's."""
+    `readable` (the base model) read-only, nothing else of the appliance's. `network`: the named
+    network namespace of a job over several hosts (finetune.training_network), which reaches the
+    job's other hosts' ranks only, in place of a network of the sandbox's own (root only)."""
     if settings.sandbox == "none":
-        return command
+        return command if network is None else ["ip", "netns", "exec", network, *command]
     bwrap, prlimit = sandbox_tools("training sandbox", ", or set finetune.sandbox = \"none\"")
-    namespaces, drop = ["--unshare-all"], []
+    namespaces, drop, enter = ["--unshare-all"], [], []
+    if network is not None and os.geteuid() != 0:
+        raise SandboxError("a training job over several hosts needs the appliance to run as root (its network "
+                           "namespace and rules)")
     if os.geteuid() == 0:
         user = sandbox_user()
         namespaces, drop = ROOT_NAMESPACES, become(user.pw_uid, user.pw_gid)
+        if network is not None:
+            namespaces, enter = [n for n in namespaces if n != "--unshare-net"], ["ip", "netns", "exec", network]
     limits = [prlimit, f"--data={sandbox_memory_bytes(settings)}", f"--nproc={settings.sandbox_max_processes}", "--"]
     mounts = [*namespaces, "--die-with-parent", "--new-session", "--proc", "/proc", "--dev", "/dev",
               *(arg for path in TMPFS for arg in ("--perms", "1777", "--tmpfs", str(path)))]
@@ -161,7 +168,7 @@ def sandboxed(command: list[str], settings: FinetuneSettings, *, workdir: Path, 
     if "CUDA_VISIBLE_DEVICES" in os.environ:
         environment["CUDA_VISIBLE_DEVICES"] = os.environ["CUDA_VISIBLE_DEVICES"]
     setenv = [arg for name, value in sorted(environment.items()) for arg in ("--setenv", name, value)]
-    return [*limits, bwrap, *mounts, "--chdir", str(workdir), "--clearenv", *setenv, "--", *drop, *command]
+    return [*enter, *limits, bwrap, *mounts, "--chdir", str(workdir), "--clearenv", *setenv, "--", *drop, *command]
 
 
 def sandbox_memory_bytes(settings: FinetuneSettings) -> int:

@@ -138,7 +138,6 @@ def train_sharded(base: Path, train: list[dict[str, Any]], evaluation: list[dict
     the order in which torchrun's agents met."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.distributed_c10d import PrefixStore
     from torch.distributed.rendezvous import rendezvous
 
     if not evaluation:
@@ -151,12 +150,9 @@ def train_sharded(base: Path, train: list[dict[str, Any]], evaluation: list[dict
         raise TrainingError("QLoRA is not sharded yet: the sharded trainer loads a 4-bit base only whole")
     cuda = torch.cuda.is_available()
     if not dist.is_initialized():
-        # torchrun's store outlives a restart of the ranks, with the addresses the dead ranks
-        # published: each start keys its own (a restarted rank read a dead one's port and failed).
+        # A store of this start's own (finetune.runner.FRESH_STORE): no dead rank's address in it.
         store, _, world = next(rendezvous("env://"))
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        dist.init_process_group("nccl" if cuda else "gloo", store=PrefixStore(f"start-{attempt}", store),
-                                rank=job_rank(node, world), world_size=world)
+        dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=job_rank(node, world), world_size=world)
     try:
         return _train(base, train, evaluation, out_dir, hp, on_progress, eval_sets or {}, on_beat,
                       scoring or Scoring(), checkpointing)

@@ -154,6 +154,7 @@ def job_network(net: JobNetwork, host: Host | None = None) -> Iterator[JobNetwor
     host = host or Host()
     others = [address for node, address in enumerate(net.hosts) if node != net.node]
     uplink = host.uplink(others[0]) if others else "lo"
+    clear_stale(host)
     take_down(net, host)
     restore: dict[str, str] = {}
     try:
@@ -186,6 +187,16 @@ def _bring_up(net: JobNetwork, host: Host, uplink: str, restore: dict[str, str])
     host.run("nft", "-f", "-", stdin=ruleset(net, uplink, guard_uplink=guard_uplink))
     for peer, address in ((n, a) for n, a in enumerate(net.hosts) if n != node):
         host.run("ip", "route", "replace", str(net.block(peer)), "via", address)
+
+
+def clear_stale(host: Host) -> None:
+    """Remove the rules and links of jobs that ended without taking their network down (a host that
+    lost power): their routes would take the next job's subnet. A host runs one training job at
+    a time, so any left here is stale."""
+    for name in re.findall(r"^table inet (appliance-train-\d+)$", host.run("nft", "list", "tables"), re.MULTILINE):
+        host.run("nft", "delete", "table", "inet", name, check=False)
+    for name in re.findall(r"^\d+: (atj\d+h)[@:]", host.run("ip", "-o", "link", "show"), re.MULTILINE):
+        host.run("ip", "link", "del", name, check=False)
 
 
 def take_down(net: JobNetwork, host: Host, restore: dict[str, str] | None = None) -> None:

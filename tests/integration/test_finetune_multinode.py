@@ -1,18 +1,21 @@
-"""The sharded trainer over two hosts' worth of torchrun agents (`--nnodes 2`, c10d rendezvous),
-here two agents on one machine, each with its own job directory as each host has its own disk,
-training a tiny MoE made by the code (random weights, Qwen3-MoE's architecture): each process's
-rank is fixed by its host's place in the job, never by the order the agents met; each host keeps
-its own ranks' checkpoint files; a rank killed mid-run brings both hosts back from the newest
-checkpoint whole on both, and the head's first rank writes the result and the adapter."""
+"""The sharded trainer over two hosts: this namespace as the head and a veth namespace as the
+worker, each host's torchrun agent in the training sandbox inside its namespace of the job's
+network (finetune.training_network), with a job directory of its own as each host has its own
+disk, training a tiny MoE made by the code (random weights, Qwen3-MoE's architecture): each
+process's rank is fixed by its host's place in the job, never by the order the agents met; each
+host keeps its own ranks' checkpoint files; a rank killed mid-run brings both hosts back from the
+newest checkpoint whole on both, and the head's first rank writes the result and the adapter."""
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
-import sys
 import time
+from collections.abc import Iterator
+from ipaddress import IPv4Network
 from pathlib import Path
 
 import psutil
@@ -20,13 +23,18 @@ import pytest
 
 from appliance.jobs import Hyperparameters, RankMemory, read_ranks
 from appliance.programs import OFFLINE_ENVIRONMENT
+from appliance.settings import FinetuneSettings
+from finetune.runner import multihost_trainer_command
+from finetune.sandbox import prepare, sandboxed
 from finetune.train import Scoring, TrainingSpec
+from finetune.training_network import Host, JobNetwork, job_network
 from tests.support.models import tiny_moe
-from tests.support.ports import free_port
+from tests.support.netns import veth_namespace
 
 STEPS = 24
 SAVE_STEPS = 4
 TIMEOUT_S = 600
+SUBNET = IPv4Network("10.77.0.0/16")
 
 
 def lay_out(directory: Path, base: Path, node: int) -> None:
@@ -42,24 +50,26 @@ def lay_out(directory: Path, base: Path, node: int) -> None:
     (directory / "job.json").write_text(spec.model_dump_json())
 
 
-def agent(directory: Path, port: int) -> subprocess.Popen[bytes]:
-    """A host's torchrun agent: one process on it, rendezvous on the head's port."""
+def agent(directory: Path, base: Path, net: JobNetwork) -> subprocess.Popen[bytes]:
+    """A host's torchrun agent, one process on it, in the sandbox in its namespace of the job."""
+    inputs = [directory / name for name in ("train.jsonl", "eval.jsonl", "job.json")]
+    prepare(directory, inputs, [base])
     log = (directory / "train.log").open("wb")
-    return subprocess.Popen(
-        [sys.executable, "-P", "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
-         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=multinode", "--max-restarts=3",
-         "-m", "finetune.job", str(directory)],
-        cwd=directory, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        env={**os.environ, **OFFLINE_ENVIRONMENT, "OMP_NUM_THREADS": "1"})
+    command = sandboxed(multihost_trainer_command(directory, 1, net), FinetuneSettings(), workdir=directory,
+                        inputs=inputs, readable=[base], network=net.namespace)
+    return subprocess.Popen(command, cwd=directory, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, **OFFLINE_ENVIRONMENT})
 
 
 def trainer_pid(agent_pid: int) -> int | None:
+    """The rank under a host's agent (torchrun's own command line names the module too)."""
     for child in psutil.Process(agent_pid).children(recursive=True):
         try:
-            if "finetune.job" in child.cmdline():
-                return child.pid
+            line = child.cmdline()
         except psutil.Error:
             continue
+        if "finetune.job" in line and "torch.distributed.run" not in line:
+            return child.pid
     return None
 
 
@@ -68,33 +78,40 @@ def whole(directory: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory, demo_model: Path) -> tuple[Path, Path]:
+def trained(tmp_path_factory: pytest.TempPathFactory, demo_model: Path) -> Iterator[tuple[Path, Path]]:
     root = tmp_path_factory.mktemp("multinode")
     base = tiny_moe(root / "tiny-moe", demo_model)
     head, worker = root / "head", root / "worker"
     lay_out(head, base, 0)
     lay_out(worker, base, 1)
-    port = free_port()
-    # The worker's agent first: ranks must not follow the order the agents arrive in.
-    agents = [agent(worker, port), agent(head, port)]
-    try:
-        deadline = time.monotonic() + TIMEOUT_S
-        while not (whole(head) and whole(worker)):
-            assert all(a.poll() is None for a in agents), "an agent ended before a checkpoint was whole"
-            assert time.monotonic() < deadline, "no checkpoint whole on both hosts"
-            time.sleep(0.1)
-        killed = trainer_pid(agents[0].pid)
-        assert killed is not None
-        os.kill(killed, signal.SIGKILL)  # the worker's rank, mid-run
-        for each in agents:
-            assert each.wait(timeout=max(1.0, deadline - time.monotonic())) == 0, \
-                (head / "train.log").read_text()[-3000:] + (worker / "train.log").read_text()[-3000:]
-    finally:
-        for each in agents:
-            if each.poll() is None:
-                os.killpg(each.pid, signal.SIGKILL)
-                each.wait()
-    return head, worker
+    job = random.randrange(1 << 20)
+    with veth_namespace() as hosts:
+        nets = [JobNetwork(job=job, node=node, hosts=(hosts.head, hosts.worker), subnet=SUBNET) for node in (0, 1)]
+        with job_network(nets[0]), job_network(nets[1], Host(["ip", "netns", "exec", hosts.namespace])):
+            # The worker's agent first: ranks must not follow the order the agents arrive in.
+            agents = [agent(worker, base, nets[1]), agent(head, base, nets[0])]
+            try:
+                deadline = time.monotonic() + TIMEOUT_S
+                while not (whole(head) and whole(worker)):
+                    assert all(a.poll() is None for a in agents), \
+                        "an agent ended before a checkpoint was whole: " + _logs(head, worker)
+                    assert time.monotonic() < deadline, "no checkpoint whole on both hosts"
+                    time.sleep(0.1)
+                killed = trainer_pid(agents[0].pid)
+                assert killed is not None
+                os.kill(killed, signal.SIGKILL)  # the worker's rank, mid-run
+                for each in agents:
+                    assert each.wait(timeout=max(1.0, deadline - time.monotonic())) == 0, _logs(head, worker)
+            finally:
+                for each in agents:
+                    if each.poll() is None:
+                        os.killpg(each.pid, signal.SIGKILL)
+                        each.wait()
+    yield head, worker
+
+
+def _logs(*directories: Path) -> str:
+    return "".join((d / "train.log").read_text()[-3000:] for d in directories)
 
 
 def test_the_head_s_first_rank_writes_the_result_after_both_hosts_resumed(trained: tuple[Path, Path]) -> None:

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from appliance.settings import FinetuneSettings
+from finetune.sandbox import prepare, sandboxed
 from finetune.training_network import COLLECTIVE_PORTS, RENDEZVOUS_PORT, Host, JobNetwork, job_network
 from tests.support.netns import Network, veth_namespace
 
@@ -124,19 +126,45 @@ def test_nothing_beyond_the_job_s_hosts_is_reached(two_hosts: tuple[Network, Job
         for command in (["ip", "netns", "add", outside],
                         [*host, "ip", "link", "add", f"{link}a", "type", "veth", "peer", "name", f"{link}b"],
                         [*host, "ip", "link", "set", f"{link}b", "netns", outside],
-                        [*host, "ip", "addr", "add", "192.0.2.1/24", "dev", f"{link}a"],
+                        [*host, "ip", "addr", "add", "198.51.100.1/24", "dev", f"{link}a"],
                         [*host, "ip", "link", "set", f"{link}a", "up"],
-                        ["ip", "-n", outside, "addr", "add", "192.0.2.2/24", "dev", f"{link}b"],
+                        ["ip", "-n", outside, "addr", "add", "198.51.100.2/24", "dev", f"{link}b"],
                         ["ip", "-n", outside, "link", "set", f"{link}b", "up"]):
             subprocess.run(command, check=True, capture_output=True)
-        there = listen(["ip", "netns", "exec", outside], "192.0.2.2", RENDEZVOUS_PORT)
+        there = listen(["ip", "netns", "exec", outside], "198.51.100.2", RENDEZVOUS_PORT)
         try:
-            assert probe(host, "192.0.2.2", RENDEZVOUS_PORT) == "open"
-            assert probe(worker.inside(), "192.0.2.2", RENDEZVOUS_PORT) == "dropped"
+            assert probe(host, "198.51.100.2", RENDEZVOUS_PORT) == "open"
+            assert probe(worker.inside(), "198.51.100.2", RENDEZVOUS_PORT) == "dropped"
         finally:
             there.kill()
     finally:
         subprocess.run(["ip", "netns", "del", outside], capture_output=True)
+
+
+def test_from_inside_a_rank_s_sandbox_only_the_peer_s_job_ports_are_reached(
+        two_hosts: tuple[Network, JobNetwork, JobNetwork], tmp_path: Path) -> None:
+    """The training sandbox (bubblewrap, the sandbox's user) in the worker's namespace of the job."""
+    net, head, worker = two_hosts
+    head_ranks = str(head.ranks_address(0))
+    listeners = [listen(head.inside(), head_ranks, port) for port in (RENDEZVOUS_PORT, 8443)]
+    gateway = listen([], "0.0.0.0", 0)
+    workdir = tmp_path / "job"
+    workdir.mkdir()
+    prepare(workdir, [], [])
+
+    def from_sandbox(address: str, port: int) -> str:
+        command = sandboxed([sys.executable, "-c", PROBE, address, str(port)], FinetuneSettings(), workdir=workdir,
+                            inputs=[], readable=[], network=worker.namespace)
+        return subprocess.run(command, capture_output=True, text=True, timeout=60).stdout.strip()
+
+    try:
+        assert from_sandbox(head_ranks, RENDEZVOUS_PORT) == "open"
+        assert from_sandbox(head_ranks, 8443) == "dropped"
+        assert from_sandbox(net.head, gateway.port) == "dropped"
+        assert from_sandbox(net.worker, 22) == "dropped"  # the worker host itself
+    finally:
+        for listener in [*listeners, gateway]:
+            listener.kill()
 
 
 def test_a_rank_s_sockets_get_ports_from_the_collective_range(two_hosts: tuple[Network, JobNetwork, JobNetwork]
@@ -169,3 +197,22 @@ def _forwarding(interface: str) -> Path:
     from finetune.training_network import forwarding
 
     return forwarding(interface)
+
+
+def test_a_job_that_ended_without_taking_its_network_down_leaves_nothing_in_the_next_s_way() -> None:
+    """A host that lost power mid-job: its rules and its link (whose route would take the next
+    job's subnet) are removed when the next job's network comes up."""
+    with veth_namespace() as net:
+        worker_host = Host(["ip", "netns", "exec", net.namespace])
+        stale = JobNetwork(job=random.randrange(1 << 20), node=1, hosts=(net.head, net.worker), subnet=SUBNET)
+        with job_network(stale, worker_host):
+            pass
+        worker_host.run("ip", "link", "add", stale.host_link, "type", "veth", "peer", "name", stale.rank_link)
+        worker_host.run("ip", "addr", "add", f"{stale.link_address(1)}/24", "dev", stale.host_link)
+        worker_host.run("nft", "add", "table", "inet", stale.table)
+        fresh = JobNetwork(job=stale.job + 1, node=1, hosts=stale.hosts, subnet=SUBNET)
+        with job_network(fresh, worker_host):
+            assert stale.table not in worker_host.run("nft", "list", "tables")
+            assert stale.host_link not in worker_host.run("ip", "-o", "link")
+            assert f"dev {fresh.host_link}" in worker_host.run("ip", "route", "get", str(fresh.ranks_address(1)))
+

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from ipaddress import IPv4Network
 from pathlib import Path
 
 import pytest
@@ -17,9 +18,10 @@ from typer.testing import CliRunner
 from appliance import cli
 from appliance.jobs import LAUNCH_FILE, RANKS_DIR, Hyperparameters, RankMemory, read_ranks, read_strategy
 from finetune import checkpoints
-from finetune.runner import _trainer_command, choose_strategy
+from finetune.runner import _trainer_command, choose_strategy, multihost_trainer_command
 from finetune.sharded import batch_order, checkpoint_key, local_slice, planned_steps
 from finetune.train import TrainingError
+from finetune.training_network import JobNetwork
 
 
 @settings(deadline=None)  # the first example imports torch
@@ -174,6 +176,21 @@ def test_the_sharded_trainer_runs_under_torchrun_which_restarts_its_ranks(tmp_pa
     assert "--nproc-per-node=2" in ddp and not any(a.startswith("--max-restarts=") for a in ddp)
     assert "torch.distributed.run" not in _trainer_command(tmp_path, 1, "single", cpu=True)
     assert "torch.distributed.run" in _trainer_command(tmp_path, 1, "fsdp", cpu=False)
+    # Each start of the ranks a store of its own: the shared rendezvous store kept dead ranks' keys.
+    assert all("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in _trainer_command(tmp_path, 2, "fsdp", cpu=cpu)
+               for cpu in (True, False))
+
+
+def test_a_host_s_agent_of_a_job_over_hosts_meets_the_others_at_the_head_s_ranks(tmp_path: Path) -> None:
+    net = JobNetwork(job=7, node=1, hosts=("192.0.2.10", "192.0.2.11", "192.0.2.12"),
+                     subnet=IPv4Network("10.77.0.0/16"))
+    command = multihost_trainer_command(tmp_path, 4, net)
+    assert {"--nnodes=3", "--nproc-per-node=4", "--rdzv-backend=c10d", "--rdzv-endpoint=10.77.0.2:29400",
+            "--rdzv-id=job-7", "--rdzv-conf=is_host=0", "--local-addr=10.77.1.2"} <= set(command)
+    assert "GLOO_SOCKET_IFNAME=atj7r" in command and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in command
+    assert command[-3:] == ["-m", "finetune.job", str(tmp_path)]
+    head = multihost_trainer_command(tmp_path, 4, JobNetwork(job=7, node=0, hosts=net.hosts, subnet=net.subnet))
+    assert "--rdzv-conf=is_host=1" in head and "--local-addr=10.77.0.2" in head
 
 
 def rank_report(rank: int) -> str:
