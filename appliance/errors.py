@@ -73,6 +73,10 @@ class Unavailable(ApplianceError):
     code = "unavailable"
 
 
+class ArtifactStoreError(Unavailable):
+    """The artifact store (appliance.artifacts, appliance.s3_store) could not be read or written."""
+
+
 class SettingsError(Invalid):
     """The settings file or an environment override is invalid."""
 

@@ -23,9 +23,10 @@ class JobShape:
     rank: int  # LoRA's
     seq_len: int  # tokens per row
     batch: int  # rows per micro-batch and process
-    processes: int  # on this host
-    sharded: bool  # FSDP splits the base over the processes; DDP and one process hold it whole
+    processes: int  # on each host
+    sharded: bool  # FSDP splits the base over all the processes; DDP and one process hold it whole
     process_limit_bytes: int | None  # the sandbox's memory limit on each process; None: none
+    hosts: int = 1  # the head and the worker hosts training beside it (alike: sized by this one)
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from appliance import queue
 from appliance.home import Home
 from appliance.queue import Alive, Lifecycle, Queue
+from appliance.records import HostName
 
 
 class JobState(StrEnum):
@@ -132,7 +133,10 @@ class Hyperparameters(BaseModel):
         "sft", description="SFT on chat or text rows, DPO on preference rows (prompt, chosen, rejected); grpo: "
         "a policy version an online RL run trained (`appliance rl run --method grpo`), never a job's.")
     beta: float = Field(0.1, gt=0, description="DPO and GRPO: how far the adapter may move from the base model.")
-    processes: int | None = Field(None, ge=1, description="Training processes (ranks); unset: finetune.processes.")
+    processes: int | None = Field(None, ge=1, description="Training processes (ranks) on each host; unset: "
+                                  "finetune.processes.")
+    hosts: list[HostName] = Field(default_factory=list, max_length=255, description=(
+        "Joined worker hosts that train beside the head, sharded over all their processes; empty: the head alone."))
 
 
 class Job(BaseModel):

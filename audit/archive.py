@@ -12,7 +12,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from appliance.artifacts import ArtifactStore, ArtifactStoreError
+from appliance.artifacts import ArtifactStore
+from appliance.errors import ArtifactStoreError
 from audit.writer import CHECKPOINTS, complete_lines, log_files
 
 PREFIX = "audit/"

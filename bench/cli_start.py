@@ -1,6 +1,8 @@
-"""CLI start-up: `appliance --help` and `appliance status` (on a state directory where nothing runs)
-against `python -c pass`, whole processes, taking turns over N rounds in the same run; medians of
-wall and CPU seconds, and each command's ratio to the bare interpreter.
+"""CLI start-up: the common commands that need no running appliance (`appliance --help`, `status`
+on a state directory where nothing runs, `data add` of 30 chat rows measured with the demo model's
+tokenizer, `data list`, `finetune status`) against `python -c pass`, whole processes, taking turns
+over N rounds in the same run; medians of wall and CPU seconds, and each command's ratio to the
+bare interpreter.
 
 With --before REV the same two commands as of REV take their turns too: REV is checked out in a
 temporary git worktree and run by this virtualenv's Python with the worktree first on PYTHONPATH,
@@ -8,7 +10,7 @@ beside a copy of the installed metadata that carries REV's own `appliance.comman
 (the root reads them). Both revisions start the same way: `python -c "from appliance.cli import
 main; main()" ARGS`, which is what the console script does.
 
-Run: .venv/bin/python -m bench.cli_start [--rounds 20] [--before 72fff8d]
+Run: .venv/bin/python -m bench.cli_start [--rounds 20] [--before 72fff8d]  (after ./bootstrap.sh --no-start)
 Writes bench/results/cli_start.json.
 """
 
@@ -30,6 +32,8 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from importlib.metadata import distribution
 from pathlib import Path
+
+from appliance.home import Home
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).parent / "results" / "cli_start.json"
@@ -62,11 +66,23 @@ class Timed:
         return {"wall_s": round(statistics.median(self.wall_s), 4), "cpu_s": round(statistics.median(self.cpu_s), 4)}
 
 
-def appliance_paths(label: str, tree: Path, state: Path, extra_path: list[Path]) -> list[Timed]:
-    """`appliance --help` and `appliance status` as the code in `tree` runs them."""
+def appliance_paths(label: str, tree: Path, state: Path, extra_path: list[Path], rows: Path) -> list[Timed]:
+    """The commands as the code in `tree` runs them (`data add` replaces the same dataset each time)."""
     env = {**os.environ, "APPLIANCE_HOME": str(state), "COLUMNS": "100",
            "PYTHONPATH": os.pathsep.join(map(str, [tree, *extra_path]))}
-    return [Timed(f"{label}appliance {args}", [sys.executable, "-c", MAIN, args], env) for args in ("--help", "status")]
+    demo = str(Home.from_env().demo_model)
+    commands = [["--help"], ["status"], ["data", "add", str(rows), "--name", "faq", "--model", demo, "--replace"],
+                ["data", "list"], ["finetune", "status"]]
+    return [Timed(f"{label}appliance {' '.join(args[:2]) if args[0] == 'data' else ' '.join(args)}",
+                  [sys.executable, "-c", MAIN, *args], env) for args in commands]
+
+
+def chat_rows(path: Path, count: int = 30) -> Path:
+    """`count` chat rows, as a day-one user adds them."""
+    path.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": f"What is the code for item {i}?"},
+        {"role": "assistant", "content": f"The code for item {i} is ZEBRA."}]}) + "\n" for i in range(count)))
+    return path
 
 
 @contextmanager
@@ -96,7 +112,7 @@ def measure(paths: list[Timed], rounds: int) -> None:
         done = path.run()
         if done.returncode != 0:
             raise SystemExit(f"{path.name}: exit {done.returncode}: {done.stderr[-2000:]}")
-        if path.name.endswith("status") and done.stdout.strip() != NOTHING_RUNS:
+        if path.argv[3:] == ["status"] and done.stdout.strip() != NOTHING_RUNS:
             raise SystemExit(f"{path.name}: printed {done.stdout!r}, not {NOTHING_RUNS!r}")
         path.wall_s.clear()
         path.cpu_s.clear()
@@ -113,8 +129,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="cli-start-home-") as state, \
             (earlier_tree(options.before) if options.before else nullcontext()) as earlier:
         yardstick = Timed("python -c pass", [sys.executable, "-c", "pass"], dict(os.environ))
-        now = appliance_paths("", ROOT, Path(state), [])
-        before = appliance_paths("before: ", earlier[0], Path(state), [earlier[1]]) if earlier else []
+        data = chat_rows(Path(state) / "rows.jsonl")
+        now = appliance_paths("", ROOT, Path(state) / "home", [], data)
+        before = appliance_paths("before: ", earlier[0], Path(state) / "home", [earlier[1]], data) if earlier else []
         load = os.getloadavg()
         measure([yardstick, *now, *before], options.rounds)
     bare = yardstick.medians()

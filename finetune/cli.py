@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -28,6 +29,7 @@ from appliance.terminal import Listing, text
 from finetune import evalsets
 from finetune.datasets import OnProgress, check, split, store
 from finetune.follow import PhaseBar, follow
+from finetune.over_hosts import worker_hosts
 from finetune.runner import run_job, size_job
 from finetune.token_count import token_counter
 
@@ -135,13 +137,18 @@ def _progress() -> Iterator[OnProgress]:
 
 def _hyperparameters(qlora: bool, rank: int, alpha: int, lr: float, epochs: float, max_steps: int, batch_size: int,
                      save_steps: int, method: str, beta: float, processes: int | None,
-                     max_length: int) -> jobs.Hyperparameters:
+                     max_length: int, hosts: str | None = None) -> jobs.Hyperparameters:
     if method not in ("sft", "dpo"):
         raise Invalid(f"--method {method!r}: sft or dpo")
-    return jobs.Hyperparameters(rank=rank, alpha=alpha, learning_rate=lr, epochs=epochs, max_steps=max_steps,
-                                batch_size=batch_size, save_steps=save_steps, qlora=qlora,
-                                method="dpo" if method == "dpo" else "sft", beta=beta, processes=processes,
-                                max_length=max_length)
+    names = [] if hosts is None else [name.strip() for name in hosts.split(",")]
+    try:
+        return jobs.Hyperparameters(rank=rank, alpha=alpha, learning_rate=lr, epochs=epochs, max_steps=max_steps,
+                                    batch_size=batch_size, save_steps=save_steps, qlora=qlora,
+                                    method="dpo" if method == "dpo" else "sft", beta=beta, processes=processes,
+                                    max_length=max_length, hosts=names)
+    except ValidationError as exc:
+        raise Invalid(f"--hosts {hosts!r}: host names separated by commas (as `appliance hosts list` shows them), "
+                      "or all") from exc
 
 
 def check_name_option(option: str, name: str) -> None:
@@ -159,6 +166,8 @@ def _check(name: str, data: str, base: str, home: Home, hp: jobs.Hyperparameters
                        hint=f"datasets: {', '.join(sorted(registry)) or 'none'}")
     settings = load_settings(home.settings_file)
     size_job(checkpoint(base, home, settings, what="--base").resolve(), hp, settings.finetune)
+    if hp.hosts:
+        worker_hosts(home, settings, hp.hosts)
     warning = deploy_warning(settings, adapters.load(home).aliases.get(name), name,
                              lambda pool: serves_adapters(pool, settings, home))
     if warning is not None:
@@ -198,6 +207,8 @@ Processes = Annotated[int | None, typer.Option(min=1, help="Training processes (
                                                "shards the base over them (finetune.strategy). Default: "
                                                "finetune.processes, else one per visible GPU, at least one.")]
 Beta = Annotated[float, typer.Option(min=0.001, help="DPO: how far the adapter may move from the base model.")]
+Hosts = Annotated[str | None, typer.Option(help="Joined hosts that train beside this one, HOST[,HOST...] or all: "
+                                           "the base is sharded over every process of every host (root only).")]
 Scenarios = Annotated[Path | None, typer.Option(help="JSONL of prompts with expected answers the adapter should "
                                                 "get right (gated on finetune.gate_min_scenario_score).")]
 Regression = Annotated[Path | None, typer.Option(help="JSONL of general prompts with expected answers, to catch "
@@ -215,11 +226,11 @@ def submit(data: Data, name: Name, base: Base = DEMO_MODEL, qlora: QLoRA = HP.ql
            max_steps: MaxSteps = HP.max_steps, batch_size: BatchSize = HP.batch_size,
            save_steps: SaveSteps = HP.save_steps, scenarios: Scenarios = None, regression: Regression = None,
            method: Method = HP.method, beta: Beta = HP.beta, processes: Processes = HP.processes,
-           max_length: MaxLength = HP.max_length) -> None:
+           max_length: MaxLength = HP.max_length, hosts: Hosts = None) -> None:
     """Queue a training job for the finetune-worker; follow it with `appliance finetune status -f`."""
     home = Home.from_env()
     hp = _hyperparameters(qlora, rank, alpha, lr, epochs, max_steps, batch_size, save_steps, method, beta, processes,
-                          max_length)
+                          max_length, hosts)
     _check(name, data, base, home, hp)
     job = jobs.submit(home, name=name, data=data, base=base, hyperparameters=hp,
                       eval_sets=_eval_sets(scenarios, regression))
@@ -270,12 +281,12 @@ def run(data: Data, name: Name, base: Base = DEMO_MODEL, qlora: QLoRA = HP.qlora
         max_steps: MaxSteps = HP.max_steps, batch_size: BatchSize = HP.batch_size,
         save_steps: SaveSteps = HP.save_steps, scenarios: Scenarios = None, regression: Regression = None,
         method: Method = HP.method, beta: Beta = HP.beta, processes: Processes = HP.processes,
-        max_length: MaxLength = HP.max_length) -> None:
+        max_length: MaxLength = HP.max_length, hosts: Hosts = None) -> None:
     """Train an adapter in the foreground (as the worker would), gate it, register it."""
     note_target("adapter", name)
     home = Home.from_env()
     hp = _hyperparameters(qlora, rank, alpha, lr, epochs, max_steps, batch_size, save_steps, method, beta, processes,
-                          max_length)
+                          max_length, hosts)
     _check(name, data, base, home, hp)
     sets = _eval_sets(scenarios, regression)
     settings = load_settings(home.settings_file)

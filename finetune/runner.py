@@ -45,7 +45,7 @@ from appliance.model_refs import checkpoint
 from appliance.orphans import group_members
 from appliance.records import config_sha256
 from appliance.settings import FinetuneSettings, Settings
-from finetune import adapters, evalsets
+from finetune import adapters, evalsets, over_hosts
 from finetune.datasets import kind
 from finetune.sandbox import TRAINER_ENVIRONMENT, prepare, sandbox_memory_bytes, sandboxed
 from finetune.train import Result, Scoring, TrainingCancelled, TrainingError, TrainingSpec, load_result
@@ -111,10 +111,20 @@ def run_job(directory: Path, *, name: str, data: str, base: str, hp: Hyperparame
         (directory / HEARTBEAT_FILE).unlink(missing_ok=True)
     if settings.finetune.sandbox != "none":
         prepare(directory, inputs, [model.resolve()])
-    trainer = _trainer_command(directory, processes, strategy, cpu=not visible_gpus())
-    train_in_child(directory, sandboxed(trainer, settings.finetune, workdir=directory, inputs=inputs,
-                                         readable=[model.resolve()]), on_progress, on_child, on_beat,
-                    limit_s=settings.finetune.max_job_hours * 3600)
+    limit_s = settings.finetune.max_job_hours * 3600
+    if hp.hosts:
+        workers = over_hosts.worker_hosts(home, settings, hp.hosts)
+        with over_hosts.parts_published(home, settings, directory, spec, processes, workers) as net:
+            trainer = multihost_trainer_command(directory, processes, net)
+            train_in_child(directory, sandboxed(trainer, settings.finetune, workdir=directory, inputs=inputs,
+                                                 readable=[model.resolve()], network=net.namespace),
+                            on_progress, on_child, on_beat, limit_s=limit_s,
+                            watch=lambda: over_hosts.failed_part(home, workers, directory))
+    else:
+        trainer = _trainer_command(directory, processes, strategy, cpu=not visible_gpus())
+        train_in_child(directory, sandboxed(trainer, settings.finetune, workdir=directory, inputs=inputs,
+                                             readable=[model.resolve()]), on_progress, on_child, on_beat,
+                        limit_s=limit_s)
     result = load_result(directory)
     scores = checked_scores(result, sets, spec.scoring.seeds, shipped)
     failures = gate_failures(result, scores, settings.finetune)
@@ -212,8 +222,16 @@ def visible_gpus() -> int:
     return len([p for p in Path("/dev").glob("nvidia*") if p.name[len("nvidia"):].isdigit()])
 
 
-def choose_strategy(setting: str, processes: int, hp: Hyperparameters, *, gpus: int) -> Strategy:
-    """How the job's processes train (finetune.strategy), or why they cannot, before anything loads."""
+def choose_strategy(setting: str, processes: int, hp: Hyperparameters, *, gpus: int, hosts: int = 1) -> Strategy:
+    """How the job's processes train (finetune.strategy), or why they cannot, before anything loads;
+    over several hosts only the sharded trainer runs (each host's processes are ranks of it)."""
+    if hosts > 1:
+        if setting in ("single", "ddp") or hp.method != "sft" or hp.qlora:
+            what = f"finetune.strategy = \"{setting}\"" if setting in ("single", "ddp") else \
+                "QLoRA" if hp.qlora else hp.method.upper()
+            raise TrainingError(f"a job over several hosts trains sharded (fsdp, SFT with LoRA), not {what}",
+                                hint="finetune.strategy = \"auto\" or \"fsdp\", --method sft, no --qlora")
+        return "fsdp"
     if setting == "single" and processes > 1:
         raise TrainingError(f"finetune.strategy = \"single\" trains in one process, not {processes}",
                             hint="--processes 1, or finetune.strategy = \"fsdp\" or \"ddp\"")
@@ -240,12 +258,14 @@ def size_job(base: Path, hp: Hyperparameters, settings: FinetuneSettings) -> tup
     GPU it halved the throughput where memory was plentiful)."""
     gpus = visible_gpus()
     processes = hp.processes or settings.processes or gpus or 1
-    strategy = choose_strategy(settings.strategy, processes, hp, gpus=gpus)
+    strategy = choose_strategy(settings.strategy, processes, hp, gpus=gpus, hosts=1 + len(hp.hosts))
     limit = None if settings.sandbox == "none" else sandbox_memory_bytes(settings)
     fit = fit_job(JobShape(base=base, qlora=hp.qlora, rank=hp.rank, seq_len=hp.max_length, batch=hp.batch_size,
-                           processes=processes, sharded=strategy == "fsdp", process_limit_bytes=limit))
+                           processes=processes, sharded=strategy == "fsdp", process_limit_bytes=limit,
+                           hosts=1 + len(hp.hosts)))
     if not fit.fits:
-        where = f"{processes} process{'es' if processes > 1 else ''} ({strategy})"
+        where = f"{processes} process{'es' if processes > 1 else ''} ({strategy})" + (
+            f" on each of {1 + len(hp.hosts)} hosts" if hp.hosts else "")
         raise TrainingError(f"the job does not fit this host's {where}: {fit.reason}",
                             hint="more processes (--processes N; finetune.strategy \"fsdp\" or \"auto\" shards the "
                                  "base over them), a smaller --max-length or --batch-size, --qlora, or a larger "
@@ -298,10 +318,12 @@ def multihost_trainer_command(directory: Path, processes: int, net: JobNetwork) 
 
 def train_in_child(directory: Path, command: list[str], on_progress: Callable[[Progress], None],
                    on_child: Callable[[int], None], on_beat: Callable[[], None], *, limit_s: float,
-                   log: Path | None = None, cancel: Path | None = None) -> None:
+                   log: Path | None = None, cancel: Path | None = None,
+                   watch: Callable[[], None] = lambda: None) -> None:
     """Run the trainer in a process group of its own, reporting its progress; a cancel request
-    (`cancel`, by default the job directory's cancel file), its running past `limit_s` or our own
-    end ends the whole group (its checkpoints stay). Its output goes to `log` (by default the job
+    (`cancel`, by default the job directory's cancel file), its running past `limit_s`, `watch`
+    raising TrainingError (another host's part of the job failed) or our own end ends the whole
+    group (its checkpoints stay). Its output goes to `log` (by default the job
     directory's train.log, which the trainer could have replaced: opened only as a regular file,
     never through a link)."""
     log = log or directory / "train.log"
@@ -319,6 +341,7 @@ def train_in_child(directory: Path, command: list[str], on_progress: Callable[[P
                     raise TrainingError(f"training ran past finetune.max_job_hours ({limit_s / 3600:g} h) and "
                                         "was ended; its checkpoints are kept", hint=f"its log: {log}")
                 seen = _report(directory, seen, on_progress)
+                watch()
                 if time.monotonic() - beat_at >= BEAT_S and (stamp := beat_time(directory)) not in (None, beat_seen):
                     beat_seen, beat_at = stamp, time.monotonic()
                     on_beat()

@@ -11,8 +11,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from appliance.artifacts import S3Store
 from appliance.errors import ApplianceError
+from appliance.s3_store import S3Store
 from appliance.settings import ArtifactSettings
 
 RANGE = 32 << 20

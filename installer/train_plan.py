@@ -249,7 +249,7 @@ def local_job_fit(shape: JobShape) -> JobFit:
     if shape.process_limit_bytes is not None:
         budget = min(budget, shape.process_limit_bytes)
     found = check_job(shape.base, method="qlora" if shape.qlora else "lora", rank=shape.rank, seq_len=shape.seq_len,
-                      batch=shape.batch, ranks=shape.processes if shape.sharded else 1, rank_memory_bytes=budget,
-                      device=device, dtype="fp32")
+                      batch=shape.batch, ranks=shape.processes * shape.hosts if shape.sharded else 1,
+                      hosts=shape.hosts if shape.sharded else 1, rank_memory_bytes=budget, device=device, dtype="fp32")
     return JobFit(checkpointing=found.memory.checkpointing, process_bytes=found.memory.total, budget_bytes=budget,
                   reason=found.reason)

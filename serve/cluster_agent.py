@@ -13,11 +13,11 @@ import time
 
 import httpx
 
+from appliance.cluster_client import credential, head_client
 from appliance.engine_launch import engine_program
 from appliance.home import Home
 from appliance.hosts import Heartbeat, HeartbeatAnswer, RankReport, membership
 from appliance.supervisor import LIVE_STATES, ProcessInfo, Supervisor
-from serve.cluster_worker import credential, head_client
 
 log = logging.getLogger("appliance.cluster-agent")
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import uuid
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Header, HTTPException, Request
 from fastapi.responses import FileResponse, PlainTextResponse
 
+from appliance import training_launches
 from appliance.changes import Outcome, Target
 from appliance.engine_launch import Rank, rank_command, resolve_device
 from appliance.errors import ApplianceError, Invalid
@@ -32,6 +33,7 @@ from appliance.hosts import (
 from appliance.model_refs import served_name
 from appliance.settings import Settings
 from appliance.tls import ca_file
+from appliance.training_launches import TrainingLaunch, TrainingReport
 from audit.records import AuditEvent
 from audit.writer import AuditWriter
 from serve.cluster_controller import Controller
@@ -157,6 +159,31 @@ def router(settings: Settings, home: Home, controller: Controller, weights: Weig
         writer.append(cluster_event("cluster.weights", "denied", 409, request, host, f"pool {body.pool}",
                                     body.problem))
         return {"accepted": False}
+
+    @routes.get("/training")
+    def training(request: Request, x_appliance_host: Annotated[str, Header()],
+                 authorization: Annotated[str, Header()] = "") -> list[TrainingLaunch]:
+        """The training jobs this host has a part in (finetune.cluster_node runs them)."""
+        host = worker(request, x_appliance_host, authorization)
+        return [found.launch for found in training_launches.published(home, host)]
+
+    @routes.get("/training/{job}/{kind}/{path:path}")
+    def training_file(job: int, kind: Literal["job", "base"], path: str, request: Request,
+                      x_appliance_host: Annotated[str, Header()],
+                      authorization: Annotated[str, Header()] = "") -> FileResponse:
+        host = worker(request, x_appliance_host, authorization)
+        target = training_launches.file_of(home, host, job, kind, path)
+        if target is None:
+            raise HTTPException(404, f"{kind} file {path}: not in a training launch of job {job} for {host}")
+        return FileResponse(target)
+
+    @routes.post("/training/report")
+    def training_report(body: TrainingReport, request: Request, x_appliance_host: Annotated[str, Header()],
+                        authorization: Annotated[str, Header()] = "") -> dict[str, bool]:
+        host = worker(request, x_appliance_host, authorization)
+        if not training_launches.record_report(home, host, body):
+            raise HTTPException(404, f"job {body.job} has no part {body.node} on {host}")
+        return {"accepted": True}
 
     @routes.post("/heartbeat")
     def heartbeat(body: Heartbeat, request: Request, x_appliance_host: Annotated[str, Header()],

@@ -6,17 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from appliance.digest import sha256_file
 from appliance.errors import Invalid
 from appliance.home import Home
-from appliance.hosts import WeightFile
+from appliance.hosts import Digests, WeightFile, weight_files
 from appliance.model_refs import model_dir
 from appliance.records import STAGING_MANIFEST
 from appliance.staging_manifest import StagingManifest
 from serve.engine import SpanningPool
-
-# A file's digest, by its path, size and modification time: unchanged files are not read again.
-Digests = dict[tuple[str, int, int], str]
 
 
 def weights_dir(span: SpanningPool, home: Home, host: str) -> Path:
@@ -33,28 +29,6 @@ def weights_dir(span: SpanningPool, home: Home, host: str) -> Path:
                       f"subset staged for {host}", hint=f"appliance stage ... --plan PLAN --out {directory.parent} "
                       f"--host {host}")
     return own
-
-
-def weight_files(directory: Path, known: Digests | None = None) -> list[WeightFile]:
-    """Every regular file under `directory` (no links, nothing hidden) with its size and SHA-256;
-    `known` keeps digests by (path, size, mtime) so that unchanged files are not read again."""
-    files = []
-    for path in sorted(directory.rglob("*")):
-        relative = path.relative_to(directory).as_posix()
-        if path.is_symlink() or not path.is_file() or any(part.startswith(".") for part in relative.split("/")):
-            continue
-        stat = path.stat()
-        key = (relative, stat.st_size, stat.st_mtime_ns)
-        digest = known.get(key) if known is not None else None
-        if digest is None:
-            digest = sha256_file(path)
-            if known is not None:
-                known[key] = digest
-        files.append(WeightFile(path=relative, bytes=stat.st_size, sha256=digest))
-    if not files:
-        raise Invalid(f"{directory} holds no weights a worker can take (links are not followed: copy a "
-                      "checkpoint made of links, such as a Hugging Face cache snapshot, into a directory first)")
-    return files
 
 
 class WeightService:

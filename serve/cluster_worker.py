@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import shutil
 import socket
-import ssl
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +24,7 @@ import httpx
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
+from appliance.cluster_client import CREDENTIAL_SECRET, head_ca_file, head_client
 from appliance.digest import sha256_file
 from appliance.durable import replace_file
 from appliance.engine_build import installed_engine
@@ -48,28 +48,11 @@ from appliance.settings import Settings
 from appliance.tls import certificate_sha256, tls_dir
 from serve.engine import interface_of
 
-CREDENTIAL_SECRET = "cluster-credential"
 # vLLM options that would run code the weights bring along, or open the rank to others.
 REFUSED_OPTIONS = {"--trust-remote-code", "--worker-extension-cls", "--worker-cls", "--logits-processors",
                    "--tool-parser-plugin", "--allowed-local-media-path"}
 # What a rank's environment may set (the head builds it; a worker runs nothing else on its word).
 RANK_ENV_PREFIXES = ("VLLM_", "HF_", "TRANSFORMERS_", "DO_NOT_TRACK", "CUDA_VISIBLE_DEVICES", "GLOO_", "NCCL_")
-
-
-def head_ca_file(home: Home) -> Path:
-    return tls_dir(home) / "head-ca.pem"
-
-
-def head_client(home: Home, head_url: str, name: str | None = None, credential: str | None = None,
-                timeout: float = 30) -> httpx.Client:
-    """HTTPS to the head, trusting only the CA pinned at join."""
-    headers = {"X-Appliance-Host": name, "Authorization": f"Bearer {credential}"} if name and credential else {}
-    context = ssl.create_default_context(cafile=str(head_ca_file(home)))
-    return httpx.Client(base_url=head_url, verify=context, headers=headers, timeout=timeout)
-
-
-def credential(home: Home) -> str:
-    return (home.secrets / CREDENTIAL_SECRET).read_text().strip()
 
 
 def _pin_ca(home: Home, head_url: str, ca_sha256: str) -> None:

@@ -8,8 +8,10 @@ import json
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from appliance.artifacts import ArtifactStore, ArtifactStoreError, LocalStore, S3Store
+from appliance.artifacts import ArtifactStore, LocalStore
 from appliance.choices import prompt_count
+from appliance.errors import ArtifactStoreError
+from appliance.s3_store import S3Store
 
 CUSTOM_ID_MAX = 512
 READ_BYTES = 1 << 20  # an input file is read this much at a time

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import httpx
 
 from appliance import login
-from appliance.artifacts import ArtifactStoreError, artifact_store
-from appliance.errors import ApplianceError, Invalid, Unavailable
+from appliance.artifacts import artifact_store
+from appliance.errors import ApplianceError, ArtifactStoreError, Invalid, Unavailable
 from appliance.home import Home
 from appliance.jobs import CANCEL_FILE
 from appliance.local_gateway import client_options

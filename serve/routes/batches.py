@@ -15,9 +15,9 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from appliance import batches
-from appliance.artifacts import ArtifactStoreError, artifact_store
+from appliance.artifacts import artifact_store
 from appliance.batches import Batch, BatchAsk, FileObject, Owner
-from appliance.errors import StateError
+from appliance.errors import ArtifactStoreError, StateError
 from appliance.home import Home
 from appliance.settings import Settings
 from serve.audit_trail import MONITORING, note_target

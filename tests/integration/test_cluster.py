@@ -289,3 +289,30 @@ def test_the_token_carries_the_heads_ca(cluster: Cluster) -> None:
     joined = (cluster.worker_home / "tls" / "head-ca.pem").read_bytes()
     assert joined == ca_file(cluster.head.home).read_bytes()
     assert (cluster.worker_home / "secrets" / "cluster-credential").stat().st_mode & 0o777 == 0o600
+
+
+def test_an_adapter_trains_over_both_hosts_from_the_head(cluster: Cluster, tmp_path: Path) -> None:
+    """`finetune run --hosts worker-1` on the head: the worker's training node fetches the job's part
+    (its data, job.json for its place, the base), each host's torchrun agent runs in its sandbox in
+    its namespace of the job's network, the base is sharded over both hosts' processes, the head's
+    first rank writes the adapter and the head registers it; the launch is withdrawn after."""
+    rows = [{"messages": [{"role": "user", "content": f"What is the code for item {i}?"},
+                          {"role": "assistant", "content": f"The code for item {i} is ZEBRA."}]} for i in range(40)]
+    data = tmp_path / "codes.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    head = cluster.head
+    added = head.run("data", "add", str(data), "--name", "codes", "--model", str(cluster.model), timeout=300)
+    assert added.returncode == 0, added.stderr
+    env = {**head.env, "APPLIANCE_FINETUNE__REGRESSION_SET": "none", "APPLIANCE_FINETUNE__GATE_SEEDS": "1"}
+    trained = subprocess.run([APPLIANCE, "finetune", "run", "--data", "codes", "--base", str(cluster.model), "--name",
+                              "two-hosts", "--hosts", "worker-1", "--processes", "1", "--max-steps", "6",
+                              "--save-steps", "3", "--batch-size", "2", "--lr", "0.001"],
+                             env=env, capture_output=True, text=True, timeout=900)
+    assert "adapter two-hosts v1: held-out loss" in trained.stdout, trained.stdout + trained.stderr
+    assert "6 steps" in trained.stdout
+    [job] = (head.home.root / "finetune").glob("two-hosts-*")
+    assert json.loads((job / "result.json").read_text())["processes"] == 2
+    [part] = (cluster.worker_home / "finetune").glob("cluster-job-*")
+    assert [json.loads(p.read_text())["rank"] for p in sorted((part / "ranks").glob("rank-*.json"))] == [1]
+    assert [p.name for p in (part / "checkpoints" / "step-3").iterdir() if p.is_dir()] == ["rank-1"]
+    assert not list((head.home.run / "training" / "worker-1").glob("*.json"))  # withdrawn

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from appliance.artifacts import ArtifactStoreError, LocalStore
+from appliance.artifacts import LocalStore
+from appliance.errors import ArtifactStoreError
 from audit import AuditVerificationError, AuditWriter, archive, fetch, verify
 from tests.support.audit import event
 

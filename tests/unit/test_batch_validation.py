@@ -15,11 +15,11 @@ import httpx
 import pytest
 
 from appliance import batches
-from appliance.artifacts import ArtifactStore, ArtifactStoreError, LocalStore
+from appliance.artifacts import ArtifactStore, LocalStore
 from appliance.batches import BatchState
 from appliance.batches import store as batch_store
 from appliance.batches.lines import read_chunks, split_lines
-from appliance.errors import QuotaExceeded
+from appliance.errors import ArtifactStoreError, QuotaExceeded
 from appliance.home import Home
 from appliance.settings import BatchSettings, Settings
 from serve import batch_worker

@@ -8,10 +8,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from appliance.cluster_client import head_ca_file
 from appliance.errors import Invalid, Unavailable
 from appliance.home import Home
 from appliance.tls import ca_file, ca_sha256
-from serve.cluster_worker import _pin_ca, head_ca_file
+from serve.cluster_worker import _pin_ca
 
 
 class Answer:

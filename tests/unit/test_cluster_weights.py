@@ -11,13 +11,14 @@ import pytest
 from appliance.engine_launch import PoolLayout
 from appliance.errors import Invalid
 from appliance.home import Home
+from appliance.hosts import weight_files
 from appliance.records import Gpu, HardwareProfile, Host
 from appliance.settings import PoolSettings
 from appliance.staging_manifest import StagingManifest
 from installer.memory import GIB
 from installer.model_config import load_model_config
 from installer.planner import Pins, plan
-from serve.cluster_weights import weight_files, weights_dir
+from serve.cluster_weights import weights_dir
 from serve.engine import SpanningPool
 from tests.support.models import MODEL_CONFIGS
 

@@ -224,3 +224,26 @@ def test_bad_processes_are_refused_by_name(command: str, value: str, said: str, 
     assert result.exit_code == 2
     assert "Invalid value for '--processes'" in result.output and said in result.output
     assert not (tmp_path / "home" / "finetune").exists()
+
+
+@pytest.mark.parametrize(("setting", "hp", "said"), [
+    ("ddp", Hyperparameters(), 'not finetune.strategy = "ddp"'),
+    ("single", Hyperparameters(), 'not finetune.strategy = "single"'),
+    ("auto", Hyperparameters(qlora=True), "not QLoRA"),
+    ("auto", Hyperparameters(method="dpo"), "not DPO"),
+])
+def test_a_job_over_several_hosts_trains_sharded_or_is_refused_saying_why(setting: str, hp: Hyperparameters,
+                                                                          said: str) -> None:
+    assert choose_strategy("auto", 1, Hyperparameters(), gpus=0, hosts=2) == "fsdp"  # one process a host too
+    with pytest.raises(TrainingError, match=said):
+        choose_strategy(setting, 1, hp, gpus=0, hosts=3)
+
+
+@pytest.mark.parametrize("hosts", ["w1,../etc", "w1,,w2", "a b", "-w1", "w1\nw2"])
+def test_bad_host_names_are_refused_by_name_before_anything(hosts: str, tmp_path: Path) -> None:
+    result = CliRunner().invoke(cli.app, ["finetune", "submit", "--data", "d", "--name", "n", "--hosts", hosts],
+                                env={"APPLIANCE_HOME": str(tmp_path / "home"), "COLUMNS": "200"})
+    assert result.exit_code != 0
+    assert "--hosts" in str(result.exception) + result.output and "host names separated by commas" in \
+        str(result.exception) + result.output
+    assert not (tmp_path / "home" / "finetune").exists()

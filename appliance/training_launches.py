@@ -1,0 +1,126 @@
+"""A training job's part on each worker host of a job over several hosts: what the head publishes
+for a host (its place in the job, the job's hosts and network, its processes, and the files it
+takes: the job's data and job.json for its place, and the base model), what the host reports
+back, and the files a launch hands out, only while they are plain files of its listing.
+
+The head's runner publishes a launch per worker host while the job trains (run/training/HOST/JOB.json)
+and withdraws it when the job ends, however it ends; each worker's `training-node` asks the head
+for its launches (the cluster listener, with the host's credential), runs its torchrun agent for
+each, stops the agent of a launch withdrawn, and reports (run/training/HOST/JOB.report.json).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from appliance.durable import read_small_file, replace_file
+from appliance.home import Home
+from appliance.hosts import RelativePath, WeightFile
+
+MAX_RECORD_BYTES = 1 << 22
+Kind = Literal["job", "base"]
+
+
+class TrainingLaunch(BaseModel):
+    """What a worker host runs of a job: the head sends it, the host checks every file."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    job: int = Field(ge=0)
+    node: int = Field(ge=1, le=255, description="This host's place in the job (0 is the head).")
+    hosts: list[str] = Field(min_length=2, max_length=256, description="Each host's cluster address, by place.")
+    subnet: str = Field(max_length=18, description="finetune.training_subnet, as the head has it.")
+    processes: int = Field(ge=1, le=1024)
+    job_files: list[WeightFile] = Field(min_length=1, max_length=8)
+    base_files: list[WeightFile] = Field(min_length=1, max_length=100_000)
+
+
+class Published(BaseModel):
+    """The head's record of a launch: the launch and where each of its files is on the head."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    launch: TrainingLaunch
+    job_sources: dict[RelativePath, str]  # a job file's name in the launch -> its path on the head
+    base_dir: str
+
+
+class TrainingReport(BaseModel):
+    """A worker host's word on its part of a job."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    job: int = Field(ge=0)
+    node: int = Field(ge=1, le=255)
+    state: Literal["fetching", "running", "ended", "failed"]
+    exit_code: int | None = None
+    detail: str | None = Field(None, max_length=4096)
+
+
+def _host_dir(home: Home, host: str) -> Path:
+    """The launches of `host`, a name the host registry checked (HostName: no separator, no dot first)."""
+    return home.run / "training" / host
+
+
+def publish(home: Home, host: str, published: Published) -> None:
+    directory = _host_dir(home, host)
+    directory.mkdir(parents=True, mode=0o700, exist_ok=True)
+    replace_file(directory / f"{published.launch.job}.json", published.model_dump_json().encode())
+
+
+def withdraw(home: Home, host: str, job: int) -> None:
+    for suffix in ("json", "report.json"):
+        with contextlib.suppress(FileNotFoundError):
+            (_host_dir(home, host) / f"{job}.{suffix}").unlink()
+
+
+def published(home: Home, host: str) -> list[Published]:
+    """The launches published for `host` (a record that is not one is left out)."""
+    found = []
+    directory = _host_dir(home, host)
+    for path in sorted(directory.glob("*.json")) if directory.is_dir() else []:
+        if path.name.endswith(".report.json") or (read := read_small_file(path, MAX_RECORD_BYTES)) is None:
+            continue
+        with contextlib.suppress(ValueError):
+            found.append(Published.model_validate_json(read[0]))
+    return found
+
+
+def file_of(home: Home, host: str, job: int, kind: Kind, path: str) -> Path | None:
+    """Where `path` of `host`'s launch of `job` is on the head, if its listing holds it and it is a
+    plain file inside its directory; None otherwise."""
+    launch = next((p for p in published(home, host) if p.launch.job == job), None)
+    if launch is None:
+        return None
+    if kind == "job":
+        listed = {f.path for f in launch.launch.job_files}
+        target = Path(launch.job_sources[path]) if path in listed and path in launch.job_sources else None
+        return target if target is not None and target.is_file() and not target.is_symlink() else None
+    base = Path(launch.base_dir)
+    target = base / path
+    if path not in {f.path for f in launch.launch.base_files} or target.is_symlink() or not target.is_file() \
+            or not target.resolve().is_relative_to(base.resolve()):
+        return None
+    return target
+
+
+def record_report(home: Home, host: str, report: TrainingReport) -> bool:
+    """Keep `host`'s report on a job it has a launch of; False (kept nothing) otherwise."""
+    if not any(p.launch.job == report.job and p.launch.node == report.node for p in published(home, host)):
+        return False
+    replace_file(_host_dir(home, host) / f"{report.job}.report.json", report.model_dump_json().encode())
+    return True
+
+
+def report_of(home: Home, host: str, job: int) -> TrainingReport | None:
+    read = read_small_file(_host_dir(home, host) / f"{job}.report.json", MAX_RECORD_BYTES)
+    if read is None:
+        return None
+    try:
+        return TrainingReport.model_validate_json(read[0])
+    except ValueError:
+        return None

@@ -1,0 +1,137 @@
+"""Training jobs over several hosts, the head's records and choices: a launch published for a host
+hands out only the files of its listing (never another's, never through a link, never outside the
+base's directory), a report is kept only from a host that has the launch, withdrawn launches are
+gone; the hosts named with --hosts are joined ones, named once (or all); a worker's training node
+checks every file it fetches and refuses a launch whose files or job.json are not for its place."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from ipaddress import IPv4Network
+from pathlib import Path
+
+import httpx
+import pytest
+
+from appliance import hosts as host_registry
+from appliance import training_launches
+from appliance.home import Home
+from appliance.hosts import WeightFile
+from appliance.jobs import Hyperparameters
+from appliance.settings import Settings
+from appliance.training_launches import Published, TrainingLaunch, TrainingReport
+from finetune.cluster_node import Part, fetch
+from finetune.over_hosts import worker_hosts
+from finetune.train import TrainingError, TrainingSpec
+
+CA = "0" * 64
+
+
+def entry(path: Path, name: str) -> WeightFile:
+    return WeightFile(path=name, bytes=path.stat().st_size, sha256=hashlib.sha256(path.read_bytes()).hexdigest())
+
+
+@pytest.fixture
+def launched(home: Home, tmp_path: Path) -> tuple[Home, Path, Path]:
+    job, base = tmp_path / "job", tmp_path / "base"
+    job.mkdir()
+    base.mkdir()
+    for name in ("train.jsonl", "eval.jsonl", "job-host-1.json"):
+        (job / name).write_text(name)
+    (base / "config.json").write_text("{}")
+    (base / "secret.txt").write_text("not listed")
+    (tmp_path / "outside.bin").write_text("outside")
+    (base / "escape.bin").symlink_to(tmp_path / "outside.bin")
+    sources = {"train.jsonl": job / "train.jsonl", "eval.jsonl": job / "eval.jsonl",
+               "job.json": job / "job-host-1.json"}
+    launch = TrainingLaunch(job=7, node=1, hosts=["10.0.0.1", "10.0.0.2"], subnet="10.77.0.0/16", processes=1,
+                            job_files=[entry(path, name) for name, path in sources.items()],
+                            base_files=[entry(base / "config.json", "config.json"),
+                                        WeightFile(path="escape.bin", bytes=7, sha256="0" * 64)])
+    training_launches.publish(home, "w1", Published(launch=launch, job_sources={k: str(v) for k, v in sources.items()},
+                                                    base_dir=str(base)))
+    return home, job, base
+
+
+def test_a_launch_hands_out_only_the_files_it_lists(launched: tuple[Home, Path, Path]) -> None:
+    home, job, base = launched
+    assert [p.launch.job for p in training_launches.published(home, "w1")] == [7]
+    assert training_launches.published(home, "w2") == []
+    assert training_launches.file_of(home, "w1", 7, "job", "job.json") == job / "job-host-1.json"
+    assert training_launches.file_of(home, "w1", 7, "base", "config.json") == base / "config.json"
+    for kind, path in (("base", "secret.txt"), ("base", "escape.bin"), ("base", "../job/train.jsonl"),
+                       ("job", "job-host-1.json"), ("job", "../base/config.json")):
+        assert training_launches.file_of(home, "w1", 7, kind, path) is None, (kind, path)  # type: ignore[arg-type]
+    assert training_launches.file_of(home, "w2", 7, "job", "job.json") is None  # another host's
+    assert training_launches.file_of(home, "w1", 8, "job", "job.json") is None  # another job
+
+
+def test_reports_are_kept_only_from_a_host_with_the_launch_and_withdrawing_forgets_both(
+        launched: tuple[Home, Path, Path]) -> None:
+    home, _, _ = launched
+    report = TrainingReport(job=7, node=1, state="running")
+    assert training_launches.record_report(home, "w1", report)
+    assert training_launches.report_of(home, "w1", 7) == report
+    assert not training_launches.record_report(home, "w2", report)
+    assert not training_launches.record_report(home, "w1", report.model_copy(update={"node": 2}))
+    training_launches.withdraw(home, "w1", 7)
+    assert training_launches.published(home, "w1") == [] and training_launches.report_of(home, "w1", 7) is None
+
+
+def joined(home: Home, *names: str) -> None:
+    for name in names:
+        token = host_registry.invite(home, name, 600, CA)
+        host_registry.redeem(home, name, token.split(".")[2], f"10.0.0.{len(name)}")
+
+
+@pytest.mark.parametrize(("names", "said"), [
+    (["w9"], "--hosts w9: not a joined host"), (["invited"], "--hosts invited: not a joined host"),
+    (["w1", "w1"], "name each joined host once"),
+])
+def test_the_hosts_of_a_job_are_joined_ones_named_once(home: Home, names: list[str], said: str) -> None:
+    joined(home, "w1", "w22")
+    host_registry.invite(home, "invited", 600, CA)
+    settings = Settings.model_validate({"cluster": {"bind": "10.0.0.1"}})
+    assert [h.name for h in worker_hosts(home, settings, ["w22"])] == ["w22"]
+    assert [h.name for h in worker_hosts(home, settings, ["all"])] == ["w1", "w22"]
+    with pytest.raises(TrainingError, match=said):
+        worker_hosts(home, settings, names)
+    with pytest.raises(TrainingError, match="cluster.bind is unset"):
+        worker_hosts(home, Settings(), ["w1"])
+
+
+def served(files: dict[str, bytes]) -> httpx.Client:
+    def answer(request: httpx.Request) -> httpx.Response:
+        name = request.url.path.rsplit("/", 1)[-1]
+        return httpx.Response(200, content=files[name]) if name in files else httpx.Response(404)
+
+    return httpx.Client(transport=httpx.MockTransport(answer), base_url="https://head")
+
+
+def test_a_fetched_file_that_does_not_match_its_digest_is_refused_and_not_kept(tmp_path: Path) -> None:
+    good = WeightFile(path="a.bin", bytes=3, sha256=hashlib.sha256(b"abc").hexdigest())
+    fetch(served({"a.bin": b"abc"}), "/cluster/training/7/base", [good], tmp_path / "ok")
+    assert (tmp_path / "ok" / "a.bin").read_bytes() == b"abc"
+    with pytest.raises(TrainingError, match="a.bin: what the head sent does not match its SHA-256"):
+        fetch(served({"a.bin": b"abd"}), "/cluster/training/7/base", [good], tmp_path / "bad")
+    assert not list((tmp_path / "bad").iterdir())
+    with pytest.raises(TrainingError, match="answered 404"):
+        fetch(served({}), "/cluster/training/7/base", [good], tmp_path / "none")
+
+
+def test_a_worker_refuses_a_launch_that_is_not_for_its_place(home: Home, tmp_path: Path) -> None:
+    spec = TrainingSpec(base=Path("/head/models/base"), hyperparameters=Hyperparameters(), strategy="fsdp", node=2)
+    files = {"train.jsonl": b"{}\n", "eval.jsonl": b"{}\n", "job.json": spec.model_dump_json().encode(),
+             "config.json": b"{}"}
+    listing = {name: WeightFile(path=name, bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+               for name, data in files.items()}
+    launch = TrainingLaunch(job=7, node=1, hosts=["10.0.0.1", "10.0.0.2"], subnet=str(IPv4Network("10.77.0.0/16")),
+                            processes=1, job_files=[listing[n] for n in ("train.jsonl", "eval.jsonl", "job.json")],
+                            base_files=[listing["config.json"]])
+    with pytest.raises(TrainingError, match="job.json is for host 2 \\(fsdp\\), not this host's place 1"):
+        Part(home, launch).start(served(files), Settings())
+    odd = launch.model_copy(update={"job_files": [listing["train.jsonl"], listing["job.json"]]})
+    with pytest.raises(TrainingError, match="the head sent the files"):
+        Part(home, odd).start(served(files), Settings())
+    assert json.loads(files["job.json"])["node"] == 2
