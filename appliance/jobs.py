@@ -23,6 +23,7 @@ import os
 import re
 import sqlite3
 import stat
+import zlib
 from contextlib import AbstractContextManager
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -32,6 +33,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from appliance import queue
+from appliance.durable import replace_file
 from appliance.home import Home
 from appliance.queue import Alive, Lifecycle, Queue
 from appliance.records import HostName
@@ -216,19 +218,79 @@ class RankMemory(BaseModel):
     peak_rss_bytes: int = Field(ge=0)
 
 
+class HostPart(BaseModel):
+    """A worker host's word on its part of a job over several hosts (its training node reports it;
+    the head keeps the latest): its state and what each of its ranks reported."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    job: int = Field(ge=0, description="The job's tag (part_tag), not its queue id.")
+    node: int = Field(ge=1, le=255, description="The host's place in the job (0 is the head).")
+    state: Literal["fetching", "running", "ended", "failed"]
+    exit_code: int | None = None
+    detail: str | None = Field(None, max_length=4096)
+    ranks: list[RankMemory] = Field(default_factory=list, max_length=1024)
+
+
 class JobReport(Job):
     """A job with its trainer's latest progress, how it trains (`strategy`: fsdp, ddp or single; None
-    before it starts) and what each of its ranks reported: what the admin API answers and the TUI shows."""
+    before it starts), what each of its ranks on this host reported and, for a job over several
+    hosts, each worker host's part (None before it reported): what the admin API answers and the
+    TUI shows."""
 
     progress: Progress | None
     strategy: str | None = None
     ranks: list[RankMemory] = []
+    hosts: dict[str, HostPart | None] = {}
 
 
 def report(home: Home, job: Job) -> JobReport:
     directory = job_dir(home, job.id)
     return JobReport(**job.model_dump(), progress=read_progress(directory), strategy=read_strategy(directory),
-                     ranks=read_ranks(directory))
+                     ranks=read_ranks(directory), hosts=host_parts(home, job.hyperparameters.hosts, directory))
+
+
+def hosts_line(parts: dict[str, HostPart | None]) -> str:
+    """The worker hosts' parts of a job, short: `hosts: w1 running (2 ranks, peak 1.2 GiB), w2 fetching`."""
+    def one(host: str, part: HostPart | None) -> str:
+        if part is None:
+            return f"{host} not reported"
+        peak = max((rank.peak_rss_bytes for rank in part.ranks), default=0)
+        ranks = f" ({len(part.ranks)} rank{'s' if len(part.ranks) != 1 else ''}, peak {peak / 2**30:.1f} GiB)" \
+            if part.ranks else ""
+        return f"{host} {part.state}{ranks}"
+
+    return "hosts: " + ", ".join(one(host, part) for host, part in parts.items()) if parts else ""
+
+
+def part_tag(directory: Path) -> int:
+    """A job over several hosts' number on the hosts (its network's names, its launches): the same
+    for every run of the job's directory."""
+    return zlib.crc32(str(directory).encode()) % 1_000_000
+
+
+def training_dir(home: Home, host: str) -> Path:
+    """The head's records of `host`'s parts of jobs (`host`: a name the host registry checked)."""
+    return home.run / "training" / host
+
+
+def record_part(home: Home, host: str, part: HostPart) -> None:
+    """Keep `host`'s latest word on its part (the cluster listener checked that it has that part)."""
+    directory = training_dir(home, host)
+    directory.mkdir(parents=True, mode=0o700, exist_ok=True)
+    replace_file(directory / f"{part.job}.report.json", part.model_dump_json().encode())
+
+
+def host_parts(home: Home, hosts: list[str], directory: Path) -> dict[str, HostPart | None]:
+    """Each worker host's latest word on its part of the job trained in `directory`."""
+    tag, found = part_tag(directory), {}
+    for host in hosts:
+        content = _small_regular_file(training_dir(home, host) / f"{tag}.report.json", PROGRESS_MAX_BYTES)
+        try:
+            found[host] = HostPart.model_validate_json(content) if content is not None else None
+        except ValueError:
+            found[host] = None
+    return found
 
 
 def read_strategy(directory: Path) -> str | None:

@@ -6,7 +6,7 @@ back, and the files a launch hands out, only while they are plain files of its l
 The head's runner publishes a launch per worker host while the job trains (run/training/HOST/JOB.json)
 and withdraws it when the job ends, however it ends; each worker's `training-node` asks the head
 for its launches (the cluster listener, with the host's credential), runs its torchrun agent for
-each, stops the agent of a launch withdrawn, and reports (run/training/HOST/JOB.report.json).
+each, stops the agent of a launch withdrawn, and reports (appliance.jobs.HostPart).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from appliance.durable import read_small_file, replace_file
 from appliance.home import Home
 from appliance.hosts import RelativePath, WeightFile
+from appliance.jobs import training_dir
 
 MAX_RECORD_BYTES = 1 << 22
 Kind = Literal["job", "base"]
@@ -49,39 +50,30 @@ class Published(BaseModel):
     base_dir: str
 
 
-class TrainingReport(BaseModel):
-    """A worker host's word on its part of a job."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    job: int = Field(ge=0)
-    node: int = Field(ge=1, le=255)
-    state: Literal["fetching", "running", "ended", "failed"]
-    exit_code: int | None = None
-    detail: str | None = Field(None, max_length=4096)
-
-
-def _host_dir(home: Home, host: str) -> Path:
-    """The launches of `host`, a name the host registry checked (HostName: no separator, no dot first)."""
-    return home.run / "training" / host
-
-
 def publish(home: Home, host: str, published: Published) -> None:
-    directory = _host_dir(home, host)
+    """`host`'s launch, in place of any earlier one of the job (and its reports)."""
+    directory = training_dir(home, host)
     directory.mkdir(parents=True, mode=0o700, exist_ok=True)
+    # An earlier run's word on this part (a failed host's) is not this run's.
+    (directory / f"{published.launch.job}.report.json").unlink(missing_ok=True)
     replace_file(directory / f"{published.launch.job}.json", published.model_dump_json().encode())
 
 
 def withdraw(home: Home, host: str, job: int) -> None:
-    for suffix in ("json", "report.json"):
-        with contextlib.suppress(FileNotFoundError):
-            (_host_dir(home, host) / f"{job}.{suffix}").unlink()
+    """The launch gone (the host's reports on it stay: what `finetune status` shows of the host)."""
+    with contextlib.suppress(FileNotFoundError):
+        (training_dir(home, host) / f"{job}.json").unlink()
+
+
+def has_part(home: Home, host: str, job: int, node: int) -> bool:
+    """Whether `host` has a launch of `job` at place `node` (its report on it is kept only then)."""
+    return any(p.launch.job == job and p.launch.node == node for p in published(home, host))
 
 
 def published(home: Home, host: str) -> list[Published]:
     """The launches published for `host` (a record that is not one is left out)."""
     found = []
-    directory = _host_dir(home, host)
+    directory = training_dir(home, host)
     for path in sorted(directory.glob("*.json")) if directory.is_dir() else []:
         if path.name.endswith(".report.json") or (read := read_small_file(path, MAX_RECORD_BYTES)) is None:
             continue
@@ -106,21 +98,3 @@ def file_of(home: Home, host: str, job: int, kind: Kind, path: str) -> Path | No
             or not target.resolve().is_relative_to(base.resolve()):
         return None
     return target
-
-
-def record_report(home: Home, host: str, report: TrainingReport) -> bool:
-    """Keep `host`'s report on a job it has a launch of; False (kept nothing) otherwise."""
-    if not any(p.launch.job == report.job and p.launch.node == report.node for p in published(home, host)):
-        return False
-    replace_file(_host_dir(home, host) / f"{report.job}.report.json", report.model_dump_json().encode())
-    return True
-
-
-def report_of(home: Home, host: str, job: int) -> TrainingReport | None:
-    read = read_small_file(_host_dir(home, host) / f"{job}.report.json", MAX_RECORD_BYTES)
-    if read is None:
-        return None
-    try:
-        return TrainingReport.model_validate_json(read[0])
-    except ValueError:
-        return None

@@ -157,21 +157,23 @@ def check_name_option(option: str, name: str) -> None:
         raise Invalid(f"{option} {name!r}: {problem}")
 
 
-def _check(name: str, data: str, base: str, home: Home, hp: jobs.Hyperparameters) -> None:
-    """What can be known wrong before a job is queued or run: the names, and whether it fits here."""
+def _check(name: str, data: str, base: str, home: Home, hp: jobs.Hyperparameters) -> jobs.Hyperparameters:
+    """What can be known wrong before a job is queued or run: the names, the hosts, and whether it
+    fits here; `hp` with its hosts named (`all`: the hosts joined now)."""
     check_name_option("--name", name)
     registry = load_registry(home)
     if data not in registry:
         raise NotFound(f"no dataset named {data!r}",
                        hint=f"datasets: {', '.join(sorted(registry)) or 'none'}")
     settings = load_settings(home.settings_file)
-    size_job(checkpoint(base, home, settings, what="--base").resolve(), hp, settings.finetune)
     if hp.hosts:
-        worker_hosts(home, settings, hp.hosts)
+        hp = hp.model_copy(update={"hosts": [host.name for host in worker_hosts(home, settings, hp.hosts)]})
+    size_job(checkpoint(base, home, settings, what="--base").resolve(), hp, settings.finetune)
     warning = deploy_warning(settings, adapters.load(home).aliases.get(name), name,
                              lambda pool: serves_adapters(pool, settings, home))
     if warning is not None:
         Console(stderr=True).print(warning, markup=False, highlight=False)
+    return hp
 
 
 def deploy_warning(settings: Settings, alias: adapters.Alias | None, name: str,
@@ -231,7 +233,7 @@ def submit(data: Data, name: Name, base: Base = DEMO_MODEL, qlora: QLoRA = HP.ql
     home = Home.from_env()
     hp = _hyperparameters(qlora, rank, alpha, lr, epochs, max_steps, batch_size, save_steps, method, beta, processes,
                           max_length, hosts)
-    _check(name, data, base, home, hp)
+    hp = _check(name, data, base, home, hp)
     job = jobs.submit(home, name=name, data=data, base=base, hyperparameters=hp,
                       eval_sets=_eval_sets(scenarios, regression))
     note_target("job", str(job.id))
@@ -287,7 +289,7 @@ def run(data: Data, name: Name, base: Base = DEMO_MODEL, qlora: QLoRA = HP.qlora
     home = Home.from_env()
     hp = _hyperparameters(qlora, rank, alpha, lr, epochs, max_steps, batch_size, save_steps, method, beta, processes,
                           max_length, hosts)
-    _check(name, data, base, home, hp)
+    hp = _check(name, data, base, home, hp)
     sets = _eval_sets(scenarios, regression)
     settings = load_settings(home.settings_file)
     work = home.root / "finetune" / f"{name}-{load_registry(home)[data][:12]}"
@@ -309,5 +311,8 @@ def run(data: Data, name: Name, base: Base = DEMO_MODEL, qlora: QLoRA = HP.qlora
 
 
 def _progress_text(home: Home, job: jobs.Job) -> str:
-    p = jobs.read_progress(jobs.job_dir(home, job.id))
-    return "" if p is None else jobs.progress_line(p, running=job.state == jobs.JobState.RUNNING)
+    directory = jobs.job_dir(home, job.id)
+    p = jobs.read_progress(directory)
+    line = "" if p is None else jobs.progress_line(p, running=job.state == jobs.JobState.RUNNING)
+    hosts = jobs.hosts_line(jobs.host_parts(home, job.hyperparameters.hosts, directory))
+    return "; ".join(part for part in (line, hosts) if part)

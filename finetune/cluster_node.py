@@ -28,9 +28,10 @@ from appliance.engine_launch import python
 from appliance.errors import ApplianceError
 from appliance.home import HOME_ENV, Home
 from appliance.hosts import WeightFile, membership
+from appliance.jobs import HostPart, read_ranks
 from appliance.programs import Program
 from appliance.settings import Settings, load_settings
-from appliance.training_launches import TrainingLaunch, TrainingReport
+from appliance.training_launches import TrainingLaunch
 from finetune.runner import end_group, multihost_trainer_command
 from finetune.sandbox import TRAINER_ENVIRONMENT, prepare, sandboxed
 from finetune.train import TrainingError, TrainingSpec
@@ -83,12 +84,13 @@ class Part:
             self.stack.close()
             raise
 
-    def state(self) -> TrainingReport:
+    def state(self) -> HostPart:
         """Running, or how the agent ended."""
         code = None if self.process is None else self.process.poll()
         state = "running" if code is None else "ended" if code == 0 else "failed"
         detail = None if code in (None, 0) else f"its torchrun agent exited with {code}; see {self.directory}/train.log"
-        return TrainingReport(job=self.launch.job, node=self.launch.node, state=state, exit_code=code, detail=detail)
+        return HostPart(job=self.launch.job, node=self.launch.node, state=state, exit_code=code, detail=detail,
+                        ranks=read_ranks(self.directory))
 
     def stop(self) -> None:
         """End the agent and its ranks (if still running) and take the job's network down."""
@@ -127,7 +129,7 @@ def run(home: Home) -> None:
         raise SystemExit(f"{home.root} has not joined a cluster")
     settings = load_settings(home.settings_file)
     parts: dict[int, Part] = {}
-    reported: dict[int, TrainingReport] = {}
+    reported: dict[int, HostPart] = {}
     with head_client(home, joined.head_url, joined.name, credential(home), timeout=30) as client:
         while True:
             try:
@@ -146,12 +148,12 @@ def run(home: Home) -> None:
                     continue
                 part = Part(home, launch)
                 try:
-                    _report(client, TrainingReport(job=job, node=launch.node, state="fetching"))
+                    _report(client, HostPart(job=job, node=launch.node, state="fetching"))
                     part.start(client, settings)
                     parts[job] = part
                     log.warning("job %d: started this host's part (host %d)", job, launch.node)
                 except (ApplianceError, OSError, httpx.HTTPError, ValidationError) as exc:
-                    reported[job] = TrainingReport(job=job, node=launch.node, state="failed", detail=str(exc)[:4096])
+                    reported[job] = HostPart(job=job, node=launch.node, state="failed", detail=str(exc)[:4096])
                     _report(client, reported[job])
                     log.error("job %d: this host's part could not start: %s", job, exc)
             for job, part in parts.items():
@@ -162,7 +164,7 @@ def run(home: Home) -> None:
             time.sleep(POLL_S)
 
 
-def _report(client: httpx.Client, report: TrainingReport) -> None:
+def _report(client: httpx.Client, report: HostPart) -> None:
     try:
         client.post("/cluster/training/report", json=report.model_dump()).raise_for_status()
     except httpx.HTTPError as exc:

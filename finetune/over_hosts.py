@@ -8,7 +8,6 @@ the job's first rank, which writes the result and the adapter here.
 from __future__ import annotations
 
 import os
-import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,6 +17,7 @@ from appliance import training_launches
 from appliance.digest import sha256_file
 from appliance.home import Home
 from appliance.hosts import HostRecord, HostState, WeightFile, weight_files
+from appliance.jobs import host_parts, part_tag
 from appliance.settings import Settings
 from appliance.training_launches import Published, TrainingLaunch
 from finetune.train import TrainingError, TrainingSpec
@@ -47,17 +47,12 @@ def worker_hosts(home: Home, settings: Settings, names: list[str]) -> list[HostR
     return found
 
 
-def job_tag(directory: Path) -> int:
-    """A number for the job's network names, the same for every run of the job's directory."""
-    return zlib.crc32(str(directory).encode()) % 1_000_000
-
-
 @contextmanager
 def parts_published(home: Home, settings: Settings, directory: Path, spec: TrainingSpec, processes: int,
                     workers: list[HostRecord]) -> Iterator[JobNetwork]:
     """Each worker's launch published, and this host's namespace of the job's network up, while the
     block runs; withdrawn and taken down after, however it ends."""
-    job = job_tag(directory)
+    job = part_tag(directory)
     net = JobNetwork(job=job, node=0, hosts=(str(settings.cluster.bind), *[str(w.address) for w in workers]),
                      subnet=settings.finetune.training_subnet)
     base = spec.base
@@ -82,9 +77,7 @@ def parts_published(home: Home, settings: Settings, directory: Path, spec: Train
 
 def failed_part(home: Home, workers: list[HostRecord], directory: Path) -> None:
     """TrainingError naming the host whose part failed, if one has."""
-    job = job_tag(directory)
-    for worker in workers:
-        report = training_launches.report_of(home, worker.name, job)
+    for worker, report in host_parts(home, [w.name for w in workers], directory).items():
         if report is not None and report.state == "failed":
-            raise TrainingError(f"host {worker.name}'s part of the job failed: {report.detail}",
-                                hint=f"its training node's log on {worker.name}")
+            raise TrainingError(f"host {worker}'s part of the job failed: {report.detail}",
+                                hint=f"its training node's log on {worker}")

@@ -30,10 +30,11 @@ from appliance.hosts import (
     refuse,
     worker_model_dir,
 )
+from appliance.jobs import HostPart, record_part
 from appliance.model_refs import served_name
 from appliance.settings import Settings
 from appliance.tls import ca_file
-from appliance.training_launches import TrainingLaunch, TrainingReport
+from appliance.training_launches import TrainingLaunch
 from audit.records import AuditEvent
 from audit.writer import AuditWriter
 from serve.cluster_controller import Controller
@@ -178,11 +179,12 @@ def router(settings: Settings, home: Home, controller: Controller, weights: Weig
         return FileResponse(target)
 
     @routes.post("/training/report")
-    def training_report(body: TrainingReport, request: Request, x_appliance_host: Annotated[str, Header()],
+    def training_report(body: HostPart, request: Request, x_appliance_host: Annotated[str, Header()],
                         authorization: Annotated[str, Header()] = "") -> dict[str, bool]:
         host = worker(request, x_appliance_host, authorization)
-        if not training_launches.record_report(home, host, body):
+        if not training_launches.has_part(home, host, body.job, body.node):
             raise HTTPException(404, f"job {body.job} has no part {body.node} on {host}")
+        record_part(home, host, body)
         return {"accepted": True}
 
     @routes.post("/heartbeat")

@@ -286,3 +286,19 @@ def test_the_tuis_jobs_screen_shows_each_jobs_phase_and_its_eta(home: Home) -> N
         assert rows["4"][2:4] == ["registering", "0.912"] and rows["4"][-1] == "-"
 
     with_fake(home, answers, scenario)
+
+
+def test_the_tuis_jobs_screen_names_each_host_s_part_of_a_job_over_hosts(home: Home) -> None:
+    from tests.unit.test_tui import job, sample_answers, screen_lines, show, with_fake
+
+    part = {"job": 1, "node": 1, "state": "running", "exit_code": None, "detail": None, "ranks": []}
+    answers = {**sample_answers(), "/jobs": [
+        {**job(5, "running", name="wide"), "progress": TRAINED.model_copy(update={"step": 3}).model_dump(mode="json"),
+         "hosts": {"w1": part, "w2": None}}]}
+
+    async def scenario(pilot: Pilot[None], app: AdminApp, fake: object) -> None:
+        await show(pilot, "j")
+        shown = " ".join(screen_lines(app))
+        assert "step 3/30" in shown and "w1 running" in shown and "w2 not reported" in shown
+
+    with_fake(home, answers, scenario)

@@ -18,9 +18,9 @@ from appliance import hosts as host_registry
 from appliance import training_launches
 from appliance.home import Home
 from appliance.hosts import WeightFile
-from appliance.jobs import Hyperparameters
+from appliance.jobs import HostPart, Hyperparameters, record_part, training_dir
 from appliance.settings import Settings
-from appliance.training_launches import Published, TrainingLaunch, TrainingReport
+from appliance.training_launches import Published, TrainingLaunch
 from finetune.cluster_node import Part, fetch
 from finetune.over_hosts import worker_hosts
 from finetune.train import TrainingError, TrainingSpec
@@ -67,16 +67,18 @@ def test_a_launch_hands_out_only_the_files_it_lists(launched: tuple[Home, Path, 
     assert training_launches.file_of(home, "w1", 8, "job", "job.json") is None  # another job
 
 
-def test_reports_are_kept_only_from_a_host_with_the_launch_and_withdrawing_forgets_both(
+def test_a_host_s_part_is_known_only_where_it_has_the_launch_and_a_new_launch_forgets_its_old_word(
         launched: tuple[Home, Path, Path]) -> None:
-    home, _, _ = launched
-    report = TrainingReport(job=7, node=1, state="running")
-    assert training_launches.record_report(home, "w1", report)
-    assert training_launches.report_of(home, "w1", 7) == report
-    assert not training_launches.record_report(home, "w2", report)
-    assert not training_launches.record_report(home, "w1", report.model_copy(update={"node": 2}))
+    home, job, _ = launched
+    assert training_launches.has_part(home, "w1", 7, 1)
+    assert not training_launches.has_part(home, "w2", 7, 1) and not training_launches.has_part(home, "w1", 7, 2)
+    record_part(home, "w1", HostPart(job=7, node=1, state="failed", detail="no space"))
+    [found] = training_launches.published(home, "w1")
     training_launches.withdraw(home, "w1", 7)
-    assert training_launches.published(home, "w1") == [] and training_launches.report_of(home, "w1", 7) is None
+    assert training_launches.published(home, "w1") == []
+    assert (training_dir(home, "w1") / "7.report.json").exists()  # what status shows of the host, after
+    training_launches.publish(home, "w1", found)  # the job's next run
+    assert not (training_dir(home, "w1") / "7.report.json").exists()
 
 
 def joined(home: Home, *names: str) -> None:
@@ -135,3 +137,24 @@ def test_a_worker_refuses_a_launch_that_is_not_for_its_place(home: Home, tmp_pat
     with pytest.raises(TrainingError, match="the head sent the files"):
         Part(home, odd).start(served(files), Settings())
     assert json.loads(files["job.json"])["node"] == 2
+
+
+def test_a_job_over_hosts_shows_each_host_s_part_in_status_the_api_s_report_and_the_tui(home: Home) -> None:
+    from appliance import jobs
+    from finetune.cli import _progress_text
+
+    job = jobs.submit(home, name="bot", data="d", base="demo", eval_sets={},
+                      hyperparameters=Hyperparameters(hosts=["w1", "w2"]))
+    tag = jobs.part_tag(jobs.job_dir(home, job.id))
+    rank = jobs.RankMemory(rank=1, host="w1", pid=9, base_parameter_bytes=1, adapter_parameter_bytes=1,
+                           optimizer_bytes=1, peak_rss_bytes=3 * 2**29)
+    record_part(home, "w1", HostPart(job=tag, node=1, state="running", ranks=[rank]))
+    report = jobs.report(home, job)
+    assert report.hosts == {"w1": HostPart(job=tag, node=1, state="running", ranks=[rank]), "w2": None}
+    line = "hosts: w1 running (1 rank, peak 1.5 GiB), w2 not reported"
+    assert _progress_text(home, job) == line
+    (training_dir(home, "w2") / f"{tag}.report.json").parent.mkdir(parents=True)
+    (training_dir(home, "w2") / f"{tag}.report.json").write_text("not a report")  # written by no one we trust
+    assert jobs.report(home, job).hosts["w2"] is None
+    assert jobs.hosts_line({}) == "" and jobs.report(home, jobs.submit(
+        home, name="solo", data="d", base="demo", eval_sets={}, hyperparameters=Hyperparameters())).hosts == {}
