@@ -228,7 +228,7 @@ class HostPart(BaseModel):
     node: int = Field(ge=1, le=255, description="The host's place in the job (0 is the head).")
     state: Literal["fetching", "running", "ended", "failed"]
     exit_code: int | None = None
-    detail: str | None = Field(None, max_length=4096)
+    detail: str | None = Field(None, max_length=4096, pattern=r"^[^\x00-\x1f\x7f]*$")  # one line, shown as is
     ranks: list[RankMemory] = Field(default_factory=list, max_length=1024)
 
 

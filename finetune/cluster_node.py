@@ -10,20 +10,22 @@ withdrew (the job ended, was cancelled, or failed on another host), and takes th
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
+import re
+import stat
 import subprocess
 import time
 from contextlib import ExitStack
-from ipaddress import IPv4Network
 from pathlib import Path
 
 import httpx
 from pydantic import TypeAdapter, ValidationError
 
 from appliance.cluster_client import credential, head_client
-from appliance.digest import sha256_file
+from appliance.durable import replace_file
 from appliance.engine_launch import python
 from appliance.errors import ApplianceError
 from appliance.home import HOME_ENV, Home
@@ -32,7 +34,7 @@ from appliance.jobs import HostPart, read_ranks
 from appliance.programs import Program
 from appliance.settings import Settings, load_settings
 from appliance.training_launches import TrainingLaunch
-from finetune.runner import end_group, multihost_trainer_command
+from finetune.runner import end_group, multihost_trainer_command, open_log
 from finetune.sandbox import TRAINER_ENVIRONMENT, prepare, sandboxed
 from finetune.train import TrainingError, TrainingSpec
 from finetune.training_network import JobNetwork, job_network
@@ -50,8 +52,8 @@ class Part:
         self.home, self.launch = home, launch
         self.directory = home.root / "finetune" / f"cluster-job-{launch.job}"
         self.base = home.root / "models" / f"training-job-{launch.job}"
-        self.network = JobNetwork(job=launch.job, node=launch.node, hosts=tuple(launch.hosts),
-                                  subnet=IPv4Network(launch.subnet))
+        self.network = JobNetwork(job=launch.job, node=launch.node, hosts=tuple(map(str, launch.hosts)),
+                                  subnet=launch.subnet)
         self.stack = ExitStack()
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -61,6 +63,12 @@ class Part:
         names = sorted(f.path for f in self.launch.job_files)
         if names != sorted(JOB_FILES):
             raise TrainingError(f"job {self.launch.job}: the head sent the files {names}, not {sorted(JOB_FILES)}")
+        if self.launch.subnet != settings.finetune.training_subnet:
+            raise TrainingError(f"job {self.launch.job}: the head's training subnet {self.launch.subnet} is not this "
+                                f"host's finetune.training_subnet {settings.finetune.training_subnet}",
+                                hint="set the same finetune.training_subnet on every host")
+        # An earlier run's trainer owned this directory: what it left where the job's files go is removed.
+        clear_planted(self.directory, [*JOB_FILES, "train.log"])
         fetch(client, f"/cluster/training/{self.launch.job}/job", self.launch.job_files, self.directory)
         fetch(client, f"/cluster/training/{self.launch.job}/base", self.launch.base_files, self.base)
         spec = TrainingSpec.model_validate_json((self.directory / "job.json").read_bytes())
@@ -68,7 +76,8 @@ class Part:
             raise TrainingError(f"job {self.launch.job}: job.json is for host {spec.node} ({spec.strategy}), not this "
                                 f"host's place {self.launch.node} (fsdp)")
         # The head's path to the base is its own: this host's copy is here.
-        (self.directory / "job.json").write_text(spec.model_copy(update={"base": self.base}).model_dump_json())
+        here = spec.model_copy(update={"base": self.base})
+        replace_file(self.directory / "job.json", here.model_dump_json().encode())
         inputs = [self.directory / name for name in JOB_FILES]
         if settings.finetune.sandbox != "none":
             prepare(self.directory, inputs, [self.base])
@@ -77,7 +86,7 @@ class Part:
             command = sandboxed(multihost_trainer_command(self.directory, self.launch.processes, self.network),
                                 settings.finetune, workdir=self.directory, inputs=inputs, readable=[self.base],
                                 network=self.network.namespace)
-            with (self.directory / "train.log").open("ab") as output:
+            with open_log(self.directory / "train.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT) as output:
                 self.process = subprocess.Popen(command, cwd=self.directory, stdout=output, stderr=subprocess.STDOUT,
                                                 start_new_session=True, env={**os.environ, **TRAINER_ENVIRONMENT})
         except BaseException:
@@ -100,27 +109,59 @@ class Part:
         self.stack.close()
 
 
+def clear_planted(directory: Path, names: list[str]) -> None:
+    """Remove from `directory` what is at `names` (and any partial download) unless it is a plain
+    file: a link or a pipe the sandboxed trainer put there, which root must not write through."""
+    if not directory.is_dir():
+        return
+    for path in [*(directory / name for name in names), *directory.glob(".*.partial")]:
+        with contextlib.suppress(FileNotFoundError):
+            if not stat.S_ISREG(os.lstat(path).st_mode) or path.name.endswith(".partial"):
+                path.unlink()
+
+
 def fetch(client: httpx.Client, route: str, files: list[WeightFile], target: Path) -> None:
-    """`files` into `target`, each checked against its SHA-256 (one already there and correct is kept)."""
+    """`files` into `target`, each checked against its size and SHA-256 (one already there as a
+    plain file and correct is kept); written only as new files, never through a link."""
     target.mkdir(parents=True, exist_ok=True)
     for entry in files:
         path = target / entry.path
-        if path.is_file() and not path.is_symlink() and path.stat().st_size == entry.bytes and \
-                sha256_file(path) == entry.sha256:
+        if _holds(path, entry):
             continue
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f".{path.name}.partial")
-        digest = hashlib.sha256()
-        with client.stream("GET", f"{route}/{entry.path}") as response, partial.open("wb") as out:
+        partial.unlink(missing_ok=True)
+        digest, received = hashlib.sha256(), 0
+        with client.stream("GET", f"{route}/{entry.path}") as response, \
+                os.fdopen(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), "wb") as out:
             if response.status_code != 200:
                 raise TrainingError(f"{route}/{entry.path}: the head answered {response.status_code}")
             for chunk in response.iter_bytes(1 << 20):
+                received += len(chunk)
+                if received > entry.bytes:
+                    break  # more than listed: refused below, the disk not filled
                 digest.update(chunk)
                 out.write(chunk)
-        if digest.hexdigest() != entry.sha256:
+        if received != entry.bytes or digest.hexdigest() != entry.sha256:
             partial.unlink()
-            raise TrainingError(f"{entry.path}: what the head sent does not match its SHA-256")
-        partial.rename(path)
+            raise TrainingError(f"{entry.path}: what the head sent does not match its size and SHA-256")
+        partial.rename(path)  # over a link, if one is there: the link is replaced, never followed
+
+
+def _holds(path: Path, entry: WeightFile) -> bool:
+    """Whether `path` is a plain file with `entry`'s size and SHA-256 (read through no link)."""
+    try:
+        handle = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    with os.fdopen(handle, "rb") as found:
+        info = os.fstat(found.fileno())
+        if not stat.S_ISREG(info.st_mode) or info.st_size != entry.bytes:
+            return False
+        digest = hashlib.sha256()
+        for block in iter(lambda: found.read(1 << 20), b""):
+            digest.update(block)
+        return digest.hexdigest() == entry.sha256
 
 
 def run(home: Home) -> None:
@@ -146,14 +187,14 @@ def run(home: Home) -> None:
             for job, launch in launches.items():
                 if job in parts or job in reported:
                     continue
-                part = Part(home, launch)
                 try:
+                    part = Part(home, launch)
                     _report(client, HostPart(job=job, node=launch.node, state="fetching"))
                     part.start(client, settings)
                     parts[job] = part
                     log.warning("job %d: started this host's part (host %d)", job, launch.node)
                 except (ApplianceError, OSError, httpx.HTTPError, ValidationError) as exc:
-                    reported[job] = HostPart(job=job, node=launch.node, state="failed", detail=str(exc)[:4096])
+                    reported[job] = HostPart(job=job, node=launch.node, state="failed", detail=said(str(exc)))
                     _report(client, reported[job])
                     log.error("job %d: this host's part could not start: %s", job, exc)
             for job, part in parts.items():
@@ -162,6 +203,11 @@ def run(home: Home) -> None:
                     reported[job] = state
                     _report(client, state)
             time.sleep(POLL_S)
+
+
+def said(text: str) -> str:
+    """A reason as one line the head can show: control characters as spaces, at most 4 KiB."""
+    return re.sub(r"[\x00-\x1f\x7f]", " ", text)[:4096]
 
 
 def _report(client: httpx.Client, report: HostPart) -> None:

@@ -7,14 +7,15 @@ the job's first rank, which writes the result and the adapter here.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from ipaddress import IPv4Address
 from pathlib import Path
 
 from appliance import hosts as host_registry
 from appliance import training_launches
-from appliance.digest import sha256_file
 from appliance.home import Home
 from appliance.hosts import HostRecord, HostState, WeightFile, weight_files
 from appliance.jobs import host_parts, part_tag
@@ -59,15 +60,13 @@ def parts_published(home: Home, settings: Settings, directory: Path, spec: Train
     base_files = weight_files(base)
     try:
         for node, worker in enumerate(workers, start=1):
-            own = directory / f"job-host-{node}.json"
-            own.write_text(spec.model_copy(update={"node": node}).model_dump_json())
-            sources = {name: directory / name for name in JOB_FILES} | {"job.json": own}
-            files = [WeightFile(path=name, bytes=path.stat().st_size, sha256=sha256_file(path))
-                     for name, path in sources.items()]
-            launch = TrainingLaunch(job=job, node=node, hosts=list(net.hosts), subnet=str(net.subnet),
+            contents = {name: (directory / name).read_bytes() for name in JOB_FILES}
+            contents["job.json"] = spec.model_copy(update={"node": node}).model_dump_json().encode()
+            files = [WeightFile(path=name, bytes=len(content), sha256=hashlib.sha256(content).hexdigest())
+                     for name, content in contents.items()]
+            launch = TrainingLaunch(job=job, node=node, hosts=list(map(IPv4Address, net.hosts)), subnet=net.subnet,
                                     processes=processes, base_files=base_files, job_files=files)
-            training_launches.publish(home, worker.name, Published(
-                launch=launch, job_sources={name: str(path) for name, path in sources.items()}, base_dir=str(base)))
+            training_launches.publish(home, worker.name, Published(launch=launch, base_dir=str(base)), contents)
         with job_network(net):
             yield net
     finally:

@@ -19,6 +19,8 @@ A site firewall that drops forwarded packets must let the training subnet throug
 
 from __future__ import annotations
 
+import fcntl
+import os
 import re
 import subprocess
 from collections.abc import Iterator, Sequence
@@ -29,6 +31,7 @@ from pathlib import Path
 
 from appliance.errors import ApplianceError
 
+LOCKS = Path("/run/lock/appliance")  # root's: one lock a host for its training network
 RENDEZVOUS_PORT = 29400  # torchrun's c10d store, on the head's ranks' address
 COLLECTIVE_PORTS = (29500, 29999)  # every port a rank's socket gets inside the namespace
 INTERFACE = re.compile(r"[A-Za-z0-9_.-]{1,15}")
@@ -81,9 +84,6 @@ class JobNetwork:
         """torchrun's --rdzv-endpoint: the head's ranks' address and the rendezvous port."""
         return f"{self.ranks_address(0)}:{RENDEZVOUS_PORT}"
 
-    def peers(self) -> list[IPv4Network]:
-        return [self.block(node) for node in range(len(self.hosts)) if node != self.node]
-
     def inside(self) -> list[str]:
         """What runs a command in the ranks' namespace."""
         return ["ip", "netns", "exec", self.namespace]
@@ -93,7 +93,8 @@ def ruleset(net: JobNetwork, uplink: str, *, guard_uplink: bool) -> str:
     """The job's nftables table: what may cross between its ranks and the cluster network.
     `guard_uplink`: forwarding was off on the cluster interface and is turned on for the job, so
     nothing else arriving there may be forwarded."""
-    peers = ", ".join(map(str, net.peers())) or str(net.block(net.node))
+    # The other hosts' ranks' own addresses, never their /24s: the .1 of each is that host itself.
+    peers = ", ".join(str(net.ranks_address(node)) for node in range(len(net.hosts)) if node != net.node)
     ports = f"{RENDEZVOUS_PORT}, {COLLECTIVE_PORTS[0]}-{COLLECTIVE_PORTS[1]}"
     link = net.host_link
     rules = [
@@ -110,7 +111,8 @@ def ruleset(net: JobNetwork, uplink: str, *, guard_uplink: bool) -> str:
     return (f"table inet {net.table} {{\n"
             f"  chain forward {{\n    type filter hook forward priority filter; policy accept;\n{forward}\n  }}\n"
             f"  chain input {{\n    type filter hook input priority filter; policy accept;\n"
-            f'    iifname "{link}" drop\n  }}\n'
+            f'    iifname "{link}" drop\n'
+            f'    iifname "{uplink}" ip saddr {net.subnet} drop\n  }}\n'
             "}\n")
 
 
@@ -135,6 +137,22 @@ class Host:
     def write(self, path: Path, value: str) -> None:
         self.run("tee", str(path), stdin=value)
 
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """This host's training network held for one job (a lock per host: per namespace in tests)."""
+        name = re.sub(r"[^A-Za-z0-9_.-]", "_", "-".join(self.prefix)) or "host"
+        LOCKS.mkdir(parents=True, exist_ok=True)
+        handle = os.open(LOCKS / f"training-network-{name}.lock", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise TrainingNetworkError("another training job over several hosts runs on this host; one at a time",
+                                           hint="wait for it to end (appliance finetune status)") from None
+            yield
+        finally:
+            os.close(handle)
+
     def uplink(self, peer: str) -> str:
         """The interface this host reaches `peer` through."""
         found = re.search(r"\bdev (\S+)", self.run("ip", "-o", "route", "get", peer))
@@ -150,18 +168,20 @@ def forwarding(interface: str) -> Path:
 @contextmanager
 def job_network(net: JobNetwork, host: Host | None = None) -> Iterator[JobNetwork]:
     """The job's network on this host for as long as the block runs; taken down after, whatever
-    happened (and before, where an earlier run of the job left one)."""
+    happened (and before, where an earlier run of the job left one). One job at a time on a host
+    (its rules and forwarding are the host's): a second is refused while the first runs."""
     host = host or Host()
     others = [address for node, address in enumerate(net.hosts) if node != net.node]
     uplink = host.uplink(others[0]) if others else "lo"
-    clear_stale(host)
-    take_down(net, host)
-    restore: dict[str, str] = {}
-    try:
-        _bring_up(net, host, uplink, restore)
-        yield net
-    finally:
-        take_down(net, host, restore)
+    with host.exclusive():
+        clear_stale(host)
+        take_down(net, host)
+        restore: dict[str, str] = {}
+        try:
+            _bring_up(net, host, uplink, restore)
+            yield net
+        finally:
+            take_down(net, host, restore)
 
 
 def _bring_up(net: JobNetwork, host: Host, uplink: str, restore: dict[str, str]) -> None:

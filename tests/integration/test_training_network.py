@@ -19,7 +19,14 @@ import pytest
 
 from appliance.settings import FinetuneSettings
 from finetune.sandbox import prepare, sandboxed
-from finetune.training_network import COLLECTIVE_PORTS, RENDEZVOUS_PORT, Host, JobNetwork, job_network
+from finetune.training_network import (
+    COLLECTIVE_PORTS,
+    RENDEZVOUS_PORT,
+    Host,
+    JobNetwork,
+    TrainingNetworkError,
+    job_network,
+)
 from tests.support.netns import Network, veth_namespace
 
 SUBNET = IPv4Network("10.77.0.0/16")
@@ -34,6 +41,19 @@ except ConnectionRefusedError:
     print("refused")
 except OSError as exc:
     print(f"unreachable {exc.errno}")
+"""
+BOUND_PROBE = """
+import socket, sys
+s = socket.socket()
+s.bind((sys.argv[1], 0))
+s.settimeout(2)
+try:
+    s.connect((sys.argv[2], int(sys.argv[3])))
+    print("open")
+except socket.timeout:
+    print("dropped")
+except OSError as exc:
+    print(f"refused {exc.errno}")
 """
 LISTEN = """
 import socket, sys, time
@@ -114,6 +134,34 @@ def test_the_ranks_reach_no_host_s_services(two_hosts: tuple[Network, JobNetwork
         assert probe(worker.inside(), net.head, RENDEZVOUS_PORT) == "dropped"  # a job port, but the host's
     finally:
         gateway.kill()
+
+
+def test_a_rank_reaches_no_other_host_itself_nor_a_host_s_user_a_rank(
+        two_hosts: tuple[Network, JobNetwork, JobNetwork]) -> None:
+    """The other host's own end of its ranks' link (.1 of its /24, where its services answer) is
+    not a rank; nor is a local user on a host who binds that host's end of the link."""
+    _, head, worker = two_hosts
+    service = listen([], "0.0.0.0", COLLECTIVE_PORTS[0] + 1)  # a service of the head host on a job port
+    ranks = listen(worker.inside(), str(worker.ranks_address(1)), RENDEZVOUS_PORT)
+    try:
+        assert probe(worker.inside(), str(head.link_address(0)), service.port) == "dropped"
+        bound = subprocess.run([sys.executable, "-c", BOUND_PROBE, str(head.link_address(0)),
+                                str(worker.ranks_address(1)), str(RENDEZVOUS_PORT)],
+                               capture_output=True, text=True, timeout=30).stdout.strip()
+        assert bound == "dropped"
+    finally:
+        service.kill()
+        ranks.kill()
+
+
+def test_a_second_job_s_network_on_a_host_is_refused_while_the_first_runs(
+        two_hosts: tuple[Network, JobNetwork, JobNetwork]) -> None:
+    _, head, _ = two_hosts
+    other = JobNetwork(job=head.job + 1, node=0, hosts=head.hosts, subnet=SUBNET)
+    with pytest.raises(TrainingNetworkError, match="another training job over several hosts runs on this host"):
+        with job_network(other):
+            pass
+    assert head.table in Host().run("nft", "list", "tables")  # the first job's rules untouched
 
 
 def test_nothing_beyond_the_job_s_hosts_is_reached(two_hosts: tuple[Network, JobNetwork, JobNetwork]) -> None:

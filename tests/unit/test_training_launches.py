@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from ipaddress import IPv4Network
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from appliance.hosts import WeightFile
 from appliance.jobs import HostPart, Hyperparameters, record_part, training_dir
 from appliance.settings import Settings
 from appliance.training_launches import Published, TrainingLaunch
-from finetune.cluster_node import Part, fetch
+from finetune.cluster_node import Part, clear_planted, fetch, said
 from finetune.over_hosts import worker_hosts
 from finetune.train import TrainingError, TrainingSpec
 
@@ -37,20 +38,17 @@ def launched(home: Home, tmp_path: Path) -> tuple[Home, Path, Path]:
     job, base = tmp_path / "job", tmp_path / "base"
     job.mkdir()
     base.mkdir()
-    for name in ("train.jsonl", "eval.jsonl", "job-host-1.json"):
-        (job / name).write_text(name)
     (base / "config.json").write_text("{}")
     (base / "secret.txt").write_text("not listed")
     (tmp_path / "outside.bin").write_text("outside")
     (base / "escape.bin").symlink_to(tmp_path / "outside.bin")
-    sources = {"train.jsonl": job / "train.jsonl", "eval.jsonl": job / "eval.jsonl",
-               "job.json": job / "job-host-1.json"}
+    contents = {"train.jsonl": b"rows", "eval.jsonl": b"held out", "job.json": b"{}"}
     launch = TrainingLaunch(job=7, node=1, hosts=["10.0.0.1", "10.0.0.2"], subnet="10.77.0.0/16", processes=1,
-                            job_files=[entry(path, name) for name, path in sources.items()],
+                            job_files=[WeightFile(path=name, bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+                                       for name, data in contents.items()],
                             base_files=[entry(base / "config.json", "config.json"),
                                         WeightFile(path="escape.bin", bytes=7, sha256="0" * 64)])
-    training_launches.publish(home, "w1", Published(launch=launch, job_sources={k: str(v) for k, v in sources.items()},
-                                                    base_dir=str(base)))
+    training_launches.publish(home, "w1", Published(launch=launch, base_dir=str(base)), contents)
     return home, job, base
 
 
@@ -58,7 +56,9 @@ def test_a_launch_hands_out_only_the_files_it_lists(launched: tuple[Home, Path, 
     home, job, base = launched
     assert [p.launch.job for p in training_launches.published(home, "w1")] == [7]
     assert training_launches.published(home, "w2") == []
-    assert training_launches.file_of(home, "w1", 7, "job", "job.json") == job / "job-host-1.json"
+    served = training_launches.file_of(home, "w1", 7, "job", "job.json")
+    # A copy where only the head writes, never the job's own directory (the trainer's to write).
+    assert served == training_launches.job_files_dir(home, "w1", 7) / "job.json" and served.read_bytes() == b"{}"
     assert training_launches.file_of(home, "w1", 7, "base", "config.json") == base / "config.json"
     for kind, path in (("base", "secret.txt"), ("base", "escape.bin"), ("base", "../job/train.jsonl"),
                        ("job", "job-host-1.json"), ("job", "../base/config.json")):
@@ -69,15 +69,15 @@ def test_a_launch_hands_out_only_the_files_it_lists(launched: tuple[Home, Path, 
 
 def test_a_host_s_part_is_known_only_where_it_has_the_launch_and_a_new_launch_forgets_its_old_word(
         launched: tuple[Home, Path, Path]) -> None:
-    home, job, _ = launched
+    home, _, _ = launched
     assert training_launches.has_part(home, "w1", 7, 1)
     assert not training_launches.has_part(home, "w2", 7, 1) and not training_launches.has_part(home, "w1", 7, 2)
     record_part(home, "w1", HostPart(job=7, node=1, state="failed", detail="no space"))
     [found] = training_launches.published(home, "w1")
     training_launches.withdraw(home, "w1", 7)
-    assert training_launches.published(home, "w1") == []
+    assert training_launches.published(home, "w1") == [] and not training_launches.job_files_dir(home, "w1", 7).exists()
     assert (training_dir(home, "w1") / "7.report.json").exists()  # what status shows of the host, after
-    training_launches.publish(home, "w1", found)  # the job's next run
+    training_launches.publish(home, "w1", found, {"job.json": b"{}"})  # the job's next run
     assert not (training_dir(home, "w1") / "7.report.json").exists()
 
 
@@ -111,13 +111,33 @@ def served(files: dict[str, bytes]) -> httpx.Client:
     return httpx.Client(transport=httpx.MockTransport(answer), base_url="https://head")
 
 
+def test_root_never_writes_through_what_a_trainer_planted_in_the_worker_s_job_directory(tmp_path: Path) -> None:
+    """An earlier run's trainer owned the directory: links and pipes where the job's files, the log
+    and partial downloads go are removed, and a fetch writes new files only."""
+    directory, victim = tmp_path / "job", tmp_path / "victim"
+    directory.mkdir()
+    victim.write_text("root's")
+    for name in ("train.log", "job.json", ".train.jsonl.partial"):
+        (directory / name).symlink_to(victim)
+    os.mkfifo(directory / "eval.jsonl")
+    (directory / "checkpoints").mkdir()  # the trainer's own: kept
+    clear_planted(directory, ["train.jsonl", "eval.jsonl", "job.json", "train.log"])
+    assert sorted(p.name for p in directory.iterdir()) == ["checkpoints"]
+    (directory / "train.jsonl").symlink_to(victim)  # one planted after the sweep: replaced, not followed
+    data = WeightFile(path="train.jsonl", bytes=3, sha256=hashlib.sha256(b"abc").hexdigest())
+    fetch(served({"train.jsonl": b"abc"}), "/cluster/training/7/job", [data], directory)
+    assert victim.read_text() == "root's" and not (directory / "train.jsonl").is_symlink()
+    assert (directory / "train.jsonl").read_bytes() == b"abc"
+
+
 def test_a_fetched_file_that_does_not_match_its_digest_is_refused_and_not_kept(tmp_path: Path) -> None:
     good = WeightFile(path="a.bin", bytes=3, sha256=hashlib.sha256(b"abc").hexdigest())
     fetch(served({"a.bin": b"abc"}), "/cluster/training/7/base", [good], tmp_path / "ok")
     assert (tmp_path / "ok" / "a.bin").read_bytes() == b"abc"
-    with pytest.raises(TrainingError, match="a.bin: what the head sent does not match its SHA-256"):
-        fetch(served({"a.bin": b"abd"}), "/cluster/training/7/base", [good], tmp_path / "bad")
-    assert not list((tmp_path / "bad").iterdir())
+    for sent in (b"abd", b"abcd" * 1000):  # changed; more than listed (read no further)
+        with pytest.raises(TrainingError, match="a.bin: what the head sent does not match its size and SHA-256"):
+            fetch(served({"a.bin": sent}), "/cluster/training/7/base", [good], tmp_path / "bad")
+        assert not list((tmp_path / "bad").iterdir())
     with pytest.raises(TrainingError, match="answered 404"):
         fetch(served({}), "/cluster/training/7/base", [good], tmp_path / "none")
 
@@ -133,10 +153,30 @@ def test_a_worker_refuses_a_launch_that_is_not_for_its_place(home: Home, tmp_pat
                             base_files=[listing["config.json"]])
     with pytest.raises(TrainingError, match="job.json is for host 2 \\(fsdp\\), not this host's place 1"):
         Part(home, launch).start(served(files), Settings())
+    elsewhere = launch.model_copy(update={"subnet": IPv4Network("10.1.0.0/16")})
+    with pytest.raises(TrainingError, match="training subnet 10.1.0.0/16 is not this host's"):
+        Part(home, elsewhere).start(served(files), Settings())
     odd = launch.model_copy(update={"job_files": [listing["train.jsonl"], listing["job.json"]]})
     with pytest.raises(TrainingError, match="the head sent the files"):
         Part(home, odd).start(served(files), Settings())
     assert json.loads(files["job.json"])["node"] == 2
+
+
+@pytest.mark.parametrize("changes", [{"node": 2}, {"job": 10**6}, {"hosts": ["10.0.0.1", "not an address"]},
+                                     {"subnet": "10.77.0.0/33"}])
+def test_a_launch_a_head_could_send_that_is_not_one_is_refused(changes: dict[str, object]) -> None:
+    launch = {"job": 7, "node": 1, "hosts": ["10.0.0.1", "10.0.0.2"], "subnet": "10.77.0.0/16", "processes": 1,
+              "job_files": [{"path": "a", "bytes": 1, "sha256": "0" * 64}],
+              "base_files": [{"path": "b", "bytes": 1, "sha256": "0" * 64}]}
+    TrainingLaunch.model_validate(launch)
+    with pytest.raises(ValueError):
+        TrainingLaunch.model_validate({**launch, **changes})
+
+
+def test_a_host_s_word_on_its_part_is_one_line() -> None:
+    with pytest.raises(ValueError):
+        HostPart(job=7, node=1, state="failed", detail="ok\x1b[2Jrm -rf /")
+    assert said("line one\nline\ttwo") == "line one line two"
 
 
 def test_a_job_over_hosts_shows_each_host_s_part_in_status_the_api_s_report_and_the_tui(home: Home) -> None:
