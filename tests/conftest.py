@@ -39,6 +39,8 @@ INTEGRATION = ROOT / "tests" / "integration"
 RUN_ORDER = [
     "tests/integration/test_execution_feedback.py",
     "tests/integration/test_finetune_sharded.py",
+    "tests/integration/test_finetune_multinode.py",
+    "tests/integration/test_training_network.py",
     "tests/integration/test_bundle_install.py",
     "tests/integration/test_cluster.py",
     "tests/integration/test_gateway_tiers.py",

@@ -35,6 +35,7 @@ from tests.support.appliances import APPLIANCE, Appliance, make_appliance
 from tests.support.models import tiny_llama_for_two_ranks
 from tests.support.netns import Network, veth_namespace
 from tests.support.ports import free_port
+from tests.support.shared import locked
 from tests.support.waiting import until
 
 GREEDY = Path(__file__).with_name("vllm_greedy.py")
@@ -304,10 +305,11 @@ def test_an_adapter_trains_over_both_hosts_from_the_head(cluster: Cluster, tmp_p
     added = head.run("data", "add", str(data), "--name", "codes", "--model", str(cluster.model), timeout=300)
     assert added.returncode == 0, added.stderr
     env = {**head.env, "APPLIANCE_FINETUNE__REGRESSION_SET": "none", "APPLIANCE_FINETUNE__GATE_SEEDS": "1"}
-    trained = subprocess.run([APPLIANCE, "finetune", "run", "--data", "codes", "--base", str(cluster.model), "--name",
-                              "two-hosts", "--hosts", "worker-1", "--processes", "1", "--max-steps", "6",
-                              "--save-steps", "3", "--batch-size", "2", "--lr", "0.001"],
-                             env=env, capture_output=True, text=True, timeout=900)
+    with locked("training-network", exclusive=True):  # this machine's root namespace: every test's head host
+        trained = subprocess.run([APPLIANCE, "finetune", "run", "--data", "codes", "--base", str(cluster.model),
+                                  "--name", "two-hosts", "--hosts", "worker-1", "--processes", "1", "--max-steps",
+                                  "6", "--save-steps", "3", "--batch-size", "2", "--lr", "0.001"],
+                                 env=env, capture_output=True, text=True, timeout=900)
     assert "adapter two-hosts v1: held-out loss" in trained.stdout, trained.stdout + trained.stderr
     assert "6 steps" in trained.stdout
     [job] = (head.home.root / "finetune").glob("two-hosts-*")

@@ -30,6 +30,7 @@ from finetune.train import Scoring, TrainingSpec
 from finetune.training_network import Host, JobNetwork, job_network
 from tests.support.models import tiny_moe
 from tests.support.netns import veth_namespace
+from tests.support.shared import locked
 
 STEPS = 24
 SAVE_STEPS = 4
@@ -85,7 +86,8 @@ def trained(tmp_path_factory: pytest.TempPathFactory, demo_model: Path) -> Itera
     lay_out(head, base, 0)
     lay_out(worker, base, 1)
     job = random.randrange(1 << 20)
-    with veth_namespace() as hosts:
+    # This machine's root namespace is every test's head host: one job network on it at a time.
+    with locked("training-network", exclusive=True), veth_namespace() as hosts:
         nets = [JobNetwork(job=job, node=node, hosts=(hosts.head, hosts.worker), subnet=SUBNET) for node in (0, 1)]
         with job_network(nets[0]), job_network(nets[1], Host(["ip", "netns", "exec", hosts.namespace])):
             # The worker's agent first: ranks must not follow the order the agents arrive in.

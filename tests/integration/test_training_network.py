@@ -28,6 +28,7 @@ from finetune.training_network import (
     job_network,
 )
 from tests.support.netns import Network, veth_namespace
+from tests.support.shared import locked
 
 SUBNET = IPv4Network("10.77.0.0/16")
 PROBE = """
@@ -93,6 +94,13 @@ def listen(where: list[str], address: str, port: int) -> Listener:
                                text=True)
     assert process.stdout is not None
     return Listener(process, int(process.stdout.readline()))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_training_network_at_a_time() -> Iterator[None]:
+    """This machine's root namespace is every test's head host: one job network on it at a time."""
+    with locked("training-network", exclusive=True):
+        yield
 
 
 @pytest.fixture(scope="module")
