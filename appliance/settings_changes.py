@@ -178,9 +178,10 @@ def _set_value(path: Path, key: str, raw: str, environ: Mapping[str, str] | None
         raise Invalid(f"{key}: setting it here would also change {', '.join(also[:5])}",
                       hint=f"edit {path} by hand; it is unchanged")
     replace_file(path, edited.encode())  # 0600, as the state directory keeps it
-    variable = ENV_PREFIX + "__".join(parts).upper()
+    # The key's own variable, or one of a table holding it (APPLIANCE_GATEWAY__LIMITS sets them all).
+    variables = [ENV_PREFIX + "__".join(parts[:length]).upper() for length in range(len(parts), 0, -1)]
     return SettingChange(key, known.get(key), flatten(after.masked()).get(key),
-                         variable if variable in environ else None)
+                         next((variable for variable in variables if variable in environ), None))
 
 
 def _unknown_field(exc: SettingsError) -> bool:

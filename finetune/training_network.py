@@ -139,10 +139,14 @@ class Host:
 
     @contextmanager
     def exclusive(self) -> Iterator[None]:
-        """This host's training network held for one job (a lock per host: per namespace in tests)."""
-        name = re.sub(r"[^A-Za-z0-9_.-]", "_", "-".join(self.prefix)) or "host"
+        """This host's training network held for one job: a lock named by the host's network
+        namespace (tests run several hosts on one machine, sharing its files)."""
+        namespace = self.run("stat", "-L", "-c", "%i", "/proc/self/ns/net").strip()
+        if not namespace.isdigit():
+            raise TrainingNetworkError(f"this host's network namespace could not be told: {namespace!r}")
         LOCKS.mkdir(parents=True, exist_ok=True)
-        handle = os.open(LOCKS / f"training-network-{name}.lock", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        handle = os.open(LOCKS / f"training-network-{namespace}.lock", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW,
+                         0o600)
         try:
             try:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)

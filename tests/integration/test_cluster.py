@@ -292,6 +292,35 @@ def test_the_token_carries_the_heads_ca(cluster: Cluster) -> None:
     assert (cluster.worker_home / "secrets" / "cluster-credential").stat().st_mode & 0o777 == 0o600
 
 
+def test_a_limit_is_taken_by_the_running_gateway_without_a_restart(cluster: Cluster) -> None:
+    """`settings set gateway.limits...` then `settings apply` on the head (an appliance whose limits
+    come from its settings file): the gateway keeps its process and holds the next request to the
+    new limit; the batch worker, which caps batch lines with the same limits, is restarted."""
+    head = cluster.head
+
+    def gateway_pid() -> int:
+        shown = json.loads(head.run("status", "--json").stdout)
+        return next(program["pid"] for program in shown["programs"] if program["name"] == "gateway")
+
+    cluster.realm.ensure_user("carol", PASSWORD, ["user"])
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{head.port('APPLIANCE_GATEWAY__PORT')}/v1", max_retries=0,
+                           api_key=cluster.realm.token("carol", PASSWORD), timeout=60)
+    before = gateway_pid()
+    try:
+        assert head.run("settings", "set", "gateway.limits.user.max_tokens", "4").returncode == 0
+        applied = head.run("settings", "apply", "--json")
+        assert applied.returncode == 0, applied.stderr
+        report = json.loads(applied.stdout)
+        assert report["changed"] == ["gateway.limits.user.max_tokens"] and report["taken_live"] == ["gateway"], report
+        assert "gateway" not in report["restarted"] and gateway_pid() == before
+        with pytest.raises(openai.BadRequestError, match="max_tokens"):
+            client.chat.completions.create(model=cluster.model.name, messages=QUESTION, max_tokens=8)
+    finally:
+        head.run("settings", "set", "gateway.limits.user.max_tokens", "4096")
+        restored = head.run("settings", "apply", "--json")
+    assert restored.returncode == 0 and json.loads(restored.stdout)["taken_live"] == ["gateway"], restored.stdout
+
+
 def test_an_adapter_trains_over_both_hosts_from_the_head(cluster: Cluster, tmp_path: Path) -> None:
     """`finetune run --hosts worker-1` on the head: the worker's training node fetches the job's part
     (its data, job.json for its place, the base), each host's torchrun agent runs in its sandbox in

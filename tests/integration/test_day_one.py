@@ -81,21 +81,8 @@ def test_a_first_day_trains_deploys_calls_changes_a_setting_and_audits_the_windo
         assert big.status_code == 413, big.text
         again = cli.run("settings", "apply", timeout=120)
         assert again.returncode == 0 and "nothing changed" in again.stdout, again.stdout
-
-        # A limit is taken by the running gateway: not restarted, and the next request held to it.
-        before = pids(running)
-        assert cli.run("settings", "set", "gateway.limits.user.max_tokens", "4", timeout=60).returncode == 0
-        applied = cli.run("settings", "apply", "--json", timeout=600)
-        assert applied.returncode == 0, applied.stderr
-        report = json.loads(applied.stdout)
-        assert report["taken_live"] == ["gateway"] and report["restarted"] == ["batch-worker"], report
-        assert pids(running)["gateway"] == before["gateway"]
-        held = httpx.post(f"{realm.gateway}/v1/chat/completions", headers=user, timeout=60,
-                          json={"model": NAME, "max_tokens": 8, "messages": [{"role": "user", "content": QUESTION}]})
-        assert held.status_code == 400 and "max_tokens" in held.text, held.text
     finally:
         cli.run("settings", "set", "gateway.max_body_bytes", "1048576", timeout=60)
-        cli.run("settings", "set", "gateway.limits.user.max_tokens", "4096", timeout=60)
         restored = cli.run("settings", "apply", timeout=600)
         cli.run("adapters", "retire", NAME, timeout=60)
     assert restored.returncode == 0, restored.stderr

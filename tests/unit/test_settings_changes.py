@@ -133,6 +133,10 @@ def test_set_leaves_the_file_private_and_says_when_a_variable_overrides_it(setti
     change = set_value(home, "gateway.port", "9443", environ={"APPLIANCE_GATEWAY__PORT": "9000"})
     assert change.overridden_by == "APPLIANCE_GATEWAY__PORT" and change.new == 9000
     assert settings_file.stat().st_mode & 0o777 == 0o600
+    # A variable for a table holding the key decides it too (the change was silently not in effect).
+    limits = "{ user = { max_tokens = 100 } }"
+    change = set_value(home, "gateway.limits.user.max_tokens", "4", environ={"APPLIANCE_GATEWAY__LIMITS": limits})
+    assert change.overridden_by == "APPLIANCE_GATEWAY__LIMITS" and change.new == 100
 
 
 def test_set_is_audited_with_the_old_and_new_value_and_refuses_secrets(settings_file: Path, home: Home,
