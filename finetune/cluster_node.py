@@ -15,8 +15,10 @@ import hashlib
 import logging
 import os
 import re
+import signal
 import stat
 import subprocess
+import sys
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -164,45 +166,66 @@ def _holds(path: Path, entry: WeightFile) -> bool:
         return digest.hexdigest() == entry.sha256
 
 
+class Node:
+    """This host's parts of jobs, kept in step with the launches the head publishes for it."""
+
+    def __init__(self, home: Home, settings: Settings) -> None:
+        self.home, self.settings = home, settings
+        self.parts: dict[int, Part] = {}
+        self.reported: dict[int, HostPart] = {}
+
+    def tick(self, client: httpx.Client, launches: dict[int, TrainingLaunch]) -> None:
+        """Stop the parts the head withdrew, start the new ones, report what changed."""
+        for job in [job for job in self.parts if job not in launches]:
+            self.parts.pop(job).stop()
+            log.warning("job %d: withdrawn by the head; its agent was stopped", job)
+        for job in [job for job in self.reported if job not in launches]:
+            del self.reported[job]  # a part that failed to start is tried again when the job runs again
+        for job, launch in launches.items():
+            if job in self.parts or job in self.reported:
+                continue
+            try:
+                part = Part(self.home, launch)
+                _report(client, HostPart(job=job, node=launch.node, state="fetching"))
+                part.start(client, self.settings)
+                self.parts[job] = part
+                log.warning("job %d: started this host's part (host %d)", job, launch.node)
+            except (ApplianceError, OSError, httpx.HTTPError, ValidationError) as exc:
+                self.reported[job] = HostPart(job=job, node=launch.node, state="failed", detail=said(str(exc)))
+                _report(client, self.reported[job])
+                log.error("job %d: this host's part could not start: %s", job, exc)
+        for job, part in self.parts.items():
+            state = part.state()
+            if self.reported.get(job) != state:
+                self.reported[job] = state
+                _report(client, state)
+
+    def stop(self) -> None:
+        for part in self.parts.values():
+            part.stop()
+        self.parts.clear()
+
+
 def run(home: Home) -> None:
     joined = membership(home)
     if joined is None:
         raise SystemExit(f"{home.root} has not joined a cluster")
-    settings = load_settings(home.settings_file)
-    parts: dict[int, Part] = {}
-    reported: dict[int, HostPart] = {}
-    with head_client(home, joined.head_url, joined.name, credential(home), timeout=30) as client:
-        while True:
-            try:
-                launches = {launch.job: launch for launch in LAUNCHES.validate_json(
-                    client.get("/cluster/training").raise_for_status().content)}
-            except (httpx.HTTPError, ValidationError) as exc:
-                log.warning("asking the head for training launches failed: %s", exc)
-                time.sleep(POLL_S)
-                continue
-            for job in [job for job in parts if job not in launches]:
-                parts.pop(job).stop()
-                reported.pop(job, None)
-                log.warning("job %d: withdrawn by the head; its agent was stopped", job)
-            for job, launch in launches.items():
-                if job in parts or job in reported:
-                    continue
+    node = Node(home, load_settings(home.settings_file))
+    # supervisord's stop: the parts' agents are ended and their networks taken down on the way out.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        with head_client(home, joined.head_url, joined.name, credential(home), timeout=30) as client:
+            while True:
                 try:
-                    part = Part(home, launch)
-                    _report(client, HostPart(job=job, node=launch.node, state="fetching"))
-                    part.start(client, settings)
-                    parts[job] = part
-                    log.warning("job %d: started this host's part (host %d)", job, launch.node)
-                except (ApplianceError, OSError, httpx.HTTPError, ValidationError) as exc:
-                    reported[job] = HostPart(job=job, node=launch.node, state="failed", detail=said(str(exc)))
-                    _report(client, reported[job])
-                    log.error("job %d: this host's part could not start: %s", job, exc)
-            for job, part in parts.items():
-                state = part.state()
-                if reported.get(job) != state:
-                    reported[job] = state
-                    _report(client, state)
-            time.sleep(POLL_S)
+                    launches = {launch.job: launch for launch in LAUNCHES.validate_json(
+                        client.get("/cluster/training").raise_for_status().content)}
+                except (httpx.HTTPError, ValidationError) as exc:
+                    log.warning("asking the head for training launches failed: %s", exc)
+                else:
+                    node.tick(client, launches)
+                time.sleep(POLL_S)
+    finally:
+        node.stop()
 
 
 def said(text: str) -> str:

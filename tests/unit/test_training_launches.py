@@ -22,7 +22,7 @@ from appliance.hosts import WeightFile
 from appliance.jobs import HostPart, Hyperparameters, record_part, training_dir
 from appliance.settings import Settings
 from appliance.training_launches import Published, TrainingLaunch
-from finetune.cluster_node import Part, clear_planted, fetch, said
+from finetune.cluster_node import Node, Part, clear_planted, fetch, said
 from finetune.over_hosts import worker_hosts
 from finetune.train import TrainingError, TrainingSpec
 
@@ -198,3 +198,26 @@ def test_a_job_over_hosts_shows_each_host_s_part_in_status_the_api_s_report_and_
     assert jobs.report(home, job).hosts["w2"] is None
     assert jobs.hosts_line({}) == "" and jobs.report(home, jobs.submit(
         home, name="solo", data="d", base="demo", eval_sets={}, hyperparameters=Hyperparameters())).hosts == {}
+
+
+def test_a_part_that_failed_to_start_is_tried_again_when_the_job_runs_again(home: Home) -> None:
+    """Its failure is reported once a run; once the head withdrew the job, a later run starts afresh."""
+    reports: list[dict[str, object]] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.method == "POST":
+            reports.append(json.loads(request.content))
+        return httpx.Response(200, json={"accepted": True})
+
+    client = httpx.Client(transport=httpx.MockTransport(answer), base_url="https://head")
+    odd = TrainingLaunch(job=7, node=1, hosts=["10.0.0.1", "10.0.0.2"], subnet="10.77.0.0/16", processes=1,
+                         job_files=[WeightFile(path="other.bin", bytes=1, sha256="0" * 64)],
+                         base_files=[WeightFile(path="config.json", bytes=1, sha256="0" * 64)])
+    node = Node(home, Settings())
+    node.tick(client, {7: odd})
+    node.tick(client, {7: odd})  # the same run: reported once
+    assert [(r["state"], r["detail"] is not None) for r in reports] == [("fetching", False), ("failed", True)]
+    node.tick(client, {})  # withdrawn
+    node.tick(client, {7: odd})  # the job runs again
+    assert [r["state"] for r in reports] == ["fetching", "failed", "fetching", "failed"]
+    assert node.parts == {}
