@@ -24,11 +24,12 @@ from appliance.jobs import RankMemory, read_ranks
 from tests.support.appliances import APPLIANCE
 from tests.support.models import tiny_moe
 
-STEPS = 20
+STEPS = 10
 GLOBAL_BATCH = 4
-# Max |loss(2 ranks) - loss(1 process)| at any of the 20 steps. The two runs differ only in how
+# Max |loss(2 ranks) - loss(1 process)| at any step. The two runs differ only in how
 # the sums are split over the ranks and in each rank's dropout masks (drawn per rank): measured
 # here at most 0.0029 over 20 steps (losses from 2.0 down to 0.0006); the bound leaves 7x room.
+# 10 steps: the curve's first half, enough to halve the loss, at half the suite's time.
 LOSS_TOLERANCE = 0.02
 
 

@@ -52,7 +52,12 @@ def chat(running: Running, prompt: str) -> str:
 def test_up_prints_what_runs_where(running: Running) -> None:
     out = running.up_output
     assert "vllm-main" in out and "RUNNING" in out
-    assert f"unix:{engine(running)['socket']}" in out
+    # `up` fits 80 columns: the engine's socket is named, its whole path is in `status --wide`
+    assert all(len(line) <= 80 for line in out.splitlines() if "RUNNING" in line)
+    assert "socket" in out and "reach it at:" in out
+    wide = running.appliance.run("status", "--wide")
+    assert wide.returncode == 0, wide.stderr
+    assert f"unix:{engine(running)['socket']}" in wide.stdout
 
 
 def test_chat_completion_returns_text(running: Running) -> None:
