@@ -222,15 +222,14 @@ def visible_gpus() -> int:
     return len([p for p in Path("/dev").glob("nvidia*") if p.name[len("nvidia"):].isdigit()])
 
 
-def choose_strategy(setting: str, processes: int, hp: Hyperparameters, *, gpus: int, hosts: int = 1) -> Strategy:
+def choose_strategy(setting: str, processes: int, hp: Hyperparameters, *, hosts: int = 1) -> Strategy:
     """How the job's processes train (finetune.strategy), or why they cannot, before anything loads;
     over several hosts only the sharded trainer runs (each host's processes are ranks of it)."""
     if hosts > 1:
-        if setting in ("single", "ddp") or hp.method != "sft" or hp.qlora:
-            what = f"finetune.strategy = \"{setting}\"" if setting in ("single", "ddp") else \
-                "QLoRA" if hp.qlora else hp.method.upper()
-            raise TrainingError(f"a job over several hosts trains sharded (fsdp, SFT with LoRA), not {what}",
-                                hint="finetune.strategy = \"auto\" or \"fsdp\", --method sft, no --qlora")
+        if setting in ("single", "ddp") or hp.method != "sft":
+            what = f"finetune.strategy = \"{setting}\"" if setting in ("single", "ddp") else hp.method.upper()
+            raise TrainingError(f"a job over several hosts trains sharded (fsdp, SFT with LoRA or QLoRA), not {what}",
+                                hint="finetune.strategy = \"auto\" or \"fsdp\", --method sft")
         return "fsdp"
     if setting == "single" and processes > 1:
         raise TrainingError(f"finetune.strategy = \"single\" trains in one process, not {processes}",
@@ -242,12 +241,6 @@ def choose_strategy(setting: str, processes: int, hp: Hyperparameters, *, gpus: 
     if hp.method != "sft":
         raise TrainingError(f"finetune.strategy = \"fsdp\" trains SFT only, not {hp.method}",
                             hint="finetune.strategy = \"ddp\" (or \"auto\") for DPO on several processes")
-    if hp.qlora:
-        where = "" if gpus else " (and on a host with no GPU, 4-bit weights train in one process only)"
-        raise TrainingError(f"QLoRA is not sharded yet: the sharded trainer loads a 4-bit base only whole{where}; "
-                            f"asked for {processes} processes",
-                            hint="--processes 1 trains QLoRA in one process; finetune.strategy = \"ddp\" on GPUs; "
-                                 "or train LoRA sharded")
     return "fsdp"
 
 
@@ -258,7 +251,7 @@ def size_job(base: Path, hp: Hyperparameters, settings: FinetuneSettings) -> tup
     GPU it halved the throughput where memory was plentiful)."""
     gpus = visible_gpus()
     processes = hp.processes or settings.processes or gpus or 1
-    strategy = choose_strategy(settings.strategy, processes, hp, gpus=gpus, hosts=1 + len(hp.hosts))
+    strategy = choose_strategy(settings.strategy, processes, hp, hosts=1 + len(hp.hosts))
     limit = None if settings.sandbox == "none" else sandbox_memory_bytes(settings)
     fit = fit_job(JobShape(base=base, qlora=hp.qlora, rank=hp.rank, seq_len=hp.max_length, batch=hp.batch_size,
                            processes=processes, sharded=strategy == "fsdp", process_limit_bytes=limit,

@@ -15,10 +15,14 @@ trainer's defaults do: AdamW (no weight decay), a learning rate decaying linearl
 clipped at norm 1, the loss on completion tokens only, summed and divided by the labelled tokens
 of the whole (all ranks') batch.
 
-QLoRA is not sharded: bitsandbytes' 4-bit layers (quant storage in float32) do train under
-`fully_shard` on a CPU here, with the same loss as unsharded, but only after `from_pretrained`
-has loaded and quantized the whole base in every process; quantizing each rank's own slice is
-not built, so the runner refuses QLoRA on more than one rank.
+QLoRA (the FSDP+QLoRA recipe, Answer.AI 2024, on FSDP2): every decoder linear is bitsandbytes'
+Linear4bit with its NF4 values packed into float32 storage, a (values/8, 1) tensor that FSDP
+shards on its rows like any parameter. Each rank reads one linear's weight at a time, quantizes
+it whole (double-quantized absmax in blocks of 64, as the single-process trainer's
+BitsAndBytesConfig) and keeps its own rows of the packed tensor; the quant state stays on the
+module, whole on every rank, where bitsandbytes restores it to the gathered weight
+(fix_4bit_weight_quant_state_from_module). Its CPU repacking for inference (which rewrites the
+weight in place) is turned off: the gathered weight is FSDP's buffer, refilled at every gather.
 
 MoE bases: the adapters go on every linear layer but the output head (attention projections,
 shared experts' and routers' linears where they are `nn.Linear`); routed experts that the model
@@ -34,6 +38,7 @@ import os
 import re
 import resource
 import socket
+import sys
 import time
 import zlib
 from collections.abc import Callable
@@ -49,6 +54,7 @@ from finetune.phases import Phases
 from finetune.train import Result, Scoring, TrainingError, _nothing, _score_sets, as_training_rows, gate_evaluations
 
 IGNORED = -100  # a label that is not trained on
+QLORA_BLOCK = 64  # values per absmax: bitsandbytes' default, as the single-process trainer quantizes
 FUSED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
 
 
@@ -146,8 +152,6 @@ def train_sharded(base: Path, train: list[dict[str, Any]], evaluation: list[dict
     if hp.method != "sft":
         raise TrainingError(f"the sharded trainer trains SFT only, not {hp.method}",
                             hint="set finetune.strategy = \"ddp\" for DPO on several processes")
-    if hp.qlora:  # the runner refuses it first (finetune.runner.choose_strategy)
-        raise TrainingError("QLoRA is not sharded yet: the sharded trainer loads a 4-bit base only whole")
     cuda = torch.cuda.is_available()
     if not dist.is_initialized():
         # A store of this start's own (finetune.runner.FRESH_STORE): no dead rank's address in it.
@@ -257,6 +261,8 @@ def build_sharded(base: Path, hp: Hyperparameters, device: Any, *, checkpointing
         skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
     if checkpointing:
         skeleton.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hp.qlora:
+        four_bit_linears(skeleton)
     model = get_peft_model(skeleton, LoraConfig(r=hp.rank, lora_alpha=hp.alpha, lora_dropout=hp.dropout,
                                                 target_modules=linear_targets(skeleton), task_type="CAUSAL_LM"))
     inner = model.get_base_model()
@@ -271,6 +277,46 @@ def build_sharded(base: Path, hp: Hyperparameters, device: Any, *, checkpointing
         draw_adapter(model, hp.seed)
         rebuild_rotary(inner, device)
     return model
+
+
+def four_bit_linears(model: Any) -> None:
+    """Every linear layer of the decoder layers (on the meta device) made bitsandbytes' NF4
+    Linear4bit, its weight the packed (values/8, 1) float32 tensor that quantize_whole fills."""
+    import torch
+    from bitsandbytes.nn.modules import Linear4bit, Params4bit
+
+    for layer in decoder_layers(model):
+        for name, module in list(layer.named_modules()):
+            if type(module) is not torch.nn.Linear:
+                continue
+            four_bit = Linear4bit(  # type: ignore[no-untyped-call]  # bitsandbytes is not annotated
+                module.in_features, module.out_features, module.bias is not None, compute_dtype=torch.float32,
+                compress_statistics=True, quant_type="nf4", quant_storage=torch.float32, device="meta")
+            packed = (module.in_features * module.out_features + 1) // (2 * 4)
+            four_bit.weight = Params4bit(torch.empty((packed, 1), dtype=torch.float32, device="meta"),
+                                         requires_grad=False, compress_statistics=True, quant_type="nf4",
+                                         quant_storage=torch.float32, module=four_bit, bnb_quantized=True)
+            four_bit.support_avx512bf16_for_cpu = False
+            four_bit.requires_grad_(False)
+            layer.set_submodule(name, four_bit)
+
+
+def is_four_bit(module: Any) -> bool:
+    """A bitsandbytes 4-bit linear (never one where bitsandbytes was not even imported)."""
+    modules = sys.modules.get("bitsandbytes.nn.modules")
+    return modules is not None and isinstance(module, modules.Linear4bit)
+
+
+def quantize_whole(module: Any, weight: Any) -> Any:
+    """A linear's whole weight in NF4 as the single-process QLoRA trainer quantizes it; the quant
+    state kept on the module (every rank holds it whole), the packed values returned."""
+    import torch
+    from bitsandbytes.functional import quantize_4bit
+
+    packed, state = quantize_4bit(weight.to(torch.float32).contiguous(), blocksize=QLORA_BLOCK,
+                                  compress_statistics=True, quant_type="nf4", quant_storage=torch.float32)
+    module.quant_state = state
+    return packed
 
 
 def linear_targets(model: Any) -> list[str]:
@@ -320,6 +366,11 @@ def load_own_slices(model: Any, base: Path) -> None:
             if key not in index and key == "lm_head.weight" and "model.embed_tokens.weight" in index:
                 key = "model.embed_tokens.weight"  # tied: the head is the embeddings
             local = parameter.to_local() if isinstance(parameter, DTensor) else parameter
+            owner = model.get_submodule(name.rpartition(".")[0])
+            if name.endswith(".weight") and is_four_bit(owner):  # quantized whole, this rank's rows kept
+                start, stop = own_rows(parameter) if isinstance(parameter, DTensor) else (0, parameter.shape[0])
+                local.copy_(quantize_whole(owner, read(key, None, name))[start:stop])
+                continue
             if not parameter.dim():
                 chunk = read(key, None, name)
             else:

@@ -3,13 +3,14 @@ in the training sandbox, on the demo model: two ranks each hold half of the base
 ranks themselves) and train the same loss curve as one process on the same global batches and
 seed; a rank killed after a checkpoint is whole brings every rank back from the last whole
 checkpoint, and the job ends with the adapter an uninterrupted run trains, registered and
-loadable in PEFT."""
+loadable in PEFT; a MoE base and a QLoRA one (its 4-bit weights sharded) train the same way."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import time
@@ -22,7 +23,7 @@ from appliance.adapters import load
 from appliance.home import Home
 from appliance.jobs import RankMemory, read_ranks
 from tests.support.appliances import APPLIANCE
-from tests.support.models import tiny_moe
+from tests.support.models import tiny_llama, tiny_moe
 
 STEPS = 10
 GLOBAL_BATCH = 4
@@ -182,4 +183,45 @@ def test_a_moe_base_trains_sharded_with_its_experts_split_over_the_ranks(workspa
     assert sorted(config["target_modules"]) == ["k_proj", "o_proj", "q_proj", "v_proj"]
     PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(moe), str(adapter))
     [record] = [r for r in load(Home(Path(env["APPLIANCE_HOME"]))).adapters if r.name == "codes-moe"]
+    assert record.state == "registered" and record.metrics.processes == 2
+
+
+@pytest.mark.integration
+def test_qlora_trains_sharded_keeping_its_4bit_weights_with_the_one_rank_curve(
+        workspace: tuple[dict[str, str], Path], demo_model: Path) -> None:
+    """A 2-layer Llama made here, QLoRA on 1 and on 2 ranks: every decoder linear is held as NF4
+    packed 8 values to a float32 (the ranks measure exactly half of that and of the rest, which
+    stays float32), the curves agree, and the adapter loads onto the base in PEFT."""
+    from peft import PeftModel
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    env, root = workspace
+    tiny = tiny_llama(root / "tiny", demo_model)
+    fsdp = {**env, "APPLIANCE_FINETUNE__STRATEGY": "fsdp"}
+    for name, processes in (("codes-q1", 1), ("codes-q2", 2)):
+        trained = subprocess.run([APPLIANCE, "finetune", "run", "--data", "codes", "--base", str(tiny), "--name", name,
+                                  "--qlora", "--lr", "0.002", "--max-steps", "6", "--batch-size", str(4 // processes),
+                                  "--processes", str(processes), "--scenarios", str(root / "scenarios.jsonl")],
+                                 env=fsdp, capture_output=True, text=True, timeout=1200)
+        assert trained.returncode == 0, trained.stderr
+
+    with safe_open(str(tiny / "model.safetensors"), framework="pt") as handle:
+        shapes = {key: handle.get_slice(key).get_shape() for key in handle.keys()}
+    linear = re.compile(r"^model\.layers\.\d+\..*_proj\.weight$")  # every decoder linear: 4 bits a value
+    held = sum(math.prod(s) // 2 if linear.match(k) else 4 * math.prod(s) for k, s in shapes.items())
+    [one] = read_ranks(job_dir(env, "codes-q1"))
+    two = read_ranks(job_dir(env, "codes-q2"))
+    assert one.base_parameter_bytes == held
+    assert [r.rank for r in two] == [0, 1] and sum(r.base_parameter_bytes for r in two) == held
+    assert all(abs(r.base_parameter_bytes / held - 0.5) < 0.01 for r in two)
+
+    curve_one, curve_two = losses(job_dir(env, "codes-q1")), losses(job_dir(env, "codes-q2"))
+    worst = max(abs(a - b) for a, b in zip(curve_one, curve_two, strict=True))
+    print(f"QLoRA loss curves: max abs diff {worst:.5f}", curve_one, curve_two)
+    assert len(curve_two) == 6 and worst < LOSS_TOLERANCE and curve_two[-1] < curve_two[0]
+
+    adapter = job_dir(env, "codes-q2") / "adapter"
+    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny), str(adapter))
+    [record] = [r for r in load(Home(Path(env["APPLIANCE_HOME"]))).adapters if r.name == "codes-q2"]
     assert record.state == "registered" and record.metrics.processes == 2

@@ -141,31 +141,32 @@ def test_pruning_keeps_the_two_newest_whole_checkpoints(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-10", "step-15", "step-20"]
 
 
-@pytest.mark.parametrize(("setting", "processes", "method", "qlora", "gpus", "chosen"), [
-    ("auto", 1, "sft", False, 0, "single"),
-    ("auto", 2, "sft", False, 0, "fsdp"),
-    ("auto", 4, "sft", False, 4, "fsdp"),
-    ("auto", 2, "dpo", False, 0, "ddp"),
-    ("ddp", 2, "sft", False, 0, "ddp"),
-    ("ddp", 1, "sft", False, 0, "single"),
-    ("fsdp", 1, "sft", False, 0, "fsdp"),
-    ("single", 1, "sft", True, 0, "single"),
+@pytest.mark.parametrize(("setting", "processes", "method", "qlora", "chosen"), [
+    ("auto", 1, "sft", False, "single"),
+    ("auto", 2, "sft", False, "fsdp"),
+    ("auto", 4, "sft", False, "fsdp"),
+    ("auto", 2, "dpo", False, "ddp"),
+    ("ddp", 2, "sft", False, "ddp"),
+    ("ddp", 1, "sft", False, "single"),
+    ("fsdp", 1, "sft", False, "fsdp"),
+    ("single", 1, "sft", True, "single"),
+    ("auto", 2, "sft", True, "fsdp"),  # QLoRA sharded: each rank's rows of the packed 4-bit weights
+    ("fsdp", 1, "sft", True, "fsdp"),
+    ("ddp", 2, "sft", True, "ddp"),
 ])
-def test_strategy_choice(setting: str, processes: int, method: str, qlora: bool, gpus: int, chosen: str) -> None:
+def test_strategy_choice(setting: str, processes: int, method: str, qlora: bool, chosen: str) -> None:
     hp = Hyperparameters(method=method, qlora=qlora)
-    assert choose_strategy(setting, processes, hp, gpus=gpus) == chosen
+    assert choose_strategy(setting, processes, hp) == chosen
 
 
 @pytest.mark.parametrize(("setting", "processes", "hp", "said"), [
     ("single", 2, Hyperparameters(), "trains in one process, not 2"),
     ("fsdp", 2, Hyperparameters(method="dpo"), "trains SFT only, not dpo"),
-    ("auto", 2, Hyperparameters(qlora=True), "QLoRA is not sharded yet"),
-    ("fsdp", 1, Hyperparameters(qlora=True), "QLoRA is not sharded yet"),
 ])
 def test_strategies_that_cannot_run_are_refused_before_anything_loads(setting: str, processes: int,
                                                                        hp: Hyperparameters, said: str) -> None:
     with pytest.raises(TrainingError, match=said):
-        choose_strategy(setting, processes, hp, gpus=0)
+        choose_strategy(setting, processes, hp)
 
 
 def test_the_sharded_trainer_runs_under_torchrun_which_restarts_its_ranks(tmp_path: Path) -> None:
@@ -229,14 +230,14 @@ def test_bad_processes_are_refused_by_name(command: str, value: str, said: str, 
 @pytest.mark.parametrize(("setting", "hp", "said"), [
     ("ddp", Hyperparameters(), 'not finetune.strategy = "ddp"'),
     ("single", Hyperparameters(), 'not finetune.strategy = "single"'),
-    ("auto", Hyperparameters(qlora=True), "not QLoRA"),
     ("auto", Hyperparameters(method="dpo"), "not DPO"),
 ])
 def test_a_job_over_several_hosts_trains_sharded_or_is_refused_saying_why(setting: str, hp: Hyperparameters,
                                                                           said: str) -> None:
-    assert choose_strategy("auto", 1, Hyperparameters(), gpus=0, hosts=2) == "fsdp"  # one process a host too
+    assert choose_strategy("auto", 1, Hyperparameters(), hosts=2) == "fsdp"  # one process a host too
+    assert choose_strategy("auto", 2, Hyperparameters(qlora=True), hosts=2) == "fsdp"
     with pytest.raises(TrainingError, match=said):
-        choose_strategy(setting, 1, hp, gpus=0, hosts=3)
+        choose_strategy(setting, 1, hp, hosts=3)
 
 
 @pytest.mark.parametrize("hosts", ["w1,../etc", "w1,,w2", "a b", "-w1", "w1\nw2"])
