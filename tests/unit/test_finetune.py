@@ -41,6 +41,12 @@ def workspace(tmp_path_factory: pytest.TempPathFactory, demo_model: Path) -> tup
     return env, model
 
 
+def without_shipped_set(env: dict[str, str]) -> dict[str, str]:
+    """For a job whose test is not about forgetting: the shipped regression set (32 prompts over 3
+    seeds, answered by base and adapter: 20-25 s on the tiny model, minutes on the demo) is skipped."""
+    return {**env, "APPLIANCE_FINETUNE__REGRESSION_SET": "none"}
+
+
 def finetune(env: dict[str, str], model: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([APPLIANCE, "finetune", "run", "--data", "codes", "--base", str(model), "--lr", "0.01",
                            "--batch-size", "8", *extra], env=env, capture_output=True, text=True, timeout=600)
@@ -68,7 +74,7 @@ def test_lora_lowers_held_out_loss_and_is_registered(workspace: tuple[dict[str, 
 @pytest.mark.integration
 def test_qlora_runs_on_the_cpu(workspace: tuple[dict[str, str], Path]) -> None:
     env, model = workspace
-    result = finetune(env, model, "--name", "codes-qlora", "--max-steps", "8", "--qlora")
+    result = finetune(without_shipped_set(env), model, "--name", "codes-qlora", "--max-steps", "8", "--qlora")
     assert result.returncode == 0, result.stderr
     [record] = [r for r in load(Home(Path(env["APPLIANCE_HOME"]))).adapters if r.name == "codes-qlora"]
     assert record.hyperparameters.qlora and record.metrics.adapter_eval_loss < record.metrics.base_eval_loss
@@ -115,7 +121,7 @@ def test_two_processes_train_one_adapter(workspace: tuple[dict[str, str], Path])
     default; tests/integration/test_finetune_sharded.py) inside the sandbox, whose own loopback
     device carries their rendezvous."""
     env, model = workspace
-    ddp = {**env, "APPLIANCE_FINETUNE__PROCESSES": "2", "APPLIANCE_FINETUNE__STRATEGY": "ddp"}
+    ddp = {**without_shipped_set(env), "APPLIANCE_FINETUNE__PROCESSES": "2", "APPLIANCE_FINETUNE__STRATEGY": "ddp"}
     result = finetune(ddp, model, "--name", "codes-ddp", "--max-steps", "4")
     assert result.returncode == 0, result.stderr
     [record] = [r for r in load(Home(Path(env["APPLIANCE_HOME"]))).adapters if r.name == "codes-ddp"]
@@ -128,6 +134,7 @@ def test_killed_training_resumes_from_its_checkpoint(workspace: tuple[dict[str, 
     command = [APPLIANCE, "finetune", "run", "--data", "codes", "--base", str(model), "--lr", "0.01",
                "--batch-size", "2", "--name", "codes-resumed", "--max-steps", "30", "--save-steps", "5"]
     checkpoints = Path(env["APPLIANCE_HOME"]) / "finetune"
+    env = without_shipped_set(env)
     killed = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
     while not list(checkpoints.glob("codes-resumed-*/checkpoints/checkpoint-*/trainer_state.json")):
