@@ -218,6 +218,19 @@ class RankMemory(BaseModel):
     peak_rss_bytes: int = Field(ge=0)
 
 
+class Launch(BaseModel):
+    """How the runner started the job's trainer (LAUNCH_FILE): the strategy, the processes on this
+    host, the tokens of the rows it trains on (their longest, at most --max-length) and the
+    training planner's estimate of one process's memory for them."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    strategy: Literal["fsdp", "ddp", "single"]
+    processes: int = Field(ge=1)
+    seq_len: int | None = Field(None, ge=1)
+    estimated_process_bytes: int | None = Field(None, ge=0)
+
+
 class HostPart(BaseModel):
     """A worker host's word on its part of a job over several hosts (its training node reports it;
     the head keeps the latest): its state and what each of its ranks reported."""
@@ -230,6 +243,7 @@ class HostPart(BaseModel):
     exit_code: int | None = None
     detail: str | None = Field(None, max_length=4096, pattern=r"^[^\x00-\x1f\x7f]*$")  # one line, shown as is
     ranks: list[RankMemory] = Field(default_factory=list, max_length=1024)
+    progress: Progress | None = None  # as the host's first process saw the job: step, loss, tokens/s, ETA
 
 
 class JobReport(Job):
@@ -240,14 +254,28 @@ class JobReport(Job):
 
     progress: Progress | None
     strategy: str | None = None
+    estimated_process_bytes: int | None = None  # the training planner's, for the rows trained on
     ranks: list[RankMemory] = []
     hosts: dict[str, HostPart | None] = {}
 
 
 def report(home: Home, job: Job) -> JobReport:
     directory = job_dir(home, job.id)
-    return JobReport(**job.model_dump(), progress=read_progress(directory), strategy=read_strategy(directory),
+    launch = read_launch(directory)
+    return JobReport(**job.model_dump(), progress=read_progress(directory),
+                     strategy=launch.strategy if launch else None,
+                     estimated_process_bytes=launch.estimated_process_bytes if launch else None,
                      ranks=read_ranks(directory), hosts=host_parts(home, job.hyperparameters.hosts, directory))
+
+
+def memory_line(ranks: list[RankMemory], estimate: int | None) -> str:
+    """This host's ranks against the training planner's estimate of one, short:
+    `here: 2 ranks, peak 1.7 GiB a rank (estimated 1.6 GiB)`."""
+    if not ranks:
+        return ""
+    peak = max(rank.peak_rss_bytes for rank in ranks) / 2**30
+    planned = f" (estimated {estimate / 2**30:.1f} GiB)" if estimate else ""
+    return f"here: {len(ranks)} rank{'s' if len(ranks) != 1 else ''}, peak {peak:.1f} GiB a rank{planned}"
 
 
 def hosts_line(parts: dict[str, HostPart | None]) -> str:
@@ -258,7 +286,9 @@ def hosts_line(parts: dict[str, HostPart | None]) -> str:
         peak = max((rank.peak_rss_bytes for rank in part.ranks), default=0)
         ranks = f" ({len(part.ranks)} rank{'s' if len(part.ranks) != 1 else ''}, peak {peak / 2**30:.1f} GiB)" \
             if part.ranks else ""
-        return f"{host} {part.state}{ranks}"
+        progress = f" {progress_line(part.progress, running=True)}" if part.progress and part.state == "running" \
+            else ""
+        return f"{host} {part.state}{progress}{ranks}"
 
     return "hosts: " + ", ".join(one(host, part) for host, part in parts.items()) if parts else ""
 
@@ -293,14 +323,13 @@ def host_parts(home: Home, hosts: list[str], directory: Path) -> dict[str, HostP
     return found
 
 
-def read_strategy(directory: Path) -> str | None:
-    """The strategy the runner chose for the job's latest start."""
+def read_launch(directory: Path) -> Launch | None:
+    """How the runner started the job's latest run; None before it did (or a file that is not one)."""
     found = _small_regular_file(directory / LAUNCH_FILE, PROGRESS_MAX_BYTES)
     try:
-        strategy = json.loads(found).get("strategy") if found is not None else None
-    except (ValueError, AttributeError):
+        return Launch.model_validate_json(found) if found is not None else None
+    except ValueError:
         return None
-    return strategy if strategy in ("fsdp", "ddp", "single") else None
 
 
 def read_ranks(directory: Path) -> list[RankMemory]:

@@ -30,7 +30,7 @@ from finetune import evalsets
 from finetune.datasets import OnProgress, check, split, store
 from finetune.follow import PhaseBar, follow
 from finetune.over_hosts import worker_hosts
-from finetune.runner import run_job, size_job
+from finetune.runner import job_data, job_seq_len, run_job, size_job
 from finetune.token_count import token_counter
 
 data_app = typer.Typer(help="Training datasets: validated, scanned, stored content-addressed.",
@@ -168,7 +168,9 @@ def _check(name: str, data: str, base: str, home: Home, hp: jobs.Hyperparameters
     settings = load_settings(home.settings_file)
     if hp.hosts:
         hp = hp.model_copy(update={"hosts": [host.name for host in worker_hosts(home, settings, hp.hosts)]})
-    size_job(checkpoint(base, home, settings, what="--base").resolve(), hp, settings.finetune)
+    model = checkpoint(base, home, settings, what="--base").resolve()
+    _, splits = job_data(home, artifact_store(settings.artifacts, home), data, hp)
+    size_job(model, hp, settings.finetune, seq_len=job_seq_len(model, hp, splits))
     warning = deploy_warning(settings, adapters.load(home).aliases.get(name), name,
                              lambda pool: serves_adapters(pool, settings, home))
     if warning is not None:
@@ -314,5 +316,7 @@ def _progress_text(home: Home, job: jobs.Job) -> str:
     directory = jobs.job_dir(home, job.id)
     p = jobs.read_progress(directory)
     line = "" if p is None else jobs.progress_line(p, running=job.state == jobs.JobState.RUNNING)
+    launch = jobs.read_launch(directory)
+    memory = jobs.memory_line(jobs.read_ranks(directory), launch.estimated_process_bytes if launch else None)
     hosts = jobs.hosts_line(jobs.host_parts(home, job.hyperparameters.hosts, directory))
-    return "; ".join(part for part in (line, hosts) if part)
+    return "; ".join(part for part in (line, memory, hosts) if part)

@@ -32,7 +32,7 @@ from appliance.engine_launch import python
 from appliance.errors import ApplianceError
 from appliance.home import HOME_ENV, Home
 from appliance.hosts import WeightFile, membership
-from appliance.jobs import HostPart, read_ranks
+from appliance.jobs import HostPart, read_progress, read_ranks
 from appliance.programs import Program
 from appliance.settings import Settings, load_settings
 from appliance.training_launches import TrainingLaunch
@@ -101,7 +101,7 @@ class Part:
         state = "running" if code is None else "ended" if code == 0 else "failed"
         detail = None if code in (None, 0) else f"its torchrun agent exited with {code}; see {self.directory}/train.log"
         return HostPart(job=self.launch.job, node=self.launch.node, state=state, exit_code=code, detail=detail,
-                        ranks=read_ranks(self.directory))
+                        ranks=read_ranks(self.directory), progress=read_progress(self.directory))
 
     def stop(self) -> None:
         """End the agent and its ranks (if still running) and take the job's network down."""

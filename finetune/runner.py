@@ -25,7 +25,7 @@ from typing import Any, BinaryIO, Literal
 import psutil
 
 from appliance.adapters import AdapterMetrics, AdapterRecord, AdapterState, Scores
-from appliance.artifacts import artifact_store
+from appliance.artifacts import ArtifactStore, artifact_store
 from appliance.datasets import PREFIX, check_dataset, load_registry
 from appliance.home import Home
 from appliance.job_fit import JobFit, JobShape, fit_job
@@ -36,6 +36,7 @@ from appliance.jobs import (
     PROGRESS_FILE,
     RANKS_DIR,
     Hyperparameters,
+    Launch,
     Phase,
     Progress,
     read_progress,
@@ -48,6 +49,7 @@ from appliance.settings import FinetuneSettings, Settings
 from finetune import adapters, evalsets, over_hosts
 from finetune.datasets import kind
 from finetune.sandbox import TRAINER_ENVIRONMENT, prepare, sandbox_memory_bytes, sandboxed
+from finetune.token_count import longest_row
 from finetune.train import Result, Scoring, TrainingCancelled, TrainingError, TrainingSpec, load_result
 from finetune.training_network import JobNetwork
 
@@ -81,17 +83,12 @@ def run_job(directory: Path, *, name: str, data: str, base: str, hp: Hyperparame
             on_child: Callable[[int], None] = lambda pid: None, on_beat: Callable[[], None] = lambda: None) -> Outcome:
     """Train in `directory` (resuming if it holds checkpoints), gate, register. `on_beat`: the
     trainer worked (a step, an evaluation batch) since the last beat, at most every BEAT_S."""
-    registry = load_registry(home)
-    if data not in registry:
-        raise TrainingError(f"no dataset named {data!r}", hint=f"datasets: {sorted(registry) or 'none'}")
     model = checkpoint(base, home, settings, what="--base")
     store = artifact_store(settings.artifacts, home)
-    digest = registry[data]
+    digest, splits = job_data(home, store, data, hp)
     directory.mkdir(parents=True, exist_ok=True)
-    splits = {split: store.get(f"{PREFIX}{digest}/{split}.jsonl") for split in ("train", "eval")}
-    check_dataset(data, digest, splits["train"], splits["eval"])
-    check_method(data, splits["train"], hp)
-    processes, strategy, fit = size_job(model.resolve(), hp, settings.finetune)
+    seq_len = job_seq_len(model.resolve(), hp, splits)
+    processes, strategy, fit = size_job(model.resolve(), hp, settings.finetune, seq_len=seq_len)
     inputs = [directory / "train.jsonl", directory / "eval.jsonl", directory / "job.json", directory / LAUNCH_FILE]
     for split, content in splits.items():
         (directory / f"{split}.jsonl").write_bytes(content)
@@ -104,7 +101,8 @@ def run_job(directory: Path, *, name: str, data: str, base: str, hp: Hyperparame
                                         temperature=settings.finetune.gate_temperature), strategy=strategy,
                         gradient_checkpointing=fit.checkpointing)
     (directory / "job.json").write_text(spec.model_dump_json())
-    (directory / LAUNCH_FILE).write_text(json.dumps({"strategy": strategy, "processes": processes}))
+    (directory / LAUNCH_FILE).write_text(Launch(strategy=strategy, processes=processes, seq_len=seq_len,
+                                                estimated_process_bytes=fit.process_bytes).model_dump_json())
     forget_ranks(directory)
     (directory / PROGRESS_FILE).unlink(missing_ok=True)
     with contextlib.suppress(OSError):  # one the trainer made a directory is never a beat (_stamp)
@@ -244,16 +242,37 @@ def choose_strategy(setting: str, processes: int, hp: Hyperparameters, *, hosts:
     return "fsdp"
 
 
-def size_job(base: Path, hp: Hyperparameters, settings: FinetuneSettings) -> tuple[int, Strategy, JobFit]:
+def job_data(home: Home, store: ArtifactStore, data: str, hp: Hyperparameters) -> tuple[str, dict[str, bytes]]:
+    """The dataset's digest and its train and eval splits, checked against it and the method."""
+    registry = load_registry(home)
+    if data not in registry:
+        raise TrainingError(f"no dataset named {data!r}", hint=f"datasets: {sorted(registry) or 'none'}")
+    digest = registry[data]
+    splits = {split: store.get(f"{PREFIX}{digest}/{split}.jsonl") for split in ("train", "eval")}
+    check_dataset(data, digest, splits["train"], splits["eval"])
+    check_method(data, splits["train"], hp)
+    return digest, splits
+
+
+def job_seq_len(base: Path, hp: Hyperparameters, splits: dict[str, bytes]) -> int:
+    """Tokens of the widest batch the job trains or evaluates: its longest row, cut at --max-length."""
+    return min(hp.max_length, longest_row(base, splits.values()))
+
+
+def size_job(base: Path, hp: Hyperparameters, settings: FinetuneSettings, *,
+             seq_len: int) -> tuple[int, Strategy, JobFit]:
     """How many processes train the job on this host, how (choose_strategy), and the training
-    planner's estimate of one of them; TrainingError naming the figure that does not fit, before
-    anything loads. Gradient checkpointing is on only where the job does not fit without it (on a
-    GPU it halved the throughput where memory was plentiful)."""
+    planner's estimate of one of them for rows of `seq_len` tokens (the data's longest, at most
+    --max-length: batches are padded to their longest row); TrainingError naming the figure that
+    does not fit, before anything loads. Gradient checkpointing is on only where the job does not
+    fit without it (on a GPU it halved the throughput where memory was plentiful). DPO feeds each
+    row's chosen and rejected answers together: twice the rows."""
     gpus = visible_gpus()
     processes = hp.processes or settings.processes or gpus or 1
     strategy = choose_strategy(settings.strategy, processes, hp, hosts=1 + len(hp.hosts))
     limit = None if settings.sandbox == "none" else sandbox_memory_bytes(settings)
-    fit = fit_job(JobShape(base=base, qlora=hp.qlora, rank=hp.rank, seq_len=hp.max_length, batch=hp.batch_size,
+    rows = hp.batch_size * (2 if hp.method == "dpo" else 1)
+    fit = fit_job(JobShape(base=base, qlora=hp.qlora, rank=hp.rank, seq_len=seq_len, batch=rows,
                            processes=processes, sharded=strategy == "fsdp", process_limit_bytes=limit,
                            hosts=1 + len(hp.hosts)))
     if not fit.fits:

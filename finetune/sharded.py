@@ -181,8 +181,8 @@ def _train(base: Path, train: list[dict[str, Any]], evaluation: list[dict[str, A
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() \
+    rank, world, local = dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local) if torch.cuda.is_available() \
         else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -219,7 +219,7 @@ def _train(base: Path, train: list[dict[str, Any]], evaluation: list[dict[str, A
         optimizer.zero_grad(set_to_none=True)
         tokens += seen
         on_beat()
-        if rank == 0:
+        if local == 0:  # each host's first process: the head's is the job's, a worker host's its node's
             elapsed, done = time.monotonic() - started, step + 1 - start
             phases.trained(Progress(step=step + 1, max_steps=steps, loss=loss,
                                  tokens_per_s=(tokens - (resumed.tokens if resumed else 0)) / elapsed if elapsed else 0,

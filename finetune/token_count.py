@@ -10,7 +10,7 @@ AutoTokenizer, which converts it."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,14 @@ def token_counter(model_dir: Path) -> Counter:
         return len(tokenizer.encode(example["text"]).ids)
 
     return count
+
+
+def longest_row(model_dir: Path, splits: Iterable[bytes]) -> int:
+    """Tokens of the longest row of JSON-lines splits as `model_dir`'s tokenizer makes them: the
+    widest a batch of them is padded to, which sizes a training job's activations."""
+    count = token_counter(model_dir)
+    return max((count(json.loads(line)) for split in splits for line in split.splitlines() if line.strip()),
+               default=1)
 
 
 def chat_template(model_dir: Path, config: dict[str, Any]) -> str | None:

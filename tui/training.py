@@ -13,7 +13,7 @@ from textual.widgets import DataTable, Label
 
 from appliance.adapters import AdapterMetrics, AdapterRecord, AdapterState, Alias, Registry
 from appliance.admin_client import Refused
-from appliance.jobs import JobReport, JobState, Phase, Progress, hosts_line
+from appliance.jobs import JobReport, JobState, Phase, Progress, hosts_line, memory_line
 from tui.dialogs import Field, Form
 from tui.panel import Panel, duration
 
@@ -137,8 +137,9 @@ class Training(Panel):
         for job in reversed(listed):  # newest first
             p = job.progress
             progress = phase_progress(p, running=job.state == JobState.RUNNING)
+            what = (progress, memory_line(job.ranks, job.estimated_process_bytes), hosts_line(job.hosts))
             rows.append((str(job.id), (
-                job.id, job.name, job.state, "; ".join(part for part in (progress, hosts_line(job.hosts)) if part),
+                job.id, job.name, job.state, "; ".join(part for part in what if part),
                 f"{p.loss:.3f}" if p and p.loss is not None else "-",
                 f"{p.tokens_per_s:.0f}" if p else "-",
                 duration(p.eta_s) if p and p.eta_s is not None and job.state == JobState.RUNNING else "-")))

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from appliance import cli
-from appliance.jobs import LAUNCH_FILE, RANKS_DIR, Hyperparameters, RankMemory, read_ranks, read_strategy
+from appliance.jobs import LAUNCH_FILE, RANKS_DIR, Hyperparameters, RankMemory, read_launch, read_ranks
 from finetune import checkpoints
 from finetune.runner import _trainer_command, choose_strategy, multihost_trainer_command
 from finetune.sharded import batch_order, checkpoint_key, local_slice, planned_steps
@@ -199,9 +199,10 @@ def rank_report(rank: int) -> str:
                       optimizer_bytes=4, peak_rss_bytes=1000).model_dump_json()
 
 
-def test_status_reads_the_strategy_and_each_ranks_report_and_nothing_else(tmp_path: Path) -> None:
-    assert read_strategy(tmp_path) is None and read_ranks(tmp_path) == []
-    (tmp_path / LAUNCH_FILE).write_text(json.dumps({"strategy": "fsdp", "processes": 2}))
+def test_status_reads_the_launch_and_each_ranks_report_and_nothing_else(tmp_path: Path) -> None:
+    assert read_launch(tmp_path) is None and read_ranks(tmp_path) == []
+    (tmp_path / LAUNCH_FILE).write_text(json.dumps({"strategy": "fsdp", "processes": 2, "seq_len": 40,
+                                                    "estimated_process_bytes": 1 << 30}))
     ranks = tmp_path / RANKS_DIR
     ranks.mkdir()
     (ranks / "rank-1.json").write_text(rank_report(1))
@@ -209,10 +210,13 @@ def test_status_reads_the_strategy_and_each_ranks_report_and_nothing_else(tmp_pa
     (ranks / "rank-2.json").write_text('{"rank": 2}')  # not a report
     (ranks / "rank-3.json").write_text(rank_report(3) + " " * 5000)  # too large
     (ranks / "rank-4.json").symlink_to(ranks / "rank-0.json")  # a link the trainer made
-    assert read_strategy(tmp_path) == "fsdp"
+    launch = read_launch(tmp_path)
+    assert launch is not None and launch.strategy == "fsdp" and launch.estimated_process_bytes == 1 << 30
     assert [(r.rank, r.pid) for r in read_ranks(tmp_path)] == [(0, 100), (1, 101)]
-    (tmp_path / LAUNCH_FILE).write_text(json.dumps({"strategy": "rm -rf"}))
-    assert read_strategy(tmp_path) is None
+    for bad in ({"strategy": "rm -rf", "processes": 1}, {"strategy": "fsdp", "processes": [2]},
+                {"strategy": "fsdp", "processes": 2, "estimated_process_bytes": -1}, ["fsdp"]):
+        (tmp_path / LAUNCH_FILE).write_text(json.dumps(bad))
+        assert read_launch(tmp_path) is None
 
 
 @pytest.mark.parametrize("command", ["run", "submit"])

@@ -188,11 +188,20 @@ def test_a_job_over_hosts_shows_each_host_s_part_in_status_the_api_s_report_and_
     tag = jobs.part_tag(jobs.job_dir(home, job.id))
     rank = jobs.RankMemory(rank=1, host="w1", pid=9, base_parameter_bytes=1, adapter_parameter_bytes=1,
                            optimizer_bytes=1, peak_rss_bytes=3 * 2**29)
-    record_part(home, "w1", HostPart(job=tag, node=1, state="running", ranks=[rank]))
+    seen = jobs.Progress(step=3, max_steps=10, loss=1.25, tokens_per_s=40, eta_s=70)  # as the host's first rank saw it
+    record_part(home, "w1", HostPart(job=tag, node=1, state="running", ranks=[rank], progress=seen))
     report = jobs.report(home, job)
-    assert report.hosts == {"w1": HostPart(job=tag, node=1, state="running", ranks=[rank]), "w2": None}
-    line = "hosts: w1 running (1 rank, peak 1.5 GiB), w2 not reported"
+    assert report.hosts == {"w1": HostPart(job=tag, node=1, state="running", ranks=[rank], progress=seen), "w2": None}
+    line = ("hosts: w1 running training: step 3/10, loss 1.250, 40 tokens/s, ETA 70 s (1 rank, peak 1.5 GiB), "
+            "w2 not reported")
     assert _progress_text(home, job) == line
+    directory = jobs.job_dir(home, job.id)  # the head's own ranks, against the planner's estimate of one
+    (directory / jobs.RANKS_DIR).mkdir(parents=True)
+    (directory / jobs.RANKS_DIR / "rank-0.json").write_text(rank.model_copy(update={"rank": 0}).model_dump_json())
+    (directory / jobs.LAUNCH_FILE).write_text(jobs.Launch(strategy="fsdp", processes=1, seq_len=40,
+                                                          estimated_process_bytes=2**30).model_dump_json())
+    assert _progress_text(home, job) == f"here: 1 rank, peak 1.5 GiB a rank (estimated 1.0 GiB); {line}"
+    assert jobs.report(home, job).estimated_process_bytes == 2**30
     (training_dir(home, "w2") / f"{tag}.report.json").parent.mkdir(parents=True)
     (training_dir(home, "w2") / f"{tag}.report.json").write_text("not a report")  # written by no one we trust
     assert jobs.report(home, job).hosts["w2"] is None
