@@ -10,6 +10,7 @@ from appliance.home import Home
 from appliance.local_gateway import health_transport
 from appliance.programs import Program
 from appliance.secrets import secret
+from appliance.unix_http import unix_transport
 
 
 def client(home: Home) -> httpx.Client:
@@ -25,7 +26,7 @@ def answers(client: httpx.Client, program: Program, home: Home) -> bool:
     auth = (MONITORING_USER, secret(home, program.health_password_secret)) if program.health_password_secret else None
     try:
         if program.socket is not None:
-            with httpx.Client(transport=httpx.HTTPTransport(uds=str(program.socket)), timeout=client.timeout) as uds:
+            with httpx.Client(transport=unix_transport(program.socket), timeout=client.timeout) as uds:
                 return uds.get(program.health_url).status_code == 200
         return client.get(program.health_url, auth=auth).status_code == 200
     except httpx.HTTPError:

@@ -25,6 +25,7 @@ from appliance.home import Home
 from appliance.hosts import ClusterPoolState, Heartbeat, HeartbeatAnswer, RankView, cluster_state_file
 from appliance.settings import Settings
 from appliance.supervisor import LIVE_STATES, ProcessState, Supervisor
+from appliance.unix_http import unix_transport
 from audit.records import AuditEvent
 from serve.engine import ENGINE_BASE_URL, SpanningPool, spanning_pools
 
@@ -156,7 +157,7 @@ class Controller:
         return all(host in control.acked for host in control.span.workers)
 
     def _engine_answers(self, pool: str) -> bool:
-        transport = httpx.HTTPTransport(uds=str(engine_socket(self.home, pool)))
+        transport = unix_transport(engine_socket(self.home, pool))
         try:
             with httpx.Client(transport=transport, timeout=0.5) as client:
                 return client.get(f"{ENGINE_BASE_URL}/health").status_code == 200

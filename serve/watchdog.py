@@ -42,6 +42,7 @@ from appliance.programs import Program
 from appliance.secrets import secret
 from appliance.settings import Settings, WatchdogSettings, load_settings
 from appliance.supervisor import ProcessInfo, ProcessState, Supervisor
+from appliance.unix_http import unix_transport
 from serve.engine import ENGINE_BASE_URL
 from serve.stuck_work import end_stuck_workers
 
@@ -52,6 +53,7 @@ MAX_ANSWER_BYTES = 4 << 20  # vLLM's /metrics is tens of kilobytes
 BUSY = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 PROGRESS = ("vllm:generation_tokens", "vllm:prompt_tokens")  # counters (the exposition adds _total)
 KV_USE = "vllm:kv_cache_usage_perc"  # a gauge that moves while a prefill fills the cache
+WATCHED = (*BUSY, *PROGRESS, KV_USE)
 log = logging.getLogger(ACTOR)
 
 
@@ -119,7 +121,7 @@ def observe(program: Program, key: str) -> Observation:
     bounded (MAX_ANSWER_BYTES, ASK_DEADLINE_S each, no compression): an engine that trickles or
     floods is a replica that did not answer, never a watchdog that hangs or runs out of memory."""
     assert program.socket is not None  # engine programs listen on one
-    transport = httpx.HTTPTransport(uds=str(program.socket))
+    transport = unix_transport(program.socket)
     with httpx.Client(transport=transport, base_url=ENGINE_BASE_URL, timeout=ASK_TIMEOUT_S) as engine:
         try:
             healthy = _ask(engine, "/health", {}, keep_body=False)[0] == 200
@@ -152,10 +154,20 @@ def _ask(engine: httpx.Client, path: str, headers: dict[str, str], *, keep_body:
         return answer.status_code, bytes(body)
 
 
+def _watched_lines(exposition: str) -> str:
+    """The exposition's lines of the watched families only (their samples, TYPE and HELP): the
+    parser's answer for them unchanged, at a tenth of the work (vLLM exposes some 90 families)."""
+    def watched(line: str) -> bool:
+        name = line.split(maxsplit=3)[2] if line.startswith("# ") and line.count(" ") >= 2 else line
+        return name.startswith(WATCHED)
+
+    return "\n".join(line for line in exposition.splitlines() if watched(line)) + "\n"
+
+
 def _totals(exposition: str) -> dict[str, float]:
     """Each family's samples summed (over engines and labels), by family name."""
     totals: dict[str, float] = {}
-    for family in text_string_to_metric_families(exposition):
+    for family in text_string_to_metric_families(_watched_lines(exposition)):
         if family.name in BUSY or family.name in PROGRESS or family.name == KV_USE:
             totals[family.name] = sum(s.value for s in family.samples if not s.name.endswith("_created"))
     return totals

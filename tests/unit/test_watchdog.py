@@ -331,3 +331,36 @@ def test_by_default_a_long_prefill_is_not_a_wedge() -> None:
     for second in looks(DEFAULTS, 600):
         kv_use = 0.01 + (second // 10) / 1000
         assert stall(watched, Observation(healthy=True, held=1, tokens=100, kv_use=kv_use), second, DEFAULTS) is None
+
+
+def test_the_watched_counters_are_read_as_the_whole_exposition_gives_them() -> None:
+    """Only the watched families' lines are parsed: the totals are what parsing every line gives,
+    whatever else (histograms, labels holding spaces, quotes and '#', look-alike names) is there."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    registry = CollectorRegistry()
+    running = Gauge("vllm:num_requests_running", "Running", ["engine", "model_name"], registry=registry)
+    waiting = Gauge("vllm:num_requests_waiting", "Waiting", ["engine"], registry=registry)
+    prompt = Counter("vllm:prompt_tokens", "Prompt", ["engine"], registry=registry)
+    generated = Counter("vllm:generation_tokens", "Generated", ["engine"], registry=registry)
+    kv = Gauge("vllm:kv_cache_usage_perc", "KV", registry=registry)
+    cached = Counter("vllm:prompt_tokens_cached", "Look-alike", ["engine"], registry=registry)
+    latency = Histogram("vllm:e2e_request_latency_seconds", "Latency", ["engine"], registry=registry)
+    for engine in ("0", "1"):
+        running.labels(engine, 'a "model" # with spaces').set(2)
+        waiting.labels(engine).set(3)
+        prompt.labels(engine).inc(100)
+        generated.labels(engine).inc(40)
+        cached.labels(engine).inc(7)
+        latency.labels(engine).observe(0.5)
+    kv.set(0.25)
+    exposition = generate_latest(registry).decode()
+
+    everything: dict[str, float] = {}
+    for family in text_string_to_metric_families(exposition):
+        if family.name in watchdog.WATCHED:
+            everything[family.name] = sum(s.value for s in family.samples if not s.name.endswith("_created"))
+    assert watchdog._totals(exposition) == everything == {
+        "vllm:num_requests_running": 4, "vllm:num_requests_waiting": 6, "vllm:prompt_tokens": 200,
+        "vllm:generation_tokens": 80, "vllm:kv_cache_usage_perc": 0.25}
