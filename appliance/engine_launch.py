@@ -23,6 +23,7 @@ from appliance.model_refs import model_dir, served_name
 from appliance.programs import OFFLINE_ENVIRONMENT
 from appliance.records import HostCommand, Plan, load_plan
 from appliance.settings import EngineSettings, PoolSettings, Settings
+from appliance.tool_calling import tool_calling
 
 RANK_MODULE = "serve.vllm_rank"
 DP_RPC_PORT = 13345
@@ -85,6 +86,11 @@ def replica_names(pool: PoolSettings) -> list[str]:
     """The engines of a pool: its own name for the first (a pool of one keeps the name it always had),
     then <name>_1, <name>_2, ... ('_' is never in a pool's name, so no two pools' replicas clash)."""
     return [pool.name, *(f"{pool.name}_{index}" for index in range(1, pool.replicas))]
+
+
+def chat_template_file(home: Home, engine: str) -> Path:
+    """The chat template an engine serves with, where the appliance gives it one (appliance.tool_calling)."""
+    return home.run / "engines" / f"{engine}.chat-template.jinja"
 
 
 def engine_socket(home: Home, engine: str) -> Path:
@@ -188,6 +194,8 @@ def rank_command(pool: PoolSettings, settings: Settings, home: Home, layout: Poo
     lora = serves_adapters(pool, settings, home)
     if lora:
         argv += ["--enable-lora", "--max-lora-rank", str(pool.max_lora_rank), "--max-loras", str(pool.max_loras)]
+    if rank.node == 0 and (tools := tool_calling(model_dir(pool, home), pool.tool_parser)) is not None:
+        argv += tools.args(chat_template_file(home, rank.replica or pool.name))  # the head serves the API
     argv += pool.extra_args
 
     # The engine's log is the operator's record of its start and loader: a parent that imported TRL

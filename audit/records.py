@@ -73,6 +73,9 @@ class AuditEvent(BaseModel):
                                "capture is on.")
     completion: str | None = Field(None, description="Raw text, only when capture is on.")
     tools_called: list[str] | None = Field(None, description="Names of the tools the answer called, in order.")
+    tool_arguments_hmac: list[str] | None = Field(
+        None, description="Keyed hashes of those calls' arguments, in the same order (equal arguments compare "
+        "equal; the arguments stay secret).")
     sensitive: dict[str, str] | None = Field(
         None, description="What live compliance filtering did, by where and kind: {\"prompt.email\": \"flagged\", "
         "\"answer.payment_card\": \"redacted\"}; never the text.")

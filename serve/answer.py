@@ -84,6 +84,11 @@ class Answer:
         """Names of the tools called, in order."""
         return [call.name for call in self.tool_calls.values()]
 
+    @property
+    def tool_arguments(self) -> list[str]:
+        """The arguments of the tools called, as sent, in the same order."""
+        return ["".join(call.arguments) for call in self.tool_calls.values()]
+
     def canonical(self) -> str | None:
         """The text the completion hash covers: canonical JSON of the text, the tool calls (name
         and arguments) and any unparsed bytes; None if the engine answered nothing."""

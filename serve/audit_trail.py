@@ -291,6 +291,7 @@ class AuditMiddleware:
             params=transcript.params if self.capture else None,
             completion=completion if self.capture else None,
             tools_called=transcript.answer.tools_called or None,
+            tool_arguments_hmac=[str(self.hasher(a)) for a in transcript.answer.tool_arguments] or None,
             sensitive=dict(sorted(transcript.marks.done.items())) or None,
             tier=transcript.tier, replica=transcript.replica, cache_hit_of=transcript.cache_hit_of,
             batch=transcript.batch,

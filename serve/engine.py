@@ -6,6 +6,7 @@ node.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from dataclasses import dataclass, replace
@@ -13,9 +14,11 @@ from pathlib import Path
 
 import psutil
 
+from appliance.durable import replace_file
 from appliance.engine_launch import (
     PoolLayout,
     Rank,
+    chat_template_file,
     engine_program,
     engine_socket,
     pool_layout,
@@ -32,6 +35,7 @@ from appliance.programs import Program
 from appliance.records import Host, Plan
 from appliance.secrets import secret
 from appliance.settings import DEMO_MODEL, PoolSettings, Settings
+from appliance.tool_calling import tool_calling
 
 ENGINE_KEY_SECRET = "engine-api-key"
 ENGINE_BASE_URL = "http://engine"  # over an engine's Unix socket the host part only fills the Host header
@@ -115,6 +119,20 @@ def build_launch(pool: PoolSettings, settings: Settings, home: Home, api_key: st
                         served_name=command.argv[command.argv.index("--served-model-name") + 1])
 
 
+def write_chat_template(home: Home, pool: PoolSettings, replica: str, model: Path) -> None:
+    """The template the engine's arguments name, where the appliance gives it one (a ChatML model
+    whose own template cannot show tools): written whole, replaced only when it changed."""
+    tools = tool_calling(model, pool.tool_parser)
+    if tools is None or tools.template is None:
+        return
+    path = chat_template_file(home, replica)
+    with contextlib.suppress(OSError):
+        if path.read_text() == tools.template:
+            return
+    path.parent.mkdir(parents=True, mode=0o700, exist_ok=True)
+    replace_file(path, tools.template.encode(), mode=0o644)
+
+
 def gpu_sets(settings: Settings, host: Host) -> dict[str, tuple[int, ...]]:
     """Each engine's GPUs on this host, by replica name: its pool's setting (split among the
     replicas in order), its plan's (the first replica), or chosen from those left."""
@@ -187,6 +205,7 @@ def engine_programs(settings: Settings, home: Home) -> list[Program]:
     for pool, replica in ((each, replica) for each in settings.pools for replica in replica_names(each)):
         gpus = sets.get(replica, ())
         launch = build_launch(pool, settings, home, api_key, gpus, replica)
+        write_chat_template(home, pool, replica, launch.model_dir)
         socket = engine_socket(home, replica)
         problem = missing_model(launch.model_dir)
         if problem and pool.model == DEMO_MODEL:

@@ -69,6 +69,9 @@ class Metrics:
                                         ["adapter", "version", "outcome"], registry=self.registry)
         self.canary_decisions = Counter("gateway_canary_decisions_total", "Canaries promoted or aborted by their "
                                         "analysis.", ["decision"], registry=self.registry)
+        self.tool_calls = Counter("gateway_tool_calls_total", "Tool calls the models returned, by outcome: passed "
+                                  "on, or refused for not matching the request's tools (never passed on as calls).",
+                                  ["model", "outcome"], registry=self.registry)
         self.cache = Counter("gateway_cache_requests_total", "Cacheable requests by outcome (hit, miss, bypass).",
                              ["outcome"], registry=self.registry)
         self.cache_entries = Gauge("gateway_cache_entries", "Answers held by the response cache.",

@@ -23,7 +23,7 @@ from audit import AuditEvent
 from serve.answer import Answer, decode_json
 from serve.audit_trail import AfterRecord
 from serve.auth import Principal
-from serve.compliance import AnswerFilter, Marks
+from serve.compliance import Marks
 from serve.context import AdapterAnswer, CacheCandidate, RequestContext, Transcript, context_of
 from serve.errors import GatewayError
 from serve.lifespan import Gateway
@@ -32,7 +32,8 @@ from serve.metrics import Metrics
 from serve.replicas import Pool
 from serve.response_cache import CachedAnswer, Capture, ResponseCache, deterministic, wants
 from serve.schemas import ChatRequest, CompletionRequest
-from serve.sse_relay import relay_stream, usage_of
+from serve.sse_relay import Checks, relay_stream, usage_of
+from serve.tool_calls import InvalidToolCall, ToolCheck
 from serve.upstream import read_answer
 
 
@@ -82,6 +83,9 @@ async def relay(request: Request, who: Principal, path: str, body: ChatRequest |
         fields = tuple(name for name in payload if name != "model")
         await anyio.to_thread.run_sync(gateway.compliance.screen_prompt, payload, fields, policy, marks)
         screen = gateway.compliance.answer_filter(policy, marks)
+        # The calls the model returns are checked against the functions the engine was offered.
+        tools = ToolCheck.of(payload.get("tools"), payload.get("tool_choice"),
+                             lambda outcome: gateway.metrics.tool_calls.labels(pool.model, outcome).inc())
         transcript.prompt = body.prompt_text(payload)  # max_tokens and stream_options, set above, shape no prompt
         transcript.params = body.params_text(payload)  # they are among these: what the engine is asked
         keep = None  # the cache key to keep the answer by
@@ -104,8 +108,8 @@ async def relay(request: Request, who: Principal, path: str, body: ChatRequest |
         # record keeps that): a client that cannot tell canary answers apart cannot report on them
         # selectively. The RL service identity, which no person holds, is told the version it trains.
         named = adapter.name if adapter is not None and Role.RL_POLICY not in who.roles else None
-        return await _forward(context, transcript, gateway, pool, adapter, path, payload, admission, screen,
-                              headers, keep, body.model, named)
+        return await _forward(context, transcript, gateway, pool, adapter, path, payload, admission,
+                              Checks(screen, tools), headers, keep, body.model, named)
     except GatewayError:
         admission.settle(0, 0)  # refused before the engine saw it
         raise
@@ -169,10 +173,11 @@ def _replay(hit: CachedAnswer, transcript: Transcript, headers: dict[str, str]) 
 
 async def _forward(context: RequestContext, transcript: Transcript, gateway: Gateway, pool: Pool,
                    adapter: AdapterRecord | None, path: str, payload: dict[str, Any], admission: Admission,
-                   screen: AnswerFilter | None, headers: dict[str, str], keep: str | None, asked: str,
+                   checks: Checks, headers: dict[str, str], keep: str | None, asked: str,
                    named: str | None) -> Response:
-    """Send to `pool` and relay its answer; `keep`: the cache key to keep the answer by once
-    recorded (`asked`: the model the client named)."""
+    """Send to `pool` and relay its answer, its tool calls checked and its text screened; `keep`:
+    the cache key to keep the answer by once recorded (`asked`: the model the client named)."""
+    screen, tools = checks.screen, checks.tools
     request_id = context.request_id
     started = time.monotonic()
     transcript.relayed = True
@@ -209,6 +214,13 @@ async def _forward(context: RequestContext, transcript: Transcript, gateway: Gat
                 answer.get("model") != named:
             answer["model"] = named
             content = json.dumps(answer, separators=(",", ":")).encode()
+        if tools is not None and response.status == 200 and isinstance(answer, dict):
+            try:
+                tools.answer(answer)
+            except InvalidToolCall:
+                account.usage(*usage_of(answer))  # the engine worked: its tokens are charged
+                transcript.answer.add_choices(answer.get("choices"))  # the record names what it tried
+                raise
         if screen is not None and response.status == 200:
             if not isinstance(answer, dict):  # what cannot be screened does not go out
                 account.usage(None, 0)  # the engine worked: the prompt is charged
@@ -234,7 +246,7 @@ async def _forward(context: RequestContext, transcript: Transcript, gateway: Gat
     if keep is not None:
         sent_chunks = Capture(gateway.cache.settings.max_entry_bytes)
         context.cache_candidate = CacheCandidate(keep, asked, sent_chunks, True, "text/event-stream")
-    return SettlingStream(admission, relay_stream(response, account, screen, sent_chunks, named),
+    return SettlingStream(admission, relay_stream(response, account, checks, sent_chunks, named),
                           release=sent.done, media_type="text/event-stream",
                           headers={**headers, "Cache-Control": "no-cache"})
 

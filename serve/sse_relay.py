@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import aiohttp
@@ -15,6 +16,18 @@ from serve.answer import Answer, decode_json
 from serve.compliance import AnswerFilter
 from serve.errors import stream_error
 from serve.response_cache import Capture
+from serve.tool_calls import InvalidToolCall, ToolCheck
+
+END = b"data: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class Checks:
+    """What an answer passes through before it goes out: its tool calls checked against the
+    request's functions, then its text screened for sensitive data (None: not asked for)."""
+
+    screen: AnswerFilter | None = None
+    tools: ToolCheck | None = None
 
 
 class StreamListener(Protocol):
@@ -42,7 +55,7 @@ def usage_of(answer: object) -> tuple[int, int]:
 
 
 async def relay_stream(response: aiohttp.ClientResponse, listener: StreamListener,
-                       screen: AnswerFilter | None = None, sent: Capture | None = None,
+                       checks: Checks = Checks(), sent: Capture | None = None,
                        model: str | None = None) -> AsyncIterator[bytes]:
     """Pass SSE through line by line as it arrives; gather the answer into `listener.answer`, and
     tell the listener the first token, the usage and the end marker.
@@ -58,7 +71,11 @@ async def relay_stream(response: aiohttp.ClientResponse, listener: StreamListene
     An error event goes out re-encoded in the gateway's error shape, whatever else the chunk held
     going out unchanged.
 
-    With `screen` (compliance filtering), each event goes out re-encoded with its text redacted,
+    With `checks.tools`, each choice's tool calls are held back until it finishes and go out whole
+    with the event that finishes it; a call that does not match the request's functions goes out as
+    an error event instead, and the stream ends there (serve.tool_calls).
+
+    With `checks.screen` (compliance filtering), each event goes out re-encoded with its text redacted,
     and what it still held goes out in events of its own before the end marker. With `sent`, each
     chunk is also added to it before it goes on (the response cache keeps what the client got).
 
@@ -69,12 +86,14 @@ async def relay_stream(response: aiohttp.ClientResponse, listener: StreamListene
     then makes vLLM abort the request, freeing the engine.
     """
     answer = listener.answer
+    screen, tools = checks.screen, checks.tools
     first = True
     pending = b""
     finished = False
     usage: tuple[int | None, int] | None = None
     text_chunks = 0
     reported = False
+    refused_calls = False
 
     def report() -> None:
         nonlocal reported
@@ -94,11 +113,18 @@ async def relay_stream(response: aiohttp.ClientResponse, listener: StreamListene
             for line in complete.splitlines(keepends=True):
                 lines.append(line)
                 if line.rstrip(b"\r\n") == b"data: [DONE]":
+                    try:
+                        held = tools.finish() if tools is not None else []
+                    except InvalidToolCall as refused:
+                        lines[-1:] = [_refusal(refused, answer), line]
+                        held, rewritten = [], True
                     if screen is not None:  # what it held back goes out before the end
-                        held = screen.finish()
+                        held = [screen.event(event) for event in held] + screen.finish()
+                    if held:
                         lines[-1:] = [*(_event_line(event) + b"\n" for event in held), line]
                         for extra in held:
                             answer.add_choices(extra.get("choices"))
+                    rewritten = rewritten or tools is not None
                     report()
                     listener.end()
                     continue
@@ -120,6 +146,14 @@ async def relay_stream(response: aiohttp.ClientResponse, listener: StreamListene
                     answer.failed = True
                     event = stream_error(event)
                     lines[-1], rewritten = _event_line(event), True
+                elif tools is not None:
+                    try:
+                        event = tools.event(event)
+                    except InvalidToolCall as refused:  # the refusal instead of the calls, and the end
+                        lines[-1:] = [_refusal(refused, answer), END]
+                        refused_calls = rewritten = True
+                        break
+                    lines[-1], rewritten = _event_line(event), True
                 if screen is not None:
                     lines[-1] = _event_line(screen.event(event))  # changed in place
                 answer.note_id(event)
@@ -131,6 +165,11 @@ async def relay_stream(response: aiohttp.ClientResponse, listener: StreamListene
                 if event.get("usage"):
                     usage = usage_of(event)
             out = b"".join(lines) if rewritten else complete
+            if refused_calls:
+                report()
+                listener.end()
+                yield out  # not kept for the cache: an answer refused is never replayed
+                return
             if sent is not None:
                 sent.append(out)
             yield out
@@ -149,6 +188,14 @@ async def relay_stream(response: aiohttp.ClientResponse, listener: StreamListene
             response.close()  # drop the connection: the engine sees the client leave
         if screen is not None:  # last: whatever it raises, the engine is let go first
             screen.settle()
+
+
+def _refusal(refused: InvalidToolCall, answer: Answer) -> bytes:
+    """The error event that goes out in place of calls that did not match; the answer keeps them
+    (the audit record names what the model tried)."""
+    answer.failed = True
+    answer.add_choices(refused.choices)
+    return _event_line(refused.body()) + b"\n"
 
 
 def _event_line(event: dict[str, Any]) -> bytes:

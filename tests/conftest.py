@@ -66,6 +66,7 @@ RUN_ORDER = [
     "tests/integration/test_lifecycle_resume.py",
     "tests/integration/test_day_one.py",
     "tests/integration/test_attacks.py",
+    "tests/integration/test_tool_calls.py",
     "tests/integration/test_exec_sandbox.py",
     "tests/integration/test_network.py",
     "tests/integration/test_login_proxy.py",

@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 from pydantic import Field, IPvAnyAddress
 
 from appliance.settings.section import Port, Section
+from appliance.tool_calling import ToolParser
 
 DEMO_MODEL = "demo"
 
@@ -91,6 +92,10 @@ class PoolSettings(Section):
         "restart; its cost is in docs/post-train/lora.md. Unset: on, except for a mixture-of-experts model on the "
         "CPU engine, whose vLLM LoRA kernels do not run there (its first request would fail)."
     )
+    tool_parser: Literal["auto", "none"] | ToolParser = Field(
+        "auto", description="OpenAI tool calling (`tool_choice` auto): vLLM's parser of the model's calls. auto: "
+        "the one for the model's family where its template shows tools, hermes with the appliance's template for "
+        "a ChatML model whose template does not (docs/serve/tools.md); none: no automatic tool choice.")
     max_lora_rank: int = Field(16, ge=1, description="Largest adapter rank accepted.")
     max_loras: int = Field(4, ge=1, description="Adapters resident at once.")
     max_model_len: int | None = Field(None, gt=0, description="Overrides engine.max_model_len.")

@@ -9,7 +9,8 @@ import json
 from collections.abc import AsyncIterator
 
 from serve.answer import Answer
-from serve.sse_relay import relay_stream
+from serve.sse_relay import Checks, relay_stream
+from serve.tool_calls import ToolCheck
 
 
 def event(text: str | None = None, usage: tuple[int, int] | None = None) -> bytes:
@@ -39,7 +40,7 @@ class Engine:
 
 
 def relay(engine: Engine, take: int | None = None, ends: list[int] | None = None,
-          answer: Answer | None = None) -> tuple[list[bytes], list[tuple], list[str]]:
+          answer: Answer | None = None, checks: Checks | None = None) -> tuple[list[bytes], list[tuple], list[str]]:
     """What the client got, the usage reports (with how many chunks had gone on before each),
     and the texts seen; `take` chunks only when the client leaves early; `ends` gets how many
     chunks had gone on when the end marker was seen."""
@@ -63,7 +64,7 @@ def relay(engine: Engine, take: int | None = None, ends: list[int] | None = None
             ends.append(len(got))
 
     async def run() -> None:
-        stream = relay_stream(engine, Listener(answer))
+        stream = relay_stream(engine, Listener(answer), checks or Checks())  # type: ignore[arg-type]
         async for chunk in stream:
             got.append(chunk)
             if take is not None and len(got) == take:
@@ -172,3 +173,59 @@ def test_each_event_names_the_model_asked_for_when_told_one() -> None:
     assert [e["model"] for e in events] == ["codes"] * 3 and b"codes-v2" not in got
     assert answer.text == ["O", "K"] and got.endswith(b"data: [DONE]\n\n")
     assert relay(Engine(chunks))[0] == chunks, "without a model to name, the bytes pass through unchanged"
+
+
+def tool_stream(arguments: str) -> list[bytes]:
+    """An engine's stream of one get_weather call, its arguments in two deltas, then the usage."""
+    def line(body: dict) -> bytes:
+        return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+    half = len(arguments) // 2
+    return [line({"choices": [{"index": 0, "delta": {"role": "assistant"}}]}),
+            line({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "c1", "type": "function",
+                  "function": {"name": "get_weather", "arguments": arguments[:half]}}]}}]}),
+            line({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0,
+                  "function": {"arguments": arguments[half:]}}]}}]}),
+            line({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}),
+            line({"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 7}}) + b"data: [DONE]\n\n"]
+
+
+def weather_check(outcomes: list[str]) -> ToolCheck:
+    found = ToolCheck.of([{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}], "auto",
+        outcomes.append)
+    assert found is not None
+    return found
+
+
+def sent_events(got: list[bytes]) -> list[dict]:
+    return [json.loads(line[len(b"data: "):]) for line in b"".join(got).splitlines() if line.startswith(b"data: {")]
+
+
+def test_a_streamed_call_goes_out_whole_with_the_event_that_finishes_its_choice() -> None:
+    outcomes: list[str] = []
+    answer = Answer()
+    got, reports, _ = relay(Engine(tool_stream('{"city": "Oslo"}')), answer=answer,
+                            checks=Checks(tools=weather_check(outcomes)))
+    events = sent_events(got)
+    with_calls = [e for e in events if e["choices"] and "tool_calls" in e["choices"][0]["delta"]]
+    assert len(with_calls) == 1 and with_calls[0]["choices"][0]["finish_reason"] == "tool_calls"
+    call = {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    assert with_calls[0]["choices"][0]["delta"]["tool_calls"] == [{"index": 0, "id": "c1", "type": "function",
+                                                                   "function": call}]
+    assert outcomes == ["passed"] and reports[0][:2] == (9, 7) and b"".join(got).endswith(b"data: [DONE]\n\n")
+    assert answer.tools_called == ["get_weather"] and answer.tool_arguments == ['{"city": "Oslo"}']
+
+
+def test_a_streamed_call_that_does_not_match_goes_out_as_an_error_and_the_stream_ends() -> None:
+    outcomes: list[str] = []
+    answer = Answer()
+    engine = Engine(tool_stream('{"town": "Oslo"}'))
+    got, reports, _ = relay(engine, answer=answer, checks=Checks(tools=weather_check(outcomes)))
+    events = sent_events(got)
+    assert not any(e.get("choices") and "tool_calls" in e["choices"][0].get("delta", {}) for e in events)
+    [error] = [e["error"] for e in events if "error" in e]
+    assert error["code"] == "invalid_tool_call" and "'city' is a required property" in error["message"]
+    assert b"".join(got).endswith(b"data: [DONE]\n\n") and outcomes == ["refused"]
+    assert answer.failed and answer.tools_called == ["get_weather"], "the record names what the model tried"
+    assert engine.ended == "closed" and len(reports) == 1
