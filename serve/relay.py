@@ -214,13 +214,6 @@ async def _forward(context: RequestContext, transcript: Transcript, gateway: Gat
                 answer.get("model") != named:
             answer["model"] = named
             content = json.dumps(answer, separators=(",", ":")).encode()
-        if tools is not None and response.status == 200 and isinstance(answer, dict):
-            try:
-                tools.answer(answer)
-            except InvalidToolCall:
-                account.usage(*usage_of(answer))  # the engine worked: its tokens are charged
-                transcript.answer.add_choices(answer.get("choices"))  # the record names what it tried
-                raise
         if screen is not None and response.status == 200:
             if not isinstance(answer, dict):  # what cannot be screened does not go out
                 account.usage(None, 0)  # the engine worked: the prompt is charged
@@ -229,6 +222,13 @@ async def _forward(context: RequestContext, transcript: Transcript, gateway: Gat
                                    type="server_error", code="unscreened_answer")
             answer = await anyio.to_thread.run_sync(screen.answer, answer)
             content = json.dumps(answer, separators=(",", ":")).encode()
+        if tools is not None and response.status == 200 and isinstance(answer, dict):
+            try:  # the calls that would go out (redacted first), in a thread: a schema may be slow
+                await anyio.to_thread.run_sync(tools.answer, answer)
+            except InvalidToolCall:
+                account.usage(*usage_of(answer))  # the engine worked: its tokens are charged
+                transcript.answer.add_choices(answer.get("choices"))  # the record names what it tried
+                raise
         account.usage(*usage_of(answer))
         transcript.answer.note_id(answer)
         if isinstance(answer, dict):

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import aiohttp
+import anyio
 
 from serve.answer import Answer, decode_json
 from serve.compliance import AnswerFilter
@@ -94,6 +95,7 @@ async def relay_stream(response: aiohttp.ClientResponse, listener: StreamListene
     text_chunks = 0
     reported = False
     refused_calls = False
+    ended = False
 
     def report() -> None:
         nonlocal reported
@@ -109,24 +111,25 @@ async def relay_stream(response: aiohttp.ClientResponse, listener: StreamListene
                 continue
             complete, pending = pending[:cut], pending[cut:]
             lines = []
-            rewritten = screen is not None
+            rewritten = screen is not None or tools is not None
             for line in complete.splitlines(keepends=True):
                 lines.append(line)
                 if line.rstrip(b"\r\n") == b"data: [DONE]":
-                    try:
-                        held = tools.finish() if tools is not None else []
-                    except InvalidToolCall as refused:
-                        lines[-1:] = [_refusal(refused, answer), line]
-                        held, rewritten = [], True
-                    if screen is not None:  # what it held back goes out before the end
-                        held = [screen.event(event) for event in held] + screen.finish()
+                    # What the filter held back goes out before the end, then calls never finished.
+                    held = screen.finish() if screen is not None else []
+                    if tools is not None:
+                        try:
+                            held = await anyio.to_thread.run_sync(_last_calls, tools, held)
+                        except InvalidToolCall as refused:
+                            lines[-1:] = [_refusal(refused, answer), line]
+                            held, refused_calls = [], True
                     if held:
                         lines[-1:] = [*(_event_line(event) + b"\n" for event in held), line]
                         for extra in held:
                             answer.add_choices(extra.get("choices"))
-                    rewritten = rewritten or tools is not None
                     report()
                     listener.end()
+                    ended = True
                     continue
                 if not line.startswith(b"data:"):
                     continue
@@ -136,8 +139,8 @@ async def relay_stream(response: aiohttp.ClientResponse, listener: StreamListene
                     event = None
                 if not isinstance(event, dict):
                     answer.add_unparsed(line.rstrip(b"\r\n"))
-                    if screen is not None:
-                        lines.pop()  # what cannot be screened does not go out
+                    if screen is not None or tools is not None:
+                        lines.pop()  # what cannot be screened or checked does not go out
                     continue
                 if model is not None and "model" in event and event["model"] != model:
                     event["model"] = model
@@ -146,16 +149,18 @@ async def relay_stream(response: aiohttp.ClientResponse, listener: StreamListene
                     answer.failed = True
                     event = stream_error(event)
                     lines[-1], rewritten = _event_line(event), True
-                elif tools is not None:
-                    try:
-                        event = tools.event(event)
+                if screen is not None:  # redacted first: the calls checked are those that go out
+                    event = screen.event(event)
+                    lines[-1] = _event_line(event)
+                if tools is not None and "error" not in event:
+                    try:  # a choice that finishes has its calls checked, in a thread: a schema may be slow
+                        event = await anyio.to_thread.run_sync(tools.event, event) if _finishes(event) \
+                            else tools.event(event)
                     except InvalidToolCall as refused:  # the refusal instead of the calls, and the end
                         lines[-1:] = [_refusal(refused, answer), END]
-                        refused_calls = rewritten = True
+                        refused_calls = True
                         break
-                    lines[-1], rewritten = _event_line(event), True
-                if screen is not None:
-                    lines[-1] = _event_line(screen.event(event))  # changed in place
+                    lines[-1] = _event_line(event)
                 answer.note_id(event)
                 if answer.add_choices(event.get("choices")):
                     text_chunks += 1
@@ -167,7 +172,8 @@ async def relay_stream(response: aiohttp.ClientResponse, listener: StreamListene
             out = b"".join(lines) if rewritten else complete
             if refused_calls:
                 report()
-                listener.end()
+                if not ended:
+                    listener.end()
                 yield out  # not kept for the cache: an answer refused is never replayed
                 return
             if sent is not None:
@@ -175,12 +181,15 @@ async def relay_stream(response: aiohttp.ClientResponse, listener: StreamListene
             yield out
         if pending:
             answer.add_unparsed(pending)
-            if screen is None:
+            if screen is None and tools is None:  # what cannot be screened or checked does not go out
                 if sent is not None:
                     sent.append(pending)
                 yield pending
         finished = True
     finally:
+        if tools is not None and not refused_calls:  # a stream cut short: what the model tried is kept
+            for choice in tools.gathered():
+                answer.add_choices([choice])
         report()
         if finished:
             response.release()  # the connection goes back to the pool
@@ -188,6 +197,18 @@ async def relay_stream(response: aiohttp.ClientResponse, listener: StreamListene
             response.close()  # drop the connection: the engine sees the client leave
         if screen is not None:  # last: whatever it raises, the engine is let go first
             screen.settle()
+
+
+def _finishes(event: dict[str, Any]) -> bool:
+    choices = event.get("choices")
+    return isinstance(choices, list) and any(isinstance(c, dict) and c.get("finish_reason") is not None
+                                             for c in choices)
+
+
+def _last_calls(tools: ToolCheck, held: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """At the end marker: the filter's held events through the check, then the calls of choices
+    the stream never finished."""
+    return [tools.event(event) for event in held] + tools.finish()
 
 
 def _refusal(refused: InvalidToolCall, answer: Answer) -> bytes:

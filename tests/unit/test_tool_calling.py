@@ -13,8 +13,9 @@ from appliance.errors import SettingsError
 from appliance.tool_calling import tool_calling
 from finetune.token_count import chat_template, special_tokens
 
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+                                            "parameters": CITY}}
 CHATS = [
     [{"role": "user", "content": "Hello"}],
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
@@ -65,7 +66,8 @@ def test_the_demo_model_gets_a_template_that_shows_tools_and_otherwise_renders_a
         assert render(found.template, chat, demo_model) == render(own, chat, demo_model)
     asked = render(found.template, CHATS[1], demo_model, tools=[WEATHER])
     assert asked.startswith("<|im_start|>system\nBe brief.\n\n# Tools") and json.dumps(WEATHER) in asked
-    assert asked.count("Be brief.") == 1 and asked.endswith("<|im_start|>user\nWeather?<|im_end|>\n<|im_start|>assistant\n")
+    assert asked.count("Be brief.") == 1
+    assert asked.endswith("<|im_start|>user\nWeather?<|im_end|>\n<|im_start|>assistant\n")
     turn = [*CHATS[0], {"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "12 C"}]
