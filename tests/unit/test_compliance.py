@@ -325,3 +325,21 @@ def test_dataset_ingestion_and_rl_export_screen_with_the_gateways_plug_in_detect
                            Settings(compliance=ComplianceSettings(training_data="redact")))
     assert redacted.sensitive == {"national_id": 1}
     assert "AB 12 34 56 C" not in json.dumps([*redacted.train, *redacted.evaluation])
+
+
+def test_a_tool_result_the_client_sends_back_is_screened_like_any_message() -> None:
+    """The tool's output (role "tool") and the call it answers (the assistant's arguments) are
+    prompt text: a card in either is refused naming where, never the number."""
+    compliance = Compliance(ComplianceSettings())
+    call = {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": '{"q": "x"}'}}
+    for where, payload in (
+            ("messages[2].content", {"messages": [
+                {"role": "user", "content": "my card?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": f"card on file: {CARD}"}]}),
+            ("messages[1].tool_calls[0].function.arguments", {"messages": [
+                {"role": "user", "content": "pay"}, {"role": "assistant", "content": None, "tool_calls": [
+                    {**call, "function": {"name": "pay", "arguments": json.dumps({"card": CARD})}}]}]})):
+        with pytest.raises(GatewayError) as refused:
+            compliance.screen_prompt(payload, CHAT, compliance.policy(["user"]), Marks())
+        assert refused.value.code == "sensitive_data" and where in refused.value.message
+        assert "4111" not in refused.value.message
