@@ -13,9 +13,9 @@ docs/serve/tools.md:
   glm4_moe                             -> glm45
   gpt_oss                              -> openai
   granite                              -> granite
-  any other with a ChatML template     -> hermes, with the appliance's ChatML tool template
-Any other: no automatic tool choice (`tool_choice` "required" or a named function still works:
-vLLM forces the call's JSON with structured output); `pools.NAME.tool_parser` names one.
+Any other: no automatic tool choice; `pools.NAME.tool_parser` names a parser. Named "hermes" for a
+ChatML model whose template shows no tools (the demo model), the engine gets the appliance's ChatML
+tool template too. (Not by default: a 135M model shown the tools starts copying their schemas.)
 """
 
 from __future__ import annotations
@@ -59,16 +59,15 @@ def tool_calling(model: Path, setting: str) -> ToolCalling | None:
     `model`; None: no automatic tool choice."""
     if setting == NONE:
         return None
+    own = _own_template(model) or ""
     if setting != AUTO:
         if setting not in PARSERS:
             raise SettingsError(f"tool_parser {setting!r}: one of auto, none, {', '.join(sorted(PARSERS))}")
-        return ToolCalling(setting)
+        chatml = setting == "hermes" and CHATML_START in own and "tools" not in own
+        return ToolCalling(setting, with_tools(own) if chatml else None)
     family = FAMILIES.get(str(_json(model / "config.json").get("model_type", "")))
-    own = _own_template(model) or ""
     if family is not None and "tools" in own:  # its own template shows tools (SmolLM2 is a llama with ChatML)
         return ToolCalling(family)
-    if CHATML_START in own and "tools" not in own:
-        return ToolCalling("hermes", with_tools(own))
     return None
 
 

@@ -94,8 +94,8 @@ class PoolSettings(Section):
     )
     tool_parser: Literal["auto", "none"] | ToolParser = Field(
         "auto", description="OpenAI tool calling (`tool_choice` auto): vLLM's parser of the model's calls. auto: "
-        "the one for the model's family where its template shows tools, hermes with the appliance's template for "
-        "a ChatML model whose template does not (docs/serve/tools.md); none: no automatic tool choice.")
+        "the one for the model's family where its template shows tools (docs/serve/tools.md); hermes for a ChatML "
+        "model whose template does not also gives it the appliance's template that shows them; none: none.")
     max_lora_rank: int = Field(16, ge=1, description="Largest adapter rank accepted.")
     max_loras: int = Field(4, ge=1, description="Adapters resident at once.")
     max_model_len: int | None = Field(None, gt=0, description="Overrides engine.max_model_len.")

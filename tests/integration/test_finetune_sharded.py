@@ -21,7 +21,7 @@ import pytest
 
 from appliance.adapters import load
 from appliance.home import Home
-from appliance.jobs import RankMemory, read_ranks
+from appliance.jobs import RankMemory, read_launch, read_ranks
 from tests.support.appliances import APPLIANCE
 from tests.support.models import tiny_llama, tiny_moe
 
@@ -32,6 +32,7 @@ GLOBAL_BATCH = 4
 # here at most 0.0029 over 20 steps (losses from 2.0 down to 0.0006); the bound leaves 7x room.
 # 10 steps: the curve's first half, enough to halve the loss, at half the suite's time.
 LOSS_TOLERANCE = 0.02
+ESTIMATE_TOLERANCE = 0.15  # the planner's per-rank estimate against a rank's measured peak
 
 
 @pytest.fixture(scope="module")
@@ -56,11 +57,12 @@ def workspace(tmp_path_factory: pytest.TempPathFactory, demo_model: Path) -> tup
     return env, root
 
 
-def command(root: Path, demo: Path, name: str, processes: int, save_steps: int) -> list[str]:
-    """The same global batch (GLOBAL_BATCH rows a step) whatever the number of ranks."""
+def command(root: Path, demo: Path, name: str, processes: int, save_steps: int, *, scenarios: bool) -> list[str]:
+    """The same global batch (GLOBAL_BATCH rows a step) whatever the number of ranks; `scenarios`:
+    the gate answers the scenario prompts (generation under FSDP: once is enough, it is slow)."""
     return [APPLIANCE, "finetune", "run", "--data", "codes", "--base", str(demo), "--name", name, "--lr", "0.001",
             "--max-steps", str(STEPS), "--batch-size", str(GLOBAL_BATCH // processes), "--processes", str(processes),
-            "--save-steps", str(save_steps), "--scenarios", str(root / "scenarios.jsonl")]
+            "--save-steps", str(save_steps), *(["--scenarios", str(root / "scenarios.jsonl")] if scenarios else [])]
 
 
 def job_dir(env: dict[str, str], name: str) -> Path:
@@ -93,11 +95,11 @@ def test_two_ranks_hold_half_the_base_and_train_the_single_process_curve_and_sur
 
     env, root = workspace
     fsdp = {**env, "APPLIANCE_FINETUNE__STRATEGY": "fsdp"}  # one process: the sharded loop, nothing to shard
-    single = subprocess.run(command(root, demo_model, "codes-one", 1, 100), env=fsdp, capture_output=True,
-                            text=True, timeout=1200)
+    single = subprocess.run(command(root, demo_model, "codes-one", 1, 100, scenarios=False), env=fsdp,
+                            capture_output=True, text=True, timeout=1200)
     assert single.returncode == 0, single.stderr
-    sharded = subprocess.run(command(root, demo_model, "codes-two", 2, 100), env=env, capture_output=True,
-                             text=True, timeout=1200)
+    sharded = subprocess.run(command(root, demo_model, "codes-two", 2, 100, scenarios=True), env=env,
+                             capture_output=True, text=True, timeout=1200)
     assert sharded.returncode == 0, sharded.stderr
 
     # Memory, as each rank measured it: the sum of its local shards, and its peak resident set.
@@ -110,6 +112,13 @@ def test_two_ranks_hold_half_the_base_and_train_the_single_process_curve_and_sur
         assert abs(rank.optimizer_bytes / one.optimizer_bytes - 0.5) < 0.01
         assert rank.peak_rss_bytes < one.peak_rss_bytes
     print("memory:", one, two)
+    # The training planner's estimate of one rank, for this job's rows (their longest), against the
+    # peak each rank measured.
+    launch = read_launch(job_dir(env, "codes-two"))
+    assert launch is not None and launch.seq_len is not None and launch.seq_len < 100
+    assert launch.estimated_process_bytes is not None
+    for rank in two:
+        assert abs(launch.estimated_process_bytes / rank.peak_rss_bytes - 1) < ESTIMATE_TOLERANCE, (launch, rank)
 
     curve_one, curve_two = losses(job_dir(env, "codes-one")), losses(job_dir(env, "codes-two"))
     assert len(curve_one) == len(curve_two) == STEPS
@@ -124,8 +133,8 @@ def test_two_ranks_hold_half_the_base_and_train_the_single_process_curve_and_sur
     assert records["codes-two"].metrics.steps == STEPS
 
     # A rank killed once a checkpoint is whole: torchrun starts both again, they resume from it.
-    run = subprocess.Popen(command(root, demo_model, "codes-killed", 2, 5), env=env, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
+    run = subprocess.Popen(command(root, demo_model, "codes-killed", 2, 5, scenarios=False), env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 900
     while not list((Path(env["APPLIANCE_HOME"]) / "finetune").glob("codes-killed-*/checkpoints/step-*/manifest.json")):
         assert run.poll() is None and time.monotonic() < deadline, "no whole checkpoint before the run ended"

@@ -1,10 +1,9 @@
 """Tool calls through the real gateway and vLLM: the session appliance's demo model is served with
-vLLM's hermes parser and the appliance's ChatML tool template (appliance.tool_calling). Through the
-official `openai` client, a call asked for by name matches its schema and is the same streamed or
-not; the audit record lists the calls and their arguments' keyed hashes in order; a call the
-engine returns that does not match the request's schema (the model made to write it, with
-structured output, in auto mode) never reaches the client as a call, streamed or not; the
-metrics count both."""
+vLLM's hermes parser (tests/integration/conftest.py), and the model is made to write a call with
+structured output in auto mode, which the parser returns as a call. Through the official `openai`
+client, a call that matches its schema goes out the same streamed or not, and the audit record
+lists the calls and their arguments' keyed hashes in order; a call that does not match never
+reaches the client as a call, streamed or not, and is recorded; the metrics count both."""
 
 from __future__ import annotations
 
@@ -34,8 +33,9 @@ SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                            "parameters": SCHEMA}}]
 ASKED = [{"role": "user", "content": "What is the weather in Oslo, in celsius?"}]
-# What the engine is made to write in auto mode: a call the hermes parser takes, naming an
-# argument the schema does not have.
+# What the engine is made to write in auto mode (a regex): calls the hermes parser takes, one
+# matching the schema and one naming an argument it does not have.
+RIGHT = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "Oslo", "unit": "celsius"\}\}\n</tool_call>'
 WRONG = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"town": "Oslo"\}\}\n</tool_call>'
 
 
@@ -76,20 +76,22 @@ def tool_metric(realm: Realm, outcome: str) -> float:
     return 0.0
 
 
-def test_a_named_call_matches_its_schema_and_is_the_same_streamed_or_not(client: openai.OpenAI,
-                                                                          running: Running) -> None:
-    chosen = {"type": "function", "function": {"name": "get_weather"}}
+def test_a_call_that_matches_its_schema_goes_out_the_same_streamed_or_not(client: openai.OpenAI,
+                                                                           realm: Realm, running: Running) -> None:
+    passed_before = tool_metric(realm, "passed")
+    forced = {"structured_outputs": {"regex": RIGHT}}
     whole = client.chat.completions.with_raw_response.create(
-        model=MODEL, messages=ASKED, tools=TOOLS, tool_choice=chosen, temperature=0, max_tokens=64)  # type: ignore[arg-type]
+        model=MODEL, messages=ASKED, tools=TOOLS, tool_choice="auto", temperature=0, max_tokens=96,  # type: ignore[arg-type]
+        extra_body=forced)
     answer = whole.parse()
     [call] = answer.choices[0].message.tool_calls or []
     assert call.function.name == "get_weather"  # type: ignore[union-attr]
     jsonschema.validate(json.loads(call.function.arguments), SCHEMA)  # type: ignore[union-attr]
 
     streamed: dict[int, dict[str, str]] = {}
-    with client.chat.completions.with_raw_response.create(
-            model=MODEL, messages=ASKED, tools=TOOLS, tool_choice=chosen, temperature=0, max_tokens=64,  # type: ignore[arg-type]
-            stream=True) as raw:
+    with client.chat.completions.with_streaming_response.create(
+            model=MODEL, messages=ASKED, tools=TOOLS, tool_choice="auto", temperature=0, max_tokens=96,  # type: ignore[arg-type]
+            stream=True, extra_body=forced) as raw:
         for chunk in raw.parse():
             for delta_call in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
                 entry = streamed.setdefault(delta_call.index, {"name": "", "arguments": ""})
@@ -103,6 +105,7 @@ def test_a_named_call_matches_its_schema_and_is_the_same_streamed_or_not(client:
         record = record_of(running, request_id)
         assert record["tools_called"] == ["get_weather"]
         assert record["tool_arguments_hmac"] == [keyed(running, call.function.arguments)]  # type: ignore[union-attr]
+    assert tool_metric(realm, "passed") >= passed_before + 2
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -112,7 +115,7 @@ def test_a_call_that_does_not_match_its_schema_never_reaches_the_client_as_a_cal
     answered = httpx.post(f"{realm.gateway}/v1/chat/completions", timeout=300,
                           headers={"Authorization": f"Bearer {realm.token('tools-user', PASSWORD)}"},
                           json={"model": MODEL, "messages": ASKED, "tools": TOOLS, "tool_choice": "auto",
-                                "temperature": 0, "max_tokens": 48, "stream": stream,
+                                "temperature": 0, "max_tokens": 96, "stream": stream,
                                 "structured_outputs": {"regex": WRONG}})
     if stream:
         assert answered.status_code == 200

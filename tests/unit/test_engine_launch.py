@@ -269,18 +269,18 @@ def test_a_pool_spanning_hosts_runs_its_head_rank_for_the_controller(tmp_path: P
 
 def test_a_chatml_model_is_served_with_tool_calling_and_the_template_written_for_it(
         home: Home, demo_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The demo model (a Llama whose ChatML template shows no tools): hermes, with the appliance's
-    template, written where the head's arguments name it; told none, the engine gets neither."""
+    """The demo model (a Llama whose ChatML template shows no tools), told hermes: the appliance's
+    template, written where the head's arguments name it; by default, the engine gets neither."""
     import shutil
 
     shutil.copytree(demo_model, home.demo_model, ignore=shutil.ignore_patterns("*.safetensors"))
     (home.demo_model / "model.safetensors").write_bytes(b"")
-    [program] = engine_programs(Settings(engine=EngineSettings(device="cpu")), home)
+    told = Settings(engine=EngineSettings(device="cpu"), pools=[PoolSettings(name="main", tool_parser="hermes")])
+    [program] = engine_programs(told, home)
     argv = program.command
     assert "--enable-auto-tool-choice" in argv and flag(argv, "--tool-call-parser") == "hermes"
     template = Path(flag(argv, "--chat-template"))
     assert template == home.run / "engines" / "main.chat-template.jinja"
     assert "<tools>" in template.read_text() and (template.stat().st_mode & 0o777) == 0o644
-    quiet = Settings(engine=EngineSettings(device="cpu"), pools=[PoolSettings(name="main", tool_parser="none")])
-    [program] = engine_programs(quiet, home)
+    [program] = engine_programs(Settings(engine=EngineSettings(device="cpu")), home)
     assert "--enable-auto-tool-choice" not in program.command and "--chat-template" not in program.command
