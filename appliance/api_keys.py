@@ -32,7 +32,7 @@ from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from appliance import durations
 from appliance.errors import Conflict, Invalid, NotFound, QuotaExceeded
@@ -50,7 +50,7 @@ MAX_MODELS = 16
 MAX_TOKENS_PER_MINUTE = 1_000_000_000
 # A key's limits as a caller gives them, when it is made and when they change: one rule for both.
 Models = Annotated[list[ModelName], Field(min_length=1, max_length=MAX_MODELS)]
-TokensPerMinute = Annotated[int, Field(gt=0, le=MAX_TOKENS_PER_MINUTE)]
+TokensPerMinute = Annotated[StrictInt, Field(gt=0, le=MAX_TOKENS_PER_MINUTE)]  # `true` is no number
 MAX_KEYS_PER_OWNER = 100  # revoked and expired ones included: they stay in the registry
 MAX_KEYS = 5000
 MAX_LIFETIME = timedelta(days=3653)  # ten years

@@ -33,8 +33,8 @@ def take_limits(limiter: RateLimiter, home: Home) -> None:
     cannot be read or does not validate, nothing changed and the answer says why."""
     try:
         fresh = load_settings(home.settings_file)
-    except (ApplianceError, OSError) as exc:
-        problem = exc.message if isinstance(exc, ApplianceError) else str(exc)
+    except Exception as exc:  # whatever the file holds, the gateway keeps serving with what it has
+        problem = exc.message if isinstance(exc, ApplianceError) else f"{type(exc).__name__}: {exc}"
         log.warning("the settings file was not taken on SIGHUP; the limits in force stay: %s", problem)
         answer = live_settings.Taken(pid=os.getpid(), digest=None, problem=problem[:4096])
     else:

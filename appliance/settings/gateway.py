@@ -17,20 +17,22 @@ WHOLE_CONTEXT = 1 << 24  # a max_tokens cap past any model's context (16M tokens
 class RoleLimits(Section):
     """Per-user limits for users whose best role is this one."""
 
-    requests_per_minute: int = Field(600, gt=0, description="Requests a user may make per minute.")
+    # The bounds are far past any use; without them a 400-digit integer validates and then fails
+    # every request of the role (float division overflows).
+    requests_per_minute: int = Field(600, gt=0, le=10**9, description="Requests a user may make per minute.")
     tokens_per_minute: int = Field(
-        200_000, gt=0, description="Prompt + completion tokens a user may use per minute; a request "
+        200_000, gt=0, le=10**12, description="Prompt + completion tokens a user may use per minute; a request "
         "reserves its worst case (prompt + max_tokens x n) when admitted, the unused rest is refunded."
     )
-    max_concurrent: int = Field(16, gt=0, description="Requests a user may have in flight at once.")
+    max_concurrent: int = Field(16, gt=0, le=10**6, description="Requests a user may have in flight at once.")
     max_tokens: int = Field(
-        4096, gt=0, description="Largest max_tokens (or max_completion_tokens) a request may ask for, and "
+        4096, gt=0, le=10**9, description="Largest max_tokens (or max_completion_tokens) a request may ask for, and "
         "what a request asking none gets; past it the request is refused (400). Never more than the "
         "model's context: a value at or above it allows the whole context."
     )
-    max_n: int = Field(4, gt=0, description="Largest n (choices per request).")
+    max_n: int = Field(4, gt=0, le=10**4, description="Largest n (choices per request).")
     max_logprobs: int = Field(
-        5, ge=0, description="Largest logprobs / top_logprobs / prompt_logprobs a request may ask for."
+        5, ge=0, le=10**4, description="Largest logprobs / top_logprobs / prompt_logprobs a request may ask for."
     )
 
 

@@ -29,7 +29,15 @@ MOVED = {("finetune", "sensitive_data"): "compliance.training_data",
 
 def load_settings(path: Path, environ: Mapping[str, str] | None = None) -> Settings:
     """Read `path` (missing means all defaults), apply APPLIANCE_* overrides, validate."""
-    return parse_settings(path, path.read_text() if path.exists() else None, environ)
+    return parse_settings(path, read_text(path) if path.exists() else None, environ)
+
+
+def read_text(path: Path) -> str:
+    """The settings file's text, or a SettingsError for one that is not UTF-8."""
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SettingsError(f"{path}: not UTF-8 text (byte {exc.start}): {exc.reason}") from exc
 
 
 def parse_settings(path: Path, text: str | None, environ: Mapping[str, str] | None = None) -> Settings:
@@ -40,8 +48,8 @@ def parse_settings(path: Path, text: str | None, environ: Mapping[str, str] | No
     if text is not None:
         try:
             data = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as exc:
-            raise SettingsError(f"{path}: not valid TOML: {exc}") from exc
+        except ValueError as exc:  # TOMLDecodeError, and an integer past Python's 4300 digits
+            raise SettingsError(f"{path}: not valid TOML: {str(exc)[:300]}") from exc
     text = text or ""
     overrides = _apply_env(data, environ)
     _refuse_moved(path, text, data, overrides)
