@@ -24,8 +24,9 @@ END = b"data: [DONE]\n\n"
 
 @dataclass(frozen=True)
 class Checks:
-    """What an answer passes through before it goes out: its tool calls checked against the
-    request's functions, then its text screened for sensitive data (None: not asked for)."""
+    """What an answer passes through before it goes out: its text screened for sensitive data, then
+    its tool calls (as redacted: the calls that would go out) checked against the request's
+    functions (None: not asked for)."""
 
     screen: AnswerFilter | None = None
     tools: ToolCheck | None = None
