@@ -12,6 +12,10 @@ from pathlib import Path
 from appliance.errors import StateError
 
 FIT_GROUP = "appliance.job_fit"
+# glibc's mmap threshold in a CPU trainer's processes (MALLOC_MMAP_THRESHOLD_): a buffer this large
+# or larger is mapped and goes back to the system when freed; a smaller one stays in malloc's
+# arenas. Fixed, not glibc's dynamic one, which rises to keep ever larger freed buffers.
+CPU_MMAP_THRESHOLD = 1 << 20
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,11 @@ its peak resident memory, sampled from outside for both strategies (every 0.1 s:
 two samples is missed). Tokens/s: the trainer's own figure (tokens fed, padding excluded, over the
 seconds spent training; loading and evaluation excluded).
 
-Run: .venv/bin/python -m bench.finetune_sharded [--model DIR] [--steps N]
-Writes bench/results/finetune_sharded.json.
+With --qlora the same runs train QLoRA: the base's decoder linears in NF4 (FSDP2 shards their
+packed storage; each rank's base bytes are what it holds packed), on both sides.
+
+Run: .venv/bin/python -m bench.finetune_sharded [--model DIR] [--steps N] [--qlora]
+Writes bench/results/finetune_sharded.json (finetune_sharded_qlora.json with --qlora).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from finetune.runner import _trainer_command
 from finetune.sandbox import TRAINER_ENVIRONMENT
 from finetune.train import TrainingSpec
 
-RESULTS = Path(__file__).parent / "results" / "finetune_sharded.json"
+RESULTS = Path(__file__).parent / "results"
 GLOBAL_BATCH = 4
 ROUNDS = 2  # FSDP and DDP at 2 ranks, taking turns
 
@@ -57,14 +60,14 @@ def peak_rss(process: subprocess.Popen[bytes], found: dict[int, int]) -> None:
         threading.Event().wait(0.1)
 
 
-def run(model: Path, strategy: str, ranks: int, steps: int) -> dict[str, Any]:
+def run(model: Path, strategy: str, ranks: int, steps: int, qlora: bool) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as work:
         directory = Path(work)
         data = rows(steps * GLOBAL_BATCH + 8)
         for split, part in (("train", data[:-8]), ("eval", data[-8:])):
             (directory / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
         hp = Hyperparameters(max_steps=steps, batch_size=GLOBAL_BATCH // ranks, save_steps=10_000, max_length=128,
-                             learning_rate=1e-4, processes=ranks)
+                             learning_rate=1e-4, processes=ranks, qlora=qlora)
         strategy_run = "single" if strategy == "ddp" and ranks == 1 else strategy
         (directory / "job.json").write_text(TrainingSpec(base=model.resolve(), hyperparameters=hp,
                                                          strategy=strategy_run).model_dump_json())
@@ -91,10 +94,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=Home.from_env().demo_model)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--qlora", action="store_true", help="train QLoRA (NF4 base) on both sides")
     args = parser.parse_args()
-    runs = [run(args.model, "fsdp", ranks, args.steps) for ranks in (1, 4)]
+    runs = [run(args.model, "fsdp", ranks, args.steps, args.qlora) for ranks in (1, 4)]
     for _ in range(ROUNDS):
-        runs += [run(args.model, "fsdp", 2, args.steps), run(args.model, "ddp", 2, args.steps)]
+        runs += [run(args.model, "fsdp", 2, args.steps, args.qlora), run(args.model, "ddp", 2, args.steps, args.qlora)]
     for found in runs:
         reports = found["rank_reports"]
         print(f"{found['strategy']} x {found['ranks']}: {found['tokens_per_s']:.0f} tokens/s; peak RSS per rank "
@@ -109,7 +113,9 @@ def main() -> None:
     print(f"2 ranks: FSDP {statistics.median(fsdp):.0f} vs DDP {statistics.median(ddp):.0f} tokens/s ({ratio:.2f} x); "
           f"peak RSS a rank {rss['fsdp'] / 2**20:.0f} vs {rss['ddp'] / 2**20:.0f} MiB "
           f"({rss['fsdp'] / rss['ddp']:.2f} x)")
-    RESULTS.write_text(json.dumps({"model": str(args.model), "steps": args.steps, "global_batch": GLOBAL_BATCH,
+    out = RESULTS / f"finetune_sharded{'_qlora' if args.qlora else ''}.json"
+    out.write_text(json.dumps({"model": str(args.model), "qlora": args.qlora, "steps": args.steps,
+                               "global_batch": GLOBAL_BATCH,
                                    "runs": runs, "fsdp_over_ddp_tokens_per_s": ratio,
                                    "fsdp_over_ddp_peak_rss": rss["fsdp"] / rss["ddp"]}, indent=1))
 

@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from appliance.job_fit import CPU_MMAP_THRESHOLD
 from installer.hardware import parse_hardware_spec
 from installer.memory import GIB, count_params
 from installer.model_config import load_model_config
@@ -100,10 +101,11 @@ def measure_child(seq_len: int, batch: int) -> None:
 
 def measured(seq_len: int, batch: int) -> dict[str, object]:
     """The child's peak RSS with glibc's default malloc, whose dynamic mmap threshold keeps freed
-    activations in the heap, and with a fixed threshold (MALLOC_MMAP_THRESHOLD_), which returns
-    them: the second is the live memory the estimate models."""
+    activations in the heap, and with the trainer's fixed threshold (MALLOC_MMAP_THRESHOLD_), which
+    returns the larger ones: the second is what the estimate models."""
     peaks = {}
-    for name, extra in (("default_malloc", {}), ("fixed_mmap_threshold", {"MALLOC_MMAP_THRESHOLD_": "131072"})):
+    fixed = {"MALLOC_MMAP_THRESHOLD_": str(CPU_MMAP_THRESHOLD)}
+    for name, extra in (("default_malloc", {}), ("fixed_mmap_threshold", fixed)):
         done = subprocess.run([sys.executable, __file__, "--child", str(seq_len), str(batch)], capture_output=True,
                               text=True, check=True,
                               env={**os.environ, "OMP_NUM_THREADS": str(len(os.sched_getaffinity(0))), **extra})

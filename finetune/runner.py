@@ -28,7 +28,7 @@ from appliance.adapters import AdapterMetrics, AdapterRecord, AdapterState, Scor
 from appliance.artifacts import ArtifactStore, artifact_store
 from appliance.datasets import PREFIX, check_dataset, load_registry
 from appliance.home import Home
-from appliance.job_fit import JobFit, JobShape, fit_job
+from appliance.job_fit import CPU_MMAP_THRESHOLD, JobFit, JobShape, fit_job
 from appliance.jobs import (
     CANCEL_FILE,
     HEARTBEAT_FILE,
@@ -310,7 +310,7 @@ def _trainer_command(directory: Path, processes: int, strategy: Strategy, *, cpu
         return [*torchrun, *job]
     # glibc keeps the freed buffers of each layer's all-gather for later; served by mmap they go
     # back to the system, and a rank's peak resident memory stayed ~350 MB lower on the demo model.
-    malloc = [f"MALLOC_MMAP_THRESHOLD_={1 << 20}"] if cpu else []
+    malloc = [f"MALLOC_MMAP_THRESHOLD_={CPU_MMAP_THRESHOLD}"] if cpu else []
     return ["/usr/bin/env", *malloc, *FRESH_STORE, *torchrun, f"--max-restarts={RANK_RESTARTS}", *job]
 
 
@@ -320,7 +320,8 @@ def multihost_trainer_command(directory: Path, processes: int, net: JobNetwork) 
     rendezvous store), gloo on the job's link; every host's ranks start again from the last
     checkpoint whole on all hosts when one dies, up to RANK_RESTARTS times."""
     return ["/usr/bin/env", f"GLOO_SOCKET_IFNAME={net.rank_link}", f"NCCL_SOCKET_IFNAME={net.rank_link}",
-            f"MALLOC_MMAP_THRESHOLD_={1 << 20}", *FRESH_STORE, "LOGLEVEL=INFO",  # torchrun says each rendezvous
+            f"MALLOC_MMAP_THRESHOLD_={CPU_MMAP_THRESHOLD}", *FRESH_STORE,
+            "LOGLEVEL=INFO",  # torchrun says each rendezvous
             sys.executable, "-P", "-m", "torch.distributed.run", f"--nnodes={len(net.hosts)}",
             f"--nproc-per-node={processes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={net.rendezvous}",
             f"--rdzv-id=job-{net.job}", f"--rdzv-conf=is_host={int(net.node == 0)}",

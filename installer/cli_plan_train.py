@@ -70,8 +70,10 @@ def _explain(record: TrainPlan) -> None:
                            ("adapter", "adapter (fp32 shard)"), ("optimizer", "adapter gradients + AdamW"),
                            ("activations_without_checkpointing", "activations without checkpointing"),
                            ("activations_with_checkpointing", "activations with checkpointing"),
-                           ("buffers", "FSDP collective buffers"), ("runtime", "runtime")):
-            split.add_row(label, _gib(per_rank[key]))
+                           ("buffers", "FSDP collective buffers"), ("runtime", "runtime"),
+                           ("allocator", "allocator's kept buffers (a CPU's malloc)")):
+            if key != "allocator" or per_rank.get(key):
+                split.add_row(label, _gib(per_rank[key]))
         out.print(split, crop=False)
     else:
         out.print(f"[red]no layout fits on up to {MAX_HOSTS} hosts like these[/red]")

@@ -29,13 +29,22 @@ Per rank, in bytes:
   One rank trains without FSDP: no buffers.
 - runtime: a fixed overhead (on a GPU: the CUDA context, NCCL and cuBLAS workspaces, as the
   serving model's non-torch reserve; on a CPU: the interpreter with torch, transformers, PEFT
-  and TRL imported, 0.84 GiB measured here).
+  and TRL imported and their libraries mapped, 0.82 GiB: a rank of a model of a few MB at its peak).
+- allocator (a CPU only): what glibc keeps of each step's freed buffers. Where a token row of the
+  hidden size (S x B x hidden values) is under the trainer's mmap threshold
+  (appliance.job_fit.CPU_MMAP_THRESHOLD), a step's activations, their gradients in the backward
+  pass and the loss's come from malloc's arenas, which keep them: 0.7 x the activations, fitted on
+  the demo model's ranks at 1 and 2 processes and 55-token rows (peaks 2.24 and 1.67 GiB: the
+  estimate 1.00 x both) and checked on a tiny MoE (1.05-1.09 x its ranks' peaks, 2 and 4 ranks).
+  Larger rows are mapped and go back: none (the demo model at 256 and 512 tokens x 2 rows, 0.95 x
+  and 0.91 x its peak). The tensors autograd saves are 0.89 x the activations counted. A GPU's
+  caching allocator's slack is in the planner's utilization margin instead.
 
 Compute dtype: bf16 on a GPU; fp32 on a CPU, as finetune/train.py loads the base there; or as
 the trainer says (TrainSpec.dtype).
-The figures are live memory. A CPU process's peak RSS sits above them where glibc's dynamic mmap
-threshold keeps freed activation buffers in the heap (1.13-1.24 x on the demo model; with
-MALLOC_MMAP_THRESHOLD_ fixed, within 5 %: bench/plan_train.py).
+The figures are a rank's peak resident memory. Without the trainer's fixed mmap threshold
+(MALLOC_MMAP_THRESHOLD_) glibc's dynamic one keeps larger freed buffers in the heap too, and a
+CPU process's peak sat 1.13-1.24 x above the live memory on the demo model (bench/plan_train.py).
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from appliance.errors import Invalid
+from appliance.job_fit import CPU_MMAP_THRESHOLD
 from installer.memory import FORMAT_BYTES, GIB, NON_TORCH_BYTES, count_params
 from installer.model_config import ModelShape
 
@@ -57,7 +67,8 @@ DEFAULT_TARGETS: tuple[str, ...] = ("attention", "mlp", "shared_experts")
 Dtype = Literal["bf16", "fp32"]
 DTYPE_BYTES: dict[Dtype, int] = {"bf16": 2, "fp32": 4}
 DEVICE_DTYPE: dict[Device, Dtype] = {"cuda": "bf16", "cpu": "fp32"}
-RUNTIME_BYTES = {"cuda": NON_TORCH_BYTES, "cpu": 1 * GIB}
+RUNTIME_BYTES = {"cuda": NON_TORCH_BYTES, "cpu": int(0.82 * GIB)}
+ALLOCATOR_SLACK = {"cuda": 0.0, "cpu": 0.7}  # of the activations: what malloc keeps of a step's buffers
 ADAPTER_STATE_BYTES = 4 + 4 + 8  # fp32 master, fp32 gradient, AdamW's two fp32 moments
 NF4_PACKED = 0.5  # two 4-bit values a byte
 NF4_STATE = FORMAT_BYTES["nf4"] - NF4_PACKED  # absmax per 64, double-quantized
@@ -110,19 +121,21 @@ class RankMemory:
     activations_checkpointed: int
     buffers: int
     runtime: int
+    allocator: int  # a CPU's malloc keeps a share of each step's freed buffers
     checkpointing: bool
 
     @property
     def total(self) -> int:
         return (self.base_shard + self.quant_state + self.adapter + self.optimizer + self.activations
-                + self.buffers + self.runtime)
+                + self.buffers + self.runtime + self.allocator)
 
     def figures(self) -> dict[str, int]:
         """The split by name, largest first: what a refusal names."""
         parts = {"base shard": self.base_shard, "quant state": self.quant_state, "adapter": self.adapter,
                  "gradients and optimizer": self.optimizer,
                  f"activations ({'with' if self.checkpointing else 'without'} checkpointing)": self.activations,
-                 "collective buffers": self.buffers, "runtime": self.runtime}
+                 "collective buffers": self.buffers, "runtime": self.runtime,
+                 "allocator's kept buffers": self.allocator}
         return dict(sorted(((k, v) for k, v in parts.items() if v), key=lambda kv: -kv[1]))
 
 
@@ -260,12 +273,19 @@ def rank_memory(model: ModelShape, spec: TrainSpec, ranks: int, device: Device,
         buffers = int(2 * (unit + adapter_unit * compute) + adapter_unit * 4 + edges)
     if spec.method == "qlora":
         buffers += _largest_linear(model) * compute
+    activations = checkpointed if checkpointing else full
     return RankMemory(
         base_shard=int(base / ranks), quant_state=int(linear * NF4_STATE) if spec.method == "qlora" else 0,
         adapter=-(-adapters.total * 4 // ranks), optimizer=-(-adapters.total * (ADAPTER_STATE_BYTES - 4) // ranks),
-        activations=checkpointed if checkpointing else full, activations_full=full,
-        activations_checkpointed=checkpointed, buffers=buffers, runtime=RUNTIME_BYTES[device],
+        activations=activations, activations_full=full, activations_checkpointed=checkpointed, buffers=buffers,
+        runtime=RUNTIME_BYTES[device], allocator=_allocator(model, spec, compute, device, activations),
         checkpointing=checkpointing)
+
+
+def _allocator(model: ModelShape, spec: TrainSpec, compute: int, device: Device, activations: int) -> int:
+    """What a CPU's malloc keeps of a step's freed buffers: where they are under the mmap threshold."""
+    row = spec.seq_len * spec.batch * model.hidden * compute
+    return int(ALLOCATOR_SLACK[device] * activations) if row < CPU_MMAP_THRESHOLD else 0
 
 
 def _largest_linear(model: ModelShape) -> int:

@@ -131,10 +131,11 @@ def plan_training(model: ModelShape, profile: HardwareProfile, spec: TrainSpec, 
     if chosen is None:
         last = fit(model, spec, ranks=_layouts(per_host, device)[-1][0], hosts=MAX_HOSTS, budget=budget,
                    device=device).memory
-        floor = last.quant_state + last.activations + last.buffers + last.runtime
+        floor = last.quant_state + last.activations + last.buffers + last.runtime + last.allocator
         record.notes.append(f"no number of ranks fits: what sharding does not shrink (collective buffers "
                             f"{_gib(last.buffers)}, activations with checkpointing {_gib(last.activations)}, "
-                            f"quant state {_gib(last.quant_state)}, runtime {_gib(last.runtime)}) needs "
+                            f"quant state {_gib(last.quant_state)}, runtime {_gib(last.runtime)}"
+                            + (f", allocator {_gib(last.allocator)}" if last.allocator else "") + ") needs "
                             f"{_gib(floor)} of the {_gib(budget)} per-rank budget")
         return record
     memory = chosen.memory
@@ -144,11 +145,10 @@ def plan_training(model: ModelShape, profile: HardwareProfile, spec: TrainSpec, 
                        "adapter": memory.adapter, "optimizer": memory.optimizer, "activations": memory.activations,
                        "activations_without_checkpointing": memory.activations_full,
                        "activations_with_checkpointing": memory.activations_checkpointed,
-                       "buffers": memory.buffers, "runtime": memory.runtime, "total": memory.total,
-                       "budget": budget}
+                       "buffers": memory.buffers, "runtime": memory.runtime, "allocator": memory.allocator,
+                       "total": memory.total, "budget": budget}
     record.checkpointing = memory.checkpointing
-    without = memory.base_shard + memory.quant_state + memory.adapter + memory.optimizer + memory.buffers \
-        + memory.runtime + memory.activations_full
+    without = rank_memory(model, spec, chosen.ranks, device, checkpointing=False).total
     record.checkpointing_why = (
         f"on: without it the activations ({_gib(memory.activations_full)}) take the rank to {_gib(without)}, "
         f"over its {_gib(budget)} budget" if memory.checkpointing else

@@ -191,6 +191,19 @@ def test_cpu_ranks_share_the_host_ram_and_compute_in_fp32() -> None:
         plan_training(demo, parse_hardware_spec("1x8xH100-80"), spec(), ranks_per_host=2)
 
 
+def test_a_cpu_s_malloc_keeps_a_step_s_buffers_only_under_the_mmap_threshold() -> None:
+    """A token row of the hidden size under CPU_MMAP_THRESHOLD: a step's freed buffers stay in
+    malloc's arenas (0.7 x the activations); larger ones are mapped and go back; a GPU: none."""
+    demo = model("smollm2-135m")  # hidden 576: a row of 55 x 2 tokens in fp32 is 253,440 bytes
+    short = rank_memory(demo, spec(rank=8, seq_len=55, batch=2), 2, "cpu", checkpointing=False)
+    assert short.allocator == int(0.7 * short.activations)
+    assert short.total == (short.base_shard + short.adapter + short.optimizer + short.activations + short.buffers
+                           + short.runtime + short.allocator)
+    assert "allocator's kept buffers" in short.figures()
+    assert rank_memory(demo, spec(rank=8, seq_len=512, batch=2), 1, "cpu", checkpointing=False).allocator == 0
+    assert rank_memory(demo, spec(rank=8, seq_len=55, batch=2), 2, "cuda", checkpointing=False).allocator == 0
+
+
 def test_a_trainer_checks_a_job_before_loading_anything(tmp_path: Path) -> None:
     config = MODEL_CONFIGS / "smollm2-135m.json"
 
