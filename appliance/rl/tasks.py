@@ -66,6 +66,50 @@ class Task(BaseModel):
             raise ValueError("'tests' are Python: a C task gives input/output 'cases'")
 
 
+MAX_FILES = 2000  # of a repository task
+MAX_REPOSITORY_BYTES = 8 << 20  # its files' text together
+PATH_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}")
+
+
+def relative_path(path: str) -> str:
+    """A file's place in a task's repository: parts of letters, digits, '_', '.' and '-', none
+    starting with '.' or '-' (no '..', no hidden file), at most 8 deep."""
+    parts = path.split("/")
+    if len(parts) > 8 or not all(PATH_PART.fullmatch(part) for part in parts):
+        raise ValueError(f"{path[:120]!r}: a relative path of at most 8 parts, each of letters, digits, "
+                         "'_', '.' and '-', none starting with '.' or '-'")
+    return path
+
+
+class RepositoryTask(BaseModel):
+    """A repository-level task: the files an agent finds in its workspace, what it is asked to do,
+    and the test files that decide its reward (restored as the task has them, then run)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: str = Field(min_length=1, max_length=200, pattern=r"^[\x21-\x7e]+$")
+    instruction: str = Field(min_length=1, max_length=MAX_TEXT)
+    files: dict[str, str] = Field(min_length=1, max_length=MAX_FILES)
+    tests: list[str] = Field(min_length=1, max_length=MAX_FILES, description="Paths among files: the tests.")
+
+    @field_validator("files")
+    @classmethod
+    def _files(cls, files: dict[str, str]) -> dict[str, str]:
+        for path in files:
+            relative_path(path)
+        if sum(len(text.encode("utf-8", "surrogatepass")) for text in files.values()) > MAX_REPOSITORY_BYTES:
+            raise ValueError(f"the files hold over {MAX_REPOSITORY_BYTES:,} bytes")
+        return files
+
+    def model_post_init(self, context: object) -> None:
+        missing = [path for path in self.tests if path not in self.files]
+        if missing:
+            raise ValueError(f"tests not among the files: {missing[:5]}")
+
+    def test_files(self) -> dict[str, str]:
+        return {path: self.files[path] for path in self.tests}
+
+
 class TaskSet(BaseModel):
     """A named, content-addressed task set in the artifact store."""
 

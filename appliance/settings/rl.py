@@ -53,3 +53,13 @@ class RlSettings(Section):
     worker_poll_s: float = Field(2.0, gt=0, description="How often the rl-worker looks for queued runs.")
     retry_s: float = Field(30.0, gt=0, description="How long a run waits before it resumes after the gateway, "
                            "Keycloak or the artifact store failed it.")
+    episode_steps: int = Field(16, ge=1, le=1000, description="An agent's episode: the model's answers, at most.")
+    episode_tool_calls: int = Field(
+        64, ge=1, le=100_000, description="An episode's tool calls, at most (calls past it are not run).")
+    episode_tokens: int = Field(16_384, ge=1, description="An episode's completion tokens, at most.")
+    episode_wall_s: float = Field(600.0, gt=0, le=86_400, description="An episode's wall time, at most.")
+    episode_answer_tokens: int = Field(512, ge=1, description="One answer's max_tokens in an episode.")
+    workspace_mib: int = Field(
+        64, ge=1, le=65536, description="An episode's workspace (a tmpfs the episode's tools share), MiB.")
+    observation_bytes: int = Field(
+        4096, ge=256, le=1 << 20, description="What a tool call's output may show the model, at most.")

@@ -28,6 +28,7 @@ from appliance.settings import load_settings
 from appliance.terminal import Listing, shown, text
 from appliance.trajectories import read_run
 from finetune.cli import check_name_option
+from finetune.rl.cli_episodes import episode_command, replay_command
 from finetune.rl.execute import SOURCE, Language, execute
 from finetune.rl.export import export_run
 from finetune.rl.gate import difference, held_out_set, measure, record, served_version, verdict
@@ -39,6 +40,8 @@ rl_app = typer.Typer(help="Post-training from execution feedback: task sets, the
 out = Console()
 MAX_SOURCE_BYTES = 1 << 20
 IoCases = TypeAdapter(list[dict[str, str]])
+rl_app.command("episode")(episode_command)
+rl_app.command("replay")(replay_command)
 
 
 def _read(path: Path, what: str) -> str:

@@ -71,14 +71,18 @@ EXEC_UIDS = (1_500_000_000, 1_600_000_000)
 DEVICES = ("null", "zero", "full", "random", "urandom")
 CGROUP_V1 = Path("/sys/fs/cgroup")
 STALE_S = 600
-CELL_CODE = tuple(Path(__file__).with_name(name) for name in ("zygote.py", "harness.py", "answer.py", "plain.py"))
+CELL_CODE = tuple(Path(__file__).with_name(name)
+                  for name in ("zygote.py", "harness.py", "answer.py", "plain.py", "workspace_tools.py"))
 # What the zygote needs to set an execution up (none is left to the execution): its namespaces and
 # mounts, its user, the bounding set dropped, its own loopback device up.
 CELL_CAPABILITIES = ("CAP_SYS_ADMIN", "CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP", "CAP_NET_ADMIN")
 CELL_PROCESSES = 4  # the cell's own: bubblewrap's, the zygote, an execution's middle process
+REQUEST_BYTES = 65536  # one request to the zygote, at most (its REQUEST_BYTES)
 REPORT_BYTES = 64 * 2**20  # a report holds each case's output (up to 64 KiB): far more than any makes
 Language = Literal["python", "c"]
 SOURCE = {"python": "program.py", "c": "program.c"}
+# An episode's actions on its workspace (finetune/rl/harness.py: act).
+Action = Literal["seed", "tool", "shell", "tests", "check"]
 
 
 class TestResult(BaseModel):
@@ -124,10 +128,18 @@ def execute(program: str, language: Language, settings: ExecutionSettings, *, te
 
 class Sandbox:
     """A sandbox cell: executions one at a time, each forked by the cell's zygote into a sandbox of
-    its own. Started at the first execution, and again after one that had it killed."""
+    its own. Started at the first execution, and again after one that had it killed.
 
-    def __init__(self, settings: ExecutionSettings) -> None:
+    With `workspace_mib`, an episode's cell: a tmpfs of that size at /workspace that every
+    execution in the cell shares and may write (as one user id drawn for the cell), for the
+    episode's actions (`act`). It goes with the cell: `lost` says a limit ended the cell, and the
+    workspace with it."""
+
+    def __init__(self, settings: ExecutionSettings, *, workspace_mib: int | None = None) -> None:
         self.settings = settings
+        self.workspace_mib = workspace_mib
+        self.lost = False  # an episode's cell was killed, its workspace gone
+        self._uid = EXEC_UIDS[0] + secrets.randbelow(EXEC_UIDS[1] - EXEC_UIDS[0])
         self._keys = itertools.count(1)
         self._cell: subprocess.Popen[bytes] | None = None
         self._control: socket.socket | None = None
@@ -175,6 +187,35 @@ class Sandbox:
             shutil.rmtree(task, ignore_errors=True)
         return self._verdict(outputs, limit, status, wall, io_cases)
 
+    def act(self, action: Action, *, files: dict[str, str] | None = None, environment: dict[str, str] | None = None,
+            wall_s: float | None = None) -> Verdict:
+        """One action of an episode on this cell's workspace: `files` (relative path: text) are the
+        task's, at /task for `seed` and `check` to copy in; the verdict (one result for seed, tool and
+        shell, a result a test for tests and check; stdout and stderr as the action printed them)."""
+        if self.workspace_mib is None:
+            raise Invalid("actions on a workspace need a sandbox with one (workspace_mib)")
+        if self.lost:
+            raise SandboxError("the episode's sandbox went over a limit and its workspace is gone")
+        if self._control is None:
+            self._start()
+        task = self._tasks / str(next(self._keys))
+        task.mkdir()
+        try:
+            for relative, text in (files or {}).items():
+                path = task / relative
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(text)
+            for path in [task, *task.rglob("*")]:
+                path.chmod(0o755 if path.is_dir() else 0o644)
+            step_wall = wall_s or self.settings.wall_s
+            outputs, limit, status, wall = self._execute(
+                task.name, {"LANGUAGE": action, "TEST_WALL_S": str(self.settings.test_wall_s), **(environment or {})},
+                step_wall, workspace=True)
+        finally:
+            shutil.rmtree(task, ignore_errors=True)
+        self.lost = limit is not None
+        return self._verdict(outputs, limit, status, wall, None)
+
     def close(self) -> None:
         """Let the cell end (it ends when its socket closes), or end it."""
         if self._control is not None:
@@ -197,8 +238,10 @@ class Sandbox:
             host_end, cell_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             self._control = host_end
             with cell_end:
-                self._cell = subprocess.Popen(cell_command(bwrap, self._tasks, joins), stdin=cell_end.fileno(),
-                                              stdout=subprocess.DEVNULL, stderr=self._log, start_new_session=True)
+                workspace = None if self.workspace_mib is None else self.workspace_mib * 2**20
+                self._cell = subprocess.Popen(cell_command(bwrap, self._tasks, joins, workspace),
+                                              stdin=cell_end.fileno(), stdout=subprocess.DEVNULL, stderr=self._log,
+                                              start_new_session=True)
             host_end.settimeout(30)
             ready = _line(host_end)
             host_end.settimeout(None)
@@ -217,25 +260,29 @@ class Sandbox:
         self._log.seek(max(0, self._log.tell() - 2000))
         return self._log.read().decode(errors="replace").strip()
 
-    def _execute(self, key: str, environment: dict[str, str],
-                 wall_s: float) -> tuple[dict[str, bytes], str | None, int | None, float]:
+    def _execute(self, key: str, environment: dict[str, str], wall_s: float,
+                 workspace: bool = False) -> tuple[dict[str, bytes], str | None, int | None, float]:
         """Have the zygote run the execution at `key`; what it wrote on stdout, stderr and the
         result pipe, the limit it went over (the cell then killed), its harness's exit status."""
         assert self._control is not None
         uid = gid = None
         if os.geteuid() == 0:
             gid = system_user(EXEC_USER, "execution sandbox").pw_gid
-            uid = EXEC_UIDS[0] + secrets.randbelow(EXEC_UIDS[1] - EXEC_UIDS[0])
+            # An episode's actions share its workspace: one user id for all of them.
+            uid = self._uid if workspace else EXEC_UIDS[0] + secrets.randbelow(EXEC_UIDS[1] - EXEC_UIDS[0])
         settings = self.settings
-        request = {"key": key, "uid": uid, "gid": gid, "limits": {
+        request = {"key": key, "uid": uid, "gid": gid, "workspace": workspace, "limits": {
             "cpu": settings.cpu_s, "memory": settings.memory_mib * 2**20, "processes": settings.processes,
             "open_files": settings.open_files, "tmpfs": settings.tmpfs_mib * 2**20},
             "environment": {"PATH": f"{Path(sys.base_prefix) / 'bin'}:/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp",
                             "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1", **environment}}
+        message = json.dumps(request).encode()
+        if len(message) > REQUEST_BYTES:
+            raise Invalid(f"an execution's request of {len(message):,} bytes: the sandbox takes {REQUEST_BYTES:,}")
         pipes = [os.pipe() for _ in range(3)]
         started = time.monotonic()
         try:
-            socket.send_fds(self._control, [json.dumps(request).encode()], [write for _, write in pipes])
+            socket.send_fds(self._control, [message], [write for _, write in pipes])
         except OSError as exc:
             for read, _ in pipes:
                 os.close(read)
@@ -457,10 +504,11 @@ def _remove(groups: list[Path]) -> None:
                 time.sleep(0.02)
 
 
-def cell_command(bwrap: str, tasks: Path, cgroup: list[Path]) -> list[str]:
+def cell_command(bwrap: str, tasks: Path, cgroup: list[Path], workspace_bytes: int | None = None) -> list[str]:
     """A cell: the zygote in a bubblewrap sandbox with the view every execution shares (`tasks`,
-    where each execution's directory is made, at /cells; the cell's code at /sandbox); joining
-    `cgroup` first, where there is one."""
+    where each execution's directory is made, at /cells; the cell's code at /sandbox; an episode's
+    workspace, a tmpfs of `workspace_bytes` anyone in it may write, at /workspace); joining `cgroup`
+    first, where there is one (which the workspace's pages count against)."""
     if os.geteuid() == 0:
         namespaces = ROOT_NAMESPACES
     else:  # an unprivileged user's cell: root in a user namespace of its own, with only these capabilities
@@ -471,6 +519,8 @@ def cell_command(bwrap: str, tasks: Path, cgroup: list[Path]) -> list[str]:
               "--tmpfs", "/dev",
               *(arg for device in DEVICES for arg in ("--dev-bind", f"/dev/{device}", f"/dev/{device}")),
               "--size", str(2**20), "--tmpfs", "/tmp", "--dir", "/task", "--remount-ro", "/dev"]
+    if workspace_bytes is not None:
+        mounts += ["--perms", "01777", "--size", str(workspace_bytes), "--tmpfs", "/workspace"]
     mounts += system_mounts()
     python_home = Path(sys.base_prefix)
     bound = [Path(p) for p in (*SYSTEM_READ_ONLY, str(python_home)) if Path(p).exists()]

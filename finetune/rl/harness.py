@@ -14,6 +14,12 @@ the result descriptor, so no program can forge its score. Tests:
   compiled here first with gcc) whose output goes back to be compared outside, where the
   expected outputs are;
 - or none: the program runs once and its exit status is the verdict.
+
+An episode's actions (finetune/rl/environment.py) run here too, on its workspace (/workspace, the
+episode's tmpfs, kept from one action to the next), each in a child: `seed` copies the task's files
+in, `tool` runs one file tool (finetune/rl/workspace_tools.py), `shell` one command, `tests` the
+workspace's test functions, and `check` restores the task's test files first (whatever the agent
+did to them) and runs them: the episode's reward.
 """
 
 import ast
@@ -31,8 +37,31 @@ import plain  # type: ignore[import-not-found]  # bound next to this file in the
 # they are needed; the zygote has them imported already.
 
 TASK = "/task"
+WORKSPACE = "/workspace"
 ANSWER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "answer.py")
+TOOLS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workspace_tools.py")
 OUTPUT_KEPT = 65536  # of each case's output, what goes back to be compared
+MAX_TESTS = 500  # test functions an episode's workspace runs
+# One workspace test function, in a fresh interpreter: passed only if it returned and the runner
+# then printed the nonce it was given (an import or a test that ends its process early, with
+# os._exit(0) say, has not passed).
+TEST_RUNNER = """
+import importlib.util, os, sys, traceback
+nonce = os.environ.pop("TEST_NONCE")
+sys.path[:0] = [os.getcwd(), os.path.join(os.getcwd(), "src")]
+try:
+    spec = importlib.util.spec_from_file_location("workspace_test", sys.argv[1])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    getattr(module, sys.argv[2])()
+except BaseException:
+    traceback.print_exc()
+    sys.stdout.flush()
+    os._exit(1)
+sys.stdout.write("\\n" + nonce + "\\n")
+sys.stdout.flush()
+os._exit(0)
+"""
 
 
 def not_dumpable() -> None:
@@ -54,6 +83,9 @@ def main(tests: str | None = None) -> None:
     test_wall_s = float(os.environ.pop("TEST_WALL_S"))
     entry_point = os.environ.pop("ENTRY_POINT", "")
     os.set_inheritable(result_fd, False)
+    if language in ("seed", "tool", "shell", "tests", "check"):
+        report(result_fd, {"compiled": True, "results": act(language, test_wall_s)})
+        return
     if language == "c":
         import subprocess
 
@@ -79,6 +111,101 @@ def main(tests: str | None = None) -> None:
     else:
         results = [run_case(command, None, test_wall_s)]
     report(result_fd, {"compiled": True, "results": results})
+
+
+def act(action: str, wall_s: float) -> list[dict[str, Any]]:
+    """One action of an episode on its workspace."""
+    if action in ("seed", "check"):
+        copy_task()
+    if action == "seed":
+        return [{"test": "seed", "passed": True, "reason": "passed", "seconds": 0.0}]
+    if action == "tool":
+        return [run_case([sys.executable, "-I", "-S", "-B", TOOLS], None, wall_s, cwd=WORKSPACE)]
+    if action == "shell":
+        return [run_case(["/bin/sh", "-c", os.environ.pop("COMMAND")], None, wall_s, cwd=WORKSPACE)]
+    return [run_test(path, name, wall_s) for path, name in workspace_tests()]
+
+
+def copy_task() -> None:
+    """The task's files (/task, read-only) over the workspace's: a link or a directory the agent put
+    where one goes is removed first, so each lands in the workspace as the task has it."""
+    import shutil
+
+    for root, _, files in os.walk(TASK):
+        relative = os.path.relpath(root, TASK)
+        target = WORKSPACE if relative == "." else os.path.join(WORKSPACE, relative)
+        made = WORKSPACE
+        for part in ([] if relative == "." else relative.split(os.sep)):
+            made = os.path.join(made, part)
+            if os.path.islink(made) or (os.path.exists(made) and not os.path.isdir(made)):
+                os.unlink(made)
+            os.makedirs(made, exist_ok=True)
+        for name in files:
+            destination = os.path.join(target, name)
+            if os.path.islink(destination) or os.path.isfile(destination):
+                os.unlink(destination)
+            elif os.path.isdir(destination):
+                shutil.rmtree(destination)
+            with open(os.path.join(root, name), "rb") as source:
+                descriptor = os.open(destination, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+                with os.fdopen(descriptor, "wb") as handle:
+                    handle.write(source.read())
+
+
+def workspace_tests() -> list[tuple[str, str]]:
+    """(file, function) of every test function in the workspace's test files (test_*.py, *_test.py;
+    top-level `def test*`), in order; a file that does not parse is one failing test."""
+    found: list[tuple[str, str]] = []
+    for root, dirs, files in os.walk(WORKSPACE):
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and not os.path.islink(os.path.join(root, d)))
+        for name in sorted(files):
+            path = os.path.join(root, name)
+            if not (name.startswith("test_") or name.endswith("_test.py")) or not name.endswith(".py") \
+                    or os.path.islink(path):
+                continue
+            relative = os.path.relpath(path, WORKSPACE)
+            try:
+                with open(path, "rb") as handle:
+                    tree = ast.parse(handle.read(1 << 20))
+            except (SyntaxError, ValueError, OSError):
+                found.append((relative, ""))
+                continue
+            found += [(relative, node.name) for node in tree.body
+                      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test")]
+    return found[:MAX_TESTS]
+
+
+def run_test(path: str, name: str, wall_s: float) -> dict[str, Any]:
+    """One test function in its own interpreter, its output to a file under /tmp (its size bounded
+    by the sandbox's file-size limit), judged by the nonce after it returned."""
+    import secrets
+    import subprocess
+
+    label = f"{path}::{name or 'collect'}"[:200]
+    if not name:
+        return {"test": label, "passed": False, "reason": "the file does not parse", "seconds": 0.0}
+    nonce = secrets.token_hex(16)
+    started = time.monotonic()
+    with open("/tmp/test-output", "w+b") as output:
+        # No bytecode read from the workspace or written there: a stale or planted __pycache__ (the
+        # same size and second as a restored file's) would run in place of the source.
+        command = [sys.executable, "-I", "-S", "-B", "-X", "pycache_prefix=/tmp/pycache", "-c", TEST_RUNNER, path, name]
+        child = subprocess.Popen(command, stdin=subprocess.DEVNULL,
+                                 stdout=output, stderr=subprocess.STDOUT, process_group=0, cwd=WORKSPACE,
+                                 env={**os.environ, "TEST_NONCE": nonce})
+        try:
+            child.wait(timeout=wall_s)
+        except subprocess.TimeoutExpired:
+            kill_group(child.pid)
+            child.wait()
+            return {"test": label, "passed": False, "reason": f"test wall time over {wall_s:g} s",
+                    "seconds": round(time.monotonic() - started, 3)}
+        kill_group(child.pid)
+        output.seek(max(0, output.seek(0, os.SEEK_END) - 2000))
+        tail = output.read().decode(errors="replace")
+    passed = child.returncode == 0 and tail.rstrip().endswith(nonce)
+    reason = "passed" if passed else (tail.strip().splitlines() or [exit_reason(child.returncode)])[-1][:300]
+    return {"test": label, "passed": passed, "reason": reason, "seconds": round(time.monotonic() - started, 3)}
 
 
 def report(result_fd: int, result: dict[str, Any]) -> None:
@@ -299,12 +426,12 @@ def _raised(name: str, message: str) -> BaseException:
     return RuntimeError(f"{name}: {message}")
 
 
-def run_case(command: list[str], case: dict[str, str] | None, wall_s: float) -> dict[str, Any]:
+def run_case(command: list[str], case: dict[str, str] | None, wall_s: float, cwd: str = "/tmp") -> dict[str, Any]:
     import subprocess
 
     started = time.monotonic()
     child = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE if case else None,
-                             process_group=0, cwd="/tmp")
+                             process_group=0, cwd=cwd)
     try:
         out, _ = child.communicate((case or {}).get("stdin", "").encode(), timeout=wall_s)
     except subprocess.TimeoutExpired:

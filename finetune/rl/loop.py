@@ -22,6 +22,7 @@ import time
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
@@ -150,11 +151,20 @@ class Generator:
 
     def generate(self, step: Step, max_tokens: int, temperature: float, seed: int) -> Answer:
         """The answer, or one with `refused` saying why the gateway refused this request (a context
-        too long, say). Unavailable while the gateway or Keycloak stay
-        unreachable or busy past `rl.give_up_s` (the run waits and resumes); Invalid when the gateway
-        refuses the run itself (no such model, not allowed, a service identity it rejects)."""
+        too long, say); what `chat` raises otherwise."""
         body = {"model": self.model, "messages": step.messages, "max_tokens": max_tokens,
                 "temperature": temperature, "seed": seed}
+        answered = self.chat(body, f"task {step.task.id}")
+        if isinstance(answered, Refused):
+            return Answer("", "", None, refused=answered.reason)
+        return answer_of(answered)
+
+    def chat(self, body: dict[str, Any], what: str) -> httpx.Response | Refused:
+        """One chat completion's response (200), or why the gateway refused this request: its
+        status was one of REQUEST_REFUSED, or the model's tool call failed the request's schema (502
+        invalid_tool_call). Unavailable while the gateway or Keycloak stay unreachable or busy past
+        `rl.give_up_s` (the run waits and resumes); Invalid when the gateway refuses the run itself
+        (no such model, not allowed, a service identity it rejects)."""
         give_up_s = self.settings.rl.give_up_s
         deadline = time.monotonic() + give_up_s
         refreshed = False
@@ -168,22 +178,30 @@ class Generator:
                 problem, wait_s = f"no token for the service identity: {exc.message}", 2.0
             else:
                 if response.status_code == 200:
-                    return answer_of(response)
+                    return response
                 problem = f"gateway answered {response.status_code}: {response.text[:300]}"
                 if response.status_code == 401 and not refreshed:  # expired early: one fresh token
                     self._token, refreshed = None, True
                     continue
-                if response.status_code in REQUEST_REFUSED:
-                    return Answer("", "", None, refused=problem)
+                if response.status_code in REQUEST_REFUSED or _invalid_tool_call(response):
+                    return Refused(problem, response.headers.get("x-request-id"))
                 if response.status_code not in RETRY_STATUSES:
                     raise Invalid(f"{problem} (model {self.model!r})")
                 wait_s = retry_after(response.headers.get("retry-after"))
             if time.monotonic() + wait_s > deadline:
-                raise Unavailable(f"task {step.task.id}: {problem} (gave up after {give_up_s:g} s)")
+                raise Unavailable(f"{what}: {problem} (gave up after {give_up_s:g} s)")
             time.sleep(wait_s)
 
     def close(self) -> None:
         self._http.close()
+
+
+@dataclass(frozen=True)
+class Refused:
+    """The gateway refused one request (not the run): why, and its request id (its audit record)."""
+
+    reason: str
+    request_id: str | None
 
 
 @dataclass(frozen=True)
@@ -207,6 +225,15 @@ def answer_of(response: httpx.Response) -> Answer:
         raise Unavailable(f"the gateway's answer is not a chat completion: {response.text[:200]!r}")
     counted = tokens if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0 else None
     return Answer(content.encode("utf-8", "replace").decode("utf-8"), model, counted)
+
+
+def _invalid_tool_call(response: httpx.Response) -> bool:
+    """The gateway refused the model's tool call (it failed the request's schema): this answer
+    only, not a gateway that is busy."""
+    try:
+        return bool(response.status_code == 502 and response.json()["error"]["code"] == "invalid_tool_call")
+    except (ValueError, KeyError, TypeError):
+        return False
 
 
 def retry_after(header: str | None) -> float:

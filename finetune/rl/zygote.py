@@ -130,7 +130,8 @@ def contained(request: dict[str, Any], fds: list[int], last_capability: int) -> 
         mount("none", "/task", "", MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
         checked(libc.umount2(b"/cells", MNT_DETACH), "umount /cells")
         step = "its tests"
-        tests = hidden_tests()
+        # An episode's task files are copied into its workspace whole: none is hidden there.
+        tests = None if request.get("workspace") else hidden_tests()
         mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
         step = "its signals"
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # as process 1, nothing else reaches it from inside

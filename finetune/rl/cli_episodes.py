@@ -1,0 +1,108 @@
+"""`appliance rl episode`: one agent episode on a repository task through the gateway (the model as
+the RL service identity, its tools in the episode's sandbox), its record written to a file; and
+`appliance rl replay`: the recorded calls again in a fresh sandbox, to the same final workspace."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Literal, TypeVar
+
+import typer
+from pydantic import BaseModel, ValidationError
+from rich.console import Console
+
+from appliance.commands.common import AsJson
+from appliance.errors import Invalid
+from appliance.home import Home
+from appliance.rl.episodes import Episode
+from appliance.rl.tasks import RepositoryTask
+from appliance.settings import load_settings
+from finetune.rl.agent import run_episode
+from finetune.rl.environment import WorkspaceEnvironment
+from finetune.rl.loop import Generator
+
+out = Console()
+M = TypeVar("M", bound=BaseModel)
+MAX_FILE_BYTES = 32 << 20
+
+
+def read_model(path: Path, model: type[M], what: str) -> M:
+    """`path` as a `model` (JSON), or Invalid naming the file and where in it it is wrong."""
+    try:
+        if path.stat().st_size > MAX_FILE_BYTES:
+            raise Invalid(f"{what} {path}: larger than {MAX_FILE_BYTES:,} bytes")
+        text = path.read_text(encoding="utf-8")
+        return model.model_validate(json.loads(text))
+    except OSError as exc:
+        raise Invalid(f"{what} {path}: cannot read it: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise Invalid(f"{what} {path}: not UTF-8 text (byte {exc.start})") from exc
+    except json.JSONDecodeError as exc:
+        raise Invalid(f"{what} {path}:{exc.lineno}:{exc.colno}: not JSON: {exc.msg}") from exc
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise Invalid(f"{what} {path}: [{'.'.join(map(str, first['loc'])) or 'top'}]: {first['msg']}") from exc
+
+
+def episode_command(
+    task: Annotated[Path, typer.Option(help="A repository task (JSON: id, instruction, files, tests).")],
+    model: Annotated[str, typer.Option(help="The served model (a pool's model or a deployed adapter).")],
+    out_file: Annotated[Path, typer.Option("--out", help="Where the episode's record goes (JSON).")],
+    tool_choice: Annotated[str, typer.Option(help="auto, or required (a tool call every answer).")] = "auto",
+    temperature: Annotated[float, typer.Option(help="Sampling temperature (0: greedy).")] = 0.0,
+    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
+    extra_body: Annotated[str | None, typer.Option(help="A JSON object of request fields added to every answer "
+                                                        "(vLLM's sampling or structured_outputs fields).")] = None,
+    as_json: AsJson = False,
+) -> None:
+    """Run one agent episode on TASK through the gateway; exit 0 if the task's tests all pass."""
+    if tool_choice not in ("auto", "required"):
+        raise Invalid(f"--tool-choice {tool_choice!r}: auto or required")
+    try:
+        extra = None if extra_body is None else json.loads(extra_body)
+    except json.JSONDecodeError as exc:
+        raise Invalid(f"--extra-body: not JSON at character {exc.pos}: {exc.msg}") from exc
+    if extra is not None and not isinstance(extra, dict):
+        raise Invalid("--extra-body: a JSON object of request fields")
+    choice: Literal["auto", "required"] = "required" if tool_choice == "required" else "auto"
+    repository = read_model(task, RepositoryTask, "--task")
+    home = Home.from_env()
+    settings = load_settings(home.settings_file)
+    generator = Generator(settings, home, model)
+    try:
+        with WorkspaceEnvironment(repository, settings.execution, settings.rl) as environment:
+            episode = run_episode(repository, generator, environment, settings.rl, temperature=temperature,
+                                  seed=seed, tool_choice=choice, extra_body=extra)
+    finally:
+        generator.close()
+    out_file.write_text(episode.model_dump_json(indent=1))
+    if as_json:
+        print(episode.model_dump_json())
+    else:
+        out.print(f"episode of {episode.task}: {len(episode.turns)} answers, {episode.tool_calls} tool calls; "
+                  f"ended: {episode.ended} ({episode.reason}); reward {episode.reward:g} "
+                  f"({episode.tests_passed}/{episode.tests_total} tests); {episode.seconds:.1f} s", highlight=False)
+    if episode.reward < 1:
+        raise typer.Exit(1)
+
+
+def replay_command(
+    episode_file: Annotated[Path, typer.Argument(help="An episode's record (`rl episode --out`).")],
+    task: Annotated[Path, typer.Option(help="The repository task it ran on (JSON).")],
+) -> None:
+    """Run an episode's recorded tool calls again in a fresh sandbox; exit 0 if they leave the
+    workspace the episode left (the same digest), 1 if not."""
+    episode = read_model(episode_file, Episode, "episode")
+    repository = read_model(task, RepositoryTask, "--task")
+    if repository.id != episode.task:
+        raise Invalid(f"--task {task}: task {repository.id!r}, but the episode ran on {episode.task!r}")
+    settings = load_settings(Home.from_env().settings_file)
+    with WorkspaceEnvironment(repository, settings.execution, settings.rl) as environment:
+        replayed = environment.replay([step for turn in episode.turns for step in turn.tools])
+    same = replayed.workspace_sha256 == episode.workspace_sha256
+    out.print(f"replayed {episode.tool_calls} tool calls: workspace {replayed.workspace_sha256 or 'lost'} "
+              f"{'matches' if same else 'differs from'} the episode's ({episode.workspace_sha256 or 'lost'}); "
+              f"reward {replayed.reward:g} (recorded {episode.reward:g})", highlight=False)
+    if not same:
+        raise typer.Exit(1)
