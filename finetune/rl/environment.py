@@ -254,7 +254,7 @@ class WorkspaceEnvironment:
             return False, f"refused: {call.name}'s arguments are over {MAX_ARGUMENTS:,} characters"
         try:
             arguments = model.model_validate(json.loads(call.arguments or "{}")).model_dump(exclude_none=True)
-        except (ValueError, ValidationError) as exc:
+        except (ValueError, ValidationError, RecursionError) as exc:  # RecursionError: JSON nested too deep
             return False, f"refused: {call.name}'s arguments: {_said(exc)}"
         try:
             if call.name in FILE_TOOLS:
@@ -286,7 +286,9 @@ def _tests(verdict: Verdict) -> str:
     return "\n".join([f"{verdict.tests_passed} of {verdict.tests_total} tests passed", *failing[:20]])
 
 
-def _said(exc: ValueError | ValidationError) -> str:
+def _said(exc: ValueError | ValidationError | RecursionError) -> str:
+    if isinstance(exc, RecursionError):
+        return "nested too deep"
     if isinstance(exc, ValidationError):
         return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'arguments'}: {e['msg']}" for e in exc.errors()[:5])
     return "not a JSON object" if isinstance(exc, json.JSONDecodeError) else str(exc)[:200]

@@ -43,24 +43,28 @@ TOOLS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workspace_tool
 OUTPUT_KEPT = 65536  # of each case's output, what goes back to be compared
 MAX_TESTS = 500  # test functions an episode's workspace runs
 # One workspace test function, in a fresh interpreter: passed only if it returned and the runner
-# then printed the nonce it was given (an import or a test that ends its process early, with
-# os._exit(0) say, has not passed).
+# then wrote the nonce it read from a pipe it was given (an import or a test that ends its process early,
+# with os._exit(0) say, has not passed). The nonce is never in the environment or a global; code
+# of the test's own process that finds it anyway can forge a pass (docs/post-train/agents.md).
 TEST_RUNNER = """
-import importlib.util, os, sys, traceback
-nonce = os.environ.pop("TEST_NONCE")
-sys.path[:0] = [os.getcwd(), os.path.join(os.getcwd(), "src")]
-try:
-    spec = importlib.util.spec_from_file_location("workspace_test", sys.argv[1])
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    getattr(module, sys.argv[2])()
-except BaseException:
-    traceback.print_exc()
+import ast, importlib.util, os, sys, traceback
+def run(read):
+    with os.fdopen(read, "rb") as handle:
+        word = handle.read(64)
+    sys.path[:0] = [os.getcwd(), os.path.join(os.getcwd(), "src")]
+    try:
+        spec = importlib.util.spec_from_file_location("workspace_test", sys.argv[1])
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        getattr(module, sys.argv[2])()
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        os._exit(1)
     sys.stdout.flush()
-    os._exit(1)
-sys.stdout.write("\\n" + nonce + "\\n")
-sys.stdout.flush()
-os._exit(0)
+    os.write(1, b"\\n" + word + b"\\n")
+    os._exit(0)
+run(int(sys.argv[3]))
 """
 
 
@@ -123,7 +127,9 @@ def act(action: str, wall_s: float) -> list[dict[str, Any]]:
         return [run_case([sys.executable, "-I", "-S", "-B", TOOLS], None, wall_s, cwd=WORKSPACE)]
     if action == "shell":
         return [run_case(["/bin/sh", "-c", os.environ.pop("COMMAND")], None, wall_s, cwd=WORKSPACE)]
-    return [run_test(path, name, wall_s) for path, name in workspace_tests()]
+    # check: the task's test files only (those at /task), never tests the agent added.
+    only = {os.path.relpath(os.path.join(root, name), TASK) for root, _, names in os.walk(TASK) for name in names}
+    return [run_test(path, name, wall_s) for path, name in workspace_tests(only if action == "check" else None)]
 
 
 def copy_task() -> None:
@@ -152,9 +158,10 @@ def copy_task() -> None:
                     handle.write(source.read())
 
 
-def workspace_tests() -> list[tuple[str, str]]:
+def workspace_tests(only: set[str] | None = None) -> list[tuple[str, str]]:
     """(file, function) of every test function in the workspace's test files (test_*.py, *_test.py;
-    top-level `def test*`), in order; a file that does not parse is one failing test."""
+    top-level `def test*`; of the files in `only`, where given), in order; a file that does not
+    parse is one failing test."""
     found: list[tuple[str, str]] = []
     for root, dirs, files in os.walk(WORKSPACE):
         dirs[:] = sorted(d for d in dirs if not d.startswith(".") and not os.path.islink(os.path.join(root, d)))
@@ -164,6 +171,8 @@ def workspace_tests() -> list[tuple[str, str]]:
                     or os.path.islink(path):
                 continue
             relative = os.path.relpath(path, WORKSPACE)
+            if only is not None and relative not in only:
+                continue
             try:
                 with open(path, "rb") as handle:
                     tree = ast.parse(handle.read(1 << 20))
@@ -177,35 +186,74 @@ def workspace_tests() -> list[tuple[str, str]]:
 
 def run_test(path: str, name: str, wall_s: float) -> dict[str, Any]:
     """One test function in its own interpreter, its output to a file under /tmp (its size bounded
-    by the sandbox's file-size limit), judged by the nonce after it returned."""
+    by the sandbox's file-size limit), judged by the nonce after it returned. Bytecode is read and
+    written only in a directory made for this test (none from the workspace, none planted by an
+    earlier test), and every process left in the execution is killed after it: nothing of one test
+    reaches the next."""
     import secrets
     import subprocess
 
     label = f"{path}::{name or 'collect'}"[:200]
     if not name:
         return {"test": label, "passed": False, "reason": "the file does not parse", "seconds": 0.0}
-    nonce = secrets.token_hex(16)
+    nonce = secrets.token_hex(16).encode()
+    cache = f"/tmp/pycache-{secrets.token_hex(8)}"
+    os.mkdir(cache, 0o700)
     started = time.monotonic()
-    with open("/tmp/test-output", "w+b") as output:
-        # No bytecode read from the workspace or written there: a stale or planted __pycache__ (the
-        # same size and second as a restored file's) would run in place of the source.
-        command = [sys.executable, "-I", "-S", "-B", "-X", "pycache_prefix=/tmp/pycache", "-c", TEST_RUNNER, path, name]
-        child = subprocess.Popen(command, stdin=subprocess.DEVNULL,
-                                 stdout=output, stderr=subprocess.STDOUT, process_group=0, cwd=WORKSPACE,
-                                 env={**os.environ, "TEST_NONCE": nonce})
-        try:
-            child.wait(timeout=wall_s)
-        except subprocess.TimeoutExpired:
-            kill_group(child.pid)
-            child.wait()
-            return {"test": label, "passed": False, "reason": f"test wall time over {wall_s:g} s",
-                    "seconds": round(time.monotonic() - started, 3)}
-        kill_group(child.pid)
-        output.seek(max(0, output.seek(0, os.SEEK_END) - 2000))
-        tail = output.read().decode(errors="replace")
+    read, write = os.pipe()
+    os.write(write, nonce)
+    os.close(write)
+    try:
+        with open("/tmp/test-output", "w+b") as output:
+            child = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-B", "-X", f"pycache_prefix={cache}", "-c", TEST_RUNNER, path, name,
+                 str(read)], stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT, process_group=0,
+                cwd=WORKSPACE, pass_fds=(read,))
+            os.close(read)
+            try:
+                child.wait(timeout=wall_s)
+            except subprocess.TimeoutExpired:
+                return {"test": label, "passed": False, "reason": f"test wall time over {wall_s:g} s",
+                        "seconds": round(time.monotonic() - started, 3)}
+            finally:
+                kill_all_others()
+                child.wait()
+            output.seek(max(0, output.seek(0, os.SEEK_END) - 2000))
+            tail = output.read()
+    finally:
+        import shutil
+
+        shutil.rmtree(cache, ignore_errors=True)
     passed = child.returncode == 0 and tail.rstrip().endswith(nonce)
-    reason = "passed" if passed else (tail.strip().splitlines() or [exit_reason(child.returncode)])[-1][:300]
+    if passed:
+        reason = "passed"
+    elif child.returncode == 0:
+        reason = "its process ended before the test returned"
+    else:
+        reason = (tail.decode(errors="replace").strip().splitlines() or [exit_reason(child.returncode)])[-1][:300]
     return {"test": label, "passed": passed, "reason": reason, "seconds": round(time.monotonic() - started, 3)}
+
+
+def kill_all_others() -> None:
+    """Every process of this execution but this one (process 1 of its PID namespace: what a test
+    left running, in its group or not), killed and reaped until none is left."""
+    me = os.getpid()
+    for _ in range(1000):
+        others = [int(entry) for entry in os.listdir("/proc") if entry.isdigit() and int(entry) != me]
+        if not others:
+            return
+        for pid in others:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        while True:  # reap them (orphans are this process's children, as process 1)
+            try:
+                if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                    break
+            except ChildProcessError:
+                break
+        time.sleep(0.005)
 
 
 def report(result_fd: int, result: dict[str, Any]) -> None:

@@ -18,7 +18,9 @@ from collections.abc import Callable
 WORKSPACE = "/workspace"
 MAX_LISTED = 500  # entries of a listing
 MAX_FOUND = 200  # lines a search returns
-MAX_READ = 1 << 20  # bytes of a file read or searched
+MAX_READ = 1 << 20  # bytes of a file searched
+MAX_OUTPUT = 1 << 17  # what a tool prints, at most: far below the sandbox's output limit, which ends it
+MAX_PARTS = 32  # directories deep a path may go
 
 
 class Refused(Exception):
@@ -30,11 +32,13 @@ def inside(path: str) -> str:
     if not isinstance(path, str) or not path or "\x00" in path:
         raise Refused("a path is a non-empty string")
     if path.startswith("/") or ".." in path.split("/"):
-        raise Refused(f"{path!r}: paths are relative to the workspace, without '..'")
+        raise Refused(f"{path[:200]!r}: paths are relative to the workspace, without '..'")
+    if path.count("/") >= MAX_PARTS:
+        raise Refused(f"{path[:200]!r}: more than {MAX_PARTS} parts")
     full = os.path.normpath(os.path.join(WORKSPACE, path))
     real = os.path.realpath(full)
     if real != WORKSPACE and not real.startswith(WORKSPACE + "/"):
-        raise Refused(f"{path!r} leads out of the workspace")
+        raise Refused(f"{path[:200]!r} leads out of the workspace")
     return full
 
 
@@ -52,10 +56,10 @@ def list_files(path: str = ".") -> str:
 
 def read_file(path: str, start_line: int = 1, end_line: int | None = None) -> str:
     full = inside(path)
-    if not os.path.isfile(full):
-        raise Refused(f"{path!r} is not a file")
+    if not stat.S_ISREG(os.stat(full).st_mode):
+        raise Refused(f"{path[:200]!r} is not a file")
     with open(full, "rb") as handle:
-        text = handle.read(MAX_READ).decode("utf-8", "replace")
+        text = handle.read(MAX_OUTPUT).decode("utf-8", "replace")
     lines = text.splitlines()
     end = len(lines) if end_line is None else min(end_line, len(lines))
     return "\n".join(f"{n}: {lines[n - 1]}" for n in range(max(1, start_line), end + 1)) or "(no such lines)"
@@ -63,6 +67,8 @@ def read_file(path: str, start_line: int = 1, end_line: int | None = None) -> st
 
 def write_file(path: str, content: str) -> str:
     full = inside(path)  # its directories resolve inside: a link among them is followed only inside
+    if os.path.lexists(full) and not stat.S_ISREG(os.lstat(full).st_mode):
+        raise Refused(f"{path[:200]!r} is there and is not a file")
     os.makedirs(os.path.dirname(full), exist_ok=True)
     # O_NOFOLLOW: a link put where the file goes is refused, not written through.
     descriptor = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
@@ -92,31 +98,38 @@ def search(text: str, path: str = ".") -> str:
             content = handle.read(MAX_READ).decode("utf-8", "replace")
         for number, line in enumerate(content.splitlines(), 1):
             if text in line:
-                found.append(f"{os.path.relpath(full, WORKSPACE)}:{number}: {line}")
+                found.append(f"{os.path.relpath(full, WORKSPACE)}:{number}: {line[:1000]}")
                 if len(found) >= MAX_FOUND:
                     return "\n".join(found) + f"\n(first {MAX_FOUND} lines)"
     return "\n".join(found) if found else "(no match)"
 
 
 def digest() -> str:
-    """SHA-256 of the workspace: each entry's path, kind and content (a link's target), in order.
+    """SHA-256 of the workspace: each entry's path, mode and content (a file's digest, a link's
+    target), each field length-prefixed, in order; an entry it cannot read counts as its error.
     Not one of the agent's tools: the host asks for it at the end of an episode."""
     import hashlib
 
     total = hashlib.sha256()
+
+    def field(data: bytes) -> None:
+        total.update(len(data).to_bytes(8, "big") + data)
+
     for root, dirs, files in os.walk(WORKSPACE):
         dirs.sort()
         for name in [*dirs, *sorted(files)]:
             full = os.path.join(root, name)
-            mode = os.lstat(full).st_mode
-            total.update(os.path.relpath(full, WORKSPACE).encode("utf-8", "surrogateescape") + b"\0")
-            if stat.S_ISLNK(mode):
-                total.update(b"link\0" + os.readlink(full).encode("utf-8", "surrogateescape"))
-            elif stat.S_ISREG(mode):
-                with open(full, "rb") as handle:
-                    total.update(b"file\0" + hashlib.sha256(handle.read()).digest())
-            else:
-                total.update(b"dir\0" if stat.S_ISDIR(mode) else b"other\0")
+            field(os.path.relpath(full, WORKSPACE).encode("utf-8", "surrogateescape"))
+            try:
+                mode = os.lstat(full).st_mode
+                field(str(mode).encode())
+                if stat.S_ISLNK(mode):
+                    field(os.readlink(full).encode("utf-8", "surrogateescape"))
+                elif stat.S_ISREG(mode):
+                    with open(full, "rb") as handle:
+                        field(hashlib.file_digest(handle, "sha256").digest())
+            except OSError as exc:
+                field(f"error {exc.errno}".encode())
     return total.hexdigest()
 
 
@@ -128,13 +141,18 @@ def main() -> int:
     call = json.loads(os.environ.pop("TOOL"))
     try:
         tool = TOOLS[call["name"]]
-        print(tool(**call["arguments"]))
+        said = tool(**call["arguments"])
     except Refused as exc:
         print(f"refused: {exc}")
         return 2
-    except (OSError, UnicodeError) as exc:
-        print(f"refused: {type(exc).__name__}: {exc.strerror if isinstance(exc, OSError) else exc}")
+    except (OSError, UnicodeError, RecursionError) as exc:
+        print(f"refused: {type(exc).__name__}: {exc.strerror if isinstance(exc, OSError) else exc}"[:1000])
         return 2
+    data = said.encode("utf-8", "replace")
+    sys.stdout.write(data[:MAX_OUTPUT].decode("utf-8", "ignore"))
+    if len(data) > MAX_OUTPUT:
+        sys.stdout.write(f"\n... [{len(data) - MAX_OUTPUT:,} bytes more]")
+    sys.stdout.write("\n")
     return 0
 
 

@@ -89,11 +89,40 @@ def test_the_tools_act_on_the_workspace_and_the_task_s_tests_decide_the_reward()
     # A planted bytecode file: as old as a file the check restores, the same size.
     [shell("python3 -c \"import py_compile; py_compile.compile('calc/__init__.py')\"; "
            "printf 'def add(a, b):\\n    return a + b\\n' > /tmp/x.py")],
+    # Tests of the agent's own: the check runs the task's only.
+    [write("test_aaa.py", "def test_a():\n    pass\n" * 3), write("tests/test_more.py", "def test_b():\n    pass\n")],
+    # The nonce looked for where it used to be: the environment, the runner's globals.
+    [write("calc/__init__.py", "import os, sys\nprint(os.environ.get('TEST_NONCE'), "
+                               "getattr(sys.modules['__main__'], 'nonce', None))\nos._exit(0)\n")],
 ])
 def test_what_the_agent_does_to_the_tests_or_the_runner_earns_nothing(cheat: list[Call]) -> None:
     env, [result] = episode([*cheat, Call("done", "submit", "{}")])
     with env:
         assert result.ended == "submitted" and result.reward < 1.0, result.reason
+
+
+@pytest.mark.integration
+def test_nothing_one_test_leaves_running_or_cached_reaches_the_next() -> None:
+    """The code under test, imported by the first test, starts a process of its own session that
+    would fix the code while the second test waits, and plants the second test file's bytecode
+    (both passing): each test runs alone, in a cache of its own."""
+    sneaky = ("import os, subprocess, py_compile\n"
+              "if not os.path.exists('/tmp/once'):\n"
+              "    open('/tmp/once', 'w').close()\n"
+              "    subprocess.Popen(['/bin/sh', '-c', 'sleep 0.7; printf \"def add(a, b):\\\\n    return a + b\\\\n\" "
+              "> calc/__init__.py'], start_new_session=True)\n"
+              "    for prefix in [p for p in os.listdir('/tmp') if p.startswith('pycache')]:\n"
+              "        py_compile.compile('tests/test_calc.py', cfile='/tmp/' + prefix + '/workspace/tests/'\n"
+              "                           'test_calc.cpython-311.pyc')\n"
+              "def add(a, b):\n    return a - b\n")
+    ordered = ("def test_zero():\n    from calc import add\n    assert add(0, 0) == 0\n\n\n"
+               "def test_add():\n    import time\n    time.sleep(1.5)\n    from calc import add\n"
+               "    assert add(2, 3) == 5\n")
+    task = TASK.model_copy(update={"files": {**TASK.files, "calc/__init__.py": sneaky, "tests/test_calc.py": ordered}})
+    with WorkspaceEnvironment(task, ExecutionSettings(), RL) as env:
+        env.reset()
+        result = env.step([Call("done", "submit", "{}")], 1)
+        assert result.reward == 0.5 and "test_add: AssertionError" in result.reason, result.reason
 
 
 @pytest.mark.integration
@@ -112,14 +141,19 @@ def test_hostile_calls_are_contained(tmp_path: Path) -> None:
             shell(f"python3 -c \"import socket; socket.create_connection(('127.0.0.1', {port}), 2)\""),
             Call("d", "read_file", json.dumps({"path": "a" * 5000})),
             Call("e", "read_file", json.dumps({"path": "a" * 70_000})),
-        ])
+            Call("f", "read_file", "[" * 5000),  # JSON nested past what the parser takes
+            shell("mkfifo fifo"), write("fifo", "x"),  # a file that is not one
+            write("a/" * 40 + "f", "x"),
+        ], rl=RL.model_copy(update={"episode_tool_calls": 32}))
     with env:
         outputs = [step.output for step in result.tools]
-        assert all(not step.ok for step in (result.tools[i] for i in (0, 1, 3, 4, 5, 6, 7, 8))), outputs
+        assert all(not result.tools[i].ok for i in (0, 1, 3, 4, 5, 6, 7, 8, 9, 11, 12)), outputs
         assert "leads out of the workspace" in outputs[3] and "leads out of the workspace" in outputs[4]
         assert "s3cret" not in outputs[5] and "No such file" in outputs[5]
         assert "ConnectionRefusedError" in outputs[6] or "Network is unreachable" in outputs[6]
         assert "at most 4096 characters" in outputs[7] and "over 65,536 characters" in outputs[8]
+        assert "nested too deep" in outputs[9] and "is not a file" in outputs[11]
+        assert "more than 32 parts" in outputs[12]
 
 
 @pytest.mark.integration
@@ -141,6 +175,22 @@ def test_exhausting_the_host_is_contained_and_earns_nothing(bomb: str) -> None:
         else:  # the call failed within its limits; the bug is still there
             assert result.ended == "submitted" and result.reward == 0.5, result.reason
         assert time.monotonic() - started < 90
+
+
+@pytest.mark.integration
+def test_a_tool_s_output_is_cut_before_the_sandbox_s_limit_and_the_digest_frames_its_fields() -> None:
+    """A read or a search of large files prints at most 128 KiB (the sandbox ends an execution that
+    prints 1 MiB); a link's target and a file's name never run together in the digest."""
+    env, [result] = episode([shell("head -c 1500000 /dev/zero | tr '\\0' x > big; cp big big2"),
+                             Call("r", "read_file", '{"path": "big"}'), Call("f", "search", '{"text": "x"}')])
+    with env:
+        assert not result.done and all(step.ok for step in result.tools), result.tools
+        digests = []
+        for links in ("ln -s xb a && echo > c", "ln -s x a && echo > bc"):
+            env.reset()
+            env.step([shell(f"rm -rf calc tests README.md && {links}")], 1)
+            digests.append(env.workspace_sha256())
+        assert digests[0] != digests[1]
 
 
 @pytest.mark.integration
