@@ -110,8 +110,12 @@ class RepositoryTask(BaseModel):
         return {path: self.files[path] for path in self.tests}
 
 
+TaskKind = Literal["programs", "repository"]
+
+
 class TaskSet(BaseModel):
-    """A named, content-addressed task set in the artifact store."""
+    """A named, content-addressed task set in the artifact store: programming tasks (Task) or
+    repository tasks (RepositoryTask, for agent episodes)."""
 
     name: str
     sha256: str
@@ -120,6 +124,7 @@ class TaskSet(BaseModel):
     train: int
     held_out: int
     created: str
+    kind: TaskKind = "programs"
 
 
 def taskset_registry(home: Home) -> JsonRegistry[dict[str, TaskSet]]:

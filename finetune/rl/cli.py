@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 from pydantic import TypeAdapter, ValidationError
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from appliance.artifacts import artifact_store
 from appliance.changes import note_target, records_change
@@ -23,7 +24,7 @@ from appliance.rl import runs
 from appliance.rl.exports import ExportAsk
 from appliance.rl.progress import policy_line, read_progress, report
 from appliance.rl.runs import PolicySpec, RunSpec
-from appliance.rl.tasks import Task, load_tasksets
+from appliance.rl.tasks import RepositoryTask, Task, load_tasksets
 from appliance.settings import load_settings
 from appliance.terminal import Listing, shown, text
 from appliance.trajectories import read_run
@@ -33,6 +34,7 @@ from finetune.rl.execute import SOURCE, Language, execute
 from finetune.rl.export import export_run
 from finetune.rl.gate import difference, held_out_set, measure, record, served_version, verdict
 from finetune.rl.starter import starter_tasks
+from finetune.rl.task_maker import Made, make, source_of
 from finetune.rl.tasks import check_name, humaneval, parse, store
 
 rl_app = typer.Typer(help="Post-training from execution feedback: task sets, the sandbox, runs, trajectories.",
@@ -107,7 +109,7 @@ tasks_app = typer.Typer(help="Task sets: programming tasks with tests.", no_args
 rl_app.add_typer(tasks_app, name="tasks")
 
 
-def _store(name: str, source: str, tasks: list[Task]) -> None:
+def _store(name: str, source: str, tasks: list[Task] | list[RepositoryTask]) -> None:
     """Split and store a task set (settings: the held-out share, the artifact store) and say so."""
     home = Home.from_env()
     settings = load_settings(home.settings_file)
@@ -147,6 +149,39 @@ def tasks_starter(name: Annotated[str, typer.Option(help="Name to refer to the t
     _store(name, "starter", starter_tasks())
 
 
+@tasks_app.command("make")
+@records_change("rl.tasks.add")
+def tasks_make(
+    origin: Annotated[str, typer.Option("--from", help="An installed package with its tests (mpmath, say), or a "
+                                                       "repository's directory.")],
+    name: Annotated[str, typer.Option(help="Name to refer to the task set by.")],
+    limit: Annotated[int, typer.Option(min=1, max=10_000, help="Tasks to make, at most.")] = 50,
+    seed: Annotated[int, typer.Option(help="Which functions and bugs are chosen.")] = 0,
+    max_tried: Annotated[int | None, typer.Option(min=1, help="Bugs to validate, at most.")] = None,
+) -> None:
+    """Make repository tasks: one bug each in a function the source's own tests call, kept only if
+    those tests pass without it and fail with it (both checked in the sandbox); all or nothing."""
+    note_target("task_set", name)
+    check_name(name)
+    source = source_of(origin)
+    settings = load_settings(Home.from_env().settings_file)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=Console(stderr=True), transient=True) as bar:
+        made_bar = bar.add_task("kept tasks", total=limit)
+
+        def said(made: Made) -> None:
+            bar.update(made_bar, completed=len(made.tasks), description=f"kept tasks ({made.tried} bugs tried, "
+                       f"{made.equivalent} caught by no test)")
+
+        made = make(source, limit, seed, settings.execution, settings.rl, said, max_tried)
+    if not made.tasks:
+        raise Invalid(f"--from {origin!r}: none of {made.tried} bugs made a test fail ({made.unsound} sets of tests "
+                      "failed without a bug)")
+    out.print(f"{len(made.tasks)} of {made.tried} bugs kept ({made.equivalent} caught by no test, {made.unsound} "
+              f"without passing tests first) in {made.seconds:.0f} s", highlight=False)
+    _store(name, f"made from {origin}"[:200], made.tasks)
+
+
 @tasks_app.command("list")
 def tasks_list(as_json: AsJson = False) -> None:
     """The task sets."""
@@ -154,9 +189,9 @@ def tasks_list(as_json: AsJson = False) -> None:
     if as_json:
         typer.echo(json.dumps([info.model_dump() for info in registry.values()], indent=1))
         return
-    table = Listing("name", "tasks", "train", "held out", "source", "sha256", "added")
+    table = Listing("name", "kind", "tasks", "train", "held out", "source", "sha256", "added")
     for info in registry.values():
-        table.add_row(info.name, str(info.tasks), str(info.train), str(info.held_out), shown(info.source),
+        table.add_row(info.name, info.kind, str(info.tasks), str(info.train), str(info.held_out), shown(info.source),
                       info.sha256[:16], info.created)
     out.print(table, crop=False)
 

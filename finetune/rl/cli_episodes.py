@@ -12,6 +12,7 @@ import typer
 from pydantic import BaseModel, ValidationError
 from rich.console import Console
 
+from appliance.artifacts import artifact_store
 from appliance.commands.common import AsJson
 from appliance.errors import Invalid
 from appliance.home import Home
@@ -21,6 +22,7 @@ from appliance.settings import load_settings
 from finetune.rl.agent import run_episode
 from finetune.rl.environment import WorkspaceEnvironment
 from finetune.rl.loop import Generator
+from finetune.rl.tasks import load_repository
 
 out = Console()
 M = TypeVar("M", bound=BaseModel)
@@ -45,10 +47,30 @@ def read_model(path: Path, model: type[M], what: str) -> M:
         raise Invalid(f"{what} {path}: [{'.'.join(map(str, first['loc'])) or 'top'}]: {first['msg']}") from exc
 
 
+def chosen_task(task: Path | None, task_set: str | None, task_id: str | None) -> RepositoryTask:
+    """The task a command names: a JSON file, or a task of a stored set of repository tasks."""
+    if (task is None) == (task_set is None):
+        raise Invalid("name the task: --task FILE, or --task-set NAME with --task-id ID")
+    if task is not None:
+        return read_model(task, RepositoryTask, "--task")
+    assert task_set is not None
+    home = Home.from_env()
+    found = load_repository(task_set, "all", artifact_store(load_settings(home.settings_file).artifacts, home), home)
+    if task_id is None:
+        raise Invalid(f"--task-set {task_set}: which task (--task-id)? the first: "
+                      f"{', '.join(t.id for t in found[:5])}")
+    for each in found:
+        if each.id == task_id:
+            return each
+    raise Invalid(f"--task-id {task_id[:200]!r}: not in task set {task_set!r}")
+
+
 def episode_command(
-    task: Annotated[Path, typer.Option(help="A repository task (JSON: id, instruction, files, tests).")],
     model: Annotated[str, typer.Option(help="The served model (a pool's model or a deployed adapter).")],
     out_file: Annotated[Path, typer.Option("--out", help="Where the episode's record goes (JSON).")],
+    task: Annotated[Path | None, typer.Option(help="A repository task (JSON: id, instruction, files, tests).")] = None,
+    task_set: Annotated[str | None, typer.Option(help="A stored set of repository tasks (rl tasks make).")] = None,
+    task_id: Annotated[str | None, typer.Option(help="The task of --task-set.")] = None,
     tool_choice: Annotated[str, typer.Option(help="auto, or required (a tool call every answer).")] = "auto",
     temperature: Annotated[float, typer.Option(help="Sampling temperature (0: greedy).")] = 0.0,
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
@@ -56,7 +78,8 @@ def episode_command(
                                                         "(vLLM's sampling or structured_outputs fields).")] = None,
     as_json: AsJson = False,
 ) -> None:
-    """Run one agent episode on TASK through the gateway; exit 0 if the task's tests all pass."""
+    """Run one agent episode on a repository task through the gateway; exit 0 if the task's tests
+    all pass."""
     if tool_choice not in ("auto", "required"):
         raise Invalid(f"--tool-choice {tool_choice!r}: auto or required")
     try:
@@ -66,7 +89,7 @@ def episode_command(
     if extra is not None and not isinstance(extra, dict):
         raise Invalid("--extra-body: a JSON object of request fields")
     choice: Literal["auto", "required"] = "required" if tool_choice == "required" else "auto"
-    repository = read_model(task, RepositoryTask, "--task")
+    repository = chosen_task(task, task_set, task_id)
     home = Home.from_env()
     settings = load_settings(home.settings_file)
     generator = Generator(settings, home, model)
@@ -89,12 +112,13 @@ def episode_command(
 
 def replay_command(
     episode_file: Annotated[Path, typer.Argument(help="An episode's record (`rl episode --out`).")],
-    task: Annotated[Path, typer.Option(help="The repository task it ran on (JSON).")],
+    task: Annotated[Path | None, typer.Option(help="The repository task it ran on (JSON).")] = None,
+    task_set: Annotated[str | None, typer.Option(help="Or the stored set it is in.")] = None,
 ) -> None:
     """Run an episode's recorded tool calls again in a fresh sandbox; exit 0 if they leave the
     workspace the episode left (the same digest), 1 if not."""
     episode = read_model(episode_file, Episode, "episode")
-    repository = read_model(task, RepositoryTask, "--task")
+    repository = chosen_task(task, task_set, episode.task if task_set else None)
     if repository.id != episode.task:
         raise Invalid(f"--task {task}: task {repository.id!r}, but the episode ran on {episode.task!r}")
     settings = load_settings(Home.from_env().settings_file)

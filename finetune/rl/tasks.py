@@ -8,15 +8,17 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TypeVar
 
 from pydantic import ValidationError
 
 from appliance.artifacts import ArtifactStore
 from appliance.errors import IntegrityError, Invalid, NotFound
 from appliance.home import Home
-from appliance.rl.tasks import NAME, Task, TaskSet, load_tasksets, taskset_registry
+from appliance.rl.tasks import NAME, RepositoryTask, Task, TaskKind, TaskSet, load_tasksets, taskset_registry
 from finetune.datasets import DatasetError
 
 PREFIX = "tasksets/"
@@ -69,7 +71,10 @@ def humaneval() -> list[Task]:
                  entry_point=p["entry_point"]) for p in problems]
 
 
-def split(tasks: list[Task], held_out_fraction: float) -> dict[str, list[Task]]:
+AnyTask = TypeVar("AnyTask", bound=Task | RepositoryTask)
+
+
+def split(tasks: list[AnyTask], held_out_fraction: float) -> dict[str, list[AnyTask]]:
     """Train and held-out tasks, chosen by a hash of each id: reproducible, order-independent."""
     keyed = sorted(tasks, key=lambda task: hashlib.sha256(task.id.encode()).hexdigest())
     cut = round(len(keyed) * held_out_fraction)
@@ -78,7 +83,7 @@ def split(tasks: list[Task], held_out_fraction: float) -> dict[str, list[Task]]:
     return {"train": keyed[cut:], "held_out": keyed[:cut]}
 
 
-def _lines(tasks: list[Task]) -> bytes:
+def _lines(tasks: Sequence[Task | RepositoryTask]) -> bytes:
     return b"".join(task.model_dump_json(exclude_defaults=False).encode() + b"\n" for task in tasks)
 
 
@@ -93,15 +98,17 @@ def check_name(name: str) -> str:
     return name
 
 
-def store(name: str, source: str, tasks: list[Task], held_out_fraction: float, artifacts: ArtifactStore,
-          home: Home) -> TaskSet:
+def store(name: str, source: str, tasks: list[Task] | list[RepositoryTask], held_out_fraction: float,
+          artifacts: ArtifactStore, home: Home) -> TaskSet:
     """Put the task set in the store under its content hash and name it in the local registry."""
     check_name(name)
-    parts = {split_name: _lines(chosen) for split_name, chosen in split(tasks, held_out_fraction).items()}
+    either: list[Task | RepositoryTask] = list(tasks)
+    parts = {split_name: _lines(chosen) for split_name, chosen in split(either, held_out_fraction).items()}
     digest = content_digest(parts)
+    kind: TaskKind = "repository" if tasks and isinstance(tasks[0], RepositoryTask) else "programs"
     info = TaskSet(name=name, sha256=digest, source=source[:200], tasks=len(tasks),
                    train=parts["train"].count(b"\n"), held_out=parts["held_out"].count(b"\n"),
-                   created=datetime.now(UTC).isoformat(timespec="seconds"))
+                   created=datetime.now(UTC).isoformat(timespec="seconds"), kind=kind)
     for split_name, data in parts.items():
         artifacts.put(f"{PREFIX}{digest}/{split_name}.jsonl", data, retain_days=0)
     artifacts.put(f"{PREFIX}{digest}/meta.json", info.model_dump_json(indent=1).encode(), retain_days=0)
@@ -113,7 +120,21 @@ def store(name: str, source: str, tasks: list[Task], held_out_fraction: float, a
 def load(name: str, split_name: str, artifacts: ArtifactStore, home: Home, expected: str | None = None) -> list[Task]:
     """A stored split ('train', 'held_out' or 'all') of the set named `name` (or, if given, of the
     set stored under digest `expected`: the one a run was queued with), checked against its digest."""
+    return [Task.model_validate_json(line) for line in _stored(name, split_name, artifacts, home, expected, "programs")]
+
+
+def load_repository(name: str, split_name: str, artifacts: ArtifactStore, home: Home) -> list[RepositoryTask]:
+    """A stored split of a set of repository tasks, checked against its digest."""
+    return [RepositoryTask.model_validate_json(line) for line in _stored(name, split_name, artifacts, home, None,
+                                                                          "repository")]
+
+
+def _stored(name: str, split_name: str, artifacts: ArtifactStore, home: Home, expected: str | None,
+            kind: TaskKind) -> list[bytes]:
     registry = load_tasksets(home)
+    if expected is None and name in registry and registry[name].kind != kind:
+        raise Invalid(f"task set {name!r} holds {registry[name].kind} tasks, not {kind} tasks",
+                      hint="programs: `rl run`; repository tasks: `rl episode`")
     if expected is None and name not in registry:
         raise NotFound(f"no task set named {name!r}", hint=f"task sets: {', '.join(sorted(registry)) or 'none'}; "
                        "add one with `appliance rl tasks add FILE --name N`")
@@ -124,4 +145,4 @@ def load(name: str, split_name: str, artifacts: ArtifactStore, home: Home, expec
                              f"hash to {found[:16]}..., recorded {digest[:16]}...)",
                              hint=f"add it again with `appliance rl tasks add FILE --name {name}`")
     chosen = SPLITS if split_name == "all" else (split_name,)
-    return [Task.model_validate_json(line) for part in chosen for line in parts[part].splitlines()]
+    return [line for part in chosen for line in parts[part].splitlines()]
