@@ -33,6 +33,7 @@ class Turn(BaseModel):
     request_id: str | None = Field(None, max_length=200, description="The gateway's, for its audit record.")
     content: str
     completion_tokens: int
+    generation_s: float = 0.0  # the gateway's answer, as the driver waited for it
     tools: list[ToolStep]
     refused: str | None = None  # the gateway refused this answer (its call failed the schema, say): why
 
@@ -50,6 +51,7 @@ class Episode(BaseModel):
     tests_total: int
     workspace_sha256: str | None  # of the final workspace's files; None when it was lost
     seconds: float
+    reset_s: float = 0.0  # the sandbox started and the task's files put in
 
     @property
     def tool_calls(self) -> int:

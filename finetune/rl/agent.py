@@ -38,16 +38,20 @@ def run_episode(task: RepositoryTask, generator: Generator, environment: Workspa
     started = time.monotonic()
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM},
                                       {"role": "user", "content": environment.reset()}]
+    reset_s = time.monotonic() - started
     turns: list[Turn] = []
     while True:
         body = {**(extra_body or {}), "model": generator.model, "messages": messages, "tools": TOOL_SCHEMAS,
                 "tool_choice": tool_choice, "max_tokens": rl.episode_answer_tokens, "temperature": temperature,
                 "seed": seed}
+        asked = time.monotonic()
         answered = generator.chat(body, f"episode of {task.id}")
+        generation_s = round(time.monotonic() - asked, 3)
         if isinstance(answered, Refused):  # this answer refused (its call failed the schema, say): said, and on
             result = environment.step([], rl.episode_answer_tokens, refused=True)  # its tokens unknown: the most
             turns.append(Turn(request_id=_request_id(answered.request_id), content="",
-                              completion_tokens=rl.episode_answer_tokens, tools=[], refused=answered.reason))
+                              completion_tokens=rl.episode_answer_tokens, generation_s=generation_s, tools=[],
+                              refused=answered.reason))
             messages.append({"role": "user", "content": f"The gateway refused your last answer: "
                                                         f"{answered.reason[:500]}. Call a tool with arguments that "
                                                         "match its schema."})
@@ -55,14 +59,14 @@ def run_episode(task: RepositoryTask, generator: Generator, environment: Workspa
             content, calls, tokens = _answer(answered, rl.episode_answer_tokens)
             result = environment.step(calls, tokens)
             turns.append(Turn(request_id=_request_id(answered.headers.get("x-request-id")), content=content,
-                              completion_tokens=tokens, tools=result.tools))
+                              completion_tokens=tokens, generation_s=generation_s, tools=result.tools))
             messages.append({"role": "assistant", "content": content or None, "tool_calls": [
                 {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                 for c in calls]} if calls else {"role": "assistant", "content": content})
             messages += [{"role": "tool", "tool_call_id": step.call_id, "content": step.output}
                          for step in result.tools]
         if result.done:
-            return _episode(task, generator.model, turns, result, time.monotonic() - started)
+            return _episode(task, generator.model, turns, result, time.monotonic() - started, reset_s)
 
 
 def _request_id(header: str | None) -> str | None:
@@ -87,8 +91,9 @@ def _answer(response: httpx.Response, most: int) -> tuple[str, list[Call], int]:
     return content.encode("utf-8", "replace").decode("utf-8"), calls, counted
 
 
-def _episode(task: RepositoryTask, model: str, turns: list[Turn], result: StepResult, seconds: float) -> Episode:
+def _episode(task: RepositoryTask, model: str, turns: list[Turn], result: StepResult, seconds: float,
+             reset_s: float) -> Episode:
     assert result.ended is not None
     return Episode(task=task.id, model=model, turns=turns, ended=result.ended, reason=result.reason,
                    reward=result.reward, tests_passed=result.tests_passed, tests_total=result.tests_total,
-                   workspace_sha256=result.workspace_sha256, seconds=round(seconds, 3))
+                   workspace_sha256=result.workspace_sha256, seconds=round(seconds, 3), reset_s=round(reset_s, 3))

@@ -42,8 +42,11 @@ rl_app = typer.Typer(help="Post-training from execution feedback: task sets, the
 out = Console()
 MAX_SOURCE_BYTES = 1 << 20
 IoCases = TypeAdapter(list[dict[str, str]])
-rl_app.command("episode")(episode_command)
-rl_app.command("replay")(replay_command)
+episodes_app = typer.Typer(help="Agent episodes on repository tasks: tools in a sandbox, through the gateway.",
+                            no_args_is_help=True)
+rl_app.add_typer(episodes_app, name="episodes")
+episodes_app.command("run")(episode_command)
+episodes_app.command("replay")(replay_command)
 
 
 def _read(path: Path, what: str) -> str:

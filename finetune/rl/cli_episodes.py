@@ -1,6 +1,6 @@
-"""`appliance rl episode`: one agent episode on a repository task through the gateway (the model as
-the RL service identity, its tools in the episode's sandbox), its record written to a file; and
-`appliance rl replay`: the recorded calls again in a fresh sandbox, to the same final workspace."""
+"""`appliance rl episodes run`: one agent episode on a repository task through the gateway (the model
+as the RL service identity, its tools in the episode's sandbox), its record written to a file; and
+`appliance rl episodes replay`: the recorded calls again in a fresh sandbox, to the same final workspace."""
 
 from __future__ import annotations
 
@@ -111,7 +111,7 @@ def episode_command(
 
 
 def replay_command(
-    episode_file: Annotated[Path, typer.Argument(help="An episode's record (`rl episode --out`).")],
+    episode_file: Annotated[Path, typer.Argument(help="An episode's record (`rl episodes run --out`).")],
     task: Annotated[Path | None, typer.Option(help="The repository task it ran on (JSON).")] = None,
     task_set: Annotated[str | None, typer.Option(help="Or the stored set it is in.")] = None,
 ) -> None:

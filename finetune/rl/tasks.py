@@ -134,7 +134,7 @@ def _stored(name: str, split_name: str, artifacts: ArtifactStore, home: Home, ex
     registry = load_tasksets(home)
     if expected is None and name in registry and registry[name].kind != kind:
         raise Invalid(f"task set {name!r} holds {registry[name].kind} tasks, not {kind} tasks",
-                      hint="programs: `rl run`; repository tasks: `rl episode`")
+                      hint="programs: `rl run`; repository tasks: `rl episodes run`")
     if expected is None and name not in registry:
         raise NotFound(f"no task set named {name!r}", hint=f"task sets: {', '.join(sorted(registry)) or 'none'}; "
                        "add one with `appliance rl tasks add FILE --name N`")

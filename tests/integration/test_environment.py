@@ -17,27 +17,17 @@ from pathlib import Path
 import pytest
 
 from appliance.rl.episodes import Episode
-from appliance.rl.tasks import RepositoryTask
 from appliance.settings import ExecutionSettings, RlSettings
 from audit.writer import log_files
 from finetune.rl.environment import Call, WorkspaceEnvironment
 from tests.integration.conftest import Running
 from tests.support.appliances import APPLIANCE
+from tests.support.repository_tasks import CALC_TASK, CALLS, FIXED
 from tests.support.waiting import until
 
 MODEL = "SmolLM2-135M-Instruct"
-CODE = "def add(a, b):\n    return a - b\n"
-FIXED = "def add(a, b):\n    return a + b\n"
-TESTS = ("from calc import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n\n\n"
-         "def test_zero():\n    assert add(0, 0) == 0\n")
-TASK = RepositoryTask(id="calc-add", instruction="The tests of calc fail: fix calc/__init__.py.",
-                      files={"calc/__init__.py": CODE, "tests/test_calc.py": TESTS, "README.md": "calc\n"},
-                      tests=["tests/test_calc.py"])
+TASK = CALC_TASK
 RL = RlSettings(episode_tool_calls=12, workspace_mib=8)
-# Calls the demo model is made to write in an episode through the gateway (the hermes parser's form).
-CALLS = (r'<tool_call>\n\{"name": "(list_files|run_tests|submit)", "arguments": \{\}\}\n</tool_call>'
-         r'|<tool_call>\n\{"name": "read_file", "arguments": '
-         r'\{"path": "(calc/__init__\.py|README\.md)"\}\}\n</tool_call>')
 
 
 def write(path: str, text: str, call: str = "w") -> Call:
@@ -221,9 +211,9 @@ def test_an_episode_through_the_gateway_is_audited_and_replays_to_its_workspace(
     service identity."""
     task, record = tmp_path / "task.json", tmp_path / "episode.json"
     task.write_text(TASK.model_dump_json())
-    env = {**running.appliance.env, "APPLIANCE_RL__EPISODE_STEPS": "3", "APPLIANCE_RL__EPISODE_ANSWER_TOKENS": "400"}
-    ran = subprocess.run([APPLIANCE, "rl", "episode", "--task", str(task), "--model", MODEL, "--out", str(record),
-                          "--extra-body", json.dumps({"structured_outputs": {"regex": CALLS}})],
+    env = {**running.appliance.env, "APPLIANCE_RL__EPISODE_STEPS": "3", "APPLIANCE_RL__EPISODE_ANSWER_TOKENS": "96"}
+    ran = subprocess.run([APPLIANCE, "rl", "episodes", "run", "--task", str(task), "--model", MODEL,
+                          "--out", str(record), "--extra-body", json.dumps({"structured_outputs": {"regex": CALLS}})],
                          env=env, capture_output=True, text=True, timeout=600)
     assert ran.returncode in (0, 1), ran.stderr
     done = Episode.model_validate_json(record.read_text())
@@ -237,6 +227,6 @@ def test_an_episode_through_the_gateway_is_audited_and_replays_to_its_workspace(
         assert audited["username"] == "service-account-appliance-rl"
         if turn.refused is None:  # a refused answer's calls are recorded too, but never ran
             assert audited.get("tools_called") == ([step.name for step in turn.tools] or None), audited
-    replayed = running.appliance.run("rl", "replay", str(record), "--task", str(task), timeout=300)
+    replayed = running.appliance.run("rl", "episodes", "replay", str(record), "--task", str(task), timeout=300)
     assert replayed.returncode == 0, replayed.stdout + replayed.stderr
     assert "matches the episode's" in replayed.stdout

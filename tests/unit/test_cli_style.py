@@ -18,7 +18,7 @@ from appliance import cli
 VERBS = {"add", "archive", "build", "cancel", "canary", "create", "deploy", "disable", "enable", "exec",
          "export", "flush", "gate", "grant", "install", "join", "list", "prepare", "remove", "renew", "reset",
          "restore", "retire", "revoke", "rollback", "run", "show", "status", "submit", "tail", "unlock", "verify",
-         "set", "apply", "limit"}
+         "set", "apply", "limit", "make", "replay"}
 READS = {"list", "show", "status"}  # these take --json
 # Commands in groups that other people's modules own, not yet renamed to the style: path -> the owner.
 NOT_YET: dict[str, str] = {}
