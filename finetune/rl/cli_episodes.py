@@ -5,6 +5,8 @@ as the RL service identity, its tools in the episode's sandbox), its record writ
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 from typing import Annotated, Literal, TypeVar
 
@@ -32,10 +34,14 @@ MAX_FILE_BYTES = 32 << 20
 def read_model(path: Path, model: type[M], what: str) -> M:
     """`path` as a `model` (JSON), or Invalid naming the file and where in it it is wrong."""
     try:
-        if path.stat().st_size > MAX_FILE_BYTES:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(descriptor, "rb") as handle:
+            if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+                raise Invalid(f"{what} {path}: not a regular file")
+            data = handle.read(MAX_FILE_BYTES + 1)
+        if len(data) > MAX_FILE_BYTES:
             raise Invalid(f"{what} {path}: larger than {MAX_FILE_BYTES:,} bytes")
-        text = path.read_text(encoding="utf-8")
-        return model.model_validate(json.loads(text))
+        return model.model_validate(json.loads(data.decode("utf-8")))
     except OSError as exc:
         raise Invalid(f"{what} {path}: cannot read it: {exc.strerror or exc}") from exc
     except UnicodeDecodeError as exc:

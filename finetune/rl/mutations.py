@@ -57,10 +57,12 @@ def sites(text: str) -> list[Site]:
     for a file that does not parse."""
     try:
         tree = ast.parse(text)
-    except (SyntaxError, ValueError):
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
         return []
+    # Nothing inside an f-string: `f"{a+1=}"` prints its own text, which a mutation would change too.
+    formatted = {id(inner) for node in ast.walk(tree) if isinstance(node, ast.JoinedStr) for inner in ast.walk(node)}
     return [Site(name, node, kind, mutated) for name, function in functions(tree) for node in ast.walk(function)
-            for kind, mutated in _mutants(node)]
+            if id(node) not in formatted for kind, mutated in _mutants(node)]
 
 
 def apply(path: str, text: str, site: Site) -> Mutation | None:
@@ -69,7 +71,10 @@ def apply(path: str, text: str, site: Site) -> Mutation | None:
     starts = [0]
     for line in text.encode("utf-8").splitlines(keepends=True):
         starts.append(starts[-1] + len(line))
-    found = _rewritten(text, starts, site.node, site.mutated)
+    try:
+        found = _rewritten(text, starts, site.node, site.mutated)
+    except (RecursionError, MemoryError):  # an expression nested too deep to write back
+        return None
     if found is None:
         return None
     before, after, rewritten = found

@@ -12,12 +12,17 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import os
 import random
+import re
+import stat
 import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from pydantic import ValidationError
 
 from appliance.errors import Invalid
 from appliance.rl.tasks import MAX_FILES, MAX_REPOSITORY_BYTES, RepositoryTask, relative_path
@@ -51,12 +56,17 @@ class Made:
 
 def source_of(origin: str) -> Source:
     """An installed package by name, or a directory; Invalid naming what is wrong."""
+    if not origin.strip():
+        raise Invalid("--from is empty: an installed package's name or a directory")
     directory = Path(origin)
     if directory.is_dir():
-        return _read(directory.resolve(), directory.resolve(), directory.resolve().name)
+        return _read(directory.resolve(), directory.resolve(), directory.resolve().name or "root")
     if "/" in origin or origin.startswith("."):
         raise Invalid(f"--from {origin[:200]!r}: no such directory")
-    spec = importlib.util.find_spec(origin) if origin.isidentifier() else None
+    try:
+        spec = importlib.util.find_spec(origin) if origin.isidentifier() else None
+    except (ImportError, ValueError):  # __main__, say, has no spec
+        spec = None
     if spec is None or not spec.submodule_search_locations:
         raise Invalid(f"--from {origin[:200]!r}: neither a directory nor an installed package (a directory of "
                       "modules)", hint="an installed pure-Python package with its tests, mpmath say, or a directory")
@@ -65,22 +75,56 @@ def source_of(origin: str) -> Source:
 
 
 def _read(root: Path, top: Path, name: str) -> Source:
+    """The Python files under `top`, by their paths from `root`: regular files only, each opened
+    without following a link (one swapped in after the walk is refused by the open), at most
+    MAX_SOURCE_FILE each; Invalid as soon as they are more than a task may carry. Directories that
+    cannot be listed, or vanish, are passed over."""
     files: dict[str, str] = {}
-    for path in sorted(top.rglob("*.py")):
-        relative = path.relative_to(root).as_posix()
-        if set(path.relative_to(root).parts) & SKIPPED_PARTS or path.is_symlink():
-            continue
-        try:
-            relative_path(relative)
-            if path.stat().st_size <= MAX_SOURCE_FILE:
-                files[relative] = path.read_text(encoding="utf-8")
-        except (ValueError, OSError):
-            continue  # a name a task cannot carry, a file that is not UTF-8: left out
+    total = 0
+    # fwalk: each directory opened without following a link, and each file opened relative to it,
+    # so neither a file nor a directory above it swapped for a link after the walk leads elsewhere.
+    for directory, dirs, names, directory_fd in os.fwalk(top):
+        dirs[:] = sorted(d for d in dirs if d not in SKIPPED_PARTS and not d.startswith("."))
+        for file_name in sorted(n for n in names if n.endswith(".py")):
+            relative = (Path(directory) / file_name).relative_to(root).as_posix()
+            try:
+                relative_path(relative)
+            except ValueError:
+                continue  # a name a task cannot carry: left out
+            text = _read_file(file_name, directory_fd)
+            if text is None:
+                continue
+            files[relative] = text
+            total += len(text.encode("utf-8"))
+            if len(files) >= MAX_FILES or total > MAX_REPOSITORY_BYTES:
+                raise Invalid(f"--from {name[:200]!r}: more Python files than a task may carry ({MAX_FILES - 1} "
+                              f"files, {MAX_REPOSITORY_BYTES:,} bytes)", hint="a smaller package or directory")
     tests = [path for path in files if _is_test(path)]
     if not tests:
         raise Invalid(f"--from {name[:200]!r}: no test files (test_*.py or *_test.py) among its {len(files)} "
                       "Python files")
     return Source(name, files, tests)
+
+
+def _read_file(name: str, directory_fd: int) -> str | None:
+    """A regular file's UTF-8 text (not through a link, not a FIFO or device, at most
+    MAX_SOURCE_FILE); None for anything else. A hard link is read (uv installs packages as hard
+    links to its cache; the kernel's protected_hardlinks keeps a user from linking what they
+    could not read)."""
+    try:
+        descriptor = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=directory_fd)
+    except OSError:
+        return None
+    try:
+        found = os.fstat(descriptor)
+        if not stat.S_ISREG(found.st_mode) or found.st_size > MAX_SOURCE_FILE:
+            return None
+        data = os.read(descriptor, MAX_SOURCE_FILE + 1)
+        return data.decode("utf-8") if len(data) <= MAX_SOURCE_FILE else None
+    except (OSError, UnicodeDecodeError):
+        return None
+    finally:
+        os.close(descriptor)
 
 
 def _is_test(path: str) -> bool:
@@ -97,7 +141,7 @@ def callers(source: Source) -> dict[str, dict[str, list[str]]]:
     for path in source.tests:
         try:
             tree = ast.parse(source.files[path])
-        except (SyntaxError, ValueError):
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
             continue
         imported = {alias.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for alias in n.names}
         imported |= {n.module.split(".")[0] for n in ast.walk(tree)
@@ -115,7 +159,7 @@ def callers(source: Source) -> dict[str, dict[str, list[str]]]:
 
 def focused(text: str, keep: list[str]) -> str:
     """A test file with only the test functions in `keep` (its imports and helpers stay)."""
-    tree = ast.parse(text)
+    tree = ast.parse(text)  # parsed before, by callers
     lines = text.splitlines(keepends=True)
     dropped: set[int] = set()
     for node in tree.body:
@@ -166,7 +210,7 @@ def make(source: Source, limit: int, seed: int, execution: ExecutionSettings, rl
         raise Invalid(f"--from {source.name!r}: its {len(common)} files are more than a task may carry "
                       f"({MAX_FILES - 1} files, {MAX_REPOSITORY_BYTES:,} bytes)")
     for mutation, test_file, tests in candidates(source, seed):
-        if len(made.tasks) >= limit or (max_tried is not None and made.tried >= max_tried):
+        if len(made.tasks) >= limit or (max_tried is not None and made.tried + made.unsound >= max_tried):
             break
         test_text = focused(source.files[test_file], tests)
         key = (test_file, tuple(tests))
@@ -177,6 +221,10 @@ def make(source: Source, limit: int, seed: int, execution: ExecutionSettings, rl
             made.unsound += 1
             continue
         files = common | {mutation.path: mutation.text, test_file: test_text}
+        try:
+            RepositoryTask(id="x", instruction="x", files=files, tests=[test_file])  # what a task may carry
+        except ValidationError as exc:
+            raise Invalid(f"--from {source.name!r}: a task of it cannot be made: {exc.errors()[0]['msg']}") from exc
         after = _validate(files, test_file, execution, rl, made)
         made.tried += 1
         if after.tests_passed == after.tests_total:
@@ -184,13 +232,18 @@ def make(source: Source, limit: int, seed: int, execution: ExecutionSettings, rl
         else:
             failing = next(t for t in after.tests if not t.passed)
             made.tasks.append(RepositoryTask(
-                id=f"{source.name}-{len(made.tasks) + 1}-{mutation.function}"[:200].replace(" ", "_"),
+                id=f"{_id_part(source.name, 60)}-{len(made.tasks) + 1}-{_id_part(mutation.function, 120)}",
                 instruction=(f"A test of {source.name} fails: {failing.test}: {failing.reason[:300]}. "
                              f"The bug is in the code, not in the tests: find it and fix it, then run the tests."),
                 files=files, tests=[test_file]))
         progress(made)
     made.seconds = round(time.monotonic() - started, 3)
     return made
+
+
+def _id_part(text: str, most: int) -> str:
+    """Text fit for a task's id (printable ASCII, no space), at most `most` characters."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", text)[:most] or "_"
 
 
 def _validate(files: dict[str, str], test_file: str, execution: ExecutionSettings, rl: RlSettings,

@@ -5,13 +5,15 @@ sources that cannot give tasks are refused by name."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from appliance.errors import Invalid
-from finetune.rl.mutations import mutations
-from finetune.rl.task_maker import Source, callers, focused, source_of
+from appliance.rl.tasks import MAX_FILES
+from finetune.rl.mutations import mutations, sites
+from finetune.rl.task_maker import Source, _id_part, callers, focused, source_of
 
 CODE = '''\
 # The shop's prices.
@@ -69,3 +71,33 @@ def test_sources_that_cannot_give_tasks_are_refused(tmp_path: Path) -> None:
         source_of(str(tmp_path))
     found = source_of("mpmath")
     assert "mpmath/__init__.py" in found.files and "mpmath/tests/test_basic_ops.py" in found.tests
+
+
+def test_a_hostile_source_is_read_without_hanging_following_links_or_crashing(tmp_path: Path) -> None:
+    """What an attack on the maker found: a FIFO or a link to a device named like a module (hung,
+    or read without end), expressions nested past the parser's depth (a traceback), an empty or
+    odd --from, more files than a task carries (all read into memory first), ids from names that
+    are not ASCII, and a mutation inside an f-string's `=` (its printed text changed too)."""
+    repo = tmp_path / "répo"
+    (repo / "pkg").mkdir(parents=True)
+    (repo / "pkg" / "__init__.py").write_text(CODE)
+    (repo / "test_pkg.py").write_text("from pkg import total\n\ndef test_total():\n    assert total([1], 0) == 1\n")
+    os.mkfifo(repo / "pkg" / "fifo.py")
+    (repo / "pkg" / "zero.py").symlink_to("/dev/zero")
+    (repo / "pkg" / "secret.py").symlink_to("/etc/passwd")
+    (repo / "pkg" / "deep.py").write_text("def f(x):\n    return " + "+".join(["x"] * 20_000) + "\n")
+    (repo / "deep_test.py").write_text("def test_deep():\n    assert " + "+".join(["1"] * 20_000) + "\n")
+    found = source_of(str(repo))
+    assert sorted(found.files) == ["deep_test.py", "pkg/__init__.py", "pkg/deep.py", "test_pkg.py"]
+    assert sites(found.files["pkg/deep.py"]) == [] and "total" in callers(found)
+    assert _id_part(found.name, 60) == "r_po" and _id_part("Basket.é", 120) == "Basket._"
+    for odd in ("", "  ", "__main__", "-"):
+        with pytest.raises(Invalid):
+            source_of(odd)
+    many = tmp_path / "many"
+    many.mkdir()
+    for number in range(MAX_FILES + 5):
+        (many / f"m{number}.py").write_text("x = 1\n")
+    with pytest.raises(Invalid, match="more Python files than a task may carry"):
+        source_of(str(many))
+    assert [s.kind for s in sites('def f(a):\n    return f"{a+1=}"\n')] == []
