@@ -1,12 +1,20 @@
 """An agent's episode on a repository task (finetune.rl.environment runs it): every turn's tool
 calls with what each observed, the reward and why the episode ended, and the digest of the
-workspace it left, which a replay of the same calls must reach again."""
+workspace it left, which a replay of the same calls must reach again. Kept in the artifact store
+under its own SHA-256 (episodes/<sha256>.json, never written again) and named in a local index."""
 
 from __future__ import annotations
 
+import hashlib
+from datetime import UTC, datetime
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from appliance.artifacts import ArtifactStore
+from appliance.errors import IntegrityError, NotFound
+from appliance.home import Home
+from appliance.registry import JsonRegistry
 
 MAX_ARGUMENTS = 65536  # of one call's arguments' text: more is refused, not run
 Ended = Literal["submitted", "answered", "steps", "tool_calls", "tokens", "wall_time", "contained", "refused"]
@@ -42,6 +50,7 @@ class Episode(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     task: str
+    task_set: str | None = None  # the stored set the task came from, if it did
     model: str
     turns: list[Turn]
     ended: Ended
@@ -56,3 +65,63 @@ class Episode(BaseModel):
     @property
     def tool_calls(self) -> int:
         return sum(len(turn.tools) for turn in self.turns)
+
+
+PREFIX = "episodes/"
+
+
+class EpisodeEntry(BaseModel):
+    """An episode kept: its id (its SHA-256's first 16 hex digits), where it is, what it came to."""
+
+    id: str
+    sha256: str
+    key: str
+    task: str
+    task_set: str | None
+    model: str
+    ended: Ended
+    reward: float
+    answers: int
+    tool_calls: int
+    failed_calls: dict[str, int]  # tool name: calls that did not do their work
+    seconds: float
+    created: str
+
+
+def episode_registry(home: Home) -> JsonRegistry[dict[str, EpisodeEntry]]:
+    return JsonRegistry(home.root / "episodes.json", dict[str, EpisodeEntry], "the episode index")
+
+
+def keep(episode: Episode, artifacts: ArtifactStore, home: Home) -> EpisodeEntry:
+    """Put the episode in the artifact store under its SHA-256 and name it in the index."""
+    data = episode.model_dump_json(indent=1).encode()
+    digest = hashlib.sha256(data).hexdigest()
+    key = f"{PREFIX}{digest}.json"
+    artifacts.put(key, data, retain_days=0)
+    failed: dict[str, int] = {}
+    for turn in episode.turns:
+        for step in turn.tools:
+            if not step.ok:
+                failed[step.name] = failed.get(step.name, 0) + 1
+    entry = EpisodeEntry(id=digest[:16], sha256=digest, key=key, task=episode.task, task_set=episode.task_set,
+                         model=episode.model, ended=episode.ended, reward=episode.reward, answers=len(episode.turns),
+                         tool_calls=episode.tool_calls, failed_calls=failed, seconds=episode.seconds,
+                         created=datetime.now(UTC).isoformat(timespec="seconds"))
+    with episode_registry(home).change() as registry:
+        registry[entry.id] = entry
+    return entry
+
+
+def read(episode_id: str, artifacts: ArtifactStore, home: Home) -> Episode:
+    """A kept episode, checked against the digest its index recorded."""
+    index = episode_registry(home).read()
+    if episode_id not in index:
+        raise NotFound(f"no episode {episode_id[:40]!r}", hint="`appliance rl episodes list`")
+    entry = index[episode_id]
+    data = artifacts.get(entry.key)
+    if hashlib.sha256(data).hexdigest() != entry.sha256:
+        raise IntegrityError(f"episode {episode_id}: its record in the artifact store was changed since it was kept")
+    try:
+        return Episode.model_validate_json(data)
+    except ValidationError as exc:
+        raise IntegrityError(f"episode {episode_id}: its record is not an episode: {exc.errors()[0]['msg']}") from exc

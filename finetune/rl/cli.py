@@ -29,7 +29,7 @@ from appliance.settings import load_settings
 from appliance.terminal import Listing, shown, text
 from appliance.trajectories import read_run
 from finetune.cli import check_name_option
-from finetune.rl.cli_episodes import episode_command, replay_command
+from finetune.rl.cli_episodes import episode_command, list_command, replay_command, show_command
 from finetune.rl.execute import SOURCE, Language, execute
 from finetune.rl.export import export_run
 from finetune.rl.gate import difference, held_out_set, measure, record, served_version, verdict
@@ -46,6 +46,8 @@ episodes_app = typer.Typer(help="Agent episodes on repository tasks: tools in a 
                             no_args_is_help=True)
 rl_app.add_typer(episodes_app, name="episodes")
 episodes_app.command("run")(episode_command)
+episodes_app.command("list")(list_command)
+episodes_app.command("show")(show_command)
 episodes_app.command("replay")(replay_command)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Literal, TypeVar
 
@@ -18,9 +19,11 @@ from appliance.artifacts import artifact_store
 from appliance.commands.common import AsJson
 from appliance.errors import Invalid
 from appliance.home import Home
+from appliance.rl import episodes
 from appliance.rl.episodes import Episode
 from appliance.rl.tasks import RepositoryTask
 from appliance.settings import load_settings
+from appliance.terminal import Listing, shown, text
 from finetune.rl.agent import run_episode
 from finetune.rl.environment import WorkspaceEnvironment
 from finetune.rl.loop import Generator
@@ -73,7 +76,7 @@ def chosen_task(task: Path | None, task_set: str | None, task_id: str | None) ->
 
 def episode_command(
     model: Annotated[str, typer.Option(help="The served model (a pool's model or a deployed adapter).")],
-    out_file: Annotated[Path, typer.Option("--out", help="Where the episode's record goes (JSON).")],
+    out_file: Annotated[Path | None, typer.Option("--out", help="A copy of the episode's record (JSON).")] = None,
     task: Annotated[Path | None, typer.Option(help="A repository task (JSON: id, instruction, files, tests).")] = None,
     task_set: Annotated[str | None, typer.Option(help="A stored set of repository tasks (rl tasks make).")] = None,
     task_id: Annotated[str | None, typer.Option(help="The task of --task-set.")] = None,
@@ -105,25 +108,78 @@ def episode_command(
                                   seed=seed, tool_choice=choice, extra_body=extra)
     finally:
         generator.close()
-    out_file.write_text(episode.model_dump_json(indent=1))
+    episode = episode.model_copy(update={"task_set": task_set})
+    entry = episodes.keep(episode, artifact_store(settings.artifacts, home), home)
+    if out_file is not None:
+        out_file.write_text(episode.model_dump_json(indent=1))
     if as_json:
-        print(episode.model_dump_json())
+        print(json.dumps({"id": entry.id, **episode.model_dump(mode="json")}))
     else:
-        out.print(f"episode of {episode.task}: {len(episode.turns)} answers, {episode.tool_calls} tool calls; "
-                  f"ended: {episode.ended} ({episode.reason}); reward {episode.reward:g} "
+        out.print(f"episode {entry.id} of {episode.task}: {len(episode.turns)} answers, {episode.tool_calls} tool "
+                  f"calls; ended: {episode.ended} ({episode.reason}); reward {episode.reward:g} "
                   f"({episode.tests_passed}/{episode.tests_total} tests); {episode.seconds:.1f} s", highlight=False)
     if episode.reward < 1:
         raise typer.Exit(1)
 
 
+def _episode(which: str) -> Episode:
+    """A kept episode by its id, or a record's file (`run --out`)."""
+    if Path(which).is_file():
+        return read_model(Path(which), Episode, "episode")
+    home = Home.from_env()
+    return episodes.read(which, artifact_store(load_settings(home.settings_file).artifacts, home), home)
+
+
+def list_command(as_json: AsJson = False) -> None:
+    """The episodes kept, oldest first: how each ended, its reward, its calls and which tools failed."""
+    found = list(episodes.episode_registry(Home.from_env()).read().values())
+    if as_json:
+        typer.echo(json.dumps([entry.model_dump() for entry in found], indent=1))
+        return
+    table = Listing("id", "task", "model", "ended", "reward", "answers", "calls", text("failed calls"), "added")
+    for entry in found:
+        failed = ", ".join(f"{name} {count}" for name, count in sorted(entry.failed_calls.items())) or "none"
+        table.add_row(entry.id, shown(entry.task), shown(entry.model), entry.ended, f"{entry.reward:g}",
+                      str(entry.answers), str(entry.tool_calls), shown(failed), entry.created)
+    out.print(table, crop=False)
+
+
+def show_command(
+    episode: Annotated[str, typer.Argument(help="An episode's id (`rl episodes list`), or a record's file.")],
+    as_json: AsJson = False,
+) -> None:
+    """An episode step by step: each answer, its tool calls with their arguments, and what each observed."""
+    found = _episode(episode)
+    if as_json:
+        typer.echo(found.model_dump_json(indent=1))
+        return
+    say = partial(out.print, markup=False, highlight=False)  # the model's text is shown, never read as markup
+    say(f"task {shown(found.task).plain}, model {shown(found.model).plain}: ended {found.ended} "
+        f"({shown(found.reason).plain}); reward {found.reward:g}, {found.tests_passed}/{found.tests_total} tests")
+    for number, turn in enumerate(found.turns, 1):
+        say(f"answer {number} ({turn.completion_tokens} tokens, {turn.generation_s:.1f} s"
+            f"{', request ' + turn.request_id if turn.request_id else ''})")
+        if turn.refused:
+            say(f"  refused by the gateway: {shown(turn.refused).plain}")
+        if turn.content:
+            say(f"  said: {shown(turn.content[:500]).plain}")
+        for step in turn.tools:
+            say(f"  {'ok' if step.ok else 'failed'} {shown(step.name).plain} {shown(step.arguments[:300]).plain}")
+            for line in step.output[:800].splitlines():
+                say(f"    {shown(line).plain}")
+
+
 def replay_command(
-    episode_file: Annotated[Path, typer.Argument(help="An episode's record (`rl episodes run --out`).")],
-    task: Annotated[Path | None, typer.Option(help="The repository task it ran on (JSON).")] = None,
-    task_set: Annotated[str | None, typer.Option(help="Or the stored set it is in.")] = None,
+    episode_ref: Annotated[str, typer.Argument(metavar="EPISODE", help="An episode's id, or a record's file.")],
+    task: Annotated[Path | None, typer.Option(help="The repository task it ran on (JSON), if it came from no "
+                                                   "stored set.")] = None,
+    task_set: Annotated[str | None, typer.Option(help="The stored set it is in (the episode's own, unless "
+                                                      "given).")] = None,
 ) -> None:
     """Run an episode's recorded tool calls again in a fresh sandbox; exit 0 if they leave the
     workspace the episode left (the same digest), 1 if not."""
-    episode = read_model(episode_file, Episode, "episode")
+    episode = _episode(episode_ref)
+    task_set = task_set or (episode.task_set if task is None else None)
     repository = chosen_task(task, task_set, episode.task if task_set else None)
     if repository.id != episode.task:
         raise Invalid(f"--task {task}: task {repository.id!r}, but the episode ran on {episode.task!r}")

@@ -1,5 +1,5 @@
 """/admin/rl (role `admin`): RL task sets, and runs (list with live figures, cancel, exports of a
-finished run's trajectories as datasets, a finished run's attempts)."""
+finished run's trajectories as datasets, a finished run's attempts), and agent episodes."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from fastapi import APIRouter, Depends, Path, Query, Response
 from appliance import trajectories
 from appliance.artifacts import artifact_store
 from appliance.home import Home
-from appliance.rl import exports, progress, runs
+from appliance.rl import episodes, exports, progress, runs
 from appliance.rl.attempts import Attempt
+from appliance.rl.episodes import Episode, EpisodeEntry
 from appliance.rl.exports import Export, ExportAsk
 from appliance.rl.progress import RunReport
 from appliance.rl.tasks import TaskSet, load_tasksets
@@ -68,5 +69,17 @@ def router(settings: Settings, home: Home) -> APIRouter:
         against its digest (a changed one: 409 `artifact_integrity`); `task` picks one task's attempts."""
         _, attempts = trajectories.read_run(artifact_store(settings.artifacts, home), home, run_id)
         return [attempt for attempt in attempts if task is None or attempt.task == task]
+
+    @routes.get("/rl/episodes", response_model=list[EpisodeEntry], name="rl.episodes.list", openapi_extra=MONITORING)
+    def list_episodes() -> list[EpisodeEntry]:
+        """Agent episodes kept, oldest first: how each ended, its reward, its calls, failures by tool."""
+        return list(episodes.episode_registry(home).read().values())
+
+    # Recorded (not summarised): an episode holds the model's text and what its tools read.
+    @routes.get("/rl/episodes/{episode_id}", response_model=Episode, name="rl.episodes.read")
+    def read_episode(episode_id: Annotated[str, Path(pattern=r"^[0-9a-f]{16}$")]) -> Episode:
+        """An episode step by step: each answer, its calls and what each observed, checked against
+        the digest it was kept with (a changed one: 409 `artifact_integrity`)."""
+        return episodes.read(episode_id, artifact_store(settings.artifacts, home), home)
 
     return routes

@@ -213,9 +213,11 @@ def test_an_episode_through_the_gateway_is_audited_and_replays_to_its_workspace(
     task.write_text(TASK.model_dump_json())
     env = {**running.appliance.env, "APPLIANCE_RL__EPISODE_STEPS": "3", "APPLIANCE_RL__EPISODE_ANSWER_TOKENS": "96"}
     ran = subprocess.run([APPLIANCE, "rl", "episodes", "run", "--task", str(task), "--model", MODEL,
-                          "--out", str(record), "--extra-body", json.dumps({"structured_outputs": {"regex": CALLS}})],
+                          "--out", str(record), "--json", "--extra-body",
+                          json.dumps({"structured_outputs": {"regex": CALLS}})],
                          env=env, capture_output=True, text=True, timeout=600)
     assert ran.returncode in (0, 1), ran.stderr
+    kept = json.loads(ran.stdout)["id"]
     done = Episode.model_validate_json(record.read_text())
     assert done.task == "calc-add" and done.model == MODEL and len(done.turns) <= 3
     assert done.ended in ("steps", "submitted", "tool_calls") and done.tests_total == 2, done.reason
@@ -227,6 +229,12 @@ def test_an_episode_through_the_gateway_is_audited_and_replays_to_its_workspace(
         assert audited["username"] == "service-account-appliance-rl"
         if turn.refused is None:  # a refused answer's calls are recorded too, but never ran
             assert audited.get("tools_called") == ([step.name for step in turn.tools] or None), audited
-    replayed = running.appliance.run("rl", "episodes", "replay", str(record), "--task", str(task), timeout=300)
+    # Kept, listed and shown step by step; replayed from the store to the same workspace.
+    listed = json.loads(running.appliance.run("rl", "episodes", "list", "--json").stdout)
+    assert kept in [entry["id"] for entry in listed]
+    shown = running.appliance.run("rl", "episodes", "show", kept)
+    first = next(step for turn in done.turns for step in turn.tools)
+    assert shown.returncode == 0 and f"{'ok' if first.ok else 'failed'} {first.name}" in shown.stdout
+    replayed = running.appliance.run("rl", "episodes", "replay", kept, "--task", str(task), timeout=300)
     assert replayed.returncode == 0, replayed.stdout + replayed.stderr
     assert "matches the episode's" in replayed.stdout

@@ -6,7 +6,6 @@ the removal in the audit log with the dataset it removed."""
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 from fastapi.testclient import TestClient
@@ -17,9 +16,7 @@ from appliance.errors import Conflict, IntegrityError, Invalid, NotFound
 from appliance.home import Home
 from appliance.settings import Settings
 from audit import read_records
-from serve.auth import Principal
-from serve.gateway import create_app
-from serve.metrics import Metrics
+from tests.support.admin_api import Caller, admin_client
 
 
 def put(artifacts: ArtifactStore, name: str, text: str, created: str = "2026-12-01T10:00:00+00:00") -> str:
@@ -74,23 +71,9 @@ def test_a_name_outside_the_rule_is_refused(name: str) -> None:
 # -- /admin/datasets ---------------------------------------------------------------------------
 
 
-class Caller:
-    """The token validator, as if the caller held `roles`."""
-
-    def __init__(self) -> None:
-        self.roles = frozenset({"admin"})
-
-    async def validate(self, header: str | None) -> Principal:
-        return Principal(subject="s", username="root", client="c", roles=self.roles, token_id="t",
-                         expires_at=float("inf"))
-
-
 @pytest.fixture
 def api_client(home: Home) -> tuple[TestClient, Caller]:
-    app = create_app(Settings(), home)
-    caller = Caller()
-    app.state.gateway = SimpleNamespace(validator=caller, metrics=Metrics())
-    return TestClient(app, raise_server_exceptions=False), caller  # not entered: no lifespan, no Keycloak
+    return admin_client(home)
 
 
 def test_the_api_lists_shows_and_removes_as_the_cli_does(home: Home, artifacts: ArtifactStore,

@@ -47,7 +47,7 @@ def test_reads_of_users_settings_and_the_audit_log_are_each_recorded(home: Home)
                           "/admin/adapters", "/admin/adapters/{name}/canary", "/admin/rl/tasksets", "/admin/rl/runs",
                           "/admin/rl/exports",
                           "/admin/rl/exports/{export_id}", "/admin/routing", "/admin/cache", "/admin/batches",
-                          "/admin/alerts", "/admin/charts", "/admin/datasets"}
+                          "/admin/alerts", "/admin/charts", "/admin/datasets", "/admin/rl/episodes"}
 
 
 def admitted_roles(dependant: Dependant) -> list[frozenset[str]]:
