@@ -17,7 +17,7 @@ the result descriptor, so no program can forge its score. Tests:
 
 An episode's actions (finetune/rl/environment.py) run here too, on its workspace (/workspace, the
 episode's tmpfs, kept from one action to the next), each in a child: `seed` copies the task's files
-in, `tool` runs one file tool (finetune/rl/workspace_tools.py), `shell` one command, `tests` the
+in, `tool` runs one file tool (finetune/rl/workspace_tools.py, here), `shell` one command, `tests` the
 workspace's test functions, and `check` restores the task's test files first (whatever the agent
 did to them) and runs them: the episode's reward.
 """
@@ -39,7 +39,6 @@ import plain  # type: ignore[import-not-found]  # bound next to this file in the
 TASK = "/task"
 WORKSPACE = "/workspace"
 ANSWER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "answer.py")
-TOOLS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workspace_tools.py")
 OUTPUT_KEPT = 65536  # of each case's output, what goes back to be compared
 MAX_TESTS = 500  # test functions an episode's workspace runs
 # One workspace test function, in a fresh interpreter: passed only if it returned and the runner
@@ -124,12 +123,27 @@ def act(action: str, wall_s: float) -> list[dict[str, Any]]:
     if action == "seed":
         return [{"test": "seed", "passed": True, "reason": "passed", "seconds": 0.0}]
     if action == "tool":
-        return [run_case([sys.executable, "-I", "-S", "-B", TOOLS], None, wall_s, cwd=WORKSPACE)]
+        return [run_tool()]
     if action == "shell":
         return [run_case(["/bin/sh", "-c", os.environ.pop("COMMAND")], None, wall_s, cwd=WORKSPACE)]
     # check: the task's test files only (those at /task), never tests the agent added.
     only = {os.path.relpath(os.path.join(root, name), TASK) for root, _, names in os.walk(TASK) for name in names}
     return [run_test(path, name, wall_s) for path, name in workspace_tests(only if action == "check" else None)]
+
+
+def run_tool() -> dict[str, Any]:
+    """One file tool (finetune/rl/workspace_tools.py, ours: it runs no code of the workspace's) here,
+    in the harness, rather than in an interpreter of its own: no process of the agent's is left in
+    the execution while it runs, and it opens only regular files, so nothing it touches can block
+    or forge it; what it prints goes to the host as a child's would."""
+    import workspace_tools  # type: ignore[import-not-found]  # bound next to this file in the cell
+
+    started = time.monotonic()
+    os.chdir(WORKSPACE)
+    code = workspace_tools.main()
+    sys.stdout.flush()
+    return {"test": "run", "passed": code == 0, "reason": exit_reason(code),
+            "seconds": round(time.monotonic() - started, 3)}
 
 
 def copy_task() -> None:
