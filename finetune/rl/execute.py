@@ -167,24 +167,15 @@ class Sandbox:
             raise Invalid(f"language {language!r}: python or c")
         if tests is not None and language != "python":
             raise Invalid("Python tests go with Python programs; give a C program input/output cases")
-        if self._control is None:
-            self._start()
-        task = self._tasks / str(next(self._keys))
-        task.mkdir()
-        try:
-            (task / SOURCE[language]).write_text(program)
-            if tests is not None:
-                (task / "tests.py").write_text(tests if prompt is None else f"{prompt}\n\n{tests}")
-            if io_cases is not None:  # the inputs only: the expected outputs stay here
-                (task / "tests.json").write_text(json.dumps([{"stdin": case.get("stdin", "")} for case in io_cases]))
-            # Readable inside; the cell's directory above stays 0700, so no one else here reads the tests.
-            for path in [task, *task.iterdir()]:
-                path.chmod(0o755 if path.is_dir() else 0o644)
-            environment = {"LANGUAGE": language, "TEST_WALL_S": str(test_wall_s or self.settings.test_wall_s),
-                           "ENTRY_POINT": entry_point}
-            outputs, limit, status, wall = self._execute(task.name, environment, wall_s or self.settings.wall_s)
-        finally:
-            shutil.rmtree(task, ignore_errors=True)
+        files = {SOURCE[language]: program}
+        if tests is not None:
+            files["tests.py"] = tests if prompt is None else f"{prompt}\n\n{tests}"
+        if io_cases is not None:  # the inputs only: the expected outputs stay here
+            files["tests.json"] = json.dumps([{"stdin": case.get("stdin", "")} for case in io_cases])
+        environment = {"LANGUAGE": language, "TEST_WALL_S": str(test_wall_s or self.settings.test_wall_s),
+                       "ENTRY_POINT": entry_point}
+        with self._task(files) as key:
+            outputs, limit, status, wall = self._execute(key, environment, wall_s or self.settings.wall_s)
         return self._verdict(outputs, limit, status, wall, io_cases)
 
     def act(self, action: Action, *, files: dict[str, str] | None = None, environment: dict[str, str] | None = None,
@@ -196,25 +187,32 @@ class Sandbox:
             raise Invalid("actions on a workspace need a sandbox with one (workspace_mib)")
         if self.lost:
             raise SandboxError("the episode's sandbox went over a limit and its workspace is gone")
+        with self._task(files or {}) as key:
+            outputs, limit, status, wall = self._execute(
+                key, {"LANGUAGE": action, "TEST_WALL_S": str(self.settings.test_wall_s), **(environment or {})},
+                wall_s or self.settings.wall_s, workspace=True)
+        self.lost = limit is not None
+        return self._verdict(outputs, limit, status, wall, None)
+
+    @contextmanager
+    def _task(self, files: dict[str, str]) -> Iterator[str]:
+        """An execution's directory in the cell (its key), holding `files` (relative path: text),
+        removed after; the cell started first if it is not running."""
         if self._control is None:
             self._start()
         task = self._tasks / str(next(self._keys))
         task.mkdir()
         try:
-            for relative, text in (files or {}).items():
+            for relative, text in files.items():
                 path = task / relative
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(text)
+            # Readable inside; the cell's directory above stays 0700, so no one else here reads the tests.
             for path in [task, *task.rglob("*")]:
                 path.chmod(0o755 if path.is_dir() else 0o644)
-            step_wall = wall_s or self.settings.wall_s
-            outputs, limit, status, wall = self._execute(
-                task.name, {"LANGUAGE": action, "TEST_WALL_S": str(self.settings.test_wall_s), **(environment or {})},
-                step_wall, workspace=True)
+            yield task.name
         finally:
             shutil.rmtree(task, ignore_errors=True)
-        self.lost = limit is not None
-        return self._verdict(outputs, limit, status, wall, None)
 
     def close(self) -> None:
         """Let the cell end (it ends when its socket closes), or end it."""
