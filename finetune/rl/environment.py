@@ -196,6 +196,8 @@ class WorkspaceEnvironment:
             if call.name == "submit" and step.ok:
                 ended = ("submitted", "the model submitted")
                 break
+        if ended is None and time.monotonic() - spent.started > rl.episode_wall_s:  # spent waiting for answers
+            ended = ("wall_time", f"the episode's {rl.episode_wall_s:g} s were spent")
         if ended is None and spent.tokens >= rl.episode_tokens:
             ended = ("tokens", f"the budget of {rl.episode_tokens} completion tokens was spent")
         if ended is None and spent.steps >= rl.episode_steps:

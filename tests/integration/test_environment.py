@@ -195,6 +195,12 @@ def test_a_flood_of_calls_stops_at_the_budget() -> None:
                            rl=RL.model_copy(update={"episode_steps": 3}))
     with env:
         assert [r.done for r in results] == [False, False, True] and results[-1].ended == "steps"
+    # Time spent waiting for answers counts too: an answer the gateway refused, after the wall time.
+    env, _ = episode(rl=RL.model_copy(update={"episode_wall_s": 0.5}))
+    with env:
+        time.sleep(0.6)
+        late = env.step([], 10, refused=True)
+        assert late.done and late.ended == "wall_time"
 
 
 def audit_records(running: Running, request_id: str) -> list[dict]:
