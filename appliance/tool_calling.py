@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, get_args
 
-from appliance.errors import SettingsError
+from appliance.errors import Invalid, SettingsError
 
 AUTO, NONE = "auto", "none"
 ToolParser = Literal["hermes", "llama3_json", "mistral", "deepseek_v3", "kimi_k2", "glm45", "openai", "granite"]
@@ -69,6 +69,20 @@ def tool_calling(model: Path, setting: str) -> ToolCalling | None:
     if family is not None and "tools" in own:  # its own template shows tools (SmolLM2 is a llama with ChatML)
         return ToolCalling(family)
     return None
+
+
+def tool_template(model: Path) -> str:
+    """The template a chat that offers tools is shown to `model` with, as its pool serves tool calls:
+    its own where it shows tools (`tool_parser` auto), else the ChatML tool template where it is
+    ChatML (`tool_parser = "hermes"`). Invalid for a model whose template can show neither."""
+    own = _own_template(model) or ""
+    if "tools" in own:
+        return own
+    if CHATML_START in own:
+        return with_tools(own)
+    raise Invalid(f"{model}: its chat template shows no tools and is not ChatML, so a chat that offers tools "
+                  "cannot be rendered as its pool would serve it",
+                  hint="give the model a chat template that shows tools (chat_template.jinja)")
 
 
 def with_tools(own: str) -> str:

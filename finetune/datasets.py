@@ -21,6 +21,7 @@ from appliance.errors import Invalid
 from appliance.home import Home
 from appliance.sensitive import Scanner, scanner_from
 from appliance.settings import ComplianceSettings
+from finetune.tool_rows import tool_chat
 
 ROLES = ("system", "user", "assistant")
 Problem = tuple[int, str]  # a line of the file, and what is wrong there
@@ -42,7 +43,7 @@ class DatasetError(Invalid):
 @dataclass(frozen=True)
 class Row:
     line: int
-    example: dict[str, Any]  # {"messages": [...]} or {"text": ...}
+    example: dict[str, Any]  # {"messages": [...]} (and "tools": finetune.tool_rows), or {"text": ...}
 
 
 @dataclass
@@ -127,6 +128,10 @@ def normalise(value: Any) -> dict[str, Any]:
     """The row as {"messages": [...]} or {"text": ...}; ValueError says what is wrong."""
     if not isinstance(value, dict):
         raise ValueError("a row must be a JSON object")
+    if "tools" in value:
+        if "messages" not in value:
+            raise ValueError("'tools' are offered in chat rows ('messages') only")
+        return tool_chat(value["messages"], value["tools"])
     if "messages" in value:
         return {"messages": _messages(value["messages"])}
     if "chosen" in value or "rejected" in value:
@@ -185,6 +190,8 @@ def _turns(messages: list[Any], field: str) -> list[dict[str, str]]:
         if not isinstance(message, dict):
             raise ValueError(f"{field}: message {turn}: must be an object with role and content")
         role, content = message.get("role"), message.get("content")
+        if role == "tool" or message.get("tool_calls") is not None:
+            raise ValueError(f"{field}: message {turn}: a tool call or result in a row that offers no 'tools'")
         if role not in ROLES:
             raise ValueError(f"{field}: message {turn}: role {role!r} is not one of {', '.join(ROLES)}")
         if role == "system" and turn != 1:
@@ -290,15 +297,36 @@ def _sensitive_summary(counts: dict[str, int]) -> str:
 
 
 def _texts(example: dict[str, Any]) -> list[str]:
+    """What a row says: its text, or each turn's content and each call's arguments."""
     if "text" in example:
         return [example["text"]]
-    return [m["content"] for turns in example.values() for m in turns]
+    return [text for field, turns in example.items() if field != "tools" for m in turns
+            for text in [m["content"], *(c["function"]["arguments"] for c in m.get("tool_calls", []))]]
 
 
 def _redacted(example: dict[str, Any], scanner: Scanner) -> dict[str, Any]:
+    """The row with what the scanner finds redacted: in a call's arguments, inside their strings
+    (they stay JSON)."""
     if "text" in example:
         return {"text": scanner.redact(example["text"])}
-    return {field: [{**m, "content": scanner.redact(m["content"])} for m in turns] for field, turns in example.items()}
+
+    def turn(m: dict[str, Any]) -> dict[str, Any]:
+        calls = [{**c, "function": {**c["function"], "arguments": json.dumps(
+            _redact_strings(json.loads(c["function"]["arguments"]), scanner), ensure_ascii=False)}}
+            for c in m.get("tool_calls", [])]
+        return {**m, "content": scanner.redact(m["content"]), **({"tool_calls": calls} if calls else {})}
+
+    return {field: turns if field == "tools" else [turn(m) for m in turns] for field, turns in example.items()}
+
+
+def _redact_strings(value: Any, scanner: Scanner) -> Any:
+    if isinstance(value, str):
+        return scanner.redact(value)
+    if isinstance(value, list):
+        return [_redact_strings(v, scanner) for v in value]
+    if isinstance(value, dict):
+        return {k: _redact_strings(v, scanner) for k, v in value.items()}
+    return value
 
 
 def split(rows: list[Row], eval_fraction: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

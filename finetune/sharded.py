@@ -50,10 +50,10 @@ from typing import Any
 
 from appliance.jobs import RANKS_DIR, Hyperparameters, Progress, RankMemory
 from finetune import checkpoints
+from finetune.chat_tokens import IGNORED, token_rows
 from finetune.phases import Phases
-from finetune.train import Result, Scoring, TrainingError, _nothing, _score_sets, as_training_rows, gate_evaluations
+from finetune.train import Result, Scoring, TrainingError, _nothing, _score_sets, gate_evaluations
 
-IGNORED = -100  # a label that is not trained on
 QLORA_BLOCK = 64  # values per absmax: bitsandbytes' default, as the single-process trainer quantizes
 FUSED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
 
@@ -89,25 +89,6 @@ def safetensors_index(base: Path) -> dict[str, Path]:
 
     with safe_open(str(single), framework="pt") as handle:
         return {name: single for name in handle.keys()}  # safe_open is not a mapping
-
-
-def token_rows(tokenizer: Any, rows: list[dict[str, Any]], max_length: int) -> list[tuple[list[int], list[int]]]:
-    """(input ids, labels) of each training row: chats as prompt/completion with the loss on the
-    completion only, text on all its tokens; cut at max_length."""
-    found = []
-    for row in as_training_rows(rows):
-        if "text" in row:
-            ids = tokenizer(row["text"]).input_ids
-            if tokenizer.eos_token_id is not None:
-                ids = [*ids, tokenizer.eos_token_id]
-            labels = list(ids)
-        else:
-            prompt = tokenizer.apply_chat_template(row["prompt"], tokenize=True, add_generation_prompt=True,
-                                                   return_dict=False)
-            ids = tokenizer.apply_chat_template(row["prompt"] + row["completion"], tokenize=True, return_dict=False)
-            labels = [IGNORED] * len(prompt) + ids[len(prompt):]
-        found.append((ids[:max_length], labels[:max_length]))
-    return found
 
 
 def batch_order(rows: int, global_batch: int, steps: int, seed: int) -> list[list[int]]:
@@ -191,11 +172,11 @@ def _train(base: Path, train: list[dict[str, Any]], evaluation: list[dict[str, A
     model = build_sharded(base, hp, device, checkpointing=checkpointing)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=hp.learning_rate, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
-    rows = token_rows(tokenizer, train, hp.max_length)
+    rows = token_rows(tokenizer, base, train, hp.max_length)
     global_batch = hp.batch_size * world
     steps = planned_steps(hp, len(rows), global_batch)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: max(0.0, 1 - step / steps))
-    held_out = token_rows(tokenizer, evaluation, hp.max_length)
+    held_out = token_rows(tokenizer, base, evaluation, hp.max_length)
     base_loss = evaluate(model, held_out, hp.batch_size, pad, device, adapter=False, beat=on_beat)
     phases = Phases(on_progress)
 

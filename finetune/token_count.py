@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.errors import Invalid
+from appliance.tool_calling import tool_template
 
 Counter = Callable[[dict[str, Any]], int]
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -35,18 +36,19 @@ def token_counter(model_dir: Path) -> Counter:
     template = chat_template(model_dir, config)
     special = special_tokens(config)
 
-    def chat_tokens(messages: list[dict[str, Any]]) -> int:
+    def chat_tokens(messages: list[dict[str, Any]], tools: list[Any] | None = None) -> int:
         from transformers.utils.chat_template_utils import render_jinja_template
 
         if template is None:
             raise Invalid(f"{model_dir}: no chat template to apply to chat rows",
                           hint="import the rows as text, or give --model a chat model")
-        rendered, _ = render_jinja_template([messages], chat_template=template, **special)  # type: ignore[str-unpack]  # annotated str; returns (list, indices)
+        rendered, _ = render_jinja_template(  # type: ignore[str-unpack]  # annotated str; returns (list, indices)
+            [messages], tools=tools, chat_template=tool_template(model_dir) if tools else template, **special)
         return len(tokenizer.encode(rendered[0], add_special_tokens=False).ids)
 
     def count(example: dict[str, Any]) -> int:
         if "messages" in example:
-            return chat_tokens(example["messages"])
+            return chat_tokens(example["messages"], example.get("tools"))
         if "chosen" in example:  # the prompt with the longer of its two answers
             return max(chat_tokens(example["prompt"] + example[side]) for side in ("chosen", "rejected"))
         return len(tokenizer.encode(example["text"]).ids)
@@ -96,7 +98,9 @@ def _through_transformers(model_dir: Path) -> Counter:
 
     def count(example: dict[str, Any]) -> int:
         if "messages" in example:
-            return len(tokenizer.apply_chat_template(example["messages"], tokenize=True, return_dict=False))
+            tools = example.get("tools")
+            return len(tokenizer.apply_chat_template(example["messages"], tools=tools, tokenize=True, return_dict=False,
+                                                     chat_template=tool_template(model_dir) if tools else None))
         if "chosen" in example:
             return max(len(tokenizer.apply_chat_template(example["prompt"] + example[side], tokenize=True,
                                                          return_dict=False))

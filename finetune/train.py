@@ -2,8 +2,9 @@
 trainer on preference rows) and PEFT, and the evaluation gate: held-out loss of the base model
 against base + adapter (for DPO, its preference loss: ln 2 for the base, which prefers neither).
 
-Chat rows become prompt/completion pairs (every turn before the last assistant turn is the
-prompt), so the loss is on the completion only; plain-text rows train on all their tokens.
+SFT rows reach TRL tokenized, with the labels finetune.chat_tokens gives them (a chat's last
+assistant turn, every assistant turn of a chat that offers tools, all of a text), as the sharded
+trainer has them; preference rows go to DPO as they are stored (prompt, chosen, rejected).
 Checkpoints are written every `save_steps`, and a run started again on the same output
 directory resumes from the last one.
 """
@@ -25,6 +26,7 @@ from appliance.durable import read_small_file
 from appliance.errors import ApplianceError
 from appliance.jobs import Hyperparameters, Progress
 from finetune import evalsets
+from finetune.chat_tokens import token_rows
 from finetune.phases import Phases
 
 ANSWER_TOKENS = 48  # tokens generated at most to score an evaluation item
@@ -86,20 +88,6 @@ class Result:
         return math.exp(self.base_eval_loss), math.exp(self.adapter_eval_loss)
 
 
-def as_training_rows(examples: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """TRL's dataset forms: conversational prompt/completion for chats, `text` for plain text,
-    conversational prompt/chosen/rejected for preference rows (DPO) as they are stored."""
-    rows = []
-    for example in examples:
-        if "text" in example or "chosen" in example:
-            rows.append(example)
-            continue
-        messages = example["messages"]
-        last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-        rows.append({"prompt": messages[:last], "completion": [messages[last]]})
-    return rows
-
-
 def train_adapter(base: Path, train: list[dict[str, Any]], evaluation: list[dict[str, Any]], out_dir: Path,
                   hp: Hyperparameters, on_progress: Callable[[Progress], None] = lambda p: None,
                   eval_sets: dict[str, list[dict[str, Any]]] | None = None,
@@ -140,13 +128,15 @@ def train_adapter(base: Path, train: list[dict[str, Any]], evaluation: list[dict
         include_num_input_tokens_seen="non_padding")
     peft_config = LoraConfig(r=hp.rank, lora_alpha=hp.alpha, lora_dropout=hp.dropout, target_modules="all-linear",
                              task_type="CAUSAL_LM")
-    data = {"train_dataset": Dataset.from_list(as_training_rows(train)),
-            "eval_dataset": Dataset.from_list(as_training_rows(evaluation)),
-            "processing_class": tokenizer, "peft_config": peft_config}
     trainer: SFTTrainer | DPOTrainer
     if hp.method == "dpo":  # its reference model is the base itself: the adapter switched off
-        trainer = DPOTrainer(model=model, args=DPOConfig(**options, beta=hp.beta), **data)
-    else:
+        trainer = DPOTrainer(model=model, args=DPOConfig(**options, beta=hp.beta), processing_class=tokenizer,
+                             peft_config=peft_config, train_dataset=Dataset.from_list(train),
+                             eval_dataset=Dataset.from_list(evaluation))
+    else:  # rows tokenized with their labels as the sharded trainer has them (finetune.chat_tokens)
+        data = {"train_dataset": _tokenized(Dataset, tokenizer, base, train, hp.max_length),
+                "eval_dataset": _tokenized(Dataset, tokenizer, base, evaluation, hp.max_length),
+                "processing_class": tokenizer, "peft_config": peft_config}
         sft = SFTTrainer if torch.cuda.is_available() else _cpu_sft_trainer(SFTTrainer)
         trainer = sft(model=model, args=SFTConfig(**options), **data)
     phases = Phases(on_progress)
@@ -280,6 +270,12 @@ def _batches(prompts: list[list[int]], *, padded: bool) -> list[list[int]]:
         else:
             batches.append([i])
     return batches
+
+
+def _tokenized(dataset: Any, tokenizer: Any, base: Path, rows: list[dict[str, Any]], max_length: int) -> Any:
+    """A TRL dataset of the rows' input ids and labels (TRL trains on labels given as they are)."""
+    return dataset.from_list([{"input_ids": ids, "labels": labels}
+                              for ids, labels in token_rows(tokenizer, base, rows, max_length)])
 
 
 def _quantization(hp: Hyperparameters) -> dict[str, Any]:

@@ -60,8 +60,9 @@ def build(out: Path, home: Home, key: Ed25519PrivateKey, *, engine: Engine, mode
             f"{home.cache / 'wheels'})")
     _pinned_wheels(wheel_lists(engine), partial / "wheels", home.cache / "wheels")
     on_step("wheels: the appliance itself (pip wheel)")
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--disable-pip-version-check", "-q",
-          "-w", str(partial / "wheels"), str(PROJECT)], "pip wheel")
+    # Built with this environment's pinned setuptools: no build environment fetched from an index.
+    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--disable-pip-version-check",
+          "-q", "-w", str(partial / "wheels"), str(PROJECT)], "pip wheel")
 
     on_step(f"Keycloak {keycloak_dist.VERSION} (SHA-256 checked)")
     zip_path = keycloak_dist.fetch(home)

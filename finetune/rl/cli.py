@@ -29,7 +29,7 @@ from appliance.settings import load_settings
 from appliance.terminal import Listing, shown, text
 from appliance.trajectories import read_run
 from finetune.cli import check_name_option
-from finetune.rl.cli_episodes import episode_command, list_command, replay_command, show_command
+from finetune.rl.cli_episodes import episode_command, export_command, list_command, replay_command, show_command
 from finetune.rl.execute import SOURCE, Language, execute
 from finetune.rl.export import export_run
 from finetune.rl.gate import difference, held_out_set, measure, record, served_version, verdict
@@ -49,6 +49,7 @@ episodes_app.command("run")(episode_command)
 episodes_app.command("list")(list_command)
 episodes_app.command("show")(show_command)
 episodes_app.command("replay")(replay_command)
+episodes_app.command("export")(export_command)
 
 
 def _read(path: Path, what: str) -> str:

@@ -1,6 +1,8 @@
 """`appliance rl episodes run`: one agent episode on a repository task through the gateway (the model
-as the RL service identity, its tools in the episode's sandbox), its record written to a file; and
-`appliance rl episodes replay`: the recorded calls again in a fresh sandbox, to the same final workspace."""
+as the RL service identity, its tools in the episode's sandbox), its record written to a file;
+`appliance rl episodes replay`: the recorded calls again in a fresh sandbox, to the same final
+workspace; `appliance rl episodes export`: the episodes that passed as training rows (chats that
+offer the environment's tools) for `data add`."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from appliance.rl.tasks import RepositoryTask
 from appliance.settings import load_settings
 from appliance.terminal import Listing, shown, text
 from finetune.rl.agent import run_episode
-from finetune.rl.environment import WorkspaceEnvironment
+from finetune.rl.environment import TOOL_SCHEMAS, WorkspaceEnvironment
 from finetune.rl.loop import Generator
 from finetune.rl.tasks import load_repository
 
@@ -167,6 +169,36 @@ def show_command(
             say(f"  {'ok' if step.ok else 'failed'} {shown(step.name).plain} {shown(step.arguments[:300]).plain}")
             for line in step.output[:800].splitlines():
                 say(f"    {shown(line).plain}")
+
+
+def export_command(
+    out_file: Annotated[Path, typer.Option("--out", help="The JSON-lines file to write (made new, mode 0600).")],
+    model: Annotated[str | None, typer.Option(help="Only the episodes of this model.")] = None,
+    task_set: Annotated[str | None, typer.Option(help="Only the episodes of this stored task set.")] = None,
+) -> None:
+    """Write the kept episodes that passed (submitted, every test passing) as chat rows that offer
+    the environment's tools: each answer's text and calls to learn, the tools' outputs as context
+    (`appliance data add FILE` imports them; a job trains on every answer of such a row)."""
+    home = Home.from_env()
+    artifacts = artifact_store(load_settings(home.settings_file).artifacts, home)
+    chosen = [entry for entry in episodes.episode_registry(home).read().values()
+              if (model is None or entry.model == model) and (task_set is None or entry.task_set == task_set)]
+    rows = []
+    for entry in chosen:
+        episode = episodes.read(entry.id, artifacts, home)
+        if episode.passed:
+            rows.append(json.dumps({"messages": episode.messages(), "tools": TOOL_SCHEMAS}, ensure_ascii=False))
+    if not rows:
+        raise Invalid(f"none of the {len(chosen)} episodes chosen passed: nothing to export",
+                      hint="`appliance rl episodes list` shows how each ended")
+    try:
+        descriptor = os.open(out_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise Invalid(f"--out {out_file}: cannot make it: {exc.strerror or exc}",
+                      hint="name a file that does not exist yet") from exc
+    with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
+        handle.write("".join(row + "\n" for row in rows))
+    out.print(f"{len(rows)} of {len(chosen)} episodes passed, written to {out_file}", highlight=False)
 
 
 def replay_command(

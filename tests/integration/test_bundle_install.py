@@ -131,8 +131,8 @@ def newer_bundle(old: Path, new: Path, key_file: Path, work: Path) -> str:
             shutil.copy2(PROJECT / name, source / name)
     pyproject = source / "pyproject.toml"
     pyproject.write_text(re.sub(r'(?m)^version = "([^"]+)"', r'version = "\1.post1"', pyproject.read_text()))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(new / "wheels"), str(source)],
-                   check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(new / "wheels"), str(source)], check=True, capture_output=True)
     old_manifest = json.loads((old / MANIFEST).read_text())
     seal(new, load_or_create_key(key_file), description={k: v for k, v in old_manifest.items()
                                                            if k not in ("files", "created", "format")})

@@ -222,9 +222,11 @@ def test_sft_and_dpo_sets_train_adapters_that_are_gated_served_and_canaried(lab:
     # v1: SFT on the passing attempts, gated on held-out loss and a regression set against forgetting.
     regression = lab.work / "regression.jsonl"
     regression.write_text(json.dumps({"prompt": "What is the capital of France?", "expect": "Paris"}) + "\n")
-    trained = cli.run("finetune", "run", "--data", "rl-sft", "--name", "rl-coder", "--base", MODEL,
-                      "--max-steps", "6", "--lr", "0.0005", "--batch-size", "4", "--regression", str(regression),
-                      timeout=1200)
+    # (Its regression set answered with one seed: the RL gate below is the one over three.)
+    trained = subprocess.run([APPLIANCE, "finetune", "run", "--data", "rl-sft", "--name", "rl-coder", "--base", MODEL,
+                              "--max-steps", "6", "--lr", "0.0005", "--batch-size", "4", "--regression",
+                              str(regression)], env={**cli.env, "APPLIANCE_FINETUNE__GATE_SEEDS": "1"},
+                             capture_output=True, text=True, timeout=1200)
     assert trained.returncode == 0, trained.stdout + trained.stderr
     wrong = cli.run("finetune", "run", "--data", "rl-dpo", "--name", "x", "--base", MODEL, timeout=300)
     assert wrong.returncode == 1 and "holds preference rows: train on it with --method dpo" in wrong.stderr

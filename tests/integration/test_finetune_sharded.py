@@ -41,8 +41,10 @@ def workspace(tmp_path_factory: pytest.TempPathFactory, demo_model: Path) -> tup
     home = Home(root / "home").ensure()
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("APPLIANCE_")},
            "APPLIANCE_HOME": str(home.root), "COLUMNS": "200",
-           # Two scenario prompts answered once each: generation under FSDP is exercised, and the
-           # test stays short (the shipped regression set is 32 prompts over 3 seeds).
+           # Two scenario prompts answered once each: generation in the sharded loop is exercised (on
+           # one rank for the demo model, whose tied embeddings it gathers; on two for the MoE and
+           # QLoRA bases, which answer in seconds where the demo's two ranks took over 3 minutes),
+           # and the test stays short (the shipped regression set is 32 prompts over 3 seeds).
            "APPLIANCE_FINETUNE__REGRESSION_SET": "none", "APPLIANCE_FINETUNE__GATE_SEEDS": "1",
            "APPLIANCE_FINETUNE__GATE_MIN_SCENARIO_SCORE": "0"}
     rows = [{"messages": [{"role": "user", "content": f"What is the code for item {i}?"},
@@ -95,10 +97,10 @@ def test_two_ranks_hold_half_the_base_and_train_the_single_process_curve_and_sur
 
     env, root = workspace
     fsdp = {**env, "APPLIANCE_FINETUNE__STRATEGY": "fsdp"}  # one process: the sharded loop, nothing to shard
-    single = subprocess.run(command(root, demo_model, "codes-one", 1, 100, scenarios=False), env=fsdp,
+    single = subprocess.run(command(root, demo_model, "codes-one", 1, 100, scenarios=True), env=fsdp,
                             capture_output=True, text=True, timeout=1200)
     assert single.returncode == 0, single.stderr
-    sharded = subprocess.run(command(root, demo_model, "codes-two", 2, 100, scenarios=True), env=env,
+    sharded = subprocess.run(command(root, demo_model, "codes-two", 2, 100, scenarios=False), env=env,
                              capture_output=True, text=True, timeout=1200)
     assert sharded.returncode == 0, sharded.stderr
 

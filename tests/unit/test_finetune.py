@@ -55,17 +55,13 @@ def finetune(env: dict[str, str], model: Path, *extra: str) -> subprocess.Comple
 @pytest.mark.integration
 def test_lora_lowers_held_out_loss_and_is_registered(workspace: tuple[dict[str, str], Path]) -> None:
     env, model = workspace
-    result = finetune(env, model, "--name", "codes-lora", "--max-steps", "20")
+    result = finetune(without_shipped_set(env), model, "--name", "codes-lora", "--max-steps", "20")
     assert result.returncode == 0, result.stderr
     assert "gate: passed" in result.stdout
     home = Home(Path(env["APPLIANCE_HOME"]))
     [record] = [r for r in load(home).adapters if r.name == "codes-lora"]
     assert record.state == "registered" and record.version == 1
     assert record.metrics.adapter_eval_loss < record.metrics.base_eval_loss
-    # It brought no regression set: forgetting was checked on the shipped one, over 3 seeds.
-    shipped = record.metrics.eval_sets["regression"]
-    assert shipped.shipped and len(shipped.base_per_seed) == len(shipped.adapter_per_seed) == 3
-    assert "regression (shipped)" in result.stdout
     stored = home.root / "artifacts" / record.artifact
     assert (stored / "adapter_config.json").is_file() and (stored / "adapter_model.safetensors").is_file()
     assert ("adapter.train", "allowed") in [(r["action"], r["outcome"]) for r in read_records(home.audit)]
@@ -243,9 +239,10 @@ def test_an_adapter_holding_a_symbolic_link_is_not_registered(tmp_path: Path, ho
 def test_forgetting_is_caught_by_the_shipped_regression_set(workspace: tuple[dict[str, str], Path],
                                                             demo_model: Path) -> None:
     """The demo model taught to answer every question with a code forgets what it knew: the job
-    brings no regression set, so the shipped one (answered over 3 sampled seeds) fails the gate."""
+    brings no regression set, so the shipped one (answered over 3 sampled seeds) fails the gate.
+    (Batches of 4: the 12 steps at a high rate are what make it forget.)"""
     env, _ = workspace
-    result = finetune(env, demo_model, "--name", "codes-forgets", "--max-steps", "12")
+    result = finetune(env, demo_model, "--name", "codes-forgets", "--max-steps", "12", "--batch-size", "4")
     [record] = [r for r in load(Home(Path(env["APPLIANCE_HOME"]))).adapters if r.name == "codes-forgets"]
     assert result.returncode == 1 and record.state == "failed-gate", result.stderr
     shipped = record.metrics.eval_sets["regression"]
@@ -253,6 +250,7 @@ def test_forgetting_is_caught_by_the_shipped_regression_set(workspace: tuple[dic
     assert shipped.base >= 0.5 and shipped.adapter < shipped.base - 0.05  # it knew the answers, and lost them
     [failure] = [f for f in record.metrics.gate_failures if f.startswith("regression score")]
     assert "(mean of 3 seeds, +/- " in failure and "(the shipped set)" in failure and failure in result.stderr
+    assert "regression (shipped)" in result.stdout
 
 
 def test_a_trainer_waits_passively_for_its_threads_without_the_sandbox_too(tmp_path: Path) -> None:
@@ -303,14 +301,14 @@ def test_the_cpu_training_loss_is_trls_on_the_labelled_positions_only(tmp_path: 
     from trl.trainer.sft_config import SFTConfig
     from trl.trainer.sft_trainer import SFTTrainer
 
-    from finetune.train import _cpu_sft_trainer, as_training_rows
+    from finetune.train import _cpu_sft_trainer, _tokenized
 
     model_dir = tiny_llama(tmp_path / "tiny", demo_model)
     trainer = _cpu_sft_trainer(SFTTrainer)(
         model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
         args=SFTConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=6, report_to=[], use_cpu=True,
                        gradient_checkpointing=False, disable_tqdm=True),
-        train_dataset=Dataset.from_list(as_training_rows(uneven_rows(6))),
+        train_dataset=_tokenized(Dataset, AutoTokenizer.from_pretrained(model_dir), model_dir, uneven_rows(6), 512),
         processing_class=AutoTokenizer.from_pretrained(model_dir),
         peft_config=LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear",
                                task_type="CAUSAL_LM"))
