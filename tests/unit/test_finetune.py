@@ -77,6 +77,34 @@ def test_qlora_runs_on_the_cpu(workspace: tuple[dict[str, str], Path]) -> None:
 
 
 @pytest.mark.integration
+def test_an_agent_s_episodes_train_in_both_trainers(workspace: tuple[dict[str, str], Path], tmp_path: Path) -> None:
+    """Rows that offer tools (as `rl episodes export` writes them) import, and train in TRL's
+    trainer and in the sharded loop (which answers are learned: tests/unit/test_tool_rows.py)."""
+    env, model = workspace
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {
+        "type": "object", "properties": {"item": {"type": "integer"}}, "required": ["item"]}}}]
+    rows = [{"tools": tools, "messages": [
+        {"role": "user", "content": f"What is the code for item {i}?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "lookup", "arguments": json.dumps({"item": i})}}]},
+        {"role": "tool", "tool_call_id": "c", "content": f"item {i}: noise {i * 7919 % 1000}"},
+        {"role": "assistant", "content": f"The code for item {i} is ZEBRA."}]} for i in range(40)]
+    data = tmp_path / "calls.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    added = subprocess.run([APPLIANCE, "data", "add", str(data), "--name", "calls", "--model", str(model)],
+                           env=env, capture_output=True, text=True)
+    assert added.returncode == 0, added.stderr
+    for strategy in ("auto", "fsdp"):
+        trained = subprocess.run([APPLIANCE, "finetune", "run", "--data", "calls", "--base", str(model), "--lr", "0.01",
+                                  "--batch-size", "4", "--max-steps", "4", "--name", f"calls-{strategy}"],
+                                 env={**without_shipped_set(env), "APPLIANCE_FINETUNE__STRATEGY": strategy},
+                                 capture_output=True, text=True, timeout=600)
+        assert trained.returncode == 0, trained.stdout + trained.stderr
+        [record] = [r for r in load(Home(Path(env["APPLIANCE_HOME"]))).adapters if r.name == f"calls-{strategy}"]
+        assert record.metrics.adapter_eval_loss < record.metrics.base_eval_loss
+
+
+@pytest.mark.integration
 def test_gate_scores_evaluation_sets_and_refuses_below_its_thresholds(workspace: tuple[dict[str, str], Path],
                                                           tmp_path: Path) -> None:
     env, model = workspace

@@ -23,6 +23,7 @@ from appliance.home import Home
 from appliance.rl import episodes
 from appliance.rl.episodes import Episode, ToolStep, Turn, conversation
 from appliance.settings import ComplianceSettings, Settings
+from appliance.tool_calling import tool_calling, tool_template
 from finetune.chat_tokens import IGNORED, token_rows
 from finetune.datasets import Row, normalise, read, scan
 from finetune.rl.agent import SYSTEM
@@ -176,6 +177,7 @@ def test_every_assistant_turn_is_learned_and_nothing_else(demo_model: Path) -> N
         '\n<tool_call>\n{"name": "submit", "arguments": {}}\n</tool_call><|im_end|>\n',
         "Fixed.<|im_end|>\n"]
     assert MARK in tokenizer.decode(ids) and "<tools>" in tokenizer.decode(ids)  # shown with its tools
+    assert tool_template(demo_model) == tool_calling(demo_model, "hermes").template  # as its pool serves tools
     assert token_counter(demo_model)(row) == len(ids)  # counted at import as the trainer tokenizes it
     plain = {"messages": [m for m in row["messages"] if m["role"] in ("user", "system")][:2] + [
         {"role": "assistant", "content": "First."}, {"role": "user", "content": "Again?"},
