@@ -260,8 +260,8 @@ def main() -> None:
         assert added.returncode == 0, added.stdout + added.stderr
         started = time.monotonic()
         trained = subprocess.run([APPLIANCE, "finetune", "run", "--data", "tool-format", "--base", str(demo),
-                                  "--name", "tool-format", "--max-steps", str(args.steps), "--batch-size", "4",
-                                  "--lr", "0.001"], env=env, capture_output=True, text=True)
+                                  "--name", "tool-format", "--max-steps", str(args.steps), "--batch-size", "2",
+                                  "--lr", "0.001", "--max-length", "1024"], env=env, capture_output=True, text=True)
         train_s = time.monotonic() - started
         print(trained.stdout[-1500:], file=sys.stderr)
         [job] = (Path(work) / "home" / "finetune").glob("tool-format-*")
@@ -284,7 +284,7 @@ def main() -> None:
     figures = {rate: paired([b[rate] for b in before], [a[rate] for a in after])
                for rate in ("formed", "gateway", "correct")}
     report = {"model": demo.name, "questions": len(asked), "bfcl": BFCL, "category": "simple_python",
-              "training": {"rows": args.rows, "steps": result["steps"], "batch_size": 4, "seconds": round(train_s),
+              "training": {"rows": args.rows, "steps": result["steps"], "batch_size": 2, "seconds": round(train_s),
                            "held_out_loss": [round(result["base_eval_loss"], 3), round(result["adapter_eval_loss"], 3)],
                            "gate": "passed" if trained.returncode == 0 else "failed"},
                "rates": figures, "examples": {"base": base_texts[:3], "adapter": tuned_texts[:3]}}

@@ -29,7 +29,13 @@ Tokens = tuple[list[int], list[int]]  # input ids, labels
 def token_rows(tokenizer: Any, base: Path, rows: list[dict[str, Any]], max_length: int) -> list[Tokens]:
     """(input ids, labels) of each SFT row of a dataset for the model in `base`."""
     template = tool_template(base) if any("tools" in row for row in rows) else None
-    return [(ids[:max_length], labels[:max_length]) for ids, labels in (_row(tokenizer, row, template) for row in rows)]
+    found = [(ids[:max_length], labels[:max_length])
+             for ids, labels in (_row(tokenizer, row, template) for row in rows)]
+    if empty := sum(all(label == IGNORED for label in labels) for _, labels in found):
+        raise Invalid(f"{empty} of {len(rows)} rows have nothing to learn within their first {max_length} tokens "
+                      "(the answers come after them), so they would train nothing",
+                      hint="raise --max-length, or shorten what comes before the answers")
+    return found
 
 
 def _row(tokenizer: Any, row: dict[str, Any], template: str | None) -> Tokens:

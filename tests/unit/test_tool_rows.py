@@ -184,8 +184,12 @@ def test_every_assistant_turn_is_learned_and_nothing_else(demo_model: Path) -> N
         {"role": "assistant", "content": "Second."}]}
     [(ids, labels)] = token_rows(tokenizer, demo_model, [plain], 4096)
     assert learned(tokenizer, ids, labels) == ["Second.<|im_end|>\n"]  # a chat without tools: its last answer
-    [(cut, _)] = token_rows(tokenizer, demo_model, [row], 16)
-    assert cut == token_rows(tokenizer, demo_model, [row], 4096)[0][0][:16]
+    [(whole, labels)] = token_rows(tokenizer, demo_model, [row], 4096)
+    [(cut, _)] = token_rows(tokenizer, demo_model, [row], len(whole) - 1)
+    assert cut == whole[:-1]
+    first = next(i for i, label in enumerate(labels) if label != IGNORED)  # after the tools shown
+    with pytest.raises(Invalid, match=f"1 of 2 rows have nothing to learn within their first {first} tokens"):
+        token_rows(tokenizer, demo_model, [plain, row], first)
 
 
 def test_a_model_that_cannot_show_tools_is_refused(tmp_path: Path, demo_model: Path) -> None:
