@@ -8,12 +8,14 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import settings
 
 from appliance.home import Home
 from installer.keycloak_dist import install_dir
+from tests.lanes import LaneScheduling
 from tests.support.session import stop_session_appliance
 from tests.support.shared import SHARED_ENV, WAITS, locked, shared_dir
 
@@ -23,36 +25,38 @@ ROOT = Path(__file__).parents[1]
 INTEGRATION = ROOT / "tests" / "integration"
 
 # The suite runs on two pytest-xdist workers (pyproject.toml's addopts), a module at a time each,
-# in this order (a folder stands for its modules; those named nowhere come last), so that a module
-# rarely waits for another's lock (tests/integration/conftest.py; each module's wait is in the
-# report at the end of a run):
-# - the slowest first, side by side;
-# - the modules marked `alone` (their own appliances; no other integration module runs meanwhile)
-#   each next to work that takes no lock: the tiers module next to the unit tests, then PostgreSQL,
-#   backup and the dependency alerts next to the unit module that trains models (its training runs
-#   once the tiers module's engines are gone: memory);
-# - then the modules that share the session appliance, side by side, the long ones paired (a
-#   module that has it to itself waits until no other holds it);
-# - last, each module that has the session appliance to itself (it stops or restarts its parts,
-#   or counts what reaches it) next to one that does not use it, so the other worker is not idle
-#   meanwhile.
+# in this order (a folder stands for its modules; those named nowhere come last), each worker
+# taking the next module pinned to it in LANES or pinned to neither (tests/lanes.py), so that a
+# module rarely waits for another's lock (tests/integration/conftest.py; each module's wait is in
+# the report at the end of a run). Minutes are from the last full run on 2 cores.
+# - worker 0: the sharded trainer (9), over hosts, the training network; then the unit tests
+#   (about 10) while worker 1 runs the tiers module alone (7: three engines of its own); then the
+#   bundle (9) and the cluster (5); then PostgreSQL, backup and the dependency alerts, each alone
+#   (14), while worker 1 runs the unit modules that take longest (9);
+# - worker 1: the RL loop (15), the tiers module; then the modules beside the bundle and cluster
+#   that share the session appliance, the long ones first; then its unit modules;
+# - then either: the modules that share the session appliance, and last each module that has the
+#   session appliance to itself (it stops or restarts its parts, or counts what reaches it) next
+#   to one that does not use it.
 RUN_ORDER = [
     "tests/integration/test_execution_feedback.py",
     "tests/integration/test_finetune_sharded.py",
     "tests/integration/test_finetune_multinode.py",
     "tests/integration/test_training_network.py",
-    "tests/integration/test_bundle_install.py",
-    "tests/integration/test_cluster.py",
     "tests/integration/test_gateway_tiers.py",
     "tests/unit/",
-    "tests/integration/test_keycloak_postgres.py",
-    "tests/unit/test_finetune.py",
-    "tests/integration/test_backup.py",
-    "tests/integration/test_dependency_alerts.py",
+    "tests/integration/test_bundle_install.py",
+    "tests/integration/test_cluster.py",
     "tests/integration/test_adapters.py",
     "tests/integration/test_finetune_worker.py",
     "tests/integration/test_canary.py",
     "tests/integration/test_planner_vllm.py",
+    "tests/unit/test_finetune.py",
+    "tests/unit/test_backup.py",
+    "tests/unit/test_tui.py",
+    "tests/integration/test_keycloak_postgres.py",
+    "tests/integration/test_backup.py",
+    "tests/integration/test_dependency_alerts.py",
     "tests/integration/test_api_keys.py",
     "tests/integration/test_gateway_fuzz.py",
     "tests/integration/test_keycloak_logins.py",
@@ -73,6 +77,25 @@ RUN_ORDER = [
     "tests/integration/test_gateway.py",
     "tests/integration/test_audit_archive_s3.py",
 ]
+# The worker each module is pinned to (a folder: its modules, unless a module is named itself).
+LANES: dict[str, int] = {
+    "tests/integration/test_finetune_sharded.py": 0, "tests/integration/test_finetune_multinode.py": 0,
+    "tests/integration/test_training_network.py": 0, "tests/unit/": 0, "tests/integration/test_bundle_install.py": 0,
+    "tests/integration/test_cluster.py": 0, "tests/integration/test_keycloak_postgres.py": 0,
+    "tests/integration/test_backup.py": 0, "tests/integration/test_dependency_alerts.py": 0,
+    "tests/integration/test_execution_feedback.py": 1, "tests/integration/test_gateway_tiers.py": 1,
+    "tests/integration/test_adapters.py": 1, "tests/integration/test_finetune_worker.py": 1,
+    "tests/integration/test_canary.py": 1, "tests/integration/test_planner_vllm.py": 1,
+    "tests/unit/test_finetune.py": 1, "tests/unit/test_backup.py": 1, "tests/unit/test_tui.py": 1,
+}
+
+
+def lane(module: str) -> int | None:
+    """The worker LANES pins `module` to (by its name, else its folder), or None."""
+    if module in LANES:
+        return LANES[module]
+    return next((worker for entry, worker in LANES.items() if entry.endswith("/") and module.startswith(entry)), None)
+
 
 OWN_SHARED_DIR = pytest.StashKey[bool]()  # this run made the shared directory, and so removes it
 
@@ -97,6 +120,12 @@ def pytest_configure(config: pytest.Config) -> None:
         config.stash[OWN_SHARED_DIR] = True
     if not hasattr(config, "workerinput"):  # a kept directory's waits are an earlier run's
         (shared_dir() / WAITS).unlink(missing_ok=True)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> LaneScheduling | None:
+    """Whole modules a worker at a time, in RUN_ORDER, as LANES pins them (plain loadfile otherwise)."""
+    return LaneScheduling(config, log, lane) if config.getoption("dist") == "loadfile" else None
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
