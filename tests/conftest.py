@@ -28,35 +28,35 @@ INTEGRATION = ROOT / "tests" / "integration"
 # in this order (a folder stands for its modules; those named nowhere come last), each worker
 # taking the next module pinned to it in LANES or pinned to neither (tests/lanes.py), so that a
 # module rarely waits for another's lock (tests/integration/conftest.py; each module's wait is in
-# the report at the end of a run). Minutes are from the last full run on 2 cores.
-# - worker 0: the sharded trainer (9), over hosts, the training network; then the unit tests
-#   (about 10) while worker 1 runs the tiers module alone (7: three engines of its own); then the
-#   bundle (9) and the cluster (5); then PostgreSQL, backup and the dependency alerts, each alone
-#   (14), while worker 1 runs the unit modules that take longest (9);
-# - worker 1: the RL loop (15), the tiers module; then the modules beside the bundle and cluster
-#   that share the session appliance, the long ones first; then its unit modules;
-# - then either: the modules that share the session appliance, and last each module that has the
-#   session appliance to itself (it stops or restarts its parts, or counts what reaches it) next
-#   to one that does not use it.
+# the report at the end of a run). Minutes are from a full run on 2 cores:
+# - first, integration modules side by side: on worker 0 the sharded trainer (10), over hosts,
+#   the training network, the bundle (10) and the cluster (4); on worker 1 the RL loop (20),
+#   adapters and the training worker (6);
+# - then the modules marked `alone` (engines of their own) on worker 0: tiers (6), PostgreSQL (5),
+#   backup (9), the dependency alerts (4), while worker 1 runs the unit tests, which take no lock
+#   (23), the one that trains models last, once the tiers module's engines are gone (memory);
+# - then either worker: the modules that share the session appliance, and last each module that
+#   has the session appliance to itself (it stops or restarts its parts, or counts what reaches
+#   it) next to one that does not use it.
 RUN_ORDER = [
     "tests/integration/test_execution_feedback.py",
     "tests/integration/test_finetune_sharded.py",
     "tests/integration/test_finetune_multinode.py",
     "tests/integration/test_training_network.py",
-    "tests/integration/test_gateway_tiers.py",
-    "tests/unit/",
     "tests/integration/test_bundle_install.py",
     "tests/integration/test_cluster.py",
     "tests/integration/test_adapters.py",
     "tests/integration/test_finetune_worker.py",
-    "tests/integration/test_canary.py",
-    "tests/integration/test_planner_vllm.py",
-    "tests/unit/test_finetune.py",
+    "tests/integration/test_gateway_tiers.py",
+    "tests/unit/",
     "tests/unit/test_backup.py",
     "tests/unit/test_tui.py",
     "tests/integration/test_keycloak_postgres.py",
     "tests/integration/test_backup.py",
     "tests/integration/test_dependency_alerts.py",
+    "tests/unit/test_finetune.py",
+    "tests/integration/test_canary.py",
+    "tests/integration/test_planner_vllm.py",
     "tests/integration/test_api_keys.py",
     "tests/integration/test_gateway_fuzz.py",
     "tests/integration/test_keycloak_logins.py",
@@ -79,14 +79,13 @@ RUN_ORDER = [
 ]
 # The worker each module is pinned to (a folder: its modules, unless a module is named itself).
 LANES: dict[str, int] = {
-    "tests/integration/test_finetune_sharded.py": 0, "tests/integration/test_finetune_multinode.py": 0,
-    "tests/integration/test_training_network.py": 0, "tests/unit/": 0, "tests/integration/test_bundle_install.py": 0,
-    "tests/integration/test_cluster.py": 0, "tests/integration/test_keycloak_postgres.py": 0,
-    "tests/integration/test_backup.py": 0, "tests/integration/test_dependency_alerts.py": 0,
-    "tests/integration/test_execution_feedback.py": 1, "tests/integration/test_gateway_tiers.py": 1,
-    "tests/integration/test_adapters.py": 1, "tests/integration/test_finetune_worker.py": 1,
-    "tests/integration/test_canary.py": 1, "tests/integration/test_planner_vllm.py": 1,
-    "tests/unit/test_finetune.py": 1, "tests/unit/test_backup.py": 1, "tests/unit/test_tui.py": 1,
+    **dict.fromkeys(["tests/integration/test_finetune_sharded.py", "tests/integration/test_finetune_multinode.py",
+                     "tests/integration/test_training_network.py", "tests/integration/test_bundle_install.py",
+                     "tests/integration/test_cluster.py", "tests/integration/test_gateway_tiers.py",
+                     "tests/integration/test_keycloak_postgres.py", "tests/integration/test_backup.py",
+                     "tests/integration/test_dependency_alerts.py"], 0),
+    **dict.fromkeys(["tests/integration/test_execution_feedback.py", "tests/integration/test_adapters.py",
+                     "tests/integration/test_finetune_worker.py", "tests/unit/"], 1),
 }
 
 

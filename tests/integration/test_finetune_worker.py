@@ -70,6 +70,11 @@ def test_job_trains_cut_off_from_the_network_and_survives_a_killed_worker(runnin
              lambda: f"job {job_id}: {jobs.get(cli.home, job_id)}")
     job = jobs.get(cli.home, job_id)
     assert job.state == "running" and job.trainer_pid and job.worker_pid
+    # Held still while it is looked at: the tiny model trains its 40 steps in seconds, and on a
+    # loaded machine the job could be done before `status` shows it running.
+    sandbox = [psutil.Process(job.trainer_pid), *psutil.Process(job.trainer_pid).children(recursive=True)]
+    for process in sandbox:
+        process.send_signal(signal.SIGSTOP)
 
     # The trainer (inside the sandbox bubblewrap started) is in a network namespace of its own,
     # holding nothing but a loopback device, and sees none of the state dir but its job.
@@ -86,6 +91,8 @@ def test_job_trains_cut_off_from_the_network_and_survives_a_killed_worker(runnin
         assert trainer.uids().real == pwd.getpwnam("appliance-train").pw_uid
     listed = cli.run("finetune", "status", str(job_id), timeout=60)
     assert re.search(r"step \d+/40, loss [\d.]+, \d+ tokens/s, ETA \d+ s", listed.stdout), listed.stdout
+    for process in sandbox:
+        process.send_signal(signal.SIGCONT)
 
     os.kill(job.worker_pid, signal.SIGKILL)
     wait_for("the trainer to die with its worker", lambda: not Path(f"/proc/{job.trainer_pid}").exists(), 30)
