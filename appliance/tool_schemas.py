@@ -26,10 +26,13 @@ from referencing import Registry
 
 from appliance.errors import Invalid
 
-CHECK_BUDGET_S = 0.5  # all the `pattern`s of one call's arguments
+CHECK_BUDGET_S = 0.5  # CPU seconds checking one call's arguments (every keyword; a busy host's waits do not count)
 MAX_SCHEMA_NODES = 20_000  # subschemas of one function's parameters, expanded through its references
 MAX_ARGUMENT_BYTES = 1 << 20
 REFUSED_KEYWORDS = ("patternProperties", "$dynamicRef", "$recursiveRef")
+# The dialects whose keywords the walk knows (draft 3's `extends` and `disallow` it does not).
+DIALECTS = ("https://json-schema.org/draft/2020-12/schema", "https://json-schema.org/draft/2019-09/schema",
+            "http://json-schema.org/draft-07/schema")
 # Keywords whose value is a schema, a list of schemas, or a mapping of names to schemas.
 ONE_SCHEMA = ("additionalProperties", "additionalItems", "items", "contains", "propertyNames", "not", "if", "then",
               "else", "unevaluatedItems", "unevaluatedProperties", "contentSchema")
@@ -48,7 +51,7 @@ def _timed_pattern(validator: Validator, pattern: object, instance: object,
     """jsonschema's `pattern` keyword with the `regex` module, within the call's time budget."""
     if not isinstance(instance, str) or not isinstance(pattern, str):
         return
-    left = _deadline.get() - time.monotonic()
+    left = _deadline.get() - time.thread_time()
     if left <= 0:
         raise OverBudget
     try:
@@ -99,15 +102,29 @@ def checker(schema: object, where: str) -> Validator:
         raise refused("a schema must be a JSON object")
     if not isinstance(schema.get("$schema", ""), str):
         raise refused("$schema must be a string")
+    if schema.get("$schema", DIALECTS[0]).rstrip("#") not in DIALECTS:
+        raise refused(f"$schema {str(schema['$schema'])[:80]!r}: one of {', '.join(DIALECTS)}")
     try:
         kind = validators.validator_for(schema, default=Draft202012Validator)
         kind.check_schema(schema)
     except Exception as exc:  # SchemaError, and whatever an odd dialect makes jsonschema raise
         raise refused(f"not a JSON schema ({getattr(exc, 'message', type(exc).__name__)})"[:300]) from exc
     _bounded(schema, schema, refused)
+    keywords = {name: _timed(check) for name, check in kind.VALIDATORS.items()}
     checked = validators.extend(  # type: ignore[no-untyped-call]
-        kind, {"pattern": _timed_pattern, "uniqueItems": _unique_items})
+        kind, keywords | {"pattern": _timed_pattern, "uniqueItems": _timed(_unique_items)})
     return checked(schema, registry=Registry())  # type: ignore[no-any-return]  # nothing is ever retrieved
+
+
+def _timed(keyword: Callable[..., Iterator[ValidationError] | None]) -> Callable[..., Iterator[ValidationError]]:
+    """A keyword's check that first looks at the call's time budget: a schema whose checks multiply
+    (branches of anyOf over references, an enum of thousands against as many items) stops there."""
+    def check(validator: Validator, value: object, instance: object, schema: object) -> Iterator[ValidationError]:
+        if time.thread_time() > _deadline.get():
+            raise OverBudget
+        yield from keyword(validator, value, instance, schema) or ()
+
+    return check
 
 
 def _bounded(root: dict[str, Any], node: object, refused: Callable[[str], SchemaRefused]) -> None:
@@ -121,6 +138,8 @@ def _bounded(root: dict[str, Any], node: object, refused: Callable[[str], Schema
             raise refused(f"the schema expands to over {MAX_SCHEMA_NODES} subschemas through its references")
         if not isinstance(current, dict):
             continue
+        if current is not root and "$id" in current:  # its references would resolve against another base
+            raise refused("an $id below the schema's root is not supported (its references would resolve elsewhere)")
         for keyword in REFUSED_KEYWORDS:
             if keyword in current:
                 raise refused(f"{keyword} is not supported in tool schemas")
@@ -224,11 +243,11 @@ def argument_problem(check: Validator | None, name: str, arguments: object) -> s
         return why
     if check is None:
         return None
-    token = _deadline.set(time.monotonic() + CHECK_BUDGET_S)
+    token = _deadline.set(time.thread_time() + CHECK_BUDGET_S)
     try:
         error = next(iter(check.iter_errors(parsed)), None)
     except OverBudget:
-        return f"the schema's patterns took over {CHECK_BUDGET_S} s on its arguments"
+        return f"checking its arguments against the schema took over {CHECK_BUDGET_S} s"
     except Exception as exc:  # RecursionError on deep arguments, and anything else: fail closed
         return f"its arguments could not be checked against the schema of {name} ({type(exc).__name__})"
     finally:

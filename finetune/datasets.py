@@ -81,16 +81,37 @@ def read(path: Path) -> tuple[list[Row], list[Problem]]:
         return _paragraphs(path, text), []
     rows: list[Row] = []
     problems: list[Problem] = []
-    for number, line in enumerate(text.splitlines(), start=1):
+    # Lines end at newlines only: a JSON string may hold U+2028 and the like, which splitlines() splits at.
+    for number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:
-            rows.append(Row(number, normalise(json.loads(line))))
+            value = json.loads(line)
+            if _surrogate(value):
+                raise ValueError("a lone surrogate (an escape like \\ud800 that is no character): not valid Unicode")
+            rows.append(Row(number, normalise(value)))
         except ValueError as exc:
             problems.append((number, str(exc)))
+        except RecursionError:
+            problems.append((number, "nested too deeply"))
     if not rows and not problems:
         raise DatasetError(f"{path}: no rows")
     return rows, problems
+
+
+def _surrogate(value: Any) -> bool:
+    """Whether any string in `value` (keys too) holds a lone surrogate."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if any("\ud800" <= c <= "\udfff" for c in item):
+                return True
+        elif isinstance(item, list):
+            stack += item
+        elif isinstance(item, dict):
+            stack += [*item.keys(), *item.values()]
+    return False
 
 
 def _mixed_kinds(rows: list[Row]) -> tuple[Row, Row] | None:
@@ -242,6 +263,8 @@ def check(path: Path, count_tokens: Callable[[dict[str, Any]], int], context: in
     counts = dict(Counter(kind for _, kind in found))
     if found and settings.training_data == "block":
         problems += found
+    if found and settings.training_data == "redact":
+        problems += _unredactable(rows, scanner)
     if problems:
         raise DatasetError(_refusal(path, problems, counts if settings.training_data == "block" else {}),
                            _lines(sorted(problems)))
@@ -276,6 +299,8 @@ def scan(rows: list[Row], scanner: Scanner, action: str) -> tuple[list[Row], dic
     if found and action == "block":
         raise DatasetError(f"{_sensitive_summary(counts)}; nothing imported:", _lines(found))
     if found and action == "redact":
+        if fixed := _unredactable(rows, scanner):
+            raise DatasetError("sensitive data that redaction cannot change; nothing imported:", _lines(fixed))
         rows = [Row(row.line, _redacted(row.example, scanner)) for row in rows]
     return rows, counts
 
@@ -297,11 +322,42 @@ def _sensitive_summary(counts: dict[str, int]) -> str:
 
 
 def _texts(example: dict[str, Any]) -> list[str]:
-    """What a row says: its text, or each turn's content and each call's arguments."""
+    """What a row says: its text, or each turn's content and each call's arguments, and what
+    `_fixed` names."""
     if "text" in example:
         return [example["text"]]
-    return [text for field, turns in example.items() if field != "tools" for m in turns
+    said = [text for field, turns in example.items() if field != "tools" for m in turns
             for text in [m["content"], *(c["function"]["arguments"] for c in m.get("tool_calls", []))]]
+    return said + _fixed(example)
+
+
+def _fixed(example: dict[str, Any]) -> list[str]:
+    """What a row that offers tools says that redaction cannot change without changing what its
+    calls mean: the tools (names, descriptions, schemas: shown to the model in every prompt), the
+    calls' names and every id."""
+    if "tools" not in example:
+        return []
+    found = _strings(example["tools"])
+    for m in example["messages"]:
+        found += [m["tool_call_id"]] if "tool_call_id" in m else []
+        found += [text for c in m.get("tool_calls", []) for text in (c["id"], c["function"]["name"])]
+    return found
+
+
+def _strings(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list):
+        return [s for v in value for s in _strings(v)]
+    if isinstance(value, dict):
+        return [s for k, v in value.items() for s in [k, *_strings(v)]]
+    return []
+
+
+def _unredactable(rows: list[Row], scanner: Scanner) -> list[Problem]:
+    return [(row.line, f"{finding.kind} in a tool offered, a call's name or an id, which redaction cannot change "
+                       "without changing the calls: remove it")
+            for row in rows for text in _fixed(row.example) for finding in scanner.findings(text)]
 
 
 def _redacted(example: dict[str, Any], scanner: Scanner) -> dict[str, Any]:
@@ -325,7 +381,7 @@ def _redact_strings(value: Any, scanner: Scanner) -> Any:
     if isinstance(value, list):
         return [_redact_strings(v, scanner) for v in value]
     if isinstance(value, dict):
-        return {k: _redact_strings(v, scanner) for k, v in value.items()}
+        return {scanner.redact(k): _redact_strings(v, scanner) for k, v in value.items()}
     return value
 
 

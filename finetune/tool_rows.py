@@ -39,6 +39,8 @@ def tool_chat(messages: Any, tools: Any) -> dict[str, Any]:
             out.append(_result(message, where, open_calls))
             continue
         open_calls = []
+        if role != "assistant" and "tool_calls" in message:
+            raise ValueError(f"{where}: only an assistant turn makes tool calls")
         if role == "assistant" and message.get("tool_calls") is not None:
             calls = _calls(message["tool_calls"], checkers, where, len(out))
             content = message.get("content")
@@ -96,7 +98,7 @@ def _tools(tools: Any) -> tuple[list[dict[str, Any]], dict[str, Validator | None
 def _calls(calls: Any, checkers: dict[str, Validator | None], where: str, position: int) -> list[dict[str, Any]]:
     if not isinstance(calls, list) or not calls:
         raise ValueError(f"{where}: tool_calls must be a non-empty list")
-    out = []
+    out: list[dict[str, Any]] = []
     for n, call in enumerate(calls):
         at = f"{where}: tool call {n + 1}"
         function = call.get("function") if isinstance(call, dict) else None
@@ -112,6 +114,8 @@ def _calls(calls: Any, checkers: dict[str, Validator | None], where: str, positi
         call_id = call.get("id", f"call_{position}_{n}")
         if not isinstance(call_id, str) or not call_id or len(call_id) > MAX_CALL_ID:
             raise ValueError(f"{at}: id must be text of 1-{MAX_CALL_ID} characters")
+        if any(made["id"] == call_id for made in out):
+            raise ValueError(f"{at}: id {call_id[:80]!r} is another call's of the same turn")
         out.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
     return out
 

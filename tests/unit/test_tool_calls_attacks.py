@@ -158,6 +158,28 @@ def test_a_schema_whose_refs_fan_out_exponentially_cannot_hold_the_gateway() -> 
         assert verdict({"$defs": defs, "$ref": "#/$defs/a30"}, "{}") in ("400", "refused", "passed")
 
 
+@pytest.mark.parametrize("parameters", [
+    # A $ref resolved against a nested $id is not what the walk counted (2^20 branches of anyOf).
+    {"type": "object", "$defs": {f"l{i}": {} for i in range(21)}, "properties": {"a": {
+        "$id": "urn:inner", "$ref": "#/$defs/l0", "$defs": {
+            **{f"l{i}": {"anyOf": [{"$ref": f"#/$defs/l{i + 1}"}] * 2} for i in range(20)}, "l20": {}}}}},
+    # Draft 3's `extends` is not walked: a patternProperties (Python's re, no timeout) hides in it.
+    {"$schema": "http://json-schema.org/draft-03/schema#", "extends": {"patternProperties": {"^(a+)+$": {}}}},
+], ids=["nested-id", "draft-3"])
+def test_a_schema_that_hides_work_from_the_walk_is_a_400(parameters: object) -> None:
+    assert verdict(parameters, "{}") == "400"
+
+
+def test_every_keyword_counts_against_the_budget_not_only_patterns() -> None:
+    """An enum of 8,000 against an array of 8,000: quadratic, about 70 s unbounded."""
+    parameters = {"type": "object", "properties": {"a": {"type": "array", "items": {"enum": list(range(8000))}}}}
+    found = ToolCheck.of(tools_of(parameters), "auto")
+    assert found is not None
+    with at_most(5.0):  # a guard against a hang, not a measure
+        said = found.problem("f", json.dumps({"a": [7999] * 8000}))
+    assert said is not None and "took over" in said
+
+
 def test_pattern_time_is_bounded_per_answer_not_per_pattern() -> None:
     """Each pattern gets its own 50 ms: forty in an anyOf take two seconds on one string."""
     parameters = {"type": "object", "properties": {"s": {"anyOf": [{"pattern": "(a|aa)+$"}] * 40}}}

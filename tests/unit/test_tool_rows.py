@@ -115,6 +115,17 @@ BAD = [
                                                       "tool_calls": [call("submit", "{}")]}]},
      "a tool call or result in a row that offers no 'tools'"),
     ({"text": "x", "tools": TOOLS}, "'tools' are offered in chat rows ('messages') only"),
+    (with_message(1, {"role": "user", "content": "x", "tool_calls": [call("submit", "{}")]}),
+     "message 2: only an assistant turn makes tool calls"),
+    (with_message(2, {"role": "assistant", "tool_calls": [call("submit", "{}", "x"), call("submit", "{}", "x")]}),
+     "tool call 2: id 'x' is another call's of the same turn"),
+    # Schemas whose check would multiply or hide what the walk refuses (as the gateway refuses them).
+    (chat(tools=[{"type": "function", "function": {"name": "x", "parameters": {"type": "object", "properties": {
+        "a": {"$id": "urn:inner", "$defs": {"l": {"type": "string"}}, "$ref": "#/$defs/l"}}}}}]),
+     "an $id below the schema's root is not supported"),
+    (chat(tools=[{"type": "function", "function": {"name": "x", "parameters": {
+        "$schema": "http://json-schema.org/draft-03/schema#", "extends": {"patternProperties": {"^(a+)+$": {}}}}}}]),
+     "$schema 'http://json-schema.org/draft-03/schema#': one of"),
 ]
 
 
@@ -147,6 +158,63 @@ def test_calls_and_results_are_scanned_and_redacted_keeping_calls_json() -> None
     assert "@" not in arguments["path"] and "bob@example.com" not in messages[3]["content"]
     assert sum(counts.values()) == 2
     assert redacted[0].example["tools"] == rows[0].example["tools"]
+
+
+@pytest.mark.parametrize("place", ["description", "enum", "name", "call id", "result id"])
+def test_sensitive_data_in_what_redaction_cannot_change_is_found_and_refused_under_redact(place: str) -> None:
+    """Tools are shown to the model in every prompt, names and ids are in what it learns: they are
+    scanned too, and under redact a finding there refuses the row (redacting it would change the calls)."""
+    secret = "bob@example.com"
+    tools = json.loads(json.dumps(TOOLS))
+    row = chat(tools=tools)
+    if place == "description":
+        tools[0]["function"]["description"] = f"Ask {secret}."
+    elif place == "enum":
+        tools[0]["function"]["parameters"]["properties"]["mode"] = {"enum": [secret]}
+    elif place == "name":
+        tools[1]["function"]["name"] = "AKIAIOSFODNN7EXAMPLE"
+        row["messages"][4]["tool_calls"][0]["function"]["name"] = "AKIAIOSFODNN7EXAMPLE"
+    elif place == "call id":
+        row["messages"][2]["tool_calls"][0]["id"] = secret
+        row["messages"][3]["tool_call_id"] = secret
+    else:
+        row["messages"][5]["tool_call_id"] = "call_4_0"
+        row["messages"][4]["tool_calls"][0]["id"] = secret
+        row["messages"][5]["tool_call_id"] = secret
+    rows = [Row(1, normalise(row))]
+    with pytest.raises(Invalid, match="sensitive data found"):
+        scan(rows, scanner_of("block"), "block")
+    with pytest.raises(Invalid, match="redaction cannot change"):
+        scan(rows, scanner_of("redact"), "redact")
+    assert scan(rows, scanner_of("allow"), "allow")[0] == rows
+
+
+def test_redaction_reaches_the_keys_of_a_call_s_arguments() -> None:
+    tools = [{"type": "function", "function": {"name": "put", "parameters": {"type": "object"}}}]
+    row = {"tools": tools, "messages": [{"role": "user", "content": "go"}, {"role": "assistant", "tool_calls": [
+        call("put", json.dumps({"bob@example.com": "x"}))]}]}
+    [redacted], counts = scan([Row(1, normalise(row))], scanner_of("redact"), "redact")
+    assert "bob@example.com" not in json.dumps(redacted.example) and counts
+
+
+@pytest.mark.parametrize("line", [
+    '{"messages": [{"role": "user", "content": "a\\ud800"}, {"role": "assistant", "content": "b"}]}',
+    '{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}",
+])
+def test_lone_surrogates_and_deep_nesting_are_bad_lines_not_crashes(tmp_path: Path, line: str) -> None:
+    path = tmp_path / "rows.jsonl"
+    path.write_text(line + "\n")
+    [(number, said)] = read(path)[1]
+    assert number == 1 and ("surrogate" in said or "nested too deeply" in said)
+
+
+def test_a_line_separator_inside_a_string_is_no_end_of_line(tmp_path: Path) -> None:
+    """Exported episodes keep U+2028 and the like raw (JSON allows them in strings)."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "a\u2028b\u0085c"},
+                                             {"role": "assistant", "content": "d\u2029e"}]}, ensure_ascii=False) + "\n")
+    rows, problems = read(path)
+    assert problems == [] and rows[0].example["messages"][0]["content"] == "a\u2028b\u0085c"
 
 
 def scanner_of(action: str) -> Any:
