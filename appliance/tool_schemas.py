@@ -4,10 +4,11 @@ every call a model returns (serve.tool_calls) and for the calls of training rows
 The schemas come from whoever sent them, so they are bounded before use: a `$ref` resolves only
 inside the schema and never in a cycle (nothing is fetched, no schema is recursive), the schema
 expanded through its references stays under MAX_SCHEMA_NODES, every `pattern` compiles, and
-`patternProperties` and dynamic references are refused. Arguments are bounded too
-(MAX_ARGUMENT_BYTES, strict JSON: no NaN, no infinite number, no duplicate key), `pattern`s run
-with the `regex` module under one time budget per call, and `uniqueItems` is checked by hashing:
-a hostile schema or call cannot hold the caller.
+`patternProperties`, dynamic references, a `$id` below the root and dialects the walk does not
+know are refused. Arguments are bounded too (MAX_ARGUMENT_BYTES, strict JSON: no NaN, no infinite
+number, no duplicate key), every keyword of the check counts against one budget of CPU time per
+call, `pattern`s run with the `regex` module within it, and `uniqueItems` is checked by hashing: a
+hostile schema or call cannot hold the caller.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ _deadline: ContextVar[float] = ContextVar("tool_check_deadline", default=math.in
 
 
 class OverBudget(Exception):
-    """The schema's patterns used up the call's time budget: the check stops there."""
+    """The check used up the call's budget of CPU time: it stops there."""
 
 
 def _timed_pattern(validator: Validator, pattern: object, instance: object,
