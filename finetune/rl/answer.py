@@ -1,8 +1,11 @@
-"""The answer's side of a function test (finetune/rl/harness.py starts it, a fresh interpreter, in
-the execution sandbox): it runs the untrusted program, then calls its functions as the harness asks
-and sends back what they returned, as plain data (finetune/rl/plain.py). It holds only the two
-pipes given on its command line: the tests, their expected values and the harness's result
-descriptor are in another process it cannot read.
+"""The answer's side of a function test, in the execution sandbox: it runs the untrusted program,
+then calls its functions as the harness (finetune/rl/harness.py) asks and sends back what they
+returned, as plain data (finetune/rl/plain.py). It holds only its two pipes: the tests, their
+expected values and the harness's result descriptor are in another process it cannot read.
+
+Each answer is a fork of the execution's answers' template (`serve_forks`), which the zygote forks
+before the tests are read (so no answer's memory ever held them) and which never runs untrusted
+code: an answer costs a fork, not an interpreter's start and imports.
 
 Protocol, one JSON line each way: first {"functions": [names]} (or {"failed": why} if the program
 did not load); then for each {"call": name, "args": ..., "kwargs": ...} an {"value": ...} or
@@ -11,6 +14,8 @@ did not load); then for each {"call": name, "args": ..., "kwargs": ...} an {"val
 
 import json
 import os
+import signal
+import socket
 import sys
 import traceback
 from typing import Any
@@ -55,5 +60,60 @@ def main(requests_fd: int, answers_fd: int) -> None:
         send(reply)
 
 
-if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]))
+def serve_forks(control: socket.socket) -> None:
+    """The answers' template, until the harness closes `control`: for each b"start", an answer
+    forked with two new pipes (its pid and the pipes' other ends go to the harness); for each
+    b"end", that answer's process group killed and its exit status sent back."""
+    answer = 0
+    while message := control.recv(16):
+        if message == b"start" and answer == 0:
+            requests_read, requests_write = os.pipe()
+            answers_read, answers_write = os.pipe()
+            answer = os.fork()
+            if answer == 0:
+                control.close()
+                os.close(requests_write)
+                os.close(answers_read)
+                run_forked(requests_read, answers_write)
+            os.setpgid(answer, answer)  # as the child does: its group exists before the harness may end it
+            for fd in (requests_read, answers_write):
+                os.close(fd)
+            socket.send_fds(control, [str(answer).encode()], [requests_write, answers_read])
+            for fd in (requests_write, answers_read):
+                os.close(fd)
+        elif message == b"end" and answer != 0:
+            for kill, target in ((os.killpg, answer), (os.kill, answer)):
+                try:
+                    kill(target, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            _, status = os.waitpid(answer, 0)
+            answer = 0
+            control.sendall(str(os.waitstatus_to_exitcode(status)).encode())
+        else:
+            return  # not the protocol: the harness's answers fail from here on
+
+
+def run_forked(requests_fd: int, answers_fd: int) -> None:
+    """In a forked answer: what a fresh interpreter would have (its own process group, default
+    signals, /tmp, a bare environment, no bytecode written), then `main`; it never returns."""
+    code = 1
+    try:
+        os.setpgid(0, 0)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # the zygote's process 1 ignores it
+        os.chdir("/tmp")
+        os.environ.clear()
+        os.environ["LANG"] = "C.UTF-8"
+        sys.dont_write_bytecode = True
+        sys.argv = [PROGRAM]
+        main(requests_fd, answers_fd)
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)

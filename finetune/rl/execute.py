@@ -76,7 +76,7 @@ CELL_CODE = tuple(Path(__file__).with_name(name)
 # What the zygote needs to set an execution up (none is left to the execution): its namespaces and
 # mounts, its user, the bounding set dropped, its own loopback device up.
 CELL_CAPABILITIES = ("CAP_SYS_ADMIN", "CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP", "CAP_NET_ADMIN")
-CELL_PROCESSES = 4  # the cell's own: bubblewrap's, the zygote, an execution's middle process
+CELL_PROCESSES = 5  # the cell's own: bubblewrap's, the zygote, an execution's middle process, its answers' template
 REQUEST_BYTES = 65536  # one request to the zygote, at most (its REQUEST_BYTES)
 REPORT_BYTES = 64 * 2**20  # a report holds each case's output (up to 64 KiB): far more than any makes
 Language = Literal["python", "c"]

@@ -26,6 +26,7 @@ import ast
 import json
 import os
 import signal
+import socket
 import sys
 import time
 from typing import Any
@@ -38,7 +39,7 @@ import plain  # type: ignore[import-not-found]  # bound next to this file in the
 
 TASK = "/task"
 WORKSPACE = "/workspace"
-ANSWER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "answer.py")
+TEMPLATE_S = 5.0  # for the answers' template to fork an answer or report its end (it may be stopped)
 OUTPUT_KEPT = 65536  # of each case's output, what goes back to be compared
 MAX_TESTS = 500  # test functions an episode's workspace runs
 # One workspace test function, in a fresh interpreter: passed only if it returned and the runner
@@ -77,9 +78,10 @@ def not_dumpable() -> None:
         raise SystemExit("prctl(PR_SET_DUMPABLE) failed")
 
 
-def main(tests: str | None = None) -> None:
+def main(tests: str | None = None, forks: socket.socket | None = None) -> None:
     """Run the task's program against `tests` (Python test functions, read and hidden by the
-    zygote), or its input/output cases, or alone; the result on the result descriptor."""
+    zygote; each against an answer forked by the template at `forks`), or its input/output cases,
+    or alone; the result on the result descriptor."""
     not_dumpable()
     result_fd = int(os.environ.pop("RESULT_FD"))
     language = os.environ.pop("LANGUAGE")
@@ -109,8 +111,8 @@ def main(tests: str | None = None) -> None:
         with open(f"{TASK}/tests.json") as handle:
             cases = json.load(handle)
         results = [run_case(command, case, test_wall_s) for case in cases]
-    elif tests is not None and language == "python":
-        results = run_functions(tests, test_names(tests, entry_point), entry_point, test_wall_s)
+    elif tests is not None and forks is not None and language == "python":
+        results = run_functions(tests, test_names(tests, entry_point), entry_point, test_wall_s, forks)
     else:
         results = [run_case(command, None, test_wall_s)]
     report(result_fd, {"compiled": True, "results": results})
@@ -284,13 +286,15 @@ def test_names(source: str, entry_point: str) -> list[str]:
     return names
 
 
-def run_functions(source: str, names: list[str], entry_point: str, wall_s: float) -> list[dict[str, Any]]:
+def run_functions(source: str, names: list[str], entry_point: str, wall_s: float,
+                  forks: socket.socket) -> list[dict[str, Any]]:
     """Each test here, in the harness, against a fresh answer process (finetune/rl/answer.py): the
     test calls the answer's functions, which run over there and send back what they returned as
     plain data; the test's assertions, with a type-strict == (plain.strict_equal), run here. The
-    answer's process is a new interpreter (exec'd, not forked: none of this process's memory),
-    holds only its two pipes, and cannot read the tests (the zygote hid them) nor this process (not
-    dumpable): whatever it does, it can only fail its test."""
+    answer's process is a fork of the template at `forks`, which was forked before the tests were
+    read: none of them is in its memory. It holds only its two pipes, and cannot read the tests
+    (the zygote hid them) nor this process (not dumpable): whatever it does, it can only fail its
+    test."""
     parsed = ast.parse(source)
     wanted = answered_names(parsed, entry_point)
     tree = compile(ast.fix_missing_locations(StrictEquality().visit(parsed)), "tests.py", "exec")
@@ -298,7 +302,7 @@ def run_functions(source: str, names: list[str], entry_point: str, wall_s: float
     for name in names:
         started = time.monotonic()
         outcome: dict[str, Any] = {"passed": True, "reason": "passed"}
-        answer = Answer()
+        answer = Answer(forks)
         signal.signal(signal.SIGALRM, _out_of_time)
         signal.setitimer(signal.ITIMER_REAL, wall_s)
         try:
@@ -394,24 +398,26 @@ def _out_of_time(*_: object) -> None:
 class Answer:
     """One answer process, and the calls to its functions."""
 
-    def __init__(self) -> None:
-        self.process: Any = None
+    def __init__(self, forks: socket.socket) -> None:
+        self.forks = forks  # to the answers' template (finetune/rl/answer.py: serve_forks)
+        forks.settimeout(TEMPLATE_S)
+        self.pid = 0
         self.requests: Any = None
         self.answers: Any = None
 
     def start(self) -> list[str]:
-        """Start it; the names of the functions the program defines."""
-        import subprocess
-
-        requests_read, requests_write = os.pipe()
-        answers_read, answers_write = os.pipe()
-        self.process = subprocess.Popen(
-            [sys.executable, "-I", "-S", ANSWER, str(requests_read), str(answers_write)],
-            pass_fds=(requests_read, answers_write), stdin=subprocess.DEVNULL, process_group=0, cwd="/tmp",
-            env={"LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"})
-        os.close(requests_read)
-        os.close(answers_write)
-        self.requests, self.answers = os.fdopen(requests_write, "wb"), os.fdopen(answers_read, "rb")
+        """Have the template fork it; the names of the functions the program defines."""
+        try:
+            self.forks.send(b"start")
+            message, fds, _, _ = socket.recv_fds(self.forks, 32, 2)
+        except OSError as exc:
+            raise AnswerFailed(f"the answers' template is gone ({exc.strerror})") from exc
+        if len(fds) != 2 or not message.isdigit():
+            for fd in fds:
+                os.close(fd)
+            raise AnswerFailed("the answers' template is gone")
+        self.pid = int(message)
+        self.requests, self.answers = os.fdopen(fds[0], "wb"), os.fdopen(fds[1], "rb")
         first = self._receive()
         if "failed" in first:
             raise AnswerFailed(str(first["failed"])[:300])
@@ -458,20 +464,32 @@ class Answer:
         return found
 
     def _ended(self) -> str:
-        kill_group(self.process.pid)
-        code = self.process.wait()
+        code = self._end()
         return "exit 0" if code == 0 else exit_reason(code)
 
+    def _end(self) -> int:
+        """Its process group killed (here and by the template, its parent), and its exit status."""
+        if self.pid == 0:
+            return 0
+        kill_group(self.pid)
+        self.pid, code = 0, -signal.SIGKILL
+        try:
+            self.forks.send(b"end")
+            reply = self.forks.recv(32)
+            code = int(reply) if reply.lstrip(b"-").isdigit() else code
+        except OSError:
+            pass
+        return code
+
     def end(self) -> None:
-        if self.process is not None:
-            kill_group(self.process.pid)
-            self.process.wait()
+        self._end()
         for pipe in (self.requests, self.answers):
             if pipe is not None:
                 try:
                     pipe.close()
                 except OSError:
                     pass
+        self.requests = self.answers = None
 
 
 def _raised(name: str, message: str) -> BaseException:

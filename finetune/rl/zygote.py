@@ -11,8 +11,10 @@ already imported, and for each execution the host asks for:
    /task (the cell's other directories are unmounted), and a /proc of its PID namespace;
 3. sets the execution's limits, drops every capability (bounding, inheritable, ambient), becomes a
    user id drawn for this execution alone and sets no-new-privileges;
-4. reads the Python tests and hides them from the execution (/dev/null over the file);
-5. only then runs the harness, which runs the untrusted program in its children.
+4. opens the Python tests and hides them from the execution (/dev/null over the file);
+5. forks the answers' template (finetune/rl/answer.py), which forks an answer for each test, and
+   only then reads the tests: no answer's memory ever held them;
+6. runs the harness, which runs the untrusted program in its children.
 
 The zygote itself never runs untrusted code and no execution can see it (another PID namespace),
 reach it (no descriptor of its socket), or outlive the namespace it was given. It reports each
@@ -37,7 +39,8 @@ from functools import partial
 from typing import Any
 
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))
-import harness  # type: ignore[import-not-found]  # bound next to this file in the cell
+import answer  # type: ignore[import-not-found]  # bound next to this file in the cell
+import harness  # type: ignore[import-not-found]
 
 libc = ctypes.CDLL(None, use_errno=True)
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
@@ -52,7 +55,7 @@ X32_SYSCALL_BIT = 0x40000000
 # The architectures the filter knows: (AUDIT_ARCH_*, unshare, clone, clone3).
 SYSCALLS = {"x86_64": (0xC000003E, 272, 56, 435), "aarch64": (0xC00000B7, 97, 220, 435)}
 CAPABILITY_VERSION_3 = 0x20080522
-STDOUT, STDERR, RESULT = 1, 2, 3
+STDOUT, STDERR, RESULT, TESTS = 1, 2, 3, 4
 REQUEST_BYTES = 65536  # one request, one message (a SOCK_SEQPACKET socket)
 SETUP_FAILED = 125
 
@@ -131,7 +134,7 @@ def contained(request: dict[str, Any], fds: list[int], last_capability: int) -> 
         checked(libc.umount2(b"/cells", MNT_DETACH), "umount /cells")
         step = "its tests"
         # An episode's task files are copied into its workspace whole: none is hidden there.
-        tests = None if request.get("workspace") else hidden_tests()
+        tests = None if request.get("workspace") else hidden_tests()  # a descriptor, read later
         mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
         step = "its signals"
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # as process 1, nothing else reaches it from inside
@@ -141,10 +144,11 @@ def contained(request: dict[str, Any], fds: list[int], last_capability: int) -> 
         step = "its loopback device"
         loopback_up()
         step = "its descriptors"
-        place_descriptors(fds)
+        place_descriptors(fds, tests)
         result, step = RESULT, "its limits"
+        processes = limits["processes"] + (tests is not None)  # the answers' template: one more than the program's
         for kind, value in ((resource.RLIMIT_CPU, (limits["cpu"], limits["cpu"] + 1)),
-                            (resource.RLIMIT_AS, limits["memory"]), (resource.RLIMIT_NPROC, limits["processes"]),
+                            (resource.RLIMIT_AS, limits["memory"]), (resource.RLIMIT_NPROC, processes),
                             (resource.RLIMIT_NOFILE, limits["open_files"]), (resource.RLIMIT_FSIZE, limits["tmpfs"]),
                             (resource.RLIMIT_CORE, 0)):
             resource.setrlimit(kind, value if isinstance(value, tuple) else (value, value))
@@ -157,7 +161,9 @@ def contained(request: dict[str, Any], fds: list[int], last_capability: int) -> 
     except Exception as exc:
         return setup_failed(result, f"{step}: {type(exc).__name__}: {exc}")
     try:
-        harness.main(tests)
+        harness.not_dumpable()  # the template too: no answer may read or ptrace it
+        forks = answer_template() if tests is not None else None
+        harness.main(read_tests() if tests is not None else None, forks)
     except BaseException:
         traceback.print_exc()
         return 1
@@ -167,17 +173,41 @@ def contained(request: dict[str, Any], fds: list[int], last_capability: int) -> 
     return 0
 
 
-def hidden_tests() -> str | None:
-    """The execution's Python tests, read here, then hidden from it (/dev/null bound over the file,
-    read-only): the harness judges with them, the answer never reads what it is judged by."""
+def hidden_tests() -> int | None:
+    """The execution's Python tests, opened here, then hidden from it (/dev/null bound over the
+    file, read-only): the harness judges with them, the answer never reads what it is judged by."""
     path = "/task/tests.py"
     if not os.path.exists(path):
         return None
-    with open(path) as handle:
-        source = handle.read()
+    descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     mount("/dev/null", path, "", MS_BIND)
     mount("none", path, "", MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
-    return source
+    return descriptor
+
+
+def answer_template() -> socket.socket:
+    """The answers' template forked (answer.serve_forks), holding neither the result descriptor
+    nor the tests'; the harness's end of the socket it forks answers on."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    child = os.fork()
+    if child == 0:
+        code = 1
+        try:
+            ours.close()
+            os.close(RESULT)
+            os.close(TESTS)
+            answer.serve_forks(theirs)
+            code = 0
+        finally:
+            os._exit(code)
+    theirs.close()
+    return ours
+
+
+def read_tests() -> str:
+    """The tests' source, from the descriptor opened before they were hidden (closed after)."""
+    with open(TESTS, encoding="utf-8", closefd=True) as handle:
+        return handle.read()
 
 
 def loopback_up() -> None:
@@ -189,13 +219,14 @@ def loopback_up() -> None:
         fcntl.ioctl(probe, siocsifflags, struct.pack("16sH14x", b"lo", flags | iff_up))
 
 
-def place_descriptors(fds: list[int]) -> None:
-    """stdin /dev/null, then stdout, stderr and the result pipe at 1-3, and no other descriptor."""
-    high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 10) for fd in fds]
+def place_descriptors(fds: list[int], tests: int | None) -> None:
+    """stdin /dev/null, then stdout, stderr and the result pipe at 1-3, the tests' file (if any) at
+    4, and no other descriptor."""
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 10) for fd in [*fds, *([] if tests is None else [tests])]]
     os.dup2(os.open("/dev/null", os.O_RDONLY), 0)
-    for fd, target in zip(high, (STDOUT, STDERR, RESULT), strict=True):
+    for fd, target in zip(high, (STDOUT, STDERR, RESULT, TESTS), strict=False):
         os.dup2(fd, target)
-    os.closerange(RESULT + 1, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+    os.closerange(RESULT + 1 if tests is None else TESTS + 1, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
 
 
 def drop_privileges(uid: int | None, gid: int | None, last_capability: int) -> None:

@@ -203,13 +203,48 @@ def test_io_cases_cannot_be_read_for_their_answers() -> None:
     assert (verdict.tests_passed, verdict.reason) == (0, "io: wrong output")
 
 
-def test_the_harness_cannot_be_traced_or_read() -> None:
+def test_the_harness_and_the_answers_template_cannot_be_traced_or_read() -> None:
     program = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
-               "attached = libc.ptrace(16, os.getppid(), 0, 0)\nprint('attach', attached, ctypes.get_errno())\n"
-               "try:\n    open(f'/proc/{os.getppid()}/mem', 'rb').read(1)\n    print('memory read')\n"
-               "except OSError as exc:\n    print('memory', type(exc).__name__)\nraise SystemExit(4)\n")
+               "for pid in (1, os.getppid()):\n"  # the harness (process 1), the template (the answer's parent)
+               "    attached = libc.ptrace(16, pid, 0, 0)\n    print('attach', attached, ctypes.get_errno())\n"
+               "    try:\n        open(f'/proc/{pid}/mem', 'rb').read(1)\n        print('memory read')\n"
+               "    except OSError as exc:\n        print('memory', type(exc).__name__)\nraise SystemExit(4)\n")
     reason, _, stdout = run(program)
-    assert reason == f"{DID_NOT_LOAD}SystemExit: 4" and "attach -1" in stdout and "memory read" not in stdout
+    assert reason == f"{DID_NOT_LOAD}SystemExit: 4" and stdout.count("attach -1") == 2 and "memory read" not in stdout
+
+
+def test_no_answer_ever_holds_the_tests_in_its_memory() -> None:
+    # Each answer is a fork of the answers' template, forked before the tests were read: a scan of
+    # the answer's whole memory finds a control string it made, and nothing of the tests.
+    program = ("import ctypes, os, re\ncontrol = 'CONTROL_' + str(10**11 * 4 + 12345) + '_END'\n"
+               # dumpable again, so that its own /proc/self/mem is readable
+               "def scan():\n    found = set()\n    ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)\n"
+               "    fd = os.open('/proc/self/mem', os.O_RDONLY)\n"
+               "    for line in open('/proc/self/maps'):\n        span, perms = line.split()[:2]\n"
+               "        if 'r' not in perms:\n            continue\n"
+               "        start, end = (int(x, 16) for x in span.split('-'))\n"
+               "        try:\n            chunk = os.pread(fd, end - start, start)\n        except OSError:\n"
+               "            continue\n"
+               "        found |= {m.decode() for m in re.findall(rb'(?:CONTROL|SEKRIT)_[0-9]{12}_END', chunk)}\n"
+               "    return sorted(found)\n")
+    tests = ("def test_scan():\n    assert scan() == ['SEKRIT_482915730264_END']\n\n"
+             "def test_control():\n    assert 'CONTROL_400000012345_END' in scan()\n")
+    verdict = execute(program, "python", SETTINGS, tests=tests)
+    assert [(t.test, t.passed) for t in verdict.tests] == [("test_scan", False), ("test_control", True)], verdict
+    assert "SEKRIT" not in verdict.tests[0].reason.split("==")[0], verdict.tests[0].reason
+
+
+@pytest.mark.parametrize("signal_name", ["SIGKILL", "SIGSTOP"])
+def test_an_answer_that_ends_or_stops_its_template_fails_only_itself(signal_name: str) -> None:
+    program = (f"import os, signal\nos.kill(os.getppid(), signal.{signal_name})\n"
+               "def add(a, b):\n    return a + b\n")
+    tests = "def test_one():\n    assert add(1, 2) == 3\n\ndef test_two():\n    assert add(2, 2) == 4\n"
+    with Sandbox(SETTINGS) as sandbox:
+        verdict = sandbox.run(program, "python", tests=tests)
+        honest = sandbox.run("def add(a, b):\n    return a + b\n", "python", tests=tests)
+    assert verdict.status == "failed" and verdict.tests_passed < 2, verdict
+    assert "template" in " ".join(t.reason for t in verdict.tests if not t.passed), verdict
+    assert honest.status == "passed", honest
 
 
 def test_one_execution_cannot_starve_another_or_leave_it_state() -> None:
@@ -273,7 +308,7 @@ def test_each_execution_has_no_privilege_and_sees_only_itself() -> None:
     uid, no_new_privileges, caps, cells = who.split(" ", 3)
     assert no_new_privileges == "1" and caps == "{'0000000000000000'}"
     assert cells == "[]", "the cell's task directories (this one's included) are not the execution's"
-    assert processes == "[1, 2]", "only its harness and itself: not the zygote, not another execution"
+    assert processes == "[1, 2, 3]", "its harness, answers' template and itself: not the zygote, not another execution"
     if os.geteuid() == 0:
         assert EXEC_UIDS[0] <= int(uid) < EXEC_UIDS[1]
 
@@ -289,7 +324,7 @@ def test_a_cell_leaves_nothing_of_one_execution_to_the_next() -> None:
         second = sandbox.run(look, "python", tests=SAFE)
     assert first.status == second.status == "passed", (first, second)
     uid, left, processes = second.stdout.strip().split(" ", 2)
-    assert (left, processes) == ("False", "[1, 2]"), second.stdout
+    assert (left, processes) == ("False", "[1, 2, 3]"), second.stdout
     if os.geteuid() == 0:
         assert uid != first.stdout.strip(), "each execution has a user of its own"
     assert not exec_user_processes(), "what the first left running ended with it"
