@@ -63,25 +63,12 @@ def main(requests_fd: int, answers_fd: int) -> None:
 def serve_forks(control: socket.socket) -> None:
     """The answers' template, until the harness closes `control`: for each b"start", an answer
     forked with two new pipes (its pid and the pipes' other ends go to the harness); for each
-    b"end", that answer's process group killed and its exit status sent back."""
+    b"end", that answer's process group killed and its exit status sent back; on b"last" (the last
+    test's), it becomes that answer itself (one fork fewer: the harness, its parent, reaps it)."""
     answer = 0
-    while message := control.recv(16):
-        if message == b"start" and answer == 0:
-            requests_read, requests_write = os.pipe()
-            answers_read, answers_write = os.pipe()
-            answer = os.fork()
-            if answer == 0:
-                control.close()
-                os.close(requests_write)
-                os.close(answers_read)
-                run_forked(requests_read, answers_write)
-            os.setpgid(answer, answer)  # as the child does: its group exists before the harness may end it
-            for fd in (requests_read, answers_write):
-                os.close(fd)
-            socket.send_fds(control, [str(answer).encode()], [requests_write, answers_read])
-            for fd in (requests_write, answers_read):
-                os.close(fd)
-        elif message == b"end" and answer != 0:
+    while True:
+        message = control.recv(16)
+        if message == b"end" and answer:
             for kill, target in ((os.killpg, answer), (os.kill, answer)):
                 try:
                     kill(target, signal.SIGKILL)
@@ -90,8 +77,25 @@ def serve_forks(control: socket.socket) -> None:
             _, status = os.waitpid(answer, 0)
             answer = 0
             control.sendall(str(os.waitstatus_to_exitcode(status)).encode())
-        else:
-            return  # not the protocol: the harness's answers fail from here on
+            continue
+        if message not in (b"start", b"last") or answer:
+            return  # the harness closed it, or broke the protocol: its answers fail from here on
+        requests_read, requests_write = os.pipe()
+        answers_read, answers_write = os.pipe()
+        answer = os.getpid() if message == b"last" else os.fork()
+        if answer == 0 or message == b"last":
+            if message == b"last":
+                socket.send_fds(control, [str(answer).encode()], [requests_write, answers_read])
+            control.close()
+            os.close(requests_write)
+            os.close(answers_read)
+            run_forked(requests_read, answers_write)
+        os.setpgid(answer, answer)  # as the child does: its group exists before the harness may end it
+        for fd in (requests_read, answers_write):
+            os.close(fd)
+        socket.send_fds(control, [str(answer).encode()], [requests_write, answers_read])
+        for fd in (requests_write, answers_read):
+            os.close(fd)
 
 
 def run_forked(requests_fd: int, answers_fd: int) -> None:

@@ -299,14 +299,14 @@ def run_functions(source: str, names: list[str], entry_point: str, wall_s: float
     wanted = answered_names(parsed, entry_point)
     tree = compile(ast.fix_missing_locations(StrictEquality().visit(parsed)), "tests.py", "exec")
     results = []
-    for name in names:
+    for index, name in enumerate(names):
         started = time.monotonic()
         outcome: dict[str, Any] = {"passed": True, "reason": "passed"}
         answer = Answer(forks)
         signal.signal(signal.SIGALRM, _out_of_time)
         signal.setitimer(signal.ITIMER_REAL, wall_s)
         try:
-            functions = answer.start()
+            functions = answer.start(last=index == len(names) - 1)
             if entry_point and entry_point not in functions:
                 raise AnswerFailed(f"the program defines no function {entry_point!r}")
             scope: dict[str, Any] = {function: answer.proxy(function) for function in wanted & set(functions)}
@@ -402,13 +402,16 @@ class Answer:
         self.forks = forks  # to the answers' template (finetune/rl/answer.py: serve_forks)
         forks.settimeout(TEMPLATE_S)
         self.pid = 0
+        self.own = False
         self.requests: Any = None
         self.answers: Any = None
 
-    def start(self) -> list[str]:
-        """Have the template fork it; the names of the functions the program defines."""
+    def start(self, last: bool) -> list[str]:
+        """Have the template fork it (or, for the `last` test, become it); the names of the
+        functions the program defines."""
+        self.own = last  # the template itself: this process's child, reaped here
         try:
-            self.forks.send(b"start")
+            self.forks.send(b"last" if last else b"start")
             message, fds, _, _ = socket.recv_fds(self.forks, 32, 2)
         except OSError as exc:
             raise AnswerFailed(f"the answers' template is gone ({exc.strerror})") from exc
@@ -468,12 +471,15 @@ class Answer:
         return "exit 0" if code == 0 else exit_reason(code)
 
     def _end(self) -> int:
-        """Its process group killed (here and by the template, its parent), and its exit status."""
+        """Its process group killed (here and by the template, its parent, or here alone when it
+        was the template), and its exit status."""
         if self.pid == 0:
             return 0
         kill_group(self.pid)
-        self.pid, code = 0, -signal.SIGKILL
+        pid, self.pid, code = self.pid, 0, -signal.SIGKILL
         try:
+            if self.own:
+                return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
             self.forks.send(b"end")
             reply = self.forks.recv(32)
             code = int(reply) if reply.lstrip(b"-").isdigit() else code
