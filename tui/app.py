@@ -20,6 +20,7 @@ from tui.audit_log import AuditLog
 from tui.dashboard import Dashboard
 from tui.datasets import Datasets
 from tui.dialogs import DIALOG_CSS
+from tui.episodes import Episodes
 from tui.keys import Keys
 from tui.models import Models
 from tui.panel import Panel
@@ -69,8 +70,9 @@ class Login(ModalScreen[bool]):
 
 class AdminApp(App[None]):
     TITLE = "appliance"
+    # Episodes has no key in the footer, which fills 80 columns with one more: the RL screen's E leads there.
     MODES = {"dashboard": Dashboard, "models": Models, "training": Training, "datasets": Datasets, "rl": RlRuns,
-             "users": Users, "keys": Keys, "audit": AuditLog}
+             "episodes": Episodes, "users": Users, "keys": Keys, "audit": AuditLog}
     BINDINGS = [Binding("d", "switch_mode('dashboard')", "Dashboard"),
                 Binding("m", "switch_mode('models')", "Models"),
                 Binding("j", "switch_mode('training')", "Jobs"),

@@ -75,7 +75,8 @@ class RlRuns(Panel):
     # Listed in the titles (the footer lists the screens).
     BINDINGS = [Binding("c", "cancel_run", "cancel", show=False),
                 Binding("t", "trajectories", "trajectories", show=False),
-                Binding("x", "export", "export SFT and DPO sets", show=False)]
+                Binding("x", "export", "export SFT and DPO sets", show=False),
+                Binding("E", "episodes", "agent episodes", show=False)]
     EMPTY = {"tasksets": "No task sets yet: add the starter set with `appliance rl tasks add-starter`, or your own "
                          "with `appliance rl tasks add`.",
              "runs": "No RL runs yet: queue one on a task set with `appliance rl run`.",
@@ -87,7 +88,7 @@ class RlRuns(Panel):
         self.attempts: dict[str, Attempt] = {}
 
     def body(self) -> ComposeResult:
-        yield Label("Task sets")
+        yield Label("Task sets", id="tasksets-title")
         yield from self.listing("tasksets")
         yield Label("RL runs", id="runs-title")
         yield from self.listing("runs")
@@ -122,6 +123,7 @@ class RlRuns(Panel):
         return True
 
     def show_keys(self) -> None:
+        self.query_one("#tasksets-title", Label).update(self.titled("Task sets", ["episodes"]))
         self.query_one("#runs-title", Label).update(
             self.titled("RL runs", ["cancel_run", "trajectories", "export"]))
         run = self.runs.get(self.selected("runs") or "")
@@ -141,6 +143,9 @@ class RlRuns(Panel):
                      f"run {run}: export asked (datasets {ask.sft} and {ask.dpo})",
                      f"Export run {run}'s SFT and DPO sets as datasets {ask.sft} and {ask.dpo}? (datasets of "
                      "those names are replaced)")
+
+    async def action_episodes(self) -> None:
+        await self.app.switch_mode("episodes")
 
     def action_trajectories(self) -> None:
         run = self.selected("runs")

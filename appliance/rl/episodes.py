@@ -15,8 +15,11 @@ from appliance.artifacts import ArtifactStore
 from appliance.errors import IntegrityError, Invalid, NotFound
 from appliance.home import Home
 from appliance.registry import JsonRegistry
+from appliance.terminal import shown
 
 MAX_ARGUMENTS = 65536  # of one call's arguments' text: more is refused, not run
+# What a step-by-step view shows of each text, in characters.
+SHOWN_CONTENT, SHOWN_ARGUMENTS, SHOWN_OUTPUT = 500, 300, 800
 Ended = Literal["submitted", "answered", "steps", "tool_calls", "tokens", "wall_time", "contained", "refused"]
 
 
@@ -160,3 +163,49 @@ def read(episode_id: str, artifacts: ArtifactStore, home: Home) -> Episode:
         return Episode.model_validate_json(data)
     except ValidationError as exc:
         raise IntegrityError(f"episode {episode_id}: its record is not an episode: {exc.errors()[0]['msg']}") from exc
+
+
+# -- an episode as text, for the CLI and the TUI ---------------------------------------------
+
+
+def step_lines(episode: Episode) -> list[str]:
+    """An episode step by step: how it ended, then each answer, its tool calls with their
+    arguments and what each observed (clipped). Safe on a terminal and never markup to print;
+    text from the model or a tool starts no line of its own at the indentation of an answer or a
+    call (its further lines are indented deeper), so it cannot pass for one."""
+    lines = [f"task {one_line(episode.task)}, model {one_line(episode.model)}: ended {episode.ended} "
+             f"({one_line(episode.reason)}); reward {episode.reward:g}, {episode.tests_passed}/"
+             f"{episode.tests_total} tests"]
+    for number, turn in enumerate(episode.turns, 1):
+        request = f", request {one_line(turn.request_id)}" if turn.request_id else ""
+        lines.append(f"answer {number} ({turn.completion_tokens} tokens, {turn.generation_s:.1f} s{request})")
+        if turn.refused:
+            lines += block("  refused by the gateway: ", turn.refused, SHOWN_CONTENT)
+        if turn.content:
+            lines += block("  said: ", turn.content, SHOWN_CONTENT)
+        for step in turn.tools:
+            lines += block(f"  {'ok' if step.ok else 'failed'} {one_line(step.name)} ", step.arguments,
+                           SHOWN_ARGUMENTS)
+            lines += [f"    {line}" for line in clipped(step.output, SHOWN_OUTPUT).splitlines()]
+    return lines
+
+
+def failures_text(failed_calls: dict[str, int]) -> str:
+    """Calls that did not do their work, by tool: "read_file 1, shell 2", or "none"."""
+    return ", ".join(f"{one_line(name)} {count}" for name, count in sorted(failed_calls.items())) or "none"
+
+
+def block(head: str, text: str, limit: int) -> list[str]:
+    """`head` and the first line of `text` (clipped to `limit`), its other lines indented below."""
+    first, *rest = clipped(text, limit).split("\n")
+    return [head + first, *(f"      {line}" for line in rest)]
+
+
+def clipped(text: str, limit: int) -> str:
+    """At most `limit` characters of `text`, safe on a terminal; an ellipsis says where it was cut."""
+    return shown(text if len(text) <= limit else text[:limit] + "…").plain
+
+
+def one_line(text: str) -> str:
+    """A name or a reason on one line: its line breaks written as \\n."""
+    return shown(text.replace("\n", "\\n")).plain
