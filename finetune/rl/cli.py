@@ -29,10 +29,11 @@ from appliance.settings import load_settings
 from appliance.terminal import Listing, shown, text
 from appliance.trajectories import read_run
 from finetune.cli import check_name_option
+from finetune.rl.cli_episode_gate import gate_command as episodes_gate_command
 from finetune.rl.cli_episodes import episode_command, export_command, list_command, replay_command, show_command
 from finetune.rl.execute import SOURCE, Language, execute
 from finetune.rl.export import export_run
-from finetune.rl.gate import difference, held_out_set, measure, record, served_version, verdict
+from finetune.rl.gate import difference, gated, held_out_set, measure, record, verdict
 from finetune.rl.starter import starter_tasks
 from finetune.rl.task_maker import Made, make, source_of
 from finetune.rl.tasks import check_name, humaneval, parse, store
@@ -50,6 +51,7 @@ episodes_app.command("list")(list_command)
 episodes_app.command("show")(show_command)
 episodes_app.command("replay")(replay_command)
 episodes_app.command("export")(export_command)
+episodes_app.command("gate")(episodes_gate_command)
 
 
 def _read(path: Path, what: str) -> str:
@@ -391,12 +393,7 @@ def gate_command(
     """Held-out pass@1 of the adapter against its base model over several seeds (mean and spread),
     and the difference's 95% interval (a bootstrap paired by task), recorded on the adapter's
     version; exit 1 unless the interval's lower end is at least -(--max-drop)."""
-    home = Home.from_env()
-    settings = load_settings(home.settings_file)
-    artifacts = artifact_store(settings.artifacts, home)
-    note_target("adapter", adapter)
-    version = served_version(home, adapter)
-    note_target("adapter", adapter, version=version)
+    home, _, artifacts, version = gated(adapter)
     held_out_set(home, tasks)  # before any run is queued
     with byte_progress() as bar:
         shown = bar.add_task("gate", total=None, unit="runs")

@@ -9,9 +9,8 @@ from __future__ import annotations
 import json
 import os
 import stat
-from functools import partial
 from pathlib import Path
-from typing import Annotated, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import typer
 from pydantic import BaseModel, ValidationError
@@ -76,6 +75,22 @@ def chosen_task(task: Path | None, task_set: str | None, task_id: str | None) ->
     raise Invalid(f"--task-id {task_id[:200]!r}: not in task set {task_set!r}")
 
 
+def answer_options(tool_choice: str, extra_body: str | None) -> tuple[Literal["auto", "required"],
+                                                                       dict[str, Any] | None]:
+    """--tool-choice and --extra-body, checked."""
+    if tool_choice not in ("auto", "required"):
+        raise Invalid(f"--tool-choice {tool_choice!r}: auto or required")
+    try:
+        extra = None if extra_body is None else json.loads(extra_body)
+    except json.JSONDecodeError as exc:
+        raise Invalid(f"--extra-body: not JSON at character {exc.pos}: {exc.msg}") from exc
+    except RecursionError as exc:
+        raise Invalid("--extra-body: nested too deep") from exc
+    if extra is not None and not isinstance(extra, dict):
+        raise Invalid("--extra-body: a JSON object of request fields")
+    return ("required" if tool_choice == "required" else "auto"), extra
+
+
 def episode_command(
     model: Annotated[str, typer.Option(help="The served model (a pool's model or a deployed adapter).")],
     out_file: Annotated[Path | None, typer.Option("--out", help="A copy of the episode's record (JSON).")] = None,
@@ -91,15 +106,7 @@ def episode_command(
 ) -> None:
     """Run one agent episode on a repository task through the gateway; exit 0 if the task's tests
     all pass."""
-    if tool_choice not in ("auto", "required"):
-        raise Invalid(f"--tool-choice {tool_choice!r}: auto or required")
-    try:
-        extra = None if extra_body is None else json.loads(extra_body)
-    except json.JSONDecodeError as exc:
-        raise Invalid(f"--extra-body: not JSON at character {exc.pos}: {exc.msg}") from exc
-    if extra is not None and not isinstance(extra, dict):
-        raise Invalid("--extra-body: a JSON object of request fields")
-    choice: Literal["auto", "required"] = "required" if tool_choice == "required" else "auto"
+    choice, extra = answer_options(tool_choice, extra_body)
     repository = chosen_task(task, task_set, task_id)
     home = Home.from_env()
     settings = load_settings(home.settings_file)
@@ -140,9 +147,9 @@ def list_command(as_json: AsJson = False) -> None:
         return
     table = Listing("id", "task", "model", "ended", "reward", "answers", "calls", text("failed calls"), "added")
     for entry in found:
-        failed = ", ".join(f"{name} {count}" for name, count in sorted(entry.failed_calls.items())) or "none"
         table.add_row(entry.id, shown(entry.task), shown(entry.model), entry.ended, f"{entry.reward:g}",
-                      str(entry.answers), str(entry.tool_calls), shown(failed), entry.created)
+                      str(entry.answers), str(entry.tool_calls), shown(episodes.failures_text(entry.failed_calls)),
+                      entry.created)
     out.print(table, crop=False)
 
 
@@ -155,20 +162,8 @@ def show_command(
     if as_json:
         typer.echo(found.model_dump_json(indent=1))
         return
-    say = partial(out.print, markup=False, highlight=False)  # the model's text is shown, never read as markup
-    say(f"task {shown(found.task).plain}, model {shown(found.model).plain}: ended {found.ended} "
-        f"({shown(found.reason).plain}); reward {found.reward:g}, {found.tests_passed}/{found.tests_total} tests")
-    for number, turn in enumerate(found.turns, 1):
-        say(f"answer {number} ({turn.completion_tokens} tokens, {turn.generation_s:.1f} s"
-            f"{', request ' + turn.request_id if turn.request_id else ''})")
-        if turn.refused:
-            say(f"  refused by the gateway: {shown(turn.refused).plain}")
-        if turn.content:
-            say(f"  said: {shown(turn.content[:500]).plain}")
-        for step in turn.tools:
-            say(f"  {'ok' if step.ok else 'failed'} {shown(step.name).plain} {shown(step.arguments[:300]).plain}")
-            for line in step.output[:800].splitlines():
-                say(f"    {shown(line).plain}")
+    for line in episodes.step_lines(found):
+        out.print(line, markup=False, highlight=False)  # the model's text is shown, never read as markup
 
 
 def export_command(

@@ -13,12 +13,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from appliance import adapters
-from appliance.artifacts import ArtifactStore
+from appliance.artifacts import ArtifactStore, artifact_store
+from appliance.changes import note_target
 from appliance.errors import ApplianceError, Conflict, Invalid, NotFound
 from appliance.home import Home
 from appliance.jobs import FINISHED, JobState
 from appliance.rl import runs
 from appliance.rl.tasks import TaskSet, load_tasksets
+from appliance.settings import Settings, load_settings
 from appliance.trajectories import read_run
 
 SCORE = "held_out_pass@1"
@@ -72,7 +74,7 @@ def pass_at_1(home: Home, artifacts: ArtifactStore, run_id: int, model: str) -> 
 
 @dataclass(frozen=True)
 class Difference:
-    """The adapter's pass@1 less the base model's, and its 95 % interval (bootstrap over tasks)."""
+    """The adapter's score less the base model's, and its 95 % interval (bootstrap over tasks)."""
 
     mean: float
     low: float
@@ -85,11 +87,15 @@ class Difference:
 
 
 def difference(base: PassAt1, tuned: PassAt1, resamples: int = BOOTSTRAP_RESAMPLES) -> Difference:
-    """Paired by task: each task's pass rate with the adapter less without (over every seed and
-    sample), resampled with replacement `resamples` times (a fixed seed: the same runs give the
-    same interval); the 2.5th and 97.5th percentiles of the resampled means."""
-    before, after = base.task_means(), tuned.task_means()
-    if set(before) != set(after):
+    """Each task's pass rate with the adapter less without (over every seed and sample), paired."""
+    return paired(base.task_means(), tuned.task_means(), resamples)
+
+
+def paired(before: dict[str, float], after: dict[str, float], resamples: int = BOOTSTRAP_RESAMPLES) -> Difference:
+    """Paired by task: each task's score after less before, resampled with replacement `resamples`
+    times (a fixed seed: the same scores give the same interval); the 2.5th and 97.5th percentiles
+    of the resampled means."""
+    if set(before) != set(after) or not before:
         raise Conflict("the base model and the adapter were measured on different tasks")
     gains = [after[task] - before[task] for task in sorted(before)]
     draw = random.Random(0)
@@ -152,6 +158,17 @@ def record(home: Home, adapter: str, version: int, base: PassAt1, tuned: PassAt1
             update={"difference_95": (gain.low, gain.high)})
         found.metrics.gate_failures = [f for f in found.metrics.gate_failures if not f.startswith("held-out pass@1")]
         found.metrics.gate_failures += failures
+
+
+def gated(adapter: str) -> tuple[Home, Settings, ArtifactStore, int]:
+    """For a gate of `adapter`: the appliance's home, settings and artifact store, and the version
+    the adapter serves (each noted as the change's target)."""
+    home = Home.from_env()
+    settings = load_settings(home.settings_file)
+    note_target("adapter", adapter)
+    version = served_version(home, adapter)
+    note_target("adapter", adapter, version=version)
+    return home, settings, artifact_store(settings.artifacts, home), version
 
 
 def served_version(home: Home, adapter: str) -> int:

@@ -293,6 +293,57 @@ def test_sft_and_dpo_sets_train_adapters_that_are_gated_served_and_canaried(lab:
 
 
 
+# A small repository whose functions its own tests call: `rl tasks make` plants one bug in each.
+MATHY = {"mathy/__init__.py": ("def add(a, b):\n    return a + b\n\n\ndef double(x):\n    return 2 * x\n\n\n"
+                               "def is_even(n):\n    return n % 2 == 0\n\n\ndef clamp(x, low, high):\n"
+                               "    return max(low, min(x, high))\n"),
+         "tests/test_mathy.py": ("from mathy import add, clamp, double, is_even\n\n\ndef test_add():\n"
+                                 "    assert add(2, 3) == 5\n\n\ndef test_double():\n    assert double(4) == 8\n\n\n"
+                                 "def test_is_even():\n    assert is_even(4) and not is_even(3)\n\n\n"
+                                 "def test_clamp():\n    assert clamp(5, 0, 3) == 3 and clamp(-1, 0, 3) == 0\n")}
+# Calls any repository task takes (structured output, in the hermes parser's form; see repository_tasks.CALLS).
+ANY_TASK_CALLS = r'<tool_call>\n\{"name": "(list_files|run_tests|submit)", "arguments": \{\}\}\n</tool_call>'
+
+
+def test_the_agent_gate_measures_episodes_on_held_out_repository_tasks_and_records_its_verdict(lab: Lab) -> None:
+    """rl-coder v1 serves (the test before rolled its canary back): its episodes and the base model's
+    on the held-out tasks of a made set, two each, through the gateway; pass@1 and pass^2 with
+    their intervals, the regression check of its training, recorded on v1."""
+    cli = lab.cli
+    repository = lab.work / "mathy"
+    for name, source in MATHY.items():
+        (repository / name).parent.mkdir(parents=True, exist_ok=True)
+        (repository / name).write_text(source)
+    made = cli.run("rl", "tasks", "make", "--from", str(repository), "--name", "mathy", timeout=600)
+    assert made.returncode == 0, made.stdout + made.stderr
+    [taskset] = [t for t in json.loads(cli.run("rl", "tasks", "list", "--json").stdout) if t["name"] == "mathy"]
+    assert taskset["kind"] == "repository" and taskset["held_out"] >= 1, taskset
+    env = {**cli.env, "APPLIANCE_RL__EPISODE_STEPS": "2", "APPLIANCE_RL__EPISODE_ANSWER_TOKENS": "64"}
+    calls = json.dumps({"structured_outputs": {"regex": ANY_TASK_CALLS}})
+    gated = subprocess.run([APPLIANCE, "rl", "episodes", "gate", "rl-coder", "--tasks", "mathy", "--base", MODEL,
+                            "--trials", "2", "--extra-body", calls, "--json"], env=env, capture_output=True, text=True,
+                           timeout=1800)
+    assert gated.returncode in (0, 1), gated.stdout + gated.stderr
+    said = json.loads(gated.stdout)
+    assert (said["version"], said["k"], said["trials"]) == (1, 2, 2)
+    assert set(said["base"]) == set(said["adapter_passed"]) and len(said["base"]) == taskset["held_out"]
+    assert all(len(trials) == 2 for trials in [*said["base"].values(), *said["adapter_passed"].values()])
+    # Every episode is kept, by the model that answered it, on the set's tasks.
+    kept = {entry["id"]: entry for entry in json.loads(cli.run("rl", "episodes", "list", "--json").stdout)}
+    for model, ids in ((MODEL, said["base_episodes"]), ("rl-coder", said["adapter_episodes"])):
+        assert len(ids) == 2 * taskset["held_out"] and all(kept[i]["model"] == model for i in ids), (model, ids)
+    # The verdict is the rule applied to what it reports, and it is on v1 (trained with a regression set).
+    assert said["regression"].startswith("regression: ") and "from its training" in said["regression"]
+    low_ends = [said["pass_at_1"]["low"], said["pass_hat_k"]["low"]]
+    assert bool(said["failures"]) == any(low < 0 for low in low_ends) == (gated.returncode == 1), said
+    v1 = adapters.load(cli.home).find("rl-coder", 1).metrics
+    at_1 = v1.eval_sets["held-out episodes pass@1"]
+    assert len(at_1.base_per_seed) == 2 and at_1.difference_95 == pytest.approx(
+        (said["pass_at_1"]["low"], said["pass_at_1"]["high"]))
+    assert "held-out episodes pass^2" in v1.eval_sets
+    assert [f for f in v1.gate_failures if f.startswith("held-out episodes")] == said["failures"]
+
+
 def test_an_adapter_taught_to_refuse_fails_the_gate(lab: Lab) -> None:
     """The known-bad side of the gate: an adapter taught to answer every training task with a refusal
     and no code answers the held-out tasks worse than the base, and the gate refuses it. (Taught a
