@@ -12,7 +12,14 @@
   made to write calls by structured output, three answers each: episodes per hour and the time
   split (generation, tool calls, sandbox start, the end).
 
-Run: .venv/bin/python -m bench.agentic [--make N] [--episodes N]   (as root, after ./bootstrap.sh --no-start)
+- gate (--gate N; an appliance of its own): N tasks made from mpmath, a fifth held out; an adapter
+  taught the tool-call format (bench.tool_format's generated episodes, LoRA, trained with the
+  shipped regression set) against the base model, `--trials` episodes a held-out task each
+  through the gateway (`rl episodes gate`): pass@1, pass^k, their paired intervals, the
+  adapter's regression check.
+
+Run: .venv/bin/python -m bench.agentic [--make N] [--episodes N] [--gate N [--trials K]]
+     (as root, after ./bootstrap.sh --no-start)
 Writes bench/results/agentic.json.
 """
 
@@ -25,12 +32,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from appliance.rl.episodes import Episode
+from appliance.secrets import secret
 from appliance.settings import ExecutionSettings, RlSettings
-from bench.own_appliance import cli, own_appliance
+from bench.own_appliance import APPLIANCE, cli, own_appliance
 from finetune.rl.environment import Call, WorkspaceEnvironment
 from finetune.rl.task_maker import Made, make, source_of
 from tests.support.ports import free_port
@@ -139,10 +148,60 @@ def episodes(count: int) -> dict[str, Any]:
                         "command_start": round(seconds - inside, 1)}}
 
 
+def gate(limit: int, trials: int, rows: int, steps: int) -> dict[str, Any]:
+    """The agent gate on held-out repository tasks: `limit` tasks made from mpmath (a fifth held
+    out), the base model against an adapter taught the tool-call format (LoRA on `rows` generated
+    episodes, bench.tool_format's, `steps` steps; trained with the shipped regression set), each
+    `trials` episodes a held-out task through the gateway, sampled, the model free to call tools
+    or not (no structured output): pass@1, pass^k, their paired intervals, the regression check."""
+    from bench.tool_format import episodes as tool_rows
+    from installer.realm import BOOTSTRAP_SECRET
+
+    settings = {"APPLIANCE_GATEWAY__PORT": str(free_port()), "APPLIANCE_KEYCLOAK__PORT": str(free_port()),
+                "APPLIANCE_KEYCLOAK__MANAGEMENT_PORT": str(free_port()), "APPLIANCE_POOLS__MAIN__TOOL_PARSER": "hermes",
+                "APPLIANCE_POOLS__MAIN__ENABLE_LORA": "true", "APPLIANCE_RL__EPISODE_STEPS": "4",
+                "APPLIANCE_RL__EPISODE_ANSWER_TOKENS": "128"}
+    with own_appliance("agate-", settings) as (home, env):
+        cli(env, "up", timeout=1800)
+        started = time.monotonic()
+        cli(env, "rl", "tasks", "make", "--from", "mpmath", "--name", "mpmath-bugs", "--limit", str(limit),
+            timeout=3600)
+        made_s = time.monotonic() - started
+        data = home.root / "tool-rows.jsonl"
+        data.write_text("".join(json.dumps(row) + "\n" for row in tool_rows(rows)))
+        cli(env, "data", "add", str(data), "--name", "tool-format", "--model", MODEL)
+        started = time.monotonic()
+        trained = subprocess.run([APPLIANCE, "finetune", "run", "--data", "tool-format", "--base", MODEL,
+                                  "--name", "agent", "--max-steps", str(steps), "--batch-size", "2", "--lr", "0.001",
+                                  "--max-length", "1024"], env=env, capture_output=True, text=True, timeout=7200)
+        train_s = time.monotonic() - started
+        print(trained.stdout[-1500:], trained.stderr[-1500:], file=sys.stderr, flush=True)
+        cli(env, "token", "--user", "admin", "--password-stdin", stdin=secret(home, BOOTSTRAP_SECRET) + "\n")
+        cli(env, "adapters", "deploy", "agent", "--role", "user", "--role", "admin", timeout=900)
+        started = time.monotonic()
+        gated = subprocess.run([APPLIANCE, "rl", "episodes", "gate", "agent", "--tasks", "mpmath-bugs", "--base",
+                                MODEL, "--trials", str(trials), "--json"], env=env, capture_output=True, text=True,
+                               timeout=4 * 3600)
+        gate_s = time.monotonic() - started
+        assert gated.returncode in (0, 1), gated.stdout + gated.stderr
+        said = json.loads(gated.stdout)
+        kept = {e["id"]: e for e in json.loads(cli(env, "rl", "episodes", "list", "--json"))}
+    ended = {side: dict(Counter(kept[i]["ended"] for i in said[f"{side}_episodes"])) for side in ("base", "adapter")}
+    return {"tasks_made": limit, "made_s": round(made_s), "held_out": len(said["base"]), "trials": trials,
+            "k": said["k"], "training": {"rows": rows, "steps": steps, "seconds": round(train_s),
+                                         "gate": "passed" if trained.returncode == 0 else "failed"},
+            "pass_at_1": said["pass_at_1"], "pass_hat_k": said["pass_hat_k"], "regression": said["regression"],
+            "passed": {"base": said["base"], "adapter": said["adapter_passed"]}, "ended": ended,
+            "failures": said["failures"], "gate_s": round(gate_s)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--make", type=int, default=20, help="tasks to make from mpmath (0: none)")
     parser.add_argument("--episodes", type=int, default=0, help="episodes through an appliance of its own")
+    parser.add_argument("--gate", type=int, default=0, help="tasks to make for the agent gate on an appliance of "
+                                                            "its own (0: no gate)")
+    parser.add_argument("--trials", type=int, default=4, help="the gate's episodes per held-out task and model")
     args = parser.parse_args()
     # A section not run this time keeps its last figures.
     found: dict[str, Any] = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {"bench": "agentic"}
@@ -155,6 +214,9 @@ def main() -> None:
     if args.episodes:
         found["episodes"] = episodes(args.episodes)
         print(json.dumps(found["episodes"]), flush=True)
+    if args.gate:
+        found["gate"] = gate(args.gate, args.trials, rows=300, steps=60)
+        print(json.dumps(found["gate"]), flush=True)
     RESULTS.write_text(json.dumps(found, indent=1) + "\n")
 
 

@@ -18,8 +18,12 @@
   time split into sampling (generation and execution) and update, and held-out pass@1 of the base
   model against the last policy version on HumanEval's held-out fifth, with the difference's 95 %
   interval; set beside the executions per second against bare runs above (same invocation).
+- grpo_learning (--grpo-learning; an appliance of its own): the same on the starter set, which the
+  demo model solves part of the time (so that a group's rewards differ and the policy moves), over
+  more steps: rewards and pass rate by step, held-out pass@1 before and after.
 
-Run: .venv/bin/python -m bench.rl_loop [--executions N] [--loop] [--grpo]   (as root, after ./bootstrap.sh --no-start)
+Run: .venv/bin/python -m bench.rl_loop [--executions N] [--loop] [--grpo] [--grpo-learning]
+     (as root, after ./bootstrap.sh --no-start)
 Writes bench/results/rl_loop.json.
 """
 
@@ -101,9 +105,12 @@ def pool_rates(work: list[tuple[str, str]], home: Home, scratch: Path, workers: 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--executions", type=int, default=40)
+    parser.add_argument("--executions", type=int, default=160)  # a worker's first poll (50 ms) does not weigh
     parser.add_argument("--loop", action="store_true", help="Also measure the loop on an appliance of its own.")
     parser.add_argument("--grpo", action="store_true", help="Also measure online GRPO on an appliance of its own.")
+    parser.add_argument("--grpo-learning", action="store_true",
+                        help="Also run GRPO where the demo model can learn (the starter set), on an appliance "
+                             "of its own.")
     args = parser.parse_args()
     settings = ExecutionSettings()
     work = programs(args.executions)
@@ -136,8 +143,12 @@ def main() -> None:
         from bench.rl_loop_appliance import measure_grpo
 
         result["grpo"] = measure_grpo()
+    if args.grpo_learning:
+        from bench.rl_loop_appliance import LEARNING_STEPS, measure_grpo
+
+        result["grpo_learning"] = measure_grpo("starter", LEARNING_STEPS)
     earlier = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    for part in ("loop", "grpo"):
+    for part in ("loop", "grpo", "grpo_learning"):
         if part not in result and part in earlier:
             result[part] = earlier[part]  # kept from the run that measured it
     RESULTS.parent.mkdir(exist_ok=True)
