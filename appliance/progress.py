@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rich.console import Console
 from rich.progress import (
     BarColumn,
     DownloadColumn,
@@ -29,7 +30,8 @@ class _AmountColumn(ProgressColumn):
         return Text(f"{task.completed:.0f}/{task.total:.0f} {unit}" if task.total is not None else "")
 
 
-def byte_progress() -> Progress:
-    """A progress display for downloads, unpacking, hashing and conversion steps."""
+def byte_progress(*, stderr: bool = False) -> Progress:
+    """A progress display for downloads, unpacking, hashing and conversion steps (on standard
+    error with `stderr`: where standard output is the command's result)."""
     return Progress(TextColumn("{task.description}"), BarColumn(), _AmountColumn(),
-                    TimeRemainingColumn())
+                    TimeRemainingColumn(), console=Console(stderr=True) if stderr else None)

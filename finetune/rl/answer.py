@@ -90,7 +90,10 @@ def serve_forks(control: socket.socket) -> None:
             os.close(requests_write)
             os.close(answers_read)
             run_forked(requests_read, answers_write)
-        os.setpgid(answer, answer)  # as the child does: its group exists before the harness may end it
+        try:
+            os.setpgid(answer, answer)  # as the child does: its group exists before the harness may end it
+        except OSError:  # the child got there first, or already ended
+            pass
         for fd in (requests_read, answers_write):
             os.close(fd)
         socket.send_fds(control, [str(answer).encode()], [requests_write, answers_read])

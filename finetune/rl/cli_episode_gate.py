@@ -47,7 +47,7 @@ def gate_command(
     home, settings, artifacts, version = gated(adapter)
     regression = regression_check(home, adapter, version)
     held_out = held_out_tasks(home, tasks, load_repository(tasks, "held_out", artifacts, home))
-    with byte_progress() as bar:
+    with byte_progress(stderr=True) as bar:  # standard output is the verdict (--json: JSON only)
         shown = bar.add_task("gate", total=None, unit="episodes")
 
         def show(line: str) -> None:

@@ -78,7 +78,7 @@ def not_dumpable() -> None:
         raise SystemExit("prctl(PR_SET_DUMPABLE) failed")
 
 
-def main(tests: str | None = None, forks: socket.socket | None = None) -> None:
+def main(tests: str | None = None, forks: tuple[int, socket.socket] | None = None) -> None:
     """Run the task's program against `tests` (Python test functions, read and hidden by the
     zygote; each against an answer forked by the template at `forks`), or its input/output cases,
     or alone; the result on the result descriptor."""
@@ -287,7 +287,7 @@ def test_names(source: str, entry_point: str) -> list[str]:
 
 
 def run_functions(source: str, names: list[str], entry_point: str, wall_s: float,
-                  forks: socket.socket) -> list[dict[str, Any]]:
+                  forks: tuple[int, socket.socket]) -> list[dict[str, Any]]:
     """Each test here, in the harness, against a fresh answer process (finetune/rl/answer.py): the
     test calls the answer's functions, which run over there and send back what they returned as
     plain data; the test's assertions, with a type-strict == (plain.strict_equal), run here. The
@@ -297,12 +297,15 @@ def run_functions(source: str, names: list[str], entry_point: str, wall_s: float
     test."""
     parsed = ast.parse(source)
     wanted = answered_names(parsed, entry_point)
-    tree = compile(ast.fix_missing_locations(StrictEquality().visit(parsed)), "tests.py", "exec")
+    # "<tests.py>": a traceback's lines are never looked up in a file of that name (one the program
+    # left in /tmp, a FIFO say, would be read, or block the harness).
+    tree = compile(ast.fix_missing_locations(StrictEquality().visit(parsed)), "<tests.py>", "exec")
     results = []
+    template = Template(*forks)
     for index, name in enumerate(names):
         started = time.monotonic()
         outcome: dict[str, Any] = {"passed": True, "reason": "passed"}
-        answer = Answer(forks)
+        answer = Answer(template)
         signal.signal(signal.SIGALRM, _out_of_time)
         signal.setitimer(signal.ITIMER_REAL, wall_s)
         try:
@@ -395,12 +398,46 @@ def _out_of_time(*_: object) -> None:
         raise OutOfTime()
 
 
+class Template:
+    """The answers' template (finetune/rl/answer.py: serve_forks): its socket, and its pid. The
+    first exchange with it that fails, times out or breaks the protocol ends it, and every later
+    test fails at once: an answer stopped or confused it, and nothing it says after that is
+    believed (a late reply would otherwise answer the next question)."""
+
+    def __init__(self, pid: int, control: socket.socket) -> None:
+        control.settimeout(TEMPLATE_S)
+        self.pid, self.control = pid, control
+        self.gone = ""  # why it was ended, once it was
+
+    def ask(self, message: bytes, fds: int) -> tuple[bytes, list[int]]:
+        """Its reply to `message`, and the descriptors it sent with it (`fds` at most)."""
+        if self.gone:
+            raise AnswerFailed(f"the answers' template is gone ({self.gone})")
+        try:
+            self.control.send(message)
+            reply, received, _, _ = socket.recv_fds(self.control, 32, fds)
+        except OSError as exc:
+            self.end(exc.strerror or "it did not answer in time")
+            raise AnswerFailed(f"the answers' template is gone ({self.gone})") from exc
+        return reply, received
+
+    def end(self, why: str) -> None:
+        """Kill it (this process's child) and reap it, once; none of its replies is read again."""
+        if not self.gone:
+            self.gone = why
+            kill_group(self.pid)
+            self.control.close()
+            try:
+                os.waitpid(self.pid, 0)
+            except ChildProcessError:
+                pass
+
+
 class Answer:
     """One answer process, and the calls to its functions."""
 
-    def __init__(self, forks: socket.socket) -> None:
-        self.forks = forks  # to the answers' template (finetune/rl/answer.py: serve_forks)
-        forks.settimeout(TEMPLATE_S)
+    def __init__(self, template: Template) -> None:
+        self.template = template
         self.pid = 0
         self.own = False
         self.requests: Any = None
@@ -409,17 +446,15 @@ class Answer:
     def start(self, last: bool) -> list[str]:
         """Have the template fork it (or, for the `last` test, become it); the names of the
         functions the program defines."""
-        self.own = last  # the template itself: this process's child, reaped here
-        try:
-            self.forks.send(b"last" if last else b"start")
-            message, fds, _, _ = socket.recv_fds(self.forks, 32, 2)
-        except OSError as exc:
-            raise AnswerFailed(f"the answers' template is gone ({exc.strerror})") from exc
+        message, fds = self.template.ask(b"last" if last else b"start", 2)
         if len(fds) != 2 or not message.isdigit():
             for fd in fds:
                 os.close(fd)
-            raise AnswerFailed("the answers' template is gone")
+            self.template.end("it broke the protocol")
+            raise AnswerFailed("the answers' template is gone (it broke the protocol)")
         self.pid = int(message)
+        if last:  # the template is this answer now: ended as an answer, this process's child
+            self.own, self.template.gone = True, "it became the last test's answer"
         self.requests, self.answers = os.fdopen(fds[0], "wb"), os.fdopen(fds[1], "rb")
         first = self._receive()
         if "failed" in first:
@@ -476,16 +511,17 @@ class Answer:
         if self.pid == 0:
             return 0
         kill_group(self.pid)
-        pid, self.pid, code = self.pid, 0, -signal.SIGKILL
+        pid, self.pid = self.pid, 0
+        if self.own:
+            return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
         try:
-            if self.own:
-                return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-            self.forks.send(b"end")
-            reply = self.forks.recv(32)
-            code = int(reply) if reply.lstrip(b"-").isdigit() else code
-        except OSError:
-            pass
-        return code
+            reply, _ = self.template.ask(b"end", 0)
+        except AnswerFailed:
+            return -signal.SIGKILL
+        if not reply.lstrip(b"-").isdigit():
+            self.template.end("it broke the protocol")
+            return -signal.SIGKILL
+        return int(reply)
 
     def end(self) -> None:
         self._end()

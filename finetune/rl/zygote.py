@@ -22,6 +22,7 @@ execution's exit status on the socket; the verdict goes from the harness to the 
 host gave for that execution alone.
 """
 
+import array
 import ctypes
 import fcntl
 import json
@@ -83,12 +84,19 @@ def serve(control: socket.socket) -> None:
     """One execution at a time, until the host closes the socket."""
     with open("/proc/sys/kernel/cap_last_cap") as handle:
         last_capability = int(handle.read())
+    # Every request is received into this one buffer, parsed only in the execution's own processes,
+    # and wiped after: no request (its entry point, its user) reaches a later execution's memory.
+    request = bytearray(REQUEST_BYTES)
+    descriptors = array.array("i")
     control.sendall(b"ready\n")
     while True:
-        message, fds, _, _ = socket.recv_fds(control, REQUEST_BYTES, 3)
-        if not message:
+        size, ancillary, _, _ = control.recvmsg_into([request], socket.CMSG_SPACE(3 * descriptors.itemsize))
+        if size == 0:
             return
-        status = in_child(partial(execution, control, json.loads(message), fds, last_capability), fds)
+        fds = [fd for level, kind, data in ancillary if (level, kind) == (socket.SOL_SOCKET, socket.SCM_RIGHTS)
+               for fd in array.array("i", data[:len(data) - len(data) % descriptors.itemsize])]
+        status = in_child(partial(execution, control, memoryview(request)[:size], fds, last_capability), fds)
+        request[:size] = bytes(size)
         control.sendall(f"{status}\n".encode())
 
 
@@ -109,12 +117,15 @@ def in_child(work: Callable[[], int], fds: list[int]) -> int:
     return code if code >= 0 else 128 - code
 
 
-def execution(control: socket.socket, request: dict[str, Any], fds: list[int], last_capability: int) -> int:
-    """In the middle process: new namespaces, then process 1 of the new PID namespace runs the
-    execution; its exit status."""
+def execution(control: socket.socket, message: memoryview, fds: list[int], last_capability: int) -> int:
+    """In the middle process: the request read, new namespaces, then process 1 of the new PID
+    namespace runs the execution; its exit status."""
     control.close()  # no execution holds the host's socket
+    if len(fds) != 3:
+        return SETUP_FAILED  # not the host's request: nowhere to say why
     try:
-        if len(fds) != 3 or not str(request["key"]).isdigit():
+        request = json.loads(bytes(message))
+        if not str(request["key"]).isdigit():
             raise ValueError("a request is a numeric key and three descriptors")
         checked(libc.unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS), "unshare")
         mount("none", "/", "", MS_REC | MS_PRIVATE)  # nothing mounted here shows anywhere else
@@ -185,9 +196,9 @@ def hidden_tests() -> int | None:
     return descriptor
 
 
-def answer_template() -> socket.socket:
+def answer_template() -> tuple[int, socket.socket]:
     """The answers' template forked (answer.serve_forks), holding neither the result descriptor
-    nor the tests'; the harness's end of the socket it forks answers on."""
+    nor the tests'; its pid, and the harness's end of the socket it forks answers on."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     child = os.fork()
     if child == 0:
@@ -201,7 +212,7 @@ def answer_template() -> socket.socket:
         finally:
             os._exit(code)
     theirs.close()
-    return ours
+    return child, ours
 
 
 def read_tests() -> str:
