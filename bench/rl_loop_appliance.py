@@ -127,7 +127,7 @@ SETTINGS_IN_ENV = {"APPLIANCE_GATEWAY__PORT": "18480", "APPLIANCE_KEYCLOAK__PORT
                    "APPLIANCE_RL__WORKER_POLL_S": "0.2"}
 # The learning run: tasks the demo model solves some of the time (the starter set: about 9 in 10 of
 # its tasks within a few tries, not every answer), so that a group's rewards differ.
-LEARNING_STEPS = 10
+LEARNING_STEPS = 8
 
 
 def measure_grpo(tasks: str = "humaneval", step_count: int = GRPO_STEPS) -> dict[str, Any]:
