@@ -36,6 +36,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from appliance import adapters
 from appliance.rl.episodes import Episode
 from appliance.secrets import secret
 from appliance.settings import ExecutionSettings, RlSettings
@@ -148,7 +149,7 @@ def episodes(count: int) -> dict[str, Any]:
                         "command_start": round(seconds - inside, 1)}}
 
 
-def gate(limit: int, trials: int, rows: int, steps: int) -> dict[str, Any]:
+def gate(limit: int, trials: int, rows: int, steps: int, lr: float) -> dict[str, Any]:
     """The agent gate on held-out repository tasks: `limit` tasks made from mpmath (a fifth held
     out), the base model against an adapter taught the tool-call format (LoRA on `rows` generated
     episodes, bench.tool_format's, `steps` steps; trained with the shipped regression set), each
@@ -172,10 +173,21 @@ def gate(limit: int, trials: int, rows: int, steps: int) -> dict[str, Any]:
         cli(env, "data", "add", str(data), "--name", "tool-format", "--model", MODEL)
         started = time.monotonic()
         trained = subprocess.run([APPLIANCE, "finetune", "run", "--data", "tool-format", "--base", MODEL,
-                                  "--name", "agent", "--max-steps", str(steps), "--batch-size", "2", "--lr", "0.001",
+                                  "--name", "agent", "--max-steps", str(steps), "--batch-size", "2", "--lr", str(lr),
                                   "--max-length", "1024"], env=env, capture_output=True, text=True, timeout=7200)
         train_s = time.monotonic() - started
         print(trained.stdout[-1500:], trained.stderr[-1500:], file=sys.stderr, flush=True)
+        version = adapters.load(home).find("agent", 1).metrics
+        regression = version.eval_sets["regression"]
+        training = {"rows": rows, "steps": steps, "lr": lr, "seconds": round(train_s),
+                    "held_out_loss": [round(version.base_eval_loss, 4), round(version.adapter_eval_loss, 4)],
+                    "regression_shipped": {"base": round(regression.base, 3), "adapter": round(regression.adapter, 3),
+                                           "base_per_seed": regression.base_per_seed,
+                                           "adapter_per_seed": regression.adapter_per_seed},
+                    "gate_failures": version.gate_failures}
+        if trained.returncode != 0:  # never served: the agent gate has nothing to measure
+            return {"tasks_made": limit, "made_s": round(made_s), "training": training,
+                    "agent_gate": "not run: the adapter failed its training gate"}
         cli(env, "token", "--user", "admin", "--password-stdin", stdin=secret(home, BOOTSTRAP_SECRET) + "\n")
         cli(env, "adapters", "deploy", "agent", "--role", "user", "--role", "admin", timeout=900)
         started = time.monotonic()
@@ -188,8 +200,7 @@ def gate(limit: int, trials: int, rows: int, steps: int) -> dict[str, Any]:
         kept = {e["id"]: e for e in json.loads(cli(env, "rl", "episodes", "list", "--json"))}
     ended = {side: dict(Counter(kept[i]["ended"] for i in said[f"{side}_episodes"])) for side in ("base", "adapter")}
     return {"tasks_made": limit, "made_s": round(made_s), "held_out": len(said["base"]), "trials": trials,
-            "k": said["k"], "training": {"rows": rows, "steps": steps, "seconds": round(train_s),
-                                         "gate": "passed" if trained.returncode == 0 else "failed"},
+            "k": said["k"], "training": training,
             "pass_at_1": said["pass_at_1"], "pass_hat_k": said["pass_hat_k"], "regression": said["regression"],
             "passed": {"base": said["base"], "adapter": said["adapter_passed"]}, "ended": ended,
             "failures": said["failures"], "gate_s": round(gate_s)}
@@ -202,6 +213,8 @@ def main() -> None:
     parser.add_argument("--gate", type=int, default=0, help="tasks to make for the agent gate on an appliance of "
                                                             "its own (0: no gate)")
     parser.add_argument("--trials", type=int, default=4, help="the gate's episodes per held-out task and model")
+    parser.add_argument("--gate-steps", type=int, default=60, help="the adapter's training steps")
+    parser.add_argument("--gate-lr", type=float, default=0.001, help="the adapter's learning rate")
     args = parser.parse_args()
     # A section not run this time keeps its last figures.
     found: dict[str, Any] = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {"bench": "agentic"}
@@ -215,7 +228,7 @@ def main() -> None:
         found["episodes"] = episodes(args.episodes)
         print(json.dumps(found["episodes"]), flush=True)
     if args.gate:
-        found["gate"] = gate(args.gate, args.trials, rows=300, steps=60)
+        found["gate"] = gate(args.gate, args.trials, rows=300, steps=args.gate_steps, lr=args.gate_lr)
         print(json.dumps(found["gate"]), flush=True)
     RESULTS.write_text(json.dumps(found, indent=1) + "\n")
 
