@@ -16,7 +16,6 @@ from appliance.progress import byte_progress
 from finetune.rl.cli_episodes import answer_options
 from finetune.rl.episode_gate import held_out_tasks, judge, record, regression_check, run_trials
 from finetune.rl.gate import gated
-from finetune.rl.tasks import load_repository
 
 out = Console()
 
@@ -46,7 +45,7 @@ def gate_command(
     choice, extra = answer_options(tool_choice, extra_body)
     home, settings, artifacts, version = gated(adapter)
     regression = regression_check(home, adapter, version)
-    held_out = held_out_tasks(home, tasks, load_repository(tasks, "held_out", artifacts, home))
+    held_out = held_out_tasks(home, tasks, artifacts)
     with byte_progress(stderr=True) as bar:  # standard output is the verdict (--json: JSON only)
         shown = bar.add_task("gate", total=None, unit="episodes")
 

@@ -31,6 +31,7 @@ from finetune.rl.agent import run_episode
 from finetune.rl.environment import WorkspaceEnvironment
 from finetune.rl.gate import Difference, paired
 from finetune.rl.loop import Generator
+from finetune.rl.tasks import load_repository
 
 PASS_AT_1 = "held-out episodes pass@1"
 FAILURE_PREFIX = "held-out episodes"
@@ -84,12 +85,14 @@ class Outcome:
                 f"gate: {'passed' if not self.failures else 'FAILED: ' + '; '.join(self.failures)}"]
 
 
-def held_out_tasks(home: Home, name: str, loaded: list[RepositoryTask]) -> list[RepositoryTask]:
-    """The held-out split of a set of repository tasks, refused when there is none to measure on."""
+def held_out_tasks(home: Home, name: str, artifacts: ArtifactStore) -> list[RepositoryTask]:
+    """The held-out split of a set of repository tasks (its kind checked before it is read),
+    refused when there is none to measure on."""
     found = load_tasksets(home).get(name)
     if found is not None and found.kind != "repository":
         raise Invalid(f"--tasks {name!r} holds programming tasks: the agent gate runs repository tasks",
                       hint="`appliance rl gate` measures programming tasks")
+    loaded = load_repository(name, "held_out", artifacts, home)
     if not loaded:
         raise Invalid(f"task set {name!r} holds no held-out task to measure on",
                       hint="make it again with rl.held_out_fraction > 0 (and more than one task)")
